@@ -1,0 +1,81 @@
+//! A world of one process: every collective is the identity.
+
+use super::{CommError, Communicator, Pending, ReduceOp, check_len, check_rank};
+
+/// A communicator of exactly one rank. Used when `merak` runs without `mpirun`, and for
+/// single-rank groups (tp=1, for example) so that they cost no communication at all.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LocalCommunicator;
+
+struct Done(Vec<f32>);
+
+impl Pending for Done {
+    fn test(&mut self) -> Result<bool, CommError> {
+        Ok(true)
+    }
+    fn wait(self: Box<Self>) -> Result<Vec<f32>, CommError> {
+        Ok(self.0)
+    }
+}
+
+impl Communicator for LocalCommunicator {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn size(&self) -> usize {
+        1
+    }
+    fn kind(&self) -> &'static str {
+        "local"
+    }
+    fn all_reduce(&self, _buf: &mut [f32], _op: ReduceOp) -> Result<(), CommError> {
+        Ok(())
+    }
+    fn all_gather(&self, send: &[f32], recv: &mut [f32]) -> Result<(), CommError> {
+        check_len("all_gather", send.len(), recv.len())?;
+        recv.copy_from_slice(send);
+        Ok(())
+    }
+    fn reduce_scatter(
+        &self,
+        send: &[f32],
+        recv: &mut [f32],
+        _op: ReduceOp,
+    ) -> Result<(), CommError> {
+        check_len("reduce_scatter", recv.len(), send.len())?;
+        recv.copy_from_slice(send);
+        Ok(())
+    }
+    fn broadcast(&self, _buf: &mut [f32], root: usize) -> Result<(), CommError> {
+        check_rank("broadcast", root, 1)
+    }
+    fn broadcast_bytes(&self, _buf: &mut [u8], root: usize) -> Result<(), CommError> {
+        check_rank("broadcast", root, 1)
+    }
+    fn send(&self, _buf: &[f32], dest: usize, _tag: u16) -> Result<(), CommError> {
+        // A message to oneself would need buffering until the matching receive; no
+        // single-process code path sends to itself, so this is reported instead.
+        Err(CommError::BadRank {
+            op: "send (to self in a world of one)",
+            rank: dest,
+            size: 1,
+        })
+    }
+    fn recv(&self, _buf: &mut [f32], src: usize, _tag: u16) -> Result<(), CommError> {
+        Err(CommError::BadRank {
+            op: "recv (from self in a world of one)",
+            rank: src,
+            size: 1,
+        })
+    }
+    fn barrier(&self) -> Result<(), CommError> {
+        Ok(())
+    }
+    fn all_reduce_start(
+        &self,
+        buf: Vec<f32>,
+        _op: ReduceOp,
+    ) -> Result<Box<dyn Pending>, CommError> {
+        Ok(Box::new(Done(buf)))
+    }
+}

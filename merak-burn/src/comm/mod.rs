@@ -1,0 +1,119 @@
+//! Communication between ranks.
+//!
+//! [`Communicator`] is the one interface every parallel feature talks to. It works on plain
+//! `f32` slices; [`TensorComm`] adds the same operations on Burn tensors of any backend (the
+//! tensor is read to host memory, communicated, and written back to its device).
+//!
+//! Implementations:
+//! - [`LocalCommunicator`]: a world of one process, no MPI needed.
+//! - [`MpiCommunicator`]: MPI through the `mpi` crate, host buffers, any backend.
+//! - `NcclCommunicator` (feature `cuda`): NCCL through `cudarc`, unique id broadcast over MPI.
+
+mod error;
+mod group;
+mod local;
+mod mpi_comm;
+#[cfg(feature = "cuda")]
+pub mod nccl;
+mod tensor;
+
+pub use error::CommError;
+pub use group::Group;
+pub use local::LocalCommunicator;
+pub use mpi_comm::{MpiCommunicator, MpiWorld, PendingMpiAllReduce, launched_by_mpirun};
+pub use tensor::TensorComm;
+
+/// The reduction applied by all-reduce and reduce-scatter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReduceOp {
+    /// Element-wise sum over ranks.
+    Sum,
+    /// Element-wise mean over ranks (sum divided by the group size).
+    Mean,
+    /// Element-wise maximum over ranks.
+    Max,
+}
+
+/// A non-blocking operation in flight. The caller drives it with [`Pending::test`] between
+/// compute chunks (MPI only moves a non-blocking collective while the process calls into MPI)
+/// and collects the result with [`Pending::wait`].
+pub trait Pending {
+    /// Gives the library a chance to progress the operation; returns `true` once it is complete.
+    fn test(&mut self) -> Result<bool, CommError>;
+    /// Blocks until the operation completes and returns the reduced buffer.
+    fn wait(self: Box<Self>) -> Result<Vec<f32>, CommError>;
+}
+
+/// Collective and point-to-point communication within a group of ranks.
+///
+/// All buffers are host `f32` slices. Collectives must be called by every rank of the group in
+/// the same order with buffers of the same length, as in MPI.
+pub trait Communicator {
+    /// This process's rank within the group, `0..size()`.
+    fn rank(&self) -> usize;
+    /// The number of ranks in the group.
+    fn size(&self) -> usize;
+    /// A short name of the implementation, for logs ("local", "mpi", "nccl").
+    fn kind(&self) -> &'static str;
+
+    /// Reduces `buf` element-wise over all ranks; every rank receives the result in `buf`.
+    fn all_reduce(&self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError>;
+
+    /// Gathers `send` from every rank into `recv`, ordered by rank:
+    /// `recv.len() == send.len() * size()`.
+    fn all_gather(&self, send: &[f32], recv: &mut [f32]) -> Result<(), CommError>;
+
+    /// Reduces `send` element-wise over all ranks and scatters the result: rank `r` receives
+    /// elements `r*n..(r+1)*n` where `n = recv.len()` and `send.len() == n * size()`.
+    fn reduce_scatter(&self, send: &[f32], recv: &mut [f32], op: ReduceOp)
+    -> Result<(), CommError>;
+
+    /// Copies `buf` of rank `root` into `buf` of every rank.
+    fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<(), CommError>;
+
+    /// Copies the bytes `buf` of rank `root` into `buf` of every rank.
+    fn broadcast_bytes(&self, buf: &mut [u8], root: usize) -> Result<(), CommError>;
+
+    /// Sends `buf` to rank `dest` with a message `tag`.
+    fn send(&self, buf: &[f32], dest: usize, tag: u16) -> Result<(), CommError>;
+
+    /// Receives exactly `buf.len()` values from rank `src` with a message `tag`.
+    fn recv(&self, buf: &mut [f32], src: usize, tag: u16) -> Result<(), CommError>;
+
+    /// Waits until every rank of the group has called `barrier`.
+    fn barrier(&self) -> Result<(), CommError>;
+
+    /// Starts a non-blocking all-reduce of `buf`; progress it with [`Pending::test`].
+    fn all_reduce_start(&self, buf: Vec<f32>, op: ReduceOp)
+    -> Result<Box<dyn Pending>, CommError>;
+}
+
+/// Checks that a collective's buffers agree with the group size; shared by the implementations.
+pub(crate) fn check_len(
+    what: &'static str,
+    expected: usize,
+    got: usize,
+) -> Result<(), CommError> {
+    if expected == got {
+        Ok(())
+    } else {
+        Err(CommError::BufferSize {
+            op: what,
+            expected,
+            got,
+        })
+    }
+}
+
+/// Validates a peer rank number.
+pub(crate) fn check_rank(what: &'static str, rank: usize, size: usize) -> Result<(), CommError> {
+    if rank < size {
+        Ok(())
+    } else {
+        Err(CommError::BadRank {
+            op: what,
+            rank,
+            size,
+        })
+    }
+}

@@ -1,0 +1,348 @@
+//! MPI communicators (crate `mpi`), on host buffers.
+
+use std::os::raw::c_int;
+
+use mpi::collective::SystemOperation;
+use mpi::environment::Universe;
+use mpi::raw::AsRaw;
+use mpi::topology::{Color, SimpleCommunicator};
+use mpi::traits::{Communicator as _, CommunicatorCollectives, Destination, Root, Source};
+
+use super::{CommError, Communicator, Pending, ReduceOp, check_len, check_rank};
+
+/// The largest element count one MPI call can describe (MPI counts are C `int`).
+const MAX_COUNT: usize = i32::MAX as usize;
+
+fn check_count(op: &'static str, len: usize) -> Result<c_int, CommError> {
+    c_int::try_from(len).map_err(|_| CommError::TooLarge {
+        op,
+        len,
+        max: MAX_COUNT,
+    })
+}
+
+/// Whether this process was started by `mpirun`/`mpiexec` (Open MPI, MPICH or PMIx
+/// environments), so that MPI should be initialised.
+pub fn launched_by_mpirun() -> bool {
+    [
+        "OMPI_COMM_WORLD_SIZE",
+        "PMI_SIZE",
+        "PMIX_RANK",
+        "MPI_LOCALNRANKS",
+    ]
+    .iter()
+    .any(|k| std::env::var_os(k).is_some())
+}
+
+/// The MPI environment of this process: initialises MPI once and finalises it when dropped.
+///
+/// Creating it also installs a panic hook that reports the failing rank and aborts the whole
+/// MPI job, so that no other rank is left waiting for a message that will never come.
+pub struct MpiWorld {
+    // Keep the universe first in drop order consideration: it finalises MPI when dropped.
+    universe: Universe,
+}
+
+impl MpiWorld {
+    /// Initialises MPI. Fails if MPI was already initialised in this process.
+    pub fn init() -> Result<Self, CommError> {
+        let universe = mpi::initialize().ok_or(CommError::MpiInit)?;
+        let rank = universe.world().rank();
+        install_abort_on_panic(rank as usize);
+        Ok(Self { universe })
+    }
+
+    /// A communicator over every process of the job.
+    pub fn world(&self) -> MpiCommunicator {
+        MpiCommunicator {
+            comm: self.universe.world(),
+        }
+    }
+
+    /// Ends the whole job at once (every rank) with `code`, after printing `message` tagged
+    /// with this rank. Used when one rank hits an error the others cannot know about.
+    pub fn abort(&self, code: i32, message: &str) -> ! {
+        let rank = self.universe.world().rank();
+        eprintln!("merak: rank {rank} failed: {message}");
+        abort_world(code)
+    }
+}
+
+/// Calls `MPI_Abort` on the world communicator.
+fn abort_world(code: i32) -> ! {
+    // SAFETY: MPI is initialised (an `MpiWorld` exists) and MPI_Abort does not return.
+    unsafe {
+        mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, code);
+    }
+    std::process::exit(code)
+}
+
+fn install_abort_on_panic(rank: usize) {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_string())
+            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "panic".to_string());
+        let at = info
+            .location()
+            .map(|l| format!(" at {}:{}", l.file(), l.line()))
+            .unwrap_or_default();
+        eprintln!("merak: rank {rank} panicked: {msg}{at}; aborting the job");
+        // Let the default hook print a backtrace when RUST_BACKTRACE asks for it.
+        if std::env::var_os("RUST_BACKTRACE").is_some() {
+            default(info);
+        }
+        abort_world(101);
+    }));
+}
+
+/// A group of MPI processes (the world or a sub-communicator made with [`MpiCommunicator::split`]).
+pub struct MpiCommunicator {
+    comm: SimpleCommunicator,
+}
+
+impl MpiCommunicator {
+    /// Splits the group: ranks passing the same `color` form one new group, ordered by `key`.
+    pub fn split(&self, color: u32, key: u32) -> Result<MpiCommunicator, CommError> {
+        let color = Color::with_value(check_count("split", color as usize)?);
+        let key = check_count("split", key as usize)?;
+        self.comm
+            .split_by_color_with_key(color, key)
+            .map(|comm| MpiCommunicator { comm })
+            .ok_or(CommError::Mpi {
+                op: "split",
+                code: -1,
+            })
+    }
+
+    /// A copy of this communicator with its own message space (`MPI_Comm_dup`), for example
+    /// for a communication thread that must not match messages of the main thread.
+    pub fn duplicate(&self) -> MpiCommunicator {
+        MpiCommunicator {
+            comm: self.comm.duplicate(),
+        }
+    }
+
+    fn op(op: ReduceOp) -> SystemOperation {
+        match op {
+            ReduceOp::Sum | ReduceOp::Mean => SystemOperation::sum(),
+            ReduceOp::Max => SystemOperation::max(),
+        }
+    }
+
+    fn finish_mean(&self, buf: &mut [f32], op: ReduceOp) {
+        if op == ReduceOp::Mean {
+            let n = self.size() as f32;
+            buf.iter_mut().for_each(|x| *x /= n);
+        }
+    }
+}
+
+impl Communicator for MpiCommunicator {
+    fn rank(&self) -> usize {
+        self.comm.rank() as usize
+    }
+    fn size(&self) -> usize {
+        self.comm.size() as usize
+    }
+    fn kind(&self) -> &'static str {
+        "mpi"
+    }
+
+    fn all_reduce(&self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
+        check_count("all_reduce", buf.len())?;
+        if self.size() == 1 {
+            return Ok(());
+        }
+        let send = buf.to_vec();
+        self.comm.all_reduce_into(&send[..], buf, Self::op(op));
+        self.finish_mean(buf, op);
+        Ok(())
+    }
+
+    fn all_gather(&self, send: &[f32], recv: &mut [f32]) -> Result<(), CommError> {
+        check_len("all_gather", send.len() * self.size(), recv.len())?;
+        check_count("all_gather", recv.len())?;
+        self.comm.all_gather_into(send, recv);
+        Ok(())
+    }
+
+    fn reduce_scatter(
+        &self,
+        send: &[f32],
+        recv: &mut [f32],
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        check_len("reduce_scatter", recv.len() * self.size(), send.len())?;
+        check_count("reduce_scatter", send.len())?;
+        self.comm
+            .reduce_scatter_block_into(send, recv, Self::op(op));
+        self.finish_mean(recv, op);
+        Ok(())
+    }
+
+    fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
+        check_rank("broadcast", root, self.size())?;
+        check_count("broadcast", buf.len())?;
+        self.comm.process_at_rank(root as i32).broadcast_into(buf);
+        Ok(())
+    }
+
+    fn broadcast_bytes(&self, buf: &mut [u8], root: usize) -> Result<(), CommError> {
+        check_rank("broadcast", root, self.size())?;
+        check_count("broadcast", buf.len())?;
+        self.comm.process_at_rank(root as i32).broadcast_into(buf);
+        Ok(())
+    }
+
+    fn send(&self, buf: &[f32], dest: usize, tag: u16) -> Result<(), CommError> {
+        check_rank("send", dest, self.size())?;
+        check_count("send", buf.len())?;
+        self.comm
+            .process_at_rank(dest as i32)
+            .send_with_tag(buf, i32::from(tag));
+        Ok(())
+    }
+
+    fn recv(&self, buf: &mut [f32], src: usize, tag: u16) -> Result<(), CommError> {
+        check_rank("recv", src, self.size())?;
+        check_count("recv", buf.len())?;
+        let status = self
+            .comm
+            .process_at_rank(src as i32)
+            .receive_into_with_tag(buf, i32::from(tag));
+        let got = status.count(f32::equivalent_datatype()) as usize;
+        if got != buf.len() {
+            return Err(CommError::MessageSize {
+                src,
+                expected: buf.len(),
+                got,
+            });
+        }
+        Ok(())
+    }
+
+    fn barrier(&self) -> Result<(), CommError> {
+        self.comm.barrier();
+        Ok(())
+    }
+
+    fn all_reduce_start(
+        &self,
+        buf: Vec<f32>,
+        op: ReduceOp,
+    ) -> Result<Box<dyn Pending>, CommError> {
+        let count = check_count("all_reduce_start", buf.len())?;
+        let mut pending = PendingMpiAllReduce {
+            recv: vec![0.0; buf.len()],
+            send: buf,
+            request: unsafe { mpi::ffi::RSMPI_REQUEST_NULL },
+            complete: false,
+            divide_by: (op == ReduceOp::Mean).then_some(self.size() as f32),
+        };
+        let mpi_op = match op {
+            ReduceOp::Sum | ReduceOp::Mean => unsafe { mpi::ffi::RSMPI_SUM },
+            ReduceOp::Max => unsafe { mpi::ffi::RSMPI_MAX },
+        };
+        // SAFETY: both buffers are owned by `pending`, live on the heap (their addresses do not
+        // move when `pending` moves) and are neither read nor freed before the request
+        // completes: `wait` and `Drop` complete it first.
+        let code = unsafe {
+            mpi::ffi::MPI_Iallreduce(
+                pending.send.as_ptr().cast(),
+                pending.recv.as_mut_ptr().cast(),
+                count,
+                mpi::ffi::RSMPI_FLOAT,
+                mpi_op,
+                self.comm.as_raw(),
+                &mut pending.request,
+            )
+        };
+        if code != 0 {
+            pending.complete = true;
+            return Err(CommError::Mpi {
+                op: "MPI_Iallreduce",
+                code,
+            });
+        }
+        Ok(Box::new(pending))
+    }
+}
+
+use mpi::datatype::Equivalence;
+
+/// A non-blocking MPI all-reduce (`MPI_Iallreduce`) that owns its buffers.
+pub struct PendingMpiAllReduce {
+    send: Vec<f32>,
+    recv: Vec<f32>,
+    request: mpi::ffi::MPI_Request,
+    complete: bool,
+    divide_by: Option<f32>,
+}
+
+impl PendingMpiAllReduce {
+    fn finish(&mut self) -> Vec<f32> {
+        let mut out = std::mem::take(&mut self.recv);
+        if let Some(n) = self.divide_by {
+            out.iter_mut().for_each(|x| *x /= n);
+        }
+        out
+    }
+
+    fn wait_raw(&mut self) -> Result<(), CommError> {
+        if self.complete {
+            return Ok(());
+        }
+        // SAFETY: `request` came from MPI_Iallreduce and has not completed yet.
+        let code = unsafe { mpi::ffi::MPI_Wait(&mut self.request, mpi::ffi::RSMPI_STATUS_IGNORE) };
+        self.complete = true;
+        if code != 0 {
+            return Err(CommError::Mpi {
+                op: "MPI_Wait",
+                code,
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Pending for PendingMpiAllReduce {
+    fn test(&mut self) -> Result<bool, CommError> {
+        if self.complete {
+            return Ok(true);
+        }
+        let mut flag: c_int = 0;
+        // SAFETY: `request` came from MPI_Iallreduce and has not completed yet.
+        let code = unsafe {
+            mpi::ffi::MPI_Test(
+                &mut self.request,
+                &mut flag,
+                mpi::ffi::RSMPI_STATUS_IGNORE,
+            )
+        };
+        if code != 0 {
+            return Err(CommError::Mpi {
+                op: "MPI_Test",
+                code,
+            });
+        }
+        self.complete = flag != 0;
+        Ok(self.complete)
+    }
+
+    fn wait(mut self: Box<Self>) -> Result<Vec<f32>, CommError> {
+        self.wait_raw()?;
+        Ok(self.finish())
+    }
+}
+
+impl Drop for PendingMpiAllReduce {
+    fn drop(&mut self) {
+        // The buffers must outlive the request: complete it before they are freed.
+        let _ = self.wait_raw();
+        let _ = &self.send;
+    }
+}

@@ -1,0 +1,179 @@
+//! The communication operations on Burn tensors of any backend.
+//!
+//! Tensors travel through host memory as `f32`: the tensor is read from its device, the host
+//! buffer is communicated, and the result is written back to the same device with the same
+//! element type. This works for every backend; NCCL avoids the host round trip on CUDA.
+
+use burn::tensor::{Shape, Tensor, TensorData, backend::Backend};
+
+use super::{CommError, Communicator, ReduceOp};
+
+/// Reads a tensor into a host `f32` vector.
+pub(crate) fn tensor_to_vec<B: Backend, const D: usize>(
+    t: Tensor<B, D>,
+) -> Result<Vec<f32>, CommError> {
+    let data = t
+        .try_into_data()
+        .map_err(|e| CommError::TensorRead(format!("{e:?}")))?;
+    data.convert::<f32>()
+        .into_vec::<f32>()
+        .map_err(|e| CommError::TensorRead(format!("{e:?}")))
+}
+
+/// Writes a host `f32` vector into a tensor of `shape` on `device`.
+pub(crate) fn vec_to_tensor<B: Backend, const D: usize>(
+    values: Vec<f32>,
+    shape: Shape,
+    device: &B::Device,
+) -> Tensor<B, D> {
+    Tensor::from_data(TensorData::new(values, shape), device)
+}
+
+/// Communication on Burn tensors, available on every [`Communicator`].
+pub trait TensorComm {
+    /// All-reduce of a tensor (same shape on every rank).
+    fn all_reduce_tensor<B: Backend, const D: usize>(
+        &self,
+        t: Tensor<B, D>,
+        op: ReduceOp,
+    ) -> Result<Tensor<B, D>, CommError>;
+
+    /// All-gather: concatenates every rank's tensor along `dim`, in rank order.
+    fn all_gather_tensor<B: Backend, const D: usize>(
+        &self,
+        t: Tensor<B, D>,
+        dim: usize,
+    ) -> Result<Tensor<B, D>, CommError>;
+
+    /// Reduce-scatter: reduces the tensors over ranks and keeps this rank's equal chunk along
+    /// `dim` (which the group size must divide).
+    fn reduce_scatter_tensor<B: Backend, const D: usize>(
+        &self,
+        t: Tensor<B, D>,
+        dim: usize,
+        op: ReduceOp,
+    ) -> Result<Tensor<B, D>, CommError>;
+
+    /// Broadcast of rank `root`'s tensor; every rank passes a tensor of the same shape.
+    fn broadcast_tensor<B: Backend, const D: usize>(
+        &self,
+        t: Tensor<B, D>,
+        root: usize,
+    ) -> Result<Tensor<B, D>, CommError>;
+
+    /// Sends a tensor to `dest`.
+    fn send_tensor<B: Backend, const D: usize>(
+        &self,
+        t: Tensor<B, D>,
+        dest: usize,
+        tag: u16,
+    ) -> Result<(), CommError>;
+
+    /// Receives a tensor of a known `shape` from `src` onto `device`.
+    fn recv_tensor<B: Backend, const D: usize>(
+        &self,
+        shape: [usize; D],
+        src: usize,
+        tag: u16,
+        device: &B::Device,
+    ) -> Result<Tensor<B, D>, CommError>;
+}
+
+impl<C: Communicator + ?Sized> TensorComm for C {
+    fn all_reduce_tensor<B: Backend, const D: usize>(
+        &self,
+        t: Tensor<B, D>,
+        op: ReduceOp,
+    ) -> Result<Tensor<B, D>, CommError> {
+        if self.size() == 1 {
+            return Ok(t);
+        }
+        let (shape, device) = (t.shape(), t.device());
+        let mut buf = tensor_to_vec(t)?;
+        self.all_reduce(&mut buf, op)?;
+        Ok(vec_to_tensor(buf, shape, &device))
+    }
+
+    fn all_gather_tensor<B: Backend, const D: usize>(
+        &self,
+        t: Tensor<B, D>,
+        dim: usize,
+    ) -> Result<Tensor<B, D>, CommError> {
+        if self.size() == 1 {
+            return Ok(t);
+        }
+        let (shape, device) = (t.shape(), t.device());
+        let send = tensor_to_vec(t)?;
+        let mut recv = vec![0.0; send.len() * self.size()];
+        self.all_gather(&send, &mut recv)?;
+        let parts = recv
+            .chunks_exact(send.len().max(1))
+            .map(|c| vec_to_tensor::<B, D>(c.to_vec(), shape.clone(), &device))
+            .collect::<Vec<_>>();
+        Ok(Tensor::cat(parts, dim))
+    }
+
+    fn reduce_scatter_tensor<B: Backend, const D: usize>(
+        &self,
+        t: Tensor<B, D>,
+        dim: usize,
+        op: ReduceOp,
+    ) -> Result<Tensor<B, D>, CommError> {
+        let n = self.size();
+        let dims = t.dims();
+        if dims[dim] % n != 0 {
+            return Err(CommError::BufferSize {
+                op: "reduce_scatter_tensor (dimension not divisible by group size)",
+                expected: dims[dim].div_ceil(n) * n,
+                got: dims[dim],
+            });
+        }
+        if n == 1 {
+            return Ok(t);
+        }
+        let device = t.device();
+        // Lay the chunks out rank-major so that chunk r is contiguous.
+        let chunks = t.chunk(n, dim);
+        let chunk_shape = chunks[0].shape();
+        let send = tensor_to_vec(Tensor::cat(chunks, 0))?;
+        let mut recv = vec![0.0; send.len() / n];
+        self.reduce_scatter(&send, &mut recv, op)?;
+        Ok(vec_to_tensor(recv, chunk_shape, &device))
+    }
+
+    fn broadcast_tensor<B: Backend, const D: usize>(
+        &self,
+        t: Tensor<B, D>,
+        root: usize,
+    ) -> Result<Tensor<B, D>, CommError> {
+        if self.size() == 1 {
+            return Ok(t);
+        }
+        let (shape, device) = (t.shape(), t.device());
+        let mut buf = tensor_to_vec(t)?;
+        self.broadcast(&mut buf, root)?;
+        Ok(vec_to_tensor(buf, shape, &device))
+    }
+
+    fn send_tensor<B: Backend, const D: usize>(
+        &self,
+        t: Tensor<B, D>,
+        dest: usize,
+        tag: u16,
+    ) -> Result<(), CommError> {
+        let buf = tensor_to_vec(t)?;
+        self.send(&buf, dest, tag)
+    }
+
+    fn recv_tensor<B: Backend, const D: usize>(
+        &self,
+        shape: [usize; D],
+        src: usize,
+        tag: u16,
+        device: &B::Device,
+    ) -> Result<Tensor<B, D>, CommError> {
+        let mut buf = vec![0.0; shape.iter().product()];
+        self.recv(&mut buf, src, tag)?;
+        Ok(vec_to_tensor(buf, Shape::from(shape), device))
+    }
+}

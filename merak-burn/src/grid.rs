@@ -1,0 +1,292 @@
+//! The process grid: `world = dp * pp * tp`, TP innermost, then DP, then PP.
+//!
+//! Rank `r` has coordinates `tp = r % tp`, `dp = (r / tp) % dp`, `pp = r / (tp * dp)`, so the
+//! ranks of one TP group are neighbours (on a real cluster they share a node).
+
+use std::rc::Rc;
+
+use thiserror::Error;
+
+use crate::comm::{CommError, Communicator, Group, LocalCommunicator, MpiCommunicator};
+
+/// The degrees of parallelism along each axis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Layout {
+    /// Data-parallel degree.
+    pub dp: usize,
+    /// Tensor-parallel degree.
+    pub tp: usize,
+    /// Pipeline-parallel degree (number of stages).
+    pub pp: usize,
+}
+
+/// The shape facts of a model that constrain a layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ModelShape {
+    /// Attention heads.
+    pub heads: usize,
+    /// Hidden size.
+    pub hidden: usize,
+    /// Transformer layers.
+    pub layers: usize,
+}
+
+/// A layout that cannot run. Every message names the numbers involved.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum LayoutError {
+    /// A degree of zero.
+    #[error("parallel.{axis} = 0: every degree must be at least 1")]
+    Zero {
+        /// The axis ("dp", "tp" or "pp").
+        axis: &'static str,
+    },
+    /// The product of the degrees differs from the number of processes.
+    #[error(
+        "layout dp={dp} x tp={tp} x pp={pp} = {product} ranks, but the job has {world} processes \
+         (launch with mpirun -np {product}, or change the degrees)"
+    )]
+    WorldSize {
+        /// Data-parallel degree.
+        dp: usize,
+        /// Tensor-parallel degree.
+        tp: usize,
+        /// Pipeline degree.
+        pp: usize,
+        /// Their product.
+        product: usize,
+        /// The number of processes.
+        world: usize,
+    },
+    /// TP does not divide the attention heads.
+    #[error("tp={tp} does not divide the number of attention heads ({heads}); choose tp among {choices}")]
+    Heads {
+        /// The TP degree.
+        tp: usize,
+        /// The head count.
+        heads: usize,
+        /// The divisors of the head count.
+        choices: String,
+    },
+    /// TP does not divide the hidden size.
+    #[error("tp={tp} does not divide the hidden size ({hidden})")]
+    Hidden {
+        /// The TP degree.
+        tp: usize,
+        /// The hidden size.
+        hidden: usize,
+    },
+    /// More pipeline stages than layers.
+    #[error("pp={pp} pipeline stages but the model has only {layers} layers")]
+    Stages {
+        /// The pipeline degree.
+        pp: usize,
+        /// The layer count.
+        layers: usize,
+    },
+}
+
+fn divisors(n: usize) -> String {
+    (1..=n)
+        .filter(|d| n % d == 0)
+        .map(|d| d.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+impl Layout {
+    /// A single process.
+    pub const SINGLE: Layout = Layout { dp: 1, tp: 1, pp: 1 };
+
+    /// The number of ranks this layout needs.
+    pub fn world_size(&self) -> usize {
+        self.dp * self.tp * self.pp
+    }
+
+    /// Checks the layout against the job size and the model, before anything is built.
+    pub fn validate(&self, world: usize, model: ModelShape) -> Result<(), LayoutError> {
+        for (axis, v) in [("dp", self.dp), ("tp", self.tp), ("pp", self.pp)] {
+            if v == 0 {
+                return Err(LayoutError::Zero { axis });
+            }
+        }
+        if self.world_size() != world {
+            return Err(LayoutError::WorldSize {
+                dp: self.dp,
+                tp: self.tp,
+                pp: self.pp,
+                product: self.world_size(),
+                world,
+            });
+        }
+        if model.heads % self.tp != 0 {
+            return Err(LayoutError::Heads {
+                tp: self.tp,
+                heads: model.heads,
+                choices: divisors(model.heads),
+            });
+        }
+        if model.hidden % self.tp != 0 {
+            return Err(LayoutError::Hidden {
+                tp: self.tp,
+                hidden: model.hidden,
+            });
+        }
+        if self.pp > model.layers {
+            return Err(LayoutError::Stages {
+                pp: self.pp,
+                layers: model.layers,
+            });
+        }
+        Ok(())
+    }
+
+    /// The coordinates `(dp, pp, tp)` of a world rank.
+    pub fn coords(&self, rank: usize) -> Coords {
+        Coords {
+            tp: rank % self.tp,
+            dp: (rank / self.tp) % self.dp,
+            pp: rank / (self.tp * self.dp),
+        }
+    }
+
+    /// The world rank at the given coordinates.
+    pub fn rank_of(&self, c: Coords) -> usize {
+        c.pp * self.tp * self.dp + c.dp * self.tp + c.tp
+    }
+}
+
+/// A rank's position on each axis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Coords {
+    /// Index in the data-parallel group.
+    pub dp: usize,
+    /// Pipeline stage.
+    pub pp: usize,
+    /// Index in the tensor-parallel group.
+    pub tp: usize,
+}
+
+/// The grid as seen from one rank: its coordinates and one communicator per axis.
+#[derive(Debug)]
+pub struct ProcessGrid {
+    /// The layout.
+    pub layout: Layout,
+    /// This process's world rank.
+    pub rank: usize,
+    /// This process's coordinates.
+    pub coords: Coords,
+    /// All ranks.
+    pub world: Group,
+    /// The ranks that differ from this one only in their TP index.
+    pub tp: Group,
+    /// The ranks that differ only in their DP index.
+    pub dp: Group,
+    /// The ranks that differ only in their pipeline stage.
+    pub pp: Group,
+}
+
+/// The grid could not be built.
+#[derive(Debug, Error)]
+pub enum GridError {
+    /// The layout is invalid.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    /// Splitting the communicator failed.
+    #[error(transparent)]
+    Comm(#[from] CommError),
+}
+
+impl ProcessGrid {
+    /// The grid of a single process (no MPI).
+    pub fn single() -> ProcessGrid {
+        let g = Group::local();
+        ProcessGrid {
+            layout: Layout::SINGLE,
+            rank: 0,
+            coords: Coords { dp: 0, pp: 0, tp: 0 },
+            world: g,
+            tp: g,
+            dp: g,
+            pp: g,
+        }
+    }
+
+    /// Splits the MPI world into per-axis groups. Call on every rank, after
+    /// [`Layout::validate`]; checks the world size again.
+    pub fn from_mpi(world: MpiCommunicator, layout: Layout) -> Result<ProcessGrid, GridError> {
+        let size = world.size();
+        if layout.world_size() != size {
+            return Err(LayoutError::WorldSize {
+                dp: layout.dp,
+                tp: layout.tp,
+                pp: layout.pp,
+                product: layout.world_size(),
+                world: size,
+            }
+            .into());
+        }
+        let rank = world.rank();
+        let c = layout.coords(rank);
+        let tp = world.split((c.pp * layout.dp + c.dp) as u32, c.tp as u32)?;
+        let dp = world.split((c.pp * layout.tp + c.tp) as u32, c.dp as u32)?;
+        let pp = world.split((c.dp * layout.tp + c.tp) as u32, c.pp as u32)?;
+        let wrap = |comm: MpiCommunicator| -> Group {
+            if comm.size() == 1 {
+                Group::register(Rc::new(LocalCommunicator))
+            } else {
+                Group::register(Rc::new(comm))
+            }
+        };
+        Ok(ProcessGrid {
+            layout,
+            rank,
+            coords: c,
+            world: wrap(world),
+            tp: wrap(tp),
+            dp: wrap(dp),
+            pp: wrap(pp),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SHAPE: ModelShape = ModelShape {
+        heads: 4,
+        hidden: 64,
+        layers: 2,
+    };
+
+    #[test]
+    fn coordinates_put_tp_innermost_and_round_trip() {
+        let l = Layout { dp: 2, tp: 2, pp: 2 };
+        assert_eq!(l.coords(1), Coords { dp: 0, pp: 0, tp: 1 });
+        assert_eq!(l.coords(2), Coords { dp: 1, pp: 0, tp: 0 });
+        assert_eq!(l.coords(4), Coords { dp: 0, pp: 1, tp: 0 });
+        for r in 0..8 {
+            assert_eq!(l.rank_of(l.coords(r)), r);
+        }
+    }
+
+    #[test]
+    fn bad_layouts_name_their_numbers() {
+        let e = Layout { dp: 1, tp: 3, pp: 1 }.validate(3, SHAPE).unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.contains("tp=3") && msg.contains("attention heads (4)"), "{msg}");
+        let e = Layout { dp: 2, tp: 2, pp: 1 }.validate(3, SHAPE).unwrap_err();
+        assert!(e.to_string().contains("= 4 ranks, but the job has 3 processes"), "{e}");
+        let e = Layout { dp: 0, tp: 1, pp: 1 }.validate(1, SHAPE).unwrap_err();
+        assert_eq!(e, LayoutError::Zero { axis: "dp" });
+        let e = Layout { dp: 1, tp: 1, pp: 3 }.validate(3, SHAPE).unwrap_err();
+        assert_eq!(e, LayoutError::Stages { pp: 3, layers: 2 });
+        let odd = ModelShape { heads: 2, hidden: 6, layers: 2 };
+        // heads divisible by 2 but hidden 6 is not divisible by... 6 % 2 == 0, use tp=4 heads=4.
+        let e = Layout { dp: 1, tp: 4, pp: 1 }
+            .validate(4, ModelShape { heads: 4, hidden: 6, ..odd })
+            .unwrap_err();
+        assert_eq!(e, LayoutError::Hidden { tp: 4, hidden: 6 });
+        assert!(Layout { dp: 1, tp: 4, pp: 2 }.validate(8, SHAPE).is_ok());
+    }
+}

@@ -1,0 +1,12 @@
+//! merak-burn: automated 3D parallelism (data, tensor and pipeline) for the Burn deep-learning
+//! framework, over MPI or NCCL.
+//!
+//! - [`comm`]: the [`Communicator`](comm::Communicator) trait with MPI, NCCL and one-process
+//!   implementations.
+//! - [`grid`]: the process grid `world = dp * pp * tp` and its per-axis communicators.
+//! - [`tensor_parallel`]: the f/g autodiff operators and the tensor-parallel layers.
+
+pub mod comm;
+pub mod grid;
+pub mod tensor_parallel;
+pub mod train;

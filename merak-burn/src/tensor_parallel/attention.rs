@@ -1,0 +1,111 @@
+//! Multi-head self-attention with the heads split across the TP group.
+
+use burn::module::Module;
+use burn::tensor::{Bool, Tensor, activation::softmax, backend::Backend};
+
+use super::init::{TpError, check_divisible};
+use super::linear::{ColumnParallelLinear, RowParallelLinear};
+use super::ops::ParallelBackend;
+use crate::comm::Group;
+
+/// Which positions a query may attend to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionMask {
+    /// Only earlier positions and itself (GPT).
+    Causal,
+    /// Every position (BERT).
+    Bidirectional,
+}
+
+/// The full-size parameters of a self-attention block, row-major, as a single process has them.
+#[derive(Clone, Debug)]
+pub struct AttentionWeights {
+    /// Fused Q/K/V projection `[d_model, 3 * d_model]` (Q columns, then K, then V).
+    pub qkv_weight: Vec<f32>,
+    /// Its bias, `[3 * d_model]`.
+    pub qkv_bias: Vec<f32>,
+    /// Output projection `[d_model, d_model]`.
+    pub proj_weight: Vec<f32>,
+    /// Its bias, `[d_model]`.
+    pub proj_bias: Vec<f32>,
+}
+
+/// Self-attention: a column-parallel fused Q/K/V projection (each rank computes
+/// `heads / tp` heads) and a row-parallel output projection.
+#[derive(Module, Debug)]
+pub struct ParallelSelfAttention<B: Backend> {
+    /// Q/K/V projection, `[d_model, 3 * d_model / tp]`.
+    pub qkv: ColumnParallelLinear<B>,
+    /// Output projection, `[d_model / tp, d_model]`.
+    pub proj: RowParallelLinear<B>,
+    #[module(skip)]
+    local_heads: usize,
+    #[module(skip)]
+    head_dim: usize,
+    #[module(skip)]
+    mask: AttentionMask,
+}
+
+impl<B: ParallelBackend> ParallelSelfAttention<B> {
+    /// Builds this rank's shard. Fails unless `tp` divides the head count.
+    pub fn from_full(
+        w: &AttentionWeights,
+        d_model: usize,
+        heads: usize,
+        mask: AttentionMask,
+        group: Group,
+        device: &B::Device,
+    ) -> Result<Self, TpError> {
+        check_divisible("attention heads", heads, group.size())?;
+        check_divisible("hidden size (per head)", d_model, heads)?;
+        let qkv = ColumnParallelLinear::from_full(
+            &w.qkv_weight,
+            Some(&w.qkv_bias),
+            d_model,
+            3 * d_model,
+            3,
+            false,
+            group,
+            device,
+        )?;
+        let proj = RowParallelLinear::from_full(
+            &w.proj_weight,
+            Some(&w.proj_bias),
+            d_model,
+            d_model,
+            group,
+            device,
+        )?;
+        Ok(Self {
+            qkv,
+            proj,
+            local_heads: heads / group.size(),
+            head_dim: d_model / heads,
+            mask,
+        })
+    }
+
+    /// `[batch, seq, d_model] -> [batch, seq, d_model]`.
+    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [b, s, _] = x.dims();
+        let (h, d) = (self.local_heads, self.head_dim);
+        let qkv = self.qkv.forward(x);
+        let mut parts = qkv.chunk(3, 2).into_iter();
+        let mut heads = || {
+            parts
+                .next()
+                .map(|t| t.reshape([b, s, h, d]).swap_dims(1, 2))
+                .expect("chunk(3) yields three parts")
+        };
+        let (q, k, v) = (heads(), heads(), heads());
+        let scale = 1.0 / (d as f64).sqrt();
+        let mut scores = q.matmul(k.swap_dims(2, 3)) * scale;
+        if self.mask == AttentionMask::Causal {
+            let future = Tensor::<B, 2, Bool>::tril_mask([s, s], 0, &scores.device());
+            scores = scores.mask_fill(future.unsqueeze::<4>().expand([b, h, s, s]), f32::NEG_INFINITY);
+        }
+        let probs = softmax(scores, 3);
+        let ctx = probs.matmul(v).swap_dims(1, 2).reshape([b, s, h * d]);
+        self.proj.forward(ctx)
+    }
+}

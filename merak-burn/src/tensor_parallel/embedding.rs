@@ -1,0 +1,105 @@
+//! The vocabulary-parallel embedding, also used as the tied output head.
+
+use burn::module::Module;
+use burn::nn::Embedding;
+use burn::tensor::{Int, Tensor, backend::Backend};
+
+use super::init::{Shard, TpError};
+use super::linear::{param2, shard_of};
+use super::ops::{ParallelBackend, copy_to_tp, reduce_from_tp};
+use crate::comm::Group;
+
+/// The vocabulary size padded up to a multiple of `tp`, so that every rank holds the same
+/// number of rows. Padding rows are zero, never looked up, and kept out of the softmax.
+pub fn padded_vocab(vocab: usize, tp: usize) -> usize {
+    vocab.div_ceil(tp.max(1)) * tp.max(1)
+}
+
+/// An embedding table split over the vocabulary: rank `r` holds rows
+/// `r * V_pad / tp .. (r + 1) * V_pad / tp`. A token outside the local range contributes zero,
+/// and a *g* operator sums the partial lookups.
+#[derive(Module, Debug)]
+pub struct VocabParallelEmbedding<B: Backend> {
+    /// The local Burn embedding: weight `[V_pad / tp, d_model]`.
+    pub embedding: Embedding<B>,
+    #[module(skip)]
+    vocab_size: usize,
+    #[module(skip)]
+    vocab_start: usize,
+    #[module(skip)]
+    local_rows: usize,
+    #[module(skip)]
+    group: Group,
+}
+
+impl<B: ParallelBackend> VocabParallelEmbedding<B> {
+    /// Builds this rank's shard from the full `[vocab, d_model]` table (without padding).
+    pub fn from_full(
+        weight: &[f32],
+        vocab_size: usize,
+        d_model: usize,
+        group: Group,
+        device: &B::Device,
+    ) -> Result<Self, TpError> {
+        if weight.len() != vocab_size * d_model {
+            return Err(TpError::FullSize {
+                what: "embedding table",
+                expected: vocab_size * d_model,
+                got: weight.len(),
+            });
+        }
+        let padded = padded_vocab(vocab_size, group.size());
+        let mut full = weight.to_vec();
+        full.resize(padded * d_model, 0.0);
+        let shard: Shard = shard_of(group);
+        let local_rows = padded / group.size();
+        Ok(Self {
+            embedding: Embedding {
+                weight: param2(shard.rows(&full, padded, d_model), [local_rows, d_model], device),
+            },
+            vocab_size,
+            vocab_start: shard.rank * local_rows,
+            local_rows,
+            group,
+        })
+    }
+
+    /// The real (unpadded) vocabulary size.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// The first global token id held by this rank.
+    pub fn vocab_start(&self) -> usize {
+        self.vocab_start
+    }
+
+    /// The TP group.
+    pub fn group(&self) -> Group {
+        self.group
+    }
+
+    /// `[batch, seq]` token ids to `[batch, seq, d_model]` embeddings.
+    pub fn forward(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        if self.group.size() == 1 {
+            return self.embedding.forward(ids);
+        }
+        let start = self.vocab_start as i64;
+        let end = (self.vocab_start + self.local_rows) as i64;
+        let outside = ids
+            .clone()
+            .lower_elem(start)
+            .bool_or(ids.clone().greater_equal_elem(end));
+        let local = (ids - start).mask_fill(outside.clone(), 0);
+        let keep = outside.bool_not().float().unsqueeze_dim::<3>(2);
+        reduce_from_tp(self.embedding.forward(local) * keep, self.group)
+    }
+
+    /// The tied output head: `[batch, seq, d_model]` hidden states to this rank's slice of
+    /// the logits, `[batch, seq, V_pad / tp]`. Use with
+    /// [`vocab_parallel_cross_entropy`](super::vocab_parallel_cross_entropy).
+    pub fn logits(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
+        let hidden = copy_to_tp(hidden, self.group);
+        hidden.matmul(self.embedding.weight.val().transpose().unsqueeze::<3>())
+    }
+}

@@ -1,0 +1,162 @@
+//! Column- and row-parallel linear layers.
+
+use burn::module::{Module, Param};
+use burn::nn::Linear;
+use burn::tensor::{Tensor, TensorData, backend::Backend};
+
+use super::init::{Shard, TpError, check_divisible};
+use super::ops::{ParallelBackend, copy_to_tp, gather_from_tp, reduce_from_tp};
+use crate::comm::Group;
+
+pub(crate) fn shard_of(group: Group) -> Shard {
+    Shard {
+        rank: group.rank(),
+        size: group.size(),
+    }
+}
+
+pub(crate) fn param2<B: Backend>(values: Vec<f32>, shape: [usize; 2], device: &B::Device) -> Param<Tensor<B, 2>> {
+    Param::from_tensor(Tensor::from_data(TensorData::new(values, shape), device))
+}
+
+pub(crate) fn param1<B: Backend>(values: Vec<f32>, device: &B::Device) -> Param<Tensor<B, 1>> {
+    let n = values.len();
+    Param::from_tensor(Tensor::from_data(TensorData::new(values, [n]), device))
+}
+
+fn check_full(what: &'static str, expected: usize, got: usize) -> Result<(), TpError> {
+    if expected == got {
+        Ok(())
+    } else {
+        Err(TpError::FullSize {
+            what,
+            expected,
+            got,
+        })
+    }
+}
+
+/// A linear layer whose output features are split across the TP group (`Y_r = X A_r + b_r`).
+///
+/// The input is replicated; an *f* operator in front sums its gradient across the group. The
+/// output stays split unless `gather_output` is set.
+#[derive(Module, Debug)]
+pub struct ColumnParallelLinear<B: Backend> {
+    /// The local Burn linear layer: weight `[d_input, d_output / tp]`.
+    pub linear: Linear<B>,
+    #[module(skip)]
+    group: Group,
+    #[module(skip)]
+    gather_output: bool,
+}
+
+impl<B: ParallelBackend> ColumnParallelLinear<B> {
+    /// Builds this rank's shard from the full-size weight (`[d_input, d_output]`, row-major)
+    /// and bias. The output features form `segments` equal parts (3 for a fused Q/K/V
+    /// projection), each split across the group.
+    #[allow(clippy::too_many_arguments)]
+    pub fn from_full(
+        weight: &[f32],
+        bias: Option<&[f32]>,
+        d_input: usize,
+        d_output: usize,
+        segments: usize,
+        gather_output: bool,
+        group: Group,
+        device: &B::Device,
+    ) -> Result<Self, TpError> {
+        check_full("column-parallel weight", d_input * d_output, weight.len())?;
+        check_divisible("output features per segment", d_output / segments.max(1), group.size())?;
+        check_divisible("output features", d_output, segments)?;
+        let shard = shard_of(group);
+        let local = d_output / group.size();
+        let w = shard.columns(weight, d_input, d_output, segments);
+        let bias = match bias {
+            Some(b) => {
+                check_full("column-parallel bias", d_output, b.len())?;
+                Some(param1(shard.columns(b, 1, d_output, segments), device))
+            }
+            None => None,
+        };
+        Ok(Self {
+            linear: Linear {
+                weight: param2(w, [d_input, local], device),
+                bias,
+            },
+            group,
+            gather_output,
+        })
+    }
+
+    /// `[..., d_input] -> [..., d_output / tp]` (or `d_output` when gathering).
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let x = copy_to_tp(x, self.group);
+        let y = self.linear.forward(x);
+        if self.gather_output {
+            gather_from_tp(y, D - 1, self.group)
+        } else {
+            y
+        }
+    }
+
+    /// The TP group.
+    pub fn group(&self) -> Group {
+        self.group
+    }
+}
+
+/// A linear layer whose input features are split across the TP group: each rank multiplies
+/// its slice and a *g* operator sums the partial outputs; the bias is added once, after the sum.
+#[derive(Module, Debug)]
+pub struct RowParallelLinear<B: Backend> {
+    /// The local Burn linear layer: weight `[d_input / tp, d_output]`, no bias when tp > 1.
+    pub linear: Linear<B>,
+    /// The bias, replicated on every rank and added after the all-reduce (tp > 1 only).
+    pub bias: Option<Param<Tensor<B, 1>>>,
+    #[module(skip)]
+    group: Group,
+}
+
+impl<B: ParallelBackend> RowParallelLinear<B> {
+    /// Builds this rank's shard from the full-size weight (`[d_input, d_output]`) and bias.
+    pub fn from_full(
+        weight: &[f32],
+        bias: Option<&[f32]>,
+        d_input: usize,
+        d_output: usize,
+        group: Group,
+        device: &B::Device,
+    ) -> Result<Self, TpError> {
+        check_full("row-parallel weight", d_input * d_output, weight.len())?;
+        check_divisible("input features", d_input, group.size())?;
+        if let Some(b) = bias {
+            check_full("row-parallel bias", d_output, b.len())?;
+        }
+        let shard = shard_of(group);
+        let w = param2(shard.rows(weight, d_input, d_output), [d_input / group.size(), d_output], device);
+        let bias = bias.map(|b| param1(b.to_vec(), device));
+        // With tp = 1 this is exactly a Burn linear layer with its bias.
+        let (inner_bias, outer_bias) = if group.size() == 1 {
+            (bias, None)
+        } else {
+            (None, bias)
+        };
+        Ok(Self {
+            linear: Linear {
+                weight: w,
+                bias: inner_bias,
+            },
+            bias: outer_bias,
+            group,
+        })
+    }
+
+    /// `[..., d_input / tp] -> [..., d_output]`.
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let y = reduce_from_tp(self.linear.forward(x), self.group);
+        match &self.bias {
+            Some(b) => y + b.val().unsqueeze(),
+            None => y,
+        }
+    }
+}

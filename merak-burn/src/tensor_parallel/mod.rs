@@ -1,0 +1,25 @@
+//! Megatron-style tensor parallelism (DESIGN.md §3).
+//!
+//! Column-parallel layers hold a slice of the output features, row-parallel layers a slice of
+//! the input features followed by an all-reduce. Every shard is cut from the full-size
+//! initialization a single process makes (see [`init`]), so a model built with tp = N equals
+//! the model built with tp = 1. With a group of one rank the layers are plain Burn layers and
+//! communicate nothing.
+
+pub mod attention;
+pub mod cross_entropy;
+pub mod dropout;
+pub mod embedding;
+pub mod init;
+pub mod linear;
+pub mod mlp;
+pub mod ops;
+
+pub use attention::{AttentionMask, AttentionWeights, ParallelSelfAttention};
+pub use cross_entropy::vocab_parallel_cross_entropy;
+pub use dropout::ReplicatedDropout;
+pub use embedding::{VocabParallelEmbedding, padded_vocab};
+pub use init::{InitRng, Shard, TpError};
+pub use linear::{ColumnParallelLinear, RowParallelLinear};
+pub use mlp::{MlpWeights, ParallelMlp};
+pub use ops::{ParallelBackend, copy_to_tp, gather_from_tp, reduce_from_tp, split_to_tp};

@@ -1,0 +1,310 @@
+//! The tensor-parallel communication operators as Burn autodiff operations.
+//!
+//! | operator | forward | backward |
+//! | --- | --- | --- |
+//! | [`copy_to_tp`] (*f*) | identity | all-reduce (sum) of the gradient |
+//! | [`reduce_from_tp`] (*g*) | all-reduce (sum) | identity |
+//! | [`gather_from_tp`] | all-gather along a dimension | keep this rank's chunk of the gradient |
+//! | [`split_to_tp`] | keep this rank's chunk | all-gather of the gradient |
+//!
+//! They are methods of the backend extension trait [`ParallelBackend`]: on a plain backend
+//! they run the forward communication; on `Autodiff<B>` they also register the backward
+//! communication in the graph. A group of one rank makes all of them the identity.
+
+use burn::tensor::{Shape, Tensor, TensorPrimitive, backend::Backend, ops::FloatTensor};
+use burn_autodiff::{
+    Autodiff,
+    checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
+    grads::Gradients,
+    ops::{Backward, Ops, OpsKind, unary},
+};
+
+use crate::comm::{Group, ReduceOp, TensorComm};
+
+/// A backend on which the tensor-parallel operators are defined.
+///
+/// Implemented for `NdArray<f32>`, `Cuda<f32>` (feature `cuda`) and `Autodiff` of any of them.
+/// Another backend gets it with [`impl_parallel_backend!`](crate::impl_parallel_backend).
+pub trait ParallelBackend: Backend {
+    /// *f*: identity forward, all-reduce of the gradient backward.
+    fn tp_copy(x: FloatTensor<Self>, group: Group) -> FloatTensor<Self>;
+    /// *g*: all-reduce forward, identity backward.
+    fn tp_reduce(x: FloatTensor<Self>, group: Group) -> FloatTensor<Self>;
+    /// All-gather along `dim` forward; the gradient's own chunk backward.
+    fn tp_gather(x: FloatTensor<Self>, dim: usize, group: Group) -> FloatTensor<Self>;
+    /// This rank's chunk along `dim` forward; all-gather of the gradient backward.
+    fn tp_split(x: FloatTensor<Self>, dim: usize, group: Group) -> FloatTensor<Self>;
+}
+
+/// Forward-only implementations on a plain backend, shared by [`impl_parallel_backend!`].
+#[doc(hidden)]
+pub mod plain {
+    use super::*;
+
+    /// Communication failures inside a forward or backward pass cannot be returned through
+    /// Burn's operator signatures; they are fatal for the job (the panic hook aborts it and
+    /// names the rank).
+    fn fatal(e: crate::comm::CommError) -> ! {
+        panic!("tensor-parallel communication failed: {e}")
+    }
+
+    fn wrap<B: Backend>(x: FloatTensor<B>) -> Tensor<B, 1> {
+        Tensor::from_primitive(TensorPrimitive::Float(x))
+    }
+
+    fn unwrap<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
+        t.into_primitive().tensor()
+    }
+
+    /// Views a primitive of any rank as a rank-`D` tensor with its own shape (`D` is only the
+    /// type-level rank; the data keeps the primitive's shape).
+    fn as_rank<B: Backend>(x: FloatTensor<B>) -> (Tensor<B, 1>, Shape) {
+        let t = wrap::<B>(x);
+        let shape = t.shape();
+        (t, shape)
+    }
+
+    /// All-reduce (sum) of a primitive.
+    pub fn reduce<B: Backend>(x: FloatTensor<B>, group: Group) -> FloatTensor<B> {
+        if group.size() == 1 {
+            return x;
+        }
+        let comm = group.comm().unwrap_or_else(|e| fatal(e));
+        let (t, shape) = as_rank::<B>(x);
+        let n = shape.num_elements();
+        let flat = t.reshape([n]);
+        let out = comm
+            .all_reduce_tensor(flat, ReduceOp::Sum)
+            .unwrap_or_else(|e| fatal(e));
+        B::float_reshape(unwrap(out), shape)
+    }
+
+    /// All-gather along `dim` of a primitive.
+    pub fn gather<B: Backend>(x: FloatTensor<B>, dim: usize, group: Group) -> FloatTensor<B> {
+        if group.size() == 1 {
+            return x;
+        }
+        let comm = group.comm().unwrap_or_else(|e| fatal(e));
+        let (t, shape) = as_rank::<B>(x);
+        let n = shape.num_elements();
+        let flat = t.reshape([n]);
+        // Gather flat buffers rank-major, then place each rank's block along `dim`.
+        let all = comm.all_gather_tensor(flat, 0).unwrap_or_else(|e| fatal(e));
+        let parts = all
+            .chunk(group.size(), 0)
+            .into_iter()
+            .map(|c| B::float_reshape(unwrap(c), shape.clone()))
+            .collect::<Vec<_>>();
+        B::float_cat(parts, dim)
+    }
+
+    /// This rank's chunk along `dim` of a primitive.
+    pub fn split<B: Backend>(x: FloatTensor<B>, dim: usize, group: Group) -> FloatTensor<B> {
+        if group.size() == 1 {
+            return x;
+        }
+        let shape = burn::tensor::TensorMetadata::shape(&x);
+        let size = shape[dim];
+        assert!(
+            size % group.size() == 0,
+            "tensor-parallel split: dimension {dim} of size {size} is not divisible by tp={}",
+            group.size()
+        );
+        let chunk = size / group.size();
+        let start = chunk * group.rank();
+        let ranges = shape
+            .as_slice()
+            .iter()
+            .enumerate()
+            .map(|(d, &s)| {
+                if d == dim {
+                    burn::tensor::Slice::from(start..start + chunk)
+                } else {
+                    burn::tensor::Slice::from(0..s)
+                }
+            })
+            .collect::<Vec<_>>();
+        B::float_slice(x, &ranges)
+    }
+}
+
+/// Implements [`ParallelBackend`] for a plain (non-autodiff) backend type with host-buffer
+/// communication.
+#[macro_export]
+macro_rules! impl_parallel_backend {
+    ($backend:ty) => {
+        impl $crate::tensor_parallel::ParallelBackend for $backend {
+            fn tp_copy(
+                x: burn::tensor::ops::FloatTensor<Self>,
+                _group: $crate::comm::Group,
+            ) -> burn::tensor::ops::FloatTensor<Self> {
+                x
+            }
+            fn tp_reduce(
+                x: burn::tensor::ops::FloatTensor<Self>,
+                group: $crate::comm::Group,
+            ) -> burn::tensor::ops::FloatTensor<Self> {
+                $crate::tensor_parallel::ops::plain::reduce::<Self>(x, group)
+            }
+            fn tp_gather(
+                x: burn::tensor::ops::FloatTensor<Self>,
+                dim: usize,
+                group: $crate::comm::Group,
+            ) -> burn::tensor::ops::FloatTensor<Self> {
+                $crate::tensor_parallel::ops::plain::gather::<Self>(x, dim, group)
+            }
+            fn tp_split(
+                x: burn::tensor::ops::FloatTensor<Self>,
+                dim: usize,
+                group: $crate::comm::Group,
+            ) -> burn::tensor::ops::FloatTensor<Self> {
+                $crate::tensor_parallel::ops::plain::split::<Self>(x, dim, group)
+            }
+        }
+    };
+}
+
+impl_parallel_backend!(burn_ndarray::NdArray<f32>);
+#[cfg(feature = "cuda")]
+impl_parallel_backend!(burn_cuda::Cuda<f32>);
+
+#[derive(Debug)]
+struct CopyBackward;
+#[derive(Debug)]
+struct ReduceBackward;
+#[derive(Debug)]
+struct GatherBackward;
+#[derive(Debug)]
+struct SplitBackward;
+
+impl<B: ParallelBackend> Backward<B, 1> for CopyBackward {
+    type State = Group;
+    fn backward(self, ops: Ops<Group, 1>, grads: &mut Gradients, _c: &mut Checkpointer) {
+        let group = ops.state;
+        unary::<B, _>(ops.parents, ops.node, grads, |g| B::tp_reduce(g, group));
+    }
+}
+
+impl<B: ParallelBackend> Backward<B, 1> for ReduceBackward {
+    type State = ();
+    fn backward(self, ops: Ops<(), 1>, grads: &mut Gradients, _c: &mut Checkpointer) {
+        unary::<B, _>(ops.parents, ops.node, grads, |g| g);
+    }
+}
+
+impl<B: ParallelBackend> Backward<B, 1> for GatherBackward {
+    type State = (usize, Group);
+    fn backward(self, ops: Ops<(usize, Group), 1>, grads: &mut Gradients, _c: &mut Checkpointer) {
+        let (dim, group) = ops.state;
+        unary::<B, _>(ops.parents, ops.node, grads, |g| B::tp_split(g, dim, group));
+    }
+}
+
+impl<B: ParallelBackend> Backward<B, 1> for SplitBackward {
+    type State = (usize, Group);
+    fn backward(self, ops: Ops<(usize, Group), 1>, grads: &mut Gradients, _c: &mut Checkpointer) {
+        let (dim, group) = ops.state;
+        unary::<B, _>(ops.parents, ops.node, grads, |g| B::tp_gather(g, dim, group));
+    }
+}
+
+impl<B: ParallelBackend, C: CheckpointStrategy> ParallelBackend for Autodiff<B, C> {
+    fn tp_copy(x: FloatTensor<Self>, group: Group) -> FloatTensor<Self> {
+        match CopyBackward
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(group, B::tp_copy(x.primitive, group)),
+            OpsKind::UnTracked(prep) => prep.finish(B::tp_copy(x.primitive, group)),
+        }
+    }
+
+    fn tp_reduce(x: FloatTensor<Self>, group: Group) -> FloatTensor<Self> {
+        match ReduceBackward
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((), B::tp_reduce(x.primitive, group)),
+            OpsKind::UnTracked(prep) => prep.finish(B::tp_reduce(x.primitive, group)),
+        }
+    }
+
+    fn tp_gather(x: FloatTensor<Self>, dim: usize, group: Group) -> FloatTensor<Self> {
+        match GatherBackward
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                prep.finish((dim, group), B::tp_gather(x.primitive, dim, group))
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::tp_gather(x.primitive, dim, group)),
+        }
+    }
+
+    fn tp_split(x: FloatTensor<Self>, dim: usize, group: Group) -> FloatTensor<Self> {
+        match SplitBackward
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                prep.finish((dim, group), B::tp_split(x.primitive, dim, group))
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::tp_split(x.primitive, dim, group)),
+        }
+    }
+}
+
+fn lift<B: ParallelBackend, const D: usize>(
+    x: Tensor<B, D>,
+    f: impl FnOnce(FloatTensor<B>) -> FloatTensor<B>,
+) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(f(x.into_primitive().tensor())))
+}
+
+/// *f*: identity forward, all-reduce (sum) of the gradient backward. Placed in front of a
+/// column-parallel block whose input is replicated across the TP group.
+pub fn copy_to_tp<B: ParallelBackend, const D: usize>(x: Tensor<B, D>, group: Group) -> Tensor<B, D> {
+    if group.size() == 1 {
+        return x;
+    }
+    lift(x, |p| B::tp_copy(p, group))
+}
+
+/// *g*: all-reduce (sum) forward, identity backward. Placed after a row-parallel block.
+pub fn reduce_from_tp<B: ParallelBackend, const D: usize>(
+    x: Tensor<B, D>,
+    group: Group,
+) -> Tensor<B, D> {
+    if group.size() == 1 {
+        return x;
+    }
+    lift(x, |p| B::tp_reduce(p, group))
+}
+
+/// All-gather along `dim` forward (rank order); this rank's chunk of the gradient backward.
+pub fn gather_from_tp<B: ParallelBackend, const D: usize>(
+    x: Tensor<B, D>,
+    dim: usize,
+    group: Group,
+) -> Tensor<B, D> {
+    if group.size() == 1 {
+        return x;
+    }
+    lift(x, |p| B::tp_gather(p, dim, group))
+}
+
+/// This rank's chunk along `dim` forward; all-gather of the gradient backward.
+pub fn split_to_tp<B: ParallelBackend, const D: usize>(
+    x: Tensor<B, D>,
+    dim: usize,
+    group: Group,
+) -> Tensor<B, D> {
+    if group.size() == 1 {
+        return x;
+    }
+    lift(x, |p| B::tp_split(p, dim, group))
+}

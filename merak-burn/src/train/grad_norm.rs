@@ -1,0 +1,149 @@
+//! The gradient norm across all shards of a model.
+//!
+//! Parameters inside tensor-parallel layers are shards: each TP rank holds a different piece, so
+//! their squared norms are summed over the TP group. Replicated parameters (LayerNorms, position
+//! embeddings, row-parallel biases) are identical on every TP rank and counted once.
+
+use std::collections::HashSet;
+
+use burn::module::{AutodiffModule, Module, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::{Tensor, backend::AutodiffBackend};
+
+use crate::comm::{CommError, Group};
+
+/// Collects the ids of sharded parameters by walking the module tree.
+struct ShardedIds {
+    stack: Vec<(String, String)>,
+    ids: HashSet<ParamId>,
+}
+
+impl ShardedIds {
+    fn sharded(&self) -> bool {
+        self.stack.iter().any(|(name, container)| {
+            container == "ColumnParallelLinear"
+                || container == "VocabParallelEmbedding"
+                || (container == "RowParallelLinear" && name == "linear")
+        })
+    }
+}
+
+impl<B: burn::tensor::backend::Backend> ModuleVisitor<B> for ShardedIds {
+    fn enter_module(&mut self, name: &str, container_type: &str) {
+        self.stack.push((name.to_string(), container_type.to_string()));
+    }
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.stack.pop();
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if self.sharded() {
+            self.ids.insert(param.id);
+        }
+    }
+}
+
+/// The ids of the parameters of `module` that live inside tensor-parallel layers
+/// (`ColumnParallelLinear`, the weight of `RowParallelLinear`, `VocabParallelEmbedding`).
+pub fn sharded_param_ids<B: burn::tensor::backend::Backend, M: Module<B>>(module: &M) -> HashSet<ParamId> {
+    let mut v = ShardedIds {
+        stack: Vec::new(),
+        ids: HashSet::new(),
+    };
+    module.visit(&mut v);
+    v.ids
+}
+
+/// Squared gradient norms of one rank, split into sharded and replicated parts.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct GradStats {
+    /// Sum of squares over sharded parameters (this rank's shards only).
+    pub sharded_sq: f64,
+    /// Sum of squares over replicated parameters.
+    pub replicated_sq: f64,
+}
+
+struct NormVisitor<'a, B: AutodiffBackend> {
+    grads: &'a GradientsParams,
+    sharded: &'a HashSet<ParamId>,
+    stats: GradStats,
+    _b: std::marker::PhantomData<B>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for NormVisitor<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
+            let sq = f64::from(g.powi_scalar(2).sum().into_scalar().into_f32_lossy());
+            if self.sharded.contains(&param.id) {
+                self.stats.sharded_sq += sq;
+            } else {
+                self.stats.replicated_sq += sq;
+            }
+        }
+    }
+}
+
+trait IntoF32 {
+    fn into_f32_lossy(self) -> f32;
+}
+impl<E: burn::tensor::ElementConversion> IntoF32 for E {
+    fn into_f32_lossy(self) -> f32 {
+        self.elem::<f32>()
+    }
+}
+
+/// The L2 norm of all gradients of the model across its TP shards: sharded squares are summed
+/// over `tp`, replicated ones counted once. Every rank of the TP group gets the same value.
+pub fn global_grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: &M,
+    grads: &GradientsParams,
+    sharded: &HashSet<ParamId>,
+    tp: Group,
+) -> Result<f64, CommError> {
+    let mut v = NormVisitor::<B> {
+        grads,
+        sharded,
+        stats: GradStats::default(),
+        _b: std::marker::PhantomData,
+    };
+    module.visit(&mut v);
+    let mut buf = [v.stats.sharded_sq as f32];
+    if tp.size() > 1 {
+        tp.comm()?.all_reduce(&mut buf, crate::comm::ReduceOp::Sum)?;
+    }
+    Ok((f64::from(buf[0]) + v.stats.replicated_sq).sqrt())
+}
+
+struct ScaleVisitor<'a, B: AutodiffBackend> {
+    grads: &'a mut GradientsParams,
+    scale: f32,
+    _b: std::marker::PhantomData<B>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for ScaleVisitor<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+            self.grads.register(param.id, g * self.scale);
+        }
+    }
+}
+
+/// Scales every gradient by `max_norm / norm` when `norm > max_norm` (clipping by the global
+/// norm); returns the factor applied (1 when nothing was clipped).
+pub fn clip_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: &M,
+    grads: &mut GradientsParams,
+    norm: f64,
+    max_norm: f64,
+) -> f64 {
+    if max_norm <= 0.0 || norm <= max_norm || !norm.is_finite() {
+        return 1.0;
+    }
+    let scale = max_norm / (norm + 1e-6);
+    let mut v = ScaleVisitor::<B> {
+        grads,
+        scale: scale as f32,
+        _b: std::marker::PhantomData,
+    };
+    module.visit(&mut v);
+    scale
+}

@@ -1,0 +1,45 @@
+//! Metrics as JSON lines.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::Path;
+
+use serde::Serialize;
+
+/// What one optimizer step reports.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct StepMetrics {
+    /// 1-based step number.
+    pub step: usize,
+    /// Mean training loss of the step's global batch.
+    pub loss: f64,
+    /// Learning rate used by the step.
+    pub lr: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Tokens of the global batch per second of wall time.
+    pub tokens_per_s: f64,
+    /// Wall time of the step in seconds.
+    pub step_time_s: f64,
+}
+
+/// Appends one JSON object per line to `metrics.jsonl`, flushed after every record.
+pub struct MetricsWriter {
+    out: BufWriter<File>,
+}
+
+impl MetricsWriter {
+    /// Creates (truncates) the file.
+    pub fn create(path: &Path) -> std::io::Result<Self> {
+        Ok(Self {
+            out: BufWriter::new(File::create(path)?),
+        })
+    }
+
+    /// Writes one record.
+    pub fn write<T: Serialize>(&mut self, record: &T) -> std::io::Result<()> {
+        serde_json::to_writer(&mut self.out, record)?;
+        self.out.write_all(b"\n")?;
+        self.out.flush()
+    }
+}

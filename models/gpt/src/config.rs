@@ -1,0 +1,177 @@
+//! GPT shapes and presets.
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+/// The shape of a GPT model.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GptConfig {
+    /// Vocabulary size (GPT-2: 50,257). Need not be divisible by tp: the table is padded.
+    pub vocab_size: usize,
+    /// Number of transformer blocks.
+    pub layers: usize,
+    /// Attention heads per block.
+    pub heads: usize,
+    /// Hidden size.
+    pub hidden: usize,
+    /// Maximum sequence length (size of the position table).
+    pub seq_len: usize,
+    /// Dropout probability on the embeddings and on each residual branch (0 disables it).
+    #[serde(default)]
+    pub dropout: f64,
+    /// LayerNorm epsilon.
+    #[serde(default = "default_eps")]
+    pub layer_norm_eps: f64,
+    /// Standard deviation of the normal initialization (GPT-2: 0.02). Output projections of
+    /// residual branches are scaled by `1 / sqrt(2 * layers)`.
+    #[serde(default = "default_std")]
+    pub init_std: f64,
+}
+
+fn default_eps() -> f64 {
+    1e-5
+}
+
+fn default_std() -> f64 {
+    0.02
+}
+
+/// An invalid GPT shape.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum GptConfigError {
+    /// A size that must be positive is zero.
+    #[error("model.{0} must be at least 1")]
+    Zero(&'static str),
+    /// The hidden size is not a multiple of the head count.
+    #[error("model.hidden = {hidden} is not divisible by model.heads = {heads}")]
+    HeadDim {
+        /// Hidden size.
+        hidden: usize,
+        /// Head count.
+        heads: usize,
+    },
+    /// A dropout probability outside `[0, 1)`.
+    #[error("model.dropout = {0} must be in [0, 1)")]
+    Dropout(String),
+    /// An unknown preset name.
+    #[error("unknown GPT preset {name:?}; known presets: {known}")]
+    UnknownPreset {
+        /// The name asked for.
+        name: String,
+        /// The known names.
+        known: String,
+    },
+}
+
+const fn preset(vocab_size: usize, layers: usize, heads: usize, hidden: usize, seq_len: usize) -> GptConfig {
+    GptConfig {
+        vocab_size,
+        layers,
+        heads,
+        hidden,
+        seq_len,
+        dropout: 0.0,
+        layer_norm_eps: 1e-5,
+        init_std: 0.02,
+    }
+}
+
+/// The named presets: tiny CPU sizes, the GPT-2 family, and Megatron-LM's large sizes.
+pub const PRESETS: &[(&str, GptConfig)] = &[
+    ("tiny", preset(512, 2, 4, 64, 32)),
+    ("mini", preset(50257, 4, 4, 128, 128)),
+    ("gpt2", preset(50257, 12, 12, 768, 1024)),
+    ("gpt2-medium", preset(50257, 24, 16, 1024, 1024)),
+    ("gpt2-large", preset(50257, 36, 20, 1280, 1024)),
+    ("gpt2-xl", preset(50257, 48, 25, 1600, 1024)),
+    ("gpt-1.5b", preset(51200, 48, 32, 1600, 1024)),
+    ("gpt-2.5b", preset(51200, 54, 20, 1920, 1024)),
+    ("gpt-8.3b", preset(51200, 72, 32, 3072, 1024)),
+    ("gpt-20b", preset(51200, 44, 64, 6144, 2048)),
+];
+
+impl GptConfig {
+    /// A preset by name (see [`PRESETS`]).
+    pub fn preset(name: &str) -> Result<GptConfig, GptConfigError> {
+        PRESETS
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, c)| c.clone())
+            .ok_or_else(|| GptConfigError::UnknownPreset {
+                name: name.to_string(),
+                known: PRESETS.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", "),
+            })
+    }
+
+    /// Checks the shape (not the parallel layout; see `merak_burn::grid::Layout::validate`).
+    pub fn validate(&self) -> Result<(), GptConfigError> {
+        for (name, v) in [
+            ("vocab_size", self.vocab_size),
+            ("layers", self.layers),
+            ("heads", self.heads),
+            ("hidden", self.hidden),
+            ("seq_len", self.seq_len),
+        ] {
+            if v == 0 {
+                return Err(GptConfigError::Zero(name));
+            }
+        }
+        if self.hidden % self.heads != 0 {
+            return Err(GptConfigError::HeadDim {
+                hidden: self.hidden,
+                heads: self.heads,
+            });
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(GptConfigError::Dropout(self.dropout.to_string()));
+        }
+        Ok(())
+    }
+
+    /// The exact number of parameters (without vocabulary padding):
+    /// `12 l h² + 13 l h + (V + s) h + 2 h` (the last term is the final LayerNorm, which the
+    /// formula of DESIGN.md §5 leaves out).
+    pub fn num_params(&self) -> u64 {
+        let (l, h, v, s) = (
+            self.layers as u64,
+            self.hidden as u64,
+            self.vocab_size as u64,
+            self.seq_len as u64,
+        );
+        12 * l * h * h + 13 * l * h + (v + s) * h + 2 * h
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpt2_small_has_124m_parameters() {
+        // Hugging Face's GPT-2 small: 124,439,808 parameters.
+        assert_eq!(GptConfig::preset("gpt2").unwrap().num_params(), 124_439_808);
+        // GPT-2 XL: 1,557,611,200.
+        assert_eq!(GptConfig::preset("gpt2-xl").unwrap().num_params(), 1_557_611_200);
+    }
+
+    #[test]
+    fn large_presets_report_their_size() {
+        let b = |n: &str| GptConfig::preset(n).unwrap().num_params() as f64 / 1e9;
+        assert!((b("gpt-8.3b") - 8.3).abs() < 0.1, "{}", b("gpt-8.3b"));
+        assert!((b("gpt-2.5b") - 2.5).abs() < 0.1, "{}", b("gpt-2.5b"));
+        assert!((b("gpt-20b") - 20.3).abs() < 0.5, "{}", b("gpt-20b"));
+        assert!((b("gpt-1.5b") - 1.56).abs() < 0.05, "{}", b("gpt-1.5b"));
+        for (_, c) in PRESETS {
+            c.validate().unwrap();
+        }
+    }
+
+    #[test]
+    fn bad_shapes_name_the_key() {
+        let mut c = GptConfig::preset("tiny").unwrap();
+        c.heads = 3;
+        assert_eq!(c.validate().unwrap_err().to_string(), "model.hidden = 64 is not divisible by model.heads = 3");
+        assert!(GptConfig::preset("nope").unwrap_err().to_string().contains("tiny"));
+    }
+}

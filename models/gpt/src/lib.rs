@@ -1,0 +1,11 @@
+//! GPT-2 built from merak-burn tensor-parallel layers.
+//!
+//! Learned position embeddings, pre-LayerNorm blocks, GELU MLP of width 4h, and the output head
+//! tied to the (vocabulary-parallel) token embedding. A model built with tp = N holds exactly
+//! the shards of the model built with tp = 1 from the same seed.
+
+mod config;
+mod model;
+
+pub use config::{GptConfig, GptConfigError, PRESETS};
+pub use model::{Block, Gpt};
