@@ -1,1 +1,217 @@
-fn main(){}
+//! `merak`: train GPT models across MPI ranks with data, tensor and pipeline parallelism.
+
+mod config;
+mod data;
+mod train;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Result, bail};
+use clap::{Parser, Subcommand};
+use merak_burn::comm::{MpiWorld, launched_by_mpirun};
+use merak_burn::grid::{Layout, ModelShape, ProcessGrid};
+
+/// merak: automated 3D-parallel training of GPT models on Burn, launched with mpirun.
+#[derive(Parser, Debug)]
+#[command(name = "merak", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Train a model. Run under `mpirun -np N` for N ranks, or directly for one process.
+    Train(TrainArgs),
+    /// List the model presets with their parameter counts.
+    Models,
+}
+
+#[derive(clap::Args, Debug)]
+struct TrainArgs {
+    /// TOML config file; without it the built-in default (tiny GPT, synthetic data) is used.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Data-parallel degree (overrides parallel.dp).
+    #[arg(long)]
+    dp: Option<usize>,
+    /// Tensor-parallel degree (overrides parallel.tp).
+    #[arg(long)]
+    tp: Option<usize>,
+    /// Pipeline-parallel degree (overrides parallel.pp).
+    #[arg(long)]
+    pp: Option<usize>,
+    /// Override any config key, e.g. --set train.steps=5 (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    sets: Vec<String>,
+    /// Output folder for metrics.jsonl and the resolved config.
+    #[arg(long, default_value = "runs/latest")]
+    out: PathBuf,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Models => {
+            println!(
+                "{:<14} {:>7} {:>6} {:>6} {:>7} {:>6} {:>16}",
+                "preset", "layers", "heads", "hidden", "vocab", "seq", "parameters"
+            );
+            for (name, c) in merak_gpt::PRESETS {
+                println!(
+                    "{:<14} {:>7} {:>6} {:>6} {:>7} {:>6} {:>16}",
+                    name,
+                    c.layers,
+                    c.heads,
+                    c.hidden,
+                    c.vocab_size,
+                    c.seq_len,
+                    c.num_params()
+                );
+            }
+            ExitCode::SUCCESS
+        }
+        Command::Train(args) => run_train(args),
+    }
+}
+
+fn init_logging(rank: usize) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false)
+        .with_writer(std::io::stderr)
+        .try_init();
+    // Every line carries the rank through this span, which stays entered for the whole run.
+    let span = tracing::info_span!("rank", r = rank);
+    std::mem::forget(span.entered());
+}
+
+/// Errors that every rank detects identically (config, layout): rank 0 reports, all exit 2.
+fn collective_failure(rank: usize, e: &anyhow::Error) -> ExitCode {
+    if rank == 0 {
+        eprintln!("error: {e:#}");
+    }
+    ExitCode::from(2)
+}
+
+fn run_train(args: TrainArgs) -> ExitCode {
+    if launched_by_mpirun() && std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        // One compute thread per rank: ranks share the machine's cores.
+        // SAFETY: still single-threaded here; nothing else reads the environment concurrently.
+        unsafe { std::env::set_var("RAYON_NUM_THREADS", "1") };
+    }
+    let mpi = if launched_by_mpirun() {
+        match MpiWorld::init() {
+            Ok(w) => Some(w),
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(2);
+            }
+        }
+    } else {
+        None
+    };
+    let world = mpi.as_ref().map(|w| w.world());
+    let (rank, size) = world
+        .as_ref()
+        .map(|w| {
+            use merak_burn::comm::Communicator;
+            (w.rank(), w.size())
+        })
+        .unwrap_or((0, 1));
+    init_logging(rank);
+
+    let cfg = match resolve_config(&args, size) {
+        Ok(c) => c,
+        Err(e) => return collective_failure(rank, &e),
+    };
+    let layout = Layout {
+        dp: cfg.parallel.dp,
+        tp: cfg.parallel.tp,
+        pp: cfg.parallel.pp,
+    };
+    let grid = match world {
+        Some(w) => match ProcessGrid::from_mpi(w, layout) {
+            Ok(g) => g,
+            Err(e) => return collective_failure(rank, &e.into()),
+        },
+        None => ProcessGrid::single(),
+    };
+    let result = run(&cfg, &grid, &args.out);
+    match (result, mpi) {
+        (Ok(()), _) => ExitCode::SUCCESS,
+        (Err(e), Some(mpi)) if size > 1 => mpi.abort(1, &format!("{e:#}")),
+        (Err(e), _) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Loads the config, applies the command-line degrees and checks the layout against the job.
+fn resolve_config(args: &TrainArgs, world: usize) -> Result<config::Config> {
+    let mut sets = args.sets.clone();
+    for (key, v) in [("dp", args.dp), ("tp", args.tp), ("pp", args.pp)] {
+        if let Some(v) = v {
+            sets.push(format!("parallel.{key}={v}"));
+        }
+    }
+    let cfg = config::load(args.config.as_deref(), &sets)?;
+    let layout = Layout {
+        dp: cfg.parallel.dp,
+        tp: cfg.parallel.tp,
+        pp: cfg.parallel.pp,
+    };
+    let g = &cfg.model.gpt;
+    layout.validate(
+        world,
+        ModelShape {
+            heads: g.heads,
+            hidden: g.hidden,
+            layers: g.layers,
+        },
+    )?;
+    if layout.pp > 1 {
+        bail!(
+            "parallel.pp = {}: pipeline parallelism is not available yet; use pp = 1",
+            layout.pp
+        );
+    }
+    Ok(cfg)
+}
+
+fn run(cfg: &config::Config, grid: &ProcessGrid, out: &std::path::Path) -> Result<()> {
+    if grid.rank == 0 {
+        std::fs::create_dir_all(out)?;
+        std::fs::write(out.join("config.toml"), toml::to_string(cfg)?)?;
+    }
+    let summary = match cfg.train.device.as_str() {
+        "cpu" => {
+            type B = burn::backend::Autodiff<burn::backend::NdArray<f32>>;
+            train::train::<B>(cfg, grid, out, &Default::default())?
+        }
+        #[cfg(feature = "cuda")]
+        "cuda" => {
+            type B = burn::backend::Autodiff<burn_cuda::Cuda<f32>>;
+            let device = burn_cuda::CudaDevice::new(0);
+            train::train::<B>(cfg, grid, out, &device)?
+        }
+        other => bail!(
+            "train.device = {other:?} is not available in this build (rebuild with --features cuda)"
+        ),
+    };
+    if grid.rank == 0 {
+        tracing::info!(
+            "done: {} steps, final loss {:.5}, mean {:.0} tokens/s, wall {:.1}s; metrics in {}",
+            summary.steps,
+            summary.final_loss,
+            summary.mean_tokens_per_s,
+            summary.wall_s,
+            out.join("metrics.jsonl").display()
+        );
+    }
+    Ok(())
+}

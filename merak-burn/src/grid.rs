@@ -58,7 +58,9 @@ pub enum LayoutError {
         world: usize,
     },
     /// TP does not divide the attention heads.
-    #[error("tp={tp} does not divide the number of attention heads ({heads}); choose tp among {choices}")]
+    #[error(
+        "tp={tp} does not divide the number of attention heads ({heads}); choose tp among {choices}"
+    )]
     Heads {
         /// The TP degree.
         tp: usize,
@@ -95,7 +97,11 @@ fn divisors(n: usize) -> String {
 
 impl Layout {
     /// A single process.
-    pub const SINGLE: Layout = Layout { dp: 1, tp: 1, pp: 1 };
+    pub const SINGLE: Layout = Layout {
+        dp: 1,
+        tp: 1,
+        pp: 1,
+    };
 
     /// The number of ranks this layout needs.
     pub fn world_size(&self) -> usize {
@@ -203,7 +209,11 @@ impl ProcessGrid {
         ProcessGrid {
             layout: Layout::SINGLE,
             rank: 0,
-            coords: Coords { dp: 0, pp: 0, tp: 0 },
+            coords: Coords {
+                dp: 0,
+                pp: 0,
+                tp: 0,
+            },
             world: g,
             tp: g,
             dp: g,
@@ -261,10 +271,35 @@ mod tests {
 
     #[test]
     fn coordinates_put_tp_innermost_and_round_trip() {
-        let l = Layout { dp: 2, tp: 2, pp: 2 };
-        assert_eq!(l.coords(1), Coords { dp: 0, pp: 0, tp: 1 });
-        assert_eq!(l.coords(2), Coords { dp: 1, pp: 0, tp: 0 });
-        assert_eq!(l.coords(4), Coords { dp: 0, pp: 1, tp: 0 });
+        let l = Layout {
+            dp: 2,
+            tp: 2,
+            pp: 2,
+        };
+        assert_eq!(
+            l.coords(1),
+            Coords {
+                dp: 0,
+                pp: 0,
+                tp: 1
+            }
+        );
+        assert_eq!(
+            l.coords(2),
+            Coords {
+                dp: 1,
+                pp: 0,
+                tp: 0
+            }
+        );
+        assert_eq!(
+            l.coords(4),
+            Coords {
+                dp: 0,
+                pp: 1,
+                tp: 0
+            }
+        );
         for r in 0..8 {
             assert_eq!(l.rank_of(l.coords(r)), r);
         }
@@ -272,21 +307,75 @@ mod tests {
 
     #[test]
     fn bad_layouts_name_their_numbers() {
-        let e = Layout { dp: 1, tp: 3, pp: 1 }.validate(3, SHAPE).unwrap_err();
+        let e = Layout {
+            dp: 1,
+            tp: 3,
+            pp: 1,
+        }
+        .validate(3, SHAPE)
+        .unwrap_err();
         let msg = e.to_string();
-        assert!(msg.contains("tp=3") && msg.contains("attention heads (4)"), "{msg}");
-        let e = Layout { dp: 2, tp: 2, pp: 1 }.validate(3, SHAPE).unwrap_err();
-        assert!(e.to_string().contains("= 4 ranks, but the job has 3 processes"), "{e}");
-        let e = Layout { dp: 0, tp: 1, pp: 1 }.validate(1, SHAPE).unwrap_err();
+        assert!(
+            msg.contains("tp=3") && msg.contains("attention heads (4)"),
+            "{msg}"
+        );
+        let e = Layout {
+            dp: 2,
+            tp: 2,
+            pp: 1,
+        }
+        .validate(3, SHAPE)
+        .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("= 4 ranks, but the job has 3 processes"),
+            "{e}"
+        );
+        let e = Layout {
+            dp: 0,
+            tp: 1,
+            pp: 1,
+        }
+        .validate(1, SHAPE)
+        .unwrap_err();
         assert_eq!(e, LayoutError::Zero { axis: "dp" });
-        let e = Layout { dp: 1, tp: 1, pp: 3 }.validate(3, SHAPE).unwrap_err();
+        let e = Layout {
+            dp: 1,
+            tp: 1,
+            pp: 3,
+        }
+        .validate(3, SHAPE)
+        .unwrap_err();
         assert_eq!(e, LayoutError::Stages { pp: 3, layers: 2 });
-        let odd = ModelShape { heads: 2, hidden: 6, layers: 2 };
+        let odd = ModelShape {
+            heads: 2,
+            hidden: 6,
+            layers: 2,
+        };
         // heads divisible by 2 but hidden 6 is not divisible by... 6 % 2 == 0, use tp=4 heads=4.
-        let e = Layout { dp: 1, tp: 4, pp: 1 }
-            .validate(4, ModelShape { heads: 4, hidden: 6, ..odd })
-            .unwrap_err();
+        let e = Layout {
+            dp: 1,
+            tp: 4,
+            pp: 1,
+        }
+        .validate(
+            4,
+            ModelShape {
+                heads: 4,
+                hidden: 6,
+                ..odd
+            },
+        )
+        .unwrap_err();
         assert_eq!(e, LayoutError::Hidden { tp: 4, hidden: 6 });
-        assert!(Layout { dp: 1, tp: 4, pp: 2 }.validate(8, SHAPE).is_ok());
+        assert!(
+            Layout {
+                dp: 1,
+                tp: 4,
+                pp: 2
+            }
+            .validate(8, SHAPE)
+            .is_ok()
+        );
     }
 }

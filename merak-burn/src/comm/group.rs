@@ -43,6 +43,13 @@ impl Group {
         Group::register(Rc::new(super::LocalCommunicator))
     }
 
+    /// Drops every communicator registered on this thread. Called before MPI is finalised
+    /// (communicators must be freed while MPI is still running); handles made earlier stop
+    /// resolving afterwards.
+    pub fn release_all() {
+        REGISTRY.with(|r| r.borrow_mut().1.clear());
+    }
+
     /// This process's rank in the group.
     pub fn rank(&self) -> usize {
         self.rank

@@ -84,16 +84,11 @@ pub trait Communicator {
     fn barrier(&self) -> Result<(), CommError>;
 
     /// Starts a non-blocking all-reduce of `buf`; progress it with [`Pending::test`].
-    fn all_reduce_start(&self, buf: Vec<f32>, op: ReduceOp)
-    -> Result<Box<dyn Pending>, CommError>;
+    fn all_reduce_start(&self, buf: Vec<f32>, op: ReduceOp) -> Result<Box<dyn Pending>, CommError>;
 }
 
 /// Checks that a collective's buffers agree with the group size; shared by the implementations.
-pub(crate) fn check_len(
-    what: &'static str,
-    expected: usize,
-    got: usize,
-) -> Result<(), CommError> {
+pub(crate) fn check_len(what: &'static str, expected: usize, got: usize) -> Result<(), CommError> {
     if expected == got {
         Ok(())
     } else {

@@ -39,7 +39,7 @@ pub fn launched_by_mpirun() -> bool {
 /// Creating it also installs a panic hook that reports the failing rank and aborts the whole
 /// MPI job, so that no other rank is left waiting for a message that will never come.
 pub struct MpiWorld {
-    // Keep the universe first in drop order consideration: it finalises MPI when dropped.
+    /// Finalises MPI when dropped (after `Drop for MpiWorld` has freed the registered groups).
     universe: Universe,
 }
 
@@ -65,6 +65,14 @@ impl MpiWorld {
         let rank = self.universe.world().rank();
         eprintln!("merak: rank {rank} failed: {message}");
         abort_world(code)
+    }
+}
+
+impl Drop for MpiWorld {
+    fn drop(&mut self) {
+        // Sub-communicators held by group handles must be freed before MPI_Finalize, which
+        // runs when `universe` is dropped right after this.
+        super::Group::release_all();
     }
 }
 
@@ -230,11 +238,7 @@ impl Communicator for MpiCommunicator {
         Ok(())
     }
 
-    fn all_reduce_start(
-        &self,
-        buf: Vec<f32>,
-        op: ReduceOp,
-    ) -> Result<Box<dyn Pending>, CommError> {
+    fn all_reduce_start(&self, buf: Vec<f32>, op: ReduceOp) -> Result<Box<dyn Pending>, CommError> {
         let count = check_count("all_reduce_start", buf.len())?;
         let mut pending = PendingMpiAllReduce {
             recv: vec![0.0; buf.len()],
@@ -317,11 +321,7 @@ impl Pending for PendingMpiAllReduce {
         let mut flag: c_int = 0;
         // SAFETY: `request` came from MPI_Iallreduce and has not completed yet.
         let code = unsafe {
-            mpi::ffi::MPI_Test(
-                &mut self.request,
-                &mut flag,
-                mpi::ffi::RSMPI_STATUS_IGNORE,
-            )
+            mpi::ffi::MPI_Test(&mut self.request, &mut flag, mpi::ffi::RSMPI_STATUS_IGNORE)
         };
         if code != 0 {
             return Err(CommError::Mpi {

@@ -102,7 +102,10 @@ impl<B: ParallelBackend> ParallelSelfAttention<B> {
         let mut scores = q.matmul(k.swap_dims(2, 3)) * scale;
         if self.mask == AttentionMask::Causal {
             let future = Tensor::<B, 2, Bool>::tril_mask([s, s], 0, &scores.device());
-            scores = scores.mask_fill(future.unsqueeze::<4>().expand([b, h, s, s]), f32::NEG_INFINITY);
+            scores = scores.mask_fill(
+                future.unsqueeze::<4>().expand([b, h, s, s]),
+                f32::NEG_INFINITY,
+            );
         }
         let probs = softmax(scores, 3);
         let ctx = probs.matmul(v).swap_dims(1, 2).reshape([b, s, h * d]);

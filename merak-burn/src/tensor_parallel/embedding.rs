@@ -55,7 +55,11 @@ impl<B: ParallelBackend> VocabParallelEmbedding<B> {
         let local_rows = padded / group.size();
         Ok(Self {
             embedding: Embedding {
-                weight: param2(shard.rows(&full, padded, d_model), [local_rows, d_model], device),
+                weight: param2(
+                    shard.rows(&full, padded, d_model),
+                    [local_rows, d_model],
+                    device,
+                ),
             },
             vocab_size,
             vocab_start: shard.rank * local_rows,

@@ -144,7 +144,9 @@ impl InitRng {
     /// `n` integers in `0..bound` for the stream `name`.
     pub fn integers(&self, name: &str, n: usize, bound: u64) -> Vec<u64> {
         let mut state = self.stream(name);
-        (0..n).map(|_| splitmix(&mut state) % bound.max(1)).collect()
+        (0..n)
+            .map(|_| splitmix(&mut state) % bound.max(1))
+            .collect()
     }
 }
 
@@ -180,6 +182,9 @@ mod tests {
     #[test]
     fn divisibility_errors_name_the_numbers() {
         let e = check_divisible("attention heads", 4, 3).unwrap_err();
-        assert_eq!(e.to_string(), "attention heads = 4 is not divisible by tp = 3");
+        assert_eq!(
+            e.to_string(),
+            "attention heads = 4 is not divisible by tp = 3"
+        );
     }
 }

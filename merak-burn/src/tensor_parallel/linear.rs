@@ -15,7 +15,11 @@ pub(crate) fn shard_of(group: Group) -> Shard {
     }
 }
 
-pub(crate) fn param2<B: Backend>(values: Vec<f32>, shape: [usize; 2], device: &B::Device) -> Param<Tensor<B, 2>> {
+pub(crate) fn param2<B: Backend>(
+    values: Vec<f32>,
+    shape: [usize; 2],
+    device: &B::Device,
+) -> Param<Tensor<B, 2>> {
     Param::from_tensor(Tensor::from_data(TensorData::new(values, shape), device))
 }
 
@@ -66,7 +70,11 @@ impl<B: ParallelBackend> ColumnParallelLinear<B> {
         device: &B::Device,
     ) -> Result<Self, TpError> {
         check_full("column-parallel weight", d_input * d_output, weight.len())?;
-        check_divisible("output features per segment", d_output / segments.max(1), group.size())?;
+        check_divisible(
+            "output features per segment",
+            d_output / segments.max(1),
+            group.size(),
+        )?;
         check_divisible("output features", d_output, segments)?;
         let shard = shard_of(group);
         let local = d_output / group.size();
@@ -133,7 +141,11 @@ impl<B: ParallelBackend> RowParallelLinear<B> {
             check_full("row-parallel bias", d_output, b.len())?;
         }
         let shard = shard_of(group);
-        let w = param2(shard.rows(weight, d_input, d_output), [d_input / group.size(), d_output], device);
+        let w = param2(
+            shard.rows(weight, d_input, d_output),
+            [d_input / group.size(), d_output],
+            device,
+        );
         let bias = bias.map(|b| param1(b.to_vec(), device));
         // With tp = 1 this is exactly a Burn linear layer with its bias.
         let (inner_bias, outer_bias) = if group.size() == 1 {

@@ -204,7 +204,9 @@ impl<B: ParallelBackend> Backward<B, 1> for SplitBackward {
     type State = (usize, Group);
     fn backward(self, ops: Ops<(usize, Group), 1>, grads: &mut Gradients, _c: &mut Checkpointer) {
         let (dim, group) = ops.state;
-        unary::<B, _>(ops.parents, ops.node, grads, |g| B::tp_gather(g, dim, group));
+        unary::<B, _>(ops.parents, ops.node, grads, |g| {
+            B::tp_gather(g, dim, group)
+        });
     }
 }
 
@@ -267,7 +269,10 @@ fn lift<B: ParallelBackend, const D: usize>(
 
 /// *f*: identity forward, all-reduce (sum) of the gradient backward. Placed in front of a
 /// column-parallel block whose input is replicated across the TP group.
-pub fn copy_to_tp<B: ParallelBackend, const D: usize>(x: Tensor<B, D>, group: Group) -> Tensor<B, D> {
+pub fn copy_to_tp<B: ParallelBackend, const D: usize>(
+    x: Tensor<B, D>,
+    group: Group,
+) -> Tensor<B, D> {
     if group.size() == 1 {
         return x;
     }

@@ -21,6 +21,8 @@ struct ShardedIds {
 impl ShardedIds {
     fn sharded(&self) -> bool {
         self.stack.iter().any(|(name, container)| {
+            // Burn's derive names containers "Struct:<name>".
+            let container = container.strip_prefix("Struct:").unwrap_or(container);
             container == "ColumnParallelLinear"
                 || container == "VocabParallelEmbedding"
                 || (container == "RowParallelLinear" && name == "linear")
@@ -30,7 +32,8 @@ impl ShardedIds {
 
 impl<B: burn::tensor::backend::Backend> ModuleVisitor<B> for ShardedIds {
     fn enter_module(&mut self, name: &str, container_type: &str) {
-        self.stack.push((name.to_string(), container_type.to_string()));
+        self.stack
+            .push((name.to_string(), container_type.to_string()));
     }
     fn exit_module(&mut self, _name: &str, _container_type: &str) {
         self.stack.pop();
@@ -44,7 +47,9 @@ impl<B: burn::tensor::backend::Backend> ModuleVisitor<B> for ShardedIds {
 
 /// The ids of the parameters of `module` that live inside tensor-parallel layers
 /// (`ColumnParallelLinear`, the weight of `RowParallelLinear`, `VocabParallelEmbedding`).
-pub fn sharded_param_ids<B: burn::tensor::backend::Backend, M: Module<B>>(module: &M) -> HashSet<ParamId> {
+pub fn sharded_param_ids<B: burn::tensor::backend::Backend, M: Module<B>>(
+    module: &M,
+) -> HashSet<ParamId> {
     let mut v = ShardedIds {
         stack: Vec::new(),
         ids: HashSet::new(),
@@ -108,7 +113,8 @@ pub fn global_grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
     module.visit(&mut v);
     let mut buf = [v.stats.sharded_sq as f32];
     if tp.size() > 1 {
-        tp.comm()?.all_reduce(&mut buf, crate::comm::ReduceOp::Sum)?;
+        tp.comm()?
+            .all_reduce(&mut buf, crate::comm::ReduceOp::Sum)?;
     }
     Ok((f64::from(buf[0]) + v.stats.replicated_sq).sqrt())
 }

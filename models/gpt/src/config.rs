@@ -64,7 +64,13 @@ pub enum GptConfigError {
     },
 }
 
-const fn preset(vocab_size: usize, layers: usize, heads: usize, hidden: usize, seq_len: usize) -> GptConfig {
+const fn preset(
+    vocab_size: usize,
+    layers: usize,
+    heads: usize,
+    hidden: usize,
+    seq_len: usize,
+) -> GptConfig {
     GptConfig {
         vocab_size,
         layers,
@@ -100,7 +106,11 @@ impl GptConfig {
             .map(|(_, c)| c.clone())
             .ok_or_else(|| GptConfigError::UnknownPreset {
                 name: name.to_string(),
-                known: PRESETS.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", "),
+                known: PRESETS
+                    .iter()
+                    .map(|(n, _)| *n)
+                    .collect::<Vec<_>>()
+                    .join(", "),
             })
     }
 
@@ -152,7 +162,10 @@ mod tests {
         // Hugging Face's GPT-2 small: 124,439,808 parameters.
         assert_eq!(GptConfig::preset("gpt2").unwrap().num_params(), 124_439_808);
         // GPT-2 XL: 1,557,611,200.
-        assert_eq!(GptConfig::preset("gpt2-xl").unwrap().num_params(), 1_557_611_200);
+        assert_eq!(
+            GptConfig::preset("gpt2-xl").unwrap().num_params(),
+            1_557_611_200
+        );
     }
 
     #[test]
@@ -171,7 +184,15 @@ mod tests {
     fn bad_shapes_name_the_key() {
         let mut c = GptConfig::preset("tiny").unwrap();
         c.heads = 3;
-        assert_eq!(c.validate().unwrap_err().to_string(), "model.hidden = 64 is not divisible by model.heads = 3");
-        assert!(GptConfig::preset("nope").unwrap_err().to_string().contains("tiny"));
+        assert_eq!(
+            c.validate().unwrap_err().to_string(),
+            "model.hidden = 64 is not divisible by model.heads = 3"
+        );
+        assert!(
+            GptConfig::preset("nope")
+                .unwrap_err()
+                .to_string()
+                .contains("tiny")
+        );
     }
 }

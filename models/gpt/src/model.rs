@@ -30,7 +30,10 @@ pub struct Block<B: Backend> {
 impl<B: ParallelBackend> Block<B> {
     /// `[batch, seq, hidden] -> [batch, seq, hidden]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let x = x.clone() + self.dropout.forward(self.attn.forward(self.ln_1.forward(x)));
+        let x = x.clone()
+            + self
+                .dropout
+                .forward(self.attn.forward(self.ln_1.forward(x)));
         x.clone() + self.dropout.forward(self.mlp.forward(self.ln_2.forward(x)))
     }
 }
@@ -66,7 +69,8 @@ impl<B: ParallelBackend> Gpt<B> {
                 .with_epsilon(cfg.layer_norm_eps)
                 .init(device)
         };
-        let wte = VocabParallelEmbedding::from_full(&rng.normal("wte", v * h, std), v, h, tp, device)?;
+        let wte =
+            VocabParallelEmbedding::from_full(&rng.normal("wte", v * h, std), v, h, tp, device)?;
         let wpe = Embedding {
             weight: burn::module::Param::from_tensor(Tensor::from_data(
                 burn::tensor::TensorData::new(rng.normal("wpe", s * h, std), [s, h]),
@@ -120,7 +124,9 @@ impl<B: ParallelBackend> Gpt<B> {
         let pos = Tensor::<B, 1, Int>::arange(0..s as i64, &device)
             .unsqueeze::<2>()
             .expand([b, s]);
-        let mut x = self.dropout.forward(self.wte.forward(ids) + self.wpe.forward(pos));
+        let mut x = self
+            .dropout
+            .forward(self.wte.forward(ids) + self.wpe.forward(pos));
         for block in &self.blocks {
             x = block.forward(x);
         }

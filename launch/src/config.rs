@@ -1,0 +1,469 @@
+//! The TOML configuration of a training job, with `--set key=value` overrides.
+//!
+//! Every key has a default, so a config file only states what differs. Unknown keys and bad
+//! values are errors that name the key.
+
+use std::path::Path;
+
+use merak_gpt::GptConfig;
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+use toml::Value;
+
+/// A configuration error; every variant names the key or the file.
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        /// The path.
+        path: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML.
+    #[error("config file {path} is not valid TOML: {msg}")]
+    Parse {
+        /// The path.
+        path: String,
+        /// The parser's message.
+        msg: String,
+    },
+    /// A key that no configuration has.
+    #[error("unknown config key `{key}`{hint}")]
+    UnknownKey {
+        /// The dotted key.
+        key: String,
+        /// The keys known at that level.
+        hint: String,
+    },
+    /// A `--set` argument without `=`.
+    #[error("--set expects key=value, got `{0}`")]
+    SetSyntax(String),
+    /// A value of the wrong type or out of range.
+    #[error("config key `{key}`: {msg}")]
+    BadValue {
+        /// The dotted key.
+        key: String,
+        /// What is wrong.
+        msg: String,
+    },
+}
+
+/// `[model]`: which model and its shape.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    /// Model family: "gpt".
+    pub kind: String,
+    /// A preset name (`merak models` lists them) giving the shape; the keys below override it.
+    /// Empty: the keys below are the whole shape.
+    pub preset: String,
+    /// The shape.
+    #[serde(flatten)]
+    pub gpt: GptConfig,
+}
+
+/// `[parallel]`: the layout.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ParallelSection {
+    /// Data-parallel degree.
+    pub dp: usize,
+    /// Tensor-parallel degree.
+    pub tp: usize,
+    /// Pipeline-parallel degree.
+    pub pp: usize,
+}
+
+/// `[train]`: optimization.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainSection {
+    /// Optimizer steps.
+    pub steps: usize,
+    /// Sequences per optimizer step, over all data-parallel ranks.
+    pub global_batch: usize,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Final learning rate of the cosine decay.
+    pub min_lr: f64,
+    /// Linear warm-up steps.
+    pub warmup_steps: usize,
+    /// AdamW decoupled weight decay.
+    pub weight_decay: f64,
+    /// AdamW beta 1.
+    pub beta1: f64,
+    /// AdamW beta 2.
+    pub beta2: f64,
+    /// AdamW epsilon.
+    pub eps: f64,
+    /// Clip gradients to this global norm (0 disables clipping).
+    pub grad_clip: f64,
+    /// Seed of initialization, data and dropout.
+    pub seed: u64,
+    /// Device: "cpu" or "cuda" (needs the `cuda` build feature).
+    pub device: String,
+}
+
+/// `[data]`: where tokens come from.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataSection {
+    /// "synthetic": deterministic sequences generated from the seed.
+    pub kind: String,
+}
+
+/// A whole training configuration.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// The model.
+    pub model: ModelSection,
+    /// The layout.
+    pub parallel: ParallelSection,
+    /// Optimization.
+    pub train: TrainSection,
+    /// Data.
+    pub data: DataSection,
+}
+
+impl Default for Config {
+    /// The built-in default: the tiny GPT on synthetic data, one process.
+    fn default() -> Self {
+        let gpt = GptConfig::preset("tiny").expect("the tiny preset exists");
+        Config {
+            model: ModelSection {
+                kind: "gpt".into(),
+                preset: String::new(),
+                gpt,
+            },
+            parallel: ParallelSection {
+                dp: 1,
+                tp: 1,
+                pp: 1,
+            },
+            train: TrainSection {
+                steps: 200,
+                global_batch: 8,
+                lr: 3e-3,
+                min_lr: 3e-4,
+                warmup_steps: 10,
+                weight_decay: 0.01,
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                grad_clip: 1.0,
+                seed: 1234,
+                device: "cpu".into(),
+            },
+            data: DataSection {
+                kind: "synthetic".into(),
+            },
+        }
+    }
+}
+
+fn default_value() -> Value {
+    Value::try_from(Config::default()).expect("the default config serializes")
+}
+
+/// Checks every key of `user` against `known`, recursively; `prefix` is the dotted path so far.
+fn check_keys(user: &Value, known: &Value, prefix: &str) -> Result<(), ConfigError> {
+    let (Value::Table(u), Value::Table(k)) = (user, known) else {
+        return Ok(());
+    };
+    for (name, v) in u {
+        let key = if prefix.is_empty() {
+            name.clone()
+        } else {
+            format!("{prefix}.{name}")
+        };
+        match k.get(name) {
+            Some(kv) => check_keys(v, kv, &key)?,
+            None => {
+                return Err(ConfigError::UnknownKey {
+                    key,
+                    hint: format!(
+                        " (known keys{}: {})",
+                        if prefix.is_empty() {
+                            String::new()
+                        } else {
+                            format!(" in [{prefix}]")
+                        },
+                        k.keys().cloned().collect::<Vec<_>>().join(", ")
+                    ),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Overlays `top` onto `base`, table by table.
+fn merge(base: &mut Value, top: Value) {
+    match (base, top) {
+        (Value::Table(b), Value::Table(t)) => {
+            for (k, v) in t {
+                match b.get_mut(&k) {
+                    Some(bv) => merge(bv, v),
+                    None => {
+                        b.insert(k, v);
+                    }
+                }
+            }
+        }
+        (b, t) => *b = t,
+    }
+}
+
+/// Parses the text of a `--set` value: a TOML literal (number, boolean, quoted string, array)
+/// or, failing that, a bare string.
+fn parse_literal(text: &str) -> Value {
+    toml::from_str::<toml::Table>(&format!("v = {text}"))
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| Value::String(text.to_string()))
+}
+
+fn set_key(root: &mut Value, key: &str, value: Value) {
+    let mut cur = root;
+    let parts: Vec<&str> = key.split('.').collect();
+    for p in &parts[..parts.len() - 1] {
+        let Value::Table(t) = cur else { return };
+        cur = t
+            .entry(p.to_string())
+            .or_insert_with(|| Value::Table(Default::default()));
+    }
+    if let Value::Table(t) = cur {
+        t.insert(parts[parts.len() - 1].to_string(), value);
+    }
+}
+
+/// Reads a config file (or starts from the built-in default when `path` is `None`), applies
+/// `--set` overrides, and checks every key and value.
+pub fn load(path: Option<&Path>, sets: &[String]) -> Result<Config, ConfigError> {
+    let known = default_value();
+    let mut user = Value::Table(Default::default());
+    if let Some(path) = path {
+        let shown = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: shown.clone(),
+            source,
+        })?;
+        user = Value::Table(toml::from_str(&text).map_err(|e| ConfigError::Parse {
+            path: shown,
+            msg: e.to_string(),
+        })?);
+        check_keys(&user, &known, "")?;
+    }
+    for s in sets {
+        let (key, text) = s
+            .split_once('=')
+            .ok_or_else(|| ConfigError::SetSyntax(s.clone()))?;
+        let key = key.trim();
+        let mut probe = Value::Table(Default::default());
+        set_key(&mut probe, key, Value::Boolean(true));
+        check_keys(&probe, &known, "")?;
+        set_key(&mut user, key, parse_literal(text.trim()));
+    }
+
+    // Base: the defaults, then the model preset if one is named, then the user's keys.
+    let mut merged = known;
+    let preset = user
+        .get("model")
+        .and_then(|m| m.get("preset"))
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_string();
+    if !preset.is_empty() {
+        let shape = GptConfig::preset(&preset).map_err(|e| ConfigError::BadValue {
+            key: "model.preset".into(),
+            msg: e.to_string(),
+        })?;
+        let shape = Value::try_from(shape).map_err(|e| ConfigError::BadValue {
+            key: "model.preset".into(),
+            msg: e.to_string(),
+        })?;
+        let mut model = toml::Table::new();
+        model.insert("model".into(), shape);
+        merge(&mut merged, Value::Table(model));
+    }
+    merge(&mut merged, user);
+    let cfg: Config = deserialize_named(merged)?;
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+/// Deserializes section by section so that a type error names its key.
+fn deserialize_named(v: Value) -> Result<Config, ConfigError> {
+    let text = toml::to_string(&v).map_err(|e| ConfigError::BadValue {
+        key: "(config)".into(),
+        msg: e.to_string(),
+    })?;
+    toml::from_str(&text).map_err(|e: toml::de::Error| {
+        // Point at the key: the span of the error is inside the offending line.
+        let key = e
+            .span()
+            .and_then(|span| key_at(&text, span.start))
+            .unwrap_or_else(|| "(config)".into());
+        ConfigError::BadValue {
+            key,
+            msg: e.message().to_string(),
+        }
+    })
+}
+
+/// The dotted key of the line containing byte `offset` of a serialized config.
+fn key_at(text: &str, offset: usize) -> Option<String> {
+    let mut section = String::new();
+    let mut pos = 0;
+    for line in text.lines() {
+        let end = pos + line.len();
+        let t = line.trim();
+        if t.starts_with('[') {
+            section = t.trim_matches(|c| c == '[' || c == ']').to_string();
+        }
+        if offset <= end {
+            if let Some((k, _)) = t.split_once('=') {
+                return Some(format!("{section}.{}", k.trim()));
+            }
+            return (!section.is_empty()).then_some(section);
+        }
+        pos = end + 1;
+    }
+    None
+}
+
+impl Config {
+    /// Checks values that types alone do not constrain.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |key: &str, msg: String| {
+            Err(ConfigError::BadValue {
+                key: key.into(),
+                msg,
+            })
+        };
+        if self.model.kind != "gpt" {
+            return bad(
+                "model.kind",
+                format!("`{}` is not a known model (known: gpt)", self.model.kind),
+            );
+        }
+        if let Err(e) = self.model.gpt.validate() {
+            return bad("model", e.to_string());
+        }
+        if self.data.kind != "synthetic" {
+            return bad(
+                "data.kind",
+                format!(
+                    "`{}` is not a known data source (known: synthetic)",
+                    self.data.kind
+                ),
+            );
+        }
+        if self.train.steps == 0 {
+            return bad("train.steps", "must be at least 1".into());
+        }
+        if self.train.global_batch == 0 {
+            return bad("train.global_batch", "must be at least 1".into());
+        }
+        if !(self.train.lr > 0.0 && self.train.lr.is_finite()) {
+            return bad(
+                "train.lr",
+                format!("{} must be a positive number", self.train.lr),
+            );
+        }
+        if self.train.min_lr < 0.0 || self.train.min_lr > self.train.lr {
+            return bad(
+                "train.min_lr",
+                format!(
+                    "{} must be in [0, train.lr = {}]",
+                    self.train.min_lr, self.train.lr
+                ),
+            );
+        }
+        for (key, b) in [
+            ("train.beta1", self.train.beta1),
+            ("train.beta2", self.train.beta2),
+        ] {
+            if !(0.0..1.0).contains(&b) {
+                return bad(key, format!("{b} must be in [0, 1)"));
+            }
+        }
+        if self.train.grad_clip < 0.0 {
+            return bad(
+                "train.grad_clip",
+                format!("{} must be >= 0", self.train.grad_clip),
+            );
+        }
+        if !matches!(self.train.device.as_str(), "cpu" | "cuda") {
+            return bad(
+                "train.device",
+                format!("`{}` is not a device (cpu or cuda)", self.train.device),
+            );
+        }
+        if self.train.global_batch % self.parallel.dp.max(1) != 0 {
+            return bad(
+                "train.global_batch",
+                format!(
+                    "{} is not divisible by parallel.dp = {}",
+                    self.train.global_batch, self.parallel.dp
+                ),
+            );
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sets(s: &[&str]) -> Vec<String> {
+        s.iter().map(|x| x.to_string()).collect()
+    }
+
+    #[test]
+    fn overrides_apply_and_unknown_keys_are_named() {
+        let c = load(
+            None,
+            &sets(&["train.steps=5", "parallel.tp=2", "data.kind=synthetic"]),
+        )
+        .unwrap();
+        assert_eq!(c.train.steps, 5);
+        assert_eq!(c.parallel.tp, 2);
+        let e = load(None, &sets(&["train.stepz=5"]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("train.stepz") && e.contains("steps"), "{e}");
+        let e = load(None, &sets(&["train.steps=many"]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("train.steps"), "{e}");
+        let e = load(None, &sets(&["data.kind=books"]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("data.kind"), "{e}");
+        let e = load(None, &sets(&["train.steps"])).unwrap_err().to_string();
+        assert!(e.contains("key=value"), "{e}");
+    }
+
+    #[test]
+    fn presets_fill_the_shape_and_keys_override_them() {
+        let c = load(None, &sets(&["model.preset=gpt2", "model.layers=2"])).unwrap();
+        assert_eq!(c.model.gpt.hidden, 768);
+        assert_eq!(c.model.gpt.layers, 2);
+        let e = load(None, &sets(&["model.preset=gpt5"]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("model.preset") && e.contains("gpt2-xl"), "{e}");
+    }
+
+    #[test]
+    fn the_shipped_config_loads() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/gpt-tiny.toml");
+        let c = load(Some(&path), &[]).unwrap();
+        assert_eq!(c.model.gpt.heads, 4);
+    }
+}

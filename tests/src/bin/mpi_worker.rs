@@ -1,0 +1,556 @@
+//! The program the multi-rank tests run under `mpirun`: `mpi-worker SCENARIO`.
+//!
+//! Each scenario checks the parallel result against a serial computation done on the same rank
+//! and panics on any mismatch (the panic hook aborts the job, so the test sees a non-zero exit).
+//! On success every rank prints `rank R: SCENARIO ok`.
+//!
+//! Scenarios: `comm` (every communicator operation), `grid` (sub-communicator membership),
+//! `layers` (tensor-parallel layers against tp = 1, forward and backward), `panic` (rank 1
+//! panics while rank 0 waits for it).
+
+use std::rc::Rc;
+
+use burn::backend::{Autodiff, NdArray};
+use burn::tensor::{Int, Tensor, TensorData, backend::Backend};
+use merak_burn::comm::{Communicator, Group, MpiWorld, ReduceOp, TensorComm};
+use merak_burn::grid::{Layout, ProcessGrid};
+use merak_burn::tensor_parallel::{
+    AttentionMask, AttentionWeights, ColumnParallelLinear, InitRng, MlpWeights, ParallelMlp,
+    ParallelSelfAttention, RowParallelLinear, Shard, VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+};
+use merak_tests::rel_err;
+
+type B = Autodiff<NdArray<f32>>;
+type I = NdArray<f32>;
+
+const TOL: f64 = 1e-5;
+
+fn main() {
+    let scenario = std::env::args().nth(1).unwrap_or_default();
+    let mpi = MpiWorld::init().expect("MPI initialises");
+    let world = mpi.world();
+    let rank = world.rank();
+    match scenario.as_str() {
+        "comm" => comm(&world),
+        "grid" => grid(mpi.world()),
+        "layers" => layers(Group::register(Rc::new(mpi.world()))),
+        "panic" => panic_scenario(&world),
+        other => panic!("unknown scenario {other:?}"),
+    }
+    println!("rank {rank}: {scenario} ok");
+}
+
+fn data(rank: usize, n: usize) -> Vec<f32> {
+    // Multiples of 1/4 below 2^20: every sum below is exact in f32.
+    (0..n)
+        .map(|i| (rank as f32 + 1.0) * 0.5 + (i % 97) as f32 * 0.25)
+        .collect()
+}
+
+fn expect(name: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{name}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(g == w, "{name}: element {i} is {g}, expected {w}");
+    }
+}
+
+fn comm(c: &dyn Communicator) {
+    let (r, n) = (c.rank(), c.size());
+    let len = 10;
+    let all: Vec<Vec<f32>> = (0..n).map(|q| data(q, len)).collect();
+    let sum: Vec<f32> = (0..len).map(|i| all.iter().map(|v| v[i]).sum()).collect();
+    let max: Vec<f32> = (0..len)
+        .map(|i| all.iter().map(|v| v[i]).fold(f32::MIN, f32::max))
+        .collect();
+
+    for (op, want) in [
+        (ReduceOp::Sum, sum.clone()),
+        (ReduceOp::Max, max.clone()),
+        (ReduceOp::Mean, sum.iter().map(|s| s / n as f32).collect()),
+    ] {
+        let mut buf = data(r, len);
+        c.all_reduce(&mut buf, op).unwrap();
+        expect(&format!("all_reduce {op:?}"), &buf, &want);
+    }
+
+    let mut gathered = vec![0.0; len * n];
+    c.all_gather(&data(r, len), &mut gathered).unwrap();
+    expect("all_gather", &gathered, &all.concat());
+
+    let big: Vec<Vec<f32>> = (0..n).map(|q| data(q, len * n)).collect();
+    let big_sum: Vec<f32> = (0..len * n)
+        .map(|i| big.iter().map(|v| v[i]).sum())
+        .collect();
+    let mut part = vec![0.0; len];
+    c.reduce_scatter(&data(r, len * n), &mut part, ReduceOp::Sum)
+        .unwrap();
+    expect("reduce_scatter", &part, &big_sum[r * len..(r + 1) * len]);
+
+    let root = n - 1;
+    let mut b = data(r, len);
+    c.broadcast(&mut b, root).unwrap();
+    expect("broadcast", &b, &all[root]);
+    let mut bytes = vec![r as u8; 128];
+    c.broadcast_bytes(&mut bytes, 0).unwrap();
+    assert!(bytes.iter().all(|&x| x == 0), "broadcast_bytes");
+
+    if n > 1 {
+        // A ring: everyone sends to the next rank and receives from the previous one.
+        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+        let mut got = vec![0.0; len];
+        if r % 2 == 0 {
+            c.send(&data(r, len), next, 7).unwrap();
+            c.recv(&mut got, prev, 7).unwrap();
+        } else {
+            c.recv(&mut got, prev, 7).unwrap();
+            c.send(&data(r, len), next, 7).unwrap();
+        }
+        expect("send/recv", &got, &all[prev]);
+    }
+    c.barrier().unwrap();
+
+    // Non-blocking all-reduce of a large buffer, progressed by test() between compute chunks.
+    let nb = 1 << 20;
+    let mut pending = c.all_reduce_start(data(r, nb), ReduceOp::Sum).unwrap();
+    let mut spins = 0u64;
+    let mut acc = 0.0f64;
+    while !pending.test().unwrap() {
+        acc += (0..1000).map(|i| (i as f64).sqrt()).sum::<f64>();
+        spins += 1;
+    }
+    assert!(acc >= 0.0);
+    let out = pending.wait().unwrap();
+    let want: Vec<f32> = (0..nb)
+        .map(|i| (0..n).map(|q| data(q, 97)[i % 97]).sum())
+        .collect();
+    expect("all_reduce_start", &out, &want);
+    eprintln!("rank {r}: non-blocking all-reduce completed after {spins} progress calls");
+    let mut nb_max = c.all_reduce_start(data(r, len), ReduceOp::Max).unwrap();
+    while !nb_max.test().unwrap() {}
+    expect("all_reduce_start max", &nb_max.wait().unwrap(), &max);
+
+    // The same operations on Burn tensors.
+    let dev = Default::default();
+    let t =
+        |v: Vec<f32>, shape: [usize; 2]| Tensor::<I, 2>::from_data(TensorData::new(v, shape), &dev);
+    let values = |t: Tensor<I, 2>| t.into_data().into_vec::<f32>().unwrap();
+    let reduced = c
+        .all_reduce_tensor(t(data(r, len), [2, 5]), ReduceOp::Sum)
+        .unwrap();
+    expect("all_reduce_tensor", &values(reduced), &sum);
+    let g = c.all_gather_tensor(t(data(r, len), [2, 5]), 1).unwrap();
+    assert_eq!(g.dims(), [2, 5 * n]);
+    let gv = values(g);
+    for q in 0..n {
+        for row in 0..2 {
+            expect(
+                "all_gather_tensor",
+                &gv[row * 5 * n + q * 5..row * 5 * n + q * 5 + 5],
+                &all[q][row * 5..row * 5 + 5],
+            );
+        }
+    }
+    let rs = c
+        .reduce_scatter_tensor(t(data(r, 2 * n), [2, n]), 1, ReduceOp::Sum)
+        .unwrap();
+    let full: Vec<Vec<f32>> = (0..n).map(|q| data(q, 2 * n)).collect();
+    let want: Vec<f32> = (0..2)
+        .map(|row| full.iter().map(|v| v[row * n + r]).sum())
+        .collect();
+    expect("reduce_scatter_tensor", &values(rs), &want);
+    let bt = c.broadcast_tensor(t(data(r, len), [2, 5]), root).unwrap();
+    expect("broadcast_tensor", &values(bt), &all[root]);
+    if n > 1 {
+        if r == 0 {
+            c.send_tensor(t(data(r, len), [2, 5]), 1, 9).unwrap();
+        } else if r == 1 {
+            let got = c.recv_tensor::<I, 2>([2, 5], 0, 9, &dev).unwrap();
+            expect("send_tensor/recv_tensor", &values(got), &all[0]);
+        }
+    }
+    // Bad arguments are errors, not crashes.
+    assert!(c.all_gather(&[1.0], &mut [0.0; 0]).is_err());
+    assert!(c.broadcast(&mut [0.0], n).is_err());
+}
+
+fn grid(world: merak_burn::comm::MpiCommunicator) {
+    let n = world.size();
+    let layout = match n {
+        4 => Layout {
+            dp: 2,
+            tp: 2,
+            pp: 1,
+        },
+        8 => Layout {
+            dp: 2,
+            tp: 2,
+            pp: 2,
+        },
+        _ => Layout {
+            dp: 1,
+            tp: n,
+            pp: 1,
+        },
+    };
+    let g = ProcessGrid::from_mpi(world, layout).unwrap();
+    let c = g.coords;
+    assert_eq!(layout.rank_of(c), g.rank);
+    // Each group holds exactly the ranks that share the other two coordinates, in order.
+    for (name, group, members) in [
+        (
+            "tp",
+            g.tp,
+            (0..layout.tp)
+                .map(|t| layout.rank_of(merak_burn::grid::Coords { tp: t, ..c }))
+                .collect::<Vec<_>>(),
+        ),
+        (
+            "dp",
+            g.dp,
+            (0..layout.dp)
+                .map(|d| layout.rank_of(merak_burn::grid::Coords { dp: d, ..c }))
+                .collect(),
+        ),
+        (
+            "pp",
+            g.pp,
+            (0..layout.pp)
+                .map(|p| layout.rank_of(merak_burn::grid::Coords { pp: p, ..c }))
+                .collect(),
+        ),
+    ] {
+        let comm = group.comm().unwrap();
+        let mut got = vec![0.0; comm.size()];
+        comm.all_gather(&[g.rank as f32], &mut got).unwrap();
+        let got: Vec<usize> = got.iter().map(|x| *x as usize).collect();
+        assert_eq!(got, members, "{name} group of rank {}", g.rank);
+    }
+}
+
+fn panic_scenario(c: &dyn Communicator) {
+    c.barrier().unwrap();
+    if c.rank() == 1 {
+        panic!("deliberate failure in the panic scenario");
+    }
+    // Everyone else waits for a message that rank 1 will never send.
+    let mut buf = [0.0f32; 1];
+    c.recv(&mut buf, 1, 99).unwrap();
+}
+
+// ---------------------------------------------------------------- tensor-parallel layers
+
+fn to_vec<Bk: Backend, const D: usize>(t: Tensor<Bk, D>) -> Vec<f32> {
+    t.into_data().convert::<f32>().into_vec::<f32>().unwrap()
+}
+
+fn check(name: &str, got: Vec<f32>, want: Vec<f32>) {
+    let e = rel_err(&got, &want);
+    assert!(e <= TOL, "{name}: relative error {e:e} > {TOL:e}");
+}
+
+fn input(rng: &InitRng, name: &str, shape: [usize; 3]) -> Tensor<B, 3> {
+    let v = rng.normal(name, shape.iter().product(), 1.0);
+    Tensor::<B, 3>::from_data(TensorData::new(v, shape), &Default::default()).require_grad()
+}
+
+/// Slices the last dimension of a row-major `[rows, cols]` buffer like a column shard.
+fn cols(shard: Shard, v: &[f32], cols: usize, segments: usize) -> Vec<f32> {
+    shard.columns(v, v.len() / cols, cols, segments)
+}
+
+fn layers(tp: Group) {
+    let local = Group::local();
+    let shard = Shard {
+        rank: tp.rank(),
+        size: tp.size(),
+    };
+    let rng = InitRng::new(42);
+    let dev = Default::default();
+    let (b, s, h, heads) = (2, 5, 8, 4);
+
+    // Column-parallel linear, output split and output gathered.
+    for gather in [false, true] {
+        let w = rng.normal("col.w", h * 12, 0.3);
+        let bias = rng.normal("col.b", 12, 0.3);
+        let par = ColumnParallelLinear::<B>::from_full(&w, Some(&bias), h, 12, 1, gather, tp, &dev)
+            .unwrap();
+        let ser =
+            ColumnParallelLinear::<B>::from_full(&w, Some(&bias), h, 12, 1, gather, local, &dev)
+                .unwrap();
+        let (xp, xs) = (
+            input(&rng, "col.x", [b, s, h]),
+            input(&rng, "col.x", [b, s, h]),
+        );
+        let (yp, ys) = (par.forward(xp.clone()), ser.forward(xs.clone()));
+        let out_w = rng.normal("col.g", b * s * 12, 1.0);
+        let out_w_local = if gather {
+            out_w.clone()
+        } else {
+            cols(shard, &out_w, 12, 1)
+        };
+        let wt =
+            |v: Vec<f32>, n: usize| Tensor::<B, 3>::from_data(TensorData::new(v, [b, s, n]), &dev);
+        let n_par = if gather { 12 } else { 12 / tp.size() };
+        let gp = (yp.clone() * wt(out_w_local, n_par)).sum().backward();
+        let gs = (ys.clone() * wt(out_w, 12)).sum().backward();
+        let ys_v = to_vec(ys);
+        check(
+            "column forward",
+            to_vec(yp),
+            if gather {
+                ys_v
+            } else {
+                cols(shard, &ys_v, 12, 1)
+            },
+        );
+        check(
+            "column input grad",
+            to_vec(xp.grad(&gp).unwrap()),
+            to_vec(xs.grad(&gs).unwrap()),
+        );
+        check(
+            "column weight grad",
+            to_vec(par.linear.weight.grad(&gp).unwrap()),
+            cols(shard, &to_vec(ser.linear.weight.grad(&gs).unwrap()), 12, 1),
+        );
+        check(
+            "column bias grad",
+            to_vec(par.linear.bias.as_ref().unwrap().grad(&gp).unwrap()),
+            cols(
+                shard,
+                &to_vec(ser.linear.bias.as_ref().unwrap().grad(&gs).unwrap()),
+                12,
+                1,
+            ),
+        );
+    }
+
+    // Row-parallel linear: input split over features.
+    {
+        let w = rng.normal("row.w", 12 * h, 0.3);
+        let bias = rng.normal("row.b", h, 0.3);
+        let par = RowParallelLinear::<B>::from_full(&w, Some(&bias), 12, h, tp, &dev).unwrap();
+        let ser = RowParallelLinear::<B>::from_full(&w, Some(&bias), 12, h, local, &dev).unwrap();
+        let full = rng.normal("row.x", b * s * 12, 1.0);
+        let xs = Tensor::<B, 3>::from_data(TensorData::new(full.clone(), [b, s, 12]), &dev)
+            .require_grad();
+        let xp = Tensor::<B, 3>::from_data(
+            TensorData::new(cols(shard, &full, 12, 1), [b, s, 12 / tp.size()]),
+            &dev,
+        )
+        .require_grad();
+        let out_w = Tensor::<B, 3>::from_data(
+            TensorData::new(rng.normal("row.g", b * s * h, 1.0), [b, s, h]),
+            &dev,
+        );
+        let (yp, ys) = (par.forward(xp.clone()), ser.forward(xs.clone()));
+        let gp = (yp.clone() * out_w.clone()).sum().backward();
+        let gs = (ys.clone() * out_w).sum().backward();
+        check("row forward", to_vec(yp), to_vec(ys));
+        check(
+            "row input grad",
+            to_vec(xp.grad(&gp).unwrap()),
+            cols(shard, &to_vec(xs.grad(&gs).unwrap()), 12, 1),
+        );
+        check(
+            "row weight grad",
+            to_vec(par.linear.weight.grad(&gp).unwrap()),
+            shard.rows(&to_vec(ser.linear.weight.grad(&gs).unwrap()), 12, h),
+        );
+        let bias_par = if tp.size() == 1 {
+            par.linear.bias.as_ref()
+        } else {
+            par.bias.as_ref()
+        };
+        check(
+            "row bias grad",
+            to_vec(bias_par.unwrap().grad(&gp).unwrap()),
+            to_vec(ser.linear.bias.as_ref().unwrap().grad(&gs).unwrap()),
+        );
+    }
+
+    // Vocabulary-parallel embedding, tied head and cross-entropy, with a vocabulary (10)
+    // that tp = 4 does not divide.
+    {
+        let vocab = 10;
+        let table = rng.normal("emb.w", vocab * h, 0.5);
+        let par = VocabParallelEmbedding::<B>::from_full(&table, vocab, h, tp, &dev).unwrap();
+        let ser = VocabParallelEmbedding::<B>::from_full(&table, vocab, h, local, &dev).unwrap();
+        let ids: Vec<i64> = rng
+            .integers("emb.ids", b * s, vocab as u64)
+            .iter()
+            .map(|&x| x as i64)
+            .collect();
+        let mut targets: Vec<i64> = rng
+            .integers("emb.t", b * s, vocab as u64)
+            .iter()
+            .map(|&x| x as i64)
+            .collect();
+        targets[3] = -1; // an ignored position
+        let ids_t = || Tensor::<B, 2, Int>::from_data(TensorData::new(ids.clone(), [b, s]), &dev);
+        let tg_t =
+            || Tensor::<B, 2, Int>::from_data(TensorData::new(targets.clone(), [b, s]), &dev);
+        let (ep, es) = (par.forward(ids_t()), ser.forward(ids_t()));
+        check("embedding forward", to_vec(ep.clone()), to_vec(es.clone()));
+        // Loss through the tied head, with the hidden state as an input that needs a gradient.
+        let hidden = input(&rng, "emb.hidden", [b, s, h]);
+        let (hp, hs) = (hidden.clone() + ep, hidden.clone() + es);
+        let lp = vocab_parallel_cross_entropy(par.logits(hp), tg_t(), par.vocab_start(), vocab, tp);
+        let ls = vocab_parallel_cross_entropy(ser.logits(hs), tg_t(), 0, vocab, local);
+        // An independent reference: Burn's own cross-entropy on full logits.
+        let full_logits = ser.logits(hidden.clone().detach() + ser.forward(ids_t()).detach());
+        let mask: Vec<bool> = targets.iter().map(|&t| t >= 0).collect();
+        let keep: Vec<i64> = targets.iter().map(|&t| t.max(0)).collect();
+        let burn_ce = burn::nn::loss::CrossEntropyLossConfig::new()
+            .init::<B>(&dev)
+            .forward(
+                full_logits.reshape([b * s, vocab]).select(
+                    0,
+                    Tensor::<B, 1, Int>::from_data(
+                        TensorData::new(
+                            (0..b * s)
+                                .filter(|&i| mask[i])
+                                .map(|i| i as i64)
+                                .collect::<Vec<_>>(),
+                            [mask.iter().filter(|m| **m).count()],
+                        ),
+                        &dev,
+                    ),
+                ),
+                Tensor::<B, 1, Int>::from_data(
+                    TensorData::new(
+                        (0..b * s)
+                            .filter(|&i| mask[i])
+                            .map(|i| keep[i])
+                            .collect::<Vec<_>>(),
+                        [mask.iter().filter(|m| **m).count()],
+                    ),
+                    &dev,
+                ),
+            );
+        check(
+            "cross-entropy vs Burn's",
+            to_vec(ls.clone()),
+            to_vec(burn_ce),
+        );
+        check(
+            "cross-entropy forward",
+            to_vec(lp.clone()),
+            to_vec(ls.clone()),
+        );
+        let (gp, gs) = (lp.backward(), ls.backward());
+        check(
+            "cross-entropy hidden grad",
+            to_vec(hidden.grad(&gp).unwrap()),
+            to_vec(hidden.grad(&gs).unwrap()),
+        );
+        let padded = merak_burn::tensor_parallel::padded_vocab(vocab, tp.size());
+        let mut ser_w = to_vec(ser.embedding.weight.grad(&gs).unwrap());
+        ser_w.resize(padded * h, 0.0);
+        check(
+            "embedding weight grad (lookup and head)",
+            to_vec(par.embedding.weight.grad(&gp).unwrap()),
+            shard.rows(&ser_w, padded, h),
+        );
+    }
+
+    // Self-attention, causal and bidirectional.
+    for mask in [AttentionMask::Causal, AttentionMask::Bidirectional] {
+        let w = AttentionWeights {
+            qkv_weight: rng.normal("attn.qkv", h * 3 * h, 0.3),
+            qkv_bias: rng.normal("attn.qkv.b", 3 * h, 0.1),
+            proj_weight: rng.normal("attn.proj", h * h, 0.3),
+            proj_bias: rng.normal("attn.proj.b", h, 0.1),
+        };
+        let par = ParallelSelfAttention::<B>::from_full(&w, h, heads, mask, tp, &dev).unwrap();
+        let ser = ParallelSelfAttention::<B>::from_full(&w, h, heads, mask, local, &dev).unwrap();
+        let (xp, xs) = (
+            input(&rng, "attn.x", [b, s, h]),
+            input(&rng, "attn.x", [b, s, h]),
+        );
+        let out_w = Tensor::<B, 3>::from_data(
+            TensorData::new(rng.normal("attn.g", b * s * h, 1.0), [b, s, h]),
+            &dev,
+        );
+        let (yp, ys) = (par.forward(xp.clone()), ser.forward(xs.clone()));
+        let gp = (yp.clone() * out_w.clone()).sum().backward();
+        let gs = (ys.clone() * out_w).sum().backward();
+        let tag = format!("attention {mask:?}");
+        check(&format!("{tag} forward"), to_vec(yp), to_vec(ys));
+        check(
+            &format!("{tag} input grad"),
+            to_vec(xp.grad(&gp).unwrap()),
+            to_vec(xs.grad(&gs).unwrap()),
+        );
+        check(
+            &format!("{tag} qkv weight grad"),
+            to_vec(par.qkv.linear.weight.grad(&gp).unwrap()),
+            cols(
+                shard,
+                &to_vec(ser.qkv.linear.weight.grad(&gs).unwrap()),
+                3 * h,
+                3,
+            ),
+        );
+        check(
+            &format!("{tag} qkv bias grad"),
+            to_vec(par.qkv.linear.bias.as_ref().unwrap().grad(&gp).unwrap()),
+            cols(
+                shard,
+                &to_vec(ser.qkv.linear.bias.as_ref().unwrap().grad(&gs).unwrap()),
+                3 * h,
+                3,
+            ),
+        );
+        check(
+            &format!("{tag} proj weight grad"),
+            to_vec(par.proj.linear.weight.grad(&gp).unwrap()),
+            shard.rows(&to_vec(ser.proj.linear.weight.grad(&gs).unwrap()), h, h),
+        );
+    }
+
+    // MLP.
+    {
+        let w = MlpWeights {
+            fc_weight: rng.normal("mlp.fc", h * 4 * h, 0.3),
+            fc_bias: rng.normal("mlp.fc.b", 4 * h, 0.1),
+            proj_weight: rng.normal("mlp.proj", 4 * h * h, 0.3),
+            proj_bias: rng.normal("mlp.proj.b", h, 0.1),
+        };
+        let par = ParallelMlp::<B>::from_full(&w, h, 4 * h, tp, &dev).unwrap();
+        let ser = ParallelMlp::<B>::from_full(&w, h, 4 * h, local, &dev).unwrap();
+        let (xp, xs) = (
+            input(&rng, "mlp.x", [b, s, h]),
+            input(&rng, "mlp.x", [b, s, h]),
+        );
+        let out_w = Tensor::<B, 3>::from_data(
+            TensorData::new(rng.normal("mlp.g", b * s * h, 1.0), [b, s, h]),
+            &dev,
+        );
+        let (yp, ys) = (par.forward(xp.clone()), ser.forward(xs.clone()));
+        let gp = (yp.clone() * out_w.clone()).sum().backward();
+        let gs = (ys.clone() * out_w).sum().backward();
+        check("mlp forward", to_vec(yp), to_vec(ys));
+        check(
+            "mlp input grad",
+            to_vec(xp.grad(&gp).unwrap()),
+            to_vec(xs.grad(&gs).unwrap()),
+        );
+        check(
+            "mlp fc weight grad",
+            to_vec(par.fc.linear.weight.grad(&gp).unwrap()),
+            cols(
+                shard,
+                &to_vec(ser.fc.linear.weight.grad(&gs).unwrap()),
+                4 * h,
+                1,
+            ),
+        );
+        check(
+            "mlp proj weight grad",
+            to_vec(par.proj.linear.weight.grad(&gp).unwrap()),
+            shard.rows(&to_vec(ser.proj.linear.weight.grad(&gs).unwrap()), 4 * h, h),
+        );
+    }
+}
