@@ -403,7 +403,11 @@ impl Config {
                 format!("`{}` is not a device (cpu or cuda)", self.train.device),
             );
         }
-        if self.train.global_batch % self.parallel.dp.max(1) != 0 {
+        if !self
+            .train
+            .global_batch
+            .is_multiple_of(self.parallel.dp.max(1))
+        {
             return bad(
                 "train.global_batch",
                 format!(

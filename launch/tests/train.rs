@@ -108,6 +108,21 @@ fn tensor_and_data_parallel_losses_equal_one_process() {
 }
 
 #[test]
+fn dropout_masks_agree_across_tensor_parallel_ranks() {
+    let drop = ["--set", "model.dropout=0.1"];
+    let single = train(0, "single-dropout", &drop);
+    let got = train(
+        2,
+        "tp2-dropout",
+        &["--tp", "2", "--set", "model.dropout=0.1"],
+    );
+    assert_same_run("tp2 with dropout", &got, &single);
+    // Dropout is really on: the losses differ from the run without it.
+    let plain = train(0, "single-no-dropout", &[]);
+    assert_ne!(series(&single, "loss"), series(&plain, "loss"));
+}
+
+#[test]
 fn a_layout_tp_does_not_fit_fails_at_once_naming_tp_and_heads() {
     let mut cmd = mpirun(3);
     cmd.arg(MERAK)

@@ -89,7 +89,7 @@ pub enum LayoutError {
 
 fn divisors(n: usize) -> String {
     (1..=n)
-        .filter(|d| n % d == 0)
+        .filter(|d| n.is_multiple_of(*d))
         .map(|d| d.to_string())
         .collect::<Vec<_>>()
         .join(", ")
@@ -124,14 +124,14 @@ impl Layout {
                 world,
             });
         }
-        if model.heads % self.tp != 0 {
+        if !model.heads.is_multiple_of(self.tp) {
             return Err(LayoutError::Heads {
                 tp: self.tp,
                 heads: model.heads,
                 choices: divisors(model.heads),
             });
         }
-        if model.hidden % self.tp != 0 {
+        if !model.hidden.is_multiple_of(self.tp) {
             return Err(LayoutError::Hidden {
                 tp: self.tp,
                 hidden: model.hidden,

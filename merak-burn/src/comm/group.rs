@@ -11,9 +11,11 @@ use std::rc::Rc;
 
 use super::{CommError, Communicator};
 
+/// The communicators of this thread by id, with the last id handed out.
+type Registry = (u64, HashMap<u64, Rc<dyn Communicator>>);
+
 thread_local! {
-    static REGISTRY: RefCell<(u64, HashMap<u64, Rc<dyn Communicator>>)> =
-        RefCell::new((0, HashMap::new()));
+    static REGISTRY: RefCell<Registry> = RefCell::new((0, HashMap::new()));
 }
 
 /// A handle to a communicator registered on this thread, with its rank and size cached.

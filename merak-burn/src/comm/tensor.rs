@@ -121,7 +121,7 @@ impl<C: Communicator + ?Sized> TensorComm for C {
     ) -> Result<Tensor<B, D>, CommError> {
         let n = self.size();
         let dims = t.dims();
-        if dims[dim] % n != 0 {
+        if !dims[dim].is_multiple_of(n) {
             return Err(CommError::BufferSize {
                 op: "reduce_scatter_tensor (dimension not divisible by group size)",
                 expected: dims[dim].div_ceil(n) * n,

@@ -33,7 +33,7 @@ pub enum TpError {
 
 /// Checks `value % tp == 0`.
 pub fn check_divisible(what: &'static str, value: usize, tp: usize) -> Result<(), TpError> {
-    if tp == 0 || value % tp != 0 {
+    if tp == 0 || !value.is_multiple_of(tp) {
         Err(TpError::NotDivisible { what, value, tp })
     } else {
         Ok(())

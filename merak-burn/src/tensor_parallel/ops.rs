@@ -106,7 +106,7 @@ pub mod plain {
         let shape = burn::tensor::TensorMetadata::shape(&x);
         let size = shape[dim];
         assert!(
-            size % group.size() == 0,
+            size.is_multiple_of(group.size()),
             "tensor-parallel split: dimension {dim} of size {size} is not divisible by tp={}",
             group.size()
         );

@@ -127,7 +127,7 @@ impl GptConfig {
                 return Err(GptConfigError::Zero(name));
             }
         }
-        if self.hidden % self.heads != 0 {
+        if !self.hidden.is_multiple_of(self.heads) {
             return Err(GptConfigError::HeadDim {
                 hidden: self.hidden,
                 heads: self.heads,

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Installs what merak-burn needs to build and run on Debian/Ubuntu, if it is missing:
+# Open MPI (library, headers, mpirun), libclang (the `mpi` crate generates its bindings with it)
+# and pkg-config. Needs a Rust toolchain (https://rustup.rs) already installed.
+set -euo pipefail
+
+need=()
+for pkg in libopenmpi-dev openmpi-bin libclang-dev clang pkg-config; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
+done
+if [ ${#need[@]} -gt 0 ]; then
+  echo "installing: ${need[*]}"
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+command -v cargo >/dev/null || { echo "error: cargo not found; install Rust from https://rustup.rs" >&2; exit 1; }
+
+# Open MPI refuses to run as root unless told; containers and CI run as root.
+if [ "$(id -u)" -eq 0 ]; then
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+fi
