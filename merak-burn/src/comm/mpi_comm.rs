@@ -54,9 +54,7 @@ impl MpiWorld {
 
     /// A communicator over every process of the job.
     pub fn world(&self) -> MpiCommunicator {
-        MpiCommunicator {
-            comm: self.universe.world(),
-        }
+        MpiCommunicator::new(self.universe.world())
     }
 
     /// Ends the whole job at once (every rank) with `code`, after printing `message` tagged
@@ -110,6 +108,42 @@ fn install_abort_on_panic(rank: usize) {
 /// A group of MPI processes (the world or a sub-communicator made with [`MpiCommunicator::split`]).
 pub struct MpiCommunicator {
     comm: SimpleCommunicator,
+    /// Send-side copy for all-reduce. The safe `mpi` API has no `MPI_IN_PLACE`, so the input is
+    /// copied here first; keeping the buffer avoids a fresh allocation (and its page faults)
+    /// on every call.
+    scratch: std::cell::RefCell<Vec<f32>>,
+    /// Spare buffers for non-blocking all-reduces: a finished operation returns its send
+    /// buffer here and the next one takes its receive buffer from here.
+    pool: BufferPool,
+}
+
+/// A few spare host buffers shared by a communicator and its operations in flight.
+type BufferPool = std::rc::Rc<std::cell::RefCell<Vec<Vec<f32>>>>;
+
+/// How many spare buffers a communicator keeps.
+const POOL_SIZE: usize = 4;
+
+impl MpiCommunicator {
+    fn new(comm: SimpleCommunicator) -> Self {
+        Self {
+            comm,
+            scratch: std::cell::RefCell::new(Vec::new()),
+            pool: BufferPool::default(),
+        }
+    }
+
+    /// A buffer of `len` elements whose contents will be overwritten, from the pool if one is
+    /// large enough.
+    fn buffer(&self, len: usize) -> Vec<f32> {
+        let mut pool = self.pool.borrow_mut();
+        let mut buf = match pool.iter().position(|b| b.capacity() >= len) {
+            Some(i) => pool.swap_remove(i),
+            None => Vec::with_capacity(len),
+        };
+        buf.clear();
+        buf.resize(len, 0.0);
+        buf
+    }
 }
 
 impl MpiCommunicator {
@@ -119,7 +153,7 @@ impl MpiCommunicator {
         let key = check_count("split", key as usize)?;
         self.comm
             .split_by_color_with_key(color, key)
-            .map(|comm| MpiCommunicator { comm })
+            .map(MpiCommunicator::new)
             .ok_or(CommError::Mpi {
                 op: "split",
                 code: -1,
@@ -129,9 +163,7 @@ impl MpiCommunicator {
     /// A copy of this communicator with its own message space (`MPI_Comm_dup`), for example
     /// for a communication thread that must not match messages of the main thread.
     pub fn duplicate(&self) -> MpiCommunicator {
-        MpiCommunicator {
-            comm: self.comm.duplicate(),
-        }
+        MpiCommunicator::new(self.comm.duplicate())
     }
 
     fn op(op: ReduceOp) -> SystemOperation {
@@ -165,7 +197,9 @@ impl Communicator for MpiCommunicator {
         if self.size() == 1 {
             return Ok(());
         }
-        let send = buf.to_vec();
+        let mut send = self.scratch.borrow_mut();
+        send.clear();
+        send.extend_from_slice(buf);
         self.comm.all_reduce_into(&send[..], buf, Self::op(op));
         self.finish_mean(buf, op);
         Ok(())
@@ -241,8 +275,9 @@ impl Communicator for MpiCommunicator {
     fn all_reduce_start(&self, buf: Vec<f32>, op: ReduceOp) -> Result<Box<dyn Pending>, CommError> {
         let count = check_count("all_reduce_start", buf.len())?;
         let mut pending = PendingMpiAllReduce {
-            recv: vec![0.0; buf.len()],
+            recv: self.buffer(buf.len()),
             send: buf,
+            pool: self.pool.clone(),
             request: unsafe { mpi::ffi::RSMPI_REQUEST_NULL },
             complete: false,
             divide_by: (op == ReduceOp::Mean).then_some(self.size() as f32),
@@ -285,10 +320,15 @@ pub struct PendingMpiAllReduce {
     request: mpi::ffi::MPI_Request,
     complete: bool,
     divide_by: Option<f32>,
+    pool: BufferPool,
 }
 
 impl PendingMpiAllReduce {
     fn finish(&mut self) -> Vec<f32> {
+        let mut pool = self.pool.borrow_mut();
+        if pool.len() < POOL_SIZE {
+            pool.push(std::mem::take(&mut self.send));
+        }
         let mut out = std::mem::take(&mut self.recv);
         if let Some(n) = self.divide_by {
             out.iter_mut().for_each(|x| *x /= n);
@@ -343,6 +383,5 @@ impl Drop for PendingMpiAllReduce {
     fn drop(&mut self) {
         // The buffers must outlive the request: complete it before they are freed.
         let _ = self.wait_raw();
-        let _ = &self.send;
     }
 }
