@@ -74,6 +74,12 @@ pub struct ParallelSection {
     pub tp: usize,
     /// Pipeline-parallel degree.
     pub pp: usize,
+    /// ZeRO stage: 0 (every DP rank keeps the whole optimizer state) or 1 (each DP rank keeps
+    /// and updates the state of its share of the parameters, then shares the new values).
+    pub zero: u8,
+    /// Size of a data-parallel gradient bucket in MiB; a bucket's all-reduce starts as soon as
+    /// all its gradients are final.
+    pub bucket_mb: f64,
 }
 
 /// `[train]`: optimization.
@@ -84,6 +90,10 @@ pub struct TrainSection {
     pub steps: usize,
     /// Sequences per optimizer step, over all data-parallel ranks.
     pub global_batch: usize,
+    /// Sequences per forward/backward pass on one rank; 0 means the rank's whole share
+    /// (`global_batch / dp`). Gradients are accumulated over the micro-batches, so every
+    /// layout trains on the same global batch.
+    pub micro_batch: usize,
     /// Peak learning rate.
     pub lr: f64,
     /// Final learning rate of the cosine decay.
@@ -142,10 +152,13 @@ impl Default for Config {
                 dp: 1,
                 tp: 1,
                 pp: 1,
+                zero: 0,
+                bucket_mb: 1.0,
             },
             train: TrainSection {
                 steps: 200,
                 global_batch: 8,
+                micro_batch: 0,
                 lr: 3e-3,
                 min_lr: 3e-4,
                 warmup_steps: 10,
@@ -416,7 +429,40 @@ impl Config {
                 ),
             );
         }
+        let local = self.train.global_batch / self.parallel.dp.max(1);
+        if self.train.micro_batch > 0 && !local.is_multiple_of(self.train.micro_batch) {
+            return bad(
+                "train.micro_batch",
+                format!(
+                    "{} does not divide the per-rank batch {} (train.global_batch = {} / parallel.dp = {})",
+                    self.train.micro_batch, local, self.train.global_batch, self.parallel.dp
+                ),
+            );
+        }
+        if self.parallel.zero > 1 {
+            return bad(
+                "parallel.zero",
+                format!(
+                    "{} is not a supported ZeRO stage (0 or 1)",
+                    self.parallel.zero
+                ),
+            );
+        }
+        if !(self.parallel.bucket_mb > 0.0 && self.parallel.bucket_mb.is_finite()) {
+            return bad(
+                "parallel.bucket_mb",
+                format!("{} must be a positive number", self.parallel.bucket_mb),
+            );
+        }
         Ok(())
+    }
+
+    /// Sequences per forward/backward pass on one rank.
+    pub fn micro_batch(&self) -> usize {
+        match self.train.micro_batch {
+            0 => self.train.global_batch / self.parallel.dp.max(1),
+            m => m,
+        }
     }
 }
 

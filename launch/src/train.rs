@@ -4,15 +4,17 @@ use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use burn::module::AutodiffModule;
-use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use burn::optim::{AdamWConfig, Optimizer};
+use burn::tensor::ElementConversion;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
-use merak_burn::comm::{ReduceOp, TensorComm};
+use merak_burn::comm::ReduceOp;
+use merak_burn::data_parallel::DataParallel;
 use merak_burn::grid::ProcessGrid;
 use merak_burn::tensor_parallel::ParallelBackend;
 use merak_burn::train::{
     LrSchedule, MetricsWriter, StepMetrics, clip_grads, global_grad_norm, sharded_param_ids,
+    split_for_weight_decay,
 };
 use merak_gpt::Gpt;
 
@@ -43,12 +45,20 @@ where
     let seed = cfg.train.seed;
     let mut model: Gpt<B> = Gpt::new(gpt, seed, grid.tp, device).context("building the model")?;
     let sharded = sharded_param_ids::<B, _>(&model);
-    let mut optim = AdamWConfig::new()
+    // Two AdamW parameter groups: matrices decay, vectors (biases, norms) do not.
+    let adamw = AdamWConfig::new()
         .with_beta_1(cfg.train.beta1 as f32)
         .with_beta_2(cfg.train.beta2 as f32)
-        .with_epsilon(cfg.train.eps as f32)
+        .with_epsilon(cfg.train.eps as f32);
+    let mut optim_decay = adamw
+        .clone()
         .with_weight_decay(cfg.train.weight_decay as f32)
         .init::<B, Gpt<B>>();
+    let mut optim_no_decay = adamw.with_weight_decay(0.0).init::<B, Gpt<B>>();
+    let bucket_elems = (cfg.parallel.bucket_mb * (1 << 20) as f64 / 4.0) as usize;
+    let reducer = DataParallel::new(&model, grid.dp, bucket_elems)?;
+    let zero = cfg.parallel.zero == 1;
+    let owned = zero.then(|| reducer.owned_params());
     let schedule = LrSchedule {
         peak: cfg.train.lr,
         min: cfg.train.min_lr,
@@ -58,6 +68,8 @@ where
     let data = SyntheticData::new(seed, gpt.vocab_size);
     let dp = grid.layout.dp;
     let local_batch = cfg.train.global_batch / dp;
+    let micro = cfg.micro_batch();
+    let micro_batches = local_batch / micro;
     let first = grid.coords.dp * local_batch;
     let seq = gpt.seq_len;
     let tokens_per_step = (cfg.train.global_batch * seq) as f64;
@@ -80,17 +92,23 @@ where
     let mut total_time = 0.0;
     for step in 0..cfg.train.steps {
         let ts = Instant::now();
-        let (x, y) = data.batch(step, first, local_batch, seq);
-        let x = Tensor::<B, 2, Int>::from_data(TensorData::new(x, [local_batch, seq]), device);
-        let y = Tensor::<B, 2, Int>::from_data(TensorData::new(y, [local_batch, seq]), device);
-        let loss = model.loss(x, y);
-        let mut loss_value = f64::from(loss.clone().into_scalar().elem::<f32>());
-        let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+        reducer.begin_step();
+        let mut loss_sum = 0.0f64;
+        for m in 0..micro_batches {
+            let (x, y) = data.batch(step, first + m * micro, micro, seq);
+            let x = Tensor::<B, 2, Int>::from_data(TensorData::new(x, [micro, seq]), device);
+            let y = Tensor::<B, 2, Int>::from_data(TensorData::new(y, [micro, seq]), device);
+            reducer.set_last_micro_batch(m + 1 == micro_batches);
+            let loss = reducer.hooked(model.clone()).loss(x, y);
+            loss_sum += f64::from(loss.clone().into_scalar().elem::<f32>());
+            // The gradients travel through the reducer's hooks; Burn's copy is not needed.
+            let _ = loss.backward();
+        }
+        let (mut grads, dp_stats) = reducer.finish::<B, _>(&model, micro_batches)?;
+        let mut loss_value = loss_sum / micro_batches as f64;
         if dp > 1 {
-            grads = average_over_dp::<B>(&model, grads, grid)?;
-            let comm = grid.dp.comm()?;
             let mut l = [loss_value as f32];
-            comm.all_reduce(&mut l, ReduceOp::Mean)?;
+            grid.dp.comm()?.all_reduce(&mut l, ReduceOp::Mean)?;
             loss_value = f64::from(l[0]);
         }
         if !loss_value.is_finite() {
@@ -99,7 +117,12 @@ where
         let grad_norm = global_grad_norm::<B, _>(&model, &grads, &sharded, grid.tp)?;
         clip_grads::<B, _>(&model, &mut grads, grad_norm, cfg.train.grad_clip);
         let lr = schedule.at(step);
-        model = optim.step(lr, model, grads);
+        let (decay, no_decay) = split_for_weight_decay::<B, _>(&model, grads, owned.as_ref());
+        model = optim_decay.step(lr, model, decay);
+        model = optim_no_decay.step(lr, model, no_decay);
+        if zero {
+            model = reducer.broadcast_from_owners(model)?;
+        }
         let dt = ts.elapsed().as_secs_f64();
         total_time += dt;
         final_loss = loss_value;
@@ -110,6 +133,9 @@ where
             grad_norm,
             tokens_per_s: tokens_per_step / dt,
             step_time_s: dt,
+            dp_exposed_comm_s: dp_stats.exposed_wait.as_secs_f64(),
+            dp_overlapped_buckets: dp_stats.overlapped_buckets,
+            dp_buckets: dp_stats.buckets,
         };
         if let Some(w) = metrics.as_mut() {
             w.write(&m).context("writing metrics.jsonl")?;
@@ -131,43 +157,4 @@ where
         mean_tokens_per_s: tokens_per_step * cfg.train.steps as f64 / total_time.max(1e-9),
         wall_s: t0.elapsed().as_secs_f64(),
     })
-}
-
-use burn::module::{ModuleVisitor, Param};
-use burn::tensor::ElementConversion;
-
-/// Averages every gradient over the data-parallel group (one all-reduce per parameter, after
-/// the backward pass).
-fn average_over_dp<B: AutodiffBackend>(
-    model: &impl AutodiffModule<B>,
-    grads: GradientsParams,
-    grid: &ProcessGrid,
-) -> Result<GradientsParams> {
-    struct Avg<'a, B: AutodiffBackend> {
-        grads: GradientsParams,
-        comm: std::rc::Rc<dyn merak_burn::comm::Communicator>,
-        err: Option<merak_burn::comm::CommError>,
-        _b: std::marker::PhantomData<&'a B>,
-    }
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Avg<'_, B> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
-                match self.comm.all_reduce_tensor(g, ReduceOp::Mean) {
-                    Ok(g) => self.grads.register(param.id, g),
-                    Err(e) => self.err = Some(e),
-                }
-            }
-        }
-    }
-    let mut v = Avg::<B> {
-        grads,
-        comm: grid.dp.comm()?,
-        err: None,
-        _b: std::marker::PhantomData,
-    };
-    model.visit(&mut v);
-    match v.err {
-        Some(e) => Err(e.into()),
-        None => Ok(v.grads),
-    }
 }

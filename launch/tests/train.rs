@@ -100,10 +100,56 @@ fn tensor_and_data_parallel_losses_equal_one_process() {
         (2, "tp2", vec!["--tp", "2"]),
         (4, "tp4", vec!["--tp", "4"]),
         (2, "dp2", vec!["--dp", "2"]),
+        (4, "dp4", vec!["--dp", "4"]),
         (4, "dp2tp2", vec!["--dp", "2", "--tp", "2"]),
+        // Small buckets: several all-reduces overlap the backward pass.
+        (
+            2,
+            "dp2-buckets",
+            vec!["--dp", "2", "--set", "parallel.bucket_mb=0.05"],
+        ),
+        (
+            2,
+            "dp2-zero1",
+            vec!["--dp", "2", "--set", "parallel.zero=1"],
+        ),
+        // Gradient accumulation: 2 micro-batches of 2 sequences per rank.
+        (
+            4,
+            "dp2tp2-micro-zero1",
+            vec![
+                "--dp",
+                "2",
+                "--tp",
+                "2",
+                "--set",
+                "train.micro_batch=2",
+                "--set",
+                "parallel.zero=1",
+            ],
+        ),
     ] {
         let got = train(np, name, &extra);
         assert_same_run(name, &got, &single);
+    }
+}
+
+#[test]
+fn gradient_buckets_start_during_the_backward_pass() {
+    let m = train(
+        2,
+        "dp2-overlap",
+        &["--dp", "2", "--set", "parallel.bucket_mb=0.05"],
+    );
+    for r in &m {
+        let buckets = r["dp_buckets"].as_u64().expect("dp_buckets");
+        let early = r["dp_overlapped_buckets"]
+            .as_u64()
+            .expect("dp_overlapped_buckets");
+        assert!(buckets > 1, "{r}");
+        // Every bucket but possibly the last (the embedding, finished last) starts early.
+        assert!(early + 1 >= buckets, "{r}");
+        assert!(r["dp_exposed_comm_s"].as_f64().is_some(), "{r}");
     }
 }
 

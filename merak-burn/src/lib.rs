@@ -4,9 +4,11 @@
 //! - [`comm`]: the [`Communicator`](comm::Communicator) trait with MPI, NCCL and one-process
 //!   implementations.
 //! - [`grid`]: the process grid `world = dp * pp * tp` and its per-axis communicators.
+//! - [`data_parallel`]: bucketed gradient all-reduce overlapped with the backward pass, ZeRO-1.
 //! - [`tensor_parallel`]: the f/g autodiff operators and the tensor-parallel layers.
 
 pub mod comm;
+pub mod data_parallel;
 pub mod grid;
 pub mod tensor_parallel;
 pub mod train;

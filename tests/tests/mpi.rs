@@ -46,6 +46,13 @@ fn tensor_parallel_layers_equal_serial_for_tp_1_2_4() {
 }
 
 #[test]
+fn zero1_gives_every_parameter_exactly_one_owner() {
+    for np in [1, 2, 4] {
+        assert_all_ranks_ok(np, "zero");
+    }
+}
+
+#[test]
 fn a_panicking_rank_ends_the_job_promptly_and_is_named() {
     let run = worker(3, "panic");
     assert!(!run.timed_out, "the job hung: {run:?}");

@@ -34,6 +34,9 @@ pub trait ParallelBackend: Backend {
     fn tp_gather(x: FloatTensor<Self>, dim: usize, group: Group) -> FloatTensor<Self>;
     /// This rank's chunk along `dim` forward; all-gather of the gradient backward.
     fn tp_split(x: FloatTensor<Self>, dim: usize, group: Group) -> FloatTensor<Self>;
+    /// Identity forward; backward, hands the gradient to the data-parallel gradient hook
+    /// `hook` (see [`crate::data_parallel`]) as soon as it is final, and passes it on unchanged.
+    fn grad_hook(x: FloatTensor<Self>, hook: usize) -> FloatTensor<Self>;
 }
 
 /// Forward-only implementations on a plain backend, shared by [`impl_parallel_backend!`].
@@ -98,6 +101,12 @@ pub mod plain {
         B::float_cat(parts, dim)
     }
 
+    /// Reads a primitive into a host vector (for gradient hooks).
+    pub fn to_host<B: Backend>(x: FloatTensor<B>) -> Vec<f32> {
+        let (t, shape) = as_rank::<B>(x);
+        crate::comm::tensor_to_vec(t.reshape([shape.num_elements()])).unwrap_or_else(|e| fatal(e))
+    }
+
     /// This rank's chunk along `dim` of a primitive.
     pub fn split<B: Backend>(x: FloatTensor<B>, dim: usize, group: Group) -> FloatTensor<B> {
         if group.size() == 1 {
@@ -160,6 +169,12 @@ macro_rules! impl_parallel_backend {
             ) -> burn::tensor::ops::FloatTensor<Self> {
                 $crate::tensor_parallel::ops::plain::split::<Self>(x, dim, group)
             }
+            fn grad_hook(
+                x: burn::tensor::ops::FloatTensor<Self>,
+                _hook: usize,
+            ) -> burn::tensor::ops::FloatTensor<Self> {
+                x
+            }
         }
     };
 }
@@ -176,6 +191,19 @@ struct ReduceBackward;
 struct GatherBackward;
 #[derive(Debug)]
 struct SplitBackward;
+#[derive(Debug)]
+struct HookBackward;
+
+impl<B: ParallelBackend> Backward<B, 1> for HookBackward {
+    type State = usize;
+    fn backward(self, ops: Ops<usize, 1>, grads: &mut Gradients, _c: &mut Checkpointer) {
+        let hook = ops.state;
+        unary::<B, _>(ops.parents, ops.node, grads, |g| {
+            crate::data_parallel::deliver_grad(hook, plain::to_host::<B>(g.clone()));
+            g
+        });
+    }
+}
 
 impl<B: ParallelBackend> Backward<B, 1> for CopyBackward {
     type State = Group;
@@ -256,6 +284,17 @@ impl<B: ParallelBackend, C: CheckpointStrategy> ParallelBackend for Autodiff<B, 
                 prep.finish((dim, group), B::tp_split(x.primitive, dim, group))
             }
             OpsKind::UnTracked(prep) => prep.finish(B::tp_split(x.primitive, dim, group)),
+        }
+    }
+
+    fn grad_hook(x: FloatTensor<Self>, hook: usize) -> FloatTensor<Self> {
+        match HookBackward
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(hook, x.primitive),
+            OpsKind::UnTracked(prep) => prep.finish(x.primitive),
         }
     }
 }

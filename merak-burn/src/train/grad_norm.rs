@@ -153,3 +153,91 @@ pub fn clip_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
     module.visit(&mut v);
     scale
 }
+
+struct Split<'a, B: AutodiffBackend> {
+    grads: &'a mut GradientsParams,
+    decay: GradientsParams,
+    no_decay: GradientsParams,
+    keep: Option<&'a HashSet<ParamId>>,
+    _b: std::marker::PhantomData<B>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Split<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) else {
+            return;
+        };
+        if self.keep.is_some_and(|k| !k.contains(&param.id)) {
+            return;
+        }
+        // Weights and embeddings (two or more dimensions) decay; biases and norm gains do not.
+        if D >= 2 {
+            self.decay.register(param.id, g);
+        } else {
+            self.no_decay.register(param.id, g);
+        }
+    }
+}
+
+/// Splits gradients into the parameter groups of AdamW: `(decayed, not decayed)`, where
+/// matrices (weights, embeddings) decay and vectors (biases, LayerNorm gains and shifts) do not.
+/// With `keep`, gradients of other parameters are dropped (ZeRO-1: a rank steps only what it
+/// owns).
+pub fn split_for_weight_decay<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: &M,
+    mut grads: GradientsParams,
+    keep: Option<&HashSet<ParamId>>,
+) -> (GradientsParams, GradientsParams) {
+    let mut v = Split::<B> {
+        grads: &mut grads,
+        decay: GradientsParams::new(),
+        no_decay: GradientsParams::new(),
+        keep,
+        _b: std::marker::PhantomData,
+    };
+    module.visit(&mut v);
+    (v.decay, v.no_decay)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::{Autodiff, NdArray};
+    use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
+
+    type AB = Autodiff<NdArray<f32>>;
+
+    #[derive(Module, Debug)]
+    struct Net<B: burn::tensor::backend::Backend> {
+        fc: Linear<B>,
+        ln: LayerNorm<B>,
+    }
+
+    #[test]
+    fn matrices_decay_and_vectors_do_not() {
+        let dev = Default::default();
+        let net = Net::<AB> {
+            fc: LinearConfig::new(4, 3).init(&dev),
+            ln: LayerNormConfig::new(3).init(&dev),
+        };
+        let x = Tensor::<AB, 2>::ones([2, 4], &dev);
+        let loss = net.ln.forward(net.fc.forward(x)).powi_scalar(2).sum();
+        let grads = GradientsParams::from_grads(loss.backward(), &net);
+        let (decay, no_decay) = split_for_weight_decay::<AB, _>(&net, grads, None);
+        assert_eq!(decay.len(), 1, "only the linear weight decays");
+        assert!(decay.get::<NdArray<f32>, 2>(net.fc.weight.id).is_some());
+        assert_eq!(no_decay.len(), 3, "linear bias, norm gain and shift");
+        assert!(no_decay.get::<NdArray<f32>, 1>(net.ln.gamma.id).is_some());
+
+        let grads = GradientsParams::from_grads(
+            net.fc
+                .forward(Tensor::<AB, 2>::ones([1, 4], &dev))
+                .sum()
+                .backward(),
+            &net,
+        );
+        let keep: HashSet<ParamId> = [net.fc.weight.id].into_iter().collect();
+        let (decay, no_decay) = split_for_weight_decay::<AB, _>(&net, grads, Some(&keep));
+        assert_eq!((decay.len(), no_decay.len()), (1, 0));
+    }
+}

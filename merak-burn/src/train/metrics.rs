@@ -21,6 +21,13 @@ pub struct StepMetrics {
     pub tokens_per_s: f64,
     /// Wall time of the step in seconds.
     pub step_time_s: f64,
+    /// Time spent waiting for data-parallel all-reduces after the backward pass (the
+    /// communication the backward pass did not hide).
+    pub dp_exposed_comm_s: f64,
+    /// Gradient buckets whose all-reduce started during the backward pass.
+    pub dp_overlapped_buckets: usize,
+    /// Gradient buckets in all.
+    pub dp_buckets: usize,
 }
 
 /// Appends one JSON object per line to `metrics.jsonl`, flushed after every record.

@@ -4,6 +4,8 @@ mod grad_norm;
 mod metrics;
 mod schedule;
 
-pub use grad_norm::{GradStats, clip_grads, global_grad_norm, sharded_param_ids};
+pub use grad_norm::{
+    GradStats, clip_grads, global_grad_norm, sharded_param_ids, split_for_weight_decay,
+};
 pub use metrics::{MetricsWriter, StepMetrics};
 pub use schedule::LrSchedule;

@@ -36,6 +36,7 @@ fn main() {
         "grid" => grid(mpi.world()),
         "layers" => layers(Group::register(Rc::new(mpi.world()))),
         "panic" => panic_scenario(&world),
+        "zero" => zero(Group::register(Rc::new(mpi.world()))),
         other => panic!("unknown scenario {other:?}"),
     }
     println!("rank {rank}: {scenario} ok");
@@ -226,6 +227,49 @@ fn grid(world: merak_burn::comm::MpiCommunicator) {
         let got: Vec<usize> = got.iter().map(|x| *x as usize).collect();
         assert_eq!(got, members, "{name} group of rank {}", g.rank);
     }
+}
+
+/// ZeRO-1 ownership: every parameter is owned by exactly one DP rank, and every rank owns some.
+fn zero(dp: Group) {
+    use burn::module::{Module, ModuleVisitor, Param};
+    let dev = Default::default();
+    let local = Group::local();
+    let w = MlpWeights {
+        fc_weight: vec![0.1; 16 * 64],
+        fc_bias: vec![0.0; 64],
+        proj_weight: vec![0.1; 64 * 16],
+        proj_bias: vec![0.0; 16],
+    };
+    let mlp = ParallelMlp::<B>::from_full(&w, 16, 64, local, &dev).unwrap();
+    let reducer = merak_burn::data_parallel::DataParallel::new(&mlp, dp, 256).unwrap();
+    let owned = reducer.owned_params();
+    struct Ids(Vec<burn::module::ParamId>);
+    impl ModuleVisitor<B> for Ids {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+            self.0.push(p.id);
+        }
+    }
+    let mut ids = Ids(Vec::new());
+    mlp.visit(&mut ids);
+    let mine: Vec<f32> = ids
+        .0
+        .iter()
+        .map(|id| if owned.contains(id) { 1.0 } else { 0.0 })
+        .collect();
+    assert!(
+        mine.iter().any(|&x| x > 0.0),
+        "rank {} owns nothing",
+        dp.rank()
+    );
+    let mut total = mine.clone();
+    dp.comm()
+        .unwrap()
+        .all_reduce(&mut total, ReduceOp::Sum)
+        .unwrap();
+    assert!(
+        total.iter().all(|&x| x == 1.0),
+        "ownership counts {total:?}"
+    );
 }
 
 fn panic_scenario(c: &dyn Communicator) {

@@ -1,0 +1,414 @@
+//! The bucketed gradient reducer behind [`DataParallel`].
+
+use std::cell::RefCell;
+use std::collections::HashSet;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Tensor, TensorData, TensorPrimitive};
+
+use crate::comm::{CommError, Communicator, Group, Pending, ReduceOp, TensorComm};
+use crate::tensor_parallel::ParallelBackend;
+
+/// One parameter's place in the flat gradient buffer.
+#[derive(Clone, Debug)]
+struct Slot {
+    id: ParamId,
+    offset: usize,
+    shape: Vec<usize>,
+    len: usize,
+    bucket: usize,
+    /// Whether a gradient arrived during this step.
+    seen: bool,
+    /// The DP rank that owns this parameter's optimizer state under ZeRO-1.
+    owner: usize,
+}
+
+struct Bucket {
+    start: usize,
+    end: usize,
+    /// Parameters of the bucket whose gradient has not arrived yet in the last micro-batch.
+    waiting: usize,
+    members: usize,
+    pending: Option<Box<dyn Pending>>,
+    launched: bool,
+}
+
+struct State {
+    slots: Vec<Slot>,
+    flat: Vec<f32>,
+    buckets: Vec<Bucket>,
+    next_launch: usize,
+    reduce_now: bool,
+    comm: Rc<dyn Communicator>,
+    error: Option<CommError>,
+    launched_early: usize,
+}
+
+impl State {
+    fn on_grad(&mut self, index: usize, grad: Vec<f32>) {
+        let Some(slot) = self.slots.get_mut(index) else {
+            return;
+        };
+        let dst = &mut self.flat[slot.offset..slot.offset + slot.len];
+        if grad.len() == dst.len() {
+            dst.iter_mut().zip(&grad).for_each(|(d, g)| *d += g);
+        }
+        slot.seen = true;
+        if self.reduce_now {
+            let b = slot.bucket;
+            self.buckets[b].waiting = self.buckets[b].waiting.saturating_sub(1);
+            self.launch_ready(false);
+        }
+        self.progress();
+    }
+
+    /// Starts the buckets that are complete, in order; with `all`, starts every remaining one.
+    fn launch_ready(&mut self, all: bool) {
+        while self.next_launch < self.buckets.len() {
+            let b = &mut self.buckets[self.next_launch];
+            if !(all || b.waiting == 0) {
+                break;
+            }
+            if self.comm.size() > 1 {
+                match self
+                    .comm
+                    .all_reduce_start(self.flat[b.start..b.end].to_vec(), ReduceOp::Sum)
+                {
+                    Ok(p) => b.pending = Some(p),
+                    Err(e) => self.error = Some(e),
+                }
+            }
+            b.launched = true;
+            if !all {
+                self.launched_early += 1;
+            }
+            self.next_launch += 1;
+        }
+    }
+
+    fn progress(&mut self) {
+        for b in &mut self.buckets {
+            if let Some(p) = b.pending.as_mut()
+                && let Err(e) = p.test()
+            {
+                self.error = Some(e);
+            }
+        }
+    }
+}
+
+thread_local! {
+    static ACTIVE: RefCell<Option<Rc<RefCell<State>>>> = const { RefCell::new(None) };
+}
+
+/// Called by the gradient hook of parameter `index` during the backward pass.
+#[doc(hidden)]
+pub fn deliver_grad(index: usize, grad: Vec<f32>) {
+    ACTIVE.with(|a| {
+        if let Some(state) = a.borrow().as_ref() {
+            state.borrow_mut().on_grad(index, grad);
+        }
+    });
+}
+
+/// Timing of one step's data-parallel communication.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct DpStats {
+    /// Buckets of the step.
+    pub buckets: usize,
+    /// Buckets whose all-reduce started during the backward pass (overlapped).
+    pub overlapped_buckets: usize,
+    /// Time spent in [`DataParallel::finish`] waiting for all-reduces still in flight: the
+    /// communication the backward pass did not hide.
+    pub exposed_wait: Duration,
+}
+
+/// The data-parallel gradient reducer of one model replica (see the module docs).
+pub struct DataParallel {
+    state: Rc<RefCell<State>>,
+    dp: Group,
+}
+
+struct Layout {
+    slots: Vec<Slot>,
+    total: usize,
+}
+
+impl<B: Backend> ModuleVisitor<B> for Layout {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let shape = param.val().dims().to_vec();
+        let len = shape.iter().product();
+        self.slots.push(Slot {
+            id: param.id,
+            offset: self.total,
+            shape,
+            len,
+            bucket: 0,
+            seen: false,
+            owner: 0,
+        });
+        self.total += len;
+    }
+}
+
+struct HookMapper {
+    next: usize,
+}
+
+impl<B: ParallelBackend> ModuleMapper<B> for HookMapper {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let index = self.next;
+        self.next += 1;
+        let (id, tensor, mapper) = param.consume();
+        let hooked = Tensor::from_primitive(TensorPrimitive::Float(B::grad_hook(
+            tensor.into_primitive().tensor(),
+            index,
+        )));
+        Param::from_mapped_value(id, hooked, mapper)
+    }
+}
+
+impl DataParallel {
+    /// Lays out the gradients of `model` (every float parameter, in visit order) in buckets of
+    /// about `bucket_elems` values, filled from the last parameter backwards (the order in
+    /// which the backward pass finishes them), and assigns each parameter a ZeRO-1 owner.
+    pub fn new<B: Backend, M: Module<B>>(
+        model: &M,
+        dp: Group,
+        bucket_elems: usize,
+    ) -> Result<Self, CommError> {
+        let mut layout = Layout {
+            slots: Vec::new(),
+            total: 0,
+        };
+        model.visit(&mut layout);
+        let mut buckets: Vec<Bucket> = Vec::new();
+        let mut slots = layout.slots;
+        // Buckets from the end: contiguous flat ranges, the last parameters first.
+        let mut end = layout.total;
+        let mut members = 0;
+        let mut start = end;
+        for i in (0..slots.len()).rev() {
+            start = slots[i].offset;
+            slots[i].bucket = buckets.len();
+            members += 1;
+            if end - start >= bucket_elems.max(1) || i == 0 {
+                buckets.push(Bucket {
+                    start,
+                    end,
+                    waiting: members,
+                    members,
+                    pending: None,
+                    launched: false,
+                });
+                end = start;
+                members = 0;
+            }
+        }
+        debug_assert!(start == 0 || slots.is_empty());
+        // ZeRO-1 owners: largest parameter first, to the least loaded rank (ties to the lower
+        // rank), so that the shares are balanced and each rank owns something when there are
+        // at least as many parameters as ranks. Deterministic: every rank computes the same.
+        let mut order: Vec<usize> = (0..slots.len()).collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(slots[i].len));
+        let mut load = vec![0usize; dp.size().max(1)];
+        for i in order {
+            let (r, _) = load
+                .iter()
+                .enumerate()
+                .min_by_key(|&(r, l)| (*l, r))
+                .expect("at least one rank");
+            slots[i].owner = r;
+            load[r] += slots[i].len;
+        }
+        Ok(Self {
+            state: Rc::new(RefCell::new(State {
+                flat: vec![0.0; layout.total],
+                slots,
+                buckets,
+                next_launch: 0,
+                reduce_now: false,
+                comm: dp.comm()?,
+                error: None,
+                launched_early: 0,
+            })),
+            dp,
+        })
+    }
+
+    /// The DP group.
+    pub fn group(&self) -> Group {
+        self.dp
+    }
+
+    /// Clears the accumulated gradients for a new optimizer step.
+    pub fn begin_step(&self) {
+        let mut s = self.state.borrow_mut();
+        s.flat.iter_mut().for_each(|x| *x = 0.0);
+        s.slots.iter_mut().for_each(|x| x.seen = false);
+        for b in &mut s.buckets {
+            b.waiting = b.members;
+            b.pending = None;
+            b.launched = false;
+        }
+        s.next_launch = 0;
+        s.launched_early = 0;
+        s.error = None;
+        s.reduce_now = false;
+    }
+
+    /// Marks whether the next backward pass is the step's last micro-batch, whose completed
+    /// buckets start their all-reduce during the backward pass.
+    pub fn set_last_micro_batch(&self, last: bool) {
+        self.state.borrow_mut().reduce_now = last;
+    }
+
+    /// `model` with every parameter wrapped in this reducer's gradient hook, for the forward
+    /// pass; activates the reducer on this thread. Gradients are read from the reducer with
+    /// [`DataParallel::finish`], not from the returned module.
+    pub fn hooked<B: AutodiffBackend + ParallelBackend, M: AutodiffModule<B>>(
+        &self,
+        model: M,
+    ) -> M {
+        ACTIVE.with(|a| *a.borrow_mut() = Some(self.state.clone()));
+        model.map(&mut HookMapper { next: 0 })
+    }
+
+    /// Waits for the all-reduces, divides by `dp * micro_batches` (the mean over the global
+    /// batch), and returns the gradients of the parameters that received one, as Burn's
+    /// `GradientsParams` for `model` (the unhooked module).
+    pub fn finish<B: AutodiffBackend, M: AutodiffModule<B>>(
+        &self,
+        model: &M,
+        micro_batches: usize,
+    ) -> Result<(GradientsParams, DpStats), CommError> {
+        let t0 = Instant::now();
+        ACTIVE.with(|a| *a.borrow_mut() = None);
+        let mut s = self.state.borrow_mut();
+        s.launch_ready(true);
+        let mut results = Vec::new();
+        for b in &mut s.buckets {
+            if let Some(p) = b.pending.take() {
+                results.push((b.start, p.wait()?));
+            }
+        }
+        if let Some(e) = s.error.take() {
+            return Err(e);
+        }
+        for (start, values) in results {
+            s.flat[start..start + values.len()].copy_from_slice(&values);
+        }
+        let exposed_wait = t0.elapsed();
+        let scale = 1.0 / (self.dp.size() * micro_batches.max(1)) as f32;
+        s.flat.iter_mut().for_each(|x| *x *= scale);
+        let stats = DpStats {
+            buckets: s.buckets.len(),
+            overlapped_buckets: s.launched_early,
+            exposed_wait,
+        };
+        let mut builder = GradBuilder::<B> {
+            state: &s,
+            next: 0,
+            grads: GradientsParams::new(),
+            _b: std::marker::PhantomData,
+        };
+        model.visit(&mut builder);
+        Ok((builder.grads, stats))
+    }
+
+    /// The ids of the parameters whose optimizer state this DP rank owns under ZeRO-1.
+    pub fn owned_params(&self) -> HashSet<ParamId> {
+        let me = self.dp.rank();
+        self.state
+            .borrow()
+            .slots
+            .iter()
+            .filter(|s| s.owner == me)
+            .map(|s| s.id)
+            .collect()
+    }
+
+    /// After a ZeRO-1 step (each rank updated only the parameters it owns), copies every
+    /// parameter from its owner to the other DP ranks.
+    pub fn broadcast_from_owners<B: AutodiffBackend, M: AutodiffModule<B>>(
+        &self,
+        model: M,
+    ) -> Result<M, CommError> {
+        if self.dp.size() == 1 {
+            return Ok(model);
+        }
+        let mut mapper = OwnerBroadcast::<B> {
+            owners: self.state.borrow().slots.iter().map(|s| s.owner).collect(),
+            next: 0,
+            comm: self.dp.comm()?,
+            error: None,
+            _b: std::marker::PhantomData,
+        };
+        let model = model.map(&mut mapper);
+        match mapper.error {
+            Some(e) => Err(e),
+            None => Ok(model),
+        }
+    }
+}
+
+struct GradBuilder<'a, B: AutodiffBackend> {
+    state: &'a State,
+    next: usize,
+    grads: GradientsParams,
+    _b: std::marker::PhantomData<B>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for GradBuilder<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let index = self.next;
+        self.next += 1;
+        let Some(slot) = self.state.slots.get(index) else {
+            return;
+        };
+        if !slot.seen {
+            return;
+        }
+        let values = self.state.flat[slot.offset..slot.offset + slot.len].to_vec();
+        let device = param.val().device();
+        let g = Tensor::<B::InnerBackend, D>::from_data(
+            TensorData::new(values, slot.shape.clone()),
+            &device,
+        );
+        self.grads.register(param.id, g);
+    }
+}
+
+struct OwnerBroadcast<B: AutodiffBackend> {
+    owners: Vec<usize>,
+    next: usize,
+    comm: Rc<dyn Communicator>,
+    error: Option<CommError>,
+    _b: std::marker::PhantomData<B>,
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for OwnerBroadcast<B> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let owner = self.owners.get(self.next).copied().unwrap_or(0);
+        self.next += 1;
+        let (id, tensor, mapper) = param.consume();
+        let require_grad = tensor.is_require_grad();
+        let inner = tensor.inner();
+        let value = match self.comm.broadcast_tensor(inner.clone(), owner) {
+            Ok(v) => v,
+            Err(e) => {
+                self.error = Some(e);
+                inner
+            }
+        };
+        let mut out = Tensor::<B, D>::from_inner(value);
+        if require_grad {
+            out = out.require_grad();
+        }
+        Param::from_mapped_value(id, out, mapper)
+    }
+}
