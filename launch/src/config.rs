@@ -120,8 +120,15 @@ pub struct TrainSection {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DataSection {
-    /// "synthetic": deterministic sequences generated from the seed.
+    /// "synthetic": deterministic sequences generated from the seed; "tokens": a data set made
+    /// by `merak prepare-data`, at `data.path`.
     pub kind: String,
+    /// Folder of the prepared data set (for `kind = "tokens"`).
+    pub path: String,
+    /// Measure the validation loss every this many steps (and after the last); 0 never.
+    pub val_every: usize,
+    /// Global batches of held-out sequences per validation.
+    pub val_batches: usize,
 }
 
 /// A whole training configuration.
@@ -172,6 +179,9 @@ impl Default for Config {
             },
             data: DataSection {
                 kind: "synthetic".into(),
+                path: String::new(),
+                val_every: 0,
+                val_batches: 2,
             },
         }
     }
@@ -366,13 +376,26 @@ impl Config {
         if let Err(e) = self.model.gpt.validate() {
             return bad("model", e.to_string());
         }
-        if self.data.kind != "synthetic" {
+        match self.data.kind.as_str() {
+            "synthetic" => {}
+            "tokens" if self.data.path.is_empty() => {
+                return bad(
+                    "data.path",
+                    "is required with data.kind = \"tokens\" (a folder made by `merak prepare-data`)".into(),
+                );
+            }
+            "tokens" => {}
+            other => {
+                return bad(
+                    "data.kind",
+                    format!("`{other}` is not a known data source (known: synthetic, tokens)"),
+                );
+            }
+        }
+        if self.data.val_every > 0 && self.data.val_batches == 0 {
             return bad(
-                "data.kind",
-                format!(
-                    "`{}` is not a known data source (known: synthetic)",
-                    self.data.kind
-                ),
+                "data.val_batches",
+                "must be at least 1 when data.val_every > 0".into(),
             );
         }
         if self.train.steps == 0 {

@@ -2,6 +2,77 @@
 
 use merak_burn::tensor_parallel::InitRng;
 
+use crate::config::Config;
+use crate::tokens::{DataError, TokenData};
+
+/// Where training and validation sequences come from.
+pub enum Source {
+    /// Generated from the seed.
+    Synthetic(SyntheticData),
+    /// A prepared data set, memory-mapped.
+    Tokens(Box<TokenData>),
+}
+
+/// Validation sequences of the synthetic source come from steps this far away from training.
+const SYNTHETIC_VAL_STEP: usize = 1 << 40;
+
+impl Source {
+    /// Opens the source of `cfg` and checks it against the model before training.
+    pub fn open(cfg: &Config) -> Result<Self, DataError> {
+        let g = &cfg.model.gpt;
+        match cfg.data.kind.as_str() {
+            "tokens" => Ok(Source::Tokens(Box::new(TokenData::open(
+                std::path::Path::new(&cfg.data.path),
+                g.seq_len,
+                g.vocab_size,
+                cfg.train.seed,
+            )?))),
+            _ => Ok(Source::Synthetic(SyntheticData::new(
+                cfg.train.seed,
+                g.vocab_size,
+            ))),
+        }
+    }
+
+    /// A one-line description for the log.
+    pub fn describe(&self) -> String {
+        match self {
+            Source::Synthetic(_) => "synthetic sequences from the seed".into(),
+            Source::Tokens(d) => format!(
+                "{} training tokens ({} sequences per epoch), {} validation tokens, {} tokenizer",
+                d.train.token_count(),
+                d.samples_per_epoch(),
+                d.val.token_count(),
+                d.meta.tokenizer
+            ),
+        }
+    }
+
+    /// Sequences `first..first + count` of the global batch of `step` (`global_batch`
+    /// sequences per step), as `(inputs, targets)`.
+    pub fn train_batch(
+        &self,
+        step: usize,
+        global_batch: usize,
+        first: usize,
+        count: usize,
+        seq: usize,
+    ) -> (Vec<i64>, Vec<i64>) {
+        match self {
+            Source::Synthetic(d) => d.batch(step, first, count, seq),
+            Source::Tokens(d) => d.train_batch((step * global_batch + first) as u64, count),
+        }
+    }
+
+    /// Held-out sequences `first..first + count`.
+    pub fn val_batch(&self, first: usize, count: usize, seq: usize) -> (Vec<i64>, Vec<i64>) {
+        match self {
+            Source::Synthetic(d) => d.batch(SYNTHETIC_VAL_STEP, first, count, seq),
+            Source::Tokens(d) => d.val_batch(first as u64, count),
+        }
+    }
+}
+
 /// Deterministic synthetic sequences: each sequence is an arithmetic progression modulo the
 /// vocabulary with a random start and a stride from a small set, so the next token is
 /// predictable from the two before it and the loss falls quickly. Sequence `i` of step `k`

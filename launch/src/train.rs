@@ -19,7 +19,7 @@ use merak_burn::train::{
 use merak_gpt::Gpt;
 
 use crate::config::Config;
-use crate::data::SyntheticData;
+use crate::data::Source;
 
 /// What a finished run reports.
 #[derive(Debug)]
@@ -35,7 +35,13 @@ pub struct Summary {
 }
 
 /// Trains the GPT of `cfg` on this rank's part of the grid; rank 0 writes `out/metrics.jsonl`.
-pub fn train<B>(cfg: &Config, grid: &ProcessGrid, out: &Path, device: &B::Device) -> Result<Summary>
+pub fn train<B>(
+    cfg: &Config,
+    data: &Source,
+    grid: &ProcessGrid,
+    out: &Path,
+    device: &B::Device,
+) -> Result<Summary>
 where
     B: AutodiffBackend + ParallelBackend,
     B::InnerBackend: ParallelBackend,
@@ -65,7 +71,6 @@ where
         warmup: cfg.train.warmup_steps,
         total: cfg.train.steps,
     };
-    let data = SyntheticData::new(seed, gpt.vocab_size);
     let dp = grid.layout.dp;
     let local_batch = cfg.train.global_batch / dp;
     let micro = cfg.micro_batch();
@@ -95,7 +100,8 @@ where
         reducer.begin_step();
         let mut loss_sum = 0.0f64;
         for m in 0..micro_batches {
-            let (x, y) = data.batch(step, first + m * micro, micro, seq);
+            let (x, y) =
+                data.train_batch(step, cfg.train.global_batch, first + m * micro, micro, seq);
             let x = Tensor::<B, 2, Int>::from_data(TensorData::new(x, [micro, seq]), device);
             let y = Tensor::<B, 2, Int>::from_data(TensorData::new(y, [micro, seq]), device);
             reducer.set_last_micro_batch(m + 1 == micro_batches);
@@ -123,6 +129,11 @@ where
         if zero {
             model = reducer.broadcast_from_owners(model)?;
         }
+        let val_every = cfg.data.val_every;
+        let val_loss = (val_every > 0
+            && ((step + 1) % val_every == 0 || step + 1 == cfg.train.steps))
+            .then(|| validation_loss::<B>(&model, data, cfg, grid, device))
+            .transpose()?;
         let dt = ts.elapsed().as_secs_f64();
         total_time += dt;
         final_loss = loss_value;
@@ -136,6 +147,7 @@ where
             dp_exposed_comm_s: dp_stats.exposed_wait.as_secs_f64(),
             dp_overlapped_buckets: dp_stats.overlapped_buckets,
             dp_buckets: dp_stats.buckets,
+            val_loss,
         };
         if let Some(w) = metrics.as_mut() {
             w.write(&m).context("writing metrics.jsonl")?;
@@ -157,4 +169,47 @@ where
         mean_tokens_per_s: tokens_per_step * cfg.train.steps as f64 / total_time.max(1e-9),
         wall_s: t0.elapsed().as_secs_f64(),
     })
+}
+
+/// Mean loss over `data.val_batches` global batches of held-out sequences, without gradients;
+/// each DP rank evaluates its share and the means are averaged over the DP group.
+fn validation_loss<B>(
+    model: &Gpt<B>,
+    data: &Source,
+    cfg: &Config,
+    grid: &ProcessGrid,
+    device: &B::Device,
+) -> Result<f64>
+where
+    B: AutodiffBackend + ParallelBackend,
+    B::InnerBackend: ParallelBackend,
+{
+    use burn::module::AutodiffModule;
+    let model = model.valid();
+    let seq = cfg.model.gpt.seq_len;
+    let local = cfg.train.global_batch / grid.layout.dp;
+    let micro = cfg.micro_batch();
+    let mut sum = 0.0f64;
+    let mut n = 0usize;
+    for b in 0..cfg.data.val_batches {
+        for m in 0..local / micro {
+            let first = b * cfg.train.global_batch + grid.coords.dp * local + m * micro;
+            let (x, y) = data.val_batch(first, micro, seq);
+            let x = Tensor::<B::InnerBackend, 2, Int>::from_data(
+                TensorData::new(x, [micro, seq]),
+                device,
+            );
+            let y = Tensor::<B::InnerBackend, 2, Int>::from_data(
+                TensorData::new(y, [micro, seq]),
+                device,
+            );
+            sum += f64::from(model.loss(x, y).into_scalar().elem::<f32>());
+            n += 1;
+        }
+    }
+    let mut mean = [(sum / n.max(1) as f64) as f32];
+    if grid.layout.dp > 1 {
+        grid.dp.comm()?.all_reduce(&mut mean, ReduceOp::Mean)?;
+    }
+    Ok(f64::from(mean[0]))
 }

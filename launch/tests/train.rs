@@ -235,3 +235,121 @@ fn config_errors_name_the_key_and_exit_non_zero() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/x.toml"));
 }
+
+/// Writes a small text and prepares it with `merak prepare-data`; returns the data folder.
+fn prepared_text(name: &str) -> PathBuf {
+    let dir = out_dir(name);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let words = [
+        "call", "me", "ishmael", "some", "years", "ago", "never", "mind", "how", "long", "the",
+        "whale", "sea", "ship", "captain", "harpoon", "white", "deep", "and", "of",
+    ];
+    // A deterministic pseudo-random text of about 6,000 words.
+    let mut x: u64 = 7;
+    let text: Vec<&str> = (0..6000)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            words[(x >> 33) as usize % words.len()]
+        })
+        .collect();
+    std::fs::write(dir.join("book.txt"), text.join(" ")).expect("write text");
+    let out = Command::new(MERAK)
+        .args(["prepare-data", "--input"])
+        .arg(dir.join("book.txt"))
+        .arg("--output")
+        .arg(dir.join("data"))
+        .output()
+        .expect("merak runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("validation tokens"));
+    dir.join("data")
+}
+
+#[test]
+fn real_text_trains_the_same_under_dp_and_tp_with_validation_loss() {
+    let data = prepared_text("text");
+    let path = format!("data.path={}", data.display());
+    let text_args = [
+        "--set",
+        "data.kind=tokens",
+        "--set",
+        &path,
+        "--set",
+        "data.val_every=5",
+        "--set",
+        "model.vocab_size=50257",
+        "--set",
+        "model.layers=1",
+        "--set",
+        "model.hidden=32",
+        "--set",
+        "model.seq_len=16",
+        "--set",
+        "train.global_batch=4",
+    ];
+    let single = train(0, "text-single", &text_args);
+    assert!(
+        single[4]["val_loss"].as_f64().is_some_and(f64::is_finite),
+        "{}",
+        single[4]
+    );
+    assert!(single[0].get("val_loss").is_none());
+    let mut par_args = text_args.to_vec();
+    par_args.extend(["--dp", "2", "--tp", "2"]);
+    let par = train(4, "text-dp2tp2", &par_args);
+    assert_same_run("text dp2 tp2", &par, &single);
+    let (a, b) = (
+        par[4]["val_loss"].as_f64().unwrap(),
+        single[4]["val_loss"].as_f64().unwrap(),
+    );
+    assert!(((a - b) / b).abs() <= 1e-5, "val_loss {a} vs {b}");
+    let svg =
+        std::fs::read_to_string(out_dir_keep("text-single").join("loss.svg")).expect("loss.svg");
+    assert!(svg.starts_with("<svg") && svg.contains("validation"));
+}
+
+fn out_dir_keep(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_TARGET_TMPDIR")).join(name)
+}
+
+#[test]
+fn bad_data_sets_fail_before_training_naming_the_problem() {
+    let missing = out_dir("no-data");
+    let out = Command::new(MERAK)
+        .arg("train")
+        .arg("--config")
+        .arg(config())
+        .args(["--set", "data.kind=tokens", "--set"])
+        .arg(format!("data.path={}", missing.display()))
+        .output()
+        .expect("merak runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("meta.json") && stderr.contains("prepare-data"),
+        "{stderr}"
+    );
+
+    // The tiny model's 512-token vocabulary cannot read GPT-2 tokens.
+    let data = prepared_text("text-vocab");
+    let out = Command::new(MERAK)
+        .arg("train")
+        .arg("--config")
+        .arg(config())
+        .args(["--set", "data.kind=tokens", "--set"])
+        .arg(format!("data.path={}", data.display()))
+        .output()
+        .expect("merak runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("model.vocab_size is 512") && stderr.contains("50257"),
+        "{stderr}"
+    );
+}

@@ -28,6 +28,9 @@ pub struct StepMetrics {
     pub dp_overlapped_buckets: usize,
     /// Gradient buckets in all.
     pub dp_buckets: usize,
+    /// Validation loss, on the steps where it is measured.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f64>,
 }
 
 /// Appends one JSON object per line to `metrics.jsonl`, flushed after every record.

@@ -1,0 +1,232 @@
+//! BERT shapes and presets.
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+/// The shape of a BERT model.
+///
+/// There is no `type_vocab_size`: the model sees a single segment and has no token-type
+/// embeddings (see the crate documentation).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BertConfig {
+    /// Vocabulary size including the `[MASK]` token (GPT-2 BPE + `[MASK]`: 50,258). Need not be
+    /// divisible by tp: the table is padded.
+    pub vocab_size: usize,
+    /// Number of encoder layers.
+    pub layers: usize,
+    /// Attention heads per layer.
+    pub heads: usize,
+    /// Hidden size.
+    pub hidden: usize,
+    /// Maximum sequence length (size of the position table).
+    pub seq_len: usize,
+    /// Dropout probability on the embeddings and on each residual branch (0 disables it).
+    #[serde(default)]
+    pub dropout: f64,
+    /// LayerNorm epsilon (BERT: 1e-12).
+    #[serde(default = "default_eps")]
+    pub layer_norm_eps: f64,
+    /// Standard deviation of the normal initialization of every weight matrix (BERT: 0.02).
+    #[serde(default = "default_std")]
+    pub init_std: f64,
+    /// The id of the `[MASK]` token, below `vocab_size` (with the GPT-2 BPE: 50,257, the id
+    /// right after the BPE vocabulary).
+    pub mask_token_id: usize,
+}
+
+fn default_eps() -> f64 {
+    1e-12
+}
+
+fn default_std() -> f64 {
+    0.02
+}
+
+/// An invalid BERT shape.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum BertConfigError {
+    /// A size that must be positive is zero.
+    #[error("model.{0} must be at least 1")]
+    Zero(&'static str),
+    /// The hidden size is not a multiple of the head count.
+    #[error("model.hidden = {hidden} is not divisible by model.heads = {heads}")]
+    HeadDim {
+        /// Hidden size.
+        hidden: usize,
+        /// Head count.
+        heads: usize,
+    },
+    /// A dropout probability outside `[0, 1)`.
+    #[error("model.dropout = {0} must be in [0, 1)")]
+    Dropout(String),
+    /// The `[MASK]` id is not a token of the vocabulary.
+    #[error("model.mask_token_id = {id} must be below model.vocab_size = {vocab}")]
+    MaskToken {
+        /// The `[MASK]` id.
+        id: usize,
+        /// The vocabulary size.
+        vocab: usize,
+    },
+    /// The vocabulary holds nothing but `[MASK]`, so masking has no token to substitute.
+    #[error("model.vocab_size = {0} leaves no token besides [MASK]; it must be at least 2")]
+    VocabTooSmall(usize),
+    /// An unknown preset name.
+    #[error("unknown BERT preset {name:?}; known presets: {known}")]
+    UnknownPreset {
+        /// The name asked for.
+        name: String,
+        /// The known names.
+        known: String,
+    },
+}
+
+/// A preset whose `[MASK]` token is the last id of the vocabulary.
+const fn preset(
+    vocab_size: usize,
+    layers: usize,
+    heads: usize,
+    hidden: usize,
+    seq_len: usize,
+) -> BertConfig {
+    BertConfig {
+        vocab_size,
+        layers,
+        heads,
+        hidden,
+        seq_len,
+        dropout: 0.0,
+        layer_norm_eps: 1e-12,
+        init_std: 0.02,
+        mask_token_id: vocab_size - 1,
+    }
+}
+
+/// The GPT-2 BPE vocabulary plus the `[MASK]` token.
+const BPE_VOCAB_WITH_MASK: usize = 50257 + 1;
+
+/// The named presets: tiny CPU sizes and BERT's base and large shapes (on the GPT-2 BPE
+/// vocabulary plus `[MASK]`, whose id is always the last one).
+pub const PRESETS: &[(&str, BertConfig)] = &[
+    ("tiny", preset(512, 2, 4, 64, 32)),
+    ("mini", preset(BPE_VOCAB_WITH_MASK, 4, 4, 128, 128)),
+    ("bert-base", preset(BPE_VOCAB_WITH_MASK, 12, 12, 768, 512)),
+    ("bert-large", preset(BPE_VOCAB_WITH_MASK, 24, 16, 1024, 512)),
+];
+
+impl BertConfig {
+    /// A preset by name (see [`PRESETS`]).
+    pub fn preset(name: &str) -> Result<BertConfig, BertConfigError> {
+        PRESETS
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, c)| c.clone())
+            .ok_or_else(|| BertConfigError::UnknownPreset {
+                name: name.to_string(),
+                known: PRESETS
+                    .iter()
+                    .map(|(n, _)| *n)
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            })
+    }
+
+    /// Checks the shape (not the parallel layout; see `merak_burn::grid::Layout::validate`).
+    pub fn validate(&self) -> Result<(), BertConfigError> {
+        for (name, v) in [
+            ("vocab_size", self.vocab_size),
+            ("layers", self.layers),
+            ("heads", self.heads),
+            ("hidden", self.hidden),
+            ("seq_len", self.seq_len),
+        ] {
+            if v == 0 {
+                return Err(BertConfigError::Zero(name));
+            }
+        }
+        if !self.hidden.is_multiple_of(self.heads) {
+            return Err(BertConfigError::HeadDim {
+                hidden: self.hidden,
+                heads: self.heads,
+            });
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(BertConfigError::Dropout(self.dropout.to_string()));
+        }
+        if self.mask_token_id >= self.vocab_size {
+            return Err(BertConfigError::MaskToken {
+                id: self.mask_token_id,
+                vocab: self.vocab_size,
+            });
+        }
+        if self.vocab_size < 2 {
+            return Err(BertConfigError::VocabTooSmall(self.vocab_size));
+        }
+        Ok(())
+    }
+
+    /// The exact number of parameters (without vocabulary padding):
+    /// `12 l h² + 13 l h + (V + s) h + h² + 5 h`.
+    ///
+    /// Each encoder layer holds `12 h² + 13 h` (Q/K/V `3h² + 3h`, attention output `h² + h`,
+    /// MLP `8h² + 5h`, two LayerNorms `4h`); the embeddings `(V + s) h` plus their LayerNorm
+    /// `2h`; the MLM head's dense layer `h² + h` and LayerNorm `2h`. The output projection is
+    /// the token embedding (tied) and has no bias.
+    pub fn num_params(&self) -> u64 {
+        let (l, h, v, s) = (
+            self.layers as u64,
+            self.hidden as u64,
+            self.vocab_size as u64,
+            self.seq_len as u64,
+        );
+        12 * l * h * h + 13 * l * h + (v + s) * h + h * h + 5 * h
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_are_valid_and_report_their_size() {
+        for (_, c) in PRESETS {
+            c.validate().unwrap();
+            assert_eq!(c.mask_token_id, c.vocab_size - 1);
+        }
+        let base = BertConfig::preset("bert-base").unwrap();
+        assert_eq!(base.vocab_size, 50258);
+        assert_eq!(base.mask_token_id, 50257);
+        // 12·12·768² + 13·12·768 + (50258 + 512)·768 + 768² + 5·768.
+        assert_eq!(base.num_params(), 124_639_488);
+        assert_eq!(
+            BertConfig::preset("bert-large").unwrap().num_params(),
+            355_351_552
+        );
+    }
+
+    #[test]
+    fn bad_shapes_name_the_key() {
+        let mut c = BertConfig::preset("tiny").unwrap();
+        c.heads = 3;
+        assert_eq!(
+            c.validate().unwrap_err().to_string(),
+            "model.hidden = 64 is not divisible by model.heads = 3"
+        );
+        let mut c = BertConfig::preset("tiny").unwrap();
+        c.mask_token_id = 512;
+        assert_eq!(
+            c.validate().unwrap_err().to_string(),
+            "model.mask_token_id = 512 must be below model.vocab_size = 512"
+        );
+        let mut c = BertConfig::preset("tiny").unwrap();
+        c.vocab_size = 1;
+        c.mask_token_id = 0;
+        assert_eq!(c.validate().unwrap_err(), BertConfigError::VocabTooSmall(1));
+        assert!(
+            BertConfig::preset("nope")
+                .unwrap_err()
+                .to_string()
+                .contains("bert-base")
+        );
+    }
+}
