@@ -110,6 +110,8 @@ pub struct TrainSection {
     pub eps: f64,
     /// Clip gradients to this global norm (0 disables clipping).
     pub grad_clip: f64,
+    /// On a NaN or infinite loss, skip the step (true) instead of stopping (false).
+    pub skip_nonfinite: bool,
     /// Seed of initialization, data and dropout.
     pub seed: u64,
     /// Device: "cpu" or "cuda" (needs the `cuda` build feature).
@@ -174,6 +176,7 @@ impl Default for Config {
                 beta2: 0.95,
                 eps: 1e-8,
                 grad_clip: 1.0,
+                skip_nonfinite: false,
                 seed: 1234,
                 device: "cpu".into(),
             },

@@ -272,6 +272,12 @@ fn run(
             out.join("metrics.jsonl").display()
         );
         tracing::info!("loss curve: {}", curve.display());
+        if summary.skipped > 0 {
+            tracing::warn!(
+                "{} steps were skipped for a non-finite loss",
+                summary.skipped
+            );
+        }
     }
     Ok(())
 }

@@ -32,6 +32,8 @@ pub struct Summary {
     pub mean_tokens_per_s: f64,
     /// Wall time in seconds.
     pub wall_s: f64,
+    /// Steps skipped for a non-finite loss.
+    pub skipped: usize,
 }
 
 /// Trains the GPT of `cfg` on this rank's part of the grid; rank 0 writes `out/metrics.jsonl`.
@@ -93,7 +95,21 @@ where
         t0.elapsed().as_secs_f64()
     );
 
+    // Rank 0 on a terminal shows a progress bar with step, loss, tokens/s and ETA; otherwise
+    // (logs, CI) one line per step.
+    let progress =
+        (grid.rank == 0 && std::io::IsTerminal::is_terminal(&std::io::stderr())).then(|| {
+            let bar = indicatif::ProgressBar::new(cfg.train.steps as u64);
+            bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{bar:30.cyan/blue} step {pos}/{len} | {msg} | {elapsed_precise} ETA {eta_precise}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+            bar
+        });
     let mut final_loss = f64::NAN;
+    let mut skipped = 0usize;
     let mut total_time = 0.0;
     for step in 0..cfg.train.steps {
         let ts = Instant::now();
@@ -118,7 +134,18 @@ where
             loss_value = f64::from(l[0]);
         }
         if !loss_value.is_finite() {
-            anyhow::bail!("loss is {loss_value} at step {}", step + 1);
+            if !cfg.train.skip_nonfinite {
+                anyhow::bail!(
+                    "the loss is {loss_value} at step {}: training stopped (set train.skip_nonfinite = true to skip such steps, or lower train.lr)",
+                    step + 1
+                );
+            }
+            tracing::warn!(
+                "the loss is {loss_value} at step {}: step skipped, parameters unchanged",
+                step + 1
+            );
+            skipped += 1;
+            continue;
         }
         let grad_norm = global_grad_norm::<B, _>(&model, &grads, &sharded, grid.tp)?;
         clip_grads::<B, _>(&model, &mut grads, grad_norm, cfg.train.grad_clip);
@@ -151,23 +178,42 @@ where
         };
         if let Some(w) = metrics.as_mut() {
             w.write(&m).context("writing metrics.jsonl")?;
-            tracing::info!(
-                "step {}/{} loss {:.5} lr {:.2e} grad_norm {:.4} tokens/s {:.0} step {:.3}s",
+            let line = format!(
+                "step {}/{} loss {:.5}{} lr {:.2e} grad_norm {:.4} tokens/s {:.0} step {:.3}s",
                 m.step,
                 cfg.train.steps,
                 m.loss,
+                m.val_loss
+                    .map(|v| format!(" val_loss {v:.5}"))
+                    .unwrap_or_default(),
                 m.lr,
                 m.grad_norm,
                 m.tokens_per_s,
                 m.step_time_s
             );
+            match &progress {
+                // On a terminal: a live bar, and a log line when validation ran.
+                Some(bar) => {
+                    let mean = tokens_per_step * (step + 1) as f64 / total_time.max(1e-9);
+                    bar.set_message(format!("loss {:.4} | {:.0} tokens/s", m.loss, mean));
+                    bar.inc(1);
+                    if m.val_loss.is_some() {
+                        bar.suspend(|| tracing::info!("{line}"));
+                    }
+                }
+                None => tracing::info!("{line}"),
+            }
         }
+    }
+    if let Some(bar) = progress {
+        bar.finish_and_clear();
     }
     Ok(Summary {
         steps: cfg.train.steps,
         final_loss,
         mean_tokens_per_s: tokens_per_step * cfg.train.steps as f64 / total_time.max(1e-9),
         wall_s: t0.elapsed().as_secs_f64(),
+        skipped,
     })
 }
 

@@ -353,3 +353,31 @@ fn bad_data_sets_fail_before_training_naming_the_problem() {
         "{stderr}"
     );
 }
+
+#[test]
+fn a_non_finite_loss_stops_training_naming_the_step_or_is_skipped() {
+    let blow_up = [
+        "--set",
+        "train.lr=1e30",
+        "--set",
+        "train.min_lr=0",
+        "--set",
+        "train.grad_clip=0",
+        "--set",
+        "train.warmup_steps=0",
+    ];
+    let mut cmd = Command::new(MERAK);
+    train_args(&mut cmd, &out_dir("nan"), &blow_up);
+    let run = run_with_deadline(cmd, Duration::from_secs(60));
+    assert_eq!(run.code, Some(1), "{run:?}");
+    assert!(
+        run.stderr.contains("is NaN at step 2") || run.stderr.contains("is inf at step 2"),
+        "{}",
+        run.stderr
+    );
+
+    let mut skip = blow_up.to_vec();
+    skip.extend(["--set", "train.skip_nonfinite=true"]);
+    let m = train(0, "nan-skip", &skip);
+    assert_eq!(m.len(), 1, "only the finite first step is recorded");
+}
