@@ -54,8 +54,10 @@ pub enum ConfigError {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelSection {
-    /// Model family: "gpt".
+    /// Model family: "gpt" (causal LM) or "bert" (masked LM).
     pub kind: String,
+    /// BERT only: the id of the [MASK] token; 0 means the last id (`vocab_size - 1`).
+    pub mask_token_id: usize,
     /// A preset name (`merak models` lists them) giving the shape; the keys below override it.
     /// Empty: the keys below are the whole shape.
     pub preset: String,
@@ -154,6 +156,7 @@ impl Default for Config {
         Config {
             model: ModelSection {
                 kind: "gpt".into(),
+                mask_token_id: 0,
                 preset: String::new(),
                 gpt,
             },
@@ -302,15 +305,24 @@ pub fn load(path: Option<&Path>, sets: &[String]) -> Result<Config, ConfigError>
         .and_then(Value::as_str)
         .unwrap_or("")
         .to_string();
+    let kind = user
+        .get("model")
+        .and_then(|m| m.get("kind"))
+        .and_then(Value::as_str)
+        .unwrap_or("gpt")
+        .to_string();
     if !preset.is_empty() {
-        let shape = GptConfig::preset(&preset).map_err(|e| ConfigError::BadValue {
+        let bad = |msg: String| ConfigError::BadValue {
             key: "model.preset".into(),
-            msg: e.to_string(),
-        })?;
-        let shape = Value::try_from(shape).map_err(|e| ConfigError::BadValue {
-            key: "model.preset".into(),
-            msg: e.to_string(),
-        })?;
+            msg,
+        };
+        let shape = if kind == "bert" {
+            let b = merak_bert::BertConfig::preset(&preset).map_err(|e| bad(e.to_string()))?;
+            Value::try_from(b).map_err(|e| bad(e.to_string()))?
+        } else {
+            let g = GptConfig::preset(&preset).map_err(|e| bad(e.to_string()))?;
+            Value::try_from(g).map_err(|e| bad(e.to_string()))?
+        };
         let mut model = toml::Table::new();
         model.insert("model".into(), shape);
         merge(&mut merged, Value::Table(model));
@@ -370,11 +382,19 @@ impl Config {
                 msg,
             })
         };
-        if self.model.kind != "gpt" {
-            return bad(
-                "model.kind",
-                format!("`{}` is not a known model (known: gpt)", self.model.kind),
-            );
+        match self.model.kind.as_str() {
+            "gpt" => {}
+            "bert" => {
+                if let Err(e) = self.bert().validate() {
+                    return bad("model", e.to_string());
+                }
+            }
+            other => {
+                return bad(
+                    "model.kind",
+                    format!("`{other}` is not a known model (known: gpt, bert)"),
+                );
+            }
         }
         if let Err(e) = self.model.gpt.validate() {
             return bad("model", e.to_string());
@@ -481,6 +501,25 @@ impl Config {
             );
         }
         Ok(())
+    }
+
+    /// The BERT shape of `[model]` (for `model.kind = "bert"`).
+    pub fn bert(&self) -> merak_bert::BertConfig {
+        let g = &self.model.gpt;
+        merak_bert::BertConfig {
+            vocab_size: g.vocab_size,
+            layers: g.layers,
+            heads: g.heads,
+            hidden: g.hidden,
+            seq_len: g.seq_len,
+            dropout: g.dropout,
+            layer_norm_eps: g.layer_norm_eps,
+            init_std: g.init_std,
+            mask_token_id: match self.model.mask_token_id {
+                0 => g.vocab_size.saturating_sub(1),
+                id => id,
+            },
+        }
     }
 
     /// Sequences per forward/backward pass on one rank.

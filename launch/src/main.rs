@@ -204,6 +204,45 @@ fn run_train(args: TrainArgs) -> ExitCode {
     }
 }
 
+/// Builds the model of `cfg` (this rank's TP shard) and trains it.
+fn train_model<B>(
+    cfg: &config::Config,
+    data: &data::Source,
+    grid: &ProcessGrid,
+    out: &std::path::Path,
+    device: &B::Device,
+) -> Result<train::Summary>
+where
+    B: burn::tensor::backend::AutodiffBackend + merak_burn::tensor_parallel::ParallelBackend,
+    B::InnerBackend: merak_burn::tensor_parallel::ParallelBackend,
+{
+    let seed = cfg.train.seed;
+    if cfg.model.kind == "bert" {
+        let bert = cfg.bert();
+        let model = merak_bert::Bert::<B>::new(&bert, seed, grid.tp, device)?;
+        train::train(
+            cfg,
+            data,
+            grid,
+            out,
+            device,
+            model,
+            &train::Objective::Masked(bert),
+        )
+    } else {
+        let model = merak_gpt::Gpt::<B>::new(&cfg.model.gpt, seed, grid.tp, device)?;
+        train::train(
+            cfg,
+            data,
+            grid,
+            out,
+            device,
+            model,
+            &train::Objective::Causal,
+        )
+    }
+}
+
 /// Loads the config, applies the command-line degrees and checks the layout against the job.
 fn resolve_config(args: &TrainArgs, world: usize) -> Result<config::Config> {
     let mut sets = args.sets.clone();
@@ -249,13 +288,12 @@ fn run(
     let summary = match cfg.train.device.as_str() {
         "cpu" => {
             type B = burn::backend::Autodiff<burn::backend::NdArray<f32>>;
-            train::train::<B>(cfg, data, grid, out, &Default::default())?
+            train_model::<B>(cfg, data, grid, out, &Default::default())?
         }
         #[cfg(feature = "cuda")]
         "cuda" => {
             type B = burn::backend::Autodiff<burn_cuda::Cuda<f32>>;
-            let device = burn_cuda::CudaDevice::new(0);
-            train::train::<B>(cfg, data, grid, out, &device)?
+            train_model::<B>(cfg, data, grid, out, &burn_cuda::CudaDevice::new(0))?
         }
         other => bail!(
             "train.device = {other:?} is not available in this build (rebuild with --features cuda)"

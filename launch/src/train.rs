@@ -4,10 +4,13 @@ use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
+use burn::module::{AutodiffModule, Module};
 use burn::optim::{AdamWConfig, Optimizer};
 use burn::tensor::ElementConversion;
 use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
+use merak_bert::{Bert, BertConfig, mask_tokens};
 use merak_burn::comm::ReduceOp;
 use merak_burn::data_parallel::DataParallel;
 use merak_burn::grid::ProcessGrid;
@@ -36,22 +39,78 @@ pub struct Summary {
     pub skipped: usize,
 }
 
-/// Trains the GPT of `cfg` on this rank's part of the grid; rank 0 writes `out/metrics.jsonl`.
-pub fn train<B>(
+/// A model `merak train` can train: a loss from token ids and targets (negative targets are
+/// ignored).
+pub trait LanguageModel<B: Backend>: Module<B> {
+    /// Mean loss over the targets.
+    fn lm_loss(&self, ids: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1>;
+}
+
+impl<B: ParallelBackend> LanguageModel<B> for Gpt<B> {
+    fn lm_loss(&self, ids: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        self.loss(ids, targets)
+    }
+}
+
+impl<B: ParallelBackend> LanguageModel<B> for Bert<B> {
+    fn lm_loss(&self, ids: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        self.loss(ids, targets)
+    }
+}
+
+/// What the model learns from a window of tokens.
+pub enum Objective {
+    /// Next-token prediction (GPT).
+    Causal,
+    /// Masked-token prediction (BERT): 15% of the positions, masked 80/10/10 from the seed.
+    Masked(BertConfig),
+}
+
+impl Objective {
+    /// Turns `count` windows of causal `(inputs, targets)` into the model's inputs and targets;
+    /// `stream(i)` names the random stream of window `i` (global, so every layout agrees).
+    fn apply(
+        &self,
+        (x, y): (Vec<i64>, Vec<i64>),
+        seq: usize,
+        seed: u64,
+        stream: impl Fn(usize) -> String,
+    ) -> (Vec<i64>, Vec<i64>) {
+        match self {
+            Objective::Causal => (x, y),
+            Objective::Masked(cfg) => {
+                let mut inputs = Vec::with_capacity(x.len());
+                let mut targets = Vec::with_capacity(x.len());
+                for (i, window) in x.chunks(seq).enumerate() {
+                    let (a, b) = mask_tokens(window, seq, cfg, seed, &stream(i));
+                    inputs.extend(a);
+                    targets.extend(b);
+                }
+                (inputs, targets)
+            }
+        }
+    }
+}
+
+/// Trains `model` on this rank's part of the grid; rank 0 writes `out/metrics.jsonl`.
+pub fn train<B, M>(
     cfg: &Config,
     data: &Source,
     grid: &ProcessGrid,
     out: &Path,
     device: &B::Device,
+    mut model: M,
+    objective: &Objective,
 ) -> Result<Summary>
 where
     B: AutodiffBackend + ParallelBackend,
     B::InnerBackend: ParallelBackend,
+    M: LanguageModel<B> + AutodiffModule<B>,
+    M::InnerModule: LanguageModel<B::InnerBackend>,
 {
     let t0 = Instant::now();
     let gpt = &cfg.model.gpt;
     let seed = cfg.train.seed;
-    let mut model: Gpt<B> = Gpt::new(gpt, seed, grid.tp, device).context("building the model")?;
     let sharded = sharded_param_ids::<B, _>(&model);
     // Two AdamW parameter groups: matrices decay, vectors (biases, norms) do not.
     let adamw = AdamWConfig::new()
@@ -61,8 +120,8 @@ where
     let mut optim_decay = adamw
         .clone()
         .with_weight_decay(cfg.train.weight_decay as f32)
-        .init::<B, Gpt<B>>();
-    let mut optim_no_decay = adamw.with_weight_decay(0.0).init::<B, Gpt<B>>();
+        .init::<B, M>();
+    let mut optim_no_decay = adamw.with_weight_decay(0.0).init::<B, M>();
     let bucket_elems = (cfg.parallel.bucket_mb * (1 << 20) as f64 / 4.0) as usize;
     let reducer = DataParallel::new(&model, grid.dp, bucket_elems)?;
     let zero = cfg.parallel.zero == 1;
@@ -89,7 +148,7 @@ where
         None
     };
     tracing::info!(
-        params = gpt.num_params(),
+        params = model.num_params(),
         layout = %format!("dp={} tp={} pp={}", dp, grid.layout.tp, grid.layout.pp),
         "model ready in {:.2}s",
         t0.elapsed().as_secs_f64()
@@ -114,23 +173,43 @@ where
     for step in 0..cfg.train.steps {
         let ts = Instant::now();
         reducer.begin_step();
-        let mut loss_sum = 0.0f64;
-        for m in 0..micro_batches {
-            let (x, y) =
-                data.train_batch(step, cfg.train.global_batch, first + m * micro, micro, seq);
+        // The step's micro-batches, and their share of the global batch's target tokens
+        // (masked LM: the number of masked positions varies), so that every layout computes
+        // the gradient of the same global mean loss.
+        let batches: Vec<(Vec<i64>, Vec<i64>)> = (0..micro_batches)
+            .map(|m| {
+                let start = first + m * micro;
+                objective.apply(
+                    data.train_batch(step, cfg.train.global_batch, start, micro, seq),
+                    seq,
+                    seed,
+                    |i| format!("mlm/{step}/{}", start + i),
+                )
+            })
+            .collect();
+        let counts: Vec<f32> = batches
+            .iter()
+            .map(|(_, y)| y.iter().filter(|&&t| t >= 0).count() as f32)
+            .collect();
+        let mut total = [counts.iter().sum::<f32>()];
+        if dp > 1 {
+            grid.dp.comm()?.all_reduce(&mut total, ReduceOp::Sum)?;
+        }
+        let mut loss_value = 0.0f64;
+        for (m, ((x, y), n)) in batches.into_iter().zip(&counts).enumerate() {
             let x = Tensor::<B, 2, Int>::from_data(TensorData::new(x, [micro, seq]), device);
             let y = Tensor::<B, 2, Int>::from_data(TensorData::new(y, [micro, seq]), device);
             reducer.set_last_micro_batch(m + 1 == micro_batches);
-            let loss = reducer.hooked(model.clone()).loss(x, y);
-            loss_sum += f64::from(loss.clone().into_scalar().elem::<f32>());
+            let share = n / total[0].max(1.0);
+            let loss = reducer.hooked(model.clone()).lm_loss(x, y) * share;
+            loss_value += f64::from(loss.clone().into_scalar().elem::<f32>());
             // The gradients travel through the reducer's hooks; Burn's copy is not needed.
             let _ = loss.backward();
         }
-        let (mut grads, dp_stats) = reducer.finish::<B, _>(&model, micro_batches)?;
-        let mut loss_value = loss_sum / micro_batches as f64;
+        let (mut grads, dp_stats) = reducer.finish::<B, _>(&model)?;
         if dp > 1 {
             let mut l = [loss_value as f32];
-            grid.dp.comm()?.all_reduce(&mut l, ReduceOp::Mean)?;
+            grid.dp.comm()?.all_reduce(&mut l, ReduceOp::Sum)?;
             loss_value = f64::from(l[0]);
         }
         if !loss_value.is_finite() {
@@ -159,7 +238,7 @@ where
         let val_every = cfg.data.val_every;
         let val_loss = (val_every > 0
             && ((step + 1) % val_every == 0 || step + 1 == cfg.train.steps))
-            .then(|| validation_loss::<B>(&model, data, cfg, grid, device))
+            .then(|| validation_loss::<B, M>(&model, data, objective, cfg, grid, device))
             .transpose()?;
         let dt = ts.elapsed().as_secs_f64();
         total_time += dt;
@@ -219,9 +298,10 @@ where
 
 /// Mean loss over `data.val_batches` global batches of held-out sequences, without gradients;
 /// each DP rank evaluates its share and the means are averaged over the DP group.
-fn validation_loss<B>(
-    model: &Gpt<B>,
+fn validation_loss<B, M>(
+    model: &M,
     data: &Source,
+    objective: &Objective,
     cfg: &Config,
     grid: &ProcessGrid,
     device: &B::Device,
@@ -229,18 +309,25 @@ fn validation_loss<B>(
 where
     B: AutodiffBackend + ParallelBackend,
     B::InnerBackend: ParallelBackend,
+    M: AutodiffModule<B>,
+    M::InnerModule: LanguageModel<B::InnerBackend>,
 {
-    use burn::module::AutodiffModule;
     let model = model.valid();
     let seq = cfg.model.gpt.seq_len;
     let local = cfg.train.global_batch / grid.layout.dp;
     let micro = cfg.micro_batch();
-    let mut sum = 0.0f64;
-    let mut n = 0usize;
+    // Sum of per-token losses and number of target tokens, over this rank's share.
+    let mut acc = [0.0f32, 0.0f32];
     for b in 0..cfg.data.val_batches {
         for m in 0..local / micro {
             let first = b * cfg.train.global_batch + grid.coords.dp * local + m * micro;
-            let (x, y) = data.val_batch(first, micro, seq);
+            let (x, y) = objective.apply(
+                data.val_batch(first, micro, seq),
+                seq,
+                cfg.train.seed,
+                |i| format!("mlm-val/{}", first + i),
+            );
+            let n = y.iter().filter(|&&t| t >= 0).count() as f32;
             let x = Tensor::<B::InnerBackend, 2, Int>::from_data(
                 TensorData::new(x, [micro, seq]),
                 device,
@@ -249,13 +336,13 @@ where
                 TensorData::new(y, [micro, seq]),
                 device,
             );
-            sum += f64::from(model.loss(x, y).into_scalar().elem::<f32>());
-            n += 1;
+            acc[0] += model.lm_loss(x, y).into_scalar().elem::<f32>() * n;
+            acc[1] += n;
         }
     }
-    let mut mean = [(sum / n.max(1) as f64) as f32];
     if grid.layout.dp > 1 {
-        grid.dp.comm()?.all_reduce(&mut mean, ReduceOp::Mean)?;
+        grid.dp.comm()?.all_reduce(&mut acc, ReduceOp::Sum)?;
     }
+    let mean = [acc[0] / acc[1].max(1.0)];
     Ok(f64::from(mean[0]))
 }

@@ -381,3 +381,68 @@ fn a_non_finite_loss_stops_training_naming_the_step_or_is_skipped() {
     let m = train(0, "nan-skip", &skip);
     assert_eq!(m.len(), 1, "only the finite first step is recorded");
 }
+
+fn bert_config() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/bert-tiny.toml")
+}
+
+/// Runs `merak train` with the BERT config (without mpirun when `np == 0`).
+fn train_bert(np: usize, name: &str, extra: &[&str]) -> Vec<serde_json::Value> {
+    let out = out_dir(name);
+    let mut cmd = if np == 0 {
+        Command::new(MERAK)
+    } else {
+        let mut c = mpirun(np);
+        c.arg(MERAK);
+        c
+    };
+    cmd.arg("train")
+        .arg("--config")
+        .arg(bert_config())
+        .args([
+            "--set",
+            "train.steps=5",
+            "--set",
+            "train.global_batch=8",
+            "--out",
+        ])
+        .arg(&out)
+        .args(extra);
+    run_with_deadline(cmd, Duration::from_secs(300)).assert_success();
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .expect("metrics.jsonl written")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("JSON"))
+        .collect()
+}
+
+#[test]
+fn bert_trains_the_same_under_dp_and_tp_and_learns() {
+    let single = train_bert(0, "bert-single", &[]);
+    for (np, name, extra) in [
+        (2, "bert-tp2", vec!["--tp", "2"]),
+        (2, "bert-dp2", vec!["--dp", "2"]),
+        (
+            4,
+            "bert-dp2tp2",
+            vec!["--dp", "2", "--tp", "2", "--set", "parallel.zero=1"],
+        ),
+    ] {
+        assert_same_run(name, &train_bert(np, name, &extra), &single);
+    }
+    // Masked LM learns from ~15% of the positions: more sequences per step, more steps.
+    let long = train_bert(
+        0,
+        "bert-long",
+        &["--set", "train.steps=300", "--set", "train.global_batch=32"],
+    );
+    let loss = series(&long, "loss");
+    let (head, tail) = (
+        loss[..5].iter().sum::<f32>() / 5.0,
+        loss[295..].iter().sum::<f32>() / 5.0,
+    );
+    assert!(
+        tail < head - 0.4,
+        "the masked-LM loss did not fall: {head} -> {tail}"
+    );
+}

@@ -278,13 +278,14 @@ impl DataParallel {
         model.map(&mut HookMapper { next: 0 })
     }
 
-    /// Waits for the all-reduces, divides by `dp * micro_batches` (the mean over the global
-    /// batch), and returns the gradients of the parameters that received one, as Burn's
-    /// `GradientsParams` for `model` (the unhooked module).
+    /// Waits for the all-reduces and returns the gradients summed over the micro-batches and
+    /// the DP ranks, for the parameters that received one, as Burn's `GradientsParams` for
+    /// `model` (the unhooked module). Weight each micro-batch's loss by its share of the global
+    /// batch (for example `1 / (dp * micro_batches)`, or its share of the target tokens) so that
+    /// the sum is the gradient of the global mean loss.
     pub fn finish<B: AutodiffBackend, M: AutodiffModule<B>>(
         &self,
         model: &M,
-        micro_batches: usize,
     ) -> Result<(GradientsParams, DpStats), CommError> {
         let t0 = Instant::now();
         ACTIVE.with(|a| *a.borrow_mut() = None);
@@ -303,8 +304,6 @@ impl DataParallel {
             s.flat[start..start + values.len()].copy_from_slice(&values);
         }
         let exposed_wait = t0.elapsed();
-        let scale = 1.0 / (self.dp.size() * micro_batches.max(1)) as f32;
-        s.flat.iter_mut().for_each(|x| *x *= scale);
         let stats = DpStats {
             buckets: s.buckets.len(),
             overlapped_buckets: s.launched_early,
