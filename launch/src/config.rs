@@ -114,6 +114,9 @@ pub struct TrainSection {
     pub grad_clip: f64,
     /// On a NaN or infinite loss, skip the step (true) instead of stopping (false).
     pub skip_nonfinite: bool,
+    /// GPT: after training, greedily continue a held-out prompt by this many tokens and print
+    /// it (0: no sample).
+    pub sample_tokens: usize,
     /// Seed of initialization, data and dropout.
     pub seed: u64,
     /// Device: "cpu" or "cuda" (needs the `cuda` build feature).
@@ -180,6 +183,7 @@ impl Default for Config {
                 eps: 1e-8,
                 grad_clip: 1.0,
                 skip_nonfinite: false,
+                sample_tokens: 0,
                 seed: 1234,
                 device: "cpu".into(),
             },

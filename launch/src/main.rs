@@ -2,6 +2,7 @@
 
 mod config;
 mod data;
+mod generate;
 mod plot;
 mod tokens;
 mod train;
@@ -220,27 +221,56 @@ where
     if cfg.model.kind == "bert" {
         let bert = cfg.bert();
         let model = merak_bert::Bert::<B>::new(&bert, seed, grid.tp, device)?;
-        train::train(
-            cfg,
-            data,
-            grid,
-            out,
-            device,
-            model,
-            &train::Objective::Masked(bert),
-        )
+        let objective = train::Objective::Masked(bert);
+        Ok(train::train(cfg, data, grid, out, device, model, &objective)?.0)
     } else {
         let model = merak_gpt::Gpt::<B>::new(&cfg.model.gpt, seed, grid.tp, device)?;
-        train::train(
-            cfg,
-            data,
-            grid,
-            out,
-            device,
-            model,
-            &train::Objective::Causal,
-        )
+        let objective = train::Objective::Causal;
+        let (summary, model) = train::train(cfg, data, grid, out, device, model, &objective)?;
+        if cfg.train.sample_tokens > 0 {
+            let model = burn::module::AutodiffModule::valid(&model);
+            print_sample(cfg, data, grid, &model, device)?;
+        }
+        Ok(summary)
     }
+}
+
+/// Continues the first held-out sequence's first tokens greedily with the trained GPT and
+/// prints the text (for a prepared data set) and the ids on rank 0. Every rank takes part
+/// (the logits are split over the TP group).
+fn print_sample<B: merak_burn::tensor_parallel::ParallelBackend>(
+    cfg: &config::Config,
+    data: &data::Source,
+    grid: &ProcessGrid,
+    model: &merak_gpt::Gpt<B>,
+    device: &B::Device,
+) -> Result<()> {
+    let g = &cfg.model.gpt;
+    let (prompt, _) = data.val_batch(0, 1, g.seq_len);
+    let prompt = &prompt[..g.seq_len.min(8)];
+    let new = cfg.train.sample_tokens;
+    let ids = generate::greedy(model, prompt, new, g.seq_len, g.vocab_size, grid.tp, device)?;
+    if grid.rank == 0 {
+        if let data::Source::Tokens(_) = data {
+            let bpe = tiktoken_rs::r50k_base()?;
+            let tokens: Vec<u32> = ids
+                .iter()
+                .filter_map(|&t| {
+                    u32::try_from(t)
+                        .ok()
+                        .filter(|&t| t < tokens::GPT2_VOCAB as u32)
+                })
+                .collect();
+            let text = String::from_utf8_lossy(&bpe.decode_bytes(&tokens)?).into_owned();
+            println!(
+                "sample (greedy, {new} tokens after a {}-token prompt):\n{text}",
+                prompt.len()
+            );
+        }
+        let ids_text = ids.iter().map(i64::to_string).collect::<Vec<_>>();
+        println!("sample ids: {}", ids_text.join(","));
+    }
+    Ok(())
 }
 
 /// Loads the config, applies the command-line degrees and checks the layout against the job.

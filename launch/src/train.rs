@@ -101,7 +101,7 @@ pub fn train<B, M>(
     device: &B::Device,
     mut model: M,
     objective: &Objective,
-) -> Result<Summary>
+) -> Result<(Summary, M)>
 where
     B: AutodiffBackend + ParallelBackend,
     B::InnerBackend: ParallelBackend,
@@ -287,13 +287,16 @@ where
     if let Some(bar) = progress {
         bar.finish_and_clear();
     }
-    Ok(Summary {
-        steps: cfg.train.steps,
-        final_loss,
-        mean_tokens_per_s: tokens_per_step * cfg.train.steps as f64 / total_time.max(1e-9),
-        wall_s: t0.elapsed().as_secs_f64(),
-        skipped,
-    })
+    Ok((
+        Summary {
+            steps: cfg.train.steps,
+            final_loss,
+            mean_tokens_per_s: tokens_per_step * cfg.train.steps as f64 / total_time.max(1e-9),
+            wall_s: t0.elapsed().as_secs_f64(),
+            skipped,
+        },
+        model,
+    ))
 }
 
 /// Mean loss over `data.val_batches` global batches of held-out sequences, without gradients;

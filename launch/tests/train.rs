@@ -34,8 +34,9 @@ fn train_args(cmd: &mut Command, out: &Path, extra: &[&str]) {
         .args(extra);
 }
 
-/// Runs `merak train` on `np` ranks (without mpirun when `np == 0`) and returns the metrics.
-fn train(np: usize, name: &str, extra: &[&str]) -> Vec<serde_json::Value> {
+/// Runs `merak train` with `config` for 5 steps on `np` ranks (without mpirun when `np == 0`)
+/// and returns the metrics.
+fn train_with(config: &Path, np: usize, name: &str, extra: &[&str]) -> Vec<serde_json::Value> {
     let out = out_dir(name);
     let mut cmd = if np == 0 {
         Command::new(MERAK)
@@ -44,12 +45,24 @@ fn train(np: usize, name: &str, extra: &[&str]) -> Vec<serde_json::Value> {
         c.arg(MERAK);
         c
     };
-    train_args(&mut cmd, &out, extra);
+    cmd.arg("train")
+        .arg("--config")
+        .arg(config)
+        .args(["--set", "train.steps=5", "--out"])
+        .arg(&out)
+        .args(extra);
     run_with_deadline(cmd, Duration::from_secs(300)).assert_success();
     let text = std::fs::read_to_string(out.join("metrics.jsonl")).expect("metrics.jsonl written");
     text.lines()
         .map(|l| serde_json::from_str(l).expect("each line is JSON"))
         .collect()
+}
+
+/// The tiny GPT on synthetic data.
+fn train(np: usize, name: &str, extra: &[&str]) -> Vec<serde_json::Value> {
+    let mut args = vec!["--set", "data.kind=synthetic"];
+    args.extend_from_slice(extra);
+    train_with(&config(), np, name, &args)
 }
 
 fn series(m: &[serde_json::Value], key: &str) -> Vec<f32> {
@@ -386,34 +399,11 @@ fn bert_config() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/bert-tiny.toml")
 }
 
-/// Runs `merak train` with the BERT config (without mpirun when `np == 0`).
+/// The tiny BERT on synthetic data, 8 sequences per step.
 fn train_bert(np: usize, name: &str, extra: &[&str]) -> Vec<serde_json::Value> {
-    let out = out_dir(name);
-    let mut cmd = if np == 0 {
-        Command::new(MERAK)
-    } else {
-        let mut c = mpirun(np);
-        c.arg(MERAK);
-        c
-    };
-    cmd.arg("train")
-        .arg("--config")
-        .arg(bert_config())
-        .args([
-            "--set",
-            "train.steps=5",
-            "--set",
-            "train.global_batch=8",
-            "--out",
-        ])
-        .arg(&out)
-        .args(extra);
-    run_with_deadline(cmd, Duration::from_secs(300)).assert_success();
-    std::fs::read_to_string(out.join("metrics.jsonl"))
-        .expect("metrics.jsonl written")
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("JSON"))
-        .collect()
+    let mut args = vec!["--set", "train.global_batch=8"];
+    args.extend_from_slice(extra);
+    train_with(&bert_config(), np, name, &args)
 }
 
 #[test]
@@ -444,5 +434,50 @@ fn bert_trains_the_same_under_dp_and_tp_and_learns() {
     assert!(
         tail < head - 0.4,
         "the masked-LM loss did not fall: {head} -> {tail}"
+    );
+}
+
+/// The `sample ids:` line that `merak train` prints after training with `train.sample_tokens`.
+fn sample_ids(np: usize, name: &str, extra: &[&str]) -> String {
+    let mut cmd = if np == 0 {
+        Command::new(MERAK)
+    } else {
+        let mut c = mpirun(np);
+        c.arg(MERAK);
+        c
+    };
+    let mut args = vec!["--set", "train.sample_tokens=6"];
+    args.extend_from_slice(extra);
+    train_args(&mut cmd, &out_dir(name), &args);
+    let run = run_with_deadline(cmd, Duration::from_secs(120));
+    run.assert_success();
+    let lines: Vec<&str> = run
+        .stdout
+        .lines()
+        .filter(|l| l.starts_with("sample ids: "))
+        .collect();
+    assert_eq!(
+        lines.len(),
+        1,
+        "one sample, printed by rank 0 only:\n{}",
+        run.stdout
+    );
+    lines[0].to_string()
+}
+
+#[test]
+fn greedy_samples_agree_across_tensor_parallel_layouts() {
+    let single = sample_ids(0, "sample-1", &[]);
+    assert_eq!(
+        single.split(',').count(),
+        8 + 6,
+        "prompt of 8 plus 6 new ids: {single}"
+    );
+    assert_eq!(sample_ids(4, "sample-tp4", &["--tp", "4"]), single);
+    // A vocabulary that tp does not divide: the padding is never sampled.
+    let odd = ["--set", "model.vocab_size=509"];
+    assert_eq!(
+        sample_ids(2, "sample-odd-tp2", &[odd[0], odd[1], "--tp", "2"]),
+        sample_ids(0, "sample-odd-1", &odd)
     );
 }

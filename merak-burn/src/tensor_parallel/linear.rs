@@ -15,17 +15,26 @@ pub(crate) fn shard_of(group: Group) -> Shard {
     }
 }
 
+/// A parameter of `shape` holding `values` (row-major) on `device`.
+pub fn param_from_values<B: Backend, const D: usize>(
+    values: Vec<f32>,
+    shape: [usize; D],
+    device: &B::Device,
+) -> Param<Tensor<B, D>> {
+    Param::from_tensor(Tensor::from_data(TensorData::new(values, shape), device))
+}
+
 pub(crate) fn param2<B: Backend>(
     values: Vec<f32>,
     shape: [usize; 2],
     device: &B::Device,
 ) -> Param<Tensor<B, 2>> {
-    Param::from_tensor(Tensor::from_data(TensorData::new(values, shape), device))
+    param_from_values(values, shape, device)
 }
 
 pub(crate) fn param1<B: Backend>(values: Vec<f32>, device: &B::Device) -> Param<Tensor<B, 1>> {
     let n = values.len();
-    Param::from_tensor(Tensor::from_data(TensorData::new(values, [n]), device))
+    param_from_values(values, [n], device)
 }
 
 fn check_full(what: &'static str, expected: usize, got: usize) -> Result<(), TpError> {

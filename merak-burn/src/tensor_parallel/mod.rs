@@ -20,6 +20,6 @@ pub use cross_entropy::vocab_parallel_cross_entropy;
 pub use dropout::ReplicatedDropout;
 pub use embedding::{VocabParallelEmbedding, padded_vocab};
 pub use init::{InitRng, Shard, TpError};
-pub use linear::{ColumnParallelLinear, RowParallelLinear};
+pub use linear::{ColumnParallelLinear, RowParallelLinear, param_from_values};
 pub use mlp::{MlpWeights, ParallelMlp};
 pub use ops::{ParallelBackend, copy_to_tp, gather_from_tp, reduce_from_tp, split_to_tp};

@@ -3,11 +3,11 @@
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, LayerNorm, LayerNormConfig, Linear};
 use burn::tensor::activation::gelu;
-use burn::tensor::{Int, Tensor, TensorData, backend::Backend};
+use burn::tensor::{Int, Tensor, backend::Backend};
 use merak_burn::comm::Group;
 use merak_burn::tensor_parallel::{
     AttentionMask, AttentionWeights, InitRng, MlpWeights, ParallelBackend, ParallelMlp,
-    ParallelSelfAttention, ReplicatedDropout, TpError, VocabParallelEmbedding,
+    ParallelSelfAttention, ReplicatedDropout, TpError, VocabParallelEmbedding, param_from_values,
     vocab_parallel_cross_entropy,
 };
 
@@ -75,14 +75,6 @@ pub struct Bert<B: Backend> {
     pub dropout: ReplicatedDropout,
 }
 
-fn param2<B: Backend>(
-    values: Vec<f32>,
-    shape: [usize; 2],
-    device: &B::Device,
-) -> Param<Tensor<B, 2>> {
-    Param::from_tensor(Tensor::from_data(TensorData::new(values, shape), device))
-}
-
 impl<B: ParallelBackend> Bert<B> {
     /// Builds this TP rank's shard of the model initialized from `seed` (BERT scheme: every
     /// weight matrix and embedding N(0, `init_std`²), zero biases, unit LayerNorm gains). Every
@@ -111,7 +103,7 @@ impl<B: ParallelBackend> Bert<B> {
             device,
         )?;
         let wpe = Embedding {
-            weight: param2(
+            weight: param_from_values(
                 rng.normal("bert.embeddings.position_embeddings.weight", s * h, std),
                 [s, h],
                 device,
@@ -150,7 +142,7 @@ impl<B: ParallelBackend> Bert<B> {
             .collect::<Result<Vec<_>, TpError>>()?;
         let head = MlmHead {
             dense: Linear {
-                weight: param2(
+                weight: param_from_values(
                     rng.normal("cls.predictions.transform.dense.weight", h * h, std),
                     [h, h],
                     device,
@@ -213,6 +205,7 @@ mod tests {
     use crate::mask_tokens;
     use burn::backend::{Autodiff, NdArray};
     use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+    use burn::tensor::TensorData;
 
     type Cpu = NdArray<f32>;
     type Train = Autodiff<Cpu>;

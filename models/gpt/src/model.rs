@@ -6,7 +6,7 @@ use burn::tensor::{Int, Tensor, backend::Backend};
 use merak_burn::comm::Group;
 use merak_burn::tensor_parallel::{
     AttentionMask, AttentionWeights, InitRng, MlpWeights, ParallelBackend, ParallelMlp,
-    ParallelSelfAttention, ReplicatedDropout, TpError, VocabParallelEmbedding,
+    ParallelSelfAttention, ReplicatedDropout, TpError, VocabParallelEmbedding, param_from_values,
     vocab_parallel_cross_entropy,
 };
 
@@ -72,10 +72,7 @@ impl<B: ParallelBackend> Gpt<B> {
         let wte =
             VocabParallelEmbedding::from_full(&rng.normal("wte", v * h, std), v, h, tp, device)?;
         let wpe = Embedding {
-            weight: burn::module::Param::from_tensor(Tensor::from_data(
-                burn::tensor::TensorData::new(rng.normal("wpe", s * h, std), [s, h]),
-                device,
-            )),
+            weight: param_from_values(rng.normal("wpe", s * h, std), [s, h], device),
         };
         let blocks = (0..cfg.layers)
             .map(|i| {

@@ -1,0 +1,493 @@
+//! `bench-train-step`: time of one training step of a GPT (preset `tiny` by default) on the CPU
+//! backend `Autodiff<NdArray<f32>>`, as a plain Burn loop and as the step of `merak train`.
+//!
+//! Variants, all trained on the same fixed random token ids (the global batch, `--batch`
+//! sequences) from the same initial weights, each with its own model and optimizer state:
+//!
+//! - **plain**: `Gpt` built with `Group::local()`; per step `model.loss(x, y)`, read the loss,
+//!   `loss.backward()`, `GradientsParams::from_grads`, one Burn AdamW `step`. No merak
+//!   machinery besides the model itself.
+//! - **merak dp=1**: the per-step work of `merak train` (launch/src/train.rs) with a
+//!   `Group::local()` DP group: `DataParallel::begin_step`, `set_last_micro_batch(true)`,
+//!   `hooked(model.clone()).loss(x, y) * share` (share = 1.0 here), read the loss, backward,
+//!   `finish`, `global_grad_norm`, `clip_grads`, `split_for_weight_decay`, and two AdamW steps
+//!   (decay / no decay).
+//! - **merak dp=N** (only with N > 1 ranks): the same step with the DP group = the MPI world;
+//!   each rank takes `batch / N` sequences of the global batch, so a step processes the same
+//!   tokens as the dp=1 step. As in `merak train`, it also all-reduces the target count and
+//!   the loss.
+//!
+//! Trials of the variants alternate in the same run (the order rotates every trial); the
+//! medians over trials are reported, with the median of the paired time ratios. A trial's time
+//! is the slowest rank's. Under `mpirun -np 2` the dp=1 variants run on both ranks at once (each
+//! rank a full copy, one core each), so all three variants have one core per rank.
+//! tokens/s counts the global batch: `batch * seq / step time`.
+//!
+//! Run, from the workspace root:
+//!
+//! ```text
+//! cargo build --release -p merak-benches
+//! OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 RAYON_NUM_THREADS=1 \
+//!     mpirun -np 2 --oversubscribe --bind-to none target/release/bench-train-step
+//! ```
+
+use std::collections::HashSet;
+use std::rc::Rc;
+use std::time::Instant;
+
+use anyhow::{Result, bail};
+use burn::backend::{Autodiff, NdArray, ndarray::NdArrayDevice};
+use burn::module::{Module, ParamId};
+use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
+use clap::Parser;
+use merak_burn::comm::{Communicator, Group, MpiCommunicator, MpiWorld, ReduceOp};
+use merak_burn::data_parallel::DataParallel;
+use merak_burn::train::{clip_grads, global_grad_norm, sharded_param_ids, split_for_weight_decay};
+use merak_gpt::{Gpt, GptConfig};
+
+type B = Autodiff<NdArray<f32>>;
+type Model = Gpt<B>;
+
+/// Command-line options.
+#[derive(Parser, Debug)]
+#[command(about = "Training step of a tiny GPT: plain Burn vs merak, dp=1 vs dp=N")]
+struct Args {
+    /// GPT preset.
+    #[arg(long, default_value = "tiny")]
+    preset: String,
+    /// Global batch (sequences per optimizer step); dp=N splits it over the ranks.
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    /// Timed trials of each variant; medians are reported.
+    #[arg(long, default_value_t = 11)]
+    trials: usize,
+    /// Training steps per trial.
+    #[arg(long, default_value_t = 10)]
+    steps: usize,
+    /// Untimed steps of each variant before the trials.
+    #[arg(long, default_value_t = 3)]
+    warmup: usize,
+    /// Seed of the weights and the token ids.
+    #[arg(long, default_value_t = 1234)]
+    seed: u64,
+    /// Learning rate (constant).
+    #[arg(long, default_value_t = 1e-3)]
+    lr: f64,
+    /// DP bucket size in MiB (`parallel.bucket_mb`).
+    #[arg(long, default_value_t = 1.0)]
+    bucket_mb: f64,
+}
+
+/// Fixed token windows: rows `[seq]` of inputs and next-token targets.
+struct Batch {
+    ids: Vec<i64>,
+    targets: Vec<i64>,
+    rows: usize,
+    seq: usize,
+}
+
+impl Batch {
+    /// `rows` windows of `seq + 1` pseudo-random tokens below `vocab` (splitmix64 of `seed`).
+    fn random(rows: usize, seq: usize, vocab: usize, seed: u64) -> Self {
+        let mut state = seed;
+        let mut next = || {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            ((z ^ (z >> 31)) % vocab as u64) as i64
+        };
+        let (mut ids, mut targets) = (Vec::new(), Vec::new());
+        for _ in 0..rows {
+            let window: Vec<i64> = (0..=seq).map(|_| next()).collect();
+            ids.extend_from_slice(&window[..seq]);
+            targets.extend_from_slice(&window[1..]);
+        }
+        Self {
+            ids,
+            targets,
+            rows,
+            seq,
+        }
+    }
+
+    /// Rows `first..first + rows`.
+    fn rows(&self, first: usize, rows: usize) -> Self {
+        let r = first * self.seq..(first + rows) * self.seq;
+        Self {
+            ids: self.ids[r.clone()].to_vec(),
+            targets: self.targets[r].to_vec(),
+            rows,
+            seq: self.seq,
+        }
+    }
+
+    /// Fresh tensors of inputs and targets, as the training loop makes every step.
+    fn tensors(&self, device: &NdArrayDevice) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>) {
+        let shape = [self.rows, self.seq];
+        (
+            Tensor::from_data(TensorData::new(self.ids.clone(), shape), device),
+            Tensor::from_data(TensorData::new(self.targets.clone(), shape), device),
+        )
+    }
+}
+
+/// Seconds spent in the phases of the steps, added up.
+#[derive(Clone, Copy, Default)]
+struct Phases {
+    /// Forward, loss read-back and backward.
+    fwd_bwd: f64,
+    /// Gradients collected: `GradientsParams::from_grads`, or `DataParallel::finish`.
+    grads: f64,
+    /// Global norm, clipping, split into parameter groups (merak only).
+    norm_clip_split: f64,
+    /// Optimizer step(s).
+    optim: f64,
+    steps: usize,
+}
+
+/// One variant: a model with its optimizer(s) and its share of the data.
+trait Stepper {
+    /// One optimizer step; returns the (global) loss and the gradient norm when computed.
+    fn step(&mut self) -> Result<(f64, Option<f64>)>;
+    /// Adds up phase times (only while `timing` is set).
+    fn phases(&mut self) -> &mut Phases;
+}
+
+/// Splits a step into phases with one clock read per boundary.
+struct Clock(Instant);
+
+impl Clock {
+    fn lap(&mut self) -> f64 {
+        let now = Instant::now();
+        let dt = (now - self.0).as_secs_f64();
+        self.0 = now;
+        dt
+    }
+}
+
+struct Plain<O> {
+    model: Option<Model>,
+    optim: O,
+    batch: Batch,
+    lr: f64,
+    device: NdArrayDevice,
+    phases: Phases,
+}
+
+impl<O: Optimizer<Model, B>> Stepper for Plain<O> {
+    fn step(&mut self) -> Result<(f64, Option<f64>)> {
+        let mut clock = Clock(Instant::now());
+        let model = self
+            .model
+            .take()
+            .expect("the model is back after each step");
+        let (x, y) = self.batch.tensors(&self.device);
+        let loss = model.loss(x, y);
+        let value = f64::from(loss.clone().into_scalar().elem::<f32>());
+        let grads = loss.backward();
+        self.phases.fwd_bwd += clock.lap();
+        let grads = GradientsParams::from_grads(grads, &model);
+        self.phases.grads += clock.lap();
+        self.model = Some(self.optim.step(self.lr, model, grads));
+        self.phases.optim += clock.lap();
+        self.phases.steps += 1;
+        Ok((value, None))
+    }
+    fn phases(&mut self) -> &mut Phases {
+        &mut self.phases
+    }
+}
+
+struct Merak<O> {
+    model: Option<Model>,
+    reducer: DataParallel,
+    optim_decay: O,
+    optim_no_decay: O,
+    sharded: HashSet<ParamId>,
+    tp: Group,
+    dp: Group,
+    batch: Batch,
+    lr: f64,
+    grad_clip: f64,
+    device: NdArrayDevice,
+    phases: Phases,
+}
+
+impl<O: Optimizer<Model, B>> Stepper for Merak<O> {
+    /// The body of the step loop of `merak train` for one micro-batch (no ZeRO, no validation,
+    /// no metrics).
+    fn step(&mut self) -> Result<(f64, Option<f64>)> {
+        let mut clock = Clock(Instant::now());
+        let model = self
+            .model
+            .take()
+            .expect("the model is back after each step");
+        let dp = self.dp.size();
+        self.reducer.begin_step();
+        let count = self.batch.targets.iter().filter(|&&t| t >= 0).count() as f32;
+        let mut total = [count];
+        if dp > 1 {
+            self.dp.comm()?.all_reduce(&mut total, ReduceOp::Sum)?;
+        }
+        let (x, y) = self.batch.tensors(&self.device);
+        self.reducer.set_last_micro_batch(true);
+        let share = count / total[0].max(1.0);
+        let loss = self.reducer.hooked(model.clone()).loss(x, y) * share;
+        let mut loss_value = f64::from(loss.clone().into_scalar().elem::<f32>());
+        let _ = loss.backward();
+        self.phases.fwd_bwd += clock.lap();
+        let (mut grads, _stats) = self.reducer.finish::<B, _>(&model)?;
+        if dp > 1 {
+            let mut l = [loss_value as f32];
+            self.dp.comm()?.all_reduce(&mut l, ReduceOp::Sum)?;
+            loss_value = f64::from(l[0]);
+        }
+        if !loss_value.is_finite() {
+            bail!("the loss is {loss_value}");
+        }
+        self.phases.grads += clock.lap();
+        let grad_norm = global_grad_norm::<B, _>(&model, &grads, &self.sharded, self.tp)?;
+        clip_grads::<B, _>(&model, &mut grads, grad_norm, self.grad_clip);
+        let (decay, no_decay) = split_for_weight_decay::<B, _>(&model, grads, None);
+        self.phases.norm_clip_split += clock.lap();
+        let model = self.optim_decay.step(self.lr, model, decay);
+        let model = self.optim_no_decay.step(self.lr, model, no_decay);
+        self.model = Some(model);
+        self.phases.optim += clock.lap();
+        self.phases.steps += 1;
+        Ok((loss_value, Some(grad_norm)))
+    }
+    fn phases(&mut self) -> &mut Phases {
+        &mut self.phases
+    }
+}
+
+/// `merak train`'s AdamW settings (launch defaults: betas 0.9/0.95, eps 1e-8).
+fn adamw() -> AdamWConfig {
+    AdamWConfig::new()
+        .with_beta_1(0.9)
+        .with_beta_2(0.95)
+        .with_epsilon(1e-8)
+}
+
+const WEIGHT_DECAY: f32 = 0.01;
+const GRAD_CLIP: f64 = 1.0;
+
+fn merak_variant(
+    cfg: &GptConfig,
+    args: &Args,
+    dp: Group,
+    batch: Batch,
+    device: &NdArrayDevice,
+) -> Result<Box<dyn Stepper>> {
+    let tp = Group::local();
+    let model = Model::new(cfg, args.seed, tp, device)?;
+    let bucket_elems = (args.bucket_mb * (1 << 20) as f64 / 4.0) as usize;
+    Ok(Box::new(Merak {
+        sharded: sharded_param_ids::<B, _>(&model),
+        reducer: DataParallel::new(&model, dp, bucket_elems)?,
+        optim_decay: adamw().with_weight_decay(WEIGHT_DECAY).init::<B, Model>(),
+        optim_no_decay: adamw().with_weight_decay(0.0).init::<B, Model>(),
+        model: Some(model),
+        tp,
+        dp,
+        batch,
+        lr: args.lr,
+        grad_clip: GRAD_CLIP,
+        device: *device,
+        phases: Phases::default(),
+    }))
+}
+
+/// Seconds per step of `steps` steps (slowest rank). `control` is used only outside the timed
+/// region, for the barrier and the reduction of the time.
+fn trial(control: &MpiCommunicator, v: &mut dyn Stepper, steps: usize) -> Result<f64> {
+    control.barrier()?;
+    let t = Instant::now();
+    for _ in 0..steps {
+        v.step()?;
+    }
+    let mut secs = [(t.elapsed().as_secs_f64() / steps as f64) as f32];
+    control.all_reduce(&mut secs, ReduceOp::Max)?;
+    Ok(f64::from(secs[0]))
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let m = v.len() / 2;
+    if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
+    }
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    if args.trials == 0 || args.steps == 0 {
+        bail!("--trials and --steps must be positive");
+    }
+    let mpi = MpiWorld::init()?;
+    let control = mpi.world();
+    let (rank, n) = (control.rank(), control.size());
+    if args.batch == 0 || args.batch % n != 0 {
+        bail!(
+            "--batch {} must be a positive multiple of the {n} ranks",
+            args.batch
+        );
+    }
+    let cfg = GptConfig::preset(&args.preset)?;
+    let device = NdArrayDevice::default();
+    let data = Batch::random(args.batch, cfg.seq_len, cfg.vocab_size, args.seed);
+    let local_rows = args.batch / n;
+
+    let plain_model = Model::new(&cfg, args.seed, Group::local(), &device)?;
+    let params = plain_model.num_params();
+    let plain: Box<dyn Stepper> = Box::new(Plain {
+        model: Some(plain_model),
+        optim: adamw().with_weight_decay(WEIGHT_DECAY).init::<B, Model>(),
+        batch: data.rows(0, args.batch),
+        lr: args.lr,
+        device,
+        phases: Phases::default(),
+    });
+    let dp1 = merak_variant(
+        &cfg,
+        &args,
+        Group::local(),
+        data.rows(0, args.batch),
+        &device,
+    )?;
+    let mut variants: Vec<(String, Box<dyn Stepper>)> = vec![
+        (format!("plain Burn (1 rank, batch {})", args.batch), plain),
+        (format!("merak dp=1 (local, batch {})", args.batch), dp1),
+    ];
+    if n > 1 {
+        let world = Group::register(Rc::new(mpi.world()));
+        let dpn = merak_variant(
+            &cfg,
+            &args,
+            world,
+            data.rows(rank * local_rows, local_rows),
+            &device,
+        )?;
+        variants.push((format!("merak dp={n} (world, {local_rows}/rank)"), dpn));
+    }
+
+    // First step of every variant from the same weights and data: the losses agree, and the
+    // dp=1 and dp=N gradient norms agree.
+    let mut first = Vec::new();
+    for (_, v) in &mut variants {
+        first.push(v.step()?);
+    }
+    for _ in 1..args.warmup {
+        for (_, v) in &mut variants {
+            v.step()?;
+        }
+    }
+    for (_, v) in &mut variants {
+        *v.phases() = Phases::default();
+    }
+
+    let k = variants.len();
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); k];
+    let mut ratio_merak = Vec::new();
+    let mut ratio_dp = Vec::new();
+    for t in 0..args.trials {
+        // Rotate which variant goes first, so that slow drifts of the machine hit all.
+        let mut trial_times = vec![0.0; k];
+        for j in 0..k {
+            let i = (t + j) % k;
+            trial_times[i] = trial(&control, variants[i].1.as_mut(), args.steps)?;
+        }
+        ratio_merak.push(trial_times[1] / trial_times[0]);
+        if k > 2 {
+            ratio_dp.push(trial_times[1] / trial_times[2]);
+        }
+        for (all, one) in times.iter_mut().zip(trial_times) {
+            all.push(one);
+        }
+    }
+
+    if rank == 0 {
+        let tokens = (args.batch * cfg.seq_len) as f64;
+        let med: Vec<f64> = times.iter_mut().map(|v| median(v)).collect();
+        println!(
+            "# {} GPT training step on Autodiff<NdArray<f32>>: vocab {}, {} layers, {} heads, \
+             hidden {}, seq {}, {params} parameters; global batch {} ({} tokens); {} ranks; \
+             {} trials x {} steps, medians, slowest rank",
+            args.preset,
+            cfg.vocab_size,
+            cfg.layers,
+            cfg.heads,
+            cfg.hidden,
+            cfg.seq_len,
+            args.batch,
+            tokens,
+            n,
+            args.trials,
+            args.steps
+        );
+        let losses: Vec<String> = first.iter().map(|(l, _)| format!("{l:.6}")).collect();
+        let norms: Vec<String> = first
+            .iter()
+            .filter_map(|(_, g)| g.map(|g| format!("{g:.6}")))
+            .collect();
+        println!(
+            "# check, first step: loss {} (plain, merak dp=1{}), grad norm {} (merak dp=1{})",
+            losses.join(" / "),
+            if k > 2 {
+                format!(", dp={n}")
+            } else {
+                String::new()
+            },
+            norms.join(" / "),
+            if k > 2 {
+                format!(", dp={n}")
+            } else {
+                String::new()
+            },
+        );
+        println!();
+        println!(
+            "{:<34} {:>9} {:>10}   {:>8} {:>8} {:>8} {:>8}",
+            "variant", "ms/step", "tokens/s", "fwd+bwd", "grads", "nrm/clip", "optim"
+        );
+        for ((name, v), m) in variants.iter_mut().zip(&med) {
+            let p = *v.phases();
+            let ms = |s: f64| s * 1e3 / p.steps.max(1) as f64;
+            println!(
+                "{:<34} {:>9.3} {:>10.0}   {:>8.3} {:>8.3} {:>8.3} {:>8.3}",
+                name,
+                m * 1e3,
+                tokens / m,
+                ms(p.fwd_bwd),
+                ms(p.grads),
+                ms(p.norm_clip_split),
+                ms(p.optim)
+            );
+        }
+        println!(
+            "# phases: mean ms/step on rank 0 over the timed steps; grads = from_grads (plain) \
+             or DataParallel::finish (merak); nrm/clip = global_grad_norm + clip_grads + \
+             split_for_weight_decay; optim = AdamW step(s)"
+        );
+        println!();
+        println!(
+            "merak/plain (dp=1): {:.3} (median of paired trials; ratio of medians {:.3})",
+            median(&mut ratio_merak),
+            med[1] / med[0]
+        );
+        if k > 2 {
+            println!(
+                "tokens/s dp={n} / dp=1: {:.3} (median of paired trials; ratio of medians \
+                 {:.3}); ideal {n}",
+                median(&mut ratio_dp),
+                med[1] / med[2]
+            );
+        }
+    }
+    Ok(())
+}
