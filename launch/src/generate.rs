@@ -27,7 +27,7 @@ pub fn greedy<B: ParallelBackend>(
         let logits = model.logits(x);
         let [_, _, local] = logits.dims();
         let last = logits.slice([0..1, n - 1..n, 0..local]).reshape([local]);
-        let full = comm.all_gather_tensor(last, 0)?.slice([0..vocab]);
+        let full = comm.all_gather_tensor(last, 0)?.narrow(0, 0, vocab);
         let next = full.argmax(0).into_scalar();
         ids.push(burn::tensor::ElementConversion::elem::<i64>(next));
     }
