@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Installs what merak-burn needs to build and run on Debian/Ubuntu, if it is missing:
 # Open MPI (library, headers, mpirun), libclang (the `mpi` crate generates its bindings with it)
-# and pkg-config. Needs a Rust toolchain (https://rustup.rs) already installed.
+# pkg-config and procps (pgrep, used by a test). Needs a Rust toolchain (https://rustup.rs) already installed.
 set -euo pipefail
 
 need=()
-for pkg in libopenmpi-dev openmpi-bin libclang-dev clang pkg-config; do
+for pkg in libopenmpi-dev openmpi-bin libclang-dev clang pkg-config procps; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then

@@ -481,3 +481,52 @@ fn greedy_samples_agree_across_tensor_parallel_layouts() {
         sample_ids(0, "sample-odd-1", &odd)
     );
 }
+
+#[test]
+fn killing_one_rank_ends_the_whole_job_promptly() {
+    let out = out_dir("kill-9");
+    let mut cmd = mpirun(2);
+    cmd.arg(MERAK);
+    train_args(
+        &mut cmd,
+        &out,
+        &["--dp", "2", "--set", "train.steps=100000"],
+    );
+    let child = std::thread::spawn(move || run_with_deadline(cmd, Duration::from_secs(120)));
+    // Wait until training runs, then SIGKILL one rank (found by its unique output folder).
+    let metrics = out.join("metrics.jsonl");
+    let start = std::time::Instant::now();
+    while !std::fs::read_to_string(&metrics).is_ok_and(|m| m.lines().count() >= 3) {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "training did not start"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let pgrep = Command::new("pgrep")
+        .args(["-f", &format!("{} train .*{}", MERAK, out.display())])
+        .output()
+        .expect("pgrep runs");
+    let pids: Vec<String> = String::from_utf8_lossy(&pgrep.stdout)
+        .split_whitespace()
+        .map(str::to_string)
+        .collect();
+    assert!(!pids.is_empty(), "no rank process found");
+    let killed_at = std::time::Instant::now();
+    let status = Command::new("kill")
+        .args(["-9", &pids[pids.len() - 1]])
+        .status()
+        .expect("kill runs");
+    assert!(status.success());
+    let run = child.join().expect("the runner thread");
+    assert!(
+        !run.timed_out,
+        "the job hung after a rank was killed: {run:?}"
+    );
+    assert!(
+        killed_at.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        killed_at.elapsed()
+    );
+    assert_ne!(run.code, Some(0), "{run:?}");
+}
