@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what merak-burn needs to build and run on Debian/Ubuntu, if it is missing:
-# Open MPI (library, headers, mpirun), libclang (the `mpi` crate generates its bindings with it)
-# pkg-config and procps (pgrep, used by a test). Needs a Rust toolchain (https://rustup.rs) already installed.
+# Open MPI (library, headers, mpirun), libclang (the `mpi` crate generates its bindings with it),
+# pkg-config and procps (pgrep, used by a test). Needs a Rust toolchain (https://rustup.rs).
 set -euo pipefail
 
 need=()
