@@ -416,7 +416,7 @@ fn main() -> Result<()> {
         let med: Vec<f64> = times.iter_mut().map(|v| median(v)).collect();
         println!(
             "# {} GPT training step on Autodiff<NdArray<f32>>: vocab {}, {} layers, {} heads, \
-             hidden {}, seq {}, {params} parameters; global batch {} ({} tokens); {} ranks; \
+             hidden {}, seq {}, {params} parameters; global batch {} ({} tokens); ranks: {}; \
              {} trials x {} steps, medians, slowest rank",
             args.preset,
             cfg.vocab_size,
