@@ -74,6 +74,9 @@ struct Args {
     /// Learning rate (constant).
     #[arg(long, default_value_t = 1e-3)]
     lr: f64,
+    /// Bucket size in MiB of the extra dp=N variant with small, overlapped buckets.
+    #[arg(long, default_value_t = 0.02)]
+    small_bucket_mb: f64,
     /// DP bucket size in MiB (`parallel.bucket_mb`).
     #[arg(long, default_value_t = 1.0)]
     bucket_mb: f64,
@@ -281,10 +284,11 @@ fn merak_variant(
     dp: Group,
     batch: Batch,
     device: &NdArrayDevice,
+    bucket_mb: f64,
 ) -> Result<Box<dyn Stepper>> {
     let tp = Group::local();
     let model = Model::new(cfg, args.seed, tp, device)?;
-    let bucket_elems = (args.bucket_mb * (1 << 20) as f64 / 4.0) as usize;
+    let bucket_elems = (bucket_mb * (1 << 20) as f64 / 4.0) as usize;
     Ok(Box::new(Merak {
         sharded: sharded_param_ids::<B, _>(&model),
         reducer: DataParallel::new(&model, dp, bucket_elems)?,
@@ -359,6 +363,7 @@ fn main() -> Result<()> {
         Group::local(),
         data.rows(0, args.batch),
         &device,
+        args.bucket_mb,
     )?;
     let mut variants: Vec<(String, Box<dyn Stepper>)> = vec![
         (format!("plain Burn (1 rank, batch {})", args.batch), plain),
@@ -372,8 +377,22 @@ fn main() -> Result<()> {
             world,
             data.rows(rank * local_rows, local_rows),
             &device,
+            args.bucket_mb,
         )?;
         variants.push((format!("merak dp={n} (world, {local_rows}/rank)"), dpn));
+        // The same with small buckets, whose all-reduces start during the backward pass.
+        let small = merak_variant(
+            &cfg,
+            &args,
+            Group::register(Rc::new(mpi.world())),
+            data.rows(rank * local_rows, local_rows),
+            &device,
+            args.small_bucket_mb,
+        )?;
+        variants.push((
+            format!("merak dp={n} buckets {} MiB", args.small_bucket_mb),
+            small,
+        ));
     }
 
     // First step of every variant from the same weights and data: the losses agree, and the
@@ -486,6 +505,13 @@ fn main() -> Result<()> {
                  {:.3}); ideal {n}",
                 median(&mut ratio_dp),
                 med[1] / med[2]
+            );
+        }
+        if k > 3 {
+            println!(
+                "step time dp={n}, small buckets / one bucket: {:.3} (ratio of medians; below 1: \
+                 overlapping the all-reduce with the backward pass pays)",
+                med[3] / med[2]
             );
         }
     }
