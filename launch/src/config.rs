@@ -114,9 +114,11 @@ pub struct TrainSection {
     pub grad_clip: f64,
     /// On a NaN or infinite loss, skip the step (true) instead of stopping (false).
     pub skip_nonfinite: bool,
-    /// GPT: after training, greedily continue a held-out prompt by this many tokens and print
-    /// it (0: no sample).
+    /// GPT: after training, continue a held-out prompt by this many tokens and print it
+    /// (0: no sample).
     pub sample_tokens: usize,
+    /// Temperature of that sample's top-40 sampling (seeded by train.seed); 0 is greedy.
+    pub sample_temperature: f64,
     /// Seed of initialization, data and dropout.
     pub seed: u64,
     /// Device: "cpu" or "cuda" (needs the `cuda` build feature).
@@ -184,6 +186,7 @@ impl Default for Config {
                 grad_clip: 1.0,
                 skip_nonfinite: false,
                 sample_tokens: 0,
+                sample_temperature: 0.0,
                 seed: 1234,
                 device: "cpu".into(),
             },

@@ -235,7 +235,7 @@ where
     }
 }
 
-/// Continues the first held-out sequence's first tokens greedily with the trained GPT and
+/// Continues the first held-out sequence's first tokens with the trained GPT and
 /// prints the text (for a prepared data set) and the ids on rank 0. Every rank takes part
 /// (the logits are split over the TP group).
 fn print_sample<B: merak_burn::tensor_parallel::ParallelBackend>(
@@ -249,7 +249,21 @@ fn print_sample<B: merak_burn::tensor_parallel::ParallelBackend>(
     let (prompt, _) = data.val_batch(0, 1, g.seq_len);
     let prompt = &prompt[..g.seq_len.min(8)];
     let new = cfg.train.sample_tokens;
-    let ids = generate::greedy(model, prompt, new, g.seq_len, g.vocab_size, grid.tp, device)?;
+    let sampling = generate::Sampling {
+        temperature: cfg.train.sample_temperature,
+        top_k: 40,
+        seed: cfg.train.seed,
+    };
+    let ids = generate::generate(
+        model,
+        prompt,
+        new,
+        g.seq_len,
+        g.vocab_size,
+        &sampling,
+        grid.tp,
+        device,
+    )?;
     if grid.rank == 0 {
         if let data::Source::Tokens(_) = data {
             let bpe = tiktoken_rs::r50k_base()?;
