@@ -276,8 +276,13 @@ fn print_sample<B: merak_burn::tensor_parallel::ParallelBackend>(
                 })
                 .collect();
             let text = String::from_utf8_lossy(&bpe.decode_bytes(&tokens)?).into_owned();
+            let how = if sampling.temperature > 0.0 {
+                format!("top-40 sampling at temperature {}", sampling.temperature)
+            } else {
+                "greedy".to_string()
+            };
             println!(
-                "sample (greedy, {new} tokens after a {}-token prompt):\n{text}",
+                "sample ({how}, {new} tokens after a {}-token prompt):\n{text}",
                 prompt.len()
             );
         }
