@@ -483,7 +483,10 @@ fn greedy_samples_agree_across_tensor_parallel_layouts() {
     // Seeded top-k sampling picks the same tokens on every layout.
     let hot = ["--set", "train.sample_temperature=1.5"];
     let sampled = sample_ids(0, "sample-hot-1", &hot);
-    assert_eq!(sample_ids(2, "sample-hot-tp2", &[hot[0], hot[1], "--tp", "2"]), sampled);
+    assert_eq!(
+        sample_ids(2, "sample-hot-tp2", &[hot[0], hot[1], "--tp", "2"]),
+        sampled
+    );
 }
 
 #[test]
