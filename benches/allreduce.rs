@@ -23,6 +23,10 @@
 //!     mpirun -np 2 --oversubscribe --bind-to none target/release/bench-allreduce
 //! ```
 
+#[path = "common.rs"]
+mod common;
+use common::median;
+
 use std::time::Instant;
 
 use anyhow::{Result, bail, ensure};
@@ -127,16 +131,6 @@ fn check_result(comm: &MpiCommunicator, count: usize) -> Result<()> {
         "non-blocking all-reduce of {count} values gave a wrong sum"
     );
     Ok(())
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let m = v.len() / 2;
-    if v.len() % 2 == 1 {
-        v[m]
-    } else {
-        (v[m - 1] + v[m]) / 2.0
-    }
 }
 
 /// Human-readable message size.

@@ -24,6 +24,10 @@
 //!     mpirun -np 2 --oversubscribe --bind-to none target/release/bench-tp-layer
 //! ```
 
+#[path = "common.rs"]
+mod common;
+use common::median;
+
 use std::cell::Cell;
 use std::rc::Rc;
 use std::time::Instant;
@@ -205,16 +209,6 @@ fn trial(
 
 fn max_abs_diff(a: Tensor<NdArray<f32>, 3>, b: Tensor<NdArray<f32>, 3>) -> f32 {
     (a - b).abs().max().into_scalar().elem::<f32>()
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let m = v.len() / 2;
-    if v.len() % 2 == 1 {
-        v[m]
-    } else {
-        (v[m - 1] + v[m]) / 2.0
-    }
 }
 
 fn main() -> Result<()> {

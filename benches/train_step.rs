@@ -31,6 +31,10 @@
 //!     mpirun -np 2 --oversubscribe --bind-to none target/release/bench-train-step
 //! ```
 
+#[path = "common.rs"]
+mod common;
+use common::median;
+
 use std::collections::HashSet;
 use std::rc::Rc;
 use std::time::Instant;
@@ -316,16 +320,6 @@ fn trial(control: &MpiCommunicator, v: &mut dyn Stepper, steps: usize) -> Result
     let mut secs = [(t.elapsed().as_secs_f64() / steps as f64) as f32];
     control.all_reduce(&mut secs, ReduceOp::Max)?;
     Ok(f64::from(secs[0]))
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let m = v.len() / 2;
-    if v.len() % 2 == 1 {
-        v[m]
-    } else {
-        (v[m - 1] + v[m]) / 2.0
-    }
 }
 
 fn main() -> Result<()> {

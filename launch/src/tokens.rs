@@ -318,10 +318,18 @@ impl TokenData {
 
     /// Inputs and targets of global training samples `first..first + count` (row-major).
     pub fn train_batch(&self, first: u64, count: usize) -> (Vec<i64>, Vec<i64>) {
-        let mut x = Vec::with_capacity(count * self.seq);
-        let mut y = Vec::with_capacity(count * self.seq);
-        for c in first..first + count as u64 {
-            let w = self.train.read(self.train_start(c), self.seq + 1);
+        self.windows(
+            &self.train,
+            (first..first + count as u64).map(|c| self.train_start(c)),
+        )
+    }
+
+    /// Inputs and targets (shifted by one token) of the windows of `seq_len + 1` tokens of
+    /// `file` starting at `starts`, row-major.
+    fn windows(&self, file: &TokenFile, starts: impl Iterator<Item = u64>) -> (Vec<i64>, Vec<i64>) {
+        let (mut x, mut y) = (Vec::new(), Vec::new());
+        for start in starts {
+            let w = file.read(start, self.seq + 1);
             x.extend_from_slice(&w[..self.seq]);
             y.extend_from_slice(&w[1..]);
         }
@@ -336,14 +344,11 @@ impl TokenData {
     /// Inputs and targets of validation windows `first..first + count` (in order, wrapping).
     pub fn val_batch(&self, first: u64, count: usize) -> (Vec<i64>, Vec<i64>) {
         let n = self.val_samples();
-        let mut x = Vec::with_capacity(count * self.seq);
-        let mut y = Vec::with_capacity(count * self.seq);
-        for c in first..first + count as u64 {
-            let w = self.val.read((c % n) * self.seq as u64, self.seq + 1);
-            x.extend_from_slice(&w[..self.seq]);
-            y.extend_from_slice(&w[1..]);
-        }
-        (x, y)
+        let seq = self.seq as u64;
+        self.windows(
+            &self.val,
+            (first..first + count as u64).map(|c| (c % n) * seq),
+        )
     }
 }
 

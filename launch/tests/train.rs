@@ -34,17 +34,21 @@ fn train_args(cmd: &mut Command, out: &Path, extra: &[&str]) {
         .args(extra);
 }
 
+/// `merak` on `np` ranks under mpirun, or directly (no MPI) when `np == 0`.
+fn merak(np: usize) -> Command {
+    if np == 0 {
+        return Command::new(MERAK);
+    }
+    let mut c = mpirun(np);
+    c.arg(MERAK);
+    c
+}
+
 /// Runs `merak train` with `config` for 5 steps on `np` ranks (without mpirun when `np == 0`)
 /// and returns the metrics.
 fn train_with(config: &Path, np: usize, name: &str, extra: &[&str]) -> Vec<serde_json::Value> {
     let out = out_dir(name);
-    let mut cmd = if np == 0 {
-        Command::new(MERAK)
-    } else {
-        let mut c = mpirun(np);
-        c.arg(MERAK);
-        c
-    };
+    let mut cmd = merak(np);
     cmd.arg("train")
         .arg("--config")
         .arg(config)
@@ -439,13 +443,7 @@ fn bert_trains_the_same_under_dp_and_tp_and_learns() {
 
 /// The `sample ids:` line that `merak train` prints after training with `train.sample_tokens`.
 fn sample_ids(np: usize, name: &str, extra: &[&str]) -> String {
-    let mut cmd = if np == 0 {
-        Command::new(MERAK)
-    } else {
-        let mut c = mpirun(np);
-        c.arg(MERAK);
-        c
-    };
+    let mut cmd = merak(np);
     let mut args = vec!["--set", "train.sample_tokens=6"];
     args.extend_from_slice(extra);
     train_args(&mut cmd, &out_dir(name), &args);
