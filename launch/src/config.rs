@@ -140,6 +140,20 @@ pub struct DataSection {
     pub val_batches: usize,
 }
 
+/// `[checkpoint]`: when and where training state is saved.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointSection {
+    /// Save every this many steps; 0: only at the end (when `at_end`).
+    pub every: usize,
+    /// Save after the last step.
+    pub at_end: bool,
+    /// Folder of the checkpoints; empty: `<out>/checkpoints`.
+    pub dir: String,
+    /// Keep the newest this many checkpoints (0 keeps all).
+    pub keep: usize,
+}
+
 /// A whole training configuration.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -152,6 +166,8 @@ pub struct Config {
     pub train: TrainSection,
     /// Data.
     pub data: DataSection,
+    /// Checkpoints.
+    pub checkpoint: CheckpointSection,
 }
 
 impl Default for Config {
@@ -195,6 +211,12 @@ impl Default for Config {
                 path: String::new(),
                 val_every: 0,
                 val_batches: 2,
+            },
+            checkpoint: CheckpointSection {
+                every: 0,
+                at_end: true,
+                dir: String::new(),
+                keep: 3,
             },
         }
     }
@@ -279,16 +301,27 @@ fn set_key(root: &mut Value, key: &str, value: Value) {
 /// Reads a config file (or starts from the built-in default when `path` is `None`), applies
 /// `--set` overrides, and checks every key and value.
 pub fn load(path: Option<&Path>, sets: &[String]) -> Result<Config, ConfigError> {
+    let file = match path {
+        Some(path) => {
+            let shown = path.display().to_string();
+            let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                path: shown.clone(),
+                source,
+            })?;
+            Some((text, shown))
+        }
+        None => None,
+    };
+    load_text(file.as_ref().map(|(t, n)| (t.as_str(), n.as_str())), sets)
+}
+
+/// Like [`load`], from the text of a config (`(text, where it came from)`).
+pub fn load_text(file: Option<(&str, &str)>, sets: &[String]) -> Result<Config, ConfigError> {
     let known = default_value();
     let mut user = Value::Table(Default::default());
-    if let Some(path) = path {
-        let shown = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: shown.clone(),
-            source,
-        })?;
-        user = Value::Table(toml::from_str(&text).map_err(|e| ConfigError::Parse {
-            path: shown,
+    if let Some((text, shown)) = file {
+        user = Value::Table(toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: shown.to_string(),
             msg: e.to_string(),
         })?);
         check_keys(&user, &known, "")?;

@@ -2,6 +2,7 @@
 
 mod config;
 mod data;
+mod export;
 mod generate;
 mod plot;
 mod tokens;
@@ -37,6 +38,10 @@ enum Command {
     Models,
     /// Tokenize text files into a data set for `data.kind = "tokens"`.
     PrepareData(PrepareArgs),
+    /// Write a GPT checkpoint as one Hugging Face GPT-2 safetensors file (+ config.json).
+    Export(export::ExportArgs),
+    /// Continue a prompt with a GPT checkpoint.
+    Generate(export::GenerateArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -75,6 +80,11 @@ struct TrainArgs {
     /// Output folder for metrics.jsonl and the resolved config.
     #[arg(long, default_value = "runs/latest")]
     out: PathBuf,
+    /// Continue from a checkpoint: a `step-*` folder, or a checkpoint folder whose `latest`
+    /// names one. Its config is the base (then --config's model must match it), and any
+    /// dp/tp layout may load it.
+    #[arg(long)]
+    resume: Option<PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -100,6 +110,8 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Command::Train(args) => run_train(args),
+        Command::Export(a) => report(export::export(&a)),
+        Command::Generate(a) => report(export::generate(&a)),
         Command::PrepareData(a) => {
             match tokens::prepare(&a.input, &a.output, &a.tokenizer, a.val_fraction) {
                 Ok(m) => {
@@ -118,6 +130,17 @@ fn main() -> ExitCode {
                     ExitCode::from(2)
                 }
             }
+        }
+    }
+}
+
+/// Exit status of a single-process command: 0, or 2 with the error on stderr.
+fn report(result: Result<()>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(2)
         }
     }
 }
@@ -170,7 +193,12 @@ fn run_train(args: TrainArgs) -> ExitCode {
         .unwrap_or((0, 1));
     init_logging(rank);
 
-    let cfg = match resolve_config(&args, size) {
+    // A checkpoint to resume is read and verified (sizes, checksums) before anything is built.
+    let resume = match args.resume.as_deref().map(open_resume).transpose() {
+        Ok(r) => r,
+        Err(e) => return collective_failure(rank, &e),
+    };
+    let cfg = match resolve_config(&args, size, resume.as_ref()) {
         Ok(c) => c,
         Err(e) => return collective_failure(rank, &e),
     };
@@ -194,7 +222,7 @@ fn run_train(args: TrainArgs) -> ExitCode {
     if rank == 0 {
         tracing::info!("data: {}", data.describe());
     }
-    let result = run(&cfg, &data, &grid, &args.out);
+    let result = run(&cfg, &data, &grid, &args.out, resume.as_ref());
     match (result, mpi) {
         (Ok(()), _) => ExitCode::SUCCESS,
         (Err(e), Some(mpi)) if size > 1 => mpi.abort(1, &format!("{e:#}")),
@@ -212,6 +240,7 @@ fn train_model<B>(
     grid: &ProcessGrid,
     out: &std::path::Path,
     device: &B::Device,
+    resume: Option<&train::Resume>,
 ) -> Result<train::Summary>
 where
     B: burn::tensor::backend::AutodiffBackend + merak_burn::tensor_parallel::ParallelBackend,
@@ -222,11 +251,12 @@ where
         let bert = cfg.bert();
         let model = merak_bert::Bert::<B>::new(&bert, seed, grid.tp, device)?;
         let objective = train::Objective::Masked(bert);
-        Ok(train::train(cfg, data, grid, out, device, model, &objective)?.0)
+        Ok(train::train(cfg, data, grid, out, device, model, &objective, resume)?.0)
     } else {
         let model = merak_gpt::Gpt::<B>::new(&cfg.model.gpt, seed, grid.tp, device)?;
         let objective = train::Objective::Causal;
-        let (summary, model) = train::train(cfg, data, grid, out, device, model, &objective)?;
+        let (summary, model) =
+            train::train(cfg, data, grid, out, device, model, &objective, resume)?;
         if cfg.train.sample_tokens > 0 {
             let model = burn::module::AutodiffModule::valid(&model);
             print_sample(cfg, data, grid, &model, device)?;
@@ -292,15 +322,85 @@ fn print_sample<B: merak_burn::tensor_parallel::ParallelBackend>(
     Ok(())
 }
 
-/// Loads the config, applies the command-line degrees and checks the layout against the job.
-fn resolve_config(args: &TrainArgs, world: usize) -> Result<config::Config> {
+/// Opens and verifies the checkpoint to resume from.
+fn open_resume(path: &std::path::Path) -> Result<train::Resume> {
+    let checkpoint = merak_burn::checkpoint::Checkpoint::open(path)?;
+    let state = checkpoint.read_full()?;
+    Ok(train::Resume { checkpoint, state })
+}
+
+/// The config stored in a checkpoint's manifest.
+fn checkpoint_config(r: &train::Resume) -> Result<String> {
+    r.checkpoint
+        .manifest
+        .extra
+        .get("config")
+        .and_then(serde_json::Value::as_str)
+        .map(str::to_string)
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "{}: the manifest holds no config (not written by merak train)",
+                r.checkpoint.dir.display()
+            )
+        })
+}
+
+/// Checks that a run can continue a checkpoint: same model, batch and seed (the data position
+/// and the random streams depend on them).
+fn check_resumable(cfg: &config::Config, saved: &config::Config) -> Result<()> {
+    let pairs = [
+        (
+            "model",
+            format!("{:?}", (&saved.model.kind, &saved.model.gpt)),
+            format!("{:?}", (&cfg.model.kind, &cfg.model.gpt)),
+        ),
+        (
+            "train.global_batch",
+            saved.train.global_batch.to_string(),
+            cfg.train.global_batch.to_string(),
+        ),
+        (
+            "train.seed",
+            saved.train.seed.to_string(),
+            cfg.train.seed.to_string(),
+        ),
+    ];
+    for (key, a, b) in pairs {
+        if a != b {
+            bail!(
+                "--resume: `{key}` is {a} in the checkpoint but {b} in this run; a resumed run must keep it"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Loads the config (the checkpoint's when resuming without --config), applies the
+/// command-line degrees and checks the layout against the job.
+fn resolve_config(
+    args: &TrainArgs,
+    world: usize,
+    resume: Option<&train::Resume>,
+) -> Result<config::Config> {
     let mut sets = args.sets.clone();
     for (key, v) in [("dp", args.dp), ("tp", args.tp), ("pp", args.pp)] {
         if let Some(v) = v {
             sets.push(format!("parallel.{key}={v}"));
         }
     }
-    let cfg = config::load(args.config.as_deref(), &sets)?;
+    let cfg = match (resume, &args.config) {
+        (Some(r), None) => {
+            let text = checkpoint_config(r)?;
+            let origin = r.checkpoint.dir.join("manifest.json");
+            config::load_text(Some((&text, &origin.display().to_string())), &sets)?
+        }
+        _ => config::load(args.config.as_deref(), &sets)?,
+    };
+    if let Some(r) = resume {
+        let text = checkpoint_config(r)?;
+        let saved = config::load_text(Some((&text, "the checkpoint")), &[])?;
+        check_resumable(&cfg, &saved)?;
+    }
     let layout = Layout {
         dp: cfg.parallel.dp,
         tp: cfg.parallel.tp,
@@ -329,6 +429,7 @@ fn run(
     data: &data::Source,
     grid: &ProcessGrid,
     out: &std::path::Path,
+    resume: Option<&train::Resume>,
 ) -> Result<()> {
     if grid.rank == 0 {
         std::fs::create_dir_all(out)?;
@@ -337,12 +438,12 @@ fn run(
     let summary = match cfg.train.device.as_str() {
         "cpu" => {
             type B = burn::backend::Autodiff<burn::backend::NdArray<f32>>;
-            train_model::<B>(cfg, data, grid, out, &Default::default())?
+            train_model::<B>(cfg, data, grid, out, &Default::default(), resume)?
         }
         #[cfg(feature = "cuda")]
         "cuda" => {
             type B = burn::backend::Autodiff<burn_cuda::Cuda<f32>>;
-            train_model::<B>(cfg, data, grid, out, &burn_cuda::CudaDevice::new(0))?
+            train_model::<B>(cfg, data, grid, out, &burn_cuda::CudaDevice::new(0), resume)?
         }
         other => bail!(
             "train.device = {other:?} is not available in this build (rebuild with --features cuda)"

@@ -11,10 +11,11 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use merak_bert::{Bert, BertConfig, mask_tokens};
+use merak_burn::checkpoint::{self, Checkpoint, FullState, RankState, state};
 use merak_burn::comm::ReduceOp;
 use merak_burn::data_parallel::DataParallel;
 use merak_burn::grid::ProcessGrid;
-use merak_burn::tensor_parallel::ParallelBackend;
+use merak_burn::tensor_parallel::{ParallelBackend, Shard, set_dropout_position};
 use merak_burn::train::{
     LrSchedule, MetricsWriter, StepMetrics, clip_grads, global_grad_norm, sharded_param_ids,
     split_for_weight_decay,
@@ -92,7 +93,26 @@ impl Objective {
     }
 }
 
-/// Trains `model` on this rank's part of the grid; rank 0 writes `out/metrics.jsonl`.
+/// A checkpoint to continue from, read and verified before training starts.
+pub struct Resume {
+    /// The checkpoint.
+    pub checkpoint: Checkpoint,
+    /// Its tensors at full size.
+    pub state: FullState,
+}
+
+/// Where checkpoints of this run go.
+pub fn checkpoint_root(cfg: &Config, out: &Path) -> std::path::PathBuf {
+    if cfg.checkpoint.dir.is_empty() {
+        out.join("checkpoints")
+    } else {
+        std::path::PathBuf::from(&cfg.checkpoint.dir)
+    }
+}
+
+/// Trains `model` on this rank's part of the grid (from the state of `resume` when given);
+/// rank 0 writes `out/metrics.jsonl`; checkpoints follow `[checkpoint]`.
+#[allow(clippy::too_many_arguments)]
 pub fn train<B, M>(
     cfg: &Config,
     data: &Source,
@@ -101,6 +121,7 @@ pub fn train<B, M>(
     device: &B::Device,
     mut model: M,
     objective: &Objective,
+    resume: Option<&Resume>,
 ) -> Result<(Summary, M)>
 where
     B: AutodiffBackend + ParallelBackend,
@@ -140,10 +161,56 @@ where
     let seq = gpt.seq_len;
     let tokens_per_step = (cfg.train.global_batch * seq) as f64;
 
+    // Continue from a checkpoint: this rank's pieces of the parameters and of the AdamW
+    // moments it keeps, cut for this run's layout.
+    let start = match resume {
+        None => 0,
+        Some(r) => {
+            let shapes = state::param_shapes(&model);
+            let shard = Shard {
+                rank: grid.coords.tp,
+                size: grid.layout.tp,
+            };
+            let (params, moments) = r.state.cut_for(&r.checkpoint.manifest, &shapes, shard)?;
+            model = state::assign_params(model, params)?;
+            let mine = |id: burn::module::ParamId| owned.as_ref().is_none_or(|o| o.contains(&id));
+            optim_decay =
+                optim_decay.load_record(state::adamw_records(&model, &moments, &|id, rank| {
+                    rank >= 2 && mine(id)
+                }));
+            optim_no_decay =
+                optim_no_decay.load_record(state::adamw_records(&model, &moments, &|id, rank| {
+                    rank < 2 && mine(id)
+                }));
+            let step = r.checkpoint.manifest.step;
+            tracing::info!(
+                "resumed from {} after step {step} (saved under dp={} tp={} pp={})",
+                r.checkpoint.dir.display(),
+                r.checkpoint.manifest.layout.dp,
+                r.checkpoint.manifest.layout.tp,
+                r.checkpoint.manifest.layout.pp
+            );
+            step
+        }
+    };
+    if start >= cfg.train.steps {
+        anyhow::bail!(
+            "the checkpoint is at step {start}, and train.steps = {}: nothing left to train (raise train.steps)",
+            cfg.train.steps
+        );
+    }
+    let ckpt_root = checkpoint_root(cfg, out);
+
     let mut metrics = if grid.rank == 0 {
         std::fs::create_dir_all(out)
             .with_context(|| format!("creating output folder {}", out.display()))?;
-        Some(MetricsWriter::create(&out.join("metrics.jsonl")).context("creating metrics.jsonl")?)
+        let path = out.join("metrics.jsonl");
+        let w = if start > 0 {
+            MetricsWriter::resume(&path, start)
+        } else {
+            MetricsWriter::create(&path)
+        };
+        Some(w.context("creating metrics.jsonl")?)
     } else {
         None
     };
@@ -159,6 +226,7 @@ where
     let progress =
         (grid.rank == 0 && std::io::IsTerminal::is_terminal(&std::io::stderr())).then(|| {
             let bar = indicatif::ProgressBar::new(cfg.train.steps as u64);
+            bar.set_position(start as u64);
             bar.set_style(
             indicatif::ProgressStyle::with_template(
                 "{bar:30.cyan/blue} step {pos}/{len} | {msg} | {elapsed_precise} ETA {eta_precise}",
@@ -170,7 +238,7 @@ where
     let mut final_loss = f64::NAN;
     let mut skipped = 0usize;
     let mut total_time = 0.0;
-    for step in 0..cfg.train.steps {
+    for step in start..cfg.train.steps {
         let ts = Instant::now();
         reducer.begin_step();
         // The step's micro-batches, and their share of the global batch's target tokens
@@ -200,6 +268,7 @@ where
             let x = Tensor::<B, 2, Int>::from_data(TensorData::new(x, [micro, seq]), device);
             let y = Tensor::<B, 2, Int>::from_data(TensorData::new(y, [micro, seq]), device);
             reducer.set_last_micro_batch(m + 1 == micro_batches);
+            set_dropout_position(step as u64, (first + m * micro) as u64);
             let share = n / total[0].max(1.0);
             let loss = reducer.hooked(model.clone()).lm_loss(x, y) * share;
             loss_value += f64::from(loss.clone().into_scalar().elem::<f32>());
@@ -224,6 +293,15 @@ where
                 step + 1
             );
             skipped += 1;
+            save_if_due(
+                cfg,
+                step + 1,
+                &ckpt_root,
+                &model,
+                &optim_decay,
+                &optim_no_decay,
+                grid,
+            )?;
             continue;
         }
         let grad_norm = global_grad_norm::<B, _>(&model, &grads, &sharded, grid.tp)?;
@@ -283,6 +361,22 @@ where
                 None => tracing::info!("{line}"),
             }
         }
+        let saved = save_if_due(
+            cfg,
+            step + 1,
+            &ckpt_root,
+            &model,
+            &optim_decay,
+            &optim_no_decay,
+            grid,
+        )?;
+        if let Some(dir) = saved.filter(|_| grid.rank == 0) {
+            let log = || tracing::info!("checkpoint: {}", dir.display());
+            match &progress {
+                Some(bar) => bar.suspend(log),
+                None => log(),
+            }
+        }
     }
     if let Some(bar) = progress {
         bar.finish_and_clear();
@@ -291,12 +385,61 @@ where
         Summary {
             steps: cfg.train.steps,
             final_loss,
-            mean_tokens_per_s: tokens_per_step * cfg.train.steps as f64 / total_time.max(1e-9),
+            mean_tokens_per_s: tokens_per_step * (cfg.train.steps - start) as f64
+                / total_time.max(1e-9),
             wall_s: t0.elapsed().as_secs_f64(),
             skipped,
         },
         model,
     ))
+}
+
+/// Writes a checkpoint after `step` steps when `[checkpoint]` asks for one; returns its folder.
+fn save_if_due<B, M, O>(
+    cfg: &Config,
+    step: usize,
+    root: &Path,
+    model: &M,
+    optim_decay: &O,
+    optim_no_decay: &O,
+    grid: &ProcessGrid,
+) -> Result<Option<std::path::PathBuf>>
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+    O: Optimizer<M, B, Record = state::AdamWRecords<B>>,
+{
+    let c = &cfg.checkpoint;
+    let due =
+        (c.every > 0 && step.is_multiple_of(c.every)) || (c.at_end && step == cfg.train.steps);
+    if !due {
+        return Ok(None);
+    }
+    // Without ZeRO every DP replica holds the same moments: the first one writes them.
+    let writes_moments = cfg.parallel.zero == 1 || grid.coords.dp == 0;
+    let mut moments = Vec::new();
+    if writes_moments {
+        moments.extend(state::moments(model, &optim_decay.to_record())?);
+        moments.extend(state::moments(model, &optim_no_decay.to_record())?);
+    }
+    let rank_state = RankState {
+        params: state::local_params(model)?,
+        moments,
+    };
+    let extra = serde_json::json!({
+        "config": toml::to_string(cfg)?,
+        "data": {
+            "samples_consumed": step * cfg.train.global_batch,
+            "order": "windows shuffled per epoch by train.seed; step s reads global batch s",
+        },
+        "rng": {
+            "seed": cfg.train.seed,
+            "note": "dropout and masking streams are keyed by (seed, step, sample): the step is the whole RNG state",
+        },
+    });
+    let dir = checkpoint::save(root, step, c.keep, &rank_state, extra, grid)
+        .with_context(|| format!("writing the checkpoint of step {step}"))?;
+    Ok(Some(dir))
 }
 
 /// Mean loss over `data.val_batches` global batches of held-out sequences, without gradients;

@@ -7,6 +7,7 @@
 //! - [`data_parallel`]: bucketed gradient all-reduce overlapped with the backward pass, ZeRO-1.
 //! - [`tensor_parallel`]: the f/g autodiff operators and the tensor-parallel layers.
 
+pub mod checkpoint;
 pub mod comm;
 pub mod data_parallel;
 pub mod grid;

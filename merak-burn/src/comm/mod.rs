@@ -15,7 +15,7 @@ mod local;
 mod mpi_comm;
 #[cfg(feature = "cuda")]
 pub mod nccl;
-mod tensor;
+pub(crate) mod tensor;
 
 pub use error::CommError;
 pub use group::Group;

@@ -1,26 +1,43 @@
 //! Dropout whose mask is the same on every rank of a TP group (and for every tp).
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use burn::module::Module;
 use burn::tensor::{Tensor, TensorData, backend::Backend};
 
 use super::init::InitRng;
 
+static STEP: AtomicU64 = AtomicU64::new(0);
+static FIRST_SAMPLE: AtomicU64 = AtomicU64::new(0);
+static GENERATION: AtomicU64 = AtomicU64::new(0);
+
+/// Tells every [`ReplicatedDropout`] which global samples the next forward pass holds: the
+/// training step and the global index of the micro-batch's first sample. Masks are keyed by
+/// them, so they depend neither on the layout (dp, micro-batching) nor on history (a resumed
+/// run, a recomputed forward pass draw the same masks).
+pub fn set_dropout_position(step: u64, first_sample: u64) {
+    STEP.store(step, Ordering::SeqCst);
+    FIRST_SAMPLE.store(first_sample, Ordering::SeqCst);
+    GENERATION.fetch_add(1, Ordering::SeqCst);
+}
+
 /// Dropout on activations that are replicated across the TP group (embeddings, residual
 /// branches). Burn's dropout draws from the backend's RNG, whose state differs between ranks;
-/// here the mask comes from a host stream keyed by the seed and a call counter, so every TP
-/// rank drops the same elements and a tp = N run equals the tp = 1 run. Active only when the
-/// backend records gradients (training).
+/// here the mask of sample `i` (dimension 0 is the batch) comes from a host stream keyed by the
+/// seed, the step, the sample's global index (see [`set_dropout_position`]) and how many times
+/// this layer ran in the current forward pass. Every TP rank drops the same elements and a run
+/// equals the one-process run under any layout. Active only when the backend records gradients
+/// (training).
 #[derive(Module, Clone, Debug)]
 pub struct ReplicatedDropout {
     #[module(skip)]
     prob: f64,
     #[module(skip)]
     rng: InitRng,
+    /// (generation of the position it was last used in, calls in that position).
     #[module(skip)]
-    calls: Arc<AtomicU64>,
+    calls: Arc<Mutex<(u64, u64)>>,
 }
 
 impl ReplicatedDropout {
@@ -29,7 +46,7 @@ impl ReplicatedDropout {
         Self {
             prob,
             rng: InitRng::new(seed ^ 0xD50D_50D5),
-            calls: Arc::new(AtomicU64::new(0)),
+            calls: Arc::new(Mutex::new((u64::MAX, 0))),
         }
     }
 
@@ -38,15 +55,31 @@ impl ReplicatedDropout {
         if self.prob <= 0.0 || !B::ad_enabled(&x.device()) {
             return x;
         }
-        let call = self.calls.fetch_add(1, Ordering::Relaxed);
+        let call = {
+            let mut calls = self.calls.lock().unwrap_or_else(|e| e.into_inner());
+            let generation = GENERATION.load(Ordering::SeqCst);
+            if calls.0 != generation {
+                *calls = (generation, 0);
+            }
+            calls.1 += 1;
+            calls.1 - 1
+        };
+        let step = STEP.load(Ordering::SeqCst);
+        let first = FIRST_SAMPLE.load(Ordering::SeqCst);
         let shape = x.shape();
+        let samples = shape[0].max(1);
+        let per_sample = shape.num_elements() / samples;
         let keep = 1.0 - self.prob as f32;
-        let mask: Vec<f32> = self
-            .rng
-            .uniform(&format!("dropout/{call}"), shape.num_elements())
-            .into_iter()
-            .map(|u| if u < keep { 1.0 / keep } else { 0.0 })
-            .collect();
+        let mut mask = Vec::with_capacity(shape.num_elements());
+        for i in 0..samples as u64 {
+            let stream = format!("dropout/{step}/{}/{call}", first + i);
+            mask.extend(
+                self.rng
+                    .uniform(&stream, per_sample)
+                    .into_iter()
+                    .map(|u| if u < keep { 1.0 / keep } else { 0.0 }),
+            );
+        }
         let mask = Tensor::<B, D>::from_data(TensorData::new(mask, shape), &x.device());
         x * mask
     }

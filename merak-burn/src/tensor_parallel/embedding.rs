@@ -7,6 +7,7 @@ use burn::tensor::{Int, Tensor, backend::Backend};
 use super::init::{Shard, TpError};
 use super::linear::{param2, shard_of};
 use super::ops::{ParallelBackend, copy_to_tp, reduce_from_tp};
+use super::sharding::{ShardKind, register};
 use crate::comm::Group;
 
 /// The vocabulary size padded up to a multiple of `tp`, so that every rank holds the same
@@ -53,14 +54,14 @@ impl<B: ParallelBackend> VocabParallelEmbedding<B> {
         full.resize(padded * d_model, 0.0);
         let shard: Shard = shard_of(group);
         let local_rows = padded / group.size();
+        let weight = param2(
+            shard.rows(&full, padded, d_model),
+            [local_rows, d_model],
+            device,
+        );
+        register(weight.id, ShardKind::VocabRows { vocab: vocab_size });
         Ok(Self {
-            embedding: Embedding {
-                weight: param2(
-                    shard.rows(&full, padded, d_model),
-                    [local_rows, d_model],
-                    device,
-                ),
-            },
+            embedding: Embedding { weight },
             vocab_size,
             vocab_start: shard.rank * local_rows,
             local_rows,

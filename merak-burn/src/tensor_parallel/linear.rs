@@ -6,6 +6,7 @@ use burn::tensor::{Tensor, TensorData, backend::Backend};
 
 use super::init::{Shard, TpError, check_divisible};
 use super::ops::{ParallelBackend, copy_to_tp, gather_from_tp, reduce_from_tp};
+use super::sharding::{ShardKind, register};
 use crate::comm::Group;
 
 pub(crate) fn shard_of(group: Group) -> Shard {
@@ -95,11 +96,14 @@ impl<B: ParallelBackend> ColumnParallelLinear<B> {
             }
             None => None,
         };
+        let weight = param2(w, [d_input, local], device);
+        let kind = ShardKind::Columns { segments };
+        register(weight.id, kind);
+        if let Some(b) = &bias {
+            register(b.id, kind);
+        }
         Ok(Self {
-            linear: Linear {
-                weight: param2(w, [d_input, local], device),
-                bias,
-            },
+            linear: Linear { weight, bias },
             group,
             gather_output,
         })
@@ -123,12 +127,13 @@ impl<B: ParallelBackend> ColumnParallelLinear<B> {
 }
 
 /// A linear layer whose input features are split across the TP group: each rank multiplies
-/// its slice and a *g* operator sums the partial outputs; the bias is added once, after the sum.
+/// its slice and a *g* operator sums the partial outputs; the bias is added once, after the sum
+/// (also for tp = 1, so that parameter names do not depend on the layout).
 #[derive(Module, Debug)]
 pub struct RowParallelLinear<B: Backend> {
-    /// The local Burn linear layer: weight `[d_input / tp, d_output]`, no bias when tp > 1.
+    /// The local Burn linear layer: weight `[d_input / tp, d_output]`, no bias.
     pub linear: Linear<B>,
-    /// The bias, replicated on every rank and added after the all-reduce (tp > 1 only).
+    /// The bias, replicated on every rank and added after the all-reduce.
     pub bias: Option<Param<Tensor<B, 1>>>,
     #[module(skip)]
     group: Group,
@@ -155,19 +160,13 @@ impl<B: ParallelBackend> RowParallelLinear<B> {
             [d_input / group.size(), d_output],
             device,
         );
-        let bias = bias.map(|b| param1(b.to_vec(), device));
-        // With tp = 1 this is exactly a Burn linear layer with its bias.
-        let (inner_bias, outer_bias) = if group.size() == 1 {
-            (bias, None)
-        } else {
-            (None, bias)
-        };
+        register(w.id, ShardKind::Rows);
         Ok(Self {
             linear: Linear {
                 weight: w,
-                bias: inner_bias,
+                bias: None,
             },
-            bias: outer_bias,
+            bias: bias.map(|b| param1(b.to_vec(), device)),
             group,
         })
     }

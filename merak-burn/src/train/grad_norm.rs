@@ -11,47 +11,27 @@ use burn::optim::GradientsParams;
 use burn::tensor::{Tensor, backend::AutodiffBackend};
 
 use crate::comm::{CommError, Group};
+use crate::tensor_parallel::shard_kind;
 
 /// Collects the ids of sharded parameters by walking the module tree.
 struct ShardedIds {
-    stack: Vec<(String, String)>,
     ids: HashSet<ParamId>,
 }
 
-impl ShardedIds {
-    fn sharded(&self) -> bool {
-        self.stack.iter().any(|(name, container)| {
-            // Burn's derive names containers "Struct:<name>".
-            let container = container.strip_prefix("Struct:").unwrap_or(container);
-            container == "ColumnParallelLinear"
-                || container == "VocabParallelEmbedding"
-                || (container == "RowParallelLinear" && name == "linear")
-        })
-    }
-}
-
 impl<B: burn::tensor::backend::Backend> ModuleVisitor<B> for ShardedIds {
-    fn enter_module(&mut self, name: &str, container_type: &str) {
-        self.stack
-            .push((name.to_string(), container_type.to_string()));
-    }
-    fn exit_module(&mut self, _name: &str, _container_type: &str) {
-        self.stack.pop();
-    }
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if self.sharded() {
+        if shard_kind(param.id).is_sharded() {
             self.ids.insert(param.id);
         }
     }
 }
 
-/// The ids of the parameters of `module` that live inside tensor-parallel layers
-/// (`ColumnParallelLinear`, the weight of `RowParallelLinear`, `VocabParallelEmbedding`).
+/// The ids of the parameters of `module` that the tensor-parallel layers split across the TP
+/// group (see [`crate::tensor_parallel::sharding`]).
 pub fn sharded_param_ids<B: burn::tensor::backend::Backend, M: Module<B>>(
     module: &M,
 ) -> HashSet<ParamId> {
     let mut v = ShardedIds {
-        stack: Vec::new(),
         ids: HashSet::new(),
     };
     module.visit(&mut v);

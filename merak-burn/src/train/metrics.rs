@@ -46,6 +46,33 @@ impl MetricsWriter {
         })
     }
 
+    /// Continues the file of a run resumed after `step` steps: keeps the records of steps
+    /// `1..=step` (a run that died after its last checkpoint may have written later ones) and
+    /// appends after them.
+    pub fn resume(path: &Path, step: usize) -> std::io::Result<Self> {
+        let kept: Vec<String> = match std::fs::read_to_string(path) {
+            Ok(text) => text
+                .lines()
+                .filter(|line| {
+                    serde_json::from_str::<serde_json::Value>(line)
+                        .ok()
+                        .and_then(|v| v.get("step").and_then(serde_json::Value::as_u64))
+                        .is_some_and(|s| s as usize <= step)
+                })
+                .map(str::to_string)
+                .collect(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(e),
+        };
+        let mut w = Self::create(path)?;
+        for line in kept {
+            w.out.write_all(line.as_bytes())?;
+            w.out.write_all(b"\n")?;
+        }
+        w.out.flush()?;
+        Ok(w)
+    }
+
     /// Writes one record.
     pub fn write<T: Serialize>(&mut self, record: &T) -> std::io::Result<()> {
         serde_json::to_writer(&mut self.out, record)?;

@@ -5,6 +5,7 @@
 //! the shards of the model built with tp = 1 from the same seed.
 
 mod config;
+pub mod hf;
 mod model;
 
 pub use config::{GptConfig, GptConfigError, PRESETS};

@@ -1,0 +1,254 @@
+//! `merak export` and `merak generate`: using a trained GPT checkpoint outside training.
+//!
+//! Both run in one process on the CPU and read the checkpoint whatever layout wrote it: the
+//! shards are put back together at full size (see [`merak_burn::checkpoint`]).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use burn::backend::NdArray;
+use merak_burn::checkpoint::{Checkpoint, NamedTensor, shard_file, state, write_file_atomically};
+use merak_burn::grid::ProcessGrid;
+use merak_burn::tensor_parallel::Shard;
+use merak_gpt::hf::{hf_gpt2_config, hf_gpt2_name, hf_gpt2_shapes};
+use merak_gpt::{Gpt, GptConfig};
+
+use crate::config::{self, Config};
+use crate::generate::{self, Sampling};
+use crate::tokens::GPT2_VOCAB;
+
+/// Arguments of `merak export`.
+#[derive(clap::Args, Debug)]
+pub struct ExportArgs {
+    /// A checkpoint: a `step-*` folder, or a checkpoint folder whose `latest` names one.
+    #[arg(long)]
+    pub checkpoint: PathBuf,
+    /// The safetensors file to write; `config.json` is written next to it, so that
+    /// `GPT2LMHeadModel.from_pretrained(<its folder>)` loads it.
+    #[arg(long)]
+    pub output: PathBuf,
+}
+
+/// Arguments of `merak generate`.
+#[derive(clap::Args, Debug)]
+pub struct GenerateArgs {
+    /// A checkpoint: a `step-*` folder, or a checkpoint folder whose `latest` names one.
+    #[arg(long)]
+    pub checkpoint: PathBuf,
+    /// The prompt, tokenized with GPT-2's BPE.
+    #[arg(
+        long,
+        conflicts_with = "prompt_ids",
+        required_unless_present = "prompt_ids"
+    )]
+    pub prompt: Option<String>,
+    /// The prompt as comma-separated token ids, e.g. 1,2,3.
+    #[arg(long, value_delimiter = ',')]
+    pub prompt_ids: Option<Vec<i64>>,
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 50)]
+    pub max_new_tokens: usize,
+    /// 0: greedy; otherwise sample among the top-k at this temperature.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
+    /// Candidates for sampling.
+    #[arg(long, default_value_t = 40)]
+    pub top_k: usize,
+    /// Seed of the sampling.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Print the prompt and generated ids, comma-separated, on the last line.
+    #[arg(long)]
+    pub print_ids: bool,
+    /// Also write the logits of every prompt position as JSON (`{"ids", "shape", "logits"}`),
+    /// to compare with another implementation.
+    #[arg(long)]
+    pub logits_out: Option<PathBuf>,
+}
+
+/// The training config stored in a checkpoint; it must be a GPT.
+fn gpt_of(ck: &Checkpoint) -> Result<Config> {
+    let text = ck
+        .manifest
+        .extra
+        .get("config")
+        .and_then(serde_json::Value::as_str)
+        .with_context(|| {
+            format!(
+                "{}: the manifest holds no config (not written by merak train)",
+                ck.dir.display()
+            )
+        })?;
+    let cfg = config::load_text(Some((text, "the checkpoint's config")), &[])?;
+    if cfg.model.kind != "gpt" {
+        bail!(
+            "{}: model.kind = {:?}; export and generate take GPT checkpoints",
+            ck.dir.display(),
+            cfg.model.kind
+        );
+    }
+    Ok(cfg)
+}
+
+/// Writes the checkpoint as one GPT-2 safetensors file plus `config.json`.
+pub fn export(args: &ExportArgs) -> Result<()> {
+    let ck = Checkpoint::open(&args.checkpoint)?;
+    let cfg = gpt_of(&ck)?;
+    let full = ck.read_full()?;
+    let shapes: HashMap<&str, &[usize]> = ck
+        .manifest
+        .params
+        .iter()
+        .map(|p| (p.name.as_str(), p.shape.as_slice()))
+        .collect();
+    let mut by_hf: HashMap<String, NamedTensor> = HashMap::new();
+    for (name, values) in &full.params {
+        let hf = hf_gpt2_name(name)
+            .with_context(|| format!("parameter {name} has no GPT-2 counterpart"))?;
+        let shape = shapes
+            .get(name.as_str())
+            .map(|s| s.to_vec())
+            .unwrap_or_default();
+        by_hf.insert(
+            hf.clone(),
+            NamedTensor {
+                name: hf,
+                shape,
+                values: values.clone(),
+            },
+        );
+    }
+    let mut tensors = Vec::new();
+    for (name, shape) in hf_gpt2_shapes(&cfg.model.gpt) {
+        let t = by_hf
+            .remove(&name)
+            .with_context(|| format!("the checkpoint has no tensor for {name}"))?;
+        if t.shape != shape {
+            bail!(
+                "{name}: shape {:?} in the checkpoint, GPT-2 expects {shape:?}",
+                t.shape
+            );
+        }
+        tensors.push(t);
+    }
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let bytes = shard_file::encode(&tensors, meta).map_err(|e| anyhow::anyhow!(e))?;
+    let folder = args
+        .output
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(folder).with_context(|| format!("creating {}", folder.display()))?;
+    write_file_atomically(&args.output, &bytes)?;
+    let config = serde_json::to_vec_pretty(&hf_gpt2_config(&cfg.model.gpt))?;
+    write_file_atomically(&folder.join("config.json"), &config)?;
+    println!(
+        "wrote {} ({} tensors, step {}) and {}",
+        args.output.display(),
+        tensors.len(),
+        ck.manifest.step,
+        folder.join("config.json").display()
+    );
+    Ok(())
+}
+
+/// Loads a GPT checkpoint into a one-process model.
+fn load_gpt(ck: &Checkpoint, cfg: &GptConfig, seed: u64) -> Result<Gpt<NdArray<f32>>> {
+    let grid = ProcessGrid::single();
+    let device = Default::default();
+    let model = Gpt::<NdArray<f32>>::new(cfg, seed, grid.tp, &device)?;
+    let full = ck.read_full()?;
+    let shapes = state::param_shapes(&model);
+    let (params, _) = full.cut_for(&ck.manifest, &shapes, Shard::FULL)?;
+    Ok(state::assign_params(model, params)?)
+}
+
+/// Continues a prompt with a checkpoint and prints the result.
+pub fn generate(args: &GenerateArgs) -> Result<()> {
+    let ck = Checkpoint::open(&args.checkpoint)?;
+    let cfg = gpt_of(&ck)?;
+    let g = &cfg.model.gpt;
+    let bpe = tiktoken_rs::r50k_base()?;
+    let prompt: Vec<i64> = match (&args.prompt_ids, &args.prompt) {
+        (Some(ids), _) => ids.clone(),
+        (None, Some(text)) => bpe
+            .encode_ordinary(text)
+            .into_iter()
+            .map(i64::from)
+            .collect(),
+        (None, None) => bail!("give --prompt TEXT or --prompt-ids 1,2,3"),
+    };
+    if prompt.is_empty() {
+        bail!("the prompt is empty");
+    }
+    if let Some(&bad) = prompt
+        .iter()
+        .find(|&&t| t < 0 || t as usize >= g.vocab_size)
+    {
+        bail!(
+            "prompt token {bad} is outside this model's vocabulary (0..{}){}",
+            g.vocab_size,
+            if args.prompt.is_some() {
+                "; the model was not trained on GPT-2 tokens, give --prompt-ids"
+            } else {
+                ""
+            }
+        );
+    }
+    let model = load_gpt(&ck, g, cfg.train.seed)?;
+    let grid = ProcessGrid::single();
+    if let Some(path) = &args.logits_out {
+        write_logits(&model, &prompt, g, path)?;
+    }
+    let sampling = Sampling {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        seed: args.seed,
+    };
+    let device = Default::default();
+    let ids = generate::generate(
+        &model,
+        &prompt,
+        args.max_new_tokens,
+        g.seq_len,
+        g.vocab_size,
+        &sampling,
+        grid.tp,
+        &device,
+    )?;
+    if g.vocab_size == GPT2_VOCAB {
+        let tokens: Vec<u32> = ids.iter().map(|&t| t as u32).collect();
+        let text = String::from_utf8_lossy(&bpe.decode_bytes(&tokens)?).into_owned();
+        println!("{text}");
+    }
+    if args.print_ids || g.vocab_size != GPT2_VOCAB {
+        let text: Vec<String> = ids.iter().map(i64::to_string).collect();
+        println!("{}", text.join(","));
+    }
+    Ok(())
+}
+
+/// Writes the logits of every position of `prompt` (at most the model's sequence length).
+fn write_logits(
+    model: &Gpt<NdArray<f32>>,
+    prompt: &[i64],
+    g: &GptConfig,
+    path: &Path,
+) -> Result<()> {
+    use burn::tensor::{Int, Tensor, TensorData};
+    let ids = &prompt[..prompt.len().min(g.seq_len)];
+    let n = ids.len();
+    let x = Tensor::<NdArray<f32>, 2, Int>::from_data(
+        TensorData::new(ids.to_vec(), [1, n]),
+        &Default::default(),
+    );
+    let logits = model.logits(x).narrow(2, 0, g.vocab_size);
+    let values = logits
+        .into_data()
+        .into_vec::<f32>()
+        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let json = serde_json::json!({ "ids": ids, "shape": [n, g.vocab_size], "logits": values });
+    write_file_atomically(path, &serde_json::to_vec(&json)?)?;
+    Ok(())
+}

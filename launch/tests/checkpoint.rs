@@ -1,0 +1,432 @@
+//! End-to-end tests of checkpoints: resuming reproduces the uninterrupted run, a checkpoint
+//! loads under another layout, damage is named, a killed job resumes from its last checkpoint,
+//! and `merak export` / `merak generate` use a checkpoint outside training.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use merak_burn::checkpoint::{Checkpoint, shard_file};
+use merak_tests::{Run, mpirun, rel_err, run_with_deadline};
+
+mod common;
+use common::*;
+
+/// `merak train` (tiny GPT, synthetic data) on `np` ranks writing into `out`; `extra` goes last.
+fn run_train(np: usize, out: &Path, steps: usize, extra: &[&str]) -> Run {
+    let mut cmd = merak(np);
+    train_args(&mut cmd, out, &["--set", &format!("train.steps={steps}")]);
+    cmd.args(extra);
+    run_with_deadline(cmd, Duration::from_secs(300))
+}
+
+/// `merak train --resume <checkpoint>` on `np` ranks writing into `out`.
+fn run_resume(np: usize, checkpoint: &Path, out: &Path, extra: &[&str]) -> Run {
+    let mut cmd = merak(np);
+    cmd.arg("train")
+        .arg("--resume")
+        .arg(checkpoint)
+        .arg("--out")
+        .arg(out)
+        .args(extra);
+    run_with_deadline(cmd, Duration::from_secs(300))
+}
+
+/// Asserts that `got`'s steps equal the same steps of `want`, bitwise (`tol == 0`) or within a
+/// relative tolerance.
+fn assert_steps_match(name: &str, got: &[serde_json::Value], want: &[serde_json::Value], tol: f64) {
+    assert!(!got.is_empty(), "{name}: no steps");
+    for g in got {
+        let step = g["step"].as_u64().expect("step") as usize;
+        let w = &want[step - 1];
+        for key in ["loss", "grad_norm"] {
+            let (a, b) = (g[key].as_f64().unwrap(), w[key].as_f64().unwrap());
+            if tol == 0.0 {
+                assert_eq!(a, b, "{name}: {key} at step {step}");
+            } else {
+                let e = rel_err(&[a as f32], &[b as f32]);
+                assert!(
+                    e <= tol,
+                    "{name}: {key} at step {step}: {a} vs {b} (rel {e:e})"
+                );
+            }
+        }
+    }
+}
+
+const STATEFUL: [&str; 8] = [
+    "--set",
+    "model.dropout=0.1",
+    "--set",
+    "parallel.zero=1",
+    "--set",
+    "checkpoint.every=3",
+    "--set",
+    "train.warmup_steps=2",
+];
+
+#[test]
+fn resuming_reproduces_the_uninterrupted_run_under_any_layout() {
+    // dp=2 x tp=2 with ZeRO-1 and dropout: parameters, sharded optimizer state and the random
+    // streams all have to come back.
+    let full = out_dir("ckpt-full");
+    run_train(
+        4,
+        &full,
+        6,
+        &[&["--dp", "2", "--tp", "2"][..], &STATEFUL].concat(),
+    )
+    .assert_success();
+    let uninterrupted = read_metrics(&full);
+    assert_eq!(uninterrupted.len(), 6);
+    let step3 = full.join("checkpoints/step-00000003");
+    let manifest = Checkpoint::open(&step3).expect("step 3 saved").manifest;
+    assert_eq!(manifest.step, 3);
+    assert_eq!((manifest.layout.dp, manifest.layout.tp), (2, 2));
+    // With ZeRO-1 every rank writes its share of the moments.
+    assert_eq!(manifest.files.len(), 4, "{:?}", manifest.files);
+
+    // Same layout: exactly the same numbers.
+    let same = out_dir("ckpt-resume-same");
+    run_resume(4, &step3, &same, &[]).assert_success();
+    let resumed = read_metrics(&same);
+    assert_eq!(
+        resumed
+            .iter()
+            .map(|r| r["step"].as_u64().unwrap())
+            .collect::<Vec<_>>(),
+        vec![4, 5, 6]
+    );
+    assert_steps_match("resume dp2 tp2", &resumed, &uninterrupted, 0.0);
+
+    // Other layouts (without ZeRO, and one rank): the same within float rounding.
+    for (np, name, layout) in [
+        (0, "ckpt-resume-1", vec!["--dp", "1", "--tp", "1"]),
+        (4, "ckpt-resume-tp4", vec!["--dp", "1", "--tp", "4"]),
+        (2, "ckpt-resume-dp2", vec!["--dp", "2", "--tp", "1"]),
+    ] {
+        let out = out_dir(name);
+        let mut extra = layout.clone();
+        extra.extend(["--set", "parallel.zero=0"]);
+        run_resume(np, &step3, &out, &extra).assert_success();
+        assert_steps_match(name, &read_metrics(&out), &uninterrupted, 1e-5);
+    }
+}
+
+/// A finished one-process run with a checkpoint after step 2.
+fn small_checkpoint(name: &str) -> PathBuf {
+    let out = out_dir(name);
+    run_train(0, &out, 2, &[]).assert_success();
+    out.join("checkpoints/step-00000002")
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    let _ = std::fs::remove_dir_all(to);
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+fn shard_of(dir: &Path) -> PathBuf {
+    dir.join("tp00-dp000-pp00.safetensors")
+}
+
+/// Resumes from a damaged checkpoint and returns stderr; the run must fail before training.
+fn resume_fails(checkpoint: &Path, name: &str) -> String {
+    let out = out_dir(name);
+    let run = run_resume(0, checkpoint, &out, &["--set", "train.steps=4"]);
+    assert_ne!(run.code, Some(0), "{run:?}");
+    assert!(
+        !out.join("metrics.jsonl").exists(),
+        "training started from a damaged checkpoint"
+    );
+    run.stderr
+}
+
+#[test]
+fn damaged_checkpoints_are_named_before_training() {
+    let good = small_checkpoint("ckpt-good");
+    let root = Path::new(env!("CARGO_TARGET_TMPDIR"));
+
+    let truncated = root.join("ckpt-truncated");
+    copy_dir(&good, &truncated);
+    let bytes = std::fs::read(shard_of(&truncated)).unwrap();
+    std::fs::write(shard_of(&truncated), &bytes[..bytes.len() / 2]).unwrap();
+    let e = resume_fails(&truncated, "ckpt-truncated-run");
+    assert!(
+        e.contains("truncated shard") && e.contains("tp00-dp000-pp00.safetensors"),
+        "{e}"
+    );
+
+    let altered = root.join("ckpt-altered");
+    copy_dir(&good, &altered);
+    let mut bytes = std::fs::read(shard_of(&altered)).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x40;
+    std::fs::write(shard_of(&altered), &bytes).unwrap();
+    let e = resume_fails(&altered, "ckpt-altered-run");
+    assert!(
+        e.contains("checksum mismatch") && e.contains("tp00-dp000-pp00.safetensors"),
+        "{e}"
+    );
+
+    let no_manifest = root.join("ckpt-no-manifest");
+    copy_dir(&good, &no_manifest);
+    std::fs::remove_file(no_manifest.join("manifest.json")).unwrap();
+    let e = resume_fails(&no_manifest, "ckpt-no-manifest-run");
+    assert!(e.contains("no manifest.json"), "{e}");
+
+    // A different model cannot continue the checkpoint; the message names the key.
+    let out = out_dir("ckpt-other-model");
+    let run = run_resume(
+        0,
+        &good,
+        &out,
+        &["--set", "model.hidden=32", "--set", "train.steps=4"],
+    );
+    assert_ne!(run.code, Some(0), "{run:?}");
+    assert!(run.stderr.contains("`model`"), "{}", run.stderr);
+
+    // The undamaged one still resumes.
+    let out = out_dir("ckpt-good-run");
+    run_resume(0, &good, &out, &["--set", "train.steps=3"]).assert_success();
+}
+
+#[test]
+fn a_killed_job_resumes_from_its_last_checkpoint() {
+    // A constant learning rate, so that the run can be continued with fewer total steps.
+    let constant = [
+        "--dp",
+        "2",
+        "--set",
+        "train.min_lr=3e-3",
+        "--set",
+        "train.warmup_steps=0",
+        "--set",
+        "checkpoint.every=2",
+    ];
+    let out = out_dir("kill-9");
+    let mut cmd = mpirun(2);
+    cmd.arg(MERAK);
+    train_args(&mut cmd, &out, &["--set", "train.steps=100000"]);
+    cmd.args(constant);
+    let child = std::thread::spawn(move || run_with_deadline(cmd, Duration::from_secs(120)));
+    // Wait until training runs and has saved, then SIGKILL one rank (found by its unique
+    // output folder).
+    let metrics = out.join("metrics.jsonl");
+    let start = Instant::now();
+    while !(std::fs::read_to_string(&metrics).is_ok_and(|m| m.lines().count() >= 5)
+        && out.join("checkpoints/latest").exists())
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "training did not start"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let pgrep = Command::new("pgrep")
+        .args(["-f", &format!("{} train .*{}", MERAK, out.display())])
+        .output()
+        .expect("pgrep runs");
+    let pids: Vec<String> = String::from_utf8_lossy(&pgrep.stdout)
+        .split_whitespace()
+        .map(str::to_string)
+        .collect();
+    assert!(!pids.is_empty(), "no rank process found");
+    let killed_at = Instant::now();
+    let status = Command::new("kill")
+        .args(["-9", &pids[pids.len() - 1]])
+        .status()
+        .expect("kill runs");
+    assert!(status.success());
+    let run = child.join().expect("the runner thread");
+    assert!(
+        !run.timed_out,
+        "the job hung after a rank was killed: {run:?}"
+    );
+    assert!(
+        killed_at.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        killed_at.elapsed()
+    );
+    assert_ne!(run.code, Some(0), "{run:?}");
+
+    // The last complete checkpoint resumes (a half-written one, if the kill hit a save, is
+    // ignored), and continues exactly like a run that was never interrupted.
+    let last = Checkpoint::open(&out.join("checkpoints")).expect("a complete checkpoint");
+    let k = last.manifest.step;
+    let steps = format!("train.steps={}", k + 2);
+    let mut cmd = mpirun(2);
+    cmd.arg(MERAK)
+        .arg("train")
+        .arg("--resume")
+        .arg(out.join("checkpoints"))
+        .args(["--set", &steps]);
+    // metrics.jsonl keeps the steps up to the checkpoint and continues after them.
+    cmd.arg("--out").arg(&out);
+    run_with_deadline(cmd, Duration::from_secs(120)).assert_success();
+    let resumed = read_metrics(&out);
+    assert_eq!(resumed.len(), k + 2, "steps 1..={} in metrics.jsonl", k + 2);
+
+    let reference = out_dir("kill-9-reference");
+    let mut cmd = mpirun(2);
+    cmd.arg(MERAK);
+    train_args(&mut cmd, &reference, &["--set", &steps]);
+    cmd.args(constant);
+    run_with_deadline(cmd, Duration::from_secs(120)).assert_success();
+    assert_steps_match("after kill -9", &resumed, &read_metrics(&reference), 0.0);
+}
+
+/// The tensors of an exported safetensors file, by name.
+fn read_export(path: &Path) -> HashMap<String, (Vec<usize>, Vec<f32>)> {
+    let bytes = std::fs::read(path).expect("export written");
+    let (tensors, _) = shard_file::decode(&bytes, path).expect("valid safetensors");
+    tensors
+        .into_iter()
+        .map(|t| (t.name, (t.shape, t.values)))
+        .collect()
+}
+
+fn export(checkpoint: &Path, output: &Path) {
+    let mut cmd = Command::new(MERAK);
+    cmd.arg("export")
+        .arg("--checkpoint")
+        .arg(checkpoint)
+        .arg("--output")
+        .arg(output);
+    run_with_deadline(cmd, Duration::from_secs(60)).assert_success();
+}
+
+#[test]
+fn export_writes_the_consolidated_model_with_gpt2_names() {
+    // An odd vocabulary (509) that tp = 2 pads: the export holds the real rows only.
+    let odd = ["--set", "model.vocab_size=509"];
+    let tp2 = out_dir("export-tp2");
+    run_train(2, &tp2, 3, &[&odd[..], &["--tp", "2"]].concat()).assert_success();
+    let single = out_dir("export-1");
+    run_train(0, &single, 3, &odd).assert_success();
+
+    let a = tp2.join("hf/model.safetensors");
+    let b = single.join("hf/model.safetensors");
+    export(&tp2.join("checkpoints"), &a);
+    export(&single.join("checkpoints"), &b);
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(tp2.join("hf/config.json")).unwrap()).unwrap();
+    assert_eq!(config["model_type"], "gpt2");
+    assert_eq!(config["vocab_size"], 509);
+
+    let (ta, tb) = (read_export(&a), read_export(&b));
+    // GPT-2's names and layout: Conv1D weights [in, out], no separate lm_head (tied).
+    let (h, v, s) = (64, 509, 32);
+    let mut want = vec![
+        ("transformer.wte.weight".to_string(), vec![v, h]),
+        ("transformer.wpe.weight".to_string(), vec![s, h]),
+        ("transformer.ln_f.weight".to_string(), vec![h]),
+        ("transformer.ln_f.bias".to_string(), vec![h]),
+    ];
+    let layers = 2;
+    for i in 0..layers {
+        want.extend([
+            (
+                format!("transformer.h.{i}.attn.c_attn.weight"),
+                vec![h, 3 * h],
+            ),
+            (format!("transformer.h.{i}.attn.c_attn.bias"), vec![3 * h]),
+            (format!("transformer.h.{i}.attn.c_proj.weight"), vec![h, h]),
+            (format!("transformer.h.{i}.mlp.c_fc.weight"), vec![h, 4 * h]),
+            (
+                format!("transformer.h.{i}.mlp.c_proj.weight"),
+                vec![4 * h, h],
+            ),
+            (format!("transformer.h.{i}.ln_2.bias"), vec![h]),
+        ]);
+    }
+    assert_eq!(ta.len(), 4 + 12 * layers, "{:?}", ta.keys());
+    assert!(!ta.contains_key("lm_head.weight"));
+    for (name, shape) in &want {
+        assert_eq!(ta.get(name).map(|t| &t.0), Some(shape), "{name}");
+    }
+
+    // The tp = 2 export is the model one process trains.
+    for (name, (shape, values)) in &tb {
+        let (shape_a, values_a) = &ta[name];
+        assert_eq!(shape_a, shape, "{name}");
+        if name.ends_with("c_attn.bias") {
+            // The key bias has an exactly zero gradient (softmax ignores a constant added to
+            // every score of a query), so AdamW turns rounding noise into updates: it stays
+            // near 1e-6 in both runs and is compared absolutely. Q and V relatively.
+            let k = h..2 * h;
+            for (i, (a, b)) in values_a.iter().zip(values).enumerate() {
+                if k.contains(&i) {
+                    assert!((a - b).abs() <= 1e-5, "{name}[{i}]: {a} vs {b}");
+                }
+            }
+            for seg in [0..h, 2 * h..3 * h] {
+                let e = rel_err(&values_a[seg.clone()], &values[seg.clone()]);
+                assert!(e <= 1e-5, "{name}[{seg:?}]: rel {e:e}");
+            }
+            continue;
+        }
+        let e = rel_err(values_a, values);
+        assert!(e <= 1e-5, "{name}: rel {e:e}");
+    }
+    // And exactly what the checkpoint holds.
+    let ck = Checkpoint::open(&tp2.join("checkpoints")).unwrap();
+    let full = ck.read_full().unwrap();
+    assert_eq!(
+        ta["transformer.h.0.attn.c_attn.weight"].1,
+        full.params["blocks.0.attn.qkv.linear.weight"]
+    );
+    assert_eq!(
+        ta["transformer.wte.weight"].1,
+        full.params["wte.embedding.weight"]
+    );
+}
+
+fn generate(checkpoint: &Path, extra: &[&str]) -> Run {
+    let mut cmd = Command::new(MERAK);
+    cmd.arg("generate")
+        .arg("--checkpoint")
+        .arg(checkpoint)
+        .args(extra);
+    run_with_deadline(cmd, Duration::from_secs(60))
+}
+
+#[test]
+fn generate_continues_a_prompt_from_any_layout() {
+    let tp2 = out_dir("generate-tp2");
+    run_train(2, &tp2, 3, &["--tp", "2"]).assert_success();
+    let single = out_dir("generate-1");
+    run_train(0, &single, 3, &[]).assert_success();
+    let args = [
+        "--prompt-ids",
+        "5,17,42",
+        "--max-new-tokens",
+        "6",
+        "--print-ids",
+    ];
+    let a = generate(&tp2.join("checkpoints"), &args);
+    a.assert_success();
+    let last = a.stdout.lines().last().unwrap_or_default().to_string();
+    let ids: Vec<i64> = last.split(',').map(|t| t.parse().unwrap()).collect();
+    assert_eq!(ids.len(), 3 + 6, "{last}");
+    assert_eq!(&ids[..3], &[5, 17, 42]);
+    let b = generate(&single.join("checkpoints"), &args);
+    b.assert_success();
+    assert_eq!(b.stdout.lines().last().unwrap_or_default(), last);
+    // Seeded sampling is reproducible.
+    let hot = [&args[..], &["--temperature", "1.5", "--seed", "3"]].concat();
+    let (x, y) = (
+        generate(&tp2.join("checkpoints"), &hot),
+        generate(&tp2.join("checkpoints"), &hot),
+    );
+    x.assert_success();
+    assert_eq!(x.stdout, y.stdout);
+    // The tiny model was not trained on GPT-2 tokens: text prompts are refused with a hint.
+    let text = generate(&tp2.join("checkpoints"), &["--prompt", "Hello, world"]);
+    assert_ne!(text.code, Some(0));
+    assert!(text.stderr.contains("--prompt-ids"), "{}", text.stderr);
+}

@@ -1,0 +1,103 @@
+//! Helpers shared by the end-to-end tests of `merak`.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use merak_tests::{mpirun, rel_err, run_with_deadline};
+
+/// The `merak` binary under test.
+pub const MERAK: &str = env!("CARGO_BIN_EXE_merak");
+
+pub fn config() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/gpt-tiny.toml")
+}
+
+pub fn out_dir(name: &str) -> PathBuf {
+    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+pub fn train_args(cmd: &mut Command, out: &Path, extra: &[&str]) {
+    cmd.arg("train")
+        .arg("--config")
+        .arg(config())
+        .args([
+            "--set",
+            "data.kind=synthetic",
+            "--set",
+            "train.steps=5",
+            "--out",
+        ])
+        .arg(out)
+        .args(extra);
+}
+
+/// `merak` on `np` ranks under mpirun, or directly (no MPI) when `np == 0`.
+pub fn merak(np: usize) -> Command {
+    if np == 0 {
+        return Command::new(MERAK);
+    }
+    let mut c = mpirun(np);
+    c.arg(MERAK);
+    c
+}
+
+/// Runs `merak train` with `config` for 5 steps on `np` ranks (without mpirun when `np == 0`)
+/// and returns the metrics.
+pub fn train_with(config: &Path, np: usize, name: &str, extra: &[&str]) -> Vec<serde_json::Value> {
+    let out = out_dir(name);
+    let mut cmd = merak(np);
+    cmd.arg("train")
+        .arg("--config")
+        .arg(config)
+        .args(["--set", "train.steps=5", "--out"])
+        .arg(&out)
+        .args(extra);
+    run_with_deadline(cmd, Duration::from_secs(300)).assert_success();
+    read_metrics(&out)
+}
+
+/// The records of `out/metrics.jsonl`.
+pub fn read_metrics(out: &Path) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(out.join("metrics.jsonl")).expect("metrics.jsonl written");
+    text.lines()
+        .map(|l| serde_json::from_str(l).expect("each line is JSON"))
+        .collect()
+}
+
+/// The tiny GPT on synthetic data.
+pub fn train(np: usize, name: &str, extra: &[&str]) -> Vec<serde_json::Value> {
+    let mut args = vec!["--set", "data.kind=synthetic"];
+    args.extend_from_slice(extra);
+    train_with(&config(), np, name, &args)
+}
+
+pub fn series(m: &[serde_json::Value], key: &str) -> Vec<f32> {
+    m.iter()
+        .map(|r| {
+            r[key]
+                .as_f64()
+                .unwrap_or_else(|| panic!("{key} missing in {r}")) as f32
+        })
+        .collect()
+}
+
+pub fn assert_same_run(name: &str, got: &[serde_json::Value], want: &[serde_json::Value]) {
+    assert_eq!(got.len(), 5, "{name}: five steps");
+    assert_eq!(got.len(), want.len());
+    for key in ["loss", "grad_norm", "lr"] {
+        let (g, w) = (series(got, key), series(want, key));
+        // Per step, not only overall.
+        for (i, (a, b)) in g.iter().zip(&w).enumerate() {
+            let e = rel_err(&[*a], &[*b]);
+            assert!(
+                e <= 1e-5,
+                "{name}: {key} at step {} is {a}, one process has {b} (rel {e:e})",
+                i + 1
+            );
+        }
+    }
+}

@@ -1,0 +1,90 @@
+//! What can go wrong with a checkpoint.
+
+use std::path::PathBuf;
+
+use thiserror::Error;
+
+use crate::comm::CommError;
+
+/// A checkpoint that cannot be written or read; every variant names the file or parameter.
+#[derive(Debug, Error)]
+pub enum CheckpointError {
+    /// Reading or writing a file failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file or folder.
+        path: PathBuf,
+        /// The operating system's error.
+        source: std::io::Error,
+    },
+    /// The folder has no `manifest.json` (and no `latest` pointer to a folder that has one).
+    #[error(
+        "{dir}: no manifest.json here, so this is not a complete checkpoint (a checkpoint that was being written when the job died has none; use an earlier step-* folder)"
+    )]
+    MissingManifest {
+        /// The folder.
+        dir: PathBuf,
+    },
+    /// `manifest.json` is not valid.
+    #[error("{path}: unreadable manifest: {reason}")]
+    BadManifest {
+        /// The manifest.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A shard listed in the manifest does not exist.
+    #[error("{file}: shard listed in the manifest is missing")]
+    MissingShard {
+        /// The shard.
+        file: PathBuf,
+    },
+    /// A shard is shorter or longer than the manifest says.
+    #[error("{file}: truncated shard: the manifest says {expected} bytes, the file has {got}")]
+    Truncated {
+        /// The shard.
+        file: PathBuf,
+        /// Bytes in the manifest.
+        expected: u64,
+        /// Bytes on disk.
+        got: u64,
+    },
+    /// A shard's content does not match its checksum.
+    #[error(
+        "{file}: checksum mismatch (SHA-256 {got}, the manifest says {expected}): the shard was altered or damaged"
+    )]
+    Checksum {
+        /// The shard.
+        file: PathBuf,
+        /// SHA-256 in the manifest.
+        expected: String,
+        /// SHA-256 of the file.
+        got: String,
+    },
+    /// A shard's content cannot be decoded.
+    #[error("{file}: not a valid shard: {reason}")]
+    Corrupt {
+        /// The shard.
+        file: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The checkpoint and the model disagree on a parameter.
+    #[error("parameter {name}: {reason}")]
+    Mismatch {
+        /// The parameter's name (its path in the module tree).
+        name: String,
+        /// What differs.
+        reason: String,
+    },
+    /// A collective operation failed while saving.
+    #[error(transparent)]
+    Comm(#[from] CommError),
+}
+
+impl CheckpointError {
+    pub(crate) fn io(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Self {
+        let path = path.into();
+        move |source| CheckpointError::Io { path, source }
+    }
+}

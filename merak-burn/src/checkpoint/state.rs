@@ -1,0 +1,287 @@
+//! Parameters and AdamW moments by name: out of a model and its optimizers, and back in.
+//!
+//! A parameter's name is its path in the module tree (`blocks.0.attn.qkv.linear.weight`),
+//! which does not depend on the layout. Burn keys optimizer state by [`ParamId`], which is
+//! random per run, so the state is carried by name too.
+
+use std::collections::HashMap;
+
+use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::record::AdaptorRecord;
+use burn::optim::{AdamW, AdamWState, AdaptiveMomentumState};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Tensor, TensorData};
+
+use super::CheckpointError;
+use crate::comm::tensor::tensor_to_vec;
+
+/// Burn's record of the AdamW state of every parameter it has stepped.
+pub type AdamWRecords<B> = hashbrown::HashMap<ParamId, AdaptorRecord<AdamW, B>>;
+
+/// AdamW moments by parameter name.
+pub type NamedMoments = Vec<(String, Moments)>;
+
+/// One parameter of this rank, as stored.
+#[derive(Clone, Debug)]
+pub struct LocalParam {
+    /// Path in the module tree.
+    pub name: String,
+    /// The parameter's id in this run.
+    pub id: ParamId,
+    /// This rank's shape.
+    pub shape: Vec<usize>,
+    /// This rank's values, row-major.
+    pub values: Vec<f32>,
+}
+
+/// The AdamW state of one parameter.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Moments {
+    /// Steps the optimizer has taken on it.
+    pub time: usize,
+    /// First moment, row-major.
+    pub m1: Vec<f32>,
+    /// Second moment, row-major.
+    pub m2: Vec<f32>,
+}
+
+#[derive(Default)]
+struct Path(Vec<String>);
+
+impl Path {
+    fn enter(&mut self, name: &str) {
+        self.0.push(name.to_string());
+    }
+    fn exit(&mut self) {
+        self.0.pop();
+    }
+    fn name(&self) -> String {
+        self.0.join(".")
+    }
+}
+
+struct Collect<'a, B: AutodiffBackend> {
+    path: Path,
+    records: Option<&'a AdamWRecords<B>>,
+    params: Vec<LocalParam>,
+    moments: Vec<(String, Moments)>,
+    with_values: bool,
+    error: Option<CheckpointError>,
+}
+
+impl<B: AutodiffBackend> Collect<'_, B> {
+    fn read<const D: usize>(&mut self, t: Tensor<B::InnerBackend, D>) -> Vec<f32> {
+        tensor_to_vec(t).unwrap_or_else(|e| {
+            self.error.get_or_insert(e.into());
+            Vec::new()
+        })
+    }
+
+    fn finish(self) -> Result<(Vec<LocalParam>, NamedMoments), CheckpointError> {
+        match self.error {
+            Some(e) => Err(e),
+            None => Ok((self.params, self.moments)),
+        }
+    }
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Collect<'_, B> {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.enter(name);
+    }
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.exit();
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let name = self.path.name();
+        let value = param.val().inner();
+        if self.with_values {
+            let shape = value.dims().to_vec();
+            let values = self.read(value);
+            self.params.push(LocalParam {
+                name: name.clone(),
+                id: param.id,
+                shape,
+                values,
+            });
+        }
+        if let Some(record) = self.records.and_then(|r| r.get(&param.id)) {
+            let state: AdamWState<B::InnerBackend, D> = record.clone().into_state();
+            let m1 = self.read(state.momentum.moment_1);
+            let m2 = self.read(state.momentum.moment_2);
+            let time = state.momentum.time;
+            self.moments.push((name, Moments { time, m1, m2 }));
+        }
+    }
+}
+
+/// This rank's parameters, in visit order, with their names.
+pub fn local_params<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+) -> Result<Vec<LocalParam>, CheckpointError> {
+    let mut c = Collect::<B> {
+        path: Path::default(),
+        records: None,
+        params: Vec::new(),
+        moments: Vec::new(),
+        with_values: true,
+        error: None,
+    };
+    model.visit(&mut c);
+    Ok(c.finish()?.0)
+}
+
+/// The AdamW moments held in `records`, by parameter name.
+pub fn moments<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+    records: &AdamWRecords<B>,
+) -> Result<NamedMoments, CheckpointError> {
+    let mut c = Collect::<B> {
+        path: Path::default(),
+        records: Some(records),
+        params: Vec::new(),
+        moments: Vec::new(),
+        with_values: false,
+        error: None,
+    };
+    model.visit(&mut c);
+    Ok(c.finish()?.1)
+}
+
+/// The names and shapes of a model's parameters (any backend), in visit order.
+pub fn param_shapes<B: Backend, M: Module<B>>(model: &M) -> Vec<(String, ParamId, Vec<usize>)> {
+    struct Shapes(Path, Vec<(String, ParamId, Vec<usize>)>);
+    impl<B: Backend> ModuleVisitor<B> for Shapes {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.0.enter(name);
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.0.exit();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.1
+                .push((self.0.name(), param.id, param.val().dims().to_vec()));
+        }
+    }
+    let mut s = Shapes(Path::default(), Vec::new());
+    model.visit(&mut s);
+    s.1
+}
+
+struct Assign<'a> {
+    path: Path,
+    values: &'a mut HashMap<String, Vec<f32>>,
+    error: Option<CheckpointError>,
+}
+
+impl<B: Backend> ModuleMapper<B> for Assign<'_> {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.enter(name);
+    }
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.exit();
+    }
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let name = self.path.name();
+        let (id, tensor, mapper) = param.consume();
+        let shape = tensor.dims();
+        let n: usize = shape.iter().product();
+        let value = match self.values.remove(&name) {
+            Some(v) if v.len() == n => v,
+            Some(v) => {
+                self.error.get_or_insert(CheckpointError::Mismatch {
+                    name,
+                    reason: format!("{} values for a shard of shape {shape:?}", v.len()),
+                });
+                return Param::from_mapped_value(id, tensor, mapper);
+            }
+            None => {
+                self.error.get_or_insert(CheckpointError::Mismatch {
+                    name,
+                    reason: "not in the checkpoint".into(),
+                });
+                return Param::from_mapped_value(id, tensor, mapper);
+            }
+        };
+        let require_grad = tensor.is_require_grad();
+        let mut fresh = Tensor::<B, D>::from_data(TensorData::new(value, shape), &tensor.device());
+        if require_grad {
+            fresh = fresh.require_grad();
+        }
+        Param::from_mapped_value(id, fresh, mapper)
+    }
+}
+
+/// Replaces every parameter of `model` by the values of the same name in `values` (this rank's
+/// shard, row-major). Every parameter must be there with the right number of values, and every
+/// entry must be used.
+pub fn assign_params<B: Backend, M: Module<B>>(
+    model: M,
+    mut values: HashMap<String, Vec<f32>>,
+) -> Result<M, CheckpointError> {
+    let mut a = Assign {
+        path: Path::default(),
+        values: &mut values,
+        error: None,
+    };
+    let model = model.map(&mut a);
+    if let Some(e) = a.error {
+        return Err(e);
+    }
+    if let Some(name) = values.keys().min() {
+        return Err(CheckpointError::Mismatch {
+            name: name.clone(),
+            reason: "in the checkpoint but not in the model".into(),
+        });
+    }
+    Ok(model)
+}
+
+struct Build<'a, B: AutodiffBackend> {
+    path: Path,
+    moments: &'a HashMap<String, Moments>,
+    keep: &'a dyn Fn(ParamId, usize) -> bool,
+    out: AdamWRecords<B>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Build<'_, B> {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.enter(name);
+    }
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.exit();
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if !(self.keep)(param.id, D) {
+            return;
+        }
+        let Some(m) = self.moments.get(&self.path.name()) else {
+            return;
+        };
+        let value = param.val();
+        let (shape, device) = (value.dims(), value.device());
+        let t = |v: &Vec<f32>| {
+            Tensor::<B::InnerBackend, D>::from_data(TensorData::new(v.clone(), shape), &device)
+        };
+        let state = AdamWState::new(AdaptiveMomentumState::new(m.time, t(&m.m1), t(&m.m2)));
+        self.out
+            .insert(param.id, AdaptorRecord::from_state::<D>(state));
+    }
+}
+
+/// Burn AdamW records for the parameters of `model` that `keep(id, rank)` selects and that
+/// have moments (this rank's shards) in `moments`.
+pub fn adamw_records<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+    moments: &HashMap<String, Moments>,
+    keep: &dyn Fn(ParamId, usize) -> bool,
+) -> AdamWRecords<B> {
+    let mut b = Build::<B> {
+        path: Path::default(),
+        moments,
+        keep,
+        out: hashbrown::HashMap::new(),
+    };
+    model.visit(&mut b);
+    b.out
+}

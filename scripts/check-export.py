@@ -1,0 +1,50 @@
+#!/usr/bin/env python3
+"""Checks a `merak export` against Hugging Face transformers.
+
+Loads the exported folder with `GPT2LMHeadModel.from_pretrained`, runs the prompt that
+`merak generate --logits-out FILE` wrote, and compares the logits at every position.
+
+    python3 scripts/check-export.py EXPORT_FOLDER LOGITS_JSON [--tolerance 1e-4]
+
+Needs torch and transformers (`pip install torch transformers safetensors`). Exits non-zero
+when the largest difference, relative to the largest logit, exceeds the tolerance.
+"""
+import argparse
+import json
+import sys
+
+import torch
+from transformers import GPT2LMHeadModel
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("folder")
+    p.add_argument("logits")
+    p.add_argument("--tolerance", type=float, default=1e-4)
+    a = p.parse_args()
+
+    model = GPT2LMHeadModel.from_pretrained(a.folder, dtype=torch.float32)
+    model.eval()
+    ref = json.load(open(a.logits))
+    n, vocab = ref["shape"]
+    ours = torch.tensor(ref["logits"], dtype=torch.float32).reshape(n, vocab)
+    ids = torch.tensor([ref["ids"]], dtype=torch.long)
+    with torch.no_grad():
+        theirs = model(ids).logits[0]
+    if tuple(theirs.shape) != (n, vocab):
+        print(f"shape: transformers {tuple(theirs.shape)}, merak {(n, vocab)}")
+        return 1
+    diff = (theirs - ours).abs().max().item()
+    scale = ours.abs().max().item()
+    rel = diff / max(scale, 1e-12)
+    same_argmax = bool((theirs.argmax(-1) == ours.argmax(-1)).all())
+    print(
+        f"{n} positions x {vocab} logits: max |transformers - merak| = {diff:.3e} "
+        f"(largest logit {scale:.3f}, relative {rel:.3e}); same arg-max at every position: {same_argmax}"
+    )
+    return 0 if rel <= a.tolerance and same_argmax else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
