@@ -4,7 +4,10 @@
 Loads the exported folder with `GPT2LMHeadModel.from_pretrained`, runs the prompt that
 `merak generate --logits-out FILE` wrote, and compares the logits at every position.
 
-    python3 scripts/check-export.py EXPORT_FOLDER LOGITS_JSON [--tolerance 1e-4]
+    python3 scripts/check-export.py EXPORT_FOLDER LOGITS_JSON [--tolerance 1e-4] [--expect-ids IDS]
+
+With --expect-ids (the last line of `merak generate --print-ids`, greedy), transformers'
+greedy `generate` must produce the same ids.
 
 Needs torch and transformers (`pip install torch transformers safetensors`). Exits non-zero
 when the largest difference, relative to the largest logit, exceeds the tolerance.
@@ -22,6 +25,7 @@ def main() -> int:
     p.add_argument("folder")
     p.add_argument("logits")
     p.add_argument("--tolerance", type=float, default=1e-4)
+    p.add_argument("--expect-ids", default=None)
     a = p.parse_args()
 
     model = GPT2LMHeadModel.from_pretrained(a.folder, dtype=torch.float32)
@@ -43,7 +47,21 @@ def main() -> int:
         f"{n} positions x {vocab} logits: max |transformers - merak| = {diff:.3e} "
         f"(largest logit {scale:.3f}, relative {rel:.3e}); same arg-max at every position: {same_argmax}"
     )
-    return 0 if rel <= a.tolerance and same_argmax else 1
+    ok = rel <= a.tolerance and same_argmax
+    if a.expect_ids:
+        expected = [int(t) for t in a.expect_ids.split(",")]
+        new = len(expected) - n
+        with torch.no_grad():
+            out = model.generate(
+                ids, max_new_tokens=new, do_sample=False, pad_token_id=0,
+                attention_mask=torch.ones_like(ids),
+            )[0].tolist()
+        same = out == expected
+        print(f"greedy continuation of {new} tokens, transformers == merak: {same}")
+        if not same:
+            print(f"  transformers: {out}\n  merak:        {expected}")
+        ok = ok and same
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

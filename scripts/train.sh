@@ -18,3 +18,6 @@ fi
 mpirun --oversubscribe --bind-to none -np 4 target/release/merak train \
   --config configs/gpt-mini-text.toml --dp 2 --tp 2 --out runs/quickstart "$@"
 echo "metrics: runs/quickstart/metrics.jsonl, loss curve: runs/quickstart/loss.svg"
+echo "checkpoint: runs/quickstart/checkpoints; try:"
+echo "  target/release/merak generate --checkpoint runs/quickstart/checkpoints --prompt 'It is a truth' --max-new-tokens 40"
+echo "  target/release/merak export --checkpoint runs/quickstart/checkpoints --output runs/quickstart/hf/model.safetensors"

@@ -6,6 +6,8 @@
 //! - [`grid`]: the process grid `world = dp * pp * tp` and its per-axis communicators.
 //! - [`data_parallel`]: bucketed gradient all-reduce overlapped with the backward pass, ZeRO-1.
 //! - [`tensor_parallel`]: the f/g autodiff operators and the tensor-parallel layers.
+//! - [`train`]: global gradient norm and clipping, weight-decay groups, schedule, metrics.
+//! - [`checkpoint`]: atomic sharded checkpoints that load under any dp/tp layout.
 
 pub mod checkpoint;
 pub mod comm;
