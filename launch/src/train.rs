@@ -361,6 +361,7 @@ where
                 None => tracing::info!("{line}"),
             }
         }
+        let t_save = Instant::now();
         let saved = save_if_due(
             cfg,
             step + 1,
@@ -371,7 +372,8 @@ where
             grid,
         )?;
         if let Some(dir) = saved.filter(|_| grid.rank == 0) {
-            let log = || tracing::info!("checkpoint: {}", dir.display());
+            let secs = t_save.elapsed().as_secs_f64();
+            let log = || tracing::info!("checkpoint: {} ({secs:.2}s)", dir.display());
             match &progress {
                 Some(bar) => bar.suspend(log),
                 None => log(),

@@ -430,3 +430,35 @@ fn generate_continues_a_prompt_from_any_layout() {
     assert_ne!(text.code, Some(0));
     assert!(text.stderr.contains("--prompt-ids"), "{}", text.stderr);
 }
+
+#[test]
+fn bert_checkpoints_resume_under_another_layout() {
+    let bert = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/bert-tiny.toml");
+    let full = out_dir("bert-ckpt-tp2");
+    let mut cmd = merak(2);
+    cmd.arg("train")
+        .arg("--config")
+        .arg(&bert)
+        .args([
+            "--tp",
+            "2",
+            "--set",
+            "train.steps=5",
+            "--set",
+            "checkpoint.every=2",
+        ])
+        .arg("--out")
+        .arg(&full);
+    run_with_deadline(cmd, Duration::from_secs(120)).assert_success();
+    let out = out_dir("bert-ckpt-resume-1");
+    run_resume(
+        0,
+        &full.join("checkpoints/step-00000002"),
+        &out,
+        &["--tp", "1"],
+    )
+    .assert_success();
+    let resumed = read_metrics(&out);
+    assert_eq!(resumed.len(), 3, "steps 3..=5");
+    assert_steps_match("bert tp2 -> tp1", &resumed, &read_metrics(&full), 1e-5);
+}
