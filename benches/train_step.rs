@@ -255,7 +255,14 @@ impl<O: Optimizer<Model, B>> Stepper for Merak<O> {
             bail!("the loss is {loss_value}");
         }
         self.phases.grads += clock.lap();
-        let grad_norm = global_grad_norm::<B, _>(&model, &grads, &self.sharded, self.tp)?;
+        let grad_norm = global_grad_norm::<B, _>(
+            &model,
+            &grads,
+            &self.sharded,
+            self.tp,
+            merak_burn::comm::Group::local(),
+            &Default::default(),
+        )?;
         clip_grads::<B, _>(&model, &mut grads, grad_norm, self.grad_clip);
         let (decay, no_decay) = split_for_weight_decay::<B, _>(&model, grads, None);
         self.phases.norm_clip_split += clock.lap();

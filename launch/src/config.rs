@@ -82,6 +82,18 @@ pub struct ParallelSection {
     /// Size of a data-parallel gradient bucket in MiB; a bucket's all-reduce starts as soon as
     /// all its gradients are final.
     pub bucket_mb: f64,
+    /// Pipeline schedule: "gpipe", "1f1b", "interleaved", "shifted-critical-path" or "2bw".
+    pub schedule: String,
+    /// Model stages per pipeline rank (interleaved schedule only; 1 otherwise).
+    pub virtual_stages: usize,
+    /// Units per pipeline stage (the embedding counts as the first unit and the head as the
+    /// last, so they sum to layers + 2); empty: balanced automatically by cost.
+    pub stage_layers: Vec<usize>,
+    /// Activation recomputation: "none", "full", "selective" or "stage-aware".
+    pub recompute: String,
+    /// Stage-aware recomputation: activation memory per stage in MiB; 0: what the last stage
+    /// needs without recomputation.
+    pub memory_budget_mb: f64,
 }
 
 /// `[train]`: optimization.
@@ -187,6 +199,11 @@ impl Default for Config {
                 pp: 1,
                 zero: 0,
                 bucket_mb: 1.0,
+                schedule: "1f1b".into(),
+                virtual_stages: 1,
+                stage_layers: Vec::new(),
+                recompute: "none".into(),
+                memory_budget_mb: 0.0,
             },
             train: TrainSection {
                 steps: 200,
@@ -532,6 +549,38 @@ impl Config {
                     "{} is not a supported ZeRO stage (0 or 1)",
                     self.parallel.zero
                 ),
+            );
+        }
+        if let Err(e) = self
+            .parallel
+            .schedule
+            .parse::<merak_burn::pipeline::ScheduleKind>()
+        {
+            return bad("parallel.schedule", e.to_string());
+        }
+        if let Err(e) = self
+            .parallel
+            .recompute
+            .parse::<merak_burn::pipeline::Recompute>()
+        {
+            return bad("parallel.recompute", e.to_string());
+        }
+        if self.parallel.virtual_stages == 0 {
+            return bad("parallel.virtual_stages", "must be at least 1".into());
+        }
+        if self.parallel.virtual_stages > 1 && self.parallel.schedule != "interleaved" {
+            return bad(
+                "parallel.virtual_stages",
+                format!(
+                    "{} needs parallel.schedule = \"interleaved\" (it is {:?})",
+                    self.parallel.virtual_stages, self.parallel.schedule
+                ),
+            );
+        }
+        if !(self.parallel.memory_budget_mb >= 0.0 && self.parallel.memory_budget_mb.is_finite()) {
+            return bad(
+                "parallel.memory_budget_mb",
+                format!("{} must be >= 0", self.parallel.memory_budget_mb),
             );
         }
         if !(self.parallel.bucket_mb > 0.0 && self.parallel.bucket_mb.is_finite()) {

@@ -5,6 +5,7 @@ mod data;
 mod export;
 mod generate;
 mod plot;
+mod stages;
 mod tokens;
 mod train;
 
@@ -85,6 +86,10 @@ struct TrainArgs {
     /// dp/tp layout may load it.
     #[arg(long)]
     resume: Option<PathBuf>,
+    /// Write a Chrome trace (JSON, open in Perfetto) of every rank's forward, backward,
+    /// send, receive and idle time.
+    #[arg(long)]
+    trace: Option<PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -222,7 +227,16 @@ fn run_train(args: TrainArgs) -> ExitCode {
     if rank == 0 {
         tracing::info!("data: {}", data.describe());
     }
-    let result = run(&cfg, &data, &grid, &args.out, resume.as_ref());
+    let plan = match stages::build_plan(&cfg) {
+        Ok(p) => p,
+        Err(e) => return collective_failure(rank, &e),
+    };
+    let spec = train::RunSpec {
+        plan: &plan,
+        resume: resume.as_ref(),
+        trace: args.trace.as_deref(),
+    };
+    let result = run(&cfg, &data, &grid, &args.out, spec);
     match (result, mpi) {
         (Ok(()), _) => ExitCode::SUCCESS,
         (Err(e), Some(mpi)) if size > 1 => mpi.abort(1, &format!("{e:#}")),
@@ -233,33 +247,43 @@ fn run_train(args: TrainArgs) -> ExitCode {
     }
 }
 
-/// Builds the model of `cfg` (this rank's TP shard) and trains it.
+/// Builds the model of `cfg` (this rank's pipeline stages and TP shard) and trains it.
 fn train_model<B>(
     cfg: &config::Config,
     data: &data::Source,
     grid: &ProcessGrid,
     out: &std::path::Path,
     device: &B::Device,
-    resume: Option<&train::Resume>,
+    spec: train::RunSpec<'_>,
 ) -> Result<train::Summary>
 where
     B: burn::tensor::backend::AutodiffBackend + merak_burn::tensor_parallel::ParallelBackend,
     B::InnerBackend: merak_burn::tensor_parallel::ParallelBackend,
 {
     let seed = cfg.train.seed;
+    let plan = spec.plan;
+    let me = grid.coords.pp;
+    let holds = |unit: usize| plan.schedule.rank_of(plan.partition.stage_of(unit)) == me;
     if cfg.model.kind == "bert" {
         let bert = cfg.bert();
-        let model = merak_bert::Bert::<B>::new(&bert, seed, grid.tp, device)?;
+        let model = merak_bert::Bert::<B>::new_units(&bert, seed, grid.tp, device, &holds)?;
         let objective = train::Objective::Masked(bert);
-        Ok(train::train(cfg, data, grid, out, device, model, &objective, resume)?.0)
+        Ok(train::train(cfg, data, grid, out, device, model, &objective, spec)?.0)
     } else {
-        let model = merak_gpt::Gpt::<B>::new(&cfg.model.gpt, seed, grid.tp, device)?;
+        let model = merak_gpt::Gpt::<B>::new_units(&cfg.model.gpt, seed, grid.tp, device, &holds)?;
         let objective = train::Objective::Causal;
-        let (summary, model) =
-            train::train(cfg, data, grid, out, device, model, &objective, resume)?;
+        let (summary, model) = train::train(cfg, data, grid, out, device, model, &objective, spec)?;
         if cfg.train.sample_tokens > 0 {
-            let model = burn::module::AutodiffModule::valid(&model);
-            print_sample(cfg, data, grid, &model, device)?;
+            if grid.layout.pp > 1 {
+                if grid.rank == 0 {
+                    tracing::info!(
+                        "no sample under pp > 1: use `merak generate --checkpoint` on the checkpoint"
+                    );
+                }
+            } else {
+                let model = burn::module::AutodiffModule::valid(&model);
+                print_sample(cfg, data, grid, &model, device)?;
+            }
         }
         Ok(summary)
     }
@@ -415,12 +439,8 @@ fn resolve_config(
             layers: g.layers,
         },
     )?;
-    if layout.pp > 1 {
-        bail!(
-            "parallel.pp = {}: pipeline parallelism is not available yet; use pp = 1",
-            layout.pp
-        );
-    }
+    // The pipeline plan is checked here too, so that a bad schedule stops every rank at once.
+    stages::build_plan(&cfg)?;
     Ok(cfg)
 }
 
@@ -429,21 +449,31 @@ fn run(
     data: &data::Source,
     grid: &ProcessGrid,
     out: &std::path::Path,
-    resume: Option<&train::Resume>,
+    spec: train::RunSpec<'_>,
 ) -> Result<()> {
     if grid.rank == 0 {
         std::fs::create_dir_all(out)?;
         std::fs::write(out.join("config.toml"), toml::to_string(cfg)?)?;
     }
+    // Selective recomputation is Burn's balanced checkpointing: compute-bound results (the
+    // matrix products) are kept, memory-bound ones recomputed in the backward pass.
+    let selective = cfg.parallel.recompute == "selective";
     let summary = match cfg.train.device.as_str() {
+        "cpu" if selective => {
+            type B = burn::backend::Autodiff<
+                burn::backend::NdArray<f32>,
+                burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing,
+            >;
+            train_model::<B>(cfg, data, grid, out, &Default::default(), spec)?
+        }
         "cpu" => {
             type B = burn::backend::Autodiff<burn::backend::NdArray<f32>>;
-            train_model::<B>(cfg, data, grid, out, &Default::default(), resume)?
+            train_model::<B>(cfg, data, grid, out, &Default::default(), spec)?
         }
         #[cfg(feature = "cuda")]
         "cuda" => {
             type B = burn::backend::Autodiff<burn_cuda::Cuda<f32>>;
-            train_model::<B>(cfg, data, grid, out, &burn_cuda::CudaDevice::new(0), resume)?
+            train_model::<B>(cfg, data, grid, out, &burn_cuda::CudaDevice::new(0), spec)?
         }
         other => bail!(
             "train.device = {other:?} is not available in this build (rebuild with --features cuda)"

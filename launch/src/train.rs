@@ -1,26 +1,29 @@
 //! The training loop behind `merak train`.
 
+use std::collections::HashSet;
 use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use burn::module::{AutodiffModule, Module};
+use burn::module::AutodiffModule;
+use burn::module::ParamId;
+use burn::optim::GradientsParams;
 use burn::optim::{AdamWConfig, Optimizer};
-use burn::tensor::ElementConversion;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
-use merak_bert::{Bert, BertConfig, mask_tokens};
+use burn::tensor::{Tensor, TensorData};
+use merak_bert::{BertConfig, mask_tokens};
 use merak_burn::checkpoint::{self, Checkpoint, FullState, RankState, state};
 use merak_burn::comm::ReduceOp;
 use merak_burn::data_parallel::DataParallel;
 use merak_burn::grid::ProcessGrid;
-use merak_burn::tensor_parallel::{ParallelBackend, Shard, set_dropout_position};
+use merak_burn::pipeline::{
+    Executor, MicroBatch, PipelineModel, PipelinePlan, ScheduleKind, TraceEvent, write_chrome_trace,
+};
+use merak_burn::tensor_parallel::{ParallelBackend, Shard};
 use merak_burn::train::{
     LrSchedule, MetricsWriter, StepMetrics, clip_grads, global_grad_norm, sharded_param_ids,
     split_for_weight_decay,
 };
-use merak_gpt::Gpt;
 
 use crate::config::Config;
 use crate::data::Source;
@@ -38,25 +41,6 @@ pub struct Summary {
     pub wall_s: f64,
     /// Steps skipped for a non-finite loss.
     pub skipped: usize,
-}
-
-/// A model `merak train` can train: a loss from token ids and targets (negative targets are
-/// ignored).
-pub trait LanguageModel<B: Backend>: Module<B> {
-    /// Mean loss over the targets.
-    fn lm_loss(&self, ids: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1>;
-}
-
-impl<B: ParallelBackend> LanguageModel<B> for Gpt<B> {
-    fn lm_loss(&self, ids: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
-        self.loss(ids, targets)
-    }
-}
-
-impl<B: ParallelBackend> LanguageModel<B> for Bert<B> {
-    fn lm_loss(&self, ids: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
-        self.loss(ids, targets)
-    }
 }
 
 /// What the model learns from a window of tokens.
@@ -110,8 +94,19 @@ pub fn checkpoint_root(cfg: &Config, out: &Path) -> std::path::PathBuf {
     }
 }
 
-/// Trains `model` on this rank's part of the grid (from the state of `resume` when given);
-/// rank 0 writes `out/metrics.jsonl`; checkpoints follow `[checkpoint]`.
+/// How a run is set up besides its config.
+pub struct RunSpec<'a> {
+    /// The pipeline plan (one stage for pp = 1).
+    pub plan: &'a PipelinePlan,
+    /// The checkpoint to continue from.
+    pub resume: Option<&'a Resume>,
+    /// Write a Chrome trace of every rank's actions here.
+    pub trace: Option<&'a Path>,
+}
+
+/// Trains `model` (this rank's stages and TP shard) on this rank's part of the grid (from the
+/// state of `spec.resume` when given); rank 0 writes `out/metrics.jsonl`; checkpoints follow
+/// `[checkpoint]`.
 #[allow(clippy::too_many_arguments)]
 pub fn train<B, M>(
     cfg: &Config,
@@ -121,18 +116,36 @@ pub fn train<B, M>(
     device: &B::Device,
     mut model: M,
     objective: &Objective,
-    resume: Option<&Resume>,
+    spec: RunSpec<'_>,
 ) -> Result<(Summary, M)>
 where
     B: AutodiffBackend + ParallelBackend,
     B::InnerBackend: ParallelBackend,
-    M: LanguageModel<B> + AutodiffModule<B>,
-    M::InnerModule: LanguageModel<B::InnerBackend>,
+    M: PipelineModel<B> + AutodiffModule<B>,
+    M::InnerModule: PipelineModel<B::InnerBackend>,
 {
+    let resume = spec.resume;
     let t0 = Instant::now();
     let gpt = &cfg.model.gpt;
     let seed = cfg.train.seed;
     let sharded = sharded_param_ids::<B, _>(&model);
+    // The head's copy of a tied embedding is counted once, on the rank with the embedding.
+    let tied = model.tied_embedding();
+    let holds_embedding = spec.plan.schedule.rank_of(0) == grid.coords.pp;
+    let not_counted: HashSet<ParamId> = tied.filter(|_| !holds_embedding).into_iter().collect();
+    let copies = model.tied_names();
+    let mut executor = Executor::new(
+        spec.plan.clone(),
+        grid.pp,
+        grid.tp,
+        spec.trace.map(|_| grid.rank),
+    );
+    let mut max_in_flight = 0usize;
+    // PipeDream-2BW: a step's gradients are computed on the weights from before the previous
+    // update (V_t = V_{t-1} - lr * grad(V_{t-2})), so that the next batch can enter the
+    // pipeline before the current one has left it. `stale` holds those weights.
+    let two_bw = spec.plan.schedule.kind == ScheduleKind::TwoBw;
+    let mut stale: Option<M> = None;
     // Two AdamW parameter groups: matrices decay, vectors (biases, norms) do not.
     let adamw = AdamWConfig::new()
         .with_beta_1(cfg.train.beta1 as f32)
@@ -157,6 +170,7 @@ where
     let local_batch = cfg.train.global_batch / dp;
     let micro = cfg.micro_batch();
     let micro_batches = local_batch / micro;
+    let hidden = gpt.hidden;
     let first = grid.coords.dp * local_batch;
     let seq = gpt.seq_len;
     let tokens_per_step = (cfg.train.global_batch * seq) as f64;
@@ -171,7 +185,9 @@ where
                 rank: grid.coords.tp,
                 size: grid.layout.tp,
             };
-            let (params, moments) = r.state.cut_for(&r.checkpoint.manifest, &shapes, shard)?;
+            let (params, moments) =
+                r.state
+                    .cut_for(&r.checkpoint.manifest, &shapes, shard, &copies)?;
             model = state::assign_params(model, params)?;
             let mine = |id: burn::module::ParamId| owned.as_ref().is_none_or(|o| o.contains(&id));
             optim_decay =
@@ -244,7 +260,7 @@ where
         // The step's micro-batches, and their share of the global batch's target tokens
         // (masked LM: the number of masked positions varies), so that every layout computes
         // the gradient of the same global mean loss.
-        let batches: Vec<(Vec<i64>, Vec<i64>)> = (0..micro_batches)
+        let windows: Vec<(Vec<i64>, Vec<i64>)> = (0..micro_batches)
             .map(|m| {
                 let start = first + m * micro;
                 objective.apply(
@@ -255,7 +271,7 @@ where
                 )
             })
             .collect();
-        let counts: Vec<f32> = batches
+        let counts: Vec<f32> = windows
             .iter()
             .map(|(_, y)| y.iter().filter(|&&t| t >= 0).count() as f32)
             .collect();
@@ -263,19 +279,35 @@ where
         if dp > 1 {
             grid.dp.comm()?.all_reduce(&mut total, ReduceOp::Sum)?;
         }
-        let mut loss_value = 0.0f64;
-        for (m, ((x, y), n)) in batches.into_iter().zip(&counts).enumerate() {
-            let x = Tensor::<B, 2, Int>::from_data(TensorData::new(x, [micro, seq]), device);
-            let y = Tensor::<B, 2, Int>::from_data(TensorData::new(y, [micro, seq]), device);
-            reducer.set_last_micro_batch(m + 1 == micro_batches);
-            set_dropout_position(step as u64, (first + m * micro) as u64);
-            let share = n / total[0].max(1.0);
-            let loss = reducer.hooked(model.clone()).lm_loss(x, y) * share;
-            loss_value += f64::from(loss.clone().into_scalar().elem::<f32>());
-            // The gradients travel through the reducer's hooks; Burn's copy is not needed.
-            let _ = loss.backward();
-        }
+        let batches: Vec<MicroBatch> = windows
+            .into_iter()
+            .zip(&counts)
+            .enumerate()
+            .map(|(m, ((inputs, targets), n))| MicroBatch {
+                inputs,
+                targets,
+                weight: n / total[0].max(1.0),
+                first_sample: first + m * micro,
+            })
+            .collect();
+        // The gradients travel through the reducer's hooks; Burn's copy is not needed.
+        let report = executor.run_step(
+            stale.as_ref().unwrap_or(&model),
+            &reducer,
+            &batches,
+            step,
+            [micro, seq, hidden],
+            device,
+        )?;
+        max_in_flight = max_in_flight.max(report.max_in_flight);
         let (mut grads, dp_stats) = reducer.finish::<B, _>(&model)?;
+        sum_tied_grads::<B>(&mut grads, grid, tied, device)?;
+        let mut loss_value = report.loss;
+        if grid.layout.pp > 1 {
+            let mut l = [loss_value as f32];
+            grid.pp.comm()?.all_reduce(&mut l, ReduceOp::Sum)?;
+            loss_value = f64::from(l[0]);
+        }
         if dp > 1 {
             let mut l = [loss_value as f32];
             grid.dp.comm()?.all_reduce(&mut l, ReduceOp::Sum)?;
@@ -304,10 +336,14 @@ where
             )?;
             continue;
         }
-        let grad_norm = global_grad_norm::<B, _>(&model, &grads, &sharded, grid.tp)?;
+        let grad_norm =
+            global_grad_norm::<B, _>(&model, &grads, &sharded, grid.tp, grid.pp, &not_counted)?;
         clip_grads::<B, _>(&model, &mut grads, grad_norm, cfg.train.grad_clip);
         let lr = schedule.at(step);
         let (decay, no_decay) = split_for_weight_decay::<B, _>(&model, grads, owned.as_ref());
+        if two_bw {
+            stale = Some(model.clone());
+        }
         model = optim_decay.step(lr, model, decay);
         model = optim_no_decay.step(lr, model, no_decay);
         if zero {
@@ -316,7 +352,7 @@ where
         let val_every = cfg.data.val_every;
         let val_loss = (val_every > 0
             && ((step + 1) % val_every == 0 || step + 1 == cfg.train.steps))
-            .then(|| validation_loss::<B, M>(&model, data, objective, cfg, grid, device))
+            .then(|| validation_loss::<B, M>(&model, data, objective, cfg, grid, &executor, device))
             .transpose()?;
         let dt = ts.elapsed().as_secs_f64();
         total_time += dt;
@@ -383,6 +419,10 @@ where
     if let Some(bar) = progress {
         bar.finish_and_clear();
     }
+    report_memory(grid, spec.plan, max_in_flight)?;
+    if let Some(path) = spec.trace {
+        write_trace(path, executor.take_trace(), grid)?;
+    }
     Ok((
         Summary {
             steps: cfg.train.steps,
@@ -408,7 +448,7 @@ fn save_if_due<B, M, O>(
 ) -> Result<Option<std::path::PathBuf>>
 where
     B: AutodiffBackend,
-    M: AutodiffModule<B>,
+    M: AutodiffModule<B> + PipelineModel<B>,
     O: Optimizer<M, B, Record = state::AdamWRecords<B>>,
 {
     let c = &cfg.checkpoint;
@@ -424,10 +464,12 @@ where
         moments.extend(state::moments(model, &optim_decay.to_record())?);
         moments.extend(state::moments(model, &optim_no_decay.to_record())?);
     }
-    let rank_state = RankState {
-        params: state::local_params(model)?,
-        moments,
-    };
+    // A tied copy is stored once, under its original's name.
+    let copies: Vec<String> = model.tied_names().into_iter().map(|(c, _)| c).collect();
+    moments.retain(|(name, _)| !copies.contains(name));
+    let mut params = state::local_params(model)?;
+    params.retain(|p| !copies.contains(&p.name));
+    let rank_state = RankState { params, moments };
     let extra = serde_json::json!({
         "config": toml::to_string(cfg)?,
         "data": {
@@ -445,52 +487,311 @@ where
 }
 
 /// Mean loss over `data.val_batches` global batches of held-out sequences, without gradients;
-/// each DP rank evaluates its share and the means are averaged over the DP group.
+/// each DP rank evaluates its share through the pipeline and the losses are summed over the
+/// pipeline and DP groups.
+#[allow(clippy::too_many_arguments)]
 fn validation_loss<B, M>(
     model: &M,
     data: &Source,
     objective: &Objective,
     cfg: &Config,
     grid: &ProcessGrid,
+    executor: &Executor,
     device: &B::Device,
 ) -> Result<f64>
 where
     B: AutodiffBackend + ParallelBackend,
     B::InnerBackend: ParallelBackend,
     M: AutodiffModule<B>,
-    M::InnerModule: LanguageModel<B::InnerBackend>,
+    M::InnerModule: PipelineModel<B::InnerBackend>,
 {
     let model = model.valid();
     let seq = cfg.model.gpt.seq_len;
     let local = cfg.train.global_batch / grid.layout.dp;
     let micro = cfg.micro_batch();
-    // Sum of per-token losses and number of target tokens, over this rank's share.
+    // Per-micro-batch mean losses weighted by target tokens: (sum of losses, target tokens).
     let mut acc = [0.0f32, 0.0f32];
     for b in 0..cfg.data.val_batches {
-        for m in 0..local / micro {
-            let first = b * cfg.train.global_batch + grid.coords.dp * local + m * micro;
-            let (x, y) = objective.apply(
-                data.val_batch(first, micro, seq),
-                seq,
-                cfg.train.seed,
-                |i| format!("mlm-val/{}", first + i),
-            );
-            let n = y.iter().filter(|&&t| t >= 0).count() as f32;
-            let x = Tensor::<B::InnerBackend, 2, Int>::from_data(
-                TensorData::new(x, [micro, seq]),
-                device,
-            );
-            let y = Tensor::<B::InnerBackend, 2, Int>::from_data(
-                TensorData::new(y, [micro, seq]),
-                device,
-            );
-            acc[0] += model.lm_loss(x, y).into_scalar().elem::<f32>() * n;
-            acc[1] += n;
-        }
+        let batches: Vec<MicroBatch> = (0..local / micro)
+            .map(|m| {
+                let first = b * cfg.train.global_batch + grid.coords.dp * local + m * micro;
+                let (inputs, targets) = objective.apply(
+                    data.val_batch(first, micro, seq),
+                    seq,
+                    cfg.train.seed,
+                    |i| format!("mlm-val/{}", first + i),
+                );
+                let n = targets.iter().filter(|&&t| t >= 0).count() as f32;
+                acc[1] += n;
+                MicroBatch {
+                    inputs,
+                    targets,
+                    weight: n,
+                    first_sample: first,
+                }
+            })
+            .collect();
+        acc[0] +=
+            executor.forward_only(&model, &batches, [micro, seq, cfg.model.gpt.hidden], device)?
+                as f32;
+    }
+    if grid.layout.pp > 1 {
+        // Only the last stage has the losses; every stage counted the tokens.
+        let mut l = [acc[0]];
+        grid.pp.comm()?.all_reduce(&mut l, ReduceOp::Sum)?;
+        acc[0] = l[0];
     }
     if grid.layout.dp > 1 {
         grid.dp.comm()?.all_reduce(&mut acc, ReduceOp::Sum)?;
     }
-    let mean = [acc[0] / acc[1].max(1.0)];
-    Ok(f64::from(mean[0]))
+    Ok(f64::from(acc[0] / acc[1].max(1.0)))
+}
+
+/// Tag of the tied-embedding gradient exchange (after every pipeline message of the step).
+const TIED_TAG: u16 = 32_767;
+
+/// Sums the gradients of the two copies of a tied embedding across the first and the last
+/// pipeline rank, so that both copies take the same step.
+fn sum_tied_grads<B: AutodiffBackend>(
+    grads: &mut GradientsParams,
+    grid: &ProcessGrid,
+    tied: Option<ParamId>,
+    device: &B::Device,
+) -> Result<()> {
+    let (Some(id), true) = (tied, grid.layout.pp > 1) else {
+        return Ok(());
+    };
+    let p = grid.layout.pp;
+    let partner = if grid.coords.pp == 0 { p - 1 } else { 0 };
+    let g = grads
+        .remove::<B::InnerBackend, 2>(id)
+        .context("the tied embedding has no gradient")?;
+    let shape = g.dims();
+    let mine: Vec<f32> = g
+        .into_data()
+        .convert::<f32>()
+        .into_vec()
+        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let comm = grid.pp.comm()?;
+    let sending = comm.send_start(mine.clone(), partner, TIED_TAG)?;
+    let mut other = vec![0.0f32; mine.len()];
+    comm.recv(&mut other, partner, TIED_TAG)?;
+    sending.wait()?;
+    // a + b == b + a: both ranks get the same bits.
+    let sum: Vec<f32> = mine.iter().zip(&other).map(|(a, b)| a + b).collect();
+    grads.register(
+        id,
+        Tensor::<B::InnerBackend, 2>::from_data(TensorData::new(sum, shape), device),
+    );
+    Ok(())
+}
+
+/// Peak resident memory of this process in bytes (Linux `VmHWM`; 0 where unavailable).
+fn peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// Rank 0 logs, per rank, its pipeline stages, the most micro-batches it held in flight, the
+/// units it recomputed and its peak resident memory.
+fn report_memory(grid: &ProcessGrid, plan: &PipelinePlan, max_in_flight: usize) -> Result<()> {
+    let world = grid.world.comm()?;
+    let mine = [
+        peak_rss_bytes() as f32 / (1 << 20) as f32,
+        max_in_flight as f32,
+    ];
+    let mut all = vec![0.0f32; 2 * world.size()];
+    world.all_gather(&mine, &mut all)?;
+    if grid.rank == 0 && grid.layout.pp > 1 {
+        for (rank, v) in all.chunks(2).enumerate() {
+            let pp = grid.layout.coords(rank).pp;
+            let stages: Vec<String> = (0..plan.schedule.stages())
+                .filter(|&s| plan.schedule.rank_of(s) == pp)
+                .map(|s| {
+                    format!(
+                        "{s} (units {:?}, recompute {})",
+                        plan.partition.range(s),
+                        plan.recompute_units[s]
+                    )
+                })
+                .collect();
+            tracing::info!(
+                "rank {rank}: stages {}: peak memory {:.1} MiB, at most {} micro-batches in flight",
+                stages.join(", "),
+                v[0],
+                v[1]
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Writes the Chrome trace of every rank's actions: each rank writes its part next to `path`,
+/// rank 0 merges them (times from the earliest event).
+fn write_trace(path: &Path, events: Vec<TraceEvent>, grid: &ProcessGrid) -> Result<()> {
+    let part = |r: usize| path.with_extension(format!("rank{r}.json"));
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    std::fs::write(part(grid.rank), serde_json::to_vec(&events)?)
+        .with_context(|| format!("writing {}", part(grid.rank).display()))?;
+    let world = grid.world.comm()?;
+    world.barrier()?;
+    if grid.rank == 0 {
+        let mut all: Vec<TraceEvent> = Vec::new();
+        for r in 0..world.size() {
+            let text =
+                std::fs::read(part(r)).with_context(|| format!("reading {}", part(r).display()))?;
+            all.extend(serde_json::from_slice::<Vec<TraceEvent>>(&text)?);
+            let _ = std::fs::remove_file(part(r));
+        }
+        let t0 = all.iter().map(|e| e.start_s).fold(f64::INFINITY, f64::min);
+        for e in &mut all {
+            e.start_s -= t0;
+        }
+        write_chrome_trace(path, &all).with_context(|| format!("writing {}", path.display()))?;
+        tracing::info!(
+            "trace: {} (open in https://ui.perfetto.dev)",
+            path.display()
+        );
+    }
+    world.barrier()?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::{Autodiff, NdArray};
+    use burn::optim::{AdamWConfig, GradientsParams};
+    use merak_burn::checkpoint::state::local_params;
+    use merak_gpt::Gpt;
+
+    type B = Autodiff<NdArray<f32>>;
+
+    /// Runs `merak train`'s loop in this process (one rank) and returns its losses and model.
+    fn run_loop(sets: &[&str], name: &str) -> (Vec<f64>, Gpt<B>, Config) {
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        let cfg = crate::config::load(None, &sets).unwrap();
+        let grid = ProcessGrid::single();
+        let data = Source::open(&cfg).unwrap();
+        let plan = crate::stages::build_plan(&cfg).unwrap();
+        let device = Default::default();
+        let model = Gpt::<B>::new(&cfg.model.gpt, cfg.train.seed, grid.tp, &device).unwrap();
+        let out = std::env::temp_dir().join(format!("merak-unit-{name}-{}", std::process::id()));
+        let spec = RunSpec {
+            plan: &plan,
+            resume: None,
+            trace: None,
+        };
+        let (_, trained) = train(
+            &cfg,
+            &data,
+            &grid,
+            &out,
+            &device,
+            model,
+            &Objective::Causal,
+            spec,
+        )
+        .unwrap();
+        let losses = std::fs::read_to_string(out.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+                    .as_f64()
+                    .unwrap()
+            })
+            .collect();
+        let _ = std::fs::remove_dir_all(&out);
+        (losses, trained, cfg)
+    }
+
+    const SETS: [&str; 7] = [
+        "train.steps=4",
+        "train.weight_decay=0",
+        "train.grad_clip=0",
+        "train.min_lr=3e-3",
+        "train.warmup_steps=0",
+        "checkpoint.at_end=false",
+        "parallel.schedule=2bw",
+    ];
+
+    #[test]
+    fn two_bw_follows_the_delayed_weight_rule() {
+        let (losses, trained, cfg) = run_loop(&SETS, "2bw");
+        // The reference: a plain Burn loop applying V_t = V_{t-1} - AdamW(grad(V_{t-2})).
+        let device = Default::default();
+        let grid = ProcessGrid::single();
+        let data = Source::open(&cfg).unwrap();
+        let (gb, seq) = (cfg.train.global_batch, cfg.model.gpt.seq_len);
+        let mut current = Gpt::<B>::new(&cfg.model.gpt, cfg.train.seed, grid.tp, &device).unwrap();
+        let mut stale = current.clone();
+        let mut optim = AdamWConfig::new()
+            .with_beta_1(cfg.train.beta1 as f32)
+            .with_beta_2(cfg.train.beta2 as f32)
+            .with_epsilon(cfg.train.eps as f32)
+            .with_weight_decay(0.0)
+            .init::<B, Gpt<B>>();
+        let mut reference = Vec::new();
+        for step in 0..cfg.train.steps {
+            let (x, y) = data.train_batch(step, gb, 0, gb, seq);
+            let x = Tensor::<B, 2, burn::tensor::Int>::from_data(
+                TensorData::new(x, [gb, seq]),
+                &device,
+            );
+            let y = Tensor::<B, 2, burn::tensor::Int>::from_data(
+                TensorData::new(y, [gb, seq]),
+                &device,
+            );
+            let loss = stale.loss(x, y);
+            reference.push(f64::from(loss.clone().into_scalar()));
+            let grads = GradientsParams::from_grads(loss.backward(), &stale);
+            let next_stale = current.clone();
+            current = optim.step(cfg.train.lr, current, grads);
+            stale = next_stale;
+        }
+        for (i, (a, b)) in losses.iter().zip(&reference).enumerate() {
+            assert!(
+                ((a - b) / b).abs() <= 1e-6,
+                "step {}: merak {a}, reference {b}",
+                i + 1
+            );
+        }
+        let (ours, theirs) = (
+            local_params(&trained).unwrap(),
+            local_params(&current).unwrap(),
+        );
+        for (p, q) in ours.iter().zip(&theirs) {
+            assert_eq!(p.name, q.name);
+            let num: f64 = p
+                .values
+                .iter()
+                .zip(&q.values)
+                .map(|(a, b)| f64::from(a - b).powi(2))
+                .sum();
+            let den: f64 = q.values.iter().map(|b| f64::from(*b).powi(2)).sum();
+            assert!(num.sqrt() <= 1e-5 * den.sqrt().max(1e-12), "{}", p.name);
+        }
+        // The delay is real: plain 1F1B takes other steps.
+        let mut plain = SETS;
+        plain[6] = "parallel.schedule=1f1b";
+        let (plain_losses, _, _) = run_loop(&plain, "1f1b");
+        assert_eq!(plain_losses[0], losses[0], "the first step uses V0 in both");
+        assert!(
+            plain_losses[1..]
+                .iter()
+                .zip(&losses[1..])
+                .all(|(a, b)| a != b),
+            "{plain_losses:?} vs {losses:?}"
+        );
+    }
 }

@@ -78,7 +78,9 @@ pub enum LayoutError {
         hidden: usize,
     },
     /// More pipeline stages than layers.
-    #[error("pp={pp} pipeline stages but the model has only {layers} layers")]
+    #[error(
+        "pp={pp} pipeline stages but the model has only {layers} layers (+ embedding and head: at most {} stages)", layers + 2
+    )]
     Stages {
         /// The pipeline degree.
         pp: usize,
@@ -137,7 +139,8 @@ impl Layout {
                 hidden: model.hidden,
             });
         }
-        if self.pp > model.layers {
+        // The pipeline cuts the embedding, the layers and the head (layers + 2 units).
+        if self.pp > model.layers + 2 {
             return Err(LayoutError::Stages {
                 pp: self.pp,
                 layers: model.layers,
@@ -342,11 +345,12 @@ mod tests {
         let e = Layout {
             dp: 1,
             tp: 1,
-            pp: 3,
+            pp: 5,
         }
-        .validate(3, SHAPE)
+        .validate(5, SHAPE)
         .unwrap_err();
-        assert_eq!(e, LayoutError::Stages { pp: 3, layers: 2 });
+        assert_eq!(e, LayoutError::Stages { pp: 5, layers: 2 });
+        assert!(e.to_string().contains("at most 4 stages"), "{e}");
         let odd = ModelShape {
             heads: 2,
             hidden: 6,

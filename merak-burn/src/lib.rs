@@ -7,11 +7,13 @@
 //! - [`data_parallel`]: bucketed gradient all-reduce overlapped with the backward pass, ZeRO-1.
 //! - [`tensor_parallel`]: the f/g autodiff operators and the tensor-parallel layers.
 //! - [`train`]: global gradient norm and clipping, weight-decay groups, schedule, metrics.
+//! - [`pipeline`]: stages, schedules as data (validated, simulated, executed), recomputation.
 //! - [`checkpoint`]: atomic sharded checkpoints that load under any dp/tp layout.
 
 pub mod checkpoint;
 pub mod comm;
 pub mod data_parallel;
 pub mod grid;
+pub mod pipeline;
 pub mod tensor_parallel;
 pub mod train;

@@ -84,6 +84,29 @@ pub struct Manifest {
     pub extra: serde_json::Value,
 }
 
+impl Manifest {
+    /// Checks that the checkpoint's parameters are exactly `names` (the whole model's, all
+    /// stages together, without tied copies).
+    pub fn check_covers(&self, names: &[String]) -> Result<(), CheckpointError> {
+        if let Some(extra) = self.params.iter().find(|p| !names.contains(&p.name)) {
+            return Err(CheckpointError::Mismatch {
+                name: extra.name.clone(),
+                reason: "the checkpoint has it, the model does not (a different model?)".into(),
+            });
+        }
+        if let Some(missing) = names
+            .iter()
+            .find(|n| !self.params.iter().any(|p| &p.name == *n))
+        {
+            return Err(CheckpointError::Mismatch {
+                name: missing.clone(),
+                reason: "the model has it, the checkpoint does not (a different model?)".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
 /// What a rank contributes to a checkpoint.
 pub struct RankState {
     /// This rank's parameter shards (written by the first DP replica only).
@@ -199,14 +222,47 @@ pub fn save(
         let sum = tmp_dir.join(format!("{file}.entry.json"));
         write_synced(&sum, &serde_json::to_vec(&entry).unwrap_or_default())?;
     }
+    // Every rank of the first DP replica names its parameters (pipeline stages hold different
+    // ones); rank 0 lists their union in the manifest.
+    if c.dp == 0 {
+        let tp = grid.layout.tp;
+        let entries: Vec<ParamEntry> = state
+            .params
+            .iter()
+            .map(|p| {
+                let kind = shard_kind(p.id);
+                ParamEntry {
+                    name: p.name.clone(),
+                    shape: kind.full_shape(&p.shape, tp),
+                    shard: kind,
+                }
+            })
+            .collect();
+        let path = tmp_dir.join(format!("params-tp{:02}-pp{:02}.json", c.tp, c.pp));
+        write_synced(&path, &serde_json::to_vec(&entries).unwrap_or_default())?;
+    }
     world.barrier()?;
 
     if grid.rank == 0 {
         let mut files = Vec::new();
+        let mut param_lists: Vec<(PathBuf, Vec<ParamEntry>)> = Vec::new();
         let listing = std::fs::read_dir(&tmp_dir).map_err(CheckpointError::io(&tmp_dir))?;
         for item in listing {
             let path = item.map_err(CheckpointError::io(&tmp_dir))?.path();
-            if path.to_string_lossy().ends_with(".entry.json") {
+            let name = path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            if name.starts_with("params-") && name.ends_with(".json") {
+                let text = std::fs::read(&path).map_err(CheckpointError::io(&path))?;
+                let list: Vec<ParamEntry> =
+                    serde_json::from_slice(&text).map_err(|e| CheckpointError::BadManifest {
+                        path: path.clone(),
+                        reason: e.to_string(),
+                    })?;
+                std::fs::remove_file(&path).map_err(CheckpointError::io(&path))?;
+                param_lists.push((path, list));
+            } else if name.ends_with(".entry.json") {
                 let text = std::fs::read(&path).map_err(CheckpointError::io(&path))?;
                 let entry: FileEntry =
                     serde_json::from_slice(&text).map_err(|e| CheckpointError::BadManifest {
@@ -218,23 +274,22 @@ pub fn save(
             }
         }
         files.sort_by(|a, b| a.file.cmp(&b.file));
-        let tp = grid.layout.tp;
+        // tp00 before tp01 and pp00 before pp01: the union in stage order, each name once.
+        param_lists.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut params: Vec<ParamEntry> = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        for (_, list) in param_lists {
+            for p in list {
+                if seen.insert(p.name.clone()) {
+                    params.push(p);
+                }
+            }
+        }
         let manifest = Manifest {
             format: FORMAT.into(),
             step,
             layout: grid.layout,
-            params: state
-                .params
-                .iter()
-                .map(|p| {
-                    let kind = shard_kind(p.id);
-                    ParamEntry {
-                        name: p.name.clone(),
-                        shape: kind.full_shape(&p.shape, tp),
-                        shard: kind,
-                    }
-                })
-                .collect(),
+            params,
             files,
             extra,
         };
@@ -283,6 +338,9 @@ pub struct Checkpoint {
     /// Its manifest.
     pub manifest: Manifest,
 }
+
+/// A rank's pieces of a checkpoint: parameters and AdamW moments by the model's names.
+pub type LocalPieces = (HashMap<String, Vec<f32>>, HashMap<String, Moments>);
 
 /// Every tensor of a checkpoint at full size.
 #[derive(Clone, Debug, Default)]
@@ -440,15 +498,18 @@ impl Checkpoint {
 
 impl FullState {
     /// This rank's pieces of every tensor for a model whose parameters are `shapes` (name, id,
-    /// local shape) on a TP group described by `shard`: (parameters, moments). Fails naming
-    /// the parameter if the model and the checkpoint disagree on a name, shape or split.
-    #[allow(clippy::type_complexity)]
+    /// local shape) on a TP group described by `shard`: (parameters, moments), by the model's
+    /// names. `copies` lists `(copy, original)` names of tied parameters: a copy is loaded from
+    /// its original. Fails naming the parameter if the model and the checkpoint disagree on a
+    /// name, shape or split. A checkpoint parameter that this rank does not hold (another
+    /// pipeline stage) is skipped; [`Manifest::check_covers`] checks a whole model.
     pub fn cut_for(
         &self,
         manifest: &Manifest,
         shapes: &[(String, burn::module::ParamId, Vec<usize>)],
         shard: Shard,
-    ) -> Result<(HashMap<String, Vec<f32>>, HashMap<String, Moments>), CheckpointError> {
+        copies: &[(String, String)],
+    ) -> Result<LocalPieces, CheckpointError> {
         let entries: HashMap<&str, &ParamEntry> = manifest
             .params
             .iter()
@@ -458,8 +519,12 @@ impl FullState {
         let mut moments = HashMap::new();
         for (name, id, local) in shapes {
             let kind = shard_kind(*id);
+            let source = copies
+                .iter()
+                .find(|(copy, _)| copy == name)
+                .map_or(name.as_str(), |(_, original)| original.as_str());
             let entry = entries
-                .get(name.as_str())
+                .get(source)
                 .ok_or_else(|| CheckpointError::Mismatch {
                     name: name.clone(),
                     reason: "the model has it, the checkpoint does not (a different model?)".into(),
@@ -484,10 +549,10 @@ impl FullState {
                 });
             }
             let cut = |v: &[f32]| kind.cut(v, &entry.shape, shard);
-            if let Some(v) = self.params.get(name) {
+            if let Some(v) = self.params.get(source) {
                 params.insert(name.clone(), cut(v));
             }
-            if let Some(m) = self.moments.get(name) {
+            if let Some(m) = self.moments.get(source) {
                 moments.insert(
                     name.clone(),
                     Moments {
@@ -497,16 +562,6 @@ impl FullState {
                     },
                 );
             }
-        }
-        if let Some(extra) = manifest
-            .params
-            .iter()
-            .find(|p| !shapes.iter().any(|(n, _, _)| *n == p.name))
-        {
-            return Err(CheckpointError::Mismatch {
-                name: extra.name.clone(),
-                reason: "the checkpoint has it, the model does not (a different model?)".into(),
-            });
         }
         Ok((params, moments))
     }

@@ -272,6 +272,43 @@ impl Communicator for MpiCommunicator {
         Ok(())
     }
 
+    fn send_start(
+        &self,
+        buf: Vec<f32>,
+        dest: usize,
+        tag: u16,
+    ) -> Result<Box<dyn Pending>, CommError> {
+        check_rank("send", dest, self.size())?;
+        let count = check_count("send", buf.len())?;
+        let mut pending = PendingMpiSend {
+            buf,
+            // SAFETY: reading an MPI constant.
+            request: unsafe { mpi::ffi::RSMPI_REQUEST_NULL },
+            complete: false,
+        };
+        // SAFETY: the buffer is owned by `pending`, lives on the heap and is not freed before
+        // the request completes (`wait` and `Drop` complete it first).
+        let code = unsafe {
+            mpi::ffi::MPI_Isend(
+                pending.buf.as_ptr().cast(),
+                count,
+                mpi::ffi::RSMPI_FLOAT,
+                dest as c_int,
+                c_int::from(tag),
+                self.comm.as_raw(),
+                &mut pending.request,
+            )
+        };
+        if code != 0 {
+            pending.complete = true;
+            return Err(CommError::Mpi {
+                op: "MPI_Isend",
+                code,
+            });
+        }
+        Ok(Box::new(pending))
+    }
+
     fn all_reduce_start(&self, buf: Vec<f32>, op: ReduceOp) -> Result<Box<dyn Pending>, CommError> {
         let count = check_count("all_reduce_start", buf.len())?;
         let mut pending = PendingMpiAllReduce {
@@ -312,6 +349,64 @@ impl Communicator for MpiCommunicator {
 }
 
 use mpi::datatype::Equivalence;
+
+/// A non-blocking MPI send (`MPI_Isend`) that owns its buffer.
+pub struct PendingMpiSend {
+    buf: Vec<f32>,
+    request: mpi::ffi::MPI_Request,
+    complete: bool,
+}
+
+impl PendingMpiSend {
+    fn wait_raw(&mut self) -> Result<(), CommError> {
+        if self.complete {
+            return Ok(());
+        }
+        // SAFETY: `request` came from MPI_Isend and has not completed yet.
+        let code = unsafe { mpi::ffi::MPI_Wait(&mut self.request, mpi::ffi::RSMPI_STATUS_IGNORE) };
+        self.complete = true;
+        if code != 0 {
+            return Err(CommError::Mpi {
+                op: "MPI_Wait",
+                code,
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Pending for PendingMpiSend {
+    fn test(&mut self) -> Result<bool, CommError> {
+        if self.complete {
+            return Ok(true);
+        }
+        let mut flag: c_int = 0;
+        // SAFETY: `request` came from MPI_Isend and has not completed yet.
+        let code = unsafe {
+            mpi::ffi::MPI_Test(&mut self.request, &mut flag, mpi::ffi::RSMPI_STATUS_IGNORE)
+        };
+        if code != 0 {
+            return Err(CommError::Mpi {
+                op: "MPI_Test",
+                code,
+            });
+        }
+        self.complete = flag != 0;
+        Ok(self.complete)
+    }
+
+    fn wait(mut self: Box<Self>) -> Result<Vec<f32>, CommError> {
+        self.wait_raw()?;
+        Ok(std::mem::take(&mut self.buf))
+    }
+}
+
+impl Drop for PendingMpiSend {
+    fn drop(&mut self) {
+        // The buffer must outlive the request: complete it before it is freed.
+        let _ = self.wait_raw();
+    }
+}
 
 /// A non-blocking MPI all-reduce (`MPI_Iallreduce`) that owns its buffers.
 pub struct PendingMpiAllReduce {

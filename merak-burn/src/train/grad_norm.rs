@@ -50,12 +50,16 @@ pub struct GradStats {
 struct NormVisitor<'a, B: AutodiffBackend> {
     grads: &'a GradientsParams,
     sharded: &'a HashSet<ParamId>,
+    skip: &'a HashSet<ParamId>,
     stats: GradStats,
     _b: std::marker::PhantomData<B>,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for NormVisitor<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if self.skip.contains(&param.id) {
+            return;
+        }
         if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
             let sq = f64::from(g.powi_scalar(2).sum().into_scalar().into_f32_lossy());
             if self.sharded.contains(&param.id) {
@@ -76,17 +80,22 @@ impl<E: burn::tensor::ElementConversion> IntoF32 for E {
     }
 }
 
-/// The L2 norm of all gradients of the model across its TP shards: sharded squares are summed
-/// over `tp`, replicated ones counted once. Every rank of the TP group gets the same value.
+/// The L2 norm of all gradients of the model across its TP shards and pipeline stages:
+/// sharded squares are summed over `tp`, replicated ones counted once, and the stages' sums
+/// added over `pp`; parameters in `skip` (a tied copy whose twin is counted on another stage)
+/// are left out. Every rank of the TP and pipeline groups gets the same value.
 pub fn global_grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
     module: &M,
     grads: &GradientsParams,
     sharded: &HashSet<ParamId>,
     tp: Group,
+    pp: Group,
+    skip: &HashSet<ParamId>,
 ) -> Result<f64, CommError> {
     let mut v = NormVisitor::<B> {
         grads,
         sharded,
+        skip,
         stats: GradStats::default(),
         _b: std::marker::PhantomData,
     };
@@ -95,6 +104,12 @@ pub fn global_grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
     if tp.size() > 1 {
         tp.comm()?
             .all_reduce(&mut buf, crate::comm::ReduceOp::Sum)?;
+    }
+    let mut stage = [(f64::from(buf[0]) + v.stats.replicated_sq) as f32];
+    if pp.size() > 1 {
+        pp.comm()?
+            .all_reduce(&mut stage, crate::comm::ReduceOp::Sum)?;
+        return Ok(f64::from(stage[0]).sqrt());
     }
     Ok((f64::from(buf[0]) + v.stats.replicated_sq).sqrt())
 }

@@ -1,10 +1,13 @@
 //! The BERT module.
 
-use burn::module::{Module, Param};
+use std::ops::Range;
+
+use burn::module::{Module, Param, ParamId};
 use burn::nn::{Embedding, LayerNorm, LayerNormConfig, Linear};
 use burn::tensor::activation::gelu;
 use burn::tensor::{Int, Tensor, backend::Backend};
 use merak_burn::comm::Group;
+use merak_burn::pipeline::{PipelineModel, StageInput, StageOutput};
 use merak_burn::tensor_parallel::{
     AttentionMask, AttentionWeights, InitRng, MlpWeights, ParallelBackend, ParallelMlp,
     ParallelSelfAttention, ReplicatedDropout, TpError, VocabParallelEmbedding, param_from_values,
@@ -59,18 +62,24 @@ impl<B: Backend> MlmHead<B> {
 
 /// BERT for masked language modelling: token and position embeddings, embedding LayerNorm,
 /// post-LayerNorm encoder layers, and the MLM head tied to the token embedding.
+///
+/// A pipeline rank holds only some *units* (0: the embeddings, `1..=L`: the encoder layers,
+/// `L + 1`: the MLM head); the others are `None`, and layers keep their global index. A rank
+/// that holds the head but not the embedding keeps its own copy of the tied table in `decoder`.
 #[derive(Module, Debug)]
 pub struct Bert<B: Backend> {
     /// Token embedding (split over the vocabulary), also the output projection.
-    pub wte: VocabParallelEmbedding<B>,
+    pub wte: Option<VocabParallelEmbedding<B>>,
     /// Position embedding (replicated).
-    pub wpe: Embedding<B>,
+    pub wpe: Option<Embedding<B>>,
     /// LayerNorm on the summed embeddings.
-    pub ln_emb: LayerNorm<B>,
-    /// The encoder layers.
-    pub layers: Vec<EncoderLayer<B>>,
+    pub ln_emb: Option<LayerNorm<B>>,
+    /// The encoder layers (`None` for layers on other pipeline stages).
+    pub layers: Vec<Option<EncoderLayer<B>>>,
     /// The MLM transform in front of the tied output projection.
-    pub head: MlmHead<B>,
+    pub head: Option<MlmHead<B>>,
+    /// The head's copy of the token embedding, on a pipeline rank without `wte`.
+    pub decoder: Option<VocabParallelEmbedding<B>>,
     /// Dropout on the normalized embeddings.
     pub dropout: ReplicatedDropout,
 }
@@ -87,7 +96,20 @@ impl<B: ParallelBackend> Bert<B> {
         tp: Group,
         device: &B::Device,
     ) -> Result<Self, TpError> {
+        Self::new_units(cfg, seed, tp, device, &|_| true)
+    }
+
+    /// Like [`Bert::new`], with only the units for which `holds(unit)` is true (a pipeline
+    /// rank's stages).
+    pub fn new_units(
+        cfg: &BertConfig,
+        seed: u64,
+        tp: Group,
+        device: &B::Device,
+        holds: &dyn Fn(usize) -> bool,
+    ) -> Result<Self, TpError> {
         let rng = InitRng::new(seed);
+        let head_unit = cfg.layers + 1;
         let (h, v, s) = (cfg.hidden, cfg.vocab_size, cfg.seq_len);
         let std = cfg.init_std as f32;
         let ln = || {
@@ -95,22 +117,29 @@ impl<B: ParallelBackend> Bert<B> {
                 .with_epsilon(cfg.layer_norm_eps)
                 .init(device)
         };
-        let wte = VocabParallelEmbedding::from_full(
-            &rng.normal("bert.embeddings.word_embeddings.weight", v * h, std),
-            v,
-            h,
-            tp,
-            device,
-        )?;
-        let wpe = Embedding {
+        let table = || {
+            VocabParallelEmbedding::from_full(
+                &rng.normal("bert.embeddings.word_embeddings.weight", v * h, std),
+                v,
+                h,
+                tp,
+                device,
+            )
+        };
+        let wte = holds(0).then(table).transpose()?;
+        let decoder = (holds(head_unit) && !holds(0)).then(table).transpose()?;
+        let wpe = holds(0).then(|| Embedding {
             weight: param_from_values(
                 rng.normal("bert.embeddings.position_embeddings.weight", s * h, std),
                 [s, h],
                 device,
             ),
-        };
+        });
         let layers = (0..cfg.layers)
             .map(|i| {
+                if !holds(i + 1) {
+                    return Ok(None);
+                }
                 let name = |p: &str| format!("bert.layer.{i}.{p}");
                 let attn = AttentionWeights {
                     qkv_weight: rng.normal(&name("attention.qkv.weight"), h * 3 * h, std),
@@ -124,7 +153,7 @@ impl<B: ParallelBackend> Bert<B> {
                     proj_weight: rng.normal(&name("output.weight"), 4 * h * h, std),
                     proj_bias: vec![0.0; h],
                 };
-                Ok(EncoderLayer {
+                Ok(Some(EncoderLayer {
                     attention: ParallelSelfAttention::from_full(
                         &attn,
                         h,
@@ -137,10 +166,10 @@ impl<B: ParallelBackend> Bert<B> {
                     mlp: ParallelMlp::from_full(&mlp, h, 4 * h, tp, device)?,
                     ln_2: ln(),
                     dropout: ReplicatedDropout::new(cfg.dropout, seed.wrapping_add(i as u64 + 1)),
-                })
+                }))
             })
             .collect::<Result<Vec<_>, TpError>>()?;
-        let head = MlmHead {
+        let head = holds(head_unit).then(|| MlmHead {
             dense: Linear {
                 weight: param_from_values(
                     rng.normal("cls.predictions.transform.dense.weight", h * h, std),
@@ -150,37 +179,82 @@ impl<B: ParallelBackend> Bert<B> {
                 bias: Some(Param::from_tensor(Tensor::zeros([h], device))),
             },
             ln: ln(),
-        };
+        });
         Ok(Self {
             wte,
             wpe,
-            ln_emb: ln(),
+            ln_emb: holds(0).then(ln),
             layers,
             head,
+            decoder,
             dropout: ReplicatedDropout::new(cfg.dropout, seed),
         })
     }
 
-    /// Final encoder hidden states, `[batch, seq] -> [batch, seq, hidden]` (`seq` at most
-    /// `seq_len`).
-    pub fn hidden(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+    /// The token table this rank uses for the output projection.
+    fn table(&self) -> &VocabParallelEmbedding<B> {
+        self.decoder
+            .as_ref()
+            .or(self.wte.as_ref())
+            .expect("the head unit is built with a token table")
+    }
+
+    /// Unit 0: ids to the normalized, dropped-out embeddings.
+    fn embed(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        let (Some(wte), Some(wpe), Some(ln)) = (&self.wte, &self.wpe, &self.ln_emb) else {
+            panic!("the embedding unit is not on this pipeline rank");
+        };
         let [b, s] = ids.dims();
         let device = ids.device();
         let pos = Tensor::<B, 1, Int>::arange(0..s as i64, &device)
             .unsqueeze::<2>()
             .expand([b, s]);
-        let emb = self.wte.forward(ids) + self.wpe.forward(pos);
-        let mut x = self.dropout.forward(self.ln_emb.forward(emb));
-        for layer in &self.layers {
-            x = layer.forward(x);
+        self.dropout
+            .forward(ln.forward(wte.forward(ids) + wpe.forward(pos)))
+    }
+
+    /// Encoder layers `layers` (0-based).
+    fn run_layers(&self, mut x: Tensor<B, 3>, layers: Range<usize>) -> Tensor<B, 3> {
+        for i in layers {
+            x = self.layers[i]
+                .as_ref()
+                .expect("the layer is on this pipeline rank")
+                .forward(x);
         }
         x
+    }
+
+    /// The MLM head and the loss.
+    fn head_loss(&self, hidden: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        let head = self
+            .head
+            .as_ref()
+            .expect("the head unit is on this pipeline rank");
+        let table = self.table();
+        vocab_parallel_cross_entropy(
+            table.logits(head.forward(hidden)),
+            targets,
+            table.vocab_start(),
+            table.vocab_size(),
+            table.group(),
+        )
+    }
+
+    /// Final encoder hidden states, `[batch, seq] -> [batch, seq, hidden]` (`seq` at most
+    /// `seq_len`; a model with every unit).
+    pub fn hidden(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        let x = self.embed(ids);
+        self.run_layers(x, 0..self.layers.len())
     }
 
     /// This rank's slice of the MLM logits, `[batch, seq, V_pad / tp]` (columns from
     /// [`VocabParallelEmbedding::vocab_start`]); no output bias.
     pub fn logits(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        self.wte.logits(self.head.forward(self.hidden(ids)))
+        let head = self
+            .head
+            .as_ref()
+            .expect("the head unit is on this pipeline rank");
+        self.table().logits(head.forward(self.hidden(ids)))
     }
 
     /// Mean masked-token cross-entropy of `targets` (`[batch, seq]`: the original token at
@@ -188,14 +262,50 @@ impl<B: ParallelBackend> Bert<B> {
     /// elsewhere, as [`mask_tokens`](crate::mask_tokens) makes them), identical on every TP
     /// rank.
     pub fn loss(&self, ids: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
-        let logits = self.logits(ids);
-        vocab_parallel_cross_entropy(
-            logits,
-            targets,
-            self.wte.vocab_start(),
-            self.wte.vocab_size(),
-            self.wte.group(),
-        )
+        self.head_loss(self.hidden(ids), targets)
+    }
+}
+
+impl<B: ParallelBackend> PipelineModel<B> for Bert<B> {
+    fn units(&self) -> usize {
+        self.layers.len() + 2
+    }
+
+    fn run_units(
+        &self,
+        range: Range<usize>,
+        input: StageInput<B>,
+        targets: Option<Tensor<B, 2, Int>>,
+    ) -> StageOutput<B> {
+        let last = self.layers.len() + 1;
+        let mut x = match input {
+            StageInput::Tokens(ids) => self.embed(ids),
+            StageInput::Hidden(x) => x,
+        };
+        let (first, end) = (range.start.max(1), range.end.min(last));
+        if first < end {
+            x = self.run_layers(x, first - 1..end - 1);
+        }
+        match (range.end > last, targets) {
+            (true, Some(t)) => StageOutput::Loss(self.head_loss(x, t)),
+            (true, None) => panic!("the head unit needs targets"),
+            (false, _) => StageOutput::Hidden(x),
+        }
+    }
+
+    fn tied_embedding(&self) -> Option<ParamId> {
+        match (&self.wte, &self.decoder) {
+            (Some(wte), None) if self.head.is_none() => Some(wte.embedding.weight.id),
+            (None, Some(d)) => Some(d.embedding.weight.id),
+            _ => None,
+        }
+    }
+
+    fn tied_names(&self) -> Vec<(String, String)> {
+        vec![(
+            "decoder.embedding.weight".into(),
+            "wte.embedding.weight".into(),
+        )]
     }
 }
 

@@ -1,9 +1,12 @@
 //! The GPT module.
 
-use burn::module::Module;
+use std::ops::Range;
+
+use burn::module::{Module, ParamId};
 use burn::nn::{Embedding, LayerNorm, LayerNormConfig};
 use burn::tensor::{Int, Tensor, backend::Backend};
 use merak_burn::comm::Group;
+use merak_burn::pipeline::{PipelineModel, StageInput, StageOutput};
 use merak_burn::tensor_parallel::{
     AttentionMask, AttentionWeights, InitRng, MlpWeights, ParallelBackend, ParallelMlp,
     ParallelSelfAttention, ReplicatedDropout, TpError, VocabParallelEmbedding, param_from_values,
@@ -40,16 +43,23 @@ impl<B: ParallelBackend> Block<B> {
 
 /// GPT-2: token and position embeddings, blocks, final LayerNorm, head tied to the token
 /// embedding.
+///
+/// A pipeline rank holds only some *units* (0: the embeddings, `1..=L`: the blocks, `L + 1`:
+/// the final LayerNorm and the head); the others are `None`, and blocks keep their global index
+/// so that parameter names do not depend on the layout. A rank that holds the head but not the
+/// embedding keeps its own copy of the tied table in `head`.
 #[derive(Module, Debug)]
 pub struct Gpt<B: Backend> {
     /// Token embedding (split over the vocabulary), also the output head.
-    pub wte: VocabParallelEmbedding<B>,
+    pub wte: Option<VocabParallelEmbedding<B>>,
     /// Position embedding (replicated).
-    pub wpe: Embedding<B>,
-    /// The transformer blocks.
-    pub blocks: Vec<Block<B>>,
+    pub wpe: Option<Embedding<B>>,
+    /// The transformer blocks (`None` for blocks on other pipeline stages).
+    pub blocks: Vec<Option<Block<B>>>,
     /// Final LayerNorm.
-    pub ln_f: LayerNorm<B>,
+    pub ln_f: Option<LayerNorm<B>>,
+    /// The output head's copy of the token embedding, on a pipeline rank without `wte`.
+    pub head: Option<VocabParallelEmbedding<B>>,
     /// Dropout on the summed embeddings.
     pub dropout: ReplicatedDropout,
 }
@@ -60,6 +70,19 @@ impl<B: ParallelBackend> Gpt<B> {
     /// unit LayerNorm gains). Validate the layout first; this fails only on shapes `tp` does not
     /// divide.
     pub fn new(cfg: &GptConfig, seed: u64, tp: Group, device: &B::Device) -> Result<Self, TpError> {
+        Self::new_units(cfg, seed, tp, device, &|_| true)
+    }
+
+    /// Like [`Gpt::new`], with only the units for which `holds(unit)` is true (a pipeline
+    /// rank's stages). Every parameter is drawn from a stream named after it, so a unit is the
+    /// same wherever it is built.
+    pub fn new_units(
+        cfg: &GptConfig,
+        seed: u64,
+        tp: Group,
+        device: &B::Device,
+        holds: &dyn Fn(usize) -> bool,
+    ) -> Result<Self, TpError> {
         let rng = InitRng::new(seed);
         let (h, v, s) = (cfg.hidden, cfg.vocab_size, cfg.seq_len);
         let std = cfg.init_std as f32;
@@ -69,13 +92,19 @@ impl<B: ParallelBackend> Gpt<B> {
                 .with_epsilon(cfg.layer_norm_eps)
                 .init(device)
         };
-        let wte =
-            VocabParallelEmbedding::from_full(&rng.normal("wte", v * h, std), v, h, tp, device)?;
-        let wpe = Embedding {
+        let head_unit = cfg.layers + 1;
+        let table =
+            || VocabParallelEmbedding::from_full(&rng.normal("wte", v * h, std), v, h, tp, device);
+        let wte = holds(0).then(table).transpose()?;
+        let head = (holds(head_unit) && !holds(0)).then(table).transpose()?;
+        let wpe = holds(0).then(|| Embedding {
             weight: param_from_values(rng.normal("wpe", s * h, std), [s, h], device),
-        };
+        });
         let blocks = (0..cfg.layers)
             .map(|i| {
+                if !holds(i + 1) {
+                    return Ok(None);
+                }
                 let name = |p: &str| format!("h.{i}.{p}");
                 let attn = AttentionWeights {
                     qkv_weight: rng.normal(&name("attn.c_attn.weight"), h * 3 * h, std),
@@ -89,7 +118,7 @@ impl<B: ParallelBackend> Gpt<B> {
                     proj_weight: rng.normal(&name("mlp.c_proj.weight"), 4 * h * h, proj_std),
                     proj_bias: vec![0.0; h],
                 };
-                Ok(Block {
+                Ok(Some(Block {
                     ln_1: ln(),
                     attn: ParallelSelfAttention::from_full(
                         &attn,
@@ -102,50 +131,133 @@ impl<B: ParallelBackend> Gpt<B> {
                     ln_2: ln(),
                     mlp: ParallelMlp::from_full(&mlp, h, 4 * h, tp, device)?,
                     dropout: ReplicatedDropout::new(cfg.dropout, seed.wrapping_add(i as u64 + 1)),
-                })
+                }))
             })
             .collect::<Result<Vec<_>, TpError>>()?;
         Ok(Self {
             wte,
             wpe,
             blocks,
-            ln_f: ln(),
+            ln_f: holds(head_unit).then(ln),
+            head,
             dropout: ReplicatedDropout::new(cfg.dropout, seed),
         })
     }
 
-    /// Final hidden states, `[batch, seq] -> [batch, seq, hidden]`.
-    pub fn hidden(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+    /// The token table this rank uses for the output head.
+    fn head_table(&self) -> &VocabParallelEmbedding<B> {
+        self.head
+            .as_ref()
+            .or(self.wte.as_ref())
+            .expect("the head unit is built with a token table")
+    }
+
+    /// Units 0: `[batch, seq]` ids to the summed, dropped-out embeddings.
+    fn embed(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        let (Some(wte), Some(wpe)) = (&self.wte, &self.wpe) else {
+            panic!("the embedding unit is not on this pipeline rank");
+        };
         let [b, s] = ids.dims();
         let device = ids.device();
         let pos = Tensor::<B, 1, Int>::arange(0..s as i64, &device)
             .unsqueeze::<2>()
             .expand([b, s]);
-        let mut x = self
-            .dropout
-            .forward(self.wte.forward(ids) + self.wpe.forward(pos));
-        for block in &self.blocks {
+        self.dropout.forward(wte.forward(ids) + wpe.forward(pos))
+    }
+
+    /// Blocks `first..end` (0-based block indices).
+    fn run_blocks(&self, mut x: Tensor<B, 3>, blocks: Range<usize>) -> Tensor<B, 3> {
+        for i in blocks {
+            let block = self.blocks[i]
+                .as_ref()
+                .expect("the block is on this pipeline rank");
             x = block.forward(x);
         }
-        self.ln_f.forward(x)
+        x
+    }
+
+    /// The final LayerNorm.
+    fn final_norm(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        self.ln_f
+            .as_ref()
+            .expect("the head unit is on this pipeline rank")
+            .forward(x)
+    }
+
+    /// Mean cross-entropy of this rank's logit slice against `targets`.
+    fn head_loss(&self, hidden: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        let table = self.head_table();
+        vocab_parallel_cross_entropy(
+            table.logits(self.final_norm(hidden)),
+            targets,
+            table.vocab_start(),
+            table.vocab_size(),
+            table.group(),
+        )
+    }
+
+    /// Final hidden states, `[batch, seq] -> [batch, seq, hidden]` (a model with every unit).
+    pub fn hidden(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        let x = self.embed(ids);
+        let x = self.run_blocks(x, 0..self.blocks.len());
+        self.final_norm(x)
     }
 
     /// This rank's slice of the logits, `[batch, seq, V_pad / tp]` (columns from
     /// [`VocabParallelEmbedding::vocab_start`]).
     pub fn logits(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        self.wte.logits(self.hidden(ids))
+        self.head_table().logits(self.hidden(ids))
     }
 
     /// Mean next-token cross-entropy of `targets` (`[batch, seq]`; negative ids ignored),
     /// identical on every TP rank.
     pub fn loss(&self, ids: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
-        let logits = self.logits(ids);
-        vocab_parallel_cross_entropy(
-            logits,
-            targets,
-            self.wte.vocab_start(),
-            self.wte.vocab_size(),
-            self.wte.group(),
-        )
+        let x = self.embed(ids);
+        let x = self.run_blocks(x, 0..self.blocks.len());
+        self.head_loss(x, targets)
+    }
+}
+
+impl<B: ParallelBackend> PipelineModel<B> for Gpt<B> {
+    fn units(&self) -> usize {
+        self.blocks.len() + 2
+    }
+
+    fn run_units(
+        &self,
+        range: Range<usize>,
+        input: StageInput<B>,
+        targets: Option<Tensor<B, 2, Int>>,
+    ) -> StageOutput<B> {
+        let last = self.blocks.len() + 1;
+        let mut x = match input {
+            StageInput::Tokens(ids) => self.embed(ids),
+            StageInput::Hidden(x) => x,
+        };
+        let first_block = range.start.max(1);
+        let end_block = range.end.min(last);
+        if first_block < end_block {
+            x = self.run_blocks(x, first_block - 1..end_block - 1);
+        }
+        match (range.end > last, targets) {
+            (true, Some(t)) => StageOutput::Loss(self.head_loss(x, t)),
+            (true, None) => panic!("the head unit needs targets"),
+            (false, _) => StageOutput::Hidden(x),
+        }
+    }
+
+    fn tied_embedding(&self) -> Option<ParamId> {
+        match (&self.wte, &self.head) {
+            (Some(wte), None) if self.ln_f.is_none() => Some(wte.embedding.weight.id),
+            (None, Some(head)) => Some(head.embedding.weight.id),
+            _ => None,
+        }
+    }
+
+    fn tied_names(&self) -> Vec<(String, String)> {
+        vec![(
+            "head.embedding.weight".into(),
+            "wte.embedding.weight".into(),
+        )]
     }
 }

@@ -1,0 +1,638 @@
+//! The pipeline executor: runs one rank's action list with real point-to-point messages.
+//!
+//! Activations travel forward and gradients backward between neighbouring stages as `f32`
+//! messages of the agreed shape `[micro_batch, seq, hidden]`. Within a stage's TP group every
+//! rank holds the same activation, so each TP rank sends only its `1/tp` slice to the matching
+//! TP rank of the next stage, which all-gathers the slices (Megatron's scatter-gather). Sends
+//! are non-blocking and completed at the end of the step; receives block. A backward pass starts
+//! from an upstream gradient `g` of a stage output `y` as `(y * g).sum().backward()`, and the
+//! gradient of the stage input is read from the input marked `require_grad`.
+//!
+//! Recomputation: the first `recompute_units[stage]` units of a stage run forward without
+//! keeping their autodiff graph (only the stage input is kept); they run again, with the graph,
+//! at the schedule's `Recompute` action or at the start of the `Backward`. Dropout masks are keyed
+//! by step and sample, so the recomputed forward pass equals the first one.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use burn::module::AutodiffModule;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
+use thiserror::Error;
+
+use super::partition::Partition;
+use super::schedule::{Action, Schedule};
+use super::stage::{PipelineModel, StageInput, StageOutput};
+use super::trace::TraceEvent;
+use crate::comm::{CommError, Group, Pending};
+use crate::data_parallel::DataParallel;
+use crate::tensor_parallel::{ParallelBackend, set_dropout_position};
+
+/// A failure while running a pipeline step.
+#[derive(Debug, Error)]
+pub enum PipelineError {
+    /// A message or collective failed.
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    /// The schedule asked for something that was not there (a schedule that passed
+    /// [`validate`](super::validate) never does).
+    #[error("pipeline rank {rank}: {action:?} needs {what}, which is not there")]
+    Missing {
+        /// The pipeline rank.
+        rank: usize,
+        /// The action.
+        action: Action,
+        /// What was missing.
+        what: &'static str,
+    },
+    /// A tensor could not be read back.
+    #[error("reading a tensor: {0}")]
+    Tensor(String),
+}
+
+/// How a model is cut and run: the schedule, the stages and the recomputation per stage.
+#[derive(Clone, Debug)]
+pub struct PipelinePlan {
+    /// The validated schedule.
+    pub schedule: Schedule,
+    /// The units of every global stage.
+    pub partition: Partition,
+    /// Per global stage: how many of its first units are recomputed (0: none; all of its
+    /// units: full recomputation).
+    pub recompute_units: Vec<usize>,
+}
+
+/// One micro-batch of a step, as every rank sees it.
+#[derive(Clone, Debug)]
+pub struct MicroBatch {
+    /// Input token ids, `[micro_batch * seq]`.
+    pub inputs: Vec<i64>,
+    /// Target ids (negative: ignored), `[micro_batch * seq]`.
+    pub targets: Vec<i64>,
+    /// This micro-batch's share of the global loss (its target tokens over the global batch's).
+    pub weight: f32,
+    /// Global index of its first sample in the step (keys the dropout masks).
+    pub first_sample: usize,
+}
+
+/// What a step reports on one rank.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepReport {
+    /// The weighted loss of the micro-batches whose last stage is on this rank (0 elsewhere).
+    pub loss: f64,
+    /// Seconds computing (forward, backward, recomputation).
+    pub compute_s: f64,
+    /// Seconds waiting in receives.
+    pub wait_s: f64,
+    /// The most micro-batches whose activations this rank held at once.
+    pub max_in_flight: usize,
+}
+
+/// Tag of the message carrying (`mb`, `stage`)'s input (kind 0) or output gradient (kind 1).
+fn tag(mb: usize, stage: usize, stages: usize, kind: usize) -> u16 {
+    ((2 * (mb * stages + stage) + kind) % 32_768) as u16
+}
+
+/// What the forward pass of one (micro-batch, stage) keeps for its backward pass.
+struct Held<B: AutodiffBackend> {
+    /// The stage input: ids (stage 0) or hidden values (kept for recomputation).
+    input: StageInput<B::InnerBackend>,
+    /// The stage input as an autodiff leaf (stages > 0), once the graph over it exists.
+    input_leaf: Option<Tensor<B, 3>>,
+    /// The recomputed part's output with its graph, once recomputed.
+    recomputed: Option<StageOutput<B>>,
+    /// The leaf between the recomputed and the kept part (when both exist).
+    boundary: Option<Tensor<B, 3>>,
+    /// The kept part's output with its graph (the weighted loss on the last stage).
+    output: Option<StageOutput<B>>,
+}
+
+/// Runs the action lists of one pipeline rank (see the module docs).
+pub struct Executor {
+    plan: PipelinePlan,
+    pp: Group,
+    tp: Group,
+    rank: usize,
+    trace_row: usize,
+    trace: Option<Vec<TraceEvent>>,
+}
+
+fn now_s() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+fn read<B: Backend, const D: usize>(t: Tensor<B, D>) -> Result<Vec<f32>, PipelineError> {
+    t.into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .map_err(|e| PipelineError::Tensor(format!("{e:?}")))
+}
+
+impl Executor {
+    /// An executor for this rank (`pp.rank()` is its pipeline rank); with `trace = Some(row)`,
+    /// every action is recorded with its wall-clock time under that row (the world rank).
+    pub fn new(plan: PipelinePlan, pp: Group, tp: Group, trace: Option<usize>) -> Self {
+        let rank = pp.rank();
+        Self {
+            plan,
+            pp,
+            tp,
+            rank,
+            trace_row: trace.unwrap_or(0),
+            trace: trace.map(|_| Vec::new()),
+        }
+    }
+
+    /// The plan.
+    pub fn plan(&self) -> &PipelinePlan {
+        &self.plan
+    }
+
+    /// The recorded actions (with `trace`), wall-clock seconds since the Unix epoch.
+    pub fn take_trace(&mut self) -> Vec<TraceEvent> {
+        self.trace.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    fn units(&self, stage: usize) -> Range<usize> {
+        self.plan.partition.range(stage)
+    }
+
+    fn last_stage(&self) -> usize {
+        self.plan.schedule.stages() - 1
+    }
+
+    fn record(&mut self, category: &str, name: String, start: f64) {
+        if let Some(t) = self.trace.as_mut() {
+            let end = now_s();
+            t.push(TraceEvent {
+                rank: self.trace_row,
+                name,
+                category: category.to_string(),
+                start_s: start,
+                dur_s: (end - start).max(0.0),
+            });
+        }
+    }
+
+    /// Sends `values` (a replicated activation or gradient) to the matching TP rank of pipeline
+    /// rank `dest`: this TP rank's slice when the TP degree divides it.
+    fn send(
+        &self,
+        values: Vec<f32>,
+        dest: usize,
+        tag: u16,
+        pending: &mut Vec<Box<dyn Pending>>,
+    ) -> Result<(), PipelineError> {
+        let t = self.tp.size();
+        let part = if t > 1 && values.len().is_multiple_of(t) {
+            let n = values.len() / t;
+            values[self.tp.rank() * n..(self.tp.rank() + 1) * n].to_vec()
+        } else {
+            values
+        };
+        pending.push(self.pp.comm()?.send_start(part, dest, tag)?);
+        Ok(())
+    }
+
+    /// Receives `len` values sent by [`Executor::send`] from pipeline rank `src`.
+    fn recv(&self, len: usize, src: usize, tag: u16) -> Result<Vec<f32>, PipelineError> {
+        let t = self.tp.size();
+        if t > 1 && len.is_multiple_of(t) {
+            let mut part = vec![0.0; len / t];
+            self.pp.comm()?.recv(&mut part, src, tag)?;
+            let mut full = vec![0.0; len];
+            self.tp.comm()?.all_gather(&part, &mut full)?;
+            Ok(full)
+        } else {
+            let mut full = vec![0.0; len];
+            self.pp.comm()?.recv(&mut full, src, tag)?;
+            Ok(full)
+        }
+    }
+
+    /// Runs units `range` of `model` on `input`: `[micro, seq]` targets for the head.
+    fn run_units<B: Backend, M: PipelineModel<B>>(
+        model: &M,
+        range: Range<usize>,
+        input: StageInput<B>,
+        targets: Option<&[i64]>,
+        micro_seq: [usize; 2],
+        device: &B::Device,
+    ) -> StageOutput<B> {
+        let targets = targets.map(|t| {
+            Tensor::<B, 2, Int>::from_data(TensorData::new(t.to_vec(), micro_seq), device)
+        });
+        model.run_units(range, input, targets)
+    }
+
+    /// Runs one training step: every action of this rank's list up to its `OptimizerStep`.
+    /// Every forward pass runs a copy of `model` hooked by the DP reducer, whose hooks collect
+    /// the gradients (`reducer.begin_step()` before, `reducer.finish()` after).
+    pub fn run_step<B, M>(
+        &mut self,
+        model: &M,
+        reducer: &DataParallel,
+        batches: &[MicroBatch],
+        step: usize,
+        shape: [usize; 3],
+        device: &B::Device,
+    ) -> Result<StepReport, PipelineError>
+    where
+        B: AutodiffBackend + ParallelBackend,
+        M: PipelineModel<B> + AutodiffModule<B>,
+    {
+        let actions = self.plan.schedule.actions[self.rank].clone();
+        // The DP reducer starts a bucket's all-reduce once its gradients are final: after the
+        // last backward pass of each stage in this rank's order (not necessarily the last
+        // micro-batch: GPipe runs them in reverse).
+        let mut final_backward: HashMap<usize, usize> = HashMap::new();
+        for a in &actions {
+            if let Action::Backward { mb, stage } = *a {
+                final_backward.insert(stage, mb);
+            }
+        }
+        let stages = self.plan.schedule.stages();
+        let last = self.last_stage();
+        let [micro, seq, hidden] = shape;
+        let act_len = micro * seq * hidden;
+        let mut report = StepReport::default();
+        let mut held: HashMap<(usize, usize), Held<B>> = HashMap::new();
+        let mut inbox_act: HashMap<(usize, usize), Vec<f32>> = HashMap::new();
+        let mut inbox_grad: HashMap<(usize, usize), Vec<f32>> = HashMap::new();
+        let mut outbox_act: HashMap<(usize, usize), Vec<f32>> = HashMap::new();
+        let mut outbox_grad: HashMap<(usize, usize), Vec<f32>> = HashMap::new();
+        let mut pending: Vec<Box<dyn Pending>> = Vec::new();
+        let hidden_of = |v: Vec<f32>| -> Tensor<B::InnerBackend, 3> {
+            Tensor::from_data(TensorData::new(v, [micro, seq, hidden]), device)
+        };
+        let me = self.rank;
+        let missing = move |action: Action, what: &'static str| PipelineError::Missing {
+            rank: me,
+            action,
+            what,
+        };
+
+        for action in actions {
+            let start = now_s();
+            let t0 = Instant::now();
+            match action {
+                Action::Forward { mb, stage } => {
+                    let batch = batches
+                        .get(mb)
+                        .ok_or_else(|| missing(action, "its micro-batch"))?;
+                    set_dropout_position(step as u64, batch.first_sample as u64);
+                    let input: StageInput<B::InnerBackend> = if stage == 0 {
+                        StageInput::Tokens(Tensor::from_data(
+                            TensorData::new(batch.inputs.clone(), [micro, seq]),
+                            device,
+                        ))
+                    } else {
+                        let v = inbox_act
+                            .remove(&(mb, stage))
+                            .ok_or_else(|| missing(action, "its input activation"))?;
+                        StageInput::Hidden(hidden_of(v))
+                    };
+                    let units = self.units(stage);
+                    let k = self.plan.recompute_units[stage].min(units.len());
+                    let targets = (stage == last).then_some(batch.targets.as_slice());
+                    let to_autodiff = |i: &StageInput<B::InnerBackend>, grad: bool| match i {
+                        StageInput::Tokens(ids) => {
+                            StageInput::Tokens(Tensor::from_inner(ids.clone()))
+                        }
+                        StageInput::Hidden(h) => {
+                            let t = Tensor::<B, 3>::from_inner(h.clone());
+                            StageInput::Hidden(if grad { t.require_grad() } else { t })
+                        }
+                    };
+                    let weight = batch.weight;
+                    let weigh = |o: StageOutput<B>| match o {
+                        StageOutput::Loss(l) => StageOutput::Loss(l * weight),
+                        h => h,
+                    };
+                    let mut h = Held {
+                        input: input.clone(),
+                        input_leaf: None,
+                        recomputed: None,
+                        boundary: None,
+                        output: None,
+                    };
+                    let out_values: Option<Vec<f32>>;
+                    if k == 0 {
+                        let inp = to_autodiff(&input, stage > 0);
+                        if let StageInput::Hidden(leaf) = &inp {
+                            h.input_leaf = Some(leaf.clone());
+                        }
+                        // A fresh hooked copy per forward pass: Burn frees a graph when it is
+                        // walked backward, so graphs of different micro-batches share nothing.
+                        let out = weigh(Self::run_units(
+                            &reducer.hooked(model.clone()),
+                            units.clone(),
+                            inp,
+                            targets,
+                            [micro, seq],
+                            device,
+                        ));
+                        out_values = match &out {
+                            StageOutput::Hidden(x) => Some(read(x.clone().inner())?),
+                            StageOutput::Loss(l) => {
+                                report.loss += f64::from(l.clone().into_scalar().elem::<f32>());
+                                None
+                            }
+                        };
+                        h.output = Some(out);
+                    } else {
+                        // The recomputed part runs now without keeping its graph.
+                        let first = units.start..units.start + k;
+                        let seg_targets = (first.end == units.end).then_some(()).and(targets);
+                        let tmp = weigh(Self::run_units(
+                            model,
+                            first,
+                            to_autodiff(&input, false),
+                            seg_targets,
+                            [micro, seq],
+                            device,
+                        ));
+                        match tmp {
+                            StageOutput::Loss(l) => {
+                                report.loss += f64::from(l.into_scalar().elem::<f32>());
+                                out_values = None;
+                            }
+                            StageOutput::Hidden(x) if k == units.len() => {
+                                out_values = Some(read(x.inner())?);
+                            }
+                            StageOutput::Hidden(x) => {
+                                let leaf = Tensor::<B, 3>::from_inner(x.inner()).require_grad();
+                                h.boundary = Some(leaf.clone());
+                                let out = weigh(Self::run_units(
+                                    &reducer.hooked(model.clone()),
+                                    units.start + k..units.end,
+                                    StageInput::Hidden(leaf),
+                                    targets,
+                                    [micro, seq],
+                                    device,
+                                ));
+                                out_values = match &out {
+                                    StageOutput::Hidden(x) => Some(read(x.clone().inner())?),
+                                    StageOutput::Loss(l) => {
+                                        report.loss +=
+                                            f64::from(l.clone().into_scalar().elem::<f32>());
+                                        None
+                                    }
+                                };
+                                h.output = Some(out);
+                            }
+                        }
+                    }
+                    if let Some(v) = out_values {
+                        if stage < last && self.plan.schedule.rank_of(stage + 1) == self.rank {
+                            inbox_act.insert((mb, stage + 1), v);
+                        } else {
+                            outbox_act.insert((mb, stage), v);
+                        }
+                    }
+                    held.insert((mb, stage), h);
+                    report.max_in_flight = report.max_in_flight.max(held.len());
+                    report.compute_s += t0.elapsed().as_secs_f64();
+                    self.record("forward", format!("F{mb} s{stage}"), start);
+                }
+                Action::Recompute { mb, stage } => {
+                    let batch = batches
+                        .get(mb)
+                        .ok_or_else(|| missing(action, "its micro-batch"))?;
+                    let h = held
+                        .get_mut(&(mb, stage))
+                        .ok_or_else(|| missing(action, "its forward pass"))?;
+                    let units = self.units(stage);
+                    let k = self.plan.recompute_units[stage].min(units.len());
+                    Self::recompute(
+                        &reducer.hooked(model.clone()),
+                        h,
+                        stage,
+                        units,
+                        k,
+                        last,
+                        batch,
+                        step,
+                        [micro, seq],
+                        device,
+                    );
+                    report.compute_s += t0.elapsed().as_secs_f64();
+                    self.record("recompute", format!("R{mb} s{stage}"), start);
+                }
+                Action::Backward { mb, stage } => {
+                    let batch = batches
+                        .get(mb)
+                        .ok_or_else(|| missing(action, "its micro-batch"))?;
+                    let mut h = held
+                        .remove(&(mb, stage))
+                        .ok_or_else(|| missing(action, "its forward pass"))?;
+                    let units = self.units(stage);
+                    let k = self.plan.recompute_units[stage].min(units.len());
+                    if k > 0 && h.recomputed.is_none() {
+                        Self::recompute(
+                            &reducer.hooked(model.clone()),
+                            &mut h,
+                            stage,
+                            units.clone(),
+                            k,
+                            last,
+                            batch,
+                            step,
+                            [micro, seq],
+                            device,
+                        );
+                    }
+                    let upstream: Option<Tensor<B, 3>> = if stage == last {
+                        None
+                    } else {
+                        let g = inbox_grad
+                            .remove(&(mb, stage))
+                            .ok_or_else(|| missing(action, "its output gradient"))?;
+                        Some(Tensor::from_inner(hidden_of(g)))
+                    };
+                    reducer.set_last_micro_batch(final_backward.get(&stage) == Some(&mb));
+                    // Backward through the kept part, then through the recomputed part.
+                    let grad_at =
+                        |out: StageOutput<B>,
+                         upstream: Option<Tensor<B, 3>>,
+                         leaf: Option<&Tensor<B, 3>>|
+                         -> Result<Option<Tensor<B, 3>>, PipelineError> {
+                            let grads = match (out, upstream) {
+                                (StageOutput::Loss(l), _) => l.backward(),
+                                (StageOutput::Hidden(y), Some(g)) => (y * g).sum().backward(),
+                                (StageOutput::Hidden(_), None) => {
+                                    return Err(missing(action, "an upstream gradient"));
+                                }
+                            };
+                            Ok(leaf.and_then(|l| l.grad(&grads)).map(Tensor::from_inner))
+                        };
+                    let mut g = upstream;
+                    if let Some(out) = h.output.take() {
+                        let leaf = if k > 0 {
+                            h.boundary.as_ref()
+                        } else {
+                            h.input_leaf.as_ref()
+                        };
+                        g = grad_at(out, g, leaf)?;
+                    }
+                    if let Some(out) = h.recomputed.take() {
+                        g = grad_at(out, g, h.input_leaf.as_ref())?;
+                    }
+                    if stage > 0 {
+                        let g = g.ok_or_else(|| missing(action, "the gradient of its input"))?;
+                        let v = read(g.inner())?;
+                        if self.plan.schedule.rank_of(stage - 1) == self.rank {
+                            inbox_grad.insert((mb, stage - 1), v);
+                        } else {
+                            outbox_grad.insert((mb, stage), v);
+                        }
+                    }
+                    report.compute_s += t0.elapsed().as_secs_f64();
+                    self.record("backward", format!("B{mb} s{stage}"), start);
+                }
+                Action::SendActivation { mb, stage } => {
+                    let v = outbox_act
+                        .remove(&(mb, stage))
+                        .ok_or_else(|| missing(action, "its forward output"))?;
+                    let dest = self.plan.schedule.rank_of(stage + 1);
+                    self.send(v, dest, tag(mb, stage + 1, stages, 0), &mut pending)?;
+                    self.record("send", format!("send act {mb} s{stage}"), start);
+                }
+                Action::RecvActivation { mb, stage } => {
+                    let src = self.plan.schedule.rank_of(stage - 1);
+                    let v = self.recv(act_len, src, tag(mb, stage, stages, 0))?;
+                    inbox_act.insert((mb, stage), v);
+                    report.wait_s += t0.elapsed().as_secs_f64();
+                    self.record("recv", format!("recv act {mb} s{stage}"), start);
+                }
+                Action::SendGrad { mb, stage } => {
+                    let v = outbox_grad
+                        .remove(&(mb, stage))
+                        .ok_or_else(|| missing(action, "its input gradient"))?;
+                    let dest = self.plan.schedule.rank_of(stage - 1);
+                    self.send(v, dest, tag(mb, stage - 1, stages, 1), &mut pending)?;
+                    self.record("send", format!("send grad {mb} s{stage}"), start);
+                }
+                Action::RecvGrad { mb, stage } => {
+                    let src = self.plan.schedule.rank_of(stage + 1);
+                    let v = self.recv(act_len, src, tag(mb, stage, stages, 1))?;
+                    inbox_grad.insert((mb, stage), v);
+                    report.wait_s += t0.elapsed().as_secs_f64();
+                    self.record("recv", format!("recv grad {mb} s{stage}"), start);
+                }
+                Action::OptimizerStep => break,
+            }
+        }
+        for p in pending {
+            p.wait()?;
+        }
+        Ok(report)
+    }
+
+    /// Reruns the recomputed first `k` units of a stage with their graph.
+    #[allow(clippy::too_many_arguments)]
+    fn recompute<B, M>(
+        model: &M,
+        h: &mut Held<B>,
+        stage: usize,
+        units: Range<usize>,
+        k: usize,
+        last: usize,
+        batch: &MicroBatch,
+        step: usize,
+        micro_seq: [usize; 2],
+        device: &B::Device,
+    ) where
+        B: AutodiffBackend + ParallelBackend,
+        M: PipelineModel<B> + AutodiffModule<B>,
+    {
+        set_dropout_position(step as u64, batch.first_sample as u64);
+        let input = match &h.input {
+            StageInput::Tokens(ids) => StageInput::Tokens(Tensor::from_inner(ids.clone())),
+            StageInput::Hidden(x) => {
+                let leaf = Tensor::<B, 3>::from_inner(x.clone()).require_grad();
+                h.input_leaf = Some(leaf.clone());
+                StageInput::Hidden(leaf)
+            }
+        };
+        let end = units.start + k;
+        let targets = (stage == last && end == units.end).then_some(batch.targets.as_slice());
+        let out = Self::run_units(model, units.start..end, input, targets, micro_seq, device);
+        h.recomputed = Some(match out {
+            StageOutput::Loss(l) => StageOutput::Loss(l * batch.weight),
+            o => o,
+        });
+    }
+
+    /// A forward pass without gradients (validation): every micro-batch through every stage,
+    /// micro-batch after micro-batch. Returns the weighted loss of the micro-batches whose last
+    /// stage is on this rank (0 elsewhere).
+    pub fn forward_only<B, M>(
+        &self,
+        model: &M,
+        batches: &[MicroBatch],
+        shape: [usize; 3],
+        device: &B::Device,
+    ) -> Result<f64, PipelineError>
+    where
+        B: ParallelBackend,
+        M: PipelineModel<B>,
+    {
+        let stages = self.plan.schedule.stages();
+        let last = stages - 1;
+        let [micro, seq, hidden] = shape;
+        let mine: Vec<usize> = (0..stages)
+            .filter(|&s| self.plan.schedule.rank_of(s) == self.rank)
+            .collect();
+        let mut pending = Vec::new();
+        let mut loss = 0.0;
+        for (mb, batch) in batches.iter().enumerate() {
+            let mut local: Option<Vec<f32>> = None;
+            for &s in &mine {
+                let input = if s == 0 {
+                    StageInput::Tokens(Tensor::<B, 2, Int>::from_data(
+                        TensorData::new(batch.inputs.clone(), [micro, seq]),
+                        device,
+                    ))
+                } else {
+                    let v = match local.take() {
+                        Some(v) if self.plan.schedule.rank_of(s - 1) == self.rank => v,
+                        _ => self.recv(
+                            micro * seq * hidden,
+                            self.plan.schedule.rank_of(s - 1),
+                            tag(mb, s, stages, 0),
+                        )?,
+                    };
+                    StageInput::Hidden(Tensor::from_data(
+                        TensorData::new(v, [micro, seq, hidden]),
+                        device,
+                    ))
+                };
+                let targets = (s == last).then_some(batch.targets.as_slice());
+                match Self::run_units(model, self.units(s), input, targets, [micro, seq], device) {
+                    StageOutput::Loss(l) => {
+                        loss += f64::from(l.into_scalar().elem::<f32>()) * f64::from(batch.weight);
+                    }
+                    StageOutput::Hidden(x) => {
+                        let v = read(x)?;
+                        let next = self.plan.schedule.rank_of(s + 1);
+                        if next == self.rank {
+                            local = Some(v);
+                        } else {
+                            self.send(v, next, tag(mb, s + 1, stages, 0), &mut pending)?;
+                        }
+                    }
+                }
+            }
+        }
+        for p in pending {
+            p.wait()?;
+        }
+        Ok(loss)
+    }
+}

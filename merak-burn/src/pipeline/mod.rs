@@ -1,0 +1,33 @@
+//! Pipeline parallelism (DESIGN.md §3): layers cut into contiguous stages, schedules as data.
+//!
+//! A schedule is, for every pipeline rank, an ordered list of [`Action`]s. The same lists drive
+//! the executor (which runs them with real point-to-point messages) and the simulator (which
+//! predicts their time), and [`validate`] proves them complete and free of deadlock before
+//! either uses them.
+//!
+//! Stages: with `p` pipeline ranks and `v` virtual stages per rank there are `p * v` model
+//! stages; stage `s` lives on rank `s % p` as its chunk `s / p` (Megatron's interleaved
+//! mapping; `v = 1` is the plain one-stage-per-rank pipeline).
+
+pub mod executor;
+pub mod partition;
+pub mod recompute;
+pub mod schedule;
+pub mod simulate;
+pub mod stage;
+pub mod trace;
+pub mod validate;
+
+pub use executor::{Executor, MicroBatch, PipelineError, PipelinePlan, StepReport};
+pub use partition::{
+    Partition, PartitionError, balanced_partition, explicit_partition, unit_costs_gpt,
+};
+pub use recompute::{
+    ParseRecomputeError, Recompute, activation_bytes_per_layer, in_flight_1f1b, in_flight_gpipe,
+    kept_bytes_per_layer, stage_aware_recompute,
+};
+pub use schedule::{Action, Schedule, ScheduleError, ScheduleKind, build_schedule};
+pub use simulate::{Costs, Simulation, TimedAction, simulate};
+pub use stage::{PipelineModel, StageInput, StageOutput};
+pub use trace::{TraceEvent, chrome_trace, write_chrome_trace};
+pub use validate::{ValidationError, validate};

@@ -1,0 +1,853 @@
+//! Pipeline schedules as data: per rank, an ordered list of actions.
+//!
+//! [`build_schedule`] turns a [`ScheduleKind`] and the pipeline shape (ranks, micro-batches,
+//! virtual stages, which stages recompute) into a [`Schedule`]: for every pipeline rank the
+//! ordered list of [`Action`]s it runs in one training step.
+//!
+//! Every schedule is built the same way: first the order of the compute actions (forward and
+//! backward passes) on each rank, then every forward and backward is wrapped in the messages it
+//! needs: the receive of its input right before it, the send of its output right after it.
+//! Sends are buffered and never block, so a receive waits only for a send that comes earlier
+//! in the sender's list, and the schedules below are deadlock-free by construction (the
+//! validator, [`validate`](super::validate::validate), proves it for every built schedule).
+//! With one pipeline rank (`p = 1`) consecutive stages hand over locally and no message is
+//! emitted.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+/// One thing a pipeline rank does. `stage` is the global model stage (`0..p*v`), `mb` the
+/// micro-batch of the step (`0..m`).
+///
+/// Messages: `SendActivation { mb, stage: s }` sends the output of stage `s` to the rank of stage
+/// `s + 1`, where `RecvActivation { mb, stage: s + 1 }` receives it. `SendGrad { mb, stage: s }`
+/// sends the gradient of the input of stage `s` to the rank of stage `s - 1`, where
+/// `RecvGrad { mb, stage: s - 1 }` receives it. Sends never block (they are buffered); receives
+/// block until the message is there. Consecutive stages on the same rank (only when `p = 1`)
+/// hand over locally, without messages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Action {
+    /// Forward pass of micro-batch `mb` through stage `stage`. Needs the input: the received
+    /// activation (or the local forward of `stage - 1`, or the data for stage 0).
+    Forward {
+        /// Micro-batch.
+        mb: usize,
+        /// Global stage.
+        stage: usize,
+    },
+    /// Recomputation of the forward pass of (`mb`, `stage`) ahead of its backward pass (the
+    /// shifted-critical-path schedule places it before the gradient arrives). Without an explicit
+    /// `Recompute`, a recomputing stage recomputes inside `Backward`.
+    Recompute {
+        /// Micro-batch.
+        mb: usize,
+        /// Global stage.
+        stage: usize,
+    },
+    /// Backward pass of (`mb`, `stage`). Needs its forward and the gradient of its output (the
+    /// received gradient, the local backward of `stage + 1`, or the loss for the last stage).
+    Backward {
+        /// Micro-batch.
+        mb: usize,
+        /// Global stage.
+        stage: usize,
+    },
+    /// Send the output activation of (`mb`, `stage`) to the rank of `stage + 1`.
+    SendActivation {
+        /// Micro-batch.
+        mb: usize,
+        /// Global stage whose output is sent.
+        stage: usize,
+    },
+    /// Receive the input activation of (`mb`, `stage`) from the rank of `stage - 1`.
+    RecvActivation {
+        /// Micro-batch.
+        mb: usize,
+        /// Global stage whose input is received.
+        stage: usize,
+    },
+    /// Send the input gradient of (`mb`, `stage`) to the rank of `stage - 1`.
+    SendGrad {
+        /// Micro-batch.
+        mb: usize,
+        /// Global stage whose input gradient is sent.
+        stage: usize,
+    },
+    /// Receive the output gradient of (`mb`, `stage`) from the rank of `stage + 1`.
+    RecvGrad {
+        /// Micro-batch.
+        mb: usize,
+        /// Global stage whose output gradient is received.
+        stage: usize,
+    },
+    /// Apply the optimizer to this rank's parameters (the end of a step).
+    OptimizerStep,
+}
+impl Action {
+    /// The micro-batch this action works on (`None` for [`Action::OptimizerStep`]).
+    pub fn micro_batch(&self) -> Option<usize> {
+        match *self {
+            Action::Forward { mb, .. }
+            | Action::Recompute { mb, .. }
+            | Action::Backward { mb, .. }
+            | Action::SendActivation { mb, .. }
+            | Action::RecvActivation { mb, .. }
+            | Action::SendGrad { mb, .. }
+            | Action::RecvGrad { mb, .. } => Some(mb),
+            Action::OptimizerStep => None,
+        }
+    }
+
+    /// The global stage this action belongs to (`None` for [`Action::OptimizerStep`]).
+    pub fn stage(&self) -> Option<usize> {
+        match *self {
+            Action::Forward { stage, .. }
+            | Action::Recompute { stage, .. }
+            | Action::Backward { stage, .. }
+            | Action::SendActivation { stage, .. }
+            | Action::RecvActivation { stage, .. }
+            | Action::SendGrad { stage, .. }
+            | Action::RecvGrad { stage, .. } => Some(stage),
+            Action::OptimizerStep => None,
+        }
+    }
+
+    /// Whether this is a point-to-point message (a send or a receive).
+    pub fn is_message(&self) -> bool {
+        matches!(
+            self,
+            Action::SendActivation { .. }
+                | Action::RecvActivation { .. }
+                | Action::SendGrad { .. }
+                | Action::RecvGrad { .. }
+        )
+    }
+
+    /// Whether this is computation (forward, recompute, backward or the optimizer step).
+    pub fn is_compute(&self) -> bool {
+        !self.is_message()
+    }
+
+    /// The same action for another micro-batch (the optimizer step is returned unchanged).
+    pub fn with_micro_batch(self, new_mb: usize) -> Action {
+        match self {
+            Action::Forward { stage, .. } => Action::Forward { mb: new_mb, stage },
+            Action::Recompute { stage, .. } => Action::Recompute { mb: new_mb, stage },
+            Action::Backward { stage, .. } => Action::Backward { mb: new_mb, stage },
+            Action::SendActivation { stage, .. } => Action::SendActivation { mb: new_mb, stage },
+            Action::RecvActivation { stage, .. } => Action::RecvActivation { mb: new_mb, stage },
+            Action::SendGrad { stage, .. } => Action::SendGrad { mb: new_mb, stage },
+            Action::RecvGrad { stage, .. } => Action::RecvGrad { mb: new_mb, stage },
+            Action::OptimizerStep => Action::OptimizerStep,
+        }
+    }
+}
+
+/// Formats as `Forward(mb=3, stage=1)`, `OptimizerStep`, ...
+impl fmt::Display for Action {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (name, mb, stage) = match *self {
+            Action::Forward { mb, stage } => ("Forward", mb, stage),
+            Action::Recompute { mb, stage } => ("Recompute", mb, stage),
+            Action::Backward { mb, stage } => ("Backward", mb, stage),
+            Action::SendActivation { mb, stage } => ("SendActivation", mb, stage),
+            Action::RecvActivation { mb, stage } => ("RecvActivation", mb, stage),
+            Action::SendGrad { mb, stage } => ("SendGrad", mb, stage),
+            Action::RecvGrad { mb, stage } => ("RecvGrad", mb, stage),
+            Action::OptimizerStep => return f.write_str("OptimizerStep"),
+        };
+        write!(f, "{name}(mb={mb}, stage={stage})")
+    }
+}
+
+/// Which pipeline schedule to run. The names (serde, [`FromStr`], [`Display`](fmt::Display))
+/// are `gpipe`, `1f1b`, `interleaved`, `shifted-critical-path` and `2bw`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ScheduleKind {
+    /// GPipe: every forward of the step, then every backward (a flush at the end of the step).
+    /// Holds the activations of all `m` micro-batches at once.
+    #[serde(rename = "gpipe")]
+    GPipe,
+    /// 1F1B (PipeDream-Flush): a short warm-up of forwards, then one forward / one backward in
+    /// turn, then the cool-down backwards. Same bubble as GPipe, but rank `r` holds at most
+    /// `p - r` micro-batches of activations.
+    #[serde(rename = "1f1b")]
+    OneFOneB,
+    /// Megatron's interleaved 1F1B: `v` model chunks (virtual stages) per rank, which cuts the
+    /// bubble by `v` at the price of `v` times more messages.
+    #[serde(rename = "interleaved")]
+    Interleaved,
+    /// Merak's shifted critical path: 1F1B where a recomputing stage recomputes its forward
+    /// before waiting for the gradient, instead of after it arrives.
+    #[serde(rename = "shifted-critical-path")]
+    ShiftedCriticalPath,
+    /// PipeDream-2BW: 1F1B without the flush between steps (two weight versions); per step the
+    /// same action list as 1F1B.
+    #[serde(rename = "2bw")]
+    TwoBw,
+}
+
+impl ScheduleKind {
+    /// Every schedule kind.
+    pub const ALL: [ScheduleKind; 5] = [
+        ScheduleKind::GPipe,
+        ScheduleKind::OneFOneB,
+        ScheduleKind::Interleaved,
+        ScheduleKind::ShiftedCriticalPath,
+        ScheduleKind::TwoBw,
+    ];
+
+    /// The name used in configuration files and on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ScheduleKind::GPipe => "gpipe",
+            ScheduleKind::OneFOneB => "1f1b",
+            ScheduleKind::Interleaved => "interleaved",
+            ScheduleKind::ShiftedCriticalPath => "shifted-critical-path",
+            ScheduleKind::TwoBw => "2bw",
+        }
+    }
+
+    /// Whether this kind runs several virtual stages per rank (only [`ScheduleKind::Interleaved`]).
+    pub fn uses_virtual_stages(self) -> bool {
+        self == ScheduleKind::Interleaved
+    }
+
+    /// Whether the pipeline drains (flushes) at the end of every step. All kinds but
+    /// [`ScheduleKind::TwoBw`] do.
+    pub fn flushes(self) -> bool {
+        self != ScheduleKind::TwoBw
+    }
+}
+
+impl fmt::Display for ScheduleKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for ScheduleKind {
+    type Err = ScheduleError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        ScheduleKind::ALL
+            .into_iter()
+            .find(|k| k.as_str() == s)
+            .ok_or_else(|| ScheduleError::UnknownKind {
+                name: s.to_string(),
+            })
+    }
+}
+
+/// Why a schedule cannot be built.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ScheduleError {
+    /// `ranks == 0`.
+    #[error("a pipeline needs at least one rank, got ranks = 0")]
+    ZeroRanks,
+    /// `micro_batches == 0`.
+    #[error("a step needs at least one micro-batch, got micro_batches = 0")]
+    ZeroMicroBatches,
+    /// A kind without virtual stages was asked for `virtual_stages != 1`.
+    #[error(
+        "the {kind} schedule runs one stage per rank (virtual_stages = 1), \
+         got virtual_stages = {virtual_stages}"
+    )]
+    VirtualStagesNotOne {
+        /// The schedule kind.
+        kind: ScheduleKind,
+        /// The virtual stages asked for.
+        virtual_stages: usize,
+    },
+    /// The interleaved schedule was asked for fewer than two virtual stages.
+    #[error(
+        "the interleaved schedule needs virtual_stages >= 2, got virtual_stages = \
+         {virtual_stages} (use 1f1b for one stage per rank)"
+    )]
+    TooFewVirtualStages {
+        /// The virtual stages asked for.
+        virtual_stages: usize,
+    },
+    /// The interleaved schedule needs the micro-batches to come in groups of `ranks`.
+    #[error(
+        "the interleaved schedule needs micro_batches divisible by ranks, \
+         got {micro_batches} micro-batches for {ranks} ranks"
+    )]
+    MicroBatchesNotDivisible {
+        /// Micro-batches per step.
+        micro_batches: usize,
+        /// Pipeline ranks.
+        ranks: usize,
+    },
+    /// `recompute` does not have one entry per global stage.
+    #[error(
+        "recompute has {got} entries but the pipeline has {stages} stages \
+         ({ranks} ranks x {virtual_stages} virtual stages)"
+    )]
+    RecomputeLength {
+        /// Entries given.
+        got: usize,
+        /// Global stages (`ranks * virtual_stages`).
+        stages: usize,
+        /// Pipeline ranks.
+        ranks: usize,
+        /// Virtual stages per rank.
+        virtual_stages: usize,
+    },
+    /// An unknown schedule name was parsed.
+    #[error(
+        "unknown schedule `{name}`, expected one of: gpipe, 1f1b, interleaved, \
+         shifted-critical-path, 2bw"
+    )]
+    UnknownKind {
+        /// The name that was given.
+        name: String,
+    },
+}
+
+/// A pipeline schedule: for every pipeline rank, the ordered actions of one training step.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Schedule {
+    /// Which schedule this is.
+    pub kind: ScheduleKind,
+    /// Pipeline ranks `p`.
+    pub ranks: usize,
+    /// Micro-batches per step `m`.
+    pub micro_batches: usize,
+    /// Virtual stages (model chunks) per rank `v`.
+    pub virtual_stages: usize,
+    /// Per global stage: whether it recomputes its forward pass in the backward pass
+    /// (activation checkpointing).
+    pub recompute: Vec<bool>,
+    /// Per rank, the actions of one step in order.
+    pub actions: Vec<Vec<Action>>,
+}
+
+impl Schedule {
+    /// Global stages `p * v`.
+    pub fn stages(&self) -> usize {
+        self.ranks * self.virtual_stages
+    }
+
+    /// The rank that runs global stage `stage` (`stage % p`).
+    pub fn rank_of(&self, stage: usize) -> usize {
+        stage.checked_rem(self.ranks).unwrap_or(0)
+    }
+
+    /// The chunk (virtual stage index on its rank) of global stage `stage` (`stage / p`).
+    pub fn chunk_of(&self, stage: usize) -> usize {
+        stage.checked_div(self.ranks).unwrap_or(0)
+    }
+
+    /// The global stages on `rank`, in chunk order (`rank, rank + p, rank + 2p, ...`); empty for
+    /// a rank outside the pipeline.
+    pub fn stages_on(&self, rank: usize) -> Vec<usize> {
+        if rank >= self.ranks {
+            return Vec::new();
+        }
+        (0..self.virtual_stages)
+            .map(|chunk| chunk * self.ranks + rank)
+            .collect()
+    }
+
+    /// The most micro-batches whose activations `stage` holds at once: the maximum, over its
+    /// rank's action list, of forwards done minus backwards done for that stage.
+    pub fn max_in_flight(&self, stage: usize) -> usize {
+        let Some(list) = self.actions.get(self.rank_of(stage)) else {
+            return 0;
+        };
+        let mut held = 0usize;
+        let mut max = 0usize;
+        for action in list {
+            match *action {
+                Action::Forward { stage: s, .. } if s == stage => {
+                    held += 1;
+                    max = max.max(held);
+                }
+                Action::Backward { stage: s, .. } if s == stage => held = held.saturating_sub(1),
+                _ => {}
+            }
+        }
+        max
+    }
+
+    /// The number of actions of each rank.
+    pub fn len_per_rank(&self) -> Vec<usize> {
+        self.actions.iter().map(Vec::len).collect()
+    }
+}
+
+/// One compute action in a rank's compute order, before the messages are added.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Op {
+    /// Forward of (`mb`, `stage`).
+    F(usize, usize),
+    /// Backward of (`mb`, `stage`).
+    B(usize, usize),
+}
+
+/// Builds the schedule of `kind` for `ranks` pipeline ranks, `micro_batches` micro-batches per
+/// step and `virtual_stages` model chunks per rank; `recompute[s]` says whether global stage `s`
+/// recomputes its forward pass (activation checkpointing).
+///
+/// The schedules, for rank `r` of `p`, with `m` micro-batches:
+///
+/// - [`ScheduleKind::GPipe`]: the forwards of micro-batches `0..m`, then the backwards in reverse
+///   order `m-1..0`, then the optimizer step. Bubble `(p-1)/m`, `m` micro-batches of activations.
+/// - [`ScheduleKind::OneFOneB`] (PipeDream-Flush): `min(p-r-1, m)` warm-up forwards, then in
+///   steady state one forward and one backward in turn, then the cool-down backwards, then the
+///   optimizer step. Backwards run in micro-batch order. Bubble `(p-1)/m` like GPipe, but at most
+///   `p-r` micro-batches of activations.
+/// - [`ScheduleKind::Interleaved`] (Megatron-LM): rank `r` holds the `v` chunks
+///   `r, r+p, ..., r+(v-1)p`. Forward micro-step `k` runs chunk `(k mod pv) / p` on micro-batch
+///   `(k / pv) * p + k mod p` (micro-batches go through each chunk in groups of `p`); backward
+///   micro-step `k` runs the chunks in the reverse order. `min(2(p-r-1) + (v-1)p, mv)` warm-up
+///   forwards, then one forward / one backward in turn, then the cool-down backwards. Needs
+///   `v >= 2` and `m` divisible by `p`. Bubble `(p-1)/(vm)`.
+/// - [`ScheduleKind::ShiftedCriticalPath`] (Merak): the 1F1B order, but each backward of a
+///   recomputing stage is preceded by an explicit [`Action::Recompute`] placed *before* the
+///   [`Action::RecvGrad`] of that backward (right before the backward on the last stage, which
+///   receives no gradient), so the recomputation overlaps the wait for the gradient instead of
+///   lengthening the critical path. Stages without recomputation get no `Recompute`.
+/// - [`ScheduleKind::TwoBw`] (PipeDream-2BW): per step the same action list as 1F1B; keeping two
+///   weight versions is the executor's concern. The difference that matters for time, no flush
+///   between steps (the next step's warm-up overlaps this step's cool-down), is modelled by
+///   [`simulate`](super::simulate::simulate), which runs several 2BW steps as one continuous
+///   pipeline.
+///
+/// Every forward is preceded by the [`Action::RecvActivation`] of its input (when its previous
+/// stage is on another rank) and followed by the [`Action::SendActivation`] of its output (when
+/// its next stage is); every backward likewise by [`Action::RecvGrad`] and
+/// [`Action::SendGrad`]. With `p = 1` no message is emitted. The [`Action::OptimizerStep`] is the
+/// last action of every rank.
+pub fn build_schedule(
+    kind: ScheduleKind,
+    ranks: usize,
+    micro_batches: usize,
+    virtual_stages: usize,
+    recompute: &[bool],
+) -> Result<Schedule, ScheduleError> {
+    if ranks == 0 {
+        return Err(ScheduleError::ZeroRanks);
+    }
+    if micro_batches == 0 {
+        return Err(ScheduleError::ZeroMicroBatches);
+    }
+    if kind.uses_virtual_stages() {
+        if virtual_stages < 2 {
+            return Err(ScheduleError::TooFewVirtualStages { virtual_stages });
+        }
+        if !micro_batches.is_multiple_of(ranks) {
+            return Err(ScheduleError::MicroBatchesNotDivisible {
+                micro_batches,
+                ranks,
+            });
+        }
+    } else if virtual_stages != 1 {
+        return Err(ScheduleError::VirtualStagesNotOne {
+            kind,
+            virtual_stages,
+        });
+    }
+    let stages = ranks * virtual_stages;
+    if recompute.len() != stages {
+        return Err(ScheduleError::RecomputeLength {
+            got: recompute.len(),
+            stages,
+            ranks,
+            virtual_stages,
+        });
+    }
+
+    let explicit_recompute: &[bool] = if kind == ScheduleKind::ShiftedCriticalPath {
+        recompute
+    } else {
+        &[]
+    };
+    let actions = (0..ranks)
+        .map(|rank| {
+            let order = match kind {
+                ScheduleKind::GPipe => gpipe_order(micro_batches, rank),
+                ScheduleKind::OneFOneB
+                | ScheduleKind::ShiftedCriticalPath
+                | ScheduleKind::TwoBw => one_f_one_b_order(ranks, micro_batches, rank),
+                ScheduleKind::Interleaved => {
+                    interleaved_order(ranks, micro_batches, virtual_stages, rank)
+                }
+            };
+            let mut list = Vec::with_capacity(order.len() * 3 + 1);
+            for op in order {
+                expand_op(op, ranks, stages, explicit_recompute, &mut list);
+            }
+            list.push(Action::OptimizerStep);
+            list
+        })
+        .collect();
+
+    Ok(Schedule {
+        kind,
+        ranks,
+        micro_batches,
+        virtual_stages,
+        recompute: recompute.to_vec(),
+        actions,
+    })
+}
+
+/// GPipe's compute order on `rank` (one stage per rank): all forwards, then all backwards in
+/// reverse micro-batch order.
+fn gpipe_order(micro_batches: usize, rank: usize) -> Vec<Op> {
+    (0..micro_batches)
+        .map(|mb| Op::F(mb, rank))
+        .chain((0..micro_batches).rev().map(|mb| Op::B(mb, rank)))
+        .collect()
+}
+
+/// The 1F1B (PipeDream-Flush) compute order on `rank` of `ranks` (one stage per rank) for
+/// `micro_batches` micro-batches.
+pub(crate) fn one_f_one_b_order(ranks: usize, micro_batches: usize, rank: usize) -> Vec<Op> {
+    let warmup = ranks.saturating_sub(rank + 1).min(micro_batches);
+    let mut order = Vec::with_capacity(2 * micro_batches);
+    order.extend((0..warmup).map(|mb| Op::F(mb, rank)));
+    for i in 0..micro_batches - warmup {
+        order.push(Op::F(warmup + i, rank));
+        order.push(Op::B(i, rank));
+    }
+    order.extend((micro_batches - warmup..micro_batches).map(|mb| Op::B(mb, rank)));
+    order
+}
+
+/// Megatron's interleaved 1F1B compute order on `rank` of `ranks`, with `virtual_stages`
+/// chunks per rank and `micro_batches` (a multiple of `ranks`) micro-batches.
+fn interleaved_order(
+    ranks: usize,
+    micro_batches: usize,
+    virtual_stages: usize,
+    rank: usize,
+) -> Vec<Op> {
+    let total = micro_batches * virtual_stages;
+    let group = ranks * virtual_stages;
+    // Micro-step k -> (micro-batch, chunk in forward order).
+    let at = |k: usize| ((k / group) * ranks + k % ranks, (k % group) / ranks);
+    let forward = |k: usize| {
+        let (mb, chunk) = at(k);
+        Op::F(mb, chunk * ranks + rank)
+    };
+    let backward = |k: usize| {
+        let (mb, chunk) = at(k);
+        Op::B(mb, (virtual_stages - 1 - chunk) * ranks + rank)
+    };
+    let warmup = ((ranks - rank - 1) * 2 + (virtual_stages - 1) * ranks).min(total);
+    let mut order = Vec::with_capacity(2 * total);
+    order.extend((0..warmup).map(forward));
+    for i in 0..total - warmup {
+        order.push(forward(warmup + i));
+        order.push(backward(i));
+    }
+    order.extend((total - warmup..total).map(backward));
+    order
+}
+
+/// Appends the compute action `op` with its messages: the receive of its input right before,
+/// the send of its output right after (no messages when `ranks == 1`). When
+/// `explicit_recompute[stage]` is set, a backward is preceded by a `Recompute` placed before its
+/// `RecvGrad`.
+pub(crate) fn expand_op(
+    op: Op,
+    ranks: usize,
+    stages: usize,
+    explicit_recompute: &[bool],
+    out: &mut Vec<Action>,
+) {
+    let messages = ranks > 1;
+    match op {
+        Op::F(mb, stage) => {
+            if messages && stage > 0 {
+                out.push(Action::RecvActivation { mb, stage });
+            }
+            out.push(Action::Forward { mb, stage });
+            if messages && stage + 1 < stages {
+                out.push(Action::SendActivation { mb, stage });
+            }
+        }
+        Op::B(mb, stage) => {
+            if explicit_recompute.get(stage).copied().unwrap_or(false) {
+                out.push(Action::Recompute { mb, stage });
+            }
+            if messages && stage + 1 < stages {
+                out.push(Action::RecvGrad { mb, stage });
+            }
+            out.push(Action::Backward { mb, stage });
+            if messages && stage > 0 {
+                out.push(Action::SendGrad { mb, stage });
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn compute_order(list: &[Action]) -> Vec<Action> {
+        list.iter()
+            .copied()
+            .filter(|a| matches!(a, Action::Forward { .. } | Action::Backward { .. }))
+            .collect()
+    }
+
+    #[test]
+    fn kind_names_round_trip() {
+        for kind in ScheduleKind::ALL {
+            let name = kind.to_string();
+            assert_eq!(name.parse::<ScheduleKind>(), Ok(kind));
+            let json = serde_json::to_string(&kind).unwrap();
+            assert_eq!(json, format!("\"{name}\""));
+            assert_eq!(serde_json::from_str::<ScheduleKind>(&json).unwrap(), kind);
+        }
+        let names: Vec<_> = ScheduleKind::ALL.iter().map(|k| k.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "gpipe",
+                "1f1b",
+                "interleaved",
+                "shifted-critical-path",
+                "2bw"
+            ]
+        );
+        let err = "pipedream".parse::<ScheduleKind>().unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("pipedream"), "{msg}");
+        for name in names {
+            assert!(msg.contains(name), "{msg}");
+        }
+    }
+
+    #[test]
+    fn action_serde_and_display() {
+        let a = Action::SendGrad { mb: 2, stage: 3 };
+        let json = serde_json::to_string(&a).unwrap();
+        assert_eq!(json, r#"{"op":"send_grad","mb":2,"stage":3}"#);
+        assert_eq!(serde_json::from_str::<Action>(&json).unwrap(), a);
+        assert_eq!(a.to_string(), "SendGrad(mb=2, stage=3)");
+        assert_eq!(Action::OptimizerStep.to_string(), "OptimizerStep");
+        assert_eq!(a.with_micro_batch(5), Action::SendGrad { mb: 5, stage: 3 });
+        assert_eq!(a.micro_batch(), Some(2));
+        assert_eq!(a.stage(), Some(3));
+        assert!(a.is_message() && !a.is_compute());
+        assert_eq!(Action::OptimizerStep.stage(), None);
+    }
+
+    #[test]
+    fn bad_shapes_are_rejected() {
+        use ScheduleKind::*;
+        assert_eq!(
+            build_schedule(GPipe, 0, 4, 1, &[]),
+            Err(ScheduleError::ZeroRanks)
+        );
+        assert_eq!(
+            build_schedule(OneFOneB, 2, 0, 1, &[false; 2]),
+            Err(ScheduleError::ZeroMicroBatches)
+        );
+        assert_eq!(
+            build_schedule(OneFOneB, 2, 4, 2, &[false; 4]),
+            Err(ScheduleError::VirtualStagesNotOne {
+                kind: OneFOneB,
+                virtual_stages: 2
+            })
+        );
+        assert_eq!(
+            build_schedule(Interleaved, 2, 4, 1, &[false; 2]),
+            Err(ScheduleError::TooFewVirtualStages { virtual_stages: 1 })
+        );
+        let err = build_schedule(Interleaved, 4, 6, 2, &[false; 8]).unwrap_err();
+        assert_eq!(
+            err,
+            ScheduleError::MicroBatchesNotDivisible {
+                micro_batches: 6,
+                ranks: 4
+            }
+        );
+        assert!(err.to_string().contains('6') && err.to_string().contains('4'));
+        assert_eq!(
+            build_schedule(Interleaved, 2, 4, 2, &[false; 3]),
+            Err(ScheduleError::RecomputeLength {
+                got: 3,
+                stages: 4,
+                ranks: 2,
+                virtual_stages: 2
+            })
+        );
+    }
+
+    #[test]
+    fn stage_mapping() {
+        let s = build_schedule(ScheduleKind::Interleaved, 4, 8, 3, &[false; 12]).unwrap();
+        assert_eq!(s.stages(), 12);
+        assert_eq!(s.rank_of(9), 1);
+        assert_eq!(s.chunk_of(9), 2);
+        assert_eq!(s.stages_on(1), vec![1, 5, 9]);
+        assert!(s.stages_on(4).is_empty());
+    }
+
+    #[test]
+    fn gpipe_runs_all_forwards_first() {
+        let s = build_schedule(ScheduleKind::GPipe, 3, 4, 1, &[false; 3]).unwrap();
+        for rank in 0..3 {
+            let order = compute_order(&s.actions[rank]);
+            let expected: Vec<_> = (0..4)
+                .map(|mb| Action::Forward { mb, stage: rank })
+                .chain((0..4).rev().map(|mb| Action::Backward { mb, stage: rank }))
+                .collect();
+            assert_eq!(order, expected);
+            assert_eq!(s.max_in_flight(rank), 4);
+            assert_eq!(s.actions[rank].last(), Some(&Action::OptimizerStep));
+        }
+    }
+
+    #[test]
+    fn one_f_one_b_warmup_and_memory() {
+        for p in 1..=4 {
+            for m in 1..=8 {
+                let s = build_schedule(ScheduleKind::OneFOneB, p, m, 1, &vec![false; p]).unwrap();
+                for rank in 0..p {
+                    let order = compute_order(&s.actions[rank]);
+                    let warmup = order
+                        .iter()
+                        .take_while(|a| matches!(a, Action::Forward { .. }))
+                        .count();
+                    // The warm-up forwards plus the first steady-state forward.
+                    assert_eq!(
+                        warmup,
+                        (p - rank - 1).min(m) + usize::from(p - rank - 1 < m)
+                    );
+                    assert_eq!(s.max_in_flight(rank), (p - rank).min(m));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn messages_wrap_compute() {
+        let s = build_schedule(ScheduleKind::OneFOneB, 2, 2, 1, &[false; 2]).unwrap();
+        use Action::*;
+        assert_eq!(
+            s.actions[0],
+            vec![
+                Forward { mb: 0, stage: 0 },
+                SendActivation { mb: 0, stage: 0 },
+                Forward { mb: 1, stage: 0 },
+                SendActivation { mb: 1, stage: 0 },
+                RecvGrad { mb: 0, stage: 0 },
+                Backward { mb: 0, stage: 0 },
+                RecvGrad { mb: 1, stage: 0 },
+                Backward { mb: 1, stage: 0 },
+                OptimizerStep,
+            ]
+        );
+        assert_eq!(
+            s.actions[1],
+            vec![
+                RecvActivation { mb: 0, stage: 1 },
+                Forward { mb: 0, stage: 1 },
+                Backward { mb: 0, stage: 1 },
+                SendGrad { mb: 0, stage: 1 },
+                RecvActivation { mb: 1, stage: 1 },
+                Forward { mb: 1, stage: 1 },
+                Backward { mb: 1, stage: 1 },
+                SendGrad { mb: 1, stage: 1 },
+                OptimizerStep,
+            ]
+        );
+        let single = build_schedule(ScheduleKind::GPipe, 1, 3, 1, &[true]).unwrap();
+        assert!(single.actions[0].iter().all(|a| !a.is_message()));
+    }
+
+    #[test]
+    fn shifted_critical_path_recomputes_before_the_gradient_arrives() {
+        let s = build_schedule(
+            ScheduleKind::ShiftedCriticalPath,
+            3,
+            4,
+            1,
+            &[true, false, true],
+        )
+        .unwrap();
+        // Stage 0: Recompute right before the RecvGrad of the same micro-batch.
+        for mb in 0..4 {
+            let list = &s.actions[0];
+            let i = list
+                .iter()
+                .position(|a| *a == Action::Recompute { mb, stage: 0 })
+                .unwrap();
+            assert_eq!(list[i + 1], Action::RecvGrad { mb, stage: 0 });
+            assert_eq!(list[i + 2], Action::Backward { mb, stage: 0 });
+        }
+        // Stage 1 does not recompute.
+        assert!(
+            !s.actions[1]
+                .iter()
+                .any(|a| matches!(a, Action::Recompute { .. }))
+        );
+        // The last stage: right before the backward.
+        for mb in 0..4 {
+            let list = &s.actions[2];
+            let i = list
+                .iter()
+                .position(|a| *a == Action::Recompute { mb, stage: 2 })
+                .unwrap();
+            assert_eq!(list[i + 1], Action::Backward { mb, stage: 2 });
+        }
+        // Other kinds never emit Recompute.
+        for kind in [
+            ScheduleKind::OneFOneB,
+            ScheduleKind::GPipe,
+            ScheduleKind::TwoBw,
+        ] {
+            let s = build_schedule(kind, 3, 4, 1, &[true; 3]).unwrap();
+            assert!(
+                s.actions
+                    .iter()
+                    .flatten()
+                    .all(|a| !matches!(a, Action::Recompute { .. }))
+            );
+        }
+    }
+
+    #[test]
+    fn two_bw_step_matches_one_f_one_b() {
+        let a = build_schedule(ScheduleKind::TwoBw, 4, 8, 1, &[true; 4]).unwrap();
+        let b = build_schedule(ScheduleKind::OneFOneB, 4, 8, 1, &[true; 4]).unwrap();
+        assert_eq!(a.actions, b.actions);
+    }
+
+    #[test]
+    fn interleaved_order_follows_megatron() {
+        // p = 2, v = 2, m = 4: rank 0 holds stages 0 and 2.
+        let s = build_schedule(ScheduleKind::Interleaved, 2, 4, 2, &[false; 4]).unwrap();
+        let order = compute_order(&s.actions[0]);
+        use Action::*;
+        // Warm-up (2-0-1)*2 + (2-1)*2 = 4 forwards: mb 0,1 on chunk 0, mb 0,1 on chunk 1.
+        assert_eq!(
+            &order[..4],
+            &[
+                Forward { mb: 0, stage: 0 },
+                Forward { mb: 1, stage: 0 },
+                Forward { mb: 0, stage: 2 },
+                Forward { mb: 1, stage: 2 },
+            ]
+        );
+        // Then 1F1B: the next group's first forward, the first backward (last chunk first).
+        assert_eq!(
+            &order[4..6],
+            &[Forward { mb: 2, stage: 0 }, Backward { mb: 0, stage: 2 }]
+        );
+        assert_eq!(order.len(), 2 * 4 * 2);
+        assert_eq!(s.max_in_flight(0), 4);
+        assert_eq!(s.max_in_flight(2), 2);
+    }
+}

@@ -1,0 +1,476 @@
+//! Predicting a schedule's time: a discrete-event simulation of its action lists.
+//!
+//! Every rank runs its actions in order; an action starts when the rank is free and its inputs
+//! are there. Compute actions take their [`Costs`]; sends take no time on the sender (they are
+//! buffered); a message's transfer time is paid by its receive, which completes at
+//! `max(rank free, send time + transfer)`. The rank is idle while it waits.
+//!
+//! Steps: for the flushing schedules (all but 2BW) step `k + 1`'s list starts on each rank as
+//! soon as that rank has finished its step-`k` list (the optimizer step is local, not a
+//! barrier). For [`ScheduleKind::TwoBw`] the steps are one continuous 1F1B pipeline over
+//! `steps * m` micro-batches, with each rank's optimizer step of step `k` right after its
+//! backward (and gradient send) of the last micro-batch of step `k`: the next step's warm-up
+//! fills the previous step's cool-down, which is what 2BW's two weight versions allow.
+
+use serde::{Deserialize, Serialize};
+
+use super::schedule::{Action, Op, Schedule, ScheduleKind, expand_op, one_f_one_b_order};
+use super::trace::{
+    CATEGORY_BACKWARD, CATEGORY_FORWARD, CATEGORY_IDLE, CATEGORY_OPTIMIZER, CATEGORY_RECOMPUTE,
+    CATEGORY_RECV, CATEGORY_SEND, TraceEvent,
+};
+use super::validate::{ValidationError, execute, validate};
+
+/// The time of every action, in seconds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Costs {
+    /// Forward pass of one micro-batch, per global stage.
+    pub forward: Vec<f64>,
+    /// Backward pass of one micro-batch, per global stage (without recomputation).
+    pub backward: Vec<f64>,
+    /// Recomputation of the forward pass of one micro-batch, per global stage. Paid by an
+    /// explicit [`Action::Recompute`], or added to the [`Action::Backward`] of a recomputing
+    /// stage that has none.
+    pub recompute: Vec<f64>,
+    /// Transfer time of one activation message.
+    pub send_activation: f64,
+    /// Transfer time of one gradient message.
+    pub send_grad: f64,
+    /// One optimizer step of one rank.
+    pub optimizer: f64,
+}
+
+impl Costs {
+    /// The same `forward` and `backward` time on each of `stages` stages; recomputation costs
+    /// one forward; messages and the optimizer are free.
+    pub fn uniform(stages: usize, forward: f64, backward: f64) -> Costs {
+        Costs {
+            forward: vec![forward; stages],
+            backward: vec![backward; stages],
+            recompute: vec![forward; stages],
+            send_activation: 0.0,
+            send_grad: 0.0,
+            optimizer: 0.0,
+        }
+    }
+}
+
+/// One action as it ran in the simulation.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TimedAction {
+    /// The action (its `mb` is the micro-batch within its step).
+    pub action: Action,
+    /// The training step it belongs to (`0..steps`).
+    pub step: usize,
+    /// When it started, in seconds. For a receive: when the message was there to be received
+    /// (the later of the rank reaching the receive and the send), so the wait before is idle.
+    pub start: f64,
+    /// When it ended, in seconds.
+    pub end: f64,
+}
+
+impl TimedAction {
+    /// `end - start`.
+    pub fn duration(&self) -> f64 {
+        self.end - self.start
+    }
+}
+
+/// The result of [`simulate`]: every rank's timed actions.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Simulation {
+    /// Pipeline ranks.
+    pub ranks: usize,
+    /// Simulated training steps.
+    pub steps: usize,
+    /// Per rank, its actions in the order they ran, with their times.
+    pub events: Vec<Vec<TimedAction>>,
+}
+
+impl Simulation {
+    /// When the last action of all ranks ends (the simulation starts at 0).
+    pub fn makespan(&self) -> f64 {
+        self.events
+            .iter()
+            .flatten()
+            .map(|e| e.end)
+            .fold(0.0, f64::max)
+    }
+
+    /// The mean time of one step: [`makespan`](Self::makespan) / steps.
+    pub fn step_time(&self) -> f64 {
+        if self.steps == 0 {
+            return 0.0;
+        }
+        self.makespan() / self.steps as f64
+    }
+
+    /// The compute time of `rank`: its forwards, recomputations, backwards and optimizer steps
+    /// (messages and waits excluded).
+    pub fn busy(&self, rank: usize) -> f64 {
+        self.events.get(rank).map_or(0.0, |events| {
+            events
+                .iter()
+                .filter(|e| e.action.is_compute())
+                .map(TimedAction::duration)
+                .sum()
+        })
+    }
+
+    /// The largest [`busy`](Self::busy) time of any rank.
+    pub fn max_busy(&self) -> f64 {
+        (0..self.ranks).map(|r| self.busy(r)).fold(0.0, f64::max)
+    }
+
+    /// The pipeline bubble: `(makespan - max busy) / max busy`, the time lost to the pipeline
+    /// relative to the busiest rank's compute. For GPipe and 1F1B with uniform stages and free
+    /// messages this is `(p - 1) / m`; for the interleaved schedule `(p - 1) / (v m)`.
+    pub fn bubble_fraction(&self) -> f64 {
+        let busy = self.max_busy();
+        if busy <= 0.0 {
+            return 0.0;
+        }
+        (self.makespan() - busy) / busy
+    }
+
+    /// The timeline as trace events (see [`trace`](super::trace)): one per action, named like
+    /// `Forward(mb=0, stage=1) [step 0]`, plus an `idle` event for every gap in which a rank
+    /// waits, up to the makespan.
+    pub fn trace_events(&self) -> Vec<TraceEvent> {
+        let makespan = self.makespan();
+        let eps = 1e-12 * makespan.max(1.0);
+        let mut out = Vec::new();
+        let idle = |rank: usize, from: f64, to: f64| TraceEvent {
+            rank,
+            name: "idle".to_string(),
+            category: CATEGORY_IDLE.to_string(),
+            start_s: from,
+            dur_s: to - from,
+        };
+        for (rank, events) in self.events.iter().enumerate() {
+            let mut clock = 0.0;
+            for e in events {
+                if e.start - clock > eps {
+                    out.push(idle(rank, clock, e.start));
+                }
+                out.push(TraceEvent {
+                    rank,
+                    name: format!("{} [step {}]", e.action, e.step),
+                    category: category(e.action).to_string(),
+                    start_s: e.start,
+                    dur_s: e.duration(),
+                });
+                clock = clock.max(e.end);
+            }
+            if makespan - clock > eps {
+                out.push(idle(rank, clock, makespan));
+            }
+        }
+        out
+    }
+}
+
+/// The trace category of an action.
+fn category(action: Action) -> &'static str {
+    match action {
+        Action::Forward { .. } => CATEGORY_FORWARD,
+        Action::Recompute { .. } => CATEGORY_RECOMPUTE,
+        Action::Backward { .. } => CATEGORY_BACKWARD,
+        Action::SendActivation { .. } | Action::SendGrad { .. } => CATEGORY_SEND,
+        Action::RecvActivation { .. } | Action::RecvGrad { .. } => CATEGORY_RECV,
+        Action::OptimizerStep => CATEGORY_OPTIMIZER,
+    }
+}
+
+/// Simulates `steps` training steps of `s` with `costs` (see the [module docs](self)). The
+/// schedule is validated first; a 2BW schedule is simulated as its continuous no-flush pipeline
+/// (built from its shape, not from its per-step lists).
+pub fn simulate(s: &Schedule, costs: &Costs, steps: usize) -> Result<Simulation, ValidationError> {
+    validate(s)?;
+    if steps == 0 {
+        return Err(ValidationError::ZeroSteps);
+    }
+    let stages = s.stages();
+    for (field, v) in [
+        ("forward", &costs.forward),
+        ("backward", &costs.backward),
+        ("recompute", &costs.recompute),
+    ] {
+        if v.len() != stages {
+            return Err(ValidationError::CostLength {
+                field,
+                len: v.len(),
+                stages,
+            });
+        }
+    }
+    let lists = if s.kind == ScheduleKind::TwoBw {
+        continuous_two_bw(s, steps)
+    } else {
+        s.actions
+            .iter()
+            .map(|list| {
+                (0..steps)
+                    .flat_map(|step| list.iter().map(move |&a| (step, a)))
+                    .collect()
+            })
+            .collect()
+    };
+    let events = execute(s.ranks, stages, &s.recompute, &lists, Some(costs))?;
+    Ok(Simulation {
+        ranks: s.ranks,
+        steps,
+        events,
+    })
+}
+
+/// 2BW without flushes: one 1F1B pipeline over `steps * m` micro-batches, global micro-batch
+/// `g` being micro-batch `g % m` of step `g / m`, with every rank's optimizer step of step `k`
+/// right after its backward (and gradient send) of the step's last micro-batch.
+fn continuous_two_bw(s: &Schedule, steps: usize) -> Vec<Vec<(usize, Action)>> {
+    let m = s.micro_batches;
+    let total = steps * m;
+    let stages = s.stages();
+    (0..s.ranks)
+        .map(|rank| {
+            let mut list = Vec::new();
+            let mut actions = Vec::new();
+            for op in one_f_one_b_order(s.ranks, total, rank) {
+                actions.clear();
+                expand_op(op, s.ranks, stages, &[], &mut actions);
+                for a in &actions {
+                    let g = a.micro_batch().unwrap_or(0);
+                    list.push((g / m, a.with_micro_batch(g % m)));
+                }
+                if let Op::B(g, _) = op
+                    && (g + 1).is_multiple_of(m)
+                {
+                    list.push((g / m, Action::OptimizerStep));
+                }
+            }
+            list
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pipeline::schedule::build_schedule;
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() < 1e-9 * a.abs().max(b.abs()).max(1.0)
+    }
+
+    fn unit(stages: usize) -> Costs {
+        Costs::uniform(stages, 1.0, 2.0)
+    }
+
+    #[test]
+    fn gpipe_and_1f1b_bubble_is_p_minus_1_over_m() {
+        for kind in [ScheduleKind::GPipe, ScheduleKind::OneFOneB] {
+            for p in 1..=4 {
+                for m in 1..=8 {
+                    let s = build_schedule(kind, p, m, 1, &vec![false; p]).unwrap();
+                    let sim = simulate(&s, &unit(p), 1).unwrap();
+                    let expected = (p - 1) as f64 / m as f64;
+                    assert!(
+                        close(sim.bubble_fraction(), expected),
+                        "{kind} p={p} m={m}: {} vs {expected}",
+                        sim.bubble_fraction()
+                    );
+                    assert!(close(sim.makespan(), 3.0 * (m + p - 1) as f64));
+                    assert!(close(sim.busy(0), 3.0 * m as f64));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn interleaved_bubble_is_p_minus_1_over_v_m() {
+        for p in 2..=4 {
+            for v in 2..=3 {
+                for m in [p, 2 * p, 3 * p] {
+                    let stages = p * v;
+                    let s =
+                        build_schedule(ScheduleKind::Interleaved, p, m, v, &vec![false; stages])
+                            .unwrap();
+                    let costs = Costs::uniform(stages, 1.0 / v as f64, 2.0 / v as f64);
+                    let sim = simulate(&s, &costs, 1).unwrap();
+                    let expected = (p - 1) as f64 / (v * m) as f64;
+                    assert!(
+                        close(sim.bubble_fraction(), expected),
+                        "p={p} v={v} m={m}: {} vs {expected}",
+                        sim.bubble_fraction()
+                    );
+                }
+            }
+        }
+    }
+
+    fn recompute_all_but_last(p: usize) -> Vec<bool> {
+        (0..p).map(|s| s + 1 < p).collect()
+    }
+
+    #[test]
+    fn shifted_critical_path_is_never_slower_than_1f1b() {
+        let mut strictly_faster = false;
+        for p in 2..=4 {
+            for m in 1..=8 {
+                for message in [0.0, 0.3, 1.0] {
+                    let recompute = recompute_all_but_last(p);
+                    let mut costs = unit(p);
+                    costs.send_activation = message;
+                    costs.send_grad = message;
+                    let base = build_schedule(ScheduleKind::OneFOneB, p, m, 1, &recompute).unwrap();
+                    let scp =
+                        build_schedule(ScheduleKind::ShiftedCriticalPath, p, m, 1, &recompute)
+                            .unwrap();
+                    let t_base = simulate(&base, &costs, 2).unwrap().step_time();
+                    let t_scp = simulate(&scp, &costs, 2).unwrap().step_time();
+                    assert!(
+                        t_scp <= t_base + 1e-9,
+                        "p={p} m={m} message={message}: {t_scp} > {t_base}"
+                    );
+                    if message > 0.0 && t_scp < t_base - 1e-9 {
+                        strictly_faster = true;
+                    }
+                }
+            }
+        }
+        assert!(strictly_faster);
+
+        // One case spelled out: 4 ranks, 8 micro-batches, messages of half a forward.
+        let recompute = recompute_all_but_last(4);
+        let mut costs = unit(4);
+        costs.send_activation = 0.5;
+        costs.send_grad = 0.5;
+        let base = build_schedule(ScheduleKind::OneFOneB, 4, 8, 1, &recompute).unwrap();
+        let scp = build_schedule(ScheduleKind::ShiftedCriticalPath, 4, 8, 1, &recompute).unwrap();
+        let t_base = simulate(&base, &costs, 1).unwrap().makespan();
+        let t_scp = simulate(&scp, &costs, 1).unwrap().makespan();
+        assert!(t_scp < t_base, "{t_scp} vs {t_base}");
+    }
+
+    #[test]
+    fn recompute_cost_goes_into_backward_without_an_explicit_recompute() {
+        let s = build_schedule(ScheduleKind::GPipe, 1, 2, 1, &[true]).unwrap();
+        let sim = simulate(&s, &unit(1), 1).unwrap();
+        // 2 forwards of 1, 2 backwards of 2 + 1.
+        assert!(close(sim.makespan(), 8.0));
+        let s = build_schedule(ScheduleKind::ShiftedCriticalPath, 1, 2, 1, &[true]).unwrap();
+        let sim = simulate(&s, &unit(1), 1).unwrap();
+        assert!(close(sim.makespan(), 8.0));
+        let recomputes = sim.events[0]
+            .iter()
+            .filter(|e| matches!(e.action, Action::Recompute { .. }))
+            .count();
+        assert_eq!(recomputes, 2);
+    }
+
+    #[test]
+    fn two_bw_has_no_flush() {
+        for p in 2..=4 {
+            for m in [2, 4, 8] {
+                let steps = 4;
+                let flush =
+                    build_schedule(ScheduleKind::OneFOneB, p, m, 1, &vec![false; p]).unwrap();
+                let two_bw = build_schedule(ScheduleKind::TwoBw, p, m, 1, &vec![false; p]).unwrap();
+                let t_flush = simulate(&flush, &unit(p), steps).unwrap().step_time();
+                let sim = simulate(&two_bw, &unit(p), steps).unwrap();
+                assert!(sim.step_time() < t_flush, "p={p} m={m}");
+                // The fill and drain are paid once, not once per step.
+                assert!(close(sim.makespan(), 3.0 * (steps * m + p - 1) as f64));
+                for rank in 0..p {
+                    let optimizer: Vec<usize> = sim.events[rank]
+                        .iter()
+                        .filter(|e| e.action == Action::OptimizerStep)
+                        .map(|e| e.step)
+                        .collect();
+                    assert_eq!(optimizer, (0..steps).collect::<Vec<_>>());
+                    assert!(
+                        sim.events[rank]
+                            .iter()
+                            .all(|e| e.action.micro_batch().is_none_or(|mb| mb < m))
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn flush_steps_follow_each_other() {
+        let p = 4;
+        let m = 8;
+        let s = build_schedule(ScheduleKind::OneFOneB, p, m, 1, &vec![false; p]).unwrap();
+        let one = simulate(&s, &unit(p), 1).unwrap();
+        let three = simulate(&s, &unit(p), 3).unwrap();
+        assert!(close(three.step_time(), one.makespan()));
+        assert!(close(three.bubble_fraction(), one.bubble_fraction()));
+        assert_eq!(three.events[0].len(), 3 * s.actions[0].len());
+    }
+
+    #[test]
+    fn messages_cost_their_transfer_time() {
+        let s = build_schedule(ScheduleKind::GPipe, 2, 1, 1, &[false; 2]).unwrap();
+        let mut costs = unit(2);
+        costs.send_activation = 0.5;
+        costs.send_grad = 0.25;
+        costs.optimizer = 0.125;
+        let sim = simulate(&s, &costs, 1).unwrap();
+        // F0 [0,1], transfer to 1.5, F1 [1.5,2.5], B1 [2.5,4.5], transfer to 4.75, B0 [4.75,6.75].
+        assert!(close(sim.makespan(), 6.75 + 0.125));
+        let recv = sim.events[1][0];
+        assert_eq!(recv.action, Action::RecvActivation { mb: 0, stage: 1 });
+        assert!(close(recv.start, 1.0) && close(recv.end, 1.5));
+    }
+
+    #[test]
+    fn trace_events_cover_the_timeline() {
+        let p = 3;
+        let s = build_schedule(ScheduleKind::OneFOneB, p, 4, 1, &vec![false; p]).unwrap();
+        let sim = simulate(&s, &unit(p), 1).unwrap();
+        let events = sim.trace_events();
+        let makespan = sim.makespan();
+        for rank in 0..p {
+            let mine: Vec<_> = events.iter().filter(|e| e.rank == rank).collect();
+            let mut clock = 0.0;
+            for e in &mine {
+                assert!(
+                    close(e.start_s, clock),
+                    "rank {rank}: gap before {}",
+                    e.name
+                );
+                clock = e.start_s + e.dur_s;
+            }
+            assert!(close(clock, makespan));
+            let idle: f64 = mine
+                .iter()
+                .filter(|e| e.category == "idle")
+                .map(|e| e.dur_s)
+                .sum();
+            assert!(close(idle, makespan - sim.busy(rank)));
+        }
+        let categories: std::collections::BTreeSet<&str> =
+            events.iter().map(|e| e.category.as_str()).collect();
+        for c in ["forward", "backward", "send", "recv", "optimizer", "idle"] {
+            assert!(categories.contains(c), "{c}");
+        }
+        let json = crate::pipeline::trace::chrome_trace(&events);
+        assert!(json["traceEvents"].as_array().unwrap().len() > events.len());
+    }
+
+    #[test]
+    fn bad_costs_and_steps_are_rejected() {
+        let s = build_schedule(ScheduleKind::OneFOneB, 2, 2, 1, &[false; 2]).unwrap();
+        assert_eq!(simulate(&s, &unit(2), 0), Err(ValidationError::ZeroSteps));
+        assert_eq!(
+            simulate(&s, &unit(3), 1),
+            Err(ValidationError::CostLength {
+                field: "forward",
+                len: 3,
+                stages: 2
+            })
+        );
+    }
+}

@@ -1,0 +1,53 @@
+//! What a model provides so that the pipeline executor can run it stage by stage.
+
+use std::ops::Range;
+
+use burn::module::{Module, ParamId};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor};
+
+/// The input of a stage: token ids for the stage holding the embedding, hidden states otherwise.
+#[derive(Clone, Debug)]
+pub enum StageInput<B: Backend> {
+    /// `[batch, seq]` token ids.
+    Tokens(Tensor<B, 2, Int>),
+    /// `[batch, seq, hidden]` hidden states from the previous stage.
+    Hidden(Tensor<B, 3>),
+}
+
+/// The output of a stage: hidden states for the next stage, or the loss of the last one.
+#[derive(Clone, Debug)]
+pub enum StageOutput<B: Backend> {
+    /// `[batch, seq, hidden]`.
+    Hidden(Tensor<B, 3>),
+    /// The mean loss of the micro-batch, `[1]`.
+    Loss(Tensor<B, 1>),
+}
+
+/// A model cut into *units* for pipelining: unit 0 is the embedding, units `1..=L` the
+/// transformer blocks, unit `L + 1` the head with the loss. A pipeline rank builds the model
+/// with only the units of its stages (the others are absent), and the executor runs contiguous
+/// unit ranges.
+pub trait PipelineModel<B: Backend>: Module<B> {
+    /// The number of units, `L + 2`.
+    fn units(&self) -> usize;
+
+    /// Runs units `range` (all held by this rank) on `input` (tokens when `range.start == 0`,
+    /// hidden states otherwise); the last unit needs `targets` and returns the loss.
+    fn run_units(
+        &self,
+        range: Range<usize>,
+        input: StageInput<B>,
+        targets: Option<Tensor<B, 2, Int>>,
+    ) -> StageOutput<B>;
+
+    /// The output head's copy of the token embedding on a rank that holds the head but not the
+    /// embedding, or the embedding itself on a rank that holds the embedding but not the head:
+    /// the two copies of a tied embedding, whose gradients the executor sums across the first
+    /// and the last pipeline rank. `None` when the rank holds both or neither.
+    fn tied_embedding(&self) -> Option<ParamId>;
+
+    /// Parameters that are copies of others, as `(copy, original)` names (the head's copy of a
+    /// tied embedding): checkpoints store the original only and load it into both.
+    fn tied_names(&self) -> Vec<(String, String)>;
+}
