@@ -105,7 +105,7 @@ pub struct TrainSection {
     /// Sequences per optimizer step, over all data-parallel ranks.
     pub global_batch: usize,
     /// Sequences per forward/backward pass on one rank; 0 means the rank's whole share
-    /// (`global_batch / dp`). Gradients are accumulated over the micro-batches, so every
+    /// (`global_batch / dp`) without a pipeline and 1 with one (pp > 1). Gradients are accumulated over the micro-batches, so every
     /// layout trains on the same global batch.
     pub micro_batch: usize,
     /// Peak learning rate.
@@ -611,9 +611,12 @@ impl Config {
         }
     }
 
-    /// Sequences per forward/backward pass on one rank.
+    /// Sequences per forward/backward pass on one rank: `train.micro_batch`, or when it is 0
+    /// the rank's whole share (one micro-batch) without a pipeline, and 1 sequence (as many
+    /// micro-batches as possible, the smallest bubble) with one.
     pub fn micro_batch(&self) -> usize {
         match self.train.micro_batch {
+            0 if self.parallel.pp > 1 => 1,
             0 => self.train.global_batch / self.parallel.dp.max(1),
             m => m,
         }

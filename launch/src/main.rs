@@ -43,6 +43,84 @@ enum Command {
     Export(export::ExportArgs),
     /// Continue a prompt with a GPT checkpoint.
     Generate(export::GenerateArgs),
+    /// Build, validate and simulate a pipeline schedule; print its action lists and bubble.
+    Schedule(ScheduleArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct ScheduleArgs {
+    /// gpipe, 1f1b, interleaved, shifted-critical-path or 2bw.
+    #[arg(long, default_value = "1f1b")]
+    schedule: String,
+    /// Pipeline ranks.
+    #[arg(long, default_value_t = 4)]
+    pp: usize,
+    /// Micro-batches per step.
+    #[arg(long, default_value_t = 8)]
+    micro_batches: usize,
+    /// Model stages per rank (interleaved).
+    #[arg(long, default_value_t = 1)]
+    virtual_stages: usize,
+    /// Recompute on every stage but the last (places the shifted-critical-path recomputation).
+    #[arg(long)]
+    recompute: bool,
+    /// Simulated time of a backward pass relative to a forward pass.
+    #[arg(long, default_value_t = 2.0)]
+    backward_ratio: f64,
+    /// Simulated steps.
+    #[arg(long, default_value_t = 1)]
+    steps: usize,
+    /// Print every rank's action list.
+    #[arg(long)]
+    print: bool,
+    /// Write the Chrome trace of the simulated run.
+    #[arg(long)]
+    trace: Option<PathBuf>,
+}
+
+/// `merak schedule`: the schedule as data, validated and simulated with unit costs.
+fn run_schedule(a: &ScheduleArgs) -> Result<()> {
+    use merak_burn::pipeline::{Costs, ScheduleKind, build_schedule, simulate, validate};
+    let kind: ScheduleKind = a.schedule.parse()?;
+    let stages = a.pp * a.virtual_stages;
+    let recompute: Vec<bool> = (0..stages).map(|s| a.recompute && s + 1 < stages).collect();
+    let schedule = build_schedule(kind, a.pp, a.micro_batches, a.virtual_stages, &recompute)?;
+    validate(&schedule)?;
+    println!(
+        "{kind}: {} ranks, {stages} stages, {} micro-batches: valid (complete, every receive matched, no deadlock)",
+        a.pp, a.micro_batches
+    );
+    if a.print {
+        for (r, list) in schedule.actions.iter().enumerate() {
+            let text: Vec<String> = list.iter().map(|x| x.to_string()).collect();
+            println!("rank {r}: {}", text.join(" "));
+        }
+    }
+    let v = a.virtual_stages as f64;
+    let mut costs = Costs::uniform(stages, 1.0 / v, a.backward_ratio / v);
+    if !a.recompute {
+        costs.recompute = vec![0.0; stages];
+    }
+    let sim = simulate(&schedule, &costs, a.steps)?;
+    let formula = (a.pp as f64 - 1.0) / (v * a.micro_batches as f64);
+    println!(
+        "simulated (forward 1, backward {}, free messages): step time {:.3}, bubble {:.4} (formula (p-1)/(v*m) = {formula:.4})",
+        a.backward_ratio,
+        sim.step_time(),
+        sim.bubble_fraction()
+    );
+    for s in 0..stages {
+        println!(
+            "stage {s} on rank {}: at most {} micro-batches in flight",
+            schedule.rank_of(s),
+            schedule.max_in_flight(s)
+        );
+    }
+    if let Some(path) = &a.trace {
+        merak_burn::pipeline::write_chrome_trace(path, &sim.trace_events())?;
+        println!("trace: {}", path.display());
+    }
+    Ok(())
 }
 
 #[derive(clap::Args, Debug)]
@@ -117,6 +195,7 @@ fn main() -> ExitCode {
         Command::Train(args) => run_train(args),
         Command::Export(a) => report(export::export(&a)),
         Command::Generate(a) => report(export::generate(&a)),
+        Command::Schedule(a) => report(run_schedule(&a)),
         Command::PrepareData(a) => {
             match tokens::prepare(&a.input, &a.output, &a.tokenizer, a.val_fraction) {
                 Ok(m) => {

@@ -56,6 +56,13 @@ pub fn build_plan(cfg: &Config) -> Result<PipelinePlan> {
         })?
     };
     let m = micro_batches(cfg);
+    // Interleaving with one stage per rank is plain 1F1B (a model with few layers may not have
+    // units for more stages per rank).
+    let kind = if kind == ScheduleKind::Interleaved && p.virtual_stages == 1 {
+        ScheduleKind::OneFOneB
+    } else {
+        kind
+    };
     let recompute_flags = match recompute {
         Recompute::Full | Recompute::StageAware => vec![true; stages],
         Recompute::None | Recompute::Selective => vec![false; stages],

@@ -419,7 +419,7 @@ where
     if let Some(bar) = progress {
         bar.finish_and_clear();
     }
-    report_memory(grid, spec.plan, max_in_flight)?;
+    report_memory(grid, spec.plan, max_in_flight, out)?;
     if let Some(path) = spec.trace {
         write_trace(path, executor.take_trace(), grid)?;
     }
@@ -599,9 +599,14 @@ fn peak_rss_bytes() -> u64 {
         .map_or(0, |kb| kb * 1024)
 }
 
-/// Rank 0 logs, per rank, its pipeline stages, the most micro-batches it held in flight, the
-/// units it recomputed and its peak resident memory.
-fn report_memory(grid: &ProcessGrid, plan: &PipelinePlan, max_in_flight: usize) -> Result<()> {
+/// Rank 0 writes `out/memory.json` and, under pp > 1, logs per rank its pipeline stages, the
+/// most micro-batches it held in flight, the units it recomputed and its peak resident memory.
+fn report_memory(
+    grid: &ProcessGrid,
+    plan: &PipelinePlan,
+    max_in_flight: usize,
+    out: &Path,
+) -> Result<()> {
     let world = grid.world.comm()?;
     let mine = [
         peak_rss_bytes() as f32 / (1 << 20) as f32,
@@ -609,6 +614,34 @@ fn report_memory(grid: &ProcessGrid, plan: &PipelinePlan, max_in_flight: usize) 
     ];
     let mut all = vec![0.0f32; 2 * world.size()];
     world.all_gather(&mine, &mut all)?;
+    if grid.rank == 0 {
+        let ranks: Vec<serde_json::Value> = all
+            .chunks(2)
+            .enumerate()
+            .map(|(rank, v)| {
+                let pp = grid.layout.coords(rank).pp;
+                let stages: Vec<usize> = (0..plan.schedule.stages())
+                    .filter(|&s| plan.schedule.rank_of(s) == pp)
+                    .collect();
+                let recompute: Vec<usize> =
+                    stages.iter().map(|&s| plan.recompute_units[s]).collect();
+                serde_json::json!({
+                    "rank": rank,
+                    "pp_rank": pp,
+                    "stages": stages,
+                    "recompute_units": recompute,
+                    "peak_rss_mib": v[0],
+                    "max_in_flight": v[1] as usize,
+                })
+            })
+            .collect();
+        let json = serde_json::json!({
+            "schedule": plan.schedule.kind.to_string(),
+            "ranks": ranks,
+        });
+        std::fs::write(out.join("memory.json"), serde_json::to_vec_pretty(&json)?)
+            .context("writing memory.json")?;
+    }
     if grid.rank == 0 && grid.layout.pp > 1 {
         for (rank, v) in all.chunks(2).enumerate() {
             let pp = grid.layout.coords(rank).pp;

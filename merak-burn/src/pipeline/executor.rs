@@ -28,7 +28,7 @@ use super::stage::{PipelineModel, StageInput, StageOutput};
 use super::trace::TraceEvent;
 use crate::comm::{CommError, Group, Pending};
 use crate::data_parallel::DataParallel;
-use crate::tensor_parallel::{ParallelBackend, set_dropout_position};
+use crate::tensor_parallel::{ParallelBackend, force_dropout, set_dropout_position};
 
 /// A failure while running a pipeline step.
 #[derive(Debug, Error)]
@@ -244,7 +244,9 @@ impl Executor {
     ) -> Result<StepReport, PipelineError>
     where
         B: AutodiffBackend + ParallelBackend,
+        B::InnerBackend: ParallelBackend,
         M: PipelineModel<B> + AutodiffModule<B>,
+        M::InnerModule: PipelineModel<B::InnerBackend>,
     {
         let actions = self.plan.schedule.actions[self.rank].clone();
         // The DP reducer starts a bucket's all-reduce once its gradients are final: after the
@@ -346,27 +348,31 @@ impl Executor {
                         };
                         h.output = Some(out);
                     } else {
-                        // The recomputed part runs now without keeping its graph.
+                        // The recomputed part runs now without autodiff (no graph is kept), with
+                        // the dropout masks the recomputation will draw again.
                         let first = units.start..units.start + k;
                         let seg_targets = (first.end == units.end).then_some(()).and(targets);
-                        let tmp = weigh(Self::run_units(
-                            model,
+                        force_dropout(true);
+                        let tmp = Self::run_units(
+                            &model.valid(),
                             first,
-                            to_autodiff(&input, false),
+                            input.clone(),
                             seg_targets,
                             [micro, seq],
                             device,
-                        ));
+                        );
+                        force_dropout(false);
                         match tmp {
                             StageOutput::Loss(l) => {
-                                report.loss += f64::from(l.into_scalar().elem::<f32>());
+                                report.loss +=
+                                    f64::from(l.into_scalar().elem::<f32>()) * f64::from(weight);
                                 out_values = None;
                             }
                             StageOutput::Hidden(x) if k == units.len() => {
-                                out_values = Some(read(x.inner())?);
+                                out_values = Some(read(x)?);
                             }
                             StageOutput::Hidden(x) => {
-                                let leaf = Tensor::<B, 3>::from_inner(x.inner()).require_grad();
+                                let leaf = Tensor::<B, 3>::from_inner(x).require_grad();
                                 h.boundary = Some(leaf.clone());
                                 let out = weigh(Self::run_units(
                                     &reducer.hooked(model.clone()),
@@ -398,7 +404,7 @@ impl Executor {
                     held.insert((mb, stage), h);
                     report.max_in_flight = report.max_in_flight.max(held.len());
                     report.compute_s += t0.elapsed().as_secs_f64();
-                    self.record("forward", format!("F{mb} s{stage}"), start);
+                    self.record("forward", format!("F{mb} s{stage} t{step}"), start);
                 }
                 Action::Recompute { mb, stage } => {
                     let batch = batches
@@ -422,7 +428,7 @@ impl Executor {
                         device,
                     );
                     report.compute_s += t0.elapsed().as_secs_f64();
-                    self.record("recompute", format!("R{mb} s{stage}"), start);
+                    self.record("recompute", format!("R{mb} s{stage} t{step}"), start);
                 }
                 Action::Backward { mb, stage } => {
                     let batch = batches
@@ -493,7 +499,7 @@ impl Executor {
                         }
                     }
                     report.compute_s += t0.elapsed().as_secs_f64();
-                    self.record("backward", format!("B{mb} s{stage}"), start);
+                    self.record("backward", format!("B{mb} s{stage} t{step}"), start);
                 }
                 Action::SendActivation { mb, stage } => {
                     let v = outbox_act
@@ -501,14 +507,14 @@ impl Executor {
                         .ok_or_else(|| missing(action, "its forward output"))?;
                     let dest = self.plan.schedule.rank_of(stage + 1);
                     self.send(v, dest, tag(mb, stage + 1, stages, 0), &mut pending)?;
-                    self.record("send", format!("send act {mb} s{stage}"), start);
+                    self.record("send", format!("send act {mb} s{stage} t{step}"), start);
                 }
                 Action::RecvActivation { mb, stage } => {
                     let src = self.plan.schedule.rank_of(stage - 1);
                     let v = self.recv(act_len, src, tag(mb, stage, stages, 0))?;
                     inbox_act.insert((mb, stage), v);
                     report.wait_s += t0.elapsed().as_secs_f64();
-                    self.record("recv", format!("recv act {mb} s{stage}"), start);
+                    self.record("recv", format!("recv act {mb} s{stage} t{step}"), start);
                 }
                 Action::SendGrad { mb, stage } => {
                     let v = outbox_grad
@@ -516,14 +522,14 @@ impl Executor {
                         .ok_or_else(|| missing(action, "its input gradient"))?;
                     let dest = self.plan.schedule.rank_of(stage - 1);
                     self.send(v, dest, tag(mb, stage - 1, stages, 1), &mut pending)?;
-                    self.record("send", format!("send grad {mb} s{stage}"), start);
+                    self.record("send", format!("send grad {mb} s{stage} t{step}"), start);
                 }
                 Action::RecvGrad { mb, stage } => {
                     let src = self.plan.schedule.rank_of(stage + 1);
                     let v = self.recv(act_len, src, tag(mb, stage, stages, 1))?;
                     inbox_grad.insert((mb, stage), v);
                     report.wait_s += t0.elapsed().as_secs_f64();
-                    self.record("recv", format!("recv grad {mb} s{stage}"), start);
+                    self.record("recv", format!("recv grad {mb} s{stage} t{step}"), start);
                 }
                 Action::OptimizerStep => break,
             }

@@ -11,6 +11,14 @@ use super::init::InitRng;
 static STEP: AtomicU64 = AtomicU64::new(0);
 static FIRST_SAMPLE: AtomicU64 = AtomicU64::new(0);
 static GENERATION: AtomicU64 = AtomicU64::new(0);
+static FORCED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Makes dropout active also on a backend without autodiff (`true`), as during a forward pass
+/// that is run without its graph and recomputed with it later: both must drop the same
+/// elements. Off by default (inference).
+pub fn force_dropout(on: bool) {
+    FORCED.store(on, Ordering::SeqCst);
+}
 
 /// Tells every [`ReplicatedDropout`] which global samples the next forward pass holds: the
 /// training step and the global index of the micro-batch's first sample. Masks are keyed by
@@ -28,7 +36,7 @@ pub fn set_dropout_position(step: u64, first_sample: u64) {
 /// seed, the step, the sample's global index (see [`set_dropout_position`]) and how many times
 /// this layer ran in the current forward pass. Every TP rank drops the same elements and a run
 /// equals the one-process run under any layout. Active only when the backend records gradients
-/// (training).
+/// (training), or when [`force_dropout`] says so.
 #[derive(Module, Clone, Debug)]
 pub struct ReplicatedDropout {
     #[module(skip)]
@@ -52,7 +60,8 @@ impl ReplicatedDropout {
 
     /// Applies dropout when training and `prob > 0`; the identity otherwise.
     pub fn forward<B: Backend, const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        if self.prob <= 0.0 || !B::ad_enabled(&x.device()) {
+        let training = B::ad_enabled(&x.device()) || FORCED.load(Ordering::SeqCst);
+        if self.prob <= 0.0 || !training {
             return x;
         }
         let call = {

@@ -18,7 +18,7 @@ pub mod sharding;
 
 pub use attention::{AttentionMask, AttentionWeights, ParallelSelfAttention};
 pub use cross_entropy::vocab_parallel_cross_entropy;
-pub use dropout::{ReplicatedDropout, set_dropout_position};
+pub use dropout::{ReplicatedDropout, force_dropout, set_dropout_position};
 pub use embedding::{VocabParallelEmbedding, padded_vocab};
 pub use init::{InitRng, Shard, TpError};
 pub use linear::{ColumnParallelLinear, RowParallelLinear, param_from_values};

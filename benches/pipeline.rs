@@ -1,0 +1,280 @@
+//! Pipeline benchmark: runs `merak train` under `mpirun` for several schedules, side by side in
+//! one invocation, and reports
+//!
+//! 1. the measured bubble of GPipe and 1F1B against (p - 1) / m, from `--trace` (per step and
+//!    rank: (step wall time - the rank's compute time) / compute time, averaged over ranks and
+//!    over every step but the first);
+//! 2. the step time of the shifted-critical-path schedule against 1F1B with the same (full)
+//!    recomputation;
+//! 3. the peak resident memory of every pipeline stage under GPipe, 1F1B and 1F1B with
+//!    stage-aware recomputation (`memory.json`).
+//!
+//! Run from the repository root after `cargo build --release --workspace`:
+//! `target/release/bench-pipeline` (it starts `mpirun` itself; as root set
+//! `OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1`).
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+
+/// Pipeline schedules measured side by side.
+#[derive(Parser, Debug)]
+struct Args {
+    /// Hidden size of the benchmark GPT (8 heads, 8 layers, sequence 128, vocabulary 512).
+    #[arg(long, default_value_t = 256)]
+    hidden: usize,
+    /// Sequences per micro-batch.
+    #[arg(long, default_value_t = 2)]
+    micro_batch: usize,
+    /// Steps per run (the first is not measured).
+    #[arg(long, default_value_t = 4)]
+    steps: usize,
+    /// Micro-batch counts for the bubble measurement.
+    #[arg(long, value_delimiter = ',', default_value = "2,4,8")]
+    micro_batches: Vec<usize>,
+    /// Which sections to run (1: bubble, 2: shifted critical path, 3: memory).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3")]
+    sections: Vec<usize>,
+    /// Where runs write their output.
+    #[arg(long, default_value = "runs/bench-pipeline")]
+    out: PathBuf,
+}
+
+/// The `merak` binary next to this one.
+fn merak() -> Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let path = exe.with_file_name("merak");
+    if !path.exists() {
+        bail!(
+            "{} not found: build it with cargo build --release -p merak-launch",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+/// Runs `merak train` on `pp` ranks (pp = dp... = 1 otherwise) with `sets`; returns its folder.
+fn train(a: &Args, name: &str, pp: usize, m: usize, sets: &[&str], trace: bool) -> Result<PathBuf> {
+    let out = a.out.join(name);
+    let _ = std::fs::remove_dir_all(&out);
+    let mut cmd = Command::new("mpirun");
+    cmd.args([
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        "-np",
+        &pp.to_string(),
+    ])
+    .arg(merak()?)
+    .arg("train")
+    .args(["--pp", &pp.to_string()]);
+    let shape = [
+        format!("model.hidden={}", a.hidden),
+        "model.heads=8".into(),
+        "model.layers=8".into(),
+        "model.seq_len=128".into(),
+        "model.vocab_size=512".into(),
+        format!("train.micro_batch={}", a.micro_batch),
+        format!("train.global_batch={}", a.micro_batch * m),
+        format!("train.steps={}", a.steps),
+        "checkpoint.at_end=false".into(),
+    ];
+    for s in shape.iter().map(String::as_str).chain(sets.iter().copied()) {
+        cmd.args(["--set", s]);
+    }
+    cmd.arg("--out").arg(&out);
+    if trace {
+        cmd.arg("--trace").arg(out.join("trace.json"));
+    }
+    let o = cmd.output().context("running mpirun")?;
+    if !o.status.success() {
+        bail!("{name} failed:\n{}", String::from_utf8_lossy(&o.stderr));
+    }
+    Ok(out)
+}
+
+/// Mean over ranks and over steps 2.. of (step wall - rank compute) / rank compute.
+fn measured_bubble(out: &Path) -> Result<f64> {
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("trace.json"))?)?;
+    let events = json["traceEvents"].as_array().context("traceEvents")?;
+    // step -> (first start, last end, compute per rank)
+    let mut steps: BTreeMap<usize, (f64, f64, BTreeMap<u64, f64>)> = BTreeMap::new();
+    for e in events {
+        let (Some(name), Some(cat), Some(ts), Some(dur), Some(tid)) = (
+            e["name"].as_str(),
+            e["cat"].as_str(),
+            e["ts"].as_f64(),
+            e["dur"].as_f64(),
+            e["tid"].as_u64(),
+        ) else {
+            continue;
+        };
+        let Some(step) = name
+            .rsplit(' ')
+            .next()
+            .and_then(|t| t.strip_prefix('t'))
+            .and_then(|t| t.parse::<usize>().ok())
+        else {
+            continue;
+        };
+        let entry = steps
+            .entry(step)
+            .or_insert((f64::INFINITY, 0.0, BTreeMap::new()));
+        entry.0 = entry.0.min(ts);
+        entry.1 = entry.1.max(ts + dur);
+        if matches!(cat, "forward" | "backward" | "recompute") {
+            *entry.2.entry(tid).or_insert(0.0) += dur;
+        }
+    }
+    let mut values = Vec::new();
+    for (step, (start, end, busy)) in &steps {
+        if *step == 0 {
+            continue;
+        }
+        for b in busy.values() {
+            values.push((end - start - b) / b);
+        }
+    }
+    if values.is_empty() {
+        bail!("no measured steps in {}", out.display());
+    }
+    Ok(values.iter().sum::<f64>() / values.len() as f64)
+}
+
+/// Median step time over steps 2.. (rank 0's metrics).
+fn step_time(out: &Path) -> Result<f64> {
+    let text = std::fs::read_to_string(out.join("metrics.jsonl"))?;
+    let mut t: Vec<f64> = text
+        .lines()
+        .skip(1)
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v["step_time_s"].as_f64())
+        .collect();
+    Ok(common::median(&mut t))
+}
+
+/// Peak resident MiB and micro-batches in flight per pipeline rank.
+fn memory(out: &Path) -> Result<Vec<(f64, u64)>> {
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("memory.json"))?)?;
+    Ok(json["ranks"]
+        .as_array()
+        .context("ranks")?
+        .iter()
+        .map(|r| {
+            (
+                r["peak_rss_mib"].as_f64().unwrap_or(0.0),
+                r["max_in_flight"].as_u64().unwrap_or(0),
+            )
+        })
+        .collect())
+}
+
+fn main() -> Result<()> {
+    let a = Args::parse();
+    std::fs::create_dir_all(&a.out)?;
+    println!(
+        "# GPT hidden {}, 8 layers, 8 heads, seq 128, micro-batch {}, {} steps per run (first not measured)",
+        a.hidden, a.micro_batch, a.steps
+    );
+
+    if a.sections.contains(&1) {
+        bubble(&a)?;
+    }
+    if a.sections.contains(&2) {
+        critical_path(&a)?;
+    }
+    if a.sections.contains(&3) {
+        peak_memory(&a)?;
+    }
+    Ok(())
+}
+
+fn bubble(a: &Args) -> Result<()> {
+    println!("\n## 1. Bubble, pp = 2 (one rank per core)");
+    println!(
+        "{:<8} {:>3} {:>10} {:>10}",
+        "schedule", "m", "measured", "(p-1)/m"
+    );
+    for &m in &a.micro_batches {
+        for kind in ["gpipe", "1f1b"] {
+            let sets = [format!("parallel.schedule={kind}")];
+            let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+            let out = train(a, &format!("bubble-{kind}-m{m}"), 2, m, &sets, true)?;
+            println!(
+                "{:<8} {:>3} {:>10.3} {:>10.3}",
+                kind,
+                m,
+                measured_bubble(&out)?,
+                1.0 / m as f64
+            );
+        }
+    }
+    Ok(())
+}
+
+fn critical_path(a: &Args) -> Result<()> {
+    println!("\n## 2. Shifted critical path vs 1F1B, both with full recomputation, pp = 2, m = 8");
+    let one = train(
+        a,
+        "full-1f1b",
+        2,
+        8,
+        &["parallel.schedule=1f1b", "parallel.recompute=full"],
+        true,
+    )?;
+    let scp = train(
+        a,
+        "full-scp",
+        2,
+        8,
+        &[
+            "parallel.schedule=shifted-critical-path",
+            "parallel.recompute=full",
+        ],
+        true,
+    )?;
+    let (t1, t2) = (step_time(&one)?, step_time(&scp)?);
+    println!(
+        "step time: 1f1b {t1:.3}s, shifted-critical-path {t2:.3}s, ratio scp/1f1b {:.3}; bubble {:.3} vs {:.3}",
+        t2 / t1,
+        measured_bubble(&one)?,
+        measured_bubble(&scp)?
+    );
+    Ok(())
+}
+
+fn peak_memory(a: &Args) -> Result<()> {
+    println!(
+        "\n## 3. Peak resident memory per stage (MiB; micro-batches in flight), pp = 4, m = 8"
+    );
+    let mut rows = Vec::new();
+    for (name, sets) in [
+        ("gpipe", vec!["parallel.schedule=gpipe"]),
+        ("1f1b", vec!["parallel.schedule=1f1b"]),
+        (
+            "1f1b+stage-aware",
+            vec!["parallel.schedule=1f1b", "parallel.recompute=stage-aware"],
+        ),
+    ] {
+        let out = train(a, &format!("memory-{name}"), 4, 8, &sets, false)?;
+        rows.push((name, memory(&out)?));
+    }
+    print!("{:<18}", "schedule");
+    for s in 0..4 {
+        print!(" {:>14}", format!("stage {s}"));
+    }
+    println!();
+    for (name, mem) in rows {
+        print!("{name:<18}");
+        for (mib, inflight) in mem {
+            print!(" {:>14}", format!("{mib:.0} ({inflight})"));
+        }
+        println!();
+    }
+    Ok(())
+}
