@@ -666,6 +666,36 @@ fn report_memory(
     Ok(())
 }
 
+/// The gaps between a rank's recorded actions, as "idle" spans (waiting for the pipeline,
+/// the DP all-reduce, the optimizer and everything else outside the schedule's actions).
+fn idle_gaps(events: &[TraceEvent]) -> Vec<TraceEvent> {
+    let mut by_rank: std::collections::BTreeMap<usize, Vec<(f64, f64)>> = Default::default();
+    for e in events {
+        by_rank
+            .entry(e.rank)
+            .or_default()
+            .push((e.start_s, e.start_s + e.dur_s));
+    }
+    let mut idle = Vec::new();
+    for (rank, mut spans) in by_rank {
+        spans.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let mut end = spans.first().map_or(0.0, |s| s.0);
+        for (s, e) in spans {
+            if s > end {
+                idle.push(TraceEvent {
+                    rank,
+                    name: "idle".into(),
+                    category: "idle".into(),
+                    start_s: end,
+                    dur_s: s - end,
+                });
+            }
+            end = end.max(e);
+        }
+    }
+    idle
+}
+
 /// Writes the Chrome trace of every rank's actions: each rank writes its part next to `path`,
 /// rank 0 merges them (times from the earliest event).
 fn write_trace(path: &Path, events: Vec<TraceEvent>, grid: &ProcessGrid) -> Result<()> {
@@ -689,6 +719,7 @@ fn write_trace(path: &Path, events: Vec<TraceEvent>, grid: &ProcessGrid) -> Resu
         for e in &mut all {
             e.start_s -= t0;
         }
+        all.extend(idle_gaps(&all));
         write_chrome_trace(path, &all).with_context(|| format!("writing {}", path.display()))?;
         tracing::info!(
             "trace: {} (open in https://ui.perfetto.dev)",

@@ -377,7 +377,7 @@ fn trace_shows_every_rank_and_action() {
     run_pp(2, &out, &extra).assert_success();
     let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
     let events = json["traceEvents"].as_array().unwrap();
-    for cat in ["forward", "backward", "send", "recv"] {
+    for cat in ["forward", "backward", "send", "recv", "idle"] {
         for rank in 0..2 {
             assert!(
                 events
