@@ -106,6 +106,19 @@ fn every_schedule_and_recomputation_equals_one_process() {
             vec!["--pp", "4", "--set", "parallel.schedule=gpipe"],
         ),
         (4, "pp4-1f1b", vec!["--pp", "4"]),
+        // 8 graphs in flight per stage (it once broke Burn's graph cleanup).
+        (
+            4,
+            "pp4-gpipe-m8",
+            vec![
+                "--pp",
+                "4",
+                "--set",
+                "parallel.schedule=gpipe",
+                "--set",
+                "train.micro_batch=1",
+            ],
+        ),
         (
             4,
             "pp4-interleaved",

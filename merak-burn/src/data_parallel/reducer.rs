@@ -172,6 +172,21 @@ impl<B: ParallelBackend> ModuleMapper<B> for HookMapper {
     }
 }
 
+/// Replaces every parameter by a fresh autodiff leaf holding the same values.
+struct FreshLeaves;
+
+impl<B: AutodiffBackend> ModuleMapper<B> for FreshLeaves {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let fresh = if tensor.is_require_grad() {
+            Tensor::from_inner(tensor.inner()).require_grad()
+        } else {
+            tensor
+        };
+        Param::from_mapped_value(id, fresh, mapper)
+    }
+}
+
 impl DataParallel {
     /// Lays out the gradients of `model` (every float parameter, in visit order) in buckets of
     /// about `bucket_elems` values, filled from the last parameter backwards (the order in
@@ -267,15 +282,20 @@ impl DataParallel {
         self.state.borrow_mut().reduce_now = last;
     }
 
-    /// `model` with every parameter wrapped in this reducer's gradient hook, for the forward
+    /// `model` with every parameter wrapped in this reducer's gradient hook, for one forward
     /// pass; activates the reducer on this thread. Gradients are read from the reducer with
     /// [`DataParallel::finish`], not from the returned module.
+    ///
+    /// Each call gives the parameters fresh autodiff leaves (same values, no copy), so the
+    /// graphs of several micro-batches in flight at once (a pipeline) share no node: Burn
+    /// 0.21's graph cleanup after one backward pass can otherwise break another pending graph
+    /// through a shared parameter leaf.
     pub fn hooked<B: AutodiffBackend + ParallelBackend, M: AutodiffModule<B>>(
         &self,
         model: M,
     ) -> M {
         ACTIVE.with(|a| *a.borrow_mut() = Some(self.state.clone()));
-        model.map(&mut HookMapper { next: 0 })
+        model.map(&mut FreshLeaves).map(&mut HookMapper { next: 0 })
     }
 
     /// Waits for the all-reduces and returns the gradients summed over the micro-batches and

@@ -329,8 +329,8 @@ impl Executor {
                         if let StageInput::Hidden(leaf) = &inp {
                             h.input_leaf = Some(leaf.clone());
                         }
-                        // A fresh hooked copy per forward pass: Burn frees a graph when it is
-                        // walked backward, so graphs of different micro-batches share nothing.
+                        // A fresh hooked copy (fresh parameter leaves) per forward pass: the
+                        // graphs of micro-batches in flight share no node.
                         let out = weigh(Self::run_units(
                             &reducer.hooked(model.clone()),
                             units.clone(),
