@@ -47,6 +47,9 @@ use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use clap::Parser;
 use merak_burn::comm::{Communicator, Group, MpiCommunicator, MpiWorld, ReduceOp};
 use merak_burn::data_parallel::DataParallel;
+use merak_burn::pipeline::{
+    Executor, MicroBatch, PipelinePlan, ScheduleKind, build_schedule, explicit_partition,
+};
 use merak_burn::train::{clip_grads, global_grad_norm, sharded_param_ids, split_for_weight_decay};
 use merak_gpt::{Gpt, GptConfig};
 
@@ -210,6 +213,9 @@ impl<O: Optimizer<Model, B>> Stepper for Plain<O> {
 struct Merak<O> {
     model: Option<Model>,
     reducer: DataParallel,
+    executor: Executor,
+    hidden: usize,
+    step: usize,
     optim_decay: O,
     optim_no_decay: O,
     sharded: HashSet<ParamId>,
@@ -238,12 +244,19 @@ impl<O: Optimizer<Model, B>> Stepper for Merak<O> {
         if dp > 1 {
             self.dp.comm()?.all_reduce(&mut total, ReduceOp::Sum)?;
         }
-        let (x, y) = self.batch.tensors(&self.device);
-        self.reducer.set_last_micro_batch(true);
-        let share = count / total[0].max(1.0);
-        let loss = self.reducer.hooked(model.clone()).loss(x, y) * share;
-        let mut loss_value = f64::from(loss.clone().into_scalar().elem::<f32>());
-        let _ = loss.backward();
+        // As `merak train` runs it: a one-stage pipeline plan driven by the executor.
+        let batch = MicroBatch {
+            inputs: self.batch.ids.clone(),
+            targets: self.batch.targets.clone(),
+            weight: count / total[0].max(1.0),
+            first_sample: 0,
+        };
+        let shape = [self.batch.rows, self.batch.seq, self.hidden];
+        let report =
+            self.executor
+                .run_step(&model, &self.reducer, &[batch], self.step, shape, &self.device)?;
+        self.step += 1;
+        let mut loss_value = report.loss;
         self.phases.fwd_bwd += clock.lap();
         let (mut grads, _stats) = self.reducer.finish::<B, _>(&model)?;
         if dp > 1 {
@@ -300,9 +313,18 @@ fn merak_variant(
     let tp = Group::local();
     let model = Model::new(cfg, args.seed, tp, device)?;
     let bucket_elems = (bucket_mb * (1 << 20) as f64 / 4.0) as usize;
+    let units = cfg.layers + 2;
+    let plan = PipelinePlan {
+        schedule: build_schedule(ScheduleKind::OneFOneB, 1, 1, 1, &[false])?,
+        partition: explicit_partition(&[units], units)?,
+        recompute_units: vec![0],
+    };
     Ok(Box::new(Merak {
         sharded: sharded_param_ids::<B, _>(&model),
         reducer: DataParallel::new(&model, dp, bucket_elems)?,
+        executor: Executor::new(plan, Group::local(), tp, None),
+        hidden: cfg.hidden,
+        step: 0,
         optim_decay: adamw().with_weight_decay(WEIGHT_DECAY).init::<B, Model>(),
         optim_no_decay: adamw().with_weight_decay(0.0).init::<B, Model>(),
         model: Some(model),
