@@ -252,9 +252,14 @@ impl<O: Optimizer<Model, B>> Stepper for Merak<O> {
             first_sample: 0,
         };
         let shape = [self.batch.rows, self.batch.seq, self.hidden];
-        let report =
-            self.executor
-                .run_step(&model, &self.reducer, &[batch], self.step, shape, &self.device)?;
+        let report = self.executor.run_step(
+            &model,
+            &self.reducer,
+            &[batch],
+            self.step,
+            shape,
+            &self.device,
+        )?;
         self.step += 1;
         let mut loss_value = report.loss;
         self.phases.fwd_bwd += clock.lap();
