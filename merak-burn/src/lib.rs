@@ -8,6 +8,7 @@
 //! - [`tensor_parallel`]: the f/g autodiff operators and the tensor-parallel layers.
 //! - [`train`]: global gradient norm and clipping, weight-decay groups, schedule, metrics.
 //! - [`pipeline`]: stages, schedules as data (validated, simulated, executed), recomputation.
+//! - [`planner`]: model proxy, hardware spec, cost model and search of 3D-parallel plans.
 //! - [`checkpoint`]: atomic sharded checkpoints that load under any dp/tp layout.
 
 pub mod checkpoint;
@@ -15,5 +16,6 @@ pub mod comm;
 pub mod data_parallel;
 pub mod grid;
 pub mod pipeline;
+pub mod planner;
 pub mod tensor_parallel;
 pub mod train;

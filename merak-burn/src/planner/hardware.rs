@@ -1,0 +1,265 @@
+//! The hardware a plan runs on: devices, memory, compute and links (DESIGN.md §3, "Planner").
+//!
+//! A [`HardwareSpec`] is read from a TOML file (every key below, `name` optional) or taken from
+//! a preset: `a100-80g`, `h100-80g`, `local-cpu`.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+/// Why a hardware spec cannot be loaded.
+#[derive(Debug, Error)]
+pub enum HardwareError {
+    /// Neither a preset nor a readable file.
+    #[error("unknown hardware `{name}`: not a preset ({known}) and not a readable file: {source}")]
+    Unknown {
+        /// The name or path given.
+        name: String,
+        /// The presets.
+        known: String,
+        /// The file error.
+        source: std::io::Error,
+    },
+    /// The TOML does not describe a spec (the message names the key).
+    #[error("hardware spec: {0}")]
+    Toml(#[from] toml::de::Error),
+    /// A value out of range.
+    #[error("hardware spec key `{key}` = {value} must be {expected}")]
+    Invalid {
+        /// The key.
+        key: &'static str,
+        /// Its value.
+        value: f64,
+        /// What it must be.
+        expected: &'static str,
+    },
+}
+
+/// Devices, memory, compute and links of a cluster. Bandwidths are bytes/s per device and
+/// direction; latencies seconds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HardwareSpec {
+    /// A name for reports.
+    #[serde(default)]
+    pub name: String,
+    /// Devices (GPUs) per node.
+    pub devices_per_node: usize,
+    /// Nodes.
+    pub nodes: usize,
+    /// Memory per device, bytes.
+    pub memory_bytes: u64,
+    /// Peak FP32 FLOP/s per device.
+    pub peak_flops_fp32: f64,
+    /// Peak FP16/BF16 (dense tensor-core) FLOP/s per device.
+    pub peak_flops_fp16: f64,
+    /// The fraction of peak that GEMM-dominated training achieves: the cost model's one global
+    /// efficiency constant.
+    pub achievable_fraction: f64,
+    /// Device memory bandwidth, bytes/s (the optimizer step is bound by it).
+    pub memory_bandwidth: f64,
+    /// Bandwidth between two devices of one node, bytes/s per direction.
+    pub intra_node_bandwidth: f64,
+    /// Latency of one intra-node message, seconds.
+    pub intra_node_latency: f64,
+    /// Inter-node bandwidth available to one device, bytes/s per direction.
+    pub inter_node_bandwidth: f64,
+    /// Latency of one inter-node message, seconds.
+    pub inter_node_latency: f64,
+}
+
+/// The preset names.
+pub const HARDWARE_PRESETS: [&str; 3] = ["a100-80g", "h100-80g", "local-cpu"];
+
+impl HardwareSpec {
+    /// A preset: `a100-80g` (8 A100-80GB per node, NVLink about 300 GB/s per direction,
+    /// 8 x 200 Gb/s InfiniBand per node, 312 TFLOP/s fp16), `h100-80g` (989 TFLOP/s dense fp16,
+    /// NVLink 450 GB/s, 8 x 400 Gb/s InfiniBand) or `local-cpu` (1 node of 2 small devices).
+    /// `nodes` is 1; set it (or use [`with_devices`](Self::with_devices)) for a cluster.
+    pub fn preset(name: &str) -> Option<Self> {
+        let spec = match name {
+            "a100-80g" => HardwareSpec {
+                name: name.to_string(),
+                devices_per_node: 8,
+                nodes: 1,
+                memory_bytes: 80_000_000_000,
+                peak_flops_fp32: 19.5e12,
+                peak_flops_fp16: 312e12,
+                achievable_fraction: 0.50,
+                memory_bandwidth: 2.0e12,
+                intra_node_bandwidth: 300e9,
+                intra_node_latency: 5e-6,
+                inter_node_bandwidth: 25e9,
+                inter_node_latency: 1e-5,
+            },
+            "h100-80g" => HardwareSpec {
+                name: name.to_string(),
+                devices_per_node: 8,
+                nodes: 1,
+                memory_bytes: 80_000_000_000,
+                peak_flops_fp32: 67e12,
+                peak_flops_fp16: 989e12,
+                achievable_fraction: 0.50,
+                memory_bandwidth: 3.35e12,
+                intra_node_bandwidth: 450e9,
+                intra_node_latency: 4e-6,
+                inter_node_bandwidth: 50e9,
+                inter_node_latency: 8e-6,
+            },
+            "local-cpu" => HardwareSpec {
+                name: name.to_string(),
+                devices_per_node: 2,
+                nodes: 1,
+                memory_bytes: 8_000_000_000,
+                peak_flops_fp32: 50e9,
+                peak_flops_fp16: 50e9,
+                achievable_fraction: 0.5,
+                memory_bandwidth: 10e9,
+                intra_node_bandwidth: 5e9,
+                intra_node_latency: 2e-6,
+                inter_node_bandwidth: 1e9,
+                inter_node_latency: 5e-5,
+            },
+            _ => return None,
+        };
+        Some(spec)
+    }
+
+    /// The same spec with `devices` devices in all (whole nodes, rounding up).
+    pub fn with_devices(mut self, devices: usize) -> Self {
+        let per = self.devices_per_node.max(1);
+        self.nodes = devices.div_ceil(per).max(1);
+        self
+    }
+
+    /// Total devices.
+    pub fn devices(&self) -> usize {
+        self.devices_per_node * self.nodes
+    }
+
+    /// Parses and checks a TOML spec.
+    pub fn from_toml(text: &str) -> Result<Self, HardwareError> {
+        let spec: HardwareSpec = toml::from_str(text)?;
+        spec.validate()?;
+        Ok(spec)
+    }
+
+    /// A preset name, or else the path of a TOML file.
+    pub fn load(name_or_path: &str) -> Result<Self, HardwareError> {
+        if let Some(spec) = HardwareSpec::preset(name_or_path) {
+            return Ok(spec);
+        }
+        let text = std::fs::read_to_string(Path::new(name_or_path)).map_err(|source| {
+            HardwareError::Unknown {
+                name: name_or_path.to_string(),
+                known: HARDWARE_PRESETS.join(", "),
+                source,
+            }
+        })?;
+        HardwareSpec::from_toml(&text)
+    }
+
+    /// Checks every value: counts and memory positive, rates positive and finite, latencies
+    /// non-negative, the fraction in `(0, 1]`.
+    pub fn validate(&self) -> Result<(), HardwareError> {
+        let positive: [(&'static str, f64); 9] = [
+            ("devices_per_node", self.devices_per_node as f64),
+            ("nodes", self.nodes as f64),
+            ("memory_bytes", self.memory_bytes as f64),
+            ("peak_flops_fp32", self.peak_flops_fp32),
+            ("peak_flops_fp16", self.peak_flops_fp16),
+            ("memory_bandwidth", self.memory_bandwidth),
+            ("intra_node_bandwidth", self.intra_node_bandwidth),
+            ("inter_node_bandwidth", self.inter_node_bandwidth),
+            ("achievable_fraction", self.achievable_fraction),
+        ];
+        for (key, value) in positive {
+            if !(value.is_finite() && value > 0.0) {
+                return Err(HardwareError::Invalid {
+                    key,
+                    value,
+                    expected: "positive and finite",
+                });
+            }
+        }
+        if self.achievable_fraction > 1.0 {
+            return Err(HardwareError::Invalid {
+                key: "achievable_fraction",
+                value: self.achievable_fraction,
+                expected: "at most 1",
+            });
+        }
+        for (key, value) in [
+            ("intra_node_latency", self.intra_node_latency),
+            ("inter_node_latency", self.inter_node_latency),
+        ] {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(HardwareError::Invalid {
+                    key,
+                    value,
+                    expected: "non-negative and finite",
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Achievable 16-bit FLOP/s of one device: peak times the achievable fraction.
+    pub fn achievable_flops(&self) -> f64 {
+        self.peak_flops_fp16 * self.achievable_fraction
+    }
+
+    /// Bandwidth and latency of a group of devices whose ranks span `span` consecutive ranks:
+    /// intra-node when the span fits in a node, inter-node otherwise.
+    pub fn link(&self, span: usize) -> (f64, f64) {
+        if span <= self.devices_per_node {
+            (self.intra_node_bandwidth, self.intra_node_latency)
+        } else {
+            (self.inter_node_bandwidth, self.inter_node_latency)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_are_valid_and_round_trip_through_toml() {
+        for name in HARDWARE_PRESETS {
+            let spec = HardwareSpec::load(name).unwrap();
+            spec.validate().unwrap();
+            let text = toml::to_string(&spec).unwrap();
+            assert_eq!(HardwareSpec::from_toml(&text).unwrap(), spec);
+        }
+        assert_eq!(
+            HardwareSpec::preset("a100-80g")
+                .unwrap()
+                .with_devices(64)
+                .devices(),
+            64
+        );
+    }
+
+    #[test]
+    fn errors_name_the_key() {
+        let spec = HardwareSpec::preset("a100-80g").unwrap();
+        let text = toml::to_string(&spec).unwrap();
+        let missing: String = text
+            .lines()
+            .filter(|l| !l.starts_with("nodes"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let err = HardwareSpec::from_toml(&missing).unwrap_err().to_string();
+        assert!(err.contains("nodes"), "{err}");
+        let bad = text.replace("achievable_fraction = 0.5", "achievable_fraction = 1.5");
+        let err = HardwareSpec::from_toml(&bad).unwrap_err().to_string();
+        assert!(err.contains("achievable_fraction"), "{err}");
+        let extra = format!("{text}\nwarp_speed = 3\n");
+        let err = HardwareSpec::from_toml(&extra).unwrap_err().to_string();
+        assert!(err.contains("warp_speed"), "{err}");
+        let err = HardwareSpec::load("tpu-v9").unwrap_err().to_string();
+        assert!(err.contains("a100-80g"), "{err}");
+    }
+}

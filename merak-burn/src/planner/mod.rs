@@ -1,0 +1,37 @@
+//! The planner (DESIGN.md §3): pure computation, no MPI and no tensors, so a laptop can plan a
+//! thousand-GPU cluster.
+//!
+//! - [`model`]: the model proxy, one [`UnitProfile`] per pipeline unit ([`LayerCosts`] lets a
+//!   user's own model describe itself).
+//! - [`hardware`]: the [`HardwareSpec`] (presets and TOML).
+//! - [`cost`]: the [`CostModel`]: predicted step time and memory of a [`Layout`], the pipeline
+//!   bubble taken from a simulation of the actual schedule.
+//! - [`search`](mod@search): the fastest plan, runner-ups and the Pareto set of (step time,
+//!   memory) under a memory budget.
+//! - [`reference`](mod@reference): published Megatron-LM throughput (DESIGN.md §6) that the cost
+//!   model reproduces.
+//!
+//! ```
+//! use merak_burn::planner::{HardwareSpec, ModelProxy, SearchOptions, search};
+//!
+//! let model = ModelProxy::parse("gpt:layers=24,hidden=2304,heads=24,seq=2048,vocab=51200")?;
+//! let hardware = HardwareSpec::load("a100-80g")?.with_devices(32);
+//! let result = search(&model, &hardware, &SearchOptions::new(32, 512))?;
+//! assert!(result.best.prediction.max_memory_bytes() <= hardware.memory_bytes);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+pub mod cost;
+pub mod hardware;
+pub mod model;
+pub mod reference;
+pub mod search;
+
+pub use cost::{CostError, CostModel, Estimate, FRAMEWORK_BYTES, Layout, Prediction};
+pub use hardware::{HARDWARE_PRESETS, HardwareError, HardwareSpec};
+pub use model::{
+    LayerCosts, ModelKind, ModelProxy, ModelSpecError, PRESETS, RecomputeMode, TransformerShape,
+    UnitProfile,
+};
+pub use reference::{MEGATRON_SC21, PublishedRow};
+pub use search::{Plan, SearchError, SearchOptions, SearchResult, search};

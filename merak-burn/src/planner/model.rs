@@ -1,0 +1,700 @@
+//! The model proxy: a per-unit description of a transformer that the cost model reads instead
+//! of the model itself (DESIGN.md §3, "Planner").
+//!
+//! Units follow [`pipeline::partition`](crate::pipeline::partition): unit 0 is the embedding,
+//! units `1..=L` are the transformer blocks and unit `L + 1` is the head. Every unit is described
+//! by a [`UnitProfile`]: its parameters, its FLOPs and activation bytes per sequence (linear in
+//! the micro-batch size `b`), and its tensor-parallel all-reduces. A [`ModelProxy`] is the list
+//! of profiles plus the few global numbers the planner needs (heads, the size of the message
+//! between pipeline stages). It is built from a [`TransformerShape`] (GPT or BERT, from a preset
+//! or an inline spec such as `gpt:layers=48,hidden=8192,heads=64,seq=2048,vocab=51200`), or from
+//! any [`LayerCosts`] implementation, so that a Burn user's own model can be planned too.
+//!
+//! FLOPs follow the Megatron-LM count (DESIGN.md §5): a multiply-add is 2 FLOPs, only the GEMMs
+//! count, the backward pass costs twice the forward pass. For a GPT block
+//! `forward = 24 s h² + 4 s² h` per sequence; for the head `2 s h V`; the embedding is a lookup
+//! (0 FLOPs). Summed over units and a global batch `B` this is exactly
+//! `72 B s l h² (1 + s/(6h) + V/(12 l h))`, and with full recomputation of the blocks (the head
+//! is not recomputed) `96 B s l h² (1 + s/(6h) + V/(16 l h))`.
+//!
+//! Activations follow Korthikanti et al. (2022) with 16-bit values: a block keeps
+//! `s b h (10 + 24/t + 5 a s/(h t))` bytes without recomputation, the same without the
+//! `5 a s/(h t)` attention term under selective recomputation, and its input `2 s b h` under
+//! full recomputation.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+/// Bytes of one 16-bit value (activations, messages, gradients in mixed precision).
+pub const BYTES_16BIT: f64 = 2.0;
+
+/// How a stage treats its activations between forward and backward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum RecomputeMode {
+    /// Keep every activation.
+    #[serde(rename = "none")]
+    None,
+    /// Keep the GEMM outputs, recompute the attention core (scores, softmax, dropout).
+    #[serde(rename = "selective")]
+    Selective,
+    /// Keep only each block's input; rerun the forward pass before the backward pass.
+    #[serde(rename = "full")]
+    Full,
+}
+
+impl RecomputeMode {
+    /// All modes, from most memory to least.
+    pub const ALL: [RecomputeMode; 3] = [
+        RecomputeMode::None,
+        RecomputeMode::Selective,
+        RecomputeMode::Full,
+    ];
+
+    /// `"none"`, `"selective"` or `"full"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RecomputeMode::None => "none",
+            RecomputeMode::Selective => "selective",
+            RecomputeMode::Full => "full",
+        }
+    }
+}
+
+impl fmt::Display for RecomputeMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The description of one pipeline unit. FLOPs, activation bytes and all-reduce sizes are per
+/// *sequence*: a micro-batch of `b` sequences costs `b` times as much. Quantities that tensor
+/// parallelism of degree `t` splits are divided by `t` by the accessors.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct UnitProfile {
+    /// Parameters that tensor parallelism shards (each TP rank holds `1/t`).
+    pub params_split: u64,
+    /// Parameters every TP rank holds whole (LayerNorms, some biases, position table).
+    pub params_replicated: u64,
+    /// Parameters of another unit that this unit also holds when it is on a different pipeline
+    /// stage (the tied output layer holds the token embedding). Split by TP; not counted in the
+    /// model's parameter total.
+    pub params_tied: u64,
+    /// Forward FLOPs per sequence (all TP ranks together).
+    pub forward_flops: f64,
+    /// Backward FLOPs per sequence (all TP ranks together).
+    pub backward_flops: f64,
+    /// Extra FLOPs per sequence of selective recomputation (the attention scores GEMM).
+    pub selective_recompute_flops: f64,
+    /// Whether full recomputation applies to this unit (transformer blocks; not the embedding or
+    /// the head).
+    pub recomputable: bool,
+    /// Activation bytes per sequence that every TP rank keeps whole.
+    pub act_replicated: f64,
+    /// Activation bytes per sequence split by TP (all ranks together).
+    pub act_split: f64,
+    /// Activation bytes per sequence of the attention core, split by TP, dropped by selective
+    /// recomputation.
+    pub act_attention: f64,
+    /// Bytes per sequence kept under full recomputation (the unit's input).
+    pub act_full: f64,
+    /// TP all-reduces in the forward pass, each of
+    /// [`tp_allreduce_elements`](Self::tp_allreduce_elements).
+    pub tp_forward_allreduces: u32,
+    /// TP all-reduces in the backward pass.
+    pub tp_backward_allreduces: u32,
+    /// Elements per sequence of each TP all-reduce (`s h` for a transformer).
+    pub tp_allreduce_elements: f64,
+}
+
+impl UnitProfile {
+    /// All parameters of the unit (without tied copies).
+    pub fn params(&self) -> u64 {
+        self.params_split + self.params_replicated
+    }
+
+    /// Parameters one TP rank of `t` holds, tied copies excluded.
+    pub fn params_per_rank(&self, t: usize) -> f64 {
+        self.params_split as f64 / t.max(1) as f64 + self.params_replicated as f64
+    }
+
+    /// Forward FLOPs of a micro-batch of `b` sequences (all TP ranks together).
+    pub fn forward_flops(&self, b: usize) -> f64 {
+        self.forward_flops * b as f64
+    }
+
+    /// Backward FLOPs of a micro-batch of `b` sequences (all TP ranks together).
+    pub fn backward_flops(&self, b: usize) -> f64 {
+        self.backward_flops * b as f64
+    }
+
+    /// Recomputation FLOPs of a micro-batch of `b` sequences under `mode`.
+    pub fn recompute_flops(&self, b: usize, mode: RecomputeMode) -> f64 {
+        let per_seq = match mode {
+            RecomputeMode::None => 0.0,
+            RecomputeMode::Selective => self.selective_recompute_flops,
+            RecomputeMode::Full if self.recomputable => self.forward_flops,
+            RecomputeMode::Full => 0.0,
+        };
+        per_seq * b as f64
+    }
+
+    /// Activation bytes one TP rank of `t` keeps for a micro-batch of `b` sequences under `mode`.
+    pub fn activation_bytes(&self, b: usize, t: usize, mode: RecomputeMode) -> f64 {
+        let t = t.max(1) as f64;
+        let none = self.act_replicated + self.act_split / t + self.act_attention / t;
+        let per_seq = match mode {
+            RecomputeMode::None => none,
+            RecomputeMode::Selective => self.act_replicated + self.act_split / t,
+            RecomputeMode::Full if self.recomputable => self.act_full,
+            RecomputeMode::Full => none,
+        };
+        per_seq * b as f64
+    }
+
+    /// Elements all-reduced across TP per micro-batch of `b` sequences (forward and backward,
+    /// without recomputation).
+    pub fn tp_comm_elements(&self, b: usize) -> f64 {
+        (self.tp_forward_allreduces + self.tp_backward_allreduces) as f64
+            * self.tp_allreduce_elements
+            * b as f64
+    }
+}
+
+/// A model the planner can plan: its per-unit description. Implement it for your own Burn model
+/// to plan it like the built-in GPT and BERT shapes.
+pub trait LayerCosts {
+    /// A short name for reports.
+    fn name(&self) -> String;
+    /// One profile per pipeline unit, in order (embedding, blocks, head for a transformer).
+    fn unit_profiles(&self) -> Vec<UnitProfile>;
+    /// Attention heads: the tensor-parallel degree must divide them.
+    fn heads(&self) -> usize;
+    /// Elements per sequence of the activation sent between pipeline stages (`s h`).
+    fn pp_message_elements(&self) -> f64;
+}
+
+/// Which transformer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ModelKind {
+    /// Decoder-only GPT: learned positions, final LayerNorm, output layer tied to the embedding.
+    #[serde(rename = "gpt")]
+    Gpt,
+    /// BERT masked LM: embedding LayerNorm, MLM head (dense + LayerNorm), tied output layer.
+    #[serde(rename = "bert")]
+    Bert,
+}
+
+/// A model spec that cannot be parsed or is not a valid shape. Messages name the field.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum ModelSpecError {
+    /// The spec is neither a preset nor `kind:key=value,...`.
+    #[error(
+        "unknown model `{spec}`: expected a preset ({known}) or \
+         `gpt:layers=..,hidden=..,heads=..,seq=..,vocab=..`"
+    )]
+    Unknown {
+        /// The spec given.
+        spec: String,
+        /// The known presets.
+        known: String,
+    },
+    /// The kind before `:` is not `gpt` or `bert`.
+    #[error("unknown model kind `{kind}` (expected gpt or bert)")]
+    Kind {
+        /// The kind given.
+        kind: String,
+    },
+    /// A `key=value` item without `=`.
+    #[error("model spec item `{item}` is not key=value")]
+    Item {
+        /// The item.
+        item: String,
+    },
+    /// A key that is not a field.
+    #[error("unknown model field `{field}` (fields: layers, hidden, heads, seq, vocab)")]
+    UnknownField {
+        /// The key.
+        field: String,
+    },
+    /// A value that is not a positive integer.
+    #[error("model field `{field}` = `{value}` is not a positive integer")]
+    BadValue {
+        /// The key.
+        field: String,
+        /// The value.
+        value: String,
+    },
+    /// A field missing from the spec.
+    #[error("model field `{field}` is missing")]
+    Missing {
+        /// The key.
+        field: &'static str,
+    },
+    /// Heads do not divide the hidden size.
+    #[error("model field `hidden` = {hidden} is not divisible by `heads` = {heads}")]
+    HeadsDoNotDivide {
+        /// Hidden size.
+        hidden: usize,
+        /// Heads.
+        heads: usize,
+    },
+}
+
+/// The shape of a GPT or BERT model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TransformerShape {
+    /// GPT or BERT.
+    pub kind: ModelKind,
+    /// Transformer layers `l`.
+    pub layers: usize,
+    /// Hidden size `h`.
+    pub hidden: usize,
+    /// Attention heads `a`.
+    pub heads: usize,
+    /// Sequence length `s`.
+    pub seq: usize,
+    /// Vocabulary size `V`.
+    pub vocab: usize,
+}
+
+/// The presets: `(name, layers, hidden, heads, seq, vocab)`, the shapes of the GPT presets of
+/// the `merak-gpt` crate.
+pub const PRESETS: &[(&str, usize, usize, usize, usize, usize)] = &[
+    ("tiny", 2, 64, 4, 32, 512),
+    ("mini", 4, 128, 4, 128, 50257),
+    ("gpt2", 12, 768, 12, 1024, 50257),
+    ("gpt2-medium", 24, 1024, 16, 1024, 50257),
+    ("gpt2-large", 36, 1280, 20, 1024, 50257),
+    ("gpt2-xl", 48, 1600, 25, 1024, 50257),
+    ("gpt-1.5b", 48, 1600, 32, 1024, 51200),
+    ("gpt-2.5b", 54, 1920, 20, 1024, 51200),
+    ("gpt-8.3b", 72, 3072, 32, 1024, 51200),
+    ("gpt-20b", 44, 6144, 64, 2048, 51200),
+];
+
+impl TransformerShape {
+    /// A GPT shape.
+    pub fn gpt(layers: usize, hidden: usize, heads: usize, seq: usize, vocab: usize) -> Self {
+        TransformerShape {
+            kind: ModelKind::Gpt,
+            layers,
+            hidden,
+            heads,
+            seq,
+            vocab,
+        }
+    }
+
+    /// A preset by name (see [`PRESETS`]); all are GPT.
+    pub fn preset(name: &str) -> Option<Self> {
+        PRESETS
+            .iter()
+            .find(|p| p.0 == name)
+            .map(|&(_, l, h, a, s, v)| TransformerShape::gpt(l, h, a, s, v))
+    }
+
+    /// Checks that `heads` divides `hidden` (every field is positive by construction of
+    /// [`FromStr`]; a zero is reported as missing).
+    pub fn validate(&self) -> Result<(), ModelSpecError> {
+        for (field, v) in [
+            ("layers", self.layers),
+            ("hidden", self.hidden),
+            ("heads", self.heads),
+            ("seq", self.seq),
+            ("vocab", self.vocab),
+        ] {
+            if v == 0 {
+                return Err(ModelSpecError::BadValue {
+                    field: field.to_string(),
+                    value: "0".to_string(),
+                });
+            }
+        }
+        if !self.hidden.is_multiple_of(self.heads) {
+            return Err(ModelSpecError::HeadsDoNotDivide {
+                hidden: self.hidden,
+                heads: self.heads,
+            });
+        }
+        Ok(())
+    }
+
+    /// The exact parameter count. GPT: `12 l h² + 13 l h + (V + s) h + 2 h`; BERT:
+    /// `12 l h² + 13 l h + (V + s) h + h² + 5 h`.
+    pub fn params(&self) -> u64 {
+        let (l, h, v, s) = (
+            self.layers as u64,
+            self.hidden as u64,
+            self.vocab as u64,
+            self.seq as u64,
+        );
+        let common = 12 * l * h * h + 13 * l * h + (v + s) * h;
+        match self.kind {
+            ModelKind::Gpt => common + 2 * h,
+            ModelKind::Bert => common + h * h + 5 * h,
+        }
+    }
+
+    /// The Megatron-LM FLOPs of one iteration of `global_batch` sequences (DESIGN.md §5):
+    /// `96 B s l h² (1 + s/(6h) + V/(16 l h))` with full recomputation, otherwise
+    /// `72 B s l h² (1 + s/(6h) + V/(12 l h))`.
+    pub fn megatron_flops(&self, global_batch: usize, full_recompute: bool) -> f64 {
+        let (b, s, l, h, v) = (
+            global_batch as f64,
+            self.seq as f64,
+            self.layers as f64,
+            self.hidden as f64,
+            self.vocab as f64,
+        );
+        if full_recompute {
+            96.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * l * h))
+        } else {
+            72.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * l * h))
+        }
+    }
+}
+
+impl fmt::Display for TransformerShape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = match self.kind {
+            ModelKind::Gpt => "gpt",
+            ModelKind::Bert => "bert",
+        };
+        write!(
+            f,
+            "{kind}:layers={},hidden={},heads={},seq={},vocab={}",
+            self.layers, self.hidden, self.heads, self.seq, self.vocab
+        )
+    }
+}
+
+impl FromStr for TransformerShape {
+    type Err = ModelSpecError;
+
+    /// Parses a preset name or `gpt:layers=..,hidden=..,heads=..,seq=..,vocab=..` (or `bert:`).
+    fn from_str(spec: &str) -> Result<Self, Self::Err> {
+        let spec = spec.trim();
+        if let Some(shape) = TransformerShape::preset(spec) {
+            return Ok(shape);
+        }
+        let Some((kind, fields)) = spec.split_once(':') else {
+            return Err(ModelSpecError::Unknown {
+                spec: spec.to_string(),
+                known: PRESETS.iter().map(|p| p.0).collect::<Vec<_>>().join(", "),
+            });
+        };
+        let kind = match kind.trim() {
+            "gpt" => ModelKind::Gpt,
+            "bert" => ModelKind::Bert,
+            other => {
+                return Err(ModelSpecError::Kind {
+                    kind: other.to_string(),
+                });
+            }
+        };
+        let mut values: [Option<usize>; 5] = [None; 5];
+        const NAMES: [&str; 5] = ["layers", "hidden", "heads", "seq", "vocab"];
+        for item in fields.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+            let Some((key, value)) = item.split_once('=') else {
+                return Err(ModelSpecError::Item {
+                    item: item.to_string(),
+                });
+            };
+            let key = key.trim();
+            let Some(index) = NAMES.iter().position(|n| *n == key) else {
+                return Err(ModelSpecError::UnknownField {
+                    field: key.to_string(),
+                });
+            };
+            let parsed = value
+                .trim()
+                .replace('_', "")
+                .parse::<usize>()
+                .ok()
+                .filter(|&v| v > 0)
+                .ok_or_else(|| ModelSpecError::BadValue {
+                    field: key.to_string(),
+                    value: value.trim().to_string(),
+                })?;
+            values[index] = Some(parsed);
+        }
+        let get = |i: usize| values[i].ok_or(ModelSpecError::Missing { field: NAMES[i] });
+        let shape = TransformerShape {
+            kind,
+            layers: get(0)?,
+            hidden: get(1)?,
+            heads: get(2)?,
+            seq: get(3)?,
+            vocab: get(4)?,
+        };
+        shape.validate()?;
+        Ok(shape)
+    }
+}
+
+impl LayerCosts for TransformerShape {
+    fn name(&self) -> String {
+        self.to_string()
+    }
+
+    fn unit_profiles(&self) -> Vec<UnitProfile> {
+        let (s, h, a, v) = (
+            self.seq as f64,
+            self.hidden as f64,
+            self.heads as f64,
+            self.vocab as f64,
+        );
+        let (hu, su, vu) = (self.hidden as u64, self.seq as u64, self.vocab as u64);
+        let bert = self.kind == ModelKind::Bert;
+        let embedding = UnitProfile {
+            params_split: vu * hu,
+            params_replicated: su * hu + if bert { 2 * hu } else { 0 },
+            // Dropout mask of the embedding output (1 byte per value).
+            act_replicated: s * h,
+            act_full: s * h,
+            tp_forward_allreduces: 1,
+            tp_allreduce_elements: s * h,
+            ..UnitProfile::default()
+        };
+        let block = UnitProfile {
+            // QKV (3h² + 3h), attention output weight, MLP (8h² + 4h bias of the first layer).
+            params_split: 12 * hu * hu + 7 * hu,
+            // Attention-output and second MLP biases, two LayerNorms.
+            params_replicated: 6 * hu,
+            params_tied: 0,
+            forward_flops: 24.0 * s * h * h + 4.0 * s * s * h,
+            backward_flops: 2.0 * (24.0 * s * h * h + 4.0 * s * s * h),
+            selective_recompute_flops: 2.0 * s * s * h,
+            recomputable: true,
+            act_replicated: 10.0 * s * h,
+            act_split: 24.0 * s * h,
+            act_attention: 5.0 * a * s * s,
+            act_full: BYTES_16BIT * s * h,
+            tp_forward_allreduces: 2,
+            tp_backward_allreduces: 2,
+            tp_allreduce_elements: s * h,
+        };
+        let dense = if bert { 2.0 * s * h * h } else { 0.0 };
+        let head = UnitProfile {
+            params_split: 0,
+            params_replicated: if bert { hu * hu + 3 * hu } else { 2 * hu },
+            params_tied: vu * hu,
+            forward_flops: 2.0 * s * h * v + dense,
+            backward_flops: 2.0 * (2.0 * s * h * v + dense),
+            selective_recompute_flops: 0.0,
+            recomputable: false,
+            // Final LayerNorm and output-layer inputs; fp32 logits for the loss (split by TP).
+            act_replicated: 4.0 * s * h,
+            act_split: 4.0 * s * v,
+            act_attention: 0.0,
+            act_full: 0.0,
+            tp_forward_allreduces: 0,
+            tp_backward_allreduces: 1,
+            tp_allreduce_elements: s * h,
+        };
+        let mut units = Vec::with_capacity(self.layers + 2);
+        units.push(embedding);
+        units.extend(std::iter::repeat_n(block, self.layers));
+        units.push(head);
+        units
+    }
+
+    fn heads(&self) -> usize {
+        self.heads
+    }
+
+    fn pp_message_elements(&self) -> f64 {
+        (self.seq * self.hidden) as f64
+    }
+}
+
+/// The planner's view of a model: one [`UnitProfile`] per pipeline unit.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelProxy {
+    /// A short name for reports.
+    pub name: String,
+    /// The transformer shape, when the proxy was built from one.
+    pub shape: Option<TransformerShape>,
+    /// Attention heads (the TP degree must divide them).
+    pub heads: usize,
+    /// Elements per sequence of the activation between pipeline stages.
+    pub pp_message_elements: f64,
+    /// One profile per unit.
+    pub units: Vec<UnitProfile>,
+}
+
+impl ModelProxy {
+    /// The proxy of a GPT or BERT shape.
+    pub fn from_shape(shape: TransformerShape) -> Self {
+        let mut proxy = ModelProxy::from_costs(&shape);
+        proxy.shape = Some(shape);
+        proxy
+    }
+
+    /// The proxy of any model that describes itself through [`LayerCosts`].
+    pub fn from_costs(model: &dyn LayerCosts) -> Self {
+        ModelProxy {
+            name: model.name(),
+            shape: None,
+            heads: model.heads(),
+            pp_message_elements: model.pp_message_elements(),
+            units: model.unit_profiles(),
+        }
+    }
+
+    /// Parses a preset name or inline spec (see [`TransformerShape`]'s [`FromStr`]).
+    pub fn parse(spec: &str) -> Result<Self, ModelSpecError> {
+        Ok(ModelProxy::from_shape(spec.parse()?))
+    }
+
+    /// The number of units (`L + 2` for a transformer).
+    pub fn num_units(&self) -> usize {
+        self.units.len()
+    }
+
+    /// All parameters (tied copies counted once).
+    pub fn params(&self) -> u64 {
+        self.units.iter().map(UnitProfile::params).sum()
+    }
+
+    /// Forward plus backward (plus recomputation under `mode` for every unit) FLOPs of
+    /// `global_batch` sequences, summed over units.
+    pub fn flops_per_iteration(&self, global_batch: usize, mode: RecomputeMode) -> f64 {
+        self.units
+            .iter()
+            .map(|u| {
+                u.forward_flops(global_batch)
+                    + u.backward_flops(global_batch)
+                    + u.recompute_flops(global_batch, mode)
+            })
+            .sum()
+    }
+
+    /// Bytes of one activation (or gradient) message between pipeline stages for a micro-batch
+    /// of `b` sequences (16-bit values).
+    pub fn pp_message_bytes(&self, b: usize) -> f64 {
+        self.pp_message_elements * b as f64 * BYTES_16BIT
+    }
+
+    /// The FLOP count used to report TFLOP/s: the Megatron formula of the shape when there is
+    /// one (full-recompute form when `full_recompute`), otherwise the proxy's own sum.
+    pub fn reported_flops(&self, global_batch: usize, full_recompute: bool) -> f64 {
+        match self.shape {
+            Some(shape) => shape.megatron_flops(global_batch, full_recompute),
+            None => self.flops_per_iteration(
+                global_batch,
+                if full_recompute {
+                    RecomputeMode::Full
+                } else {
+                    RecomputeMode::None
+                },
+            ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rel(a: f64, b: f64) -> f64 {
+        (a - b).abs() / b.abs().max(1e-300)
+    }
+
+    #[test]
+    fn preset_params_equal_the_formula() {
+        for &(name, l, h, _, s, v) in PRESETS {
+            let proxy = ModelProxy::parse(name).unwrap();
+            let (l, h, s, v) = (l as u64, h as u64, s as u64, v as u64);
+            let formula = 12 * l * h * h + 13 * l * h + (v + s) * h + 2 * h;
+            assert_eq!(proxy.params(), formula, "{name}");
+            assert_eq!(proxy.num_units(), l as usize + 2);
+        }
+        // GPT-2 small: the well-known 124M (with a 1024 position table).
+        assert_eq!(ModelProxy::parse("gpt2").unwrap().params(), 124_439_808);
+    }
+
+    #[test]
+    fn bert_params_match_the_bert_crate() {
+        let bert: TransformerShape = "bert:layers=12,hidden=768,heads=12,seq=512,vocab=50258"
+            .parse()
+            .unwrap();
+        assert_eq!(ModelProxy::from_shape(bert).params(), 124_639_488);
+        assert_eq!(bert.params(), 124_639_488);
+    }
+
+    #[test]
+    fn flops_sum_to_the_megatron_formulas() {
+        let specs = [
+            "gpt-20b",
+            "gpt2",
+            "tiny",
+            "gpt:layers=48,hidden=8192,heads=64,seq=2048,vocab=51200",
+        ];
+        for spec in specs {
+            let proxy = ModelProxy::parse(spec).unwrap();
+            let shape = proxy.shape.unwrap();
+            for batch in [1, 7, 512] {
+                let none = proxy.flops_per_iteration(batch, RecomputeMode::None);
+                let full = proxy.flops_per_iteration(batch, RecomputeMode::Full);
+                assert!(
+                    rel(none, shape.megatron_flops(batch, false)) < 1e-12,
+                    "{spec}"
+                );
+                assert!(
+                    rel(full, shape.megatron_flops(batch, true)) < 1e-12,
+                    "{spec}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn activations_follow_korthikanti() {
+        let shape: TransformerShape = "gpt:layers=4,hidden=1024,heads=16,seq=2048,vocab=1000"
+            .parse()
+            .unwrap();
+        let proxy = ModelProxy::from_shape(shape);
+        let block = &proxy.units[1];
+        let (s, b, h, a) = (2048.0, 2.0, 1024.0, 16.0);
+        for t in [1usize, 2, 8] {
+            let tf = t as f64;
+            let none = s * b * h * (10.0 + 24.0 / tf + 5.0 * a * s / (h * tf));
+            let crate_value =
+                crate::pipeline::activation_bytes_per_layer(2048, 2, 1024, 16, t, 2.0);
+            assert!(rel(block.activation_bytes(2, t, RecomputeMode::None), none) < 1e-12);
+            assert!(rel(crate_value, none) < 1e-12);
+            let sel = s * b * h * (10.0 + 24.0 / tf);
+            assert!(rel(block.activation_bytes(2, t, RecomputeMode::Selective), sel) < 1e-12);
+            assert!(
+                rel(
+                    block.activation_bytes(2, t, RecomputeMode::Full),
+                    2.0 * s * b * h
+                ) < 1e-12
+            );
+        }
+        assert_eq!(block.tp_comm_elements(2), 4.0 * b * s * h);
+        assert_eq!(proxy.pp_message_bytes(2), 2.0 * b * s * h);
+    }
+
+    #[test]
+    fn spec_errors_name_the_field() {
+        let err = |s: &str| s.parse::<TransformerShape>().unwrap_err().to_string();
+        assert!(err("gpt:layers=2,hidden=64,heads=4,seq=32").contains("`vocab`"));
+        assert!(err("gpt:layers=2,hidden=x,heads=4,seq=32,vocab=9").contains("`hidden`"));
+        assert!(err("gpt:layers=2,hidden=64,heads=4,seq=32,vocab=9,depth=3").contains("`depth`"));
+        assert!(err("gpt:layers=2,hidden=64,heads=5,seq=32,vocab=9").contains("`heads` = 5"));
+        assert!(err("llama:layers=2").contains("llama"));
+        assert!(err("gpt-3").contains("gpt2-medium"));
+        let parsed: TransformerShape = "gpt:layers=48,hidden=8192,heads=64,seq=2048,vocab=51200"
+            .parse()
+            .unwrap();
+        assert_eq!(
+            parsed.to_string().parse::<TransformerShape>().unwrap(),
+            parsed
+        );
+    }
+}

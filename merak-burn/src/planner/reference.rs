@@ -1,0 +1,161 @@
+//! Published throughput the cost model is checked against: Megatron-LM (Narayanan et al.,
+//! SC'21), A100-80GB, vocabulary 51,200, sequence 2048, fp16, full recomputation (DESIGN.md §6).
+
+use serde::Serialize;
+
+use super::cost::Layout;
+use super::model::{ModelProxy, RecomputeMode, TransformerShape};
+use crate::pipeline::{PartitionError, ScheduleKind, balanced_partition};
+
+/// One row of the published table.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct PublishedRow {
+    /// The model's name in the paper.
+    pub name: &'static str,
+    /// Hidden size.
+    pub hidden: usize,
+    /// Layers.
+    pub layers: usize,
+    /// Heads.
+    pub heads: usize,
+    /// Tensor-parallel degree.
+    pub tp: usize,
+    /// Pipeline-parallel degree.
+    pub pp: usize,
+    /// Global batch (sequences).
+    pub global_batch: usize,
+    /// GPUs.
+    pub gpus: usize,
+    /// Published TFLOP/s per GPU.
+    pub tflops_per_gpu: f64,
+}
+
+/// The five rows of DESIGN.md §6.
+pub const MEGATRON_SC21: [PublishedRow; 5] = [
+    row("1.7B", 2304, 24, 24, 1, 1, 512, 32, 137.0),
+    row("3.6B", 3072, 30, 32, 2, 1, 512, 64, 138.0),
+    row("7.5B", 4096, 36, 32, 4, 1, 512, 128, 142.0),
+    row("18.4B", 6144, 40, 48, 8, 1, 1024, 256, 135.0),
+    row("39.1B", 8192, 48, 64, 8, 2, 1536, 512, 138.0),
+];
+
+#[allow(clippy::too_many_arguments)]
+const fn row(
+    name: &'static str,
+    hidden: usize,
+    layers: usize,
+    heads: usize,
+    tp: usize,
+    pp: usize,
+    global_batch: usize,
+    gpus: usize,
+    tflops_per_gpu: f64,
+) -> PublishedRow {
+    PublishedRow {
+        name,
+        hidden,
+        layers,
+        heads,
+        tp,
+        pp,
+        global_batch,
+        gpus,
+        tflops_per_gpu,
+    }
+}
+
+impl PublishedRow {
+    /// The model: GPT, sequence 2048, vocabulary 51,200.
+    pub fn model(&self) -> ModelProxy {
+        ModelProxy::from_shape(TransformerShape::gpt(
+            self.layers,
+            self.hidden,
+            self.heads,
+            2048,
+            51200,
+        ))
+    }
+
+    /// The paper's layout: its tp and pp, `dp = gpus / (tp pp)`, micro-batch 1, full
+    /// recomputation, 1F1B, stages balanced by [`balanced_partition`] of the per-unit compute.
+    ///
+    /// # Errors
+    ///
+    /// When the stages cannot be cut (not for the published rows).
+    pub fn layout(&self, model: &ModelProxy) -> Result<Layout, PartitionError> {
+        let dp = self.gpus / (self.tp * self.pp);
+        let costs: Vec<f64> = model
+            .units
+            .iter()
+            .map(|u| u.forward_flops + u.backward_flops + u.recompute_flops(1, RecomputeMode::Full))
+            .collect();
+        Ok(Layout {
+            dp,
+            tp: self.tp,
+            pp: self.pp,
+            virtual_stages: 1,
+            micro_batch: 1,
+            micro_batches: self.global_batch / dp,
+            schedule: ScheduleKind::OneFOneB,
+            recompute: vec![RecomputeMode::Full; self.pp],
+            zero1: false,
+            partition: balanced_partition(&costs, self.pp)?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::planner::cost::CostModel;
+    use crate::planner::hardware::HardwareSpec;
+    use crate::planner::search::{SearchOptions, search};
+
+    #[test]
+    fn megatron_rows_are_predicted_within_15_percent() {
+        for row in MEGATRON_SC21 {
+            let model = row.model();
+            let hw = HardwareSpec::preset("a100-80g")
+                .unwrap()
+                .with_devices(row.gpus);
+            let cm = CostModel::new(&model, &hw);
+            let layout = row.layout(&model).unwrap();
+            assert_eq!(layout.global_batch(), row.global_batch);
+            let pred = cm.predict(&layout).unwrap();
+            let err = (pred.tflops_per_gpu - row.tflops_per_gpu) / row.tflops_per_gpu;
+            eprintln!(
+                "{}: predicted {:.1} TFLOP/s vs {} ({:+.1}%), memory {:.1} GB, {:?}",
+                row.name,
+                pred.tflops_per_gpu,
+                row.tflops_per_gpu,
+                100.0 * err,
+                pred.max_memory_bytes() as f64 / 1e9,
+                pred.breakdown
+            );
+            assert!(err.abs() <= 0.15, "{}: {err}", row.name);
+            assert!(pred.max_memory_bytes() <= hw.memory_bytes, "{}", row.name);
+            let result =
+                search(&model, &hw, &SearchOptions::new(row.gpus, row.global_batch)).unwrap();
+            eprintln!(
+                "  planner: {:.3} s ({:.1} TFLOP/s) dp={} tp={} pp={} v={} b={} {} {:?} \
+                 zero1={} vs paper {:.3} s",
+                result.best.prediction.step_time_s,
+                result.best.prediction.tflops_per_gpu,
+                result.best.layout.dp,
+                result.best.layout.tp,
+                result.best.layout.pp,
+                result.best.layout.virtual_stages,
+                result.best.layout.micro_batch,
+                result.best.layout.schedule,
+                result.best.policy,
+                result.best.layout.zero1,
+                pred.step_time_s
+            );
+            assert!(
+                result.best.prediction.step_time_s <= pred.step_time_s,
+                "{}",
+                row.name
+            );
+        }
+    }
+}

@@ -1,0 +1,521 @@
+//! The search: the fastest 3D-parallel plan, its runner-ups and the Pareto set of (step time,
+//! peak memory per device) plans that fit a memory budget.
+//!
+//! The space: every `dp * tp * pp = gpus` with `tp` dividing the heads and within a node and
+//! `pp <= L + 2`; every micro-batch size that divides the per-replica batch (the global batch is
+//! fixed); every schedule (virtual stages for the interleaved one); the recomputation policies
+//! none, selective, full (every stage) and stage-aware (per pipeline rank the cheapest mode whose
+//! memory fits, Merak's policy); with and without ZeRO-1. Stage boundaries come from
+//! [`balanced_partition`] of the per-unit compute.
+//!
+//! Every layout is first *estimated* (exact memory and a lower bound of its time, no
+//! simulation, see [`CostModel::estimate`]); plans over the budget are dropped. The rest are
+//! predicted with the simulating cost model in increasing order of their lower bound, skipping a
+//! plan when it can neither enter the fastest few (its bound is already slower) nor the Pareto
+//! set (a Pareto member is at least as fast as its bound with at most its memory). The skipped
+//! plans are therefore dominated by, or equal to, a member of the returned Pareto set.
+
+use serde::Serialize;
+use thiserror::Error;
+
+use super::cost::{CostError, CostModel, Layout, Prediction};
+use super::hardware::HardwareSpec;
+use super::model::{ModelProxy, RecomputeMode};
+use crate::pipeline::{Partition, Recompute, ScheduleKind, balanced_partition};
+
+/// What to search over.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SearchOptions {
+    /// Devices to use (`dp * tp * pp`).
+    pub gpus: usize,
+    /// Sequences per step.
+    pub global_batch: usize,
+    /// Memory per device; `None` uses the hardware's.
+    pub memory_budget_bytes: Option<u64>,
+    /// Micro-batch sizes to try (those dividing the per-replica batch are used).
+    pub micro_batch_sizes: Vec<usize>,
+    /// Schedules to try.
+    pub schedules: Vec<ScheduleKind>,
+    /// Virtual stages to try with the interleaved schedule.
+    pub virtual_stages: Vec<usize>,
+    /// Recomputation policies to try.
+    pub recompute: Vec<Recompute>,
+    /// ZeRO-1 settings to try.
+    pub zero1: Vec<bool>,
+    /// How many runner-up plans to return besides the fastest.
+    pub runner_ups: usize,
+}
+
+impl SearchOptions {
+    /// Everything: micro-batches 1, 2, 4, 8; every schedule; 2 or 4 virtual stages; every
+    /// recomputation policy; with and without ZeRO-1; 4 runner-ups; the hardware's memory.
+    pub fn new(gpus: usize, global_batch: usize) -> Self {
+        SearchOptions {
+            gpus,
+            global_batch,
+            memory_budget_bytes: None,
+            micro_batch_sizes: vec![1, 2, 4, 8],
+            schedules: ScheduleKind::ALL.to_vec(),
+            virtual_stages: vec![2, 4],
+            recompute: Recompute::ALL.to_vec(),
+            zero1: vec![false, true],
+            runner_ups: 4,
+        }
+    }
+}
+
+/// One plan: a layout, the recomputation policy that produced it and its prediction.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Plan {
+    /// The layout.
+    pub layout: Layout,
+    /// The policy (stage-aware plans have per-stage modes in the layout).
+    pub policy: Recompute,
+    /// The predicted time and memory.
+    pub prediction: Prediction,
+}
+
+impl Plan {
+    /// `(step time, peak memory)`.
+    pub fn point(&self) -> (f64, u64) {
+        (
+            self.prediction.step_time_s,
+            self.prediction.max_memory_bytes(),
+        )
+    }
+}
+
+/// The result of [`search`].
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SearchResult {
+    /// The fastest plan that fits.
+    pub best: Plan,
+    /// The next fastest plans, fastest first.
+    pub runner_ups: Vec<Plan>,
+    /// The Pareto set of (step time, peak memory), fastest first.
+    pub pareto: Vec<Plan>,
+    /// Layouts considered (estimated).
+    pub considered: usize,
+    /// Layouts that fit the budget.
+    pub feasible: usize,
+    /// Layouts predicted with the simulator.
+    pub predicted: usize,
+}
+
+/// Why the search found no plan.
+#[derive(Clone, Debug, PartialEq, Error)]
+pub enum SearchError {
+    /// No layout satisfies the structural constraints.
+    #[error(
+        "no layout for {gpus} devices and global batch {global_batch}: need dp * tp * pp = \
+         gpus with tp dividing the {heads} heads and at most {per_node} per node, pp <= {units} \
+         units and dp dividing the global batch"
+    )]
+    NoLayout {
+        /// Devices.
+        gpus: usize,
+        /// Global batch.
+        global_batch: usize,
+        /// Heads.
+        heads: usize,
+        /// Devices per node.
+        per_node: usize,
+        /// Units of the model.
+        units: usize,
+    },
+    /// Nothing fits the memory budget.
+    #[error(
+        "no plan fits in {budget_bytes} bytes per device; the smallest plan needs \
+         {smallest_bytes} bytes ({:.2} GiB)", *smallest_bytes as f64 / 1073741824.0
+    )]
+    DoesNotFit {
+        /// The budget.
+        budget_bytes: u64,
+        /// The smallest peak memory of any layout.
+        smallest_bytes: u64,
+    },
+    /// A layout could not be costed.
+    #[error(transparent)]
+    Cost(#[from] CostError),
+}
+
+/// A layout with its policy.
+#[derive(Clone, Debug)]
+pub struct Candidate {
+    /// The layout.
+    pub layout: Layout,
+    /// The policy that produced its recomputation modes.
+    pub policy: Recompute,
+}
+
+fn divisors(n: usize) -> Vec<usize> {
+    (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
+}
+
+fn unit_costs(model: &ModelProxy, mode: RecomputeMode) -> Vec<f64> {
+    model
+        .units
+        .iter()
+        .map(|u| u.forward_flops + u.backward_flops + u.recompute_flops(1, mode))
+        .collect()
+}
+
+/// Every layout of the search space, with stage-aware recomputation resolved against `budget`.
+///
+/// # Errors
+///
+/// A layout that the cost model rejects (should not happen for generated layouts).
+pub fn candidates(
+    cm: &CostModel<'_>,
+    options: &SearchOptions,
+    budget: u64,
+) -> Result<Vec<Candidate>, SearchError> {
+    let model = cm.model();
+    let hw = cm.hardware();
+    let units = model.num_units();
+    let partitions: Vec<Vec<f64>> = RecomputeMode::ALL
+        .iter()
+        .map(|&m| unit_costs(model, m))
+        .collect();
+    let mut partition_cache: std::collections::HashMap<(usize, usize), Partition> =
+        std::collections::HashMap::new();
+    let mut out = Vec::new();
+    for tp in divisors(options.gpus) {
+        if !model.heads.is_multiple_of(tp) || tp > hw.devices_per_node {
+            continue;
+        }
+        for pp in divisors(options.gpus / tp) {
+            if pp > units {
+                continue;
+            }
+            let dp = options.gpus / tp / pp;
+            if !options.global_batch.is_multiple_of(dp) {
+                continue;
+            }
+            let per_replica = options.global_batch / dp;
+            for &b in &options.micro_batch_sizes {
+                if b == 0 || !per_replica.is_multiple_of(b) {
+                    continue;
+                }
+                let m = per_replica / b;
+                for &schedule in &options.schedules {
+                    let vs: Vec<usize> = if schedule.uses_virtual_stages() {
+                        options
+                            .virtual_stages
+                            .iter()
+                            .copied()
+                            .filter(|&v| v >= 2 && pp >= 2 && pp * v <= units)
+                            .filter(|_| m.is_multiple_of(pp))
+                            .collect()
+                    } else {
+                        vec![1]
+                    };
+                    for v in vs {
+                        let stages = pp * v;
+                        for &policy in &options.recompute {
+                            let mode_index = match policy {
+                                Recompute::None | Recompute::StageAware => 0,
+                                Recompute::Selective => 1,
+                                Recompute::Full => 2,
+                            };
+                            let partition = match partition_cache.get(&(mode_index, stages)) {
+                                Some(p) => p.clone(),
+                                None => {
+                                    let p = balanced_partition(&partitions[mode_index], stages)
+                                        .map_err(|_| SearchError::NoLayout {
+                                            gpus: options.gpus,
+                                            global_batch: options.global_batch,
+                                            heads: model.heads,
+                                            per_node: hw.devices_per_node,
+                                            units,
+                                        })?;
+                                    partition_cache.insert((mode_index, stages), p.clone());
+                                    p
+                                }
+                            };
+                            for &zero1 in &options.zero1 {
+                                if zero1 && dp == 1 {
+                                    continue;
+                                }
+                                let uniform = |mode| Layout {
+                                    dp,
+                                    tp,
+                                    pp,
+                                    virtual_stages: v,
+                                    micro_batch: b,
+                                    micro_batches: m,
+                                    schedule,
+                                    recompute: vec![mode; stages],
+                                    zero1,
+                                    partition: partition.clone(),
+                                };
+                                let layout = match policy {
+                                    Recompute::None => uniform(RecomputeMode::None),
+                                    Recompute::Selective => uniform(RecomputeMode::Selective),
+                                    Recompute::Full => uniform(RecomputeMode::Full),
+                                    Recompute::StageAware => {
+                                        match stage_aware(cm, &uniform, budget)? {
+                                            Some(layout) => layout,
+                                            None => continue,
+                                        }
+                                    }
+                                };
+                                out.push(Candidate { layout, policy });
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Merak's stage-aware recomputation: per pipeline rank, the cheapest mode (none, selective,
+/// full) whose memory fits `budget` (full when none does). `None` when the result is a uniform
+/// layout (the plain policies cover it).
+fn stage_aware(
+    cm: &CostModel<'_>,
+    uniform: &dyn Fn(RecomputeMode) -> Layout,
+    budget: u64,
+) -> Result<Option<Layout>, SearchError> {
+    let mut memories = Vec::with_capacity(3);
+    for mode in RecomputeMode::ALL {
+        memories.push(cm.estimate(&uniform(mode))?.peak_memory_bytes);
+    }
+    let mut layout = uniform(RecomputeMode::None);
+    let p = layout.pp;
+    for rank in 0..p {
+        let mode = RecomputeMode::ALL
+            .into_iter()
+            .zip(&memories)
+            .find(|(_, mem)| mem[rank] <= budget)
+            .map_or(RecomputeMode::Full, |(mode, _)| mode);
+        for chunk in 0..layout.virtual_stages {
+            layout.recompute[chunk * p + rank] = mode;
+        }
+    }
+    let first = layout.recompute[0];
+    if layout.recompute.iter().all(|&m| m == first) {
+        return Ok(None);
+    }
+    Ok(Some(layout))
+}
+
+/// Whether `a` dominates `b` (no worse in both, better in one) in (time, memory).
+pub fn dominates(a: (f64, u64), b: (f64, u64)) -> bool {
+    a.0 <= b.0 && a.1 <= b.1 && (a.0 < b.0 || a.1 < b.1)
+}
+
+/// Searches the plans of `model` on `hardware` (see the [module docs](self)).
+///
+/// # Errors
+///
+/// [`SearchError::NoLayout`] when the degrees admit no layout, [`SearchError::DoesNotFit`]
+/// (with the smallest memory any layout needs) when no plan fits the budget.
+pub fn search(
+    model: &ModelProxy,
+    hardware: &HardwareSpec,
+    options: &SearchOptions,
+) -> Result<SearchResult, SearchError> {
+    let cm = CostModel::new(model, hardware);
+    let budget = options.memory_budget_bytes.unwrap_or(hardware.memory_bytes);
+    let all = candidates(&cm, options, budget)?;
+    if all.is_empty() {
+        return Err(SearchError::NoLayout {
+            gpus: options.gpus,
+            global_batch: options.global_batch,
+            heads: model.heads,
+            per_node: hardware.devices_per_node,
+            units: model.num_units(),
+        });
+    }
+    let considered = all.len();
+    let mut smallest = u64::MAX;
+    let mut feasible = Vec::new();
+    for c in all {
+        let est = cm.estimate(&c.layout)?;
+        let mem = est.peak_memory_bytes.iter().copied().max().unwrap_or(0);
+        smallest = smallest.min(mem);
+        if mem <= budget {
+            feasible.push((est.time_lower_bound_s, mem, c));
+        }
+    }
+    if feasible.is_empty() {
+        return Err(SearchError::DoesNotFit {
+            budget_bytes: budget,
+            smallest_bytes: smallest,
+        });
+    }
+    let feasible_count = feasible.len();
+    feasible.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    let keep = options.runner_ups + 1;
+    let mut top: Vec<Plan> = Vec::new();
+    let mut front: Vec<(f64, u64)> = Vec::new();
+    let mut pareto: Vec<Plan> = Vec::new();
+    let mut predicted = 0;
+    for (bound, mem, c) in feasible {
+        let top_full = top.len() >= keep;
+        let kth = top
+            .last()
+            .map_or(f64::INFINITY, |p| p.prediction.step_time_s);
+        let could_top = !top_full || bound < kth;
+        let could_front = !front.iter().any(|&(t, m)| t <= bound && m <= mem);
+        if !could_top && !could_front {
+            continue;
+        }
+        let prediction = cm.predict(&c.layout)?;
+        predicted += 1;
+        let plan = Plan {
+            layout: c.layout,
+            policy: c.policy,
+            prediction,
+        };
+        let point = plan.point();
+        if !front.iter().any(|&q| dominates(q, point) || q == point) {
+            let keep_members: Vec<bool> = front.iter().map(|&q| !dominates(point, q)).collect();
+            let mut i = 0;
+            pareto.retain(|_| {
+                let k = keep_members[i];
+                i += 1;
+                k
+            });
+            front.retain(|&q| !dominates(point, q));
+            front.push(point);
+            pareto.push(plan.clone());
+        }
+        if !top_full || point.0 < kth {
+            let at = top.partition_point(|p| p.prediction.step_time_s <= point.0);
+            top.insert(at, plan);
+            top.truncate(keep);
+        }
+    }
+    pareto.sort_by(|a, b| a.point().0.total_cmp(&b.point().0));
+    let mut top = top.into_iter();
+    let Some(best) = top.next() else {
+        return Err(SearchError::DoesNotFit {
+            budget_bytes: budget,
+            smallest_bytes: smallest,
+        });
+    };
+    Ok(SearchResult {
+        best,
+        runner_ups: top.collect(),
+        pareto,
+        considered,
+        feasible: feasible_count,
+        predicted,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    fn small_case() -> (ModelProxy, HardwareSpec, SearchOptions) {
+        let model = ModelProxy::parse("gpt2-medium").unwrap();
+        let mut hw = HardwareSpec::preset("a100-80g").unwrap().with_devices(8);
+        hw.memory_bytes = 4_000_000_000;
+        let mut options = SearchOptions::new(8, 16);
+        options.micro_batch_sizes = vec![1, 2, 4];
+        (model, hw, options)
+    }
+
+    #[test]
+    fn pareto_set_is_exact_on_a_small_case() {
+        let (model, hw, options) = small_case();
+        let result = search(&model, &hw, &options).unwrap();
+        let points: Vec<(f64, u64)> = result.pareto.iter().map(Plan::point).collect();
+        for (i, &a) in points.iter().enumerate() {
+            for (j, &b) in points.iter().enumerate() {
+                assert!(i == j || (!dominates(a, b) && a != b), "{a:?} vs {b:?}");
+            }
+        }
+        // Brute force: every feasible layout is dominated by or equal to a member.
+        let cm = CostModel::new(&model, &hw);
+        let all = candidates(&cm, &options, hw.memory_bytes).unwrap();
+        let mut feasible = 0;
+        let mut fastest = f64::INFINITY;
+        for c in &all {
+            let pred = cm.predict(&c.layout).unwrap();
+            let est = cm.estimate(&c.layout).unwrap();
+            assert!(est.time_lower_bound_s <= pred.step_time_s);
+            assert_eq!(est.peak_memory_bytes, pred.peak_memory_bytes);
+            let point = (pred.step_time_s, pred.max_memory_bytes());
+            if point.1 > hw.memory_bytes {
+                continue;
+            }
+            feasible += 1;
+            fastest = fastest.min(point.0);
+            assert!(
+                points.iter().any(|&q| q == point || dominates(q, point)),
+                "{point:?} is not covered by {points:?}"
+            );
+        }
+        assert_eq!(feasible, result.feasible);
+        assert!(
+            result.feasible < all.len(),
+            "the budget should exclude some layouts"
+        );
+        assert_eq!(result.best.prediction.step_time_s, fastest);
+        assert_eq!(result.pareto[0].prediction.step_time_s, fastest);
+        for w in result.runner_ups.windows(2) {
+            assert!(w[0].prediction.step_time_s <= w[1].prediction.step_time_s);
+        }
+        assert_eq!(result.runner_ups.len(), options.runner_ups);
+    }
+
+    #[test]
+    fn infeasible_budget_names_the_smallest_memory() {
+        let (model, mut hw, options) = small_case();
+        hw.memory_bytes = 1_000_000;
+        let err = search(&model, &hw, &options).unwrap_err();
+        let SearchError::DoesNotFit { smallest_bytes, .. } = err.clone() else {
+            panic!("{err}");
+        };
+        assert!(err.to_string().contains(&smallest_bytes.to_string()));
+        hw.memory_bytes = smallest_bytes;
+        let result = search(&model, &hw, &options).unwrap();
+        assert_eq!(result.best.prediction.max_memory_bytes(), smallest_bytes);
+        hw.memory_bytes = smallest_bytes - 1;
+        assert!(matches!(
+            search(&model, &hw, &options),
+            Err(SearchError::DoesNotFit { .. })
+        ));
+    }
+
+    #[test]
+    #[cfg_attr(debug_assertions, ignore = "the time limits are for release builds")]
+    fn gpt_20b_on_64_a100_is_fast() {
+        let model = ModelProxy::parse("gpt-20b").unwrap();
+        let hw = HardwareSpec::preset("a100-80g").unwrap().with_devices(64);
+        let start = Instant::now();
+        let result = search(&model, &hw, &SearchOptions::new(64, 512)).unwrap();
+        let elapsed = start.elapsed().as_secs_f64();
+        eprintln!(
+            "gpt-20b: {elapsed:.2} s, considered {} feasible {} predicted {}",
+            result.considered, result.feasible, result.predicted
+        );
+        assert!(elapsed < 1.0, "took {elapsed} s");
+        assert!(result.best.prediction.max_memory_bytes() <= hw.memory_bytes);
+        assert_eq!(result.best.layout.gpus(), 64);
+    }
+
+    #[test]
+    #[cfg_attr(debug_assertions, ignore = "the time limits are for release builds")]
+    fn one_trillion_parameters_on_3072_gpus_is_fast() {
+        let model = ModelProxy::parse("gpt:layers=128,hidden=25600,heads=160,seq=2048,vocab=51200")
+            .unwrap();
+        let hw = HardwareSpec::preset("a100-80g").unwrap().with_devices(3072);
+        let start = Instant::now();
+        let result = search(&model, &hw, &SearchOptions::new(3072, 3072)).unwrap();
+        let elapsed = start.elapsed().as_secs_f64();
+        eprintln!(
+            "1T: {elapsed:.2} s, considered {} feasible {} predicted {}",
+            result.considered, result.feasible, result.predicted
+        );
+        assert!(elapsed < 10.0, "took {elapsed} s");
+        assert!(result.best.prediction.max_memory_bytes() <= hw.memory_bytes);
+    }
+}
