@@ -4,6 +4,7 @@ mod config;
 mod data;
 mod export;
 mod generate;
+mod plan_cmd;
 mod plot;
 mod stages;
 mod tokens;
@@ -45,6 +46,10 @@ enum Command {
     Generate(export::GenerateArgs),
     /// Build, validate and simulate a pipeline schedule; print its action lists and bubble.
     Schedule(ScheduleArgs),
+    /// Find the fastest 3D layout (and the time/memory Pareto set) for a model on a cluster.
+    Plan(plan_cmd::PlanArgs),
+    /// Predict the step time and memory of one layout.
+    Simulate(plan_cmd::SimulateArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -196,6 +201,8 @@ fn main() -> ExitCode {
         Command::Export(a) => report(export::export(&a)),
         Command::Generate(a) => report(export::generate(&a)),
         Command::Schedule(a) => report(run_schedule(&a)),
+        Command::Plan(a) => report(plan_cmd::plan(&a)),
+        Command::Simulate(a) => report(plan_cmd::simulate(&a)),
         Command::PrepareData(a) => {
             match tokens::prepare(&a.input, &a.output, &a.tokenizer, a.val_fraction) {
                 Ok(m) => {

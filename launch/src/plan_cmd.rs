@@ -1,0 +1,284 @@
+//! `merak plan` and `merak simulate`: the planner on the command line (pure computation, no MPI).
+
+use anyhow::{Context, Result, bail};
+use merak_burn::pipeline::{ScheduleKind, balanced_partition};
+use merak_burn::planner::{
+    CostModel, HardwareSpec, Layout, ModelProxy, Plan, Prediction, RecomputeMode, SearchOptions,
+    TransformerShape, search,
+};
+
+/// The model and machines both commands take.
+#[derive(clap::Args, Debug)]
+pub struct Target {
+    /// A preset (`gpt-8.3b`, `gpt2`, ...) or an inline shape such as
+    /// `gpt:layers=48,hidden=8192,heads=64,seq=2048,vocab=51200`.
+    #[arg(long)]
+    pub model: String,
+    /// Override the model's sequence length.
+    #[arg(long)]
+    pub seq: Option<usize>,
+    /// Devices.
+    #[arg(long)]
+    pub gpus: usize,
+    /// A hardware preset (a100-80g, h100-80g, local-cpu) or a TOML file.
+    #[arg(long, default_value = "a100-80g")]
+    pub hardware: String,
+    /// Sequences per step.
+    #[arg(long)]
+    pub global_batch: usize,
+    /// Memory budget per device in GiB (default: the device's memory).
+    #[arg(long)]
+    pub memory_gib: Option<f64>,
+    /// Print JSON instead of tables.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Arguments of `merak plan`.
+#[derive(clap::Args, Debug)]
+pub struct PlanArgs {
+    #[command(flatten)]
+    target: Target,
+    /// Also print the Pareto set of (step time, peak memory).
+    #[arg(long)]
+    pareto: bool,
+    /// Write the best plan as JSON here.
+    #[arg(long)]
+    output: Option<std::path::PathBuf>,
+}
+
+/// Arguments of `merak simulate`.
+#[derive(clap::Args, Debug)]
+pub struct SimulateArgs {
+    #[command(flatten)]
+    target: Target,
+    /// The layout, e.g. `dp=32,tp=8,pp=2,v=1,mbs=4,recompute=full,schedule=1f1b,zero=0`.
+    #[arg(long)]
+    layout: String,
+}
+
+fn resolve(t: &Target) -> Result<(ModelProxy, HardwareSpec)> {
+    let mut shape: TransformerShape = t
+        .model
+        .parse()
+        .with_context(|| format!("--model {:?}", t.model))?;
+    if let Some(seq) = t.seq {
+        shape.seq = seq;
+    }
+    shape
+        .validate()
+        .with_context(|| format!("--model {:?}", t.model))?;
+    let hw = HardwareSpec::load(&t.hardware)
+        .with_context(|| format!("--hardware {:?}", t.hardware))?
+        .with_devices(t.gpus);
+    if t.gpus == 0 || t.global_batch == 0 {
+        bail!("--gpus and --global-batch must be at least 1");
+    }
+    Ok((ModelProxy::from_shape(shape), hw))
+}
+
+fn gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}
+
+/// One line describing a plan.
+fn describe(p: &Plan) -> String {
+    let l = &p.layout;
+    format!(
+        "dp={} tp={} pp={} v={} mbs={} m={} {} recompute={} zero1={}",
+        l.dp,
+        l.tp,
+        l.pp,
+        l.virtual_stages,
+        l.micro_batch,
+        l.micro_batches,
+        l.schedule,
+        p.policy,
+        l.zero1
+    )
+}
+
+fn print_prediction(p: &Prediction) {
+    println!(
+        "  step time {:.3} s, {:.1} TFLOP/s per device, peak memory per stage (GiB): {}",
+        p.step_time_s,
+        p.tflops_per_gpu,
+        p.peak_memory_bytes
+            .iter()
+            .map(|&b| format!("{:.1}", gib(b)))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    println!("  breakdown:");
+    for (k, v) in &p.breakdown {
+        if k.ends_with("_bytes") {
+            println!("    {k:<22} {:>10.2} GiB", v / (1u64 << 30) as f64);
+        } else {
+            println!("    {k:<22} {v:>10.4} s");
+        }
+    }
+}
+
+/// `merak plan`: the fastest plan, the runner-ups and optionally the Pareto set.
+pub fn plan(a: &PlanArgs) -> Result<()> {
+    let (model, hw) = resolve(&a.target)?;
+    let mut options = SearchOptions::new(a.target.gpus, a.target.global_batch);
+    options.memory_budget_bytes = a
+        .target
+        .memory_gib
+        .map(|g| (g * (1u64 << 30) as f64) as u64);
+    let t0 = std::time::Instant::now();
+    let result = search(&model, &hw, &options)?;
+    let secs = t0.elapsed().as_secs_f64();
+    if let Some(path) = &a.output {
+        std::fs::write(path, serde_json::to_vec_pretty(&result.best)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if a.target.json {
+        println!("{}", serde_json::to_string_pretty(&result)?);
+        return Ok(());
+    }
+    println!(
+        "{} ({:.2}B parameters) on {} x {}, global batch {}: {} layouts considered, {} fit, {} simulated, in {secs:.2} s",
+        model.name,
+        model.params() as f64 / 1e9,
+        a.target.gpus,
+        a.target.hardware,
+        a.target.global_batch,
+        result.considered,
+        result.feasible,
+        result.predicted
+    );
+    println!("best: {}", describe(&result.best));
+    print_prediction(&result.best.prediction);
+    println!("runner-ups:");
+    for p in &result.runner_ups {
+        println!(
+            "  {:>8.3} s {:>7.1} TFLOP/s {:>7.1} GiB  {}",
+            p.prediction.step_time_s,
+            p.prediction.tflops_per_gpu,
+            gib(p.prediction.max_memory_bytes()),
+            describe(p)
+        );
+    }
+    if a.pareto {
+        println!("Pareto set (step time, peak memory per device):");
+        for p in &result.pareto {
+            println!(
+                "  {:>8.3} s {:>7.1} GiB  {}",
+                p.prediction.step_time_s,
+                gib(p.prediction.max_memory_bytes()),
+                describe(p)
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Parses `key=value,...` into a layout of `model` for `global_batch` sequences.
+fn parse_layout(text: &str, model: &ModelProxy, global_batch: usize) -> Result<Layout> {
+    let (mut dp, mut tp, mut pp, mut v, mut mbs) = (1, 1, 1, 1, 1);
+    let mut recompute = RecomputeMode::None;
+    let mut schedule = ScheduleKind::OneFOneB;
+    let mut zero1 = false;
+    for part in text.split(',').filter(|p| !p.is_empty()) {
+        let (k, val) = part
+            .split_once('=')
+            .with_context(|| format!("--layout: `{part}` is not key=value"))?;
+        let num = || {
+            val.parse::<usize>()
+                .with_context(|| format!("--layout: {k}={val} is not a number"))
+        };
+        match k.trim() {
+            "dp" => dp = num()?,
+            "tp" => tp = num()?,
+            "pp" => pp = num()?,
+            "v" => v = num()?,
+            "mbs" => mbs = num()?,
+            "zero" => zero1 = num()? == 1,
+            "schedule" => schedule = val.parse()?,
+            "recompute" => {
+                recompute = match val {
+                    "none" => RecomputeMode::None,
+                    "selective" => RecomputeMode::Selective,
+                    "full" => RecomputeMode::Full,
+                    other => bail!("--layout: recompute={other} (none, selective or full)"),
+                }
+            }
+            other => bail!(
+                "--layout: unknown key `{other}` (dp, tp, pp, v, mbs, schedule, recompute, zero)"
+            ),
+        }
+    }
+    if dp * mbs == 0 || !global_batch.is_multiple_of(dp * mbs) {
+        bail!(
+            "--layout: dp * mbs = {} does not divide --global-batch {global_batch}",
+            dp * mbs
+        );
+    }
+    let stages = pp * v;
+    let costs: Vec<f64> = model
+        .units
+        .iter()
+        .map(|u| u.forward_flops + u.backward_flops)
+        .collect();
+    let partition = balanced_partition(&costs, stages)
+        .with_context(|| format!("--layout: pp = {pp} x v = {v} stages"))?;
+    Ok(Layout {
+        dp,
+        tp,
+        pp,
+        virtual_stages: v,
+        micro_batch: mbs,
+        micro_batches: global_batch / (dp * mbs),
+        schedule,
+        recompute: vec![recompute; stages],
+        zero1,
+        partition,
+    })
+}
+
+/// `merak simulate`: the predicted time breakdown and memory of one layout.
+pub fn simulate(a: &SimulateArgs) -> Result<()> {
+    let (model, hw) = resolve(&a.target)?;
+    let layout = parse_layout(&a.layout, &model, a.target.global_batch)?;
+    if layout.gpus() != a.target.gpus {
+        bail!(
+            "--layout uses dp * tp * pp = {} devices, --gpus is {}",
+            layout.gpus(),
+            a.target.gpus
+        );
+    }
+    let prediction = CostModel::new(&model, &hw).predict(&layout)?;
+    if a.target.json {
+        let json = serde_json::json!({ "layout": layout, "prediction": prediction });
+        println!("{}", serde_json::to_string_pretty(&json)?);
+        return Ok(());
+    }
+    println!(
+        "{} on {} x {}: dp={} tp={} pp={} v={} mbs={} m={} {}",
+        model.name,
+        a.target.gpus,
+        a.target.hardware,
+        layout.dp,
+        layout.tp,
+        layout.pp,
+        layout.virtual_stages,
+        layout.micro_batch,
+        layout.micro_batches,
+        layout.schedule
+    );
+    print_prediction(&prediction);
+    let budget = a
+        .target
+        .memory_gib
+        .map_or(hw.memory_bytes, |g| (g * (1u64 << 30) as f64) as u64);
+    if prediction.max_memory_bytes() > budget {
+        println!(
+            "  does NOT fit: {:.1} GiB needed, {:.1} GiB per device",
+            gib(prediction.max_memory_bytes()),
+            gib(budget)
+        );
+    }
+    Ok(())
+}

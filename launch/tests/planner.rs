@@ -1,0 +1,113 @@
+//! `merak plan` and `merak simulate` on the command line.
+
+use std::process::Command;
+use std::time::Duration;
+
+use merak_tests::run_with_deadline;
+
+const MERAK: &str = env!("CARGO_BIN_EXE_merak");
+
+fn merak(args: &[&str]) -> merak_tests::Run {
+    let mut cmd = Command::new(MERAK);
+    cmd.args(args);
+    run_with_deadline(cmd, Duration::from_secs(60))
+}
+
+#[test]
+fn plan_prints_json_with_time_throughput_and_memory_per_stage() {
+    let run = merak(&[
+        "plan",
+        "--model",
+        "gpt-8.3b",
+        "--gpus",
+        "64",
+        "--hardware",
+        "a100-80g",
+        "--global-batch",
+        "512",
+        "--seq",
+        "2048",
+        "--json",
+    ]);
+    run.assert_success();
+    let v: serde_json::Value = serde_json::from_str(&run.stdout).unwrap();
+    let best = &v["best"];
+    let p = &best["prediction"];
+    assert!(p["step_time_s"].as_f64().unwrap() > 0.0);
+    assert!(p["tflops_per_gpu"].as_f64().unwrap() > 0.0);
+    let mem = p["peak_memory_bytes"].as_array().unwrap();
+    assert_eq!(mem.len(), best["layout"]["pp"].as_u64().unwrap() as usize);
+    let l = &best["layout"];
+    let gpus = l["dp"].as_u64().unwrap() * l["tp"].as_u64().unwrap() * l["pp"].as_u64().unwrap();
+    assert_eq!(gpus, 64);
+    // Nothing in the Pareto set is slower and bigger than another member.
+    let pareto = v["pareto"].as_array().unwrap();
+    assert!(!pareto.is_empty());
+    let point = |p: &serde_json::Value| {
+        let pr = &p["prediction"];
+        let m = pr["peak_memory_bytes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .max()
+            .unwrap();
+        (pr["step_time_s"].as_f64().unwrap(), m)
+    };
+    for a in pareto {
+        for b in pareto {
+            let (pa, pb) = (point(a), point(b));
+            assert!(!(pb.0 < pa.0 && pb.1 < pa.1), "{pa:?} dominated by {pb:?}");
+        }
+    }
+}
+
+#[test]
+fn a_budget_nothing_fits_names_the_smallest_memory() {
+    let run = merak(&[
+        "plan",
+        "--model",
+        "gpt-20b",
+        "--gpus",
+        "8",
+        "--global-batch",
+        "64",
+        "--memory-gib",
+        "1",
+    ]);
+    assert_eq!(run.code, Some(2), "{run:?}");
+    assert!(run.stderr.contains("smallest plan needs"), "{}", run.stderr);
+}
+
+#[test]
+fn simulate_reproduces_a_published_megatron_row() {
+    // Megatron-LM SC'21: 39.1B on 512 A100s, tp 8, pp 2: 138 TFLOP/s per GPU.
+    let run = merak(&[
+        "simulate",
+        "--model",
+        "gpt:layers=48,hidden=8192,heads=64,seq=2048,vocab=51200",
+        "--gpus",
+        "512",
+        "--global-batch",
+        "1536",
+        "--layout",
+        "dp=32,tp=8,pp=2,v=1,mbs=1,recompute=full,schedule=1f1b",
+        "--json",
+    ]);
+    run.assert_success();
+    let v: serde_json::Value = serde_json::from_str(&run.stdout).unwrap();
+    let tflops = v["prediction"]["tflops_per_gpu"].as_f64().unwrap();
+    assert!((tflops - 138.0).abs() / 138.0 <= 0.15, "{tflops}");
+    let bad = merak(&[
+        "simulate",
+        "--model",
+        "gpt2",
+        "--gpus",
+        "4",
+        "--global-batch",
+        "8",
+        "--layout",
+        "dp=2,tp=3",
+    ]);
+    assert_eq!(bad.code, Some(2));
+}
