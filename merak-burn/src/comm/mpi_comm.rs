@@ -282,9 +282,7 @@ impl Communicator for MpiCommunicator {
         let count = check_count("send", buf.len())?;
         let mut pending = PendingMpiSend {
             buf,
-            // SAFETY: reading an MPI constant.
-            request: unsafe { mpi::ffi::RSMPI_REQUEST_NULL },
-            complete: false,
+            request: Request::new(),
         };
         // SAFETY: the buffer is owned by `pending`, lives on the heap and is not freed before
         // the request completes (`wait` and `Drop` complete it first).
@@ -296,11 +294,11 @@ impl Communicator for MpiCommunicator {
                 dest as c_int,
                 c_int::from(tag),
                 self.comm.as_raw(),
-                &mut pending.request,
+                &mut pending.request.raw,
             )
         };
         if code != 0 {
-            pending.complete = true;
+            pending.request.complete = true;
             return Err(CommError::Mpi {
                 op: "MPI_Isend",
                 code,
@@ -315,8 +313,7 @@ impl Communicator for MpiCommunicator {
             recv: self.buffer(buf.len()),
             send: buf,
             pool: self.pool.clone(),
-            request: unsafe { mpi::ffi::RSMPI_REQUEST_NULL },
-            complete: false,
+            request: Request::new(),
             divide_by: (op == ReduceOp::Mean).then_some(self.size() as f32),
         };
         let mpi_op = match op {
@@ -334,11 +331,11 @@ impl Communicator for MpiCommunicator {
                 mpi::ffi::RSMPI_FLOAT,
                 mpi_op,
                 self.comm.as_raw(),
-                &mut pending.request,
+                &mut pending.request.raw,
             )
         };
         if code != 0 {
-            pending.complete = true;
+            pending.request.complete = true;
             return Err(CommError::Mpi {
                 op: "MPI_Iallreduce",
                 code,
@@ -350,20 +347,28 @@ impl Communicator for MpiCommunicator {
 
 use mpi::datatype::Equivalence;
 
-/// A non-blocking MPI send (`MPI_Isend`) that owns its buffer.
-pub struct PendingMpiSend {
-    buf: Vec<f32>,
-    request: mpi::ffi::MPI_Request,
+/// An MPI request in flight and whether it has completed.
+struct Request {
+    raw: mpi::ffi::MPI_Request,
     complete: bool,
 }
 
-impl PendingMpiSend {
-    fn wait_raw(&mut self) -> Result<(), CommError> {
+impl Request {
+    fn new() -> Self {
+        Self {
+            // SAFETY: reading an MPI constant.
+            raw: unsafe { mpi::ffi::RSMPI_REQUEST_NULL },
+            complete: false,
+        }
+    }
+
+    /// Blocks until the request completes (once).
+    fn wait(&mut self) -> Result<(), CommError> {
         if self.complete {
             return Ok(());
         }
-        // SAFETY: `request` came from MPI_Isend and has not completed yet.
-        let code = unsafe { mpi::ffi::MPI_Wait(&mut self.request, mpi::ffi::RSMPI_STATUS_IGNORE) };
+        // SAFETY: `raw` came from a non-blocking MPI call and has not completed yet.
+        let code = unsafe { mpi::ffi::MPI_Wait(&mut self.raw, mpi::ffi::RSMPI_STATUS_IGNORE) };
         self.complete = true;
         if code != 0 {
             return Err(CommError::Mpi {
@@ -373,18 +378,16 @@ impl PendingMpiSend {
         }
         Ok(())
     }
-}
 
-impl Pending for PendingMpiSend {
+    /// Lets MPI progress the request; `true` once it is complete.
     fn test(&mut self) -> Result<bool, CommError> {
         if self.complete {
             return Ok(true);
         }
         let mut flag: c_int = 0;
-        // SAFETY: `request` came from MPI_Isend and has not completed yet.
-        let code = unsafe {
-            mpi::ffi::MPI_Test(&mut self.request, &mut flag, mpi::ffi::RSMPI_STATUS_IGNORE)
-        };
+        // SAFETY: `raw` came from a non-blocking MPI call and has not completed yet.
+        let code =
+            unsafe { mpi::ffi::MPI_Test(&mut self.raw, &mut flag, mpi::ffi::RSMPI_STATUS_IGNORE) };
         if code != 0 {
             return Err(CommError::Mpi {
                 op: "MPI_Test",
@@ -394,9 +397,21 @@ impl Pending for PendingMpiSend {
         self.complete = flag != 0;
         Ok(self.complete)
     }
+}
+
+/// A non-blocking MPI send (`MPI_Isend`) that owns its buffer.
+pub struct PendingMpiSend {
+    buf: Vec<f32>,
+    request: Request,
+}
+
+impl Pending for PendingMpiSend {
+    fn test(&mut self) -> Result<bool, CommError> {
+        self.request.test()
+    }
 
     fn wait(mut self: Box<Self>) -> Result<Vec<f32>, CommError> {
-        self.wait_raw()?;
+        self.request.wait()?;
         Ok(std::mem::take(&mut self.buf))
     }
 }
@@ -404,7 +419,7 @@ impl Pending for PendingMpiSend {
 impl Drop for PendingMpiSend {
     fn drop(&mut self) {
         // The buffer must outlive the request: complete it before it is freed.
-        let _ = self.wait_raw();
+        let _ = self.request.wait();
     }
 }
 
@@ -412,8 +427,7 @@ impl Drop for PendingMpiSend {
 pub struct PendingMpiAllReduce {
     send: Vec<f32>,
     recv: Vec<f32>,
-    request: mpi::ffi::MPI_Request,
-    complete: bool,
+    request: Request,
     divide_by: Option<f32>,
     pool: BufferPool,
 }
@@ -430,46 +444,15 @@ impl PendingMpiAllReduce {
         }
         out
     }
-
-    fn wait_raw(&mut self) -> Result<(), CommError> {
-        if self.complete {
-            return Ok(());
-        }
-        // SAFETY: `request` came from MPI_Iallreduce and has not completed yet.
-        let code = unsafe { mpi::ffi::MPI_Wait(&mut self.request, mpi::ffi::RSMPI_STATUS_IGNORE) };
-        self.complete = true;
-        if code != 0 {
-            return Err(CommError::Mpi {
-                op: "MPI_Wait",
-                code,
-            });
-        }
-        Ok(())
-    }
 }
 
 impl Pending for PendingMpiAllReduce {
     fn test(&mut self) -> Result<bool, CommError> {
-        if self.complete {
-            return Ok(true);
-        }
-        let mut flag: c_int = 0;
-        // SAFETY: `request` came from MPI_Iallreduce and has not completed yet.
-        let code = unsafe {
-            mpi::ffi::MPI_Test(&mut self.request, &mut flag, mpi::ffi::RSMPI_STATUS_IGNORE)
-        };
-        if code != 0 {
-            return Err(CommError::Mpi {
-                op: "MPI_Test",
-                code,
-            });
-        }
-        self.complete = flag != 0;
-        Ok(self.complete)
+        self.request.test()
     }
 
     fn wait(mut self: Box<Self>) -> Result<Vec<f32>, CommError> {
-        self.wait_raw()?;
+        self.request.wait()?;
         Ok(self.finish())
     }
 }
@@ -477,6 +460,6 @@ impl Pending for PendingMpiAllReduce {
 impl Drop for PendingMpiAllReduce {
     fn drop(&mut self) {
         // The buffers must outlive the request: complete it before they are freed.
-        let _ = self.wait_raw();
+        let _ = self.request.wait();
     }
 }
