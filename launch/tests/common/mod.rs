@@ -101,3 +101,45 @@ pub fn assert_same_run(name: &str, got: &[serde_json::Value], want: &[serde_json
         }
     }
 }
+
+/// Runs `cmd` (a `merak train` job writing into `out`) in the background, waits until `ready()`
+/// holds (at most 60 s), SIGKILLs the last rank process (found by its unique output folder) and
+/// asserts that the whole job then ends, unsuccessfully, within 30 s. Returns the job's run.
+pub fn kill_last_rank_when(cmd: Command, out: &Path, ready: impl Fn() -> bool) -> merak_tests::Run {
+    let child = std::thread::spawn(move || run_with_deadline(cmd, Duration::from_secs(120)));
+    let start = std::time::Instant::now();
+    while !ready() {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "training did not start"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let pgrep = Command::new("pgrep")
+        .args(["-f", &format!("{} train .*{}", MERAK, out.display())])
+        .output()
+        .expect("pgrep runs");
+    let pids: Vec<String> = String::from_utf8_lossy(&pgrep.stdout)
+        .split_whitespace()
+        .map(str::to_string)
+        .collect();
+    assert!(!pids.is_empty(), "no rank process found");
+    let killed_at = std::time::Instant::now();
+    let status = Command::new("kill")
+        .args(["-9", &pids[pids.len() - 1]])
+        .status()
+        .expect("kill runs");
+    assert!(status.success());
+    let run = child.join().expect("the runner thread");
+    assert!(
+        !run.timed_out,
+        "the job hung after a rank was killed: {run:?}"
+    );
+    assert!(
+        killed_at.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        killed_at.elapsed()
+    );
+    assert_ne!(run.code, Some(0), "{run:?}");
+    run
+}
