@@ -55,6 +55,18 @@ pub enum PartitionError {
         /// The number of units of the model.
         units: usize,
     },
+    /// A stage (read from a file) that does not start where the previous one ends.
+    #[error(
+        "stage {stage} starts at unit {start}, but the stage before it ends at unit {expected}"
+    )]
+    NotContiguous {
+        /// The (0-based) stage.
+        stage: usize,
+        /// Its first unit.
+        start: usize,
+        /// Where the previous stage ended (0 for the first stage).
+        expected: usize,
+    },
     /// A unit cost that is negative, infinite or NaN.
     #[error("unit {unit} has cost {cost}: unit costs must be finite and non-negative")]
     BadCost {
@@ -76,12 +88,43 @@ pub enum PartitionError {
 
 /// Model units cut into contiguous, non-empty, ordered pipeline stages that cover every unit
 /// exactly once. Made only by [`balanced_partition`] and [`explicit_partition`].
-#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "RawPartition")]
 pub struct Partition {
     /// `ranges[s]` is the half-open unit range of stage `s`; `ranges[0].start == 0`,
     /// `ranges[s].end == ranges[s + 1].start`, the last end is the number of units and no range
     /// is empty.
     ranges: Vec<Range<usize>>,
+}
+
+/// A partition as read from JSON, before it is checked.
+#[derive(serde::Deserialize)]
+struct RawPartition {
+    ranges: Vec<Range<usize>>,
+}
+
+impl TryFrom<RawPartition> for Partition {
+    type Error = PartitionError;
+
+    /// Accepts only contiguous, non-empty, ordered ranges starting at unit 0.
+    fn try_from(raw: RawPartition) -> Result<Self, Self::Error> {
+        let mut next = 0;
+        for (stage, range) in raw.ranges.iter().enumerate() {
+            if range.start != next {
+                return Err(PartitionError::NotContiguous {
+                    stage,
+                    start: range.start,
+                    expected: next,
+                });
+            }
+            if range.end <= range.start {
+                return Err(PartitionError::EmptyStage { stage });
+            }
+            next = range.end;
+        }
+        let sizes: Vec<usize> = raw.ranges.iter().map(|r| r.len()).collect();
+        explicit_partition(&sizes, next)
+    }
 }
 
 impl Partition {
@@ -708,5 +751,24 @@ mod tests {
     fn stage_of_out_of_range_panics() {
         let partition = explicit_partition(&[1, 2], 3).unwrap();
         partition.stage_of(3);
+    }
+
+    #[test]
+    fn json_round_trip_and_checked_reading() {
+        let partition = explicit_partition(&[2, 3, 1], 6).unwrap();
+        let text = serde_json::to_string(&partition).unwrap();
+        let back: Partition = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, partition);
+        let gap = r#"{"ranges":[{"start":0,"end":2},{"start":3,"end":6}]}"#;
+        let err = serde_json::from_str::<Partition>(gap)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("stage 1 starts at unit 3"), "{err}");
+        let empty = r#"{"ranges":[{"start":0,"end":2},{"start":2,"end":2}]}"#;
+        let err = serde_json::from_str::<Partition>(empty)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("stage 1 has 0 units"), "{err}");
+        assert!(serde_json::from_str::<Partition>(r#"{"ranges":[]}"#).is_err());
     }
 }

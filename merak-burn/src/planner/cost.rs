@@ -24,9 +24,10 @@
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+use super::calibration::{Calibration, UnitKind};
 use super::hardware::HardwareSpec;
 use super::model::{BYTES_16BIT, ModelProxy, RecomputeMode};
 use crate::pipeline::{
@@ -82,7 +83,7 @@ pub enum CostError {
 }
 
 /// A 3D-parallel training layout: everything the cost model needs to predict it.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Layout {
     /// Data-parallel degree.
     pub dp: usize,
@@ -129,7 +130,7 @@ impl Layout {
 }
 
 /// What the cost model predicts for a layout.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Prediction {
     /// Seconds per training step.
     pub step_time_s: f64,
@@ -158,6 +159,134 @@ pub struct Estimate {
     /// A lower bound of the predicted step time: the busiest rank's compute and communication
     /// plus the post-pipeline terms.
     pub time_lower_bound_s: f64,
+}
+
+/// What one unit costs one tensor-parallel rank for one micro-batch: the single source of every
+/// per-unit time and memory term ([`CostModel::unit_terms`]), shared by the cost model and the
+/// stage planner ([`stage_dp`](super::stage_dp)).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct UnitTerms {
+    /// Forward compute, seconds.
+    pub forward_s: f64,
+    /// Backward compute, seconds.
+    pub backward_s: f64,
+    /// Recomputation compute, seconds.
+    pub recompute_s: f64,
+    /// Tensor-parallel all-reduces of the forward pass, seconds.
+    pub tp_forward_s: f64,
+    /// Tensor-parallel all-reduces of the backward pass, seconds.
+    pub tp_backward_s: f64,
+    /// Tensor-parallel all-reduces of the recomputed forward pass, seconds.
+    pub tp_recompute_s: f64,
+    /// Activation bytes kept between forward and backward.
+    pub activation_bytes: f64,
+    /// Parameters held (tied copies excluded).
+    pub params: f64,
+    /// Parameters of a tied copy held (0 unless asked for).
+    pub tied_params: f64,
+    /// Activation bytes without recomputation (the workspace a recomputing unit rebuilds).
+    pub largest_activation_bytes: f64,
+}
+
+/// The sums of [`UnitTerms`] over the units of one stage, added in unit order.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct StageTerms {
+    forward_s: f64,
+    backward_s: f64,
+    recompute_s: f64,
+    tp_forward_s: f64,
+    tp_backward_s: f64,
+    tp_recompute_s: f64,
+    /// Activation bytes of one micro-batch.
+    pub activation_bytes: f64,
+    /// Parameters held, tied copies included.
+    pub params: f64,
+    /// The largest unit's activation bytes without recomputation.
+    pub largest_activation_bytes: f64,
+}
+
+impl StageTerms {
+    /// Adds the next unit of the stage.
+    pub(crate) fn add(&mut self, unit: &UnitTerms) {
+        self.forward_s += unit.forward_s;
+        self.backward_s += unit.backward_s;
+        self.recompute_s += unit.recompute_s;
+        self.tp_forward_s += unit.tp_forward_s;
+        self.tp_backward_s += unit.tp_backward_s;
+        self.tp_recompute_s += unit.tp_recompute_s;
+        self.activation_bytes += unit.activation_bytes;
+        self.params += unit.params;
+        self.params += unit.tied_params;
+        self.largest_activation_bytes = self
+            .largest_activation_bytes
+            .max(unit.largest_activation_bytes);
+    }
+
+    /// Forward pass of one micro-batch with its TP communication, seconds.
+    pub(crate) fn forward(&self) -> f64 {
+        self.forward_s + self.tp_forward_s
+    }
+
+    /// Backward pass of one micro-batch with its TP communication, seconds.
+    pub(crate) fn backward(&self) -> f64 {
+        self.backward_s + self.tp_backward_s
+    }
+
+    /// Recomputation of one micro-batch with its TP communication, seconds.
+    pub(crate) fn recompute(&self) -> f64 {
+        self.recompute_s + self.tp_recompute_s
+    }
+
+    /// The stage's time per micro-batch: forward + backward + recomputation (each with its TP
+    /// communication), what the stage planner balances.
+    pub(crate) fn time(&self) -> f64 {
+        self.forward() + self.backward() + self.recompute()
+    }
+
+    /// Compute-only seconds per micro-batch.
+    fn compute(&self) -> f64 {
+        self.forward_s + self.backward_s + self.recompute_s
+    }
+
+    /// TP communication seconds per micro-batch.
+    fn tp_comm(&self) -> f64 {
+        self.tp_forward_s + self.tp_backward_s + self.tp_recompute_s
+    }
+}
+
+/// The memory-relevant terms of one stage (model chunk) of a pipeline rank.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct ChunkMemory {
+    /// Parameters held, tied copies included.
+    pub params: f64,
+    /// Activation bytes of one micro-batch.
+    pub activation_bytes: f64,
+    /// The most micro-batches the stage holds at once.
+    pub in_flight: usize,
+    /// How the stage treats its activations.
+    pub mode: RecomputeMode,
+    /// The largest unit's activation bytes without recomputation.
+    pub largest_activation_bytes: f64,
+}
+
+/// Memory of one pipeline rank, bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct RankMemory {
+    /// Parameters held (all chunks).
+    pub params: f64,
+    /// Model states (weights, gradients, optimizer states, a second 2BW weight version).
+    pub states: f64,
+    /// Activations of the micro-batches in flight.
+    pub activations: f64,
+    /// Workspace and framework memory.
+    pub workspace: f64,
+}
+
+impl RankMemory {
+    /// The peak: states + activations + workspace, rounded up.
+    pub(crate) fn peak_bytes(&self) -> u64 {
+        (self.states + self.activations + self.workspace).ceil() as u64
+    }
 }
 
 /// Per-layout derived costs.
@@ -190,6 +319,7 @@ type InFlightKey = (ScheduleKind, usize, usize, usize);
 pub struct CostModel<'a> {
     model: &'a ModelProxy,
     hardware: &'a HardwareSpec,
+    calibration: Option<&'a Calibration>,
     in_flight: RefCell<HashMap<InFlightKey, Vec<usize>>>,
     simulations: RefCell<HashMap<SimKey, f64>>,
 }
@@ -200,9 +330,28 @@ impl<'a> CostModel<'a> {
         CostModel {
             model,
             hardware,
+            calibration: None,
             in_flight: RefCell::new(HashMap::new()),
             simulations: RefCell::new(HashMap::new()),
         }
+    }
+
+    /// The same cost model using measured layer times (`merak profile`) wherever they cover
+    /// a unit at the layout's tensor-parallel degree: a unit's forward and backward times are
+    /// then the measured ones (tensor-parallel communication included, so it is not added
+    /// again), its recomputation the forward time scaled by the recomputed share of FLOPs,
+    /// the optimizer the measured time per parameter, and gradients and activations have the
+    /// calibration's element size. Units or degrees it does not cover use FLOPs over the
+    /// hardware's rate.
+    pub fn with_calibration(mut self, calibration: &'a Calibration) -> Self {
+        self.calibration = Some(calibration);
+        self
+    }
+
+    /// Bytes per element of gradients and pipeline messages: 2 (16-bit training), or the
+    /// calibration's.
+    fn element_bytes(&self) -> f64 {
+        self.calibration.map_or(BYTES_16BIT, |c| c.element_bytes)
     }
 
     /// The model.
@@ -216,7 +365,7 @@ impl<'a> CostModel<'a> {
     }
 
     /// The most micro-batches each global stage holds at once.
-    fn in_flight(
+    pub(crate) fn in_flight(
         &self,
         kind: ScheduleKind,
         p: usize,
@@ -245,6 +394,116 @@ impl<'a> CostModel<'a> {
         }
         let (bw, lat) = self.hardware.link(span);
         2.0 * (n - 1) as f64 / n as f64 * bytes / bw + lat
+    }
+
+    /// The terms of unit `unit` for a micro-batch of `b` sequences on one of `t` tensor-parallel
+    /// ranks under `mode`; `tied` says whether its stage also holds the unit's tied parameters
+    /// (more than one stage and not the first). Every per-unit time of the cost model comes from
+    /// here.
+    pub(crate) fn unit_terms(
+        &self,
+        unit: usize,
+        b: usize,
+        t: usize,
+        mode: RecomputeMode,
+        tied: bool,
+    ) -> UnitTerms {
+        let Some(u) = self.model.units.get(unit) else {
+            return UnitTerms::default();
+        };
+        let flops = self.hardware.achievable_flops() * t as f64;
+        let one = self.allreduce(
+            u.tp_allreduce_elements * b as f64 * self.element_bytes(),
+            t,
+            t,
+        );
+        let kind = UnitKind::of(unit, self.model.units.len());
+        if let Some((forward_s, backward_s)) =
+            self.calibration.and_then(|c| c.unit_time(kind, t, b))
+        {
+            let forward_flops = u.forward_flops(b);
+            let recompute_s = if forward_flops > 0.0 {
+                forward_s * u.recompute_flops(b, mode) / forward_flops
+            } else {
+                0.0
+            };
+            // The framework's work per micro-batch grows with the parameters the pass hooks.
+            let per_micro_batch = self
+                .calibration
+                .map_or(0.0, |c| c.micro_batch_s_per_param * u.params_per_rank(t));
+            return UnitTerms {
+                forward_s: forward_s + per_micro_batch,
+                backward_s,
+                recompute_s,
+                tp_forward_s: 0.0,
+                tp_backward_s: 0.0,
+                tp_recompute_s: 0.0,
+                activation_bytes: u.activation_bytes(b, t, mode),
+                params: u.params_per_rank(t),
+                tied_params: if tied {
+                    u.params_tied as f64 / t as f64
+                } else {
+                    0.0
+                },
+                largest_activation_bytes: u.activation_bytes(b, t, RecomputeMode::None),
+            };
+        }
+        UnitTerms {
+            forward_s: u.forward_flops(b) / flops,
+            backward_s: u.backward_flops(b) / flops,
+            recompute_s: u.recompute_flops(b, mode) / flops,
+            tp_forward_s: u.tp_forward_allreduces as f64 * one,
+            tp_backward_s: u.tp_backward_allreduces as f64 * one,
+            tp_recompute_s: if mode == RecomputeMode::Full && u.recomputable {
+                u.tp_forward_allreduces as f64 * one
+            } else {
+                0.0
+            },
+            activation_bytes: u.activation_bytes(b, t, mode),
+            params: u.params_per_rank(t),
+            tied_params: if tied {
+                u.params_tied as f64 / t as f64
+            } else {
+                0.0
+            },
+            largest_activation_bytes: u.activation_bytes(b, t, RecomputeMode::None),
+        }
+    }
+
+    /// Bytes of model states per parameter held: 16 (16-bit weight and gradient, fp32 master
+    /// weight and two moments), `4 + 12/d` with ZeRO-1, plus a second 16-bit weight version
+    /// under PipeDream-2BW.
+    pub(crate) fn state_bytes_per_param(d: usize, zero1: bool, schedule: ScheduleKind) -> f64 {
+        let states = if zero1 { 4.0 + 12.0 / d as f64 } else { 16.0 };
+        let versions = if schedule == ScheduleKind::TwoBw {
+            BYTES_16BIT
+        } else {
+            0.0
+        };
+        states + versions
+    }
+
+    /// The memory of a pipeline rank holding `chunks` (its stages, in chunk order), with
+    /// `state_bytes_per_param` from [`state_bytes_per_param`](Self::state_bytes_per_param):
+    /// model states, each chunk's activations times its micro-batches in flight, and a
+    /// workspace ([`FRAMEWORK_BYTES`] plus, when a chunk recomputes, the largest unit's full
+    /// activations).
+    pub(crate) fn rank_memory(
+        chunks: impl IntoIterator<Item = ChunkMemory>,
+        state_bytes_per_param: f64,
+    ) -> RankMemory {
+        let mut memory = RankMemory::default();
+        let mut recomputes = false;
+        let mut largest_unit = 0.0f64;
+        for chunk in chunks {
+            memory.params += chunk.params;
+            memory.activations += chunk.in_flight as f64 * chunk.activation_bytes;
+            recomputes |= chunk.mode != RecomputeMode::None;
+            largest_unit = largest_unit.max(chunk.largest_activation_bytes);
+        }
+        memory.states = memory.params * state_bytes_per_param;
+        memory.workspace = FRAMEWORK_BYTES + if recomputes { largest_unit } else { 0.0 };
+        memory
     }
 
     fn check(&self, layout: &Layout) -> Result<(), CostError> {
@@ -290,44 +549,22 @@ impl<'a> CostModel<'a> {
             layout.dp,
         );
         let stages = layout.stages();
-        let flops = hw.achievable_flops() * t as f64;
         let mut costs = Costs::uniform(stages, 0.0, 0.0);
-        let mut compute = vec![0.0; stages];
-        let mut tp_time = vec![0.0; stages];
-        let mut act = vec![0.0; stages];
-        let mut params = vec![0.0; stages];
-        let mut largest = vec![0.0f64; stages];
         let ranges = layout.partition.ranges();
         let head_separate = ranges.len() > 1;
+        let mut terms = vec![StageTerms::default(); stages];
         for (j, range) in ranges.iter().enumerate() {
             let mode = layout.recompute[j];
-            let (mut f, mut bw, mut r) = (0.0, 0.0, 0.0);
-            let (mut tf, mut tb, mut tr) = (0.0, 0.0, 0.0);
-            for unit in &self.model.units[range.clone()] {
-                f += unit.forward_flops(b) / flops;
-                bw += unit.backward_flops(b) / flops;
-                r += unit.recompute_flops(b, mode) / flops;
-                let one = self.allreduce(unit.tp_allreduce_elements * b as f64 * BYTES_16BIT, t, t);
-                tf += unit.tp_forward_allreduces as f64 * one;
-                tb += unit.tp_backward_allreduces as f64 * one;
-                if mode == RecomputeMode::Full && unit.recomputable {
-                    tr += unit.tp_forward_allreduces as f64 * one;
-                }
-                act[j] += unit.activation_bytes(b, t, mode);
-                params[j] += unit.params_per_rank(t);
-                if head_separate && j > 0 {
-                    params[j] += unit.params_tied as f64 / t as f64;
-                }
-                largest[j] = largest[j].max(unit.activation_bytes(b, t, RecomputeMode::None));
+            for unit in range.clone() {
+                terms[j].add(&self.unit_terms(unit, b, t, mode, head_separate && j > 0));
             }
-            costs.forward[j] = f + tf;
-            costs.backward[j] = bw + tb;
-            costs.recompute[j] = r + tr;
-            compute[j] = f + bw + r;
-            tp_time[j] = tf + tb + tr;
+            costs.forward[j] = terms[j].forward();
+            costs.backward[j] = terms[j].backward();
+            costs.recompute[j] = terms[j].recompute();
         }
         let (pp_bw, pp_lat) = hw.link(if p > 1 { 2 * d * t } else { 1 });
-        let message = self.model.pp_message_bytes(b) / pp_bw + pp_lat;
+        let message =
+            self.model.pp_message_bytes(b) / BYTES_16BIT * self.element_bytes() / pp_bw + pp_lat;
         if p > 1 {
             costs.send_activation = message;
             costs.send_grad = message;
@@ -352,63 +589,73 @@ impl<'a> CostModel<'a> {
             costs,
         };
         let dp_span = d * t;
+        let state_bytes = Self::state_bytes_per_param(d, layout.zero1, layout.schedule);
         for rank in 0..p {
-            let mut rank_params = 0.0;
             let mut last_backward = 0.0;
-            let mut recomputes = false;
-            let mut largest_unit = 0.0f64;
             for chunk in 0..v {
                 let j = chunk * p + rank;
-                rank_params += params[j];
                 last_backward += derived.costs.backward[j] + derived.costs.recompute[j];
-                derived.compute_per_mb[rank] += compute[j];
-                derived.tp_per_mb[rank] += tp_time[j];
-                derived.activations[rank] += in_flight[j] as f64 * act[j];
-                recomputes |= layout.recompute[j] != RecomputeMode::None;
-                largest_unit = largest_unit.max(largest[j]);
+                derived.compute_per_mb[rank] += terms[j].compute();
+                derived.tp_per_mb[rank] += terms[j].tp_comm();
             }
-            let grad_bytes = rank_params * BYTES_16BIT;
-            let (exposed, allgather, local_params, state_bytes) = if layout.zero1 {
+            let memory = Self::rank_memory(
+                (0..v).map(|chunk| {
+                    let j = chunk * p + rank;
+                    ChunkMemory {
+                        params: terms[j].params,
+                        activation_bytes: terms[j].activation_bytes,
+                        in_flight: in_flight[j],
+                        mode: layout.recompute[j],
+                        largest_activation_bytes: terms[j].largest_activation_bytes,
+                    }
+                }),
+                state_bytes,
+            );
+            let rank_params = memory.params;
+            let grad_bytes = rank_params * self.element_bytes();
+            let (exposed, allgather, local_params) = if layout.zero1 {
                 // Reduce-scatter (half a ring all-reduce) overlaps the backward pass; the
                 // all-gather of the updated 16-bit parameters does not.
                 let half = self.allreduce(grad_bytes, d, dp_span) / 2.0;
+                let exchange = match self.calibration {
+                    // Measured at dp = the calibration's ranks; scaled by the ring's (d-1)/d.
+                    Some(c) if c.ranks > 1 => {
+                        let at = |n: usize| (n - 1) as f64 / n as f64;
+                        c.zero1_s_per_param * rank_params * at(d) / at(c.ranks)
+                    }
+                    _ => half,
+                };
                 (
                     (half - last_backward).max(0.0),
-                    if d > 1 { half } else { 0.0 },
+                    if d > 1 { exchange } else { 0.0 },
                     rank_params / d as f64,
-                    4.0 + 12.0 / d as f64,
                 )
             } else {
                 let full = self.allreduce(grad_bytes, d, dp_span);
-                ((full - last_backward).max(0.0), 0.0, rank_params, 16.0)
+                ((full - last_backward).max(0.0), 0.0, rank_params)
             };
-            let optimizer = local_params * OPTIMIZER_BYTES_PER_PARAM / hw.memory_bandwidth;
+            let optimizer = match self.calibration {
+                Some(c) => local_params * c.optimizer_s_per_param + c.step_overhead_s,
+                None => local_params * OPTIMIZER_BYTES_PER_PARAM / hw.memory_bandwidth,
+            };
             derived.dp_exposed[rank] = exposed;
             derived.allgather[rank] = allgather;
             derived.optimizer[rank] = optimizer;
             derived.tail[rank] = exposed + allgather + optimizer;
-            // PipeDream-2BW keeps a second (16-bit) weight version.
-            let versions = if layout.schedule == ScheduleKind::TwoBw {
-                BYTES_16BIT
-            } else {
-                0.0
-            };
-            derived.states[rank] = rank_params * (state_bytes + versions);
-            derived.workspace[rank] = FRAMEWORK_BYTES + if recomputes { largest_unit } else { 0.0 };
+            derived.states[rank] = memory.states;
+            derived.activations[rank] = memory.activations;
+            derived.workspace[rank] = memory.workspace;
         }
         // Rank r cannot start before micro-batch 0 has gone forward through stages 0..r, and
-        // (when the pipeline flushes) cannot be done before its last backward has gone back
-        // through them; in between it works m times its per-micro-batch time.
+        // cannot be done before its last backward has gone back through them (every schedule
+        // drains at the end of a step in the executor, see pipeline_time); in between it works
+        // m times its per-micro-batch time.
         let m = layout.micro_batches as f64;
         let mut before = 0.0;
         let mut after = 0.0;
         for rank in 0..p {
             let busy = m * (derived.compute_per_mb[rank] + derived.tp_per_mb[rank]);
-            let bound = if layout.schedule.flushes() {
-                before + busy + after
-            } else {
-                busy
-            };
+            let bound = before + busy + after;
             derived.pipeline_lb = derived.pipeline_lb.max(bound);
             before += derived.costs.forward[rank] + derived.costs.send_activation;
             after += derived.costs.backward[rank] + derived.costs.send_grad;
@@ -417,15 +664,47 @@ impl<'a> CostModel<'a> {
     }
 
     /// The lower bound of the time from derived costs: the pipeline bound plus the largest
-    /// tail.
-    fn lower_bound(derived: &Derived) -> f64 {
-        derived.pipeline_lb + derived.tail.iter().copied().fold(0.0, f64::max)
+    /// tail (then shared cores, see [`shared`](Self::shared)).
+    fn lower_bound(&self, layout: &Layout, derived: &Derived) -> f64 {
+        self.shared(
+            layout,
+            derived,
+            derived.pipeline_lb + derived.tail.iter().copied().fold(0.0, f64::max),
+        )
+    }
+
+    /// The step time `time` (computed as if every rank had its device to itself) on hardware
+    /// whose ranks share fewer compute units than there are ranks on a node (CPU ranks on
+    /// fewer cores, `HardwareSpec::compute_units_per_node`). The unit times were measured with
+    /// every rank working, so a rank alone runs `share = units / ranks` of its measured time;
+    /// the step takes the longer of the critical path at that speed and the mean work of the
+    /// ranks (all work shares the same units). Unchanged when every rank has its own device.
+    fn shared(&self, layout: &Layout, derived: &Derived, time: f64) -> f64 {
+        let ranks = layout.gpus().min(self.hardware.devices_per_node);
+        let units = self.hardware.compute_units_per_node;
+        if units == 0 || units >= ranks {
+            return time;
+        }
+        let share = units as f64 / ranks as f64;
+        let m = layout.micro_batches as f64;
+        let p = layout.pp;
+        let work: f64 = (0..p)
+            .map(|r| m * (derived.compute_per_mb[r] + derived.tp_per_mb[r]) + derived.tail[r])
+            .sum::<f64>()
+            / p as f64;
+        (time * share).max(work)
     }
 
     fn memory(derived: &Derived) -> Vec<u64> {
         (0..derived.states.len())
             .map(|r| {
-                (derived.states[r] + derived.activations[r] + derived.workspace[r]).ceil() as u64
+                RankMemory {
+                    params: 0.0,
+                    states: derived.states[r],
+                    activations: derived.activations[r],
+                    workspace: derived.workspace[r],
+                }
+                .peak_bytes()
             })
             .collect()
     }
@@ -439,8 +718,29 @@ impl<'a> CostModel<'a> {
         let derived = self.derive(layout)?;
         Ok(Estimate {
             peak_memory_bytes: CostModel::memory(&derived),
-            time_lower_bound_s: CostModel::lower_bound(&derived),
+            time_lower_bound_s: self.lower_bound(layout, &derived),
         })
+    }
+
+    /// Per global stage, the forward + backward + recomputation seconds of one micro-batch that
+    /// the simulation uses (for tests of the stage planner).
+    #[cfg(test)]
+    pub(crate) fn stage_times(&self, layout: &Layout) -> Result<Vec<f64>, CostError> {
+        let costs = self.derive(layout)?.costs;
+        Ok((0..layout.stages())
+            .map(|j| costs.forward[j] + costs.backward[j] + costs.recompute[j])
+            .collect())
+    }
+
+    /// The per-stage forward, backward and recomputation times (TP communication included)
+    /// and the pipeline message times of `layout`: what [`predict`](Self::predict) simulates,
+    /// for example to draw the predicted pipeline with [`crate::pipeline::simulate`].
+    ///
+    /// # Errors
+    ///
+    /// [`CostError`] for a layout inconsistent with the model.
+    pub fn stage_costs(&self, layout: &Layout) -> Result<Costs, CostError> {
+        Ok(self.derive(layout)?.costs)
     }
 
     /// The simulated pipeline time of one step with `m` micro-batches (cached).
@@ -472,14 +772,10 @@ impl<'a> CostModel<'a> {
             layout.virtual_stages,
             &derived.schedule_recompute,
         )?;
-        let time = if layout.schedule.flushes() {
-            simulate(&schedule, costs, 1)?.makespan()
-        } else {
-            // The marginal time of a step of the continuous (no-flush) pipeline.
-            let one = simulate(&schedule, costs, 1)?.makespan();
-            let two = simulate(&schedule, costs, 2)?.makespan();
-            two - one
-        };
+        // merak's executor ends every step with its pipeline drained, PipeDream-2BW included
+        // (2BW changes which weights a step uses, not when the step ends), so one step from an
+        // empty to an empty pipeline is what it runs.
+        let time = simulate(&schedule, costs, 1)?.makespan();
         self.simulations.borrow_mut().insert(key, time);
         Ok(time)
     }
@@ -507,7 +803,7 @@ impl<'a> CostModel<'a> {
             .fold(0.0, f64::max);
         let pipeline = simulated.max(derived.pipeline_lb);
         let tail = derived.tail.iter().copied().fold(0.0, f64::max);
-        let step = pipeline + tail;
+        let step = self.shared(layout, &derived, pipeline + tail);
         let memory = CostModel::memory(&derived);
         let gpus = layout.gpus() as f64;
         let flops = self
@@ -525,6 +821,9 @@ impl<'a> CostModel<'a> {
             breakdown.insert(k.to_string(), v);
         };
         put("pipeline_s", pipeline);
+        if step != pipeline + tail {
+            put("shared_cores_step_s", step);
+        }
         put("compute_s", m as f64 * derived.compute_per_mb[busiest]);
         put("tp_comm_s", m as f64 * derived.tp_per_mb[busiest]);
         put("pp_message_s", derived.costs.send_activation);
@@ -576,6 +875,110 @@ mod tests {
             zero1: false,
             partition: balanced_partition(&costs, pp).unwrap(),
         }
+    }
+
+    /// A calibration of the tiny GPT with round numbers: every unit 1 ms forward and 2 ms
+    /// backward at tp = 1 and micro-batch 1 (growing linearly with the micro-batch), half that
+    /// at tp = 2.
+    fn tiny_calibration() -> (ModelProxy, Calibration) {
+        use crate::planner::{CALIBRATION_FORMAT, UnitTiming};
+        let model = ModelProxy::parse("gpt:layers=2,hidden=64,heads=4,seq=32,vocab=512").unwrap();
+        let mut timings = Vec::new();
+        for unit in [UnitKind::Embedding, UnitKind::Layer, UnitKind::Head] {
+            for (tp, scale) in [(1, 1.0), (2, 0.5)] {
+                for b in [1, 2] {
+                    timings.push(UnitTiming {
+                        unit,
+                        tp,
+                        micro_batch: b,
+                        forward_s: 1e-3 * scale * b as f64,
+                        backward_s: 2e-3 * scale * b as f64,
+                    });
+                }
+            }
+        }
+        let cal = Calibration {
+            format: CALIBRATION_FORMAT.into(),
+            model: model.shape.unwrap(),
+            backend: "test".into(),
+            ranks: 2,
+            element_bytes: 4.0,
+            optimizer_s_per_param: 1e-9,
+            micro_batch_s_per_param: 0.0,
+            step_overhead_s: 5e-3,
+            zero1_s_per_param: 0.0,
+            timings,
+        };
+        (model, cal)
+    }
+
+    #[test]
+    fn calibrated_units_replace_flops_and_tp_communication() {
+        let (model, cal) = tiny_calibration();
+        let hw = HardwareSpec::preset("local-cpu").unwrap();
+        let cm = CostModel::new(&model, &hw).with_calibration(&cal);
+        let params = model.params() as f64;
+        // One rank, 4 micro-batches of 2: 4 units x (2 + 4) ms per micro-batch.
+        let mut l = layout(&model, 1, 1, 1, 4);
+        l.micro_batch = 2;
+        l.recompute = vec![RecomputeMode::None];
+        let pred = cm.predict(&l).unwrap();
+        let want = 4.0 * 4.0 * 6e-3 + params * 1e-9 + 5e-3;
+        assert!(
+            (pred.step_time_s - want).abs() < 1e-9,
+            "{} vs {want}",
+            pred.step_time_s
+        );
+        // Full recomputation repeats the forward passes of the layers and the embedding (the
+        // head's loss is not recomputed).
+        l.recompute = vec![RecomputeMode::Full];
+        let full = cm.predict(&l).unwrap().step_time_s;
+        assert!(full > pred.step_time_s + 4.0 * 2.0 * 2e-3 - 1e-9, "{full}");
+        // tp = 2 halves the measured times; no TP all-reduce is added on top.
+        let mut l2 = layout(&model, 1, 2, 1, 4);
+        l2.micro_batch = 2;
+        l2.recompute = vec![RecomputeMode::None];
+        let pred2 = cm.predict(&l2).unwrap();
+        assert_eq!(pred2.breakdown["tp_comm_s"], 0.0);
+        let optimizer = pred2.breakdown["optimizer_s"];
+        assert!((pred2.step_time_s - optimizer - 4.0 * 4.0 * 3e-3).abs() < 1e-9);
+        // The optimizer works on this rank's parameters: more than half (replicated norms and
+        // biases), fewer than all.
+        assert!(optimizer > params / 2.0 * 1e-9 + 5e-3 && optimizer < params * 1e-9 + 5e-3);
+        // A degree the calibration does not cover falls back to FLOPs over the rate.
+        let l4 = layout(&model, 1, 4, 1, 4);
+        let uncalibrated = CostModel::new(&model, &hw).predict(&l4).unwrap();
+        let fallback = cm.predict(&l4).unwrap();
+        assert!(fallback.breakdown["compute_s"] == uncalibrated.breakdown["compute_s"]);
+    }
+
+    #[test]
+    fn ranks_sharing_cores_take_the_mean_work_or_the_slowed_critical_path() {
+        let (model, cal) = tiny_calibration();
+        let mut hw = HardwareSpec::preset("local-cpu").unwrap();
+        hw.devices_per_node = 4;
+        let mut cores = hw.clone();
+        cores.compute_units_per_node = 2;
+        let own = CostModel::new(&model, &hw).with_calibration(&cal);
+        let shared = CostModel::new(&model, &cores).with_calibration(&cal);
+        // Data parallelism: every rank busy all the time, so sharing changes nothing (the
+        // measured times already had every rank working).
+        let mut dp = layout(&model, 4, 1, 1, 1);
+        dp.recompute = vec![RecomputeMode::None];
+        let a = own.predict(&dp).unwrap().step_time_s;
+        let b = shared.predict(&dp).unwrap().step_time_s;
+        assert!((a - b).abs() < 1e-12, "{a} vs {b}");
+        // A pipeline with idle ranks: a rank alone runs at units/ranks = 1/2 of its measured
+        // time, so the step is shorter than the simulated one, but never shorter than the
+        // ranks' mean work, and the estimate stays a lower bound.
+        let mut pp = layout(&model, 1, 1, 4, 2);
+        pp.recompute = vec![RecomputeMode::None; 4];
+        let alone = own.predict(&pp).unwrap().step_time_s;
+        let together = shared.predict(&pp).unwrap();
+        assert!(together.step_time_s < alone);
+        assert!(together.step_time_s >= alone / 2.0 - 1e-12);
+        assert!(shared.estimate(&pp).unwrap().time_lower_bound_s <= together.step_time_s);
+        assert!(together.breakdown.contains_key("shared_cores_step_s"));
     }
 
     #[test]

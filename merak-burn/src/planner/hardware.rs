@@ -67,6 +67,10 @@ pub struct HardwareSpec {
     pub inter_node_bandwidth: f64,
     /// Latency of one inter-node message, seconds.
     pub inter_node_latency: f64,
+    /// Compute units (CPU cores) that the ranks of a node share; 0 (the default): every
+    /// device computes on its own, as GPUs do. `merak probe` sets the machine's cores.
+    #[serde(default)]
+    pub compute_units_per_node: usize,
 }
 
 /// The preset names.
@@ -92,6 +96,7 @@ impl HardwareSpec {
                 intra_node_latency: 5e-6,
                 inter_node_bandwidth: 25e9,
                 inter_node_latency: 1e-5,
+                compute_units_per_node: 0,
             },
             "h100-80g" => HardwareSpec {
                 name: name.to_string(),
@@ -106,6 +111,7 @@ impl HardwareSpec {
                 intra_node_latency: 4e-6,
                 inter_node_bandwidth: 50e9,
                 inter_node_latency: 8e-6,
+                compute_units_per_node: 0,
             },
             "local-cpu" => HardwareSpec {
                 name: name.to_string(),
@@ -120,6 +126,7 @@ impl HardwareSpec {
                 intra_node_latency: 2e-6,
                 inter_node_bandwidth: 1e9,
                 inter_node_latency: 5e-5,
+                compute_units_per_node: 0,
             },
             _ => return None,
         };

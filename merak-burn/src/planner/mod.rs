@@ -4,10 +4,14 @@
 //! - [`model`]: the model proxy, one [`UnitProfile`] per pipeline unit ([`LayerCosts`] lets a
 //!   user's own model describe itself).
 //! - [`hardware`]: the [`HardwareSpec`] (presets and TOML).
+//! - [`calibration`]: measured layer times from `merak profile` ([`Calibration`]).
 //! - [`cost`]: the [`CostModel`]: predicted step time and memory of a [`Layout`], the pipeline
 //!   bubble taken from a simulation of the actual schedule.
 //! - [`search`](mod@search): the fastest plan, runner-ups and the Pareto set of (step time,
 //!   memory) under a memory budget.
+//! - [`stage_dp`]: stage boundaries and per-stage recomputation under a memory budget, an
+//!   exact dynamic program over the units ([`StageDp`]).
+//! - [`plan_file`]: a saved plan with the job it was made for ([`PlanFile`]).
 //! - [`reference`](mod@reference): published Megatron-LM throughput (DESIGN.md §6) that the cost
 //!   model reproduces.
 //!
@@ -21,17 +25,23 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+pub mod calibration;
 pub mod cost;
 pub mod hardware;
 pub mod model;
+pub mod plan_file;
 pub mod reference;
 pub mod search;
+pub mod stage_dp;
 
+pub use calibration::{CALIBRATION_FORMAT, Calibration, CalibrationError, UnitKind, UnitTiming};
 pub use cost::{CostError, CostModel, Estimate, FRAMEWORK_BYTES, Layout, Prediction};
 pub use hardware::{HARDWARE_PRESETS, HardwareError, HardwareSpec};
 pub use model::{
     LayerCosts, ModelKind, ModelProxy, ModelSpecError, PRESETS, RecomputeMode, TransformerShape,
     UnitProfile,
 };
+pub use plan_file::{PLAN_FORMAT, PlanFile, PlanFileError};
 pub use reference::{MEGATRON_SC21, PublishedRow};
-pub use search::{Plan, SearchError, SearchOptions, SearchResult, search};
+pub use search::{Plan, SearchError, SearchOptions, SearchResult, search, search_calibrated};
+pub use stage_dp::{Skeleton, StageDp, StageDpError, StagePlan};

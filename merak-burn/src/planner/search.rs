@@ -4,9 +4,20 @@
 //! The space: every `dp * tp * pp = gpus` with `tp` dividing the heads and within a node and
 //! `pp <= L + 2`; every micro-batch size that divides the per-replica batch (the global batch is
 //! fixed); every schedule (virtual stages for the interleaved one); the recomputation policies
-//! none, selective, full (every stage) and stage-aware (per pipeline rank the cheapest mode whose
-//! memory fits, Merak's policy); with and without ZeRO-1. Stage boundaries come from
-//! [`balanced_partition`] of the per-unit compute.
+//! none, selective, full (every stage) and stage-aware; with and without ZeRO-1. For the uniform
+//! policies, stage boundaries come from [`balanced_partition`] of the per-unit compute.
+//!
+//! Stage-aware recomputation with one stage per pipeline rank (every schedule but the
+//! interleaved one) is planned by the exact dynamic program of [`stage_dp`](super::stage_dp):
+//! it chooses the stage boundaries *and* each stage's mode (none, selective, full) together,
+//! minimising the bottleneck stage time per micro-batch (forward + backward + recomputation with
+//! their TP communication; ties: smaller total, then smaller memory) subject to every stage's
+//! exact peak memory — which depends on the stage's index through the micro-batches it holds in
+//! flight — fitting the budget. Skeletons (degrees, micro-batch, schedule, ZeRO-1) that no cut
+//! fits yield no stage-aware layout; a result with one mode everywhere and the partition of that
+//! mode's uniform policy is left to that policy. With the interleaved schedule, stage-aware keeps
+//! Merak's per-rank rule on the compute-balanced partition: per pipeline rank the cheapest mode
+//! whose memory fits.
 //!
 //! Every layout is first *estimated* (exact memory and a lower bound of its time, no
 //! simulation, see [`CostModel::estimate`]); plans over the budget are dropped. The rest are
@@ -15,12 +26,14 @@
 //! set (a Pareto member is at least as fast as its bound with at most its memory). The skipped
 //! plans are therefore dominated by, or equal to, a member of the returned Pareto set.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+use super::calibration::Calibration;
 use super::cost::{CostError, CostModel, Layout, Prediction};
 use super::hardware::HardwareSpec;
 use super::model::{ModelProxy, RecomputeMode};
+use super::stage_dp::{Skeleton, StageDp, StageDpError};
 use crate::pipeline::{Partition, Recompute, ScheduleKind, balanced_partition};
 
 /// What to search over.
@@ -65,7 +78,7 @@ impl SearchOptions {
 }
 
 /// One plan: a layout, the recomputation policy that produced it and its prediction.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
     /// The layout.
     pub layout: Layout,
@@ -137,6 +150,9 @@ pub enum SearchError {
     /// A layout could not be costed.
     #[error(transparent)]
     Cost(#[from] CostError),
+    /// The stage planner rejected a skeleton (should not happen for generated skeletons).
+    #[error(transparent)]
+    StagePlan(#[from] StageDpError),
 }
 
 /// A layout with its policy.
@@ -160,6 +176,15 @@ fn unit_costs(model: &ModelProxy, mode: RecomputeMode) -> Vec<f64> {
         .collect()
 }
 
+/// The plain policy that uses `mode` on every stage, and its index in [`RecomputeMode::ALL`].
+fn uniform_policy(mode: RecomputeMode) -> (Recompute, usize) {
+    match mode {
+        RecomputeMode::None => (Recompute::None, 0),
+        RecomputeMode::Selective => (Recompute::Selective, 1),
+        RecomputeMode::Full => (Recompute::Full, 2),
+    }
+}
+
 /// Every layout of the search space, with stage-aware recomputation resolved against `budget`.
 ///
 /// # Errors
@@ -170,6 +195,18 @@ pub fn candidates(
     options: &SearchOptions,
     budget: u64,
 ) -> Result<Vec<Candidate>, SearchError> {
+    generate(cm, options, &mut StageDp::new(cm, budget), &mut Vec::new())
+}
+
+/// [`candidates`] with the stage planner `dp_planner` (and its budget); the skeletons it finds
+/// no cut for are pushed to `unplanned`.
+fn generate(
+    cm: &CostModel<'_>,
+    options: &SearchOptions,
+    dp_planner: &mut StageDp<'_, '_>,
+    unplanned: &mut Vec<Skeleton>,
+) -> Result<Vec<Candidate>, SearchError> {
+    let budget = dp_planner.budget();
     let model = cm.model();
     let hw = cm.hardware();
     let units = model.num_units();
@@ -179,6 +216,21 @@ pub fn candidates(
         .collect();
     let mut partition_cache: std::collections::HashMap<(usize, usize), Partition> =
         std::collections::HashMap::new();
+    let no_layout = || SearchError::NoLayout {
+        gpus: options.gpus,
+        global_batch: options.global_batch,
+        heads: model.heads,
+        per_node: hw.devices_per_node,
+        units,
+    };
+    let mut plain_partition = |mode_index: usize, stages: usize| {
+        if let Some(p) = partition_cache.get(&(mode_index, stages)) {
+            return Ok(p.clone());
+        }
+        let p = balanced_partition(&partitions[mode_index], stages).map_err(|_| no_layout())?;
+        partition_cache.insert((mode_index, stages), p.clone());
+        Ok::<_, SearchError>(p)
+    };
     let mut out = Vec::new();
     for tp in divisors(options.gpus) {
         if !model.heads.is_multiple_of(tp) || tp > hw.devices_per_node {
@@ -218,23 +270,37 @@ pub fn candidates(
                                 Recompute::Selective => 1,
                                 Recompute::Full => 2,
                             };
-                            let partition = match partition_cache.get(&(mode_index, stages)) {
-                                Some(p) => p.clone(),
-                                None => {
-                                    let p = balanced_partition(&partitions[mode_index], stages)
-                                        .map_err(|_| SearchError::NoLayout {
-                                            gpus: options.gpus,
-                                            global_batch: options.global_batch,
-                                            heads: model.heads,
-                                            per_node: hw.devices_per_node,
-                                            units,
-                                        })?;
-                                    partition_cache.insert((mode_index, stages), p.clone());
-                                    p
-                                }
-                            };
+                            let partition = plain_partition(mode_index, stages)?;
                             for &zero1 in &options.zero1 {
                                 if zero1 && dp == 1 {
+                                    continue;
+                                }
+                                if policy == Recompute::StageAware && v == 1 {
+                                    let skeleton = Skeleton {
+                                        dp,
+                                        tp,
+                                        pp,
+                                        micro_batch: b,
+                                        micro_batches: m,
+                                        schedule,
+                                        zero1,
+                                    };
+                                    let Some(plan) = dp_planner.plan(&skeleton)? else {
+                                        unplanned.push(skeleton);
+                                        continue;
+                                    };
+                                    let layout = plan.layout;
+                                    let first = layout.recompute[0];
+                                    if layout.recompute.iter().all(|&mode| mode == first) {
+                                        // Left to the uniform policy when it makes this layout.
+                                        let (plain, index) = uniform_policy(first);
+                                        if options.recompute.contains(&plain)
+                                            && plain_partition(index, stages)? == layout.partition
+                                        {
+                                            continue;
+                                        }
+                                    }
+                                    out.push(Candidate { layout, policy });
                                     continue;
                                 }
                                 let uniform = |mode| Layout {
@@ -271,9 +337,9 @@ pub fn candidates(
     Ok(out)
 }
 
-/// Merak's stage-aware recomputation: per pipeline rank, the cheapest mode (none, selective,
-/// full) whose memory fits `budget` (full when none does). `None` when the result is a uniform
-/// layout (the plain policies cover it).
+/// Merak's stage-aware recomputation for interleaved layouts: per pipeline rank, the cheapest
+/// mode (none, selective, full) whose memory fits `budget` (full when none does). `None` when
+/// the result is a uniform layout (the plain policies cover it).
 fn stage_aware(
     cm: &CostModel<'_>,
     uniform: &dyn Fn(RecomputeMode) -> Layout,
@@ -318,10 +384,30 @@ pub fn search(
     hardware: &HardwareSpec,
     options: &SearchOptions,
 ) -> Result<SearchResult, SearchError> {
-    let cm = CostModel::new(model, hardware);
+    search_calibrated(model, hardware, None, options)
+}
+
+/// [`search`] with the cost model using measured layer times (see
+/// [`CostModel::with_calibration`]) when `calibration` is given.
+///
+/// # Errors
+///
+/// As [`search`].
+pub fn search_calibrated(
+    model: &ModelProxy,
+    hardware: &HardwareSpec,
+    calibration: Option<&Calibration>,
+    options: &SearchOptions,
+) -> Result<SearchResult, SearchError> {
+    let cm = match calibration {
+        Some(c) => CostModel::new(model, hardware).with_calibration(c),
+        None => CostModel::new(model, hardware),
+    };
     let budget = options.memory_budget_bytes.unwrap_or(hardware.memory_bytes);
-    let all = candidates(&cm, options, budget)?;
-    if all.is_empty() {
+    let mut dp_planner = StageDp::new(&cm, budget);
+    let mut unplanned = Vec::new();
+    let all = generate(&cm, options, &mut dp_planner, &mut unplanned)?;
+    if all.is_empty() && unplanned.is_empty() {
         return Err(SearchError::NoLayout {
             gpus: options.gpus,
             global_batch: options.global_batch,
@@ -342,6 +428,11 @@ pub fn search(
         }
     }
     if feasible.is_empty() {
+        // The stage planner's skeletons that no cut fits count with the least memory a cut
+        // of them can reach.
+        for skeleton in &unplanned {
+            smallest = smallest.min(dp_planner.min_memory(skeleton)?);
+        }
         return Err(SearchError::DoesNotFit {
             budget_bytes: budget,
             smallest_bytes: smallest,
@@ -478,6 +569,62 @@ mod tests {
         hw.memory_bytes = smallest_bytes;
         let result = search(&model, &hw, &options).unwrap();
         assert_eq!(result.best.prediction.max_memory_bytes(), smallest_bytes);
+        hw.memory_bytes = smallest_bytes - 1;
+        assert!(matches!(
+            search(&model, &hw, &options),
+            Err(SearchError::DoesNotFit { .. })
+        ));
+    }
+
+    #[test]
+    fn stage_aware_layouts_come_from_the_stage_planner() {
+        let (model, hw, options) = small_case();
+        let cm = CostModel::new(&model, &hw);
+        let budget = hw.memory_bytes;
+        let all = candidates(&cm, &options, budget).unwrap();
+        let mut planner = StageDp::new(&cm, budget);
+        let (mut planned, mut mixed, mut interleaved) = (0, 0, 0);
+        for c in all.iter().filter(|c| c.policy == Recompute::StageAware) {
+            let l = &c.layout;
+            if l.virtual_stages > 1 {
+                interleaved += 1;
+                continue;
+            }
+            let est = cm.estimate(l).unwrap();
+            assert!(est.peak_memory_bytes.iter().all(|&m| m <= budget), "{l:?}");
+            let skeleton = Skeleton {
+                dp: l.dp,
+                tp: l.tp,
+                pp: l.pp,
+                micro_batch: l.micro_batch,
+                micro_batches: l.micro_batches,
+                schedule: l.schedule,
+                zero1: l.zero1,
+            };
+            let plan = planner.plan(&skeleton).unwrap().unwrap();
+            assert_eq!(&plan.layout, l);
+            planned += 1;
+            if l.recompute.iter().any(|&m| m != l.recompute[0]) {
+                mixed += 1;
+            }
+        }
+        assert!(planned > 0 && mixed > 0 && interleaved > 0);
+    }
+
+    #[test]
+    fn stage_aware_alone_reports_the_smallest_memory_a_cut_reaches() {
+        let (model, mut hw, mut options) = small_case();
+        options.recompute = vec![Recompute::StageAware];
+        options.schedules = vec![ScheduleKind::OneFOneB];
+        hw.memory_bytes = 1_000_000;
+        let err = search(&model, &hw, &options).unwrap_err();
+        let SearchError::DoesNotFit { smallest_bytes, .. } = err else {
+            panic!("{err}");
+        };
+        hw.memory_bytes = smallest_bytes;
+        let result = search(&model, &hw, &options).unwrap();
+        assert_eq!(result.best.prediction.max_memory_bytes(), smallest_bytes);
+        assert_eq!(result.best.policy, Recompute::StageAware);
         hw.memory_bytes = smallest_bytes - 1;
         assert!(matches!(
             search(&model, &hw, &options),
