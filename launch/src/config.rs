@@ -91,6 +91,10 @@ pub struct ParallelSection {
     pub stage_layers: Vec<usize>,
     /// Activation recomputation: "none", "full", "selective" or "stage-aware".
     pub recompute: String,
+    /// Recomputation per stage ("none", "selective" or "full", one per pipeline stage, as a
+    /// plan from `merak plan` gives it); when set it replaces `recompute`. A pipeline rank
+    /// whose stages include a selective one runs all of them with selective recomputation.
+    pub stage_recompute: Vec<String>,
     /// Stage-aware recomputation: activation memory per stage in MiB; 0: what the last stage
     /// needs without recomputation.
     pub memory_budget_mb: f64,
@@ -203,6 +207,7 @@ impl Default for Config {
                 virtual_stages: 1,
                 stage_layers: Vec::new(),
                 recompute: "none".into(),
+                stage_recompute: Vec::new(),
                 memory_budget_mb: 0.0,
             },
             train: TrainSection {
@@ -567,6 +572,31 @@ impl Config {
         }
         if self.parallel.virtual_stages == 0 {
             return bad("parallel.virtual_stages", "must be at least 1".into());
+        }
+        let stages = self.parallel.pp * self.parallel.virtual_stages;
+        if !self.parallel.stage_recompute.is_empty() {
+            if self.parallel.stage_recompute.len() != stages {
+                return bad(
+                    "parallel.stage_recompute",
+                    format!(
+                        "has {} entries for {stages} stages (parallel.pp = {} x parallel.virtual_stages = {})",
+                        self.parallel.stage_recompute.len(),
+                        self.parallel.pp,
+                        self.parallel.virtual_stages
+                    ),
+                );
+            }
+            if let Some(other) = self
+                .parallel
+                .stage_recompute
+                .iter()
+                .find(|m| !matches!(m.as_str(), "none" | "selective" | "full"))
+            {
+                return bad(
+                    "parallel.stage_recompute",
+                    format!("{other:?} is not \"none\", \"selective\" or \"full\""),
+                );
+            }
         }
         if self.parallel.virtual_stages > 1 && self.parallel.schedule != "interleaved" {
             return bad(

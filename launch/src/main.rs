@@ -6,6 +6,7 @@ mod export;
 mod generate;
 mod plan_cmd;
 mod plot;
+mod probe;
 mod stages;
 mod tokens;
 mod train;
@@ -13,7 +14,7 @@ mod train;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 
 /// mimalloc keeps freed memory for reuse; with the system allocator, the large tensors of
 /// every step are returned to the kernel and faulted in again (measured: half the step time of
@@ -50,6 +51,14 @@ enum Command {
     Plan(plan_cmd::PlanArgs),
     /// Predict the step time and memory of one layout.
     Simulate(plan_cmd::SimulateArgs),
+    /// Measure this machine (matrix-product rate per rank, memory bandwidth, MPI latency and
+    /// bandwidth) and write a hardware spec. Run under `mpirun -np N` with the ranks you train
+    /// with.
+    Probe(probe::ProbeArgs),
+    /// Time the embedding, a layer and the head of a model on the real backend at each
+    /// tensor-parallel degree and micro-batch size, and write the calibration `merak plan
+    /// --calibration` uses. Run under `mpirun -np N`.
+    Profile(probe::ProfileArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -173,6 +182,14 @@ struct TrainArgs {
     /// send, receive and idle time.
     #[arg(long)]
     trace: Option<PathBuf>,
+    /// Take the layout, partition, schedule, recomputation and micro-batch size from a plan:
+    /// a file written by `merak plan --output`, or `auto` to plan for the launched world size
+    /// with a quick probe of this machine (and the calibration of `--calibration`).
+    #[arg(long, value_name = "FILE|auto")]
+    plan: Option<String>,
+    /// With `--plan auto`: a calibration written by `merak profile` for this model.
+    #[arg(long, requires = "plan")]
+    calibration: Option<PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -203,6 +220,8 @@ fn main() -> ExitCode {
         Command::Schedule(a) => report(run_schedule(&a)),
         Command::Plan(a) => report(plan_cmd::plan(&a)),
         Command::Simulate(a) => report(plan_cmd::simulate(&a)),
+        Command::Probe(a) => with_mpi(|w| probe::probe(&a, w.map(|w| w.world()).as_ref())),
+        Command::Profile(a) => with_mpi(|w| probe::profile(&a, w)),
         Command::PrepareData(a) => {
             match tokens::prepare(&a.input, &a.output, &a.tokenizer, a.val_fraction) {
                 Ok(m) => {
@@ -222,6 +241,29 @@ fn main() -> ExitCode {
                 }
             }
         }
+    }
+}
+
+/// Runs `f` with MPI when launched by mpirun (one thread of compute per rank), alone
+/// otherwise; an error on any rank ends the whole job.
+fn with_mpi(f: impl FnOnce(Option<&MpiWorld>) -> Result<()>) -> ExitCode {
+    if launched_by_mpirun() && std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        // SAFETY: still single-threaded here; nothing else reads the environment concurrently.
+        unsafe { std::env::set_var("RAYON_NUM_THREADS", "1") };
+    }
+    if !launched_by_mpirun() {
+        return report(f(None));
+    }
+    let mpi = match MpiWorld::init() {
+        Ok(w) => w,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match f(Some(&mpi)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => mpi.abort(2, &format!("{e:#}")),
     }
 }
 
@@ -289,8 +331,30 @@ fn run_train(args: TrainArgs) -> ExitCode {
         Ok(r) => r,
         Err(e) => return collective_failure(rank, &e),
     };
-    let cfg = match resolve_config(&args, size, resume.as_ref()) {
-        Ok(c) => c,
+    let auto_plan = |cfg: &config::Config| -> Result<merak_burn::planner::PlanFile> {
+        plan_cmd::auto_plan(cfg, world.as_ref(), args.calibration.as_deref())
+    };
+    let cfg = match resolve_config(&args, size, resume.as_ref(), &auto_plan) {
+        Ok((c, plan)) => {
+            if let (0, Some(f)) = (rank, plan) {
+                let l = &f.plan.layout;
+                tracing::info!(
+                    "plan: dp={} tp={} pp={} v={} micro_batch={} {} stages {:?} recompute {:?} zero1={}; predicted step {:.4} s on {}",
+                    l.dp,
+                    l.tp,
+                    l.pp,
+                    l.virtual_stages,
+                    l.micro_batch,
+                    l.schedule,
+                    l.partition.sizes(),
+                    l.recompute.iter().map(|m| m.as_str()).collect::<Vec<_>>(),
+                    l.zero1,
+                    f.plan.prediction.step_time_s,
+                    f.hardware
+                );
+            }
+            c
+        }
         Err(e) => return collective_failure(rank, &e),
     };
     let layout = Layout {
@@ -491,21 +555,54 @@ fn resolve_config(
     args: &TrainArgs,
     world: usize,
     resume: Option<&train::Resume>,
-) -> Result<config::Config> {
+    auto_plan: &dyn Fn(&config::Config) -> Result<merak_burn::planner::PlanFile>,
+) -> Result<(config::Config, Option<merak_burn::planner::PlanFile>)> {
     let mut sets = args.sets.clone();
     for (key, v) in [("dp", args.dp), ("tp", args.tp), ("pp", args.pp)] {
         if let Some(v) = v {
             sets.push(format!("parallel.{key}={v}"));
         }
     }
-    let cfg = match (resume, &args.config) {
-        (Some(r), None) => {
-            let text = checkpoint_config(r)?;
-            let origin = r.checkpoint.dir.join("manifest.json");
-            config::load_text(Some((&text, &origin.display().to_string())), &sets)?
-        }
-        _ => config::load(args.config.as_deref(), &sets)?,
+    let load = |sets: &[String]| -> Result<config::Config> {
+        Ok(match (resume, &args.config) {
+            (Some(r), None) => {
+                let text = checkpoint_config(r)?;
+                let origin = r.checkpoint.dir.join("manifest.json");
+                config::load_text(Some((&text, &origin.display().to_string())), sets)?
+            }
+            _ => config::load(args.config.as_deref(), sets)?,
+        })
     };
+    let mut cfg = load(&sets)?;
+    let mut applied = None;
+    if let Some(spec) = args.plan.as_deref() {
+        if args.dp.is_some() || args.tp.is_some() || args.pp.is_some() {
+            bail!("--plan {spec} sets the layout: drop --dp, --tp and --pp");
+        }
+        let planned = |s: &String| {
+            let key = s.split_once('=').map_or(s.as_str(), |(k, _)| k).trim();
+            plan_cmd::PLANNED_KEYS.contains(&key)
+        };
+        if let Some(s) = args.sets.iter().find(|s| planned(s)) {
+            bail!("--plan {spec} sets this key: drop --set {s}");
+        }
+        let (path, file) = if spec == "auto" {
+            (PathBuf::from("(automatic plan)"), auto_plan(&cfg)?)
+        } else {
+            let path = PathBuf::from(spec);
+            let file = merak_burn::planner::PlanFile::read(&path)?;
+            (path, file)
+        };
+        file.check_job(
+            &path,
+            &plan_cmd::shape_of(&cfg)?,
+            world,
+            cfg.train.global_batch,
+        )?;
+        sets.extend(plan_cmd::plan_overrides(&file.plan));
+        cfg = load(&sets).with_context(|| format!("applying the plan {}", path.display()))?;
+        applied = Some(file);
+    }
     if let Some(r) = resume {
         let text = checkpoint_config(r)?;
         let saved = config::load_text(Some((&text, "the checkpoint")), &[])?;
@@ -527,7 +624,7 @@ fn resolve_config(
     )?;
     // The pipeline plan is checked here too, so that a bad schedule stops every rank at once.
     stages::build_plan(&cfg)?;
-    Ok(cfg)
+    Ok((cfg, applied))
 }
 
 fn run(
@@ -543,7 +640,7 @@ fn run(
     }
     // Selective recomputation is Burn's balanced checkpointing: compute-bound results (the
     // matrix products) are kept, memory-bound ones recomputed in the backward pass.
-    let selective = cfg.parallel.recompute == "selective";
+    let selective = stages::selective_on_rank(cfg, grid.coords.pp);
     let summary = match cfg.train.device.as_str() {
         "cpu" if selective => {
             type B = burn::backend::Autodiff<

@@ -1,10 +1,11 @@
 //! `merak plan` and `merak simulate`: the planner on the command line (pure computation, no MPI).
 
 use anyhow::{Context, Result, bail};
-use merak_burn::pipeline::{ScheduleKind, balanced_partition};
+use merak_burn::pipeline::{ScheduleKind, balanced_partition, build_schedule};
+use merak_burn::planner::Calibration;
 use merak_burn::planner::{
-    CostModel, HardwareSpec, Layout, ModelProxy, Plan, Prediction, RecomputeMode, SearchOptions,
-    TransformerShape, search,
+    CostModel, HardwareSpec, Layout, ModelKind, ModelProxy, Plan, PlanFile, Prediction,
+    RecomputeMode, SearchOptions, TransformerShape, search_calibrated,
 };
 
 /// The model and machines both commands take.
@@ -32,6 +33,10 @@ pub struct Target {
     /// Print JSON instead of tables.
     #[arg(long)]
     pub json: bool,
+    /// Measured layer times of this model from `merak profile` (used instead of FLOPs over the
+    /// hardware's rate where they apply).
+    #[arg(long)]
+    pub calibration: Option<std::path::PathBuf>,
 }
 
 /// Arguments of `merak plan`.
@@ -53,11 +58,24 @@ pub struct SimulateArgs {
     #[command(flatten)]
     target: Target,
     /// The layout, e.g. `dp=32,tp=8,pp=2,v=1,mbs=4,recompute=full,schedule=1f1b,zero=0`.
+    #[arg(long, required_unless_present = "plan", conflicts_with = "plan")]
+    layout: Option<String>,
+    /// A plan written by `merak plan --output` (instead of `--layout`).
     #[arg(long)]
-    layout: String,
+    plan: Option<std::path::PathBuf>,
+    /// Write the Chrome trace (open in Perfetto) of one predicted pipeline step here.
+    #[arg(long)]
+    trace: Option<std::path::PathBuf>,
 }
 
-fn resolve(t: &Target) -> Result<(ModelProxy, HardwareSpec)> {
+fn resolve(
+    t: &Target,
+) -> Result<(
+    TransformerShape,
+    ModelProxy,
+    HardwareSpec,
+    Option<Calibration>,
+)> {
     let mut shape: TransformerShape = t
         .model
         .parse()
@@ -74,7 +92,12 @@ fn resolve(t: &Target) -> Result<(ModelProxy, HardwareSpec)> {
     if t.gpus == 0 || t.global_batch == 0 {
         bail!("--gpus and --global-batch must be at least 1");
     }
-    Ok((ModelProxy::from_shape(shape), hw))
+    let cal = t
+        .calibration
+        .as_deref()
+        .map(|path| Calibration::read(path, &shape))
+        .transpose()?;
+    Ok((shape, ModelProxy::from_shape(shape), hw, cal))
 }
 
 fn gib(bytes: u64) -> f64 {
@@ -121,18 +144,23 @@ fn print_prediction(p: &Prediction) {
 
 /// `merak plan`: the fastest plan, the runner-ups and optionally the Pareto set.
 pub fn plan(a: &PlanArgs) -> Result<()> {
-    let (model, hw) = resolve(&a.target)?;
+    let (shape, model, hw, cal) = resolve(&a.target)?;
     let mut options = SearchOptions::new(a.target.gpus, a.target.global_batch);
     options.memory_budget_bytes = a
         .target
         .memory_gib
         .map(|g| (g * (1u64 << 30) as f64) as u64);
     let t0 = std::time::Instant::now();
-    let result = search(&model, &hw, &options)?;
+    let result = search_calibrated(&model, &hw, cal.as_ref(), &options)?;
     let secs = t0.elapsed().as_secs_f64();
     if let Some(path) = &a.output {
-        std::fs::write(path, serde_json::to_vec_pretty(&result.best)?)
-            .with_context(|| format!("writing {}", path.display()))?;
+        PlanFile::new(
+            shape,
+            &a.target.hardware,
+            a.target.gpus,
+            result.best.clone(),
+        )
+        .write(path)?;
     }
     if a.target.json {
         println!("{}", serde_json::to_string_pretty(&result)?);
@@ -240,8 +268,16 @@ fn parse_layout(text: &str, model: &ModelProxy, global_batch: usize) -> Result<L
 
 /// `merak simulate`: the predicted time breakdown and memory of one layout.
 pub fn simulate(a: &SimulateArgs) -> Result<()> {
-    let (model, hw) = resolve(&a.target)?;
-    let layout = parse_layout(&a.layout, &model, a.target.global_batch)?;
+    let (shape, model, hw, cal) = resolve(&a.target)?;
+    let layout = match (&a.layout, &a.plan) {
+        (Some(text), _) => parse_layout(text, &model, a.target.global_batch)?,
+        (None, Some(path)) => {
+            let file = PlanFile::read(path)?;
+            file.check_job(path, &shape, a.target.gpus, a.target.global_batch)?;
+            file.plan.layout
+        }
+        (None, None) => bail!("give --layout or --plan"),
+    };
     if layout.gpus() != a.target.gpus {
         bail!(
             "--layout uses dp * tp * pp = {} devices, --gpus is {}",
@@ -249,7 +285,30 @@ pub fn simulate(a: &SimulateArgs) -> Result<()> {
             a.target.gpus
         );
     }
-    let prediction = CostModel::new(&model, &hw).predict(&layout)?;
+    let cm = match &cal {
+        Some(c) => CostModel::new(&model, &hw).with_calibration(c),
+        None => CostModel::new(&model, &hw),
+    };
+    let prediction = cm.predict(&layout)?;
+    if let Some(path) = &a.trace {
+        let flags: Vec<bool> = layout
+            .recompute
+            .iter()
+            .map(|&m| m == RecomputeMode::Full)
+            .collect();
+        let schedule = build_schedule(
+            layout.schedule,
+            layout.pp,
+            layout.micro_batches,
+            layout.virtual_stages,
+            &flags,
+        )?;
+        let sim = merak_burn::pipeline::simulate(&schedule, &cm.stage_costs(&layout)?, 1)?;
+        merak_burn::pipeline::write_chrome_trace(path, &sim.trace_events())?;
+        if !a.target.json {
+            println!("trace of one predicted step: {}", path.display());
+        }
+    }
     if a.target.json {
         let json = serde_json::json!({ "layout": layout, "prediction": prediction });
         println!("{}", serde_json::to_string_pretty(&json)?);
@@ -281,4 +340,84 @@ pub fn simulate(a: &SimulateArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The planner's shape of a training config's model.
+pub fn shape_of(cfg: &crate::config::Config) -> Result<TransformerShape> {
+    let g = &cfg.model.gpt;
+    let kind = match cfg.model.kind.as_str() {
+        "gpt" => ModelKind::Gpt,
+        "bert" => ModelKind::Bert,
+        other => bail!("model.kind = {other:?} cannot be planned (gpt or bert)"),
+    };
+    Ok(TransformerShape {
+        kind,
+        layers: g.layers,
+        hidden: g.hidden,
+        heads: g.heads,
+        seq: g.seq_len,
+        vocab: g.vocab_size,
+    })
+}
+
+/// The config keys a plan sets.
+pub const PLANNED_KEYS: [&str; 9] = [
+    "train.micro_batch",
+    "parallel.dp",
+    "parallel.tp",
+    "parallel.pp",
+    "parallel.virtual_stages",
+    "parallel.schedule",
+    "parallel.stage_layers",
+    "parallel.stage_recompute",
+    "parallel.zero",
+];
+
+/// The `--set key=value` overrides that make a config run `plan` (layout, schedule,
+/// partition, recomputation per stage, ZeRO-1 and micro-batch size).
+pub fn plan_overrides(plan: &Plan) -> Vec<String> {
+    let l = &plan.layout;
+    let quoted = |items: Vec<String>| {
+        items
+            .iter()
+            .map(|i| format!("\"{i}\""))
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let sizes: Vec<String> = l.partition.sizes().iter().map(|s| s.to_string()).collect();
+    let modes: Vec<String> = l.recompute.iter().map(|m| m.as_str().to_string()).collect();
+    vec![
+        format!("parallel.dp={}", l.dp),
+        format!("parallel.tp={}", l.tp),
+        format!("parallel.pp={}", l.pp),
+        format!("parallel.virtual_stages={}", l.virtual_stages),
+        format!("parallel.schedule=\"{}\"", l.schedule),
+        format!("parallel.stage_layers=[{}]", sizes.join(",")),
+        format!("parallel.stage_recompute=[{}]", quoted(modes)),
+        format!("parallel.zero={}", u8::from(l.zero1)),
+        format!("train.micro_batch={}", l.micro_batch),
+    ]
+}
+
+/// `merak train --plan auto`: probes this machine with every rank of the launch (a quick
+/// [`crate::probe::measure`]), reads the calibration if one is given, and searches the plans of
+/// `cfg`'s model for the launched world size and global batch. Every rank computes the same
+/// plan (the probe's numbers are agreed between ranks).
+pub fn auto_plan(
+    cfg: &crate::config::Config,
+    world: Option<&merak_burn::comm::MpiCommunicator>,
+    calibration: Option<&std::path::Path>,
+) -> Result<PlanFile> {
+    use merak_burn::comm::Communicator;
+    let gpus = world.map_or(1, |w| w.size());
+    let shape = shape_of(cfg)?;
+    let hw = crate::probe::measure(world, 3)?;
+    let cal = calibration
+        .map(|path| Calibration::read(path, &shape))
+        .transpose()?;
+    let model = ModelProxy::from_shape(shape);
+    let options = SearchOptions::new(gpus, cfg.train.global_batch);
+    let result = search_calibrated(&model, &hw, cal.as_ref(), &options)
+        .with_context(|| format!("planning {shape} on {gpus} ranks of this machine"))?;
+    Ok(PlanFile::new(shape, &hw.name, gpus, result.best))
 }

@@ -16,6 +16,10 @@ pub fn micro_batches(cfg: &Config) -> usize {
 
 /// Builds and validates the pipeline plan of `cfg` (also for pp = 1, where it is one stage
 /// running its micro-batches one after the other). Every error names the config key.
+///
+/// Recomputation comes from `parallel.stage_recompute` when it is set (a full stage recomputes
+/// all its units; a selective one is handled by the rank's backend, see
+/// [`selective_on_rank`]), otherwise from the `parallel.recompute` policy.
 pub fn build_plan(cfg: &Config) -> Result<PipelinePlan> {
     let g = &cfg.model.gpt;
     let p = &cfg.parallel;
@@ -63,14 +67,30 @@ pub fn build_plan(cfg: &Config) -> Result<PipelinePlan> {
     } else {
         kind
     };
-    let recompute_flags = match recompute {
-        Recompute::Full | Recompute::StageAware => vec![true; stages],
-        Recompute::None | Recompute::Selective => vec![false; stages],
+    let per_stage = &p.stage_recompute;
+    let recompute_flags = if per_stage.is_empty() {
+        match recompute {
+            Recompute::Full | Recompute::StageAware => vec![true; stages],
+            Recompute::None | Recompute::Selective => vec![false; stages],
+        }
+    } else {
+        if per_stage.len() != stages {
+            bail!(
+                "parallel.stage_recompute has {} entries for {stages} stages",
+                per_stage.len()
+            );
+        }
+        per_stage.iter().map(|m| m == "full").collect()
     };
     let mut schedule = build_schedule(kind, p.pp, m, p.virtual_stages, &recompute_flags)
         .map_err(|e| anyhow::anyhow!("parallel.schedule = {:?}: {e}", p.schedule))?;
     let sizes = partition.sizes();
     let recompute_units = match recompute {
+        _ if !per_stage.is_empty() => sizes
+            .iter()
+            .zip(&recompute_flags)
+            .map(|(&size, &full)| if full { size } else { 0 })
+            .collect(),
         Recompute::None | Recompute::Selective => vec![0; stages],
         Recompute::Full => sizes.clone(),
         Recompute::StageAware => {
@@ -88,7 +108,7 @@ pub fn build_plan(cfg: &Config) -> Result<PipelinePlan> {
         }
     };
     // Only stages that recompute something get the shifted-critical-path Recompute actions.
-    if recompute == Recompute::StageAware {
+    if recompute == Recompute::StageAware && per_stage.is_empty() {
         let flags: Vec<bool> = recompute_units.iter().map(|&k| k > 0).collect();
         schedule = build_schedule(kind, p.pp, m, p.virtual_stages, &flags)
             .map_err(|e| anyhow::anyhow!("parallel.schedule = {:?}: {e}", p.schedule))?;
@@ -99,4 +119,18 @@ pub fn build_plan(cfg: &Config) -> Result<PipelinePlan> {
         partition,
         recompute_units,
     })
+}
+
+/// Whether pipeline rank `pp_rank` runs with selective recomputation (Burn's balanced
+/// checkpointing): the `parallel.recompute` policy says so, or one of its stages in
+/// `parallel.stage_recompute` does.
+pub fn selective_on_rank(cfg: &Config, pp_rank: usize) -> bool {
+    let p = &cfg.parallel;
+    if p.stage_recompute.is_empty() {
+        return p.recompute == "selective";
+    }
+    p.stage_recompute
+        .iter()
+        .enumerate()
+        .any(|(stage, mode)| stage % p.pp.max(1) == pp_rank && mode == "selective")
 }

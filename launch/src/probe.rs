@@ -1,0 +1,555 @@
+//! `merak probe` (a hardware spec of this machine) and `merak profile` (measured layer times
+//! of a model: the calibration the cost model uses). Both run under `mpirun` with the ranks a
+//! training job would use, and every rank works at once, so the numbers include the sharing of
+//! cores (or of a device) between ranks.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use burn::backend::{Autodiff, NdArray};
+use burn::module::{AutodiffModule, Module};
+use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use burn::tensor::{Distribution, Int, Tensor, TensorData};
+use merak_burn::comm::{Communicator, MpiCommunicator, ReduceOp};
+use merak_burn::grid::{Layout, ProcessGrid};
+use merak_burn::pipeline::{PipelineModel, StageInput, StageOutput};
+use merak_burn::planner::{CALIBRATION_FORMAT, Calibration, HardwareSpec, UnitKind, UnitTiming};
+
+use crate::config;
+
+type B = Autodiff<NdArray<f32>>;
+
+/// Arguments of `merak probe`.
+#[derive(clap::Args, Debug)]
+pub struct ProbeArgs {
+    /// Write the hardware spec (TOML) here.
+    #[arg(long, default_value = "hardware.toml")]
+    pub out: PathBuf,
+    /// Timed repetitions of each measurement (the median is kept).
+    #[arg(long, default_value_t = 7)]
+    pub reps: usize,
+}
+
+/// Arguments of `merak profile`.
+#[derive(clap::Args, Debug)]
+pub struct ProfileArgs {
+    /// TOML config of the model (the built-in default without it).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Override config keys, e.g. --set model.layers=4 (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub sets: Vec<String>,
+    /// Micro-batch sizes to time.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    pub micro_batches: Vec<usize>,
+    /// Tensor-parallel degrees to time (default: every degree that divides the ranks and the
+    /// heads).
+    #[arg(long, value_delimiter = ',')]
+    pub tp: Vec<usize>,
+    /// Timed repetitions of each measurement (the median is kept).
+    #[arg(long, default_value_t = 9)]
+    pub reps: usize,
+    /// Steps of each of the two short training runs that measure the framework's own costs
+    /// per micro-batch and per step.
+    #[arg(long, default_value_t = 10)]
+    pub train_steps: usize,
+    /// Write the calibration (JSON) here.
+    #[arg(long, default_value = "calibration.json")]
+    pub out: PathBuf,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// The mean of `values` over all ranks (every rank gets the same numbers).
+fn mean_over_ranks(world: Option<&MpiCommunicator>, values: &mut [f64]) -> Result<()> {
+    let Some(w) = world else { return Ok(()) };
+    let mut buf: Vec<f32> = values.iter().map(|&v| v as f32).collect();
+    w.all_reduce(&mut buf, ReduceOp::Sum)?;
+    for (v, b) in values.iter_mut().zip(buf) {
+        *v = b as f64 / w.size() as f64;
+    }
+    Ok(())
+}
+
+fn barrier(world: Option<&MpiCommunicator>) -> Result<()> {
+    if let Some(w) = world {
+        w.barrier()?;
+    }
+    Ok(())
+}
+
+/// Rank 0's values on every rank.
+fn from_rank0(world: Option<&MpiCommunicator>, values: &mut [f64]) -> Result<()> {
+    let Some(w) = world else { return Ok(()) };
+    let mut buf: Vec<f32> = values.iter().map(|&v| v as f32).collect();
+    w.broadcast(&mut buf, 0)?;
+    for (v, b) in values.iter_mut().zip(buf) {
+        *v = b as f64;
+    }
+    Ok(())
+}
+
+/// Measures this machine: the backend's matrix-product rate per rank with every rank
+/// multiplying at once, memory bandwidth, and the MPI latency and bandwidth between rank 0 and
+/// rank 1. One node of `ranks` devices sharing the machine's cores, each with its share of the
+/// main memory. Every rank returns the same spec.
+pub fn measure(world: Option<&MpiCommunicator>, reps: usize) -> Result<HardwareSpec> {
+    let reps = reps.max(1);
+    let (rank, ranks) = world.map_or((0, 1), |w| (w.rank(), w.size()));
+    let device = Default::default();
+    // Matrix products of the size of a small model's layers.
+    let n = 256;
+    let a = Tensor::<NdArray<f32>, 2>::random([n, n], Distribution::Default, &device);
+    let b = Tensor::<NdArray<f32>, 2>::random([n, n], Distribution::Default, &device);
+    let mut gemm = Vec::new();
+    for i in 0..reps + 1 {
+        barrier(world)?;
+        let t = Instant::now();
+        for _ in 0..8 {
+            let c = a.clone().matmul(b.clone());
+            std::hint::black_box(c.into_data());
+        }
+        if i > 0 {
+            gemm.push(8.0 * 2.0 * (n * n * n) as f64 / t.elapsed().as_secs_f64());
+        }
+    }
+    // Memory bandwidth: copying 64 MiB reads and writes it.
+    let src = vec![1.0f32; 16 << 20];
+    let mut copy = Vec::new();
+    for _ in 0..reps {
+        barrier(world)?;
+        let t = Instant::now();
+        let dst = src.clone();
+        std::hint::black_box(&dst);
+        copy.push(2.0 * (src.len() * 4) as f64 / t.elapsed().as_secs_f64());
+    }
+    let mut rates = [median(gemm), median(copy)];
+    mean_over_ranks(world, &mut rates)?;
+    // Ping-pong between ranks 0 and 1: half a round trip.
+    let mut link = [2e-6, 5e9];
+    if let Some(w) = world.filter(|w| w.size() > 1) {
+        let pingpong = |len: usize| -> Result<f64> {
+            let mut buf = vec![0.0f32; len];
+            let mut times = Vec::new();
+            for i in 0..reps * 10 + 1 {
+                w.barrier()?;
+                let t = Instant::now();
+                if rank == 0 {
+                    w.send(&buf, 1, 7)?;
+                    w.recv(&mut buf, 1, 7)?;
+                } else if rank == 1 {
+                    w.recv(&mut buf, 0, 7)?;
+                    w.send(&buf, 0, 7)?;
+                }
+                if i > 0 {
+                    times.push(t.elapsed().as_secs_f64() / 2.0);
+                }
+            }
+            Ok(median(times))
+        };
+        let latency = pingpong(1)?;
+        let big = 1 << 20;
+        let big_time = pingpong(big)?;
+        link = [latency, (big * 4) as f64 / (big_time - latency).max(1e-9)];
+        from_rank0(world, &mut link)?;
+    }
+    let total = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .map_or(8 << 30, |kib| kib * 1024);
+    let spec = HardwareSpec {
+        name: format!("probed: {ranks} ranks of this machine"),
+        devices_per_node: ranks,
+        nodes: 1,
+        memory_bytes: total / ranks as u64,
+        peak_flops_fp32: rates[0],
+        peak_flops_fp16: rates[0],
+        achievable_fraction: 1.0,
+        memory_bandwidth: rates[1],
+        intra_node_bandwidth: link[1],
+        intra_node_latency: link[0],
+        inter_node_bandwidth: link[1],
+        inter_node_latency: link[0],
+        compute_units_per_node: std::thread::available_parallelism().map_or(1, |n| n.get()),
+    };
+    spec.validate()?;
+    Ok(spec)
+}
+
+/// `merak probe`: writes the measured spec (rank 0).
+pub fn probe(args: &ProbeArgs, world: Option<&MpiCommunicator>) -> Result<()> {
+    let spec = measure(world, args.reps)?;
+    if world.is_none_or(|w| w.rank() == 0) {
+        let text = toml::to_string(&spec)?;
+        std::fs::write(&args.out, &text)
+            .with_context(|| format!("writing {}", args.out.display()))?;
+        println!(
+            "{}: {:.2} GFLOP/s per rank (f32 matrix products, all ranks at once), memory {:.1} GB/s, MPI latency {:.1} us, bandwidth {:.2} GB/s",
+            args.out.display(),
+            spec.peak_flops_fp32 / 1e9,
+            spec.memory_bandwidth / 1e9,
+            spec.intra_node_latency * 1e6,
+            spec.intra_node_bandwidth / 1e9
+        );
+    }
+    Ok(())
+}
+
+/// Times the forward and backward passes of the embedding, the first layer and the head at
+/// micro-batch `b`, back to back as in a training step (ranks align once per repetition), and
+/// the whole model's forward and backward pass; `reps` times after a warm-up. The unit medians
+/// (averaged over ranks) are scaled so that embedding + `L` layers + head add up to the
+/// median whole pass.
+fn time_units(
+    model: &merak_gpt::Gpt<B>,
+    world: Option<&MpiCommunicator>,
+    cfg: &merak_gpt::GptConfig,
+    b: usize,
+    reps: usize,
+) -> Result<[(f64, f64); 3]> {
+    let device = Default::default();
+    let (s, h, l) = (cfg.seq_len, cfg.hidden, cfg.layers);
+    let ids: Vec<i64> = (0..b * s)
+        .map(|i| (i * 7919 % cfg.vocab_size) as i64)
+        .collect();
+    let tokens = || Tensor::<B, 2, Int>::from_data(TensorData::new(ids.clone(), [b, s]), &device);
+    let grad = Tensor::<B, 3>::random([b, s, h], Distribution::Default, &device);
+    let mut samples = vec![Vec::new(); 7];
+    for rep in 0..reps + 1 {
+        let mut t = [0.0; 6];
+        barrier(world)?;
+        let start = Instant::now();
+        let StageOutput::Hidden(h0) = model.run_units(0..1, StageInput::Tokens(tokens()), None)
+        else {
+            bail!("the embedding returned a loss");
+        };
+        let h0c = h0.clone().into_data();
+        t[0] = start.elapsed().as_secs_f64();
+        let x = Tensor::<B, 3>::from_data(h0c, &device).require_grad();
+        let start = Instant::now();
+        let StageOutput::Hidden(h1) = model.run_units(1..2, StageInput::Hidden(x), None) else {
+            bail!("a layer returned a loss");
+        };
+        let h1c = h1.clone().into_data();
+        t[1] = start.elapsed().as_secs_f64();
+        let y = Tensor::<B, 3>::from_data(h1c, &device).require_grad();
+        let start = Instant::now();
+        let StageOutput::Loss(loss) =
+            model.run_units(l + 1..l + 2, StageInput::Hidden(y), Some(tokens()))
+        else {
+            bail!("the head returned hidden states");
+        };
+        let _ = loss.clone().into_data();
+        t[2] = start.elapsed().as_secs_f64();
+        let start = Instant::now();
+        std::hint::black_box(loss.backward());
+        t[5] = start.elapsed().as_secs_f64();
+        let start = Instant::now();
+        std::hint::black_box((h1 * grad.clone()).sum().backward());
+        t[4] = start.elapsed().as_secs_f64();
+        let start = Instant::now();
+        std::hint::black_box((h0 * grad.clone()).sum().backward());
+        t[3] = start.elapsed().as_secs_f64();
+        barrier(world)?;
+        let start = Instant::now();
+        let StageOutput::Loss(loss) =
+            model.run_units(0..l + 2, StageInput::Tokens(tokens()), Some(tokens()))
+        else {
+            bail!("x");
+        };
+        std::hint::black_box(loss.backward());
+        let whole = start.elapsed().as_secs_f64();
+        if rep > 0 {
+            for (v, x) in samples.iter_mut().zip(t) {
+                v.push(x);
+            }
+            samples[6].push(whole);
+        }
+    }
+    let mut m: Vec<f64> = samples.into_iter().map(median).collect();
+    mean_over_ranks(world, &mut m)?;
+    // The isolated passes give the split between units; the level comes from the whole
+    // model's forward and backward pass, as a training step runs it.
+    let sum = m[0] + m[3] + l as f64 * (m[1] + m[4]) + m[2] + m[5];
+    let scale = if sum > 0.0 { m[6] / sum } else { 1.0 };
+    let m: Vec<f64> = m.iter().map(|x| x * scale).collect();
+    Ok([(m[0], m[3]), (m[1], m[4]), (m[2], m[5])])
+}
+
+/// Seconds of one AdamW step per parameter of `model` (median of `reps`).
+fn time_optimizer(
+    model: merak_gpt::Gpt<B>,
+    world: Option<&MpiCommunicator>,
+    cfg: &merak_gpt::GptConfig,
+    reps: usize,
+) -> Result<f64> {
+    let device = Default::default();
+    let s = cfg.seq_len;
+    let ids: Vec<i64> = (0..s).map(|i| (i * 31 % cfg.vocab_size) as i64).collect();
+    let tokens = || Tensor::<B, 2, Int>::from_data(TensorData::new(ids.clone(), [1, s]), &device);
+    let params = model.num_params() as f64;
+    let mut optim = AdamWConfig::new().init();
+    let mut model = model;
+    let mut times = Vec::new();
+    for rep in 0..reps + 1 {
+        let StageOutput::Loss(loss) = model.run_units(
+            0..cfg.layers + 2,
+            StageInput::Tokens(tokens()),
+            Some(tokens()),
+        ) else {
+            bail!("the model returned hidden states");
+        };
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        barrier(world)?;
+        let start = Instant::now();
+        model = optim.step(1e-4, model, grads);
+        let _ = model.valid();
+        if rep > 0 {
+            times.push(start.elapsed().as_secs_f64());
+        }
+    }
+    let mut m = [median(times) / params];
+    mean_over_ranks(world, &mut m)?;
+    Ok(m[0])
+}
+
+/// The median step time (after the first two steps) of a short `merak train` run of the
+/// profiled model with the data-parallel layout over every rank, micro-batches of one sequence
+/// and `m` of them per step: the framework's own costs (parameter hooks, gradient
+/// accumulation, all-reduces, gradient norm, metrics) are in it.
+fn train_step_time(
+    args: &ProfileArgs,
+    mpi: Option<&merak_burn::comm::MpiWorld>,
+    m: usize,
+    zero: u8,
+    out: &std::path::Path,
+) -> Result<f64> {
+    let ranks = mpi.map_or(1, |w| w.world().size());
+    let rank = mpi.map_or(0, |w| w.world().rank());
+    let mut sets = args.sets.clone();
+    for set in [
+        format!("parallel.dp={ranks}"),
+        format!("parallel.zero={zero}"),
+        "parallel.tp=1".into(),
+        "parallel.pp=1".into(),
+        "train.micro_batch=1".into(),
+        format!("train.global_batch={}", ranks * m),
+        format!("train.steps={}", args.train_steps.max(3)),
+        "data.kind=\"synthetic\"".into(),
+        "data.val_every=0".into(),
+        "checkpoint.every=0".into(),
+        "checkpoint.at_end=false".into(),
+        "train.sample_tokens=0".into(),
+    ] {
+        sets.push(set);
+    }
+    let cfg = config::load(args.config.as_deref(), &sets)?;
+    let plan = crate::stages::build_plan(&cfg)?;
+    let grid = match mpi {
+        Some(w) => ProcessGrid::from_mpi(
+            w.world(),
+            Layout {
+                dp: ranks,
+                tp: 1,
+                pp: 1,
+            },
+        )?,
+        None => ProcessGrid::single(),
+    };
+    let data = crate::data::Source::open(&cfg)?;
+    let device = Default::default();
+    let model =
+        merak_gpt::Gpt::<B>::new_units(&cfg.model.gpt, cfg.train.seed, grid.tp, &device, &|_| {
+            true
+        })?;
+    let spec = crate::train::RunSpec {
+        plan: &plan,
+        resume: None,
+        trace: None,
+    };
+    crate::train::train(
+        &cfg,
+        &data,
+        &grid,
+        out,
+        &device,
+        model,
+        &crate::train::Objective::Causal,
+        spec,
+    )?;
+    let mut t = [0.0];
+    if rank == 0 {
+        let text = std::fs::read_to_string(out.join("metrics.jsonl"))?;
+        let mut times = Vec::new();
+        for line in text.lines().skip(2) {
+            let v: serde_json::Value = serde_json::from_str(line)?;
+            times.push(
+                v["step_time_s"]
+                    .as_f64()
+                    .context("step_time_s in metrics")?,
+            );
+        }
+        if times.is_empty() {
+            bail!("no step times in {}", out.display());
+        }
+        t[0] = median(times);
+        std::fs::remove_dir_all(out)?;
+    }
+    from_rank0(mpi.map(|w| w.world()).as_ref(), &mut t)?;
+    Ok(t[0])
+}
+
+/// `merak profile`: times the embedding, one layer and the head of the configured GPT at each
+/// tensor-parallel degree and micro-batch size, with every rank working at once, plus the
+/// optimizer step; rank 0 writes the calibration.
+pub fn profile(args: &ProfileArgs, mpi: Option<&merak_burn::comm::MpiWorld>) -> Result<()> {
+    let cfg = config::load(args.config.as_deref(), &args.sets)?;
+    if cfg.model.kind != "gpt" {
+        bail!(
+            "model.kind = {:?}: merak profile times GPT models",
+            cfg.model.kind
+        );
+    }
+    let g = &cfg.model.gpt;
+    let world = mpi.map(|m| m.world());
+    let ranks = world.as_ref().map_or(1, |w| w.size());
+    let rank = world.as_ref().map_or(0, |w| w.rank());
+    if args.micro_batches.is_empty() || args.micro_batches.contains(&0) {
+        bail!(
+            "--micro-batches {:?}: sizes must be at least 1",
+            args.micro_batches
+        );
+    }
+    let tps: Vec<usize> = if args.tp.is_empty() {
+        (1..=ranks)
+            .filter(|t| ranks.is_multiple_of(*t) && g.heads.is_multiple_of(*t))
+            .collect()
+    } else {
+        args.tp.clone()
+    };
+    for &tp in &tps {
+        if tp == 0 || !ranks.is_multiple_of(tp) || !g.heads.is_multiple_of(tp) {
+            bail!(
+                "--tp {tp} must divide the {ranks} ranks and model.heads = {}",
+                g.heads
+            );
+        }
+    }
+    let mut timings = Vec::new();
+    let mut optimizer_s_per_param = 0.0;
+    for &tp in &tps {
+        let grid = match &world {
+            Some(_) => {
+                let w = mpi.map(|m| m.world()).context("MPI world")?;
+                ProcessGrid::from_mpi(
+                    w,
+                    Layout {
+                        dp: ranks / tp,
+                        tp,
+                        pp: 1,
+                    },
+                )?
+            }
+            None => ProcessGrid::single(),
+        };
+        let device = Default::default();
+        let model = merak_gpt::Gpt::<B>::new_units(g, cfg.train.seed, grid.tp, &device, &|_| true)?;
+        for &b in &args.micro_batches {
+            let kinds = [UnitKind::Embedding, UnitKind::Layer, UnitKind::Head];
+            let measured = time_units(&model, world.as_ref(), g, b, args.reps.max(1))?;
+            for (unit, (forward_s, backward_s)) in kinds.into_iter().zip(measured) {
+                timings.push(UnitTiming {
+                    unit,
+                    tp,
+                    micro_batch: b,
+                    forward_s,
+                    backward_s,
+                });
+            }
+            if rank == 0 {
+                println!(
+                    "tp={tp} micro_batch={b}: forward/backward ms: embedding {:.3}/{:.3}, layer {:.3}/{:.3}, head {:.3}/{:.3}",
+                    measured[0].0 * 1e3,
+                    measured[0].1 * 1e3,
+                    measured[1].0 * 1e3,
+                    measured[1].1 * 1e3,
+                    measured[2].0 * 1e3,
+                    measured[2].1 * 1e3
+                );
+            }
+        }
+        if tp == tps[0] {
+            optimizer_s_per_param = time_optimizer(model, world.as_ref(), g, args.reps.max(1))?;
+        }
+    }
+    // The framework's own costs, from two short training runs with 1 and 4 micro-batches of
+    // one sequence: step(m) = m * (units + per micro-batch) + optimizer + per step.
+    let scratch = args.out.with_extension("train-run");
+    let one = train_step_time(args, mpi, 1, 0, &scratch)?;
+    let four = train_step_time(args, mpi, 4, 0, &scratch)?;
+    // ZeRO-1 (with more than one rank): the optimizer works on 1/ranks of the parameters,
+    // then the owners send the new values to everyone.
+    let zero1 = if ranks > 1 {
+        train_step_time(args, mpi, 1, 1, &scratch)?
+    } else {
+        one
+    };
+    let mut calibration = Calibration {
+        format: CALIBRATION_FORMAT.to_string(),
+        model: crate::plan_cmd::shape_of(&cfg)?,
+        backend: "ndarray-f32".to_string(),
+        ranks,
+        element_bytes: 4.0,
+        optimizer_s_per_param,
+        micro_batch_s_per_param: 0.0,
+        step_overhead_s: 0.0,
+        zero1_s_per_param: 0.0,
+        timings,
+    };
+    let tp0 = tps[0];
+    let unit = |kind| {
+        calibration
+            .unit_time(kind, tp0, 1)
+            .map_or(0.0, |(f, b)| f + b)
+    };
+    let units_b1 =
+        unit(UnitKind::Embedding) + g.layers as f64 * unit(UnitKind::Layer) + unit(UnitKind::Head);
+    let params =
+        merak_burn::planner::ModelProxy::from_shape(calibration.model).params() as f64 / tp0 as f64;
+    let per_micro_batch = ((four - one) / 3.0 - units_b1).max(0.0);
+    calibration.micro_batch_s_per_param = per_micro_batch / params;
+    calibration.step_overhead_s =
+        (one - units_b1 - per_micro_batch - optimizer_s_per_param * params).max(0.0);
+    if ranks > 1 {
+        let saved = optimizer_s_per_param * params * (1.0 - 1.0 / ranks as f64);
+        calibration.zero1_s_per_param = ((zero1 - one + saved) / params).max(0.0);
+    }
+    if rank == 0 {
+        println!(
+            "training runs (dp={ranks}, micro-batch 1): {:.1} ms with 1 micro-batch, {:.1} ms with 4, {:.1} ms with ZeRO-1; framework costs {:.2} ms per micro-batch, {:.2} ms per step, ZeRO-1 exchange {:.2} ms",
+            one * 1e3,
+            four * 1e3,
+            zero1 * 1e3,
+            per_micro_batch * 1e3,
+            calibration.step_overhead_s * 1e3,
+            calibration.zero1_s_per_param * params * 1e3
+        );
+    }
+    if rank == 0 {
+        calibration.write(&args.out)?;
+        println!(
+            "optimizer: {:.2} ns per parameter; calibration written to {}",
+            optimizer_s_per_param * 1e9,
+            args.out.display()
+        );
+    }
+    Ok(())
+}
