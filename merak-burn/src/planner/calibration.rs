@@ -162,19 +162,14 @@ impl Calibration {
     ///
     /// [`CalibrationError::Io`].
     pub fn write(&self, path: &Path) -> Result<(), CalibrationError> {
-        let io = |source| CalibrationError::Io {
-            path: path.to_path_buf(),
-            source,
-        };
         let text = serde_json::to_vec_pretty(self).map_err(|e| CalibrationError::Parse {
             path: path.to_path_buf(),
             msg: e.to_string(),
         })?;
-        let mut tmp = path.as_os_str().to_owned();
-        tmp.push(".partial");
-        let tmp = PathBuf::from(tmp);
-        std::fs::write(&tmp, text).map_err(io)?;
-        std::fs::rename(&tmp, path).map_err(io)
+        super::write_atomically(path, &text).map_err(|source| CalibrationError::Io {
+            path: path.to_path_buf(),
+            source,
+        })
     }
 
     /// Reads a calibration and checks that it was measured for `model`.

@@ -418,37 +418,7 @@ impl<'a> CostModel<'a> {
             t,
         );
         let kind = UnitKind::of(unit, self.model.units.len());
-        if let Some((forward_s, backward_s)) =
-            self.calibration.and_then(|c| c.unit_time(kind, t, b))
-        {
-            let forward_flops = u.forward_flops(b);
-            let recompute_s = if forward_flops > 0.0 {
-                forward_s * u.recompute_flops(b, mode) / forward_flops
-            } else {
-                0.0
-            };
-            // The framework's work per micro-batch grows with the parameters the pass hooks.
-            let per_micro_batch = self
-                .calibration
-                .map_or(0.0, |c| c.micro_batch_s_per_param * u.params_per_rank(t));
-            return UnitTerms {
-                forward_s: forward_s + per_micro_batch,
-                backward_s,
-                recompute_s,
-                tp_forward_s: 0.0,
-                tp_backward_s: 0.0,
-                tp_recompute_s: 0.0,
-                activation_bytes: u.activation_bytes(b, t, mode),
-                params: u.params_per_rank(t),
-                tied_params: if tied {
-                    u.params_tied as f64 / t as f64
-                } else {
-                    0.0
-                },
-                largest_activation_bytes: u.activation_bytes(b, t, RecomputeMode::None),
-            };
-        }
-        UnitTerms {
+        let mut terms = UnitTerms {
             forward_s: u.forward_flops(b) / flops,
             backward_s: u.backward_flops(b) / flops,
             recompute_s: u.recompute_flops(b, mode) / flops,
@@ -467,7 +437,26 @@ impl<'a> CostModel<'a> {
                 0.0
             },
             largest_activation_bytes: u.activation_bytes(b, t, RecomputeMode::None),
+        };
+        if let Some(c) = self.calibration
+            && let Some((forward_s, backward_s)) = c.unit_time(kind, t, b)
+        {
+            // Measured times include the unit's TP communication; recomputation repeats the
+            // recomputed share of the forward pass; the framework's work per micro-batch grows
+            // with the parameters the pass hooks.
+            let forward_flops = u.forward_flops(b);
+            terms.recompute_s = if forward_flops > 0.0 {
+                forward_s * u.recompute_flops(b, mode) / forward_flops
+            } else {
+                0.0
+            };
+            terms.forward_s = forward_s + c.micro_batch_s_per_param * terms.params;
+            terms.backward_s = backward_s;
+            terms.tp_forward_s = 0.0;
+            terms.tp_backward_s = 0.0;
+            terms.tp_recompute_s = 0.0;
         }
+        terms
     }
 
     /// Bytes of model states per parameter held: 16 (16-bit weight and gradient, fp32 master
@@ -676,16 +665,20 @@ impl<'a> CostModel<'a> {
     /// The step time `time` (computed as if every rank had its device to itself) on hardware
     /// whose ranks share fewer compute units than there are ranks on a node (CPU ranks on
     /// fewer cores, `HardwareSpec::compute_units_per_node`). The unit times were measured with
-    /// every rank working, so a rank alone runs `share = units / ranks` of its measured time;
-    /// the step takes the longer of the critical path at that speed and the mean work of the
-    /// ranks (all work shares the same units). Unchanged when every rank has its own device.
+    /// every rank working, so a rank whose peers wait runs `share` of its measured time
+    /// (`HardwareSpec::alone_time_fraction`, or `units / ranks`); the step takes the longer of
+    /// the critical path at that speed and the mean work of the ranks (all work shares the
+    /// same units). Unchanged when every rank has its own device.
     fn shared(&self, layout: &Layout, derived: &Derived, time: f64) -> f64 {
         let ranks = layout.gpus().min(self.hardware.devices_per_node);
         let units = self.hardware.compute_units_per_node;
         if units == 0 || units >= ranks {
             return time;
         }
-        let share = units as f64 / ranks as f64;
+        let share = match self.hardware.alone_time_fraction {
+            f if f > 0.0 => f.min(1.0),
+            _ => units as f64 / ranks as f64,
+        };
         let m = layout.micro_batches as f64;
         let p = layout.pp;
         let work: f64 = (0..p)

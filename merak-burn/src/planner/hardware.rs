@@ -71,6 +71,12 @@ pub struct HardwareSpec {
     /// device computes on its own, as GPUs do. `merak probe` sets the machine's cores.
     #[serde(default)]
     pub compute_units_per_node: usize,
+    /// With shared compute units: the time a rank takes for its work while the other ranks of
+    /// its node wait in MPI, as a fraction of its time when all of them work (`units / ranks`
+    /// if waiting ranks gave their cores away entirely, 1 if they kept spinning on them).
+    /// 0 (the default): `units / ranks`. `merak probe` measures it.
+    #[serde(default)]
+    pub alone_time_fraction: f64,
 }
 
 /// The preset names.
@@ -97,6 +103,7 @@ impl HardwareSpec {
                 inter_node_bandwidth: 25e9,
                 inter_node_latency: 1e-5,
                 compute_units_per_node: 0,
+                alone_time_fraction: 0.0,
             },
             "h100-80g" => HardwareSpec {
                 name: name.to_string(),
@@ -112,6 +119,7 @@ impl HardwareSpec {
                 inter_node_bandwidth: 50e9,
                 inter_node_latency: 8e-6,
                 compute_units_per_node: 0,
+                alone_time_fraction: 0.0,
             },
             "local-cpu" => HardwareSpec {
                 name: name.to_string(),
@@ -127,6 +135,7 @@ impl HardwareSpec {
                 inter_node_bandwidth: 1e9,
                 inter_node_latency: 5e-5,
                 compute_units_per_node: 0,
+                alone_time_fraction: 0.0,
             },
             _ => return None,
         };

@@ -45,3 +45,13 @@ pub use plan_file::{PLAN_FORMAT, PlanFile, PlanFileError};
 pub use reference::{MEGATRON_SC21, PublishedRow};
 pub use search::{Plan, SearchError, SearchOptions, SearchResult, search, search_calibrated};
 pub use stage_dp::{Skeleton, StageDp, StageDpError, StagePlan};
+
+/// Writes `bytes` to `path` atomically: into `path.partial`, then renamed over `path`, so a
+/// reader never sees half a file (plan and calibration files).
+pub(crate) fn write_atomically(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".partial");
+    let tmp = std::path::PathBuf::from(tmp);
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, path)
+}

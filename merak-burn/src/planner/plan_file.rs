@@ -101,19 +101,14 @@ impl PlanFile {
     ///
     /// [`PlanFileError::Io`].
     pub fn write(&self, path: &Path) -> Result<(), PlanFileError> {
-        let io = |source| PlanFileError::Io {
-            path: path.to_path_buf(),
-            source,
-        };
         let text = serde_json::to_vec_pretty(self).map_err(|e| PlanFileError::Parse {
             path: path.to_path_buf(),
             msg: e.to_string(),
         })?;
-        let mut tmp = path.as_os_str().to_owned();
-        tmp.push(".partial");
-        let tmp = PathBuf::from(tmp);
-        std::fs::write(&tmp, text).map_err(io)?;
-        std::fs::rename(&tmp, path).map_err(io)
+        super::write_atomically(path, &text).map_err(|source| PlanFileError::Io {
+            path: path.to_path_buf(),
+            source,
+        })
     }
 
     /// Reads and checks a plan file: the format, and that the layout is consistent with its
