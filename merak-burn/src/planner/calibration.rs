@@ -113,6 +113,11 @@ pub struct Calibration {
     /// ZeRO-1 with data parallelism over all `ranks`: seconds per parameter held of sending
     /// the updated shards to every rank.
     pub zero1_s_per_param: f64,
+    /// The time a rank needs for the model's forward and backward pass while half the ranks
+    /// wait in MPI, as a fraction of its time when all work (1: ranks do not share compute;
+    /// 0: not measured). Overrides `HardwareSpec::alone_time_fraction`.
+    #[serde(default)]
+    pub alone_time_fraction: f64,
     /// The measurements.
     pub timings: Vec<UnitTiming>,
 }
@@ -205,6 +210,7 @@ impl Calibration {
             ("micro_batch_s_per_param", cal.micro_batch_s_per_param),
             ("step_overhead_s", cal.step_overhead_s),
             ("zero1_s_per_param", cal.zero1_s_per_param),
+            ("alone_time_fraction", cal.alone_time_fraction),
         ] {
             if !finite(v) {
                 return Err(parse(format!("{field} = {v} must be finite and >= 0")));
@@ -245,6 +251,7 @@ mod tests {
             micro_batch_s_per_param: 0.0,
             step_overhead_s: 0.0,
             zero1_s_per_param: 0.0,
+            alone_time_fraction: 0.0,
             timings: vec![
                 timing(1, 3.0, 5.0),
                 timing(2, 5.0, 9.0),

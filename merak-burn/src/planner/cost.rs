@@ -665,8 +665,9 @@ impl<'a> CostModel<'a> {
     /// The step time `time` (computed as if every rank had its device to itself) on hardware
     /// whose ranks share fewer compute units than there are ranks on a node (CPU ranks on
     /// fewer cores, `HardwareSpec::compute_units_per_node`). The unit times were measured with
-    /// every rank working, so a rank whose peers wait runs `share` of its measured time
-    /// (`HardwareSpec::alone_time_fraction`, or `units / ranks`); the step takes the longer of
+    /// every rank working, so a rank whose peers wait runs `share` of its measured time (the
+    /// calibration's `alone_time_fraction`, else the hardware's, else `units / ranks`); the
+    /// step takes the longer of
     /// the critical path at that speed and the mean work of the ranks (all work shares the
     /// same units). Unchanged when every rank has its own device.
     fn shared(&self, layout: &Layout, derived: &Derived, time: f64) -> f64 {
@@ -675,9 +676,15 @@ impl<'a> CostModel<'a> {
         if units == 0 || units >= ranks {
             return time;
         }
-        let share = match self.hardware.alone_time_fraction {
-            f if f > 0.0 => f.min(1.0),
-            _ => units as f64 / ranks as f64,
+        let measured = self
+            .calibration
+            .map(|c| c.alone_time_fraction)
+            .filter(|&f| f > 0.0)
+            .unwrap_or(self.hardware.alone_time_fraction);
+        let share = if measured > 0.0 {
+            measured.min(1.0)
+        } else {
+            units as f64 / ranks as f64
         };
         let m = layout.micro_batches as f64;
         let p = layout.pp;
@@ -900,6 +907,7 @@ mod tests {
             micro_batch_s_per_param: 0.0,
             step_overhead_s: 5e-3,
             zero1_s_per_param: 0.0,
+            alone_time_fraction: 0.0,
             timings,
         };
         (model, cal)
@@ -972,6 +980,17 @@ mod tests {
         assert!(together.step_time_s >= alone / 2.0 - 1e-12);
         assert!(shared.estimate(&pp).unwrap().time_lower_bound_s <= together.step_time_s);
         assert!(together.breakdown.contains_key("shared_cores_step_s"));
+        // A measured alone-time fraction (the calibration's first, then the hardware's)
+        // replaces units / ranks: waiting ranks that keep their cores make the step slower.
+        let mut measured = cal.clone();
+        measured.alone_time_fraction = 0.9;
+        let kept = CostModel::new(&model, &cores).with_calibration(&measured);
+        let slower = kept.predict(&pp).unwrap().step_time_s;
+        assert!(slower > together.step_time_s && slower <= alone, "{slower}");
+        let mut spec = cores.clone();
+        spec.alone_time_fraction = 0.9;
+        let from_spec = CostModel::new(&model, &spec).with_calibration(&cal);
+        assert_eq!(from_spec.predict(&pp).unwrap().step_time_s, slower);
     }
 
     #[test]
