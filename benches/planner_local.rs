@@ -223,6 +223,7 @@ fn main() -> Result<()> {
             recompute: vec![mode; pp],
             zero1: false,
             partition: balanced_partition(&costs, pp)?,
+            tp_overlap: 1,
         };
         let prediction = cm.predict(&layout)?;
         let policy = if mode == Full {

@@ -599,6 +599,7 @@ fn resolve_config(
             world,
             cfg.train.global_batch,
         )?;
+        file.check_runnable(&path)?;
         sets.extend(plan_cmd::plan_overrides(&file.plan));
         cfg = load(&sets).with_context(|| format!("applying the plan {}", path.display()))?;
         applied = Some(file);

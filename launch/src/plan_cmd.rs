@@ -50,6 +50,10 @@ pub struct PlanArgs {
     /// Write the best plan as JSON here.
     #[arg(long)]
     output: Option<std::path::PathBuf>,
+    /// Sub-pipelining degrees of tensor parallelism to search (comma-separated), within the
+    /// hardware's `max_tp_overlap`.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    tp_overlap: Vec<usize>,
 }
 
 /// Arguments of `merak simulate`.
@@ -57,7 +61,7 @@ pub struct PlanArgs {
 pub struct SimulateArgs {
     #[command(flatten)]
     target: Target,
-    /// The layout, e.g. `dp=32,tp=8,pp=2,v=1,mbs=4,recompute=full,schedule=1f1b,zero=0`.
+    /// The layout, e.g. `dp=32,tp=8,pp=2,v=1,mbs=4,recompute=full,schedule=1f1b,zero=0,overlap=1`.
     #[arg(long, required_unless_present = "plan", conflicts_with = "plan")]
     layout: Option<String>,
     /// A plan written by `merak plan --output` (instead of `--layout`).
@@ -108,7 +112,7 @@ fn gib(bytes: u64) -> f64 {
 fn describe(p: &Plan) -> String {
     let l = &p.layout;
     format!(
-        "dp={} tp={} pp={} v={} mbs={} m={} {} recompute={} zero1={}",
+        "dp={} tp={} pp={} v={} mbs={} m={} {} recompute={} zero1={} overlap={}",
         l.dp,
         l.tp,
         l.pp,
@@ -117,7 +121,8 @@ fn describe(p: &Plan) -> String {
         l.micro_batches,
         l.schedule,
         p.policy,
-        l.zero1
+        l.zero1,
+        l.tp_overlap
     )
 }
 
@@ -146,6 +151,10 @@ fn print_prediction(p: &Prediction) {
 pub fn plan(a: &PlanArgs) -> Result<()> {
     let (shape, model, hw, cal) = resolve(&a.target)?;
     let mut options = SearchOptions::new(a.target.gpus, a.target.global_batch);
+    if a.tp_overlap.contains(&0) {
+        bail!("--tp-overlap: degrees must be at least 1 (1: no overlap)");
+    }
+    options.tp_overlap.clone_from(&a.tp_overlap);
     options.memory_budget_bytes = a
         .target
         .memory_gib
@@ -209,6 +218,7 @@ fn parse_layout(text: &str, model: &ModelProxy, global_batch: usize) -> Result<L
     let mut recompute = RecomputeMode::None;
     let mut schedule = ScheduleKind::OneFOneB;
     let mut zero1 = false;
+    let mut tp_overlap = 1;
     for part in text.split(',').filter(|p| !p.is_empty()) {
         let (k, val) = part
             .split_once('=')
@@ -224,6 +234,7 @@ fn parse_layout(text: &str, model: &ModelProxy, global_batch: usize) -> Result<L
             "v" => v = num()?,
             "mbs" => mbs = num()?,
             "zero" => zero1 = num()? == 1,
+            "overlap" => tp_overlap = num()?,
             "schedule" => schedule = val.parse()?,
             "recompute" => {
                 recompute = match val {
@@ -234,7 +245,8 @@ fn parse_layout(text: &str, model: &ModelProxy, global_batch: usize) -> Result<L
                 }
             }
             other => bail!(
-                "--layout: unknown key `{other}` (dp, tp, pp, v, mbs, schedule, recompute, zero)"
+                "--layout: unknown key `{other}` (dp, tp, pp, v, mbs, schedule, recompute, zero, \
+                 overlap)"
             ),
         }
     }
@@ -263,6 +275,7 @@ fn parse_layout(text: &str, model: &ModelProxy, global_batch: usize) -> Result<L
         recompute: vec![recompute; stages],
         zero1,
         partition,
+        tp_overlap,
     })
 }
 

@@ -215,6 +215,9 @@ pub fn measure(world: Option<&MpiCommunicator>, reps: usize) -> Result<HardwareS
         inter_node_latency: link[0],
         compute_units_per_node: std::thread::available_parallelism().map_or(1, |n| n.get()),
         alone_time_fraction: alone[0],
+        // merak train's CPU ranks cannot overlap TP all-reduces with computation.
+        max_tp_overlap: 1,
+        tp_overlap_slowdown: 0.0,
     };
     spec.validate()?;
     Ok(spec)

@@ -74,6 +74,17 @@ pub enum CostError {
         /// Stages.
         stages: usize,
     },
+    /// The overlap degree does not divide the tokens of a micro-batch.
+    #[error(
+        "tp_overlap = {overlap} does not divide the {tokens} tokens of a micro-batch \
+         (micro_batch x sequence length)"
+    )]
+    Overlap {
+        /// The overlap degree.
+        overlap: usize,
+        /// Tokens per micro-batch.
+        tokens: usize,
+    },
     /// The schedule cannot be built.
     #[error(transparent)]
     Schedule(#[from] ScheduleError),
@@ -105,6 +116,15 @@ pub struct Layout {
     pub zero1: bool,
     /// The model's units cut into `pp * virtual_stages` stages.
     pub partition: Partition,
+    /// Sub-pipelined tensor parallelism (Merak, Oases): each micro-batch's tokens are split into
+    /// this many chunks inside every tensor-parallel block, so the all-reduce of chunk `i` runs
+    /// while chunk `i + 1` computes. 1 (the default): no overlap.
+    #[serde(default = "one")]
+    pub tp_overlap: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 impl Layout {
@@ -396,15 +416,38 @@ impl<'a> CostModel<'a> {
         2.0 * (n - 1) as f64 / n as f64 * bytes / bw + lat
     }
 
+    /// Exposed seconds of `n` tensor-parallel all-reduces of `bytes` each over `t` ranks, each
+    /// after a block of `compute_s / n` seconds of compute it depends on, with the micro-batch's
+    /// tokens split into `k` chunks (sub-pipelined tensor parallelism): per block, chunk `i`'s
+    /// all-reduce `a` (of `bytes / k`) runs while chunk `i + 1` computes (`c = compute_s / (n k)`),
+    /// so a block exposes `a + (k - 1) * (max(0, a - c) + slowdown * min(a, c))`: the last
+    /// chunk's all-reduce, what the compute cannot hide, and the compute lost to the contention
+    /// of overlapped communication ([`HardwareSpec::tp_overlap_slowdown`]). `k = 1` gives
+    /// `n * a` (nothing hidden); a larger `k` hides more but pays the latency `k` times.
+    pub(crate) fn tp_exposed(&self, n: u32, bytes: f64, t: usize, compute_s: f64, k: usize) -> f64 {
+        if n == 0 || t <= 1 {
+            return 0.0;
+        }
+        let k = k.max(1);
+        let a = self.allreduce(bytes / k as f64, t, t);
+        if k == 1 {
+            return n as f64 * a;
+        }
+        let c = compute_s / n as f64 / k as f64;
+        let hidden_slowdown = self.hardware.tp_overlap_slowdown * a.min(c);
+        n as f64 * (a + (k - 1) as f64 * ((a - c).max(0.0) + hidden_slowdown))
+    }
+
     /// The terms of unit `unit` for a micro-batch of `b` sequences on one of `t` tensor-parallel
-    /// ranks under `mode`; `tied` says whether its stage also holds the unit's tied parameters
-    /// (more than one stage and not the first). Every per-unit time of the cost model comes from
-    /// here.
+    /// ranks with the tensor-parallel overlap degree `k` under `mode`; `tied` says whether its
+    /// stage also holds the unit's tied parameters (more than one stage and not the first).
+    /// Every per-unit time of the cost model comes from here.
     pub(crate) fn unit_terms(
         &self,
         unit: usize,
         b: usize,
         t: usize,
+        k: usize,
         mode: RecomputeMode,
         tied: bool,
     ) -> UnitTerms {
@@ -412,20 +455,18 @@ impl<'a> CostModel<'a> {
             return UnitTerms::default();
         };
         let flops = self.hardware.achievable_flops() * t as f64;
-        let one = self.allreduce(
-            u.tp_allreduce_elements * b as f64 * self.element_bytes(),
-            t,
-            t,
-        );
+        let bytes = u.tp_allreduce_elements * b as f64 * self.element_bytes();
+        let (forward_s, backward_s) = (u.forward_flops(b) / flops, u.backward_flops(b) / flops);
         let kind = UnitKind::of(unit, self.model.units.len());
+        let tp_forward_s = self.tp_exposed(u.tp_forward_allreduces, bytes, t, forward_s, k);
         let mut terms = UnitTerms {
-            forward_s: u.forward_flops(b) / flops,
-            backward_s: u.backward_flops(b) / flops,
+            forward_s,
+            backward_s,
             recompute_s: u.recompute_flops(b, mode) / flops,
-            tp_forward_s: u.tp_forward_allreduces as f64 * one,
-            tp_backward_s: u.tp_backward_allreduces as f64 * one,
+            tp_forward_s,
+            tp_backward_s: self.tp_exposed(u.tp_backward_allreduces, bytes, t, backward_s, k),
             tp_recompute_s: if mode == RecomputeMode::Full && u.recomputable {
-                u.tp_forward_allreduces as f64 * one
+                tp_forward_s
             } else {
                 0.0
             },
@@ -508,6 +549,19 @@ impl<'a> CostModel<'a> {
                 return Err(CostError::Zero { field });
             }
         }
+        if layout.tp_overlap == 0 {
+            return Err(CostError::Zero {
+                field: "tp_overlap",
+            });
+        }
+        // Token chunks: known for a transformer shape (a user's own model splits as it likes).
+        let tokens = layout.micro_batch * self.model.shape.as_ref().map_or(1, |s| s.seq);
+        if self.model.shape.is_some() && !tokens.is_multiple_of(layout.tp_overlap) {
+            return Err(CostError::Overlap {
+                overlap: layout.tp_overlap,
+                tokens,
+            });
+        }
         let stages = layout.stages();
         if layout.partition.stages() != stages || layout.partition.units() != self.model.num_units()
         {
@@ -545,7 +599,14 @@ impl<'a> CostModel<'a> {
         for (j, range) in ranges.iter().enumerate() {
             let mode = layout.recompute[j];
             for unit in range.clone() {
-                terms[j].add(&self.unit_terms(unit, b, t, mode, head_separate && j > 0));
+                terms[j].add(&self.unit_terms(
+                    unit,
+                    b,
+                    t,
+                    layout.tp_overlap,
+                    mode,
+                    head_separate && j > 0,
+                ));
             }
             costs.forward[j] = terms[j].forward();
             costs.backward[j] = terms[j].backward();
@@ -874,7 +935,64 @@ mod tests {
             recompute: vec![RecomputeMode::Full; pp],
             zero1: false,
             partition: balanced_partition(&costs, pp).unwrap(),
+            tp_overlap: 1,
         }
+    }
+
+    #[test]
+    fn tp_overlap_hides_communication_behind_compute() {
+        let model = ModelProxy::parse("gpt-8.3b").unwrap();
+        let hw = HardwareSpec::preset("a100-80g").unwrap().with_devices(8);
+        let cm = CostModel::new(&model, &hw);
+        let (b, t) = (4, 8);
+        let layer = 1;
+        let u = &model.units[layer];
+        let plain = cm.unit_terms(layer, b, t, 1, RecomputeMode::None, false);
+        // k = 1: every all-reduce exposed, as Megatron runs it.
+        let bytes = u.tp_allreduce_elements * b as f64 * BYTES_16BIT;
+        let (bw, lat) = hw.link(t);
+        let ring = |bytes: f64| 2.0 * (t - 1) as f64 / t as f64 * bytes / bw + lat;
+        assert!((plain.tp_forward_s - 2.0 * ring(bytes)).abs() < 1e-12);
+        let mut previous = plain;
+        for k in [2usize, 4] {
+            let terms = cm.unit_terms(layer, b, t, k, RecomputeMode::None, false);
+            // The same compute; per block of half the forward pass, the last chunk's all-reduce
+            // plus what each chunk's compute cannot hide plus the contention of the hidden part.
+            assert_eq!(terms.forward_s, plain.forward_s);
+            assert_eq!(terms.activation_bytes, plain.activation_bytes);
+            let (a, c) = (ring(bytes / k as f64), plain.forward_s / 2.0 / k as f64);
+            let block = a + (k - 1) as f64 * ((a - c).max(0.0) + hw.tp_overlap_slowdown * a.min(c));
+            assert!((terms.tp_forward_s - 2.0 * block).abs() < 1e-12, "k={k}");
+            assert!(terms.tp_forward_s < previous.tp_forward_s, "k={k}");
+            assert!(terms.tp_backward_s < previous.tp_backward_s, "k={k}");
+            previous = terms;
+        }
+        // The whole step gets faster, memory does not change.
+        let mut l = layout(&model, 1, 8, 1, 4);
+        l.micro_batch = b;
+        let slow = cm.predict(&l).unwrap();
+        l.tp_overlap = 4;
+        let fast = cm.predict(&l).unwrap();
+        assert!(fast.step_time_s < slow.step_time_s);
+        assert!(fast.breakdown["tp_comm_s"] < slow.breakdown["tp_comm_s"]);
+        assert_eq!(fast.peak_memory_bytes, slow.peak_memory_bytes);
+        // Where latency dominates (a tiny layer), splitting only adds latencies.
+        let tiny = ModelProxy::parse("gpt:layers=2,hidden=64,heads=4,seq=32,vocab=512").unwrap();
+        let cm = CostModel::new(&tiny, &hw);
+        let one = cm.unit_terms(1, 1, 4, 1, RecomputeMode::None, false);
+        let four = cm.unit_terms(1, 1, 4, 4, RecomputeMode::None, false);
+        assert!(four.tp_forward_s > one.tp_forward_s);
+        // A degree of 0, or one that does not divide the tokens, is refused.
+        l.tp_overlap = 0;
+        assert!(matches!(
+            CostModel::new(&model, &hw).predict(&l),
+            Err(CostError::Zero {
+                field: "tp_overlap"
+            })
+        ));
+        l.tp_overlap = 3;
+        let err = CostModel::new(&model, &hw).predict(&l).unwrap_err();
+        assert!(err.to_string().contains("4096 tokens"), "{err}");
     }
 
     /// A calibration of the tiny GPT with round numbers: every unit 1 ms forward and 2 ms

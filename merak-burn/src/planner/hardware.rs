@@ -77,6 +77,20 @@ pub struct HardwareSpec {
     /// 0 (the default): `units / ranks`. `merak probe` measures it.
     #[serde(default)]
     pub alone_time_fraction: f64,
+    /// The largest sub-pipelining degree of tensor parallelism (`Layout::tp_overlap`) the
+    /// search may choose: 4 on the GPU presets, 1 (the default) where the runtime cannot overlap
+    /// tensor-parallel all-reduces with computation (merak train's CPU ranks on MPI).
+    #[serde(default = "one")]
+    pub max_tp_overlap: usize,
+    /// The extra time that overlapped tensor-parallel communication costs the computation it
+    /// runs beside (shared SMs and memory bandwidth), as a fraction of the overlapped time;
+    /// 0 (the default) on hardware without overlap.
+    #[serde(default)]
+    pub tp_overlap_slowdown: f64,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// The preset names.
@@ -104,6 +118,8 @@ impl HardwareSpec {
                 inter_node_latency: 1e-5,
                 compute_units_per_node: 0,
                 alone_time_fraction: 0.0,
+                max_tp_overlap: 4,
+                tp_overlap_slowdown: 0.15,
             },
             "h100-80g" => HardwareSpec {
                 name: name.to_string(),
@@ -120,6 +136,8 @@ impl HardwareSpec {
                 inter_node_latency: 8e-6,
                 compute_units_per_node: 0,
                 alone_time_fraction: 0.0,
+                max_tp_overlap: 4,
+                tp_overlap_slowdown: 0.15,
             },
             "local-cpu" => HardwareSpec {
                 name: name.to_string(),
@@ -136,6 +154,8 @@ impl HardwareSpec {
                 inter_node_latency: 5e-5,
                 compute_units_per_node: 0,
                 alone_time_fraction: 0.0,
+                max_tp_overlap: 1,
+                tp_overlap_slowdown: 0.0,
             },
             _ => return None,
         };
@@ -177,7 +197,8 @@ impl HardwareSpec {
     }
 
     /// Checks every value: counts and memory positive, rates positive and finite, latencies
-    /// non-negative, the fraction in `(0, 1]`.
+    /// non-negative, the fraction in `(0, 1]`, `max_tp_overlap` at least 1 and
+    /// `tp_overlap_slowdown` in `[0, 1]`.
     pub fn validate(&self) -> Result<(), HardwareError> {
         let positive: [(&'static str, f64); 9] = [
             ("devices_per_node", self.devices_per_node as f64),
@@ -217,6 +238,20 @@ impl HardwareSpec {
                     expected: "non-negative and finite",
                 });
             }
+        }
+        if self.max_tp_overlap == 0 {
+            return Err(HardwareError::Invalid {
+                key: "max_tp_overlap",
+                value: 0.0,
+                expected: "at least 1 (1: no overlap)",
+            });
+        }
+        if !(0.0..=1.0).contains(&self.tp_overlap_slowdown) {
+            return Err(HardwareError::Invalid {
+                key: "tp_overlap_slowdown",
+                value: self.tp_overlap_slowdown,
+                expected: "between 0 and 1",
+            });
         }
         Ok(())
     }

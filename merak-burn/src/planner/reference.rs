@@ -100,6 +100,7 @@ impl PublishedRow {
             recompute: vec![RecomputeMode::Full; self.pp],
             zero1: false,
             partition: balanced_partition(&costs, self.pp)?,
+            tp_overlap: 1,
         })
     }
 }
@@ -138,7 +139,7 @@ mod tests {
                 search(&model, &hw, &SearchOptions::new(row.gpus, row.global_batch)).unwrap();
             eprintln!(
                 "  planner: {:.3} s ({:.1} TFLOP/s) dp={} tp={} pp={} v={} b={} {} {:?} \
-                 zero1={} vs paper {:.3} s",
+                 zero1={} overlap={} vs paper {:.3} s",
                 result.best.prediction.step_time_s,
                 result.best.prediction.tflops_per_gpu,
                 result.best.layout.dp,
@@ -149,6 +150,7 @@ mod tests {
                 result.best.layout.schedule,
                 result.best.policy,
                 result.best.layout.zero1,
+                result.best.layout.tp_overlap,
                 pred.step_time_s
             );
             assert!(

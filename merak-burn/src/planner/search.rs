@@ -55,13 +55,18 @@ pub struct SearchOptions {
     pub recompute: Vec<Recompute>,
     /// ZeRO-1 settings to try.
     pub zero1: Vec<bool>,
+    /// Sub-pipelining degrees of tensor parallelism to try (`Layout::tp_overlap`); those above
+    /// the hardware's `max_tp_overlap`, above 1 without tensor parallelism, or not dividing a
+    /// micro-batch's tokens are skipped.
+    pub tp_overlap: Vec<usize>,
     /// How many runner-up plans to return besides the fastest.
     pub runner_ups: usize,
 }
 
 impl SearchOptions {
     /// Everything: micro-batches 1, 2, 4, 8; every schedule; 2 or 4 virtual stages; every
-    /// recomputation policy; with and without ZeRO-1; 4 runner-ups; the hardware's memory.
+    /// recomputation policy; with and without ZeRO-1; tensor-parallel overlap 1, 2 and 4 (as
+    /// far as the hardware allows); 4 runner-ups; the hardware's memory.
     pub fn new(gpus: usize, global_batch: usize) -> Self {
         SearchOptions {
             gpus,
@@ -72,6 +77,7 @@ impl SearchOptions {
             virtual_stages: vec![2, 4],
             recompute: Recompute::ALL.to_vec(),
             zero1: vec![false, true],
+            tp_overlap: vec![1, 2, 4],
             runner_ups: 4,
         }
     }
@@ -250,7 +256,16 @@ fn generate(
                     continue;
                 }
                 let m = per_replica / b;
-                for &schedule in &options.schedules {
+                let tokens = b * model.shape.as_ref().map_or(1, |s| s.seq);
+                let overlaps = options.tp_overlap.iter().copied().filter(|&k| {
+                    k == 1
+                        || (tp > 1
+                            && k <= hw.max_tp_overlap
+                            && (model.shape.is_none() || tokens.is_multiple_of(k)))
+                });
+                for (k, &schedule) in
+                    overlaps.flat_map(|k| options.schedules.iter().map(move |s| (k, s)))
+                {
                     let vs: Vec<usize> = if schedule.uses_virtual_stages() {
                         options
                             .virtual_stages
@@ -284,6 +299,7 @@ fn generate(
                                         micro_batches: m,
                                         schedule,
                                         zero1,
+                                        tp_overlap: k,
                                     };
                                     let Some(plan) = dp_planner.plan(&skeleton)? else {
                                         unplanned.push(skeleton);
@@ -314,6 +330,7 @@ fn generate(
                                     recompute: vec![mode; stages],
                                     zero1,
                                     partition: partition.clone(),
+                                    tp_overlap: k,
                                 };
                                 let layout = match policy {
                                     Recompute::None => uniform(RecomputeMode::None),
@@ -558,6 +575,29 @@ mod tests {
     }
 
     #[test]
+    fn overlap_degrees_follow_the_hardware_and_tensor_parallelism() {
+        let (model, mut hw, options) = small_case();
+        let cm = CostModel::new(&model, &hw);
+        let all = candidates(&cm, &options, hw.memory_bytes).unwrap();
+        let overlapped = all.iter().filter(|c| c.layout.tp_overlap > 1).count();
+        assert!(overlapped > 0, "the a100 preset allows overlap");
+        for c in &all {
+            let l = &c.layout;
+            assert!(l.tp_overlap == 1 || l.tp > 1, "{l:?}: overlap without TP");
+            assert!(l.tp_overlap <= hw.max_tp_overlap);
+        }
+        // Every overlapped layout has its non-overlapped twin among the candidates.
+        let plain = all.len() - overlapped;
+        assert!(plain > 0);
+        // Hardware that cannot overlap (merak train's CPU ranks) gets none.
+        hw.max_tp_overlap = 1;
+        let cm = CostModel::new(&model, &hw);
+        let all = candidates(&cm, &options, hw.memory_bytes).unwrap();
+        assert!(all.iter().all(|c| c.layout.tp_overlap == 1));
+        assert_eq!(all.len(), plain);
+    }
+
+    #[test]
     fn infeasible_budget_names_the_smallest_memory() {
         let (model, mut hw, options) = small_case();
         hw.memory_bytes = 1_000_000;
@@ -600,6 +640,7 @@ mod tests {
                 micro_batches: l.micro_batches,
                 schedule: l.schedule,
                 zero1: l.zero1,
+                tp_overlap: l.tp_overlap,
             };
             let plan = planner.plan(&skeleton).unwrap().unwrap();
             assert_eq!(&plan.layout, l);

@@ -68,6 +68,8 @@ pub struct Skeleton {
     pub schedule: ScheduleKind,
     /// ZeRO-1.
     pub zero1: bool,
+    /// Sub-pipelining degree of tensor parallelism.
+    pub tp_overlap: usize,
 }
 
 /// The stage planner's answer for one skeleton.
@@ -124,7 +126,7 @@ struct Tables {
 }
 
 impl Tables {
-    fn new(cm: &CostModel<'_>, t: usize, b: usize) -> Tables {
+    fn new(cm: &CostModel<'_>, t: usize, b: usize, overlap: usize) -> Tables {
         let units = cm.model().num_units();
         let n = (units + 1) * (units + 1);
         let mut tables = Tables {
@@ -142,7 +144,7 @@ impl Tables {
                     continue;
                 }
                 let terms: Vec<_> = (0..units)
-                    .map(|u| cm.unit_terms(u, b, t, mode, tied))
+                    .map(|u| cm.unit_terms(u, b, t, overlap, mode, tied))
                     .collect();
                 for i in 0..units {
                     let mut stage = StageTerms::default();
@@ -165,9 +167,10 @@ impl Tables {
     }
 }
 
-/// Everything a plan depends on besides the budget: tensor parallelism, micro-batch size,
-/// stages, in-flight counts per stage and the bits of the model-state bytes per parameter.
-type PlanKey = (usize, usize, usize, Vec<usize>, u64);
+/// Everything a plan depends on besides the budget: tensor parallelism with its overlap degree,
+/// micro-batch size, stages, in-flight counts per stage and the bits of the model-state bytes
+/// per parameter.
+type PlanKey = ((usize, usize), usize, usize, Vec<usize>, u64);
 
 /// A solved cut: stage sizes and modes with the objective.
 #[derive(Clone, Debug, PartialEq)]
@@ -330,7 +333,7 @@ impl Problem<'_> {
 pub struct StageDp<'c, 'a> {
     cm: &'c CostModel<'a>,
     budget: u64,
-    tables: HashMap<(usize, usize), Rc<Tables>>,
+    tables: HashMap<(usize, usize, usize), Rc<Tables>>,
     plans: HashMap<PlanKey, Option<Solution>>,
     min_memory: HashMap<PlanKey, u64>,
 }
@@ -359,6 +362,7 @@ impl<'c, 'a> StageDp<'c, 'a> {
             ("pp", skeleton.pp),
             ("micro_batch", skeleton.micro_batch),
             ("micro_batches", skeleton.micro_batches),
+            ("tp_overlap", skeleton.tp_overlap),
         ] {
             if v == 0 {
                 return Err(CostError::Zero { field }.into());
@@ -382,7 +386,12 @@ impl<'c, 'a> StageDp<'c, 'a> {
     /// The tables and the cache key of `skeleton`.
     fn prepare(&mut self, skeleton: &Skeleton) -> Result<(Rc<Tables>, PlanKey), StageDpError> {
         self.check(skeleton)?;
-        let (t, b, p) = (skeleton.tp, skeleton.micro_batch, skeleton.pp);
+        let (t, b, p, k) = (
+            skeleton.tp,
+            skeleton.micro_batch,
+            skeleton.pp,
+            skeleton.tp_overlap,
+        );
         let in_flight = self
             .cm
             .in_flight(skeleton.schedule, p, 1, skeleton.micro_batches)?;
@@ -391,10 +400,10 @@ impl<'c, 'a> StageDp<'c, 'a> {
         let cm = self.cm;
         let tables = Rc::clone(
             self.tables
-                .entry((t, b))
-                .or_insert_with(|| Rc::new(Tables::new(cm, t, b))),
+                .entry((t, b, k))
+                .or_insert_with(|| Rc::new(Tables::new(cm, t, b, k))),
         );
-        Ok((tables, (t, b, p, in_flight, state_bytes.to_bits())))
+        Ok((tables, ((t, k), b, p, in_flight, state_bytes.to_bits())))
     }
 
     /// The fastest cut of the model into `skeleton.pp` stages with per-stage recomputation whose
@@ -440,6 +449,7 @@ impl<'c, 'a> StageDp<'c, 'a> {
                 recompute: solution.modes,
                 zero1: skeleton.zero1,
                 partition,
+                tp_overlap: skeleton.tp_overlap,
             },
             bottleneck_s: solution.bottleneck_s,
             total_s: solution.total_s,
@@ -490,6 +500,8 @@ mod tests {
         hw
     }
 
+    /// A dp=2 x tp=2 skeleton; the ZeRO-1 ones also overlap tensor parallelism (degree 2), so
+    /// the brute-force checks cover both.
     fn skeleton(pp: usize, schedule: ScheduleKind, zero1: bool) -> Skeleton {
         Skeleton {
             dp: 2,
@@ -499,6 +511,7 @@ mod tests {
             micro_batches: 8,
             schedule,
             zero1,
+            tp_overlap: if zero1 { 2 } else { 1 },
         }
     }
 
@@ -560,12 +573,14 @@ mod tests {
                     recompute: modes.clone(),
                     zero1: sk.zero1,
                     partition: explicit_partition(&sizes, units).unwrap(),
+                    tp_overlap: sk.tp_overlap,
                 };
                 let times = cm.stage_times(&layout).unwrap();
                 let est = cm.estimate(&layout).unwrap();
                 out.push(Point {
                     bottleneck: times.iter().copied().fold(0.0, f64::max),
-                    total: times.iter().sum(),
+                    // Summed from the last stage, in the order of the DP's shortest path.
+                    total: times.iter().rev().fold(0.0, |rest, &t| t + rest),
                     memory: est.peak_memory_bytes.iter().copied().max().unwrap(),
                     modes,
                 });
@@ -715,8 +730,8 @@ mod tests {
                 let need = max_memory(&cm, &plan.layout);
                 assert!(need <= budget);
                 assert_eq!(need, plan.max_memory_bytes);
-                // Ties: the smallest total among the optimal bottlenecks (up to the order of
-                // the additions), then the smallest memory.
+                // Ties: the smallest total among the optimal bottlenecks, then the smallest
+                // memory.
                 let tied: Vec<&&Point> = fits.iter().filter(|p| p.bottleneck == best).collect();
                 let total = tied.iter().map(|p| p.total).fold(f64::INFINITY, f64::min);
                 let total_sum: f64 = times.iter().sum();
@@ -726,13 +741,14 @@ mod tests {
                     "{sk:?} budget {budget}: total {} vs {total}",
                     plan.total_s
                 );
-                let memory = tied
+                // With the totals added in the DP's order, the ties are exact.
+                assert_eq!(plan.total_s, total, "{sk:?} budget {budget}");
+                let exact = tied
                     .iter()
-                    .filter(|p| (p.total - total).abs() <= 1e-12 * total)
+                    .filter(|p| p.total == total)
                     .map(|p| p.memory)
-                    .min()
-                    .unwrap();
-                assert!(plan.max_memory_bytes <= memory);
+                    .min();
+                assert_eq!(Some(plan.max_memory_bytes), exact, "{sk:?} budget {budget}");
                 // What uniform recomputation (any partition) could reach.
                 let uniform = fits
                     .iter()
