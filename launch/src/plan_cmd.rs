@@ -328,7 +328,7 @@ pub fn simulate(a: &SimulateArgs) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{} on {} x {}: dp={} tp={} pp={} v={} mbs={} m={} {}",
+        "{} on {} x {}: dp={} tp={} pp={} v={} mbs={} m={} {} zero1={} overlap={}",
         model.name,
         a.target.gpus,
         a.target.hardware,
@@ -338,7 +338,9 @@ pub fn simulate(a: &SimulateArgs) -> Result<()> {
         layout.virtual_stages,
         layout.micro_batch,
         layout.micro_batches,
-        layout.schedule
+        layout.schedule,
+        layout.zero1,
+        layout.tp_overlap
     );
     print_prediction(&prediction);
     let budget = a

@@ -119,6 +119,13 @@ fn plans_that_do_not_fit_the_job_are_refused() {
     let (run, _) = train_plan(4, "plan-and-dp", &path, &["--dp", "4"]);
     assert_refused(&run, "drop --dp");
 
+    // Sub-pipelined tensor parallelism (planned for GPUs), which merak train does not run.
+    let mut overlapped = plan.clone();
+    overlapped["plan"]["layout"]["tp_overlap"] = 2.into();
+    std::fs::write(&path, serde_json::to_vec(&overlapped).unwrap()).unwrap();
+    let (run, _) = train_plan(4, "plan-overlapped", &path, &[]);
+    assert_refused(&run, "tp_overlap = 2");
+
     // A partition with a hole.
     let mut broken = plan.clone();
     broken["plan"]["layout"]["partition"] = serde_json::json!({"ranges": [{"start": 1, "end": 4}]});
