@@ -4,8 +4,10 @@
 //! The space: every `dp * tp * pp = gpus` with `tp` dividing the heads and within a node and
 //! `pp <= L + 2`; every micro-batch size that divides the per-replica batch (the global batch is
 //! fixed); every schedule (virtual stages for the interleaved one); the recomputation policies
-//! none, selective, full (every stage) and stage-aware; with and without ZeRO-1. For the uniform
-//! policies, stage boundaries come from [`balanced_partition`] of the per-unit compute.
+//! none, selective, full (every stage) and stage-aware; with and without ZeRO-1; every
+//! tensor-parallel overlap degree up to the hardware's `max_tp_overlap` (only with tp > 1, and
+//! dividing a micro-batch's tokens). For the uniform policies, stage boundaries come from
+//! [`balanced_partition`] of the per-unit compute.
 //!
 //! Stage-aware recomputation with one stage per pipeline rank (every schedule but the
 //! interleaved one) is planned by the exact dynamic program of [`stage_dp`](super::stage_dp):
