@@ -4,8 +4,9 @@
 //! micro-batch are its FLOPs on one tensor-parallel rank divided by the achievable FLOP/s
 //! ([`HardwareSpec::achievable_flops`], the one efficiency constant), plus its tensor-parallel
 //! all-reduces (ring: `2 (t-1)/t * bytes / bandwidth + latency` each, on the intra-node link
-//! when the `t` ranks fit in a node). These costs and the point-to-point message time drive a
-//! discrete-event simulation of the actual schedule
+//! when the `t` ranks fit in a node), of which sub-pipelined tensor parallelism
+//! ([`Layout::tp_overlap`]) hides part behind compute (see `tp_exposed`). These costs and the
+//! point-to-point message time drive a discrete-event simulation of the actual schedule
 //! ([`pipeline::simulate`](crate::pipeline::simulate())), so the bubble is what the schedule
 //! really does with unequal stages, recomputation and messages. Large micro-batch counts are
 //! simulated at two smaller counts in the steady state and extrapolated linearly (exact for
@@ -361,7 +362,8 @@ impl<'a> CostModel<'a> {
     /// then the measured ones (tensor-parallel communication included, so it is not added
     /// again), its recomputation the forward time scaled by the recomputed share of FLOPs,
     /// the optimizer the measured time per parameter, and gradients and activations have the
-    /// calibration's element size. Units or degrees it does not cover use FLOPs over the
+    /// calibration's element size. Measured units were timed without overlap, so the layout's
+    /// `tp_overlap` does not change them. Units or degrees it does not cover use FLOPs over the
     /// hardware's rate.
     pub fn with_calibration(mut self, calibration: &'a Calibration) -> Self {
         self.calibration = Some(calibration);
