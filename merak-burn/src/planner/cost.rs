@@ -120,12 +120,8 @@ pub struct Layout {
     /// Sub-pipelined tensor parallelism (Merak, Oases): each micro-batch's tokens are split into
     /// this many chunks inside every tensor-parallel block, so the all-reduce of chunk `i` runs
     /// while chunk `i + 1` computes. 1 (the default): no overlap.
-    #[serde(default = "one")]
+    #[serde(default = "super::one")]
     pub tp_overlap: usize,
-}
-
-fn one() -> usize {
-    1
 }
 
 impl Layout {
@@ -556,14 +552,12 @@ impl<'a> CostModel<'a> {
                 field: "tp_overlap",
             });
         }
-        // Token chunks: known for a transformer shape (a user's own model splits as it likes).
-        let tokens = layout.micro_batch * self.model.shape.as_ref().map_or(1, |s| s.seq);
-        if self.model.shape.is_some() && !tokens.is_multiple_of(layout.tp_overlap) {
-            return Err(CostError::Overlap {
+        self.model
+            .splits_tokens(layout.micro_batch, layout.tp_overlap)
+            .map_err(|tokens| CostError::Overlap {
                 overlap: layout.tp_overlap,
                 tokens,
-            });
-        }
+            })?;
         let stages = layout.stages();
         if layout.partition.stages() != stages || layout.partition.units() != self.model.num_units()
         {

@@ -80,17 +80,13 @@ pub struct HardwareSpec {
     /// The largest sub-pipelining degree of tensor parallelism (`Layout::tp_overlap`) the
     /// search may choose: 4 on the GPU presets, 1 (the default) where the runtime cannot overlap
     /// tensor-parallel all-reduces with computation (merak train's CPU ranks on MPI).
-    #[serde(default = "one")]
+    #[serde(default = "super::one")]
     pub max_tp_overlap: usize,
     /// The extra time that overlapped tensor-parallel communication costs the computation it
     /// runs beside (shared SMs and memory bandwidth), as a fraction of the overlapped time;
     /// 0 (the default) on hardware without overlap.
     #[serde(default)]
     pub tp_overlap_slowdown: f64,
-}
-
-fn one() -> usize {
-    1
 }
 
 /// The preset names.

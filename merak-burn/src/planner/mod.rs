@@ -46,6 +46,12 @@ pub use reference::{MEGATRON_SC21, PublishedRow};
 pub use search::{Plan, SearchError, SearchOptions, SearchResult, search, search_calibrated};
 pub use stage_dp::{Skeleton, StageDp, StageDpError, StagePlan};
 
+/// The serde default of the planner's degrees that mean "off" at 1 (`tp_overlap`,
+/// `max_tp_overlap`).
+pub(crate) fn one() -> usize {
+    1
+}
+
 /// Writes `bytes` to `path` atomically: into `path.partial`, then renamed over `path`, so a
 /// reader never sees half a file (plan and calibration files).
 pub(crate) fn write_atomically(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {

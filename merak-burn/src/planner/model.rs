@@ -550,6 +550,18 @@ impl ModelProxy {
         Ok(ModelProxy::from_shape(spec.parse()?))
     }
 
+    /// Whether a micro-batch of `micro_batch` sequences splits into `chunks` equal token chunks
+    /// (sub-pipelined tensor parallelism); always for a model without a transformer shape (a
+    /// user's own model splits as it likes). `Err` carries the tokens per micro-batch.
+    pub fn splits_tokens(&self, micro_batch: usize, chunks: usize) -> Result<(), usize> {
+        match &self.shape {
+            Some(shape) if !(micro_batch * shape.seq).is_multiple_of(chunks) => {
+                Err(micro_batch * shape.seq)
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// The number of units (`L + 2` for a transformer).
     pub fn num_units(&self) -> usize {
         self.units.len()

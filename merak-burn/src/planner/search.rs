@@ -258,12 +258,9 @@ fn generate(
                     continue;
                 }
                 let m = per_replica / b;
-                let tokens = b * model.shape.as_ref().map_or(1, |s| s.seq);
                 let overlaps = options.tp_overlap.iter().copied().filter(|&k| {
                     k == 1
-                        || (tp > 1
-                            && k <= hw.max_tp_overlap
-                            && (model.shape.is_none() || tokens.is_multiple_of(k)))
+                        || (tp > 1 && k <= hw.max_tp_overlap && model.splits_tokens(b, k).is_ok())
                 });
                 for (k, &schedule) in
                     overlaps.flat_map(|k| options.schedules.iter().map(move |s| (k, s)))
