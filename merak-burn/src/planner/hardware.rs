@@ -303,6 +303,23 @@ mod tests {
         let bad = text.replace("achievable_fraction = 0.5", "achievable_fraction = 1.5");
         let err = HardwareSpec::from_toml(&bad).unwrap_err().to_string();
         assert!(err.contains("achievable_fraction"), "{err}");
+        for (key, bad) in [("max_tp_overlap", "0"), ("tp_overlap_slowdown", "2.0")] {
+            let line = text
+                .lines()
+                .find(|l| l.starts_with(key))
+                .expect("the preset writes the key");
+            let err = HardwareSpec::from_toml(&text.replace(line, &format!("{key} = {bad}")))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(key), "{err}");
+        }
+        // Specs written before the overlap keys existed still load, without overlap.
+        let old: String = text
+            .lines()
+            .filter(|l| !l.starts_with("max_tp_overlap") && !l.starts_with("tp_overlap_slowdown"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        assert_eq!(HardwareSpec::from_toml(&old).unwrap().max_tp_overlap, 1);
         let extra = format!("{text}\nwarp_speed = 3\n");
         let err = HardwareSpec::from_toml(&extra).unwrap_err().to_string();
         assert!(err.contains("warp_speed"), "{err}");
