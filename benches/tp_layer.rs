@@ -1,6 +1,6 @@
 //! `bench-tp-layer`: forward + backward time of one GPT transformer layer
 //! ([`merak_gpt::Block`]: LayerNorm, causal self-attention, LayerNorm, MLP with `4 * hidden`
-//! features) on the CPU backend `Autodiff<NdArray<f32>>`, split over a tensor-parallel group
+//! features) on the CPU backend `Autodiff<Flex>`, split over a tensor-parallel group
 //! of all ranks versus built whole on every rank.
 //!
 //! Both layers are cut from the same full-size weights (drawn with `InitRng`) and get the same
@@ -33,20 +33,19 @@ use std::rc::Rc;
 use std::time::Instant;
 
 use anyhow::{Result, bail};
-use burn::backend::{Autodiff, NdArray, ndarray::NdArrayDevice};
-use burn::nn::LayerNormConfig;
 use burn::tensor::{ElementConversion, Tensor, TensorData, backend::AutodiffBackend};
 use clap::Parser;
+use merak_burn::backend::{Cpu, CpuAutodiff, CpuDevice};
 use merak_burn::comm::{
     CommError, Communicator, Group, MpiCommunicator, MpiWorld, Pending, ReduceOp,
 };
 use merak_burn::tensor_parallel::{
-    AttentionMask, AttentionWeights, InitRng, MlpWeights, ParallelMlp, ParallelSelfAttention,
-    ReplicatedDropout,
+    AttentionMask, AttentionWeights, InitRng, LayerNorm, MlpWeights, ParallelMlp,
+    ParallelSelfAttention, ReplicatedDropout,
 };
 use merak_gpt::Block;
 
-type B = Autodiff<NdArray<f32>>;
+type B = CpuAutodiff;
 
 /// Command-line options.
 #[derive(Parser, Debug)]
@@ -163,11 +162,11 @@ fn build_block(
     attn: &AttentionWeights,
     mlp: &MlpWeights,
     group: Group,
-    device: &NdArrayDevice,
+    device: &CpuDevice,
 ) -> Result<Block<B>> {
     let h = args.hidden;
     Ok(Block {
-        ln_1: LayerNormConfig::new(h).init(device),
+        ln_1: LayerNorm::new(h, 1e-5, device),
         attn: ParallelSelfAttention::from_full(
             attn,
             h,
@@ -176,7 +175,7 @@ fn build_block(
             group,
             device,
         )?,
-        ln_2: LayerNormConfig::new(h).init(device),
+        ln_2: LayerNorm::new(h, 1e-5, device),
         mlp: ParallelMlp::from_full(mlp, h, 4 * h, group, device)?,
         dropout: ReplicatedDropout::new(0.0, args.seed),
     })
@@ -207,7 +206,7 @@ fn trial(
     Ok(f64::from(secs[0]))
 }
 
-fn max_abs_diff(a: Tensor<NdArray<f32>, 3>, b: Tensor<NdArray<f32>, 3>) -> f32 {
+fn max_abs_diff(a: Tensor<Cpu, 3>, b: Tensor<Cpu, 3>) -> f32 {
     (a - b).abs().max().into_scalar().elem::<f32>()
 }
 
@@ -222,7 +221,7 @@ fn main() -> Result<()> {
     let timed = Rc::new(TimedComm::new(mpi.world()));
     let tp_group = Group::register(timed.clone());
     let local_group = Group::local();
-    let device = NdArrayDevice::default();
+    let device = CpuDevice::default();
 
     // Full-size weights as GPT-2 initializes a 1-layer model, except for nonzero biases so that
     // the check below covers them (identical on every rank).
@@ -289,7 +288,7 @@ fn main() -> Result<()> {
             median(&mut comm),
         );
         println!(
-            "# one GPT layer fwd+bwd on Autodiff<NdArray<f32>>: hidden {h}, heads {}, seq {}, \
+            "# one GPT layer fwd+bwd on Autodiff<Flex>: hidden {h}, heads {}, seq {}, \
              batch {}, mlp {}; {} trials x {} steps, medians, slowest rank",
             args.heads,
             args.seq,

@@ -1,5 +1,5 @@
 //! `bench-train-step`: time of one training step of a GPT (preset `tiny` by default) on the CPU
-//! backend `Autodiff<NdArray<f32>>`, as a plain Burn loop and as the step of `merak train`.
+//! backend `Autodiff<Flex>` (`merak_burn::backend::CpuAutodiff`), as a plain Burn loop and as the step of `merak train`.
 //!
 //! Variants, all trained on the same fixed random token ids (the global batch, `--batch`
 //! sequences) from the same initial weights, each with its own model and optimizer state:
@@ -40,11 +40,11 @@ use std::rc::Rc;
 use std::time::Instant;
 
 use anyhow::{Result, bail};
-use burn::backend::{Autodiff, NdArray, ndarray::NdArrayDevice};
 use burn::module::{Module, ParamId};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use clap::Parser;
+use merak_burn::backend::{CpuAutodiff, CpuDevice};
 use merak_burn::comm::{Communicator, Group, MpiCommunicator, MpiWorld, ReduceOp};
 use merak_burn::data_parallel::DataParallel;
 use merak_burn::pipeline::{
@@ -53,7 +53,7 @@ use merak_burn::pipeline::{
 use merak_burn::train::{clip_grads, global_grad_norm, sharded_param_ids, split_for_weight_decay};
 use merak_gpt::{Gpt, GptConfig};
 
-type B = Autodiff<NdArray<f32>>;
+type B = CpuAutodiff;
 type Model = Gpt<B>;
 
 /// Command-line options.
@@ -134,7 +134,7 @@ impl Batch {
     }
 
     /// Fresh tensors of inputs and targets, as the training loop makes every step.
-    fn tensors(&self, device: &NdArrayDevice) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>) {
+    fn tensors(&self, device: &CpuDevice) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>) {
         let shape = [self.rows, self.seq];
         (
             Tensor::from_data(TensorData::new(self.ids.clone(), shape), device),
@@ -182,7 +182,7 @@ struct Plain<O> {
     optim: O,
     batch: Batch,
     lr: f64,
-    device: NdArrayDevice,
+    device: CpuDevice,
     phases: Phases,
 }
 
@@ -224,7 +224,7 @@ struct Merak<O> {
     batch: Batch,
     lr: f64,
     grad_clip: f64,
-    device: NdArrayDevice,
+    device: CpuDevice,
     phases: Phases,
 }
 
@@ -312,7 +312,7 @@ fn merak_variant(
     args: &Args,
     dp: Group,
     batch: Batch,
-    device: &NdArrayDevice,
+    device: &CpuDevice,
     bucket_mb: f64,
 ) -> Result<Box<dyn Stepper>> {
     let tp = Group::local();
@@ -371,7 +371,7 @@ fn main() -> Result<()> {
         );
     }
     let cfg = GptConfig::preset(&args.preset)?;
-    let device = NdArrayDevice::default();
+    let device = CpuDevice::default();
     let data = Batch::random(args.batch, cfg.seq_len, cfg.vocab_size, args.seed);
     let local_rows = args.batch / n;
 
@@ -462,7 +462,7 @@ fn main() -> Result<()> {
         let tokens = (args.batch * cfg.seq_len) as f64;
         let med: Vec<f64> = times.iter_mut().map(|v| median(v)).collect();
         println!(
-            "# {} GPT training step on Autodiff<NdArray<f32>>: vocab {}, {} layers, {} heads, \
+            "# {} GPT training step on Autodiff<Flex>: vocab {}, {} layers, {} heads, \
              hidden {}, seq {}, {params} parameters; global batch {} ({} tokens); ranks: {}; \
              {} trials x {} steps, medians, slowest rank",
             args.preset,

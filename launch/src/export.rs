@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
-use burn::backend::NdArray;
+use merak_burn::backend::Cpu;
 use merak_burn::checkpoint::{Checkpoint, NamedTensor, shard_file, state, write_file_atomically};
 use merak_burn::grid::ProcessGrid;
 use merak_burn::tensor_parallel::Shard;
@@ -154,10 +154,10 @@ pub fn export(args: &ExportArgs) -> Result<()> {
 }
 
 /// Loads a GPT checkpoint into a one-process model.
-fn load_gpt(ck: &Checkpoint, cfg: &GptConfig, seed: u64) -> Result<Gpt<NdArray<f32>>> {
+fn load_gpt(ck: &Checkpoint, cfg: &GptConfig, seed: u64) -> Result<Gpt<Cpu>> {
     let grid = ProcessGrid::single();
     let device = Default::default();
-    let model = Gpt::<NdArray<f32>>::new(cfg, seed, grid.tp, &device)?;
+    let model = Gpt::<Cpu>::new(cfg, seed, grid.tp, &device)?;
     let full = ck.read_full()?;
     let shapes = state::param_shapes(&model);
     let names: Vec<String> = shapes.iter().map(|(n, _, _)| n.clone()).collect();
@@ -232,16 +232,11 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
 }
 
 /// Writes the logits of every position of `prompt` (at most the model's sequence length).
-fn write_logits(
-    model: &Gpt<NdArray<f32>>,
-    prompt: &[i64],
-    g: &GptConfig,
-    path: &Path,
-) -> Result<()> {
+fn write_logits(model: &Gpt<Cpu>, prompt: &[i64], g: &GptConfig, path: &Path) -> Result<()> {
     use burn::tensor::{Int, Tensor, TensorData};
     let ids = &prompt[..prompt.len().min(g.seq_len)];
     let n = ids.len();
-    let x = Tensor::<NdArray<f32>, 2, Int>::from_data(
+    let x = Tensor::<Cpu, 2, Int>::from_data(
         TensorData::new(ids.to_vec(), [1, n]),
         &Default::default(),
     );

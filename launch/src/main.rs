@@ -1,5 +1,6 @@
 //! `merak`: train GPT models across MPI ranks with data, tensor and pipeline parallelism.
 
+mod alloc;
 mod config;
 mod data;
 mod export;
@@ -16,11 +17,6 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result, bail};
 
-/// mimalloc keeps freed memory for reuse; with the system allocator, the large tensors of
-/// every step are returned to the kernel and faulted in again (measured: half the step time of
-/// a GPT with a 50k vocabulary went to page faults).
-#[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use clap::{Parser, Subcommand};
 use merak_burn::comm::{MpiWorld, launched_by_mpirun};
 use merak_burn::grid::{Layout, ModelShape, ProcessGrid};
@@ -193,6 +189,7 @@ struct TrainArgs {
 }
 
 fn main() -> ExitCode {
+    alloc::keep_freed_memory();
     let cli = Cli::parse();
     match cli.command {
         Command::Models => {
@@ -644,14 +641,11 @@ fn run(
     let selective = stages::selective_on_rank(cfg, grid.coords.pp);
     let summary = match cfg.train.device.as_str() {
         "cpu" if selective => {
-            type B = burn::backend::Autodiff<
-                burn::backend::NdArray<f32>,
-                burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing,
-            >;
+            type B = merak_burn::backend::CpuAutodiffSelective;
             train_model::<B>(cfg, data, grid, out, &Default::default(), spec)?
         }
         "cpu" => {
-            type B = burn::backend::Autodiff<burn::backend::NdArray<f32>>;
+            type B = merak_burn::backend::CpuAutodiff;
             train_model::<B>(cfg, data, grid, out, &Default::default(), spec)?
         }
         #[cfg(feature = "cuda")]

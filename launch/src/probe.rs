@@ -7,10 +7,10 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
-use burn::backend::{Autodiff, NdArray};
 use burn::module::{AutodiffModule, Module};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::{Distribution, Int, Tensor, TensorData};
+use merak_burn::backend::{Cpu, CpuAutodiff};
 use merak_burn::comm::{Communicator, MpiCommunicator, ReduceOp};
 use merak_burn::grid::{Layout, ProcessGrid};
 use merak_burn::pipeline::{PipelineModel, StageInput, StageOutput};
@@ -18,7 +18,7 @@ use merak_burn::planner::{CALIBRATION_FORMAT, Calibration, HardwareSpec, UnitKin
 
 use crate::config;
 
-type B = Autodiff<NdArray<f32>>;
+type B = CpuAutodiff;
 
 /// Arguments of `merak probe`.
 #[derive(clap::Args, Debug)]
@@ -110,8 +110,8 @@ pub fn measure(world: Option<&MpiCommunicator>, reps: usize) -> Result<HardwareS
     let device = Default::default();
     // Matrix products of the size of a small model's layers.
     let n = 256;
-    let a = Tensor::<NdArray<f32>, 2>::random([n, n], Distribution::Default, &device);
-    let b = Tensor::<NdArray<f32>, 2>::random([n, n], Distribution::Default, &device);
+    let a = Tensor::<Cpu, 2>::random([n, n], Distribution::Default, &device);
+    let b = Tensor::<Cpu, 2>::random([n, n], Distribution::Default, &device);
     let mut gemm = Vec::new();
     for i in 0..reps + 1 {
         barrier(world)?;
@@ -618,7 +618,7 @@ pub fn profile(args: &ProfileArgs, mpi: Option<&merak_burn::comm::MpiWorld>) -> 
     let mut calibration = Calibration {
         format: CALIBRATION_FORMAT.to_string(),
         model: crate::plan_cmd::shape_of(&cfg)?,
-        backend: "ndarray-f32".to_string(),
+        backend: "flex-f32".to_string(),
         ranks,
         element_bytes: 4.0,
         optimizer_s_per_param,

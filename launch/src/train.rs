@@ -256,6 +256,7 @@ where
     let mut total_time = 0.0;
     for step in start..cfg.train.steps {
         let ts = Instant::now();
+        let faults = merak_burn::train::process::minor_faults();
         reducer.begin_step();
         // The step's micro-batches, and their share of the global batch's target tokens
         // (masked LM: the number of masked positions varies), so that every layout computes
@@ -367,6 +368,7 @@ where
             dp_exposed_comm_s: dp_stats.exposed_wait.as_secs_f64(),
             dp_overlapped_buckets: dp_stats.overlapped_buckets,
             dp_buckets: dp_stats.buckets,
+            minor_faults: merak_burn::train::process::minor_faults().saturating_sub(faults),
             val_loss,
         };
         if let Some(w) = metrics.as_mut() {
@@ -587,18 +589,6 @@ fn sum_tied_grads<B: AutodiffBackend>(
 }
 
 /// Peak resident memory of this process in bytes (Linux `VmHWM`; 0 where unavailable).
-fn peak_rss_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<u64>().ok())
-        })
-        .map_or(0, |kb| kb * 1024)
-}
-
 /// Rank 0 writes `out/memory.json` and, under pp > 1, logs per rank its pipeline stages, the
 /// most micro-batches it held in flight, the units it recomputed and its peak resident memory.
 fn report_memory(
@@ -609,7 +599,7 @@ fn report_memory(
 ) -> Result<()> {
     let world = grid.world.comm()?;
     let mine = [
-        peak_rss_bytes() as f32 / (1 << 20) as f32,
+        merak_burn::train::process::peak_rss_bytes() as f32 / (1 << 20) as f32,
         max_in_flight as f32,
     ];
     let mut all = vec![0.0f32; 2 * world.size()];
@@ -733,12 +723,11 @@ fn write_trace(path: &Path, events: Vec<TraceEvent>, grid: &ProcessGrid) -> Resu
 #[cfg(test)]
 mod tests {
     use super::*;
-    use burn::backend::{Autodiff, NdArray};
     use burn::optim::{AdamWConfig, GradientsParams};
     use merak_burn::checkpoint::state::local_params;
     use merak_gpt::Gpt;
 
-    type B = Autodiff<NdArray<f32>>;
+    type B = merak_burn::backend::CpuAutodiff;
 
     /// Runs `merak train`'s loop in this process (one rank) and returns its losses and model.
     fn run_loop(sets: &[&str], name: &str) -> (Vec<f64>, Gpt<B>, Config) {

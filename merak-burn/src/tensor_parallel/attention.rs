@@ -7,6 +7,7 @@ use super::init::{TpError, check_divisible};
 use super::linear::{ColumnParallelLinear, RowParallelLinear};
 use super::ops::ParallelBackend;
 use crate::comm::Group;
+use crate::kernels::{AttentionSpec, attention};
 
 /// Which positions a query may attend to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -85,8 +86,19 @@ impl<B: ParallelBackend> ParallelSelfAttention<B> {
         })
     }
 
-    /// `[batch, seq, d_model] -> [batch, seq, d_model]`.
+    /// `[batch, seq, d_model] -> [batch, seq, d_model]`. The attention between the two
+    /// projections is one fused operation ([`crate::kernels::attention`]).
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let spec = AttentionSpec {
+            heads: self.local_heads,
+            causal: self.mask == AttentionMask::Causal,
+        };
+        self.proj.forward(attention(self.qkv.forward(x), spec))
+    }
+
+    /// The same as [`ParallelSelfAttention::forward`] with the attention composed of Burn
+    /// operators (each differentiated by Burn): the reference the fused one is tested against.
+    pub fn forward_unfused(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let [b, s, _] = x.dims();
         let (h, d) = (self.local_heads, self.head_dim);
         let qkv = self.qkv.forward(x);

@@ -1,16 +1,47 @@
 //! Cross-entropy over vocabulary-parallel logits, without gathering them.
 
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{Int, Tensor, TensorData, TensorPrimitive};
 
 use super::ops::{ParallelBackend, reduce_from_tp};
 use crate::comm::{Group, ReduceOp, TensorComm};
+use crate::kernels::VocabShard;
 
+/// Mean cross-entropy of `targets` (`[batch, seq]`, token ids; negative ids are ignored) under
+/// logits split over the vocabulary (`[batch, seq, V_pad / tp]`, rank `r` holding the columns
+/// from `vocab_start`), as one fused operation
+/// ([`FusedOps::fused_cross_entropy`](crate::kernels::FusedOps::fused_cross_entropy)): the row maximum, the
+/// sum of exponentials and the target logit come from one pass over the logits and are
+/// combined across the TP group by two small all-reduces; the full logits are never gathered,
+/// and the backward pass writes the gradient over the logits. Columns at or beyond
+/// `vocab_size` (padding) are kept out of the softmax. Every TP rank returns the same loss.
+pub fn vocab_parallel_cross_entropy<B: ParallelBackend>(
+    logits: Tensor<B, 3>,
+    targets: Tensor<B, 2, Int>,
+    vocab_start: usize,
+    vocab_size: usize,
+    group: Group,
+) -> Tensor<B, 1> {
+    let [b, s, local] = logits.dims();
+    let shard = VocabShard {
+        start: vocab_start,
+        valid: vocab_size.saturating_sub(vocab_start).min(local),
+    };
+    let logits = logits.reshape([b * s, local]).into_primitive().tensor();
+    let targets = targets.reshape([b * s]).into_primitive();
+    Tensor::from_primitive(TensorPrimitive::Float(B::fused_cross_entropy(
+        logits, targets, shard, group,
+    )))
+}
+
+/// The same loss as [`vocab_parallel_cross_entropy`], composed of Burn operators (each
+/// differentiated by Burn): the reference the fused operation is tested against.
+///
 /// Mean cross-entropy of `targets` (`[batch, seq]`, token ids; negative ids are ignored) under
 /// logits split over the vocabulary (`[batch, seq, V_pad / tp]`, rank `r` holding the columns
 /// from `vocab_start`). The maximum, the sum of exponentials and the target logit are each
 /// reduced across the TP group; the full logits are never gathered. Columns at or beyond
 /// `vocab_size` (padding) are kept out of the softmax. Every TP rank returns the same loss.
-pub fn vocab_parallel_cross_entropy<B: ParallelBackend>(
+pub fn vocab_parallel_cross_entropy_unfused<B: ParallelBackend>(
     logits: Tensor<B, 3>,
     targets: Tensor<B, 2, Int>,
     vocab_start: usize,
@@ -69,4 +100,73 @@ pub fn vocab_parallel_cross_entropy<B: ParallelBackend>(
     let weight = targets.greater_equal_elem(0).float();
     let count = weight.clone().sum().clamp_min(1.0);
     (per_token * weight).sum() / count
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::CpuAutodiff;
+    use crate::tensor_parallel::InitRng;
+
+    type B = CpuAutodiff;
+
+    fn rel(a: &[f32], b: &[f32]) -> f64 {
+        let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+        let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+        (num / den.max(1e-30)).sqrt()
+    }
+
+    fn values<K: burn::tensor::backend::Backend, const D: usize>(t: Tensor<K, D>) -> Vec<f32> {
+        t.into_data().into_vec::<f32>().unwrap()
+    }
+
+    /// The fused operation equals its composition (value and logits gradient), with and without
+    /// padding columns and with an ignored target (shards of several ranks: the multi-rank
+    /// tests).
+    #[test]
+    fn fused_equals_the_composition() {
+        let dev = Default::default();
+        let rng = InitRng::new(3);
+        let (b, s, local) = (2, 7, 37);
+        for (start, vocab) in [(0, 33), (0, 37)] {
+            let x = rng.normal("logits", b * s * local, 3.0);
+            let mut t: Vec<i64> = rng
+                .integers("targets", b * s, vocab as u64)
+                .iter()
+                .map(|&v| v as i64)
+                .collect();
+            t[4] = -1;
+            let logits = || {
+                Tensor::<B, 3>::from_data(TensorData::new(x.clone(), [b, s, local]), &dev)
+                    .require_grad()
+            };
+            let targets =
+                || Tensor::<B, 2, Int>::from_data(TensorData::new(t.clone(), [b, s]), &dev);
+            let (lf, lu) = (logits(), logits());
+            let fused =
+                vocab_parallel_cross_entropy(lf.clone(), targets(), start, vocab, Group::local());
+            let unfused = vocab_parallel_cross_entropy_unfused(
+                lu.clone(),
+                targets(),
+                start,
+                vocab,
+                Group::local(),
+            );
+            let (gf, gu) = (
+                (fused.clone() * 0.7).backward(),
+                (unfused.clone() * 0.7).backward(),
+            );
+            let (vf, vu) = (values(fused), values(unfused));
+            assert!(
+                rel(&vf, &vu) < 1e-6,
+                "loss {vf:?} vs {vu:?} (start {start})"
+            );
+            let (df, du) = (values(lf.grad(&gf).unwrap()), values(lu.grad(&gu).unwrap()));
+            assert!(
+                rel(&df, &du) < 1e-5,
+                "gradient error {} (start {start})",
+                rel(&df, &du)
+            );
+        }
+    }
 }

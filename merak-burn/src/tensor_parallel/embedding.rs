@@ -9,6 +9,7 @@ use super::linear::{param2, shard_of};
 use super::ops::{ParallelBackend, copy_to_tp, reduce_from_tp};
 use super::sharding::{ShardKind, register};
 use crate::comm::Group;
+use crate::kernels::linear;
 
 /// The vocabulary size padded up to a multiple of `tp`, so that every rank holds the same
 /// number of rows. Padding rows are zero, never looked up, and kept out of the softmax.
@@ -104,7 +105,10 @@ impl<B: ParallelBackend> VocabParallelEmbedding<B> {
     /// the logits, `[batch, seq, V_pad / tp]`. Use with
     /// [`vocab_parallel_cross_entropy`](super::vocab_parallel_cross_entropy).
     pub fn logits(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
-        let hidden = copy_to_tp(hidden, self.group);
-        hidden.matmul(self.embedding.weight.val().transpose().unsqueeze::<3>())
+        let [b, s, h] = hidden.dims();
+        let hidden = copy_to_tp(hidden, self.group).reshape([b * s, h]);
+        // One [b s, h] x [h, V] product (its weight gradient one product over every token).
+        let logits = linear(hidden, self.embedding.weight.val().transpose(), None);
+        logits.reshape([b, s, self.local_rows])
     }
 }

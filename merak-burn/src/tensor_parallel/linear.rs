@@ -8,12 +8,36 @@ use super::init::{Shard, TpError, check_divisible};
 use super::ops::{ParallelBackend, copy_to_tp, gather_from_tp, reduce_from_tp};
 use super::sharding::{ShardKind, register};
 use crate::comm::Group;
+use crate::kernels::{self, FusedOps, bias_gelu};
 
 pub(crate) fn shard_of(group: Group) -> Shard {
     Shard {
         rank: group.rank(),
         size: group.size(),
     }
+}
+
+/// `x W (+ b)` with every leading dimension of `x` folded into the rows of one fused matrix
+/// product ([`crate::kernels::linear`]), so that the weight gradient is one product over all
+/// rows (Burn's linear on a rank-3 input makes one per sequence and sums them, through a
+/// `[batch, d_input, d_output]` temporary).
+fn linear_rows<B: FusedOps, const D: usize>(
+    x: Tensor<B, D>,
+    layer: &Linear<B>,
+    bias: bool,
+) -> Tensor<B, D> {
+    let dims = x.dims();
+    let d_in = dims[D - 1];
+    let rows = dims[..D - 1].iter().product::<usize>();
+    let b = if bias {
+        layer.bias.as_ref().map(|b| b.val())
+    } else {
+        None
+    };
+    let y = kernels::linear(x.reshape([rows, d_in]), layer.weight.val(), b);
+    let mut out = dims;
+    out[D - 1] = y.dims()[1];
+    y.reshape(out)
 }
 
 /// A parameter of `shape` holding `values` (row-major) on `device`.
@@ -112,11 +136,22 @@ impl<B: ParallelBackend> ColumnParallelLinear<B> {
     /// `[..., d_input] -> [..., d_output / tp]` (or `d_output` when gathering).
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         let x = copy_to_tp(x, self.group);
-        let y = self.linear.forward(x);
+        let y = linear_rows(x, &self.linear, true);
         if self.gather_output {
             gather_from_tp(y, D - 1, self.group)
         } else {
             y
+        }
+    }
+
+    /// `gelu(x A_r + b_r)` as one matrix product and one fused bias + GELU
+    /// ([`crate::kernels::bias_gelu`]); the output stays split (an MLP's expansion).
+    pub fn forward_bias_gelu<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let x = copy_to_tp(x, self.group);
+        let y = linear_rows(x, &self.linear, false);
+        match &self.linear.bias {
+            Some(b) => bias_gelu(y, b.val()),
+            None => burn::tensor::activation::gelu(y),
         }
     }
 
@@ -173,7 +208,7 @@ impl<B: ParallelBackend> RowParallelLinear<B> {
 
     /// `[..., d_input / tp] -> [..., d_output]`.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let y = reduce_from_tp(self.linear.forward(x), self.group);
+        let y = reduce_from_tp(linear_rows(x, &self.linear, true), self.group);
         match &self.bias {
             Some(b) => y + b.val().unsqueeze(),
             None => y,

@@ -62,8 +62,15 @@ impl<B: ParallelBackend> ParallelMlp<B> {
         })
     }
 
-    /// `[batch, seq, d_model] -> [batch, seq, d_model]`.
+    /// `[batch, seq, d_model] -> [batch, seq, d_model]`. The expansion's bias and the GELU
+    /// are one fused operation ([`crate::kernels::bias_gelu`]).
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        self.proj.forward(self.fc.forward_bias_gelu(x))
+    }
+
+    /// The same as [`ParallelMlp::forward`] with Burn's bias addition and GELU: the reference
+    /// the fused one is tested against.
+    pub fn forward_unfused(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         self.proj.forward(gelu(self.fc.forward(x)))
     }
 }

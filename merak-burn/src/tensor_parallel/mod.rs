@@ -13,15 +13,17 @@ pub mod embedding;
 pub mod init;
 pub mod linear;
 pub mod mlp;
+pub mod norm;
 pub mod ops;
 pub mod sharding;
 
 pub use attention::{AttentionMask, AttentionWeights, ParallelSelfAttention};
-pub use cross_entropy::vocab_parallel_cross_entropy;
+pub use cross_entropy::{vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_unfused};
 pub use dropout::{ReplicatedDropout, force_dropout, set_dropout_position};
 pub use embedding::{VocabParallelEmbedding, padded_vocab};
 pub use init::{InitRng, Shard, TpError};
 pub use linear::{ColumnParallelLinear, RowParallelLinear, param_from_values};
 pub use mlp::{MlpWeights, ParallelMlp};
+pub use norm::LayerNorm;
 pub use ops::{ParallelBackend, copy_to_tp, gather_from_tp, reduce_from_tp, split_to_tp};
 pub use sharding::{ShardKind, shard_kind};

@@ -23,9 +23,9 @@ use crate::comm::{Group, ReduceOp, TensorComm};
 
 /// A backend on which the tensor-parallel operators are defined.
 ///
-/// Implemented for `NdArray<f32>`, `Cuda<f32>` (feature `cuda`) and `Autodiff` of any of them.
+/// Implemented for `Flex` (the CPU backend, [`crate::backend::Cpu`]), `Cuda<f32>` (feature `cuda`) and `Autodiff` of any of them.
 /// Another backend gets it with [`impl_parallel_backend!`](crate::impl_parallel_backend).
-pub trait ParallelBackend: Backend {
+pub trait ParallelBackend: Backend + crate::kernels::FusedOps {
     /// *f*: identity forward, all-reduce of the gradient backward.
     fn tp_copy(x: FloatTensor<Self>, group: Group) -> FloatTensor<Self>;
     /// *g*: all-reduce forward, identity backward.
@@ -179,7 +179,7 @@ macro_rules! impl_parallel_backend {
     };
 }
 
-impl_parallel_backend!(burn_ndarray::NdArray<f32>);
+impl_parallel_backend!(burn_flex::Flex);
 #[cfg(feature = "cuda")]
 impl_parallel_backend!(burn_cuda::Cuda<f32>);
 

@@ -11,6 +11,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::{Tensor, backend::AutodiffBackend};
 
 use crate::comm::{CommError, Group};
+use crate::kernels::FusedOps;
 use crate::tensor_parallel::shard_kind;
 
 /// Collects the ids of sharded parameters by walking the module tree.
@@ -55,28 +56,22 @@ struct NormVisitor<'a, B: AutodiffBackend> {
     _b: std::marker::PhantomData<B>,
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for NormVisitor<'_, B> {
+impl<B: AutodiffBackend> ModuleVisitor<B> for NormVisitor<'_, B>
+where
+    B::InnerBackend: FusedOps,
+{
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if self.skip.contains(&param.id) {
             return;
         }
         if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
-            let sq = f64::from(g.powi_scalar(2).sum().into_scalar().into_f32_lossy());
+            let sq = B::InnerBackend::sum_of_squares(g.into_primitive().tensor());
             if self.sharded.contains(&param.id) {
                 self.stats.sharded_sq += sq;
             } else {
                 self.stats.replicated_sq += sq;
             }
         }
-    }
-}
-
-trait IntoF32 {
-    fn into_f32_lossy(self) -> f32;
-}
-impl<E: burn::tensor::ElementConversion> IntoF32 for E {
-    fn into_f32_lossy(self) -> f32 {
-        self.elem::<f32>()
     }
 }
 
@@ -91,7 +86,10 @@ pub fn global_grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
     tp: Group,
     pp: Group,
     skip: &HashSet<ParamId>,
-) -> Result<f64, CommError> {
+) -> Result<f64, CommError>
+where
+    B::InnerBackend: FusedOps,
+{
     let mut v = NormVisitor::<B> {
         grads,
         sharded,
@@ -197,10 +195,10 @@ pub fn split_for_weight_decay<B: AutodiffBackend, M: AutodiffModule<B>>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use burn::backend::{Autodiff, NdArray};
+    use crate::backend::{Cpu, CpuAutodiff};
     use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
 
-    type AB = Autodiff<NdArray<f32>>;
+    type AB = CpuAutodiff;
 
     #[derive(Module, Debug)]
     struct Net<B: burn::tensor::backend::Backend> {
@@ -220,9 +218,9 @@ mod tests {
         let grads = GradientsParams::from_grads(loss.backward(), &net);
         let (decay, no_decay) = split_for_weight_decay::<AB, _>(&net, grads, None);
         assert_eq!(decay.len(), 1, "only the linear weight decays");
-        assert!(decay.get::<NdArray<f32>, 2>(net.fc.weight.id).is_some());
+        assert!(decay.get::<Cpu, 2>(net.fc.weight.id).is_some());
         assert_eq!(no_decay.len(), 3, "linear bias, norm gain and shift");
-        assert!(no_decay.get::<NdArray<f32>, 1>(net.ln.gamma.id).is_some());
+        assert!(no_decay.get::<Cpu, 1>(net.ln.gamma.id).is_some());
 
         let grads = GradientsParams::from_grads(
             net.fc

@@ -28,6 +28,9 @@ pub struct StepMetrics {
     pub dp_overlapped_buckets: usize,
     /// Gradient buckets in all.
     pub dp_buckets: usize,
+    /// Minor page faults of this rank during the step (memory mapped and zeroed by the kernel:
+    /// near 0 once buffers are reused).
+    pub minor_faults: u64,
     /// Validation loss, on the steps where it is measured.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f64>,

@@ -1,7 +1,9 @@
-//! Training glue: global gradient norm and clipping, learning-rate schedule, metrics.
+//! Training glue: global gradient norm and clipping, learning-rate schedule, metrics, and the
+//! process's page faults and peak memory.
 
 mod grad_norm;
 mod metrics;
+pub mod process;
 mod schedule;
 
 pub use grad_norm::{

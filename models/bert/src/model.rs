@@ -3,13 +3,14 @@
 use std::ops::Range;
 
 use burn::module::{Module, Param, ParamId};
-use burn::nn::{Embedding, LayerNorm, LayerNormConfig, Linear};
+use burn::nn::{Embedding, Linear};
 use burn::tensor::activation::gelu;
 use burn::tensor::{Int, Tensor, backend::Backend};
 use merak_burn::comm::Group;
+use merak_burn::kernels::{bias_gelu, linear};
 use merak_burn::pipeline::{PipelineModel, StageInput, StageOutput};
 use merak_burn::tensor_parallel::{
-    AttentionMask, AttentionWeights, InitRng, MlpWeights, ParallelBackend, ParallelMlp,
+    AttentionMask, AttentionWeights, InitRng, LayerNorm, MlpWeights, ParallelBackend, ParallelMlp,
     ParallelSelfAttention, ReplicatedDropout, TpError, VocabParallelEmbedding, param_from_values,
     vocab_parallel_cross_entropy,
 };
@@ -53,10 +54,16 @@ pub struct MlmHead<B: Backend> {
     pub ln: LayerNorm<B>,
 }
 
-impl<B: Backend> MlmHead<B> {
+impl<B: ParallelBackend> MlmHead<B> {
     /// `[batch, seq, hidden] -> [batch, seq, hidden]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        self.ln.forward(gelu(self.dense.forward(x)))
+        let [b, s, h] = x.dims();
+        let y = linear(x.reshape([b * s, h]), self.dense.weight.val(), None).reshape([b, s, h]);
+        let y = match &self.dense.bias {
+            Some(b) => bias_gelu(y, b.val()),
+            None => gelu(y),
+        };
+        self.ln.forward(y)
     }
 }
 
@@ -112,11 +119,7 @@ impl<B: ParallelBackend> Bert<B> {
         let head_unit = cfg.layers + 1;
         let (h, v, s) = (cfg.hidden, cfg.vocab_size, cfg.seq_len);
         let std = cfg.init_std as f32;
-        let ln = || {
-            LayerNormConfig::new(h)
-                .with_epsilon(cfg.layer_norm_eps)
-                .init(device)
-        };
+        let ln = || LayerNorm::new(h, cfg.layer_norm_eps, device);
         let table = || {
             VocabParallelEmbedding::from_full(
                 &rng.normal("bert.embeddings.word_embeddings.weight", v * h, std),
@@ -313,11 +316,11 @@ impl<B: ParallelBackend> PipelineModel<B> for Bert<B> {
 mod tests {
     use super::*;
     use crate::mask_tokens;
-    use burn::backend::{Autodiff, NdArray};
+    use burn::backend::Autodiff;
     use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
     use burn::tensor::TensorData;
 
-    type Cpu = NdArray<f32>;
+    type Cpu = merak_burn::backend::Cpu;
     type Train = Autodiff<Cpu>;
 
     fn tiny() -> BertConfig {

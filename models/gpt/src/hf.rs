@@ -104,21 +104,21 @@ pub fn hf_gpt2_config(cfg: &GptConfig) -> serde_json::Value {
 mod tests {
     use super::*;
     use crate::Gpt;
-    use burn::backend::NdArray;
     use burn::module::{Module, ModuleVisitor, Param};
     use burn::tensor::Tensor;
+    use merak_burn::backend::Cpu;
     use merak_burn::comm::Group;
 
     /// Names and shapes of a tp = 1 model, by path.
     struct Names(Vec<String>, Vec<(String, Vec<usize>)>);
-    impl ModuleVisitor<NdArray<f32>> for Names {
+    impl ModuleVisitor<Cpu> for Names {
         fn enter_module(&mut self, name: &str, _: &str) {
             self.0.push(name.into());
         }
         fn exit_module(&mut self, _: &str, _: &str) {
             self.0.pop();
         }
-        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<NdArray<f32>, D>>) {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<Cpu, D>>) {
             self.1.push((self.0.join("."), p.val().dims().to_vec()));
         }
     }
@@ -126,7 +126,7 @@ mod tests {
     #[test]
     fn every_parameter_maps_to_a_gpt2_tensor_of_the_same_shape() {
         let cfg = GptConfig::preset("tiny").unwrap();
-        let model = Gpt::<NdArray<f32>>::new(&cfg, 1, Group::local(), &Default::default()).unwrap();
+        let model = Gpt::<Cpu>::new(&cfg, 1, Group::local(), &Default::default()).unwrap();
         let mut names = Names(Vec::new(), Vec::new());
         model.visit(&mut names);
         let expected: std::collections::HashMap<String, Vec<usize>> =

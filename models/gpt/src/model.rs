@@ -3,12 +3,12 @@
 use std::ops::Range;
 
 use burn::module::{Module, ParamId};
-use burn::nn::{Embedding, LayerNorm, LayerNormConfig};
+use burn::nn::Embedding;
 use burn::tensor::{Int, Tensor, backend::Backend};
 use merak_burn::comm::Group;
 use merak_burn::pipeline::{PipelineModel, StageInput, StageOutput};
 use merak_burn::tensor_parallel::{
-    AttentionMask, AttentionWeights, InitRng, MlpWeights, ParallelBackend, ParallelMlp,
+    AttentionMask, AttentionWeights, InitRng, LayerNorm, MlpWeights, ParallelBackend, ParallelMlp,
     ParallelSelfAttention, ReplicatedDropout, TpError, VocabParallelEmbedding, param_from_values,
     vocab_parallel_cross_entropy,
 };
@@ -87,11 +87,7 @@ impl<B: ParallelBackend> Gpt<B> {
         let (h, v, s) = (cfg.hidden, cfg.vocab_size, cfg.seq_len);
         let std = cfg.init_std as f32;
         let proj_std = std / (2.0 * cfg.layers as f32).sqrt();
-        let ln = || {
-            LayerNormConfig::new(h)
-                .with_epsilon(cfg.layer_norm_eps)
-                .init(device)
-        };
+        let ln = || LayerNorm::new(h, cfg.layer_norm_eps, device);
         let head_unit = cfg.layers + 1;
         let table =
             || VocabParallelEmbedding::from_full(&rng.normal("wte", v * h, std), v, h, tp, device);

@@ -10,19 +10,19 @@
 
 use std::rc::Rc;
 
-use burn::backend::{Autodiff, NdArray};
 use burn::tensor::{Int, Tensor, TensorData, backend::Backend};
+use merak_burn::backend::{Cpu, CpuAutodiff};
 use merak_burn::comm::{Communicator, Group, MpiWorld, ReduceOp, TensorComm};
 use merak_burn::grid::{Layout, ProcessGrid};
 use merak_burn::tensor_parallel::{
     AttentionMask, AttentionWeights, ColumnParallelLinear, InitRng, MlpWeights, ParallelMlp,
     ParallelSelfAttention, RowParallelLinear, Shard, VocabParallelEmbedding,
-    vocab_parallel_cross_entropy,
+    vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_unfused,
 };
 use merak_tests::rel_err;
 
-type B = Autodiff<NdArray<f32>>;
-type I = NdArray<f32>;
+type B = CpuAutodiff;
+type I = Cpu;
 
 const TOL: f64 = 1e-5;
 
@@ -479,11 +479,35 @@ fn layers(tp: Group) {
             to_vec(lp.clone()),
             to_vec(ls.clone()),
         );
-        let (gp, gs) = (lp.backward(), ls.backward());
+        // The fused operation against its composition of Burn operators, on this TP layout.
+        let hidden_u = input(&rng, "emb.hidden", [b, s, h]);
+        let lu = vocab_parallel_cross_entropy_unfused(
+            par.logits(hidden_u.clone() + par.forward(ids_t())),
+            tg_t(),
+            par.vocab_start(),
+            vocab,
+            tp,
+        );
+        check(
+            "cross-entropy fused vs unfused",
+            to_vec(lp.clone()),
+            to_vec(lu.clone()),
+        );
+        let (gp, gs, gu) = (lp.backward(), ls.backward(), lu.backward());
         check(
             "cross-entropy hidden grad",
             to_vec(hidden.grad(&gp).unwrap()),
             to_vec(hidden.grad(&gs).unwrap()),
+        );
+        check(
+            "cross-entropy hidden grad, fused vs unfused",
+            to_vec(hidden.grad(&gp).unwrap()),
+            to_vec(hidden_u.grad(&gu).unwrap()),
+        );
+        check(
+            "embedding weight grad, fused vs unfused",
+            to_vec(par.embedding.weight.grad(&gp).unwrap()),
+            to_vec(par.embedding.weight.grad(&gu).unwrap()),
         );
         let padded = merak_burn::tensor_parallel::padded_vocab(vocab, tp.size());
         let mut ser_w = to_vec(ser.embedding.weight.grad(&gs).unwrap());

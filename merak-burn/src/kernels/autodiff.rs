@@ -1,0 +1,312 @@
+//! [`FusedOps`] on `Autodiff<B>`: each fused operation is one graph node whose backward pass
+//! calls `B`'s backward kernel.
+//!
+//! LayerNorm and bias + GELU are memory-bound: under Burn's balanced checkpointing (selective
+//! recomputation) their outputs are recomputed from their inputs in the backward pass rather
+//! than kept (each has a [`RetroForward`]); their inputs are read through the checkpointer.
+//! Attention and cross-entropy are compute-bound and keep what their backward pass needs.
+
+use std::marker::PhantomData;
+
+use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn_autodiff::{
+    Autodiff, NodeId,
+    checkpoint::{
+        base::Checkpointer, retro_forward::RetroForward, state::BackwardStates,
+        strategy::CheckpointStrategy,
+    },
+    grads::Gradients,
+    ops::{Backward, Ops, OpsKind, unary},
+};
+
+use super::{AttentionSpec, FusedOps, NormStats, VocabShard};
+use crate::comm::Group;
+
+#[derive(Debug)]
+struct CrossEntropy;
+
+impl<B: FusedOps> Backward<B, 1> for CrossEntropy {
+    type State = (
+        B::FloatTensorPrimitive,
+        B::FloatTensorPrimitive,
+        B::IntTensorPrimitive,
+        VocabShard,
+    );
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _c: &mut Checkpointer) {
+        let (logits, stats, targets, shard) = ops.state;
+        unary::<B, _>(ops.parents, ops.node, grads, |g| {
+            B::cross_entropy_backward(logits, stats, targets, shard, g)
+        });
+    }
+}
+
+#[derive(Debug)]
+struct Linear;
+#[derive(Debug)]
+struct LinearBias;
+
+/// The linear layer's saved inputs: `x` (for the weight gradient) and `w`.
+type LinearState = (Option<NodeId>, NodeId);
+
+/// Registers the gradients of a linear layer's parents (`x`, `w` and, with a bias, `bias`).
+fn linear_backward<B: FusedOps, const N: usize>(
+    ops: Ops<LinearState, N>,
+    grads: &mut Gradients,
+    c: &mut Checkpointer,
+) {
+    let x = ops
+        .state
+        .0
+        .map(|id| c.retrieve_node_output::<B::FloatTensorPrimitive>(id));
+    let w = c.retrieve_node_output::<B::FloatTensorPrimitive>(ops.state.1);
+    let dy = grads.consume::<B>(&ops.node);
+    let mut want = [false; 3];
+    for (w, p) in want.iter_mut().zip(&ops.parents) {
+        *w = p.is_some();
+    }
+    let out = B::linear_backward(x, w, dy, want);
+    for (parent, grad) in ops.parents.into_iter().zip(out) {
+        if let (Some(node), Some(grad)) = (parent, grad) {
+            grads.register::<B>(node.id, grad);
+        }
+    }
+}
+
+impl<B: FusedOps> Backward<B, 2> for Linear {
+    type State = LinearState;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, c: &mut Checkpointer) {
+        linear_backward::<B, 2>(ops, grads, c);
+    }
+}
+
+impl<B: FusedOps> Backward<B, 3> for LinearBias {
+    type State = LinearState;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, c: &mut Checkpointer) {
+        linear_backward::<B, 3>(ops, grads, c);
+    }
+}
+
+#[derive(Debug)]
+struct LayerNorm;
+
+impl<B: FusedOps> Backward<B, 3> for LayerNorm {
+    type State = (NodeId, NodeId, NormStats<B>);
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, c: &mut Checkpointer) {
+        let (x, gamma, stats) = ops.state;
+        let x = c.retrieve_node_output::<B::FloatTensorPrimitive>(x);
+        let gamma = c.retrieve_node_output::<B::FloatTensorPrimitive>(gamma);
+        let dy = grads.consume::<B>(&ops.node);
+        let [dx, dgamma, dbeta] = B::layer_norm_backward(x, gamma, stats, dy);
+        for (parent, grad) in ops.parents.into_iter().zip([dx, dgamma, dbeta]) {
+            if let Some(node) = parent {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
+
+/// Recomputes a LayerNorm's output from its inputs (balanced checkpointing).
+#[derive(Debug)]
+struct RetroLayerNorm<B> {
+    inputs: [NodeId; 3],
+    eps: f64,
+    _b: PhantomData<B>,
+}
+
+impl<B: FusedOps> RetroForward for RetroLayerNorm<B> {
+    fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
+        let [x, gamma, beta] = self
+            .inputs
+            .map(|id| states.get_state::<B::FloatTensorPrimitive>(&id));
+        states.save(out_node, B::layer_norm_forward(x, gamma, beta, self.eps).0);
+    }
+}
+
+#[derive(Debug)]
+struct BiasGelu;
+
+impl<B: FusedOps> Backward<B, 2> for BiasGelu {
+    type State = (NodeId, NodeId);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, c: &mut Checkpointer) {
+        let x = c.retrieve_node_output::<B::FloatTensorPrimitive>(ops.state.0);
+        let bias = c.retrieve_node_output::<B::FloatTensorPrimitive>(ops.state.1);
+        let dy = grads.consume::<B>(&ops.node);
+        let [dx, dbias] = B::bias_gelu_backward(x, bias, dy);
+        for (parent, grad) in ops.parents.into_iter().zip([dx, dbias]) {
+            if let Some(node) = parent {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
+
+/// Recomputes `gelu(x + bias)` from its inputs (balanced checkpointing).
+#[derive(Debug)]
+struct RetroBiasGelu<B> {
+    inputs: [NodeId; 2],
+    _b: PhantomData<B>,
+}
+
+impl<B: FusedOps> RetroForward for RetroBiasGelu<B> {
+    fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
+        let [x, bias] = self
+            .inputs
+            .map(|id| states.get_state::<B::FloatTensorPrimitive>(&id));
+        states.save(out_node, B::bias_gelu_forward(x, bias));
+    }
+}
+
+#[derive(Debug)]
+struct Attention;
+
+impl<B: FusedOps> Backward<B, 1> for Attention {
+    type State = (NodeId, B::FloatTensorPrimitive, AttentionSpec);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, c: &mut Checkpointer) {
+        let (qkv, probs, spec) = ops.state;
+        let qkv = c.retrieve_node_output::<B::FloatTensorPrimitive>(qkv);
+        unary::<B, _>(ops.parents, ops.node, grads, |dctx| {
+            B::attention_backward(qkv, probs, dctx, spec)
+        });
+    }
+}
+
+impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
+    fn fused_cross_entropy(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        shard: VocabShard,
+        group: Group,
+    ) -> FloatTensor<Self> {
+        match CrossEntropy
+            .prepare::<C>([logits.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let (loss, stats) = B::cross_entropy_forward(
+                    logits.primitive.clone(),
+                    targets.clone(),
+                    shard,
+                    group,
+                );
+                prep.finish((logits.primitive, stats, targets, shard), loss)
+            }
+            OpsKind::UnTracked(prep) => {
+                prep.finish(B::cross_entropy_forward(logits.primitive, targets, shard, group).0)
+            }
+        }
+    }
+
+    fn fused_linear(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        let w_tracked = w.is_tracked();
+        match bias {
+            None => match Linear
+                .prepare::<C>([x.node.clone(), w.node.clone()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(mut prep) => {
+                    let state = (w_tracked.then(|| prep.checkpoint(&x)), prep.checkpoint(&w));
+                    prep.finish(state, B::linear_forward(x.primitive, w.primitive, None))
+                }
+                OpsKind::UnTracked(prep) => {
+                    prep.finish(B::linear_forward(x.primitive, w.primitive, None))
+                }
+            },
+            Some(b) => match LinearBias
+                .prepare::<C>([x.node.clone(), w.node.clone(), b.node.clone()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(mut prep) => {
+                    let state = (w_tracked.then(|| prep.checkpoint(&x)), prep.checkpoint(&w));
+                    prep.finish(
+                        state,
+                        B::linear_forward(x.primitive, w.primitive, Some(b.primitive)),
+                    )
+                }
+                OpsKind::UnTracked(prep) => prep.finish(B::linear_forward(
+                    x.primitive,
+                    w.primitive,
+                    Some(b.primitive),
+                )),
+            },
+        }
+    }
+
+    fn fused_layer_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        eps: f64,
+    ) -> FloatTensor<Self> {
+        let retro = RetroLayerNorm::<B> {
+            inputs: [x.node.id, gamma.node.id, beta.node.id],
+            eps,
+            _b: PhantomData,
+        };
+        match LayerNorm
+            .prepare::<C>([x.node.clone(), gamma.node.clone(), beta.node.clone()])
+            .memory_bound()
+            .retro_forward(retro)
+            .parents([&x, &gamma, &beta])
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let (xs, gs) = (prep.checkpoint(&x), prep.checkpoint(&gamma));
+                let (y, stats) =
+                    B::layer_norm_forward(x.primitive, gamma.primitive, beta.primitive, eps);
+                prep.finish((xs, gs, stats), y)
+            }
+            OpsKind::UnTracked(prep) => prep
+                .finish(B::layer_norm_forward(x.primitive, gamma.primitive, beta.primitive, eps).0),
+        }
+    }
+
+    fn fused_bias_gelu(x: FloatTensor<Self>, bias: FloatTensor<Self>) -> FloatTensor<Self> {
+        let retro = RetroBiasGelu::<B> {
+            inputs: [x.node.id, bias.node.id],
+            _b: PhantomData,
+        };
+        match BiasGelu
+            .prepare::<C>([x.node.clone(), bias.node.clone()])
+            .memory_bound()
+            .retro_forward(retro)
+            .parents([&x, &bias])
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let state = (prep.checkpoint(&x), prep.checkpoint(&bias));
+                prep.finish(state, B::bias_gelu_forward(x.primitive, bias.primitive))
+            }
+            OpsKind::UnTracked(prep) => {
+                prep.finish(B::bias_gelu_forward(x.primitive, bias.primitive))
+            }
+        }
+    }
+
+    fn fused_attention(qkv: FloatTensor<Self>, spec: AttentionSpec) -> FloatTensor<Self> {
+        match Attention
+            .prepare::<C>([qkv.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let state = prep.checkpoint(&qkv);
+                let (ctx, probs) = B::attention_forward(qkv.primitive, spec);
+                prep.finish((state, probs, spec), ctx)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::attention_forward(qkv.primitive, spec).0),
+        }
+    }
+}

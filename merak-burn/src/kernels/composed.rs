@@ -1,0 +1,314 @@
+//! The default kernels of [`FusedOps`](super::FusedOps): compositions of Burn operators, for
+//! backends without fused kernels (CUDA keeps Burn's own kernels this way) and as the reference
+//! the fused kernels are tested against.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::{Bool, Int, Shape, Tensor, TensorPrimitive};
+
+use super::{AttentionSpec, NormStats, VocabShard, fatal};
+use crate::comm::{Group, ReduceOp, TensorComm};
+
+fn float<B: Backend, const D: usize>(x: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(x))
+}
+
+fn prim<B: Backend, const D: usize>(x: Tensor<B, D>) -> FloatTensor<B> {
+    x.into_primitive().tensor()
+}
+
+fn all_reduce<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    op: ReduceOp,
+    group: Group,
+) -> Tensor<B, D> {
+    if group.size() == 1 {
+        return x;
+    }
+    let what = "cross-entropy all-reduce";
+    let comm = group.comm().unwrap_or_else(|e| fatal(what, e));
+    comm.all_reduce_tensor(x, op)
+        .unwrap_or_else(|e| fatal(what, e))
+}
+
+/// `[rows, cols]`: true on the padding columns (`>= valid`), or `None` without padding.
+fn padding<B: Backend>(
+    rows: usize,
+    cols: usize,
+    valid: usize,
+    device: &B::Device,
+) -> Option<Tensor<B, 2, Bool>> {
+    (valid < cols).then(|| {
+        Tensor::<B, 1, Int>::arange(0..cols as i64, device)
+            .greater_equal_elem(valid as i64)
+            .unsqueeze::<2>()
+            .expand([rows, cols])
+    })
+}
+
+/// `[rows, 1]`: each row's target as a local column, and whether this rank holds it.
+fn local_targets<B: Backend>(
+    targets: &Tensor<B, 1, Int>,
+    shard: VocabShard,
+) -> (Tensor<B, 2, Int>, Tensor<B, 2, Bool>) {
+    let n = targets.dims()[0];
+    let t = targets.clone().reshape([n, 1]);
+    let start = shard.start as i64;
+    let outside = t
+        .clone()
+        .lower_elem(start)
+        .bool_or(t.clone().greater_equal_elem(start + shard.valid as i64));
+    ((t - start).mask_fill(outside.clone(), 0), outside)
+}
+
+/// Composed forward of the vocabulary-parallel cross-entropy (see
+/// [`FusedOps::cross_entropy_forward`](super::FusedOps::cross_entropy_forward)).
+pub fn cross_entropy_forward<B: Backend>(
+    logits: FloatTensor<B>,
+    targets: IntTensor<B>,
+    shard: VocabShard,
+    group: Group,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let logits = float::<B, 2>(logits);
+    let targets = Tensor::<B, 1, Int>::from_primitive(targets);
+    let [n, cols] = logits.dims();
+    let pad = padding::<B>(n, cols, shard.valid, &logits.device());
+    let mut masked = logits.clone();
+    if let Some(p) = &pad {
+        masked = masked.mask_fill(p.clone(), f32::NEG_INFINITY);
+    }
+    let max = all_reduce(masked.max_dim(1), ReduceOp::Max, group);
+    let mut exp = (logits.clone() - max.clone()).exp();
+    if let Some(p) = pad {
+        exp = exp.mask_fill(p, 0.0);
+    }
+    let sum_exp = all_reduce(exp.sum_dim(1), ReduceOp::Sum, group);
+    let (idx, outside) = local_targets(&targets, shard);
+    let picked = logits.gather(1, idx).mask_fill(outside, 0.0);
+    let target_logit = all_reduce(picked, ReduceOp::Sum, group);
+    let weight = targets.greater_equal_elem(0).float().reshape([n, 1]);
+    let count = weight.clone().sum().clamp_min(1.0);
+    let per_row = (max.clone() - target_logit) + sum_exp.clone().log();
+    let loss = (per_row * weight).sum() / count;
+    (prim(loss), prim(Tensor::cat(vec![max, sum_exp], 1)))
+}
+
+/// Composed backward of the vocabulary-parallel cross-entropy (see
+/// [`FusedOps::cross_entropy_backward`](super::FusedOps::cross_entropy_backward)).
+pub fn cross_entropy_backward<B: Backend>(
+    logits: FloatTensor<B>,
+    stats: FloatTensor<B>,
+    targets: IntTensor<B>,
+    shard: VocabShard,
+    grad: FloatTensor<B>,
+) -> FloatTensor<B> {
+    let logits = float::<B, 2>(logits);
+    let targets = Tensor::<B, 1, Int>::from_primitive(targets);
+    let [n, cols] = logits.dims();
+    let device = logits.device();
+    let stats = float::<B, 2>(stats);
+    let (max, sum_exp) = (stats.clone().narrow(1, 0, 1), stats.narrow(1, 1, 1));
+    let mut p = (logits - max).exp() / sum_exp;
+    if let Some(pad) = padding::<B>(n, cols, shard.valid, &device) {
+        p = p.mask_fill(pad, 0.0);
+    }
+    let (idx, outside) = local_targets(&targets, shard);
+    let onehot = Tensor::<B, 1, Int>::arange(0..cols as i64, &device)
+        .unsqueeze::<2>()
+        .expand([n, cols])
+        .equal(idx.expand([n, cols]))
+        .bool_and(outside.bool_not().expand([n, cols]))
+        .float();
+    let weight = targets.greater_equal_elem(0).float().reshape([n, 1]);
+    let count = weight.clone().sum().clamp_min(1.0);
+    let scale = float::<B, 1>(grad) / count;
+    prim((p - onehot) * weight * scale.unsqueeze::<2>())
+}
+
+/// `x` (any rank) seen as `[rows, d]` with `d` its last dimension, and its own shape.
+fn rows<B: Backend>(x: FloatTensor<B>) -> (Tensor<B, 2>, Shape) {
+    let t = float::<B, 1>(x);
+    let shape = t.shape();
+    let last = shape[shape.num_dims() - 1].max(1);
+    (t.reshape([shape.num_elements() / last, last]), shape)
+}
+
+/// A rank-2 result put back into `shape`.
+fn unrows<B: Backend>(t: Tensor<B, 2>, shape: Shape) -> FloatTensor<B> {
+    B::float_reshape(prim(t), shape)
+}
+
+/// Composed LayerNorm forward (see
+/// [`FusedOps::layer_norm_forward`](super::FusedOps::layer_norm_forward)).
+pub fn layer_norm_forward<B: Backend>(
+    x: FloatTensor<B>,
+    gamma: FloatTensor<B>,
+    beta: FloatTensor<B>,
+    eps: f64,
+) -> (FloatTensor<B>, NormStats<B>) {
+    let (x, shape) = rows::<B>(x);
+    let n = x.dims()[0];
+    let mean = x.clone().mean_dim(1);
+    let centered = x - mean.clone();
+    let var = centered.clone().powi_scalar(2).mean_dim(1);
+    let rstd = (var + eps).sqrt().recip();
+    let y = centered * rstd.clone() * float::<B, 1>(gamma).unsqueeze::<2>()
+        + float::<B, 1>(beta).unsqueeze::<2>();
+    (
+        unrows(y, shape),
+        (prim(mean.reshape([n])), prim(rstd.reshape([n]))),
+    )
+}
+
+/// Composed LayerNorm backward (see
+/// [`FusedOps::layer_norm_backward`](super::FusedOps::layer_norm_backward)).
+pub fn layer_norm_backward<B: Backend>(
+    x: FloatTensor<B>,
+    gamma: FloatTensor<B>,
+    stats: NormStats<B>,
+    dy: FloatTensor<B>,
+) -> [FloatTensor<B>; 3] {
+    let (x, shape) = rows::<B>(x);
+    let (dy, _) = rows::<B>(dy);
+    let n = x.dims()[0];
+    let mean = float::<B, 1>(stats.0).reshape([n, 1]);
+    let rstd = float::<B, 1>(stats.1).reshape([n, 1]);
+    let xhat = (x - mean) * rstd.clone();
+    let g = dy.clone() * float::<B, 1>(gamma).unsqueeze::<2>();
+    let mg = g.clone().mean_dim(1);
+    let mgx = (g.clone() * xhat.clone()).mean_dim(1);
+    let dx = (g - mg - xhat.clone() * mgx) * rstd;
+    let dgamma = (dy.clone() * xhat).sum_dim(0);
+    let dbeta = dy.sum_dim(0);
+    let d = dgamma.dims()[1];
+    [
+        unrows(dx, shape),
+        prim(dgamma.reshape([d])),
+        prim(dbeta.reshape([d])),
+    ]
+}
+
+/// Composed `gelu(x + bias)` forward.
+pub fn bias_gelu_forward<B: Backend>(x: FloatTensor<B>, bias: FloatTensor<B>) -> FloatTensor<B> {
+    let (x, shape) = rows::<B>(x);
+    let y = burn::tensor::activation::gelu(x + float::<B, 1>(bias).unsqueeze::<2>());
+    unrows(y, shape)
+}
+
+/// Composed `gelu(x + bias)` backward: `dy * gelu'(x + bias)` and its row sum.
+pub fn bias_gelu_backward<B: Backend>(
+    x: FloatTensor<B>,
+    bias: FloatTensor<B>,
+    dy: FloatTensor<B>,
+) -> [FloatTensor<B>; 2] {
+    let (x, shape) = rows::<B>(x);
+    let (dy, _) = rows::<B>(dy);
+    let z = x + float::<B, 1>(bias).unsqueeze::<2>();
+    let dz = float::<B, 2>(B::gelu_backward(prim(z), prim(dy)));
+    let d = dz.dims()[1];
+    let dbias = dz.clone().sum_dim(0).reshape([d]);
+    [unrows(dz, shape), prim(dbias)]
+}
+
+/// Q, K and V of a fused `[batch, seq, 3 * heads * head_dim]` buffer as
+/// `[batch, heads, seq, head_dim]` each.
+fn split_heads<B: Backend>(qkv: Tensor<B, 3>, heads: usize) -> [Tensor<B, 4>; 3] {
+    let [b, s, three_hd] = qkv.dims();
+    let d = three_hd / 3 / heads;
+    let mut parts = qkv
+        .chunk(3, 2)
+        .into_iter()
+        .map(|t| t.reshape([b, s, heads, d]).swap_dims(1, 2));
+    let mut next = || parts.next().expect("chunk(3) yields three parts");
+    [next(), next(), next()]
+}
+
+/// `[batch, heads, seq, head_dim]` back to `[batch, seq, heads * head_dim]`.
+fn merge_heads<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 3> {
+    let [b, h, s, d] = x.dims();
+    x.swap_dims(1, 2).reshape([b, s, h * d])
+}
+
+/// Composed attention forward (see
+/// [`FusedOps::attention_forward`](super::FusedOps::attention_forward)).
+pub fn attention_forward<B: Backend>(
+    qkv: FloatTensor<B>,
+    spec: AttentionSpec,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let [q, k, v] = split_heads(float::<B, 3>(qkv), spec.heads);
+    let [b, h, s, d] = q.dims();
+    let mut scores = q.matmul(k.swap_dims(2, 3)) * (1.0 / (d as f64).sqrt());
+    if spec.causal {
+        let future = Tensor::<B, 2, Bool>::tril_mask([s, s], 0, &scores.device());
+        scores = scores.mask_fill(
+            future.unsqueeze::<4>().expand([b, h, s, s]),
+            f32::NEG_INFINITY,
+        );
+    }
+    let probs = burn::tensor::activation::softmax(scores, 3);
+    let ctx = merge_heads(probs.clone().matmul(v));
+    (prim(ctx), prim(probs))
+}
+
+/// Composed attention backward (see
+/// [`FusedOps::attention_backward`](super::FusedOps::attention_backward)).
+pub fn attention_backward<B: Backend>(
+    qkv: FloatTensor<B>,
+    probs: FloatTensor<B>,
+    dctx: FloatTensor<B>,
+    spec: AttentionSpec,
+) -> FloatTensor<B> {
+    let [q, k, v] = split_heads(float::<B, 3>(qkv), spec.heads);
+    let [b, h, s, d] = q.dims();
+    let p = float::<B, 4>(probs);
+    let dout = float::<B, 3>(dctx).reshape([b, s, h, d]).swap_dims(1, 2);
+    let scale = 1.0 / (d as f64).sqrt();
+    let dv = p.clone().swap_dims(2, 3).matmul(dout.clone());
+    let dp = dout.matmul(v.swap_dims(2, 3));
+    let row = (p.clone() * dp.clone()).sum_dim(3);
+    let ds = p * (dp - row) * scale;
+    let dq = ds.clone().matmul(k);
+    let dk = ds.swap_dims(2, 3).matmul(q);
+    prim(Tensor::cat(
+        vec![merge_heads(dq), merge_heads(dk), merge_heads(dv)],
+        2,
+    ))
+}
+
+/// Composed linear forward (see [`FusedOps::linear_forward`](super::FusedOps::linear_forward)).
+pub fn linear_forward<B: Backend>(
+    x: FloatTensor<B>,
+    w: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+) -> FloatTensor<B> {
+    let y = float::<B, 2>(x).matmul(float::<B, 2>(w));
+    match bias {
+        Some(b) => prim(y + float::<B, 1>(b).unsqueeze::<2>()),
+        None => prim(y),
+    }
+}
+
+/// Composed linear backward (see [`FusedOps::linear_backward`](super::FusedOps::linear_backward)).
+pub fn linear_backward<B: Backend>(
+    x: Option<FloatTensor<B>>,
+    w: FloatTensor<B>,
+    dy: FloatTensor<B>,
+    want: [bool; 3],
+) -> [Option<FloatTensor<B>>; 3] {
+    let dy = float::<B, 2>(dy);
+    let dx = want[0].then(|| prim(dy.clone().matmul(float::<B, 2>(w).transpose())));
+    let dw = x
+        .filter(|_| want[1])
+        .map(|x| prim(float::<B, 2>(x).transpose().matmul(dy.clone())));
+    let db = want[2].then(|| {
+        let d = dy.dims()[1];
+        prim(dy.sum_dim(0).reshape([d]))
+    });
+    [dx, dw, db]
+}
+
+/// Composed sum of squares, in the tensor's own element type.
+pub fn sum_of_squares<B: Backend>(x: FloatTensor<B>) -> f64 {
+    let v = float::<B, 1>(x).powi_scalar(2).sum().into_scalar();
+    burn::tensor::ElementConversion::elem::<f64>(v)
+}

@@ -1,0 +1,259 @@
+//! Fused operations: one pass over memory where Burn's composition of operators makes several.
+//!
+//! [`FusedOps`] is a backend extension trait, like
+//! [`ParallelBackend`](crate::tensor_parallel::ParallelBackend). Each fused operation has a
+//! forward and a backward *kernel* and a differentiable *operation*:
+//!
+//! - On a plain backend the operation is the forward kernel.
+//! - On `Autodiff<B>` the operation records one graph node whose backward pass calls `B`'s
+//!   backward kernel, instead of the dozen nodes (and intermediate tensors) of the composition.
+//! - The kernels' default implementations compose Burn's own operators ([`composed`]), so
+//!   every backend (CUDA included) has them; the CPU backend (burn-flex) overrides them with
+//!   vectorized single-pass kernels on its buffers ([`cpu`]).
+//!
+//! The fused operations:
+//!
+//! | operation | forward | backward |
+//! | --- | --- | --- |
+//! | [`vocab_parallel_cross_entropy`](crate::tensor_parallel::vocab_parallel_cross_entropy) | one pass: row max, sum of exponentials, target logit; two small all-reduces across TP | the gradient written over the logits' own buffer |
+//! | [`linear`] | the bias written, the product accumulated onto it (`gemm`, strided weights) | two products over all rows and a column sum, only for the inputs that need a gradient |
+//! | [`LayerNorm`](crate::tensor_parallel::LayerNorm) | one pass per row; keeps each row's mean and `1 / std` | one pass per row, written over the upstream gradient |
+//! | [`bias_gelu`] | `gelu(x + b)` (exact GELU, vectorized `erfc`) | one pass, over the upstream gradient |
+//! | [`attention`] | per head: scores (matrix product reading Q and K in place), masked softmax, context written in its final layout | five matrix products per head, the Q/K/V gradient written in the fused layout |
+
+mod autodiff;
+pub mod composed;
+pub mod cpu;
+mod flex;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::{Tensor, TensorPrimitive};
+
+use crate::comm::Group;
+
+/// Which columns of the (padded) vocabulary a rank's logits hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VocabShard {
+    /// The global token id of the first local column.
+    pub start: usize,
+    /// The local columns `0..valid` are real tokens; the rest (vocabulary padding) is kept out
+    /// of the softmax and gets no gradient.
+    pub valid: usize,
+}
+
+/// The shape arguments of the fused attention.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionSpec {
+    /// Heads held by this rank.
+    pub heads: usize,
+    /// Whether a token attends only to itself and earlier tokens (GPT), or to all (BERT).
+    pub causal: bool,
+}
+
+/// The saved state of a fused LayerNorm's forward pass: each row's mean and `1 / std`.
+pub type NormStats<B> = (FloatTensor<B>, FloatTensor<B>);
+
+/// A backend with fused kernels. Every method has a default (a composition of Burn operators),
+/// so `impl FusedOps for MyBackend {}` is enough for a new backend.
+pub trait FusedOps: Backend {
+    /// The sum of the squares of all elements of `x`, accumulated as precisely as the backend
+    /// allows (`f64` on the CPU; the default sums in the tensor's own type), for gradient
+    /// norms that do not depend on how the gradients are split across ranks.
+    fn sum_of_squares(x: FloatTensor<Self>) -> f64 {
+        composed::sum_of_squares::<Self>(x)
+    }
+
+    /// Forward kernel of the linear layer `x w (+ bias)`: `x` is `[rows, d_in]`, `w`
+    /// `[d_in, d_out]` (it may be a transposed view, as for a tied output head).
+    fn linear_forward(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        composed::linear_forward::<Self>(x, w, bias)
+    }
+
+    /// Backward kernel of the linear layer: the gradients of `x`, `w` and the bias that `want`
+    /// asks for, from the upstream gradient `dy`; `x` must be given when the gradient of `w`
+    /// is wanted. The gradient of `w` has `w`'s memory layout.
+    fn linear_backward(
+        x: Option<FloatTensor<Self>>,
+        w: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        want: [bool; 3],
+    ) -> [Option<FloatTensor<Self>>; 3] {
+        composed::linear_backward::<Self>(x, w, dy, want)
+    }
+
+    /// The differentiable linear layer (see [`FusedOps::linear_forward`]).
+    fn fused_linear(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        Self::linear_forward(x, w, bias)
+    }
+
+    /// Forward kernel of the mean cross-entropy over vocabulary-parallel logits
+    /// (`[rows, local_vocab]`) and targets (`[rows]`, negative ids ignored): returns the loss
+    /// (`[1]`, the same on every rank of `group`) and each row's softmax statistics over the
+    /// whole vocabulary (`[rows, 2]`: the maximum logit and the sum of `exp(x - max)`).
+    fn cross_entropy_forward(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        shard: VocabShard,
+        group: Group,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        composed::cross_entropy_forward::<Self>(logits, targets, shard, group)
+    }
+
+    /// Backward kernel: the gradient of the logits, `(softmax - onehot) * grad / count`, from
+    /// the forward's softmax statistics and the loss's upstream gradient `grad` (`[1]`).
+    fn cross_entropy_backward(
+        logits: FloatTensor<Self>,
+        stats: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        shard: VocabShard,
+        grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        composed::cross_entropy_backward::<Self>(logits, stats, targets, shard, grad)
+    }
+
+    /// The differentiable cross-entropy (see [`FusedOps::cross_entropy_forward`]).
+    fn fused_cross_entropy(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        shard: VocabShard,
+        group: Group,
+    ) -> FloatTensor<Self> {
+        Self::cross_entropy_forward(logits, targets, shard, group).0
+    }
+
+    /// Forward kernel of LayerNorm over the last dimension of `x`: the output and each row's
+    /// mean and `1 / sqrt(var + eps)`.
+    fn layer_norm_forward(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, NormStats<Self>) {
+        composed::layer_norm_forward::<Self>(x, gamma, beta, eps)
+    }
+
+    /// Backward kernel of LayerNorm: the gradients of `x`, `gamma` and `beta` from the upstream
+    /// gradient `dy` and the forward's statistics.
+    fn layer_norm_backward(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        stats: NormStats<Self>,
+        dy: FloatTensor<Self>,
+    ) -> [FloatTensor<Self>; 3] {
+        composed::layer_norm_backward::<Self>(x, gamma, stats, dy)
+    }
+
+    /// The differentiable LayerNorm (see [`FusedOps::layer_norm_forward`]).
+    fn fused_layer_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        eps: f64,
+    ) -> FloatTensor<Self> {
+        Self::layer_norm_forward(x, gamma, beta, eps).0
+    }
+
+    /// Forward kernel of `gelu(x + bias)` (exact GELU; `bias` over the last dimension).
+    fn bias_gelu_forward(x: FloatTensor<Self>, bias: FloatTensor<Self>) -> FloatTensor<Self> {
+        composed::bias_gelu_forward::<Self>(x, bias)
+    }
+
+    /// Backward kernel of `gelu(x + bias)`: the gradients of `x` and `bias`.
+    fn bias_gelu_backward(
+        x: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> [FloatTensor<Self>; 2] {
+        composed::bias_gelu_backward::<Self>(x, bias, dy)
+    }
+
+    /// The differentiable `gelu(x + bias)`.
+    fn fused_bias_gelu(x: FloatTensor<Self>, bias: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::bias_gelu_forward(x, bias)
+    }
+
+    /// Forward kernel of scaled dot-product self-attention on a fused Q/K/V projection
+    /// (`[batch, seq, 3 * heads * head_dim]`: all query heads, then keys, then values): the
+    /// context `[batch, seq, heads * head_dim]` and the probabilities
+    /// `[batch, heads, seq, seq]` kept for the backward pass.
+    fn attention_forward(
+        qkv: FloatTensor<Self>,
+        spec: AttentionSpec,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        composed::attention_forward::<Self>(qkv, spec)
+    }
+
+    /// Backward kernel of the attention: the gradient of the Q/K/V buffer from the context's.
+    fn attention_backward(
+        qkv: FloatTensor<Self>,
+        probs: FloatTensor<Self>,
+        dctx: FloatTensor<Self>,
+        spec: AttentionSpec,
+    ) -> FloatTensor<Self> {
+        composed::attention_backward::<Self>(qkv, probs, dctx, spec)
+    }
+
+    /// The differentiable attention (see [`FusedOps::attention_forward`]).
+    fn fused_attention(qkv: FloatTensor<Self>, spec: AttentionSpec) -> FloatTensor<Self> {
+        Self::attention_forward(qkv, spec).0
+    }
+}
+
+fn lift<B: Backend, const D: usize>(x: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(x))
+}
+
+fn prim<B: Backend, const D: usize>(x: Tensor<B, D>) -> FloatTensor<B> {
+    x.into_primitive().tensor()
+}
+
+/// `x w (+ bias)` for `x` `[rows, d_in]` and `w` `[d_in, d_out]` ([`FusedOps::fused_linear`]):
+/// one matrix product onto the bias, its output in a buffer of its own (no zeroing and copy).
+pub fn linear<B: FusedOps>(
+    x: Tensor<B, 2>,
+    w: Tensor<B, 2>,
+    bias: Option<Tensor<B, 1>>,
+) -> Tensor<B, 2> {
+    lift(B::fused_linear(prim(x), prim(w), bias.map(prim)))
+}
+
+/// LayerNorm over the last dimension, fused ([`FusedOps::fused_layer_norm`]).
+pub fn layer_norm<B: FusedOps, const D: usize>(
+    x: Tensor<B, D>,
+    gamma: Tensor<B, 1>,
+    beta: Tensor<B, 1>,
+    eps: f64,
+) -> Tensor<B, D> {
+    lift(B::fused_layer_norm(prim(x), prim(gamma), prim(beta), eps))
+}
+
+/// `gelu(x + bias)` with exact GELU, fused ([`FusedOps::fused_bias_gelu`]); `bias` runs over the last
+/// dimension.
+pub fn bias_gelu<B: FusedOps, const D: usize>(x: Tensor<B, D>, bias: Tensor<B, 1>) -> Tensor<B, D> {
+    lift(B::fused_bias_gelu(prim(x), prim(bias)))
+}
+
+/// Scaled dot-product self-attention on a fused Q/K/V projection, fused
+/// ([`FusedOps::fused_attention`]): `[batch, seq, 3 * heads * head_dim]` (query heads, then key
+/// heads, then value heads) to the context `[batch, seq, heads * head_dim]`.
+pub fn attention<B: FusedOps>(qkv: Tensor<B, 3>, spec: AttentionSpec) -> Tensor<B, 3> {
+    lift(B::fused_attention(prim(qkv), spec))
+}
+
+#[cfg(feature = "cuda")]
+impl FusedOps for burn_cuda::Cuda<f32> {}
+
+/// Communication failures inside a fused operation cannot be returned through Burn's operator
+/// signatures; they are fatal for the job (the panic hook aborts it and names the rank).
+pub(crate) fn fatal(what: &str, e: crate::comm::CommError) -> ! {
+    panic!("{what}: communication failed: {e}")
+}
