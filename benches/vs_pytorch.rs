@@ -1,0 +1,481 @@
+//! `bench-vs-pytorch`: `merak train` against the same GPT and training step in PyTorch eager
+//! (`benches/pytorch/gpt_train.py`), side by side in one run.
+//!
+//! Both sides build the same model from the same initial values (the PyTorch script
+//! re-implements merak's initializer and synthetic data), train it with the same step (AdamW
+//! in two groups, clipping to 1.0, warm-up then cosine decay, fp32) on one compute thread per
+//! process, and write one JSON line per step. For each comparison the two run in alternating
+//! repetitions (the order flips every repetition, because this machine is shared and noisy);
+//! a run's speed is the median tokens/s of its steps after the warm-up steps, and the table
+//! gives the medians over repetitions and the median of the paired ratios.
+//!
+//! Comparisons: two shapes (`tiny`: the `gpt-tiny` config; `4layer`: 4 layers, hidden 256,
+//! 4 heads, sequence 128, vocabulary 8192), each on one process and on two (merak dp=2 against
+//! `DistributedDataParallel` over gloo), both launched by `mpirun`. It also reports page faults
+//! per step, peak resident memory, the first losses of both (they start from the same values,
+//! so they agree) and the speed-up of two processes over one. `--baseline-merak` adds an
+//! earlier `merak` build as a third variant (the previous version).
+//!
+//! ```text
+//! cargo build --release -p merak-launch -p merak-benches
+//! bash scripts/bench-venv.sh          # PyTorch (CPU) in .venv-bench
+//! target/release/bench-vs-pytorch     # --shapes tiny,4layer --procs 1,2 --reps 3
+//! ```
+
+#[path = "common.rs"]
+mod common;
+use common::median;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+use serde_json::Value;
+
+/// Command-line options.
+#[derive(Parser, Debug)]
+#[command(about = "merak train against PyTorch eager: the same GPT and step, side by side")]
+struct Args {
+    /// Shapes to compare: `tiny` and/or `4layer`.
+    #[arg(long, value_delimiter = ',', default_value = "tiny,4layer")]
+    shapes: Vec<String>,
+    /// Process counts: 1 (one process each) and/or 2 (merak dp=2 against DDP over gloo).
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    procs: Vec<usize>,
+    /// Repetitions of each variant (alternating order).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Steps not counted at the start of each run.
+    #[arg(long, default_value_t = 3)]
+    warmup: usize,
+    /// Python with torch (default: .venv-bench/bin/python if present, else python3).
+    #[arg(long)]
+    python: Option<PathBuf>,
+    /// The merak binary (default: `merak` next to this benchmark).
+    #[arg(long)]
+    merak: Option<PathBuf>,
+    /// An earlier merak build to measure as a third variant.
+    #[arg(long)]
+    baseline_merak: Option<PathBuf>,
+    /// Folder for the runs' outputs.
+    #[arg(long, default_value = "target/bench-vs-pytorch")]
+    out: PathBuf,
+}
+
+/// A model shape and its run length.
+struct Shape {
+    name: &'static str,
+    vocab: usize,
+    layers: usize,
+    heads: usize,
+    hidden: usize,
+    seq: usize,
+    batch: usize,
+    steps: usize,
+}
+
+const SHAPES: [Shape; 2] = [
+    Shape {
+        name: "tiny",
+        vocab: 512,
+        layers: 2,
+        heads: 4,
+        hidden: 64,
+        seq: 32,
+        batch: 8,
+        steps: 120,
+    },
+    Shape {
+        name: "4layer",
+        vocab: 8192,
+        layers: 4,
+        heads: 4,
+        hidden: 256,
+        seq: 128,
+        batch: 8,
+        steps: 15,
+    },
+];
+
+/// The training hyperparameters both sides use (merak's defaults).
+const LR: &str = "3e-3";
+const MIN_LR: &str = "3e-4";
+const WARMUP: &str = "10";
+
+/// What one run measured.
+#[derive(Clone, Debug)]
+struct RunResult {
+    tokens_per_s: f64,
+    faults_per_step: f64,
+    peak_rss_mib: f64,
+    losses: Vec<f64>,
+}
+
+/// One side of a comparison.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Variant {
+    Merak,
+    Baseline,
+    Torch,
+}
+
+impl Variant {
+    fn label(self) -> &'static str {
+        match self {
+            Variant::Merak => "merak",
+            Variant::Baseline => "merak (baseline)",
+            Variant::Torch => "PyTorch eager",
+        }
+    }
+}
+
+struct Tools {
+    merak: PathBuf,
+    baseline: Option<PathBuf>,
+    python: PathBuf,
+    script: PathBuf,
+    mpirun: bool,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let tools = tools(&args)?;
+    std::fs::create_dir_all(&args.out)?;
+    println!(
+        "# merak train vs PyTorch eager ({}): same GPT, same initial values and data, AdamW + clip 1.0 + warm-up/cosine, fp32, one compute thread per process",
+        torch_version(&tools)?
+    );
+    println!(
+        "# {} repetitions per variant in alternating order; a run's speed is the median tokens/s of its steps after the first {}; page faults and losses from rank 0\n",
+        args.reps, args.warmup
+    );
+    let mut one_proc: Vec<(String, Variant, f64)> = Vec::new();
+    for shape in SHAPES
+        .iter()
+        .filter(|s| args.shapes.iter().any(|n| n == s.name))
+    {
+        for &np in &args.procs {
+            if np > 1 && !tools.mpirun {
+                bail!("--procs {np} needs mpirun on PATH");
+            }
+            let results = compare(&args, &tools, shape, np)?;
+            report(shape, np, &results, args.warmup);
+            for (v, runs) in &results {
+                let mut t: Vec<f64> = runs.iter().map(|r| r.tokens_per_s).collect();
+                one_proc.push((format!("{}/{np}", shape.name), *v, median(&mut t)));
+            }
+        }
+    }
+    scaling(&one_proc);
+    Ok(())
+}
+
+fn tools(args: &Args) -> Result<Tools> {
+    let exe = std::env::current_exe()?;
+    let dir = exe.parent().context("the benchmark's folder")?;
+    let merak = args.merak.clone().unwrap_or_else(|| dir.join("merak"));
+    if !merak.exists() {
+        bail!(
+            "{} not found: build it with `cargo build --release -p merak-launch`",
+            merak.display()
+        );
+    }
+    let venv = PathBuf::from(".venv-bench/bin/python");
+    let python = args.python.clone().unwrap_or_else(|| {
+        if venv.exists() {
+            venv
+        } else {
+            PathBuf::from("python3")
+        }
+    });
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("pytorch/gpt_train.py");
+    let mpirun = Command::new("mpirun").arg("--version").output().is_ok();
+    Ok(Tools {
+        merak,
+        baseline: args.baseline_merak.clone(),
+        python,
+        script,
+        mpirun,
+    })
+}
+
+fn torch_version(tools: &Tools) -> Result<String> {
+    let out = Command::new(&tools.python)
+        .args(["-c", "import torch; print(torch.__version__)"])
+        .output()
+        .with_context(|| format!("running {}", tools.python.display()))?;
+    if !out.status.success() {
+        bail!(
+            "{} cannot import torch; run `bash scripts/bench-venv.sh` or pass --python",
+            tools.python.display()
+        );
+    }
+    Ok(format!(
+        "PyTorch {}",
+        String::from_utf8_lossy(&out.stdout).trim()
+    ))
+}
+
+/// Runs every variant `reps` times in alternating order.
+fn compare(
+    args: &Args,
+    tools: &Tools,
+    shape: &Shape,
+    np: usize,
+) -> Result<Vec<(Variant, Vec<RunResult>)>> {
+    let mut variants = vec![Variant::Merak, Variant::Torch];
+    if tools.baseline.is_some() {
+        variants.push(Variant::Baseline);
+    }
+    let mut results: Vec<(Variant, Vec<RunResult>)> =
+        variants.iter().map(|&v| (v, Vec::new())).collect();
+    for rep in 0..args.reps {
+        let mut order: Vec<usize> = (0..variants.len()).collect();
+        order.rotate_left(rep % variants.len());
+        for i in order {
+            let v = variants[i];
+            let out = args.out.join(format!(
+                "{}-np{np}-{}-{rep}",
+                shape.name,
+                v.label().replace([' ', '(', ')'], "")
+            ));
+            let _ = std::fs::remove_dir_all(&out);
+            std::fs::create_dir_all(&out)?;
+            let r = run(tools, v, shape, np, &out, args.warmup).with_context(|| {
+                format!("{} on {} with {np} process(es)", v.label(), shape.name)
+            })?;
+            results[i].1.push(r);
+        }
+    }
+    Ok(results)
+}
+
+/// The launcher: the program itself for one process, `mpirun -np N` otherwise.
+fn launcher(np: usize, program: &Path) -> Command {
+    if np == 1 {
+        return Command::new(program);
+    }
+    let mut c = Command::new("mpirun");
+    c.args(["-np", &np.to_string(), "--oversubscribe"])
+        .arg(program);
+    c.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    c
+}
+
+fn run(
+    tools: &Tools,
+    v: Variant,
+    shape: &Shape,
+    np: usize,
+    out: &Path,
+    warmup: usize,
+) -> Result<RunResult> {
+    let mut cmd = match v {
+        Variant::Merak | Variant::Baseline => {
+            let bin = if v == Variant::Merak {
+                &tools.merak
+            } else {
+                tools.baseline.as_ref().context("baseline binary")?
+            };
+            let mut c = launcher(np, bin);
+            c.arg("train");
+            let sets = [
+                format!("model.vocab_size={}", shape.vocab),
+                format!("model.layers={}", shape.layers),
+                format!("model.heads={}", shape.heads),
+                format!("model.hidden={}", shape.hidden),
+                format!("model.seq_len={}", shape.seq),
+                format!("train.global_batch={}", shape.batch),
+                format!("train.steps={}", shape.steps),
+                format!("train.lr={LR}"),
+                format!("train.min_lr={MIN_LR}"),
+                format!("train.warmup_steps={WARMUP}"),
+                format!("parallel.dp={np}"),
+                "checkpoint.at_end=false".to_string(),
+            ];
+            for s in sets {
+                c.args(["--set", &s]);
+            }
+            c.arg("--out").arg(out);
+            c.env("RAYON_NUM_THREADS", "1");
+            c
+        }
+        Variant::Torch => {
+            let mut c = launcher(np, &tools.python);
+            c.arg(&tools.script);
+            for (k, val) in [
+                ("vocab", shape.vocab),
+                ("layers", shape.layers),
+                ("heads", shape.heads),
+                ("hidden", shape.hidden),
+                ("seq", shape.seq),
+                ("batch", shape.batch),
+                ("steps", shape.steps),
+            ] {
+                c.arg(format!("--{k}")).arg(val.to_string());
+            }
+            c.args(["--lr", LR, "--min-lr", MIN_LR, "--warmup", WARMUP]);
+            c.arg("--out").arg(out.join("metrics.jsonl"));
+            c.env("OMP_NUM_THREADS", "1").env("MKL_NUM_THREADS", "1");
+            c.env(
+                "MASTER_PORT",
+                (29500 + std::process::id() % 500).to_string(),
+            );
+            c
+        }
+    };
+    let output = cmd.output().context("starting the run")?;
+    if !output.status.success() {
+        bail!(
+            "the run failed ({}):\n{}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    parse(out, v, warmup)
+}
+
+/// Reads a run's `metrics.jsonl` (and merak's `memory.json`).
+fn parse(out: &Path, v: Variant, warmup: usize) -> Result<RunResult> {
+    let text = std::fs::read_to_string(out.join("metrics.jsonl"))?;
+    let records: Vec<Value> = text
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    let steps: Vec<&Value> = records.iter().filter(|r| r.get("step").is_some()).collect();
+    let field = |r: &Value, k: &str| r.get(k).and_then(Value::as_f64);
+    let mut tps: Vec<f64> = steps
+        .iter()
+        .skip(warmup)
+        .filter_map(|r| field(r, "tokens_per_s"))
+        .collect();
+    let mut faults: Vec<f64> = steps
+        .iter()
+        .skip(warmup)
+        .filter_map(|r| field(r, "minor_faults"))
+        .collect();
+    let losses = steps.iter().filter_map(|r| field(r, "loss")).collect();
+    let peak_rss_mib = match v {
+        Variant::Torch => records
+            .iter()
+            .find_map(|r| field(r, "peak_rss_mib"))
+            .unwrap_or(f64::NAN),
+        _ => merak_peak_rss(out).unwrap_or(f64::NAN),
+    };
+    if tps.is_empty() {
+        bail!("no timed steps in {}", out.display());
+    }
+    Ok(RunResult {
+        tokens_per_s: median(&mut tps),
+        faults_per_step: if faults.is_empty() {
+            f64::NAN
+        } else {
+            median(&mut faults)
+        },
+        peak_rss_mib,
+        losses,
+    })
+}
+
+/// The largest peak resident memory over ranks in merak's `memory.json`.
+fn merak_peak_rss(out: &Path) -> Option<f64> {
+    let v: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("memory.json")).ok()?).ok()?;
+    v.get("ranks")?
+        .as_array()?
+        .iter()
+        .filter_map(|r| r.get("peak_rss_mib").and_then(Value::as_f64))
+        .reduce(f64::max)
+}
+
+fn report(shape: &Shape, np: usize, results: &[(Variant, Vec<RunResult>)], warmup: usize) {
+    let tokens = shape.batch * shape.seq;
+    println!(
+        "## {}: vocab {}, {} layers, {} heads, hidden {}, seq {}, batch {} ({tokens} tokens/step); {} process(es){}; {} steps per run",
+        shape.name,
+        shape.vocab,
+        shape.layers,
+        shape.heads,
+        shape.hidden,
+        shape.seq,
+        shape.batch,
+        np,
+        if np > 1 {
+            " (merak dp, PyTorch DDP over gloo)"
+        } else {
+            ""
+        },
+        shape.steps
+    );
+    println!(
+        "{:<18} {:>10} {:>12} {:>12} {:>12} {:>12}",
+        "variant", "tokens/s", "faults/step", "peak MiB", "first loss", "last loss"
+    );
+    for (v, runs) in results {
+        let med =
+            |f: &dyn Fn(&RunResult) -> f64| median(&mut runs.iter().map(f).collect::<Vec<_>>());
+        let first = runs[0].losses.first().copied().unwrap_or(f64::NAN);
+        let last = runs[0].losses.last().copied().unwrap_or(f64::NAN);
+        println!(
+            "{:<18} {:>10.0} {:>12.0} {:>12.0} {:>12.6} {:>12.6}",
+            v.label(),
+            med(&|r| r.tokens_per_s),
+            med(&|r| r.faults_per_step),
+            med(&|r| r.peak_rss_mib),
+            first,
+            last
+        );
+    }
+    let get = |v: Variant| results.iter().find(|(x, _)| *x == v).map(|(_, r)| r);
+    if let (Some(m), Some(t)) = (get(Variant::Merak), get(Variant::Torch)) {
+        let mut paired: Vec<f64> = m
+            .iter()
+            .zip(t)
+            .map(|(a, b)| a.tokens_per_s / b.tokens_per_s)
+            .collect();
+        let lnv = (shape.vocab as f64).ln();
+        let agree = m[0]
+            .losses
+            .iter()
+            .zip(&t[0].losses)
+            .take(warmup.max(3))
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        println!(
+            "merak / PyTorch tokens/s: {:.3} (median of paired repetitions); ln V = {lnv:.4}; largest |loss difference| over the first {} steps: {agree:.2e}",
+            median(&mut paired),
+            warmup.max(3)
+        );
+    }
+    if let (Some(m), Some(b)) = (get(Variant::Merak), get(Variant::Baseline)) {
+        let mut paired: Vec<f64> = m
+            .iter()
+            .zip(b)
+            .map(|(a, b)| a.tokens_per_s / b.tokens_per_s)
+            .collect();
+        println!("merak / baseline tokens/s: {:.3}", median(&mut paired));
+    }
+    println!();
+}
+
+/// Two processes over one, per shape and variant.
+fn scaling(rows: &[(String, Variant, f64)]) {
+    let mut lines = Vec::new();
+    for (key, v, tps) in rows.iter().filter(|(k, _, _)| k.ends_with("/2")) {
+        let base = key.trim_end_matches("/2");
+        if let Some((_, _, one)) = rows
+            .iter()
+            .find(|(k, w, _)| k == &format!("{base}/1") && w == v)
+        {
+            lines.push(format!("{base:<8} {:<18} {:.2}x", v.label(), tps / one));
+        }
+    }
+    if !lines.is_empty() {
+        println!("## two processes / one process, tokens/s (ideal 2 on 2 cores)");
+        for l in lines {
+            println!("{l}");
+        }
+    }
+}
