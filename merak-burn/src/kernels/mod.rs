@@ -25,6 +25,8 @@ mod autodiff;
 pub mod composed;
 pub mod cpu;
 mod flex;
+#[cfg(test)]
+mod tests;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};

@@ -541,7 +541,7 @@ fn layers(tp: Group) {
         let gp = (yp.clone() * out_w.clone()).sum().backward();
         let gs = (ys.clone() * out_w).sum().backward();
         let tag = format!("attention {mask:?}");
-        check(&format!("{tag} forward"), to_vec(yp), to_vec(ys));
+        check(&format!("{tag} forward"), to_vec(yp.clone()), to_vec(ys));
         check(
             &format!("{tag} input grad"),
             to_vec(xp.grad(&gp).unwrap()),
@@ -572,6 +572,27 @@ fn layers(tp: Group) {
             to_vec(par.proj.linear.weight.grad(&gp).unwrap()),
             shard.rows(&to_vec(ser.proj.linear.weight.grad(&gs).unwrap()), h, h),
         );
+        // The fused attention against Burn's composition, on this TP layout.
+        let xu = input(&rng, "attn.x", [b, s, h]);
+        let yu = par.forward_unfused(xu.clone());
+        let gu = (yu.clone() * out_w_again(&rng, "attn.g", [b, s, h]))
+            .sum()
+            .backward();
+        check(
+            &format!("{tag} fused vs unfused forward"),
+            to_vec(yp),
+            to_vec(yu),
+        );
+        check(
+            &format!("{tag} fused vs unfused input grad"),
+            to_vec(xp.grad(&gp).unwrap()),
+            to_vec(xu.grad(&gu).unwrap()),
+        );
+        check(
+            &format!("{tag} fused vs unfused qkv weight grad"),
+            to_vec(par.qkv.linear.weight.grad(&gp).unwrap()),
+            to_vec(par.qkv.linear.weight.grad(&gu).unwrap()),
+        );
     }
 
     // MLP.
@@ -595,7 +616,7 @@ fn layers(tp: Group) {
         let (yp, ys) = (par.forward(xp.clone()), ser.forward(xs.clone()));
         let gp = (yp.clone() * out_w.clone()).sum().backward();
         let gs = (ys.clone() * out_w).sum().backward();
-        check("mlp forward", to_vec(yp), to_vec(ys));
+        check("mlp forward", to_vec(yp.clone()), to_vec(ys));
         check(
             "mlp input grad",
             to_vec(xp.grad(&gp).unwrap()),
@@ -616,5 +637,30 @@ fn layers(tp: Group) {
             to_vec(par.proj.linear.weight.grad(&gp).unwrap()),
             shard.rows(&to_vec(ser.proj.linear.weight.grad(&gs).unwrap()), 4 * h, h),
         );
+        // The fused bias + GELU against Burn's, on this TP layout.
+        let xu = input(&rng, "mlp.x", [b, s, h]);
+        let yu = par.forward_unfused(xu.clone());
+        let gu = (yu.clone() * out_w_again(&rng, "mlp.g", [b, s, h]))
+            .sum()
+            .backward();
+        check("mlp fused vs unfused forward", to_vec(yp), to_vec(yu));
+        check(
+            "mlp fused vs unfused input grad",
+            to_vec(xp.grad(&gp).unwrap()),
+            to_vec(xu.grad(&gu).unwrap()),
+        );
+        check(
+            "mlp fused vs unfused fc bias grad",
+            to_vec(par.fc.linear.bias.as_ref().unwrap().grad(&gp).unwrap()),
+            to_vec(par.fc.linear.bias.as_ref().unwrap().grad(&gu).unwrap()),
+        );
     }
+}
+
+/// The fixed output weights `name` of a layer check, drawn again.
+fn out_w_again(rng: &InitRng, name: &str, shape: [usize; 3]) -> Tensor<B, 3> {
+    Tensor::<B, 3>::from_data(
+        TensorData::new(rng.normal(name, shape.iter().product(), 1.0), shape),
+        &Default::default(),
+    )
 }
