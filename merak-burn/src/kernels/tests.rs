@@ -82,10 +82,7 @@ fn compare(what: &str, fused: Vec<Vec<f32>>, composed: Vec<Vec<f32>>) {
     }
 }
 
-fn check_all<K: AutodiffBackend>(tag: &str)
-where
-    K: FusedOps,
-{
+fn check_all<K: AutodiffBackend + FusedOps>(tag: &str) {
     // LayerNorm: x [rows, d], gamma and beta as [1, d] leaves.
     let (rows, d) = (10, 24);
     let shapes = [vec![rows, d], vec![1, d], vec![1, d]];
