@@ -10,8 +10,8 @@
 //! - **merak dp=1**: the per-step work of `merak train` (launch/src/train.rs) with a
 //!   `Group::local()` DP group: `DataParallel::begin_step`, `set_last_micro_batch(true)`,
 //!   `hooked(model.clone()).loss(x, y) * share` (share = 1.0 here), read the loss, backward,
-//!   `finish`, `global_grad_norm`, `clip_grads`, `split_for_weight_decay`, and two AdamW steps
-//!   (decay / no decay).
+//!   `finish`, `global_grad_norm`, `clip_grads`, `split_for_weight_decay`, and two steps of
+//!   merak's `FusedAdamW` (Burn's AdamW fused into one pass per parameter; decay / no decay).
 //! - **merak dp=N** (only with N > 1 ranks): the same step with the DP group = the MPI world;
 //!   each rank takes `batch / N` sequences of the global batch, so a step processes the same
 //!   tokens as the dp=1 step. As in `merak train`, it also all-reduces the target count and
@@ -50,7 +50,9 @@ use merak_burn::data_parallel::DataParallel;
 use merak_burn::pipeline::{
     Executor, MicroBatch, PipelinePlan, ScheduleKind, build_schedule, explicit_partition,
 };
-use merak_burn::train::{clip_grads, global_grad_norm, sharded_param_ids, split_for_weight_decay};
+use merak_burn::train::{
+    FusedAdamW, clip_grads, global_grad_norm, sharded_param_ids, split_for_weight_decay,
+};
 use merak_gpt::{Gpt, GptConfig};
 
 type B = CpuAutodiff;
@@ -296,7 +298,8 @@ impl<O: Optimizer<Model, B>> Stepper for Merak<O> {
     }
 }
 
-/// `merak train`'s AdamW settings (launch defaults: betas 0.9/0.95, eps 1e-8).
+/// `merak train`'s AdamW settings (launch defaults: betas 0.9/0.95, eps 1e-8), for the plain
+/// Burn variant.
 fn adamw() -> AdamWConfig {
     AdamWConfig::new()
         .with_beta_1(0.9)
@@ -330,8 +333,8 @@ fn merak_variant(
         executor: Executor::new(plan, Group::local(), tp, None),
         hidden: cfg.hidden,
         step: 0,
-        optim_decay: adamw().with_weight_decay(WEIGHT_DECAY).init::<B, Model>(),
-        optim_no_decay: adamw().with_weight_decay(0.0).init::<B, Model>(),
+        optim_decay: FusedAdamW::new(0.9, 0.95, 1e-8, WEIGHT_DECAY).init::<B, Model>(),
+        optim_no_decay: FusedAdamW::new(0.9, 0.95, 1e-8, 0.0).init::<B, Model>(),
         model: Some(model),
         tp,
         dp,

@@ -8,7 +8,7 @@ use anyhow::{Context, Result};
 use burn::module::AutodiffModule;
 use burn::module::ParamId;
 use burn::optim::GradientsParams;
-use burn::optim::{AdamWConfig, Optimizer};
+use burn::optim::Optimizer;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
 use merak_bert::{BertConfig, mask_tokens};
@@ -16,13 +16,14 @@ use merak_burn::checkpoint::{self, Checkpoint, FullState, RankState, state};
 use merak_burn::comm::ReduceOp;
 use merak_burn::data_parallel::DataParallel;
 use merak_burn::grid::ProcessGrid;
+use merak_burn::kernels::FusedOps;
 use merak_burn::pipeline::{
     Executor, MicroBatch, PipelineModel, PipelinePlan, ScheduleKind, TraceEvent, write_chrome_trace,
 };
 use merak_burn::tensor_parallel::{ParallelBackend, Shard};
 use merak_burn::train::{
-    LrSchedule, MetricsWriter, StepMetrics, clip_grads, global_grad_norm, sharded_param_ids,
-    split_for_weight_decay,
+    FusedAdamW, LrSchedule, MetricsWriter, StepMetrics, clip_grads, global_grad_norm,
+    sharded_param_ids, split_for_weight_decay,
 };
 
 use crate::config::Config;
@@ -147,15 +148,15 @@ where
     let two_bw = spec.plan.schedule.kind == ScheduleKind::TwoBw;
     let mut stale: Option<M> = None;
     // Two AdamW parameter groups: matrices decay, vectors (biases, norms) do not.
-    let adamw = AdamWConfig::new()
-        .with_beta_1(cfg.train.beta1 as f32)
-        .with_beta_2(cfg.train.beta2 as f32)
-        .with_epsilon(cfg.train.eps as f32);
-    let mut optim_decay = adamw
-        .clone()
-        .with_weight_decay(cfg.train.weight_decay as f32)
-        .init::<B, M>();
-    let mut optim_no_decay = adamw.with_weight_decay(0.0).init::<B, M>();
+    // Burn's AdamW formula and records, each parameter's update fused into one pass.
+    let (beta1, beta2, eps) = (
+        cfg.train.beta1 as f32,
+        cfg.train.beta2 as f32,
+        cfg.train.eps as f32,
+    );
+    let mut optim_decay =
+        FusedAdamW::new(beta1, beta2, eps, cfg.train.weight_decay as f32).init::<B, M>();
+    let mut optim_no_decay = FusedAdamW::new(beta1, beta2, eps, 0.0).init::<B, M>();
     let bucket_elems = (cfg.parallel.bucket_mb * (1 << 20) as f64 / 4.0) as usize;
     let reducer = DataParallel::new(&model, grid.dp, bucket_elems)?;
     let zero = cfg.parallel.zero == 1;
@@ -450,6 +451,7 @@ fn save_if_due<B, M, O>(
 ) -> Result<Option<std::path::PathBuf>>
 where
     B: AutodiffBackend,
+    B::InnerBackend: FusedOps,
     M: AutodiffModule<B> + PipelineModel<B>,
     O: Optimizer<M, B, Record = state::AdamWRecords<B>>,
 {

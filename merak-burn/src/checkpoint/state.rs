@@ -8,15 +8,18 @@ use std::collections::HashMap;
 
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::record::AdaptorRecord;
-use burn::optim::{AdamW, AdamWState, AdaptiveMomentumState};
+use burn::optim::{AdamWState, AdaptiveMomentumState};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
 
 use super::CheckpointError;
 use crate::comm::tensor::tensor_to_vec;
+use crate::kernels::FusedOps;
+use crate::train::FusedAdamW;
 
-/// Burn's record of the AdamW state of every parameter it has stepped.
-pub type AdamWRecords<B> = hashbrown::HashMap<ParamId, AdaptorRecord<AdamW, B>>;
+/// Burn's record of the AdamW state of every parameter it has stepped (the state of
+/// [`FusedAdamW`], which is Burn's `AdamWState`).
+pub type AdamWRecords<B> = hashbrown::HashMap<ParamId, AdaptorRecord<FusedAdamW, B>>;
 
 /// AdamW moments by parameter name.
 pub type NamedMoments = Vec<(String, Moments)>;
@@ -60,7 +63,10 @@ impl Path {
     }
 }
 
-struct Collect<'a, B: AutodiffBackend> {
+struct Collect<'a, B: AutodiffBackend>
+where
+    B::InnerBackend: FusedOps,
+{
     path: Path,
     records: Option<&'a AdamWRecords<B>>,
     params: Vec<LocalParam>,
@@ -69,7 +75,10 @@ struct Collect<'a, B: AutodiffBackend> {
     error: Option<CheckpointError>,
 }
 
-impl<B: AutodiffBackend> Collect<'_, B> {
+impl<B: AutodiffBackend> Collect<'_, B>
+where
+    B::InnerBackend: FusedOps,
+{
     fn read<const D: usize>(&mut self, t: Tensor<B::InnerBackend, D>) -> Vec<f32> {
         tensor_to_vec(t).unwrap_or_else(|e| {
             self.error.get_or_insert(e.into());
@@ -85,7 +94,10 @@ impl<B: AutodiffBackend> Collect<'_, B> {
     }
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for Collect<'_, B> {
+impl<B: AutodiffBackend> ModuleVisitor<B> for Collect<'_, B>
+where
+    B::InnerBackend: FusedOps,
+{
     fn enter_module(&mut self, name: &str, _container_type: &str) {
         self.path.enter(name);
     }
@@ -118,7 +130,10 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Collect<'_, B> {
 /// This rank's parameters, in visit order, with their names.
 pub fn local_params<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,
-) -> Result<Vec<LocalParam>, CheckpointError> {
+) -> Result<Vec<LocalParam>, CheckpointError>
+where
+    B::InnerBackend: FusedOps,
+{
     let mut c = Collect::<B> {
         path: Path::default(),
         records: None,
@@ -135,7 +150,10 @@ pub fn local_params<B: AutodiffBackend, M: AutodiffModule<B>>(
 pub fn moments<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,
     records: &AdamWRecords<B>,
-) -> Result<NamedMoments, CheckpointError> {
+) -> Result<NamedMoments, CheckpointError>
+where
+    B::InnerBackend: FusedOps,
+{
     let mut c = Collect::<B> {
         path: Path::default(),
         records: Some(records),
@@ -237,14 +255,20 @@ pub fn assign_params<B: Backend, M: Module<B>>(
     Ok(model)
 }
 
-struct Build<'a, B: AutodiffBackend> {
+struct Build<'a, B: AutodiffBackend>
+where
+    B::InnerBackend: FusedOps,
+{
     path: Path,
     moments: &'a HashMap<String, Moments>,
     keep: &'a dyn Fn(ParamId, usize) -> bool,
     out: AdamWRecords<B>,
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for Build<'_, B> {
+impl<B: AutodiffBackend> ModuleVisitor<B> for Build<'_, B>
+where
+    B::InnerBackend: FusedOps,
+{
     fn enter_module(&mut self, name: &str, _container_type: &str) {
         self.path.enter(name);
     }
@@ -275,7 +299,10 @@ pub fn adamw_records<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,
     moments: &HashMap<String, Moments>,
     keep: &dyn Fn(ParamId, usize) -> bool,
-) -> AdamWRecords<B> {
+) -> AdamWRecords<B>
+where
+    B::InnerBackend: FusedOps,
+{
     let mut b = Build::<B> {
         path: Path::default(),
         moments,

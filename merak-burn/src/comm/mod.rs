@@ -22,7 +22,6 @@ pub use group::Group;
 pub use local::LocalCommunicator;
 pub use mpi_comm::{MpiCommunicator, MpiWorld, PendingMpiAllReduce, launched_by_mpirun};
 pub use tensor::TensorComm;
-pub(crate) use tensor::tensor_to_vec;
 
 /// The reduction applied by all-reduce and reduce-scatter.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

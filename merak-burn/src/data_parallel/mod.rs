@@ -3,11 +3,13 @@
 //! accumulation over micro-batches; ZeRO-1 ownership of optimizer state.
 //!
 //! How it works: [`DataParallel::hooked`] wraps every parameter of a model in a gradient hook
-//! (an identity autodiff operation). When the backward pass reaches a parameter, its hook copies
-//! the gradient into a flat host buffer (adding it to earlier micro-batches). On the last
+//! (an identity autodiff operation). When the backward pass reaches a parameter, its hook reads
+//! the gradient in place (on the CPU backend, without a copy) into its bucket's host buffer
+//! (copied on the step's first micro-batch, added on later ones). On the last
 //! micro-batch of a step, a bucket whose parameters have all reported starts a non-blocking
 //! all-reduce at once, and every later hook call progresses the ones in flight, so the
 //! communication runs while the backward pass computes the remaining gradients.
+//! A bucket's buffer is moved into its all-reduce and back, not copied.
 //! [`DataParallel::finish`] waits for what is left and returns the averaged gradients.
 //! Buckets start strictly in order, so every rank issues the collectives in the same order.
 

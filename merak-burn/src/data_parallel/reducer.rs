@@ -13,7 +13,8 @@ use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 use crate::comm::{CommError, Communicator, Group, Pending, ReduceOp, TensorComm};
 use crate::tensor_parallel::ParallelBackend;
 
-/// One parameter's place in the flat gradient buffer.
+/// One parameter's place in the gradient buffers (an offset in the concatenation of all
+/// parameters, in visit order; each bucket holds a contiguous range of it).
 #[derive(Clone, Debug)]
 struct Slot {
     id: ParamId,
@@ -30,6 +31,13 @@ struct Slot {
 struct Bucket {
     start: usize,
     end: usize,
+    /// The bucket's slots: `slots.start..slots.end` in [`State::slots`].
+    slots: std::ops::Range<usize>,
+    /// The bucket's gradients (`end - start` values), moved into its all-reduce while that
+    /// runs and back when it completes. A bucket of one parameter starts each step empty
+    /// (with the capacity) and is filled by its first gradient; [`DataParallel::finish`] then
+    /// hands the buffer itself to the gradient tensor, without a copy.
+    data: Vec<f32>,
     /// Parameters of the bucket whose gradient has not arrived yet in the last micro-batch.
     waiting: usize,
     members: usize,
@@ -39,7 +47,6 @@ struct Bucket {
 
 struct State {
     slots: Vec<Slot>,
-    flat: Vec<f32>,
     buckets: Vec<Bucket>,
     next_launch: usize,
     reduce_now: bool,
@@ -48,14 +55,34 @@ struct State {
     launched_early: usize,
 }
 
+/// A new bucket buffer: empty with the capacity for one parameter, zeros for several.
+fn bucket_buffer(members: usize, len: usize) -> Vec<f32> {
+    if members == 1 {
+        Vec::with_capacity(len)
+    } else {
+        vec![0.0; len]
+    }
+}
+
 impl State {
-    fn on_grad(&mut self, index: usize, grad: Vec<f32>) {
+    /// Adds the gradient of parameter `index` to its place in its bucket (the step's first
+    /// gradient of a parameter is copied, so no buffer is cleared between steps).
+    fn on_grad(&mut self, index: usize, grad: &[f32]) {
         let Some(slot) = self.slots.get_mut(index) else {
             return;
         };
-        let dst = &mut self.flat[slot.offset..slot.offset + slot.len];
-        if grad.len() == dst.len() {
-            dst.iter_mut().zip(&grad).for_each(|(d, g)| *d += g);
+        let bucket = &mut self.buckets[slot.bucket];
+        let at = slot.offset - bucket.start;
+        if bucket.data.is_empty() && bucket.slots.len() == 1 && grad.len() == slot.len {
+            bucket.data.extend_from_slice(grad);
+        } else if let Some(dst) = bucket.data.get_mut(at..at + slot.len)
+            && grad.len() == dst.len()
+        {
+            if slot.seen {
+                dst.iter_mut().zip(grad).for_each(|(d, g)| *d += g);
+            } else {
+                dst.copy_from_slice(grad);
+            }
         }
         slot.seen = true;
         if self.reduce_now {
@@ -67,6 +94,7 @@ impl State {
     }
 
     /// Starts the buckets that are complete, in order; with `all`, starts every remaining one.
+    /// A bucket's parameters that got no gradient this step count as zeros.
     fn launch_ready(&mut self, all: bool) {
         while self.next_launch < self.buckets.len() {
             let b = &mut self.buckets[self.next_launch];
@@ -74,10 +102,17 @@ impl State {
                 break;
             }
             if self.comm.size() > 1 {
-                match self
-                    .comm
-                    .all_reduce_start(self.flat[b.start..b.end].to_vec(), ReduceOp::Sum)
-                {
+                b.data.resize(b.end - b.start, 0.0);
+                for slot in &self.slots[b.slots.clone()] {
+                    if !slot.seen {
+                        let at = slot.offset - b.start;
+                        if let Some(dst) = b.data.get_mut(at..at + slot.len) {
+                            dst.fill(0.0);
+                        }
+                    }
+                }
+                let data = std::mem::take(&mut b.data);
+                match self.comm.all_reduce_start(data, ReduceOp::Sum) {
                     Ok(p) => b.pending = Some(p),
                     Err(e) => self.error = Some(e),
                 }
@@ -99,6 +134,14 @@ impl State {
             }
         }
     }
+
+    /// The values of parameter slot `index` in its bucket.
+    fn values(&self, index: usize) -> Option<&[f32]> {
+        let slot = self.slots.get(index)?;
+        let bucket = &self.buckets[slot.bucket];
+        let at = slot.offset - bucket.start;
+        bucket.data.get(at..at + slot.len)
+    }
 }
 
 thread_local! {
@@ -107,7 +150,7 @@ thread_local! {
 
 /// Called by the gradient hook of parameter `index` during the backward pass.
 #[doc(hidden)]
-pub fn deliver_grad(index: usize, grad: Vec<f32>) {
+pub fn deliver_grad(index: usize, grad: &[f32]) {
     ACTIVE.with(|a| {
         if let Some(state) = a.borrow().as_ref() {
             state.borrow_mut().on_grad(index, grad);
@@ -215,6 +258,8 @@ impl DataParallel {
                 buckets.push(Bucket {
                     start,
                     end,
+                    slots: i..i + members,
+                    data: bucket_buffer(members, end - start),
                     waiting: members,
                     members,
                     pending: None,
@@ -242,7 +287,6 @@ impl DataParallel {
         }
         Ok(Self {
             state: Rc::new(RefCell::new(State {
-                flat: vec![0.0; layout.total],
                 slots,
                 buckets,
                 next_launch: 0,
@@ -263,12 +307,19 @@ impl DataParallel {
     /// Clears the accumulated gradients for a new optimizer step.
     pub fn begin_step(&self) {
         let mut s = self.state.borrow_mut();
-        s.flat.iter_mut().for_each(|x| *x = 0.0);
         s.slots.iter_mut().for_each(|x| x.seen = false);
         for b in &mut s.buckets {
             b.waiting = b.members;
             b.pending = None;
             b.launched = false;
+            // A one-parameter bucket is filled by its first gradient; a bucket whose buffer went
+            // to a gradient tensor, or stayed with a failed all-reduce, gets a new one.
+            if b.slots.len() == 1 {
+                b.data.clear();
+                b.data.reserve(b.end - b.start);
+            } else if b.data.len() != b.end - b.start {
+                b.data = vec![0.0; b.end - b.start];
+            }
         }
         s.next_launch = 0;
         s.launched_early = 0;
@@ -311,17 +362,13 @@ impl DataParallel {
         ACTIVE.with(|a| *a.borrow_mut() = None);
         let mut s = self.state.borrow_mut();
         s.launch_ready(true);
-        let mut results = Vec::new();
         for b in &mut s.buckets {
             if let Some(p) = b.pending.take() {
-                results.push((b.start, p.wait()?));
+                b.data = p.wait()?;
             }
         }
         if let Some(e) = s.error.take() {
             return Err(e);
-        }
-        for (start, values) in results {
-            s.flat[start..start + values.len()].copy_from_slice(&values);
         }
         let exposed_wait = t0.elapsed();
         let stats = DpStats {
@@ -330,7 +377,7 @@ impl DataParallel {
             exposed_wait,
         };
         let mut builder = GradBuilder::<B> {
-            state: &s,
+            state: &mut s,
             next: 0,
             grads: GradientsParams::new(),
             _b: std::marker::PhantomData,
@@ -376,7 +423,7 @@ impl DataParallel {
 }
 
 struct GradBuilder<'a, B: AutodiffBackend> {
-    state: &'a State,
+    state: &'a mut State,
     next: usize,
     grads: GradientsParams,
     _b: std::marker::PhantomData<B>,
@@ -392,12 +439,22 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for GradBuilder<'_, B> {
         if !slot.seen {
             return;
         }
-        let values = self.state.flat[slot.offset..slot.offset + slot.len].to_vec();
+        let bucket = slot.bucket;
+        let values = if self.state.buckets[bucket].slots.len() == 1 {
+            // The bucket is this gradient: hand over its buffer.
+            std::mem::take(&mut self.state.buckets[bucket].data)
+        } else {
+            let Some(values) = self.state.values(index) else {
+                return;
+            };
+            values.to_vec()
+        };
+        if values.len() != slot.len {
+            return;
+        }
+        let shape = slot.shape.clone();
         let device = param.val().device();
-        let g = Tensor::<B::InnerBackend, D>::from_data(
-            TensorData::new(values, slot.shape.clone()),
-            &device,
-        );
+        let g = Tensor::<B::InnerBackend, D>::from_data(TensorData::new(values, shape), &device);
         self.grads.register(param.id, g);
     }
 }

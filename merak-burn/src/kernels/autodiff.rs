@@ -42,6 +42,20 @@ impl<B: FusedOps> Backward<B, 1> for CrossEntropy {
 }
 
 #[derive(Debug)]
+struct Embedding;
+
+impl<B: FusedOps> Backward<B, 1> for Embedding {
+    type State = (B::IntTensorPrimitive, usize, usize);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _c: &mut Checkpointer) {
+        let (ids, rows, start) = ops.state;
+        unary::<B, _>(ops.parents, ops.node, grads, |dy| {
+            B::gather_backward(ids, dy, rows, start)
+        });
+    }
+}
+
+#[derive(Debug)]
 struct Linear;
 #[derive(Debug)]
 struct LinearBias;
@@ -200,6 +214,25 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
             OpsKind::UnTracked(prep) => {
                 prep.finish(B::cross_entropy_forward(logits.primitive, targets, shard, group).0)
             }
+        }
+    }
+
+    fn fused_embedding(
+        table: FloatTensor<Self>,
+        ids: IntTensor<Self>,
+        start: usize,
+    ) -> FloatTensor<Self> {
+        let rows = burn::tensor::TensorMetadata::shape(&table.primitive)[0];
+        match Embedding
+            .prepare::<C>([table.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let out = B::gather_forward(table.primitive, ids.clone(), start);
+                prep.finish((ids, rows, start), out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::gather_forward(table.primitive, ids, start)),
         }
     }
 

@@ -312,3 +312,97 @@ pub fn sum_of_squares<B: Backend>(x: FloatTensor<B>) -> f64 {
     let v = float::<B, 1>(x).powi_scalar(2).sum().into_scalar();
     burn::tensor::ElementConversion::elem::<f64>(v)
 }
+
+/// Composed AdamW update (see [`FusedOps::adamw_step`](super::FusedOps::adamw_step)), the
+/// operations of Burn's `AdamW`.
+pub fn adamw_step<B: Backend>(
+    param: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    moments: Option<(FloatTensor<B>, FloatTensor<B>)>,
+    s: super::AdamWStep,
+) -> super::AdamWTensors<B> {
+    let (p, g) = (float::<B, 1>(param), float::<B, 1>(grad));
+    let (f1, f2) = (1.0 - s.beta1, 1.0 - s.beta2);
+    let (m, v) = match moments {
+        Some((m, v)) => (
+            float::<B, 1>(m)
+                .mul_scalar(s.beta1)
+                .add(g.clone().mul_scalar(f1)),
+            float::<B, 1>(v)
+                .mul_scalar(s.beta2)
+                .add(g.square().mul_scalar(f2)),
+        ),
+        None => (g.clone().mul_scalar(f1), g.square().mul_scalar(f2)),
+    };
+    let t = s.time as i32;
+    let m_hat = m.clone().div_scalar(1.0 - s.beta1.powi(t));
+    let v_hat = v.clone().div_scalar(1.0 - s.beta2.powi(t));
+    let delta = m_hat.div(v_hat.sqrt().add_scalar(s.eps));
+    let decay_rate = s.lr * f64::from(s.weight_decay);
+    let decayed = if decay_rate == 0.0 {
+        p
+    } else {
+        p.mul_scalar(1.0 - decay_rate)
+    };
+    (prim(decayed - delta.mul_scalar(s.lr)), prim(m), prim(v))
+}
+
+/// A tensor's values as a host vector, row-major.
+pub fn to_host<B: Backend>(x: FloatTensor<B>) -> Vec<f32> {
+    let t = float::<B, 1>(x);
+    let n = t.shape().num_elements();
+    t.reshape([n])
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .unwrap_or_default()
+}
+
+/// `[1, n]` local row indices of `ids` in a shard from `start` of `rows` rows (0 for ids held
+/// elsewhere), and `[n, 1]` 1/0 weights of the ids held here.
+fn shard_ids<B: Backend>(
+    ids: IntTensor<B>,
+    rows: usize,
+    start: usize,
+) -> (Tensor<B, 2, Int>, Tensor<B, 2>) {
+    let ids = Tensor::<B, 1, Int>::from_primitive(ids);
+    let n = ids.dims()[0];
+    let s = start as i64;
+    let outside = ids
+        .clone()
+        .lower_elem(s)
+        .bool_or(ids.clone().greater_equal_elem(s + rows as i64));
+    let local = (ids - s).mask_fill(outside.clone(), 0).reshape([1, n]);
+    (local, outside.bool_not().float().reshape([n, 1]))
+}
+
+/// Composed embedding forward (see
+/// [`FusedOps::gather_forward`](super::FusedOps::gather_forward)).
+pub fn gather_forward<B: Backend>(
+    table: FloatTensor<B>,
+    ids: IntTensor<B>,
+    start: usize,
+) -> FloatTensor<B> {
+    let table = float::<B, 2>(table);
+    let [rows, d] = table.dims();
+    let (local, keep) = shard_ids::<B>(ids, rows, start);
+    let n = keep.dims()[0];
+    let out = burn::tensor::module::embedding(table, local).reshape([n, d]);
+    prim(out * keep)
+}
+
+/// Composed embedding backward (see
+/// [`FusedOps::gather_backward`](super::FusedOps::gather_backward)).
+pub fn gather_backward<B: Backend>(
+    ids: IntTensor<B>,
+    dy: FloatTensor<B>,
+    rows: usize,
+    start: usize,
+) -> FloatTensor<B> {
+    let dy = float::<B, 2>(dy);
+    let [n, d] = dy.dims();
+    let (local, keep) = shard_ids::<B>(ids, rows, start);
+    let table = Tensor::<B, 2>::zeros([rows, d], &dy.device());
+    let dy = (dy * keep).reshape([1, n, d]);
+    B::embedding_backward(prim(table), prim(dy), local.into_primitive())
+}

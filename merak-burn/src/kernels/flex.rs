@@ -6,8 +6,8 @@ use burn_flex::{Flex, FlexTensor};
 
 use super::cpu::gemm::View;
 use super::cpu::xent::{self, Columns};
-use super::cpu::{attention, gelu, linear, math, norm};
-use super::{AttentionSpec, FusedOps, NormStats, VocabShard, composed, fatal};
+use super::cpu::{adamw, attention, embedding, gelu, linear, math, norm};
+use super::{AdamWStep, AttentionSpec, FusedOps, NormStats, VocabShard, composed, fatal};
 use crate::comm::{Group, ReduceOp};
 
 /// The tensor's values as a contiguous `f32` tensor (a view when it already is one).
@@ -78,7 +78,72 @@ fn all_reduce(group: Group, buf: &mut [f32], op: ReduceOp) {
     comm.all_reduce(buf, op).unwrap_or_else(|e| fatal(what, e));
 }
 
+/// The tensor as a contiguous buffer this caller may write: the tensor itself when it is the
+/// only reference to its data, a copy otherwise.
+fn owned(t: FlexTensor) -> FlexTensor {
+    t.to_contiguous()
+}
+
 impl FusedOps for Flex {
+    fn gather_forward(table: FlexTensor, ids: FlexTensor, start: usize) -> FlexTensor {
+        if !is_f32(&table) {
+            return composed::gather_forward::<Flex>(table, ids, start);
+        }
+        let table = contiguous(&table);
+        let [rows, d] = dims2(&table);
+        let ids = int_values(&ids);
+        let out = embedding::gather(table.storage::<f32>(), rows, d, &ids, start);
+        tensor(out, [ids.len(), d])
+    }
+
+    fn gather_backward(ids: FlexTensor, dy: FlexTensor, rows: usize, start: usize) -> FlexTensor {
+        if !is_f32(&dy) {
+            return composed::gather_backward::<Flex>(ids, dy, rows, start);
+        }
+        let dy = contiguous(&dy);
+        let [_, d] = dims2(&dy);
+        let ids = int_values(&ids);
+        let mut grad = vec![0.0; rows * d];
+        embedding::scatter_add(dy.storage::<f32>(), d, &ids, start, &mut grad);
+        tensor(grad, [rows, d])
+    }
+
+    fn read_f32(x: &FlexTensor, f: &mut dyn FnMut(&[f32])) {
+        if !is_f32(x) {
+            return f(&composed::to_host::<Flex>(x.clone()));
+        }
+        f(contiguous(x).storage::<f32>())
+    }
+
+    fn adamw_step(
+        param: FlexTensor,
+        grad: FlexTensor,
+        moments: Option<(FlexTensor, FlexTensor)>,
+        step: AdamWStep,
+    ) -> (FlexTensor, FlexTensor, FlexTensor) {
+        if !is_f32(&param) || !is_f32(&grad) {
+            return composed::adamw_step::<Flex>(param, grad, moments, step);
+        }
+        let grad = contiguous(&grad);
+        let n = grad.shape().num_elements();
+        let (mut m, mut v) = match moments {
+            Some((m, v)) => (owned(m), owned(v)),
+            None => (
+                tensor_like(vec![0.0; n], &param),
+                tensor_like(vec![0.0; n], &param),
+            ),
+        };
+        let mut p = owned(param);
+        adamw::step_in_place(
+            p.storage_mut::<f32>(),
+            grad.storage::<f32>(),
+            m.storage_mut::<f32>(),
+            v.storage_mut::<f32>(),
+            step,
+        );
+        (p, m, v)
+    }
+
     fn sum_of_squares(x: FlexTensor) -> f64 {
         if !is_f32(&x) {
             return composed::sum_of_squares::<Flex>(x);

@@ -16,6 +16,7 @@
 //! | operation | forward | backward |
 //! | --- | --- | --- |
 //! | [`vocab_parallel_cross_entropy`](crate::tensor_parallel::vocab_parallel_cross_entropy) | one pass: row max, sum of exponentials, target logit; two small all-reduces across TP | the gradient written over the logits' own buffer |
+//! | [`embedding`] | one row copy per token, zeros for ids of other TP shards (no mask tensors) | the rows summed into a table-sized gradient |
 //! | [`linear`] | the bias written, the product accumulated onto it (`gemm`, strided weights) | two products over all rows and a column sum, only for the inputs that need a gradient |
 //! | [`LayerNorm`](crate::tensor_parallel::LayerNorm) | one pass per row; keeps each row's mean and `1 / std` | one pass per row, written over the upstream gradient |
 //! | [`bias_gelu`] | `gelu(x + b)` (exact GELU, vectorized `erfc`) | one pass, over the upstream gradient |
@@ -30,7 +31,7 @@ mod tests;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::{Int, Tensor, TensorPrimitive};
 
 use crate::comm::Group;
 
@@ -53,12 +54,66 @@ pub struct AttentionSpec {
     pub causal: bool,
 }
 
+pub use cpu::adamw::Step as AdamWStep;
+
+/// A parameter and its two AdamW moments.
+pub type AdamWTensors<B> = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
+
 /// The saved state of a fused LayerNorm's forward pass: each row's mean and `1 / std`.
 pub type NormStats<B> = (FloatTensor<B>, FloatTensor<B>);
 
 /// A backend with fused kernels. Every method has a default (a composition of Burn operators),
 /// so `impl FusedOps for MyBackend {}` is enough for a new backend.
 pub trait FusedOps: Backend {
+    /// Forward kernel of an embedding lookup in a shard of a table: `table` holds the rows
+    /// `start..start + rows` of the whole table (`[rows, d]`); for each id of `ids` (`[n]`) the
+    /// output (`[n, d]`) has its row, or zeros when another shard holds it.
+    fn gather_forward(
+        table: FloatTensor<Self>,
+        ids: IntTensor<Self>,
+        start: usize,
+    ) -> FloatTensor<Self> {
+        composed::gather_forward::<Self>(table, ids, start)
+    }
+
+    /// Backward kernel of the embedding: the gradient of the table shard (`[rows, d]`), the
+    /// rows of `dy` (`[n, d]`) summed into the rows of their ids held here.
+    fn gather_backward(
+        ids: IntTensor<Self>,
+        dy: FloatTensor<Self>,
+        rows: usize,
+        start: usize,
+    ) -> FloatTensor<Self> {
+        composed::gather_backward::<Self>(ids, dy, rows, start)
+    }
+
+    /// The differentiable embedding lookup (see [`FusedOps::gather_forward`]).
+    fn fused_embedding(
+        table: FloatTensor<Self>,
+        ids: IntTensor<Self>,
+        start: usize,
+    ) -> FloatTensor<Self> {
+        Self::gather_forward(table, ids, start)
+    }
+
+    /// Calls `f` with the values of `x` in row-major order as host `f32`s: the tensor's own
+    /// buffer on the CPU (no copy when it is contiguous), a copy elsewhere.
+    fn read_f32(x: &FloatTensor<Self>, f: &mut dyn FnMut(&[f32])) {
+        f(&composed::to_host::<Self>(x.clone()))
+    }
+
+    /// One AdamW update (Burn's formula, see [`cpu::adamw`]): the new parameter and moments,
+    /// written in place where the backend can. `moments` is `None` on the first update (the
+    /// moments start at zero).
+    fn adamw_step(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        moments: Option<(FloatTensor<Self>, FloatTensor<Self>)>,
+        step: AdamWStep,
+    ) -> AdamWTensors<Self> {
+        composed::adamw_step::<Self>(param, grad, moments, step)
+    }
+
     /// The sum of the squares of all elements of `x`, accumulated as precisely as the backend
     /// allows (`f64` on the CPU; the default sums in the tensor's own type), for gradient
     /// norms that do not depend on how the gradients are split across ranks.
@@ -226,6 +281,20 @@ pub fn linear<B: FusedOps>(
     bias: Option<Tensor<B, 1>>,
 ) -> Tensor<B, 2> {
     lift(B::fused_linear(prim(x), prim(w), bias.map(prim)))
+}
+
+/// Rows of a shard of an embedding table (`[rows, d]`, the rows `start..start + rows` of the
+/// whole table) for token ids `[batch, seq]`, zeros for ids held by other shards
+/// ([`FusedOps::fused_embedding`]): `[batch, seq, d]`.
+pub fn embedding<B: FusedOps>(
+    table: Tensor<B, 2>,
+    ids: Tensor<B, 2, Int>,
+    start: usize,
+) -> Tensor<B, 3> {
+    let [b, s] = ids.dims();
+    let d = table.dims()[1];
+    let ids = ids.reshape([b * s]).into_primitive();
+    lift::<B, 2>(B::fused_embedding(prim(table), ids, start)).reshape([b, s, d])
 }
 
 /// LayerNorm over the last dimension, fused ([`FusedOps::fused_layer_norm`]).

@@ -9,7 +9,7 @@ use super::linear::{param2, shard_of};
 use super::ops::{ParallelBackend, copy_to_tp, reduce_from_tp};
 use super::sharding::{ShardKind, register};
 use crate::comm::Group;
-use crate::kernels::linear;
+use crate::kernels::{embedding, linear};
 
 /// The vocabulary size padded up to a multiple of `tp`, so that every rank holds the same
 /// number of rows. Padding rows are zero, never looked up, and kept out of the softmax.
@@ -85,20 +85,12 @@ impl<B: ParallelBackend> VocabParallelEmbedding<B> {
         self.group
     }
 
-    /// `[batch, seq]` token ids to `[batch, seq, d_model]` embeddings.
+    /// `[batch, seq]` token ids to `[batch, seq, d_model]` embeddings: each rank looks up the
+    /// ids it holds (zeros for the others, one fused operation,
+    /// [`crate::kernels::embedding`]) and the TP group sums the results.
     pub fn forward(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        if self.group.size() == 1 {
-            return self.embedding.forward(ids);
-        }
-        let start = self.vocab_start as i64;
-        let end = (self.vocab_start + self.local_rows) as i64;
-        let outside = ids
-            .clone()
-            .lower_elem(start)
-            .bool_or(ids.clone().greater_equal_elem(end));
-        let local = (ids - start).mask_fill(outside.clone(), 0);
-        let keep = outside.bool_not().float().unsqueeze_dim::<3>(2);
-        reduce_from_tp(self.embedding.forward(local) * keep, self.group)
+        let rows = embedding(self.embedding.weight.val(), ids, self.vocab_start);
+        reduce_from_tp(rows, self.group)
     }
 
     /// The tied output head: `[batch, seq, d_model]` hidden states to this rank's slice of

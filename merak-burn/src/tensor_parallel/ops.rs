@@ -101,12 +101,6 @@ pub mod plain {
         B::float_cat(parts, dim)
     }
 
-    /// Reads a primitive into a host vector (for gradient hooks).
-    pub fn to_host<B: Backend>(x: FloatTensor<B>) -> Vec<f32> {
-        let (t, shape) = as_rank::<B>(x);
-        crate::comm::tensor_to_vec(t.reshape([shape.num_elements()])).unwrap_or_else(|e| fatal(e))
-    }
-
     /// This rank's chunk along `dim` of a primitive.
     pub fn split<B: Backend>(x: FloatTensor<B>, dim: usize, group: Group) -> FloatTensor<B> {
         if group.size() == 1 {
@@ -199,7 +193,9 @@ impl<B: ParallelBackend> Backward<B, 1> for HookBackward {
     fn backward(self, ops: Ops<usize, 1>, grads: &mut Gradients, _c: &mut Checkpointer) {
         let hook = ops.state;
         unary::<B, _>(ops.parents, ops.node, grads, |g| {
-            crate::data_parallel::deliver_grad(hook, plain::to_host::<B>(g.clone()));
+            B::read_f32(&g, &mut |values| {
+                crate::data_parallel::deliver_grad(hook, values)
+            });
             g
         });
     }

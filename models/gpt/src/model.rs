@@ -153,12 +153,10 @@ impl<B: ParallelBackend> Gpt<B> {
         let (Some(wte), Some(wpe)) = (&self.wte, &self.wpe) else {
             panic!("the embedding unit is not on this pipeline rank");
         };
-        let [b, s] = ids.dims();
-        let device = ids.device();
-        let pos = Tensor::<B, 1, Int>::arange(0..s as i64, &device)
-            .unsqueeze::<2>()
-            .expand([b, s]);
-        self.dropout.forward(wte.forward(ids) + wpe.forward(pos))
+        // The first `seq` position embeddings, added to every sequence (broadcast).
+        let s = ids.dims()[1];
+        let pos = wpe.weight.val().narrow(0, 0, s).unsqueeze::<3>();
+        self.dropout.forward(wte.forward(ids) + pos)
     }
 
     /// Blocks `first..end` (0-based block indices).
