@@ -226,14 +226,12 @@ impl FusedOps for Flex {
         }
         let ((x, xv), (w, wv)) = (matrix(&x), matrix(&w));
         let bias = bias.map(|b| contiguous(&b));
-        let mut y = vec![0.0; xv.rows * wv.cols];
-        linear::forward(
+        let y = linear::forward(
             x.storage::<f32>(),
             xv,
             w.storage::<f32>(),
             wv,
             bias.as_ref().map(|b| b.storage::<f32>()),
-            &mut y,
         );
         tensor(y, [xv.rows, wv.cols])
     }
@@ -252,23 +250,16 @@ impl FusedOps for Flex {
         let g = dy.storage::<f32>();
         let (w, wv) = matrix(&w);
         let dx = want[0].then(|| {
-            let mut dx = vec![0.0; rows * wv.rows];
-            linear::grad_input(g, w.storage::<f32>(), wv, &mut dx);
+            let dx = linear::grad_input(g, w.storage::<f32>(), wv);
             tensor(dx, [rows, wv.rows])
         });
         let dw = x.filter(|_| want[1]).map(|x| {
             let (x, xv) = matrix(&x);
             let d_in = xv.cols;
-            let mut dw = vec![0.0; d_in * d_out];
             // Written column-major ([d_out, d_in] transposed) when the weight is such a view
             // (a tied head), so that its gradient adds to the table's without a copy.
             let transposed = wv.rs == 1 && wv.cs == d_in && d_out > 1;
-            let dwv = if transposed {
-                View::new(0, d_in, d_out, 1, d_in)
-            } else {
-                View::new(0, d_in, d_out, d_out, 1)
-            };
-            linear::grad_weight(x.storage::<f32>(), xv, g, &mut dw, dwv);
+            let dw = linear::grad_weight(x.storage::<f32>(), xv, g, d_out, transposed);
             if transposed {
                 tensor(dw, [d_out, d_in]).transpose(0, 1)
             } else {

@@ -58,18 +58,41 @@ impl Shape {
         [base, base + part, base + 2 * part]
     }
 
+    /// The blocks of query rows the kernels work in: with a causal mask, blocks of 32 rows, so
+    /// that the scores above the diagonal's blocks are never computed (a block of rows
+    /// `r0..r1` attends to keys `0..r1`); otherwise one block.
+    fn row_blocks(&self) -> Vec<(usize, usize)> {
+        let step = if self.causal && self.seq >= 64 {
+            32
+        } else {
+            self.seq.max(1)
+        };
+        (0..self.seq)
+            .step_by(step)
+            .map(|r0| (r0, (r0 + step).min(self.seq)))
+            .collect()
+    }
+
+    /// The keys rows `r0..r1` attend to: `0..r1` under a causal mask, all otherwise.
+    fn key_end(&self, r1: usize) -> usize {
+        if self.causal { r1 } else { self.seq }
+    }
+
     /// Offset of head `h` of sequence `b` in the context.
     fn ctx_offset(&self, b: usize, h: usize) -> usize {
         (b * self.seq * self.heads + h) * self.head_dim
     }
 }
 
-/// Softmax of each row of `scores` (`[seq, seq]`) in place; with `causal`, row `i` covers
-/// columns `0..=i` and the rest is set to 0.
+/// Softmax over the first `width` columns of rows `first..` of a `[.., seq]` score block in
+/// place (`scores` starts at row `first`); with `causal`, row `i` covers columns `0..=i` and
+/// its columns `i + 1..width` are set to 0.
 #[inline(always)]
-fn softmax_rows(scores: &mut [f32], seq: usize, causal: bool) {
-    for (i, row) in scores.chunks_exact_mut(seq).enumerate() {
-        let n = if causal { i + 1 } else { seq };
+fn softmax_rows(scores: &mut [f32], seq: usize, first: usize, width: usize, causal: bool) {
+    for (r, row) in scores.chunks_exact_mut(seq).enumerate() {
+        let i = first + r;
+        let row = &mut row[..width];
+        let n = if causal { (i + 1).min(width) } else { width };
         let (live, dead) = row.split_at_mut(n);
         let m = max(live);
         let mut total = 0.0f32;
@@ -105,35 +128,53 @@ pub fn forward(qkv: &[f32], shape: Shape, ctx: &mut [f32], probs: &mut [f32]) {
     );
     let (s, d, hd) = (shape.seq, shape.head_dim, shape.heads * shape.head_dim);
     let rs = shape.qkv_rs();
+    let blocks = shape.row_blocks();
     for b in 0..shape.batch {
         for h in 0..shape.heads {
             let [q, k, v] = shape.qkv_offsets(b, h);
             let p_off = (b * shape.heads + h) * s * s;
-            let p = View::new(p_off, s, s, s, 1);
-            matmul(
-                probs,
-                p,
-                qkv,
-                View::new(q, s, d, rs, 1),
-                qkv,
-                View::new(k, s, d, rs, 1).t(),
-                shape.scale(),
-                false,
-            );
-            simd(
-                #[inline(always)]
-                || softmax_rows(&mut probs[p_off..p_off + s * s], s, shape.causal),
-            );
-            let c = View::new(shape.ctx_offset(b, h), s, d, hd, 1);
-            matmul(ctx, c, probs, p, qkv, View::new(v, s, d, rs, 1), 1.0, false);
+            for &(r0, r1) in &blocks {
+                let (m, kend) = (r1 - r0, shape.key_end(r1));
+                let p = View::new(p_off + r0 * s, m, kend, s, 1);
+                let qb = View::new(q + r0 * rs, m, d, rs, 1);
+                matmul(
+                    probs,
+                    p,
+                    qkv,
+                    qb,
+                    qkv,
+                    View::new(k, kend, d, rs, 1).t(),
+                    shape.scale(),
+                    false,
+                );
+                let rows = &mut probs[p.offset..p.offset + m * s];
+                simd(
+                    #[inline(always)]
+                    || softmax_rows(rows, s, r0, kend, shape.causal),
+                );
+                let c = View::new(shape.ctx_offset(b, h) + r0 * hd, m, d, hd, 1);
+                matmul(
+                    ctx,
+                    c,
+                    probs,
+                    p,
+                    qkv,
+                    View::new(v, kend, d, rs, 1),
+                    1.0,
+                    false,
+                );
+            }
         }
     }
 }
 
-/// `dS = P * (dP - rowsum(P * dP))` in place over `dp` (`[seq, seq]`).
+/// `dS = P * (dP - rowsum(P * dP))` in place over `dp`, on the first `width` columns of rows
+/// of length `seq`.
 #[inline(always)]
-fn softmax_backward_rows(p: &[f32], dp: &mut [f32], seq: usize) {
+fn softmax_backward_rows(p: &[f32], dp: &mut [f32], seq: usize, width: usize) {
     for (pr, gr) in p.chunks_exact(seq).zip(dp.chunks_exact_mut(seq)) {
+        let (pr, gr) = (&pr[..width], &mut gr[..width]);
+        let seq = width;
         let mut acc = [0.0f32; 8];
         let chunks = pr.chunks_exact(8).zip(gr.chunks_exact(8));
         for (pc, gc) in chunks {
@@ -180,28 +221,74 @@ pub fn backward(
     );
     let (s, d, hd) = (shape.seq, shape.head_dim, shape.heads * shape.head_dim);
     let rs = shape.qkv_rs();
-    let ss = View::new(0, s, s, s, 1);
+    let blocks = shape.row_blocks();
     for b in 0..shape.batch {
         for h in 0..shape.heads {
             let [q, k, v] = shape.qkv_offsets(b, h);
-            let (qv, kv, vv) = (
-                View::new(q, s, d, rs, 1),
-                View::new(k, s, d, rs, 1),
-                View::new(v, s, d, rs, 1),
-            );
-            let p = View::new((b * shape.heads + h) * s * s, s, s, s, 1);
-            let dout = View::new(shape.ctx_offset(b, h), s, d, hd, 1);
-            // dV = P^T dO, dP = dO V^T.
-            matmul(dqkv, vv, probs, p.t(), dctx, dout, 1.0, false);
-            matmul(scratch, ss, dctx, dout, qkv, vv.t(), 1.0, false);
-            let p_rows = &probs[p.offset..p.offset + s * s];
-            simd(
-                #[inline(always)]
-                || softmax_backward_rows(p_rows, &mut scratch[..s * s], s),
-            );
-            // dQ = scale dS K, dK = scale dS^T Q.
-            matmul(dqkv, qv, scratch, ss, qkv, kv, shape.scale(), false);
-            matmul(dqkv, kv, scratch, ss.t(), qkv, qv, shape.scale(), false);
+            let p_off = (b * shape.heads + h) * s * s;
+            let dout = shape.ctx_offset(b, h);
+            // By query rows: dP = dO V^T, dS, dQ = scale dS K.
+            for &(r0, r1) in &blocks {
+                let (m, kend) = (r1 - r0, shape.key_end(r1));
+                let ds = View::new(r0 * s, m, kend, s, 1);
+                let dob = View::new(dout + r0 * hd, m, d, hd, 1);
+                matmul(
+                    scratch,
+                    ds,
+                    dctx,
+                    dob,
+                    qkv,
+                    View::new(v, kend, d, rs, 1).t(),
+                    1.0,
+                    false,
+                );
+                let p_rows = &probs[p_off + r0 * s..p_off + r1 * s];
+                let g_rows = &mut scratch[r0 * s..r1 * s];
+                simd(
+                    #[inline(always)]
+                    || softmax_backward_rows(p_rows, g_rows, s, kend),
+                );
+                let dq = View::new(q + r0 * rs, m, d, rs, 1);
+                matmul(
+                    dqkv,
+                    dq,
+                    scratch,
+                    ds,
+                    qkv,
+                    View::new(k, kend, d, rs, 1),
+                    shape.scale(),
+                    false,
+                );
+            }
+            // By keys: dV = P^T dO and dK = scale dS^T Q, over the queries that see them.
+            for &(c0, c1) in &blocks {
+                let first = if shape.causal { c0 } else { 0 };
+                let (n, m) = (c1 - c0, s - first);
+                let pt = View::new(p_off + first * s + c0, m, n, s, 1).t();
+                let dst = View::new(first * s + c0, m, n, s, 1).t();
+                let dob = View::new(dout + first * hd, m, d, hd, 1);
+                let qb = View::new(q + first * rs, m, d, rs, 1);
+                matmul(
+                    dqkv,
+                    View::new(v + c0 * rs, n, d, rs, 1),
+                    probs,
+                    pt,
+                    dctx,
+                    dob,
+                    1.0,
+                    false,
+                );
+                matmul(
+                    dqkv,
+                    View::new(k + c0 * rs, n, d, rs, 1),
+                    scratch,
+                    dst,
+                    qkv,
+                    qb,
+                    shape.scale(),
+                    false,
+                );
+            }
         }
     }
 }
@@ -274,12 +361,18 @@ mod tests {
 
     #[test]
     fn forward_and_backward_match_the_definition() {
-        for causal in [true, false] {
+        // 70 tokens: three causal row blocks (32, 32, 6).
+        for (causal, batch, seq, heads, head_dim) in [
+            (true, 2, 11, 3, 5),
+            (false, 2, 11, 3, 5),
+            (true, 1, 70, 2, 3),
+            (false, 1, 70, 2, 3),
+        ] {
             let shape = Shape {
-                batch: 2,
-                seq: 11,
-                heads: 3,
-                head_dim: 5,
+                batch,
+                seq,
+                heads,
+                head_dim,
                 causal,
             };
             let val = |i: usize, salt: usize| {
@@ -288,10 +381,10 @@ mod tests {
             let qkv: Vec<f32> = (0..shape.qkv_len()).map(|i| val(i, 1)).collect();
             let dctx: Vec<f32> = (0..shape.ctx_len()).map(|i| val(i, 2)).collect();
             let mut ctx = vec![0.0; shape.ctx_len()];
-            let mut probs = vec![0.0; shape.probs_len()];
+            let mut probs = vec![f32::NAN; shape.probs_len()];
             forward(&qkv, shape, &mut ctx, &mut probs);
             let mut dqkv = vec![f32::NAN; shape.qkv_len()];
-            let mut scratch = vec![0.0; shape.seq * shape.seq];
+            let mut scratch = vec![f32::NAN; shape.seq * shape.seq];
             backward(&qkv, &probs, &dctx, shape, &mut dqkv, &mut scratch);
             let (s, d, hh) = (shape.seq, shape.head_dim, shape.heads);
             for b in 0..shape.batch {

@@ -98,3 +98,49 @@ pub fn matmul(
         );
     }
 }
+
+/// A new `d.rows x d.cols` matrix holding `beta * lhs * rhs`, laid out as the dense view `d`
+/// (offset 0, row-major or column-major), without clearing the buffer first: the product
+/// writes every element.
+pub fn matmul_new(d: View, lhs: &[f32], l: View, rhs: &[f32], r: View, beta: f32) -> Vec<f32> {
+    let n = d.rows * d.cols;
+    let dense =
+        d.offset == 0 && ((d.rs == d.cols && d.cs == 1) || (d.rs == 1 && d.cs == d.rows) || n <= 1);
+    assert!(dense, "matrix product: {d:?} is not a dense matrix");
+    assert!(
+        d.rows == l.rows && d.cols == r.cols && l.cols == r.rows,
+        "matrix product: shapes"
+    );
+    l.check(lhs.len());
+    r.check(rhs.len());
+    let mut out: Vec<f32> = Vec::with_capacity(n);
+    // SAFETY: `out` has room for the `n` elements of the dense view `d`; with `read_dst` false
+    // gemm reads none of them and writes each one (every element of the `m x n` product), so
+    // all `n` are initialized when the length is set; `lhs` and `rhs` were checked to hold
+    // their views and do not alias `out`, a new allocation.
+    unsafe {
+        gemm::gemm(
+            d.rows,
+            d.cols,
+            l.cols,
+            out.as_mut_ptr(),
+            d.cs as isize,
+            d.rs as isize,
+            false,
+            lhs.as_ptr().add(l.offset),
+            l.cs as isize,
+            l.rs as isize,
+            rhs.as_ptr().add(r.offset),
+            r.cs as isize,
+            r.rs as isize,
+            1.0,
+            beta,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+        out.set_len(n);
+    }
+    out
+}

@@ -2,36 +2,51 @@
 //! bias is written first and the product accumulated onto it, and the weight may be a strided
 //! view (the tied output head reads the embedding table transposed, without a copy).
 
-use super::gemm::{View, matmul};
+use super::gemm::{View, matmul, matmul_new};
 use super::math::simd;
 
-/// `y = x w (+ bias)`: `x` is `[rows, d_in]`, `w` `[d_in, d_out]` (any strides), `y` a
-/// row-major `[rows, d_out]` buffer, overwritten.
-pub fn forward(x: &[f32], xv: View, w: &[f32], wv: View, bias: Option<&[f32]>, y: &mut [f32]) {
+/// `y = x w (+ bias)`: `x` is `[rows, d_in]`, `w` `[d_in, d_out]` (any strides); returns `y`,
+/// row-major `[rows, d_out]`.
+pub fn forward(x: &[f32], xv: View, w: &[f32], wv: View, bias: Option<&[f32]>) -> Vec<f32> {
     let yv = View::new(0, xv.rows, wv.cols, wv.cols, 1);
     match bias {
         Some(b) => {
-            for row in y.chunks_exact_mut(wv.cols.max(1)) {
-                row.copy_from_slice(b);
+            let mut y = Vec::with_capacity(xv.rows * wv.cols);
+            for _ in 0..xv.rows {
+                y.extend_from_slice(b);
             }
-            matmul(y, yv, x, xv, w, wv, 1.0, true);
+            matmul(&mut y, yv, x, xv, w, wv, 1.0, true);
+            y
         }
-        None => matmul(y, yv, x, xv, w, wv, 1.0, false),
+        None => matmul_new(yv, x, xv, w, wv, 1.0),
     }
 }
 
-/// `dx = dy w^T`: `dy` row-major `[rows, d_out]`, `dx` row-major `[rows, d_in]`.
-pub fn grad_input(dy: &[f32], w: &[f32], wv: View, dx: &mut [f32]) {
+/// `dx = dy w^T`: `dy` row-major `[rows, d_out]`; returns `dx`, row-major `[rows, d_in]`.
+pub fn grad_input(dy: &[f32], w: &[f32], wv: View) -> Vec<f32> {
     let rows = dy.len() / wv.cols.max(1);
     let dyv = View::new(0, rows, wv.cols, wv.cols, 1);
-    let dxv = View::new(0, rows, wv.rows, wv.rows, 1);
-    matmul(dx, dxv, dy, dyv, w, wv.t(), 1.0, false);
+    matmul_new(
+        View::new(0, rows, wv.rows, wv.rows, 1),
+        dy,
+        dyv,
+        w,
+        wv.t(),
+        1.0,
+    )
 }
 
-/// `dw = x^T dy`, written through the view `dwv` (`[d_in, d_out]`, any strides).
-pub fn grad_weight(x: &[f32], xv: View, dy: &[f32], dw: &mut [f32], dwv: View) {
-    let dyv = View::new(0, xv.rows, dwv.cols, dwv.cols, 1);
-    matmul(dw, dwv, x, xv.t(), dy, dyv, 1.0, false);
+/// `dw = x^T dy` (`[d_in, d_out]`), row-major, or column-major with `column_major` (the
+/// layout of a weight stored transposed).
+pub fn grad_weight(x: &[f32], xv: View, dy: &[f32], d_out: usize, column_major: bool) -> Vec<f32> {
+    let d_in = xv.cols;
+    let dyv = View::new(0, xv.rows, d_out, d_out, 1);
+    let dwv = if column_major {
+        View::new(0, d_in, d_out, 1, d_in)
+    } else {
+        View::new(0, d_in, d_out, d_out, 1)
+    };
+    matmul_new(dwv, x, xv.t(), dy, dyv, 1.0)
 }
 
 /// `db = sum over rows of dy` (`dy` row-major `[rows, db.len()]`).
@@ -63,17 +78,12 @@ mod tests {
         let b = [0.5f32, -0.25, 1.0];
         let xv = View::new(0, rows, din, din, 1);
         let wv = View::new(0, din, dout, 1, din);
-        let mut y = vec![f32::NAN; rows * dout];
-        forward(&x, xv, &wt, wv, Some(&b), &mut y);
+        let y = forward(&x, xv, &wt, wv, Some(&b));
         let dy: Vec<f32> = (0..rows * dout).map(|i| (i as f32 * 0.11).cos()).collect();
-        let (mut dx, mut dw, mut db) = (
-            vec![f32::NAN; rows * din],
-            vec![f32::NAN; din * dout],
-            [0.0; 3],
-        );
-        grad_input(&dy, &wt, wv, &mut dx);
+        let dx = grad_input(&dy, &wt, wv);
         // dw in the weight's own (transposed) layout.
-        grad_weight(&x, xv, &dy, &mut dw, wv);
+        let dw = grad_weight(&x, xv, &dy, dout, true);
+        let mut db = [0.0; 3];
         grad_bias(&dy, &mut db);
         for r in 0..rows {
             for o in 0..dout {
