@@ -3,9 +3,10 @@
 //! accumulation over micro-batches; ZeRO-1 ownership of optimizer state.
 //!
 //! How it works: [`DataParallel::hooked`] wraps every parameter of a model in a gradient hook
-//! (an identity autodiff operation). When the backward pass reaches a parameter, its hook reads
-//! the gradient in place (on the CPU backend, without a copy) into its bucket's host buffer
-//! (copied on the step's first micro-batch, added on later ones). On the last
+//! (an identity autodiff operation). When the backward pass reaches a parameter, its hook takes
+//! the gradient into its bucket's host buffer (on the CPU backend a parameter alone in its
+//! bucket hands over its buffer without a copy; others are copied on the step's first
+//! micro-batch and added on later ones). On the last
 //! micro-batch of a step, a bucket whose parameters have all reported starts a non-blocking
 //! all-reduce at once, and every later hook call progresses the ones in flight, so the
 //! communication runs while the backward pass computes the remaining gradients.

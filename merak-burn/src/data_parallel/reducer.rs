@@ -34,9 +34,9 @@ struct Bucket {
     /// The bucket's slots: `slots.start..slots.end` in [`State::slots`].
     slots: std::ops::Range<usize>,
     /// The bucket's gradients (`end - start` values), moved into its all-reduce while that
-    /// runs and back when it completes. A bucket of one parameter starts each step empty
-    /// (with the capacity) and is filled by its first gradient; [`DataParallel::finish`] then
-    /// hands the buffer itself to the gradient tensor, without a copy.
+    /// runs and back when it completes. A bucket of one parameter starts each step empty and
+    /// takes its first gradient's buffer; [`DataParallel::finish`] hands the buffer on to the
+    /// gradient tensor: no copy on the way.
     data: Vec<f32>,
     /// Parameters of the bucket whose gradient has not arrived yet in the last micro-batch.
     waiting: usize,
@@ -55,10 +55,11 @@ struct State {
     launched_early: usize,
 }
 
-/// A new bucket buffer: empty with the capacity for one parameter, zeros for several.
+/// A new bucket buffer: empty for one parameter (its first gradient becomes the buffer),
+/// zeros for several.
 fn bucket_buffer(members: usize, len: usize) -> Vec<f32> {
     if members == 1 {
-        Vec::with_capacity(len)
+        Vec::new()
     } else {
         vec![0.0; len]
     }
@@ -67,21 +68,22 @@ fn bucket_buffer(members: usize, len: usize) -> Vec<f32> {
 impl State {
     /// Adds the gradient of parameter `index` to its place in its bucket (the step's first
     /// gradient of a parameter is copied, so no buffer is cleared between steps).
-    fn on_grad(&mut self, index: usize, grad: &[f32]) {
+    fn on_grad(&mut self, index: usize, grad: Vec<f32>) {
         let Some(slot) = self.slots.get_mut(index) else {
             return;
         };
         let bucket = &mut self.buckets[slot.bucket];
         let at = slot.offset - bucket.start;
         if bucket.data.is_empty() && bucket.slots.len() == 1 && grad.len() == slot.len {
-            bucket.data.extend_from_slice(grad);
+            // A one-parameter bucket takes the first gradient's buffer itself.
+            bucket.data = grad;
         } else if let Some(dst) = bucket.data.get_mut(at..at + slot.len)
             && grad.len() == dst.len()
         {
             if slot.seen {
-                dst.iter_mut().zip(grad).for_each(|(d, g)| *d += g);
+                dst.iter_mut().zip(&grad).for_each(|(d, g)| *d += g);
             } else {
-                dst.copy_from_slice(grad);
+                dst.copy_from_slice(&grad);
             }
         }
         slot.seen = true;
@@ -150,7 +152,7 @@ thread_local! {
 
 /// Called by the gradient hook of parameter `index` during the backward pass.
 #[doc(hidden)]
-pub fn deliver_grad(index: usize, grad: &[f32]) {
+pub fn deliver_grad(index: usize, grad: Vec<f32>) {
     ACTIVE.with(|a| {
         if let Some(state) = a.borrow().as_ref() {
             state.borrow_mut().on_grad(index, grad);
@@ -315,8 +317,7 @@ impl DataParallel {
             // A one-parameter bucket is filled by its first gradient; a bucket whose buffer went
             // to a gradient tensor, or stayed with a failed all-reduce, gets a new one.
             if b.slots.len() == 1 {
-                b.data.clear();
-                b.data.reserve(b.end - b.start);
+                b.data = Vec::new();
             } else if b.data.len() != b.end - b.start {
                 b.data = vec![0.0; b.end - b.start];
             }

@@ -108,11 +108,12 @@ impl FusedOps for Flex {
         tensor(grad, [rows, d])
     }
 
-    fn read_f32(x: &FlexTensor, f: &mut dyn FnMut(&[f32])) {
-        if !is_f32(x) {
-            return f(&composed::to_host::<Flex>(x.clone()));
+    fn into_host_vec(x: FlexTensor) -> Vec<f32> {
+        if !is_f32(&x) {
+            return composed::to_host::<Flex>(x);
         }
-        f(contiguous(x).storage::<f32>())
+        // Zero-copy when `x` is the only, contiguous reference to a buffer allocated for f32s.
+        x.into_data().into_vec::<f32>().unwrap_or_default()
     }
 
     fn adamw_step(

@@ -96,10 +96,10 @@ pub trait FusedOps: Backend {
         Self::gather_forward(table, ids, start)
     }
 
-    /// Calls `f` with the values of `x` in row-major order as host `f32`s: the tensor's own
-    /// buffer on the CPU (no copy when it is contiguous), a copy elsewhere.
-    fn read_f32(x: &FloatTensor<Self>, f: &mut dyn FnMut(&[f32])) {
-        f(&composed::to_host::<Self>(x.clone()))
+    /// The values of `x` in row-major order as a host vector: on the CPU the tensor's own
+    /// buffer when nothing else holds it (no copy), a copy otherwise.
+    fn into_host_vec(x: FloatTensor<Self>) -> Vec<f32> {
+        composed::to_host::<Self>(x)
     }
 
     /// One AdamW update (Burn's formula, see [`cpu::adamw`]): the new parameter and moments,

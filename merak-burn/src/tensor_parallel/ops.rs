@@ -35,7 +35,7 @@ pub trait ParallelBackend: Backend + crate::kernels::FusedOps {
     /// This rank's chunk along `dim` forward; all-gather of the gradient backward.
     fn tp_split(x: FloatTensor<Self>, dim: usize, group: Group) -> FloatTensor<Self>;
     /// Identity forward; backward, hands the gradient to the data-parallel gradient hook
-    /// `hook` (see [`crate::data_parallel`]) as soon as it is final, and passes it on unchanged.
+    /// `hook` (see [`crate::data_parallel`]) as soon as it is final; the input gets none.
     fn grad_hook(x: FloatTensor<Self>, hook: usize) -> FloatTensor<Self>;
 }
 
@@ -190,14 +190,12 @@ struct HookBackward;
 
 impl<B: ParallelBackend> Backward<B, 1> for HookBackward {
     type State = usize;
+    /// Hands the gradient to the reducer, which owns it from here: the parameter leaf behind
+    /// the hook (a fresh leaf of one forward pass) gets no gradient of its own, so the buffer
+    /// moves to the reducer without a copy.
     fn backward(self, ops: Ops<usize, 1>, grads: &mut Gradients, _c: &mut Checkpointer) {
-        let hook = ops.state;
-        unary::<B, _>(ops.parents, ops.node, grads, |g| {
-            B::read_f32(&g, &mut |values| {
-                crate::data_parallel::deliver_grad(hook, values)
-            });
-            g
-        });
+        let g = grads.consume::<B>(&ops.node);
+        crate::data_parallel::deliver_grad(ops.state, B::into_host_vec(g));
     }
 }
 
