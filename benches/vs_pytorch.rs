@@ -19,7 +19,7 @@
 //! ```text
 //! cargo build --release -p merak-launch -p merak-benches
 //! bash scripts/bench-venv.sh          # PyTorch (CPU) in .venv-bench
-//! target/release/bench-vs-pytorch     # --shapes tiny,4layer --procs 1,2 --reps 3
+//! target/release/bench-vs-pytorch     # --shapes tiny,4layer --procs 1,2 --reps 3 --curve-steps 0
 //! ```
 
 #[path = "common.rs"]
@@ -58,12 +58,17 @@ struct Args {
     /// An earlier merak build to measure as a third variant.
     #[arg(long)]
     baseline_merak: Option<PathBuf>,
+    /// Also train each shape this many steps on one process with both (0: skip) and print
+    /// the two loss curves side by side.
+    #[arg(long, default_value_t = 0)]
+    curve_steps: usize,
     /// Folder for the runs' outputs.
     #[arg(long, default_value = "target/bench-vs-pytorch")]
     out: PathBuf,
 }
 
 /// A model shape and its run length.
+#[derive(Clone, Copy)]
 struct Shape {
     name: &'static str,
     vocab: usize,
@@ -168,6 +173,46 @@ fn main() -> Result<()> {
         }
     }
     scaling(&one_proc);
+    if args.curve_steps > 0 {
+        for shape in SHAPES
+            .iter()
+            .filter(|s| args.shapes.iter().any(|n| n == s.name))
+        {
+            curves(&args, &tools, shape)?;
+        }
+    }
+    Ok(())
+}
+
+/// One long run of merak and of PyTorch on one process: their losses side by side.
+fn curves(args: &Args, tools: &Tools, shape: &Shape) -> Result<()> {
+    let long = Shape {
+        steps: args.curve_steps,
+        ..*shape
+    };
+    let mut losses = Vec::new();
+    for v in [Variant::Merak, Variant::Torch] {
+        let out = args.out.join(format!(
+            "{}-curve-{}",
+            shape.name,
+            v.label().replace(' ', "")
+        ));
+        let _ = std::fs::remove_dir_all(&out);
+        std::fs::create_dir_all(&out)?;
+        losses.push(run(tools, v, &long, 1, &out, args.warmup)?.losses);
+    }
+    println!(
+        "\n## loss curves, {}: {} steps on one process (ln V = {:.4})",
+        shape.name,
+        long.steps,
+        (shape.vocab as f64).ln()
+    );
+    println!("{:>6} {:>12} {:>12}", "step", "merak", "PyTorch");
+    let n = losses[0].len().min(losses[1].len());
+    let every = (n / 10).max(1);
+    for i in (0..n).filter(|i| i % every == 0 || *i + 1 == n) {
+        println!("{:>6} {:>12.6} {:>12.6}", i + 1, losses[0][i], losses[1][i]);
+    }
     Ok(())
 }
 
