@@ -78,8 +78,8 @@ fn all_reduce(group: Group, buf: &mut [f32], op: ReduceOp) {
     comm.all_reduce(buf, op).unwrap_or_else(|e| fatal(what, e));
 }
 
-/// The tensor as a contiguous buffer this caller may write: the tensor itself when it is the
-/// only reference to its data, a copy otherwise.
+/// The tensor, contiguous, for writing through `storage_mut`: that writes in place when this is
+/// the only reference to the data and copies it first otherwise.
 fn owned(t: FlexTensor) -> FlexTensor {
     t.to_contiguous()
 }

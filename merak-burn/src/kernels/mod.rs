@@ -20,7 +20,12 @@
 //! | [`linear`] | the bias written, the product accumulated onto it (`gemm`, strided weights) | two products over all rows and a column sum, only for the inputs that need a gradient |
 //! | [`LayerNorm`](crate::tensor_parallel::LayerNorm) | one pass per row; keeps each row's mean and `1 / std` | one pass per row, written over the upstream gradient |
 //! | [`bias_gelu`] | `gelu(x + b)` (exact GELU, vectorized `erfc`) | one pass, over the upstream gradient |
-//! | [`attention`] | per head: scores (matrix product reading Q and K in place), masked softmax, context written in its final layout | five matrix products per head, the Q/K/V gradient written in the fused layout |
+//! | [`attention`] | per head, in blocks of 32 query rows under a causal mask (no scores above the diagonal's blocks): scores (a product reading Q and K in place), softmax, context written in its final layout | five products per head, the Q/K/V gradient written in the fused layout |
+//!
+//! Besides, [`FusedOps::adamw_step`] (behind [`FusedAdamW`](crate::train::FusedAdamW)) updates a
+//! parameter and its moments in one in-place pass, [`FusedOps::sum_of_squares`] accumulates a
+//! gradient's squared norm in `f64`, and [`FusedOps::into_host_vec`] hands a tensor's buffer to
+//! the data-parallel reducer without a copy.
 
 mod autodiff;
 pub mod composed;
