@@ -4,18 +4,10 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{Bool, Int, Shape, Tensor, TensorPrimitive};
+use burn::tensor::{Bool, Int, Shape, Tensor};
 
-use super::{AttentionSpec, NormStats, VocabShard, fatal};
+use super::{AttentionSpec, NormStats, VocabShard, fatal, lift, prim};
 use crate::comm::{Group, ReduceOp, TensorComm};
-
-fn float<B: Backend, const D: usize>(x: FloatTensor<B>) -> Tensor<B, D> {
-    Tensor::from_primitive(TensorPrimitive::Float(x))
-}
-
-fn prim<B: Backend, const D: usize>(x: Tensor<B, D>) -> FloatTensor<B> {
-    x.into_primitive().tensor()
-}
 
 fn all_reduce<B: Backend, const D: usize>(
     x: Tensor<B, D>,
@@ -69,7 +61,7 @@ pub fn cross_entropy_forward<B: Backend>(
     shard: VocabShard,
     group: Group,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
-    let logits = float::<B, 2>(logits);
+    let logits = lift::<B, 2>(logits);
     let targets = Tensor::<B, 1, Int>::from_primitive(targets);
     let [n, cols] = logits.dims();
     let pad = padding::<B>(n, cols, shard.valid, &logits.device());
@@ -102,11 +94,11 @@ pub fn cross_entropy_backward<B: Backend>(
     shard: VocabShard,
     grad: FloatTensor<B>,
 ) -> FloatTensor<B> {
-    let logits = float::<B, 2>(logits);
+    let logits = lift::<B, 2>(logits);
     let targets = Tensor::<B, 1, Int>::from_primitive(targets);
     let [n, cols] = logits.dims();
     let device = logits.device();
-    let stats = float::<B, 2>(stats);
+    let stats = lift::<B, 2>(stats);
     let (max, sum_exp) = (stats.clone().narrow(1, 0, 1), stats.narrow(1, 1, 1));
     let mut p = (logits - max).exp() / sum_exp;
     if let Some(pad) = padding::<B>(n, cols, shard.valid, &device) {
@@ -121,13 +113,13 @@ pub fn cross_entropy_backward<B: Backend>(
         .float();
     let weight = targets.greater_equal_elem(0).float().reshape([n, 1]);
     let count = weight.clone().sum().clamp_min(1.0);
-    let scale = float::<B, 1>(grad) / count;
+    let scale = lift::<B, 1>(grad) / count;
     prim((p - onehot) * weight * scale.unsqueeze::<2>())
 }
 
 /// `x` (any rank) seen as `[rows, d]` with `d` its last dimension, and its own shape.
 fn rows<B: Backend>(x: FloatTensor<B>) -> (Tensor<B, 2>, Shape) {
-    let t = float::<B, 1>(x);
+    let t = lift::<B, 1>(x);
     let shape = t.shape();
     let last = shape[shape.num_dims() - 1].max(1);
     (t.reshape([shape.num_elements() / last, last]), shape)
@@ -152,8 +144,8 @@ pub fn layer_norm_forward<B: Backend>(
     let centered = x - mean.clone();
     let var = centered.clone().powi_scalar(2).mean_dim(1);
     let rstd = (var + eps).sqrt().recip();
-    let y = centered * rstd.clone() * float::<B, 1>(gamma).unsqueeze::<2>()
-        + float::<B, 1>(beta).unsqueeze::<2>();
+    let y = centered * rstd.clone() * lift::<B, 1>(gamma).unsqueeze::<2>()
+        + lift::<B, 1>(beta).unsqueeze::<2>();
     (
         unrows(y, shape),
         (prim(mean.reshape([n])), prim(rstd.reshape([n]))),
@@ -171,10 +163,10 @@ pub fn layer_norm_backward<B: Backend>(
     let (x, shape) = rows::<B>(x);
     let (dy, _) = rows::<B>(dy);
     let n = x.dims()[0];
-    let mean = float::<B, 1>(stats.0).reshape([n, 1]);
-    let rstd = float::<B, 1>(stats.1).reshape([n, 1]);
+    let mean = lift::<B, 1>(stats.0).reshape([n, 1]);
+    let rstd = lift::<B, 1>(stats.1).reshape([n, 1]);
     let xhat = (x - mean) * rstd.clone();
-    let g = dy.clone() * float::<B, 1>(gamma).unsqueeze::<2>();
+    let g = dy.clone() * lift::<B, 1>(gamma).unsqueeze::<2>();
     let mg = g.clone().mean_dim(1);
     let mgx = (g.clone() * xhat.clone()).mean_dim(1);
     let dx = (g - mg - xhat.clone() * mgx) * rstd;
@@ -191,7 +183,7 @@ pub fn layer_norm_backward<B: Backend>(
 /// Composed `gelu(x + bias)` forward.
 pub fn bias_gelu_forward<B: Backend>(x: FloatTensor<B>, bias: FloatTensor<B>) -> FloatTensor<B> {
     let (x, shape) = rows::<B>(x);
-    let y = burn::tensor::activation::gelu(x + float::<B, 1>(bias).unsqueeze::<2>());
+    let y = burn::tensor::activation::gelu(x + lift::<B, 1>(bias).unsqueeze::<2>());
     unrows(y, shape)
 }
 
@@ -203,8 +195,8 @@ pub fn bias_gelu_backward<B: Backend>(
 ) -> [FloatTensor<B>; 2] {
     let (x, shape) = rows::<B>(x);
     let (dy, _) = rows::<B>(dy);
-    let z = x + float::<B, 1>(bias).unsqueeze::<2>();
-    let dz = float::<B, 2>(B::gelu_backward(prim(z), prim(dy)));
+    let z = x + lift::<B, 1>(bias).unsqueeze::<2>();
+    let dz = lift::<B, 2>(B::gelu_backward(prim(z), prim(dy)));
     let d = dz.dims()[1];
     let dbias = dz.clone().sum_dim(0).reshape([d]);
     [unrows(dz, shape), prim(dbias)]
@@ -235,7 +227,7 @@ pub fn attention_forward<B: Backend>(
     qkv: FloatTensor<B>,
     spec: AttentionSpec,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
-    let [q, k, v] = split_heads(float::<B, 3>(qkv), spec.heads);
+    let [q, k, v] = split_heads(lift::<B, 3>(qkv), spec.heads);
     let [b, h, s, d] = q.dims();
     let mut scores = q.matmul(k.swap_dims(2, 3)) * (1.0 / (d as f64).sqrt());
     if spec.causal {
@@ -258,10 +250,10 @@ pub fn attention_backward<B: Backend>(
     dctx: FloatTensor<B>,
     spec: AttentionSpec,
 ) -> FloatTensor<B> {
-    let [q, k, v] = split_heads(float::<B, 3>(qkv), spec.heads);
+    let [q, k, v] = split_heads(lift::<B, 3>(qkv), spec.heads);
     let [b, h, s, d] = q.dims();
-    let p = float::<B, 4>(probs);
-    let dout = float::<B, 3>(dctx).reshape([b, s, h, d]).swap_dims(1, 2);
+    let p = lift::<B, 4>(probs);
+    let dout = lift::<B, 3>(dctx).reshape([b, s, h, d]).swap_dims(1, 2);
     let scale = 1.0 / (d as f64).sqrt();
     let dv = p.clone().swap_dims(2, 3).matmul(dout.clone());
     let dp = dout.matmul(v.swap_dims(2, 3));
@@ -281,9 +273,9 @@ pub fn linear_forward<B: Backend>(
     w: FloatTensor<B>,
     bias: Option<FloatTensor<B>>,
 ) -> FloatTensor<B> {
-    let y = float::<B, 2>(x).matmul(float::<B, 2>(w));
+    let y = lift::<B, 2>(x).matmul(lift::<B, 2>(w));
     match bias {
-        Some(b) => prim(y + float::<B, 1>(b).unsqueeze::<2>()),
+        Some(b) => prim(y + lift::<B, 1>(b).unsqueeze::<2>()),
         None => prim(y),
     }
 }
@@ -295,11 +287,11 @@ pub fn linear_backward<B: Backend>(
     dy: FloatTensor<B>,
     want: [bool; 3],
 ) -> [Option<FloatTensor<B>>; 3] {
-    let dy = float::<B, 2>(dy);
-    let dx = want[0].then(|| prim(dy.clone().matmul(float::<B, 2>(w).transpose())));
+    let dy = lift::<B, 2>(dy);
+    let dx = want[0].then(|| prim(dy.clone().matmul(lift::<B, 2>(w).transpose())));
     let dw = x
         .filter(|_| want[1])
-        .map(|x| prim(float::<B, 2>(x).transpose().matmul(dy.clone())));
+        .map(|x| prim(lift::<B, 2>(x).transpose().matmul(dy.clone())));
     let db = want[2].then(|| {
         let d = dy.dims()[1];
         prim(dy.sum_dim(0).reshape([d]))
@@ -309,7 +301,7 @@ pub fn linear_backward<B: Backend>(
 
 /// Composed sum of squares, in the tensor's own element type.
 pub fn sum_of_squares<B: Backend>(x: FloatTensor<B>) -> f64 {
-    let v = float::<B, 1>(x).powi_scalar(2).sum().into_scalar();
+    let v = lift::<B, 1>(x).powi_scalar(2).sum().into_scalar();
     burn::tensor::ElementConversion::elem::<f64>(v)
 }
 
@@ -321,14 +313,14 @@ pub fn adamw_step<B: Backend>(
     moments: Option<(FloatTensor<B>, FloatTensor<B>)>,
     s: super::AdamWStep,
 ) -> super::AdamWTensors<B> {
-    let (p, g) = (float::<B, 1>(param), float::<B, 1>(grad));
+    let (p, g) = (lift::<B, 1>(param), lift::<B, 1>(grad));
     let (f1, f2) = (1.0 - s.beta1, 1.0 - s.beta2);
     let (m, v) = match moments {
         Some((m, v)) => (
-            float::<B, 1>(m)
+            lift::<B, 1>(m)
                 .mul_scalar(s.beta1)
                 .add(g.clone().mul_scalar(f1)),
-            float::<B, 1>(v)
+            lift::<B, 1>(v)
                 .mul_scalar(s.beta2)
                 .add(g.square().mul_scalar(f2)),
         ),
@@ -349,7 +341,7 @@ pub fn adamw_step<B: Backend>(
 
 /// A tensor's values as a host vector, row-major.
 pub fn to_host<B: Backend>(x: FloatTensor<B>) -> Vec<f32> {
-    let t = float::<B, 1>(x);
+    let t = lift::<B, 1>(x);
     let n = t.shape().num_elements();
     t.reshape([n])
         .into_data()
@@ -383,7 +375,7 @@ pub fn gather_forward<B: Backend>(
     ids: IntTensor<B>,
     start: usize,
 ) -> FloatTensor<B> {
-    let table = float::<B, 2>(table);
+    let table = lift::<B, 2>(table);
     let [rows, d] = table.dims();
     let (local, keep) = shard_ids::<B>(ids, rows, start);
     let n = keep.dims()[0];
@@ -399,7 +391,7 @@ pub fn gather_backward<B: Backend>(
     rows: usize,
     start: usize,
 ) -> FloatTensor<B> {
-    let dy = float::<B, 2>(dy);
+    let dy = lift::<B, 2>(dy);
     let [n, d] = dy.dims();
     let (local, keep) = shard_ids::<B>(ids, rows, start);
     let table = Tensor::<B, 2>::zeros([rows, d], &dy.device());

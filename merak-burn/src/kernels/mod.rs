@@ -270,11 +270,13 @@ pub trait FusedOps: Backend {
     }
 }
 
-fn lift<B: Backend, const D: usize>(x: FloatTensor<B>) -> Tensor<B, D> {
+/// A float primitive (of any rank) as a rank-`D` tensor.
+pub(crate) fn lift<B: Backend, const D: usize>(x: FloatTensor<B>) -> Tensor<B, D> {
     Tensor::from_primitive(TensorPrimitive::Float(x))
 }
 
-fn prim<B: Backend, const D: usize>(x: Tensor<B, D>) -> FloatTensor<B> {
+/// A float tensor's primitive.
+pub(crate) fn prim<B: Backend, const D: usize>(x: Tensor<B, D>) -> FloatTensor<B> {
     x.into_primitive().tensor()
 }
 

@@ -6,7 +6,7 @@
 
 use burn::tensor::activation::{gelu, softmax};
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Bool, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{Bool, Tensor, TensorData};
 
 use super::*;
 use crate::backend::{Cpu, CpuAutodiff, CpuAutodiffSelective};
@@ -176,12 +176,9 @@ fn fused_operations_equal_their_compositions_under_balanced_checkpointing() {
     check_all::<CpuAutodiffSelective>("balanced checkpointing");
 }
 
-fn prim<const D: usize>(t: Tensor<Cpu, D>) -> FloatTensor<Cpu> {
-    t.into_primitive().tensor()
-}
-
-fn lift<const D: usize>(p: FloatTensor<Cpu>) -> Vec<f32> {
-    values(Tensor::<Cpu, D>::from_primitive(TensorPrimitive::Float(p)))
+/// The values of a primitive seen as rank `D`.
+fn host<const D: usize>(p: FloatTensor<Cpu>) -> Vec<f32> {
+    values(lift::<Cpu, D>(p))
 }
 
 /// The composed default kernels (CUDA's) give what the burn-flex kernels give.
@@ -201,7 +198,7 @@ fn composed_kernels_equal_the_cpu_kernels() {
         prim(bt.clone()),
         1e-5,
     );
-    close("layer norm forward", lift::<2>(y1), lift::<2>(y2));
+    close("layer norm forward", host::<2>(y1), host::<2>(y2));
     let a = Cpu::layer_norm_backward(prim(x.clone()), prim(g.clone()), s1, prim(dy.clone()));
     let c = composed::layer_norm_backward::<Cpu>(
         prim(x.clone()),
@@ -212,8 +209,8 @@ fn composed_kernels_equal_the_cpu_kernels() {
     for (i, (a, c)) in a.into_iter().zip(c).enumerate() {
         close(
             &format!("layer norm backward {i}"),
-            lift::<2>(a),
-            lift::<2>(c),
+            host::<2>(a),
+            host::<2>(c),
         );
     }
 
@@ -223,8 +220,8 @@ fn composed_kernels_equal_the_cpu_kernels() {
     for (i, (a, c)) in a.into_iter().zip(c).enumerate() {
         close(
             &format!("bias gelu backward {i}"),
-            lift::<2>(a),
-            lift::<2>(c),
+            host::<2>(a),
+            host::<2>(c),
         );
     }
 
@@ -236,10 +233,10 @@ fn composed_kernels_equal_the_cpu_kernels() {
     let dctx: Tensor<Cpu, 3> = tensor::<Cpu, 2>(&rng, "dctx", [10, 8]).reshape([2, 5, 8]);
     let (c1, p1) = Cpu::attention_forward(prim(qkv.clone()), spec);
     let (c2, p2) = composed::attention_forward::<Cpu>(prim(qkv.clone()), spec);
-    close("attention forward", lift::<3>(c1), lift::<3>(c2));
+    close("attention forward", host::<3>(c1), host::<3>(c2));
     let d1 = Cpu::attention_backward(prim(qkv.clone()), p1, prim(dctx.clone()), spec);
     let d2 = composed::attention_backward::<Cpu>(prim(qkv), p2, prim(dctx), spec);
-    close("attention backward", lift::<3>(d1), lift::<3>(d2));
+    close("attention backward", host::<3>(d1), host::<3>(d2));
 
     let logits: Tensor<Cpu, 2> = tensor(&rng, "logits", [6, 16]);
     let targets = Tensor::<Cpu, 1, burn::tensor::Int>::from_data(
@@ -263,7 +260,7 @@ fn composed_kernels_equal_the_cpu_kernels() {
         shard,
         local,
     );
-    close("cross-entropy forward", lift::<1>(l1), lift::<1>(l2));
+    close("cross-entropy forward", host::<1>(l1), host::<1>(l2));
     let one = || {
         prim(Tensor::<Cpu, 1>::from_data(
             TensorData::new(vec![0.5f32], [1]),
@@ -284,7 +281,7 @@ fn composed_kernels_equal_the_cpu_kernels() {
         shard,
         one(),
     );
-    close("cross-entropy backward", lift::<2>(g1), lift::<2>(g2));
+    close("cross-entropy backward", host::<2>(g1), host::<2>(g2));
 
     let sq = Cpu::sum_of_squares(prim(x.clone()));
     let want: f64 = values(x).iter().map(|&v| f64::from(v) * f64::from(v)).sum();

@@ -3,10 +3,10 @@
 use burn::module::AutodiffModule;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamWState, AdaptiveMomentumState, LearningRate, SimpleOptimizer};
-use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::Tensor;
+use burn::tensor::backend::AutodiffBackend;
 
-use crate::kernels::{AdamWStep, FusedOps};
+use crate::kernels::{AdamWStep, FusedOps, lift, prim};
 
 /// AdamW (decoupled weight decay, bias-corrected moments) as a Burn [`SimpleOptimizer`]: Burn's
 /// `AdamW` formula and state record ([`AdamWState`]), with the update of a parameter and its
@@ -42,14 +42,6 @@ impl FusedAdamW {
     {
         OptimizerAdaptor::from(self)
     }
-}
-
-fn prim<B: Backend, const D: usize>(t: Tensor<B, D>) -> burn::tensor::ops::FloatTensor<B> {
-    t.into_primitive().tensor()
-}
-
-fn lift<B: Backend, const D: usize>(p: burn::tensor::ops::FloatTensor<B>) -> Tensor<B, D> {
-    Tensor::from_primitive(TensorPrimitive::Float(p))
 }
 
 impl<B: FusedOps> SimpleOptimizer<B> for FusedAdamW {
