@@ -7,15 +7,14 @@
 //! - **plain**: `Gpt` built with `Group::local()`; per step `model.loss(x, y)`, read the loss,
 //!   `loss.backward()`, `GradientsParams::from_grads`, one Burn AdamW `step`. No merak
 //!   machinery besides the model itself.
-//! - **merak dp=1**: the per-step work of `merak train` (launch/src/train.rs) with a
-//!   `Group::local()` DP group: `DataParallel::begin_step`, `set_last_micro_batch(true)`,
-//!   `hooked(model.clone()).loss(x, y) * share` (share = 1.0 here), read the loss, backward,
-//!   `finish`, `global_grad_norm`, `clip_grads`, `split_for_weight_decay`, and two steps of
-//!   merak's `FusedAdamW` (Burn's AdamW fused into one pass per parameter; decay / no decay).
+//! - **merak dp=1**: `merak train`'s step, the library's `Trainer::step` (the call `merak
+//!   train` makes), on one process with a one-stage plan: the pipeline executor runs the
+//!   micro-batch through the data-parallel reducer's hooks, then `DataParallel::finish`, the
+//!   global gradient norm, clipping, the weight-decay split and two steps of merak's
+//!   `FusedAdamW` (Burn's AdamW fused into one pass per parameter; decay / no decay).
 //! - **merak dp=N** (only with N > 1 ranks): the same step with the DP group = the MPI world;
 //!   each rank takes `batch / N` sequences of the global batch, so a step processes the same
-//!   tokens as the dp=1 step. As in `merak train`, it also all-reduces the target count and
-//!   the loss.
+//!   tokens as the dp=1 step. It also all-reduces the target count and the loss.
 //!
 //! Trials of the variants alternate in the same run (the order rotates every trial); the
 //! medians over trials are reported, with the median of the paired time ratios. A trial's time
@@ -35,24 +34,18 @@
 mod common;
 use common::median;
 
-use std::collections::HashSet;
-use std::rc::Rc;
 use std::time::Instant;
 
 use anyhow::{Result, bail};
-use burn::module::{Module, ParamId};
+use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use clap::Parser;
 use merak_burn::backend::{CpuAutodiff, CpuDevice};
 use merak_burn::comm::{Communicator, Group, MpiCommunicator, MpiWorld, ReduceOp};
-use merak_burn::data_parallel::DataParallel;
-use merak_burn::pipeline::{
-    Executor, MicroBatch, PipelinePlan, ScheduleKind, build_schedule, explicit_partition,
-};
-use merak_burn::train::{
-    FusedAdamW, clip_grads, global_grad_norm, sharded_param_ids, split_for_weight_decay,
-};
+use merak_burn::grid::{Layout, ProcessGrid};
+use merak_burn::pipeline::{PipelinePlan, ScheduleKind, build_schedule, explicit_partition};
+use merak_burn::train::{BatchSource, SourceError, TrainSettings, Trainer, Windows};
 use merak_gpt::{Gpt, GptConfig};
 
 type B = CpuAutodiff;
@@ -212,86 +205,48 @@ impl<O: Optimizer<Model, B>> Stepper for Plain<O> {
     }
 }
 
-struct Merak<O> {
-    model: Option<Model>,
-    reducer: DataParallel,
-    executor: Executor,
-    hidden: usize,
-    step: usize,
-    optim_decay: O,
-    optim_no_decay: O,
-    sharded: HashSet<ParamId>,
-    tp: Group,
-    dp: Group,
-    batch: Batch,
-    lr: f64,
-    grad_clip: f64,
-    device: CpuDevice,
+/// The fixed global batch as a data source: every step reads the same sequences.
+struct Fixed(Batch);
+
+impl BatchSource for Fixed {
+    fn train_windows(
+        &self,
+        _step: usize,
+        first: usize,
+        count: usize,
+    ) -> Result<Windows, SourceError> {
+        let rows = self.0.rows(first, count);
+        Ok(Windows {
+            inputs: rows.ids,
+            targets: rows.targets,
+        })
+    }
+
+    fn val_windows(&self, first: usize, count: usize) -> Result<Windows, SourceError> {
+        self.train_windows(0, first, count)
+    }
+}
+
+/// `merak train`'s step: the library's [`Trainer`] on a one-stage plan.
+struct Merak<'g> {
+    trainer: Trainer<'g, B, Model>,
+    data: Fixed,
     phases: Phases,
 }
 
-impl<O: Optimizer<Model, B>> Stepper for Merak<O> {
-    /// The body of the step loop of `merak train` for one micro-batch (no ZeRO, no validation,
-    /// no metrics).
+impl Stepper for Merak<'_> {
     fn step(&mut self) -> Result<(f64, Option<f64>)> {
-        let mut clock = Clock(Instant::now());
-        let model = self
-            .model
-            .take()
-            .expect("the model is back after each step");
-        let dp = self.dp.size();
-        self.reducer.begin_step();
-        let count = self.batch.targets.iter().filter(|&&t| t >= 0).count() as f32;
-        let mut total = [count];
-        if dp > 1 {
-            self.dp.comm()?.all_reduce(&mut total, ReduceOp::Sum)?;
+        let o = self.trainer.step(&self.data)?;
+        if o.grad_norm.is_none() {
+            bail!("the loss is {}", o.loss);
         }
-        // As `merak train` runs it: a one-stage pipeline plan driven by the executor.
-        let batch = MicroBatch {
-            inputs: self.batch.ids.clone(),
-            targets: self.batch.targets.clone(),
-            weight: count / total[0].max(1.0),
-            first_sample: 0,
-        };
-        let shape = [self.batch.rows, self.batch.seq, self.hidden];
-        let report = self.executor.run_step(
-            &model,
-            &self.reducer,
-            &[batch],
-            self.step,
-            shape,
-            &self.device,
-        )?;
-        self.step += 1;
-        let mut loss_value = report.loss;
-        self.phases.fwd_bwd += clock.lap();
-        let (mut grads, _stats) = self.reducer.finish::<B, _>(&model)?;
-        if dp > 1 {
-            let mut l = [loss_value as f32];
-            self.dp.comm()?.all_reduce(&mut l, ReduceOp::Sum)?;
-            loss_value = f64::from(l[0]);
-        }
-        if !loss_value.is_finite() {
-            bail!("the loss is {loss_value}");
-        }
-        self.phases.grads += clock.lap();
-        let grad_norm = global_grad_norm::<B, _>(
-            &model,
-            &grads,
-            &self.sharded,
-            self.tp,
-            merak_burn::comm::Group::local(),
-            &Default::default(),
-        )?;
-        clip_grads::<B, _>(&model, &mut grads, grad_norm, self.grad_clip);
-        let (decay, no_decay) = split_for_weight_decay::<B, _>(&model, grads, None);
-        self.phases.norm_clip_split += clock.lap();
-        let model = self.optim_decay.step(self.lr, model, decay);
-        let model = self.optim_no_decay.step(self.lr, model, no_decay);
-        self.model = Some(model);
-        self.phases.optim += clock.lap();
+        let p = o.phases;
+        self.phases.fwd_bwd += p.data_s + p.forward_backward_s;
+        self.phases.grads += p.reduce_s;
+        self.phases.norm_clip_split += p.clip_s;
+        self.phases.optim += p.optimizer_s;
         self.phases.steps += 1;
-        Ok((loss_value, Some(grad_norm)))
+        Ok((o.loss, o.grad_norm))
     }
     fn phases(&mut self) -> &mut Phases {
         &mut self.phases
@@ -310,38 +265,44 @@ fn adamw() -> AdamWConfig {
 const WEIGHT_DECAY: f32 = 0.01;
 const GRAD_CLIP: f64 = 1.0;
 
-fn merak_variant(
+fn merak_variant<'g>(
     cfg: &GptConfig,
     args: &Args,
-    dp: Group,
+    grid: &'g ProcessGrid,
     batch: Batch,
     device: &CpuDevice,
     bucket_mb: f64,
-) -> Result<Box<dyn Stepper>> {
-    let tp = Group::local();
-    let model = Model::new(cfg, args.seed, tp, device)?;
-    let bucket_elems = (bucket_mb * (1 << 20) as f64 / 4.0) as usize;
+) -> Result<Box<dyn Stepper + 'g>> {
+    let model = Model::new(cfg, args.seed, grid.tp, device)?;
     let units = cfg.layers + 2;
     let plan = PipelinePlan {
         schedule: build_schedule(ScheduleKind::OneFOneB, 1, 1, 1, &[false])?,
         partition: explicit_partition(&[units], units)?,
         recompute_units: vec![0],
     };
-    Ok(Box::new(Merak {
-        sharded: sharded_param_ids::<B, _>(&model),
-        reducer: DataParallel::new(&model, dp, bucket_elems)?,
-        executor: Executor::new(plan, Group::local(), tp, None),
-        hidden: cfg.hidden,
-        step: 0,
-        optim_decay: FusedAdamW::new(0.9, 0.95, 1e-8, WEIGHT_DECAY).init::<B, Model>(),
-        optim_no_decay: FusedAdamW::new(0.9, 0.95, 1e-8, 0.0).init::<B, Model>(),
-        model: Some(model),
-        tp,
-        dp,
-        batch,
+    let settings = TrainSettings {
+        steps: args.warmup + args.trials * args.steps,
+        global_batch: batch.rows,
+        micro_batch: batch.rows / grid.layout.dp,
+        seq_len: batch.seq,
         lr: args.lr,
+        min_lr: args.lr,
+        warmup_steps: 0,
+        weight_decay: f64::from(WEIGHT_DECAY),
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
         grad_clip: GRAD_CLIP,
-        device: *device,
+        skip_nonfinite: false,
+        seed: args.seed,
+        bucket_mb,
+        zero1: false,
+        val_every: 0,
+        val_batches: 0,
+    };
+    Ok(Box::new(Merak {
+        trainer: Trainer::new(grid, plan, settings, model, *device, false)?,
+        data: Fixed(batch),
         phases: Phases::default(),
     }))
 }
@@ -388,35 +349,37 @@ fn main() -> Result<()> {
         device,
         phases: Phases::default(),
     });
-    let dp1 = merak_variant(
-        &cfg,
-        &args,
-        Group::local(),
-        data.rows(0, args.batch),
-        &device,
-        args.bucket_mb,
-    )?;
+    // The grids outlive the variants that borrow them: one process, and (n > 1) the world as
+    // one data-parallel group, twice (separate communicators for the two bucket sizes).
+    let single = ProcessGrid::single();
+    let dp_layout = Layout {
+        dp: n,
+        tp: 1,
+        pp: 1,
+    };
+    let worlds = if n > 1 {
+        vec![
+            ProcessGrid::from_mpi(mpi.world(), dp_layout)?,
+            ProcessGrid::from_mpi(mpi.world(), dp_layout)?,
+        ]
+    } else {
+        Vec::new()
+    };
+    let all_rows = || data.rows(0, args.batch);
+    let dp1 = merak_variant(&cfg, &args, &single, all_rows(), &device, args.bucket_mb)?;
     let mut variants: Vec<(String, Box<dyn Stepper>)> = vec![
         (format!("plain Burn (1 rank, batch {})", args.batch), plain),
         (format!("merak dp=1 (local, batch {})", args.batch), dp1),
     ];
-    if n > 1 {
-        let world = Group::register(Rc::new(mpi.world()));
-        let dpn = merak_variant(
-            &cfg,
-            &args,
-            world,
-            data.rows(rank * local_rows, local_rows),
-            &device,
-            args.bucket_mb,
-        )?;
+    if let [world, small_world] = worlds.as_slice() {
+        let dpn = merak_variant(&cfg, &args, world, all_rows(), &device, args.bucket_mb)?;
         variants.push((format!("merak dp={n} (world, {local_rows}/rank)"), dpn));
         // The same with small buckets, whose all-reduces start during the backward pass.
         let small = merak_variant(
             &cfg,
             &args,
-            Group::register(Rc::new(mpi.world())),
-            data.rows(rank * local_rows, local_rows),
+            small_world,
+            all_rows(),
             &device,
             args.small_bucket_mb,
         )?;

@@ -8,6 +8,7 @@ mod generate;
 mod plan_cmd;
 mod plot;
 mod probe;
+mod spawn;
 mod stages;
 mod tokens;
 mod train;
@@ -186,6 +187,10 @@ struct TrainArgs {
     /// With `--plan auto`: a calibration written by `merak profile` for this model.
     #[arg(long, requires = "plan")]
     calibration: Option<PathBuf>,
+    /// Start this many ranks on this machine (runs `mpirun -np N` with the flags a local run
+    /// needs and passes every other argument through); not under mpirun.
+    #[arg(long, value_name = "N")]
+    np: Option<usize>,
 }
 
 fn main() -> ExitCode {
@@ -297,6 +302,20 @@ fn collective_failure(rank: usize, e: &anyhow::Error) -> ExitCode {
 }
 
 fn run_train(args: TrainArgs) -> ExitCode {
+    match args.np {
+        Some(np) if launched_by_mpirun() => {
+            eprintln!(
+                "error: --np {np} starts mpirun itself: drop --np under mpirun (mpirun -np sets the ranks)"
+            );
+            return ExitCode::from(2);
+        }
+        Some(0) => {
+            eprintln!("error: --np 0: at least one rank is needed");
+            return ExitCode::from(2);
+        }
+        Some(np) => return spawn::relaunch(np),
+        None => {}
+    }
     if launched_by_mpirun() && std::env::var_os("RAYON_NUM_THREADS").is_none() {
         // One compute thread per rank: ranks share the machine's cores.
         // SAFETY: still single-threaded here; nothing else reads the environment concurrently.

@@ -1,48 +1,24 @@
-//! The training loop behind `merak train`.
+//! `merak train` on the library's trainer: the config mapped onto [`TrainSettings`], the data
+//! set seen through the model's objective (causal or masked), checkpoints to resume.
 
-use std::collections::HashSet;
 use std::path::Path;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use burn::module::AutodiffModule;
-use burn::module::ParamId;
-use burn::optim::GradientsParams;
-use burn::optim::Optimizer;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{Tensor, TensorData};
 use merak_bert::{BertConfig, mask_tokens};
-use merak_burn::checkpoint::{self, Checkpoint, FullState, RankState, state};
-use merak_burn::comm::ReduceOp;
-use merak_burn::data_parallel::DataParallel;
+use merak_burn::checkpoint::{Checkpoint, FullState};
 use merak_burn::grid::ProcessGrid;
-use merak_burn::kernels::FusedOps;
-use merak_burn::pipeline::{
-    Executor, MicroBatch, PipelineModel, PipelinePlan, ScheduleKind, TraceEvent, write_chrome_trace,
-};
-use merak_burn::tensor_parallel::{ParallelBackend, Shard};
+use merak_burn::pipeline::{PipelineModel, PipelinePlan};
+use merak_burn::tensor_parallel::ParallelBackend;
+pub use merak_burn::train::Summary;
 use merak_burn::train::{
-    FusedAdamW, LrSchedule, MetricsWriter, StepMetrics, clip_grads, global_grad_norm,
-    sharded_param_ids, split_for_weight_decay,
+    BatchSource, CheckpointPolicy, RunOutput, SourceError, TrainSettings, Trainer, Windows,
 };
 
 use crate::config::Config;
 use crate::data::Source;
-
-/// What a finished run reports.
-#[derive(Debug)]
-pub struct Summary {
-    /// Steps run.
-    pub steps: usize,
-    /// Loss of the last step.
-    pub final_loss: f64,
-    /// Mean tokens per second over all steps.
-    pub mean_tokens_per_s: f64,
-    /// Wall time in seconds.
-    pub wall_s: f64,
-    /// Steps skipped for a non-finite loss.
-    pub skipped: usize,
-}
 
 /// What the model learns from a window of tokens.
 pub enum Objective {
@@ -105,9 +81,91 @@ pub struct RunSpec<'a> {
     pub trace: Option<&'a Path>,
 }
 
+/// The library's training settings of a config.
+pub fn settings(cfg: &Config) -> TrainSettings {
+    let t = &cfg.train;
+    TrainSettings {
+        steps: t.steps,
+        global_batch: t.global_batch,
+        micro_batch: cfg.micro_batch(),
+        seq_len: cfg.model.gpt.seq_len,
+        lr: t.lr,
+        min_lr: t.min_lr,
+        warmup_steps: t.warmup_steps,
+        weight_decay: t.weight_decay,
+        beta1: t.beta1,
+        beta2: t.beta2,
+        eps: t.eps,
+        grad_clip: t.grad_clip,
+        skip_nonfinite: t.skip_nonfinite,
+        seed: t.seed,
+        bucket_mb: cfg.parallel.bucket_mb,
+        zero1: cfg.parallel.zero == 1,
+        val_every: cfg.data.val_every,
+        val_batches: cfg.data.val_batches,
+    }
+}
+
+/// Where a run of `cfg` writing to `out` puts its metrics, checkpoints and trace.
+fn run_output(cfg: &Config, out: &Path, trace: Option<&Path>) -> Result<RunOutput> {
+    let c = &cfg.checkpoint;
+    let policy = CheckpointPolicy {
+        dir: checkpoint_root(cfg, out),
+        every: c.every,
+        at_end: c.at_end,
+        keep: c.keep,
+        extra: serde_json::json!({ "config": toml::to_string(cfg)? }),
+    };
+    Ok(RunOutput {
+        dir: out.to_path_buf(),
+        checkpoints: Some(policy),
+        trace: trace.map(Path::to_path_buf),
+        progress: true,
+    })
+}
+
+/// The config's data set seen through the model's objective.
+pub struct ObjectiveData<'a> {
+    /// The token windows.
+    pub data: &'a Source,
+    /// What the model learns from them.
+    pub objective: &'a Objective,
+    /// Sequences per step.
+    pub global_batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+    /// Seed of the masking streams.
+    pub seed: u64,
+}
+
+impl BatchSource for ObjectiveData<'_> {
+    fn train_windows(
+        &self,
+        step: usize,
+        first: usize,
+        count: usize,
+    ) -> Result<Windows, SourceError> {
+        let raw = self
+            .data
+            .train_batch(step, self.global_batch, first, count, self.seq);
+        let (inputs, targets) = self.objective.apply(raw, self.seq, self.seed, |i| {
+            format!("mlm/{step}/{}", first + i)
+        });
+        Ok(Windows { inputs, targets })
+    }
+
+    fn val_windows(&self, first: usize, count: usize) -> Result<Windows, SourceError> {
+        let raw = self.data.val_batch(first, count, self.seq);
+        let (inputs, targets) = self.objective.apply(raw, self.seq, self.seed, |i| {
+            format!("mlm-val/{}", first + i)
+        });
+        Ok(Windows { inputs, targets })
+    }
+}
+
 /// Trains `model` (this rank's stages and TP shard) on this rank's part of the grid (from the
-/// state of `spec.resume` when given); rank 0 writes `out/metrics.jsonl`; checkpoints follow
-/// `[checkpoint]`.
+/// state of `spec.resume` when given) with the library's [`Trainer`]; rank 0 writes
+/// `out/metrics.jsonl`; checkpoints follow `[checkpoint]`.
 #[allow(clippy::too_many_arguments)]
 pub fn train<B, M>(
     cfg: &Config,
@@ -115,7 +173,7 @@ pub fn train<B, M>(
     grid: &ProcessGrid,
     out: &Path,
     device: &B::Device,
-    mut model: M,
+    model: M,
     objective: &Objective,
     spec: RunSpec<'_>,
 ) -> Result<(Summary, M)>
@@ -125,607 +183,53 @@ where
     M: PipelineModel<B> + AutodiffModule<B>,
     M::InnerModule: PipelineModel<B::InnerBackend>,
 {
-    let resume = spec.resume;
     let t0 = Instant::now();
-    let gpt = &cfg.model.gpt;
-    let seed = cfg.train.seed;
-    let sharded = sharded_param_ids::<B, _>(&model);
-    // The head's copy of a tied embedding is counted once, on the rank with the embedding.
-    let tied = model.tied_embedding();
-    let holds_embedding = spec.plan.schedule.rank_of(0) == grid.coords.pp;
-    let not_counted: HashSet<ParamId> = tied.filter(|_| !holds_embedding).into_iter().collect();
-    let copies = model.tied_names();
-    let mut executor = Executor::new(
+    let params = model.num_params();
+    let trace = spec.trace.is_some();
+    let mut trainer = Trainer::new(
+        grid,
         spec.plan.clone(),
-        grid.pp,
-        grid.tp,
-        spec.trace.map(|_| grid.rank),
-    );
-    let mut max_in_flight = 0usize;
-    // PipeDream-2BW: a step's gradients are computed on the weights from before the previous
-    // update (V_t = V_{t-1} - lr * grad(V_{t-2})), so that the next batch can enter the
-    // pipeline before the current one has left it. `stale` holds those weights.
-    let two_bw = spec.plan.schedule.kind == ScheduleKind::TwoBw;
-    let mut stale: Option<M> = None;
-    // Two AdamW parameter groups: matrices decay, vectors (biases, norms) do not.
-    // Burn's AdamW formula and records, each parameter's update fused into one pass.
-    let (beta1, beta2, eps) = (
-        cfg.train.beta1 as f32,
-        cfg.train.beta2 as f32,
-        cfg.train.eps as f32,
-    );
-    let mut optim_decay =
-        FusedAdamW::new(beta1, beta2, eps, cfg.train.weight_decay as f32).init::<B, M>();
-    let mut optim_no_decay = FusedAdamW::new(beta1, beta2, eps, 0.0).init::<B, M>();
-    let bucket_elems = (cfg.parallel.bucket_mb * (1 << 20) as f64 / 4.0) as usize;
-    let reducer = DataParallel::new(&model, grid.dp, bucket_elems)?;
-    let zero = cfg.parallel.zero == 1;
-    let owned = zero.then(|| reducer.owned_params());
-    let schedule = LrSchedule {
-        peak: cfg.train.lr,
-        min: cfg.train.min_lr,
-        warmup: cfg.train.warmup_steps,
-        total: cfg.train.steps,
-    };
-    let dp = grid.layout.dp;
-    let local_batch = cfg.train.global_batch / dp;
-    let micro = cfg.micro_batch();
-    let micro_batches = local_batch / micro;
-    let hidden = gpt.hidden;
-    let first = grid.coords.dp * local_batch;
-    let seq = gpt.seq_len;
-    let tokens_per_step = (cfg.train.global_batch * seq) as f64;
-
-    // Continue from a checkpoint: this rank's pieces of the parameters and of the AdamW
-    // moments it keeps, cut for this run's layout.
-    let start = match resume {
-        None => 0,
-        Some(r) => {
-            let shapes = state::param_shapes(&model);
-            let shard = Shard {
-                rank: grid.coords.tp,
-                size: grid.layout.tp,
-            };
-            let (params, moments) =
-                r.state
-                    .cut_for(&r.checkpoint.manifest, &shapes, shard, &copies)?;
-            model = state::assign_params(model, params)?;
-            let mine = |id: burn::module::ParamId| owned.as_ref().is_none_or(|o| o.contains(&id));
-            optim_decay =
-                optim_decay.load_record(state::adamw_records(&model, &moments, &|id, rank| {
-                    rank >= 2 && mine(id)
-                }));
-            optim_no_decay =
-                optim_no_decay.load_record(state::adamw_records(&model, &moments, &|id, rank| {
-                    rank < 2 && mine(id)
-                }));
-            let step = r.checkpoint.manifest.step;
-            tracing::info!(
-                "resumed from {} after step {step} (saved under dp={} tp={} pp={})",
-                r.checkpoint.dir.display(),
-                r.checkpoint.manifest.layout.dp,
-                r.checkpoint.manifest.layout.tp,
-                r.checkpoint.manifest.layout.pp
-            );
-            step
-        }
-    };
-    if start >= cfg.train.steps {
-        anyhow::bail!(
-            "the checkpoint is at step {start}, and train.steps = {}: nothing left to train (raise train.steps)",
-            cfg.train.steps
+        settings(cfg),
+        model,
+        device.clone(),
+        trace,
+    )?;
+    if let Some(r) = spec.resume {
+        trainer.resume(&r.checkpoint, &r.state)?;
+        let saved = &r.checkpoint.manifest;
+        tracing::info!(
+            "resumed from {} after step {} (saved under dp={} tp={} pp={})",
+            r.checkpoint.dir.display(),
+            saved.step,
+            saved.layout.dp,
+            saved.layout.tp,
+            saved.layout.pp
         );
     }
-    let ckpt_root = checkpoint_root(cfg, out);
-
-    let mut metrics = if grid.rank == 0 {
-        std::fs::create_dir_all(out)
-            .with_context(|| format!("creating output folder {}", out.display()))?;
-        let path = out.join("metrics.jsonl");
-        let w = if start > 0 {
-            MetricsWriter::resume(&path, start)
-        } else {
-            MetricsWriter::create(&path)
-        };
-        Some(w.context("creating metrics.jsonl")?)
-    } else {
-        None
-    };
+    let l = &grid.layout;
     tracing::info!(
-        params = model.num_params(),
-        layout = %format!("dp={} tp={} pp={}", dp, grid.layout.tp, grid.layout.pp),
+        params,
+        layout = %format!("dp={} tp={} pp={}", l.dp, l.tp, l.pp),
         "model ready in {:.2}s",
         t0.elapsed().as_secs_f64()
     );
-
-    // Rank 0 on a terminal shows a progress bar with step, loss, tokens/s and ETA; otherwise
-    // (logs, CI) one line per step.
-    let progress =
-        (grid.rank == 0 && std::io::IsTerminal::is_terminal(&std::io::stderr())).then(|| {
-            let bar = indicatif::ProgressBar::new(cfg.train.steps as u64);
-            bar.set_position(start as u64);
-            bar.set_style(
-            indicatif::ProgressStyle::with_template(
-                "{bar:30.cyan/blue} step {pos}/{len} | {msg} | {elapsed_precise} ETA {eta_precise}",
-            )
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-        );
-            bar
-        });
-    let mut final_loss = f64::NAN;
-    let mut skipped = 0usize;
-    let mut total_time = 0.0;
-    for step in start..cfg.train.steps {
-        let ts = Instant::now();
-        let faults = merak_burn::train::process::minor_faults();
-        reducer.begin_step();
-        // The step's micro-batches, and their share of the global batch's target tokens
-        // (masked LM: the number of masked positions varies), so that every layout computes
-        // the gradient of the same global mean loss.
-        let windows: Vec<(Vec<i64>, Vec<i64>)> = (0..micro_batches)
-            .map(|m| {
-                let start = first + m * micro;
-                objective.apply(
-                    data.train_batch(step, cfg.train.global_batch, start, micro, seq),
-                    seq,
-                    seed,
-                    |i| format!("mlm/{step}/{}", start + i),
-                )
-            })
-            .collect();
-        let counts: Vec<f32> = windows
-            .iter()
-            .map(|(_, y)| y.iter().filter(|&&t| t >= 0).count() as f32)
-            .collect();
-        let mut total = [counts.iter().sum::<f32>()];
-        if dp > 1 {
-            grid.dp.comm()?.all_reduce(&mut total, ReduceOp::Sum)?;
-        }
-        let batches: Vec<MicroBatch> = windows
-            .into_iter()
-            .zip(&counts)
-            .enumerate()
-            .map(|(m, ((inputs, targets), n))| MicroBatch {
-                inputs,
-                targets,
-                weight: n / total[0].max(1.0),
-                first_sample: first + m * micro,
-            })
-            .collect();
-        // The gradients travel through the reducer's hooks; Burn's copy is not needed.
-        let report = executor.run_step(
-            stale.as_ref().unwrap_or(&model),
-            &reducer,
-            &batches,
-            step,
-            [micro, seq, hidden],
-            device,
-        )?;
-        max_in_flight = max_in_flight.max(report.max_in_flight);
-        let (mut grads, dp_stats) = reducer.finish::<B, _>(&model)?;
-        sum_tied_grads::<B>(&mut grads, grid, tied, device)?;
-        let mut loss_value = report.loss;
-        if grid.layout.pp > 1 {
-            let mut l = [loss_value as f32];
-            grid.pp.comm()?.all_reduce(&mut l, ReduceOp::Sum)?;
-            loss_value = f64::from(l[0]);
-        }
-        if dp > 1 {
-            let mut l = [loss_value as f32];
-            grid.dp.comm()?.all_reduce(&mut l, ReduceOp::Sum)?;
-            loss_value = f64::from(l[0]);
-        }
-        if !loss_value.is_finite() {
-            if !cfg.train.skip_nonfinite {
-                anyhow::bail!(
-                    "the loss is {loss_value} at step {}: training stopped (set train.skip_nonfinite = true to skip such steps, or lower train.lr)",
-                    step + 1
-                );
-            }
-            tracing::warn!(
-                "the loss is {loss_value} at step {}: step skipped, parameters unchanged",
-                step + 1
-            );
-            skipped += 1;
-            save_if_due(
-                cfg,
-                step + 1,
-                &ckpt_root,
-                &model,
-                &optim_decay,
-                &optim_no_decay,
-                grid,
-            )?;
-            continue;
-        }
-        let grad_norm =
-            global_grad_norm::<B, _>(&model, &grads, &sharded, grid.tp, grid.pp, &not_counted)?;
-        clip_grads::<B, _>(&model, &mut grads, grad_norm, cfg.train.grad_clip);
-        let lr = schedule.at(step);
-        let (decay, no_decay) = split_for_weight_decay::<B, _>(&model, grads, owned.as_ref());
-        if two_bw {
-            stale = Some(model.clone());
-        }
-        model = optim_decay.step(lr, model, decay);
-        model = optim_no_decay.step(lr, model, no_decay);
-        if zero {
-            model = reducer.broadcast_from_owners(model)?;
-        }
-        let val_every = cfg.data.val_every;
-        let val_loss = (val_every > 0
-            && ((step + 1) % val_every == 0 || step + 1 == cfg.train.steps))
-            .then(|| validation_loss::<B, M>(&model, data, objective, cfg, grid, &executor, device))
-            .transpose()?;
-        let dt = ts.elapsed().as_secs_f64();
-        total_time += dt;
-        final_loss = loss_value;
-        let m = StepMetrics {
-            step: step + 1,
-            loss: loss_value,
-            lr,
-            grad_norm,
-            tokens_per_s: tokens_per_step / dt,
-            step_time_s: dt,
-            dp_exposed_comm_s: dp_stats.exposed_wait.as_secs_f64(),
-            dp_overlapped_buckets: dp_stats.overlapped_buckets,
-            dp_buckets: dp_stats.buckets,
-            minor_faults: merak_burn::train::process::minor_faults().saturating_sub(faults),
-            val_loss,
-        };
-        if let Some(w) = metrics.as_mut() {
-            w.write(&m).context("writing metrics.jsonl")?;
-            let line = format!(
-                "step {}/{} loss {:.5}{} lr {:.2e} grad_norm {:.4} tokens/s {:.0} step {:.3}s",
-                m.step,
-                cfg.train.steps,
-                m.loss,
-                m.val_loss
-                    .map(|v| format!(" val_loss {v:.5}"))
-                    .unwrap_or_default(),
-                m.lr,
-                m.grad_norm,
-                m.tokens_per_s,
-                m.step_time_s
-            );
-            match &progress {
-                // On a terminal: a live bar, and a log line when validation ran.
-                Some(bar) => {
-                    let mean = tokens_per_step * (step + 1) as f64 / total_time.max(1e-9);
-                    bar.set_message(format!("loss {:.4} | {:.0} tokens/s", m.loss, mean));
-                    bar.inc(1);
-                    if m.val_loss.is_some() {
-                        bar.suspend(|| tracing::info!("{line}"));
-                    }
-                }
-                None => tracing::info!("{line}"),
-            }
-        }
-        let t_save = Instant::now();
-        let saved = save_if_due(
-            cfg,
-            step + 1,
-            &ckpt_root,
-            &model,
-            &optim_decay,
-            &optim_no_decay,
-            grid,
-        )?;
-        if let Some(dir) = saved.filter(|_| grid.rank == 0) {
-            let secs = t_save.elapsed().as_secs_f64();
-            let log = || tracing::info!("checkpoint: {} ({secs:.2}s)", dir.display());
-            match &progress {
-                Some(bar) => bar.suspend(log),
-                None => log(),
-            }
-        }
-    }
-    if let Some(bar) = progress {
-        bar.finish_and_clear();
-    }
-    report_memory(grid, spec.plan, max_in_flight, out)?;
-    if let Some(path) = spec.trace {
-        write_trace(path, executor.take_trace(), grid)?;
-    }
-    Ok((
-        Summary {
-            steps: cfg.train.steps,
-            final_loss,
-            mean_tokens_per_s: tokens_per_step * (cfg.train.steps - start) as f64
-                / total_time.max(1e-9),
-            wall_s: t0.elapsed().as_secs_f64(),
-            skipped,
-        },
-        model,
-    ))
-}
-
-/// Writes a checkpoint after `step` steps when `[checkpoint]` asks for one; returns its folder.
-fn save_if_due<B, M, O>(
-    cfg: &Config,
-    step: usize,
-    root: &Path,
-    model: &M,
-    optim_decay: &O,
-    optim_no_decay: &O,
-    grid: &ProcessGrid,
-) -> Result<Option<std::path::PathBuf>>
-where
-    B: AutodiffBackend,
-    B::InnerBackend: FusedOps,
-    M: AutodiffModule<B> + PipelineModel<B>,
-    O: Optimizer<M, B, Record = state::AdamWRecords<B>>,
-{
-    let c = &cfg.checkpoint;
-    let due =
-        (c.every > 0 && step.is_multiple_of(c.every)) || (c.at_end && step == cfg.train.steps);
-    if !due {
-        return Ok(None);
-    }
-    // Without ZeRO every DP replica holds the same moments: the first one writes them.
-    let writes_moments = cfg.parallel.zero == 1 || grid.coords.dp == 0;
-    let mut moments = Vec::new();
-    if writes_moments {
-        moments.extend(state::moments(model, &optim_decay.to_record())?);
-        moments.extend(state::moments(model, &optim_no_decay.to_record())?);
-    }
-    // A tied copy is stored once, under its original's name.
-    let copies: Vec<String> = model.tied_names().into_iter().map(|(c, _)| c).collect();
-    moments.retain(|(name, _)| !copies.contains(name));
-    let mut params = state::local_params(model)?;
-    params.retain(|p| !copies.contains(&p.name));
-    let rank_state = RankState { params, moments };
-    let extra = serde_json::json!({
-        "config": toml::to_string(cfg)?,
-        "data": {
-            "samples_consumed": step * cfg.train.global_batch,
-            "order": "windows shuffled per epoch by train.seed; step s reads global batch s",
-        },
-        "rng": {
-            "seed": cfg.train.seed,
-            "note": "dropout and masking streams are keyed by (seed, step, sample): the step is the whole RNG state",
-        },
-    });
-    let dir = checkpoint::save(root, step, c.keep, &rank_state, extra, grid)
-        .with_context(|| format!("writing the checkpoint of step {step}"))?;
-    Ok(Some(dir))
-}
-
-/// Mean loss over `data.val_batches` global batches of held-out sequences, without gradients;
-/// each DP rank evaluates its share through the pipeline and the losses are summed over the
-/// pipeline and DP groups.
-#[allow(clippy::too_many_arguments)]
-fn validation_loss<B, M>(
-    model: &M,
-    data: &Source,
-    objective: &Objective,
-    cfg: &Config,
-    grid: &ProcessGrid,
-    executor: &Executor,
-    device: &B::Device,
-) -> Result<f64>
-where
-    B: AutodiffBackend + ParallelBackend,
-    B::InnerBackend: ParallelBackend,
-    M: AutodiffModule<B>,
-    M::InnerModule: PipelineModel<B::InnerBackend>,
-{
-    let model = model.valid();
-    let seq = cfg.model.gpt.seq_len;
-    let local = cfg.train.global_batch / grid.layout.dp;
-    let micro = cfg.micro_batch();
-    // Per-micro-batch mean losses weighted by target tokens: (sum of losses, target tokens).
-    let mut acc = [0.0f32, 0.0f32];
-    for b in 0..cfg.data.val_batches {
-        let batches: Vec<MicroBatch> = (0..local / micro)
-            .map(|m| {
-                let first = b * cfg.train.global_batch + grid.coords.dp * local + m * micro;
-                let (inputs, targets) = objective.apply(
-                    data.val_batch(first, micro, seq),
-                    seq,
-                    cfg.train.seed,
-                    |i| format!("mlm-val/{}", first + i),
-                );
-                let n = targets.iter().filter(|&&t| t >= 0).count() as f32;
-                acc[1] += n;
-                MicroBatch {
-                    inputs,
-                    targets,
-                    weight: n,
-                    first_sample: first,
-                }
-            })
-            .collect();
-        acc[0] +=
-            executor.forward_only(&model, &batches, [micro, seq, cfg.model.gpt.hidden], device)?
-                as f32;
-    }
-    if grid.layout.pp > 1 {
-        // Only the last stage has the losses; every stage counted the tokens.
-        let mut l = [acc[0]];
-        grid.pp.comm()?.all_reduce(&mut l, ReduceOp::Sum)?;
-        acc[0] = l[0];
-    }
-    if grid.layout.dp > 1 {
-        grid.dp.comm()?.all_reduce(&mut acc, ReduceOp::Sum)?;
-    }
-    Ok(f64::from(acc[0] / acc[1].max(1.0)))
-}
-
-/// Tag of the tied-embedding gradient exchange (after every pipeline message of the step).
-const TIED_TAG: u16 = 32_767;
-
-/// Sums the gradients of the two copies of a tied embedding across the first and the last
-/// pipeline rank, so that both copies take the same step.
-fn sum_tied_grads<B: AutodiffBackend>(
-    grads: &mut GradientsParams,
-    grid: &ProcessGrid,
-    tied: Option<ParamId>,
-    device: &B::Device,
-) -> Result<()> {
-    let (Some(id), true) = (tied, grid.layout.pp > 1) else {
-        return Ok(());
+    let source = ObjectiveData {
+        data,
+        objective,
+        global_batch: cfg.train.global_batch,
+        seq: cfg.model.gpt.seq_len,
+        seed: cfg.train.seed,
     };
-    let p = grid.layout.pp;
-    let partner = if grid.coords.pp == 0 { p - 1 } else { 0 };
-    let g = grads
-        .remove::<B::InnerBackend, 2>(id)
-        .context("the tied embedding has no gradient")?;
-    let shape = g.dims();
-    let mine: Vec<f32> = g
-        .into_data()
-        .convert::<f32>()
-        .into_vec()
-        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
-    let comm = grid.pp.comm()?;
-    let sending = comm.send_start(mine.clone(), partner, TIED_TAG)?;
-    let mut other = vec![0.0f32; mine.len()];
-    comm.recv(&mut other, partner, TIED_TAG)?;
-    sending.wait()?;
-    // a + b == b + a: both ranks get the same bits.
-    let sum: Vec<f32> = mine.iter().zip(&other).map(|(a, b)| a + b).collect();
-    grads.register(
-        id,
-        Tensor::<B::InnerBackend, 2>::from_data(TensorData::new(sum, shape), device),
-    );
-    Ok(())
-}
-
-/// Peak resident memory of this process in bytes (Linux `VmHWM`; 0 where unavailable).
-/// Rank 0 writes `out/memory.json` and, under pp > 1, logs per rank its pipeline stages, the
-/// most micro-batches it held in flight, the units it recomputed and its peak resident memory.
-fn report_memory(
-    grid: &ProcessGrid,
-    plan: &PipelinePlan,
-    max_in_flight: usize,
-    out: &Path,
-) -> Result<()> {
-    let world = grid.world.comm()?;
-    let mine = [
-        merak_burn::train::process::peak_rss_bytes() as f32 / (1 << 20) as f32,
-        max_in_flight as f32,
-    ];
-    let mut all = vec![0.0f32; 2 * world.size()];
-    world.all_gather(&mine, &mut all)?;
-    if grid.rank == 0 {
-        let ranks: Vec<serde_json::Value> = all
-            .chunks(2)
-            .enumerate()
-            .map(|(rank, v)| {
-                let pp = grid.layout.coords(rank).pp;
-                let stages: Vec<usize> = (0..plan.schedule.stages())
-                    .filter(|&s| plan.schedule.rank_of(s) == pp)
-                    .collect();
-                let recompute: Vec<usize> =
-                    stages.iter().map(|&s| plan.recompute_units[s]).collect();
-                serde_json::json!({
-                    "rank": rank,
-                    "pp_rank": pp,
-                    "stages": stages,
-                    "recompute_units": recompute,
-                    "peak_rss_mib": v[0],
-                    "max_in_flight": v[1] as usize,
-                })
-            })
-            .collect();
-        let json = serde_json::json!({
-            "schedule": plan.schedule.kind.to_string(),
-            "ranks": ranks,
-        });
-        std::fs::write(out.join("memory.json"), serde_json::to_vec_pretty(&json)?)
-            .context("writing memory.json")?;
-    }
-    if grid.rank == 0 && grid.layout.pp > 1 {
-        for (rank, v) in all.chunks(2).enumerate() {
-            let pp = grid.layout.coords(rank).pp;
-            let stages: Vec<String> = (0..plan.schedule.stages())
-                .filter(|&s| plan.schedule.rank_of(s) == pp)
-                .map(|s| {
-                    format!(
-                        "{s} (units {:?}, recompute {})",
-                        plan.partition.range(s),
-                        plan.recompute_units[s]
-                    )
-                })
-                .collect();
-            tracing::info!(
-                "rank {rank}: stages {}: peak memory {:.1} MiB, at most {} micro-batches in flight",
-                stages.join(", "),
-                v[0],
-                v[1]
-            );
-        }
-    }
-    Ok(())
-}
-
-/// The gaps between a rank's recorded actions, as "idle" spans (waiting for the pipeline,
-/// the DP all-reduce, the optimizer and everything else outside the schedule's actions).
-fn idle_gaps(events: &[TraceEvent]) -> Vec<TraceEvent> {
-    let mut by_rank: std::collections::BTreeMap<usize, Vec<(f64, f64)>> = Default::default();
-    for e in events {
-        by_rank
-            .entry(e.rank)
-            .or_default()
-            .push((e.start_s, e.start_s + e.dur_s));
-    }
-    let mut idle = Vec::new();
-    for (rank, mut spans) in by_rank {
-        spans.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let mut end = spans.first().map_or(0.0, |s| s.0);
-        for (s, e) in spans {
-            if s > end {
-                idle.push(TraceEvent {
-                    rank,
-                    name: "idle".into(),
-                    category: "idle".into(),
-                    start_s: end,
-                    dur_s: s - end,
-                });
-            }
-            end = end.max(e);
-        }
-    }
-    idle
-}
-
-/// Writes the Chrome trace of every rank's actions: each rank writes its part next to `path`,
-/// rank 0 merges them (times from the earliest event).
-fn write_trace(path: &Path, events: Vec<TraceEvent>, grid: &ProcessGrid) -> Result<()> {
-    let part = |r: usize| path.with_extension(format!("rank{r}.json"));
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    std::fs::write(part(grid.rank), serde_json::to_vec(&events)?)
-        .with_context(|| format!("writing {}", part(grid.rank).display()))?;
-    let world = grid.world.comm()?;
-    world.barrier()?;
-    if grid.rank == 0 {
-        let mut all: Vec<TraceEvent> = Vec::new();
-        for r in 0..world.size() {
-            let text =
-                std::fs::read(part(r)).with_context(|| format!("reading {}", part(r).display()))?;
-            all.extend(serde_json::from_slice::<Vec<TraceEvent>>(&text)?);
-            let _ = std::fs::remove_file(part(r));
-        }
-        let t0 = all.iter().map(|e| e.start_s).fold(f64::INFINITY, f64::min);
-        for e in &mut all {
-            e.start_s -= t0;
-        }
-        all.extend(idle_gaps(&all));
-        write_chrome_trace(path, &all).with_context(|| format!("writing {}", path.display()))?;
-        tracing::info!(
-            "trace: {} (open in https://ui.perfetto.dev)",
-            path.display()
-        );
-    }
-    world.barrier()?;
-    Ok(())
+    let output = run_output(cfg, out, spec.trace)?;
+    let summary = trainer.fit(&source, &output, &mut |_| {})?;
+    Ok((summary, trainer.into_model()))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use burn::optim::{AdamWConfig, GradientsParams};
+    use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+    use burn::tensor::{Tensor, TensorData};
     use merak_burn::checkpoint::state::local_params;
     use merak_gpt::Gpt;
 

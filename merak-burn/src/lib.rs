@@ -13,6 +13,8 @@
 //! - [`planner`]: model proxy, hardware spec, cost model and search of 3D-parallel plans.
 //! - [`checkpoint`]: atomic sharded checkpoints that load under any dp/tp layout.
 
+#![warn(missing_docs)]
+
 pub mod backend;
 pub mod checkpoint;
 pub mod comm;

@@ -37,7 +37,7 @@ pub enum PipelineError {
     #[error(transparent)]
     Comm(#[from] CommError),
     /// The schedule asked for something that was not there (a schedule that passed
-    /// [`validate`](super::validate) never does).
+    /// [`validate`](fn@super::validate) never does).
     #[error("pipeline rank {rank}: {action:?} needs {what}, which is not there")]
     Missing {
         /// The pipeline rank.

@@ -2,8 +2,8 @@
 //!
 //! A schedule is, for every pipeline rank, an ordered list of [`Action`]s. The same lists drive
 //! the executor (which runs them with real point-to-point messages) and the simulator (which
-//! predicts their time), and [`validate`] proves them complete and free of deadlock before
-//! either uses them.
+//! predicts their time), and [`validate`](fn@validate) proves them complete and free of
+//! deadlock before either uses them.
 //!
 //! Stages: with `p` pipeline ranks and `v` virtual stages per rank there are `p * v` model
 //! stages; stage `s` lives on rank `s % p` as its chunk `s / p` (Megatron's interleaved

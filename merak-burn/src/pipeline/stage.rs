@@ -32,6 +32,9 @@ pub trait PipelineModel<B: Backend>: Module<B> {
     /// The number of units, `L + 2`.
     fn units(&self) -> usize;
 
+    /// The width of the hidden states that pass between stages (`[batch, seq, hidden]`).
+    fn hidden_size(&self) -> usize;
+
     /// Runs units `range` (all held by this rank) on `input` (tokens when `range.start == 0`,
     /// hidden states otherwise); the last unit needs `targets` and returns the loss.
     fn run_units(
@@ -43,8 +46,9 @@ pub trait PipelineModel<B: Backend>: Module<B> {
 
     /// The output head's copy of the token embedding on a rank that holds the head but not the
     /// embedding, or the embedding itself on a rank that holds the embedding but not the head:
-    /// the two copies of a tied embedding, whose gradients the executor sums across the first
-    /// and the last pipeline rank. `None` when the rank holds both or neither.
+    /// the two copies of a tied embedding, whose gradients the trainer sums across the first
+    /// and the last pipeline rank ([`sum_tied_grads`](crate::train::sum_tied_grads)). `None`
+    /// when the rank holds both or neither.
     fn tied_embedding(&self) -> Option<ParamId>;
 
     /// Parameters that are copies of others, as `(copy, original)` names (the head's copy of a

@@ -791,7 +791,8 @@ impl<'a> CostModel<'a> {
 
     /// The per-stage forward, backward and recomputation times (TP communication included)
     /// and the pipeline message times of `layout`: what [`predict`](Self::predict) simulates,
-    /// for example to draw the predicted pipeline with [`crate::pipeline::simulate`].
+    /// for example to draw the predicted pipeline with
+    /// [`crate::pipeline::simulate`](fn@crate::pipeline::simulate).
     ///
     /// # Errors
     ///

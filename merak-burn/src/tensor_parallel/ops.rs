@@ -39,7 +39,8 @@ pub trait ParallelBackend: Backend + crate::kernels::FusedOps {
     fn grad_hook(x: FloatTensor<Self>, hook: usize) -> FloatTensor<Self>;
 }
 
-/// Forward-only implementations on a plain backend, shared by [`impl_parallel_backend!`].
+/// Forward-only implementations on a plain backend, shared by
+/// [`impl_parallel_backend!`](crate::impl_parallel_backend).
 #[doc(hidden)]
 pub mod plain {
     use super::*;

@@ -1,15 +1,34 @@
-//! Training glue: the fused AdamW, global gradient norm and clipping, learning-rate schedule, metrics, and the
-//! process's page faults and peak memory.
+//! The trainer ([`Trainer`]): the whole training step of a model cut over a process grid
+//! (pipeline executor, data-parallel reduction, tied gradients, loss reduction, clipping, AdamW
+//! groups, ZeRO-1), validation, checkpoints, metrics and progress; and its parts: the fused
+//! AdamW, global gradient norm and clipping, learning-rate schedule, metrics, and the process's
+//! page faults and peak memory.
 
 mod adamw;
+mod error;
+mod fit;
 mod grad_norm;
 mod metrics;
 pub mod process;
+mod progress;
+mod report;
+mod save;
 mod schedule;
+mod settings;
+mod source;
+mod tied;
+mod trainer;
 
 pub use adamw::FusedAdamW;
+pub use error::TrainError;
+pub use fit::Summary;
 pub use grad_norm::{
     GradStats, clip_grads, global_grad_norm, sharded_param_ids, split_for_weight_decay,
 };
 pub use metrics::{MetricsWriter, StepMetrics};
+pub use report::{report_memory, write_trace};
 pub use schedule::LrSchedule;
+pub use settings::{CheckpointPolicy, RunOutput, TrainSettings};
+pub use source::{BatchSource, SourceError, Windows};
+pub use tied::sum_tied_grads;
+pub use trainer::{AdamW, StepOutcome, StepPhases, Trainer};

@@ -89,6 +89,8 @@ pub struct Bert<B: Backend> {
     pub decoder: Option<VocabParallelEmbedding<B>>,
     /// Dropout on the normalized embeddings.
     pub dropout: ReplicatedDropout,
+    /// Width of the hidden states (what passes between pipeline stages).
+    pub hidden: usize,
 }
 
 impl<B: ParallelBackend> Bert<B> {
@@ -191,6 +193,7 @@ impl<B: ParallelBackend> Bert<B> {
             head,
             decoder,
             dropout: ReplicatedDropout::new(cfg.dropout, seed),
+            hidden: cfg.hidden,
         })
     }
 
@@ -269,6 +272,10 @@ impl<B: ParallelBackend> Bert<B> {
 impl<B: ParallelBackend> PipelineModel<B> for Bert<B> {
     fn units(&self) -> usize {
         self.layers.len() + 2
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.hidden
     }
 
     fn run_units(

@@ -62,6 +62,8 @@ pub struct Gpt<B: Backend> {
     pub head: Option<VocabParallelEmbedding<B>>,
     /// Dropout on the summed embeddings.
     pub dropout: ReplicatedDropout,
+    /// Width of the hidden states (what passes between pipeline stages).
+    pub hidden: usize,
 }
 
 impl<B: ParallelBackend> Gpt<B> {
@@ -137,6 +139,7 @@ impl<B: ParallelBackend> Gpt<B> {
             ln_f: holds(head_unit).then(ln),
             head,
             dropout: ReplicatedDropout::new(cfg.dropout, seed),
+            hidden: cfg.hidden,
         })
     }
 
@@ -215,6 +218,10 @@ impl<B: ParallelBackend> Gpt<B> {
 impl<B: ParallelBackend> PipelineModel<B> for Gpt<B> {
     fn units(&self) -> usize {
         self.blocks.len() + 2
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.hidden
     }
 
     fn run_units(

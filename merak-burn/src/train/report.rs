@@ -1,0 +1,152 @@
+//! What a finished run leaves besides its metrics: each rank's peak memory and pipeline load
+//! (`memory.json`), and the Chrome trace of every rank's actions.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use crate::grid::ProcessGrid;
+use crate::pipeline::{PipelinePlan, TraceEvent, write_chrome_trace};
+use crate::train::TrainError;
+
+/// Gathers every rank's peak resident memory and most micro-batches in flight. Rank 0 writes
+/// `out/memory.json` and, under pp > 1, logs per rank its stages, the units it recomputed, its
+/// peak memory and the most micro-batches it held.
+pub fn report_memory(
+    grid: &ProcessGrid,
+    plan: &PipelinePlan,
+    max_in_flight: usize,
+    out: &Path,
+) -> Result<(), TrainError> {
+    let world = grid.world.comm()?;
+    let mine = [
+        crate::train::process::peak_rss_bytes() as f32 / (1 << 20) as f32,
+        max_in_flight as f32,
+    ];
+    let mut all = vec![0.0f32; 2 * world.size()];
+    world.all_gather(&mine, &mut all)?;
+    if grid.rank != 0 {
+        return Ok(());
+    }
+    let stages_of = |pp: usize| -> Vec<usize> {
+        (0..plan.schedule.stages())
+            .filter(|&s| plan.schedule.rank_of(s) == pp)
+            .collect()
+    };
+    let ranks: Vec<serde_json::Value> = all
+        .chunks(2)
+        .enumerate()
+        .map(|(rank, v)| {
+            let pp = grid.layout.coords(rank).pp;
+            let stages = stages_of(pp);
+            let recompute: Vec<usize> = stages.iter().map(|&s| plan.recompute_units[s]).collect();
+            serde_json::json!({
+                "rank": rank,
+                "pp_rank": pp,
+                "stages": stages,
+                "recompute_units": recompute,
+                "peak_rss_mib": v[0],
+                "max_in_flight": v[1] as usize,
+            })
+        })
+        .collect();
+    let json = serde_json::json!({
+        "schedule": plan.schedule.kind.to_string(),
+        "ranks": ranks,
+    });
+    let path = out.join("memory.json");
+    let bytes = serde_json::to_vec_pretty(&json).unwrap_or_default();
+    std::fs::write(&path, bytes).map_err(TrainError::io(&path))?;
+    if grid.layout.pp > 1 {
+        for (rank, v) in all.chunks(2).enumerate() {
+            let stages: Vec<String> = stages_of(grid.layout.coords(rank).pp)
+                .into_iter()
+                .map(|s| {
+                    format!(
+                        "{s} (units {:?}, recompute {})",
+                        plan.partition.range(s),
+                        plan.recompute_units[s]
+                    )
+                })
+                .collect();
+            tracing::info!(
+                "rank {rank}: stages {}: peak memory {:.1} MiB, at most {} micro-batches in flight",
+                stages.join(", "),
+                v[0],
+                v[1]
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The gaps between a rank's recorded actions, as "idle" spans (waiting for the pipeline,
+/// the DP all-reduce, the optimizer and everything else outside the schedule's actions).
+fn idle_gaps(events: &[TraceEvent]) -> Vec<TraceEvent> {
+    let mut by_rank: BTreeMap<usize, Vec<(f64, f64)>> = BTreeMap::new();
+    for e in events {
+        by_rank
+            .entry(e.rank)
+            .or_default()
+            .push((e.start_s, e.start_s + e.dur_s));
+    }
+    let mut idle = Vec::new();
+    for (rank, mut spans) in by_rank {
+        spans.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let mut end = spans.first().map_or(0.0, |s| s.0);
+        for (s, e) in spans {
+            if s > end {
+                idle.push(TraceEvent {
+                    rank,
+                    name: "idle".into(),
+                    category: "idle".into(),
+                    start_s: end,
+                    dur_s: s - end,
+                });
+            }
+            end = end.max(e);
+        }
+    }
+    idle
+}
+
+/// Writes the Chrome trace of every rank's actions: each rank writes its part next to `path`,
+/// rank 0 merges them (times from the earliest event) and adds the idle gaps.
+pub fn write_trace(
+    path: &Path,
+    events: Vec<TraceEvent>,
+    grid: &ProcessGrid,
+) -> Result<(), TrainError> {
+    let part = |r: usize| path.with_extension(format!("rank{r}.json"));
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(TrainError::io(dir))?;
+    }
+    let mine = part(grid.rank);
+    std::fs::write(&mine, serde_json::to_vec(&events).unwrap_or_default())
+        .map_err(TrainError::io(&mine))?;
+    let world = grid.world.comm()?;
+    world.barrier()?;
+    if grid.rank == 0 {
+        let mut all: Vec<TraceEvent> = Vec::new();
+        for r in 0..world.size() {
+            let p = part(r);
+            let text = std::fs::read(&p).map_err(TrainError::io(&p))?;
+            let events: Vec<TraceEvent> = serde_json::from_slice(&text).map_err(|e| {
+                TrainError::io(&p)(std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+            })?;
+            all.extend(events);
+            let _ = std::fs::remove_file(&p);
+        }
+        let t0 = all.iter().map(|e| e.start_s).fold(f64::INFINITY, f64::min);
+        for e in &mut all {
+            e.start_s -= t0;
+        }
+        all.extend(idle_gaps(&all));
+        write_chrome_trace(path, &all).map_err(TrainError::io(path))?;
+        tracing::info!(
+            "trace: {} (open in https://ui.perfetto.dev)",
+            path.display()
+        );
+    }
+    world.barrier()?;
+    Ok(())
+}

@@ -1,0 +1,72 @@
+//! Saving a trainer's state as a sharded checkpoint.
+
+use std::path::PathBuf;
+
+use burn::module::AutodiffModule;
+use burn::optim::Optimizer;
+use burn::tensor::backend::AutodiffBackend;
+
+use crate::checkpoint::{self, RankState, state};
+use crate::pipeline::PipelineModel;
+use crate::tensor_parallel::ParallelBackend;
+use crate::train::{CheckpointPolicy, TrainError, Trainer};
+
+impl<B, M> Trainer<'_, B, M>
+where
+    B: AutodiffBackend + ParallelBackend,
+    B::InnerBackend: ParallelBackend,
+    M: PipelineModel<B> + AutodiffModule<B>,
+    M::InnerModule: PipelineModel<B::InnerBackend>,
+{
+    /// Writes a checkpoint of the steps done so far under `policy.dir` (every rank of the grid
+    /// must call it), keeping the newest `policy.keep`; returns its folder. The manifest holds
+    /// `policy.extra`, the data position and the seed.
+    pub fn save_checkpoint(&self, policy: &CheckpointPolicy) -> Result<PathBuf, TrainError> {
+        let step = self.done;
+        let grid = self.grid;
+        // Without ZeRO every DP replica holds the same moments: the first one writes them.
+        let writes_moments = self.owned.is_some() || grid.coords.dp == 0;
+        let mut moments = Vec::new();
+        if writes_moments {
+            moments.extend(state::moments(&self.model, &self.optim_decay.to_record())?);
+            moments.extend(state::moments(
+                &self.model,
+                &self.optim_no_decay.to_record(),
+            )?);
+        }
+        // A tied copy is stored once, under its original's name.
+        let copies: Vec<String> = self
+            .model
+            .tied_names()
+            .into_iter()
+            .map(|(c, _)| c)
+            .collect();
+        moments.retain(|(name, _)| !copies.contains(name));
+        let mut params = state::local_params(&self.model)?;
+        params.retain(|p| !copies.contains(&p.name));
+        let rank_state = RankState { params, moments };
+        let mut extra = serde_json::json!({
+            "data": {
+                "samples_consumed": step * self.settings.global_batch,
+                "order": "windows shuffled per epoch by train.seed; step s reads global batch s",
+            },
+            "rng": {
+                "seed": self.settings.seed,
+                "note": "dropout and masking streams are keyed by (seed, step, sample): the step is the whole RNG state",
+            },
+        });
+        if let (Some(all), serde_json::Value::Object(user)) =
+            (extra.as_object_mut(), policy.extra.clone())
+        {
+            all.extend(user);
+        }
+        Ok(checkpoint::save(
+            &policy.dir,
+            step,
+            policy.keep,
+            &rank_state,
+            extra,
+            grid,
+        )?)
+    }
+}

@@ -1,0 +1,120 @@
+//! What a training run is asked to do besides its model and plan: the optimizer, the batch,
+//! validation and checkpoints.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::train::LrSchedule;
+
+/// The settings of a [`Trainer`](crate::train::Trainer): optimization, batch and data-parallel
+/// reduction. Every layout given the same settings trains on the same global batch.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainSettings {
+    /// Optimizer steps of the whole run.
+    pub steps: usize,
+    /// Sequences per optimizer step, over all data-parallel ranks.
+    pub global_batch: usize,
+    /// Sequences per forward/backward pass on one rank (gradients are accumulated over the
+    /// `global_batch / dp / micro_batch` micro-batches).
+    pub micro_batch: usize,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Final learning rate of the cosine decay.
+    pub min_lr: f64,
+    /// Linear warm-up steps.
+    pub warmup_steps: usize,
+    /// AdamW decoupled weight decay of the matrices (vectors such as biases and norms never
+    /// decay).
+    pub weight_decay: f64,
+    /// AdamW beta 1.
+    pub beta1: f64,
+    /// AdamW beta 2.
+    pub beta2: f64,
+    /// AdamW epsilon.
+    pub eps: f64,
+    /// Clip gradients to this global norm (0 disables clipping).
+    pub grad_clip: f64,
+    /// On a NaN or infinite loss, skip the step (true) instead of stopping (false).
+    pub skip_nonfinite: bool,
+    /// Seed of the data order and of dropout and masking streams.
+    pub seed: u64,
+    /// Size of a data-parallel gradient bucket in MiB.
+    pub bucket_mb: f64,
+    /// ZeRO-1: each data-parallel rank keeps and updates the optimizer state of its share of
+    /// the parameters, then shares the new values.
+    pub zero1: bool,
+    /// Measure the validation loss every this many steps (and after the last); 0 never.
+    pub val_every: usize,
+    /// Global batches of held-out sequences per validation.
+    pub val_batches: usize,
+}
+
+impl TrainSettings {
+    /// The learning-rate schedule: linear warm-up, then cosine decay to `min_lr`.
+    pub fn lr_schedule(&self) -> LrSchedule {
+        LrSchedule {
+            peak: self.lr,
+            min: self.min_lr,
+            warmup: self.warmup_steps,
+            total: self.steps,
+        }
+    }
+
+    /// Sequences per step on one of `dp` data-parallel ranks.
+    pub fn local_batch(&self, dp: usize) -> usize {
+        self.global_batch / dp.max(1)
+    }
+
+    /// Micro-batches per step on one of `dp` data-parallel ranks.
+    pub fn micro_batches(&self, dp: usize) -> usize {
+        self.local_batch(dp) / self.micro_batch.max(1)
+    }
+
+    /// Tokens of one global batch.
+    pub fn tokens_per_step(&self) -> usize {
+        self.global_batch * self.seq_len
+    }
+
+    /// Whether validation runs after step `step` (1-based).
+    pub fn validates_after(&self, step: usize) -> bool {
+        self.val_every > 0 && (step.is_multiple_of(self.val_every) || step == self.steps)
+    }
+}
+
+/// When and where [`Trainer::fit`](crate::train::Trainer::fit) saves checkpoints.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointPolicy {
+    /// The folder that holds the `step-*` checkpoints and `latest`.
+    pub dir: PathBuf,
+    /// Save every this many steps; 0: only at the end (when `at_end`).
+    pub every: usize,
+    /// Save after the last step.
+    pub at_end: bool,
+    /// Keep the newest this many checkpoints (0 keeps all).
+    pub keep: usize,
+    /// Stored in every manifest under its keys (for example the config that made the run).
+    pub extra: serde_json::Value,
+}
+
+impl CheckpointPolicy {
+    /// Whether a checkpoint is due after `step` (1-based) of a `steps`-step run.
+    pub fn due(&self, step: usize, steps: usize) -> bool {
+        (self.every > 0 && step.is_multiple_of(self.every)) || (self.at_end && step == steps)
+    }
+}
+
+/// Where [`Trainer::fit`](crate::train::Trainer::fit) writes what it reports.
+#[derive(Clone, Debug, Default)]
+pub struct RunOutput {
+    /// Rank 0 writes `metrics.jsonl` and `memory.json` here.
+    pub dir: PathBuf,
+    /// Checkpoints (none when `None`).
+    pub checkpoints: Option<CheckpointPolicy>,
+    /// Write a Chrome trace of every rank's actions here.
+    pub trace: Option<PathBuf>,
+    /// Show a progress bar on rank 0 when stderr is a terminal (otherwise a log line per step).
+    pub progress: bool,
+}

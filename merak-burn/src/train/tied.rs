@@ -1,0 +1,49 @@
+//! The two copies of a tied embedding across the pipeline take the same step.
+
+use burn::module::ParamId;
+use burn::optim::GradientsParams;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Tensor, TensorData};
+
+use crate::grid::ProcessGrid;
+use crate::train::TrainError;
+
+/// Tag of the tied-embedding gradient exchange (after every pipeline message of the step).
+const TIED_TAG: u16 = 32_767;
+
+/// Sums the gradients of the two copies of a tied embedding (`tied`: this rank's copy, see
+/// [`PipelineModel::tied_embedding`](crate::pipeline::PipelineModel::tied_embedding)) across
+/// the first and the last pipeline rank, so that both copies take the same step.
+pub fn sum_tied_grads<B: AutodiffBackend>(
+    grads: &mut GradientsParams,
+    grid: &ProcessGrid,
+    tied: Option<ParamId>,
+    device: &B::Device,
+) -> Result<(), TrainError> {
+    let (Some(id), true) = (tied, grid.layout.pp > 1) else {
+        return Ok(());
+    };
+    let p = grid.layout.pp;
+    let partner = if grid.coords.pp == 0 { p - 1 } else { 0 };
+    let g = grads
+        .remove::<B::InnerBackend, 2>(id)
+        .ok_or(TrainError::TiedGradient)?;
+    let shape = g.dims();
+    let mine: Vec<f32> = g
+        .into_data()
+        .convert::<f32>()
+        .into_vec()
+        .map_err(|_| TrainError::TiedGradient)?;
+    let comm = grid.pp.comm()?;
+    let sending = comm.send_start(mine.clone(), partner, TIED_TAG)?;
+    let mut other = vec![0.0f32; mine.len()];
+    comm.recv(&mut other, partner, TIED_TAG)?;
+    sending.wait()?;
+    // a + b == b + a: both ranks get the same bits.
+    let sum: Vec<f32> = mine.iter().zip(&other).map(|(a, b)| a + b).collect();
+    grads.register(
+        id,
+        Tensor::<B::InnerBackend, 2>::from_data(TensorData::new(sum, shape), device),
+    );
+    Ok(())
+}

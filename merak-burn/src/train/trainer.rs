@@ -1,0 +1,388 @@
+//! The training step of a model cut over a process grid: micro-batches through the pipeline
+//! executor, data-parallel gradient reduction, the tied embedding, the loss, clipping, the two
+//! AdamW groups and ZeRO-1. Every layout runs this one step.
+
+use std::collections::HashSet;
+use std::time::Instant;
+
+use burn::module::{AutodiffModule, ParamId};
+use burn::optim::Optimizer;
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::tensor::backend::AutodiffBackend;
+
+use crate::checkpoint::{Checkpoint, FullState, state};
+use crate::comm::{Group, ReduceOp};
+use crate::data_parallel::{DataParallel, DpStats};
+use crate::grid::ProcessGrid;
+use crate::pipeline::{Executor, MicroBatch, PipelineModel, PipelinePlan, ScheduleKind};
+use crate::tensor_parallel::{ParallelBackend, Shard};
+use crate::train::{
+    BatchSource, FusedAdamW, TrainError, TrainSettings, clip_grads, global_grad_norm,
+    sharded_param_ids, split_for_weight_decay, tied::sum_tied_grads,
+};
+
+/// Burn's optimizer adaptor around [`FusedAdamW`] for the model `M`.
+pub type AdamW<M, B> = OptimizerAdaptor<FusedAdamW, M, B>;
+
+/// Seconds spent in each phase of one step.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepPhases {
+    /// Reading the data and counting its targets over the data-parallel group.
+    pub data_s: f64,
+    /// The schedule's forward and backward passes (pipeline messages included).
+    pub forward_backward_s: f64,
+    /// Finishing the data-parallel reduction, the tied gradients and the loss all-reduces.
+    pub reduce_s: f64,
+    /// The global gradient norm, clipping and the weight-decay split.
+    pub clip_s: f64,
+    /// The optimizer steps (and the ZeRO-1 broadcast).
+    pub optimizer_s: f64,
+}
+
+/// What one step did.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepOutcome {
+    /// The 1-based number of the step.
+    pub step: usize,
+    /// Mean loss of the global batch (the same on every rank).
+    pub loss: f64,
+    /// The learning rate of the step.
+    pub lr: f64,
+    /// Global gradient norm before clipping; `None` when the step was skipped for a
+    /// non-finite loss (the parameters are unchanged).
+    pub grad_norm: Option<f64>,
+    /// The data-parallel reduction's overlap.
+    pub dp: DpStats,
+    /// The time of each phase.
+    pub phases: StepPhases,
+}
+
+/// Trains one rank's part of a model (its pipeline stages and tensor-parallel shard) with the
+/// rest of the process grid. Every rank of the grid builds one with the same plan and settings
+/// and calls [`step`](Self::step) (or [`fit`](Self::fit)) the same number of times.
+pub struct Trainer<'g, B, M>
+where
+    B: AutodiffBackend + ParallelBackend,
+    B::InnerBackend: ParallelBackend,
+    M: PipelineModel<B> + AutodiffModule<B>,
+    M::InnerModule: PipelineModel<B::InnerBackend>,
+{
+    pub(crate) grid: &'g ProcessGrid,
+    pub(crate) settings: TrainSettings,
+    pub(crate) device: B::Device,
+    pub(crate) model: M,
+    /// PipeDream-2BW: the weights from before the previous update, on which the next step's
+    /// gradients are computed (V_t = V_{t-1} - lr * grad(V_{t-2})).
+    stale: Option<M>,
+    pub(crate) optim_decay: AdamW<M, B>,
+    pub(crate) optim_no_decay: AdamW<M, B>,
+    reducer: DataParallel,
+    /// The parameters whose optimizer state this rank keeps under ZeRO-1.
+    pub(crate) owned: Option<HashSet<ParamId>>,
+    pub(crate) executor: Executor,
+    sharded: HashSet<ParamId>,
+    /// The head's copy of a tied embedding, counted in the gradient norm on the embedding's
+    /// rank only.
+    not_counted: HashSet<ParamId>,
+    tied: Option<ParamId>,
+    /// Steps done (the 0-based index of the next one).
+    pub(crate) done: usize,
+    pub(crate) max_in_flight: usize,
+}
+
+impl<'g, B, M> Trainer<'g, B, M>
+where
+    B: AutodiffBackend + ParallelBackend,
+    B::InnerBackend: ParallelBackend,
+    M: PipelineModel<B> + AutodiffModule<B>,
+    M::InnerModule: PipelineModel<B::InnerBackend>,
+{
+    /// A trainer for `model` (this rank's units and shard, built for `grid` and `plan`) at
+    /// step 0; `trace` records every action for a Chrome trace.
+    pub fn new(
+        grid: &'g ProcessGrid,
+        plan: PipelinePlan,
+        settings: TrainSettings,
+        model: M,
+        device: B::Device,
+        trace: bool,
+    ) -> Result<Self, TrainError> {
+        let dp = grid.layout.dp;
+        let micro = settings.micro_batch;
+        if micro == 0 || !settings.global_batch.is_multiple_of(dp * micro) {
+            return Err(TrainError::Batch {
+                global_batch: settings.global_batch,
+                dp,
+                micro_batch: micro,
+            });
+        }
+        let s = &settings;
+        let adamw = |decay: f64| {
+            FusedAdamW::new(s.beta1 as f32, s.beta2 as f32, s.eps as f32, decay as f32)
+                .init::<B, M>()
+        };
+        let (optim_decay, optim_no_decay) = (adamw(s.weight_decay), adamw(0.0));
+        let bucket_elems = (s.bucket_mb * (1 << 20) as f64 / 4.0) as usize;
+        let reducer = DataParallel::new(&model, grid.dp, bucket_elems)?;
+        let owned = s.zero1.then(|| reducer.owned_params());
+        let tied = model.tied_embedding();
+        let holds_embedding = plan.schedule.rank_of(0) == grid.coords.pp;
+        let not_counted = tied.filter(|_| !holds_embedding).into_iter().collect();
+        let executor = Executor::new(plan, grid.pp, grid.tp, trace.then_some(grid.rank));
+        Ok(Self {
+            grid,
+            sharded: sharded_param_ids::<B, _>(&model),
+            settings,
+            device,
+            model,
+            stale: None,
+            optim_decay,
+            optim_no_decay,
+            reducer,
+            owned,
+            executor,
+            not_counted,
+            tied,
+            done: 0,
+            max_in_flight: 0,
+        })
+    }
+
+    /// Continues from `checkpoint` (its tensors at full size in `state`): this rank's pieces
+    /// of the parameters and of the AdamW moments it keeps, cut for this run's layout, and the
+    /// checkpoint's step.
+    pub fn resume(&mut self, checkpoint: &Checkpoint, state: &FullState) -> Result<(), TrainError> {
+        let step = checkpoint.manifest.step;
+        if step >= self.settings.steps {
+            return Err(TrainError::NothingLeft {
+                start: step,
+                steps: self.settings.steps,
+            });
+        }
+        let shapes = state::param_shapes(&self.model);
+        let shard = Shard {
+            rank: self.grid.coords.tp,
+            size: self.grid.layout.tp,
+        };
+        let copies = self.model.tied_names();
+        let (params, moments) = state.cut_for(&checkpoint.manifest, &shapes, shard, &copies)?;
+        self.model = state::assign_params(self.model.clone(), params)?;
+        let owned = &self.owned;
+        let mine = |id: ParamId| owned.as_ref().is_none_or(|o| o.contains(&id));
+        let decay = state::adamw_records(&self.model, &moments, &|id, rank| rank >= 2 && mine(id));
+        let no_decay =
+            state::adamw_records(&self.model, &moments, &|id, rank| rank < 2 && mine(id));
+        self.optim_decay = self.optim_decay.clone().load_record(decay);
+        self.optim_no_decay = self.optim_no_decay.clone().load_record(no_decay);
+        self.done = step;
+        Ok(())
+    }
+
+    /// The model as trained so far.
+    pub fn model(&self) -> &M {
+        &self.model
+    }
+
+    /// The trained model.
+    pub fn into_model(self) -> M {
+        self.model
+    }
+
+    /// Steps done so far (the checkpoint's step after [`resume`](Self::resume)).
+    pub fn steps_done(&self) -> usize {
+        self.done
+    }
+
+    /// The settings of the run.
+    pub fn settings(&self) -> &TrainSettings {
+        &self.settings
+    }
+
+    /// Runs the next step on the global batch `data` gives for it.
+    pub fn step(&mut self, data: &dyn BatchSource) -> Result<StepOutcome, TrainError> {
+        let step = self.done;
+        let mut phases = StepPhases::default();
+        let mut clock = Instant::now();
+        let mut lap = |slot: &mut f64| {
+            *slot += clock.elapsed().as_secs_f64();
+            clock = Instant::now();
+        };
+        self.reducer.begin_step();
+        let batches = self.micro_batches(data, step)?;
+        lap(&mut phases.data_s);
+        let [micro, seq] = [self.settings.micro_batch, self.settings.seq_len];
+        let shape = [micro, seq, self.model.hidden_size()];
+        let model = self.stale.as_ref().unwrap_or(&self.model);
+        let report =
+            self.executor
+                .run_step(model, &self.reducer, &batches, step, shape, &self.device)?;
+        self.max_in_flight = self.max_in_flight.max(report.max_in_flight);
+        lap(&mut phases.forward_backward_s);
+        let (mut grads, dp) = self.reducer.finish::<B, _>(&self.model)?;
+        sum_tied_grads::<B>(&mut grads, self.grid, self.tied, &self.device)?;
+        let loss = self.sum_loss(report.loss)?;
+        lap(&mut phases.reduce_s);
+        self.done += 1;
+        let lr = self.settings.lr_schedule().at(step);
+        let mut outcome = StepOutcome {
+            step: step + 1,
+            loss,
+            lr,
+            grad_norm: None,
+            dp,
+            phases,
+        };
+        if !loss.is_finite() {
+            if !self.settings.skip_nonfinite {
+                return Err(TrainError::NonFiniteLoss {
+                    step: step + 1,
+                    loss,
+                });
+            }
+            tracing::warn!(
+                "the loss is {loss} at step {}: step skipped, parameters unchanged",
+                step + 1
+            );
+            return Ok(outcome);
+        }
+        let g = self.grid;
+        let norm = global_grad_norm::<B, _>(
+            &self.model,
+            &grads,
+            &self.sharded,
+            g.tp,
+            g.pp,
+            &self.not_counted,
+        )?;
+        clip_grads::<B, _>(&self.model, &mut grads, norm, self.settings.grad_clip);
+        let (decay, no_decay) =
+            split_for_weight_decay::<B, _>(&self.model, grads, self.owned.as_ref());
+        lap(&mut outcome.phases.clip_s);
+        self.update(lr, decay, no_decay)?;
+        lap(&mut outcome.phases.optimizer_s);
+        outcome.grad_norm = Some(norm);
+        Ok(outcome)
+    }
+
+    /// The two AdamW groups' steps (and, under ZeRO-1, the owners' broadcast).
+    fn update(
+        &mut self,
+        lr: f64,
+        decay: burn::optim::GradientsParams,
+        no_decay: burn::optim::GradientsParams,
+    ) -> Result<(), TrainError> {
+        if self.executor.plan().schedule.kind == ScheduleKind::TwoBw {
+            self.stale = Some(self.model.clone());
+        }
+        let model = self.model.clone();
+        let model = self.optim_decay.step(lr, model, decay);
+        let mut model = self.optim_no_decay.step(lr, model, no_decay);
+        if self.owned.is_some() {
+            model = self.reducer.broadcast_from_owners(model)?;
+        }
+        self.model = model;
+        Ok(())
+    }
+
+    /// This rank's micro-batches of step `step`, each weighted by its share of the global
+    /// batch's target tokens (masked LM: the number of masked positions varies), so that every
+    /// layout computes the gradient of the same global mean loss.
+    fn micro_batches(
+        &self,
+        data: &dyn BatchSource,
+        step: usize,
+    ) -> Result<Vec<MicroBatch>, TrainError> {
+        let s = &self.settings;
+        let dp = self.grid.layout.dp;
+        let first = self.grid.coords.dp * s.local_batch(dp);
+        let micro = s.micro_batch;
+        let mut batches = Vec::new();
+        for m in 0..s.micro_batches(dp) {
+            let start = first + m * micro;
+            let w = data
+                .train_windows(step, start, micro)
+                .map_err(|source| TrainError::Data {
+                    step: step + 1,
+                    source,
+                })?;
+            batches.push(MicroBatch {
+                weight: w.target_count() as f32,
+                inputs: w.inputs,
+                targets: w.targets,
+                first_sample: start,
+            });
+        }
+        let mut total = [batches.iter().map(|b| b.weight).sum::<f32>()];
+        all_reduce_if(self.grid.dp, &mut total)?;
+        for b in &mut batches {
+            b.weight /= total[0].max(1.0);
+        }
+        Ok(batches)
+    }
+
+    /// The global batch's loss from this rank's share: summed over the pipeline (only the last
+    /// stage has it) and the data-parallel replicas.
+    fn sum_loss(&self, local: f64) -> Result<f64, TrainError> {
+        let mut l = [local as f32];
+        if self.grid.layout.pp > 1 {
+            self.grid.pp.comm()?.all_reduce(&mut l, ReduceOp::Sum)?;
+        }
+        all_reduce_if(self.grid.dp, &mut l)?;
+        Ok(if self.grid.layout.pp > 1 || self.grid.layout.dp > 1 {
+            f64::from(l[0])
+        } else {
+            local
+        })
+    }
+
+    /// Mean loss over `val_batches` global batches of held-out sequences, without gradients;
+    /// each data-parallel rank evaluates its share through the pipeline.
+    pub fn validation_loss(&self, data: &dyn BatchSource) -> Result<f64, TrainError> {
+        let s = &self.settings;
+        let model = self.model.valid();
+        let local = s.local_batch(self.grid.layout.dp);
+        let micro = s.micro_batch;
+        let shape = [micro, s.seq_len, model.hidden_size()];
+        // Per-micro-batch mean losses weighted by target tokens: (sum of losses, target tokens).
+        let mut acc = [0.0f32, 0.0f32];
+        for b in 0..s.val_batches {
+            let mut batches = Vec::new();
+            for m in 0..local / micro {
+                let first = b * s.global_batch + self.grid.coords.dp * local + m * micro;
+                let w = data
+                    .val_windows(first, micro)
+                    .map_err(|source| TrainError::Data {
+                        step: self.done,
+                        source,
+                    })?;
+                let n = w.target_count() as f32;
+                acc[1] += n;
+                batches.push(MicroBatch {
+                    inputs: w.inputs,
+                    targets: w.targets,
+                    weight: n,
+                    first_sample: first,
+                });
+            }
+            acc[0] += self
+                .executor
+                .forward_only(&model, &batches, shape, &self.device)? as f32;
+        }
+        if self.grid.layout.pp > 1 {
+            // Only the last stage has the losses; every stage counted the tokens.
+            let mut l = [acc[0]];
+            self.grid.pp.comm()?.all_reduce(&mut l, ReduceOp::Sum)?;
+            acc[0] = l[0];
+        }
+        all_reduce_if(self.grid.dp, &mut acc)?;
+        Ok(f64::from(acc[0] / acc[1].max(1.0)))
+    }
+}
+
+/// Sums `values` over `group` when it has more than one rank.
+fn all_reduce_if(group: Group, values: &mut [f32]) -> Result<(), TrainError> {
+    if group.size() > 1 {
+        group.comm()?.all_reduce(values, ReduceOp::Sum)?;
+    }
+    Ok(())
+}
