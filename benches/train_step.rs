@@ -45,6 +45,7 @@ use merak_burn::backend::{CpuAutodiff, CpuDevice};
 use merak_burn::comm::{Communicator, Group, MpiCommunicator, MpiWorld, ReduceOp};
 use merak_burn::grid::{Layout, ProcessGrid};
 use merak_burn::pipeline::{PipelinePlan, ScheduleKind, build_schedule, explicit_partition};
+use merak_burn::plan::ParallelPlan;
 use merak_burn::train::{BatchSource, SourceError, TrainSettings, Trainer, Windows};
 use merak_gpt::{Gpt, GptConfig};
 
@@ -283,7 +284,6 @@ fn merak_variant<'g>(
     let settings = TrainSettings {
         steps: args.warmup + args.trials * args.steps,
         global_batch: batch.rows,
-        micro_batch: batch.rows / grid.layout.dp,
         seq_len: batch.seq,
         lr: args.lr,
         min_lr: args.lr,
@@ -295,13 +295,17 @@ fn merak_variant<'g>(
         grad_clip: GRAD_CLIP,
         skip_nonfinite: false,
         seed: args.seed,
-        bucket_mb,
-        zero1: false,
         val_every: 0,
         val_batches: 0,
     };
+    let parallel = ParallelPlan {
+        dp: grid.layout.dp,
+        micro_batch: batch.rows / grid.layout.dp,
+        bucket_mb,
+        ..ParallelPlan::default()
+    };
     Ok(Box::new(Merak {
-        trainer: Trainer::new(grid, plan, settings, model, *device, false)?,
+        trainer: Trainer::new(grid, &parallel, plan, settings, model, *device, false)?,
         data: Fixed(batch),
         phases: Phases::default(),
     }))

@@ -5,6 +5,9 @@
 
 use std::path::Path;
 
+use merak_burn::pipeline::{PipelinePlan, Recompute, RecomputeMode, ScheduleKind};
+use merak_burn::plan::ParallelPlan;
+use merak_burn::planner::{ModelKind, TransformerShape};
 use merak_gpt::GptConfig;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -83,18 +86,18 @@ pub struct ParallelSection {
     /// all its gradients are final.
     pub bucket_mb: f64,
     /// Pipeline schedule: "gpipe", "1f1b", "interleaved", "shifted-critical-path" or "2bw".
-    pub schedule: String,
+    pub schedule: ScheduleKind,
     /// Model stages per pipeline rank (interleaved schedule only; 1 otherwise).
     pub virtual_stages: usize,
     /// Units per pipeline stage (the embedding counts as the first unit and the head as the
     /// last, so they sum to layers + 2); empty: balanced automatically by cost.
     pub stage_layers: Vec<usize>,
     /// Activation recomputation: "none", "full", "selective" or "stage-aware".
-    pub recompute: String,
+    pub recompute: Recompute,
     /// Recomputation per stage ("none", "selective" or "full", one per pipeline stage, as a
     /// plan from `merak plan` gives it); when set it replaces `recompute`. A pipeline rank
     /// whose stages include a selective one runs all of them with selective recomputation.
-    pub stage_recompute: Vec<String>,
+    pub stage_recompute: Vec<RecomputeMode>,
     /// Stage-aware recomputation: activation memory per stage in MiB; 0: what the last stage
     /// needs without recomputation.
     pub memory_budget_mb: f64,
@@ -203,10 +206,10 @@ impl Default for Config {
                 pp: 1,
                 zero: 0,
                 bucket_mb: 1.0,
-                schedule: "1f1b".into(),
+                schedule: ScheduleKind::OneFOneB,
                 virtual_stages: 1,
                 stage_layers: Vec::new(),
-                recompute: "none".into(),
+                recompute: Recompute::None,
                 stage_recompute: Vec::new(),
                 memory_budget_mb: 0.0,
             },
@@ -435,15 +438,26 @@ fn key_at(text: &str, offset: usize) -> Option<String> {
     None
 }
 
+/// `Err(BadValue)` naming `key`.
+fn bad(key: &str, msg: String) -> Result<(), ConfigError> {
+    Err(ConfigError::BadValue {
+        key: key.into(),
+        msg,
+    })
+}
+
 impl Config {
     /// Checks values that types alone do not constrain.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let bad = |key: &str, msg: String| {
-            Err(ConfigError::BadValue {
-                key: key.into(),
-                msg,
-            })
-        };
+        self.validate_model()?;
+        self.validate_data()?;
+        self.validate_train()?;
+        self.validate_batch()?;
+        self.validate_parallel()
+    }
+
+    /// `[model]`: a known kind and a consistent shape.
+    fn validate_model(&self) -> Result<(), ConfigError> {
         match self.model.kind.as_str() {
             "gpt" => {}
             "bert" => {
@@ -461,6 +475,11 @@ impl Config {
         if let Err(e) = self.model.gpt.validate() {
             return bad("model", e.to_string());
         }
+        Ok(())
+    }
+
+    /// `[data]`: a known source with what it needs.
+    fn validate_data(&self) -> Result<(), ConfigError> {
         match self.data.kind.as_str() {
             "synthetic" => {}
             "tokens" if self.data.path.is_empty() => {
@@ -483,6 +502,11 @@ impl Config {
                 "must be at least 1 when data.val_every > 0".into(),
             );
         }
+        Ok(())
+    }
+
+    /// `[train]`: steps, learning rates, betas, clipping and device in range.
+    fn validate_train(&self) -> Result<(), ConfigError> {
         if self.train.steps == 0 {
             return bad("train.steps", "must be at least 1".into());
         }
@@ -524,6 +548,11 @@ impl Config {
                 format!("`{}` is not a device (cpu or cuda)", self.train.device),
             );
         }
+        Ok(())
+    }
+
+    /// The batch splits over the data-parallel ranks and micro-batches.
+    fn validate_batch(&self) -> Result<(), ConfigError> {
         if !self
             .train
             .global_batch
@@ -547,6 +576,11 @@ impl Config {
                 ),
             );
         }
+        Ok(())
+    }
+
+    /// `[parallel]`: ZeRO stage, stages, recomputation and sizes consistent.
+    fn validate_parallel(&self) -> Result<(), ConfigError> {
         if self.parallel.zero > 1 {
             return bad(
                 "parallel.zero",
@@ -556,53 +590,28 @@ impl Config {
                 ),
             );
         }
-        if let Err(e) = self
-            .parallel
-            .schedule
-            .parse::<merak_burn::pipeline::ScheduleKind>()
-        {
-            return bad("parallel.schedule", e.to_string());
-        }
-        if let Err(e) = self
-            .parallel
-            .recompute
-            .parse::<merak_burn::pipeline::Recompute>()
-        {
-            return bad("parallel.recompute", e.to_string());
-        }
         if self.parallel.virtual_stages == 0 {
             return bad("parallel.virtual_stages", "must be at least 1".into());
         }
         let stages = self.parallel.pp * self.parallel.virtual_stages;
-        if !self.parallel.stage_recompute.is_empty() {
-            if self.parallel.stage_recompute.len() != stages {
-                return bad(
-                    "parallel.stage_recompute",
-                    format!(
-                        "has {} entries for {stages} stages (parallel.pp = {} x parallel.virtual_stages = {})",
-                        self.parallel.stage_recompute.len(),
-                        self.parallel.pp,
-                        self.parallel.virtual_stages
-                    ),
-                );
-            }
-            if let Some(other) = self
-                .parallel
-                .stage_recompute
-                .iter()
-                .find(|m| !matches!(m.as_str(), "none" | "selective" | "full"))
-            {
-                return bad(
-                    "parallel.stage_recompute",
-                    format!("{other:?} is not \"none\", \"selective\" or \"full\""),
-                );
-            }
+        if !self.parallel.stage_recompute.is_empty()
+            && self.parallel.stage_recompute.len() != stages
+        {
+            return bad(
+                "parallel.stage_recompute",
+                format!(
+                    "has {} entries for {stages} stages (parallel.pp = {} x parallel.virtual_stages = {})",
+                    self.parallel.stage_recompute.len(),
+                    self.parallel.pp,
+                    self.parallel.virtual_stages
+                ),
+            );
         }
-        if self.parallel.virtual_stages > 1 && self.parallel.schedule != "interleaved" {
+        if self.parallel.virtual_stages > 1 && self.parallel.schedule != ScheduleKind::Interleaved {
             return bad(
                 "parallel.virtual_stages",
                 format!(
-                    "{} needs parallel.schedule = \"interleaved\" (it is {:?})",
+                    "{} needs parallel.schedule = \"interleaved\" (it is \"{}\")",
                     self.parallel.virtual_stages, self.parallel.schedule
                 ),
             );
@@ -650,6 +659,74 @@ impl Config {
             0 => self.train.global_batch / self.parallel.dp.max(1),
             m => m,
         }
+    }
+
+    /// The planner's shape of `[model]`.
+    pub fn shape(&self) -> Result<TransformerShape, ConfigError> {
+        let g = &self.model.gpt;
+        let kind = match self.model.kind.as_str() {
+            "gpt" => ModelKind::Gpt,
+            "bert" => ModelKind::Bert,
+            other => {
+                return Err(ConfigError::BadValue {
+                    key: "model.kind".into(),
+                    msg: format!("{other:?} is not \"gpt\" or \"bert\""),
+                });
+            }
+        };
+        Ok(TransformerShape {
+            kind,
+            layers: g.layers,
+            hidden: g.hidden,
+            heads: g.heads,
+            seq: g.seq_len,
+            vocab: g.vocab_size,
+        })
+    }
+
+    /// The pipeline plan of this config (stages, schedule, recomputation per stage), built and
+    /// validated; errors name the `parallel.*` key.
+    pub fn pipeline_plan(&self) -> anyhow::Result<PipelinePlan> {
+        let shape = self.shape()?;
+        Ok(self
+            .parallel_plan()
+            .pipeline(&shape, self.train.global_batch)?)
+    }
+
+    /// The run's parallel plan: `[parallel]` with the micro-batch size resolved.
+    pub fn parallel_plan(&self) -> ParallelPlan {
+        let p = &self.parallel;
+        ParallelPlan {
+            dp: p.dp,
+            tp: p.tp,
+            pp: p.pp,
+            virtual_stages: p.virtual_stages,
+            micro_batch: self.micro_batch(),
+            schedule: p.schedule,
+            stage_units: p.stage_layers.clone(),
+            recompute: p.recompute,
+            stage_recompute: p.stage_recompute.clone(),
+            memory_budget_mb: p.memory_budget_mb,
+            zero1: p.zero == 1,
+            bucket_mb: p.bucket_mb,
+            tp_overlap: 1,
+        }
+    }
+
+    /// Sets the keys a plan decides (`plan_cmd::PLANNED_KEYS`: the layout, stages, schedule,
+    /// recomputation per stage, ZeRO-1 and the micro-batch size) to run `plan`; the bucket
+    /// size and the recomputation policy stay the config's.
+    pub fn apply_plan(&mut self, plan: &ParallelPlan) {
+        let p = &mut self.parallel;
+        p.dp = plan.dp;
+        p.tp = plan.tp;
+        p.pp = plan.pp;
+        p.virtual_stages = plan.virtual_stages;
+        p.schedule = plan.schedule;
+        p.stage_layers = plan.stage_units.clone();
+        p.stage_recompute = plan.stage_recompute.clone();
+        p.zero = u8::from(plan.zero1);
+        self.train.micro_batch = plan.micro_batch;
     }
 }
 

@@ -85,6 +85,63 @@ pub fn generate<B: ParallelBackend>(
     Ok(ids)
 }
 
+/// Continues the first held-out sequence's first tokens with the trained GPT and
+/// prints the text (for a prepared data set) and the ids on rank 0. Every rank takes part
+/// (the logits are split over the TP group).
+pub fn print_sample<B: merak_burn::tensor_parallel::ParallelBackend>(
+    cfg: &crate::config::Config,
+    data: &crate::data::Source,
+    grid: &merak_burn::grid::ProcessGrid,
+    model: &merak_gpt::Gpt<B>,
+    device: &B::Device,
+) -> Result<()> {
+    let g = &cfg.model.gpt;
+    let (prompt, _) = data.val_batch(0, 1, g.seq_len);
+    let prompt = &prompt[..g.seq_len.min(8)];
+    let new = cfg.train.sample_tokens;
+    let sampling = Sampling {
+        temperature: cfg.train.sample_temperature,
+        top_k: 40,
+        seed: cfg.train.seed,
+    };
+    let ids = generate(
+        model,
+        prompt,
+        new,
+        g.seq_len,
+        g.vocab_size,
+        &sampling,
+        grid.tp,
+        device,
+    )?;
+    if grid.rank == 0 {
+        if let crate::data::Source::Tokens(_) = data {
+            let bpe = tiktoken_rs::r50k_base()?;
+            let tokens: Vec<u32> = ids
+                .iter()
+                .filter_map(|&t| {
+                    u32::try_from(t)
+                        .ok()
+                        .filter(|&t| t < crate::tokens::GPT2_VOCAB as u32)
+                })
+                .collect();
+            let text = String::from_utf8_lossy(&bpe.decode_bytes(&tokens)?).into_owned();
+            let how = if sampling.temperature > 0.0 {
+                format!("top-40 sampling at temperature {}", sampling.temperature)
+            } else {
+                "greedy".to_string()
+            };
+            println!(
+                "sample ({how}, {new} tokens after a {}-token prompt):\n{text}",
+                prompt.len()
+            );
+        }
+        let ids_text = ids.iter().map(i64::to_string).collect::<Vec<_>>();
+        println!("sample ids: {}", ids_text.join(","));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -4,8 +4,8 @@ use anyhow::{Context, Result, bail};
 use merak_burn::pipeline::{ScheduleKind, balanced_partition, build_schedule};
 use merak_burn::planner::Calibration;
 use merak_burn::planner::{
-    CostModel, HardwareSpec, Layout, ModelKind, ModelProxy, Plan, PlanFile, Prediction,
-    RecomputeMode, SearchOptions, TransformerShape, search_calibrated,
+    CostModel, HardwareSpec, Layout, ModelProxy, Plan, PlanFile, Prediction, RecomputeMode,
+    SearchOptions, TransformerShape, search_calibrated,
 };
 
 /// The model and machines both commands take.
@@ -357,24 +357,6 @@ pub fn simulate(a: &SimulateArgs) -> Result<()> {
     Ok(())
 }
 
-/// The planner's shape of a training config's model.
-pub fn shape_of(cfg: &crate::config::Config) -> Result<TransformerShape> {
-    let g = &cfg.model.gpt;
-    let kind = match cfg.model.kind.as_str() {
-        "gpt" => ModelKind::Gpt,
-        "bert" => ModelKind::Bert,
-        other => bail!("model.kind = {other:?} cannot be planned (gpt or bert)"),
-    };
-    Ok(TransformerShape {
-        kind,
-        layers: g.layers,
-        hidden: g.hidden,
-        heads: g.heads,
-        seq: g.seq_len,
-        vocab: g.vocab_size,
-    })
-}
-
 /// The config keys a plan sets.
 pub const PLANNED_KEYS: [&str; 9] = [
     "train.micro_batch",
@@ -388,32 +370,6 @@ pub const PLANNED_KEYS: [&str; 9] = [
     "parallel.zero",
 ];
 
-/// The `--set key=value` overrides that make a config run `plan` (layout, schedule,
-/// partition, recomputation per stage, ZeRO-1 and micro-batch size).
-pub fn plan_overrides(plan: &Plan) -> Vec<String> {
-    let l = &plan.layout;
-    let quoted = |items: Vec<String>| {
-        items
-            .iter()
-            .map(|i| format!("\"{i}\""))
-            .collect::<Vec<_>>()
-            .join(",")
-    };
-    let sizes: Vec<String> = l.partition.sizes().iter().map(|s| s.to_string()).collect();
-    let modes: Vec<String> = l.recompute.iter().map(|m| m.as_str().to_string()).collect();
-    vec![
-        format!("parallel.dp={}", l.dp),
-        format!("parallel.tp={}", l.tp),
-        format!("parallel.pp={}", l.pp),
-        format!("parallel.virtual_stages={}", l.virtual_stages),
-        format!("parallel.schedule=\"{}\"", l.schedule),
-        format!("parallel.stage_layers=[{}]", sizes.join(",")),
-        format!("parallel.stage_recompute=[{}]", quoted(modes)),
-        format!("parallel.zero={}", u8::from(l.zero1)),
-        format!("train.micro_batch={}", l.micro_batch),
-    ]
-}
-
 /// `merak train --plan auto`: probes this machine with every rank of the launch (a quick
 /// [`crate::probe::measure`]), reads the calibration if one is given, and searches the plans of
 /// `cfg`'s model for the launched world size and global batch. Every rank computes the same
@@ -425,7 +381,7 @@ pub fn auto_plan(
 ) -> Result<PlanFile> {
     use merak_burn::comm::Communicator;
     let gpus = world.map_or(1, |w| w.size());
-    let shape = shape_of(cfg)?;
+    let shape = cfg.shape()?;
     let hw = crate::probe::measure(world, 3)?;
     let cal = calibration
         .map(|path| Calibration::read(path, &shape))

@@ -39,7 +39,26 @@ pub struct Series {
 /// coordinates are skipped; when no series has a point left the axes are drawn empty with a
 /// "no data" note. All text is XML-escaped.
 pub fn line_chart_svg(title: &str, x_label: &str, y_label: &str, series: &[Series]) -> String {
-    let drawn: Vec<Drawn> = series
+    let drawn = drawn_series(series);
+    let (frame, legend) = layout(&drawn);
+    let mut s = String::with_capacity(8192);
+    write_header(&mut s, title);
+    write_grid(&mut s, &frame);
+    write_tick_labels(&mut s, &frame);
+    write_axis_titles(&mut s, &frame, x_label, y_label);
+    write_plot_frame(&mut s, &frame, drawn.is_empty());
+    for d in &drawn {
+        write_series(&mut s, &frame, d);
+    }
+    write_legend(&mut s, &legend);
+    s.push_str("</svg>\n");
+    s
+}
+
+/// The series of `series` that have at least one finite point, each with its colour index
+/// (its position in `series`) and its cleaned points.
+fn drawn_series(series: &[Series]) -> Vec<Drawn<'_>> {
+    series
         .iter()
         .enumerate()
         .map(|(colour, s)| Drawn {
@@ -48,8 +67,12 @@ pub fn line_chart_svg(title: &str, x_label: &str, y_label: &str, series: &[Serie
             points: clean_points(&s.points),
         })
         .filter(|d| !d.points.is_empty())
-        .collect();
+        .collect()
+}
 
+/// The smallest and largest x and y over all points of `drawn` as `(x_min, x_max, y_min,
+/// y_max)`, or the unit square when there are no points.
+fn data_bounds(drawn: &[Drawn]) -> (f64, f64, f64, f64) {
     let bounds = drawn.iter().flat_map(|d| d.points.iter()).fold(
         None,
         |acc: Option<(f64, f64, f64, f64)>, &(x, y)| {
@@ -59,11 +82,48 @@ pub fn line_chart_svg(title: &str, x_label: &str, y_label: &str, series: &[Serie
             })
         },
     );
-    let (x_min, x_max, y_min, y_max) = bounds.unwrap_or((0.0, 1.0, 0.0, 1.0));
+    bounds.unwrap_or((0.0, 1.0, 0.0, 1.0))
+}
+
+/// The plot area of a chart: its axes and its edges in SVG coordinates.
+struct Frame {
+    x_axis: Axis,
+    y_axis: Axis,
+    left: f64,
+    right: f64,
+    top: f64,
+    bottom: f64,
+}
+
+impl Frame {
+    /// The width of the plot area.
+    fn width(&self) -> f64 {
+        self.right - self.left
+    }
+
+    /// The height of the plot area.
+    fn height(&self) -> f64 {
+        self.bottom - self.top
+    }
+
+    /// The SVG x coordinate of the data value `x`.
+    fn px(&self, x: f64) -> f64 {
+        self.left + (x - self.x_axis.lo) / (self.x_axis.hi - self.x_axis.lo) * self.width()
+    }
+
+    /// The SVG y coordinate of the data value `y`.
+    fn py(&self, y: f64) -> f64 {
+        self.bottom - (y - self.y_axis.lo) / (self.y_axis.hi - self.y_axis.lo) * self.height()
+    }
+}
+
+/// Lays out the chart of `drawn`: axes covering its points, a left margin that fits the
+/// widest y tick label, a right margin that fits half the last x tick label, and a top margin
+/// that fits the legend rows (returned with the frame).
+fn layout<'a>(drawn: &'a [Drawn<'a>]) -> (Frame, Vec<LegendEntry<'a>>) {
+    let (x_min, x_max, y_min, y_max) = data_bounds(drawn);
     let x_axis = Axis::new(x_min, x_max);
     let y_axis = Axis::new(y_min, y_max);
-
-    // Layout: the left margin fits the widest y tick label, the top margin the legend rows.
     let y_label_w = y_axis
         .labels
         .iter()
@@ -72,19 +132,26 @@ pub fn line_chart_svg(title: &str, x_label: &str, y_label: &str, series: &[Serie
     let left = (34.0 + y_label_w).max(56.0);
     let last_x_label_w = x_axis.labels.last().map_or(0.0, |l| text_width(l));
     let right = WIDTH - (last_x_label_w / 2.0 + 8.0).max(28.0);
-    let legend = layout_legend(&drawn, left, right);
+    let legend = layout_legend(drawn, left, right);
     let legend_rows = legend.iter().map(|e| e.row + 1).max().unwrap_or(0);
     let top = if legend_rows == 0 {
         46.0
     } else {
         44.0 + 18.0 * legend_rows as f64 + 10.0
     };
-    let bottom = HEIGHT - 54.0;
-    let (pw, ph) = (right - left, bottom - top);
-    let px = |x: f64| left + (x - x_axis.lo) / (x_axis.hi - x_axis.lo) * pw;
-    let py = |y: f64| bottom - (y - y_axis.lo) / (y_axis.hi - y_axis.lo) * ph;
+    let frame = Frame {
+        x_axis,
+        y_axis,
+        left,
+        right,
+        top,
+        bottom: HEIGHT - 54.0,
+    };
+    (frame, legend)
+}
 
-    let mut s = String::with_capacity(8192);
+/// Writes the opening `<svg>` tag, the white background and the centred `title`.
+fn write_header(s: &mut String, title: &str) {
     let _ = writeln!(
         s,
         r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" font-family="Helvetica, Arial, sans-serif" font-size="{FONT}">"#
@@ -99,141 +166,158 @@ pub fn line_chart_svg(title: &str, x_label: &str, y_label: &str, series: &[Serie
         WIDTH / 2.0,
         escape(title)
     );
+}
 
-    // Gridlines, tick marks and tick labels.
-    let _ = writeln!(s, r##"<g stroke="#e3e3e3" stroke-width="1">"##);
-    for &t in &x_axis.ticks {
-        let x = fmt_coord(px(t));
+/// Writes one group of lines, in `stroke`, at every x tick from `y1` to `y2` and at every y
+/// tick from `x1` to `x2` (gridlines across the plot area, or tick marks outside it).
+fn write_tick_lines(
+    s: &mut String,
+    frame: &Frame,
+    stroke: &str,
+    (y1, y2): (f64, f64),
+    (x1, x2): (f64, f64),
+) {
+    let _ = writeln!(s, r#"<g stroke="{stroke}" stroke-width="1">"#);
+    for &t in &frame.x_axis.ticks {
+        let x = fmt_coord(frame.px(t));
         let _ = writeln!(
             s,
             r#"<line x1="{x}" y1="{}" x2="{x}" y2="{}"/>"#,
-            fmt_coord(top),
-            fmt_coord(bottom)
+            fmt_coord(y1),
+            fmt_coord(y2)
         );
     }
-    for &t in &y_axis.ticks {
-        let y = fmt_coord(py(t));
+    for &t in &frame.y_axis.ticks {
+        let y = fmt_coord(frame.py(t));
         let _ = writeln!(
             s,
             r#"<line x1="{}" y1="{y}" x2="{}" y2="{y}"/>"#,
-            fmt_coord(left),
-            fmt_coord(right)
+            fmt_coord(x1),
+            fmt_coord(x2)
         );
     }
     let _ = writeln!(s, "</g>");
-    let _ = writeln!(s, r##"<g stroke="#444" stroke-width="1">"##);
-    for &t in &x_axis.ticks {
-        let x = fmt_coord(px(t));
-        let _ = writeln!(
-            s,
-            r#"<line x1="{x}" y1="{}" x2="{x}" y2="{}"/>"#,
-            fmt_coord(bottom),
-            fmt_coord(bottom + 5.0)
-        );
-    }
-    for &t in &y_axis.ticks {
-        let y = fmt_coord(py(t));
-        let _ = writeln!(
-            s,
-            r#"<line x1="{}" y1="{y}" x2="{}" y2="{y}"/>"#,
-            fmt_coord(left - 5.0),
-            fmt_coord(left)
-        );
-    }
-    let _ = writeln!(s, "</g>");
+}
+
+/// Writes the light gridlines across the plot area and the 5-unit tick marks outside its
+/// bottom and left edges.
+fn write_grid(s: &mut String, frame: &Frame) {
+    let (left, right, top, bottom) = (frame.left, frame.right, frame.top, frame.bottom);
+    write_tick_lines(s, frame, "#e3e3e3", (top, bottom), (left, right));
+    write_tick_lines(s, frame, "#444", (bottom, bottom + 5.0), (left - 5.0, left));
+}
+
+/// Writes the tick labels: centred below the x ticks and right-aligned left of the y ticks.
+fn write_tick_labels(s: &mut String, frame: &Frame) {
     let _ = writeln!(s, r##"<g fill="#333" text-anchor="middle">"##);
-    for (&t, label) in x_axis.ticks.iter().zip(&x_axis.labels) {
+    for (&t, label) in frame.x_axis.ticks.iter().zip(&frame.x_axis.labels) {
         let _ = writeln!(
             s,
             r#"<text x="{}" y="{}">{}</text>"#,
-            fmt_coord(px(t)),
-            fmt_coord(bottom + 19.0),
+            fmt_coord(frame.px(t)),
+            fmt_coord(frame.bottom + 19.0),
             escape(label)
         );
     }
     let _ = writeln!(s, "</g>");
     let _ = writeln!(s, r##"<g fill="#333" text-anchor="end">"##);
-    for (&t, label) in y_axis.ticks.iter().zip(&y_axis.labels) {
+    for (&t, label) in frame.y_axis.ticks.iter().zip(&frame.y_axis.labels) {
         let _ = writeln!(
             s,
             r#"<text x="{}" y="{}">{}</text>"#,
-            fmt_coord(left - 8.0),
-            fmt_coord(py(t) + 4.0),
+            fmt_coord(frame.left - 8.0),
+            fmt_coord(frame.py(t) + 4.0),
             escape(label)
         );
     }
     let _ = writeln!(s, "</g>");
+}
 
-    // Axis titles.
+/// Writes the axis titles: `x_label` centred below the plot area and `y_label` rotated and
+/// centred left of it.
+fn write_axis_titles(s: &mut String, frame: &Frame, x_label: &str, y_label: &str) {
     let _ = writeln!(
         s,
         r##"<text x="{}" y="{}" text-anchor="middle" font-size="13" fill="#222">{}</text>"##,
-        fmt_coord(left + pw / 2.0),
+        fmt_coord(frame.left + frame.width() / 2.0),
         fmt_coord(HEIGHT - 12.0),
         escape(x_label)
     );
-    let (yl_x, yl_y) = (18.0, fmt_coord(top + ph / 2.0));
+    let (yl_x, yl_y) = (18.0, fmt_coord(frame.top + frame.height() / 2.0));
     let _ = writeln!(
         s,
         r##"<text x="{yl_x}" y="{yl_y}" transform="rotate(-90 {yl_x} {yl_y})" text-anchor="middle" font-size="13" fill="#222">{}</text>"##,
         escape(y_label)
     );
+}
 
-    // Plot frame.
+/// Writes the border of the plot area and, when `no_data`, a "no data" note in its centre.
+fn write_plot_frame(s: &mut String, frame: &Frame, no_data: bool) {
     let _ = writeln!(
         s,
         r##"<rect x="{}" y="{}" width="{}" height="{}" fill="none" stroke="#444" stroke-width="1"/>"##,
-        fmt_coord(left),
-        fmt_coord(top),
-        fmt_coord(pw),
-        fmt_coord(ph)
+        fmt_coord(frame.left),
+        fmt_coord(frame.top),
+        fmt_coord(frame.width()),
+        fmt_coord(frame.height())
     );
-
-    if drawn.is_empty() {
+    if no_data {
         let _ = writeln!(
             s,
             r##"<text x="{}" y="{}" text-anchor="middle" font-size="16" fill="#888">no data</text>"##,
-            fmt_coord(left + pw / 2.0),
-            fmt_coord(top + ph / 2.0)
+            fmt_coord(frame.left + frame.width() / 2.0),
+            fmt_coord(frame.top + frame.height() / 2.0)
         );
     }
+}
 
-    // Series.
-    for Drawn { colour, points, .. } in &drawn {
-        let colour = PALETTE[colour % PALETTE.len()];
-        let mut coords = String::with_capacity(points.len() * 12);
-        let mut previous = String::new();
+/// The `points` attribute of a series' polyline: its points in SVG coordinates, with
+/// consecutive points that round to the same coordinates written once.
+fn polyline_coords(frame: &Frame, points: &[(f64, f64)]) -> String {
+    let mut coords = String::with_capacity(points.len() * 12);
+    let mut previous = String::new();
+    for &(x, y) in points {
+        let pair = format!("{},{}", fmt_coord(frame.px(x)), fmt_coord(frame.py(y)));
+        if pair != previous {
+            if !coords.is_empty() {
+                coords.push(' ');
+            }
+            coords.push_str(&pair);
+            previous = pair;
+        }
+    }
+    coords
+}
+
+/// Writes the polyline of one series in its palette colour and, when it has at most
+/// `MARKER_MAX_POINTS` points, a dot at each point (a bigger one for a single point).
+fn write_series(s: &mut String, frame: &Frame, drawn: &Drawn) {
+    let Drawn { colour, points, .. } = drawn;
+    let colour = PALETTE[colour % PALETTE.len()];
+    let coords = polyline_coords(frame, points);
+    let _ = writeln!(
+        s,
+        r#"<polyline fill="none" stroke="{colour}" stroke-width="1.8" stroke-linejoin="round" stroke-linecap="round" points="{coords}"/>"#
+    );
+    if points.len() <= MARKER_MAX_POINTS {
+        let r = if points.len() == 1 { 3.5 } else { 2.5 };
+        let _ = writeln!(s, r#"<g fill="{colour}">"#);
         for &(x, y) in points {
-            let pair = format!("{},{}", fmt_coord(px(x)), fmt_coord(py(y)));
-            if pair != previous {
-                if !coords.is_empty() {
-                    coords.push(' ');
-                }
-                coords.push_str(&pair);
-                previous = pair;
-            }
+            let _ = writeln!(
+                s,
+                r#"<circle cx="{}" cy="{}" r="{r}"/>"#,
+                fmt_coord(frame.px(x)),
+                fmt_coord(frame.py(y))
+            );
         }
-        let _ = writeln!(
-            s,
-            r#"<polyline fill="none" stroke="{colour}" stroke-width="1.8" stroke-linejoin="round" stroke-linecap="round" points="{coords}"/>"#
-        );
-        if points.len() <= MARKER_MAX_POINTS {
-            let r = if points.len() == 1 { 3.5 } else { 2.5 };
-            let _ = writeln!(s, r#"<g fill="{colour}">"#);
-            for &(x, y) in points {
-                let _ = writeln!(
-                    s,
-                    r#"<circle cx="{}" cy="{}" r="{r}"/>"#,
-                    fmt_coord(px(x)),
-                    fmt_coord(py(y))
-                );
-            }
-            let _ = writeln!(s, "</g>");
-        }
+        let _ = writeln!(s, "</g>");
     }
+}
 
-    // Legend, between the title and the plot area.
-    for entry in &legend {
+/// Writes the legend between the title and the plot area: per entry a short line in its
+/// series' colour followed by the series' name.
+fn write_legend(s: &mut String, legend: &[LegendEntry]) {
+    for entry in legend {
         let colour = PALETTE[entry.colour % PALETTE.len()];
         let cy = 44.0 + 9.0 + 18.0 * entry.row as f64;
         let _ = writeln!(
@@ -250,9 +334,6 @@ pub fn line_chart_svg(title: &str, x_label: &str, y_label: &str, series: &[Serie
             escape(entry.name)
         );
     }
-
-    s.push_str("</svg>\n");
-    s
 }
 
 /// Writes `dir/loss.svg` from the records of `dir/metrics.jsonl` and returns its path.

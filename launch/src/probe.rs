@@ -66,6 +66,7 @@ fn fastest(v: Vec<f64>) -> f64 {
     v.into_iter().fold(f64::INFINITY, f64::min)
 }
 
+/// The median of `v` (the upper one of an even count).
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -82,6 +83,7 @@ fn mean_over_ranks(world: Option<&MpiCommunicator>, values: &mut [f64]) -> Resul
     Ok(())
 }
 
+/// Aligns all ranks (nothing without MPI).
 fn barrier(world: Option<&MpiCommunicator>) -> Result<()> {
     if let Some(w) = world {
         w.barrier()?;
@@ -106,100 +108,17 @@ fn from_rank0(world: Option<&MpiCommunicator>, values: &mut [f64]) -> Result<()>
 /// main memory. Every rank returns the same spec.
 pub fn measure(world: Option<&MpiCommunicator>, reps: usize) -> Result<HardwareSpec> {
     let reps = reps.max(1);
-    let (rank, ranks) = world.map_or((0, 1), |w| (w.rank(), w.size()));
-    let device = Default::default();
+    let ranks = world.map_or(1, |w| w.size());
     // Matrix products of the size of a small model's layers.
-    let n = 256;
-    let a = Tensor::<Cpu, 2>::random([n, n], Distribution::Default, &device);
-    let b = Tensor::<Cpu, 2>::random([n, n], Distribution::Default, &device);
-    let mut gemm = Vec::new();
-    for i in 0..reps + 1 {
-        barrier(world)?;
-        let t = Instant::now();
-        for _ in 0..32 {
-            let c = a.clone().matmul(b.clone());
-            std::hint::black_box(c.into_data());
-        }
-        if i > 0 {
-            gemm.push(32.0 * 2.0 * (n * n * n) as f64 / t.elapsed().as_secs_f64());
-        }
-    }
-    // Memory bandwidth: copying 64 MiB reads and writes it.
-    let src = vec![1.0f32; 16 << 20];
-    let mut copy = Vec::new();
-    for _ in 0..reps {
-        barrier(world)?;
-        let t = Instant::now();
-        let dst = src.clone();
-        std::hint::black_box(&dst);
-        copy.push(2.0 * (src.len() * 4) as f64 / t.elapsed().as_secs_f64());
-    }
-    let mut rates = [median(gemm), median(copy)];
+    let products = Products::new(256);
+    let mut rates = [
+        product_rate(world, &products, reps)?,
+        copy_rate(world, reps)?,
+    ];
     mean_over_ranks(world, &mut rates)?;
-    // The same products on the even ranks only, while the odd ranks wait in a receive (as a
-    // pipeline rank waits in its bubble): how much faster does a rank work when its peers
-    // wait? Its time as a fraction of the all-busy time.
-    let mut alone = [1.0];
-    if let Some(w) = world.filter(|w| w.size() > 1) {
-        let mut times = Vec::new();
-        for i in 0..reps + 1 {
-            w.barrier()?;
-            let t = Instant::now();
-            if rank % 2 == 0 {
-                for _ in 0..32 {
-                    let c = a.clone().matmul(b.clone());
-                    std::hint::black_box(c.into_data());
-                }
-                if rank + 1 < ranks {
-                    w.send(&[0.0], rank + 1, 9)?;
-                }
-            } else {
-                w.recv(&mut [0.0], rank - 1, 9)?;
-            }
-            if i > 0 && rank % 2 == 0 {
-                times.push(32.0 * 2.0 * (n * n * n) as f64 / t.elapsed().as_secs_f64());
-            }
-        }
-        let mut rate = [if rank % 2 == 0 { median(times) } else { 0.0 }];
-        from_rank0(world, &mut rate)?;
-        alone = [(rates[0] / rate[0]).clamp(0.0, 1.0)];
-    }
-    // Ping-pong between ranks 0 and 1: half a round trip.
-    let mut link = [2e-6, 5e9];
-    if let Some(w) = world.filter(|w| w.size() > 1) {
-        let pingpong = |len: usize| -> Result<f64> {
-            let mut buf = vec![0.0f32; len];
-            let mut times = Vec::new();
-            for i in 0..reps * 10 + 1 {
-                w.barrier()?;
-                let t = Instant::now();
-                if rank == 0 {
-                    w.send(&buf, 1, 7)?;
-                    w.recv(&mut buf, 1, 7)?;
-                } else if rank == 1 {
-                    w.recv(&mut buf, 0, 7)?;
-                    w.send(&buf, 0, 7)?;
-                }
-                if i > 0 {
-                    times.push(t.elapsed().as_secs_f64() / 2.0);
-                }
-            }
-            Ok(median(times))
-        };
-        let latency = pingpong(1)?;
-        let big = 1 << 20;
-        let big_time = pingpong(big)?;
-        link = [latency, (big * 4) as f64 / (big_time - latency).max(1e-9)];
-        from_rank0(world, &mut link)?;
-    }
-    let total = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| {
-            m.lines()
-                .find(|l| l.starts_with("MemTotal:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-        })
-        .map_or(8 << 30, |kib| kib * 1024);
+    let alone = alone_product_fraction(world, &products, reps, rates[0])?;
+    let link = link_speed(world, reps)?;
+    let total = total_memory_bytes();
     let spec = HardwareSpec {
         name: format!("probed: {ranks} ranks of this machine"),
         devices_per_node: ranks,
@@ -214,13 +133,156 @@ pub fn measure(world: Option<&MpiCommunicator>, reps: usize) -> Result<HardwareS
         inter_node_bandwidth: link[1],
         inter_node_latency: link[0],
         compute_units_per_node: std::thread::available_parallelism().map_or(1, |n| n.get()),
-        alone_time_fraction: alone[0],
+        alone_time_fraction: alone,
         // merak train's CPU ranks cannot overlap TP all-reduces with computation.
         max_tp_overlap: 1,
         tp_overlap_slowdown: 0.0,
     };
     spec.validate()?;
     Ok(spec)
+}
+
+/// Two random `n` x `n` matrices whose products measure the backend's matrix-product rate.
+struct Products {
+    n: usize,
+    a: Tensor<Cpu, 2>,
+    b: Tensor<Cpu, 2>,
+}
+
+impl Products {
+    /// Random `n` x `n` matrices on the default CPU device.
+    fn new(n: usize) -> Self {
+        let device = Default::default();
+        let a = Tensor::<Cpu, 2>::random([n, n], Distribution::Default, &device);
+        let b = Tensor::<Cpu, 2>::random([n, n], Distribution::Default, &device);
+        Self { n, a, b }
+    }
+
+    /// Computes the product 32 times, fetching each result.
+    fn run(&self) {
+        for _ in 0..32 {
+            let c = self.a.clone().matmul(self.b.clone());
+            std::hint::black_box(c.into_data());
+        }
+    }
+
+    /// The rate in FLOP/s of one `run` that took `secs` seconds.
+    fn rate(&self, secs: f64) -> f64 {
+        32.0 * 2.0 * (self.n * self.n * self.n) as f64 / secs
+    }
+}
+
+/// This rank's median matrix-product rate (FLOP/s) over `reps` repetitions after a warm-up,
+/// with all ranks aligned and multiplying at once.
+fn product_rate(world: Option<&MpiCommunicator>, products: &Products, reps: usize) -> Result<f64> {
+    let mut gemm = Vec::new();
+    for i in 0..reps + 1 {
+        barrier(world)?;
+        let t = Instant::now();
+        products.run();
+        if i > 0 {
+            gemm.push(products.rate(t.elapsed().as_secs_f64()));
+        }
+    }
+    Ok(median(gemm))
+}
+
+/// This rank's median memory bandwidth (bytes/s) over `reps` copies of 64 MiB (a copy reads
+/// and writes it), with all ranks aligned and copying at once.
+fn copy_rate(world: Option<&MpiCommunicator>, reps: usize) -> Result<f64> {
+    let src = vec![1.0f32; 16 << 20];
+    let mut copy = Vec::new();
+    for _ in 0..reps {
+        barrier(world)?;
+        let t = Instant::now();
+        let dst = src.clone();
+        std::hint::black_box(&dst);
+        copy.push(2.0 * (src.len() * 4) as f64 / t.elapsed().as_secs_f64());
+    }
+    Ok(median(copy))
+}
+
+/// The same products on the even ranks only, while the odd ranks wait in a receive (as a
+/// pipeline rank waits in its bubble): rank 0's time then as a fraction of the all-busy time
+/// (from `busy_rate`), clamped to [0, 1]; 1 for a single rank. Every rank gets the same value.
+fn alone_product_fraction(
+    world: Option<&MpiCommunicator>,
+    products: &Products,
+    reps: usize,
+    busy_rate: f64,
+) -> Result<f64> {
+    let Some(w) = world.filter(|w| w.size() > 1) else {
+        return Ok(1.0);
+    };
+    let (rank, ranks) = (w.rank(), w.size());
+    let mut times = Vec::new();
+    for i in 0..reps + 1 {
+        w.barrier()?;
+        let t = Instant::now();
+        if rank % 2 == 0 {
+            products.run();
+            if rank + 1 < ranks {
+                w.send(&[0.0], rank + 1, 9)?;
+            }
+        } else {
+            w.recv(&mut [0.0], rank - 1, 9)?;
+        }
+        if i > 0 && rank % 2 == 0 {
+            times.push(products.rate(t.elapsed().as_secs_f64()));
+        }
+    }
+    let mut rate = [if rank % 2 == 0 { median(times) } else { 0.0 }];
+    from_rank0(world, &mut rate)?;
+    Ok((busy_rate / rate[0]).clamp(0.0, 1.0))
+}
+
+/// The median time of half a round trip of `len` floats between ranks 0 and 1 (the other
+/// ranks only align), over `reps * 10` round trips after a warm-up.
+fn pingpong(w: &MpiCommunicator, len: usize, reps: usize) -> Result<f64> {
+    let rank = w.rank();
+    let mut buf = vec![0.0f32; len];
+    let mut times = Vec::new();
+    for i in 0..reps * 10 + 1 {
+        w.barrier()?;
+        let t = Instant::now();
+        if rank == 0 {
+            w.send(&buf, 1, 7)?;
+            w.recv(&mut buf, 1, 7)?;
+        } else if rank == 1 {
+            w.recv(&mut buf, 0, 7)?;
+            w.send(&buf, 0, 7)?;
+        }
+        if i > 0 {
+            times.push(t.elapsed().as_secs_f64() / 2.0);
+        }
+    }
+    Ok(median(times))
+}
+
+/// Rank 0's MPI latency (s) and bandwidth (bytes/s) to rank 1 from ping-pongs of 1 and 2^20
+/// floats, on every rank; 2 us and 5 GB/s for a single rank.
+fn link_speed(world: Option<&MpiCommunicator>, reps: usize) -> Result<[f64; 2]> {
+    let mut link = [2e-6, 5e9];
+    if let Some(w) = world.filter(|w| w.size() > 1) {
+        let latency = pingpong(w, 1, reps)?;
+        let big = 1 << 20;
+        let big_time = pingpong(w, big, reps)?;
+        link = [latency, (big * 4) as f64 / (big_time - latency).max(1e-9)];
+        from_rank0(world, &mut link)?;
+    }
+    Ok(link)
+}
+
+/// The machine's main memory in bytes (`MemTotal` of /proc/meminfo; 8 GiB when unknown).
+fn total_memory_bytes() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .map_or(8 << 30, |kib| kib * 1024)
 }
 
 /// `merak probe`: writes the measured spec (rank 0).
@@ -436,25 +498,9 @@ fn train_step_time(
 ) -> Result<f64> {
     let ranks = mpi.map_or(1, |w| w.world().size());
     let rank = mpi.map_or(0, |w| w.world().rank());
-    let mut sets = args.sets.clone();
-    for set in [
-        format!("parallel.dp={ranks}"),
-        format!("parallel.zero={zero}"),
-        "parallel.tp=1".into(),
-        "parallel.pp=1".into(),
-        "train.micro_batch=1".into(),
-        format!("train.global_batch={}", ranks * m),
-        format!("train.steps={}", args.train_steps.max(3)),
-        "data.kind=\"synthetic\"".into(),
-        "data.val_every=0".into(),
-        "checkpoint.every=0".into(),
-        "checkpoint.at_end=false".into(),
-        "train.sample_tokens=0".into(),
-    ] {
-        sets.push(set);
-    }
+    let sets = train_run_sets(args, ranks, m, zero);
     let cfg = config::load(args.config.as_deref(), &sets)?;
-    let plan = crate::stages::build_plan(&cfg)?;
+    let plan = cfg.pipeline_plan()?;
     let grid = match mpi {
         Some(w) => ProcessGrid::from_mpi(
             w.world(),
@@ -489,24 +535,56 @@ fn train_step_time(
     )?;
     let mut t = [0.0];
     if rank == 0 {
-        let text = std::fs::read_to_string(out.join("metrics.jsonl"))?;
-        let mut times = Vec::new();
-        for line in text.lines().skip(2) {
-            let v: serde_json::Value = serde_json::from_str(line)?;
-            times.push(
-                v["step_time_s"]
-                    .as_f64()
-                    .context("step_time_s in metrics")?,
-            );
-        }
-        if times.is_empty() {
-            bail!("no step times in {}", out.display());
-        }
-        t[0] = median(times);
-        std::fs::remove_dir_all(out)?;
+        t[0] = median_step_time(out)?;
     }
     from_rank0(mpi.map(|w| w.world()).as_ref(), &mut t)?;
     Ok(t[0])
+}
+
+/// The `--set` overrides of a `train_step_time` run: `args.sets` followed by the
+/// data-parallel layout over `ranks` with ZeRO stage `zero`, `m` micro-batches of one
+/// sequence per step, `--train-steps` steps (at least 3) on synthetic data, and no
+/// validation, checkpoints or samples.
+fn train_run_sets(args: &ProfileArgs, ranks: usize, m: usize, zero: u8) -> Vec<String> {
+    let mut sets = args.sets.clone();
+    for set in [
+        format!("parallel.dp={ranks}"),
+        format!("parallel.zero={zero}"),
+        "parallel.tp=1".into(),
+        "parallel.pp=1".into(),
+        "train.micro_batch=1".into(),
+        format!("train.global_batch={}", ranks * m),
+        format!("train.steps={}", args.train_steps.max(3)),
+        "data.kind=\"synthetic\"".into(),
+        "data.val_every=0".into(),
+        "checkpoint.every=0".into(),
+        "checkpoint.at_end=false".into(),
+        "train.sample_tokens=0".into(),
+    ] {
+        sets.push(set);
+    }
+    sets
+}
+
+/// The median `step_time_s` of the records of `out/metrics.jsonl` after the first two; then
+/// removes the run folder `out`. Fails when a record lacks the field or there is none.
+fn median_step_time(out: &std::path::Path) -> Result<f64> {
+    let text = std::fs::read_to_string(out.join("metrics.jsonl"))?;
+    let mut times = Vec::new();
+    for line in text.lines().skip(2) {
+        let v: serde_json::Value = serde_json::from_str(line)?;
+        times.push(
+            v["step_time_s"]
+                .as_f64()
+                .context("step_time_s in metrics")?,
+        );
+    }
+    if times.is_empty() {
+        bail!("no step times in {}", out.display());
+    }
+    let t = median(times);
+    std::fs::remove_dir_all(out)?;
+    Ok(t)
 }
 
 /// `merak profile`: times the embedding, one layer and the head of the configured GPT at each
@@ -530,79 +608,190 @@ pub fn profile(args: &ProfileArgs, mpi: Option<&merak_burn::comm::MpiWorld>) -> 
             args.micro_batches
         );
     }
+    let tps = tp_degrees(args, ranks, g.heads)?;
+    let profiling = Profiling {
+        args,
+        mpi,
+        world,
+        ranks,
+        rank,
+        gpt: g,
+        seed: cfg.train.seed,
+    };
+    let units = time_all_degrees(&profiling, &tps)?;
+    let runs = time_training_runs(args, mpi, ranks)?;
+    let mut calibration = Calibration {
+        format: CALIBRATION_FORMAT.to_string(),
+        model: cfg.shape()?,
+        backend: "flex-f32".to_string(),
+        ranks,
+        element_bytes: 4.0,
+        optimizer_s_per_param: units.optimizer_s_per_param,
+        micro_batch_s_per_param: 0.0,
+        step_overhead_s: 0.0,
+        zero1_s_per_param: 0.0,
+        alone_time_fraction: units.alone_time_fraction,
+        timings: units.timings,
+    };
+    let fit = fit_framework_costs(&mut calibration, &runs, tps[0], g.layers);
+    if rank == 0 {
+        print_framework_costs(&calibration, &runs, &fit);
+    }
+    if rank == 0 {
+        calibration.write(&args.out)?;
+        println!(
+            "optimizer: {:.2} ns per parameter; a rank whose peers wait needs {:.2} of its time; calibration written to {}",
+            units.optimizer_s_per_param * 1e9,
+            units.alone_time_fraction,
+            args.out.display()
+        );
+    }
+    Ok(())
+}
+
+/// The tensor-parallel degrees to profile: `--tp`, or by default every degree that divides
+/// both the `ranks` and the model's `heads`. Fails when a given degree divides either not.
+fn tp_degrees(args: &ProfileArgs, ranks: usize, heads: usize) -> Result<Vec<usize>> {
     let tps: Vec<usize> = if args.tp.is_empty() {
         (1..=ranks)
-            .filter(|t| ranks.is_multiple_of(*t) && g.heads.is_multiple_of(*t))
+            .filter(|t| ranks.is_multiple_of(*t) && heads.is_multiple_of(*t))
             .collect()
     } else {
         args.tp.clone()
     };
     for &tp in &tps {
-        if tp == 0 || !ranks.is_multiple_of(tp) || !g.heads.is_multiple_of(tp) {
-            bail!(
-                "--tp {tp} must divide the {ranks} ranks and model.heads = {}",
-                g.heads
-            );
+        if tp == 0 || !ranks.is_multiple_of(tp) || !heads.is_multiple_of(tp) {
+            bail!("--tp {tp} must divide the {ranks} ranks and model.heads = {heads}");
         }
     }
-    let mut timings = Vec::new();
-    let mut optimizer_s_per_param = 0.0;
-    let mut alone_time_fraction = 0.0;
-    for &tp in &tps {
-        let grid = match &world {
-            Some(_) => {
-                let w = mpi.map(|m| m.world()).context("MPI world")?;
-                ProcessGrid::from_mpi(
-                    w,
-                    Layout {
-                        dp: ranks / tp,
-                        tp,
-                        pp: 1,
-                    },
-                )?
-            }
-            None => ProcessGrid::single(),
-        };
+    Ok(tps)
+}
+
+/// One `merak profile` run: its arguments, the profiled model and this rank's MPI world.
+struct Profiling<'a> {
+    args: &'a ProfileArgs,
+    mpi: Option<&'a merak_burn::comm::MpiWorld>,
+    /// The world communicator that the timings align on and average over.
+    world: Option<MpiCommunicator>,
+    ranks: usize,
+    rank: usize,
+    gpt: &'a merak_gpt::GptConfig,
+    /// The seed of the profiled model's parameters.
+    seed: u64,
+}
+
+/// The measured costs of the model's units and of its optimizer step.
+struct UnitCosts {
+    /// Forward and backward times of each unit kind per tp degree and micro-batch size.
+    timings: Vec<UnitTiming>,
+    /// Seconds of one AdamW step per parameter (at the first tp degree).
+    optimizer_s_per_param: f64,
+    /// A rank's time fraction when its peers wait (measured at tp = 1; 0 without it).
+    alone_time_fraction: f64,
+}
+
+/// Builds the model at each of the tp degrees `tps` and times its units at every micro-batch
+/// size, its alone fraction at tp = 1 (largest micro-batch) and its optimizer step at the
+/// first degree.
+fn time_all_degrees(p: &Profiling, tps: &[usize]) -> Result<UnitCosts> {
+    let reps = p.args.reps.max(1);
+    let mut costs = UnitCosts {
+        timings: Vec::new(),
+        optimizer_s_per_param: 0.0,
+        alone_time_fraction: 0.0,
+    };
+    for &tp in tps {
+        let grid = profiling_grid(p, tp)?;
         let device = Default::default();
-        let model = merak_gpt::Gpt::<B>::new_units(g, cfg.train.seed, grid.tp, &device, &|_| true)?;
-        for &b in &args.micro_batches {
-            let kinds = [UnitKind::Embedding, UnitKind::Layer, UnitKind::Head];
-            let measured = time_units(&model, world.as_ref(), g, b, args.reps.max(1))?;
-            for (unit, (forward_s, backward_s)) in kinds.into_iter().zip(measured) {
-                timings.push(UnitTiming {
-                    unit,
-                    tp,
-                    micro_batch: b,
-                    forward_s,
-                    backward_s,
-                });
-            }
-            if rank == 0 {
-                println!(
-                    "tp={tp} micro_batch={b}: forward/backward ms: embedding {:.3}/{:.3}, layer {:.3}/{:.3}, head {:.3}/{:.3}",
-                    measured[0].0 * 1e3,
-                    measured[0].1 * 1e3,
-                    measured[1].0 * 1e3,
-                    measured[1].1 * 1e3,
-                    measured[2].0 * 1e3,
-                    measured[2].1 * 1e3
-                );
-            }
+        let model = merak_gpt::Gpt::<B>::new_units(p.gpt, p.seed, grid.tp, &device, &|_| true)?;
+        for &b in &p.args.micro_batches {
+            time_micro_batch(p, &model, tp, b, &mut costs.timings)?;
         }
         if tp == 1 {
-            let b = args.micro_batches.iter().copied().max().unwrap_or(1);
-            alone_time_fraction = alone_fraction(&model, world.as_ref(), g, b, args.reps.max(1))?;
+            let b = p.args.micro_batches.iter().copied().max().unwrap_or(1);
+            costs.alone_time_fraction = alone_fraction(&model, p.world.as_ref(), p.gpt, b, reps)?;
         }
         if tp == tps[0] {
-            optimizer_s_per_param = time_optimizer(model, world.as_ref(), g, args.reps.max(1))?;
+            costs.optimizer_s_per_param = time_optimizer(model, p.world.as_ref(), p.gpt, reps)?;
         }
     }
+    Ok(costs)
+}
+
+/// The process grid with `tp`-way tensor and `ranks / tp`-way data parallelism over the MPI
+/// world (a single process without MPI).
+fn profiling_grid(p: &Profiling, tp: usize) -> Result<ProcessGrid> {
+    Ok(match &p.world {
+        Some(_) => {
+            let w = p.mpi.map(|m| m.world()).context("MPI world")?;
+            ProcessGrid::from_mpi(
+                w,
+                Layout {
+                    dp: p.ranks / tp,
+                    tp,
+                    pp: 1,
+                },
+            )?
+        }
+        None => ProcessGrid::single(),
+    })
+}
+
+/// Times the embedding, a layer and the head of `model` (tp degree `tp`) at micro-batch `b`,
+/// appends their timings to `timings` and prints them in milliseconds (rank 0).
+fn time_micro_batch(
+    p: &Profiling,
+    model: &merak_gpt::Gpt<B>,
+    tp: usize,
+    b: usize,
+    timings: &mut Vec<UnitTiming>,
+) -> Result<()> {
+    let kinds = [UnitKind::Embedding, UnitKind::Layer, UnitKind::Head];
+    let measured = time_units(model, p.world.as_ref(), p.gpt, b, p.args.reps.max(1))?;
+    for (unit, (forward_s, backward_s)) in kinds.into_iter().zip(measured) {
+        timings.push(UnitTiming {
+            unit,
+            tp,
+            micro_batch: b,
+            forward_s,
+            backward_s,
+        });
+    }
+    if p.rank == 0 {
+        println!(
+            "tp={tp} micro_batch={b}: forward/backward ms: embedding {:.3}/{:.3}, layer {:.3}/{:.3}, head {:.3}/{:.3}",
+            measured[0].0 * 1e3,
+            measured[0].1 * 1e3,
+            measured[1].0 * 1e3,
+            measured[1].1 * 1e3,
+            measured[2].0 * 1e3,
+            measured[2].1 * 1e3
+        );
+    }
+    Ok(())
+}
+
+/// Step times (seconds) of the short training runs that give the framework's own costs.
+struct TrainRuns {
+    /// With 1 micro-batch per step.
+    one: f64,
+    /// With `SLOPE_MICRO_BATCHES` micro-batches per step.
+    many: f64,
+    /// With 1 micro-batch per step and ZeRO-1 (`one` for a single rank).
+    zero1: f64,
+}
+
+/// Times the training runs of `TrainRuns`, each three times with the fastest counting (as for
+/// the units: other work on a shared machine only ever adds time).
+fn time_training_runs(
+    args: &ProfileArgs,
+    mpi: Option<&merak_burn::comm::MpiWorld>,
+    ranks: usize,
+) -> Result<TrainRuns> {
     // The framework's own costs, from two short training runs with 1 and 8 micro-batches of
     // one sequence: step(m) = m * (units + per micro-batch) + optimizer + per step. The wide
     // spread keeps the per-micro-batch slope from amplifying the noise of the two times.
     let scratch = args.out.with_extension("train-run");
-    // Each run three times, the fastest counting (as for the units: other work on a shared
-    // machine only ever adds time).
     let fastest_run = |m: usize, zero: u8| -> Result<f64> {
         let mut best = f64::INFINITY;
         for _ in 0..3 {
@@ -615,27 +804,36 @@ pub fn profile(args: &ProfileArgs, mpi: Option<&merak_burn::comm::MpiWorld>) -> 
     // ZeRO-1 (with more than one rank): the optimizer works on 1/ranks of the parameters,
     // then the owners send the new values to everyone.
     let zero1 = if ranks > 1 { fastest_run(1, 1)? } else { one };
-    let mut calibration = Calibration {
-        format: CALIBRATION_FORMAT.to_string(),
-        model: crate::plan_cmd::shape_of(&cfg)?,
-        backend: "flex-f32".to_string(),
-        ranks,
-        element_bytes: 4.0,
-        optimizer_s_per_param,
-        micro_batch_s_per_param: 0.0,
-        step_overhead_s: 0.0,
-        zero1_s_per_param: 0.0,
-        alone_time_fraction,
-        timings,
-    };
-    let tp0 = tps[0];
+    Ok(TrainRuns { one, many, zero1 })
+}
+
+/// The framework's cost per micro-batch fitted from the training runs, and the parameters
+/// per rank it was fitted for.
+struct FrameworkFit {
+    /// Seconds per micro-batch beyond the units' own forward and backward passes.
+    per_micro_batch: f64,
+    /// Parameters of the model per rank at the first tp degree.
+    params: f64,
+}
+
+/// Sets the calibration's per-micro-batch, per-step and ZeRO-1 costs from the training runs,
+/// given its unit timings at tp degree `tp0` and micro-batch 1, its optimizer cost and the
+/// model's `layers`.
+fn fit_framework_costs(
+    calibration: &mut Calibration,
+    runs: &TrainRuns,
+    tp0: usize,
+    layers: usize,
+) -> FrameworkFit {
+    let TrainRuns { one, many, zero1 } = *runs;
+    let (ranks, optimizer_s_per_param) = (calibration.ranks, calibration.optimizer_s_per_param);
     let unit = |kind| {
         calibration
             .unit_time(kind, tp0, 1)
             .map_or(0.0, |(f, b)| f + b)
     };
     let units_b1 =
-        unit(UnitKind::Embedding) + g.layers as f64 * unit(UnitKind::Layer) + unit(UnitKind::Head);
+        unit(UnitKind::Embedding) + layers as f64 * unit(UnitKind::Layer) + unit(UnitKind::Head);
     let params =
         merak_burn::planner::ModelProxy::from_shape(calibration.model).params() as f64 / tp0 as f64;
     let per_micro_batch = ((many - one) / (SLOPE_MICRO_BATCHES - 1) as f64 - units_b1).max(0.0);
@@ -646,25 +844,23 @@ pub fn profile(args: &ProfileArgs, mpi: Option<&merak_burn::comm::MpiWorld>) -> 
         let saved = optimizer_s_per_param * params * (1.0 - 1.0 / ranks as f64);
         calibration.zero1_s_per_param = ((zero1 - one + saved) / params).max(0.0);
     }
-    if rank == 0 {
-        println!(
-            "training runs (dp={ranks}, micro-batch 1): {:.1} ms with 1 micro-batch, {:.1} ms with {SLOPE_MICRO_BATCHES}, {:.1} ms with ZeRO-1; framework costs {:.2} ms per micro-batch, {:.2} ms per step, ZeRO-1 exchange {:.2} ms",
-            one * 1e3,
-            many * 1e3,
-            zero1 * 1e3,
-            per_micro_batch * 1e3,
-            calibration.step_overhead_s * 1e3,
-            calibration.zero1_s_per_param * params * 1e3
-        );
+    FrameworkFit {
+        per_micro_batch,
+        params,
     }
-    if rank == 0 {
-        calibration.write(&args.out)?;
-        println!(
-            "optimizer: {:.2} ns per parameter; a rank whose peers wait needs {:.2} of its time; calibration written to {}",
-            optimizer_s_per_param * 1e9,
-            alone_time_fraction,
-            args.out.display()
-        );
-    }
-    Ok(())
+}
+
+/// Prints the training runs' step times and the framework costs fitted from them, in
+/// milliseconds.
+fn print_framework_costs(calibration: &Calibration, runs: &TrainRuns, fit: &FrameworkFit) {
+    println!(
+        "training runs (dp={}, micro-batch 1): {:.1} ms with 1 micro-batch, {:.1} ms with {SLOPE_MICRO_BATCHES}, {:.1} ms with ZeRO-1; framework costs {:.2} ms per micro-batch, {:.2} ms per step, ZeRO-1 exchange {:.2} ms",
+        calibration.ranks,
+        runs.one * 1e3,
+        runs.many * 1e3,
+        runs.zero1 * 1e3,
+        fit.per_micro_batch * 1e3,
+        calibration.step_overhead_s * 1e3,
+        calibration.zero1_s_per_param * fit.params * 1e3
+    );
 }

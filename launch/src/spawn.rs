@@ -3,6 +3,22 @@
 use std::ffi::OsString;
 use std::process::{Command, ExitCode};
 
+/// `--np np`: refused under mpirun (mpirun sets the ranks) and for 0 ranks; otherwise the
+/// ranks are started with [`relaunch`].
+pub fn launch(np: usize) -> ExitCode {
+    if merak_burn::comm::launched_by_mpirun() {
+        eprintln!(
+            "error: --np {np} starts mpirun itself: drop --np under mpirun (mpirun -np sets the ranks)"
+        );
+        return ExitCode::from(2);
+    }
+    if np == 0 {
+        eprintln!("error: --np 0: at least one rank is needed");
+        return ExitCode::from(2);
+    }
+    relaunch(np)
+}
+
 /// Runs this program again as `np` ranks under `mpirun`, with every argument but `--np`
 /// passed through, and exits with mpirun's status. Oversubscription is allowed (a laptop has
 /// fewer cores than ranks), cores are not bound (each rank runs one compute thread), and

@@ -87,7 +87,6 @@ pub fn settings(cfg: &Config) -> TrainSettings {
     TrainSettings {
         steps: t.steps,
         global_batch: t.global_batch,
-        micro_batch: cfg.micro_batch(),
         seq_len: cfg.model.gpt.seq_len,
         lr: t.lr,
         min_lr: t.min_lr,
@@ -99,8 +98,6 @@ pub fn settings(cfg: &Config) -> TrainSettings {
         grad_clip: t.grad_clip,
         skip_nonfinite: t.skip_nonfinite,
         seed: t.seed,
-        bucket_mb: cfg.parallel.bucket_mb,
-        zero1: cfg.parallel.zero == 1,
         val_every: cfg.data.val_every,
         val_batches: cfg.data.val_batches,
     }
@@ -188,6 +185,7 @@ where
     let trace = spec.trace.is_some();
     let mut trainer = Trainer::new(
         grid,
+        &cfg.parallel_plan(),
         spec.plan.clone(),
         settings(cfg),
         model,
@@ -241,7 +239,7 @@ mod tests {
         let cfg = crate::config::load(None, &sets).unwrap();
         let grid = ProcessGrid::single();
         let data = Source::open(&cfg).unwrap();
-        let plan = crate::stages::build_plan(&cfg).unwrap();
+        let plan = cfg.pipeline_plan().unwrap();
         let device = Default::default();
         let model = Gpt::<B>::new(&cfg.model.gpt, cfg.train.seed, grid.tp, &device).unwrap();
         let out = std::env::temp_dir().join(format!("merak-unit-{name}-{}", std::process::id()));

@@ -10,6 +10,10 @@
 //! - [`tensor_parallel`]: the f/g autodiff operators and the tensor-parallel layers.
 //! - [`train`]: global gradient norm and clipping, weight-decay groups, schedule, metrics.
 //! - [`pipeline`]: stages, schedules as data (validated, simulated, executed), recomputation.
+//! - [`parallelize`]: a Burn user's own model made parallel by describing it: which linear
+//!   layers tensor parallelism splits, which sub-modules are the pipeline units.
+//! - [`plan`]: [`ParallelPlan`](plan::ParallelPlan), the one typed plan of a run (layout,
+//!   stages, schedule, recomputation, micro-batching, ZeRO-1, overlap).
 //! - [`planner`]: model proxy, hardware spec, cost model and search of 3D-parallel plans.
 //! - [`checkpoint`]: atomic sharded checkpoints that load under any dp/tp layout.
 
@@ -21,7 +25,9 @@ pub mod comm;
 pub mod data_parallel;
 pub mod grid;
 pub mod kernels;
+pub mod parallelize;
 pub mod pipeline;
+pub mod plan;
 pub mod planner;
 pub mod tensor_parallel;
 pub mod train;

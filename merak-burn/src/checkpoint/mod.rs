@@ -515,54 +515,177 @@ impl FullState {
             .iter()
             .map(|p| (p.name.as_str(), p))
             .collect();
-        let mut params = HashMap::new();
-        let mut moments = HashMap::new();
-        for (name, id, local) in shapes {
-            let kind = shard_kind(*id);
-            let source = copies
-                .iter()
-                .find(|(copy, _)| copy == name)
-                .map_or(name.as_str(), |(_, original)| original.as_str());
-            let entry = entries
-                .get(source)
-                .ok_or_else(|| CheckpointError::Mismatch {
-                    name: name.clone(),
-                    reason: "the model has it, the checkpoint does not (a different model?)".into(),
-                })?;
-            let full_shape = kind.full_shape(local, shard.size);
-            if full_shape != entry.shape {
-                return Err(CheckpointError::Mismatch {
-                    name: name.clone(),
-                    reason: format!(
-                        "shape {:?} in the checkpoint, {full_shape:?} in the model",
-                        entry.shape
-                    ),
-                });
-            }
-            if kind != entry.shard {
-                return Err(CheckpointError::Mismatch {
-                    name: name.clone(),
-                    reason: format!(
-                        "split {:?} in the checkpoint, {kind:?} in the model",
-                        entry.shard
-                    ),
-                });
-            }
-            let cut = |v: &[f32]| kind.cut(v, &entry.shape, shard);
-            if let Some(v) = self.params.get(source) {
-                params.insert(name.clone(), cut(v));
-            }
-            if let Some(m) = self.moments.get(source) {
-                moments.insert(
-                    name.clone(),
-                    Moments {
-                        time: m.time,
-                        m1: cut(&m.m1),
-                        m2: cut(&m.m2),
-                    },
-                );
-            }
+        cut_pieces(
+            &entries,
+            &|name| self.params.get(name).map(Vec::as_slice),
+            &self.moments,
+            shapes,
+            shard,
+            copies,
+        )
+    }
+}
+
+/// The original of `name` when it is a tied copy (`copies` lists `(copy, original)`).
+fn source_of<'a>(name: &'a str, copies: &'a [(String, String)]) -> &'a str {
+    copies
+        .iter()
+        .find(|(copy, _)| copy == name)
+        .map_or(name, |(_, original)| original.as_str())
+}
+
+/// This rank's pieces of the full tensors described by `entries` (parameters from `param`,
+/// moments from `moments`) for the model parameters `shapes`; see [`FullState::cut_for`].
+fn cut_pieces<'a>(
+    entries: &HashMap<&str, &ParamEntry>,
+    param: &dyn Fn(&str) -> Option<&'a [f32]>,
+    moments: &HashMap<String, Moments>,
+    shapes: &[(String, burn::module::ParamId, Vec<usize>)],
+    shard: Shard,
+    copies: &[(String, String)],
+) -> Result<LocalPieces, CheckpointError> {
+    let mut params = HashMap::new();
+    let mut local_moments = HashMap::new();
+    for (name, id, local) in shapes {
+        let kind = shard_kind(*id);
+        let source = source_of(name, copies);
+        let entry = entries
+            .get(source)
+            .ok_or_else(|| CheckpointError::Mismatch {
+                name: name.clone(),
+                reason: "the model has it, the checkpoint does not (a different model?)".into(),
+            })?;
+        let full_shape = kind.full_shape(local, shard.size);
+        if full_shape != entry.shape {
+            return Err(CheckpointError::Mismatch {
+                name: name.clone(),
+                reason: format!(
+                    "shape {:?} in the checkpoint, {full_shape:?} in the model",
+                    entry.shape
+                ),
+            });
         }
-        Ok((params, moments))
+        if kind != entry.shard {
+            return Err(CheckpointError::Mismatch {
+                name: name.clone(),
+                reason: format!(
+                    "split {:?} in the checkpoint, {kind:?} in the model",
+                    entry.shard
+                ),
+            });
+        }
+        let cut = |v: &[f32]| kind.cut(v, &entry.shape, shard);
+        if let Some(v) = param(source) {
+            params.insert(name.clone(), cut(v));
+        }
+        if let Some(m) = moments.get(source) {
+            local_moments.insert(
+                name.clone(),
+                Moments {
+                    time: m.time,
+                    m1: cut(&m.m1),
+                    m2: cut(&m.m2),
+                },
+            );
+        }
+    }
+    Ok((params, local_moments))
+}
+
+/// This rank's pieces of full-size parameters that come without a manifest (pretrained
+/// weights read from another format), for a model whose parameters are `shapes` (name, id,
+/// local shape, as [`state::param_shapes`] lists them) on a TP group described by `shard`.
+/// `full` maps the model's names to (full shape, row-major values); each parameter is split
+/// the way the model splits it ([`shard_kind`]) and cut like a checkpoint's
+/// ([`FullState::cut_for`]), so a vocabulary-parallel token table is padded with zero rows.
+/// `copies` lists `(copy, original)` names of tied parameters: a copy is cut from its
+/// original. Fails naming the parameter if one of `shapes` is missing from `full` or has
+/// another full shape; entries of `full` that this rank does not hold (other pipeline stages)
+/// are skipped. The result goes to [`state::assign_params`].
+pub fn cut_full_params(
+    full: &HashMap<String, (Vec<usize>, Vec<f32>)>,
+    shapes: &[(String, burn::module::ParamId, Vec<usize>)],
+    shard: Shard,
+    copies: &[(String, String)],
+) -> Result<HashMap<String, Vec<f32>>, CheckpointError> {
+    let entries: Vec<ParamEntry> = shapes
+        .iter()
+        .filter_map(|(name, id, _)| {
+            let source = source_of(name, copies);
+            full.get(source).map(|(shape, _)| ParamEntry {
+                name: source.to_string(),
+                shape: shape.clone(),
+                shard: shard_kind(*id),
+            })
+        })
+        .collect();
+    let entries: HashMap<&str, &ParamEntry> =
+        entries.iter().map(|p| (p.name.as_str(), p)).collect();
+    let (params, _) = cut_pieces(
+        &entries,
+        &|name| full.get(name).map(|(_, v)| v.as_slice()),
+        &HashMap::new(),
+        shapes,
+        shard,
+        copies,
+    )?;
+    Ok(params)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor_parallel::sharding::register;
+    use burn::module::ParamId;
+
+    #[test]
+    fn full_params_are_cut_the_way_the_model_splits_them() {
+        // tp rank 1 of 2: a padded vocabulary table, its tied copy, column and row splits.
+        let (table, copy, cols, rows, norm) = (
+            ParamId::new(),
+            ParamId::new(),
+            ParamId::new(),
+            ParamId::new(),
+            ParamId::new(),
+        );
+        let vocab = ShardKind::VocabRows { vocab: 5 };
+        register(table, vocab);
+        register(copy, vocab);
+        register(cols, ShardKind::Columns { segments: 3 });
+        register(rows, ShardKind::Rows);
+        let shard = Shard { rank: 1, size: 2 };
+        let shapes = vec![
+            ("wte".to_string(), table, vec![3, 2]),
+            ("head".to_string(), copy, vec![3, 2]),
+            ("qkv".to_string(), cols, vec![2, 3]),
+            ("proj".to_string(), rows, vec![2, 2]),
+            ("ln".to_string(), norm, vec![2]),
+        ];
+        let values = |n: usize| (0..n).map(|i| i as f32 + 1.0).collect::<Vec<f32>>();
+        let mut full = HashMap::from([
+            ("wte".to_string(), (vec![5, 2], values(10))),
+            ("qkv".to_string(), (vec![2, 6], values(12))),
+            ("proj".to_string(), (vec![4, 2], values(8))),
+            ("ln".to_string(), (vec![2], values(2))),
+            ("elsewhere".to_string(), (vec![7], values(7))),
+        ]);
+        let copies = [("head".to_string(), "wte".to_string())];
+        let cut = cut_full_params(&full, &shapes, shard, &copies).unwrap();
+        // Rows 3, 4 and a zero row of padding.
+        assert_eq!(cut["wte"], vec![7.0, 8.0, 9.0, 10.0, 0.0, 0.0]);
+        assert_eq!(cut["head"], cut["wte"]);
+        // [q0 q1 | k0 k1 | v0 v1] per row: rank 1 holds q1 k1 v1.
+        assert_eq!(cut["qkv"], vec![2.0, 4.0, 6.0, 8.0, 10.0, 12.0]);
+        assert_eq!(cut["proj"], vec![5.0, 6.0, 7.0, 8.0]);
+        assert_eq!(cut["ln"], vec![1.0, 2.0]);
+        assert_eq!(cut.len(), 5, "parameters of other stages are skipped");
+
+        full.get_mut("proj").unwrap().0 = vec![2, 4];
+        let e = cut_full_params(&full, &shapes, shard, &copies).unwrap_err();
+        assert!(e.to_string().contains("proj"), "{e}");
+        full.get_mut("proj").unwrap().0 = vec![4, 2];
+        full.remove("ln");
+        let e = cut_full_params(&full, &shapes, shard, &copies).unwrap_err();
+        assert!(e.to_string().contains("ln"), "{e}");
     }
 }

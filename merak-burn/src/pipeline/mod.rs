@@ -23,8 +23,8 @@ pub use partition::{
     Partition, PartitionError, balanced_partition, explicit_partition, unit_costs_gpt,
 };
 pub use recompute::{
-    ParseRecomputeError, Recompute, activation_bytes_per_layer, in_flight_1f1b, in_flight_gpipe,
-    kept_bytes_per_layer, stage_aware_recompute,
+    ParseRecomputeError, Recompute, RecomputeMode, activation_bytes_per_layer, in_flight_1f1b,
+    in_flight_gpipe, kept_bytes_per_layer, stage_aware_recompute,
 };
 pub use schedule::{Action, Schedule, ScheduleError, ScheduleKind, build_schedule};
 pub use simulate::{Costs, Simulation, TimedAction, simulate};

@@ -65,6 +65,45 @@ impl fmt::Display for Recompute {
     }
 }
 
+/// How one stage treats its activations between forward and backward: what a [`Recompute`]
+/// policy decides per stage (the planner's and a plan's per-stage setting).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum RecomputeMode {
+    /// Keep every activation.
+    #[serde(rename = "none")]
+    None,
+    /// Keep the GEMM outputs, recompute the attention core (scores, softmax, dropout).
+    #[serde(rename = "selective")]
+    Selective,
+    /// Keep only each block's input; rerun the forward pass before the backward pass.
+    #[serde(rename = "full")]
+    Full,
+}
+
+impl RecomputeMode {
+    /// All modes, from most memory to least.
+    pub const ALL: [RecomputeMode; 3] = [
+        RecomputeMode::None,
+        RecomputeMode::Selective,
+        RecomputeMode::Full,
+    ];
+
+    /// `"none"`, `"selective"` or `"full"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RecomputeMode::None => "none",
+            RecomputeMode::Selective => "selective",
+            RecomputeMode::Full => "full",
+        }
+    }
+}
+
+impl fmt::Display for RecomputeMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// A string that names no [`Recompute`] policy.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 #[error(

@@ -26,48 +26,12 @@ use std::fmt;
 use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
+
+pub use crate::pipeline::RecomputeMode;
 use thiserror::Error;
 
 /// Bytes of one 16-bit value (activations, messages, gradients in mixed precision).
 pub const BYTES_16BIT: f64 = 2.0;
-
-/// How a stage treats its activations between forward and backward.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub enum RecomputeMode {
-    /// Keep every activation.
-    #[serde(rename = "none")]
-    None,
-    /// Keep the GEMM outputs, recompute the attention core (scores, softmax, dropout).
-    #[serde(rename = "selective")]
-    Selective,
-    /// Keep only each block's input; rerun the forward pass before the backward pass.
-    #[serde(rename = "full")]
-    Full,
-}
-
-impl RecomputeMode {
-    /// All modes, from most memory to least.
-    pub const ALL: [RecomputeMode; 3] = [
-        RecomputeMode::None,
-        RecomputeMode::Selective,
-        RecomputeMode::Full,
-    ];
-
-    /// `"none"`, `"selective"` or `"full"`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            RecomputeMode::None => "none",
-            RecomputeMode::Selective => "selective",
-            RecomputeMode::Full => "full",
-        }
-    }
-}
-
-impl fmt::Display for RecomputeMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
 
 /// The description of one pipeline unit. FLOPs, activation bytes and all-reduce sizes are per
 /// *sequence*: a micro-batch of `b` sequences costs `b` times as much. Quantities that tensor
@@ -187,6 +151,16 @@ pub enum ModelKind {
     Bert,
 }
 
+impl fmt::Display for ModelKind {
+    /// `gpt` or `bert`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ModelKind::Gpt => "gpt",
+            ModelKind::Bert => "bert",
+        })
+    }
+}
+
 /// A model spec that cannot be parsed or is not a valid shape. Messages name the field.
 #[derive(Clone, Debug, PartialEq, Eq, Error)]
 pub enum ModelSpecError {
@@ -260,24 +234,48 @@ pub struct TransformerShape {
     pub vocab: usize,
 }
 
-/// The presets: `(name, layers, hidden, heads, seq, vocab)`, the shapes of the GPT presets of
-/// the `merak-gpt` crate.
-pub const PRESETS: &[(&str, usize, usize, usize, usize, usize)] = &[
-    ("tiny", 2, 64, 4, 32, 512),
-    ("mini", 4, 128, 4, 128, 50257),
-    ("gpt2", 12, 768, 12, 1024, 50257),
-    ("gpt2-medium", 24, 1024, 16, 1024, 50257),
-    ("gpt2-large", 36, 1280, 20, 1024, 50257),
-    ("gpt2-xl", 48, 1600, 25, 1024, 50257),
-    ("gpt-1.5b", 48, 1600, 32, 1024, 51200),
-    ("gpt-2.5b", 54, 1920, 20, 1024, 51200),
-    ("gpt-8.3b", 72, 3072, 32, 1024, 51200),
-    ("gpt-20b", 44, 6144, 64, 2048, 51200),
+/// The GPT-2 BPE vocabulary plus BERT's `[MASK]` token (always the last id).
+const BPE_VOCAB_WITH_MASK: usize = 50257 + 1;
+
+/// The one table of model presets (`merak models` lists it; the GPT and BERT crates build
+/// their configs from it): tiny CPU sizes, the GPT-2 family, Megatron-LM's large GPTs, and
+/// BERT's base and large shapes (on the GPT-2 BPE vocabulary plus `[MASK]`). A name may exist
+/// for both kinds (`tiny`, `mini`).
+pub const PRESETS: &[(&str, TransformerShape)] = &[
+    ("tiny", TransformerShape::gpt(2, 64, 4, 32, 512)),
+    ("mini", TransformerShape::gpt(4, 128, 4, 128, 50257)),
+    ("gpt2", TransformerShape::gpt(12, 768, 12, 1024, 50257)),
+    (
+        "gpt2-medium",
+        TransformerShape::gpt(24, 1024, 16, 1024, 50257),
+    ),
+    (
+        "gpt2-large",
+        TransformerShape::gpt(36, 1280, 20, 1024, 50257),
+    ),
+    ("gpt2-xl", TransformerShape::gpt(48, 1600, 25, 1024, 50257)),
+    ("gpt-1.5b", TransformerShape::gpt(48, 1600, 32, 1024, 51200)),
+    ("gpt-2.5b", TransformerShape::gpt(54, 1920, 20, 1024, 51200)),
+    ("gpt-8.3b", TransformerShape::gpt(72, 3072, 32, 1024, 51200)),
+    ("gpt-20b", TransformerShape::gpt(44, 6144, 64, 2048, 51200)),
+    ("tiny", TransformerShape::bert(2, 64, 4, 32, 512)),
+    (
+        "mini",
+        TransformerShape::bert(4, 128, 4, 128, BPE_VOCAB_WITH_MASK),
+    ),
+    (
+        "bert-base",
+        TransformerShape::bert(12, 768, 12, 512, BPE_VOCAB_WITH_MASK),
+    ),
+    (
+        "bert-large",
+        TransformerShape::bert(24, 1024, 16, 512, BPE_VOCAB_WITH_MASK),
+    ),
 ];
 
 impl TransformerShape {
     /// A GPT shape.
-    pub fn gpt(layers: usize, hidden: usize, heads: usize, seq: usize, vocab: usize) -> Self {
+    pub const fn gpt(layers: usize, hidden: usize, heads: usize, seq: usize, vocab: usize) -> Self {
         TransformerShape {
             kind: ModelKind::Gpt,
             layers,
@@ -288,12 +286,45 @@ impl TransformerShape {
         }
     }
 
-    /// A preset by name (see [`PRESETS`]); all are GPT.
+    /// A BERT shape.
+    pub const fn bert(
+        layers: usize,
+        hidden: usize,
+        heads: usize,
+        seq: usize,
+        vocab: usize,
+    ) -> Self {
+        TransformerShape {
+            kind: ModelKind::Bert,
+            layers,
+            hidden,
+            heads,
+            seq,
+            vocab,
+        }
+    }
+
+    /// A preset by name (see [`PRESETS`]); the GPT one where both kinds have the name.
     pub fn preset(name: &str) -> Option<Self> {
+        PRESETS.iter().find(|p| p.0 == name).map(|p| p.1)
+    }
+
+    /// The preset `name` of kind `kind`.
+    pub fn preset_of(kind: ModelKind, name: &str) -> Option<Self> {
         PRESETS
             .iter()
-            .find(|p| p.0 == name)
-            .map(|&(_, l, h, a, s, v)| TransformerShape::gpt(l, h, a, s, v))
+            .find(|p| p.0 == name && p.1.kind == kind)
+            .map(|p| p.1)
+    }
+
+    /// The preset names of kind `kind`, comma-separated (for error messages).
+    pub fn preset_names(kind: ModelKind) -> String {
+        let names: Vec<&str> = PRESETS
+            .iter()
+            .filter(|p| p.1.kind == kind)
+            .map(|p| p.0)
+            .collect();
+        names.join(", ")
     }
 
     /// Checks that `heads` divides `hidden` (every field is positive by construction of
@@ -618,7 +649,8 @@ mod tests {
 
     #[test]
     fn preset_params_equal_the_formula() {
-        for &(name, l, h, _, s, v) in PRESETS {
+        for &(name, shape) in PRESETS.iter().filter(|p| p.1.kind == ModelKind::Gpt) {
+            let (l, h, s, v) = (shape.layers, shape.hidden, shape.seq, shape.vocab);
             let proxy = ModelProxy::parse(name).unwrap();
             let (l, h, s, v) = (l as u64, h as u64, s as u64, v as u64);
             let formula = 12 * l * h * h + 13 * l * h + (v + s) * h + 2 * h;

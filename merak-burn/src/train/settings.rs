@@ -7,17 +7,16 @@ use serde::{Deserialize, Serialize};
 
 use crate::train::LrSchedule;
 
-/// The settings of a [`Trainer`](crate::train::Trainer): optimization, batch and data-parallel
-/// reduction. Every layout given the same settings trains on the same global batch.
+/// The settings of a [`Trainer`](crate::train::Trainer): optimization, batch, validation. How
+/// the batch is split (micro-batches, data-parallel ranks) is the
+/// [`ParallelPlan`](crate::plan::ParallelPlan)'s: every layout given the same settings trains
+/// on the same global batch.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TrainSettings {
     /// Optimizer steps of the whole run.
     pub steps: usize,
     /// Sequences per optimizer step, over all data-parallel ranks.
     pub global_batch: usize,
-    /// Sequences per forward/backward pass on one rank (gradients are accumulated over the
-    /// `global_batch / dp / micro_batch` micro-batches).
-    pub micro_batch: usize,
     /// Tokens per sequence.
     pub seq_len: usize,
     /// Peak learning rate.
@@ -41,11 +40,6 @@ pub struct TrainSettings {
     pub skip_nonfinite: bool,
     /// Seed of the data order and of dropout and masking streams.
     pub seed: u64,
-    /// Size of a data-parallel gradient bucket in MiB.
-    pub bucket_mb: f64,
-    /// ZeRO-1: each data-parallel rank keeps and updates the optimizer state of its share of
-    /// the parameters, then shares the new values.
-    pub zero1: bool,
     /// Measure the validation loss every this many steps (and after the last); 0 never.
     pub val_every: usize,
     /// Global batches of held-out sequences per validation.
@@ -61,16 +55,6 @@ impl TrainSettings {
             warmup: self.warmup_steps,
             total: self.steps,
         }
-    }
-
-    /// Sequences per step on one of `dp` data-parallel ranks.
-    pub fn local_batch(&self, dp: usize) -> usize {
-        self.global_batch / dp.max(1)
-    }
-
-    /// Micro-batches per step on one of `dp` data-parallel ranks.
-    pub fn micro_batches(&self, dp: usize) -> usize {
-        self.local_batch(dp) / self.micro_batch.max(1)
     }
 
     /// Tokens of one global batch.

@@ -15,6 +15,7 @@ use crate::comm::{Group, ReduceOp};
 use crate::data_parallel::{DataParallel, DpStats};
 use crate::grid::ProcessGrid;
 use crate::pipeline::{Executor, MicroBatch, PipelineModel, PipelinePlan, ScheduleKind};
+use crate::plan::ParallelPlan;
 use crate::tensor_parallel::{ParallelBackend, Shard};
 use crate::train::{
     BatchSource, FusedAdamW, TrainError, TrainSettings, clip_grads, global_grad_norm,
@@ -68,6 +69,8 @@ where
     M::InnerModule: PipelineModel<B::InnerBackend>,
 {
     pub(crate) grid: &'g ProcessGrid,
+    /// How the batch is split and the optimizer state sharded.
+    parallel: ParallelPlan,
     pub(crate) settings: TrainSettings,
     pub(crate) device: B::Device,
     pub(crate) model: M,
@@ -97,18 +100,20 @@ where
     M: PipelineModel<B> + AutodiffModule<B>,
     M::InnerModule: PipelineModel<B::InnerBackend>,
 {
-    /// A trainer for `model` (this rank's units and shard, built for `grid` and `plan`) at
-    /// step 0; `trace` records every action for a Chrome trace.
+    /// A trainer for `model` (this rank's units and shard, built for `grid` and `pipeline`,
+    /// the pipeline plan of `parallel`) at step 0; `trace` records every action for a Chrome
+    /// trace.
     pub fn new(
         grid: &'g ProcessGrid,
-        plan: PipelinePlan,
+        parallel: &ParallelPlan,
+        pipeline: PipelinePlan,
         settings: TrainSettings,
         model: M,
         device: B::Device,
         trace: bool,
     ) -> Result<Self, TrainError> {
         let dp = grid.layout.dp;
-        let micro = settings.micro_batch;
+        let micro = parallel.micro_batch;
         if micro == 0 || !settings.global_batch.is_multiple_of(dp * micro) {
             return Err(TrainError::Batch {
                 global_batch: settings.global_batch,
@@ -122,15 +127,16 @@ where
                 .init::<B, M>()
         };
         let (optim_decay, optim_no_decay) = (adamw(s.weight_decay), adamw(0.0));
-        let bucket_elems = (s.bucket_mb * (1 << 20) as f64 / 4.0) as usize;
+        let bucket_elems = (parallel.bucket_mb * (1 << 20) as f64 / 4.0) as usize;
         let reducer = DataParallel::new(&model, grid.dp, bucket_elems)?;
-        let owned = s.zero1.then(|| reducer.owned_params());
+        let owned = parallel.zero1.then(|| reducer.owned_params());
         let tied = model.tied_embedding();
-        let holds_embedding = plan.schedule.rank_of(0) == grid.coords.pp;
+        let holds_embedding = pipeline.schedule.rank_of(0) == grid.coords.pp;
         let not_counted = tied.filter(|_| !holds_embedding).into_iter().collect();
-        let executor = Executor::new(plan, grid.pp, grid.tp, trace.then_some(grid.rank));
+        let executor = Executor::new(pipeline, grid.pp, grid.tp, trace.then_some(grid.rank));
         Ok(Self {
             grid,
+            parallel: parallel.clone(),
             sharded: sharded_param_ids::<B, _>(&model),
             settings,
             device,
@@ -210,7 +216,7 @@ where
         self.reducer.begin_step();
         let batches = self.micro_batches(data, step)?;
         lap(&mut phases.data_s);
-        let [micro, seq] = [self.settings.micro_batch, self.settings.seq_len];
+        let [micro, seq] = [self.parallel.micro_batch, self.settings.seq_len];
         let shape = [micro, seq, self.model.hidden_size()];
         let model = self.stale.as_ref().unwrap_or(&self.model);
         let report =
@@ -292,12 +298,11 @@ where
         data: &dyn BatchSource,
         step: usize,
     ) -> Result<Vec<MicroBatch>, TrainError> {
-        let s = &self.settings;
-        let dp = self.grid.layout.dp;
-        let first = self.grid.coords.dp * s.local_batch(dp);
-        let micro = s.micro_batch;
+        let (p, global) = (&self.parallel, self.settings.global_batch);
+        let first = self.grid.coords.dp * p.local_batch(global);
+        let micro = p.micro_batch;
         let mut batches = Vec::new();
-        for m in 0..s.micro_batches(dp) {
+        for m in 0..p.micro_batches(global) {
             let start = first + m * micro;
             let w = data
                 .train_windows(step, start, micro)
@@ -340,8 +345,8 @@ where
     pub fn validation_loss(&self, data: &dyn BatchSource) -> Result<f64, TrainError> {
         let s = &self.settings;
         let model = self.model.valid();
-        let local = s.local_batch(self.grid.layout.dp);
-        let micro = s.micro_batch;
+        let local = self.parallel.local_batch(s.global_batch);
+        let micro = self.parallel.micro_batch;
         let shape = [micro, s.seq_len, model.hidden_size()];
         // Per-micro-batch mean losses weighted by target tokens: (sum of losses, target tokens).
         let mut acc = [0.0f32, 0.0f32];

@@ -1,5 +1,6 @@
 //! BERT shapes and presets.
 
+use merak_burn::planner::{ModelKind, TransformerShape};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -81,54 +82,31 @@ pub enum BertConfigError {
     },
 }
 
-/// A preset whose `[MASK]` token is the last id of the vocabulary.
-const fn preset(
-    vocab_size: usize,
-    layers: usize,
-    heads: usize,
-    hidden: usize,
-    seq_len: usize,
-) -> BertConfig {
-    BertConfig {
-        vocab_size,
-        layers,
-        heads,
-        hidden,
-        seq_len,
-        dropout: 0.0,
-        layer_norm_eps: 1e-12,
-        init_std: 0.02,
-        mask_token_id: vocab_size - 1,
-    }
-}
-
-/// The GPT-2 BPE vocabulary plus the `[MASK]` token.
-const BPE_VOCAB_WITH_MASK: usize = 50257 + 1;
-
-/// The named presets: tiny CPU sizes and BERT's base and large shapes (on the GPT-2 BPE
-/// vocabulary plus `[MASK]`, whose id is always the last one).
-pub const PRESETS: &[(&str, BertConfig)] = &[
-    ("tiny", preset(512, 2, 4, 64, 32)),
-    ("mini", preset(BPE_VOCAB_WITH_MASK, 4, 4, 128, 128)),
-    ("bert-base", preset(BPE_VOCAB_WITH_MASK, 12, 12, 768, 512)),
-    ("bert-large", preset(BPE_VOCAB_WITH_MASK, 24, 16, 1024, 512)),
-];
-
 impl BertConfig {
-    /// A preset by name (see [`PRESETS`]).
+    /// A BERT preset by name (see [`merak_burn::planner::PRESETS`]), without dropout.
     pub fn preset(name: &str) -> Result<BertConfig, BertConfigError> {
-        PRESETS
-            .iter()
-            .find(|(n, _)| *n == name)
-            .map(|(_, c)| c.clone())
+        TransformerShape::preset_of(ModelKind::Bert, name)
+            .map(|s| BertConfig::from_shape(&s))
             .ok_or_else(|| BertConfigError::UnknownPreset {
                 name: name.to_string(),
-                known: PRESETS
-                    .iter()
-                    .map(|(n, _)| *n)
-                    .collect::<Vec<_>>()
-                    .join(", "),
+                known: TransformerShape::preset_names(ModelKind::Bert),
             })
+    }
+
+    /// A BERT of shape `s` whose `[MASK]` token is the last id of the vocabulary: no dropout,
+    /// LayerNorm epsilon 1e-12, initialization std 0.02.
+    pub fn from_shape(s: &TransformerShape) -> BertConfig {
+        BertConfig {
+            vocab_size: s.vocab,
+            layers: s.layers,
+            heads: s.heads,
+            hidden: s.hidden,
+            seq_len: s.seq,
+            dropout: 0.0,
+            layer_norm_eps: 1e-12,
+            init_std: 0.02,
+            mask_token_id: s.vocab - 1,
+        }
     }
 
     /// Checks the shape (not the parallel layout; see `merak_burn::grid::Layout::validate`).
@@ -189,7 +167,11 @@ mod tests {
 
     #[test]
     fn presets_are_valid_and_report_their_size() {
-        for (_, c) in PRESETS {
+        let berts = merak_burn::planner::PRESETS
+            .iter()
+            .filter(|p| p.1.kind == ModelKind::Bert);
+        for (name, _) in berts {
+            let c = BertConfig::preset(name).unwrap();
             c.validate().unwrap();
             assert_eq!(c.mask_token_id, c.vocab_size - 1);
         }

@@ -26,6 +26,6 @@ mod config;
 mod mask;
 mod model;
 
-pub use config::{BertConfig, BertConfigError, PRESETS};
+pub use config::{BertConfig, BertConfigError};
 pub use mask::{IGNORE_TARGET, MASK_PROB, RANDOM_TOKEN_PROB, REPLACE_WITH_MASK_PROB, mask_tokens};
 pub use model::{Bert, EncoderLayer, MlmHead};

@@ -1,5 +1,6 @@
 //! GPT shapes and presets.
 
+use merak_burn::planner::{ModelKind, TransformerShape};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -64,54 +65,34 @@ pub enum GptConfigError {
     },
 }
 
-const fn preset(
-    vocab_size: usize,
-    layers: usize,
-    heads: usize,
-    hidden: usize,
-    seq_len: usize,
-) -> GptConfig {
-    GptConfig {
-        vocab_size,
-        layers,
-        heads,
-        hidden,
-        seq_len,
-        dropout: 0.0,
-        layer_norm_eps: 1e-5,
-        init_std: 0.02,
-    }
+/// The names of the GPT presets (the shapes of [`merak_burn::planner::PRESETS`]).
+pub fn preset_names() -> String {
+    TransformerShape::preset_names(ModelKind::Gpt)
 }
 
-/// The named presets: tiny CPU sizes, the GPT-2 family, and Megatron-LM's large sizes.
-pub const PRESETS: &[(&str, GptConfig)] = &[
-    ("tiny", preset(512, 2, 4, 64, 32)),
-    ("mini", preset(50257, 4, 4, 128, 128)),
-    ("gpt2", preset(50257, 12, 12, 768, 1024)),
-    ("gpt2-medium", preset(50257, 24, 16, 1024, 1024)),
-    ("gpt2-large", preset(50257, 36, 20, 1280, 1024)),
-    ("gpt2-xl", preset(50257, 48, 25, 1600, 1024)),
-    ("gpt-1.5b", preset(51200, 48, 32, 1600, 1024)),
-    ("gpt-2.5b", preset(51200, 54, 20, 1920, 1024)),
-    ("gpt-8.3b", preset(51200, 72, 32, 3072, 1024)),
-    ("gpt-20b", preset(51200, 44, 64, 6144, 2048)),
-];
-
 impl GptConfig {
-    /// A preset by name (see [`PRESETS`]).
+    /// A GPT preset by name (see [`merak_burn::planner::PRESETS`]), without dropout.
     pub fn preset(name: &str) -> Result<GptConfig, GptConfigError> {
-        PRESETS
-            .iter()
-            .find(|(n, _)| *n == name)
-            .map(|(_, c)| c.clone())
+        TransformerShape::preset_of(ModelKind::Gpt, name)
+            .map(|s| GptConfig::from_shape(&s))
             .ok_or_else(|| GptConfigError::UnknownPreset {
                 name: name.to_string(),
-                known: PRESETS
-                    .iter()
-                    .map(|(n, _)| *n)
-                    .collect::<Vec<_>>()
-                    .join(", "),
+                known: preset_names(),
             })
+    }
+
+    /// A GPT of shape `s`: no dropout, LayerNorm epsilon 1e-5, initialization std 0.02.
+    pub fn from_shape(s: &TransformerShape) -> GptConfig {
+        GptConfig {
+            vocab_size: s.vocab,
+            layers: s.layers,
+            heads: s.heads,
+            hidden: s.hidden,
+            seq_len: s.seq,
+            dropout: 0.0,
+            layer_norm_eps: 1e-5,
+            init_std: 0.02,
+        }
     }
 
     /// Checks the shape (not the parallel layout; see `merak_burn::grid::Layout::validate`).
@@ -175,7 +156,11 @@ mod tests {
         assert!((b("gpt-2.5b") - 2.5).abs() < 0.1, "{}", b("gpt-2.5b"));
         assert!((b("gpt-20b") - 20.3).abs() < 0.5, "{}", b("gpt-20b"));
         assert!((b("gpt-1.5b") - 1.56).abs() < 0.05, "{}", b("gpt-1.5b"));
-        for (_, c) in PRESETS {
+        let gpts = merak_burn::planner::PRESETS
+            .iter()
+            .filter(|p| p.1.kind == ModelKind::Gpt);
+        for (name, _) in gpts {
+            let c = GptConfig::preset(name).unwrap();
             c.validate().unwrap();
         }
     }

@@ -1,4 +1,5 @@
-//! The tensor names of Hugging Face's `GPT2LMHeadModel`, for exporting a trained model.
+//! The tensor names of Hugging Face's `GPT2LMHeadModel`, for exporting a trained model and
+//! importing pretrained weights ([`crate::hf_import`]).
 //!
 //! merak's GPT has GPT-2's structure and layout: linear weights are stored `[in, out]` like
 //! GPT-2's `Conv1D`, the fused Q/K/V projection holds Q, K then V columns, and the output head
@@ -7,38 +8,57 @@
 
 use crate::GptConfig;
 
+/// merak names outside the blocks and their `GPT2LMHeadModel` names without `transformer.`.
+const TOP: [(&str, &str); 4] = [
+    ("wte.embedding.weight", "wte.weight"),
+    ("wpe.weight", "wpe.weight"),
+    ("ln_f.gamma", "ln_f.weight"),
+    ("ln_f.beta", "ln_f.bias"),
+];
+
+/// merak names inside block `i` (after `blocks.{i}.`) and their `GPT2LMHeadModel` names
+/// (after `transformer.h.{i}.`).
+const BLOCK: [(&str, &str); 12] = [
+    ("ln_1.gamma", "ln_1.weight"),
+    ("ln_1.beta", "ln_1.bias"),
+    ("ln_2.gamma", "ln_2.weight"),
+    ("ln_2.beta", "ln_2.bias"),
+    ("attn.qkv.linear.weight", "attn.c_attn.weight"),
+    ("attn.qkv.linear.bias", "attn.c_attn.bias"),
+    ("attn.proj.linear.weight", "attn.c_proj.weight"),
+    ("attn.proj.bias", "attn.c_proj.bias"),
+    ("mlp.fc.linear.weight", "mlp.c_fc.weight"),
+    ("mlp.fc.linear.bias", "mlp.c_fc.bias"),
+    ("mlp.proj.linear.weight", "mlp.c_proj.weight"),
+    ("mlp.proj.bias", "mlp.c_proj.bias"),
+];
+
 /// The `GPT2LMHeadModel` name of a merak GPT parameter (its path in the module tree), or
 /// `None` for a name that is not part of a merak GPT.
 pub fn hf_gpt2_name(name: &str) -> Option<String> {
-    let top = match name {
-        "wte.embedding.weight" => Some("wte.weight"),
-        "wpe.weight" => Some("wpe.weight"),
-        "ln_f.gamma" => Some("ln_f.weight"),
-        "ln_f.beta" => Some("ln_f.bias"),
-        _ => None,
-    };
-    if let Some(t) = top {
+    if let Some((_, t)) = TOP.iter().find(|(ours, _)| *ours == name) {
         return Some(format!("transformer.{t}"));
     }
     let rest = name.strip_prefix("blocks.")?;
     let (layer, rest) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
-    let part = match rest {
-        "ln_1.gamma" => "ln_1.weight",
-        "ln_1.beta" => "ln_1.bias",
-        "ln_2.gamma" => "ln_2.weight",
-        "ln_2.beta" => "ln_2.bias",
-        "attn.qkv.linear.weight" => "attn.c_attn.weight",
-        "attn.qkv.linear.bias" => "attn.c_attn.bias",
-        "attn.proj.linear.weight" => "attn.c_proj.weight",
-        "attn.proj.bias" => "attn.c_proj.bias",
-        "mlp.fc.linear.weight" => "mlp.c_fc.weight",
-        "mlp.fc.linear.bias" => "mlp.c_fc.bias",
-        "mlp.proj.linear.weight" => "mlp.c_proj.weight",
-        "mlp.proj.bias" => "mlp.c_proj.bias",
-        _ => return None,
-    };
+    let (_, part) = BLOCK.iter().find(|(ours, _)| *ours == rest)?;
     Some(format!("transformer.h.{layer}.{part}"))
+}
+
+/// The merak GPT parameter of a `GPT2LMHeadModel` tensor name (`transformer.h.0.ln_1.weight`
+/// -> `blocks.0.ln_1.gamma`): the inverse of [`hf_gpt2_name`]. `None` for a name that has no
+/// merak counterpart (`lm_head.weight`, attention mask buffers, names without `transformer.`).
+pub fn merak_gpt_name(hf: &str) -> Option<String> {
+    let rest = hf.strip_prefix("transformer.")?;
+    if let Some((ours, _)) = TOP.iter().find(|(_, t)| *t == rest) {
+        return Some(ours.to_string());
+    }
+    let rest = rest.strip_prefix("h.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (ours, _) = BLOCK.iter().find(|(_, t)| *t == rest)?;
+    Some(format!("blocks.{layer}.{ours}"))
 }
 
 /// The shape `GPT2LMHeadModel` expects for each of its tensors, for a model of shape `cfg`, in
@@ -135,6 +155,7 @@ mod tests {
         for (ours, shape) in &names.1 {
             let theirs = hf_gpt2_name(ours).unwrap_or_else(|| panic!("{ours} has no GPT-2 name"));
             assert_eq!(expected.get(&theirs), Some(shape), "{ours} -> {theirs}");
+            assert_eq!(merak_gpt_name(&theirs).as_deref(), Some(ours.as_str()));
         }
     }
 }

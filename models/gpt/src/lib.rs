@@ -6,7 +6,8 @@
 
 mod config;
 pub mod hf;
+pub mod hf_import;
 mod model;
 
-pub use config::{GptConfig, GptConfigError, PRESETS};
+pub use config::{GptConfig, GptConfigError, preset_names};
 pub use model::{Block, Gpt};

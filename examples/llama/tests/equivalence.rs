@@ -1,0 +1,106 @@
+//! The Llama example under dp=2, tp=2, pp=2 and dp x tp x pp = 2 x 2 x 2 equals one process:
+//! the same losses at every step and the same final parameters (relative error <= 1e-5).
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use merak_burn::checkpoint::{Checkpoint, FullState};
+use merak_tests::{mpirun, rel_err, run_with_deadline};
+
+const BIN: &str = env!("CARGO_BIN_EXE_llama-train");
+const TOL: f64 = 1e-5;
+
+/// Runs `llama-train` on `np` ranks (alone for 1) with `args`; returns its losses and final
+/// parameters at full size.
+fn train(np: usize, name: &str, args: &[&str]) -> (Vec<f64>, FullState) {
+    let out = std::env::temp_dir().join(format!("merak-llama-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let mut cmd = if np == 1 {
+        Command::new(BIN)
+    } else {
+        let mut c = mpirun(np);
+        c.arg(BIN);
+        c
+    };
+    cmd.args(args).arg("--out").arg(&out);
+    let run = run_with_deadline(cmd, Duration::from_secs(240));
+    run.assert_success();
+    let losses = losses(&out.join("metrics.jsonl"));
+    let state = Checkpoint::open(&out.join("checkpoints"))
+        .and_then(|c| c.read_full())
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+    let _ = std::fs::remove_dir_all(&out);
+    (losses, state)
+}
+
+fn losses(path: &Path) -> Vec<f64> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    text.lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("a JSON line");
+            v["loss"].as_f64().expect("a loss")
+        })
+        .collect()
+}
+
+#[test]
+fn every_layout_equals_one_process() {
+    let (single, reference) = train(1, "single", &[]);
+    assert_eq!(single.len(), 6);
+    assert!(single[5] < single[0] - 0.3, "the loss falls: {single:?}");
+    let layouts: [(usize, &str, &[&str]); 4] = [
+        (2, "dp2", &["--dp", "2"]),
+        (2, "tp2", &["--tp", "2"]),
+        (2, "pp2", &["--pp", "2"]),
+        (8, "dp2tp2pp2", &["--dp", "2", "--tp", "2", "--pp", "2"]),
+    ];
+    for (np, name, args) in layouts {
+        let (losses, state) = train(np, name, args);
+        assert_eq!(losses.len(), single.len(), "{name}");
+        for (step, (a, b)) in losses.iter().zip(&single).enumerate() {
+            let err = (a - b).abs() / b.abs();
+            assert!(
+                err <= TOL,
+                "{name} step {}: {a} vs {b} ({err:.2e})",
+                step + 1
+            );
+        }
+        assert_eq!(state.params.len(), reference.params.len(), "{name}");
+        for (pname, want) in &reference.params {
+            let got = state
+                .params
+                .get(pname)
+                .unwrap_or_else(|| panic!("{name}: no {pname}"));
+            let err = rel_err(got, want);
+            assert!(err <= TOL, "{name}: {pname} differs by {err:.2e}");
+        }
+    }
+}
+
+/// The checkpoint holds every parameter of the model at full size (the embedding, every
+/// block's projections, norms and the head), whatever the layout cut.
+#[test]
+fn the_checkpoint_of_a_3d_run_has_every_parameter_at_full_size() {
+    let (_, state) = train(
+        8,
+        "names",
+        &["--dp", "2", "--tp", "2", "--pp", "2", "--steps", "1"],
+    );
+    let cfg = merak_example_llama::LlamaConfig::tiny();
+    let size = |n: &str| state.params.get(n).map(Vec::len);
+    assert_eq!(size("embed.tokens.weight"), Some(cfg.vocab * cfg.hidden));
+    for l in 0..cfg.layers {
+        let p = |s: &str| format!("layers.{l}.{s}");
+        assert_eq!(
+            size(&p("attn.wq.linear.weight")),
+            Some(cfg.hidden * cfg.hidden)
+        );
+        assert_eq!(size(&p("mlp.w2.linear.weight")), Some(cfg.ffn * cfg.hidden));
+        assert_eq!(size(&p("attn_norm.gamma")), Some(cfg.hidden));
+    }
+    assert_eq!(
+        size("head.output.linear.weight"),
+        Some(cfg.hidden * cfg.vocab)
+    );
+}

@@ -1,0 +1,169 @@
+//! `merak train`'s config: the file (or the checkpoint's), the command line's degrees and
+//! `--set` overrides, a plan (`--plan FILE|auto`), checked against the job before anything is
+//! built.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use merak_burn::comm::MpiCommunicator;
+use merak_burn::grid::{Layout, ModelShape};
+use merak_burn::pipeline::PipelinePlan;
+use merak_burn::plan::ParallelPlan;
+use merak_burn::planner::PlanFile;
+
+use crate::config::{self, Config};
+use crate::plan_cmd;
+use crate::train::Resume;
+use crate::train_cmd::TrainArgs;
+
+/// A training job's resolved config, its plan file (when `--plan` gave one) and its pipeline
+/// plan, built once.
+pub struct Resolved {
+    /// The config with every override and the plan applied.
+    pub cfg: Config,
+    /// The plan file applied, if any.
+    pub plan_file: Option<PlanFile>,
+    /// The validated pipeline plan.
+    pub pipeline: PipelinePlan,
+}
+
+/// Loads the config (the checkpoint's when resuming without --config), applies the
+/// command-line degrees and the plan, and checks the layout against the `world` ranks.
+pub fn resolve_config(
+    args: &TrainArgs,
+    world: Option<&MpiCommunicator>,
+    size: usize,
+    resume: Option<&Resume>,
+) -> Result<Resolved> {
+    let mut sets = args.sets.clone();
+    for (key, v) in [("dp", args.dp), ("tp", args.tp), ("pp", args.pp)] {
+        if let Some(v) = v {
+            sets.push(format!("parallel.{key}={v}"));
+        }
+    }
+    let mut cfg = match (resume, &args.config) {
+        (Some(r), None) => {
+            let text = checkpoint_config(r)?;
+            let origin = r.checkpoint.dir.join("manifest.json");
+            config::load_text(Some((&text, &origin.display().to_string())), &sets)?
+        }
+        _ => config::load(args.config.as_deref(), &sets)?,
+    };
+    let plan_file = match args.plan.as_deref() {
+        Some(spec) => Some(apply_plan(args, spec, &mut cfg, world, size)?),
+        None => None,
+    };
+    if let Some(r) = resume {
+        let text = checkpoint_config(r)?;
+        let saved = config::load_text(Some((&text, "the checkpoint")), &[])?;
+        check_resumable(&cfg, &saved)?;
+    }
+    let g = &cfg.model.gpt;
+    let shape = ModelShape {
+        heads: g.heads,
+        hidden: g.hidden,
+        layers: g.layers,
+    };
+    let p = &cfg.parallel;
+    let layout = Layout {
+        dp: p.dp,
+        tp: p.tp,
+        pp: p.pp,
+    };
+    layout.validate(size, shape)?;
+    // Built here, so that a bad schedule stops every rank at once.
+    let pipeline = cfg.pipeline_plan()?;
+    Ok(Resolved {
+        cfg,
+        plan_file,
+        pipeline,
+    })
+}
+
+/// Reads `--plan spec` (a file, or `auto`: planned for this job), checks it fits the job and
+/// sets the config to run it.
+fn apply_plan(
+    args: &TrainArgs,
+    spec: &str,
+    cfg: &mut Config,
+    world: Option<&MpiCommunicator>,
+    size: usize,
+) -> Result<PlanFile> {
+    if args.dp.is_some() || args.tp.is_some() || args.pp.is_some() {
+        bail!("--plan {spec} sets the layout: drop --dp, --tp and --pp");
+    }
+    let planned = |s: &String| {
+        let key = s.split_once('=').map_or(s.as_str(), |(k, _)| k).trim();
+        plan_cmd::PLANNED_KEYS.contains(&key)
+    };
+    if let Some(s) = args.sets.iter().find(|s| planned(s)) {
+        bail!("--plan {spec} sets this key: drop --set {s}");
+    }
+    let (path, file) = if spec == "auto" {
+        let file = plan_cmd::auto_plan(cfg, world, args.calibration.as_deref())?;
+        (PathBuf::from("(automatic plan)"), file)
+    } else {
+        let path = PathBuf::from(spec);
+        let file = PlanFile::read(&path)?;
+        (path, file)
+    };
+    file.check_job(&path, &cfg.shape()?, size, cfg.train.global_batch)?;
+    file.check_runnable(&path)?;
+    cfg.apply_plan(&ParallelPlan::from_planned(&file.plan.layout));
+    cfg.validate()
+        .with_context(|| format!("applying the plan {}", path.display()))?;
+    Ok(file)
+}
+
+/// Opens and verifies the checkpoint to resume from.
+pub fn open_resume(path: &Path) -> Result<Resume> {
+    let checkpoint = merak_burn::checkpoint::Checkpoint::open(path)?;
+    let state = checkpoint.read_full()?;
+    Ok(Resume { checkpoint, state })
+}
+
+/// The config stored in a checkpoint's manifest.
+fn checkpoint_config(r: &Resume) -> Result<String> {
+    r.checkpoint
+        .manifest
+        .extra
+        .get("config")
+        .and_then(serde_json::Value::as_str)
+        .map(str::to_string)
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "{}: the manifest holds no config (not written by merak train)",
+                r.checkpoint.dir.display()
+            )
+        })
+}
+
+/// Checks that a run can continue a checkpoint: same model, batch and seed (the data position
+/// and the random streams depend on them).
+fn check_resumable(cfg: &Config, saved: &Config) -> Result<()> {
+    let pairs = [
+        (
+            "model",
+            format!("{:?}", (&saved.model.kind, &saved.model.gpt)),
+            format!("{:?}", (&cfg.model.kind, &cfg.model.gpt)),
+        ),
+        (
+            "train.global_batch",
+            saved.train.global_batch.to_string(),
+            cfg.train.global_batch.to_string(),
+        ),
+        (
+            "train.seed",
+            saved.train.seed.to_string(),
+            cfg.train.seed.to_string(),
+        ),
+    ];
+    for (key, a, b) in pairs {
+        if a != b {
+            bail!(
+                "--resume: `{key}` is {a} in the checkpoint but {b} in this run; a resumed run must keep it"
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,276 @@
+//! `merak train`: parse, resolve the config and plan, build this rank's model, call the
+//! library's trainer, print.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{Result, bail};
+use burn::module::AutodiffModule;
+use burn::tensor::backend::AutodiffBackend;
+use merak_burn::comm::{Communicator, MpiCommunicator, MpiWorld, launched_by_mpirun};
+use merak_burn::grid::ProcessGrid;
+use merak_burn::pipeline::PipelinePlan;
+use merak_burn::tensor_parallel::ParallelBackend;
+
+use crate::config::Config;
+use crate::data::Source;
+use crate::resolve::{Resolved, open_resume, resolve_config};
+use crate::train::{self, Objective, Resume, RunSpec, Summary};
+use crate::{generate, init_from, init_logging, plot, spawn};
+
+/// Arguments of `merak train`.
+#[derive(clap::Args, Debug)]
+pub struct TrainArgs {
+    /// TOML config file; without it the built-in default (tiny GPT, synthetic data) is used.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Data-parallel degree (overrides parallel.dp).
+    #[arg(long)]
+    pub dp: Option<usize>,
+    /// Tensor-parallel degree (overrides parallel.tp).
+    #[arg(long)]
+    pub tp: Option<usize>,
+    /// Pipeline-parallel degree (overrides parallel.pp).
+    #[arg(long)]
+    pub pp: Option<usize>,
+    /// Override any config key, e.g. --set train.steps=5 (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub sets: Vec<String>,
+    /// Output folder for metrics.jsonl and the resolved config.
+    #[arg(long, default_value = "runs/latest")]
+    pub out: PathBuf,
+    /// Continue from a checkpoint: a `step-*` folder, or a checkpoint folder whose `latest`
+    /// names one. Its config is the base (then --config's model must match it), and any
+    /// dp/tp layout may load it.
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// Start from pretrained weights: a Hugging Face `GPT2LMHeadModel` safetensors file (or
+    /// one `merak export` wrote), checked against the model (and against the `config.json`
+    /// next to it) before anything is built. GPT only; any dp/tp/pp layout.
+    #[arg(long, value_name = "FILE", conflicts_with = "resume")]
+    pub init_from: Option<PathBuf>,
+    /// Write a Chrome trace (JSON, open in Perfetto) of every rank's forward, backward,
+    /// send, receive and idle time.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Take the layout, partition, schedule, recomputation and micro-batch size from a plan:
+    /// a file written by `merak plan --output`, or `auto` to plan for the launched world size
+    /// with a quick probe of this machine (and the calibration of `--calibration`).
+    #[arg(long, value_name = "FILE|auto")]
+    pub plan: Option<String>,
+    /// With `--plan auto`: a calibration written by `merak profile` for this model.
+    #[arg(long, requires = "plan")]
+    pub calibration: Option<PathBuf>,
+    /// Start this many ranks on this machine (runs `mpirun -np N` with the flags a local run
+    /// needs and passes every other argument through); not under mpirun.
+    #[arg(long, value_name = "N")]
+    pub np: Option<usize>,
+}
+
+/// What every rank has checked and built before training starts.
+struct Job {
+    /// The resolved config.
+    cfg: Config,
+    /// The pipeline plan (one stage for pp = 1).
+    pipeline: PipelinePlan,
+    /// This rank's place in the grid.
+    grid: ProcessGrid,
+    /// The data set, opened and checked.
+    data: Source,
+    /// The checkpoint to continue from, read and verified.
+    resume: Option<Resume>,
+    /// Pretrained weights to start from (`--init-from`), read and checked.
+    init_from: Option<init_from::Pretrained>,
+}
+
+/// `merak train`: under mpirun every rank runs this; `--np N` outside mpirun starts the ranks.
+pub fn run_train(args: TrainArgs) -> ExitCode {
+    if let Some(np) = args.np {
+        return spawn::launch(np);
+    }
+    if launched_by_mpirun() && std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        // One compute thread per rank: ranks share the machine's cores.
+        // SAFETY: still single-threaded here; nothing else reads the environment concurrently.
+        unsafe { std::env::set_var("RAYON_NUM_THREADS", "1") };
+    }
+    let mpi = if launched_by_mpirun() {
+        match MpiWorld::init() {
+            Ok(w) => Some(w),
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(2);
+            }
+        }
+    } else {
+        None
+    };
+    let world = mpi.as_ref().map(|w| w.world());
+    let (rank, size) = world.as_ref().map_or((0, 1), |w| (w.rank(), w.size()));
+    init_logging(rank);
+    let job = match prepare(&args, world, size) {
+        Ok(job) => job,
+        // Errors that every rank detects identically (config, layout, data): rank 0 reports,
+        // all exit 2.
+        Err(e) => {
+            if rank == 0 {
+                eprintln!("error: {e:#}");
+            }
+            return ExitCode::from(2);
+        }
+    };
+    match (run(&job, &args.out, args.trace.as_deref()), mpi) {
+        (Ok(()), _) => ExitCode::SUCCESS,
+        (Err(e), Some(mpi)) if size > 1 => mpi.abort(1, &format!("{e:#}")),
+        (Err(e), _) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Reads and checks everything before anything is built: the checkpoint to resume, the
+/// config and plan, the grid, the data set.
+fn prepare(args: &TrainArgs, world: Option<MpiCommunicator>, size: usize) -> Result<Job> {
+    let resume = args.resume.as_deref().map(open_resume).transpose()?;
+    let Resolved {
+        cfg,
+        plan_file,
+        pipeline,
+    } = resolve_config(args, world.as_ref(), size, resume.as_ref())?;
+    let rank = world.as_ref().map_or(0, |w| w.rank());
+    let init_from = args
+        .init_from
+        .as_deref()
+        .map(|path| init_from::open(path, &cfg, rank == 0))
+        .transpose()?;
+    if let (0, Some(f)) = (rank, plan_file) {
+        let l = &f.plan.layout;
+        tracing::info!(
+            "plan: dp={} tp={} pp={} v={} micro_batch={} {} stages {:?} recompute {:?} zero1={}; predicted step {:.4} s on {}",
+            l.dp,
+            l.tp,
+            l.pp,
+            l.virtual_stages,
+            l.micro_batch,
+            l.schedule,
+            l.partition.sizes(),
+            l.recompute.iter().map(|m| m.as_str()).collect::<Vec<_>>(),
+            l.zero1,
+            f.plan.prediction.step_time_s,
+            f.hardware
+        );
+    }
+    let grid = match world {
+        Some(w) => ProcessGrid::from_mpi(w, cfg.parallel_plan().layout())?,
+        None => ProcessGrid::single(),
+    };
+    let data = Source::open(&cfg)?;
+    if rank == 0 {
+        tracing::info!("data: {}", data.describe());
+    }
+    Ok(Job {
+        cfg,
+        pipeline,
+        grid,
+        data,
+        resume,
+        init_from,
+    })
+}
+
+/// Trains on the backend the config names (selective recomputation is Burn's balanced
+/// checkpointing: the matrix products are kept, memory-bound results recomputed) and reports.
+fn run(job: &Job, out: &Path, trace: Option<&Path>) -> Result<()> {
+    let (cfg, grid) = (&job.cfg, &job.grid);
+    if grid.rank == 0 {
+        std::fs::create_dir_all(out)?;
+        std::fs::write(out.join("config.toml"), toml::to_string(cfg)?)?;
+    }
+    let spec = RunSpec {
+        plan: &job.pipeline,
+        resume: job.resume.as_ref(),
+        trace,
+    };
+    let selective = cfg.parallel_plan().selective_on_rank(grid.coords.pp);
+    let summary = match cfg.train.device.as_str() {
+        "cpu" if selective => {
+            type B = merak_burn::backend::CpuAutodiffSelective;
+            train_model::<B>(job, out, &Default::default(), spec)?
+        }
+        "cpu" => {
+            type B = merak_burn::backend::CpuAutodiff;
+            train_model::<B>(job, out, &Default::default(), spec)?
+        }
+        #[cfg(feature = "cuda")]
+        "cuda" => {
+            type B = burn::backend::Autodiff<burn_cuda::Cuda<f32>>;
+            train_model::<B>(job, out, &burn_cuda::CudaDevice::new(0), spec)?
+        }
+        other => bail!(
+            "train.device = {other:?} is not available in this build (rebuild with --features cuda)"
+        ),
+    };
+    if grid.rank == 0 {
+        print_summary(&summary, out)?;
+    }
+    Ok(())
+}
+
+/// Rank 0's closing lines: the summary and the loss curve.
+fn print_summary(summary: &Summary, out: &Path) -> Result<()> {
+    let curve = plot::write_loss_curve(out)?;
+    tracing::info!(
+        "done: {} steps, final loss {:.5}, mean {:.0} tokens/s, wall {:.1}s; metrics in {}",
+        summary.steps,
+        summary.final_loss,
+        summary.mean_tokens_per_s,
+        summary.wall_s,
+        out.join("metrics.jsonl").display()
+    );
+    tracing::info!("loss curve: {}", curve.display());
+    if summary.skipped > 0 {
+        tracing::warn!(
+            "{} steps were skipped for a non-finite loss",
+            summary.skipped
+        );
+    }
+    Ok(())
+}
+
+/// Builds the model of the job (this rank's pipeline stages and TP shard) and trains it.
+fn train_model<B>(job: &Job, out: &Path, device: &B::Device, spec: RunSpec<'_>) -> Result<Summary>
+where
+    B: AutodiffBackend + ParallelBackend,
+    B::InnerBackend: ParallelBackend,
+{
+    let (cfg, grid, data) = (&job.cfg, &job.grid, &job.data);
+    let seed = cfg.train.seed;
+    let plan = spec.plan;
+    let me = grid.coords.pp;
+    let holds = |unit: usize| plan.schedule.rank_of(plan.partition.stage_of(unit)) == me;
+    if cfg.model.kind == "bert" {
+        let bert = cfg.bert();
+        let model = merak_bert::Bert::<B>::new_units(&bert, seed, grid.tp, device, &holds)?;
+        let objective = Objective::Masked(bert);
+        return Ok(train::train(cfg, data, grid, out, device, model, &objective, spec)?.0);
+    }
+    let mut model = merak_gpt::Gpt::<B>::new_units(&cfg.model.gpt, seed, grid.tp, device, &holds)?;
+    if let Some(pretrained) = &job.init_from {
+        model = init_from::apply(model, pretrained, grid)?;
+    }
+    let objective = Objective::Causal;
+    let (summary, model) = train::train(cfg, data, grid, out, device, model, &objective, spec)?;
+    if cfg.train.sample_tokens == 0 {
+        return Ok(summary);
+    }
+    if grid.layout.pp > 1 {
+        if grid.rank == 0 {
+            tracing::info!(
+                "no sample under pp > 1: use `merak generate --checkpoint` on the checkpoint"
+            );
+        }
+    } else {
+        generate::print_sample(cfg, data, grid, &model.valid(), device)?;
+    }
+    Ok(summary)
+}

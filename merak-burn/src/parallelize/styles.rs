@@ -1,0 +1,296 @@
+//! A tensor-parallel plan: which linear layers are split, and how, by field path.
+
+use burn::module::{Module, ModuleMapper, Param};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use super::linear::record_split;
+use crate::comm::Group;
+use crate::tensor_parallel::{Shard, ShardKind, register_shard};
+
+/// How a [`Linear`](super::Linear) is split across the tensor-parallel group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TpStyle {
+    /// Each rank holds a slice of the output features (weight columns and bias); the input is
+    /// replicated. Megatron's first layer of a pair (Q/K/V, the MLP's expansion).
+    Column,
+    /// Each rank holds a slice of the input features (weight rows); the partial outputs are
+    /// summed and the full bias added once. The second layer of a pair (the attention output,
+    /// the MLP's projection).
+    Row,
+}
+
+/// A layer the plan cannot split, or a pattern that names no layer.
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+pub enum TpPlanError {
+    /// The split dimension is not a multiple of the TP degree.
+    #[error(
+        "{path}: {style:?}-parallel over tp = {tp} needs {what} = {size} to be a multiple of {tp}"
+    )]
+    NotDivisible {
+        /// The layer's path.
+        path: String,
+        /// Its style.
+        style: TpStyle,
+        /// The split dimension.
+        what: &'static str,
+        /// Its size.
+        size: usize,
+        /// The TP degree.
+        tp: usize,
+    },
+    /// A pattern of the plan matched no linear layer of the model.
+    #[error(
+        "tensor-parallel plan: `{pattern}` matches no linear layer (paths end in e.g. {example})"
+    )]
+    Unmatched {
+        /// The pattern.
+        pattern: String,
+        /// A path of the model, for comparison.
+        example: String,
+    },
+}
+
+/// Field-path patterns of [`Linear`](super::Linear) layers and how each is split. A pattern is
+/// dotted segments (`*` matches any one segment) matched against the end of a layer's path,
+/// e.g. `"attn.wq"` or `"layers.*.mlp.w2"`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct TpPlan {
+    /// `(pattern, style)` pairs; the first that matches a layer decides.
+    pub rules: Vec<(String, TpStyle)>,
+}
+
+impl TpPlan {
+    /// A plan from `(pattern, style)` pairs.
+    pub fn new<'a>(rules: impl IntoIterator<Item = (&'a str, TpStyle)>) -> Self {
+        Self {
+            rules: rules.into_iter().map(|(p, s)| (p.to_string(), s)).collect(),
+        }
+    }
+
+    /// The style of the layer at `path` and the index of the rule that gave it.
+    fn style_of(&self, path: &[String]) -> Option<(usize, TpStyle)> {
+        self.rules
+            .iter()
+            .enumerate()
+            .find(|(_, (pattern, _))| matches(pattern, path))
+            .map(|(i, (_, s))| (i, *s))
+    }
+}
+
+/// Whether `pattern` matches the last segments of `path`.
+fn matches(pattern: &str, path: &[String]) -> bool {
+    let parts: Vec<&str> = pattern.split('.').collect();
+    parts.len() <= path.len()
+        && (parts.iter().rev())
+            .zip(path.iter().rev())
+            .all(|(p, s)| *p == "*" || p == s)
+}
+
+/// Cuts every [`Linear`](super::Linear) of `module` that `plan` names from its full weights to
+/// this rank's slice over `tp` (a no-op split for tp = 1, still recorded), so that the model
+/// computes what the unsplit model computes. Every pattern must match a layer.
+pub fn shard_module<B: Backend, M: Module<B>>(
+    module: M,
+    plan: &TpPlan,
+    tp: Group,
+) -> Result<M, TpPlanError> {
+    let mut cutter = Cutter {
+        plan,
+        tp,
+        path: Vec::new(),
+        used: vec![false; plan.rules.len()],
+        error: None,
+        example: String::new(),
+    };
+    let module = module.map(&mut cutter);
+    if let Some(e) = cutter.error {
+        return Err(e);
+    }
+    if let Some(i) = cutter.used.iter().position(|u| !u) {
+        return Err(TpPlanError::Unmatched {
+            pattern: plan.rules[i].0.clone(),
+            example: cutter.example,
+        });
+    }
+    Ok(module)
+}
+
+/// The mapper behind [`shard_module`].
+struct Cutter<'a> {
+    plan: &'a TpPlan,
+    tp: Group,
+    path: Vec<String>,
+    used: Vec<bool>,
+    error: Option<TpPlanError>,
+    /// The path of some linear layer, for the error of an unmatched pattern.
+    example: String,
+}
+
+impl Cutter<'_> {
+    /// The split of the parameter at the current path: `Some((layer path, style, is weight))`
+    /// for the weight or bias of a [`Linear`](super::Linear) the plan names.
+    fn target(&mut self) -> Option<(String, TpStyle, bool)> {
+        let n = self.path.len();
+        if n < 3 || self.path[n - 2] != "linear" {
+            return None;
+        }
+        let weight = match self.path[n - 1].as_str() {
+            "weight" => true,
+            "bias" => false,
+            _ => return None,
+        };
+        let layer = &self.path[..n - 2];
+        self.example = layer.join(".");
+        let (rule, style) = self.plan.style_of(layer)?;
+        self.used[rule] = true;
+        Some((layer.join("."), style, weight))
+    }
+
+    /// This rank's slice of `full` (`[rows, cols]`, one row for a bias) for `style`, or why
+    /// it cannot be cut.
+    fn cut(
+        &self,
+        path: &str,
+        style: TpStyle,
+        full: &[f32],
+        [rows, cols]: [usize; 2],
+        weight: bool,
+    ) -> Result<Option<Vec<f32>>, TpPlanError> {
+        let shard = Shard {
+            rank: self.tp.rank(),
+            size: self.tp.size(),
+        };
+        let (what, size) = match style {
+            TpStyle::Column => ("output features", cols),
+            TpStyle::Row => ("input features", rows),
+        };
+        if style == TpStyle::Row && !weight {
+            // A row-parallel bias is added once, after the sum: every rank keeps it whole.
+            return Ok(None);
+        }
+        if !size.is_multiple_of(shard.size) {
+            return Err(TpPlanError::NotDivisible {
+                path: path.to_string(),
+                style,
+                what,
+                size,
+                tp: shard.size,
+            });
+        }
+        Ok(Some(match style {
+            TpStyle::Column => shard.columns(full, rows, cols, 1),
+            TpStyle::Row => shard.rows(full, rows, cols),
+        }))
+    }
+}
+
+impl<B: Backend> ModuleMapper<B> for Cutter<'_> {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let Some((path, style, weight)) = self.target() else {
+            return param;
+        };
+        let (id, tensor, mapper) = param.consume();
+        let dims = tensor.dims();
+        let shape = if D == 1 {
+            [1, dims[0]]
+        } else {
+            [dims[0], dims[D - 1]]
+        };
+        let full: Vec<f32> = tensor
+            .to_data()
+            .convert::<f32>()
+            .into_vec()
+            .unwrap_or_default();
+        let cut = self.cut(&path, style, &full, shape, weight);
+        let values = match cut {
+            Ok(Some(v)) => v,
+            Ok(None) => return Param::from_mapped_value(id, tensor, mapper),
+            Err(e) => {
+                self.error.get_or_insert(e);
+                return Param::from_mapped_value(id, tensor, mapper);
+            }
+        };
+        let mut local = dims;
+        match style {
+            TpStyle::Column => local[D - 1] /= self.tp.size(),
+            TpStyle::Row => local[0] /= self.tp.size(),
+        }
+        let kind = match style {
+            TpStyle::Column => ShardKind::Columns { segments: 1 },
+            TpStyle::Row => ShardKind::Rows,
+        };
+        register_shard(id, kind);
+        if weight {
+            record_split(id, style, self.tp);
+        }
+        let mut fresh = Tensor::<B, D>::from_data(TensorData::new(values, local), &tensor.device());
+        if tensor.is_require_grad() {
+            fresh = fresh.require_grad();
+        }
+        Param::from_mapped_value(id, fresh, mapper)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Cpu;
+    use crate::parallelize::Linear;
+    use burn::nn::LinearConfig;
+
+    #[derive(Module, Debug)]
+    struct Pair<B: Backend> {
+        up: Linear<B>,
+        down: Linear<B>,
+    }
+
+    fn path(p: &str) -> Vec<String> {
+        p.split('.').map(str::to_string).collect()
+    }
+
+    #[test]
+    fn patterns_match_the_end_of_a_path_with_wildcards() {
+        assert!(matches("attn.wq", &path("layers.3.attn.wq")));
+        assert!(matches("layers.*.attn.wq", &path("layers.3.attn.wq")));
+        assert!(!matches("attn.wq", &path("layers.3.attn.wk")));
+        assert!(!matches("x.attn.wq", &path("attn.wq")));
+    }
+
+    #[test]
+    fn an_unmatched_pattern_is_named_and_a_matched_one_is_recorded() {
+        let device = Default::default();
+        let pair = Pair::<Cpu> {
+            up: LinearConfig::new(4, 8).init(&device).into(),
+            down: LinearConfig::new(8, 4).init(&device).into(),
+        };
+        let plan = TpPlan::new([("up", TpStyle::Column), ("mlp.down", TpStyle::Row)]);
+        let e = shard_module(pair, &plan, Group::local()).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "tensor-parallel plan: `mlp.down` matches no linear layer (paths end in e.g. down)"
+        );
+        let pair = Pair::<Cpu> {
+            up: LinearConfig::new(4, 8).init(&device).into(),
+            down: LinearConfig::new(8, 4).init(&device).into(),
+        };
+        let plan = TpPlan::new([("up", TpStyle::Column), ("down", TpStyle::Row)]);
+        let x = Tensor::<Cpu, 2>::ones([3, 4], &device);
+        let before = pair.down.forward(pair.up.forward(x.clone())).into_data();
+        let pair = shard_module(pair, &plan, Group::local()).expect("a valid plan");
+        let after = pair.down.forward(pair.up.forward(x)).into_data();
+        // One rank: the split layers compute what the unsplit ones did.
+        after.assert_approx_eq::<f32>(&before, burn::tensor::Tolerance::absolute(1e-6));
+    }
+}

@@ -1,0 +1,190 @@
+//! A model as pipeline units: an embedding, a stack of layers and a head with the loss.
+
+use std::ops::Range;
+use std::time::Instant;
+
+use std::marker::PhantomData;
+
+use burn::module::{Module, ModuleDisplay, ParamId};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor};
+
+use crate::pipeline::{PipelineModel, StageInput, StageOutput};
+
+/// The first pipeline unit: token ids to hidden states.
+pub trait EmbedUnit<B: Backend>: Module<B> + ModuleDisplay {
+    /// `[batch, seq]` ids to `[batch, seq, hidden]`.
+    fn embed(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3>;
+}
+
+/// A middle pipeline unit (a transformer block): hidden states to hidden states.
+pub trait LayerUnit<B: Backend>: Module<B> + ModuleDisplay {
+    /// `[batch, seq, hidden]` to `[batch, seq, hidden]`.
+    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3>;
+}
+
+/// The last pipeline unit: hidden states and targets to the loss.
+pub trait HeadUnit<B: Backend>: Module<B> + ModuleDisplay {
+    /// The mean loss of `[batch, seq, hidden]` against `[batch, seq]` target ids (negative
+    /// targets not counted), `[1]`.
+    fn loss(&self, x: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1>;
+}
+
+/// A model cut into units, unit 0 the embedding, units `1..=L` the layers, unit `L + 1` the
+/// head; a pipeline rank keeps only the units of its stages ([`retain`](Self::retain)). Its
+/// parameters are named `embed.*`, `layers.<i>.*` and `head.*` whatever the rank holds, so
+/// checkpoints move between layouts.
+#[derive(Module, Debug)]
+pub struct Units<B: Backend, E: Module<B>, L: Module<B>, H: Module<B>> {
+    /// The embedding (on the first stage's rank).
+    pub embed: Option<E>,
+    /// The layers (`None` for layers on other pipeline ranks).
+    pub layers: Vec<Option<L>>,
+    /// The head (on the last stage's rank).
+    pub head: Option<H>,
+    /// Width of the hidden states between units.
+    #[module(skip)]
+    hidden: usize,
+    #[module(skip)]
+    backend: PhantomData<B>,
+}
+
+impl<B, E, L, H> Units<B, E, L, H>
+where
+    B: Backend,
+    E: EmbedUnit<B>,
+    L: LayerUnit<B>,
+    H: HeadUnit<B>,
+{
+    /// All units of a model whose hidden states are `hidden` wide.
+    pub fn new(embed: E, layers: Vec<L>, head: H, hidden: usize) -> Self {
+        Self {
+            embed: Some(embed),
+            layers: layers.into_iter().map(Some).collect(),
+            head: Some(head),
+            hidden,
+            backend: PhantomData,
+        }
+    }
+
+    /// Drops the units for which `holds(unit)` is false (another pipeline rank's).
+    pub fn retain(self, holds: impl Fn(usize) -> bool) -> Self {
+        let last = self.layers.len() + 1;
+        Self {
+            embed: self.embed.filter(|_| holds(0)),
+            layers: (self.layers.into_iter().enumerate())
+                .map(|(i, l)| l.filter(|_| holds(i + 1)))
+                .collect(),
+            head: self.head.filter(|_| holds(last)),
+            hidden: self.hidden,
+            backend: PhantomData,
+        }
+    }
+
+    /// Seconds of one forward pass of each unit on `tokens` and `targets` (`[batch, seq]`),
+    /// the fastest of `reps`: the costs to cut the pipeline by, measured on the backend that
+    /// trains. Needs every unit (call it before [`retain`](Self::retain)).
+    pub fn unit_costs(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        targets: Tensor<B, 2, Int>,
+        reps: usize,
+    ) -> Vec<f64> {
+        let n = self.layers.len() + 2;
+        let mut best = vec![f64::INFINITY; n];
+        for _ in 0..reps.max(1) {
+            let mut input = StageInput::Tokens(tokens.clone());
+            for (u, slot) in best.iter_mut().enumerate() {
+                let t = Instant::now();
+                let out = self.run_unit(u, input, Some(targets.clone()));
+                let out = match out {
+                    StageOutput::Hidden(h) => {
+                        // Wait for the device: read one value back.
+                        let _ = h.clone().slice([0..1, 0..1, 0..1]).into_data();
+                        StageInput::Hidden(h)
+                    }
+                    StageOutput::Loss(l) => {
+                        let _ = l.into_data();
+                        StageInput::Hidden(Tensor::zeros([1, 1, 1], &tokens.device()))
+                    }
+                };
+                *slot = slot.min(t.elapsed().as_secs_f64());
+                input = out;
+            }
+        }
+        best
+    }
+
+    /// Runs unit `u` (held by this rank) on `input`.
+    fn run_unit(
+        &self,
+        u: usize,
+        input: StageInput<B>,
+        targets: Option<Tensor<B, 2, Int>>,
+    ) -> StageOutput<B> {
+        let last = self.layers.len() + 1;
+        let hidden = |input: StageInput<B>| match input {
+            StageInput::Hidden(h) => h,
+            StageInput::Tokens(_) => panic!("unit {u} takes hidden states, got token ids"),
+        };
+        if u == 0 {
+            let StageInput::Tokens(tokens) = input else {
+                panic!("the embedding takes token ids");
+            };
+            return StageOutput::Hidden(held(&self.embed, 0).embed(tokens));
+        }
+        if u == last {
+            let targets = targets.unwrap_or_else(|| panic!("the head (unit {u}) needs targets"));
+            return StageOutput::Loss(held(&self.head, u).loss(hidden(input), targets));
+        }
+        StageOutput::Hidden(held(&self.layers[u - 1], u).forward(hidden(input)))
+    }
+}
+
+/// The unit in `slot`, which the executor only asks of the rank that holds it.
+fn held<T>(slot: &Option<T>, unit: usize) -> &T {
+    slot.as_ref()
+        .unwrap_or_else(|| panic!("unit {unit} is not held by this pipeline rank"))
+}
+
+impl<B, E, L, H> PipelineModel<B> for Units<B, E, L, H>
+where
+    B: Backend,
+    E: EmbedUnit<B>,
+    L: LayerUnit<B>,
+    H: HeadUnit<B>,
+{
+    fn units(&self) -> usize {
+        self.layers.len() + 2
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.hidden
+    }
+
+    fn run_units(
+        &self,
+        range: Range<usize>,
+        input: StageInput<B>,
+        targets: Option<Tensor<B, 2, Int>>,
+    ) -> StageOutput<B> {
+        let last = range.end - 1;
+        let mut input = input;
+        for u in range {
+            let t = if u == last { targets.clone() } else { None };
+            match self.run_unit(u, input, t) {
+                StageOutput::Hidden(h) if u < last => input = StageInput::Hidden(h),
+                out => return out,
+            }
+        }
+        unreachable!("a unit range is never empty")
+    }
+
+    fn tied_embedding(&self) -> Option<ParamId> {
+        None
+    }
+
+    fn tied_names(&self) -> Vec<(String, String)> {
+        Vec::new()
+    }
+}

@@ -1,0 +1,431 @@
+//! One typed plan of a parallel run ([`ParallelPlan`]): the layout, how the model is cut into
+//! pipeline stages, the schedule, recomputation, micro-batching, ZeRO-1 and the
+//! tensor-parallel overlap degree. A config file and the planner both produce it; the trainer
+//! runs what [`ParallelPlan::pipeline`] builds from it.
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::grid::Layout;
+use crate::pipeline::{
+    PartitionError, PipelinePlan, Recompute, RecomputeMode, ScheduleError, ScheduleKind,
+    ValidationError, activation_bytes_per_layer, balanced_partition, build_schedule,
+    explicit_partition, kept_bytes_per_layer, stage_aware_recompute, unit_costs_gpt, validate,
+};
+use crate::planner::TransformerShape;
+
+/// A plan that cannot be built; every message names the plan's key (as `parallel.<key>` in a
+/// merak config) and the numbers.
+#[derive(Clone, Debug, Error, PartialEq)]
+pub enum PlanError {
+    /// The stages cannot be cut.
+    #[error("parallel.pp = {pp} x parallel.virtual_stages = {virtual_stages}: {source}")]
+    Balance {
+        /// Pipeline ranks.
+        pp: usize,
+        /// Stages per rank.
+        virtual_stages: usize,
+        /// Why.
+        source: PartitionError,
+    },
+    /// `stage_units` has the wrong number of entries.
+    #[error(
+        "parallel.stage_layers has {given} entries for {stages} stages (pp = {pp} x virtual_stages = {virtual_stages})"
+    )]
+    StageCount {
+        /// Entries given.
+        given: usize,
+        /// Stages of the plan.
+        stages: usize,
+        /// Pipeline ranks.
+        pp: usize,
+        /// Stages per rank.
+        virtual_stages: usize,
+    },
+    /// `stage_units` does not cover the model.
+    #[error(
+        "parallel.stage_layers = {sizes:?} (units: embedding + {layers} layers + head = {units}): {source}"
+    )]
+    Explicit {
+        /// The sizes given.
+        sizes: Vec<usize>,
+        /// Transformer layers.
+        layers: usize,
+        /// Units of the model.
+        units: usize,
+        /// Why.
+        source: PartitionError,
+    },
+    /// `stage_recompute` has the wrong number of entries.
+    #[error("parallel.stage_recompute has {given} entries for {stages} stages")]
+    RecomputeCount {
+        /// Entries given.
+        given: usize,
+        /// Stages of the plan.
+        stages: usize,
+    },
+    /// The schedule cannot be built.
+    #[error("parallel.schedule = {kind:?}: {source}")]
+    Schedule {
+        /// The schedule.
+        kind: String,
+        /// Why.
+        source: ScheduleError,
+    },
+    /// Stage-aware recomputation was asked of a model known only by its unit costs.
+    #[error(
+        "parallel.recompute = \"stage-aware\" needs a transformer's shape (activation sizes); choose \"full\", \"selective\" or per-stage modes"
+    )]
+    StageAwareNeedsShape,
+    /// The schedule was built but is not runnable (a bug: reported, never run).
+    #[error("the {kind} schedule is invalid: {source}")]
+    Invalid {
+        /// The schedule.
+        kind: String,
+        /// Why.
+        source: ValidationError,
+    },
+}
+
+/// How a run is parallelized: the layout, stages, schedule, recomputation, micro-batching,
+/// ZeRO-1 and overlap. Every key has a default (one process, 1F1B, no recomputation), so a
+/// plan file states only what differs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ParallelPlan {
+    /// Data-parallel degree.
+    pub dp: usize,
+    /// Tensor-parallel degree.
+    pub tp: usize,
+    /// Pipeline ranks.
+    pub pp: usize,
+    /// Model stages per pipeline rank (interleaved schedule; 1 otherwise).
+    pub virtual_stages: usize,
+    /// Sequences per micro-batch.
+    pub micro_batch: usize,
+    /// The pipeline schedule.
+    pub schedule: ScheduleKind,
+    /// Units per stage (the embedding is the first unit, the head the last); empty: balanced
+    /// by cost.
+    pub stage_units: Vec<usize>,
+    /// The recomputation policy (used when `stage_recompute` is empty).
+    pub recompute: Recompute,
+    /// Recomputation per stage; when set it replaces `recompute`.
+    pub stage_recompute: Vec<RecomputeMode>,
+    /// Stage-aware recomputation: activation memory per stage in MiB; 0: what the last stage
+    /// needs without recomputation.
+    pub memory_budget_mb: f64,
+    /// ZeRO-1: optimizer state sharded over the data-parallel ranks.
+    pub zero1: bool,
+    /// Size of a data-parallel gradient bucket in MiB; a bucket's all-reduce starts as soon as
+    /// all its gradients are final.
+    pub bucket_mb: f64,
+    /// Sub-pipelined tensor parallelism: token chunks per micro-batch (1: no overlap).
+    pub tp_overlap: usize,
+}
+
+impl Default for ParallelPlan {
+    /// One process, one micro-batch of one sequence, 1F1B, no recomputation, no ZeRO.
+    fn default() -> Self {
+        Self {
+            dp: 1,
+            tp: 1,
+            pp: 1,
+            virtual_stages: 1,
+            micro_batch: 1,
+            schedule: ScheduleKind::OneFOneB,
+            stage_units: Vec::new(),
+            recompute: Recompute::None,
+            stage_recompute: Vec::new(),
+            memory_budget_mb: 0.0,
+            zero1: false,
+            bucket_mb: 1.0,
+            tp_overlap: 1,
+        }
+    }
+}
+
+impl ParallelPlan {
+    /// The process layout `dp x tp x pp`.
+    pub fn layout(&self) -> Layout {
+        Layout {
+            dp: self.dp,
+            tp: self.tp,
+            pp: self.pp,
+        }
+    }
+
+    /// Sequences per step on one data-parallel rank, of a global batch of `global_batch`.
+    pub fn local_batch(&self, global_batch: usize) -> usize {
+        global_batch / self.dp.max(1)
+    }
+
+    /// Micro-batches per step on one data-parallel rank, of a global batch of `global_batch`.
+    pub fn micro_batches(&self, global_batch: usize) -> usize {
+        self.local_batch(global_batch) / self.micro_batch.max(1)
+    }
+
+    /// Global pipeline stages, `pp * virtual_stages`.
+    pub fn stages(&self) -> usize {
+        self.pp * self.virtual_stages
+    }
+
+    /// The plan a planned layout describes.
+    pub fn from_planned(l: &crate::planner::Layout) -> Self {
+        Self {
+            dp: l.dp,
+            tp: l.tp,
+            pp: l.pp,
+            virtual_stages: l.virtual_stages,
+            micro_batch: l.micro_batch,
+            schedule: l.schedule,
+            stage_units: l.partition.sizes(),
+            recompute: Recompute::None,
+            stage_recompute: l.recompute.clone(),
+            memory_budget_mb: 0.0,
+            zero1: l.zero1,
+            bucket_mb: 1.0,
+            tp_overlap: l.tp_overlap,
+        }
+    }
+
+    /// Whether pipeline rank `pp_rank` runs with selective recomputation (Burn's balanced
+    /// checkpointing): the policy says so, or one of its stages in `stage_recompute` does.
+    pub fn selective_on_rank(&self, pp_rank: usize) -> bool {
+        if self.stage_recompute.is_empty() {
+            return self.recompute == Recompute::Selective;
+        }
+        self.stage_recompute
+            .iter()
+            .enumerate()
+            .any(|(stage, &m)| stage % self.pp.max(1) == pp_rank && m == RecomputeMode::Selective)
+    }
+
+    /// Builds and validates the pipeline plan of `model` trained on `global_batch` sequences
+    /// per step (also for pp = 1, one stage running its micro-batches one after the other).
+    /// A full stage recomputes all its units; a selective one is handled by the rank's backend
+    /// ([`selective_on_rank`](Self::selective_on_rank)).
+    pub fn pipeline(
+        &self,
+        model: &TransformerShape,
+        global_batch: usize,
+    ) -> Result<PipelinePlan, PlanError> {
+        let costs = unit_costs_gpt(model.layers, model.hidden, model.seq, model.vocab);
+        self.build(&costs, Some(model), global_batch)
+    }
+
+    /// Like [`pipeline`](Self::pipeline) for a model described only by the cost of each unit
+    /// (for example [`Units::unit_costs`](crate::parallelize::Units::unit_costs), timed on the
+    /// backend): stages are balanced by those costs. Stage-aware recomputation needs a
+    /// transformer's activation sizes and is refused here.
+    pub fn pipeline_with_costs(
+        &self,
+        costs: &[f64],
+        global_batch: usize,
+    ) -> Result<PipelinePlan, PlanError> {
+        self.build(costs, None, global_batch)
+    }
+
+    /// The pipeline plan of a model whose units cost `costs` (`model`: its transformer shape,
+    /// when known).
+    fn build(
+        &self,
+        costs: &[f64],
+        model: Option<&TransformerShape>,
+        global_batch: usize,
+    ) -> Result<PipelinePlan, PlanError> {
+        let stages = self.stages();
+        let partition = self.partition(costs)?;
+        let m = self.micro_batches(global_batch);
+        // Interleaving with one stage per rank is plain 1F1B (a model with few layers may not
+        // have units for more stages per rank).
+        let kind = match self.schedule {
+            ScheduleKind::Interleaved if self.virtual_stages == 1 => ScheduleKind::OneFOneB,
+            k => k,
+        };
+        let schedule_of = |flags: &[bool]| {
+            build_schedule(kind, self.pp, m, self.virtual_stages, flags).map_err(|source| {
+                PlanError::Schedule {
+                    kind: self.schedule.to_string(),
+                    source,
+                }
+            })
+        };
+        let flags = self.full_stages()?;
+        let mut schedule = schedule_of(&flags)?;
+        let sizes = partition.sizes();
+        let recompute_units: Vec<usize> = if self.stage_aware() {
+            let model = model.ok_or(PlanError::StageAwareNeedsShape)?;
+            let in_flight: Vec<usize> = (0..stages).map(|s| schedule.max_in_flight(s)).collect();
+            let units = self.stage_aware_units(model, &in_flight, &sizes);
+            // Only stages that recompute something get the shifted-critical-path actions.
+            let flags: Vec<bool> = units.iter().map(|&k| k > 0).collect();
+            schedule = schedule_of(&flags)?;
+            units
+        } else {
+            sizes
+                .iter()
+                .zip(&flags)
+                .map(|(&size, &full)| if full { size } else { 0 })
+                .collect()
+        };
+        validate(&schedule).map_err(|source| PlanError::Invalid {
+            kind: kind.to_string(),
+            source,
+        })?;
+        Ok(PipelinePlan {
+            schedule,
+            partition,
+            recompute_units,
+        })
+    }
+
+    /// Whether the stage-aware policy picks the recomputed units.
+    fn stage_aware(&self) -> bool {
+        self.stage_recompute.is_empty() && self.recompute == Recompute::StageAware
+    }
+
+    /// The units (costing `costs`) cut into the plan's stages.
+    fn partition(&self, costs: &[f64]) -> Result<crate::pipeline::Partition, PlanError> {
+        let stages = self.stages();
+        let units = costs.len();
+        if self.stage_units.is_empty() {
+            return balanced_partition(costs, stages).map_err(|source| PlanError::Balance {
+                pp: self.pp,
+                virtual_stages: self.virtual_stages,
+                source,
+            });
+        }
+        if self.stage_units.len() != stages {
+            return Err(PlanError::StageCount {
+                given: self.stage_units.len(),
+                stages,
+                pp: self.pp,
+                virtual_stages: self.virtual_stages,
+            });
+        }
+        explicit_partition(&self.stage_units, units).map_err(|source| PlanError::Explicit {
+            sizes: self.stage_units.clone(),
+            layers: units.saturating_sub(2),
+            units,
+            source,
+        })
+    }
+
+    /// Per stage, whether it recomputes fully (the schedule places its recomputation).
+    fn full_stages(&self) -> Result<Vec<bool>, PlanError> {
+        let stages = self.stages();
+        if self.stage_recompute.is_empty() {
+            let full = matches!(self.recompute, Recompute::Full | Recompute::StageAware);
+            return Ok(vec![full; stages]);
+        }
+        if self.stage_recompute.len() != stages {
+            return Err(PlanError::RecomputeCount {
+                given: self.stage_recompute.len(),
+                stages,
+            });
+        }
+        Ok(self
+            .stage_recompute
+            .iter()
+            .map(|&m| m == RecomputeMode::Full)
+            .collect())
+    }
+
+    /// Stage-aware recomputation: per stage, the units to recompute so that the micro-batches
+    /// it holds in flight fit the memory budget.
+    fn stage_aware_units(
+        &self,
+        model: &TransformerShape,
+        in_flight: &[usize],
+        sizes: &[usize],
+    ) -> Vec<usize> {
+        let (s, b, h) = (model.seq, self.micro_batch, model.hidden);
+        let act = activation_bytes_per_layer(s, b, h, model.heads, self.tp, 4.0);
+        let kept = kept_bytes_per_layer(s, b, h, 4.0);
+        let budget = if self.memory_budget_mb > 0.0 {
+            self.memory_budget_mb * (1u64 << 20) as f64
+        } else {
+            let last = in_flight.len() - 1;
+            in_flight[last] as f64 * sizes[last] as f64 * act
+        };
+        stage_aware_recompute(in_flight, sizes, act, kept, budget)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny() -> TransformerShape {
+        TransformerShape::preset("tiny").expect("the tiny preset")
+    }
+
+    #[test]
+    fn a_partial_plan_file_takes_the_defaults_and_builds_its_pipeline() {
+        let plan: ParallelPlan = toml::from_str(
+            "pp = 2\nmicro_batch = 2\nschedule = \"gpipe\"\nstage_recompute = [\"full\", \"none\"]",
+        )
+        .expect("a valid plan");
+        assert_eq!((plan.dp, plan.tp, plan.virtual_stages), (1, 1, 1));
+        let p = plan.pipeline(&tiny(), 8).expect("buildable");
+        assert_eq!(p.schedule.kind, ScheduleKind::GPipe);
+        assert_eq!(p.partition.sizes().iter().sum::<usize>(), 4);
+        // The first stage recomputes all its units, the second none.
+        assert_eq!(p.recompute_units, vec![p.partition.sizes()[0], 0]);
+        // 8 sequences / 2 per micro-batch: every rank runs 4 forward passes.
+        let forwards = |r: usize| {
+            p.schedule.actions[r]
+                .iter()
+                .filter(|a| matches!(a, crate::pipeline::Action::Forward { .. }))
+                .count()
+        };
+        assert_eq!((forwards(0), forwards(1)), (4, 4));
+        assert!(toml::from_str::<ParallelPlan>("pipeline = 2").is_err());
+    }
+
+    #[test]
+    fn plans_that_cannot_be_built_name_the_key_and_numbers() {
+        let mut plan = ParallelPlan {
+            pp: 2,
+            stage_units: vec![1, 1, 2],
+            ..ParallelPlan::default()
+        };
+        let e = plan.pipeline(&tiny(), 8).unwrap_err().to_string();
+        assert!(
+            e.contains("parallel.stage_layers has 3 entries for 2 stages"),
+            "{e}"
+        );
+        plan.stage_units = vec![1, 2];
+        let e = plan.pipeline(&tiny(), 8).unwrap_err().to_string();
+        assert!(
+            e.contains("parallel.stage_layers = [1, 2]") && e.contains("= 4"),
+            "{e}"
+        );
+        plan.stage_units.clear();
+        plan.stage_recompute = vec![RecomputeMode::Full];
+        let e = plan.pipeline(&tiny(), 8).unwrap_err().to_string();
+        assert!(
+            e.contains("parallel.stage_recompute has 1 entries for 2 stages"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn selective_recomputation_is_per_pipeline_rank() {
+        let plan = ParallelPlan {
+            pp: 2,
+            virtual_stages: 2,
+            stage_recompute: vec![
+                RecomputeMode::None,
+                RecomputeMode::Selective,
+                RecomputeMode::Full,
+                RecomputeMode::None,
+            ],
+            ..ParallelPlan::default()
+        };
+        // Stages 0 and 2 are on rank 0, 1 and 3 on rank 1.
+        assert!(!plan.selective_on_rank(0));
+        assert!(plan.selective_on_rank(1));
+    }
+}
