@@ -16,4 +16,4 @@
 
 mod reducer;
 
-pub use reducer::{DataParallel, DpStats, deliver_grad};
+pub use reducer::{DataParallel, DpStats};

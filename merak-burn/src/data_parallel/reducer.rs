@@ -11,7 +11,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
 use crate::comm::{CommError, Communicator, Group, Pending, ReduceOp, TensorComm};
-use crate::tensor_parallel::ParallelBackend;
+use crate::tensor_parallel::{ParallelBackend, set_grad_sink};
 
 /// One parameter's place in the gradient buffers (an offset in the concatenation of all
 /// parameters, in visit order; each bucket holds a contiguous range of it).
@@ -144,20 +144,6 @@ impl State {
         let at = slot.offset - bucket.start;
         bucket.data.get(at..at + slot.len)
     }
-}
-
-thread_local! {
-    static ACTIVE: RefCell<Option<Rc<RefCell<State>>>> = const { RefCell::new(None) };
-}
-
-/// Called by the gradient hook of parameter `index` during the backward pass.
-#[doc(hidden)]
-pub fn deliver_grad(index: usize, grad: Vec<f32>) {
-    ACTIVE.with(|a| {
-        if let Some(state) = a.borrow().as_ref() {
-            state.borrow_mut().on_grad(index, grad);
-        }
-    });
 }
 
 /// Timing of one step's data-parallel communication.
@@ -346,7 +332,10 @@ impl DataParallel {
         &self,
         model: M,
     ) -> M {
-        ACTIVE.with(|a| *a.borrow_mut() = Some(self.state.clone()));
+        let state = self.state.clone();
+        set_grad_sink(Some(Rc::new(move |hook, grad| {
+            state.borrow_mut().on_grad(hook, grad)
+        })));
         model.map(&mut FreshLeaves).map(&mut HookMapper { next: 0 })
     }
 
@@ -360,7 +349,7 @@ impl DataParallel {
         model: &M,
     ) -> Result<(GradientsParams, DpStats), CommError> {
         let t0 = Instant::now();
-        ACTIVE.with(|a| *a.borrow_mut() = None);
+        set_grad_sink(None);
         let mut s = self.state.borrow_mut();
         s.launch_ready(true);
         for b in &mut s.buckets {

@@ -25,6 +25,9 @@ pub use init::{InitRng, Shard, TpError};
 pub use linear::{ColumnParallelLinear, RowParallelLinear, param_from_values};
 pub use mlp::{MlpWeights, ParallelMlp};
 pub use norm::LayerNorm;
-pub use ops::{ParallelBackend, copy_to_tp, gather_from_tp, reduce_from_tp, split_to_tp};
+pub use ops::{
+    GradSink, ParallelBackend, copy_to_tp, gather_from_tp, reduce_from_tp, set_grad_sink,
+    split_to_tp,
+};
 pub(crate) use sharding::register as register_shard;
 pub use sharding::{ShardKind, shard_kind};

@@ -19,6 +19,9 @@ use burn_autodiff::{
     ops::{Backward, Ops, OpsKind, unary},
 };
 
+use std::cell::RefCell;
+use std::rc::Rc;
+
 use crate::comm::{Group, ReduceOp, TensorComm};
 
 /// A backend on which the tensor-parallel operators are defined.
@@ -34,9 +37,31 @@ pub trait ParallelBackend: Backend + crate::kernels::FusedOps {
     fn tp_gather(x: FloatTensor<Self>, dim: usize, group: Group) -> FloatTensor<Self>;
     /// This rank's chunk along `dim` forward; all-gather of the gradient backward.
     fn tp_split(x: FloatTensor<Self>, dim: usize, group: Group) -> FloatTensor<Self>;
-    /// Identity forward; backward, hands the gradient to the data-parallel gradient hook
-    /// `hook` (see [`crate::data_parallel`]) as soon as it is final; the input gets none.
+    /// Identity forward; backward, hands the gradient to the sink installed with
+    /// [`set_grad_sink`] (the data-parallel reducer's) as gradient `hook`, as soon as it is
+    /// final; the input gets none.
     fn grad_hook(x: FloatTensor<Self>, hook: usize) -> FloatTensor<Self>;
+}
+
+/// Where [`ParallelBackend::grad_hook`] hands its gradients: `(hook, values)`. The layer that
+/// hooks the tensors (the data-parallel reducer) installs it; this layer never calls up.
+pub type GradSink = Rc<dyn Fn(usize, Vec<f32>)>;
+
+thread_local! {
+    static GRAD_SINK: RefCell<Option<GradSink>> = const { RefCell::new(None) };
+}
+
+/// Installs (or, with `None`, removes) this thread's gradient sink.
+pub fn set_grad_sink(sink: Option<GradSink>) {
+    GRAD_SINK.with(|s| *s.borrow_mut() = sink);
+}
+
+/// Hands gradient `hook` to the installed sink (dropped when none is installed).
+fn deliver_grad(hook: usize, grad: Vec<f32>) {
+    let sink = GRAD_SINK.with(|s| s.borrow().clone());
+    if let Some(sink) = sink {
+        sink(hook, grad);
+    }
 }
 
 /// Forward-only implementations on a plain backend, shared by
@@ -196,7 +221,7 @@ impl<B: ParallelBackend> Backward<B, 1> for HookBackward {
     /// moves to the reducer without a copy.
     fn backward(self, ops: Ops<usize, 1>, grads: &mut Gradients, _c: &mut Checkpointer) {
         let g = grads.consume::<B>(&ops.node);
-        crate::data_parallel::deliver_grad(ops.state, B::into_host_vec(g));
+        deliver_grad(ops.state, B::into_host_vec(g));
     }
 }
 
