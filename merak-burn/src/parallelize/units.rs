@@ -1,15 +1,14 @@
 //! A model as pipeline units: an embedding, a stack of layers and a head with the loss.
 
-use std::ops::Range;
 use std::time::Instant;
 
 use std::marker::PhantomData;
 
-use burn::module::{Module, ModuleDisplay, ParamId};
+use burn::module::{Module, ModuleDisplay};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 
-use crate::pipeline::{PipelineModel, StageInput, StageOutput};
+use crate::pipeline::{PipelineModel, StageInput, StageOutput, UnitStack};
 
 /// The first pipeline unit: token ids to hidden states.
 pub trait EmbedUnit<B: Backend>: Module<B> + ModuleDisplay {
@@ -33,7 +32,8 @@ pub trait HeadUnit<B: Backend>: Module<B> + ModuleDisplay {
 /// A model cut into units, unit 0 the embedding, units `1..=L` the layers, unit `L + 1` the
 /// head; a pipeline rank keeps only the units of its stages ([`retain`](Self::retain)). Its
 /// parameters are named `embed.*`, `layers.<i>.*` and `head.*` whatever the rank holds, so
-/// checkpoints move between layouts.
+/// checkpoints move between layouts. It implements
+/// [`PipelineModel`] through [`UnitStack`].
 #[derive(Module, Debug)]
 pub struct Units<B: Backend, E: Module<B>, L: Module<B>, H: Module<B>> {
     /// The embedding (on the first stage's rank).
@@ -122,22 +122,7 @@ where
         input: StageInput<B>,
         targets: Option<Tensor<B, 2, Int>>,
     ) -> StageOutput<B> {
-        let last = self.layers.len() + 1;
-        let hidden = |input: StageInput<B>| match input {
-            StageInput::Hidden(h) => h,
-            StageInput::Tokens(_) => panic!("unit {u} takes hidden states, got token ids"),
-        };
-        if u == 0 {
-            let StageInput::Tokens(tokens) = input else {
-                panic!("the embedding takes token ids");
-            };
-            return StageOutput::Hidden(held(&self.embed, 0).embed(tokens));
-        }
-        if u == last {
-            let targets = targets.unwrap_or_else(|| panic!("the head (unit {u}) needs targets"));
-            return StageOutput::Loss(held(&self.head, u).loss(hidden(input), targets));
-        }
-        StageOutput::Hidden(held(&self.layers[u - 1], u).forward(hidden(input)))
+        self.run_units(u..u + 1, input, targets)
     }
 }
 
@@ -147,44 +132,30 @@ fn held<T>(slot: &Option<T>, unit: usize) -> &T {
         .unwrap_or_else(|| panic!("unit {unit} is not held by this pipeline rank"))
 }
 
-impl<B, E, L, H> PipelineModel<B> for Units<B, E, L, H>
+impl<B, E, L, H> UnitStack<B> for Units<B, E, L, H>
 where
     B: Backend,
     E: EmbedUnit<B>,
     L: LayerUnit<B>,
     H: HeadUnit<B>,
 {
-    fn units(&self) -> usize {
-        self.layers.len() + 2
+    fn layer_count(&self) -> usize {
+        self.layers.len()
     }
 
-    fn hidden_size(&self) -> usize {
+    fn width(&self) -> usize {
         self.hidden
     }
 
-    fn run_units(
-        &self,
-        range: Range<usize>,
-        input: StageInput<B>,
-        targets: Option<Tensor<B, 2, Int>>,
-    ) -> StageOutput<B> {
-        let last = range.end - 1;
-        let mut input = input;
-        for u in range {
-            let t = if u == last { targets.clone() } else { None };
-            match self.run_unit(u, input, t) {
-                StageOutput::Hidden(h) if u < last => input = StageInput::Hidden(h),
-                out => return out,
-            }
-        }
-        unreachable!("a unit range is never empty")
+    fn embed(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        held(&self.embed, 0).embed(tokens)
     }
 
-    fn tied_embedding(&self) -> Option<ParamId> {
-        None
+    fn layer(&self, index: usize, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        held(&self.layers[index], index + 1).forward(x)
     }
 
-    fn tied_names(&self) -> Vec<(String, String)> {
-        Vec::new()
+    fn head_loss(&self, x: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        held(&self.head, self.layers.len() + 1).loss(x, targets)
     }
 }

@@ -14,6 +14,7 @@ pub mod partition;
 pub mod recompute;
 pub mod schedule;
 pub mod simulate;
+pub mod stack;
 pub mod stage;
 pub mod trace;
 pub mod validate;
@@ -28,6 +29,7 @@ pub use recompute::{
 };
 pub use schedule::{Action, Schedule, ScheduleError, ScheduleKind, build_schedule};
 pub use simulate::{Costs, Simulation, TimedAction, simulate};
+pub use stack::{TiedTable, UnitStack};
 pub use stage::{PipelineModel, StageInput, StageOutput};
 pub use trace::{TraceEvent, chrome_trace, write_chrome_trace};
 pub use validate::{ValidationError, validate};

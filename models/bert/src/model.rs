@@ -2,13 +2,13 @@
 
 use std::ops::Range;
 
-use burn::module::{Module, Param, ParamId};
+use burn::module::{Module, Param};
 use burn::nn::{Embedding, Linear};
 use burn::tensor::activation::gelu;
 use burn::tensor::{Int, Tensor, backend::Backend};
 use merak_burn::comm::Group;
 use merak_burn::kernels::{bias_gelu, linear};
-use merak_burn::pipeline::{PipelineModel, StageInput, StageOutput};
+use merak_burn::pipeline::{TiedTable, UnitStack};
 use merak_burn::tensor_parallel::{
     AttentionMask, AttentionWeights, InitRng, LayerNorm, MlpWeights, ParallelBackend, ParallelMlp,
     ParallelSelfAttention, ReplicatedDropout, TpError, VocabParallelEmbedding, param_from_values,
@@ -269,50 +269,35 @@ impl<B: ParallelBackend> Bert<B> {
     }
 }
 
-impl<B: ParallelBackend> PipelineModel<B> for Bert<B> {
-    fn units(&self) -> usize {
-        self.layers.len() + 2
+impl<B: ParallelBackend> UnitStack<B> for Bert<B> {
+    fn layer_count(&self) -> usize {
+        self.layers.len()
     }
 
-    fn hidden_size(&self) -> usize {
+    fn width(&self) -> usize {
         self.hidden
     }
 
-    fn run_units(
-        &self,
-        range: Range<usize>,
-        input: StageInput<B>,
-        targets: Option<Tensor<B, 2, Int>>,
-    ) -> StageOutput<B> {
-        let last = self.layers.len() + 1;
-        let mut x = match input {
-            StageInput::Tokens(ids) => self.embed(ids),
-            StageInput::Hidden(x) => x,
-        };
-        let (first, end) = (range.start.max(1), range.end.min(last));
-        if first < end {
-            x = self.run_layers(x, first - 1..end - 1);
-        }
-        match (range.end > last, targets) {
-            (true, Some(t)) => StageOutput::Loss(self.head_loss(x, t)),
-            (true, None) => panic!("the head unit needs targets"),
-            (false, _) => StageOutput::Hidden(x),
-        }
+    fn embed(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        Bert::embed(self, tokens)
     }
 
-    fn tied_embedding(&self) -> Option<ParamId> {
-        match (&self.wte, &self.decoder) {
-            (Some(wte), None) if self.head.is_none() => Some(wte.embedding.weight.id),
-            (None, Some(d)) => Some(d.embedding.weight.id),
-            _ => None,
-        }
+    fn layer(&self, index: usize, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        self.run_layers(x, index..index + 1)
     }
 
-    fn tied_names(&self) -> Vec<(String, String)> {
-        vec![(
-            "decoder.embedding.weight".into(),
-            "wte.embedding.weight".into(),
-        )]
+    fn head_loss(&self, x: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        Bert::head_loss(self, x, targets)
+    }
+
+    fn tied(&self) -> Option<TiedTable> {
+        Some(TiedTable {
+            embedding: self.wte.as_ref().map(|t| t.embedding.weight.id),
+            head_copy: self.decoder.as_ref().map(|t| t.embedding.weight.id),
+            holds_head: self.head.is_some(),
+            copy_name: "decoder.embedding.weight".into(),
+            original_name: "wte.embedding.weight".into(),
+        })
     }
 }
 

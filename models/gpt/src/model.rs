@@ -2,11 +2,11 @@
 
 use std::ops::Range;
 
-use burn::module::{Module, ParamId};
+use burn::module::Module;
 use burn::nn::Embedding;
 use burn::tensor::{Int, Tensor, backend::Backend};
 use merak_burn::comm::Group;
-use merak_burn::pipeline::{PipelineModel, StageInput, StageOutput};
+use merak_burn::pipeline::{TiedTable, UnitStack};
 use merak_burn::tensor_parallel::{
     AttentionMask, AttentionWeights, InitRng, LayerNorm, MlpWeights, ParallelBackend, ParallelMlp,
     ParallelSelfAttention, ReplicatedDropout, TpError, VocabParallelEmbedding, param_from_values,
@@ -215,50 +215,34 @@ impl<B: ParallelBackend> Gpt<B> {
     }
 }
 
-impl<B: ParallelBackend> PipelineModel<B> for Gpt<B> {
-    fn units(&self) -> usize {
-        self.blocks.len() + 2
+impl<B: ParallelBackend> UnitStack<B> for Gpt<B> {
+    fn layer_count(&self) -> usize {
+        self.blocks.len()
     }
 
-    fn hidden_size(&self) -> usize {
+    fn width(&self) -> usize {
         self.hidden
     }
 
-    fn run_units(
-        &self,
-        range: Range<usize>,
-        input: StageInput<B>,
-        targets: Option<Tensor<B, 2, Int>>,
-    ) -> StageOutput<B> {
-        let last = self.blocks.len() + 1;
-        let mut x = match input {
-            StageInput::Tokens(ids) => self.embed(ids),
-            StageInput::Hidden(x) => x,
-        };
-        let first_block = range.start.max(1);
-        let end_block = range.end.min(last);
-        if first_block < end_block {
-            x = self.run_blocks(x, first_block - 1..end_block - 1);
-        }
-        match (range.end > last, targets) {
-            (true, Some(t)) => StageOutput::Loss(self.head_loss(x, t)),
-            (true, None) => panic!("the head unit needs targets"),
-            (false, _) => StageOutput::Hidden(x),
-        }
+    fn embed(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        Gpt::embed(self, tokens)
     }
 
-    fn tied_embedding(&self) -> Option<ParamId> {
-        match (&self.wte, &self.head) {
-            (Some(wte), None) if self.ln_f.is_none() => Some(wte.embedding.weight.id),
-            (None, Some(head)) => Some(head.embedding.weight.id),
-            _ => None,
-        }
+    fn layer(&self, index: usize, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        self.run_blocks(x, index..index + 1)
     }
 
-    fn tied_names(&self) -> Vec<(String, String)> {
-        vec![(
-            "head.embedding.weight".into(),
-            "wte.embedding.weight".into(),
-        )]
+    fn head_loss(&self, x: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        Gpt::head_loss(self, x, targets)
+    }
+
+    fn tied(&self) -> Option<TiedTable> {
+        Some(TiedTable {
+            embedding: self.wte.as_ref().map(|t| t.embedding.weight.id),
+            head_copy: self.head.as_ref().map(|t| t.embedding.weight.id),
+            holds_head: self.ln_f.is_some(),
+            copy_name: "head.embedding.weight".into(),
+            original_name: "wte.embedding.weight".into(),
+        })
     }
 }
