@@ -6,7 +6,6 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use merak_burn::comm::MpiCommunicator;
-use merak_burn::grid::{Layout, ModelShape};
 use merak_burn::pipeline::PipelinePlan;
 use merak_burn::plan::ParallelPlan;
 use merak_burn::planner::PlanFile;
@@ -58,19 +57,7 @@ pub fn resolve_config(
         let saved = config::load_text(Some((&text, "the checkpoint")), &[])?;
         check_resumable(&cfg, &saved)?;
     }
-    let g = &cfg.model.gpt;
-    let shape = ModelShape {
-        heads: g.heads,
-        hidden: g.hidden,
-        layers: g.layers,
-    };
-    let p = &cfg.parallel;
-    let layout = Layout {
-        dp: p.dp,
-        tp: p.tp,
-        pp: p.pp,
-    };
-    layout.validate(size, shape)?;
+    cfg.parallel_plan().layout().validate(size, &cfg.shape()?)?;
     // Built here, so that a bad schedule stops every rank at once.
     let pipeline = cfg.pipeline_plan()?;
     Ok(Resolved {

@@ -8,6 +8,7 @@ use std::rc::Rc;
 use thiserror::Error;
 
 use crate::comm::{CommError, Communicator, Group, LocalCommunicator, MpiCommunicator};
+use crate::planner::TransformerShape;
 
 /// The degrees of parallelism along each axis.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -18,17 +19,6 @@ pub struct Layout {
     pub tp: usize,
     /// Pipeline-parallel degree (number of stages).
     pub pp: usize,
-}
-
-/// The shape facts of a model that constrain a layout.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ModelShape {
-    /// Attention heads.
-    pub heads: usize,
-    /// Hidden size.
-    pub hidden: usize,
-    /// Transformer layers.
-    pub layers: usize,
 }
 
 /// A layout that cannot run. Every message names the numbers involved.
@@ -111,7 +101,7 @@ impl Layout {
     }
 
     /// Checks the layout against the job size and the model, before anything is built.
-    pub fn validate(&self, world: usize, model: ModelShape) -> Result<(), LayoutError> {
+    pub fn validate(&self, world: usize, model: &TransformerShape) -> Result<(), LayoutError> {
         for (axis, v) in [("dp", self.dp), ("tp", self.tp), ("pp", self.pp)] {
             if v == 0 {
                 return Err(LayoutError::Zero { axis });
@@ -266,11 +256,7 @@ impl ProcessGrid {
 mod tests {
     use super::*;
 
-    const SHAPE: ModelShape = ModelShape {
-        heads: 4,
-        hidden: 64,
-        layers: 2,
-    };
+    const SHAPE: TransformerShape = TransformerShape::gpt(2, 64, 4, 32, 512);
 
     #[test]
     fn coordinates_put_tp_innermost_and_round_trip() {
@@ -315,7 +301,7 @@ mod tests {
             tp: 3,
             pp: 1,
         }
-        .validate(3, SHAPE)
+        .validate(3, &SHAPE)
         .unwrap_err();
         let msg = e.to_string();
         assert!(
@@ -327,7 +313,7 @@ mod tests {
             tp: 2,
             pp: 1,
         }
-        .validate(3, SHAPE)
+        .validate(3, &SHAPE)
         .unwrap_err();
         assert!(
             e.to_string()
@@ -339,7 +325,7 @@ mod tests {
             tp: 1,
             pp: 1,
         }
-        .validate(1, SHAPE)
+        .validate(1, &SHAPE)
         .unwrap_err();
         assert_eq!(e, LayoutError::Zero { axis: "dp" });
         let e = Layout {
@@ -347,15 +333,11 @@ mod tests {
             tp: 1,
             pp: 5,
         }
-        .validate(5, SHAPE)
+        .validate(5, &SHAPE)
         .unwrap_err();
         assert_eq!(e, LayoutError::Stages { pp: 5, layers: 2 });
         assert!(e.to_string().contains("at most 4 stages"), "{e}");
-        let odd = ModelShape {
-            heads: 2,
-            hidden: 6,
-            layers: 2,
-        };
+        let odd = TransformerShape::gpt(2, 6, 2, 32, 512);
         // heads divisible by 2 but hidden 6 is not divisible by... 6 % 2 == 0, use tp=4 heads=4.
         let e = Layout {
             dp: 1,
@@ -364,7 +346,7 @@ mod tests {
         }
         .validate(
             4,
-            ModelShape {
+            &TransformerShape {
                 heads: 4,
                 hidden: 6,
                 ..odd
@@ -378,7 +360,7 @@ mod tests {
                 tp: 4,
                 pp: 2
             }
-            .validate(8, SHAPE)
+            .validate(8, &SHAPE)
             .is_ok()
         );
     }
