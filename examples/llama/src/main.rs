@@ -54,6 +54,9 @@ struct Args {
     /// Seed of the weights and the data.
     #[arg(long, default_value_t = 7)]
     seed: u64,
+    /// Tie the output projection to the token embedding.
+    #[arg(long)]
+    tie_embeddings: bool,
     /// Output folder.
     #[arg(long, default_value = "runs/llama")]
     out: PathBuf,
@@ -149,11 +152,17 @@ fn run(args: &Args, world: Option<MpiCommunicator>) -> Result<()> {
             plan.layout().world_size()
         ),
     };
-    let cfg = LlamaConfig::tiny();
+    let cfg = LlamaConfig {
+        tie_embeddings: args.tie_embeddings,
+        ..LlamaConfig::tiny()
+    };
     let device = Default::default();
     B::seed(&device, args.seed);
     let llama = Llama::<B>::new(&cfg, &device);
-    let units: Model = Units::new(llama.embed, llama.blocks, llama.head, cfg.hidden);
+    let mut units: Model = Units::new(llama.embed, llama.blocks, llama.head, cfg.hidden);
+    if cfg.tie_embeddings {
+        units = units.tied();
+    }
     let data = Counting {
         vocab: cfg.vocab,
         seq: args.seq,

@@ -1,6 +1,6 @@
 //! The model: nothing in it knows about parallelism but the type of its linear layers.
 
-use burn::module::Module;
+use burn::module::{Module, Param};
 use burn::nn::attention::generate_autoregressive_mask;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{
@@ -28,6 +28,8 @@ pub struct LlamaConfig {
     pub ffn: usize,
     /// Longest sequence (the rotary table's length).
     pub max_seq: usize,
+    /// Project onto the vocabulary with the token embedding's table (no output layer).
+    pub tie_embeddings: bool,
 }
 
 impl LlamaConfig {
@@ -40,6 +42,7 @@ impl LlamaConfig {
             heads: 4,
             ffn: 128,
             max_seq: 64,
+            tie_embeddings: false,
         }
     }
 }
@@ -98,8 +101,8 @@ pub struct Block<B: Backend> {
 pub struct Head<B: Backend> {
     /// The final norm.
     pub norm: RmsNorm<B>,
-    /// Hidden states to logits.
-    pub output: Linear<B>,
+    /// Hidden states to logits; `None` when tied to the token embedding.
+    pub output: Option<Linear<B>>,
 }
 
 /// The whole decoder.
@@ -144,7 +147,7 @@ impl<B: Backend> Llama<B> {
             blocks: (0..c.layers).map(|_| block()).collect(),
             head: Head {
                 norm: norm(),
-                output: linear(c.hidden, c.vocab),
+                output: (!c.tie_embeddings).then(|| linear(c.hidden, c.vocab)),
             },
         }
     }
@@ -188,6 +191,10 @@ impl<B: ParallelBackend> EmbedUnit<B> for Embed<B> {
     fn embed(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
         self.tokens.forward(tokens)
     }
+
+    fn table(&self) -> Option<(&Param<Tensor<B, 2>>, &'static str)> {
+        Some((&self.tokens.weight, "tokens.weight"))
+    }
 }
 
 impl<B: ParallelBackend> LayerUnit<B> for Block<B> {
@@ -201,13 +208,32 @@ impl<B: ParallelBackend> LayerUnit<B> for Block<B> {
     }
 }
 
-impl<B: ParallelBackend> HeadUnit<B> for Head<B> {
-    fn loss(&self, x: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
-        let [b, s, _] = x.dims();
-        let logits = self.output.forward(self.norm.forward(x));
-        let vocab = logits.dims()[2];
+impl<B: ParallelBackend> Head<B> {
+    /// Mean cross-entropy of `logits` (`[batch, seq, vocab]`) against `targets`.
+    fn cross_entropy(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        let [b, s, vocab] = logits.dims();
         CrossEntropyLossConfig::new()
             .init(&logits.device())
             .forward(logits.reshape([b * s, vocab]), targets.reshape([b * s]))
+    }
+}
+
+impl<B: ParallelBackend> HeadUnit<B> for Head<B> {
+    fn loss(&self, x: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        let output = self
+            .output
+            .as_ref()
+            .expect("an untied head has an output layer");
+        Self::cross_entropy(output.forward(self.norm.forward(x)), targets)
+    }
+
+    fn tied_loss(
+        &self,
+        x: Tensor<B, 3>,
+        targets: Tensor<B, 2, Int>,
+        table: Tensor<B, 2>,
+    ) -> Tensor<B, 1> {
+        let logits = self.norm.forward(x).matmul(table.transpose().unsqueeze());
+        Self::cross_entropy(logits, targets)
     }
 }

@@ -1,19 +1,24 @@
 //! A model as pipeline units: an embedding, a stack of layers and a head with the loss.
 
+use std::marker::PhantomData;
 use std::time::Instant;
 
-use std::marker::PhantomData;
-
-use burn::module::{Module, ModuleDisplay};
+use burn::module::{Module, ModuleDisplay, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 
-use crate::pipeline::{PipelineModel, StageInput, StageOutput, UnitStack};
+use crate::pipeline::{PipelineModel, StageInput, StageOutput, TiedTable, UnitStack};
 
 /// The first pipeline unit: token ids to hidden states.
 pub trait EmbedUnit<B: Backend>: Module<B> + ModuleDisplay {
     /// `[batch, seq]` ids to `[batch, seq, hidden]`.
     fn embed(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3>;
+
+    /// The token table `[vocab, hidden]` and its path inside the unit (e.g.
+    /// `"tokens.weight"`), for a head tied to it ([`Units::tied`]); `None` by default.
+    fn table(&self) -> Option<(&Param<Tensor<B, 2>>, &'static str)> {
+        None
+    }
 }
 
 /// A middle pipeline unit (a transformer block): hidden states to hidden states.
@@ -27,6 +32,18 @@ pub trait HeadUnit<B: Backend>: Module<B> + ModuleDisplay {
     /// The mean loss of `[batch, seq, hidden]` against `[batch, seq]` target ids (negative
     /// targets not counted), `[1]`.
     fn loss(&self, x: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1>;
+
+    /// The loss of a head tied to the embedding's token `table` (`[vocab, hidden]`), for
+    /// [`Units::tied`]; by default the untied [`loss`](Self::loss).
+    fn tied_loss(
+        &self,
+        x: Tensor<B, 3>,
+        targets: Tensor<B, 2, Int>,
+        table: Tensor<B, 2>,
+    ) -> Tensor<B, 1> {
+        let _ = table;
+        self.loss(x, targets)
+    }
 }
 
 /// A model cut into units, unit 0 the embedding, units `1..=L` the layers, unit `L + 1` the
@@ -42,6 +59,15 @@ pub struct Units<B: Backend, E: Module<B>, L: Module<B>, H: Module<B>> {
     pub layers: Vec<Option<L>>,
     /// The head (on the last stage's rank).
     pub head: Option<H>,
+    /// A tied head's own copy of the token table, on a rank that holds the head but not the
+    /// embedding; the trainer sums the two copies' gradients.
+    pub tied_table: Option<Param<Tensor<B, 2>>>,
+    /// Whether the head is tied to the embedding's table.
+    #[module(skip)]
+    tied: bool,
+    /// The table's path inside the embedding unit (known on every rank).
+    #[module(skip)]
+    table_name: &'static str,
     /// Width of the hidden states between units.
     #[module(skip)]
     hidden: usize,
@@ -62,15 +88,38 @@ where
             embed: Some(embed),
             layers: layers.into_iter().map(Some).collect(),
             head: Some(head),
+            tied_table: None,
+            tied: false,
+            table_name: "",
             hidden,
             backend: PhantomData,
         }
     }
 
+    /// Ties the head to the embedding's token table ([`EmbedUnit::table`]): the head computes
+    /// [`HeadUnit::tied_loss`] with it, and under pipeline parallelism the last stage keeps a
+    /// copy whose gradient is summed with the embedding's. Call it before
+    /// [`retain`](Self::retain).
+    pub fn tied(mut self) -> Self {
+        self.tied = true;
+        if let Some((_, name)) = self.embed.as_ref().and_then(|e| e.table()) {
+            self.table_name = name;
+        }
+        self
+    }
+
     /// Drops the units for which `holds(unit)` is false (another pipeline rank's).
     pub fn retain(self, holds: impl Fn(usize) -> bool) -> Self {
         let last = self.layers.len() + 1;
+        let copy = self.tied && holds(last) && !holds(0);
+        let tied_table = match (&self.embed, copy) {
+            (Some(e), true) => e.table().map(|(t, _)| t.clone()),
+            _ => self.tied_table,
+        };
         Self {
+            tied_table,
+            tied: self.tied,
+            table_name: self.table_name,
             embed: self.embed.filter(|_| holds(0)),
             layers: (self.layers.into_iter().enumerate())
                 .map(|(i, l)| l.filter(|_| holds(i + 1)))
@@ -156,6 +205,30 @@ where
     }
 
     fn head_loss(&self, x: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
-        held(&self.head, self.layers.len() + 1).loss(x, targets)
+        let head = held(&self.head, self.layers.len() + 1);
+        if !self.tied {
+            return head.loss(x, targets);
+        }
+        let table = (self.tied_table.as_ref())
+            .or_else(|| self.embed.as_ref().and_then(|e| e.table().map(|(t, _)| t)))
+            .unwrap_or_else(|| panic!("a tied head needs EmbedUnit::table"));
+        head.tied_loss(x, targets, table.val())
+    }
+
+    fn tied(&self) -> Option<TiedTable> {
+        if !self.tied {
+            return None;
+        }
+        Some(TiedTable {
+            embedding: self
+                .embed
+                .as_ref()
+                .and_then(|e| e.table())
+                .map(|(t, _)| t.id),
+            head_copy: self.tied_table.as_ref().map(|t| t.id),
+            holds_head: self.head.is_some(),
+            copy_name: "tied_table".into(),
+            original_name: format!("embed.{}", self.table_name),
+        })
     }
 }
