@@ -7,7 +7,7 @@ use std::path::Path;
 
 use merak_burn::pipeline::{PipelinePlan, Recompute, RecomputeMode, ScheduleKind};
 use merak_burn::plan::ParallelPlan;
-use merak_burn::planner::{ModelKind, TransformerShape};
+use merak_burn::planner::TransformerShape;
 use merak_gpt::GptConfig;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -663,25 +663,14 @@ impl Config {
 
     /// The planner's shape of `[model]`.
     pub fn shape(&self) -> Result<TransformerShape, ConfigError> {
-        let g = &self.model.gpt;
-        let kind = match self.model.kind.as_str() {
-            "gpt" => ModelKind::Gpt,
-            "bert" => ModelKind::Bert,
-            other => {
-                return Err(ConfigError::BadValue {
-                    key: "model.kind".into(),
-                    msg: format!("{other:?} is not \"gpt\" or \"bert\""),
-                });
-            }
-        };
-        Ok(TransformerShape {
-            kind,
-            layers: g.layers,
-            hidden: g.hidden,
-            heads: g.heads,
-            seq: g.seq_len,
-            vocab: g.vocab_size,
-        })
+        match self.model.kind.as_str() {
+            "gpt" => Ok(self.model.gpt.shape()),
+            "bert" => Ok(self.bert().shape()),
+            other => Err(ConfigError::BadValue {
+                key: "model.kind".into(),
+                msg: format!("{other:?} is not \"gpt\" or \"bert\""),
+            }),
+        }
     }
 
     /// The pipeline plan of this config (stages, schedule, recomputation per stage), built and

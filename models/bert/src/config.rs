@@ -143,21 +143,21 @@ impl BertConfig {
         Ok(())
     }
 
-    /// The exact number of parameters (without vocabulary padding):
-    /// `12 l h² + 13 l h + (V + s) h + h² + 5 h`.
-    ///
-    /// Each encoder layer holds `12 h² + 13 h` (Q/K/V `3h² + 3h`, attention output `h² + h`,
-    /// MLP `8h² + 5h`, two LayerNorms `4h`); the embeddings `(V + s) h` plus their LayerNorm
-    /// `2h`; the MLM head's dense layer `h² + h` and LayerNorm `2h`. The output projection is
-    /// the token embedding (tied) and has no bias.
+    /// The planner's shape of this BERT.
+    pub fn shape(&self) -> TransformerShape {
+        TransformerShape::bert(
+            self.layers,
+            self.hidden,
+            self.heads,
+            self.seq_len,
+            self.vocab_size,
+        )
+    }
+
+    /// The exact number of parameters, from the shape ([`TransformerShape::params`]:
+    /// `12 l h² + 13 l h + (V + s) h + h² + 5 h`).
     pub fn num_params(&self) -> u64 {
-        let (l, h, v, s) = (
-            self.layers as u64,
-            self.hidden as u64,
-            self.vocab_size as u64,
-            self.seq_len as u64,
-        );
-        12 * l * h * h + 13 * l * h + (v + s) * h + h * h + 5 * h
+        self.shape().params()
     }
 }
 

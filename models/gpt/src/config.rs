@@ -120,17 +120,21 @@ impl GptConfig {
         Ok(())
     }
 
-    /// The exact number of parameters (without vocabulary padding):
-    /// `12 l h² + 13 l h + (V + s) h + 2 h` (the last term is the final LayerNorm, which the
-    /// formula of DESIGN.md §5 leaves out).
+    /// The planner's shape of this GPT.
+    pub fn shape(&self) -> TransformerShape {
+        TransformerShape::gpt(
+            self.layers,
+            self.hidden,
+            self.heads,
+            self.seq_len,
+            self.vocab_size,
+        )
+    }
+
+    /// The exact number of parameters (without vocabulary padding), from the shape
+    /// ([`TransformerShape::params`]: `12 l h² + 13 l h + (V + s) h + 2 h`).
     pub fn num_params(&self) -> u64 {
-        let (l, h, v, s) = (
-            self.layers as u64,
-            self.hidden as u64,
-            self.vocab_size as u64,
-            self.seq_len as u64,
-        );
-        12 * l * h * h + 13 * l * h + (v + s) * h + 2 * h
+        self.shape().params()
     }
 }
 
