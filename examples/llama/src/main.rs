@@ -161,7 +161,7 @@ fn run(args: &Args, world: Option<MpiCommunicator>) -> Result<()> {
     let llama = Llama::<B>::new(&cfg, &device);
     let mut units: Model = Units::new(llama.embed, llama.blocks, llama.head, cfg.hidden);
     if cfg.tie_embeddings {
-        units = units.tied();
+        units = units.tied()?;
     }
     let data = Counting {
         vocab: cfg.vocab,

@@ -26,4 +26,4 @@ mod units;
 
 pub use linear::Linear;
 pub use styles::{TpPlan, TpPlanError, TpStyle, shard_module};
-pub use units::{EmbedUnit, HeadUnit, LayerUnit, Units};
+pub use units::{EmbedUnit, HeadUnit, LayerUnit, NoTokenTable, Units};

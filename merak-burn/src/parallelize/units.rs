@@ -46,6 +46,12 @@ pub trait HeadUnit<B: Backend>: Module<B> + ModuleDisplay {
     }
 }
 
+/// [`Units::tied`] on an embedding unit whose [`EmbedUnit::table`] is `None` (or on units
+/// already cut without the embedding).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("Units::tied: the embedding unit names no token table (implement EmbedUnit::table)")]
+pub struct NoTokenTable;
+
 /// A model cut into units, unit 0 the embedding, units `1..=L` the layers, unit `L + 1` the
 /// head; a pipeline rank keeps only the units of its stages ([`retain`](Self::retain)). Its
 /// parameters are named `embed.*`, `layers.<i>.*` and `head.*` whatever the rank holds, so
@@ -99,13 +105,14 @@ where
     /// Ties the head to the embedding's token table ([`EmbedUnit::table`]): the head computes
     /// [`HeadUnit::tied_loss`] with it, and under pipeline parallelism the last stage keeps a
     /// copy whose gradient is summed with the embedding's. Call it before
-    /// [`retain`](Self::retain).
-    pub fn tied(mut self) -> Self {
+    /// [`retain`](Self::retain). Fails when the embedding names no table.
+    pub fn tied(mut self) -> Result<Self, NoTokenTable> {
+        let (_, name) = (self.embed.as_ref())
+            .and_then(|e| e.table())
+            .ok_or(NoTokenTable)?;
+        self.table_name = name;
         self.tied = true;
-        if let Some((_, name)) = self.embed.as_ref().and_then(|e| e.table()) {
-            self.table_name = name;
-        }
-        self
+        Ok(self)
     }
 
     /// Drops the units for which `holds(unit)` is false (another pipeline rank's).
@@ -230,5 +237,57 @@ where
             copy_name: "tied_table".into(),
             original_name: format!("embed.{}", self.table_name),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Cpu;
+    use burn::nn::{Embedding, EmbeddingConfig};
+
+    #[derive(Module, Debug)]
+    struct Plain<B: Backend> {
+        table: Embedding<B>,
+    }
+
+    impl<B: Backend> EmbedUnit<B> for Plain<B> {
+        fn embed(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+            self.table.forward(tokens)
+        }
+    }
+
+    impl<B: Backend> LayerUnit<B> for Plain<B> {
+        fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+            x
+        }
+    }
+
+    impl<B: Backend> HeadUnit<B> for Plain<B> {
+        fn loss(&self, x: Tensor<B, 3>, _targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+            x.mean()
+        }
+    }
+
+    fn plain(device: &crate::backend::CpuDevice) -> Plain<Cpu> {
+        Plain {
+            table: EmbeddingConfig::new(8, 4).init(device),
+        }
+    }
+
+    #[test]
+    fn units_run_in_order_and_an_untabled_tie_is_refused() {
+        let device = Default::default();
+        let units = Units::new(plain(&device), vec![plain(&device)], plain(&device), 4);
+        assert_eq!((units.units(), units.hidden_size()), (3, 4));
+        let ids = Tensor::<Cpu, 2, Int>::zeros([1, 2], &device);
+        let costs = units.unit_costs(ids.clone(), ids, 1);
+        assert_eq!(costs.len(), 3);
+        assert!(costs.iter().all(|c| c.is_finite() && *c >= 0.0));
+        assert_eq!(units.tied().err(), Some(NoTokenTable));
+        let units = Units::new(plain(&device), vec![plain(&device)], plain(&device), 4);
+        let cut = units.retain(|u| u == 2);
+        assert!(cut.embed.is_none() && cut.layers[0].is_none() && cut.head.is_some());
+        assert_eq!(cut.tied_embedding(), None);
     }
 }
