@@ -512,7 +512,7 @@ fn train_step_time(
         )?,
         None => ProcessGrid::single(),
     };
-    let data = crate::data::Source::open(&cfg)?;
+    let data = crate::data::open(&cfg)?;
     let device = Default::default();
     let model =
         merak_gpt::Gpt::<B>::new_units(&cfg.model.gpt, cfg.train.seed, grid.tp, &device, &|_| {

@@ -238,7 +238,7 @@ mod tests {
         let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
         let cfg = crate::config::load(None, &sets).unwrap();
         let grid = ProcessGrid::single();
-        let data = Source::open(&cfg).unwrap();
+        let data = crate::data::open(&cfg).unwrap();
         let plan = cfg.pipeline_plan().unwrap();
         let device = Default::default();
         let model = Gpt::<B>::new(&cfg.model.gpt, cfg.train.seed, grid.tp, &device).unwrap();
@@ -288,7 +288,7 @@ mod tests {
         // The reference: a plain Burn loop applying V_t = V_{t-1} - AdamW(grad(V_{t-2})).
         let device = Default::default();
         let grid = ProcessGrid::single();
-        let data = Source::open(&cfg).unwrap();
+        let data = crate::data::open(&cfg).unwrap();
         let (gb, seq) = (cfg.train.global_batch, cfg.model.gpt.seq_len);
         let mut current = Gpt::<B>::new(&cfg.model.gpt, cfg.train.seed, grid.tp, &device).unwrap();
         let mut stale = current.clone();

@@ -164,7 +164,7 @@ fn prepare(args: &TrainArgs, world: Option<MpiCommunicator>, size: usize) -> Res
         Some(w) => ProcessGrid::from_mpi(w, cfg.parallel_plan().layout())?,
         None => ProcessGrid::single(),
     };
-    let data = Source::open(&cfg)?;
+    let data = crate::data::open(&cfg)?;
     if rank == 0 {
         tracing::info!("data: {}", data.describe());
     }

@@ -6,6 +6,7 @@
 //!   implementations.
 //! - [`kernels`]: fused operations (cross-entropy, ...) with vectorized CPU kernels.
 //! - [`grid`]: the process grid `world = dp * pp * tp` and its per-axis communicators.
+//! - [`data`]: synthetic sequences and memory-mapped token data sets, as the trainer's windows.
 //! - [`data_parallel`]: bucketed gradient all-reduce overlapped with the backward pass, ZeRO-1.
 //! - [`tensor_parallel`]: the f/g autodiff operators and the tensor-parallel layers.
 //! - [`train`]: global gradient norm and clipping, weight-decay groups, schedule, metrics.
@@ -22,6 +23,7 @@
 pub mod backend;
 pub mod checkpoint;
 pub mod comm;
+pub mod data;
 pub mod data_parallel;
 pub mod grid;
 pub mod kernels;

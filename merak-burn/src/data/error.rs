@@ -1,0 +1,76 @@
+//! Why a data set cannot be prepared or read.
+
+use thiserror::Error;
+
+/// A data set error; each names the file or the numbers.
+#[derive(Debug, Error)]
+pub enum DataError {
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// An input text has no tokens.
+    #[error("{0}: the input is empty (no text to tokenize)")]
+    EmptyInput(String),
+    /// An unknown tokenizer name.
+    #[error("unknown tokenizer {0:?} (known: gpt2)")]
+    Tokenizer(String),
+    /// The tokenizer could not be loaded.
+    #[error("loading the {name} tokenizer failed: {msg}")]
+    TokenizerLoad {
+        /// The tokenizer.
+        name: String,
+        /// What failed.
+        msg: String,
+    },
+    /// A bad split fraction.
+    #[error("--val-fraction {0} must be in (0, 0.5]")]
+    ValFraction(f64),
+    /// `meta.json` is missing or unreadable.
+    #[error("{path}: not a merak data set ({msg}); create one with `merak prepare-data`")]
+    Meta {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        msg: String,
+    },
+    /// A token file does not hold what `meta.json` says.
+    #[error("{path}: holds {got} tokens but meta.json says {expected} (truncated or altered?)")]
+    Size {
+        /// The file.
+        path: String,
+        /// Tokens from meta.json.
+        expected: u64,
+        /// Tokens found.
+        got: u64,
+    },
+    /// The data's vocabulary does not fit the model.
+    #[error(
+        "data.path {path}: tokenized with {tokenizer} (vocabulary {data_vocab}) but model.vocab_size is {model_vocab}; \
+         use a model with model.vocab_size >= {data_vocab}"
+    )]
+    Vocab {
+        /// The data folder.
+        path: String,
+        /// The tokenizer.
+        tokenizer: String,
+        /// The data's vocabulary size.
+        data_vocab: usize,
+        /// The model's vocabulary size.
+        model_vocab: usize,
+    },
+    /// Too few tokens for one sequence.
+    #[error("{path}: {tokens} tokens are too few for one sequence of {need} (model.seq_len + 1)")]
+    TooSmall {
+        /// The file.
+        path: String,
+        /// Tokens in the split.
+        tokens: u64,
+        /// Tokens one sample needs.
+        need: u64,
+    },
+}
