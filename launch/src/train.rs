@@ -9,8 +9,10 @@ use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
 use merak_bert::{BertConfig, mask_tokens};
 use merak_burn::checkpoint::{Checkpoint, FullState};
+use merak_burn::data::CausalWindows;
 use merak_burn::grid::ProcessGrid;
 use merak_burn::pipeline::{PipelineModel, PipelinePlan};
+use merak_burn::plan::ParallelPlan;
 use merak_burn::tensor_parallel::ParallelBackend;
 pub use merak_burn::train::Summary;
 use merak_burn::train::{
@@ -29,26 +31,25 @@ pub enum Objective {
 }
 
 impl Objective {
-    /// Turns `count` windows of causal `(inputs, targets)` into the model's inputs and targets;
-    /// `stream(i)` names the random stream of window `i` (global, so every layout agrees).
+    /// Turns causal windows of `seq` tokens into the model's inputs and targets; `stream(i)`
+    /// names the random stream of window `i` (global, so every layout agrees).
     fn apply(
         &self,
-        (x, y): (Vec<i64>, Vec<i64>),
+        w: Windows,
         seq: usize,
         seed: u64,
         stream: impl Fn(usize) -> String,
-    ) -> (Vec<i64>, Vec<i64>) {
+    ) -> Windows {
         match self {
-            Objective::Causal => (x, y),
+            Objective::Causal => w,
             Objective::Masked(cfg) => {
-                let mut inputs = Vec::with_capacity(x.len());
-                let mut targets = Vec::with_capacity(x.len());
-                for (i, window) in x.chunks(seq).enumerate() {
+                let mut out = Windows::default();
+                for (i, window) in w.inputs.chunks(seq).enumerate() {
                     let (a, b) = mask_tokens(window, seq, cfg, seed, &stream(i));
-                    inputs.extend(a);
-                    targets.extend(b);
+                    out.inputs.extend(a);
+                    out.targets.extend(b);
                 }
-                (inputs, targets)
+                out
             }
         }
     }
@@ -73,7 +74,9 @@ pub fn checkpoint_root(cfg: &Config, out: &Path) -> std::path::PathBuf {
 
 /// How a run is set up besides its config.
 pub struct RunSpec<'a> {
-    /// The pipeline plan (one stage for pp = 1).
+    /// The parallel plan of the config.
+    pub parallel: &'a ParallelPlan,
+    /// The pipeline plan built from it (one stage for pp = 1).
     pub plan: &'a PipelinePlan,
     /// The checkpoint to continue from.
     pub resume: Option<&'a Resume>,
@@ -123,14 +126,10 @@ fn run_output(cfg: &Config, out: &Path, trace: Option<&Path>) -> Result<RunOutpu
 
 /// The config's data set seen through the model's objective.
 pub struct ObjectiveData<'a> {
-    /// The token windows.
-    pub data: &'a Source,
+    /// The data set's causal windows.
+    pub windows: CausalWindows<'a>,
     /// What the model learns from them.
     pub objective: &'a Objective,
-    /// Sequences per step.
-    pub global_batch: usize,
-    /// Tokens per sequence.
-    pub seq: usize,
     /// Seed of the masking streams.
     pub seed: u64,
 }
@@ -142,21 +141,15 @@ impl BatchSource for ObjectiveData<'_> {
         first: usize,
         count: usize,
     ) -> Result<Windows, SourceError> {
-        let raw = self
-            .data
-            .train_batch(step, self.global_batch, first, count, self.seq);
-        let (inputs, targets) = self.objective.apply(raw, self.seq, self.seed, |i| {
-            format!("mlm/{step}/{}", first + i)
-        });
-        Ok(Windows { inputs, targets })
+        let w = self.windows.train_windows(step, first, count)?;
+        let stream = |i| format!("mlm/{step}/{}", first + i);
+        Ok(self.objective.apply(w, self.windows.seq, self.seed, stream))
     }
 
     fn val_windows(&self, first: usize, count: usize) -> Result<Windows, SourceError> {
-        let raw = self.data.val_batch(first, count, self.seq);
-        let (inputs, targets) = self.objective.apply(raw, self.seq, self.seed, |i| {
-            format!("mlm-val/{}", first + i)
-        });
-        Ok(Windows { inputs, targets })
+        let w = self.windows.val_windows(first, count)?;
+        let stream = |i| format!("mlm-val/{}", first + i);
+        Ok(self.objective.apply(w, self.windows.seq, self.seed, stream))
     }
 }
 
@@ -185,7 +178,7 @@ where
     let trace = spec.trace.is_some();
     let mut trainer = Trainer::new(
         grid,
-        &cfg.parallel_plan(),
+        spec.parallel,
         spec.plan.clone(),
         settings(cfg),
         model,
@@ -211,11 +204,14 @@ where
         "model ready in {:.2}s",
         t0.elapsed().as_secs_f64()
     );
-    let source = ObjectiveData {
+    let windows = CausalWindows {
         data,
-        objective,
         global_batch: cfg.train.global_batch,
         seq: cfg.model.gpt.seq_len,
+    };
+    let source = ObjectiveData {
+        windows,
+        objective,
         seed: cfg.train.seed,
     };
     let output = run_output(cfg, out, spec.trace)?;
@@ -243,7 +239,9 @@ mod tests {
         let device = Default::default();
         let model = Gpt::<B>::new(&cfg.model.gpt, cfg.train.seed, grid.tp, &device).unwrap();
         let out = std::env::temp_dir().join(format!("merak-unit-{name}-{}", std::process::id()));
+        let parallel = cfg.parallel_plan();
         let spec = RunSpec {
+            parallel: &parallel,
             plan: &plan,
             resume: None,
             trace: None,
