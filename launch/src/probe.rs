@@ -518,7 +518,9 @@ fn train_step_time(
         merak_gpt::Gpt::<B>::new_units(&cfg.model.gpt, cfg.train.seed, grid.tp, &device, &|_| {
             true
         })?;
+    let parallel = cfg.parallel_plan();
     let spec = crate::train::RunSpec {
+        parallel: &parallel,
         plan: &plan,
         resume: None,
         trace: None,

@@ -22,6 +22,8 @@ pub struct Resolved {
     pub cfg: Config,
     /// The plan file applied, if any.
     pub plan_file: Option<PlanFile>,
+    /// The parallel plan of the config.
+    pub parallel: ParallelPlan,
     /// The validated pipeline plan.
     pub pipeline: PipelinePlan,
 }
@@ -57,12 +59,14 @@ pub fn resolve_config(
         let saved = config::load_text(Some((&text, "the checkpoint")), &[])?;
         check_resumable(&cfg, &saved)?;
     }
-    cfg.parallel_plan().layout().validate(size, &cfg.shape()?)?;
+    let (parallel, shape) = (cfg.parallel_plan(), cfg.shape()?);
+    parallel.layout().validate(size, &shape)?;
     // Built here, so that a bad schedule stops every rank at once.
-    let pipeline = cfg.pipeline_plan()?;
+    let pipeline = parallel.pipeline(&shape, cfg.train.global_batch)?;
     Ok(Resolved {
         cfg,
         plan_file,
+        parallel,
         pipeline,
     })
 }

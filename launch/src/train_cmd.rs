@@ -10,6 +10,7 @@ use burn::tensor::backend::AutodiffBackend;
 use merak_burn::comm::{Communicator, MpiCommunicator, MpiWorld, launched_by_mpirun};
 use merak_burn::grid::ProcessGrid;
 use merak_burn::pipeline::PipelinePlan;
+use merak_burn::plan::ParallelPlan;
 use merak_burn::tensor_parallel::ParallelBackend;
 
 use crate::config::Config;
@@ -71,7 +72,9 @@ pub struct TrainArgs {
 struct Job {
     /// The resolved config.
     cfg: Config,
-    /// The pipeline plan (one stage for pp = 1).
+    /// The parallel plan.
+    parallel: ParallelPlan,
+    /// The pipeline plan built from it (one stage for pp = 1).
     pipeline: PipelinePlan,
     /// This rank's place in the grid.
     grid: ProcessGrid,
@@ -135,6 +138,7 @@ fn prepare(args: &TrainArgs, world: Option<MpiCommunicator>, size: usize) -> Res
     let Resolved {
         cfg,
         plan_file,
+        parallel,
         pipeline,
     } = resolve_config(args, world.as_ref(), size, resume.as_ref())?;
     let rank = world.as_ref().map_or(0, |w| w.rank());
@@ -161,7 +165,7 @@ fn prepare(args: &TrainArgs, world: Option<MpiCommunicator>, size: usize) -> Res
         );
     }
     let grid = match world {
-        Some(w) => ProcessGrid::from_mpi(w, cfg.parallel_plan().layout())?,
+        Some(w) => ProcessGrid::from_mpi(w, parallel.layout())?,
         None => ProcessGrid::single(),
     };
     let data = crate::data::open(&cfg)?;
@@ -170,6 +174,7 @@ fn prepare(args: &TrainArgs, world: Option<MpiCommunicator>, size: usize) -> Res
     }
     Ok(Job {
         cfg,
+        parallel,
         pipeline,
         grid,
         data,
@@ -187,11 +192,12 @@ fn run(job: &Job, out: &Path, trace: Option<&Path>) -> Result<()> {
         std::fs::write(out.join("config.toml"), toml::to_string(cfg)?)?;
     }
     let spec = RunSpec {
+        parallel: &job.parallel,
         plan: &job.pipeline,
         resume: job.resume.as_ref(),
         trace,
     };
-    let selective = cfg.parallel_plan().selective_on_rank(grid.coords.pp);
+    let selective = job.parallel.selective_on_rank(grid.coords.pp);
     let summary = match cfg.train.device.as_str() {
         "cpu" if selective => {
             type B = merak_burn::backend::CpuAutodiffSelective;

@@ -47,7 +47,8 @@ where
     ) -> Result<Summary, TrainError> {
         let t0 = Instant::now();
         let (start, steps) = (self.done, self.settings.steps);
-        let mut metrics = self.metrics_writer(out, start)?;
+        let metrics_path = out.dir.join("metrics.jsonl");
+        let mut metrics = self.metrics_writer(&metrics_path, start)?;
         let progress = Progress::new(self.grid.rank == 0 && out.progress, start, steps);
         let (mut final_loss, mut skipped, mut total_time) = (f64::NAN, 0, 0.0);
         while self.done < steps {
@@ -63,8 +64,7 @@ where
                 final_loss = outcome.loss;
                 let m = self.metrics(&outcome, grad_norm, dt, faults, val_loss);
                 if let Some(w) = metrics.as_mut() {
-                    let path = out.dir.join("metrics.jsonl");
-                    w.write(&m).map_err(TrainError::io(&path))?;
+                    w.write(&m).map_err(TrainError::io(&metrics_path))?;
                     progress.step(&m, steps, total_time, self.settings.tokens_per_step());
                 }
                 on_step(&m);
@@ -93,23 +93,25 @@ where
         })
     }
 
-    /// Rank 0's metrics file: a new one, or the old one cut after step `start` on resume.
+    /// Rank 0's metrics file at `path`: a new one, or the old one cut after step `start` on
+    /// resume.
     fn metrics_writer(
         &self,
-        out: &RunOutput,
+        path: &std::path::Path,
         start: usize,
     ) -> Result<Option<MetricsWriter>, TrainError> {
         if self.grid.rank != 0 {
             return Ok(None);
         }
-        std::fs::create_dir_all(&out.dir).map_err(TrainError::io(&out.dir))?;
-        let path = out.dir.join("metrics.jsonl");
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(TrainError::io(dir))?;
+        }
         let w = if start > 0 {
-            MetricsWriter::resume(&path, start)
+            MetricsWriter::resume(path, start)
         } else {
-            MetricsWriter::create(&path)
+            MetricsWriter::create(path)
         };
-        w.map(Some).map_err(TrainError::io(&path))
+        w.map(Some).map_err(TrainError::io(path))
     }
 
     /// The metrics record of a step that took `dt` seconds.
