@@ -7,7 +7,7 @@ use burn::module::{Module, ModuleDisplay, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 
-use crate::pipeline::{PipelineModel, StageInput, StageOutput, TiedTable, UnitStack};
+use crate::pipeline::{TiedTable, UnitStack};
 
 /// The first pipeline unit: token ids to hidden states.
 pub trait EmbedUnit<B: Backend>: Module<B> + ModuleDisplay {
@@ -56,7 +56,7 @@ pub struct NoTokenTable;
 /// head; a pipeline rank keeps only the units of its stages ([`retain`](Self::retain)). Its
 /// parameters are named `embed.*`, `layers.<i>.*` and `head.*` whatever the rank holds, so
 /// checkpoints move between layouts. It implements
-/// [`PipelineModel`] through [`UnitStack`].
+/// [`PipelineModel`](crate::pipeline::PipelineModel) through [`UnitStack`].
 #[derive(Module, Debug)]
 pub struct Units<B: Backend, E: Module<B>, L: Module<B>, H: Module<B>> {
     /// The embedding (on the first stage's rank).
@@ -146,39 +146,27 @@ where
         targets: Tensor<B, 2, Int>,
         reps: usize,
     ) -> Vec<f64> {
-        let n = self.layers.len() + 2;
-        let mut best = vec![f64::INFINITY; n];
+        let layers = self.layers.len();
+        let mut best = vec![f64::INFINITY; layers + 2];
+        // The time of `run`, made to wait for the device by reading one value back.
+        let mut timed = |unit: usize, run: &dyn Fn() -> Tensor<B, 3>| {
+            let t = Instant::now();
+            let x = run();
+            let _ = x.clone().slice([0..1, 0..1, 0..1]).into_data();
+            best[unit] = best[unit].min(t.elapsed().as_secs_f64());
+            x
+        };
         for _ in 0..reps.max(1) {
-            let mut input = StageInput::Tokens(tokens.clone());
-            for (u, slot) in best.iter_mut().enumerate() {
-                let t = Instant::now();
-                let out = self.run_unit(u, input, Some(targets.clone()));
-                let out = match out {
-                    StageOutput::Hidden(h) => {
-                        // Wait for the device: read one value back.
-                        let _ = h.clone().slice([0..1, 0..1, 0..1]).into_data();
-                        StageInput::Hidden(h)
-                    }
-                    StageOutput::Loss(l) => {
-                        let _ = l.into_data();
-                        StageInput::Hidden(Tensor::zeros([1, 1, 1], &tokens.device()))
-                    }
-                };
-                *slot = slot.min(t.elapsed().as_secs_f64());
-                input = out;
+            let mut x = timed(0, &|| self.embed(tokens.clone()));
+            for i in 0..layers {
+                x = timed(i + 1, &|| self.layer(i, x.clone()));
             }
+            timed(layers + 1, &|| {
+                self.head_loss(x.clone(), targets.clone())
+                    .reshape([1, 1, 1])
+            });
         }
         best
-    }
-
-    /// Runs unit `u` (held by this rank) on `input`.
-    fn run_unit(
-        &self,
-        u: usize,
-        input: StageInput<B>,
-        targets: Option<Tensor<B, 2, Int>>,
-    ) -> StageOutput<B> {
-        self.run_units(u..u + 1, input, targets)
     }
 }
 
@@ -244,6 +232,7 @@ where
 mod tests {
     use super::*;
     use crate::backend::Cpu;
+    use crate::pipeline::PipelineModel;
     use burn::nn::{Embedding, EmbeddingConfig};
 
     #[derive(Module, Debug)]
