@@ -62,17 +62,10 @@ fn merak() -> Result<PathBuf> {
 fn train(a: &Args, name: &str, pp: usize, m: usize, sets: &[&str], trace: bool) -> Result<PathBuf> {
     let out = a.out.join(name);
     let _ = std::fs::remove_dir_all(&out);
-    let mut cmd = Command::new("mpirun");
-    cmd.args([
-        "--oversubscribe",
-        "--bind-to",
-        "none",
-        "-np",
-        &pp.to_string(),
-    ])
-    .arg(merak()?)
-    .arg("train")
-    .args(["--pp", &pp.to_string()]);
+    // `merak train --np` starts the ranks under mpirun with the flags a local run needs.
+    let mut cmd = Command::new(merak()?);
+    cmd.arg("train")
+        .args(["--np", &pp.to_string(), "--pp", &pp.to_string()]);
     let shape = [
         format!("model.hidden={}", a.hidden),
         "model.heads=8".into(),
@@ -91,7 +84,7 @@ fn train(a: &Args, name: &str, pp: usize, m: usize, sets: &[&str], trace: bool) 
     if trace {
         cmd.arg("--trace").arg(out.join("trace.json"));
     }
-    let o = cmd.output().context("running mpirun")?;
+    let o = cmd.output().context("running merak train --np")?;
     if !o.status.success() {
         bail!("{name} failed:\n{}", String::from_utf8_lossy(&o.stderr));
     }
