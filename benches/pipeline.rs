@@ -10,8 +10,8 @@
 //!    stage-aware recomputation (`memory.json`).
 //!
 //! Run from the repository root after `cargo build --release --workspace`:
-//! `target/release/bench-pipeline` (it starts `mpirun` itself; as root set
-//! `OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1`).
+//! `target/release/bench-pipeline` (it starts the ranks itself, through `merak train --np`,
+//! which also allows running as root).
 
 mod common;
 
