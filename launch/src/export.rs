@@ -160,7 +160,7 @@ fn load_gpt(ck: &Checkpoint, cfg: &GptConfig, seed: u64) -> Result<Gpt<Cpu>> {
     let model = Gpt::<Cpu>::new(cfg, seed, grid.tp, &device)?;
     let full = ck.read_full()?;
     let shapes = state::param_shapes(&model);
-    let names: Vec<String> = shapes.iter().map(|(n, _, _)| n.clone()).collect();
+    let names: Vec<String> = shapes.iter().map(|p| p.name.clone()).collect();
     ck.manifest.check_covers(&names)?;
     let (params, _) = full.cut_for(&ck.manifest, &shapes, Shard::FULL, &[])?;
     Ok(state::assign_params(model, params)?)

@@ -32,7 +32,8 @@ pub use shard_file::NamedTensor;
 pub use state::{AdamWRecords, LocalParam, Moments};
 
 use crate::grid::{Layout, ProcessGrid};
-use crate::tensor_parallel::{Shard, ShardKind, shard_kind};
+use crate::tensor_parallel::{Shard, ShardKind};
+use state::ParamShape;
 
 /// The format tag written into every manifest.
 pub const FORMAT: &str = "merak-checkpoint/1";
@@ -230,7 +231,7 @@ pub fn save(
             .params
             .iter()
             .map(|p| {
-                let kind = shard_kind(p.id);
+                let kind = p.split;
                 ParamEntry {
                     name: p.name.clone(),
                     shape: kind.full_shape(&p.shape, tp),
@@ -497,8 +498,8 @@ impl Checkpoint {
 }
 
 impl FullState {
-    /// This rank's pieces of every tensor for a model whose parameters are `shapes` (name, id,
-    /// local shape) on a TP group described by `shard`: (parameters, moments), by the model's
+    /// This rank's pieces of every tensor for a model whose parameters are `shapes` (name,
+    /// local shape, split) on a TP group described by `shard`: (parameters, moments), by the model's
     /// names. `copies` lists `(copy, original)` names of tied parameters: a copy is loaded from
     /// its original. Fails naming the parameter if the model and the checkpoint disagree on a
     /// name, shape or split. A checkpoint parameter that this rank does not hold (another
@@ -506,7 +507,7 @@ impl FullState {
     pub fn cut_for(
         &self,
         manifest: &Manifest,
-        shapes: &[(String, burn::module::ParamId, Vec<usize>)],
+        shapes: &[ParamShape],
         shard: Shard,
         copies: &[(String, String)],
     ) -> Result<LocalPieces, CheckpointError> {
@@ -540,14 +541,20 @@ fn cut_pieces<'a>(
     entries: &HashMap<&str, &ParamEntry>,
     param: &dyn Fn(&str) -> Option<&'a [f32]>,
     moments: &HashMap<String, Moments>,
-    shapes: &[(String, burn::module::ParamId, Vec<usize>)],
+    shapes: &[ParamShape],
     shard: Shard,
     copies: &[(String, String)],
 ) -> Result<LocalPieces, CheckpointError> {
     let mut params = HashMap::new();
     let mut local_moments = HashMap::new();
-    for (name, id, local) in shapes {
-        let kind = shard_kind(*id);
+    for ParamShape {
+        name,
+        shape: local,
+        split: kind,
+        ..
+    } in shapes
+    {
+        let kind = *kind;
         let source = source_of(name, copies);
         let entry = entries
             .get(source)
@@ -593,10 +600,10 @@ fn cut_pieces<'a>(
 }
 
 /// This rank's pieces of full-size parameters that come without a manifest (pretrained
-/// weights read from another format), for a model whose parameters are `shapes` (name, id,
-/// local shape, as [`state::param_shapes`] lists them) on a TP group described by `shard`.
+/// weights read from another format), for a model whose parameters are `shapes` (as
+/// [`state::param_shapes`] lists them) on a TP group described by `shard`.
 /// `full` maps the model's names to (full shape, row-major values); each parameter is split
-/// the way the model splits it ([`shard_kind`]) and cut like a checkpoint's
+/// the way the model declares it split and cut like a checkpoint's
 /// ([`FullState::cut_for`]), so a vocabulary-parallel token table is padded with zero rows.
 /// `copies` lists `(copy, original)` names of tied parameters: a copy is cut from its
 /// original. Fails naming the parameter if one of `shapes` is missing from `full` or has
@@ -604,18 +611,18 @@ fn cut_pieces<'a>(
 /// are skipped. The result goes to [`state::assign_params`].
 pub fn cut_full_params(
     full: &HashMap<String, (Vec<usize>, Vec<f32>)>,
-    shapes: &[(String, burn::module::ParamId, Vec<usize>)],
+    shapes: &[ParamShape],
     shard: Shard,
     copies: &[(String, String)],
 ) -> Result<HashMap<String, Vec<f32>>, CheckpointError> {
     let entries: Vec<ParamEntry> = shapes
         .iter()
-        .filter_map(|(name, id, _)| {
-            let source = source_of(name, copies);
+        .filter_map(|p| {
+            let source = source_of(&p.name, copies);
             full.get(source).map(|(shape, _)| ParamEntry {
                 name: source.to_string(),
                 shape: shape.clone(),
-                shard: shard_kind(*id),
+                shard: p.split,
             })
         })
         .collect();
@@ -635,31 +642,25 @@ pub fn cut_full_params(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tensor_parallel::sharding::register;
     use burn::module::ParamId;
 
     #[test]
     fn full_params_are_cut_the_way_the_model_splits_them() {
         // tp rank 1 of 2: a padded vocabulary table, its tied copy, column and row splits.
-        let (table, copy, cols, rows, norm) = (
-            ParamId::new(),
-            ParamId::new(),
-            ParamId::new(),
-            ParamId::new(),
-            ParamId::new(),
-        );
         let vocab = ShardKind::VocabRows { vocab: 5 };
-        register(table, vocab);
-        register(copy, vocab);
-        register(cols, ShardKind::Columns { segments: 3 });
-        register(rows, ShardKind::Rows);
         let shard = Shard { rank: 1, size: 2 };
+        let param = |name: &str, shape: Vec<usize>, split| ParamShape {
+            name: name.to_string(),
+            id: ParamId::new(),
+            shape,
+            split,
+        };
         let shapes = vec![
-            ("wte".to_string(), table, vec![3, 2]),
-            ("head".to_string(), copy, vec![3, 2]),
-            ("qkv".to_string(), cols, vec![2, 3]),
-            ("proj".to_string(), rows, vec![2, 2]),
-            ("ln".to_string(), norm, vec![2]),
+            param("wte", vec![3, 2], vocab),
+            param("head", vec![3, 2], vocab),
+            param("qkv", vec![2, 3], ShardKind::Columns { segments: 3 }),
+            param("proj", vec![2, 2], ShardKind::Rows),
+            param("ln", vec![2], ShardKind::Replicated),
         ];
         let values = |n: usize| (0..n).map(|i| i as f32 + 1.0).collect::<Vec<f32>>();
         let mut full = HashMap::from([

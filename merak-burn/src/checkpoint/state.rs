@@ -15,6 +15,7 @@ use burn::tensor::{Tensor, TensorData};
 use super::CheckpointError;
 use crate::comm::tensor::tensor_to_vec;
 use crate::kernels::FusedOps;
+use crate::tensor_parallel::{ParamSplits, ShardKind};
 use crate::train::FusedAdamW;
 
 /// Burn's record of the AdamW state of every parameter it has stepped (the state of
@@ -33,8 +34,24 @@ pub struct LocalParam {
     pub id: ParamId,
     /// This rank's shape.
     pub shape: Vec<usize>,
+    /// How the model's layers declare it split across the TP group.
+    pub split: ShardKind,
     /// This rank's values, row-major.
     pub values: Vec<f32>,
+}
+
+/// One parameter of a model without its values: what a checkpoint or pretrained weights are
+/// cut for.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamShape {
+    /// Path in the module tree.
+    pub name: String,
+    /// The parameter's id in this run.
+    pub id: ParamId,
+    /// This rank's shape.
+    pub shape: Vec<usize>,
+    /// How the model's layers declare it split across the TP group.
+    pub split: ShardKind,
 }
 
 /// The AdamW state of one parameter.
@@ -114,6 +131,7 @@ where
                 name: name.clone(),
                 id: param.id,
                 shape,
+                split: ShardKind::Replicated,
                 values,
             });
         }
@@ -143,7 +161,12 @@ where
         error: None,
     };
     model.visit(&mut c);
-    Ok(c.finish()?.0)
+    let mut params = c.finish()?.0;
+    let splits = ParamSplits::of(model);
+    for p in &mut params {
+        p.split = splits.by_id(p.id);
+    }
+    Ok(params)
 }
 
 /// The AdamW moments held in `records`, by parameter name.
@@ -166,9 +189,9 @@ where
     Ok(c.finish()?.1)
 }
 
-/// The names and shapes of a model's parameters (any backend), in visit order.
-pub fn param_shapes<B: Backend, M: Module<B>>(model: &M) -> Vec<(String, ParamId, Vec<usize>)> {
-    struct Shapes(Path, Vec<(String, ParamId, Vec<usize>)>);
+/// The names, shapes and splits of a model's parameters (any backend), in visit order.
+pub fn param_shapes<B: Backend, M: Module<B>>(model: &M) -> Vec<ParamShape> {
+    struct Shapes(Path, Vec<ParamShape>);
     impl<B: Backend> ModuleVisitor<B> for Shapes {
         fn enter_module(&mut self, name: &str, _container_type: &str) {
             self.0.enter(name);
@@ -177,12 +200,20 @@ pub fn param_shapes<B: Backend, M: Module<B>>(model: &M) -> Vec<(String, ParamId
             self.0.exit();
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            self.1
-                .push((self.0.name(), param.id, param.val().dims().to_vec()));
+            self.1.push(ParamShape {
+                name: self.0.name(),
+                id: param.id,
+                shape: param.val().dims().to_vec(),
+                split: ShardKind::Replicated,
+            });
         }
     }
     let mut s = Shapes(Path::default(), Vec::new());
     model.visit(&mut s);
+    let splits = ParamSplits::of(model);
+    for p in &mut s.1 {
+        p.split = splits.by_id(p.id);
+    }
     s.1
 }
 

@@ -1,33 +1,12 @@
 //! A linear layer that tensor parallelism may split: Burn's `Linear` plus the collectives of
 //! its split.
 
-use std::cell::RefCell;
-use std::collections::HashMap;
-
-use burn::module::{Module, ParamId};
+use burn::module::Module;
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
-use crate::comm::Group;
 use crate::kernels;
-use crate::parallelize::TpStyle;
-use crate::tensor_parallel::{ParallelBackend, copy_to_tp, reduce_from_tp};
-
-thread_local! {
-    /// The split and TP group of every weight [`shard_module`](super::shard_module) cut, by
-    /// parameter id (stable across optimizer steps, clones and `valid()`).
-    static SPLITS: RefCell<HashMap<ParamId, (TpStyle, Group)>> = RefCell::new(HashMap::new());
-}
-
-/// Records that the weight `id` is split as `style` over `group`.
-pub(crate) fn record_split(id: ParamId, style: TpStyle, group: Group) {
-    SPLITS.with(|s| s.borrow_mut().insert(id, (style, group)));
-}
-
-/// How the weight `id` is split (replicated unless [`record_split`] said otherwise).
-fn split_of(id: ParamId) -> Option<(TpStyle, Group)> {
-    SPLITS.with(|s| s.borrow().get(&id).copied())
-}
+use crate::tensor_parallel::{ParallelBackend, ShardKind, Split, copy_to_tp, reduce_from_tp};
 
 /// `x W + b` like `burn::nn::Linear` (weight `[d_input, d_output]`), which a
 /// [`TpPlan`](super::TpPlan) may split: column-parallel (this rank holds a slice of the output
@@ -38,11 +17,16 @@ fn split_of(id: ParamId) -> Option<(TpStyle, Group)> {
 pub struct Linear<B: Backend> {
     /// Burn's layer, holding this rank's slice once split.
     pub linear: burn::nn::Linear<B>,
+    /// How it is split: nothing until [`shard_module`](super::shard_module) cuts it.
+    pub split: Split<B>,
 }
 
 impl<B: Backend> From<burn::nn::Linear<B>> for Linear<B> {
     fn from(linear: burn::nn::Linear<B>) -> Self {
-        Self { linear }
+        Self {
+            linear,
+            split: Split::none(),
+        }
     }
 }
 
@@ -50,18 +34,19 @@ impl<B: ParallelBackend> Linear<B> {
     /// `[..., d_input] -> [..., d_output]` (the local `d_output / tp` when column-parallel).
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         let bias = self.linear.bias.as_ref().map(|b| b.val());
-        match split_of(self.linear.weight.id) {
-            None => rows(x, self.linear.weight.val(), bias),
-            Some((TpStyle::Column, group)) => {
-                rows(copy_to_tp(x, group), self.linear.weight.val(), bias)
-            }
-            Some((TpStyle::Row, group)) => {
+        let (kind, group) = match self.split.group() {
+            Some(group) => (self.split.kind("linear.weight"), group),
+            None => return rows(x, self.linear.weight.val(), bias),
+        };
+        match kind {
+            ShardKind::Rows => {
                 let y = reduce_from_tp(rows(x, self.linear.weight.val(), None), group);
                 match bias {
                     Some(b) => y + b.unsqueeze(),
                     None => y,
                 }
             }
+            _ => rows(copy_to_tp(x, group), self.linear.weight.val(), bias),
         }
     }
 }

@@ -6,9 +6,8 @@ use burn::tensor::{Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use super::linear::record_split;
 use crate::comm::Group;
-use crate::tensor_parallel::{Shard, ShardKind, register_shard};
+use crate::tensor_parallel::{SPLIT_CONTAINER, Shard, ShardKind, replace_split};
 
 /// How a [`Linear`](super::Linear) is split across the tensor-parallel group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -188,13 +187,47 @@ impl Cutter<'_> {
     }
 }
 
+impl TpStyle {
+    /// The split of a weight and a bias of this style.
+    fn kinds(self) -> (ShardKind, ShardKind) {
+        match self {
+            TpStyle::Column => {
+                let columns = ShardKind::Columns { segments: 1 };
+                (columns, columns)
+            }
+            // A row-parallel bias is added once, after the sum: every rank keeps it whole.
+            TpStyle::Row => (ShardKind::Rows, ShardKind::Replicated),
+        }
+    }
+}
+
+impl Cutter<'_> {
+    /// At the [`Split`] of a [`Linear`](super::Linear) the plan names: declares its split.
+    fn declare(&mut self) {
+        let n = self.path.len();
+        if n < 2 || self.path[n - 1] != "split" {
+            return;
+        }
+        if let Some((_, style)) = self.plan.style_of(&self.path[..n - 1]) {
+            let (weight, bias) = style.kinds();
+            replace_split(self.tp, [("linear.weight", weight), ("linear.bias", bias)]);
+        }
+    }
+}
+
 impl<B: Backend> ModuleMapper<B> for Cutter<'_> {
-    fn enter_module(&mut self, name: &str, _container_type: &str) {
-        self.path.push(name.to_string());
+    fn enter_module(&mut self, name: &str, container_type: &str) {
+        if container_type == SPLIT_CONTAINER {
+            self.declare();
+        } else {
+            self.path.push(name.to_string());
+        }
     }
 
-    fn exit_module(&mut self, _name: &str, _container_type: &str) {
-        self.path.pop();
+    fn exit_module(&mut self, _name: &str, container_type: &str) {
+        if container_type != SPLIT_CONTAINER {
+            self.path.pop();
+        }
     }
 
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
@@ -226,14 +259,6 @@ impl<B: Backend> ModuleMapper<B> for Cutter<'_> {
         match style {
             TpStyle::Column => local[D - 1] /= self.tp.size(),
             TpStyle::Row => local[0] /= self.tp.size(),
-        }
-        let kind = match style {
-            TpStyle::Column => ShardKind::Columns { segments: 1 },
-            TpStyle::Row => ShardKind::Rows,
-        };
-        register_shard(id, kind);
-        if weight {
-            record_split(id, style, self.tp);
         }
         let mut fresh = Tensor::<B, D>::from_data(TensorData::new(values, local), &tensor.device());
         if tensor.is_require_grad() {
@@ -292,5 +317,13 @@ mod tests {
         let after = pair.down.forward(pair.up.forward(x)).into_data();
         // One rank: the split layers compute what the unsplit ones did.
         after.assert_approx_eq::<f32>(&before, burn::tensor::Tolerance::absolute(1e-6));
+        // The cut layers declare their split; the model carries it (a clone too).
+        let splits = crate::tensor_parallel::ParamSplits::of(&pair.clone());
+        let columns = ShardKind::Columns { segments: 1 };
+        assert_eq!(splits.by_name("up.linear.weight"), columns);
+        assert_eq!(splits.by_name("up.linear.bias"), columns);
+        assert_eq!(splits.by_name("down.linear.weight"), ShardKind::Rows);
+        assert_eq!(splits.by_name("down.linear.bias"), ShardKind::Replicated);
+        assert_eq!(pair.up.split.group().map(|g| g.size()), Some(1));
     }
 }

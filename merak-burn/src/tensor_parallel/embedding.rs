@@ -7,7 +7,7 @@ use burn::tensor::{Int, Tensor, backend::Backend};
 use super::init::{Shard, TpError};
 use super::linear::{param2, shard_of};
 use super::ops::{ParallelBackend, copy_to_tp, reduce_from_tp};
-use super::sharding::{ShardKind, register};
+use super::sharding::{ShardKind, Split};
 use crate::comm::Group;
 use crate::kernels::{embedding, linear};
 
@@ -24,6 +24,8 @@ pub fn padded_vocab(vocab: usize, tp: usize) -> usize {
 pub struct VocabParallelEmbedding<B: Backend> {
     /// The local Burn embedding: weight `[V_pad / tp, d_model]`.
     pub embedding: Embedding<B>,
+    /// The table split by vocabulary rows.
+    pub split: Split<B>,
     #[module(skip)]
     vocab_size: usize,
     #[module(skip)]
@@ -60,9 +62,10 @@ impl<B: ParallelBackend> VocabParallelEmbedding<B> {
             [local_rows, d_model],
             device,
         );
-        register(weight.id, ShardKind::VocabRows { vocab: vocab_size });
+        let kind = ShardKind::VocabRows { vocab: vocab_size };
         Ok(Self {
             embedding: Embedding { weight },
+            split: Split::new(group, [("embedding.weight", kind)]),
             vocab_size,
             vocab_start: shard.rank * local_rows,
             local_rows,

@@ -6,7 +6,7 @@ use burn::tensor::{Tensor, TensorData, backend::Backend};
 
 use super::init::{Shard, TpError, check_divisible};
 use super::ops::{ParallelBackend, copy_to_tp, gather_from_tp, reduce_from_tp};
-use super::sharding::{ShardKind, register};
+use super::sharding::{ShardKind, Split};
 use crate::comm::Group;
 use crate::kernels::{self, FusedOps, bias_gelu};
 
@@ -82,6 +82,8 @@ fn check_full(what: &'static str, expected: usize, got: usize) -> Result<(), TpE
 pub struct ColumnParallelLinear<B: Backend> {
     /// The local Burn linear layer: weight `[d_input, d_output / tp]`.
     pub linear: Linear<B>,
+    /// Weight and bias split by columns.
+    pub split: Split<B>,
     #[module(skip)]
     group: Group,
     #[module(skip)]
@@ -122,12 +124,9 @@ impl<B: ParallelBackend> ColumnParallelLinear<B> {
         };
         let weight = param2(w, [d_input, local], device);
         let kind = ShardKind::Columns { segments };
-        register(weight.id, kind);
-        if let Some(b) = &bias {
-            register(b.id, kind);
-        }
         Ok(Self {
             linear: Linear { weight, bias },
+            split: Split::new(group, [("linear.weight", kind), ("linear.bias", kind)]),
             group,
             gather_output,
         })
@@ -170,6 +169,8 @@ pub struct RowParallelLinear<B: Backend> {
     pub linear: Linear<B>,
     /// The bias, replicated on every rank and added after the all-reduce.
     pub bias: Option<Param<Tensor<B, 1>>>,
+    /// The weight split by rows.
+    pub split: Split<B>,
     #[module(skip)]
     group: Group,
 }
@@ -195,8 +196,8 @@ impl<B: ParallelBackend> RowParallelLinear<B> {
             [d_input / group.size(), d_output],
             device,
         );
-        register(w.id, ShardKind::Rows);
         Ok(Self {
+            split: Split::new(group, [("linear.weight", ShardKind::Rows)]),
             linear: Linear {
                 weight: w,
                 bias: None,

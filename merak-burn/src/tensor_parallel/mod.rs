@@ -29,5 +29,5 @@ pub use ops::{
     GradSink, ParallelBackend, copy_to_tp, gather_from_tp, reduce_from_tp, set_grad_sink,
     split_to_tp,
 };
-pub(crate) use sharding::register as register_shard;
-pub use sharding::{ShardKind, shard_kind};
+pub(crate) use sharding::replace_split;
+pub use sharding::{ParamSplits, SPLIT_CONTAINER, ShardKind, Split};

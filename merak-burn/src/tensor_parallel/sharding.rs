@@ -1,18 +1,26 @@
 //! How each parameter is split across the TP group, so that a checkpoint written under one
 //! tp degree can be put back together and cut again for another.
 //!
-//! The tensor-parallel layers record the split of every parameter they create, keyed by its
-//! [`ParamId`] (stable across optimizer steps, clones and `valid()`); a parameter that no layer
-//! recorded is replicated.
+//! Every split layer declares how its parameters are split in a [`Split`] field; a parameter
+//! that no layer declares split is replicated. [`ParamSplits::of`] reads the declarations of a
+//! model (no process-wide table: two models in one process, or a model loaded from a record,
+//! carry their own).
 
-use std::collections::HashMap;
-use std::sync::{Mutex, OnceLock};
+use std::cell::RefCell;
+use std::collections::{HashMap, HashSet};
+use std::marker::PhantomData;
 
-use burn::module::ParamId;
+use burn::module::{
+    AutodiffModule, Content, Devices, EmptyRecord, HasAutodiffModule, Module, ModuleDisplay,
+    ModuleDisplayDefault, ModuleMapper, ModuleVisitor, Param, ParamId,
+};
+use burn::tensor::Tensor;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use serde::{Deserialize, Serialize};
 
 use super::embedding::padded_vocab;
 use super::init::Shard;
+use crate::comm::Group;
 
 /// The split of one parameter across the TP group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -36,29 +44,314 @@ pub enum ShardKind {
     },
 }
 
-fn registry() -> &'static Mutex<HashMap<ParamId, ShardKind>> {
-    static REGISTRY: OnceLock<Mutex<HashMap<ParamId, ShardKind>>> = OnceLock::new();
-    REGISTRY.get_or_init(|| Mutex::new(HashMap::new()))
+/// The container type under which a [`Split`] announces its declaration to a module visitor or
+/// mapper: `enter_module(declaration as JSON, SPLIT_CONTAINER)` and the matching `exit_module`,
+/// with no parameter in between.
+pub const SPLIT_CONTAINER: &str = "merak:Split";
+
+/// A layer's declaration of how its parameters are split across the TP group: a field of the
+/// layer (a module without parameters, so it travels with clones, `valid()`, optimizer steps
+/// and records), naming each split parameter by its path inside the layer
+/// (`"linear.weight"`). Parameters it does not name are replicated. [`ParamSplits::of`] reads
+/// every declaration of a model.
+///
+/// It is generic over the backend only so that Burn's `Module` derive treats it as a module.
+#[derive(Clone, Debug)]
+pub struct Split<B: Backend> {
+    params: Declared,
+    group: Option<Group>,
+    backend: PhantomData<B>,
 }
 
-/// Records how the parameter `id` is split (called by the tensor-parallel layers).
-pub fn register(id: ParamId, kind: ShardKind) {
-    if kind != ShardKind::Replicated {
-        registry()
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(id, kind);
+impl<B: Backend> Split<B> {
+    /// Nothing split: every parameter of the layer is whole on every rank.
+    pub fn none() -> Self {
+        Self {
+            params: Vec::new(),
+            group: None,
+            backend: PhantomData,
+        }
+    }
+
+    /// The parameters at `params` (paths inside the layer) split as given over `group`.
+    pub fn new<'a>(group: Group, params: impl IntoIterator<Item = (&'a str, ShardKind)>) -> Self {
+        Self {
+            params: sharded(params),
+            group: Some(group),
+            backend: PhantomData,
+        }
+    }
+
+    /// The group the parameters are split over (`None` when nothing is split).
+    pub fn group(&self) -> Option<Group> {
+        self.group
+    }
+
+    /// How the parameter at `path` inside the layer is split.
+    pub fn kind(&self, path: &str) -> ShardKind {
+        (self.params.iter())
+            .find(|(p, _)| p == path)
+            .map_or(ShardKind::Replicated, |(_, kind)| *kind)
+    }
+
+    /// The declaration as it is announced to visitors.
+    fn announce(&self) -> String {
+        serde_json::to_string(&self.params).unwrap_or_default()
+    }
+
+    /// The same declaration on another backend.
+    fn on<C: Backend>(&self) -> Split<C> {
+        Split {
+            params: self.params.clone(),
+            group: self.group,
+            backend: PhantomData,
+        }
     }
 }
 
-/// How the parameter `id` is split; [`ShardKind::Replicated`] unless a layer recorded otherwise.
-pub fn shard_kind(id: ParamId) -> ShardKind {
-    registry()
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .get(&id)
-        .copied()
-        .unwrap_or(ShardKind::Replicated)
+/// Split parameters by their path inside the layer that declares them.
+type Declared = Vec<(String, ShardKind)>;
+
+/// The split ones of `params`, owned.
+fn sharded<'a>(params: impl IntoIterator<Item = (&'a str, ShardKind)>) -> Declared {
+    (params.into_iter())
+        .filter(|(_, kind)| kind.is_sharded())
+        .map(|(path, kind)| (path.to_string(), kind))
+        .collect()
+}
+
+thread_local! {
+    /// A declaration a mapper hands to the [`Split`] it is mapping (see [`replace_split`]).
+    static REPLACEMENT: RefCell<Option<(Declared, Group)>> = const { RefCell::new(None) };
+}
+
+/// Called by a [`ModuleMapper`] from its `enter_module` when the container is
+/// [`SPLIT_CONTAINER`]: the [`Split`] being mapped becomes the declaration of `params` split
+/// over `group` (Burn's mappers map only
+/// parameters; this is how [`shard_module`](crate::parallelize::shard_module) declares the
+/// split of the layers it cuts). The hand-over is taken before `map` returns.
+pub(crate) fn replace_split<'a>(
+    group: Group,
+    params: impl IntoIterator<Item = (&'a str, ShardKind)>,
+) {
+    let declared = sharded(params);
+    REPLACEMENT.with(|r| *r.borrow_mut() = Some((declared, group)));
+}
+
+impl<B: Backend> Module<B> for Split<B> {
+    type Record = EmptyRecord;
+
+    fn visit<V: ModuleVisitor<B>>(&self, visitor: &mut V) {
+        let announced = self.announce();
+        visitor.enter_module(&announced, SPLIT_CONTAINER);
+        visitor.exit_module(&announced, SPLIT_CONTAINER);
+    }
+
+    fn map<M: ModuleMapper<B>>(self, mapper: &mut M) -> Self {
+        REPLACEMENT.with(|r| r.borrow_mut().take());
+        let announced = self.announce();
+        mapper.enter_module(&announced, SPLIT_CONTAINER);
+        mapper.exit_module(&announced, SPLIT_CONTAINER);
+        match REPLACEMENT.with(|r| r.borrow_mut().take()) {
+            Some((params, group)) => Self {
+                params,
+                group: Some(group),
+                backend: PhantomData,
+            },
+            None => self,
+        }
+    }
+
+    fn load_record(self, _record: Self::Record) -> Self {
+        self
+    }
+
+    fn into_record(self) -> Self::Record {
+        EmptyRecord::new()
+    }
+
+    fn to_device(self, _device: &B::Device) -> Self {
+        self
+    }
+
+    fn fork(self, _device: &B::Device) -> Self {
+        self
+    }
+
+    fn collect_devices(&self, devices: Devices<B>) -> Devices<B> {
+        devices
+    }
+}
+
+impl<B: AutodiffBackend> AutodiffModule<B> for Split<B> {
+    type InnerModule = Split<B::InnerBackend>;
+
+    fn valid(&self) -> Self::InnerModule {
+        self.on()
+    }
+
+    fn from_inner(module: Self::InnerModule) -> Self {
+        module.on()
+    }
+}
+
+impl<B: AutodiffBackend> HasAutodiffModule<B> for Split<B::InnerBackend> {
+    type TrainModule = Split<B>;
+}
+
+impl<B: Backend> ModuleDisplayDefault for Split<B> {
+    fn content(&self, content: Content) -> Option<Content> {
+        content.add_formatted(&self.announce()).optional()
+    }
+}
+
+impl<B: Backend> ModuleDisplay for Split<B> {}
+
+/// The split of every parameter of one model, read from the [`Split`] declarations of its
+/// layers (a parameter no layer declares is replicated).
+#[derive(Clone, Debug, Default)]
+pub struct ParamSplits {
+    by_name: HashMap<String, ShardKind>,
+    by_id: HashMap<ParamId, ShardKind>,
+    split_elements: u64,
+    replicated_elements: u64,
+    row_layers: u32,
+    column_layers: u32,
+}
+
+impl ParamSplits {
+    /// Walks `module` twice: once for the declarations (by the path of the layer that holds
+    /// them), once for the parameters, each taking the declaration of its innermost layer.
+    pub fn of<B: Backend, M: Module<B>>(module: &M) -> Self {
+        let mut declarations = Declarations::default();
+        module.visit(&mut declarations);
+        let declared = |kind: fn(&ShardKind) -> bool| {
+            (declarations.found.iter())
+                .filter(|(_, params)| params.iter().any(|(_, k)| kind(k)))
+                .count() as u32
+        };
+        let splits = Self {
+            row_layers: declared(|k| *k == ShardKind::Rows),
+            column_layers: declared(|k| matches!(k, ShardKind::Columns { .. })),
+            ..Self::default()
+        };
+        let mut params = Params {
+            declarations: declarations.found,
+            path: Vec::new(),
+            splits,
+        };
+        module.visit(&mut params);
+        params.splits
+    }
+
+    /// Elements of the parameters split across the TP group, and of the replicated ones.
+    pub fn elements(&self) -> (u64, u64) {
+        (self.split_elements, self.replicated_elements)
+    }
+
+    /// Layers declaring a row split (each sums its partial outputs over the TP group in the
+    /// forward pass) and a column split (each sums its input's gradient in the backward
+    /// pass).
+    pub fn split_layers(&self) -> (u32, u32) {
+        (self.row_layers, self.column_layers)
+    }
+
+    /// The split of the parameter named `name` (its path in the module tree).
+    pub fn by_name(&self, name: &str) -> ShardKind {
+        self.by_name
+            .get(name)
+            .copied()
+            .unwrap_or(ShardKind::Replicated)
+    }
+
+    /// The split of the parameter `id`.
+    pub fn by_id(&self, id: ParamId) -> ShardKind {
+        self.by_id
+            .get(&id)
+            .copied()
+            .unwrap_or(ShardKind::Replicated)
+    }
+
+    /// The ids of the parameters split across the TP group.
+    pub fn sharded_ids(&self) -> HashSet<ParamId> {
+        (self.by_id.iter())
+            .filter(|(_, kind)| kind.is_sharded())
+            .map(|(id, _)| *id)
+            .collect()
+    }
+}
+
+/// The first walk of [`ParamSplits::of`]: every declaration, by the path of its layer.
+#[derive(Default)]
+struct Declarations {
+    path: Vec<String>,
+    found: Vec<(Vec<String>, Declared)>,
+}
+
+impl<B: Backend> ModuleVisitor<B> for Declarations {
+    fn enter_module(&mut self, name: &str, container_type: &str) {
+        if container_type != SPLIT_CONTAINER {
+            self.path.push(name.to_string());
+            return;
+        }
+        // The path ends in the declaration's own field; the layer is the rest.
+        let layer = self.path[..self.path.len().saturating_sub(1)].to_vec();
+        let params = serde_json::from_str(name).unwrap_or_default();
+        self.found.push((layer, params));
+    }
+
+    fn exit_module(&mut self, _name: &str, container_type: &str) {
+        if container_type != SPLIT_CONTAINER {
+            self.path.pop();
+        }
+    }
+}
+
+/// The second walk of [`ParamSplits::of`]: every parameter with its declared split.
+struct Params {
+    declarations: Vec<(Vec<String>, Declared)>,
+    path: Vec<String>,
+    splits: ParamSplits,
+}
+
+impl Params {
+    /// The split the innermost declaring layer gives the parameter at the current path.
+    fn kind(&self) -> ShardKind {
+        (self.declarations.iter())
+            .filter(|(layer, _)| self.path.starts_with(layer) && self.path.len() > layer.len())
+            .max_by_key(|(layer, _)| layer.len())
+            .and_then(|(layer, params)| {
+                let inside = self.path[layer.len()..].join(".");
+                params.iter().find(|(p, _)| *p == inside).map(|(_, k)| *k)
+            })
+            .unwrap_or(ShardKind::Replicated)
+    }
+}
+
+impl<B: Backend> ModuleVisitor<B> for Params {
+    fn enter_module(&mut self, name: &str, container_type: &str) {
+        if container_type != SPLIT_CONTAINER {
+            self.path.push(name.to_string());
+        }
+    }
+
+    fn exit_module(&mut self, _name: &str, container_type: &str) {
+        if container_type != SPLIT_CONTAINER {
+            self.path.pop();
+        }
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let kind = self.kind();
+        let elements = param.val().shape().num_elements() as u64;
+        if kind.is_sharded() {
+            self.splits.split_elements += elements;
+        } else {
+            self.splits.replicated_elements += elements;
+        }
+        self.splits.by_name.insert(self.path.join("."), kind);
+        self.splits.by_id.insert(param.id, kind);
+    }
 }
 
 /// `[rows, cols]` of a shape seen as a matrix (a vector is one row).
@@ -197,11 +490,61 @@ mod tests {
         );
     }
 
+    #[derive(Module, Debug)]
+    struct Layer<B: Backend> {
+        inner: burn::nn::Linear<B>,
+        // After the parameters it declares: the order of the fields does not matter.
+        split: Split<B>,
+    }
+
+    #[derive(Module, Debug)]
+    struct Model<B: Backend> {
+        layers: Vec<Layer<B>>,
+        norm: burn::nn::Linear<B>,
+        split: Split<B>,
+    }
+
     #[test]
-    fn unregistered_parameters_are_replicated() {
-        assert_eq!(shard_kind(ParamId::new()), ShardKind::Replicated);
-        let id = ParamId::new();
-        register(id, ShardKind::Rows);
-        assert_eq!(shard_kind(id), ShardKind::Rows);
+    fn each_parameter_takes_the_declaration_of_its_innermost_layer() {
+        use crate::backend::Cpu;
+        let device = Default::default();
+        let linear = || burn::nn::LinearConfig::new(2, 4).init::<Cpu>(&device);
+        let group = Group::local();
+        let cols = ShardKind::Columns { segments: 1 };
+        let model = Model {
+            layers: vec![
+                Layer {
+                    inner: linear(),
+                    split: Split::new(group, [("inner.weight", cols), ("inner.bias", cols)]),
+                },
+                Layer {
+                    inner: linear(),
+                    split: Split::none(),
+                },
+            ],
+            norm: linear(),
+            // The outer declaration covers `norm` only: the layers declare their own.
+            split: Split::new(group, [("norm.weight", ShardKind::Rows)]),
+        };
+        let splits = ParamSplits::of(&model.clone());
+        assert_eq!(splits.by_name("layers.0.inner.weight"), cols);
+        assert_eq!(splits.by_name("layers.0.inner.bias"), cols);
+        assert_eq!(
+            splits.by_name("layers.1.inner.weight"),
+            ShardKind::Replicated
+        );
+        assert_eq!(splits.by_name("norm.weight"), ShardKind::Rows);
+        assert_eq!(splits.by_name("norm.bias"), ShardKind::Replicated);
+        assert_eq!(splits.by_id(model.layers[0].inner.weight.id), cols);
+        assert_eq!(splits.sharded_ids().len(), 3);
+        assert_eq!(splits.elements(), (8 + 4 + 8, 4 + 8 + 4));
+        assert_eq!(splits.split_layers(), (1, 1));
+        // A second model in the same process carries its own declarations.
+        let other = Model {
+            layers: vec![],
+            norm: linear(),
+            split: Split::none(),
+        };
+        assert!(ParamSplits::of(&other).sharded_ids().is_empty());
     }
 }

@@ -12,31 +12,14 @@ use burn::tensor::{Tensor, backend::AutodiffBackend};
 
 use crate::comm::{CommError, Group};
 use crate::kernels::FusedOps;
-use crate::tensor_parallel::shard_kind;
-
-/// Collects the ids of sharded parameters by walking the module tree.
-struct ShardedIds {
-    ids: HashSet<ParamId>,
-}
-
-impl<B: burn::tensor::backend::Backend> ModuleVisitor<B> for ShardedIds {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if shard_kind(param.id).is_sharded() {
-            self.ids.insert(param.id);
-        }
-    }
-}
+use crate::tensor_parallel::ParamSplits;
 
 /// The ids of the parameters of `module` that the tensor-parallel layers split across the TP
-/// group (see [`crate::tensor_parallel::sharding`]).
+/// group, as its layers declare them ([`ParamSplits`]).
 pub fn sharded_param_ids<B: burn::tensor::backend::Backend, M: Module<B>>(
     module: &M,
 ) -> HashSet<ParamId> {
-    let mut v = ShardedIds {
-        ids: HashSet::new(),
-    };
-    module.visit(&mut v);
-    v.ids
+    ParamSplits::of(module).sharded_ids()
 }
 
 /// Squared gradient norms of one rank, split into sharded and replicated parts.
