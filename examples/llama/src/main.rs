@@ -5,16 +5,21 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use clap::Parser;
 use merak_burn::backend::{CpuAutodiff, CpuDevice};
-use merak_burn::comm::{MpiCommunicator, MpiWorld, ReduceOp, launched_by_mpirun};
+use merak_burn::comm::{
+    Communicator, Group, MpiCommunicator, MpiWorld, ReduceOp, launched_by_mpirun,
+};
 use merak_burn::grid::ProcessGrid;
 use merak_burn::parallelize::{Units, shard_module};
-use merak_burn::pipeline::ScheduleKind;
+use merak_burn::pipeline::{Recompute, ScheduleKind};
 use merak_burn::plan::ParallelPlan;
+use merak_burn::planner::{
+    HardwareSpec, MeasuredModel, MeasuredUnit, ModelProxy, SearchOptions, TransformerShape, search,
+};
 use merak_burn::train::{
     BatchSource, CheckpointPolicy, RunOutput, SourceError, TrainSettings, Trainer, Windows,
 };
@@ -36,6 +41,11 @@ struct Args {
     /// Pipeline-parallel degree.
     #[arg(long, default_value_t = 1)]
     pp: usize,
+    /// Let the planner choose the layout, micro-batch, schedule and stages for the ranks
+    /// launched, from the units timed on this backend (instead of --dp/--tp/--pp,
+    /// --micro-batch and --schedule).
+    #[arg(long)]
+    plan_auto: bool,
     /// Pipeline schedule: gpipe, 1f1b, interleaved, shifted-critical-path or 2bw.
     #[arg(long, default_value = "1f1b")]
     schedule: ScheduleKind,
@@ -116,42 +126,70 @@ fn splitmix(x: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// The cost of each unit, timed on this backend and averaged over the ranks so that every
-/// rank cuts the pipeline the same way.
-fn agreed_costs(
+/// Each unit (split as the TP plan declares, at tp = 1) measured on this backend at
+/// `micro_batch` sequences, averaged over the ranks so that every rank plans and cuts the
+/// pipeline the same way.
+fn agreed_measurements(
     units: &Model,
     data: &Counting,
-    grid: &ProcessGrid,
+    micro_batch: usize,
+    world: Option<&MpiCommunicator>,
     device: &CpuDevice,
-) -> Result<Vec<f64>> {
-    let w = data.windows(0, 2);
-    let tensor =
-        |v: Vec<i64>| Tensor::<B, 2, Int>::from_data(TensorData::new(v, [2, data.seq]), device);
-    let costs = units.unit_costs(tensor(w.inputs), tensor(w.targets), 3);
-    let mut sum: Vec<f32> = costs.iter().map(|&c| c as f32).collect();
-    grid.world.comm()?.all_reduce(&mut sum, ReduceOp::Sum)?;
-    Ok(sum.into_iter().map(f64::from).collect())
+) -> Result<Vec<MeasuredUnit>> {
+    let w = data.windows(0, micro_batch);
+    let tensor = |v: Vec<i64>| {
+        Tensor::<B, 2, Int>::from_data(TensorData::new(v, [micro_batch, data.seq]), device)
+    };
+    let split = shard_module(units.clone(), &tp_plan(), Group::local())?;
+    let mut measured = split.measure(tensor(w.inputs), tensor(w.targets), 3);
+    if let Some(world) = world {
+        let mut times: Vec<f32> = (measured.iter())
+            .flat_map(|u| [u.forward_s as f32, u.backward_s as f32])
+            .collect();
+        world.all_reduce(&mut times, ReduceOp::Sum)?;
+        let n = world.size() as f64;
+        for (u, t) in measured.iter_mut().zip(times.chunks(2)) {
+            (u.forward_s, u.backward_s) = (f64::from(t[0]) / n, f64::from(t[1]) / n);
+        }
+    }
+    Ok(measured)
+}
+
+/// The plan: the one given on the command line, or the planner's fastest for the launched
+/// ranks on a model proxy from `measured` units.
+fn choose_plan(
+    args: &Args,
+    cfg: &LlamaConfig,
+    measured: Vec<MeasuredUnit>,
+    ranks: usize,
+) -> Result<ParallelPlan> {
+    if !args.plan_auto {
+        return Ok(ParallelPlan {
+            dp: args.dp,
+            tp: args.tp,
+            pp: args.pp,
+            micro_batch: args.micro_batch,
+            schedule: args.schedule,
+            ..ParallelPlan::default()
+        });
+    }
+    let hardware = HardwareSpec::preset("local-cpu")
+        .context("the local-cpu hardware preset")?
+        .with_devices(ranks);
+    let shape = TransformerShape::gpt(cfg.layers, cfg.hidden, cfg.heads, args.seq, cfg.vocab);
+    let model = MeasuredModel::new(shape, args.micro_batch, measured, &hardware)?;
+    let options = SearchOptions {
+        // The example trains on Burn's plain autodiff backend and Burn's linear layers.
+        recompute: vec![Recompute::None],
+        tp_overlap: vec![1],
+        ..SearchOptions::new(ranks, args.global_batch)
+    };
+    let best = search(&ModelProxy::from_costs(&model), &hardware, &options)?.best;
+    Ok(ParallelPlan::from_planned(&best.layout))
 }
 
 /// Builds this rank's part of the model and trains it.
 fn run(args: &Args, world: Option<MpiCommunicator>) -> Result<()> {
-    let plan = ParallelPlan {
-        dp: args.dp,
-        tp: args.tp,
-        pp: args.pp,
-        micro_batch: args.micro_batch,
-        schedule: args.schedule,
-        ..ParallelPlan::default()
-    };
-    let grid = match world {
-        Some(w) => ProcessGrid::from_mpi(w, plan.layout())?,
-        None if plan.layout().world_size() == 1 => ProcessGrid::single(),
-        None => bail!(
-            "dp x tp x pp = {} ranks: run under mpirun -np {}",
-            plan.layout().world_size(),
-            plan.layout().world_size()
-        ),
-    };
     let cfg = LlamaConfig {
         tie_embeddings: args.tie_embeddings,
         ..LlamaConfig::tiny()
@@ -169,7 +207,28 @@ fn run(args: &Args, world: Option<MpiCommunicator>) -> Result<()> {
         global_batch: args.global_batch,
         seed: args.seed,
     };
-    let costs = agreed_costs(&units, &data, &grid, &device)?;
+    let measured = agreed_measurements(&units, &data, args.micro_batch, world.as_ref(), &device)?;
+    let costs: Vec<f64> = measured
+        .iter()
+        .map(|u| u.forward_s + u.backward_s)
+        .collect();
+    let ranks = world.as_ref().map_or(1, |w| w.size());
+    let plan = choose_plan(args, &cfg, measured, ranks)?;
+    if args.plan_auto && world.as_ref().is_none_or(|w| w.rank() == 0) {
+        println!(
+            "llama: planned dp={} tp={} pp={} micro_batch={} schedule={} stages={:?}",
+            plan.dp, plan.tp, plan.pp, plan.micro_batch, plan.schedule, plan.stage_units
+        );
+    }
+    let grid = match world {
+        Some(w) => ProcessGrid::from_mpi(w, plan.layout())?,
+        None if plan.layout().world_size() == 1 => ProcessGrid::single(),
+        None => bail!(
+            "dp x tp x pp = {} ranks: run under mpirun -np {}",
+            plan.layout().world_size(),
+            plan.layout().world_size()
+        ),
+    };
     let pipeline = plan.pipeline_with_costs(&costs, args.global_batch)?;
     let me = grid.coords.pp;
     let holds = |u: usize| pipeline.schedule.rank_of(pipeline.partition.stage_of(u)) == me;
@@ -208,7 +267,7 @@ fn run(args: &Args, world: Option<MpiCommunicator>) -> Result<()> {
     if grid.rank == 0 {
         println!(
             "llama: {} steps under dp={} tp={} pp={}, final loss {:.5}",
-            summary.steps, args.dp, args.tp, args.pp, summary.final_loss
+            summary.steps, plan.dp, plan.tp, plan.pp, summary.final_loss
         );
     }
     Ok(())

@@ -14,6 +14,12 @@ const TOL: f64 = 1e-5;
 /// Runs `llama-train` on `np` ranks (alone for 1) with `args`; returns its losses and final
 /// parameters at full size.
 fn train(np: usize, name: &str, args: &[&str]) -> (Vec<f64>, FullState) {
+    let (losses, state, _) = train_printing(np, name, args);
+    (losses, state)
+}
+
+/// [`train`], also returning what it printed.
+fn train_printing(np: usize, name: &str, args: &[&str]) -> (Vec<f64>, FullState, String) {
     let out = std::env::temp_dir().join(format!("merak-llama-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
     let mut cmd = if np == 1 {
@@ -31,7 +37,7 @@ fn train(np: usize, name: &str, args: &[&str]) -> (Vec<f64>, FullState) {
         .and_then(|c| c.read_full())
         .unwrap_or_else(|e| panic!("{name}: {e}"));
     let _ = std::fs::remove_dir_all(&out);
-    (losses, state)
+    (losses, state, run.stdout)
 }
 
 fn losses(path: &Path) -> Vec<f64> {
@@ -100,6 +106,32 @@ fn every_layout_equals_one_process() {
     for (np, name, args) in layouts {
         assert_equal(name, &train(np, name, args), &want);
     }
+}
+
+/// With `--plan-auto` the planner picks the layout for 4 ranks from the units timed on this
+/// backend (a proxy of the user's model, not GPT formulas), and the run still equals one
+/// process.
+#[test]
+fn the_planned_layout_of_a_timed_model_equals_one_process() {
+    let want = train(1, "auto-single", &[]);
+    let (losses, state, stdout) = train_printing(4, "auto", &["--plan-auto"]);
+    let planned = (stdout.lines())
+        .find(|l| l.starts_with("llama: planned dp="))
+        .unwrap_or_else(|| panic!("no plan printed:\n{stdout}"));
+    let degree = |key: &str| -> usize {
+        let field = (planned.split_whitespace())
+            .find_map(|f| f.strip_prefix(key))
+            .unwrap_or_else(|| panic!("{key} in {planned}"));
+        field
+            .parse()
+            .unwrap_or_else(|_| panic!("{key} in {planned}"))
+    };
+    assert_eq!(
+        degree("dp=") * degree("tp=") * degree("pp="),
+        4,
+        "{planned}"
+    );
+    assert_equal("auto", &(losses, state), &want);
 }
 
 /// The checkpoint holds every parameter of the model at full size (the embedding, every

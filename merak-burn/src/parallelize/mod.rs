@@ -18,7 +18,14 @@
 //! - **How the units cost**, for the partition: [`Units::unit_costs`] times them on the
 //!   backend that trains, and
 //!   [`ParallelPlan::pipeline_with_costs`](crate::plan::ParallelPlan::pipeline_with_costs)
-//!   cuts the stages by those times.
+//!   cuts the stages by those times. For the planner, [`Units::measure`] also counts each
+//!   unit's parameters and split layers, and
+//!   [`MeasuredModel`](crate::planner::MeasuredModel) makes them a model proxy that
+//!   [`planner::search`](crate::planner::search()) plans.
+//!
+//! A cut [`Linear`] declares its split in its [`Split`](crate::tensor_parallel::Split) field,
+//! which [`ParamSplits::of`](crate::tensor_parallel::ParamSplits::of) reads for checkpoints and
+//! the gradient norm.
 
 mod linear;
 mod styles;

@@ -3,11 +3,13 @@
 use std::marker::PhantomData;
 use std::time::Instant;
 
-use burn::module::{Module, ModuleDisplay, Param};
-use burn::tensor::backend::Backend;
+use burn::module::{Module, ModuleDisplay, ModuleVisitor, Param};
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Int, Tensor};
 
 use crate::pipeline::{TiedTable, UnitStack};
+use crate::planner::MeasuredUnit;
+use crate::tensor_parallel::ParamSplits;
 
 /// The first pipeline unit: token ids to hidden states.
 pub trait EmbedUnit<B: Backend>: Module<B> + ModuleDisplay {
@@ -88,8 +90,12 @@ where
     L: LayerUnit<B>,
     H: HeadUnit<B>,
 {
-    /// All units of a model whose hidden states are `hidden` wide.
+    /// All units of a model whose hidden states are `hidden` wide. Every parameter Burn has not
+    /// initialized yet (it initializes a parameter on first use, drawing from the backend's
+    /// random generator then) is initialized here, in module order: every rank then holds the
+    /// same weights whatever units it later keeps, and clones hold the same values.
     pub fn new(embed: E, layers: Vec<L>, head: H, hidden: usize) -> Self {
+        let (embed, layers, head) = (initialized(embed), initialized(layers), initialized(head));
         Self {
             embed: Some(embed),
             layers: layers.into_iter().map(Some).collect(),
@@ -136,38 +142,117 @@ where
             backend: PhantomData,
         }
     }
+}
 
-    /// Seconds of one forward pass of each unit on `tokens` and `targets` (`[batch, seq]`),
-    /// the fastest of `reps`: the costs to cut the pipeline by, measured on the backend that
-    /// trains. Needs every unit (call it before [`retain`](Self::retain)).
+impl<B, E, L, H> Units<B, E, L, H>
+where
+    B: AutodiffBackend,
+    E: EmbedUnit<B>,
+    L: LayerUnit<B>,
+    H: HeadUnit<B>,
+{
+    /// Seconds of one forward and one backward pass of each unit on `tokens` and `targets`
+    /// (`[batch, seq]`), the fastest of `reps`: the costs to cut the pipeline by, measured on
+    /// the backend that trains. Needs every unit (call it before [`retain`](Self::retain)).
     pub fn unit_costs(
         &self,
         tokens: Tensor<B, 2, Int>,
         targets: Tensor<B, 2, Int>,
         reps: usize,
     ) -> Vec<f64> {
+        (self.measure(tokens, targets, reps).iter())
+            .map(|u| u.forward_s + u.backward_s)
+            .collect()
+    }
+
+    /// Each unit measured for the planner ([`MeasuredModel`](crate::planner::MeasuredModel)):
+    /// its forward and backward seconds on `tokens` and `targets` (`[batch, seq]`, the fastest
+    /// of `reps`), its parameters split and replicated as its layers declare them (cut it
+    /// with [`shard_module`](super::shard_module) first, at tp = 1 for a plan), and its
+    /// row- and column-parallel layers. Needs every unit.
+    pub fn measure(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        targets: Tensor<B, 2, Int>,
+        reps: usize,
+    ) -> Vec<MeasuredUnit> {
         let layers = self.layers.len();
-        let mut best = vec![f64::INFINITY; layers + 2];
-        // The time of `run`, made to wait for the device by reading one value back.
-        let mut timed = |unit: usize, run: &dyn Fn() -> Tensor<B, 3>| {
-            let t = Instant::now();
-            let x = run();
-            let _ = x.clone().slice([0..1, 0..1, 0..1]).into_data();
-            best[unit] = best[unit].min(t.elapsed().as_secs_f64());
-            x
-        };
+        let mut units = vec![MeasuredUnit::default(); layers + 2];
+        for u in units.iter_mut() {
+            (u.forward_s, u.backward_s) = (f64::INFINITY, f64::INFINITY);
+        }
         for _ in 0..reps.max(1) {
-            let mut x = timed(0, &|| self.embed(tokens.clone()));
-            for i in 0..layers {
-                x = timed(i + 1, &|| self.layer(i, x.clone()));
+            let mut x = time_unit(&mut units[0], || self.embed(tokens.clone()));
+            for (i, unit) in units[1..=layers].iter_mut().enumerate() {
+                let input = x.detach().require_grad();
+                x = time_unit(unit, || self.layer(i, input.clone()));
             }
-            timed(layers + 1, &|| {
-                self.head_loss(x.clone(), targets.clone())
-                    .reshape([1, 1, 1])
+            let input = x.detach().require_grad();
+            time_unit(&mut units[layers + 1], || {
+                self.head_loss(input.clone(), targets.clone())
             });
         }
-        best
+        self.count_params(&mut units);
+        units
     }
+
+    /// Fills in each unit's parameters and split layers.
+    fn count_params(&self, units: &mut [MeasuredUnit]) {
+        let count = |u: &mut MeasuredUnit, splits: ParamSplits| {
+            (u.params_split, u.params_replicated) = splits.elements();
+            (u.row_layers, u.column_layers) = splits.split_layers();
+        };
+        if let Some(e) = &self.embed {
+            count(&mut units[0], ParamSplits::of(e));
+        }
+        for (u, layer) in units[1..].iter_mut().zip(&self.layers) {
+            if let Some(l) = layer {
+                count(u, ParamSplits::of(l));
+            }
+        }
+        let last = units.len() - 1;
+        if let Some(h) = &self.head {
+            count(&mut units[last], ParamSplits::of(h));
+        }
+        if self.tied {
+            let table = (self.embed.as_ref()).and_then(|e| e.table());
+            units[last].params_tied =
+                table.map_or(0, |(t, _)| t.val().shape().num_elements()) as u64;
+        }
+    }
+}
+
+/// `module` with every parameter initialized, in visit order.
+fn initialized<B: Backend, M: Module<B>>(module: M) -> M {
+    struct Touch;
+    impl<B: Backend> ModuleVisitor<B> for Touch {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let _ = param.val();
+        }
+    }
+    module.visit(&mut Touch);
+    module
+}
+
+/// Runs `run` once, timing its forward pass and the backward pass of the sum of its output
+/// into `unit` (keeping the fastest), and returns the output, detached.
+fn time_unit<B: AutodiffBackend, const D: usize>(
+    unit: &mut MeasuredUnit,
+    run: impl Fn() -> Tensor<B, D>,
+) -> Tensor<B, D> {
+    let wait = |t: &Tensor<B, D>| {
+        // Made to wait for the device by reading one value back.
+        let _ = t.clone().flatten::<1>(0, D - 1).slice(0..1).into_data();
+    };
+    let start = Instant::now();
+    let y = run();
+    wait(&y);
+    unit.forward_s = unit.forward_s.min(start.elapsed().as_secs_f64());
+    let start = Instant::now();
+    let grads = y.clone().sum().backward();
+    drop(grads);
+    unit.backward_s = unit.backward_s.min(start.elapsed().as_secs_f64());
+    y.detach()
 }
 
 /// The unit in `slot`, which the executor only asks of the rank that holds it.
@@ -231,7 +316,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::Cpu;
+    use crate::backend::CpuAutodiff as Cpu;
     use crate::pipeline::PipelineModel;
     use burn::nn::{Embedding, EmbeddingConfig};
 
@@ -270,9 +355,17 @@ mod tests {
         let units = Units::new(plain(&device), vec![plain(&device)], plain(&device), 4);
         assert_eq!((units.units(), units.hidden_size()), (3, 4));
         let ids = Tensor::<Cpu, 2, Int>::zeros([1, 2], &device);
-        let costs = units.unit_costs(ids.clone(), ids, 1);
+        let costs = units.unit_costs(ids.clone(), ids.clone(), 1);
         assert_eq!(costs.len(), 3);
         assert!(costs.iter().all(|c| c.is_finite() && *c >= 0.0));
+        let measured = units.measure(ids.clone(), ids, 2);
+        // Each unit holds one unsplit 8 x 4 table.
+        assert!(
+            measured
+                .iter()
+                .all(|u| u.params_replicated == 32 && u.params_split == 0)
+        );
+        assert!(measured.iter().all(|u| u.backward_s.is_finite()));
         assert_eq!(units.tied().err(), Some(NoTokenTable));
         let units = Units::new(plain(&device), vec![plain(&device)], plain(&device), 4);
         let cut = units.retain(|u| u == 2);

@@ -3,6 +3,8 @@
 //!
 //! - [`model`]: the model proxy, one [`UnitProfile`] per pipeline unit ([`LayerCosts`] lets a
 //!   user's own model describe itself).
+//! - [`measured`]: a proxy for a user's own model from its units timed on the real backend
+//!   ([`MeasuredModel`]).
 //! - [`hardware`]: the [`HardwareSpec`] (presets and TOML).
 //! - [`calibration`]: measured layer times from `merak profile` ([`Calibration`]).
 //! - [`cost`]: the [`CostModel`]: predicted step time and memory of a [`Layout`], the pipeline
@@ -28,6 +30,7 @@
 pub mod calibration;
 pub mod cost;
 pub mod hardware;
+pub mod measured;
 pub mod model;
 pub mod plan_file;
 pub mod reference;
@@ -37,6 +40,7 @@ pub mod stage_dp;
 pub use calibration::{CALIBRATION_FORMAT, Calibration, CalibrationError, UnitKind, UnitTiming};
 pub use cost::{CostError, CostModel, Estimate, FRAMEWORK_BYTES, Layout, Prediction};
 pub use hardware::{HARDWARE_PRESETS, HardwareError, HardwareSpec};
+pub use measured::{MeasuredError, MeasuredModel, MeasuredUnit};
 pub use model::{
     LayerCosts, ModelKind, ModelProxy, ModelSpecError, PRESETS, RecomputeMode, TransformerShape,
     UnitProfile,

@@ -1,0 +1,224 @@
+//! A model proxy measured on the real backend: for a Burn user's own model, the planner takes
+//! each unit's compute from timing it (Merak's proxy-based partitioner) and its parameters from
+//! counting them, instead of from GPT formulas.
+//!
+//! A measured unit's seconds become FLOPs at the rate of the hardware the plan is made for
+//! ([`HardwareSpec::achievable_flops`]), so on that hardware the cost model predicts exactly the
+//! measured time at tp = 1 and divides it by the tensor-parallel degree above. Tensor-parallel
+//! all-reduces are counted from the layers' declared splits (one forward all-reduce per
+//! row-parallel layer, one backward all-reduce per column-parallel layer). Activation memory
+//! cannot be measured through Burn; it comes from the [`TransformerShape`] the model resembles
+//! (its hidden width, heads, sequence and vocabulary), as do the sizes of the messages.
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use super::hardware::HardwareSpec;
+use super::model::{LayerCosts, TransformerShape, UnitProfile};
+
+/// What was measured of one pipeline unit at a micro-batch of `micro_batch` sequences on one
+/// rank (tp = 1).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct MeasuredUnit {
+    /// Seconds of one forward pass.
+    pub forward_s: f64,
+    /// Seconds of one backward pass.
+    pub backward_s: f64,
+    /// Parameters its layers declare split across the TP group.
+    pub params_split: u64,
+    /// Parameters every TP rank holds whole.
+    pub params_replicated: u64,
+    /// Parameters of another unit it holds a copy of on another stage (a tied head's table).
+    pub params_tied: u64,
+    /// Row-parallel layers (one all-reduce each in the forward pass).
+    pub row_layers: u32,
+    /// Column-parallel layers (one all-reduce each in the backward pass).
+    pub column_layers: u32,
+}
+
+/// Measurements that do not describe the shape they are paired with.
+#[derive(Clone, Debug, PartialEq, Error)]
+pub enum MeasuredError {
+    /// One measurement per unit is needed.
+    #[error("{measured} measured units for a model of {units} units ({shape})")]
+    Units {
+        /// Units measured.
+        measured: usize,
+        /// Units of the shape (layers + 2).
+        units: usize,
+        /// The shape.
+        shape: TransformerShape,
+    },
+    /// A time that is not a positive number, or a micro-batch of zero.
+    #[error("unit {unit}: measured {what} = {value} is not a positive number")]
+    NotPositive {
+        /// The unit.
+        unit: usize,
+        /// Which measurement.
+        what: &'static str,
+        /// Its value.
+        value: f64,
+    },
+}
+
+/// A model proxy from measured units ([`LayerCosts`]; plan it with
+/// [`ModelProxy::from_costs`](super::ModelProxy::from_costs)).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MeasuredModel {
+    /// The transformer the model resembles: activations, messages and heads.
+    pub shape: TransformerShape,
+    /// Sequences per micro-batch of the measurements.
+    pub micro_batch: usize,
+    /// One measurement per unit: embedding, layers, head.
+    pub units: Vec<MeasuredUnit>,
+    /// FLOP/s that one measured second stands for (the planned hardware's achievable rate).
+    pub flops_per_s: f64,
+}
+
+impl MeasuredModel {
+    /// The proxy of `units` measured at `micro_batch` sequences, for plans on `hardware`.
+    /// Fails unless there is one measurement per unit of `shape` with positive times.
+    pub fn new(
+        shape: TransformerShape,
+        micro_batch: usize,
+        units: Vec<MeasuredUnit>,
+        hardware: &HardwareSpec,
+    ) -> Result<Self, MeasuredError> {
+        if units.len() != shape.layers + 2 {
+            return Err(MeasuredError::Units {
+                measured: units.len(),
+                units: shape.layers + 2,
+                shape,
+            });
+        }
+        let positive = |unit, what, value: f64| {
+            if value > 0.0 && value.is_finite() {
+                Ok(())
+            } else {
+                Err(MeasuredError::NotPositive { unit, what, value })
+            }
+        };
+        positive(0, "micro_batch", micro_batch as f64)?;
+        for (i, u) in units.iter().enumerate() {
+            positive(i, "forward_s", u.forward_s)?;
+            positive(i, "backward_s", u.backward_s)?;
+        }
+        Ok(Self {
+            shape,
+            micro_batch,
+            units,
+            flops_per_s: hardware.achievable_flops(),
+        })
+    }
+
+    /// FLOPs per sequence that `seconds` per micro-batch stand for.
+    fn flops(&self, seconds: f64) -> f64 {
+        seconds / self.micro_batch as f64 * self.flops_per_s
+    }
+}
+
+impl LayerCosts for MeasuredModel {
+    fn name(&self) -> String {
+        format!("measured model like {}", self.shape)
+    }
+
+    fn unit_profiles(&self) -> Vec<UnitProfile> {
+        let like = self.shape.unit_profiles();
+        (like.into_iter().zip(&self.units))
+            .map(|(formula, m)| {
+                let forward_flops = self.flops(m.forward_s);
+                // Selective recomputation repeats the same share of the forward pass.
+                let selective = if formula.forward_flops > 0.0 {
+                    formula.selective_recompute_flops / formula.forward_flops * forward_flops
+                } else {
+                    0.0
+                };
+                UnitProfile {
+                    params_split: m.params_split,
+                    params_replicated: m.params_replicated,
+                    params_tied: m.params_tied,
+                    forward_flops,
+                    backward_flops: self.flops(m.backward_s),
+                    selective_recompute_flops: selective,
+                    tp_forward_allreduces: m.row_layers,
+                    tp_backward_allreduces: m.column_layers,
+                    ..formula
+                }
+            })
+            .collect()
+    }
+
+    fn heads(&self) -> usize {
+        self.shape.heads
+    }
+
+    fn pp_message_elements(&self) -> f64 {
+        self.shape.pp_message_elements()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::planner::{CostModel, ModelProxy, RecomputeMode};
+
+    fn shape() -> TransformerShape {
+        TransformerShape::preset("tiny").expect("a preset")
+    }
+
+    fn unit(forward_s: f64) -> MeasuredUnit {
+        MeasuredUnit {
+            forward_s,
+            backward_s: 2.0 * forward_s,
+            params_split: 1000,
+            params_replicated: 10,
+            row_layers: 2,
+            column_layers: 5,
+            ..MeasuredUnit::default()
+        }
+    }
+
+    #[test]
+    fn measured_seconds_are_what_the_cost_model_predicts_at_tp1() {
+        let hw = HardwareSpec::preset("local-cpu").expect("a preset");
+        let s = shape();
+        let mut units = vec![unit(0.001)];
+        units.extend((0..s.layers).map(|i| unit(0.01 * (i + 1) as f64)));
+        units.push(unit(0.004));
+        let measured = MeasuredModel::new(s, 2, units, &hw).expect("valid");
+        let proxy = ModelProxy::from_costs(&measured);
+        let cm = CostModel::new(&proxy, &hw);
+        for (i, u) in measured.units.iter().enumerate() {
+            let terms = cm.unit_terms(i, 2, 1, 1, RecomputeMode::None, false);
+            assert!((terms.forward_s - u.forward_s).abs() < 1e-12, "unit {i}");
+            assert!((terms.backward_s - u.backward_s).abs() < 1e-12, "unit {i}");
+            // Half the micro-batch, half the time; tp = 2 halves it again.
+            let half = cm.unit_terms(i, 1, 2, 1, RecomputeMode::None, false);
+            assert!(
+                (half.forward_s - u.forward_s / 4.0).abs() < 1e-12,
+                "unit {i}"
+            );
+            assert_eq!(terms.params, 1010.0);
+        }
+        let profiles = measured.unit_profiles();
+        assert_eq!(profiles[1].tp_forward_allreduces, 2);
+        assert_eq!(profiles[1].tp_backward_allreduces, 5);
+    }
+
+    #[test]
+    fn measurements_must_cover_every_unit_with_positive_times() {
+        let hw = HardwareSpec::preset("local-cpu").expect("a preset");
+        let e = MeasuredModel::new(shape(), 2, vec![unit(0.1)], &hw).unwrap_err();
+        assert!(
+            e.to_string().starts_with("1 measured units for a model of"),
+            "{e}"
+        );
+        let mut units = vec![unit(0.1); shape().layers + 2];
+        units[1].backward_s = f64::NAN;
+        let e = MeasuredModel::new(shape(), 2, units, &hw).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "unit 1: measured backward_s = NaN is not a positive number"
+        );
+    }
+}
