@@ -188,6 +188,27 @@ fn choose_plan(
     Ok(ParallelPlan::from_planned(&best.layout))
 }
 
+/// The optimizer and schedule settings of the run.
+fn settings(args: &Args) -> TrainSettings {
+    TrainSettings {
+        steps: args.steps,
+        global_batch: args.global_batch,
+        seq_len: args.seq,
+        lr: 3e-3,
+        min_lr: 3e-4,
+        warmup_steps: 2,
+        weight_decay: 0.01,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        grad_clip: 1.0,
+        skip_nonfinite: false,
+        seed: args.seed,
+        val_every: 0,
+        val_batches: 0,
+    }
+}
+
 /// Builds this rank's part of the model and trains it.
 fn run(args: &Args, world: Option<MpiCommunicator>) -> Result<()> {
     let cfg = LlamaConfig {
@@ -233,24 +254,7 @@ fn run(args: &Args, world: Option<MpiCommunicator>) -> Result<()> {
     let me = grid.coords.pp;
     let holds = |u: usize| pipeline.schedule.rank_of(pipeline.partition.stage_of(u)) == me;
     let model = shard_module(units.retain(holds), &tp_plan(), grid.tp)?;
-    let settings = TrainSettings {
-        steps: args.steps,
-        global_batch: args.global_batch,
-        seq_len: args.seq,
-        lr: 3e-3,
-        min_lr: 3e-4,
-        warmup_steps: 2,
-        weight_decay: 0.01,
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        grad_clip: 1.0,
-        skip_nonfinite: false,
-        seed: args.seed,
-        val_every: 0,
-        val_batches: 0,
-    };
-    let mut trainer = Trainer::new(&grid, &plan, pipeline, settings, model, device, false)?;
+    let mut trainer = Trainer::new(&grid, &plan, pipeline, settings(args), model, device, false)?;
     let out = RunOutput {
         dir: args.out.clone(),
         checkpoints: Some(CheckpointPolicy {
