@@ -46,6 +46,13 @@ fn tensor_parallel_layers_equal_serial_for_tp_1_2_4() {
 }
 
 #[test]
+fn overlapped_tensor_parallel_products_equal_serial_for_tp_1_2_4() {
+    for np in [1, 2, 4] {
+        assert_all_ranks_ok(np, "overlap");
+    }
+}
+
+#[test]
 fn zero1_gives_every_parameter_exactly_one_owner() {
     for np in [1, 2, 4] {
         assert_all_ranks_ok(np, "zero");

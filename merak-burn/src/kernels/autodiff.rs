@@ -61,10 +61,10 @@ struct Linear;
 struct LinearBias;
 
 /// The linear layer's saved inputs: `x` (for the weight gradient) and `w`.
-type LinearState = (Option<NodeId>, NodeId);
+pub(crate) type LinearState = (Option<NodeId>, NodeId);
 
 /// Registers the gradients of a linear layer's parents (`x`, `w` and, with a bias, `bias`).
-fn linear_backward<B: FusedOps, const N: usize>(
+pub(crate) fn linear_backward<B: FusedOps, const N: usize>(
     ops: Ops<LinearState, N>,
     grads: &mut Gradients,
     c: &mut Checkpointer,

@@ -28,6 +28,7 @@
 //! the data-parallel reducer without a copy.
 
 mod autodiff;
+pub(crate) use autodiff::{LinearState, linear_backward};
 pub mod composed;
 pub mod cpu;
 mod flex;

@@ -15,6 +15,7 @@ pub mod linear;
 pub mod mlp;
 pub mod norm;
 pub mod ops;
+pub mod overlap;
 pub mod sharding;
 
 pub use attention::{AttentionMask, AttentionWeights, ParallelSelfAttention};

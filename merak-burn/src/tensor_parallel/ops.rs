@@ -13,7 +13,7 @@
 
 use burn::tensor::{Shape, Tensor, TensorPrimitive, backend::Backend, ops::FloatTensor};
 use burn_autodiff::{
-    Autodiff,
+    Autodiff, NodeId,
     checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
     grads::Gradients,
     ops::{Backward, Ops, OpsKind, unary},
@@ -23,6 +23,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 
 use crate::comm::{Group, ReduceOp, TensorComm};
+use crate::kernels::{LinearState, linear_backward};
 
 /// A backend on which the tensor-parallel operators are defined.
 ///
@@ -37,6 +38,23 @@ pub trait ParallelBackend: Backend + crate::kernels::FusedOps {
     fn tp_gather(x: FloatTensor<Self>, dim: usize, group: Group) -> FloatTensor<Self>;
     /// This rank's chunk along `dim` forward; all-gather of the gradient backward.
     fn tp_split(x: FloatTensor<Self>, dim: usize, group: Group) -> FloatTensor<Self>;
+    /// `x w` of a row-parallel layer summed over the group, the all-reduce overlapped with the
+    /// products of `chunks` token chunks ([`overlap`](super::overlap)); backward as the
+    /// serial layer (no communication).
+    fn tp_row_linear(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        chunks: usize,
+        group: Group,
+    ) -> FloatTensor<Self>;
+    /// `x w` of a column-parallel layer (no communication forward); backward, the input
+    /// gradient summed over the group in `chunks` token chunks, overlapped with the products.
+    fn tp_column_linear(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        chunks: usize,
+        group: Group,
+    ) -> FloatTensor<Self>;
     /// Identity forward; backward, hands the gradient to the sink installed with
     /// [`set_grad_sink`] (the data-parallel reducer's) as gradient `hook`, as soon as it is
     /// final; the input gets none.
@@ -189,6 +207,22 @@ macro_rules! impl_parallel_backend {
             ) -> burn::tensor::ops::FloatTensor<Self> {
                 $crate::tensor_parallel::ops::plain::split::<Self>(x, dim, group)
             }
+            fn tp_row_linear(
+                x: burn::tensor::ops::FloatTensor<Self>,
+                w: burn::tensor::ops::FloatTensor<Self>,
+                chunks: usize,
+                group: $crate::comm::Group,
+            ) -> burn::tensor::ops::FloatTensor<Self> {
+                $crate::tensor_parallel::overlap::row_forward::<Self>(x, w, chunks, group)
+            }
+            fn tp_column_linear(
+                x: burn::tensor::ops::FloatTensor<Self>,
+                w: burn::tensor::ops::FloatTensor<Self>,
+                _chunks: usize,
+                _group: $crate::comm::Group,
+            ) -> burn::tensor::ops::FloatTensor<Self> {
+                <Self as $crate::kernels::FusedOps>::linear_forward(x, w, None)
+            }
             fn grad_hook(
                 x: burn::tensor::ops::FloatTensor<Self>,
                 _hook: usize,
@@ -213,6 +247,35 @@ struct GatherBackward;
 struct SplitBackward;
 #[derive(Debug)]
 struct HookBackward;
+#[derive(Debug)]
+struct RowLinearBackward;
+#[derive(Debug)]
+struct ColumnLinearBackward;
+
+impl<B: ParallelBackend> Backward<B, 2> for RowLinearBackward {
+    type State = LinearState;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, c: &mut Checkpointer) {
+        linear_backward::<B, 2>(ops, grads, c);
+    }
+}
+
+impl<B: ParallelBackend> Backward<B, 2> for ColumnLinearBackward {
+    type State = (Option<NodeId>, NodeId, usize, Group);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, c: &mut Checkpointer) {
+        let (x, w, chunks, group) = ops.state;
+        let x = x.map(|id| c.retrieve_node_output::<B::FloatTensorPrimitive>(id));
+        let w = c.retrieve_node_output::<B::FloatTensorPrimitive>(w);
+        let dy = grads.consume::<B>(&ops.node);
+        let out = super::overlap::column_backward::<B>(x, w, dy, chunks, group);
+        for (parent, grad) in ops.parents.into_iter().zip(out) {
+            if let (Some(node), Some(grad)) = (parent, grad) {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
 
 impl<B: ParallelBackend> Backward<B, 1> for HookBackward {
     type State = usize;
@@ -304,6 +367,57 @@ impl<B: ParallelBackend, C: CheckpointStrategy> ParallelBackend for Autodiff<B, 
                 prep.finish((dim, group), B::tp_split(x.primitive, dim, group))
             }
             OpsKind::UnTracked(prep) => prep.finish(B::tp_split(x.primitive, dim, group)),
+        }
+    }
+
+    fn tp_row_linear(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        chunks: usize,
+        group: Group,
+    ) -> FloatTensor<Self> {
+        let w_tracked = w.is_tracked();
+        match RowLinearBackward
+            .prepare::<C>([x.node.clone(), w.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let state = (w_tracked.then(|| prep.checkpoint(&x)), prep.checkpoint(&w));
+                prep.finish(
+                    state,
+                    B::tp_row_linear(x.primitive, w.primitive, chunks, group),
+                )
+            }
+            OpsKind::UnTracked(prep) => {
+                prep.finish(B::tp_row_linear(x.primitive, w.primitive, chunks, group))
+            }
+        }
+    }
+
+    fn tp_column_linear(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        chunks: usize,
+        group: Group,
+    ) -> FloatTensor<Self> {
+        let w_tracked = w.is_tracked();
+        match ColumnLinearBackward
+            .prepare::<C>([x.node.clone(), w.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let x_saved = w_tracked.then(|| prep.checkpoint(&x));
+                let state = (x_saved, prep.checkpoint(&w), chunks, group);
+                prep.finish(
+                    state,
+                    B::tp_column_linear(x.primitive, w.primitive, chunks, group),
+                )
+            }
+            OpsKind::UnTracked(prep) => {
+                prep.finish(B::tp_column_linear(x.primitive, w.primitive, chunks, group))
+            }
         }
     }
 

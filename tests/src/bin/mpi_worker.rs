@@ -5,8 +5,9 @@
 //! On success every rank prints `rank R: SCENARIO ok`.
 //!
 //! Scenarios: `comm` (every communicator operation), `grid` (sub-communicator membership),
-//! `layers` (tensor-parallel layers against tp = 1, forward and backward), `panic` (rank 1
-//! panics while rank 0 waits for it).
+//! `layers` (tensor-parallel layers against tp = 1, forward and backward), `overlap` (the
+//! chunked, overlapped row- and column-parallel products against the serial ones), `panic`
+//! (rank 1 panics while rank 0 waits for it).
 
 use std::rc::Rc;
 
@@ -37,6 +38,7 @@ fn main() {
         "layers" => layers(Group::register(Rc::new(mpi.world()))),
         "panic" => panic_scenario(&world),
         "zero" => zero(Group::register(Rc::new(mpi.world()))),
+        "overlap" => overlap(Group::register(Rc::new(mpi.world()))),
         other => panic!("unknown scenario {other:?}"),
     }
     println!("rank {rank}: {scenario} ok");
@@ -663,4 +665,59 @@ fn out_w_again(rng: &InitRng, name: &str, shape: [usize; 3]) -> Tensor<B, 3> {
         TensorData::new(rng.normal(name, shape.iter().product(), 1.0), shape),
         &Default::default(),
     )
+}
+
+/// A leaf `[rows, cols]` of values drawn for `name` (the same on every rank for the same name).
+fn leaf(rng: &InitRng, name: &str, rows: usize, cols: usize) -> Tensor<B, 2> {
+    let v = rng.normal(name, rows * cols, 1.0);
+    Tensor::<B, 2>::from_data(TensorData::new(v, [rows, cols]), &Default::default()).require_grad()
+}
+
+/// The overlapped row- and column-parallel products with 1, 2 and 4 token chunks give the
+/// serial layer's output, input gradient and weight gradient.
+fn overlap(tp: Group) {
+    use merak_burn::tensor_parallel::overlap::{column_linear, row_linear};
+    use merak_burn::tensor_parallel::{copy_to_tp, reduce_from_tp};
+    let rng = InitRng::new(11 + tp.rank() as u64);
+    let (tokens, d_in, d_out) = (16, 6, 10);
+    // Each rank has its own slice of a row-parallel layer and its own weight of a column one;
+    // the column layer's input (and the row layer's output gradient) is the same everywhere.
+    let shared = InitRng::new(5);
+    let x_local = || leaf(&rng, "x_local", tokens, d_in);
+    let x_shared = || leaf(&shared, "x_shared", tokens, d_in);
+    let w = || leaf(&rng, "w", d_in, d_out);
+    let dy = shared.normal("dy", tokens * d_out, 1.0);
+    let upstream = || {
+        Tensor::<B, 2>::from_data(
+            TensorData::new(dy.clone(), [tokens, d_out]),
+            &Default::default(),
+        )
+    };
+    let run = |x: Tensor<B, 2>,
+               w: Tensor<B, 2>,
+               f: &dyn Fn(Tensor<B, 2>, Tensor<B, 2>) -> Tensor<B, 2>| {
+        let y = f(x.clone(), w.clone());
+        let grads = (y.clone() * upstream()).sum().backward();
+        let g = |t: &Tensor<B, 2>| to_vec(t.grad(&grads).expect("a gradient"));
+        (to_vec(y), g(&x), g(&w))
+    };
+    let serial_row = run(x_local(), w(), &|x, w| reduce_from_tp(x.matmul(w), tp));
+    let serial_col = run(x_shared(), w(), &|x, w| copy_to_tp(x, tp).matmul(w));
+    for chunks in [1, 2, 4] {
+        let row = run(x_local(), w(), &|x, w| row_linear(x, w, chunks, tp));
+        let col = run(x_shared(), w(), &|x, w| column_linear(x, w, chunks, tp));
+        for (name, got, want) in [("row", row, &serial_row), ("column", col, &serial_col)] {
+            check(&format!("{name} k={chunks} output"), got.0, want.0.clone());
+            check(
+                &format!("{name} k={chunks} input grad"),
+                got.1,
+                want.1.clone(),
+            );
+            check(
+                &format!("{name} k={chunks} weight grad"),
+                got.2,
+                want.2.clone(),
+            );
+        }
+    }
 }
