@@ -87,6 +87,29 @@ pub(crate) fn linear_backward<B: FusedOps, const N: usize>(
     }
 }
 
+/// The graph node of a linear product `forward(x, w)` whose backward pass is `op`: it keeps
+/// `x` (when `w` needs a gradient) and `w`, handed to `state` with anything else `op` needs.
+pub(crate) fn linear_node<B: FusedOps, C: CheckpointStrategy, O: Backward<B, 2>>(
+    op: O,
+    x: FloatTensor<Autodiff<B, C>>,
+    w: FloatTensor<Autodiff<B, C>>,
+    state: impl FnOnce(LinearState) -> O::State,
+    forward: impl FnOnce(FloatTensor<B>, FloatTensor<B>) -> FloatTensor<B>,
+) -> FloatTensor<Autodiff<B, C>> {
+    let w_tracked = w.is_tracked();
+    match op
+        .prepare::<C>([x.node.clone(), w.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(mut prep) => {
+            let saved = (w_tracked.then(|| prep.checkpoint(&x)), prep.checkpoint(&w));
+            prep.finish(state(saved), forward(x.primitive, w.primitive))
+        }
+        OpsKind::UnTracked(prep) => prep.finish(forward(x.primitive, w.primitive)),
+    }
+}
+
 impl<B: FusedOps> Backward<B, 2> for Linear {
     type State = LinearState;
 
@@ -243,19 +266,13 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
     ) -> FloatTensor<Self> {
         let w_tracked = w.is_tracked();
         match bias {
-            None => match Linear
-                .prepare::<C>([x.node.clone(), w.node.clone()])
-                .compute_bound()
-                .stateful()
-            {
-                OpsKind::Tracked(mut prep) => {
-                    let state = (w_tracked.then(|| prep.checkpoint(&x)), prep.checkpoint(&w));
-                    prep.finish(state, B::linear_forward(x.primitive, w.primitive, None))
-                }
-                OpsKind::UnTracked(prep) => {
-                    prep.finish(B::linear_forward(x.primitive, w.primitive, None))
-                }
-            },
+            None => linear_node::<B, C, _>(
+                Linear,
+                x,
+                w,
+                |saved| saved,
+                |x, w| B::linear_forward(x, w, None),
+            ),
             Some(b) => match LinearBias
                 .prepare::<C>([x.node.clone(), w.node.clone(), b.node.clone()])
                 .compute_bound()

@@ -28,7 +28,7 @@
 //! the data-parallel reducer without a copy.
 
 mod autodiff;
-pub(crate) use autodiff::{LinearState, linear_backward};
+pub(crate) use autodiff::{LinearState, linear_backward, linear_node};
 pub mod composed;
 pub mod cpu;
 mod flex;

@@ -23,7 +23,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 
 use crate::comm::{Group, ReduceOp, TensorComm};
-use crate::kernels::{LinearState, linear_backward};
+use crate::kernels::{LinearState, linear_backward, linear_node};
 
 /// A backend on which the tensor-parallel operators are defined.
 ///
@@ -376,23 +376,13 @@ impl<B: ParallelBackend, C: CheckpointStrategy> ParallelBackend for Autodiff<B, 
         chunks: usize,
         group: Group,
     ) -> FloatTensor<Self> {
-        let w_tracked = w.is_tracked();
-        match RowLinearBackward
-            .prepare::<C>([x.node.clone(), w.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(mut prep) => {
-                let state = (w_tracked.then(|| prep.checkpoint(&x)), prep.checkpoint(&w));
-                prep.finish(
-                    state,
-                    B::tp_row_linear(x.primitive, w.primitive, chunks, group),
-                )
-            }
-            OpsKind::UnTracked(prep) => {
-                prep.finish(B::tp_row_linear(x.primitive, w.primitive, chunks, group))
-            }
-        }
+        linear_node::<B, C, _>(
+            RowLinearBackward,
+            x,
+            w,
+            |saved| saved,
+            |x, w| B::tp_row_linear(x, w, chunks, group),
+        )
     }
 
     fn tp_column_linear(
@@ -401,24 +391,10 @@ impl<B: ParallelBackend, C: CheckpointStrategy> ParallelBackend for Autodiff<B, 
         chunks: usize,
         group: Group,
     ) -> FloatTensor<Self> {
-        let w_tracked = w.is_tracked();
-        match ColumnLinearBackward
-            .prepare::<C>([x.node.clone(), w.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(mut prep) => {
-                let x_saved = w_tracked.then(|| prep.checkpoint(&x));
-                let state = (x_saved, prep.checkpoint(&w), chunks, group);
-                prep.finish(
-                    state,
-                    B::tp_column_linear(x.primitive, w.primitive, chunks, group),
-                )
-            }
-            OpsKind::UnTracked(prep) => {
-                prep.finish(B::tp_column_linear(x.primitive, w.primitive, chunks, group))
-            }
-        }
+        let state = |(x, w): LinearState| (x, w, chunks, group);
+        linear_node::<B, C, _>(ColumnLinearBackward, x, w, state, |x, w| {
+            B::tp_column_linear(x, w, chunks, group)
+        })
     }
 
     fn grad_hook(x: FloatTensor<Self>, hook: usize) -> FloatTensor<Self> {

@@ -85,7 +85,8 @@ fn chunk<B: FusedOps>(x: &FloatTensor<B>, i: usize, chunks: usize) -> FloatTenso
     )
 }
 
-/// Checks that `chunks` divides the rows of `x` (the plan checks it before training).
+/// Checks that `chunks` divides the rows of `x`. A caller that lets a user choose `chunks` must
+/// check it before training; here it can only be a bug.
 fn check_chunks<B: FusedOps>(x: &FloatTensor<B>, chunks: usize) {
     let n = x.shape().dims::<2>()[0];
     assert!(
@@ -167,13 +168,7 @@ pub fn row_linear<B: ParallelBackend>(
     chunks: usize,
     group: Group,
 ) -> Tensor<B, 2> {
-    let out = B::tp_row_linear(
-        x.into_primitive().tensor(),
-        w.into_primitive().tensor(),
-        chunks,
-        group,
-    );
-    Tensor::from_primitive(TensorPrimitive::Float(out))
+    on_primitives(B::tp_row_linear, x, w, chunks, group)
 }
 
 /// `x w` of a column-parallel layer whose input `x: [tokens, d_in]` is replicated over `group`
@@ -185,11 +180,17 @@ pub fn column_linear<B: ParallelBackend>(
     chunks: usize,
     group: Group,
 ) -> Tensor<B, 2> {
-    let out = B::tp_column_linear(
-        x.into_primitive().tensor(),
-        w.into_primitive().tensor(),
-        chunks,
-        group,
-    );
-    Tensor::from_primitive(TensorPrimitive::Float(out))
+    on_primitives(B::tp_column_linear, x, w, chunks, group)
+}
+
+/// `op` of a backend applied to the primitives of `x` and `w`.
+fn on_primitives<B: ParallelBackend>(
+    op: fn(FloatTensor<B>, FloatTensor<B>, usize, Group) -> FloatTensor<B>,
+    x: Tensor<B, 2>,
+    w: Tensor<B, 2>,
+    chunks: usize,
+    group: Group,
+) -> Tensor<B, 2> {
+    let (x, w) = (x.into_primitive().tensor(), w.into_primitive().tensor());
+    Tensor::from_primitive(TensorPrimitive::Float(op(x, w, chunks, group)))
 }

@@ -9,6 +9,7 @@
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::marker::PhantomData;
+use std::sync::Arc;
 
 use burn::module::{
     AutodiffModule, Content, Devices, EmptyRecord, HasAutodiffModule, Module, ModuleDisplay,
@@ -60,24 +61,30 @@ pub const SPLIT_CONTAINER: &str = "merak:Split";
 pub struct Split<B: Backend> {
     params: Declared,
     group: Option<Group>,
+    /// `params` as announced to visitors and mappers, written once: models are visited and
+    /// mapped several times per training step.
+    announced: Arc<str>,
     backend: PhantomData<B>,
 }
 
 impl<B: Backend> Split<B> {
     /// Nothing split: every parameter of the layer is whole on every rank.
     pub fn none() -> Self {
-        Self {
-            params: Vec::new(),
-            group: None,
-            backend: PhantomData,
-        }
+        Self::declared(Vec::new(), None)
     }
 
     /// The parameters at `params` (paths inside the layer) split as given over `group`.
     pub fn new<'a>(group: Group, params: impl IntoIterator<Item = (&'a str, ShardKind)>) -> Self {
+        Self::declared(sharded(params), Some(group))
+    }
+
+    /// The declaration of `params` over `group`, with its announcement.
+    fn declared(params: Declared, group: Option<Group>) -> Self {
+        let announced = serde_json::to_string(&params).unwrap_or_default().into();
         Self {
-            params: sharded(params),
-            group: Some(group),
+            params,
+            group,
+            announced,
             backend: PhantomData,
         }
     }
@@ -94,16 +101,12 @@ impl<B: Backend> Split<B> {
             .map_or(ShardKind::Replicated, |(_, kind)| *kind)
     }
 
-    /// The declaration as it is announced to visitors.
-    fn announce(&self) -> String {
-        serde_json::to_string(&self.params).unwrap_or_default()
-    }
-
     /// The same declaration on another backend.
     fn on<C: Backend>(&self) -> Split<C> {
         Split {
             params: self.params.clone(),
             group: self.group,
+            announced: self.announced.clone(),
             backend: PhantomData,
         }
     }
@@ -142,22 +145,16 @@ impl<B: Backend> Module<B> for Split<B> {
     type Record = EmptyRecord;
 
     fn visit<V: ModuleVisitor<B>>(&self, visitor: &mut V) {
-        let announced = self.announce();
-        visitor.enter_module(&announced, SPLIT_CONTAINER);
-        visitor.exit_module(&announced, SPLIT_CONTAINER);
+        visitor.enter_module(&self.announced, SPLIT_CONTAINER);
+        visitor.exit_module(&self.announced, SPLIT_CONTAINER);
     }
 
     fn map<M: ModuleMapper<B>>(self, mapper: &mut M) -> Self {
         REPLACEMENT.with(|r| r.borrow_mut().take());
-        let announced = self.announce();
-        mapper.enter_module(&announced, SPLIT_CONTAINER);
-        mapper.exit_module(&announced, SPLIT_CONTAINER);
+        mapper.enter_module(&self.announced, SPLIT_CONTAINER);
+        mapper.exit_module(&self.announced, SPLIT_CONTAINER);
         match REPLACEMENT.with(|r| r.borrow_mut().take()) {
-            Some((params, group)) => Self {
-                params,
-                group: Some(group),
-                backend: PhantomData,
-            },
+            Some((params, group)) => Self::declared(params, Some(group)),
             None => self,
         }
     }
@@ -201,7 +198,7 @@ impl<B: AutodiffBackend> HasAutodiffModule<B> for Split<B::InnerBackend> {
 
 impl<B: Backend> ModuleDisplayDefault for Split<B> {
     fn content(&self, content: Content) -> Option<Content> {
-        content.add_formatted(&self.announce()).optional()
+        content.add_formatted(&self.announced).optional()
     }
 }
 
