@@ -8,6 +8,7 @@ use std::path::Path;
 use merak_burn::pipeline::{PipelinePlan, Recompute, RecomputeMode, ScheduleKind};
 use merak_burn::plan::ParallelPlan;
 use merak_burn::planner::TransformerShape;
+use merak_burn::tensor_parallel::TpOverlap;
 use merak_gpt::GptConfig;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -101,6 +102,10 @@ pub struct ParallelSection {
     /// Stage-aware recomputation: activation memory per stage in MiB; 0: what the last stage
     /// needs without recomputation.
     pub memory_budget_mb: f64,
+    /// Sub-pipelined tensor parallelism: token chunks per micro-batch (1: none). Each
+    /// tensor-parallel all-reduce is cut into this many chunks, each overlapped with the next
+    /// chunk's matrix product; it must divide micro-batch x sequence length.
+    pub tp_overlap: usize,
 }
 
 /// `[train]`: optimization.
@@ -212,6 +217,7 @@ impl Default for Config {
                 recompute: Recompute::None,
                 stage_recompute: Vec::new(),
                 memory_budget_mb: 0.0,
+                tp_overlap: 1,
             },
             train: TrainSection {
                 steps: 200,
@@ -628,7 +634,27 @@ impl Config {
                 format!("{} must be a positive number", self.parallel.bucket_mb),
             );
         }
-        Ok(())
+        self.validate_overlap()
+    }
+
+    /// `parallel.tp_overlap`: at least 1 and a divisor of the tokens of a micro-batch.
+    fn validate_overlap(&self) -> Result<(), ConfigError> {
+        let tokens = self.micro_batch() * self.model.gpt.seq_len;
+        let overlap = match TpOverlap::new(self.parallel.tp_overlap) {
+            Ok(k) => k,
+            Err(e) => return bad("parallel.tp_overlap", e.to_string()),
+        };
+        match overlap.check_tokens(tokens) {
+            Ok(()) => Ok(()),
+            Err(e) => bad(
+                "parallel.tp_overlap",
+                format!(
+                    "{e} (train.micro_batch = {} x model.seq_len = {}): choose a divisor of {tokens}",
+                    self.micro_batch(),
+                    self.model.gpt.seq_len
+                ),
+            ),
+        }
     }
 
     /// The BERT shape of `[model]` (for `model.kind = "bert"`).
@@ -698,7 +724,7 @@ impl Config {
             memory_budget_mb: p.memory_budget_mb,
             zero1: p.zero == 1,
             bucket_mb: p.bucket_mb,
-            tp_overlap: 1,
+            tp_overlap: p.tp_overlap,
         }
     }
 
@@ -715,6 +741,7 @@ impl Config {
         p.stage_layers = plan.stage_units.clone();
         p.stage_recompute = plan.stage_recompute.clone();
         p.zero = u8::from(plan.zero1);
+        p.tp_overlap = plan.tp_overlap;
         self.train.micro_batch = plan.micro_batch;
     }
 }

@@ -358,7 +358,7 @@ pub fn simulate(a: &SimulateArgs) -> Result<()> {
 }
 
 /// The config keys a plan sets.
-pub const PLANNED_KEYS: [&str; 9] = [
+pub const PLANNED_KEYS: [&str; 10] = [
     "train.micro_batch",
     "parallel.dp",
     "parallel.tp",
@@ -368,6 +368,7 @@ pub const PLANNED_KEYS: [&str; 9] = [
     "parallel.stage_layers",
     "parallel.stage_recompute",
     "parallel.zero",
+    "parallel.tp_overlap",
 ];
 
 /// `merak train --plan auto`: probes this machine with every rank of the launch (a quick

@@ -99,7 +99,6 @@ fn apply_plan(
         (path, file)
     };
     file.check_job(&path, &cfg.shape()?, size, cfg.train.global_batch)?;
-    file.check_runnable(&path)?;
     cfg.apply_plan(&ParallelPlan::from_planned(&file.plan.layout));
     cfg.validate()
         .with_context(|| format!("applying the plan {}", path.display()))?;

@@ -11,7 +11,7 @@ use merak_burn::comm::{Communicator, MpiCommunicator, MpiWorld, launched_by_mpir
 use merak_burn::grid::ProcessGrid;
 use merak_burn::pipeline::PipelinePlan;
 use merak_burn::plan::ParallelPlan;
-use merak_burn::tensor_parallel::ParallelBackend;
+use merak_burn::tensor_parallel::{ParallelBackend, TpOverlap};
 
 use crate::config::Config;
 use crate::data::Source;
@@ -254,13 +254,16 @@ where
     let plan = spec.plan;
     let me = grid.coords.pp;
     let holds = |unit: usize| plan.schedule.rank_of(plan.partition.stage_of(unit)) == me;
+    let overlap = TpOverlap::new(cfg.parallel.tp_overlap)?;
     if cfg.model.kind == "bert" {
         let bert = cfg.bert();
-        let model = merak_bert::Bert::<B>::new_units(&bert, seed, grid.tp, device, &holds)?;
+        let model = merak_bert::Bert::<B>::new_units(&bert, seed, grid.tp, device, &holds)?
+            .with_tp_overlap(overlap);
         let objective = Objective::Masked(bert);
         return Ok(train::train(cfg, data, grid, out, device, model, &objective, spec)?.0);
     }
-    let mut model = merak_gpt::Gpt::<B>::new_units(&cfg.model.gpt, seed, grid.tp, device, &holds)?;
+    let mut model = merak_gpt::Gpt::<B>::new_units(&cfg.model.gpt, seed, grid.tp, device, &holds)?
+        .with_tp_overlap(overlap);
     if let Some(pretrained) = &job.init_from {
         model = init_from::apply(model, pretrained, grid)?;
     }

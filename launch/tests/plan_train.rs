@@ -65,8 +65,9 @@ fn saved_plans_train_like_one_process() {
     let got = read_metrics(&out);
     assert_same_run("searched plan", &got, &want);
 
-    // A hand-edited plan with a pipeline, tensor parallelism, an uneven partition and a
-    // different recomputation per stage (selective on the first rank, full on the second).
+    // A hand-edited plan with a pipeline, sub-pipelined tensor parallelism, an uneven
+    // partition and a different recomputation per stage (selective on the first rank, full on
+    // the second).
     let layout = &mut plan["plan"]["layout"];
     layout["dp"] = 1.into();
     layout["tp"] = 2.into();
@@ -76,6 +77,7 @@ fn saved_plans_train_like_one_process() {
     layout["micro_batches"] = 4.into();
     layout["schedule"] = "1f1b".into();
     layout["zero1"] = false.into();
+    layout["tp_overlap"] = 2.into();
     layout["recompute"] = serde_json::json!(["selective", "full"]);
     layout["partition"] =
         serde_json::json!({"ranges": [{"start": 0, "end": 1}, {"start": 1, "end": 4}]});
@@ -92,6 +94,7 @@ fn saved_plans_train_like_one_process() {
         "stage_layers = [1, 3]",
         "stage_recompute = [\"selective\", \"full\"]",
         "micro_batch = 2",
+        "tp_overlap = 2",
     ] {
         assert!(
             config.contains(line),
@@ -119,12 +122,12 @@ fn plans_that_do_not_fit_the_job_are_refused() {
     let (run, _) = train_plan(4, "plan-and-dp", &path, &["--dp", "4"]);
     assert_refused(&run, "drop --dp");
 
-    // Sub-pipelined tensor parallelism (planned for GPUs), which merak train does not run.
+    // An overlap degree that does not divide the tokens of the plan's micro-batch.
     let mut overlapped = plan.clone();
-    overlapped["plan"]["layout"]["tp_overlap"] = 2.into();
+    overlapped["plan"]["layout"]["tp_overlap"] = 3.into();
     std::fs::write(&path, serde_json::to_vec(&overlapped).unwrap()).unwrap();
     let (run, _) = train_plan(4, "plan-overlapped", &path, &[]);
-    assert_refused(&run, "tp_overlap = 2");
+    assert_refused(&run, "tp_overlap = 3 does not divide");
 
     // A partition with a hole.
     let mut broken = plan.clone();

@@ -344,6 +344,11 @@ fn bert_trains_the_same_under_dp_and_tp_and_learns() {
     let single = train_bert(0, "bert-single", &[]);
     for (np, name, extra) in [
         (2, "bert-tp2", vec!["--tp", "2"]),
+        (
+            2,
+            "bert-tp2-overlap2",
+            vec!["--tp", "2", "--set", "parallel.tp_overlap=2"],
+        ),
         (2, "bert-dp2", vec!["--dp", "2"]),
         (
             4,

@@ -55,18 +55,6 @@ pub enum PlanFileError {
         /// The job's value.
         job: String,
     },
-    /// The plan uses a feature that `merak train` does not run.
-    #[error("plan file {path}: {field} = {value} {reason}")]
-    Unsupported {
-        /// The file.
-        path: PathBuf,
-        /// The layout field.
-        field: &'static str,
-        /// Its value.
-        value: String,
-        /// Why it cannot run, and what to do.
-        reason: &'static str,
-    },
     /// The layout is inconsistent with its own model (stages, units, recomputation list).
     #[error("plan file {path}: {source}")]
     Layout {
@@ -205,27 +193,6 @@ impl PlanFile {
         self.mismatch(path, "devices", self.gpus, gpus)?;
         self.mismatch(path, "global batch", self.global_batch, global_batch)
     }
-
-    /// Checks that `merak train` can run the plan: its runtime does not sub-pipeline tensor
-    /// parallelism, so a plan with `tp_overlap > 1` (made for GPU hardware) is refused.
-    ///
-    /// # Errors
-    ///
-    /// [`PlanFileError::Unsupported`] naming the field.
-    pub fn check_runnable(&self, path: &Path) -> Result<(), PlanFileError> {
-        let overlap = self.plan.layout.tp_overlap;
-        if overlap > 1 {
-            return Err(PlanFileError::Unsupported {
-                path: path.to_path_buf(),
-                field: "tp_overlap",
-                value: overlap.to_string(),
-                reason: "(sub-pipelined tensor parallelism) is not run by merak train yet; \
-                         plan with hardware whose max_tp_overlap = 1 (local-cpu, or a \
-                         `merak probe` spec)",
-            });
-        }
-        Ok(())
-    }
 }
 
 #[cfg(test)]
@@ -274,12 +241,6 @@ mod tests {
             PlanFile::read(&path),
             Err(PlanFileError::Layout { .. })
         ));
-        // A plan that sub-pipelines tensor parallelism is read, but merak train refuses it.
-        file.check_runnable(&path).unwrap();
-        let mut overlapped = file.clone();
-        overlapped.plan.layout.tp_overlap = 2;
-        let err = overlapped.check_runnable(&path).unwrap_err().to_string();
-        assert!(err.contains("tp_overlap = 2"), "{err}");
         std::fs::write(&path, b"{\"format\": 1}").unwrap();
         assert!(matches!(
             PlanFile::read(&path),

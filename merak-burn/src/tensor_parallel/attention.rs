@@ -6,6 +6,7 @@ use burn::tensor::{Bool, Tensor, activation::softmax, backend::Backend};
 use super::init::{TpError, check_divisible};
 use super::linear::{ColumnParallelLinear, RowParallelLinear};
 use super::ops::ParallelBackend;
+use super::overlap::TpOverlap;
 use crate::comm::Group;
 use crate::kernels::{AttentionSpec, attention};
 
@@ -84,6 +85,15 @@ impl<B: ParallelBackend> ParallelSelfAttention<B> {
             head_dim: d_model / heads,
             mask,
         })
+    }
+
+    /// Sub-pipelines both projections over `overlap` token chunks: the
+    /// Q/K/V projection's input-gradient all-reduce (backward) and the output projection's
+    /// all-reduce (forward). The attention between them keeps whole sequences: it mixes the
+    /// tokens of a sequence, so it is not cut.
+    pub fn set_overlap(&mut self, overlap: TpOverlap) {
+        self.qkv.set_overlap(overlap);
+        self.proj.set_overlap(overlap);
     }
 
     /// `[batch, seq, d_model] -> [batch, seq, d_model]`. The attention between the two

@@ -29,6 +29,17 @@ pub enum TpError {
         /// The given count.
         got: usize,
     },
+    /// The overlap degree does not divide the tokens of a micro-batch.
+    #[error("tp_overlap = {chunks} does not divide the {tokens} tokens of a micro-batch")]
+    Overlap {
+        /// The overlap degree (token chunks).
+        chunks: usize,
+        /// Tokens per micro-batch.
+        tokens: usize,
+    },
+    /// An overlap degree of zero chunks.
+    #[error("tp_overlap = 0: it must be at least 1 (1: no overlap)")]
+    ZeroOverlap,
 }
 
 /// Checks `value % tp == 0`.

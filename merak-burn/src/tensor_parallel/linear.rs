@@ -6,6 +6,7 @@ use burn::tensor::{Tensor, TensorData, backend::Backend};
 
 use super::init::{Shard, TpError, check_divisible};
 use super::ops::{ParallelBackend, copy_to_tp, gather_from_tp, reduce_from_tp};
+use super::overlap::{self, TpOverlap};
 use super::sharding::{ShardKind, Split};
 use crate::comm::Group;
 use crate::kernels::{self, FusedOps, bias_gelu};
@@ -88,6 +89,8 @@ pub struct ColumnParallelLinear<B: Backend> {
     group: Group,
     #[module(skip)]
     gather_output: bool,
+    #[module(skip)]
+    overlap: TpOverlap,
 }
 
 impl<B: ParallelBackend> ColumnParallelLinear<B> {
@@ -129,13 +132,35 @@ impl<B: ParallelBackend> ColumnParallelLinear<B> {
             split: Split::new(group, [("linear.weight", kind), ("linear.bias", kind)]),
             group,
             gather_output,
+            overlap: TpOverlap::default(),
+        })
+    }
+
+    /// Sub-pipelines the layer: its input-gradient all-reduce overlapped over `overlap` token chunks
+    /// ([`overlap`](super::overlap)).
+    pub fn set_overlap(&mut self, overlap: TpOverlap) {
+        self.overlap = overlap;
+    }
+
+    /// `x A_r` with the *f* operator in front (identity forward, gradient summed over the
+    /// group backward), sub-pipelined when an overlap is set; no bias.
+    fn product<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        if self.overlap.is_serial() || self.group.size() == 1 {
+            return linear_rows(copy_to_tp(x, self.group), &self.linear, false);
+        }
+        on_rows(x, |x| {
+            let chunks = self.overlap.chunks_for(x.dims()[0]);
+            overlap::column_linear(x, self.linear.weight.val(), chunks, self.group)
         })
     }
 
     /// `[..., d_input] -> [..., d_output / tp]` (or `d_output` when gathering).
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let x = copy_to_tp(x, self.group);
-        let y = linear_rows(x, &self.linear, true);
+        let y = if self.overlap.is_serial() {
+            linear_rows(copy_to_tp(x, self.group), &self.linear, true)
+        } else {
+            add_bias(self.product(x), self.linear.bias.as_ref())
+        };
         if self.gather_output {
             gather_from_tp(y, D - 1, self.group)
         } else {
@@ -146,8 +171,7 @@ impl<B: ParallelBackend> ColumnParallelLinear<B> {
     /// `gelu(x A_r + b_r)` as one matrix product and one fused bias + GELU
     /// ([`crate::kernels::bias_gelu`]); the output stays split (an MLP's expansion).
     pub fn forward_bias_gelu<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let x = copy_to_tp(x, self.group);
-        let y = linear_rows(x, &self.linear, false);
+        let y = self.product(x);
         match &self.linear.bias {
             Some(b) => bias_gelu(y, b.val()),
             None => burn::tensor::activation::gelu(y),
@@ -173,6 +197,8 @@ pub struct RowParallelLinear<B: Backend> {
     pub split: Split<B>,
     #[module(skip)]
     group: Group,
+    #[module(skip)]
+    overlap: TpOverlap,
 }
 
 impl<B: ParallelBackend> RowParallelLinear<B> {
@@ -204,15 +230,51 @@ impl<B: ParallelBackend> RowParallelLinear<B> {
             },
             bias: bias.map(|b| param1(b.to_vec(), device)),
             group,
+            overlap: TpOverlap::default(),
         })
+    }
+
+    /// Sub-pipelines the layer: its all-reduce overlapped over `overlap` token chunks
+    /// ([`overlap`](super::overlap)).
+    pub fn set_overlap(&mut self, overlap: TpOverlap) {
+        self.overlap = overlap;
     }
 
     /// `[..., d_input / tp] -> [..., d_output]`.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let y = reduce_from_tp(linear_rows(x, &self.linear, true), self.group);
-        match &self.bias {
-            Some(b) => y + b.val().unsqueeze(),
-            None => y,
-        }
+        let y = if self.overlap.is_serial() || self.group.size() == 1 {
+            reduce_from_tp(linear_rows(x, &self.linear, true), self.group)
+        } else {
+            on_rows(x, |x| {
+                let chunks = self.overlap.chunks_for(x.dims()[0]);
+                overlap::row_linear(x, self.linear.weight.val(), chunks, self.group)
+            })
+        };
+        add_bias(y, self.bias.as_ref())
     }
+}
+
+/// `y + b`, the bias broadcast over every leading dimension.
+fn add_bias<B: Backend, const D: usize>(
+    y: Tensor<B, D>,
+    bias: Option<&Param<Tensor<B, 1>>>,
+) -> Tensor<B, D> {
+    match bias {
+        Some(b) => y + b.val().unsqueeze(),
+        None => y,
+    }
+}
+
+/// `f` applied to `x` with its leading dimensions folded into rows (`[rows, features]`), the
+/// result unfolded again.
+fn on_rows<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    f: impl FnOnce(Tensor<B, 2>) -> Tensor<B, 2>,
+) -> Tensor<B, D> {
+    let dims = x.dims();
+    let rows = dims[..D - 1].iter().product::<usize>();
+    let y = f(x.reshape([rows, dims[D - 1]]));
+    let mut out = dims;
+    out[D - 1] = y.dims()[1];
+    y.reshape(out)
 }

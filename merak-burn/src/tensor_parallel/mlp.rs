@@ -6,6 +6,7 @@ use burn::tensor::{Tensor, activation::gelu, backend::Backend};
 use super::init::TpError;
 use super::linear::{ColumnParallelLinear, RowParallelLinear};
 use super::ops::ParallelBackend;
+use super::overlap::TpOverlap;
 use crate::comm::Group;
 
 /// The full-size parameters of an MLP block, row-major.
@@ -60,6 +61,14 @@ impl<B: ParallelBackend> ParallelMlp<B> {
                 device,
             )?,
         })
+    }
+
+    /// Sub-pipelines both products over `overlap` token chunks: the
+    /// expansion's input-gradient all-reduce (backward) and the contraction's all-reduce
+    /// (forward).
+    pub fn set_overlap(&mut self, overlap: TpOverlap) {
+        self.fc.set_overlap(overlap);
+        self.proj.set_overlap(overlap);
     }
 
     /// `[batch, seq, d_model] -> [batch, seq, d_model]`. The expansion's bias and the GELU

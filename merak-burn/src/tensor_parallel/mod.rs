@@ -30,5 +30,6 @@ pub use ops::{
     GradSink, ParallelBackend, copy_to_tp, gather_from_tp, reduce_from_tp, set_grad_sink,
     split_to_tp,
 };
+pub use overlap::TpOverlap;
 pub(crate) use sharding::replace_split;
 pub use sharding::{ParamSplits, SPLIT_CONTAINER, ShardKind, Split};

@@ -25,7 +25,73 @@ use crate::comm::tensor::tensor_to_vec;
 use crate::comm::{Communicator, Group, Pending, ReduceOp};
 use crate::kernels::FusedOps;
 
+use super::init::TpError;
 use super::ops::ParallelBackend;
+
+/// The overlap degree of a tensor-parallel layer: the token chunks its all-reduce is cut into
+/// (`parallel.tp_overlap`). One chunk (the default) is the serial layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TpOverlap(usize);
+
+impl Default for TpOverlap {
+    /// No overlap: one chunk.
+    fn default() -> Self {
+        Self(1)
+    }
+}
+
+impl TpOverlap {
+    /// `chunks` token chunks per micro-batch.
+    ///
+    /// # Errors
+    ///
+    /// [`TpError::ZeroOverlap`] when `chunks` is 0.
+    pub fn new(chunks: usize) -> Result<Self, TpError> {
+        if chunks == 0 {
+            return Err(TpError::ZeroOverlap);
+        }
+        Ok(Self(chunks))
+    }
+
+    /// Checks that the chunks divide the `tokens` of a micro-batch (batch x sequence length),
+    /// as training needs: a plan must fail before training starts, not fall back silently.
+    ///
+    /// # Errors
+    ///
+    /// [`TpError::Overlap`] naming both numbers.
+    pub fn check_tokens(self, tokens: usize) -> Result<(), TpError> {
+        if tokens.is_multiple_of(self.0) {
+            Ok(())
+        } else {
+            Err(TpError::Overlap {
+                chunks: self.0,
+                tokens,
+            })
+        }
+    }
+
+    /// The chunks of this degree.
+    pub fn chunks(self) -> usize {
+        self.0
+    }
+
+    /// Whether the layer runs serially (one chunk).
+    pub fn is_serial(self) -> bool {
+        self.0 == 1
+    }
+
+    /// The chunks a product over `rows` tokens is cut into: the degree where it divides them
+    /// (training checks that it does, see [`TpOverlap::check_tokens`]), otherwise their greatest
+    /// common divisor (a sample or an evaluation of another shape), which changes the order of
+    /// the work but not the result.
+    pub fn chunks_for(self, rows: usize) -> usize {
+        let (mut a, mut b) = (self.0, rows);
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a.max(1)
+    }
+}
 
 /// Communication failures inside a forward or backward pass cannot be returned through Burn's
 /// operator signatures; they are fatal for the job (the panic hook aborts it and names the

@@ -11,8 +11,8 @@ use merak_burn::kernels::{bias_gelu, linear};
 use merak_burn::pipeline::{TiedTable, UnitStack};
 use merak_burn::tensor_parallel::{
     AttentionMask, AttentionWeights, InitRng, LayerNorm, MlpWeights, ParallelBackend, ParallelMlp,
-    ParallelSelfAttention, ReplicatedDropout, TpError, VocabParallelEmbedding, param_from_values,
-    vocab_parallel_cross_entropy,
+    ParallelSelfAttention, ReplicatedDropout, TpError, TpOverlap, VocabParallelEmbedding,
+    param_from_values, vocab_parallel_cross_entropy,
 };
 
 use crate::BertConfig;
@@ -195,6 +195,17 @@ impl<B: ParallelBackend> Bert<B> {
             dropout: ReplicatedDropout::new(cfg.dropout, seed),
             hidden: cfg.hidden,
         })
+    }
+
+    /// The same model with every encoder layer's tensor-parallel products sub-pipelined over
+    /// `overlap` token chunks (`parallel.tp_overlap`, see
+    /// [`merak_burn::tensor_parallel::overlap`]).
+    pub fn with_tp_overlap(mut self, overlap: TpOverlap) -> Self {
+        for layer in self.layers.iter_mut().flatten() {
+            layer.attention.set_overlap(overlap);
+            layer.mlp.set_overlap(overlap);
+        }
+        self
     }
 
     /// The token table this rank uses for the output projection.

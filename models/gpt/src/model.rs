@@ -9,8 +9,8 @@ use merak_burn::comm::Group;
 use merak_burn::pipeline::{TiedTable, UnitStack};
 use merak_burn::tensor_parallel::{
     AttentionMask, AttentionWeights, InitRng, LayerNorm, MlpWeights, ParallelBackend, ParallelMlp,
-    ParallelSelfAttention, ReplicatedDropout, TpError, VocabParallelEmbedding, param_from_values,
-    vocab_parallel_cross_entropy,
+    ParallelSelfAttention, ReplicatedDropout, TpError, TpOverlap, VocabParallelEmbedding,
+    param_from_values, vocab_parallel_cross_entropy,
 };
 
 use crate::GptConfig;
@@ -141,6 +141,16 @@ impl<B: ParallelBackend> Gpt<B> {
             dropout: ReplicatedDropout::new(cfg.dropout, seed),
             hidden: cfg.hidden,
         })
+    }
+
+    /// The same model with every block's tensor-parallel products sub-pipelined over `overlap`
+    /// token chunks (`parallel.tp_overlap`, see [`merak_burn::tensor_parallel::overlap`]).
+    pub fn with_tp_overlap(mut self, overlap: TpOverlap) -> Self {
+        for block in self.blocks.iter_mut().flatten() {
+            block.attn.set_overlap(overlap);
+            block.mlp.set_overlap(overlap);
+        }
+        self
     }
 
     /// The token table this rank uses for the output head.

@@ -674,8 +674,101 @@ fn leaf(rng: &InitRng, name: &str, rows: usize, cols: usize) -> Tensor<B, 2> {
 }
 
 /// The overlapped row- and column-parallel products with 1, 2 and 4 token chunks give the
-/// serial layer's output, input gradient and weight gradient.
+/// serial layer's output, input gradient and weight gradient; so do the MLP and the attention
+/// block sub-pipelined over 2 and 4 chunks.
 fn overlap(tp: Group) {
+    overlapped_products(tp);
+    overlapped_blocks(tp);
+}
+
+/// The output, input gradient and every parameter gradient of a block sub-pipelined over 2
+/// and 4 token chunks equal those of the same block run serially.
+fn overlapped_blocks(tp: Group) {
+    use burn::module::Param;
+    use merak_burn::tensor_parallel::TpOverlap;
+    let rng = InitRng::new(7);
+    let dev = Default::default();
+    let (b, s, h, heads) = (2, 4, 8, 4);
+    let mlp = MlpWeights {
+        fc_weight: rng.normal("fc.w", h * 4 * h, 0.3),
+        fc_bias: rng.normal("fc.b", 4 * h, 0.3),
+        proj_weight: rng.normal("proj.w", 4 * h * h, 0.3),
+        proj_bias: rng.normal("proj.b", h, 0.3),
+    };
+    let attn = AttentionWeights {
+        qkv_weight: rng.normal("qkv.w", h * 3 * h, 0.3),
+        qkv_bias: rng.normal("qkv.b", 3 * h, 0.3),
+        proj_weight: rng.normal("aproj.w", h * h, 0.3),
+        proj_bias: rng.normal("aproj.b", h, 0.3),
+    };
+    let new_mlp = || ParallelMlp::<B>::from_full(&mlp, h, 4 * h, tp, &dev).unwrap();
+    let new_attn = || {
+        ParallelSelfAttention::<B>::from_full(&attn, h, heads, AttentionMask::Causal, tp, &dev)
+            .unwrap()
+    };
+    // Output, input gradient and parameter gradients (in module order) of one block.
+    let run = |forward: &dyn Fn(Tensor<B, 3>) -> Tensor<B, 3>,
+               params: &dyn Fn(&_) -> Vec<Vec<f32>>| {
+        let x = input(&rng, "x", [b, s, h]);
+        let y = forward(x.clone());
+        let grads = (y.clone() * out_w_again(&rng, "dy", [b, s, h]))
+            .sum()
+            .backward();
+        let mut all = vec![to_vec(y), to_vec(x.grad(&grads).expect("input gradient"))];
+        all.extend(params(&grads));
+        all
+    };
+    let grads2 = |w: &Param<Tensor<B, 2>>, g: &_| to_vec(w.grad(g).expect("weight gradient"));
+    let grads1 = |w: &Option<Param<Tensor<B, 1>>>, g: &_| {
+        to_vec(w.as_ref().expect("a bias").grad(g).expect("bias gradient"))
+    };
+    let mlp_run = |m: &ParallelMlp<B>| {
+        run(&|x| m.forward(x), &|g| {
+            vec![
+                grads2(&m.fc.linear.weight, g),
+                grads1(&m.fc.linear.bias, g),
+                grads2(&m.proj.linear.weight, g),
+                grads1(&m.proj.bias, g),
+            ]
+        })
+    };
+    let attn_run = |a: &ParallelSelfAttention<B>| {
+        run(&|x| a.forward(x), &|g| {
+            vec![
+                grads2(&a.qkv.linear.weight, g),
+                grads1(&a.qkv.linear.bias, g),
+                grads2(&a.proj.linear.weight, g),
+                grads1(&a.proj.bias, g),
+            ]
+        })
+    };
+    let (serial_mlp, serial_attn) = (mlp_run(&new_mlp()), attn_run(&new_attn()));
+    let names = [
+        "output",
+        "input grad",
+        "w1 grad",
+        "b1 grad",
+        "w2 grad",
+        "b2 grad",
+    ];
+    for k in [2, 4] {
+        let overlap = TpOverlap::new(k).unwrap();
+        let (mut m, mut a) = (new_mlp(), new_attn());
+        m.set_overlap(overlap);
+        a.set_overlap(overlap);
+        for (block, got, want) in [
+            ("mlp", mlp_run(&m), &serial_mlp),
+            ("attention", attn_run(&a), &serial_attn),
+        ] {
+            for ((name, g), w) in names.iter().zip(got).zip(want) {
+                check(&format!("{block} k={k} {name}"), g, w.clone());
+            }
+        }
+    }
+}
+
+/// The overlapped row- and column-parallel products against the serial ones.
+fn overlapped_products(tp: Group) {
     use merak_burn::tensor_parallel::overlap::{column_linear, row_linear};
     use merak_burn::tensor_parallel::{copy_to_tp, reduce_from_tp};
     let rng = InitRng::new(11 + tp.rank() as u64);
