@@ -3,8 +3,8 @@
 //!
 //! 1. `mpirun -np N merak probe` writes the hardware spec and `mpirun -np N merak profile`
 //!    the calibration (layer times of the model at every TP degree and micro-batch size).
-//! 2. For each of a list of layouts (at least six, over dp, tp, pp, micro-batch size, schedule
-//!    and recomputation), the cost model predicts the step time, the layout is written as a
+//! 2. For each of a list of layouts (at least six, over dp, tp, pp, micro-batch size, schedule,
+//!    recomputation and the tensor-parallel overlap degree), the cost model predicts the step time, the layout is written as a
 //!    plan file, and `mpirun -np N merak train --plan FILE` runs it; the measured step time is
 //!    the median over the steps after the first two.
 //! 3. The planner searches the whole space with the same spec and calibration; its plan is
@@ -69,8 +69,17 @@ struct Args {
     work: PathBuf,
 }
 
-/// One layout to measure: dp, tp, pp, micro-batch size, schedule, recomputation.
-type Spec = (usize, usize, usize, usize, ScheduleKind, RecomputeMode);
+/// One layout to measure: dp, tp, pp, micro-batch size, schedule, recomputation, tensor-parallel
+/// overlap degree.
+type Spec = (
+    usize,
+    usize,
+    usize,
+    usize,
+    ScheduleKind,
+    RecomputeMode,
+    usize,
+);
 
 fn merak_binary() -> Result<PathBuf> {
     let exe = std::env::current_exe()?;
@@ -157,7 +166,7 @@ fn measure(a: &Args, merak: &Path, plan: &Path, out: &Path) -> Result<f64> {
 fn describe(l: &Layout) -> String {
     let modes: Vec<&str> = l.recompute.iter().map(|m| m.as_str()).collect();
     format!(
-        "dp={} tp={} pp={} mbs={} m={} {} recompute={} zero1={}",
+        "dp={} tp={} pp={} mbs={} m={} {} recompute={} zero1={} overlap={}",
         l.dp,
         l.tp,
         l.pp,
@@ -165,7 +174,8 @@ fn describe(l: &Layout) -> String {
         l.micro_batches,
         l.schedule,
         modes.join("/"),
-        l.zero1
+        l.zero1,
+        l.tp_overlap
     )
 }
 
@@ -186,7 +196,13 @@ fn main() -> Result<()> {
     cmd.arg(&merak)
         .arg("profile")
         .args(model_sets(&a))
-        .args(["--micro-batches", "1,2,4,8,16", "--out"])
+        .args([
+            "--micro-batches",
+            "1,2,4,8,16",
+            "--tp-overlap",
+            "1,2,4",
+            "--out",
+        ])
         .arg(&cal_path);
     print!("{}", run(cmd, "merak profile")?);
     let hw = HardwareSpec::load(&hw_path.display().to_string())?;
@@ -198,20 +214,23 @@ fn main() -> Result<()> {
     use RecomputeMode::{Full, None as Keep};
     use ScheduleKind::{GPipe, OneFOneB};
     let specs: Vec<Spec> = vec![
-        (4, 1, 1, 4, OneFOneB, Keep),
-        (4, 1, 1, 1, OneFOneB, Keep),
-        (2, 2, 1, 8, OneFOneB, Keep),
-        (1, 4, 1, 16, OneFOneB, Keep),
-        (1, 4, 1, 4, OneFOneB, Keep),
-        (2, 1, 2, 2, OneFOneB, Keep),
-        (2, 1, 2, 2, OneFOneB, Full),
-        (1, 2, 2, 4, OneFOneB, Keep),
-        (1, 1, 4, 2, GPipe, Keep),
-        (1, 1, 4, 1, OneFOneB, Keep),
+        (4, 1, 1, 4, OneFOneB, Keep, 1),
+        (4, 1, 1, 1, OneFOneB, Keep, 1),
+        (2, 2, 1, 8, OneFOneB, Keep, 1),
+        (2, 2, 1, 8, OneFOneB, Keep, 2),
+        (1, 4, 1, 16, OneFOneB, Keep, 1),
+        (1, 4, 1, 4, OneFOneB, Keep, 1),
+        (1, 4, 1, 4, OneFOneB, Keep, 4),
+        (2, 1, 2, 2, OneFOneB, Keep, 1),
+        (2, 1, 2, 2, OneFOneB, Full, 1),
+        (1, 2, 2, 4, OneFOneB, Keep, 1),
+        (1, 2, 2, 4, OneFOneB, Keep, 2),
+        (1, 1, 4, 2, GPipe, Keep, 1),
+        (1, 1, 4, 1, OneFOneB, Keep, 1),
     ];
     let costs = unit_costs_gpt(a.layers, a.hidden, a.seq, a.vocab);
     let mut plans: Vec<Plan> = Vec::new();
-    for &(dp, tp, pp, mbs, schedule, mode) in &specs {
+    for &(dp, tp, pp, mbs, schedule, mode, tp_overlap) in &specs {
         let layout = Layout {
             dp,
             tp,
@@ -223,7 +242,7 @@ fn main() -> Result<()> {
             recompute: vec![mode; pp],
             zero1: false,
             partition: balanced_partition(&costs, pp)?,
-            tp_overlap: 1,
+            tp_overlap,
         };
         let prediction = cm.predict(&layout)?;
         let policy = if mode == Full {

@@ -37,11 +37,12 @@ use burn::tensor::{ElementConversion, Tensor, TensorData, backend::AutodiffBacke
 use clap::Parser;
 use merak_burn::backend::{Cpu, CpuAutodiff, CpuDevice};
 use merak_burn::comm::{
-    CommError, Communicator, Group, MpiCommunicator, MpiWorld, Pending, ReduceOp,
+    CommError, Communicator, Group, MpiCommunicator, MpiWorld, Pending, ProgressThreadComm,
+    ReduceOp,
 };
 use merak_burn::tensor_parallel::{
     AttentionMask, AttentionWeights, InitRng, LayerNorm, MlpWeights, ParallelMlp,
-    ParallelSelfAttention, ReplicatedDropout,
+    ParallelSelfAttention, ReplicatedDropout, TpOverlap,
 };
 use merak_gpt::Block;
 
@@ -75,21 +76,30 @@ struct Args {
     /// Seed of the weights and the input.
     #[arg(long, default_value_t = 1234)]
     seed: u64,
+    /// Overlap degrees (`parallel.tp_overlap`) of the tensor-parallel layer to time; 1 is the
+    /// layer without sub-pipelining.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    overlap: Vec<usize>,
+    /// Also time every overlap degree above 1 with the all-reduces progressed by a
+    /// communication thread (`ProgressThreadComm`, MPI initialised with
+    /// `MPI_THREAD_MULTIPLE`) instead of `test()` between chunk products.
+    #[arg(long)]
+    thread_progress: bool,
 }
 
 /// A communicator that forwards to MPI and adds up the time spent in its calls.
 struct TimedComm {
-    inner: MpiCommunicator,
-    secs: Cell<f64>,
+    inner: Box<dyn Communicator>,
+    secs: Rc<Cell<f64>>,
     calls: Cell<u64>,
     values: Cell<u64>,
 }
 
 impl TimedComm {
-    fn new(inner: MpiCommunicator) -> Self {
+    fn new(inner: Box<dyn Communicator>) -> Self {
         Self {
             inner,
-            secs: Cell::new(0.0),
+            secs: Rc::new(Cell::new(0.0)),
             calls: Cell::new(0),
             values: Cell::new(0),
         }
@@ -151,7 +161,34 @@ impl Communicator for TimedComm {
     }
     fn all_reduce_start(&self, buf: Vec<f32>, op: ReduceOp) -> Result<Box<dyn Pending>, CommError> {
         let n = buf.len();
-        self.timed(n, || self.inner.all_reduce_start(buf, op))
+        let inner = self.timed(n, || self.inner.all_reduce_start(buf, op))?;
+        Ok(Box::new(TimedPending {
+            inner,
+            secs: self.secs.clone(),
+        }))
+    }
+}
+
+/// An all-reduce in flight whose `test` and `wait` calls count as communication time.
+struct TimedPending {
+    inner: Box<dyn Pending>,
+    secs: Rc<Cell<f64>>,
+}
+
+impl Pending for TimedPending {
+    fn test(&mut self) -> Result<bool, CommError> {
+        let t = Instant::now();
+        let done = self.inner.test();
+        self.secs.set(self.secs.get() + t.elapsed().as_secs_f64());
+        done
+    }
+    fn wait(self: Box<Self>) -> Result<Vec<f32>, CommError> {
+        let this = *self;
+        let secs = this.secs.clone();
+        let t = Instant::now();
+        let out = this.inner.wait();
+        secs.set(secs.get() + t.elapsed().as_secs_f64());
+        out
     }
 }
 
@@ -210,21 +247,22 @@ fn max_abs_diff(a: Tensor<Cpu, 3>, b: Tensor<Cpu, 3>) -> f32 {
     (a - b).abs().max().into_scalar().elem::<f32>()
 }
 
-fn main() -> Result<()> {
-    let args = Args::parse();
-    if args.trials == 0 || args.iters == 0 {
-        bail!("--trials and --iters must be positive");
-    }
-    let mpi = MpiWorld::init()?;
-    let control = mpi.world();
-    let (rank, n) = (control.rank(), control.size());
-    let timed = Rc::new(TimedComm::new(mpi.world()));
-    let tp_group = Group::register(timed.clone());
-    let local_group = Group::local();
-    let device = CpuDevice::default();
+/// One layer under test: the serial layer (`overlap == 0`) or the tensor-parallel layer with an
+/// overlap degree.
+struct Variant {
+    name: String,
+    overlap: usize,
+    block: Block<B>,
+    /// The timed communicator of its group (none for the serial layer).
+    comm: Option<Rc<TimedComm>>,
+}
 
-    // Full-size weights as GPT-2 initializes a 1-layer model, except for nonzero biases so that
-    // the check below covers them (identical on every rank).
+/// A tensor-parallel group and the timed communicator behind it.
+type TimedGroup = (Group, Rc<TimedComm>);
+
+/// The full-size weights of the layer, as GPT-2 initializes a 1-layer model, except for nonzero
+/// biases so that the check covers them (identical on every rank).
+fn weights(args: &Args) -> (AttentionWeights, MlpWeights) {
     let (h, rng) = (args.hidden, InitRng::new(args.seed));
     let (std, proj_std) = (0.02f32, 0.02f32 / 2f32.sqrt());
     let attn = AttentionWeights {
@@ -239,95 +277,220 @@ fn main() -> Result<()> {
         proj_weight: rng.normal("mlp.c_proj.weight", 4 * h * h, proj_std),
         proj_bias: rng.normal("mlp.c_proj.bias", h, std),
     };
-    let serial = build_block(&args, &attn, &mlp, local_group, &device)?;
-    let parallel = build_block(&args, &attn, &mlp, tp_group, &device)?;
-    let shape = [args.batch, args.seq, h];
+    (attn, mlp)
+}
+
+/// The serial layer and the tensor-parallel layer at every requested overlap degree (over
+/// `tp_group`), and at every degree above 1 over `thread_group` (progressed by a thread) when
+/// given.
+fn variants(
+    args: &Args,
+    tp_group: &TimedGroup,
+    thread_group: Option<&TimedGroup>,
+    device: &CpuDevice,
+) -> Result<Vec<Variant>> {
+    let (attn, mlp) = weights(args);
+    let tokens = args.batch * args.seq;
+    let mut out = vec![Variant {
+        name: "serial (tp=1, Group::local)".into(),
+        overlap: 0,
+        block: build_block(args, &attn, &mlp, Group::local(), device)?,
+        comm: None,
+    }];
+    for &k in &args.overlap {
+        let overlap = TpOverlap::new(k)?;
+        overlap.check_tokens(tokens)?;
+        let groups = [(tp_group, "")]
+            .into_iter()
+            .chain(thread_group.filter(|_| k > 1).map(|g| (g, ", thread")));
+        for ((group, comm), how) in groups {
+            let mut block = build_block(args, &attn, &mlp, *group, device)?;
+            block.attn.set_overlap(overlap);
+            block.mlp.set_overlap(overlap);
+            out.push(Variant {
+                name: format!("tp={} overlap k={k}{how}", group.size()),
+                overlap: k,
+                block,
+                comm: Some(comm.clone()),
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Medians over the trials of one variant.
+struct Timing {
+    step: f64,
+    comm: f64,
+    /// Paired ratio to the serial layer.
+    ratio: f64,
+    /// Paired step-time saving against overlap 1 (`None` without overlap 1).
+    saved: Option<f64>,
+}
+
+/// Runs the trials, alternating the variants' order, and returns each variant's medians.
+fn measure(
+    args: &Args,
+    control: &MpiCommunicator,
+    vs: &[Variant],
+    x: &Tensor<B, 3>,
+) -> Result<Vec<Timing>> {
+    let n = vs.len();
+    let (mut step_s, mut comm_s) = (vec![vec![]; n], vec![vec![]; n]);
+    for t in 0..args.trials {
+        // Rotate the order, so that slow drifts of the machine hit every variant.
+        for j in 0..n {
+            let i = (j + t) % n;
+            let took = || vs[i].comm.as_ref().map_or(0.0, |c| c.take().0);
+            took();
+            step_s[i].push(trial(control, &vs[i].block, x, args.iters)?);
+            let mut c = [(took() / args.iters as f64) as f32];
+            control.all_reduce(&mut c, ReduceOp::Mean)?;
+            comm_s[i].push(f64::from(c[0]));
+        }
+    }
+    let k1 = vs.iter().position(|v| v.overlap == 1);
+    let paired = |i: usize, f: &dyn Fn(f64, f64) -> f64, base: usize| {
+        let mut v: Vec<f64> = (0..args.trials)
+            .map(|t| f(step_s[i][t], step_s[base][t]))
+            .collect();
+        median(&mut v)
+    };
+    Ok((0..n)
+        .map(|i| Timing {
+            step: median(&mut step_s[i].clone()),
+            comm: median(&mut comm_s[i].clone()),
+            ratio: paired(i, &|a, b| a / b, 0),
+            saved: k1.map(|b| paired(i, &|a, b| b - a, b)),
+        })
+        .collect())
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    if args.trials == 0 || args.iters == 0 {
+        bail!("--trials and --iters must be positive");
+    }
+    let mpi = if args.thread_progress {
+        MpiWorld::init_thread_multiple()?
+    } else {
+        MpiWorld::init()?
+    };
+    let control = mpi.world();
+    let (rank, n) = (control.rank(), control.size());
+    let timed_group = |inner: Box<dyn Communicator>| {
+        let timed = Rc::new(TimedComm::new(inner));
+        (Group::register(timed.clone()), timed)
+    };
+    let tp_group = timed_group(Box::new(mpi.world()));
+    let thread_group =
+        (args.thread_progress).then(|| timed_group(Box::new(ProgressThreadComm::new(mpi.world()))));
+    let device = CpuDevice::default();
+    let vs = variants(&args, &tp_group, thread_group.as_ref(), &device)?;
+    let shape = [args.batch, args.seq, args.hidden];
+    let rng = InitRng::new(args.seed);
     let x = Tensor::<B, 3>::from_data(
         TensorData::new(rng.normal("input", shape.iter().product(), 1.0), shape),
         &device,
     )
     .require_grad();
 
-    // The two layers compute the same function: compare outputs and input gradients.
-    let (ys, gs) = step(&serial, &x);
-    let (yp, gp) = step(&parallel, &x);
-    let grad = |g| x.grad(g).expect("the input requires a gradient");
-    let out_diff = max_abs_diff(ys.inner(), yp.inner());
-    let grad_diff = max_abs_diff(grad(&gs), grad(&gp));
-    let comm_per_step = timed.take();
-
+    // Every variant computes the same function: compare outputs and input gradients.
+    let grad =
+        |g: &<B as AutodiffBackend>::Gradients| x.grad(g).expect("the input requires a gradient");
+    let (ys, gs) = step(&vs[0].block, &x);
+    let mut diffs = Vec::new();
+    let mut comm_per_step = Vec::new();
+    for v in &vs[1..] {
+        let took = || v.comm.as_ref().map_or((0.0, 0, 0), |c| c.take());
+        took();
+        let (y, g) = step(&v.block, &x);
+        comm_per_step.push(took());
+        diffs.push((
+            max_abs_diff(ys.clone().inner(), y.inner()),
+            max_abs_diff(grad(&gs), grad(&g)),
+        ));
+    }
     for _ in 0..args.warmup {
-        drop(step(&serial, &x));
-        drop(step(&parallel, &x));
+        for v in &vs {
+            drop(step(&v.block, &x));
+        }
     }
-    timed.take();
-
-    let (mut ser, mut par, mut ratio, mut comm) = (vec![], vec![], vec![], vec![]);
-    for t in 0..args.trials {
-        // Alternate which variant goes first, so that slow drifts of the machine hit both.
-        let (s, p) = if t % 2 == 0 {
-            let s = trial(&control, &serial, &x, args.iters)?;
-            (s, trial(&control, &parallel, &x, args.iters)?)
-        } else {
-            let p = trial(&control, &parallel, &x, args.iters)?;
-            (trial(&control, &serial, &x, args.iters)?, p)
-        };
-        let mut c = [(timed.take().0 / args.iters as f64) as f32];
-        control.all_reduce(&mut c, ReduceOp::Mean)?;
-        ser.push(s);
-        par.push(p);
-        ratio.push(p / s);
-        comm.push(f64::from(c[0]));
-    }
-
+    let timings = measure(&args, &control, &vs, &x)?;
     if rank == 0 {
-        let (s, p, r, c) = (
-            median(&mut ser),
-            median(&mut par),
-            median(&mut ratio),
-            median(&mut comm),
-        );
-        println!(
-            "# one GPT layer fwd+bwd on Autodiff<Flex>: hidden {h}, heads {}, seq {}, \
-             batch {}, mlp {}; {} trials x {} steps, medians, slowest rank",
-            args.heads,
-            args.seq,
-            args.batch,
-            4 * h,
-            args.trials,
-            args.iters
-        );
-        println!(
-            "# check: max |y_tp - y_serial| = {out_diff:.2e}, max |dx_tp - dx_serial| = \
-             {grad_diff:.2e}"
-        );
-        println!(
-            "# tp={n} communication per step: {} calls, {} values ({:.0} KiB)",
-            comm_per_step.1,
-            comm_per_step.2,
-            comm_per_step.2 as f64 * 4.0 / 1024.0
-        );
-        println!();
-        println!("{:<34} {:>10}", "variant", "ms/step");
-        println!("{:<34} {:>10.3}", "serial (tp=1, Group::local)", s * 1e3);
-        println!("{:<34} {:>10.3}", format!("tp={n} (world group)"), p * 1e3);
-        println!(
-            "{:<34} {:>10.3}",
-            "  of which in communicator calls",
-            c * 1e3
-        );
-        println!();
-        println!(
-            "ratio tp{n}/serial: {r:.3} (median of paired trials; ratio of medians {:.3}); \
-             ideal {:.3}",
-            p / s,
-            1.0 / n as f64
-        );
-        println!(
-            "communication share of the tp={n} step: {:.1}% (mean over ranks, includes waiting \
-             for the peer)",
-            100.0 * c / p
-        );
+        report(&args, n, &vs, &timings, &diffs, &comm_per_step);
     }
     Ok(())
+}
+
+/// Prints the table (rank 0).
+fn report(
+    args: &Args,
+    n: usize,
+    vs: &[Variant],
+    ts: &[Timing],
+    diffs: &[(f32, f32)],
+    comm_per_step: &[(f64, u64, u64)],
+) {
+    println!(
+        "# one GPT layer fwd+bwd on Autodiff<Flex>: hidden {}, heads {}, seq {}, batch {}, \
+         mlp {}; {} trials x {} steps, medians, slowest rank",
+        args.hidden,
+        args.heads,
+        args.seq,
+        args.batch,
+        4 * args.hidden,
+        args.trials,
+        args.iters
+    );
+    for ((v, (dy, dx)), c) in vs[1..].iter().zip(diffs).zip(comm_per_step) {
+        println!(
+            "# {}: max |y - y_serial| = {dy:.2e}, max |dx - dx_serial| = {dx:.2e}; \
+             {} communicator calls per step, {:.0} KiB all-reduced",
+            v.name,
+            c.1,
+            c.2 as f64 * 4.0 / 1024.0
+        );
+    }
+    let comm1 = vs
+        .iter()
+        .zip(ts)
+        .find(|(v, _)| v.overlap == 1)
+        .map(|(_, t)| t.comm);
+    println!();
+    println!(
+        "{:<30} {:>9} {:>9} {:>10} {:>12} {:>13}",
+        "variant", "ms/step", "comm ms", "vs serial", "saved vs k=1", "hidden of k=1"
+    );
+    for (v, t) in vs.iter().zip(ts) {
+        let (saved, hidden) = match (t.saved, comm1) {
+            (Some(s), Some(c)) if v.overlap > 1 => (
+                format!("{:.3} ms", s * 1e3),
+                format!("{:.0}%", 100.0 * s / c.max(1e-12)),
+            ),
+            _ => ("-".into(), "-".into()),
+        };
+        let comm = if v.overlap == 0 {
+            "-".into()
+        } else {
+            format!("{:.3}", t.comm * 1e3)
+        };
+        println!(
+            "{:<30} {:>9.3} {:>9} {:>10.3} {:>12} {:>13}",
+            v.name,
+            t.step * 1e3,
+            comm,
+            t.ratio,
+            saved,
+            hidden
+        );
+    }
+    println!();
+    println!(
+        "vs serial: median of paired trials (ideal {:.3}); comm ms: time inside communicator \
+         calls (start, test, wait), mean over ranks, includes waiting for the peer; saved vs \
+         k=1: paired median of step(k=1) - step(k); hidden of k=1: that saving over the k=1 \
+         communication time",
+        1.0 / n as f64
+    );
 }

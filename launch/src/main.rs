@@ -9,6 +9,7 @@ mod init_from;
 mod plan_cmd;
 mod plot;
 mod probe;
+mod probe_overlap;
 mod resolve;
 mod spawn;
 mod tokens;

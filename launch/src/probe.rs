@@ -15,6 +15,9 @@ use merak_burn::comm::{Communicator, MpiCommunicator, ReduceOp};
 use merak_burn::grid::{Layout, ProcessGrid};
 use merak_burn::pipeline::{PipelineModel, StageInput, StageOutput};
 use merak_burn::planner::{CALIBRATION_FORMAT, Calibration, HardwareSpec, UnitKind, UnitTiming};
+use merak_burn::tensor_parallel::TpOverlap;
+
+use crate::probe_overlap::{self, OverlapSample};
 
 use crate::config;
 
@@ -47,6 +50,10 @@ pub struct ProfileArgs {
     /// heads).
     #[arg(long, value_delimiter = ',')]
     pub tp: Vec<usize>,
+    /// Tensor-parallel overlap degrees (`parallel.tp_overlap`) at which to time the layer too,
+    /// at every degree tp > 1 and every micro-batch whose tokens they divide (1: none).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    pub tp_overlap: Vec<usize>,
     /// Timed repetitions of each measurement (the fastest is kept).
     #[arg(long, default_value_t = 9)]
     pub reps: usize,
@@ -92,7 +99,7 @@ fn barrier(world: Option<&MpiCommunicator>) -> Result<()> {
 }
 
 /// Rank 0's values on every rank.
-fn from_rank0(world: Option<&MpiCommunicator>, values: &mut [f64]) -> Result<()> {
+pub(crate) fn from_rank0(world: Option<&MpiCommunicator>, values: &mut [f64]) -> Result<()> {
     let Some(w) = world else { return Ok(()) };
     let mut buf: Vec<f32> = values.iter().map(|&v| v as f32).collect();
     w.broadcast(&mut buf, 0)?;
@@ -107,6 +114,15 @@ fn from_rank0(world: Option<&MpiCommunicator>, values: &mut [f64]) -> Result<()>
 /// rank 1. One node of `ranks` devices sharing the machine's cores, each with its share of the
 /// main memory. Every rank returns the same spec.
 pub fn measure(world: Option<&MpiCommunicator>, reps: usize) -> Result<HardwareSpec> {
+    Ok(measure_with_overlap(world, reps)?.0)
+}
+
+/// [`measure`], with what the measurement of sub-pipelined tensor parallelism saw (`None` for
+/// a single rank).
+fn measure_with_overlap(
+    world: Option<&MpiCommunicator>,
+    reps: usize,
+) -> Result<(HardwareSpec, Option<Vec<OverlapSample>>)> {
     let reps = reps.max(1);
     let ranks = world.map_or(1, |w| w.size());
     // Matrix products of the size of a small model's layers.
@@ -118,6 +134,7 @@ pub fn measure(world: Option<&MpiCommunicator>, reps: usize) -> Result<HardwareS
     mean_over_ranks(world, &mut rates)?;
     let alone = alone_product_fraction(world, &products, reps, rates[0])?;
     let link = link_speed(world, reps)?;
+    let overlap = probe_overlap::measure(world, reps)?;
     let total = total_memory_bytes();
     let spec = HardwareSpec {
         name: format!("probed: {ranks} ranks of this machine"),
@@ -134,12 +151,29 @@ pub fn measure(world: Option<&MpiCommunicator>, reps: usize) -> Result<HardwareS
         inter_node_latency: link[0],
         compute_units_per_node: std::thread::available_parallelism().map_or(1, |n| n.get()),
         alone_time_fraction: alone,
-        // merak train's CPU ranks cannot overlap TP all-reduces with computation.
-        max_tp_overlap: 1,
-        tp_overlap_slowdown: 0.0,
+        // Measured where there is tensor parallelism (more than one rank).
+        max_tp_overlap: overlap.as_ref().map_or(1, |_| 4),
+        tp_overlap_slowdown: overlap.as_deref().map_or(0.0, probe_overlap::slowdown),
     };
     spec.validate()?;
-    Ok(spec)
+    Ok((spec, overlap))
+}
+
+/// Prints what the overlap measurement saw.
+fn print_overlap(samples: Option<&[OverlapSample]>) {
+    for s in samples.unwrap_or_default() {
+        println!(
+            "tp overlap k={}: product {:.3} ms, + all-reduce serial {:.3} ms, sub-pipelined {:.3} ms \
+             (one chunk's all-reduce alone {:.3} ms): {:.0}% of the communication hidden, slowdown {:.2}",
+            s.k,
+            s.compute_s * 1e3,
+            s.serial_s * 1e3,
+            s.overlapped_s * 1e3,
+            s.chunk_allreduce_s * 1e3,
+            100.0 * s.hidden_fraction(),
+            s.slowdown
+        );
+    }
 }
 
 /// Two random `n` x `n` matrices whose products measure the backend's matrix-product rate.
@@ -287,8 +321,9 @@ fn total_memory_bytes() -> u64 {
 
 /// `merak probe`: writes the measured spec (rank 0).
 pub fn probe(args: &ProbeArgs, world: Option<&MpiCommunicator>) -> Result<()> {
-    let spec = measure(world, args.reps)?;
+    let (spec, overlap) = measure_with_overlap(world, args.reps)?;
     if world.is_none_or(|w| w.rank() == 0) {
+        print_overlap(overlap.as_deref());
         let text = toml::to_string(&spec)?;
         std::fs::write(&args.out, &text)
             .with_context(|| format!("writing {}", args.out.display()))?;
@@ -610,6 +645,12 @@ pub fn profile(args: &ProfileArgs, mpi: Option<&merak_burn::comm::MpiWorld>) -> 
             args.micro_batches
         );
     }
+    if args.tp_overlap.contains(&0) {
+        bail!(
+            "--tp-overlap {:?}: degrees must be at least 1 (1: no overlap)",
+            args.tp_overlap
+        );
+    }
     let tps = tp_degrees(args, ranks, g.heads)?;
     let profiling = Profiling {
         args,
@@ -707,8 +748,9 @@ fn time_all_degrees(p: &Profiling, tps: &[usize]) -> Result<UnitCosts> {
         let device = Default::default();
         let model = merak_gpt::Gpt::<B>::new_units(p.gpt, p.seed, grid.tp, &device, &|_| true)?;
         for &b in &p.args.micro_batches {
-            time_micro_batch(p, &model, tp, b, &mut costs.timings)?;
+            time_micro_batch(p, &model, (tp, 1), b, &mut costs.timings)?;
         }
+        time_overlapped(p, &grid, &mut costs.timings)?;
         if tp == 1 {
             let b = p.args.micro_batches.iter().copied().max().unwrap_or(1);
             costs.alone_time_fraction = alone_fraction(&model, p.world.as_ref(), p.gpt, b, reps)?;
@@ -718,6 +760,27 @@ fn time_all_degrees(p: &Profiling, tps: &[usize]) -> Result<UnitCosts> {
         }
     }
     Ok(costs)
+}
+
+/// Times the units of the model sub-pipelined at every overlap degree above 1 of the profile
+/// (tensor-parallel degrees above 1 only, and micro-batches whose tokens the degree divides).
+fn time_overlapped(p: &Profiling, grid: &ProcessGrid, timings: &mut Vec<UnitTiming>) -> Result<()> {
+    let tp = grid.tp.size();
+    if tp == 1 {
+        return Ok(());
+    }
+    for &k in p.args.tp_overlap.iter().filter(|&&k| k > 1) {
+        let overlap = TpOverlap::new(k)?;
+        let device = Default::default();
+        let model = merak_gpt::Gpt::<B>::new_units(p.gpt, p.seed, grid.tp, &device, &|_| true)?
+            .with_tp_overlap(overlap);
+        for &b in &p.args.micro_batches {
+            if overlap.check_tokens(b * p.gpt.seq_len).is_ok() {
+                time_micro_batch(p, &model, (tp, k), b, timings)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The process grid with `tp`-way tensor and `ranks / tp`-way data parallelism over the MPI
@@ -739,12 +802,13 @@ fn profiling_grid(p: &Profiling, tp: usize) -> Result<ProcessGrid> {
     })
 }
 
-/// Times the embedding, a layer and the head of `model` (tp degree `tp`) at micro-batch `b`,
-/// appends their timings to `timings` and prints them in milliseconds (rank 0).
+/// Times the embedding, a layer and the head of `model` (tensor-parallel and overlap degrees
+/// `(tp, k)`) at micro-batch `b`, appends their timings to `timings` and prints them in
+/// milliseconds (rank 0).
 fn time_micro_batch(
     p: &Profiling,
     model: &merak_gpt::Gpt<B>,
-    tp: usize,
+    (tp, k): (usize, usize),
     b: usize,
     timings: &mut Vec<UnitTiming>,
 ) -> Result<()> {
@@ -757,11 +821,17 @@ fn time_micro_batch(
             micro_batch: b,
             forward_s,
             backward_s,
+            tp_overlap: k,
         });
     }
     if p.rank == 0 {
+        let overlap = if k > 1 {
+            format!(" tp_overlap={k}")
+        } else {
+            String::new()
+        };
         println!(
-            "tp={tp} micro_batch={b}: forward/backward ms: embedding {:.3}/{:.3}, layer {:.3}/{:.3}, head {:.3}/{:.3}",
+            "tp={tp}{overlap} micro_batch={b}: forward/backward ms: embedding {:.3}/{:.3}, layer {:.3}/{:.3}, head {:.3}/{:.3}",
             measured[0].0 * 1e3,
             measured[0].1 * 1e3,
             measured[1].0 * 1e3,

@@ -23,7 +23,13 @@ fn probe_and_profile(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
     let hw = dir.join("hardware.toml");
     let mut cmd = merak(2);
     cmd.args(["probe", "--reps", "2", "--out"]).arg(&hw);
-    run(cmd).assert_success();
+    let probed = run(cmd);
+    probed.assert_success();
+    // The overlap of the runtime's chunked products is measured at k = 2 and 4.
+    for k in [2, 4] {
+        let line = format!("tp overlap k={k}:");
+        assert!(probed.stdout.contains(&line), "{}", probed.stdout);
+    }
     let cal = dir.join("calibration.json");
     let mut cmd = merak(2);
     cmd.arg("profile")
@@ -36,16 +42,16 @@ fn probe_and_profile(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
             "2",
             "--train-steps",
             "3",
+            "--tp-overlap",
+            "1,2",
             "--out",
         ])
         .arg(&cal);
     let profiled = run(cmd);
     profiled.assert_success();
-    assert!(
-        profiled.stdout.contains("tp=2 micro_batch=2"),
-        "{}",
-        profiled.stdout
-    );
+    for line in ["tp=2 micro_batch=2", "tp=2 tp_overlap=2 micro_batch=2"] {
+        assert!(profiled.stdout.contains(line), "{}", profiled.stdout);
+    }
     (hw, cal)
 }
 
@@ -62,6 +68,9 @@ fn probe_and_profile_feed_plan_simulate_and_train_plan_auto() {
         hw.peak_flops_fp32 > 1e8 && hw.intra_node_bandwidth > 1e6,
         "{hw:?}"
     );
+    // Two ranks can sub-pipeline tensor parallelism; its measured cost is a fraction.
+    assert_eq!(hw.max_tp_overlap, 4);
+    assert!((0.0..=1.0).contains(&hw.tp_overlap_slowdown), "{hw:?}");
 
     // The calibration: every unit kind at tp 1 and 2 and micro-batches 1 and 2, positive.
     let shape: TransformerShape = TINY.parse().unwrap();
@@ -74,6 +83,16 @@ fn probe_and_profile_feed_plan_simulate_and_train_plan_auto() {
         }
     }
     assert!(cal.optimizer_s_per_param > 0.0);
+    // The layer was also timed sub-pipelined over 2 chunks at tp = 2, and only there.
+    let overlapped: Vec<_> = cal.timings.iter().filter(|t| t.tp_overlap == 2).collect();
+    assert!(
+        overlapped
+            .iter()
+            .any(|t| t.unit == UnitKind::Layer && t.tp == 2 && t.forward_s > 0.0),
+        "{:?}",
+        cal.timings
+    );
+    assert!(overlapped.iter().all(|t| t.tp == 2), "{overlapped:?}");
 
     // plan and simulate take them.
     let target = |cmd: &mut std::process::Command| {
@@ -126,6 +145,17 @@ fn probe_and_profile_feed_plan_simulate_and_train_plan_auto() {
         .count();
     // 4 micro-batches, forward and backward on each of 2 stages, plus messages.
     assert!(spans >= 16, "{spans} spans");
+
+    // An overlapped layout is predicted from the layer timed with its degree.
+    let mut cmd = merak(0);
+    cmd.args(["simulate", "--json", "--layout", "tp=2,mbs=2,overlap=2"]);
+    target(&mut cmd);
+    let overlapped = run(cmd);
+    overlapped.assert_success();
+    let v: serde_json::Value = serde_json::from_str(&overlapped.stdout).unwrap();
+    assert_eq!(v["layout"]["tp_overlap"], 2, "{v}");
+    let step = v["prediction"]["step_time_s"].as_f64().unwrap_or(0.0);
+    assert!(step > 0.0, "{v}");
 
     // A calibration of another model is refused, naming both.
     let mut cmd = merak(0);

@@ -15,12 +15,14 @@ mod local;
 mod mpi_comm;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+mod progress_thread;
 pub(crate) mod tensor;
 
 pub use error::CommError;
 pub use group::Group;
 pub use local::LocalCommunicator;
 pub use mpi_comm::{MpiCommunicator, MpiWorld, PendingMpiAllReduce, launched_by_mpirun};
+pub use progress_thread::ProgressThreadComm;
 pub use tensor::TensorComm;
 
 /// The reduction applied by all-reduce and reduce-scatter.

@@ -52,6 +52,23 @@ impl MpiWorld {
         Ok(Self { universe })
     }
 
+    /// Initialises MPI with `MPI_THREAD_MULTIPLE` (any thread may call MPI, as a
+    /// [`ProgressThreadComm`](super::ProgressThreadComm) needs). Fails if MPI was already
+    /// initialised or the library does not provide that level.
+    pub fn init_thread_multiple() -> Result<Self, CommError> {
+        let (universe, level) =
+            mpi::initialize_with_threading(mpi::Threading::Multiple).ok_or(CommError::MpiInit)?;
+        if level != mpi::Threading::Multiple {
+            return Err(CommError::Mpi {
+                op: "MPI_Init_thread (MPI_THREAD_MULTIPLE not provided)",
+                code: -1,
+            });
+        }
+        let rank = universe.world().rank();
+        install_abort_on_panic(rank as usize);
+        Ok(Self { universe })
+    }
+
     /// A communicator over every process of the job.
     pub fn world(&self) -> MpiCommunicator {
         MpiCommunicator::new(self.universe.world())
@@ -164,6 +181,16 @@ impl MpiCommunicator {
     /// for a communication thread that must not match messages of the main thread.
     pub fn duplicate(&self) -> MpiCommunicator {
         MpiCommunicator::new(self.comm.duplicate())
+    }
+
+    /// A new raw communicator handle over the same group (`MPI_Comm_dup`), owned by the caller,
+    /// who must free it (a thread that uses it alone).
+    pub(crate) fn duplicate_raw(&self) -> mpi::ffi::MPI_Comm {
+        let dup = self.comm.duplicate();
+        let raw = dup.as_raw();
+        // The handle now belongs to the caller; forgetting the wrapper does not free it.
+        std::mem::forget(dup);
+        raw
     }
 
     fn op(op: ReduceOp) -> SystemOperation {

@@ -56,6 +56,14 @@ pub struct UnitTiming {
     pub forward_s: f64,
     /// Median seconds of one backward pass.
     pub backward_s: f64,
+    /// The tensor-parallel overlap degree it ran with (`parallel.tp_overlap`; 1: none).
+    #[serde(default = "one")]
+    pub tp_overlap: usize,
+}
+
+/// The overlap degree of timings written before overlap was measured.
+fn one() -> usize {
+    1
 }
 
 /// A calibration file that cannot be used.
@@ -128,11 +136,29 @@ impl Calibration {
     /// and degree (proportional when there is one), never below zero. `None` when that
     /// degree was not measured.
     pub fn unit_time(&self, kind: UnitKind, tp: usize, micro_batch: usize) -> Option<(f64, f64)> {
-        let points: Vec<&UnitTiming> = self
-            .timings
-            .iter()
-            .filter(|t| t.unit == kind && t.tp == tp)
-            .collect();
+        self.unit_time_overlapped(kind, tp, 1, micro_batch)
+    }
+
+    /// Like [`Calibration::unit_time`], for the unit run with the tensor-parallel overlap degree
+    /// `overlap`: its own measurements where the profile took them, otherwise those without
+    /// overlap (an embedding or a head has no overlapped products; a calibration written
+    /// before overlap was measured has none).
+    pub fn unit_time_overlapped(
+        &self,
+        kind: UnitKind,
+        tp: usize,
+        overlap: usize,
+        micro_batch: usize,
+    ) -> Option<(f64, f64)> {
+        let at = |k: usize| -> Vec<&UnitTiming> {
+            (self.timings.iter())
+                .filter(|t| t.unit == kind && t.tp == tp && t.tp_overlap == k)
+                .collect()
+        };
+        let mut points = at(overlap);
+        if points.is_empty() && overlap != 1 {
+            points = at(1);
+        }
         if points.is_empty() {
             return None;
         }
@@ -238,6 +264,7 @@ mod tests {
             micro_batch,
             forward_s,
             backward_s,
+            tp_overlap: 1,
         };
         Calibration {
             format: CALIBRATION_FORMAT.into(),
@@ -272,6 +299,34 @@ mod tests {
         );
         assert_eq!(c.unit_time(UnitKind::Layer, 2, 1), None);
         assert_eq!(c.unit_time(UnitKind::Head, 1, 1), None);
+    }
+
+    #[test]
+    fn overlapped_timings_are_used_at_their_degree_and_others_fall_back() {
+        let mut c = cal();
+        c.timings.push(UnitTiming {
+            unit: UnitKind::Layer,
+            tp: 1,
+            micro_batch: 2,
+            forward_s: 4.0,
+            backward_s: 7.0,
+            tp_overlap: 2,
+        });
+        assert_eq!(
+            c.unit_time_overlapped(UnitKind::Layer, 1, 2, 2),
+            Some((4.0, 7.0))
+        );
+        // Degree 2 has one point: other sizes are proportional to it.
+        assert_eq!(
+            c.unit_time_overlapped(UnitKind::Layer, 1, 2, 4),
+            Some((8.0, 14.0))
+        );
+        // Degree 4 was not measured: the timings without overlap.
+        assert_eq!(
+            c.unit_time_overlapped(UnitKind::Layer, 1, 4, 2),
+            Some((5.0, 9.0))
+        );
+        assert_eq!(c.unit_time(UnitKind::Layer, 1, 2), Some((5.0, 9.0)));
         assert_eq!(UnitKind::of(0, 4), UnitKind::Embedding);
         assert_eq!(UnitKind::of(2, 4), UnitKind::Layer);
         assert_eq!(UnitKind::of(3, 4), UnitKind::Head);

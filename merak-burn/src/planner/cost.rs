@@ -358,9 +358,9 @@ impl<'a> CostModel<'a> {
     /// then the measured ones (tensor-parallel communication included, so it is not added
     /// again), its recomputation the forward time scaled by the recomputed share of FLOPs,
     /// the optimizer the measured time per parameter, and gradients and activations have the
-    /// calibration's element size. Measured units were timed without overlap, so the layout's
-    /// `tp_overlap` does not change them. Units or degrees it does not cover use FLOPs over the
-    /// hardware's rate.
+    /// calibration's element size. A layout with `tp_overlap = k` takes the units measured with
+    /// that overlap degree where the profile timed them (those without overlap otherwise).
+    /// Units or degrees it does not cover use FLOPs over the hardware's rate.
     pub fn with_calibration(mut self, calibration: &'a Calibration) -> Self {
         self.calibration = Some(calibration);
         self
@@ -478,7 +478,7 @@ impl<'a> CostModel<'a> {
             largest_activation_bytes: u.activation_bytes(b, t, RecomputeMode::None),
         };
         if let Some(c) = self.calibration
-            && let Some((forward_s, backward_s)) = c.unit_time(kind, t, b)
+            && let Some((forward_s, backward_s)) = c.unit_time_overlapped(kind, t, k, b)
         {
             // Measured times include the unit's TP communication; recomputation repeats the
             // recomputed share of the forward pass; the framework's work per micro-batch grows
@@ -914,6 +914,7 @@ impl<'a> CostModel<'a> {
 mod tests {
     use super::*;
     use crate::pipeline::balanced_partition;
+    use crate::planner::UnitTiming;
 
     fn layout(model: &ModelProxy, dp: usize, tp: usize, pp: usize, m: usize) -> Layout {
         let costs: Vec<f64> = model
@@ -996,7 +997,7 @@ mod tests {
     /// backward at tp = 1 and micro-batch 1 (growing linearly with the micro-batch), half that
     /// at tp = 2.
     fn tiny_calibration() -> (ModelProxy, Calibration) {
-        use crate::planner::{CALIBRATION_FORMAT, UnitTiming};
+        use crate::planner::CALIBRATION_FORMAT;
         let model = ModelProxy::parse("gpt:layers=2,hidden=64,heads=4,seq=32,vocab=512").unwrap();
         let mut timings = Vec::new();
         for unit in [UnitKind::Embedding, UnitKind::Layer, UnitKind::Head] {
@@ -1008,6 +1009,7 @@ mod tests {
                         micro_batch: b,
                         forward_s: 1e-3 * scale * b as f64,
                         backward_s: 2e-3 * scale * b as f64,
+                        tp_overlap: 1,
                     });
                 }
             }
@@ -1066,6 +1068,38 @@ mod tests {
         let uncalibrated = CostModel::new(&model, &hw).predict(&l4).unwrap();
         let fallback = cm.predict(&l4).unwrap();
         assert!(fallback.breakdown["compute_s"] == uncalibrated.breakdown["compute_s"]);
+    }
+
+    #[test]
+    fn an_overlapped_layout_takes_the_layers_measured_with_its_degree() {
+        let (model, mut cal) = tiny_calibration();
+        // The layer measured at tp = 2 with 2 chunks: 1 ms slower forward and backward.
+        for b in [1, 2] {
+            cal.timings.push(UnitTiming {
+                unit: UnitKind::Layer,
+                tp: 2,
+                micro_batch: b,
+                forward_s: 0.5e-3 * b as f64 + 1e-3,
+                backward_s: 1e-3 * b as f64 + 1e-3,
+                tp_overlap: 2,
+            });
+        }
+        let hw = HardwareSpec::preset("local-cpu").unwrap();
+        let cm = CostModel::new(&model, &hw).with_calibration(&cal);
+        let mut l = layout(&model, 1, 2, 1, 4);
+        l.micro_batch = 2;
+        l.recompute = vec![RecomputeMode::None];
+        let serial = cm.predict(&l).unwrap().step_time_s;
+        l.tp_overlap = 2;
+        let overlapped = cm.predict(&l).unwrap().step_time_s;
+        // 2 layers x 4 micro-batches x 2 ms.
+        assert!(
+            (overlapped - serial - 16e-3).abs() < 1e-9,
+            "{overlapped} vs {serial}"
+        );
+        // Degree 4 was not measured: the timings without overlap.
+        l.tp_overlap = 4;
+        assert!((cm.predict(&l).unwrap().step_time_s - serial).abs() < 1e-12);
     }
 
     #[test]
