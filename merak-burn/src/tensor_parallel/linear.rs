@@ -27,18 +27,12 @@ fn linear_rows<B: FusedOps, const D: usize>(
     layer: &Linear<B>,
     bias: bool,
 ) -> Tensor<B, D> {
-    let dims = x.dims();
-    let d_in = dims[D - 1];
-    let rows = dims[..D - 1].iter().product::<usize>();
     let b = if bias {
         layer.bias.as_ref().map(|b| b.val())
     } else {
         None
     };
-    let y = kernels::linear(x.reshape([rows, d_in]), layer.weight.val(), b);
-    let mut out = dims;
-    out[D - 1] = y.dims()[1];
-    y.reshape(out)
+    on_rows(x, |x| kernels::linear(x, layer.weight.val(), b))
 }
 
 /// A parameter of `shape` holding `values` (row-major) on `device`.
@@ -136,16 +130,21 @@ impl<B: ParallelBackend> ColumnParallelLinear<B> {
         })
     }
 
-    /// Sub-pipelines the layer: its input-gradient all-reduce overlapped over `overlap` token chunks
-    /// ([`overlap`](super::overlap)).
+    /// Sub-pipelines the layer: the all-reduce of its input gradient is cut into `overlap`
+    /// token chunks ([`overlap`](super::overlap)).
     pub fn set_overlap(&mut self, overlap: TpOverlap) {
         self.overlap = overlap;
+    }
+
+    /// Whether the layer runs sub-pipelined (an overlap degree above 1 over several ranks).
+    fn overlapped(&self) -> bool {
+        !self.overlap.is_serial() && self.group.size() > 1
     }
 
     /// `x A_r` with the *f* operator in front (identity forward, gradient summed over the
     /// group backward), sub-pipelined when an overlap is set; no bias.
     fn product<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        if self.overlap.is_serial() || self.group.size() == 1 {
+        if !self.overlapped() {
             return linear_rows(copy_to_tp(x, self.group), &self.linear, false);
         }
         on_rows(x, |x| {
@@ -156,10 +155,10 @@ impl<B: ParallelBackend> ColumnParallelLinear<B> {
 
     /// `[..., d_input] -> [..., d_output / tp]` (or `d_output` when gathering).
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let y = if self.overlap.is_serial() {
-            linear_rows(copy_to_tp(x, self.group), &self.linear, true)
-        } else {
+        let y = if self.overlapped() {
             add_bias(self.product(x), self.linear.bias.as_ref())
+        } else {
+            linear_rows(copy_to_tp(x, self.group), &self.linear, true)
         };
         if self.gather_output {
             gather_from_tp(y, D - 1, self.group)
@@ -234,7 +233,7 @@ impl<B: ParallelBackend> RowParallelLinear<B> {
         })
     }
 
-    /// Sub-pipelines the layer: its all-reduce overlapped over `overlap` token chunks
+    /// Sub-pipelines the layer: its all-reduce is cut into `overlap` token chunks
     /// ([`overlap`](super::overlap)).
     pub fn set_overlap(&mut self, overlap: TpOverlap) {
         self.overlap = overlap;
