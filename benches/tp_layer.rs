@@ -383,8 +383,11 @@ fn main() -> Result<()> {
         (Group::register(timed.clone()), timed)
     };
     let tp_group = timed_group(Box::new(mpi.world()));
-    let thread_group =
-        (args.thread_progress).then(|| timed_group(Box::new(ProgressThreadComm::new(mpi.world()))));
+    let thread_group = if args.thread_progress {
+        Some(timed_group(Box::new(ProgressThreadComm::new(mpi.world())?)))
+    } else {
+        None
+    };
     let device = CpuDevice::default();
     let vs = variants(&args, &tp_group, thread_group.as_ref(), &device)?;
     let shape = [args.batch, args.seq, args.hidden];

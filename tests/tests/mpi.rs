@@ -53,6 +53,13 @@ fn overlapped_tensor_parallel_products_equal_serial_for_tp_1_2_4() {
 }
 
 #[test]
+fn a_communication_thread_gives_the_same_collectives_and_overlapped_layers() {
+    for np in [1, 2, 4] {
+        assert_all_ranks_ok(np, "thread");
+    }
+}
+
+#[test]
 fn zero1_gives_every_parameter_exactly_one_owner() {
     for np in [1, 2, 4] {
         assert_all_ranks_ok(np, "zero");

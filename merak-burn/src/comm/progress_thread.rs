@@ -47,15 +47,25 @@ pub struct ProgressThreadComm {
 impl ProgressThreadComm {
     /// Wraps `main` and starts the thread on a duplicate of it. Collective: every rank of
     /// `main` must call it.
-    pub fn new(main: MpiCommunicator) -> Self {
+    ///
+    /// # Errors
+    ///
+    /// [`CommError::Mpi`] when MPI was not initialised with `MPI_THREAD_MULTIPLE`.
+    pub fn new(main: MpiCommunicator) -> Result<Self, CommError> {
+        if mpi::environment::threading_support() != mpi::Threading::Multiple {
+            return Err(CommError::Mpi {
+                op: "communication thread (needs MpiWorld::init_thread_multiple)",
+                code: -1,
+            });
+        }
         let raw = RawComm(main.duplicate_raw());
         let (jobs, rx) = channel::<Job>();
         let thread = std::thread::spawn(move || serve(raw, rx));
-        Self {
+        Ok(Self {
             main,
             jobs: Some(jobs),
             thread: Some(thread),
-        }
+        })
     }
 }
 

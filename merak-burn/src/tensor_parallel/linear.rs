@@ -131,7 +131,7 @@ impl<B: ParallelBackend> ColumnParallelLinear<B> {
     }
 
     /// Sub-pipelines the layer: the all-reduce of its input gradient is cut into `overlap`
-    /// token chunks ([`overlap`](super::overlap)).
+    /// token chunks ([`overlap`]).
     pub fn set_overlap(&mut self, overlap: TpOverlap) {
         self.overlap = overlap;
     }
@@ -234,7 +234,7 @@ impl<B: ParallelBackend> RowParallelLinear<B> {
     }
 
     /// Sub-pipelines the layer: its all-reduce is cut into `overlap` token chunks
-    /// ([`overlap`](super::overlap)).
+    /// ([`overlap`]).
     pub fn set_overlap(&mut self, overlap: TpOverlap) {
         self.overlap = overlap;
     }

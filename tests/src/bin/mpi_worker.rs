@@ -6,14 +6,15 @@
 //!
 //! Scenarios: `comm` (every communicator operation), `grid` (sub-communicator membership),
 //! `layers` (tensor-parallel layers against tp = 1, forward and backward), `overlap` (the
-//! chunked, overlapped row- and column-parallel products against the serial ones), `panic`
-//! (rank 1 panics while rank 0 waits for it).
+//! chunked, overlapped row- and column-parallel products and blocks against the serial ones),
+//! `thread` (`comm` and `overlap` over a `ProgressThreadComm`, MPI initialised with
+//! `MPI_THREAD_MULTIPLE`), `panic` (rank 1 panics while rank 0 waits for it).
 
 use std::rc::Rc;
 
 use burn::tensor::{Int, Tensor, TensorData, backend::Backend};
 use merak_burn::backend::{Cpu, CpuAutodiff};
-use merak_burn::comm::{Communicator, Group, MpiWorld, ReduceOp, TensorComm};
+use merak_burn::comm::{Communicator, Group, MpiWorld, ProgressThreadComm, ReduceOp, TensorComm};
 use merak_burn::grid::{Layout, ProcessGrid};
 use merak_burn::tensor_parallel::{
     AttentionMask, AttentionWeights, ColumnParallelLinear, InitRng, MlpWeights, ParallelMlp,
@@ -29,10 +30,15 @@ const TOL: f64 = 1e-5;
 
 fn main() {
     let scenario = std::env::args().nth(1).unwrap_or_default();
-    let mpi = MpiWorld::init().expect("MPI initialises");
+    let mpi = if scenario == "thread" {
+        MpiWorld::init_thread_multiple().expect("MPI initialises with MPI_THREAD_MULTIPLE")
+    } else {
+        MpiWorld::init().expect("MPI initialises")
+    };
     let world = mpi.world();
     let rank = world.rank();
     match scenario.as_str() {
+        "thread" => thread_progress(&mpi),
         "comm" => comm(&world),
         "grid" => grid(mpi.world()),
         "layers" => layers(Group::register(Rc::new(mpi.world()))),
@@ -42,6 +48,14 @@ fn main() {
         other => panic!("unknown scenario {other:?}"),
     }
     println!("rank {rank}: {scenario} ok");
+}
+
+/// The communicator whose non-blocking all-reduces run on a communication thread: every
+/// operation, and the overlapped layers over it.
+fn thread_progress(mpi: &MpiWorld) {
+    let threaded = ProgressThreadComm::new(mpi.world()).expect("MPI_THREAD_MULTIPLE");
+    comm(&threaded);
+    overlap(Group::register(Rc::new(threaded)));
 }
 
 fn data(rank: usize, n: usize) -> Vec<f32> {
