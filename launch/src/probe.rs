@@ -17,9 +17,8 @@ use merak_burn::pipeline::{PipelineModel, StageInput, StageOutput};
 use merak_burn::planner::{CALIBRATION_FORMAT, Calibration, HardwareSpec, UnitKind, UnitTiming};
 use merak_burn::tensor_parallel::TpOverlap;
 
-use crate::probe_overlap::{self, OverlapSample};
-
 use crate::config;
+use crate::probe_overlap::{self, OverlapSample};
 
 type B = CpuAutodiff;
 
