@@ -542,10 +542,34 @@ impl Config {
                 return bad(key, format!("{b} must be in [0, 1)"));
             }
         }
-        if self.train.grad_clip < 0.0 {
+        let t = &self.train;
+        for (key, v, ok, range) in [
+            ("train.grad_clip", t.grad_clip, t.grad_clip >= 0.0, ">= 0"),
+            (
+                "train.weight_decay",
+                t.weight_decay,
+                t.weight_decay >= 0.0,
+                ">= 0",
+            ),
+            ("train.eps", t.eps, t.eps > 0.0, "> 0"),
+            (
+                "train.sample_temperature",
+                t.sample_temperature,
+                t.sample_temperature >= 0.0,
+                ">= 0 (0: greedy)",
+            ),
+        ] {
+            if !(ok && v.is_finite()) {
+                return bad(key, format!("{v} must be a finite number {range}"));
+            }
+        }
+        if t.sample_tokens > self.model.gpt.seq_len {
             return bad(
-                "train.grad_clip",
-                format!("{} must be >= 0", self.train.grad_clip),
+                "train.sample_tokens",
+                format!(
+                    "{} is more than the model's context (model.seq_len = {})",
+                    t.sample_tokens, self.model.gpt.seq_len
+                ),
             );
         }
         if !matches!(self.train.device.as_str(), "cpu" | "cuda") {

@@ -46,9 +46,10 @@ pub struct GenerateArgs {
     /// The prompt as comma-separated token ids, e.g. 1,2,3.
     #[arg(long, value_delimiter = ',')]
     pub prompt_ids: Option<Vec<i64>>,
-    /// Tokens to generate.
-    #[arg(long, default_value_t = 50)]
-    pub max_new_tokens: usize,
+    /// Tokens to generate, at most the model's context (`model.seq_len`); default 50, or the
+    /// context if it is shorter.
+    #[arg(long)]
+    pub max_new_tokens: Option<usize>,
     /// 0: greedy; otherwise sample among the top-k at this temperature.
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f64,
@@ -184,6 +185,7 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }
+    let new_tokens = check_sampling(args, g.seq_len)?;
     if let Some(&bad) = prompt
         .iter()
         .find(|&&t| t < 0 || t as usize >= g.vocab_size)
@@ -209,26 +211,93 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
         seed: args.seed,
     };
     let device = Default::default();
+    // GPT-2 text is printed as it comes: the prompt, then each token.
+    let mut text = (g.vocab_size == GPT2_VOCAB).then(|| TextStream::new(&bpe));
+    if let Some(t) = &mut text {
+        t.push(&prompt)?;
+    }
     let ids = generate::generate(
         &model,
         &prompt,
-        args.max_new_tokens,
+        new_tokens,
         g.seq_len,
         g.vocab_size,
         &sampling,
         grid.tp,
         &device,
+        &mut |id| match &mut text {
+            Some(t) => t.push(&[id]),
+            None => Ok(()),
+        },
     )?;
-    if g.vocab_size == GPT2_VOCAB {
-        let tokens: Vec<u32> = ids.iter().map(|&t| t as u32).collect();
-        let text = String::from_utf8_lossy(&bpe.decode_bytes(&tokens)?).into_owned();
-        println!("{text}");
+    if let Some(t) = text {
+        t.finish()?;
     }
     if args.print_ids || g.vocab_size != GPT2_VOCAB {
         let text: Vec<String> = ids.iter().map(i64::to_string).collect();
         println!("{}", text.join(","));
     }
     Ok(())
+}
+
+/// Checks the sampling options (at most the model's context of new tokens, a finite
+/// temperature of at least 0, at least one candidate token) and returns the tokens to make.
+fn check_sampling(args: &GenerateArgs, seq_len: usize) -> Result<usize> {
+    let new_tokens = args.max_new_tokens.unwrap_or(50.min(seq_len));
+    if new_tokens > seq_len {
+        bail!(
+            "--max-new-tokens {new_tokens} is more than the model's context of {seq_len} tokens \
+             (model.seq_len); give at most {seq_len}"
+        );
+    }
+    if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
+        bail!(
+            "--temperature {}: must be a finite number >= 0 (0: greedy)",
+            args.temperature
+        );
+    }
+    if args.top_k == 0 {
+        bail!("--top-k 0: sampling needs at least 1 candidate token");
+    }
+    Ok(new_tokens)
+}
+
+/// GPT-2 tokens decoded and printed as they come; bytes that do not form a whole UTF-8
+/// character yet wait for the next token.
+struct TextStream<'a> {
+    bpe: &'a tiktoken_rs::CoreBPE,
+    pending: Vec<u8>,
+}
+
+impl<'a> TextStream<'a> {
+    fn new(bpe: &'a tiktoken_rs::CoreBPE) -> Self {
+        Self {
+            bpe,
+            pending: Vec::new(),
+        }
+    }
+
+    /// Decodes `ids` and prints the whole characters so far.
+    fn push(&mut self, ids: &[i64]) -> Result<()> {
+        use std::io::Write;
+        let tokens: Vec<u32> = ids.iter().map(|&t| t as u32).collect();
+        self.pending.extend(self.bpe.decode_bytes(&tokens)?);
+        let whole = match std::str::from_utf8(&self.pending) {
+            Ok(_) => self.pending.len(),
+            Err(e) => e.valid_up_to(),
+        };
+        let mut out = std::io::stdout().lock();
+        out.write_all(&self.pending[..whole])?;
+        out.flush()?;
+        self.pending.drain(..whole);
+        Ok(())
+    }
+
+    /// Prints what is left (invalid bytes replaced) and ends the line.
+    fn finish(self) -> Result<()> {
+        println!("{}", String::from_utf8_lossy(&self.pending));
+        Ok(())
+    }
 }
 
 /// Writes the logits of every position of `prompt` (at most the model's sequence length).

@@ -51,9 +51,9 @@ fn choose(logits: &[f32], s: &Sampling, step: usize) -> usize {
     order[order.len() - 1]
 }
 
-/// Continues `prompt` by `new_tokens` tokens. Every rank of the TP group must call it: each
-/// computes its slice of the logits and the slices are gathered before the choice (the
-/// vocabulary padding is never chosen).
+/// Continues `prompt` by `new_tokens` tokens, handing each to `on_token` as soon as it is
+/// chosen. Every rank of the TP group must call it: each computes its slice of the logits and
+/// the slices are gathered before the choice (the vocabulary padding is never chosen).
 #[allow(clippy::too_many_arguments)]
 pub fn generate<B: ParallelBackend>(
     model: &Gpt<B>,
@@ -64,6 +64,7 @@ pub fn generate<B: ParallelBackend>(
     sampling: &Sampling,
     tp: Group,
     device: &B::Device,
+    on_token: &mut dyn FnMut(i64) -> Result<()>,
 ) -> Result<Vec<i64>> {
     let comm = tp.comm()?;
     let mut ids = prompt.to_vec();
@@ -80,7 +81,9 @@ pub fn generate<B: ParallelBackend>(
             .convert::<f32>()
             .into_vec::<f32>()
             .map_err(|e| anyhow::anyhow!("{e:?}"))?;
-        ids.push(choose(&values, sampling, step) as i64);
+        let id = choose(&values, sampling, step) as i64;
+        ids.push(id);
+        on_token(id)?;
     }
     Ok(ids)
 }
@@ -113,6 +116,7 @@ pub fn print_sample<B: merak_burn::tensor_parallel::ParallelBackend>(
         &sampling,
         grid.tp,
         device,
+        &mut |_| Ok(()),
     )?;
     if grid.rank == 0 {
         if let crate::data::Source::Tokens(_) = data {

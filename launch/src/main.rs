@@ -3,9 +3,11 @@
 mod alloc;
 mod config;
 mod data;
+mod describe;
 mod export;
 mod generate;
 mod init_from;
+mod outputs;
 mod plan_cmd;
 mod plot;
 mod probe;
@@ -230,7 +232,7 @@ fn with_mpi(f: impl FnOnce(Option<&MpiWorld>) -> Result<()>) -> ExitCode {
     };
     match f(Some(&mpi)) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => mpi.abort(2, &format!("{e:#}")),
+        Err(e) => mpi.abort(2, &describe::describe(&e)),
     }
 }
 
@@ -239,7 +241,7 @@ fn report(result: Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", describe::describe(&e));
             ExitCode::from(2)
         }
     }
@@ -252,6 +254,8 @@ fn init_logging(rank: usize) {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_target(false)
+        // Colour codes only on a terminal, not in log files or pipes.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .try_init();
     // Every line carries the rank through this span, which stays entered for the whole run.

@@ -80,6 +80,11 @@ fn resolve(
     HardwareSpec,
     Option<Calibration>,
 )> {
+    if let Some(g) = t.memory_gib
+        && !(g > 0.0 && g.is_finite())
+    {
+        bail!("--memory-gib {g}: must be a positive number of GiB per device");
+    }
     let mut shape: TransformerShape = t
         .model
         .parse()

@@ -320,6 +320,9 @@ fn total_memory_bytes() -> u64 {
 
 /// `merak probe`: writes the measured spec (rank 0).
 pub fn probe(args: &ProbeArgs, world: Option<&MpiCommunicator>) -> Result<()> {
+    if args.reps == 0 {
+        bail!("--reps 0: at least 1 repetition is needed");
+    }
     let (spec, overlap) = measure_with_overlap(world, args.reps)?;
     if world.is_none_or(|w| w.rank() == 0) {
         print_overlap(overlap.as_deref());
@@ -648,6 +651,13 @@ pub fn profile(args: &ProfileArgs, mpi: Option<&merak_burn::comm::MpiWorld>) -> 
         bail!(
             "--tp-overlap {:?}: degrees must be at least 1 (1: no overlap)",
             args.tp_overlap
+        );
+    }
+    if args.reps == 0 || args.train_steps == 0 {
+        bail!(
+            "--reps {} --train-steps {}: both must be at least 1",
+            args.reps,
+            args.train_steps
         );
     }
     let tps = tp_degrees(args, ranks, g.heads)?;

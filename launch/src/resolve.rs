@@ -46,7 +46,12 @@ pub fn resolve_config(
         (Some(r), None) => {
             let text = checkpoint_config(r)?;
             let origin = r.checkpoint.dir.join("manifest.json");
-            config::load_text(Some((&text, &origin.display().to_string())), &sets)?
+            let mut cfg = config::load_text(Some((&text, &origin.display().to_string())), &sets)?;
+            if args.plan.is_none() && !sets.iter().any(|s| sets_layout(s)) {
+                fit_layout_to_launch(&mut cfg, size);
+                cfg.validate()?;
+            }
+            cfg
         }
         _ => config::load(args.config.as_deref(), &sets)?,
     };
@@ -69,6 +74,41 @@ pub fn resolve_config(
         parallel,
         pipeline,
     })
+}
+
+/// Whether the `--set` override `set` chooses a layout degree.
+fn sets_layout(set: &str) -> bool {
+    let key = set.split_once('=').map_or(set, |(k, _)| k).trim();
+    matches!(key, "parallel.dp" | "parallel.tp" | "parallel.pp")
+}
+
+/// A checkpoint's stored layout that does not fit the ranks of the launch (resuming a
+/// dp=2 x tp=2 run on one process, with no degree given): the launch wins, as plain data
+/// parallelism over its ranks, without the stored pipeline's stages; a micro-batch that no
+/// longer divides a rank's share becomes the default.
+fn fit_layout_to_launch(cfg: &mut Config, size: usize) {
+    let p = &cfg.parallel;
+    if p.dp * p.tp * p.pp == size {
+        return;
+    }
+    tracing::info!(
+        "the checkpoint was written under dp={} tp={} pp={}; resuming on {size} rank(s) as dp={size} \
+         (give --dp/--tp/--pp to choose)",
+        p.dp,
+        p.tp,
+        p.pp
+    );
+    let p = &mut cfg.parallel;
+    (p.dp, p.tp, p.pp, p.virtual_stages) = (size, 1, 1, 1);
+    p.stage_layers.clear();
+    p.stage_recompute.clear();
+    if p.schedule == merak_burn::pipeline::ScheduleKind::Interleaved {
+        p.schedule = merak_burn::pipeline::ScheduleKind::OneFOneB;
+    }
+    let share = cfg.train.global_batch / size.max(1);
+    if cfg.train.micro_batch > 0 && !share.is_multiple_of(cfg.train.micro_batch) {
+        cfg.train.micro_batch = 0;
+    }
 }
 
 /// Reads `--plan spec` (a file, or `auto`: planned for this job), checks it fits the job and

@@ -15,9 +15,10 @@ use merak_burn::tensor_parallel::{ParallelBackend, TpOverlap};
 
 use crate::config::Config;
 use crate::data::Source;
+use crate::describe::describe;
 use crate::resolve::{Resolved, open_resume, resolve_config};
 use crate::train::{self, Objective, Resume, RunSpec, Summary};
-use crate::{generate, init_from, init_logging, plot, spawn};
+use crate::{generate, init_from, init_logging, outputs, plot, spawn};
 
 /// Arguments of `merak train`.
 #[derive(clap::Args, Debug)]
@@ -116,16 +117,16 @@ pub fn run_train(args: TrainArgs) -> ExitCode {
         // all exit 2.
         Err(e) => {
             if rank == 0 {
-                eprintln!("error: {e:#}");
+                eprintln!("error: {}", describe(&e));
             }
             return ExitCode::from(2);
         }
     };
     match (run(&job, &args.out, args.trace.as_deref()), mpi) {
         (Ok(()), _) => ExitCode::SUCCESS,
-        (Err(e), Some(mpi)) if size > 1 => mpi.abort(1, &format!("{e:#}")),
+        (Err(e), Some(mpi)) if size > 1 => mpi.abort(1, &describe(&e)),
         (Err(e), _) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", describe(&e));
             ExitCode::from(1)
         }
     }
@@ -164,6 +165,7 @@ fn prepare(args: &TrainArgs, world: Option<MpiCommunicator>, size: usize) -> Res
             f.hardware
         );
     }
+    check_outputs(args, &cfg, rank)?;
     let grid = match world {
         Some(w) => ProcessGrid::from_mpi(w, parallel.layout())?,
         None => ProcessGrid::single(),
@@ -181,6 +183,18 @@ fn prepare(args: &TrainArgs, world: Option<MpiCommunicator>, size: usize) -> Res
         resume,
         init_from,
     })
+}
+
+/// Checks every path the run will write (the output folder, the checkpoint folder, the trace)
+/// before anything is built, on every rank.
+fn check_outputs(args: &TrainArgs, cfg: &Config, rank: usize) -> Result<()> {
+    outputs::writable_dir(&args.out, "output folder (--out)", rank)?;
+    let checkpoints = train::checkpoint_root(cfg, &args.out);
+    outputs::writable_dir(&checkpoints, "checkpoint folder (checkpoint.dir)", rank)?;
+    if let Some(trace) = &args.trace {
+        outputs::writable_file(trace, "trace file (--trace)", rank)?;
+    }
+    Ok(())
 }
 
 /// Trains on the backend the config names (selective recomputation is Burn's balanced

@@ -103,6 +103,8 @@ fn resuming_reproduces_the_uninterrupted_run_under_any_layout() {
     // Other layouts (without ZeRO, and one rank): the same within float rounding.
     for (np, name, layout) in [
         (0, "ckpt-resume-1", vec!["--dp", "1", "--tp", "1"]),
+        // No layout given: the launch's single rank wins over the stored dp=2 x tp=2.
+        (0, "ckpt-resume-1-implicit", vec![]),
         (4, "ckpt-resume-tp4", vec!["--dp", "1", "--tp", "4"]),
         (2, "ckpt-resume-dp2", vec!["--dp", "2", "--tp", "1"]),
     ] {
@@ -178,6 +180,24 @@ fn damaged_checkpoints_are_named_before_training() {
     std::fs::remove_file(no_manifest.join("manifest.json")).unwrap();
     let e = resume_fails(&no_manifest, "ckpt-no-manifest-run");
     assert!(e.contains("no manifest.json"), "{e}");
+
+    // A manifest is untrusted: a shard name that leaves the folder is refused, even when the
+    // file it names exists and is the right one.
+    let escaping = root.join("ckpt-escaping");
+    copy_dir(&good, &escaping);
+    let manifest_path = escaping.join("manifest.json");
+    let text = std::fs::read_to_string(&manifest_path).unwrap();
+    let moved = text.replace(
+        "\"tp00-dp000-pp00.safetensors\"",
+        "\"../ckpt-good/tp00-dp000-pp00.safetensors\"",
+    );
+    assert_ne!(text, moved, "the manifest names the shard");
+    std::fs::write(&manifest_path, moved).unwrap();
+    let e = resume_fails(&escaping, "ckpt-escaping-run");
+    assert!(
+        e.contains("shard name") && e.contains("../ckpt-good"),
+        "{e}"
+    );
 
     // A different model cannot continue the checkpoint; the message names the key.
     let out = out_dir("ckpt-other-model");
@@ -395,6 +415,22 @@ fn generate_continues_a_prompt_from_any_layout() {
     let text = generate(&tp2.join("checkpoints"), &["--prompt", "Hello, world"]);
     assert_ne!(text.code, Some(0));
     assert!(text.stderr.contains("--prompt-ids"), "{}", text.stderr);
+    // Output is bounded by the model's context, and sampling options are checked.
+    for (extra, needle) in [
+        (
+            ["--max-new-tokens", "18446744073709551615"],
+            "context of 32 tokens",
+        ),
+        (["--top-k", "0"], "--top-k 0"),
+        (["--temperature", "NaN"], "--temperature NaN"),
+    ] {
+        let run = generate(
+            &tp2.join("checkpoints"),
+            &[&["--prompt-ids", "5,17"][..], &extra].concat(),
+        );
+        assert_eq!(run.code, Some(2), "{extra:?}: {}", run.stderr);
+        assert!(run.stderr.contains(needle), "{extra:?}: {}", run.stderr);
+    }
 }
 
 #[test]

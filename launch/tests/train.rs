@@ -157,6 +157,25 @@ fn config_errors_name_the_key_and_exit_non_zero() {
         (vec!["--set", "train.steps=lots"], "train.steps"),
         (vec!["--set", "data.kind=books"], "data.kind"),
         (vec!["--set", "model.heads=5"], "model.heads = 5"),
+        (vec!["--set", "model.init_std=-1"], "model.init_std = -1"),
+        (vec!["--set", "model.init_std=1e9"], "model.init_std"),
+        (
+            vec!["--set", "model.layer_norm_eps=-1"],
+            "model.layer_norm_eps",
+        ),
+        (vec!["--set", "train.eps=0"], "train.eps"),
+        (
+            vec!["--set", "train.weight_decay=-0.1"],
+            "train.weight_decay",
+        ),
+        (
+            vec!["--set", "train.sample_temperature=nan"],
+            "train.sample_temperature",
+        ),
+        (
+            vec!["--set", "train.sample_tokens=1000"],
+            "train.sample_tokens",
+        ),
     ] {
         let out = Command::new(MERAK)
             .arg("train")
@@ -165,6 +184,37 @@ fn config_errors_name_the_key_and_exit_non_zero() {
             .args(&args)
             .arg("--out")
             .arg(out_dir("bad"))
+            .output()
+            .expect("merak runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(needle),
+            "{args:?}: `{needle}` not in {stderr}"
+        );
+    }
+    // Every path the run writes is checked before training, and named.
+    let file = out_dir("an-output-file");
+    std::fs::write(&file, b"x").unwrap();
+    let folder = out_dir("a-trace-folder");
+    std::fs::create_dir_all(&folder).unwrap();
+    let checkpoint_dir = format!("checkpoint.dir={}", file.display());
+    let out = out_dir("paths-out");
+    let out = out.to_str().unwrap();
+    for (args, needle) in [
+        (vec!["--out", file.to_str().unwrap()], "is a file"),
+        (
+            vec!["--out", out, "--set", &checkpoint_dir],
+            "checkpoint.dir",
+        ),
+        (
+            vec!["--out", out, "--trace", folder.to_str().unwrap()],
+            "is a folder",
+        ),
+    ] {
+        let out = Command::new(MERAK)
+            .arg("train")
+            .args(&args)
             .output()
             .expect("merak runs");
         let stderr = String::from_utf8_lossy(&out.stderr);

@@ -108,6 +108,16 @@ impl Manifest {
     }
 }
 
+/// Whether `name` is one plain file or folder name: no separator, not `.` or `..`, not
+/// absolute, so that joining it to a folder stays inside that folder.
+fn plain_name(name: &str) -> bool {
+    let mut parts = Path::new(name).components();
+    matches!(
+        (parts.next(), parts.next()),
+        (Some(std::path::Component::Normal(n)), None) if n == name
+    )
+}
+
 /// What a rank contributes to a checkpoint.
 pub struct RankState {
     /// This rank's parameter shards (written by the first DP replica only).
@@ -360,6 +370,12 @@ impl Checkpoint {
         if !dir.join(MANIFEST).exists() && dir.join(LATEST).exists() {
             let latest = dir.join(LATEST);
             let name = std::fs::read_to_string(&latest).map_err(CheckpointError::io(&latest))?;
+            if !plain_name(name.trim()) {
+                return Err(CheckpointError::BadManifest {
+                    path: latest,
+                    reason: format!("names {:?}, not a checkpoint folder beside it", name.trim()),
+                });
+            }
             dir = dir.join(name.trim());
         }
         let manifest_path = dir.join(MANIFEST);
@@ -382,6 +398,13 @@ impl Checkpoint {
             return Err(bad(format!(
                 "format {:?}, this merak reads {FORMAT:?}",
                 manifest.format
+            )));
+        }
+        // The manifest is untrusted input: a shard is a file of this folder, nothing else.
+        if let Some(f) = manifest.files.iter().find(|f| !plain_name(&f.file)) {
+            return Err(bad(format!(
+                "shard name {:?} is not a file name inside the checkpoint folder",
+                f.file
             )));
         }
         let ckpt = Checkpoint { dir, manifest };
@@ -643,6 +666,24 @@ pub fn cut_full_params(
 mod tests {
     use super::*;
     use burn::module::ParamId;
+
+    #[test]
+    fn only_plain_names_stay_inside_a_folder() {
+        for ok in ["params-tp00-pp00.safetensors", "step-00000005", "a..b"] {
+            assert!(plain_name(ok), "{ok}");
+        }
+        for bad in [
+            "../../x.safetensors",
+            "..",
+            ".",
+            "",
+            "/etc/passwd",
+            "sub/x.safetensors",
+            "./x",
+        ] {
+            assert!(!plain_name(bad), "{bad:?}");
+        }
+    }
 
     #[test]
     fn full_params_are_cut_the_way_the_model_splits_them() {

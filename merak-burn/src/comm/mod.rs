@@ -21,7 +21,9 @@ pub(crate) mod tensor;
 pub use error::CommError;
 pub use group::Group;
 pub use local::LocalCommunicator;
-pub use mpi_comm::{MpiCommunicator, MpiWorld, PendingMpiAllReduce, launched_by_mpirun};
+pub use mpi_comm::{
+    MpiCommunicator, MpiWorld, PendingMpiAllReduce, launched_by_mpirun, report_line,
+};
 pub use progress_thread::ProgressThreadComm;
 pub use tensor::TensorComm;
 

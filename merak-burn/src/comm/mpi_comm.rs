@@ -78,9 +78,18 @@ impl MpiWorld {
     /// with this rank. Used when one rank hits an error the others cannot know about.
     pub fn abort(&self, code: i32, message: &str) -> ! {
         let rank = self.universe.world().rank();
-        eprintln!("merak: rank {rank} failed: {message}");
+        report_line(&format!("merak: rank {rank} failed: {message}"));
         abort_world(code)
     }
+}
+
+/// Writes `line` to stderr as one line in one write, so that the lines of ranks sharing the
+/// launcher's stderr do not interleave (a message's newlines become `; `).
+pub fn report_line(line: &str) {
+    use std::io::Write;
+    let mut one = line.trim_end().replace('\n', "; ");
+    one.push('\n');
+    let _ = std::io::stderr().lock().write_all(one.as_bytes());
 }
 
 impl Drop for MpiWorld {
@@ -113,7 +122,9 @@ fn install_abort_on_panic(rank: usize) {
             .location()
             .map(|l| format!(" at {}:{}", l.file(), l.line()))
             .unwrap_or_default();
-        eprintln!("merak: rank {rank} panicked: {msg}{at}; aborting the job");
+        report_line(&format!(
+            "merak: rank {rank} panicked: {msg}{at}; aborting the job"
+        ));
         // Let the default hook print a backtrace when RUST_BACKTRACE asks for it.
         if std::env::var_os("RUST_BACKTRACE").is_some() {
             default(info);

@@ -63,6 +63,24 @@ pub enum DataError {
         /// The model's vocabulary size.
         model_vocab: usize,
     },
+    /// A token id the model's embedding does not have.
+    #[error(
+        "{path}: token {offset} has id {id}, outside the model's vocabulary (model.vocab_size = \
+         {model_vocab}; meta.json says the data's vocabulary is {data_vocab}): the data set is \
+         damaged or was made with another tokenizer"
+    )]
+    TokenId {
+        /// The token file.
+        path: String,
+        /// The token's index in the file.
+        offset: u64,
+        /// Its id.
+        id: usize,
+        /// The model's vocabulary size.
+        model_vocab: usize,
+        /// The vocabulary size `meta.json` claims.
+        data_vocab: usize,
+    },
     /// Too few tokens for one sequence.
     #[error("{path}: {tokens} tokens are too few for one sequence of {need} (model.seq_len + 1)")]
     TooSmall {

@@ -77,6 +77,16 @@ impl TokenFile {
         self.tokens
     }
 
+    /// The position and value of the first token id that is not below `vocab`, if any (one
+    /// pass over the file).
+    pub fn first_id_at_or_above(&self, vocab: usize) -> Option<(u64, usize)> {
+        (self.map.chunks_exact(2))
+            .map(|c| usize::from(u16::from_le_bytes([c[0], c[1]])))
+            .enumerate()
+            .find(|&(_, id)| id >= vocab)
+            .map(|(i, id)| (i as u64, id))
+    }
+
     /// Tokens `start..start + n` as `i64` ids.
     pub fn read(&self, start: u64, n: usize) -> Vec<i64> {
         let b = &self.map[(start * 2) as usize..(start as usize + n) * 2];
@@ -130,6 +140,15 @@ impl TokenData {
         let val = TokenFile::open(&dir.join("val.bin"), meta.val_tokens)?;
         let need = seq_len as u64 + 1;
         for (name, f) in [("train.bin", &train), ("val.bin", &val)] {
+            if let Some((offset, id)) = f.first_id_at_or_above(model_vocab) {
+                return Err(DataError::TokenId {
+                    path: dir.join(name).display().to_string(),
+                    offset,
+                    id,
+                    model_vocab,
+                    data_vocab: meta.vocab_size,
+                });
+            }
             if f.token_count() < need {
                 return Err(DataError::TooSmall {
                     path: dir.join(name).display().to_string(),
@@ -253,6 +272,27 @@ mod tests {
         assert_ne!(order, starts, "shuffled");
         let (x, y) = data.train_batch(0, 2);
         assert_eq!(x[1..8], y[..7]);
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn ids_outside_the_models_vocabulary_are_refused_naming_file_and_offset() {
+        // Training tokens 0..100, but meta.json claims a vocabulary of 64: ids 64 and up do
+        // not fit a model of 64.
+        let d = counting(100, "ids");
+        let meta_path = d.join("meta.json");
+        let mut meta: Meta = serde_json::from_slice(&std::fs::read(&meta_path).unwrap()).unwrap();
+        meta.vocab_size = 64;
+        std::fs::write(&meta_path, serde_json::to_vec(&meta).unwrap()).unwrap();
+        let e = TokenData::open(&d, 8, 64, 1)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(
+            e.contains("train.bin") && e.contains("token 64 has id 64") && e.contains("= 64"),
+            "{e}"
+        );
+        assert!(TokenData::open(&d, 8, 100, 1).is_ok());
         let _ = std::fs::remove_dir_all(&d);
     }
 }

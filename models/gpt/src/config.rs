@@ -55,6 +55,16 @@ pub enum GptConfigError {
     /// A dropout probability outside `[0, 1)`.
     #[error("model.dropout = {0} must be in [0, 1)")]
     Dropout(String),
+    /// A real-valued key outside its range.
+    #[error("model.{key} = {value} must be {range}")]
+    OutOfRange {
+        /// The key.
+        key: &'static str,
+        /// Its value, as written.
+        value: String,
+        /// The allowed range, in words.
+        range: &'static str,
+    },
     /// An unknown preset name.
     #[error("unknown GPT preset {name:?}; known presets: {known}")]
     UnknownPreset {
@@ -116,6 +126,30 @@ impl GptConfig {
         }
         if !(0.0..1.0).contains(&self.dropout) {
             return Err(GptConfigError::Dropout(self.dropout.to_string()));
+        }
+        // A standard deviation of 1 already saturates a GPT's softmax; the epsilon only keeps a
+        // LayerNorm of a constant row finite.
+        for (key, value, ok, range) in [
+            (
+                "init_std",
+                self.init_std,
+                self.init_std > 0.0 && self.init_std <= 1.0,
+                "in (0, 1]",
+            ),
+            (
+                "layer_norm_eps",
+                self.layer_norm_eps,
+                self.layer_norm_eps > 0.0 && self.layer_norm_eps <= 1.0,
+                "in (0, 1]",
+            ),
+        ] {
+            if !ok {
+                return Err(GptConfigError::OutOfRange {
+                    key,
+                    value: value.to_string(),
+                    range,
+                });
+            }
         }
         Ok(())
     }

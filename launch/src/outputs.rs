@@ -1,0 +1,63 @@
+//! The paths a training run will write, checked before the first step: a folder that cannot
+//! be made or written, or a file path that is a folder, fails at once with the path named,
+//! instead of after the last step.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+
+/// Makes `dir` (and its parents) and checks that this process can write in it, with a probe
+/// file named after `rank` that is removed again.
+pub fn writable_dir(dir: &Path, what: &str, rank: usize) -> Result<()> {
+    if dir.exists() && !dir.is_dir() {
+        bail!("{what} {} is a file, not a folder", dir.display());
+    }
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("cannot create the {what} {}", dir.display()))?;
+    let probe = dir.join(format!(".merak-write-probe-{rank}"));
+    std::fs::write(&probe, b"")
+        .with_context(|| format!("cannot write in the {what} {}", dir.display()))?;
+    // Removing the probe can only fail if someone else removed it first.
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
+}
+
+/// Checks that the file `path` can be written: not a folder, its folder writable.
+pub fn writable_file(path: &Path, what: &str, rank: usize) -> Result<()> {
+    if path.is_dir() {
+        bail!("{what} {} is a folder; give a file path", path.display());
+    }
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    writable_dir(&parent, &format!("folder of the {what}"), rank)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn files_folders_and_impossible_paths_are_named() {
+        let root = std::env::temp_dir().join(format!("merak-outputs-{}", std::process::id()));
+        let file = root.join("a-file");
+        std::fs::create_dir_all(&root).unwrap();
+        std::fs::write(&file, b"x").unwrap();
+        let e = writable_dir(&file, "output folder", 0)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("a-file") && e.contains("is a file"), "{e}");
+        let e = format!(
+            "{:#}",
+            writable_dir(&file.join("below"), "output folder", 0).unwrap_err()
+        );
+        assert!(e.contains("a-file/below"), "{e}");
+        let e = writable_file(&root, "trace", 0).unwrap_err().to_string();
+        assert!(e.contains("is a folder"), "{e}");
+        writable_dir(&root.join("new/deeper"), "output folder", 0).unwrap();
+        writable_file(&root.join("new/trace.json"), "trace", 0).unwrap();
+        assert!(!root.join("new/.merak-write-probe-0").exists());
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+}
