@@ -1,5 +1,6 @@
 //! `merak`: train GPT models across MPI ranks with data, tensor and pipeline parallelism.
 
+mod admission;
 mod alloc;
 mod config;
 mod data;

@@ -166,6 +166,9 @@ fn prepare(args: &TrainArgs, world: Option<MpiCommunicator>, size: usize) -> Res
         );
     }
     check_outputs(args, &cfg, rank)?;
+    if cfg.train.device == "cpu" {
+        crate::admission::check(&cfg, &parallel, &pipeline)?;
+    }
     let grid = match world {
         Some(w) => ProcessGrid::from_mpi(w, parallel.layout())?,
         None => ProcessGrid::single(),
