@@ -33,7 +33,11 @@ impl Estimate {
 
 /// The estimate of the busiest rank of the run, `None` where the cost model cannot describe
 /// the layout.
-pub fn estimate(cfg: &Config, parallel: &ParallelPlan, pipeline: &PipelinePlan) -> Option<Estimate> {
+pub fn estimate(
+    cfg: &Config,
+    parallel: &ParallelPlan,
+    pipeline: &PipelinePlan,
+) -> Option<Estimate> {
     let shape = cfg.shape().ok()?;
     let model = ModelProxy::from_shape(shape);
     let size = parallel.dp * parallel.tp * parallel.pp;

@@ -147,6 +147,10 @@ pub struct TrainSection {
     pub seed: u64,
     /// Device: "cpu" or "cuda" (needs the `cuda` build feature).
     pub device: String,
+    /// A rank blocked in one communication call longer than this many seconds (plus the
+    /// message's time at 100 MB/s) names the call and its peers and aborts the job; 0: wait
+    /// forever.
+    pub comm_timeout_s: f64,
 }
 
 /// `[data]`: where tokens come from.
@@ -236,6 +240,7 @@ impl Default for Config {
                 sample_temperature: 0.0,
                 seed: 1234,
                 device: "cpu".into(),
+                comm_timeout_s: 300.0,
             },
             data: DataSection {
                 kind: "synthetic".into(),
@@ -552,6 +557,12 @@ impl Config {
                 ">= 0",
             ),
             ("train.eps", t.eps, t.eps > 0.0, "> 0"),
+            (
+                "train.comm_timeout_s",
+                t.comm_timeout_s,
+                t.comm_timeout_s >= 0.0,
+                ">= 0 (0: no limit)",
+            ),
             (
                 "train.sample_temperature",
                 t.sample_temperature,

@@ -556,11 +556,13 @@ fn train_step_time(
             true
         })?;
     let parallel = cfg.parallel_plan();
+    let never = merak_burn::train::StopRequest::new();
     let spec = crate::train::RunSpec {
         parallel: &parallel,
         plan: &plan,
         resume: None,
         trace: None,
+        stop: &never,
     };
     crate::train::train(
         &cfg,

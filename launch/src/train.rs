@@ -16,7 +16,8 @@ use merak_burn::plan::ParallelPlan;
 use merak_burn::tensor_parallel::ParallelBackend;
 pub use merak_burn::train::Summary;
 use merak_burn::train::{
-    BatchSource, CheckpointPolicy, RunOutput, SourceError, TrainSettings, Trainer, Windows,
+    BatchSource, CheckpointPolicy, RunOutput, SourceError, StopRequest, TrainSettings, Trainer,
+    Windows,
 };
 
 use crate::config::Config;
@@ -82,6 +83,8 @@ pub struct RunSpec<'a> {
     pub resume: Option<&'a Resume>,
     /// Write a Chrome trace of every rank's actions here.
     pub trace: Option<&'a Path>,
+    /// Set by the signal handlers: stop after the current step and checkpoint.
+    pub stop: &'a StopRequest,
 }
 
 /// The library's training settings of a config.
@@ -107,7 +110,12 @@ pub fn settings(cfg: &Config) -> TrainSettings {
 }
 
 /// Where a run of `cfg` writing to `out` puts its metrics, checkpoints and trace.
-fn run_output(cfg: &Config, out: &Path, trace: Option<&Path>) -> Result<RunOutput> {
+fn run_output(
+    cfg: &Config,
+    out: &Path,
+    trace: Option<&Path>,
+    stop: &StopRequest,
+) -> Result<RunOutput> {
     let c = &cfg.checkpoint;
     let policy = CheckpointPolicy {
         dir: checkpoint_root(cfg, out),
@@ -121,6 +129,7 @@ fn run_output(cfg: &Config, out: &Path, trace: Option<&Path>) -> Result<RunOutpu
         checkpoints: Some(policy),
         trace: trace.map(Path::to_path_buf),
         progress: true,
+        stop: Some(stop.clone()),
     })
 }
 
@@ -214,7 +223,7 @@ where
         objective,
         seed: cfg.train.seed,
     };
-    let output = run_output(cfg, out, spec.trace)?;
+    let output = run_output(cfg, out, spec.trace, spec.stop)?;
     let summary = trainer.fit(&source, &output, &mut |_| {})?;
     Ok((summary, trainer.into_model()))
 }
@@ -240,11 +249,13 @@ mod tests {
         let model = Gpt::<B>::new(&cfg.model.gpt, cfg.train.seed, grid.tp, &device).unwrap();
         let out = std::env::temp_dir().join(format!("merak-unit-{name}-{}", std::process::id()));
         let parallel = cfg.parallel_plan();
+        let never = StopRequest::new();
         let spec = RunSpec {
             parallel: &parallel,
             plan: &plan,
             resume: None,
             trace: None,
+            stop: &never,
         };
         let (_, trained) = train(
             &cfg,

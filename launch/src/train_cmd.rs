@@ -12,6 +12,7 @@ use merak_burn::grid::ProcessGrid;
 use merak_burn::pipeline::PipelinePlan;
 use merak_burn::plan::ParallelPlan;
 use merak_burn::tensor_parallel::{ParallelBackend, TpOverlap};
+use merak_burn::train::StopRequest;
 
 use crate::config::Config;
 use crate::data::Source;
@@ -122,14 +123,40 @@ pub fn run_train(args: TrainArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match (run(&job, &args.out, args.trace.as_deref()), mpi) {
-        (Ok(()), _) => ExitCode::SUCCESS,
+    if size > 1 {
+        let limit = std::time::Duration::from_secs_f64(job.cfg.train.comm_timeout_s);
+        merak_burn::comm::watchdog::arm(limit, rank);
+    }
+    let stop = StopRequest::new();
+    if let Err(e) = stop_on_signals(&stop) {
+        eprintln!("error: installing the signal handlers: {e}");
+        return ExitCode::from(1);
+    }
+    match (run(&job, &args.out, args.trace.as_deref(), &stop), mpi) {
+        (Ok(false), _) => ExitCode::SUCCESS,
+        (Ok(true), _) => ExitCode::from(STOPPED),
         (Err(e), Some(mpi)) if size > 1 => mpi.abort(1, &describe(&e)),
         (Err(e), _) => {
             eprintln!("error: {}", describe(&e));
             ExitCode::from(1)
         }
     }
+}
+
+/// The exit status of a run stopped by a signal after checkpointing (`EX_TEMPFAIL`: try again,
+/// that is, resume).
+pub const STOPPED: u8 = 75;
+
+/// SIGTERM, SIGINT and SIGUSR1 ask the run to stop after the current step (every rank agrees
+/// on the step, then checkpoints); a second one ends the process at once (status 130).
+fn stop_on_signals(stop: &StopRequest) -> std::io::Result<()> {
+    use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
+    for signal in [SIGTERM, SIGINT, SIGUSR1] {
+        // Registered first, so it sees the flag as the earlier signal left it.
+        signal_hook::flag::register_conditional_shutdown(signal, 130, stop.flag())?;
+        signal_hook::flag::register(signal, stop.flag())?;
+    }
+    Ok(())
 }
 
 /// Reads and checks everything before anything is built: the checkpoint to resume, the
@@ -202,7 +229,8 @@ fn check_outputs(args: &TrainArgs, cfg: &Config, rank: usize) -> Result<()> {
 
 /// Trains on the backend the config names (selective recomputation is Burn's balanced
 /// checkpointing: the matrix products are kept, memory-bound results recomputed) and reports.
-fn run(job: &Job, out: &Path, trace: Option<&Path>) -> Result<()> {
+/// Returns whether the run stopped early on a signal.
+fn run(job: &Job, out: &Path, trace: Option<&Path>, stop: &StopRequest) -> Result<bool> {
     let (cfg, grid) = (&job.cfg, &job.grid);
     if grid.rank == 0 {
         std::fs::create_dir_all(out)?;
@@ -213,6 +241,7 @@ fn run(job: &Job, out: &Path, trace: Option<&Path>) -> Result<()> {
         plan: &job.pipeline,
         resume: job.resume.as_ref(),
         trace,
+        stop,
     };
     let selective = job.parallel.selective_on_rank(grid.coords.pp);
     let summary = match cfg.train.device.as_str() {
@@ -236,7 +265,7 @@ fn run(job: &Job, out: &Path, trace: Option<&Path>) -> Result<()> {
     if grid.rank == 0 {
         print_summary(&summary, out)?;
     }
-    Ok(())
+    Ok(summary.stopped)
 }
 
 /// Rank 0's closing lines: the summary and the loss curve.
@@ -251,6 +280,12 @@ fn print_summary(summary: &Summary, out: &Path) -> Result<()> {
         out.join("metrics.jsonl").display()
     );
     tracing::info!("loss curve: {}", curve.display());
+    if summary.stopped {
+        tracing::warn!(
+            "stopped on a signal after step {}, checkpointed: continue with --resume (exit status {STOPPED})",
+            summary.steps
+        );
+    }
     if summary.skipped > 0 {
         tracing::warn!(
             "{} steps were skipped for a non-finite loss",
@@ -286,7 +321,7 @@ where
     }
     let objective = Objective::Causal;
     let (summary, model) = train::train(cfg, data, grid, out, device, model, &objective, spec)?;
-    if cfg.train.sample_tokens == 0 {
+    if cfg.train.sample_tokens == 0 || summary.stopped {
         return Ok(summary);
     }
     if grid.layout.pp > 1 {

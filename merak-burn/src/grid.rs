@@ -230,9 +230,11 @@ impl ProcessGrid {
         }
         let rank = world.rank();
         let c = layout.coords(rank);
-        let tp = world.split((c.pp * layout.dp + c.dp) as u32, c.tp as u32)?;
-        let dp = world.split((c.pp * layout.tp + c.tp) as u32, c.dp as u32)?;
-        let pp = world.split((c.dp * layout.tp + c.tp) as u32, c.pp as u32)?;
+        let tp =
+            (world.split((c.pp * layout.dp + c.dp) as u32, c.tp as u32)?).named("tensor-parallel");
+        let dp =
+            (world.split((c.pp * layout.tp + c.tp) as u32, c.dp as u32)?).named("data-parallel");
+        let pp = (world.split((c.dp * layout.tp + c.tp) as u32, c.pp as u32)?).named("pipeline");
         let wrap = |comm: MpiCommunicator| -> Group {
             if comm.size() == 1 {
                 Group::register(Rc::new(LocalCommunicator))

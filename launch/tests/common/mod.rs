@@ -107,6 +107,17 @@ pub fn assert_same_run(name: &str, got: &[serde_json::Value], want: &[serde_json
 /// holds (at most 60 s), SIGKILLs the last rank process (found by its unique output folder) and
 /// asserts that the whole job then ends, unsuccessfully, within 30 s. Returns the job's run.
 pub fn kill_last_rank_when(cmd: Command, out: &Path, ready: impl Fn() -> bool) -> merak_tests::Run {
+    signal_last_rank_when(cmd, out, "-KILL", ready)
+}
+
+/// Like [`kill_last_rank_when`], with another signal (`-STOP`: a rank that stalls without
+/// dying).
+pub fn signal_last_rank_when(
+    cmd: Command,
+    out: &Path,
+    signal: &str,
+    ready: impl Fn() -> bool,
+) -> merak_tests::Run {
     let child = std::thread::spawn(move || run_with_deadline(cmd, Duration::from_secs(120)));
     let start = std::time::Instant::now();
     while !ready() {
@@ -127,14 +138,14 @@ pub fn kill_last_rank_when(cmd: Command, out: &Path, ready: impl Fn() -> bool) -
     assert!(!pids.is_empty(), "no rank process found");
     let killed_at = std::time::Instant::now();
     let status = Command::new("kill")
-        .args(["-9", &pids[pids.len() - 1]])
+        .args([signal, &pids[pids.len() - 1]])
         .status()
         .expect("kill runs");
     assert!(status.success());
     let run = child.join().expect("the runner thread");
     assert!(
         !run.timed_out,
-        "the job hung after a rank was killed: {run:?}"
+        "the job hung after a rank got {signal}: {run:?}"
     );
     assert!(
         killed_at.elapsed() < Duration::from_secs(30),

@@ -17,6 +17,7 @@ mod mpi_comm;
 pub mod nccl;
 mod progress_thread;
 pub(crate) mod tensor;
+pub mod watchdog;
 
 pub use error::CommError;
 pub use group::Group;

@@ -8,7 +8,8 @@ use mpi::raw::AsRaw;
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::{Communicator as _, CommunicatorCollectives, Destination, Root, Source};
 
-use super::{CommError, Communicator, Pending, ReduceOp, check_len, check_rank};
+use super::{CommError, Communicator, Pending, ReduceOp, check_len, check_rank, watchdog};
+use std::sync::Arc;
 
 /// The largest element count one MPI call can describe (MPI counts are C `int`).
 const MAX_COUNT: usize = i32::MAX as usize;
@@ -101,7 +102,7 @@ impl Drop for MpiWorld {
 }
 
 /// Calls `MPI_Abort` on the world communicator.
-fn abort_world(code: i32) -> ! {
+pub(crate) fn abort_world(code: i32) -> ! {
     // SAFETY: MPI is initialised (an `MpiWorld` exists) and MPI_Abort does not return.
     unsafe {
         mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, code);
@@ -143,6 +144,21 @@ pub struct MpiCommunicator {
     /// Spare buffers for non-blocking all-reduces: a finished operation returns its send
     /// buffer here and the next one takes its receive buffer from here.
     pool: BufferPool,
+    /// What the watchdog calls this group ("world", "tensor-parallel", ...).
+    name: Arc<str>,
+    /// The world ranks of the group, in group order (for the watchdog's report).
+    members: Arc<[usize]>,
+}
+
+/// The world ranks of the members of `comm`, in its rank order.
+fn world_ranks(comm: &SimpleCommunicator) -> Vec<usize> {
+    use mpi::topology::Group as _;
+    let ranks: Vec<i32> = (0..comm.size()).collect();
+    let world = SimpleCommunicator::world().group();
+    (comm.group().translate_ranks(&ranks, &world).into_iter())
+        .enumerate()
+        .map(|(i, r)| r.map_or(i, |r| r as usize))
+        .collect()
 }
 
 /// A few spare host buffers shared by a communicator and its operations in flight.
@@ -153,11 +169,31 @@ const POOL_SIZE: usize = 4;
 
 impl MpiCommunicator {
     fn new(comm: SimpleCommunicator) -> Self {
+        let members = world_ranks(&comm);
+        let world = SimpleCommunicator::world().size() as usize;
+        let name = if members.len() == world {
+            "world"
+        } else {
+            "mpi"
+        };
         Self {
             comm,
             scratch: std::cell::RefCell::new(Vec::new()),
             pool: BufferPool::default(),
+            name: Arc::from(name),
+            members: members.into(),
         }
+    }
+
+    /// The same communicator under `name` in the watchdog's reports (the grid names its axes).
+    pub fn named(mut self, name: &str) -> Self {
+        self.name = Arc::from(name);
+        self
+    }
+
+    /// Marks a blocking call for the watchdog ([`super::watchdog`]).
+    fn watch(&self, op: &'static str, values: usize) -> watchdog::Guard {
+        watchdog::watch(op, values, &self.name, &self.members)
     }
 
     /// A buffer of `len` elements whose contents will be overwritten, from the pool if one is
@@ -238,6 +274,7 @@ impl Communicator for MpiCommunicator {
         let mut send = self.scratch.borrow_mut();
         send.clear();
         send.extend_from_slice(buf);
+        let _watch = self.watch("all_reduce", buf.len());
         self.comm.all_reduce_into(&send[..], buf, Self::op(op));
         self.finish_mean(buf, op);
         Ok(())
@@ -246,6 +283,7 @@ impl Communicator for MpiCommunicator {
     fn all_gather(&self, send: &[f32], recv: &mut [f32]) -> Result<(), CommError> {
         check_len("all_gather", send.len() * self.size(), recv.len())?;
         check_count("all_gather", recv.len())?;
+        let _watch = self.watch("all_gather", recv.len());
         self.comm.all_gather_into(send, recv);
         Ok(())
     }
@@ -258,6 +296,7 @@ impl Communicator for MpiCommunicator {
     ) -> Result<(), CommError> {
         check_len("reduce_scatter", recv.len() * self.size(), send.len())?;
         check_count("reduce_scatter", send.len())?;
+        let _watch = self.watch("reduce_scatter", send.len());
         self.comm
             .reduce_scatter_block_into(send, recv, Self::op(op));
         self.finish_mean(recv, op);
@@ -267,6 +306,7 @@ impl Communicator for MpiCommunicator {
     fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
         check_rank("broadcast", root, self.size())?;
         check_count("broadcast", buf.len())?;
+        let _watch = self.watch("broadcast", buf.len());
         self.comm.process_at_rank(root as i32).broadcast_into(buf);
         Ok(())
     }
@@ -274,6 +314,7 @@ impl Communicator for MpiCommunicator {
     fn broadcast_bytes(&self, buf: &mut [u8], root: usize) -> Result<(), CommError> {
         check_rank("broadcast", root, self.size())?;
         check_count("broadcast", buf.len())?;
+        let _watch = self.watch("broadcast", buf.len() / 4);
         self.comm.process_at_rank(root as i32).broadcast_into(buf);
         Ok(())
     }
@@ -281,6 +322,7 @@ impl Communicator for MpiCommunicator {
     fn send(&self, buf: &[f32], dest: usize, tag: u16) -> Result<(), CommError> {
         check_rank("send", dest, self.size())?;
         check_count("send", buf.len())?;
+        let _watch = self.watch("send", buf.len());
         self.comm
             .process_at_rank(dest as i32)
             .send_with_tag(buf, i32::from(tag));
@@ -290,6 +332,7 @@ impl Communicator for MpiCommunicator {
     fn recv(&self, buf: &mut [f32], src: usize, tag: u16) -> Result<(), CommError> {
         check_rank("recv", src, self.size())?;
         check_count("recv", buf.len())?;
+        let _watch = self.watch("recv", buf.len());
         let status = self
             .comm
             .process_at_rank(src as i32)
@@ -306,6 +349,7 @@ impl Communicator for MpiCommunicator {
     }
 
     fn barrier(&self) -> Result<(), CommError> {
+        let _watch = self.watch("barrier", 0);
         self.comm.barrier();
         Ok(())
     }
@@ -318,10 +362,8 @@ impl Communicator for MpiCommunicator {
     ) -> Result<Box<dyn Pending>, CommError> {
         check_rank("send", dest, self.size())?;
         let count = check_count("send", buf.len())?;
-        let mut pending = PendingMpiSend {
-            buf,
-            request: Request::new(),
-        };
+        let request = Request::new("send (non-blocking)", buf.len(), self);
+        let mut pending = PendingMpiSend { buf, request };
         // SAFETY: the buffer is owned by `pending`, lives on the heap and is not freed before
         // the request completes (`wait` and `Drop` complete it first).
         let code = unsafe {
@@ -349,9 +391,9 @@ impl Communicator for MpiCommunicator {
         let count = check_count("all_reduce_start", buf.len())?;
         let mut pending = PendingMpiAllReduce {
             recv: self.buffer(buf.len()),
+            request: Request::new("all_reduce (non-blocking)", buf.len(), self),
             send: buf,
             pool: self.pool.clone(),
-            request: Request::new(),
             divide_by: (op == ReduceOp::Mean).then_some(self.size() as f32),
         };
         let mpi_op = match op {
@@ -389,14 +431,19 @@ use mpi::datatype::Equivalence;
 struct Request {
     raw: mpi::ffi::MPI_Request,
     complete: bool,
+    /// What the watchdog reports while `wait` blocks: the operation, its values, the group's
+    /// name and members.
+    watch: (&'static str, usize, Arc<str>, Arc<[usize]>),
 }
 
 impl Request {
-    fn new() -> Self {
+    /// A request of `op` on `values` floats over `comm`.
+    fn new(op: &'static str, values: usize, comm: &MpiCommunicator) -> Self {
         Self {
             // SAFETY: reading an MPI constant.
             raw: unsafe { mpi::ffi::RSMPI_REQUEST_NULL },
             complete: false,
+            watch: (op, values, comm.name.clone(), comm.members.clone()),
         }
     }
 
@@ -405,6 +452,8 @@ impl Request {
         if self.complete {
             return Ok(());
         }
+        let (op, values, name, members) = &self.watch;
+        let _watch = watchdog::watch(op, *values, name, members);
         // SAFETY: `raw` came from a non-blocking MPI call and has not completed yet.
         let code = unsafe { mpi::ffi::MPI_Wait(&mut self.raw, mpi::ffi::RSMPI_STATUS_IGNORE) };
         self.complete = true;

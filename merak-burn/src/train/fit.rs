@@ -26,6 +26,9 @@ pub struct Summary {
     pub wall_s: f64,
     /// Steps skipped for a non-finite loss.
     pub skipped: usize,
+    /// Whether the run stopped early on a [`StopRequest`](crate::train::StopRequest) (after
+    /// step `steps`, checkpointed when the run has a checkpoint policy).
+    pub stopped: bool,
 }
 
 impl<B, M> Trainer<'_, B, M>
@@ -51,6 +54,7 @@ where
         let mut metrics = self.metrics_writer(&metrics_path, start)?;
         let progress = Progress::new(self.grid.rank == 0 && out.progress, start, steps);
         let (mut final_loss, mut skipped, mut total_time) = (f64::NAN, 0, 0.0);
+        let mut stopped = false;
         while self.done < steps {
             let ts = Instant::now();
             let faults = process::minor_faults();
@@ -71,7 +75,14 @@ where
             } else {
                 skipped += 1;
             }
-            self.save_if_due(out, &progress)?;
+            let saved = self.save_if_due(out, &progress)?;
+            if self.done < steps && self.stop_agreed(out)? {
+                if !saved {
+                    self.save_now(out, &progress)?;
+                }
+                stopped = true;
+                break;
+            }
         }
         progress.finish();
         report_memory(
@@ -84,12 +95,13 @@ where
             write_trace(path, self.executor.take_trace(), self.grid)?;
         }
         Ok(Summary {
-            steps,
+            steps: self.done,
             final_loss,
-            mean_tokens_per_s: (self.settings.tokens_per_step() * (steps - start)) as f64
+            mean_tokens_per_s: (self.settings.tokens_per_step() * (self.done - start)) as f64
                 / f64::max(total_time, 1e-9),
             wall_s: t0.elapsed().as_secs_f64(),
             skipped,
+            stopped,
         })
     }
 
@@ -138,14 +150,35 @@ where
         }
     }
 
-    /// Saves a checkpoint when `out.checkpoints` asks for one after the steps done.
-    fn save_if_due(&self, out: &RunOutput, progress: &Progress) -> Result<(), TrainError> {
+    /// Saves a checkpoint when `out.checkpoints` asks for one after the steps done; whether it
+    /// did.
+    fn save_if_due(&self, out: &RunOutput, progress: &Progress) -> Result<bool, TrainError> {
+        match &out.checkpoints {
+            Some(policy) if policy.due(self.done, self.settings.steps) => {
+                self.save_now(out, progress)?;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    /// Whether any rank was asked to stop (a collective over the world when `out.stop` is
+    /// set, so that every rank stops after the same step).
+    fn stop_agreed(&self, out: &RunOutput) -> Result<bool, TrainError> {
+        let Some(stop) = &out.stop else {
+            return Ok(false);
+        };
+        let mut flag = [if stop.is_requested() { 1.0f32 } else { 0.0 }];
+        let comm = self.grid.world.comm()?;
+        comm.all_reduce(&mut flag, crate::comm::ReduceOp::Max)?;
+        Ok(flag[0] > 0.0)
+    }
+
+    /// Saves a checkpoint now, when the run has a checkpoint policy.
+    fn save_now(&self, out: &RunOutput, progress: &Progress) -> Result<(), TrainError> {
         let Some(policy) = out.checkpoints.as_ref() else {
             return Ok(());
         };
-        if !policy.due(self.done, self.settings.steps) {
-            return Ok(());
-        }
         let t = Instant::now();
         let dir = self.save_checkpoint(policy)?;
         if self.grid.rank == 0 {

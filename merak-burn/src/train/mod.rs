@@ -16,6 +16,7 @@ mod save;
 mod schedule;
 mod settings;
 mod source;
+mod stop;
 mod tied;
 mod trainer;
 
@@ -30,5 +31,6 @@ pub use report::{report_memory, write_trace};
 pub use schedule::LrSchedule;
 pub use settings::{CheckpointPolicy, RunOutput, TrainSettings};
 pub use source::{BatchSource, SourceError, Windows};
+pub use stop::StopRequest;
 pub use tied::sum_tied_grads;
 pub use trainer::{AdamW, StepOutcome, StepPhases, Trainer};

@@ -101,4 +101,7 @@ pub struct RunOutput {
     pub trace: Option<PathBuf>,
     /// Show a progress bar on rank 0 when stderr is a terminal (otherwise a log line per step).
     pub progress: bool,
+    /// Stop after the current step when this is requested on any rank (and checkpoint, when
+    /// `checkpoints` is set); `None`: run every step.
+    pub stop: Option<super::StopRequest>,
 }

@@ -1,0 +1,132 @@
+//! Faults under real `mpirun`: a rank that stalls (SIGSTOP, alive but silent) is named by the
+//! others' watchdog, which ends the job instead of letting it hang; a preemption signal stops
+//! every rank after the same step with a checkpoint that resumes exactly.
+
+use merak_tests::mpirun;
+
+mod common;
+use common::*;
+
+#[test]
+fn a_stalled_rank_is_named_by_the_watchdog_and_the_job_ends() {
+    let out = out_dir("stalled-rank");
+    let mut cmd = mpirun(2);
+    cmd.arg(MERAK);
+    train_args(
+        &mut cmd,
+        &out,
+        &[
+            "--dp",
+            "2",
+            "--set",
+            "train.steps=100000",
+            "--set",
+            "train.comm_timeout_s=2",
+            "--set",
+            "checkpoint.at_end=false",
+        ],
+    );
+    let metrics = out.join("metrics.jsonl");
+    let run = signal_last_rank_when(cmd, &out, "-STOP", || {
+        std::fs::read_to_string(&metrics).is_ok_and(|m| m.lines().count() >= 3)
+    });
+    // Rank 0 waits for rank 1 in a data-parallel or world collective and says so, once.
+    let line = run
+        .stderr
+        .lines()
+        .find(|l| l.contains("stuck for"))
+        .unwrap_or_else(|| panic!("no watchdog report in {}", run.stderr));
+    assert!(line.starts_with("merak: rank 0 stuck for"), "{line}");
+    assert!(line.contains("world ranks [0, 1]"), "{line}");
+    assert!(line.contains("train.comm_timeout_s"), "{line}");
+}
+
+/// A constant learning rate, so that a run can be continued with fewer total steps.
+const CONSTANT_LR: [&str; 6] = [
+    "--set",
+    "train.min_lr=3e-3",
+    "--set",
+    "train.warmup_steps=0",
+    "--set",
+    "data.kind=synthetic",
+];
+
+#[test]
+fn a_preemption_signal_stops_every_rank_after_one_step_with_a_checkpoint_that_resumes_exactly() {
+    let out = out_dir("preempted");
+    let mut cmd = mpirun(2);
+    cmd.arg(MERAK);
+    train_args(
+        &mut cmd,
+        &out,
+        &["--dp", "2", "--set", "train.steps=100000"],
+    );
+    // The job's output goes to files: a pipe nobody reads before the end would fill up.
+    std::fs::create_dir_all(&out).unwrap();
+    let log = |name: &str| std::fs::File::create(out.join(name)).expect("log file");
+    cmd.args(CONSTANT_LR)
+        .stdout(log("job.out"))
+        .stderr(log("job.err"));
+    let mut child = cmd.spawn().expect("mpirun starts");
+    let metrics = out.join("metrics.jsonl");
+    let start = std::time::Instant::now();
+    while !std::fs::read_to_string(&metrics).is_ok_and(|m| m.lines().count() >= 5) {
+        assert!(start.elapsed().as_secs() < 60, "training did not start");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // SIGUSR1 to mpirun, which forwards it to every rank (as a scheduler's warning signal).
+    let pid = child.id().to_string();
+    let sent = std::process::Command::new("kill")
+        .args(["-USR1", &pid])
+        .status();
+    assert!(sent.is_ok_and(|s| s.success()));
+    let status = wait_at_most(&mut child, 60);
+    let stderr = std::fs::read_to_string(out.join("job.err")).unwrap_or_default();
+    assert_eq!(status.code(), Some(75), "{stderr}");
+    assert!(
+        stderr.contains("stopped on a signal after step"),
+        "{stderr}"
+    );
+
+    // Every rank stopped after the same step, and that step was checkpointed.
+    let k = read_metrics(&out).len();
+    let latest = std::fs::read_to_string(out.join("checkpoints/latest")).unwrap();
+    assert_eq!(latest.trim(), format!("step-{k:08}"));
+
+    // Resumed for two more steps, it equals a run that was never stopped.
+    let steps = format!("train.steps={}", k + 2);
+    let mut cmd = mpirun(2);
+    cmd.arg(MERAK)
+        .arg("train")
+        .arg("--resume")
+        .arg(out.join("checkpoints"))
+        .args(["--set", &steps, "--out"])
+        .arg(&out);
+    merak_tests::run_with_deadline(cmd, std::time::Duration::from_secs(120)).assert_success();
+    let reference = out_dir("preempted-reference");
+    let mut cmd = mpirun(2);
+    cmd.arg(MERAK);
+    train_args(&mut cmd, &reference, &["--dp", "2", "--set", &steps]);
+    cmd.args(CONSTANT_LR);
+    merak_tests::run_with_deadline(cmd, std::time::Duration::from_secs(120)).assert_success();
+    let (got, want) = (read_metrics(&out), read_metrics(&reference));
+    assert_eq!(got.len(), k + 2);
+    for key in ["loss", "grad_norm"] {
+        assert_eq!(series(&got, key), series(&want, key), "{key}");
+    }
+}
+
+/// Waits for `child` at most `secs` seconds (killing it after that) and returns its status.
+fn wait_at_most(child: &mut std::process::Child, secs: u64) -> std::process::ExitStatus {
+    let start = std::time::Instant::now();
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            return status;
+        }
+        if start.elapsed().as_secs() > secs {
+            let _ = child.kill();
+            panic!("the job did not end within {secs} s of the signal");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}

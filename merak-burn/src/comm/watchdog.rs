@@ -1,0 +1,125 @@
+//! A watchdog for stuck collectives: a rank blocked in one MPI call longer than its limit says
+//! which operation, over which group and which peers it waits for, and aborts the job, instead
+//! of the whole job hanging until a scheduler kills it.
+//!
+//! [`arm`] starts it (`merak train` arms it with `train.comm_timeout_s`); until then a watched
+//! call costs one atomic load. The limit of a call is the armed base plus the time of its
+//! message at 100 MB/s, so large transfers on a slow link are not mistaken for a hang.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// Bytes per second a watched call is granted on top of the base limit.
+const GRANTED_RATE: f64 = 1e8;
+
+/// The call in progress on this process.
+struct Watch {
+    op: &'static str,
+    values: usize,
+    group: Arc<str>,
+    members: Arc<[usize]>,
+    since: Instant,
+    limit: Duration,
+}
+
+struct State {
+    base: Duration,
+    rank: usize,
+    current: Option<Watch>,
+}
+
+static ARMED: AtomicBool = AtomicBool::new(false);
+static STATE: OnceLock<Mutex<State>> = OnceLock::new();
+
+/// Arms the watchdog of this process (world rank `rank`): from now on a watched call blocked
+/// longer than `base` (plus its message's time) aborts the job. A zero `base` disarms it.
+pub fn arm(base: Duration, rank: usize) {
+    let state = STATE.get_or_init(|| {
+        std::thread::spawn(watch_loop);
+        Mutex::new(State {
+            base,
+            rank,
+            current: None,
+        })
+    });
+    if let Ok(mut s) = state.lock() {
+        s.base = base;
+        s.rank = rank;
+    }
+    ARMED.store(!base.is_zero(), Ordering::Release);
+}
+
+/// Marks a blocking call until it is dropped.
+pub(crate) struct Guard(bool);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        if self.0
+            && let Some(Ok(mut s)) = STATE.get().map(Mutex::lock)
+        {
+            s.current = None;
+        }
+    }
+}
+
+/// Watches the call `op` of `values` floats over `group` (its world ranks `members`).
+pub(crate) fn watch(
+    op: &'static str,
+    values: usize,
+    group: &Arc<str>,
+    members: &Arc<[usize]>,
+) -> Guard {
+    if !ARMED.load(Ordering::Acquire) {
+        return Guard(false);
+    }
+    let Some(Ok(mut s)) = STATE.get().map(Mutex::lock) else {
+        return Guard(false);
+    };
+    let limit = s.base + Duration::from_secs_f64(values as f64 * 4.0 / GRANTED_RATE);
+    s.current = Some(Watch {
+        op,
+        values,
+        group: group.clone(),
+        members: members.clone(),
+        since: Instant::now(),
+        limit,
+    });
+    Guard(true)
+}
+
+/// The watchdog thread: checks the call in progress a few times per limit.
+fn watch_loop() {
+    loop {
+        let tick = STATE
+            .get()
+            .and_then(|s| s.lock().ok().map(|s| s.base / 10))
+            .unwrap_or(Duration::from_secs(1))
+            .clamp(Duration::from_millis(50), Duration::from_secs(5));
+        std::thread::sleep(tick);
+        if !ARMED.load(Ordering::Acquire) {
+            continue;
+        }
+        let Some(Ok(s)) = STATE.get().map(Mutex::lock) else {
+            continue;
+        };
+        if let Some(w) = &s.current
+            && w.since.elapsed() > w.limit
+        {
+            let line = format!(
+                "merak: rank {} stuck for {:.1} s (limit {:.1} s, train.comm_timeout_s) in {} of \
+                 {} values over the {} group of world ranks {:?}: one of them is stalled or \
+                 dead; aborting the job",
+                s.rank,
+                w.since.elapsed().as_secs_f64(),
+                w.limit.as_secs_f64(),
+                w.op,
+                w.values,
+                w.group,
+                w.members
+            );
+            super::report_line(&line);
+            super::mpi_comm::abort_world(124);
+        }
+    }
+}
