@@ -9,6 +9,8 @@ mod export;
 mod generate;
 mod init_from;
 mod outputs;
+#[cfg(test)]
+mod parsers_never_panic;
 mod plan_cmd;
 mod plot;
 mod probe;

@@ -218,7 +218,7 @@ pub fn plan(a: &PlanArgs) -> Result<()> {
 }
 
 /// Parses `key=value,...` into a layout of `model` for `global_batch` sequences.
-fn parse_layout(text: &str, model: &ModelProxy, global_batch: usize) -> Result<Layout> {
+pub(crate) fn parse_layout(text: &str, model: &ModelProxy, global_batch: usize) -> Result<Layout> {
     let (mut dp, mut tp, mut pp, mut v, mut mbs) = (1, 1, 1, 1, 1);
     let mut recompute = RecomputeMode::None;
     let mut schedule = ScheduleKind::OneFOneB;

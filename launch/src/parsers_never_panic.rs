@@ -1,0 +1,96 @@
+//! Property tests of `merak`'s own parsers: a config file and `--set` overrides, and
+//! `--layout` strings, give a value or an error for arbitrary input, never a panic.
+
+use proptest::prelude::*;
+
+use crate::config;
+use crate::plan_cmd::parse_layout;
+
+/// A TOML-ish line: a known or unknown key, `=`, a value of any type.
+fn assignment() -> impl Strategy<Value = String> {
+    let key = prop::sample::select(vec![
+        "model.layers",
+        "model.heads",
+        "model.hidden",
+        "model.seq_len",
+        "model.vocab_size",
+        "model.init_std",
+        "model.dropout",
+        "parallel.dp",
+        "parallel.tp",
+        "parallel.pp",
+        "parallel.tp_overlap",
+        "parallel.schedule",
+        "parallel.stage_layers",
+        "parallel.virtual_stages",
+        "train.global_batch",
+        "train.micro_batch",
+        "train.lr",
+        "train.steps",
+        "train.comm_timeout_s",
+        "data.kind",
+        "checkpoint.every",
+        "nonsense.key",
+    ]);
+    let value = prop::sample::select(vec![
+        "0",
+        "1",
+        "-1",
+        "3",
+        "1e309",
+        "nan",
+        "18446744073709551616",
+        "\"gpipe\"",
+        "\"interleaved\"",
+        "[1, 2]",
+        "[]",
+        "true",
+        "\"\"",
+        "{}",
+        "",
+    ]);
+    (key, value).prop_map(|(k, v)| format!("{k}={v}"))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 300,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn configs_and_overrides(
+        text in "\\PC{0,120}",
+        sets in prop::collection::vec(assignment(), 0..6),
+        raw in prop::collection::vec("\\PC{0,30}", 0..3),
+    ) {
+        let _ = config::load_text(Some((&text, "prop.toml")), &[]);
+        // A config that loads also resolves into a pipeline plan (or names what does not fit).
+        if let Ok(cfg) = config::load_text(None, &sets) {
+            let _ = cfg.pipeline_plan();
+        }
+        let _ = config::load_text(None, &raw);
+        // A config of the same assignments as TOML lines (sections from the keys).
+        let toml: String = sets
+            .iter()
+            .filter_map(|s| s.split_once('.'))
+            .map(|(section, rest)| format!("[{section}]\n{rest}\n"))
+            .collect();
+        let _ = config::load_text(Some((&toml, "prop.toml")), &[]);
+    }
+
+    #[test]
+    fn layouts(text in "[a-z0-9=,.-]{0,60}", global_batch in 0usize..64) {
+        let model = merak_burn::planner::ModelProxy::parse(
+            "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=512",
+        )
+        .expect("model");
+        let _ = parse_layout(&text, &model, global_batch);
+        let _ = parse_layout(
+            &format!("dp=1,tp=2,pp=2,mbs=1,{text}"),
+            &model,
+            global_batch,
+        );
+    }
+}

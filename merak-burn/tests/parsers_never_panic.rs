@@ -1,0 +1,202 @@
+//! Every parser of untrusted input (model shapes, hardware specs, plan files, calibration
+//! files, checkpoint manifests, data set metadata) returns a value or an error for arbitrary
+//! input, never a panic: random text, and valid files with random edits.
+
+use std::path::{Path, PathBuf};
+
+use merak_burn::checkpoint::Checkpoint;
+use merak_burn::data::TokenData;
+use merak_burn::planner::{
+    Calibration, HardwareSpec, ModelProxy, PlanFile, SearchOptions, TransformerShape, search,
+};
+use proptest::prelude::*;
+
+/// A fresh folder for one case.
+fn folder(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("merak-prop-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("temp folder");
+    d
+}
+
+/// `valid` with the edit `(at, cut, insert)`: `cut` bytes removed at `at`, `insert` put there.
+fn edited(valid: &[u8], (at, cut, insert): &(usize, usize, Vec<u8>)) -> Vec<u8> {
+    let at = at % (valid.len() + 1);
+    let end = (at + cut).min(valid.len());
+    [&valid[..at], insert.as_slice(), &valid[end..]].concat()
+}
+
+/// An edit of a few bytes: where, how many removed, what inserted (often JSON/TOML syntax).
+fn edit() -> impl Strategy<Value = (usize, usize, Vec<u8>)> {
+    let syntax = prop::sample::select(vec![
+        b"{".to_vec(),
+        b"}".to_vec(),
+        b"\"".to_vec(),
+        b"-1".to_vec(),
+        b"1e309".to_vec(),
+        b"null".to_vec(),
+        b"[]".to_vec(),
+        b"=".to_vec(),
+        b"18446744073709551616".to_vec(),
+        b"0".to_vec(),
+        b"../".to_vec(),
+    ]);
+    let bytes = prop::collection::vec(any::<u8>(), 0..8);
+    (any::<usize>(), 0usize..16, prop_oneof![syntax, bytes])
+}
+
+const TINY: &str = "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=512";
+
+fn valid_plan(dir: &Path) -> Vec<u8> {
+    let shape: TransformerShape = TINY.parse().expect("shape");
+    let hw = HardwareSpec::preset("local-cpu")
+        .expect("preset")
+        .with_devices(4);
+    let result = search(
+        &ModelProxy::from_shape(shape),
+        &hw,
+        &SearchOptions::new(4, 8),
+    )
+    .expect("a plan");
+    let path = dir.join("valid.json");
+    PlanFile::new(shape, "local-cpu", 4, result.best)
+        .write(&path)
+        .expect("written");
+    std::fs::read(&path).expect("read back")
+}
+
+/// A calibration of the tiny GPT with one timing.
+fn valid_calibration(model: TransformerShape) -> Vec<u8> {
+    use merak_burn::planner::{CALIBRATION_FORMAT, UnitKind, UnitTiming};
+    let cal = Calibration {
+        format: CALIBRATION_FORMAT.into(),
+        model,
+        backend: "flex-f32".into(),
+        ranks: 2,
+        element_bytes: 4.0,
+        optimizer_s_per_param: 1e-9,
+        micro_batch_s_per_param: 0.0,
+        step_overhead_s: 0.0,
+        zero1_s_per_param: 0.0,
+        alone_time_fraction: 0.0,
+        timings: vec![UnitTiming {
+            unit: UnitKind::Layer,
+            tp: 1,
+            micro_batch: 1,
+            forward_s: 1e-3,
+            backward_s: 2e-3,
+            tp_overlap: 1,
+        }],
+    };
+    serde_json::to_vec(&cal).expect("json")
+}
+
+/// The manifest of a checkpoint with one replicated parameter in one 8-byte shard.
+fn valid_manifest() -> Vec<u8> {
+    use merak_burn::checkpoint::{FORMAT, FileEntry, Manifest, ParamEntry};
+    use merak_burn::tensor_parallel::ShardKind;
+    let manifest = Manifest {
+        format: FORMAT.into(),
+        step: 3,
+        layout: merak_burn::grid::Layout {
+            dp: 1,
+            tp: 1,
+            pp: 1,
+        },
+        params: vec![ParamEntry {
+            name: "w".into(),
+            shape: vec![2],
+            shard: ShardKind::Replicated,
+        }],
+        files: vec![FileEntry {
+            file: "s.safetensors".into(),
+            bytes: 8,
+            sha256: "00".into(),
+            tp: 0,
+            dp: 0,
+        }],
+        extra: serde_json::Value::Null,
+    };
+    serde_json::to_vec(&manifest).expect("json")
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 200,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn model_shapes(text in "\\PC{0,60}", e in edit()) {
+        let _ = text.parse::<TransformerShape>();
+        let mutated = edited(TINY.as_bytes(), &e);
+        let _ = String::from_utf8_lossy(&mutated).parse::<TransformerShape>();
+    }
+
+    #[test]
+    fn hardware_specs(text in "\\PC{0,200}", e in edit()) {
+        let _ = HardwareSpec::from_toml(&text);
+        let valid = toml::to_string(&HardwareSpec::preset("a100-80g").expect("preset"))
+            .expect("toml");
+        let _ = HardwareSpec::from_toml(&String::from_utf8_lossy(&edited(valid.as_bytes(), &e)));
+    }
+
+    #[test]
+    fn plan_files(bytes in prop::collection::vec(any::<u8>(), 0..200), e in edit()) {
+        let dir = folder("plan");
+        let path = dir.join("plan.json");
+        std::fs::write(&path, &bytes).expect("write");
+        let _ = PlanFile::read(&path);
+        std::fs::write(&path, edited(&valid_plan(&dir), &e)).expect("write");
+        let _ = PlanFile::read(&path);
+    }
+
+    #[test]
+    fn calibration_files(bytes in prop::collection::vec(any::<u8>(), 0..200), e in edit()) {
+        let dir = folder("calibration");
+        let path = dir.join("calibration.json");
+        let shape: TransformerShape = TINY.parse().expect("shape");
+        std::fs::write(&path, &bytes).expect("write");
+        let _ = Calibration::read(&path, &shape);
+        let valid = valid_calibration(shape);
+        let valid = valid.as_slice();
+        std::fs::write(&path, valid).expect("write");
+        let unedited = Calibration::read(&path, &shape);
+        prop_assert!(unedited.is_ok(), "the unedited calibration reads: {:?}", unedited.err());
+        std::fs::write(&path, edited(valid, &e)).expect("write");
+        let _ = Calibration::read(&path, &shape);
+    }
+
+    #[test]
+    fn checkpoint_manifests(bytes in prop::collection::vec(any::<u8>(), 0..200), e in edit()) {
+        let dir = folder("checkpoint");
+        std::fs::write(dir.join("manifest.json"), &bytes).expect("write");
+        let _ = Checkpoint::open(&dir);
+        let valid = valid_manifest();
+        std::fs::write(dir.join("s.safetensors"), [0u8; 8]).expect("write");
+        std::fs::write(dir.join("manifest.json"), &valid).expect("write");
+        let unedited = Checkpoint::open(&dir);
+        prop_assert!(unedited.is_ok(), "the unedited manifest opens: {:?}", unedited.err());
+        std::fs::write(dir.join("manifest.json"), edited(&valid, &e)).expect("write");
+        if let Ok(c) = Checkpoint::open(&dir) {
+            let _ = c.read_full();
+        }
+        std::fs::write(dir.join("latest"), edited(b"step-00000003", &e)).expect("write");
+        let _ = Checkpoint::open(&dir);
+    }
+
+    #[test]
+    fn data_set_metadata(bytes in prop::collection::vec(any::<u8>(), 0..200), e in edit()) {
+        let dir = folder("data");
+        std::fs::write(dir.join("train.bin"), [1u8; 200]).expect("write");
+        std::fs::write(dir.join("val.bin"), [1u8; 100]).expect("write");
+        std::fs::write(dir.join("meta.json"), &bytes).expect("write");
+        let _ = TokenData::open(&dir, 8, 512, 1);
+        let valid = br#"{"tokenizer":"gpt2","vocab_size":512,"eot":0,"dtype":"u16","train_tokens":100,"val_tokens":50,"val_fraction":0.1,"sources":[]}"#;
+        std::fs::write(dir.join("meta.json"), valid).expect("write");
+        prop_assert!(TokenData::open(&dir, 8, 512, 1).is_ok());
+        std::fs::write(dir.join("meta.json"), edited(valid, &e)).expect("write");
+        let _ = TokenData::open(&dir, 8, 512, 1);
+    }
+}
