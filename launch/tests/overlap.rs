@@ -85,7 +85,7 @@ fn sub_pipelined_tensor_parallelism_in_3d_equals_one_process() {
                 "--set",
                 "parallel.recompute=stage-aware",
                 "--set",
-                "parallel.memory_budget_mb=0.01",
+                "parallel.memory_budget_mb=0.07",
             ],
         ),
         (

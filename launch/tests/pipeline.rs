@@ -151,7 +151,7 @@ fn eight_ranks_in_3d_equal_one_process() {
         "--set",
         "parallel.recompute=stage-aware",
         "--set",
-        "parallel.memory_budget_mb=0.01",
+        "parallel.memory_budget_mb=0.07",
     ];
     run_pp(4, &out, &[&layout[..], &drop].concat()).assert_success();
     assert_same_losses("dp2 x pp2 stage-aware", &out, &single);
@@ -407,6 +407,19 @@ fn bad_pipeline_configs_are_named() {
                 "parallel.virtual_stages=3",
             ],
             "stages",
+        ),
+        // A stage-aware budget below what full recomputation needs.
+        (
+            2,
+            vec![
+                "--pp",
+                "2",
+                "--set",
+                "parallel.recompute=stage-aware",
+                "--set",
+                "parallel.memory_budget_mb=0.01",
+            ],
+            "parallel.memory_budget_mb = 0.01 is below",
         ),
     ] {
         let out = out_dir("pp-bad");

@@ -77,6 +77,22 @@ pub enum PlanError {
         "parallel.recompute = \"stage-aware\" needs a transformer's shape (activation sizes); choose \"full\", \"selective\" or per-stage modes"
     )]
     StageAwareNeedsShape,
+    /// A stage-aware budget that not even full recomputation fits.
+    #[error(
+        "parallel.memory_budget_mb = {budget_mb} is below what full recomputation needs on \
+         stage {stage} ({need_mb:.3} MiB: its inputs for {held} micro-batches in flight); \
+         give at least {need_mb:.3}, or 0 for the last stage's need"
+    )]
+    BudgetTooSmall {
+        /// The budget given.
+        budget_mb: f64,
+        /// The stage that cannot fit.
+        stage: usize,
+        /// What it needs with every unit recomputed.
+        need_mb: f64,
+        /// Its micro-batches in flight.
+        held: usize,
+    },
     /// The schedule was built but is not runnable (a bug: reported, never run).
     #[error("the {kind} schedule is invalid: {source}")]
     Invalid {
@@ -257,7 +273,7 @@ impl ParallelPlan {
         let recompute_units: Vec<usize> = if self.stage_aware() {
             let model = model.ok_or(PlanError::StageAwareNeedsShape)?;
             let in_flight: Vec<usize> = (0..stages).map(|s| schedule.max_in_flight(s)).collect();
-            let units = self.stage_aware_units(model, &in_flight, &sizes);
+            let units = self.stage_aware_units(model, &in_flight, &sizes)?;
             // Only stages that recompute something get the shifted-critical-path actions.
             let flags: Vec<bool> = units.iter().map(|&k| k > 0).collect();
             schedule = schedule_of(&flags)?;
@@ -339,17 +355,30 @@ impl ParallelPlan {
         model: &TransformerShape,
         in_flight: &[usize],
         sizes: &[usize],
-    ) -> Vec<usize> {
+    ) -> Result<Vec<usize>, PlanError> {
         let (s, b, h) = (model.seq, self.micro_batch, model.hidden);
         let act = activation_bytes_per_layer(s, b, h, model.heads, self.tp, 4.0);
         let kept = kept_bytes_per_layer(s, b, h, 4.0);
+        let mib = (1u64 << 20) as f64;
         let budget = if self.memory_budget_mb > 0.0 {
-            self.memory_budget_mb * (1u64 << 20) as f64
+            self.memory_budget_mb * mib
         } else {
             let last = in_flight.len() - 1;
             in_flight[last] as f64 * sizes[last] as f64 * act
         };
-        stage_aware_recompute(in_flight, sizes, act, kept, budget)
+        // A budget the user gave must be reachable: every stage recomputing all its units.
+        let full = |stage: usize| in_flight[stage] as f64 * sizes[stage] as f64 * kept;
+        if self.memory_budget_mb > 0.0
+            && let Some(stage) = (0..sizes.len()).find(|&st| full(st) > budget)
+        {
+            return Err(PlanError::BudgetTooSmall {
+                budget_mb: self.memory_budget_mb,
+                stage,
+                need_mb: (0..sizes.len()).map(full).fold(0.0, f64::max) / mib,
+                held: in_flight[stage],
+            });
+        }
+        Ok(stage_aware_recompute(in_flight, sizes, act, kept, budget))
     }
 }
 
