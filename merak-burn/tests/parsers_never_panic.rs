@@ -187,6 +187,19 @@ proptest! {
     }
 
     #[test]
+    fn shard_files(bytes in prop::collection::vec(any::<u8>(), 0..200), at in any::<usize>(), byte in any::<u8>()) {
+        use merak_burn::checkpoint::shard_file::{NamedTensor, decode, encode};
+        let path = Path::new("shard.safetensors");
+        let _ = decode(&bytes, path);
+        let tensors = [NamedTensor { name: "w".into(), shape: vec![2, 3], values: vec![1.0; 6] }];
+        let valid = encode(&tensors, Default::default()).expect("encoded");
+        let mut edited = valid.clone();
+        edited[at % valid.len()] = byte;
+        let _ = decode(&edited, path);
+        prop_assert!(decode(&valid[..valid.len() - 1], path).is_err(), "a cut file is refused");
+    }
+
+    #[test]
     fn data_set_metadata(bytes in prop::collection::vec(any::<u8>(), 0..200), e in edit()) {
         let dir = folder("data");
         std::fs::write(dir.join("train.bin"), [1u8; 200]).expect("write");

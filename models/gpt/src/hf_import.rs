@@ -733,4 +733,39 @@ mod tests {
             "{e}"
         );
     }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            cases: 100,
+            failure_persistence: None,
+            ..proptest::prelude::ProptestConfig::default()
+        })]
+
+        /// An imported file is untrusted: random bytes, and a valid GPT-2 file with a few bytes
+        /// changed (in the header's sizes, offsets and shapes, or in the data), give weights or
+        /// an error naming the file, never a panic.
+        #[test]
+        fn damaged_files_give_an_error_not_a_panic(
+            noise in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64),
+            at in 0usize..4096,
+            byte in proptest::prelude::any::<u8>(),
+            cut in 0usize..64,
+        ) {
+            let cfg = tiny();
+            let dir = folder("proptest");
+            let path = dir.join("model.safetensors");
+            std::fs::write(&path, &noise).unwrap();
+            let _ = read_hf_gpt2(&path, &cfg);
+            let valid = std::fs::read(write(&dir, &tensors(&cfg), Dtype::F32)).unwrap();
+            let mut edited = valid.clone();
+            let i = at % edited.len();
+            edited[i] = byte;
+            std::fs::write(&path, &edited).unwrap();
+            let _ = read_hf_gpt2(&path, &cfg);
+            // A file cut short: the header claims more bytes than the file holds.
+            edited.truncate(valid.len().saturating_sub(cut + 1));
+            std::fs::write(&path, &edited).unwrap();
+            proptest::prop_assert!(read_hf_gpt2(&path, &cfg).is_err());
+        }
+    }
 }
