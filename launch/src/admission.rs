@@ -113,8 +113,16 @@ fn local_ranks(parallel: &ParallelPlan) -> usize {
 
 /// `MemAvailable` of /proc/meminfo in bytes; `None` where it cannot be read.
 fn available_bytes() -> Option<f64> {
+    meminfo_bytes("MemAvailable").map(|b| b as f64)
+}
+
+/// The line `field` of /proc/meminfo (`MemTotal`, `MemAvailable`, ...) in bytes; `None` where
+/// it cannot be read.
+pub fn meminfo_bytes(field: &str) -> Option<u64> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024.0)
+    let line = info
+        .lines()
+        .find(|l| l.strip_prefix(field).is_some_and(|r| r.starts_with(':')))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }

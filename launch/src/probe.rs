@@ -73,7 +73,7 @@ fn fastest(v: Vec<f64>) -> f64 {
 }
 
 /// The median of `v` (the upper one of an even count).
-fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
@@ -308,14 +308,7 @@ fn link_speed(world: Option<&MpiCommunicator>, reps: usize) -> Result<[f64; 2]> 
 
 /// The machine's main memory in bytes (`MemTotal` of /proc/meminfo; 8 GiB when unknown).
 fn total_memory_bytes() -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| {
-            m.lines()
-                .find(|l| l.starts_with("MemTotal:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-        })
-        .map_or(8 << 30, |kib| kib * 1024)
+    crate::admission::meminfo_bytes("MemTotal").unwrap_or(8 << 30)
 }
 
 /// `merak probe`: writes the measured spec (rank 0).

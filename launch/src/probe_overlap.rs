@@ -20,7 +20,7 @@ use merak_burn::backend::Cpu;
 use merak_burn::comm::{Communicator, Group, MpiCommunicator, ReduceOp};
 use merak_burn::tensor_parallel::overlap::row_forward;
 
-use crate::probe::from_rank0;
+use crate::probe::{from_rank0, median};
 
 /// Rows (tokens) and features of the timed product.
 const ROWS: usize = 512;
@@ -93,8 +93,7 @@ pub fn measure(world: Option<&MpiCommunicator>, reps: usize) -> Result<Option<Ve
                 times.push(t.elapsed().as_secs_f64() / REPEATS as f64);
             }
         }
-        times.sort_by(f64::total_cmp);
-        Ok(times[times.len() / 2])
+        Ok(median(times))
     };
     let compute_s = timed(&|| product(1, local))?;
     let serial_s = timed(&|| product(1, group))?;

@@ -76,10 +76,14 @@ pub fn resolve_config(
     })
 }
 
+/// The key of the `--set` override `set` (`key=value`).
+fn set_key(set: &str) -> &str {
+    set.split_once('=').map_or(set, |(k, _)| k).trim()
+}
+
 /// Whether the `--set` override `set` chooses a layout degree.
 fn sets_layout(set: &str) -> bool {
-    let key = set.split_once('=').map_or(set, |(k, _)| k).trim();
-    matches!(key, "parallel.dp" | "parallel.tp" | "parallel.pp")
+    matches!(set_key(set), "parallel.dp" | "parallel.tp" | "parallel.pp")
 }
 
 /// A checkpoint's stored layout that does not fit the ranks of the launch (resuming a
@@ -123,10 +127,7 @@ fn apply_plan(
     if args.dp.is_some() || args.tp.is_some() || args.pp.is_some() {
         bail!("--plan {spec} sets the layout: drop --dp, --tp and --pp");
     }
-    let planned = |s: &String| {
-        let key = s.split_once('=').map_or(s.as_str(), |(k, _)| k).trim();
-        plan_cmd::PLANNED_KEYS.contains(&key)
-    };
+    let planned = |s: &String| plan_cmd::PLANNED_KEYS.contains(&set_key(s));
     if let Some(s) = args.sets.iter().find(|s| planned(s)) {
         bail!("--plan {spec} sets this key: drop --set {s}");
     }

@@ -232,8 +232,8 @@ fn check_outputs(args: &TrainArgs, cfg: &Config, rank: usize) -> Result<()> {
 /// Returns whether the run stopped early on a signal.
 fn run(job: &Job, out: &Path, trace: Option<&Path>, stop: &StopRequest) -> Result<bool> {
     let (cfg, grid) = (&job.cfg, &job.grid);
+    // `check_outputs` made `out` on every rank before anything was built.
     if grid.rank == 0 {
-        std::fs::create_dir_all(out)?;
         std::fs::write(out.join("config.toml"), toml::to_string(cfg)?)?;
     }
     let spec = RunSpec {
