@@ -8,7 +8,6 @@ mod describe;
 mod export;
 mod generate;
 mod init_from;
-mod outputs;
 #[cfg(test)]
 mod parsers_never_panic;
 mod plan_cmd;

@@ -19,7 +19,7 @@ use crate::data::Source;
 use crate::describe::describe;
 use crate::resolve::{Resolved, open_resume, resolve_config};
 use crate::train::{self, Objective, Resume, RunSpec, Summary};
-use crate::{generate, init_from, init_logging, outputs, plot, spawn};
+use crate::{generate, init_from, init_logging, plot, spawn};
 
 /// Arguments of `merak train`.
 #[derive(clap::Args, Debug)]
@@ -193,9 +193,7 @@ fn prepare(args: &TrainArgs, world: Option<MpiCommunicator>, size: usize) -> Res
         );
     }
     check_outputs(args, &cfg, rank)?;
-    if cfg.train.device == "cpu" {
-        crate::admission::check(&cfg, &parallel, &pipeline)?;
-    }
+    crate::admission::check(&cfg, &parallel, &pipeline)?;
     let grid = match world {
         Some(w) => ProcessGrid::from_mpi(w, parallel.layout())?,
         None => ProcessGrid::single(),
@@ -218,11 +216,11 @@ fn prepare(args: &TrainArgs, world: Option<MpiCommunicator>, size: usize) -> Res
 /// Checks every path the run will write (the output folder, the checkpoint folder, the trace)
 /// before anything is built, on every rank.
 fn check_outputs(args: &TrainArgs, cfg: &Config, rank: usize) -> Result<()> {
-    outputs::writable_dir(&args.out, "output folder (--out)", rank)?;
+    merak_burn::train::writable_dir(&args.out, "output folder (--out)", rank)?;
     let checkpoints = train::checkpoint_root(cfg, &args.out);
-    outputs::writable_dir(&checkpoints, "checkpoint folder (checkpoint.dir)", rank)?;
+    merak_burn::train::writable_dir(&checkpoints, "checkpoint folder (checkpoint.dir)", rank)?;
     if let Some(trace) = &args.trace {
-        outputs::writable_file(trace, "trace file (--trace)", rank)?;
+        merak_burn::train::writable_file(trace, "trace file (--trace)", rank)?;
     }
     Ok(())
 }

@@ -176,6 +176,11 @@ fn config_errors_name_the_key_and_exit_non_zero() {
             vec!["--set", "train.sample_tokens=1000"],
             "train.sample_tokens",
         ),
+        // The memory admission check: the planner's estimate against the host's memory.
+        (
+            vec!["--set", "train.global_batch=100000000"],
+            "GiB of available host memory",
+        ),
     ] {
         let out = Command::new(MERAK)
             .arg("train")

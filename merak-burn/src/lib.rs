@@ -16,10 +16,13 @@
 //! - [`plan`]: [`ParallelPlan`](plan::ParallelPlan), the one typed plan of a run (layout,
 //!   stages, schedule, recomputation, micro-batching, ZeRO-1, overlap).
 //! - [`planner`]: model proxy, hardware spec, cost model and search of 3D-parallel plans.
+//! - [`admission`]: the memory admission check: a run whose ranks' estimated peak does not
+//!   fit the host's or the GPU's memory is refused before anything is built.
 //! - [`checkpoint`]: atomic sharded checkpoints that load under any dp/tp layout.
 
 #![warn(missing_docs)]
 
+pub mod admission;
 pub mod backend;
 pub mod checkpoint;
 pub mod comm;

@@ -205,6 +205,42 @@ impl ParallelPlan {
         }
     }
 
+    /// The planner's description of this plan cut into `pipeline` and trained on
+    /// `global_batch` sequences per step, for its cost and memory model. A stage that
+    /// recomputes any of its units counts as fully recomputed (so a memory estimate errs low
+    /// rather than refusing a run that fits).
+    pub fn planned_layout(
+        &self,
+        pipeline: &PipelinePlan,
+        global_batch: usize,
+    ) -> crate::planner::Layout {
+        let partition = pipeline.partition.clone();
+        let recompute = (0..self.stages())
+            .map(|s| {
+                let units = partition.range(s).len();
+                let recomputed = pipeline.recompute_units.get(s).copied().unwrap_or(0);
+                match recomputed.min(units) {
+                    0 if self.selective_on_rank(s % self.pp.max(1)) => RecomputeMode::Selective,
+                    0 => RecomputeMode::None,
+                    _ => RecomputeMode::Full,
+                }
+            })
+            .collect();
+        crate::planner::Layout {
+            dp: self.dp,
+            tp: self.tp,
+            pp: self.pp,
+            virtual_stages: self.virtual_stages,
+            micro_batch: self.micro_batch,
+            micro_batches: self.micro_batches(global_batch),
+            schedule: self.schedule,
+            recompute,
+            zero1: self.zero1,
+            partition,
+            tp_overlap: self.tp_overlap,
+        }
+    }
+
     /// Whether pipeline rank `pp_rank` runs with selective recomputation (Burn's balanced
     /// checkpointing): the policy says so, or one of its stages in `stage_recompute` does.
     pub fn selective_on_rank(&self, pp_rank: usize) -> bool {

@@ -402,6 +402,17 @@ impl fmt::Display for TransformerShape {
     }
 }
 
+/// The names a model spec resolves, each once (a name both kinds have is the GPT preset).
+fn preset_spec_names() -> String {
+    let mut names: Vec<&str> = Vec::new();
+    for (name, _) in PRESETS {
+        if !names.contains(name) {
+            names.push(name);
+        }
+    }
+    names.join(", ")
+}
+
 impl FromStr for TransformerShape {
     type Err = ModelSpecError;
 
@@ -414,7 +425,7 @@ impl FromStr for TransformerShape {
         let Some((kind, fields)) = spec.split_once(':') else {
             return Err(ModelSpecError::Unknown {
                 spec: spec.to_string(),
-                known: PRESETS.iter().map(|p| p.0).collect::<Vec<_>>().join(", "),
+                known: preset_spec_names(),
             });
         };
         let kind = match kind.trim() {
@@ -645,6 +656,13 @@ mod tests {
 
     fn rel(a: f64, b: f64) -> f64 {
         (a - b).abs() / b.abs().max(1e-300)
+    }
+
+    #[test]
+    fn an_unknown_model_lists_each_preset_once() {
+        let e = "xyz".parse::<TransformerShape>().unwrap_err().to_string();
+        assert_eq!(e.matches("tiny").count(), 1, "{e}");
+        assert!(e.contains("gpt2-medium") && e.contains("bert-large"), "{e}");
     }
 
     #[test]

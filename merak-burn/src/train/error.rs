@@ -60,6 +60,9 @@ pub enum TrainError {
     /// The tied embedding has no gradient on a rank that holds one of its copies.
     #[error("the tied embedding has no gradient")]
     TiedGradient,
+    /// A path the run writes cannot be written (checked before the first step).
+    #[error(transparent)]
+    Output(#[from] super::OutputError),
     /// Writing metrics, the trace or the memory report failed.
     #[error("writing {path}: {source}")]
     Io {

@@ -41,7 +41,8 @@ where
     /// Runs the remaining steps on `data`. Rank 0 writes `metrics.jsonl` (appending after a
     /// resumed checkpoint's step) and shows progress; `on_step` sees every step's metrics on
     /// every rank; checkpoints follow `out.checkpoints`. At the end rank 0 writes
-    /// `memory.json`, and the trace when `out.trace` asks for one.
+    /// `memory.json`, and the trace when `out.trace` asks for one. Every path of `out` is
+    /// checked for writing before the first step ([`RunOutput::check`]).
     pub fn fit(
         &mut self,
         data: &dyn BatchSource,
@@ -49,6 +50,7 @@ where
         on_step: &mut dyn FnMut(&StepMetrics),
     ) -> Result<Summary, TrainError> {
         let t0 = Instant::now();
+        out.check(self.grid.rank)?;
         let (start, steps) = (self.done, self.settings.steps);
         let metrics_path = out.dir.join("metrics.jsonl");
         let mut metrics = self.metrics_writer(&metrics_path, start)?;

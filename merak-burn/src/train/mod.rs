@@ -9,6 +9,7 @@ mod error;
 mod fit;
 mod grad_norm;
 mod metrics;
+mod outputs;
 pub mod process;
 mod progress;
 mod report;
@@ -27,6 +28,7 @@ pub use grad_norm::{
     GradStats, clip_grads, global_grad_norm, sharded_param_ids, split_for_weight_decay,
 };
 pub use metrics::{MetricsWriter, StepMetrics};
+pub use outputs::{OutputError, writable_dir, writable_file};
 pub use report::{report_memory, write_trace};
 pub use schedule::LrSchedule;
 pub use settings::{CheckpointPolicy, RunOutput, TrainSettings};

@@ -105,3 +105,19 @@ pub struct RunOutput {
     /// `checkpoints` is set); `None`: run every step.
     pub stop: Option<super::StopRequest>,
 }
+
+impl RunOutput {
+    /// Checks every path the run will write (the output folder, the checkpoint folder, the
+    /// trace file) on rank `rank`: [`Trainer::fit`](super::Trainer::fit) does this before its
+    /// first step, so a path that cannot be written fails at once, named.
+    pub fn check(&self, rank: usize) -> Result<(), super::OutputError> {
+        super::writable_dir(&self.dir, "output folder", rank)?;
+        if let Some(c) = &self.checkpoints {
+            super::writable_dir(&c.dir, "checkpoint folder", rank)?;
+        }
+        if let Some(trace) = &self.trace {
+            super::writable_file(trace, "trace file", rank)?;
+        }
+        Ok(())
+    }
+}

@@ -4,28 +4,73 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result, bail};
+use thiserror::Error;
+
+/// A path the run cannot write; each names what the path is for and the path.
+#[derive(Debug, Error)]
+pub enum OutputError {
+    /// A folder's path names a file.
+    #[error("{what} {} is a file, not a folder", path.display())]
+    IsAFile {
+        /// What the folder is for (for example "checkpoint folder").
+        what: String,
+        /// The path.
+        path: PathBuf,
+    },
+    /// A file's path names a folder.
+    #[error("{what} {} is a folder; give a file path", path.display())]
+    IsAFolder {
+        /// What the file is for (for example "trace file").
+        what: String,
+        /// The path.
+        path: PathBuf,
+    },
+    /// The folder cannot be made, or this process cannot write in it.
+    #[error("cannot {action} the {what} {}: {source}", path.display())]
+    Unwritable {
+        /// "create" or "write in".
+        action: &'static str,
+        /// What the folder is for.
+        what: String,
+        /// The folder.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+}
 
 /// Makes `dir` (and its parents) and checks that this process can write in it, with a probe
 /// file named after `rank` that is removed again.
-pub fn writable_dir(dir: &Path, what: &str, rank: usize) -> Result<()> {
+pub fn writable_dir(dir: &Path, what: &str, rank: usize) -> Result<(), OutputError> {
+    let fail = |action| {
+        move |source| OutputError::Unwritable {
+            action,
+            what: what.to_string(),
+            path: dir.to_path_buf(),
+            source,
+        }
+    };
     if dir.exists() && !dir.is_dir() {
-        bail!("{what} {} is a file, not a folder", dir.display());
+        return Err(OutputError::IsAFile {
+            what: what.to_string(),
+            path: dir.to_path_buf(),
+        });
     }
-    std::fs::create_dir_all(dir)
-        .with_context(|| format!("cannot create the {what} {}", dir.display()))?;
+    std::fs::create_dir_all(dir).map_err(fail("create"))?;
     let probe = dir.join(format!(".merak-write-probe-{rank}"));
-    std::fs::write(&probe, b"")
-        .with_context(|| format!("cannot write in the {what} {}", dir.display()))?;
+    std::fs::write(&probe, b"").map_err(fail("write in"))?;
     // Removing the probe can only fail if someone else removed it first.
     let _ = std::fs::remove_file(&probe);
     Ok(())
 }
 
 /// Checks that the file `path` can be written: not a folder, its folder writable.
-pub fn writable_file(path: &Path, what: &str, rank: usize) -> Result<()> {
+pub fn writable_file(path: &Path, what: &str, rank: usize) -> Result<(), OutputError> {
     if path.is_dir() {
-        bail!("{what} {} is a folder; give a file path", path.display());
+        return Err(OutputError::IsAFolder {
+            what: what.to_string(),
+            path: path.to_path_buf(),
+        });
     }
     let parent = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
@@ -48,10 +93,9 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("a-file") && e.contains("is a file"), "{e}");
-        let e = format!(
-            "{:#}",
-            writable_dir(&file.join("below"), "output folder", 0).unwrap_err()
-        );
+        let e = writable_dir(&file.join("below"), "output folder", 0)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("a-file/below"), "{e}");
         let e = writable_file(&root, "trace", 0).unwrap_err().to_string();
         assert!(e.contains("is a folder"), "{e}");
