@@ -20,7 +20,7 @@ fn a_checkpoint_folder_that_is_a_file_fails_before_the_first_step() {
     let cfg = GptConfig::preset("tiny").unwrap();
     let grid = ProcessGrid::single();
     let device = CpuDevice::default();
-    let model = Gpt::<CpuAutodiff>::new(&cfg, 7, grid.tp.clone(), &device).unwrap();
+    let model = Gpt::<CpuAutodiff>::new(&cfg, 7, grid.tp, &device).unwrap();
     let parallel = ParallelPlan::default();
     let pipeline = parallel.pipeline(&cfg.shape(), 2).unwrap();
     let settings = TrainSettings {
