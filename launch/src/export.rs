@@ -94,6 +94,7 @@ fn gpt_of(ck: &Checkpoint) -> Result<Config> {
 
 /// Writes the checkpoint as one GPT-2 safetensors file plus `config.json`.
 pub fn export(args: &ExportArgs) -> Result<()> {
+    crate::output_file(&args.output, "--output")?;
     let ck = Checkpoint::open(&args.checkpoint)?;
     let cfg = gpt_of(&ck)?;
     let full = ck.read_full()?;
@@ -169,6 +170,9 @@ fn load_gpt(ck: &Checkpoint, cfg: &GptConfig, seed: u64) -> Result<Gpt<Cpu>> {
 
 /// Continues a prompt with a checkpoint and prints the result.
 pub fn generate(args: &GenerateArgs) -> Result<()> {
+    if let Some(path) = &args.logits_out {
+        crate::output_file(path, "--logits-out")?;
+    }
     let ck = Checkpoint::open(&args.checkpoint)?;
     let cfg = gpt_of(&ck)?;
     let g = &cfg.model.gpt;

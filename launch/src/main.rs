@@ -99,6 +99,9 @@ struct ScheduleArgs {
 fn run_schedule(a: &ScheduleArgs) -> Result<()> {
     use merak_burn::pipeline::{Costs, ScheduleKind, build_schedule, simulate, validate};
     let kind: ScheduleKind = a.schedule.parse()?;
+    if let Some(path) = &a.trace {
+        output_file(path, "--trace")?;
+    }
     let stages = a.pp * a.virtual_stages;
     let recompute: Vec<bool> = (0..stages).map(|s| a.recompute && s + 1 < stages).collect();
     let schedule = build_schedule(kind, a.pp, a.micro_batches, a.virtual_stages, &recompute)?;
@@ -192,6 +195,12 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+/// Checks, before any work, that the file a command's flag `flag` names can be written: not a
+/// folder, its folder made and writable (the error names the flag and the path).
+fn output_file(path: &std::path::Path, flag: &str) -> Result<()> {
+    Ok(merak_burn::train::writable_file(path, flag, 0)?)
 }
 
 /// `merak models`: the preset table with parameter counts.

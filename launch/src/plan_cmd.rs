@@ -154,6 +154,9 @@ fn print_prediction(p: &Prediction) {
 
 /// `merak plan`: the fastest plan, the runner-ups and optionally the Pareto set.
 pub fn plan(a: &PlanArgs) -> Result<()> {
+    if let Some(path) = &a.output {
+        crate::output_file(path, "--output")?;
+    }
     let (shape, model, hw, cal) = resolve(&a.target)?;
     let mut options = SearchOptions::new(a.target.gpus, a.target.global_batch);
     if a.tp_overlap.contains(&0) {
@@ -286,6 +289,9 @@ pub(crate) fn parse_layout(text: &str, model: &ModelProxy, global_batch: usize) 
 
 /// `merak simulate`: the predicted time breakdown and memory of one layout.
 pub fn simulate(a: &SimulateArgs) -> Result<()> {
+    if let Some(path) = &a.trace {
+        crate::output_file(path, "--trace")?;
+    }
     let (shape, model, hw, cal) = resolve(&a.target)?;
     let layout = match (&a.layout, &a.plan) {
         (Some(text), _) => parse_layout(text, &model, a.target.global_batch)?,

@@ -316,6 +316,9 @@ pub fn probe(args: &ProbeArgs, world: Option<&MpiCommunicator>) -> Result<()> {
     if args.reps == 0 {
         bail!("--reps 0: at least 1 repetition is needed");
     }
+    if world.is_none_or(|w| w.rank() == 0) {
+        crate::output_file(&args.out, "--out")?;
+    }
     let (spec, overlap) = measure_with_overlap(world, args.reps)?;
     if world.is_none_or(|w| w.rank() == 0) {
         print_overlap(overlap.as_deref());
@@ -600,8 +603,8 @@ fn train_run_sets(args: &ProfileArgs, ranks: usize, m: usize, zero: u8) -> Vec<S
     sets
 }
 
-/// The median `step_time_s` of the records of `out/metrics.jsonl` after the first two; then
-/// removes the run folder `out`. Fails when a record lacks the field or there is none.
+/// The median `step_time_s` of the records of `out/metrics.jsonl` after the first two. Fails
+/// when a record lacks the field or there is none.
 fn median_step_time(out: &std::path::Path) -> Result<f64> {
     let text = std::fs::read_to_string(out.join("metrics.jsonl"))?;
     let mut times = Vec::new();
@@ -616,9 +619,7 @@ fn median_step_time(out: &std::path::Path) -> Result<f64> {
     if times.is_empty() {
         bail!("no step times in {}", out.display());
     }
-    let t = median(times);
-    std::fs::remove_dir_all(out)?;
-    Ok(t)
+    Ok(median(times))
 }
 
 /// `merak profile`: times the embedding, one layer and the head of the configured GPT at each
@@ -626,6 +627,9 @@ fn median_step_time(out: &std::path::Path) -> Result<f64> {
 /// optimizer step; rank 0 writes the calibration.
 pub fn profile(args: &ProfileArgs, mpi: Option<&merak_burn::comm::MpiWorld>) -> Result<()> {
     let cfg = config::load(args.config.as_deref(), &args.sets)?;
+    if mpi.is_none_or(|w| w.world().rank() == 0) {
+        crate::output_file(&args.out, "--out")?;
+    }
     if cfg.model.kind != "gpt" {
         bail!(
             "model.kind = {:?}: merak profile times GPT models",
@@ -867,11 +871,16 @@ fn time_training_runs(
     // The framework's own costs, from two short training runs with 1 and 8 micro-batches of
     // one sequence: step(m) = m * (units + per micro-batch) + optimizer + per step. The wide
     // spread keeps the per-micro-batch slope from amplifying the noise of the two times.
-    let scratch = args.out.with_extension("train-run");
+    // A fresh folder of this process's own, removed when dropped: nothing the user named is
+    // ever written into or removed.
+    let scratch = tempfile::Builder::new()
+        .prefix("merak-profile-run-")
+        .tempdir()
+        .context("making a scratch folder for the profile's training runs")?;
     let fastest_run = |m: usize, zero: u8| -> Result<f64> {
         let mut best = f64::INFINITY;
         for _ in 0..3 {
-            best = best.min(train_step_time(args, mpi, m, zero, &scratch)?);
+            best = best.min(train_step_time(args, mpi, m, zero, scratch.path())?);
         }
         Ok(best)
     };

@@ -31,6 +31,11 @@ fn probe_and_profile(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
         assert!(probed.stdout.contains(&line), "{}", probed.stdout);
     }
     let cal = dir.join("calibration.json");
+    // A folder the user owns next to the output is left alone (the profile's training runs
+    // once used, and then removed, `<out>.train-run`).
+    let neighbour = dir.join("calibration.train-run");
+    std::fs::create_dir_all(&neighbour).unwrap();
+    std::fs::write(neighbour.join("keep.txt"), b"mine").unwrap();
     let mut cmd = merak(2);
     cmd.arg("profile")
         .arg("--config")
@@ -52,6 +57,7 @@ fn probe_and_profile(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
     for line in ["tp=2 micro_batch=2", "tp=2 tp_overlap=2 micro_batch=2"] {
         assert!(profiled.stdout.contains(line), "{}", profiled.stdout);
     }
+    assert!(neighbour.join("keep.txt").exists());
     (hw, cal)
 }
 

@@ -151,6 +151,66 @@ fn a_world_that_does_not_match_the_layout_is_rejected() {
 }
 
 #[test]
+fn output_flags_that_name_a_folder_are_refused_before_any_work_and_the_folder_kept() {
+    let folder = out_dir("an-output-folder");
+    std::fs::create_dir_all(&folder).unwrap();
+    let keep = folder.join("keep.txt");
+    std::fs::write(&keep, b"mine").unwrap();
+    let f = folder.to_str().unwrap();
+    let target = ["--model", "gpt2", "--gpus", "2", "--global-batch", "8"];
+    for (args, flag) in [
+        (vec!["profile", "--out", f], "--out"),
+        (vec!["probe", "--out", f], "--out"),
+        ([&["plan", "--output", f][..], &target].concat(), "--output"),
+        (
+            [&["simulate", "--layout", "dp=2", "--trace", f][..], &target].concat(),
+            "--trace",
+        ),
+        (
+            vec![
+                "schedule",
+                "--pp",
+                "2",
+                "--micro-batches",
+                "4",
+                "--trace",
+                f,
+            ],
+            "--trace",
+        ),
+        (
+            vec!["export", "--checkpoint", "/nonexistent", "--output", f],
+            "--output",
+        ),
+        (
+            vec![
+                "generate",
+                "--checkpoint",
+                "/nonexistent",
+                "--prompt-ids",
+                "1",
+                "--logits-out",
+                f,
+            ],
+            "--logits-out",
+        ),
+    ] {
+        let out = Command::new(MERAK)
+            .args(&args)
+            .output()
+            .expect("merak runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        let needle = format!("{flag} {f} is a folder");
+        assert!(
+            stderr.contains(&needle),
+            "{args:?}: `{needle}` not in {stderr}"
+        );
+        assert!(keep.exists(), "{args:?} touched {f}");
+    }
+}
+
+#[test]
 fn config_errors_name_the_key_and_exit_non_zero() {
     for (args, needle) in [
         (vec!["--set", "train.stepz=3"], "train.stepz"),

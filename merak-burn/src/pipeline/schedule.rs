@@ -242,9 +242,28 @@ impl FromStr for ScheduleKind {
     }
 }
 
+/// The most (stage, micro-batch) pairs of one step a schedule is built for: far beyond any
+/// training run (64 stages of 4,096 micro-batches is a quarter of it), and small enough that
+/// building, validating and simulating it stays within memory.
+pub const MAX_STAGE_MICRO_BATCHES: usize = 1 << 20;
+
 /// Why a schedule cannot be built.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum ScheduleError {
+    /// More (stage, micro-batch) pairs than [`MAX_STAGE_MICRO_BATCHES`].
+    #[error(
+        "{ranks} ranks x {virtual_stages} virtual stages x {micro_batches} micro-batches is          too large a schedule (at most {max} stage micro-batches per step)"
+    )]
+    TooLarge {
+        /// Pipeline ranks.
+        ranks: usize,
+        /// Virtual stages per rank.
+        virtual_stages: usize,
+        /// Micro-batches per step.
+        micro_batches: usize,
+        /// [`MAX_STAGE_MICRO_BATCHES`].
+        max: usize,
+    },
     /// `ranks == 0`.
     #[error("a pipeline needs at least one rank, got ranks = 0")]
     ZeroRanks,
@@ -452,6 +471,17 @@ pub fn build_schedule(
             virtual_stages,
         });
     }
+    let cells = ranks
+        .checked_mul(virtual_stages)
+        .and_then(|s| s.checked_mul(micro_batches));
+    if cells.is_none_or(|c| c > MAX_STAGE_MICRO_BATCHES) {
+        return Err(ScheduleError::TooLarge {
+            ranks,
+            virtual_stages,
+            micro_batches,
+            max: MAX_STAGE_MICRO_BATCHES,
+        });
+    }
     let stages = ranks * virtual_stages;
     if recompute.len() != stages {
         return Err(ScheduleError::RecomputeLength {
@@ -591,6 +621,15 @@ pub(crate) fn expand_op(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_schedule_beyond_any_run_is_refused_before_it_is_built() {
+        let e = build_schedule(ScheduleKind::OneFOneB, 100_000, 100_000, 1, &[]).unwrap_err();
+        assert!(matches!(e, ScheduleError::TooLarge { .. }), "{e}");
+        assert!(e.to_string().contains("100000 ranks"), "{e}");
+        let e = build_schedule(ScheduleKind::GPipe, usize::MAX, 2, 1, &[]).unwrap_err();
+        assert!(matches!(e, ScheduleError::TooLarge { .. }), "{e}");
+    }
 
     fn compute_order(list: &[Action]) -> Vec<Action> {
         list.iter()

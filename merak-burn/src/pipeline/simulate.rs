@@ -182,6 +182,9 @@ fn category(action: Action) -> &'static str {
     }
 }
 
+/// The most actions [`simulate`] runs at once (all steps together).
+pub const MAX_SIMULATED_ACTIONS: usize = 1 << 24;
+
 /// Simulates `steps` training steps of `s` with `costs` (see the [module docs](self)). The
 /// schedule is validated first; a 2BW schedule is simulated as its continuous no-flush pipeline
 /// (built from its shape, not from its per-step lists).
@@ -203,6 +206,25 @@ pub fn simulate(s: &Schedule, costs: &Costs, steps: usize) -> Result<Simulation,
                 stages,
             });
         }
+        if let Some((stage, &value)) = v
+            .iter()
+            .enumerate()
+            .find(|(_, c)| !(**c >= 0.0 && c.is_finite()))
+        {
+            return Err(ValidationError::BadCost {
+                field,
+                stage,
+                value,
+            });
+        }
+    }
+    let actions: usize = s.actions.iter().map(Vec::len).sum();
+    if steps.saturating_mul(actions) > MAX_SIMULATED_ACTIONS {
+        return Err(ValidationError::TooManySteps {
+            steps,
+            actions,
+            max: MAX_SIMULATED_ACTIONS,
+        });
     }
     let lists = if s.kind == ScheduleKind::TwoBw {
         continuous_two_bw(s, steps)
@@ -264,6 +286,27 @@ mod tests {
 
     fn unit(stages: usize) -> Costs {
         Costs::uniform(stages, 1.0, 2.0)
+    }
+
+    #[test]
+    fn bad_costs_and_too_many_steps_are_refused() {
+        let s = build_schedule(ScheduleKind::OneFOneB, 2, 4, 1, &[false; 2]).unwrap();
+        let mut costs = unit(2);
+        costs.backward[1] = f64::NAN;
+        assert!(matches!(
+            simulate(&s, &costs, 1),
+            Err(ValidationError::BadCost {
+                field: "backward",
+                stage: 1,
+                ..
+            })
+        ));
+        costs.backward[1] = -1.0;
+        assert!(simulate(&s, &costs, 1).is_err());
+        assert!(matches!(
+            simulate(&s, &unit(2), usize::MAX),
+            Err(ValidationError::TooManySteps { .. })
+        ));
     }
 
     #[test]

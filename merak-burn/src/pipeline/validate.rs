@@ -23,7 +23,7 @@ use super::schedule::{Action, Schedule};
 use super::simulate::{Costs, TimedAction};
 
 /// Why a schedule is not valid.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
 pub enum ValidationError {
     /// The schedule's own numbers do not fit together (zero ranks, a wrong number of lists...).
     #[error("malformed schedule: {what}")]
@@ -135,6 +135,28 @@ pub enum ValidationError {
     /// The simulator was asked for zero steps.
     #[error("simulate needs at least one step")]
     ZeroSteps,
+    /// The simulator was asked for more actions than it simulates at once.
+    #[error(
+        "simulating {steps} steps of {actions} actions each is too large (at most {max}          actions in all): simulate fewer steps"
+    )]
+    TooManySteps {
+        /// Steps asked for.
+        steps: usize,
+        /// Actions per step.
+        actions: usize,
+        /// The most actions simulated at once.
+        max: usize,
+    },
+    /// A cost that is negative or not a number.
+    #[error("costs: `{field}` of stage {stage} is {value}; costs must be finite and >= 0")]
+    BadCost {
+        /// The cost vector.
+        field: &'static str,
+        /// The stage.
+        stage: usize,
+        /// The value.
+        value: f64,
+    },
 }
 
 fn describe_blocked(blocked: &[(usize, Action)]) -> String {

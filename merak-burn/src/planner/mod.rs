@@ -63,5 +63,8 @@ pub(crate) fn write_atomically(path: &std::path::Path, bytes: &[u8]) -> std::io:
     tmp.push(".partial");
     let tmp = std::path::PathBuf::from(tmp);
     std::fs::write(&tmp, bytes)?;
-    std::fs::rename(&tmp, path)
+    std::fs::rename(&tmp, path).inspect_err(|_| {
+        // Leave nothing behind; the rename's error is the one to report.
+        let _ = std::fs::remove_file(&tmp);
+    })
 }
