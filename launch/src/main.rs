@@ -122,9 +122,18 @@ fn run_schedule(a: &ScheduleArgs) -> Result<()> {
         costs.recompute = vec![0.0; stages];
     }
     let sim = simulate(&schedule, &costs, a.steps)?;
-    let formula = (a.pp as f64 - 1.0) / (v * a.micro_batches as f64);
+    let one_f_one_b = (a.pp as f64 - 1.0) / (v * a.micro_batches as f64);
+    let (name, formula) = if kind.splits_backward() {
+        // B and W each take `weight_share` of the backward: the tail idles F + B - W.
+        let (f, w) = (1.0, a.backward_ratio * costs.weight_share);
+        let b = a.backward_ratio - w;
+        let zb = one_f_one_b * (f + b - w) / (f + a.backward_ratio);
+        ("(p-1)(F+B-W)/(m(F+B+W))", zb)
+    } else {
+        ("(p-1)/(v*m)", one_f_one_b)
+    };
     println!(
-        "simulated (forward 1, backward {}, free messages): step time {:.3}, bubble {:.4} (formula (p-1)/(v*m) = {formula:.4})",
+        "simulated (forward 1, backward {}, free messages): step time {:.3}, bubble {:.4} (formula {name} = {formula:.4})",
         a.backward_ratio,
         sim.step_time(),
         sim.bubble_fraction()

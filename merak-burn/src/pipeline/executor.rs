@@ -50,6 +50,15 @@ pub enum PipelineError {
     /// A tensor could not be read back.
     #[error("reading a tensor: {0}")]
     Tensor(String),
+    /// The schedule splits the backward, which this executor does not run
+    /// ([`ScheduleKind::is_runnable`](super::ScheduleKind::is_runnable)).
+    #[error("pipeline rank {rank}: {action} of a split backward cannot be run yet")]
+    SplitBackward {
+        /// The pipeline rank.
+        rank: usize,
+        /// The weight-gradient action.
+        action: Action,
+    },
 }
 
 /// How a model is cut and run: the schedule, the stages and the recomputation per stage.
@@ -530,6 +539,12 @@ impl Executor {
                     inbox_grad.insert((mb, stage), v);
                     report.wait_s += t0.elapsed().as_secs_f64();
                     self.record("recv", format!("recv grad {mb} s{stage} t{step}"), start);
+                }
+                Action::BackwardWeight { .. } => {
+                    return Err(PipelineError::SplitBackward {
+                        rank: self.rank,
+                        action,
+                    });
                 }
                 Action::OptimizerStep => break,
             }

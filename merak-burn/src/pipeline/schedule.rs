@@ -49,7 +49,20 @@ pub enum Action {
     },
     /// Backward pass of (`mb`, `stage`). Needs its forward and the gradient of its output (the
     /// received gradient, the local backward of `stage + 1`, or the loss for the last stage).
+    /// In a schedule that splits the backward ([`ScheduleKind::splits_backward`]) this is only
+    /// **B**, the gradient of the stage's input (what the previous stage waits for); the weight
+    /// gradients come later in [`Action::BackwardWeight`].
     Backward {
+        /// Micro-batch.
+        mb: usize,
+        /// Global stage.
+        stage: usize,
+    },
+    /// **W**: the weight gradients of (`mb`, `stage`), from what its [`Action::Backward`] kept
+    /// (the inputs and output gradients of the stage's linear layers). Nobody waits for it, so a
+    /// zero-bubble schedule places it where the rank would idle. Needs that `Backward` earlier
+    /// on the same rank; only schedules that split the backward have it.
+    BackwardWeight {
         /// Micro-batch.
         mb: usize,
         /// Global stage.
@@ -93,6 +106,7 @@ impl Action {
             Action::Forward { mb, .. }
             | Action::Recompute { mb, .. }
             | Action::Backward { mb, .. }
+            | Action::BackwardWeight { mb, .. }
             | Action::SendActivation { mb, .. }
             | Action::RecvActivation { mb, .. }
             | Action::SendGrad { mb, .. }
@@ -107,6 +121,7 @@ impl Action {
             Action::Forward { stage, .. }
             | Action::Recompute { stage, .. }
             | Action::Backward { stage, .. }
+            | Action::BackwardWeight { stage, .. }
             | Action::SendActivation { stage, .. }
             | Action::RecvActivation { stage, .. }
             | Action::SendGrad { stage, .. }
@@ -126,7 +141,8 @@ impl Action {
         )
     }
 
-    /// Whether this is computation (forward, recompute, backward or the optimizer step).
+    /// Whether this is computation (forward, recompute, backward, weight gradients or the
+    /// optimizer step).
     pub fn is_compute(&self) -> bool {
         !self.is_message()
     }
@@ -137,6 +153,7 @@ impl Action {
             Action::Forward { stage, .. } => Action::Forward { mb: new_mb, stage },
             Action::Recompute { stage, .. } => Action::Recompute { mb: new_mb, stage },
             Action::Backward { stage, .. } => Action::Backward { mb: new_mb, stage },
+            Action::BackwardWeight { stage, .. } => Action::BackwardWeight { mb: new_mb, stage },
             Action::SendActivation { stage, .. } => Action::SendActivation { mb: new_mb, stage },
             Action::RecvActivation { stage, .. } => Action::RecvActivation { mb: new_mb, stage },
             Action::SendGrad { stage, .. } => Action::SendGrad { mb: new_mb, stage },
@@ -153,6 +170,7 @@ impl fmt::Display for Action {
             Action::Forward { mb, stage } => ("Forward", mb, stage),
             Action::Recompute { mb, stage } => ("Recompute", mb, stage),
             Action::Backward { mb, stage } => ("Backward", mb, stage),
+            Action::BackwardWeight { mb, stage } => ("BackwardWeight", mb, stage),
             Action::SendActivation { mb, stage } => ("SendActivation", mb, stage),
             Action::RecvActivation { mb, stage } => ("RecvActivation", mb, stage),
             Action::SendGrad { mb, stage } => ("SendGrad", mb, stage),
@@ -164,7 +182,7 @@ impl fmt::Display for Action {
 }
 
 /// Which pipeline schedule to run. The names (serde, [`FromStr`], [`Display`](fmt::Display))
-/// are `gpipe`, `1f1b`, `interleaved`, `shifted-critical-path` and `2bw`.
+/// are `gpipe`, `1f1b`, `interleaved`, `shifted-critical-path`, `2bw` and `zb-h1`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum ScheduleKind {
     /// GPipe: every forward of the step, then every backward (a flush at the end of the step).
@@ -188,16 +206,24 @@ pub enum ScheduleKind {
     /// same action list as 1F1B.
     #[serde(rename = "2bw")]
     TwoBw,
+    /// ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism"): 1F1B with the backward split into
+    /// B (input gradient) and W (weight gradients). Rank `r` postpones its first `r` W passes
+    /// to the end of the step, where 1F1B leaves it idle, so the bubble shrinks from
+    /// `(p-1)(F+B+W)` to about `(p-1)(F+B-W)` (a third when F = B = W) at 1F1B's peak
+    /// activation memory (at most `p` micro-batches in flight on a rank).
+    #[serde(rename = "zb-h1")]
+    ZbH1,
 }
 
 impl ScheduleKind {
     /// Every schedule kind.
-    pub const ALL: [ScheduleKind; 5] = [
+    pub const ALL: [ScheduleKind; 6] = [
         ScheduleKind::GPipe,
         ScheduleKind::OneFOneB,
         ScheduleKind::Interleaved,
         ScheduleKind::ShiftedCriticalPath,
         ScheduleKind::TwoBw,
+        ScheduleKind::ZbH1,
     ];
 
     /// The name used in configuration files and on the command line.
@@ -208,7 +234,20 @@ impl ScheduleKind {
             ScheduleKind::Interleaved => "interleaved",
             ScheduleKind::ShiftedCriticalPath => "shifted-critical-path",
             ScheduleKind::TwoBw => "2bw",
+            ScheduleKind::ZbH1 => "zb-h1",
         }
+    }
+
+    /// Whether the backward is split into B ([`Action::Backward`]) and W
+    /// ([`Action::BackwardWeight`]).
+    pub fn splits_backward(self) -> bool {
+        self == ScheduleKind::ZbH1
+    }
+
+    /// Whether the executor runs this kind. ZB-H1 is built, validated and simulated, but
+    /// training cannot run its split backward yet; the planner does not choose it.
+    pub fn is_runnable(self) -> bool {
+        !self.splits_backward()
     }
 
     /// Whether this kind runs several virtual stages per rank (only [`ScheduleKind::Interleaved`]).
@@ -319,7 +358,7 @@ pub enum ScheduleError {
     /// An unknown schedule name was parsed.
     #[error(
         "unknown schedule `{name}`, expected one of: gpipe, 1f1b, interleaved, \
-         shifted-critical-path, 2bw"
+         shifted-critical-path, 2bw, zb-h1"
     )]
     UnknownKind {
         /// The name that was given.
@@ -373,11 +412,14 @@ impl Schedule {
     }
 
     /// The most micro-batches whose activations `stage` holds at once: the maximum, over its
-    /// rank's action list, of forwards done minus backwards done for that stage.
+    /// rank's action list, of forwards done minus backwards done for that stage (minus W
+    /// passes done, in a schedule that splits the backward).
     pub fn max_in_flight(&self, stage: usize) -> usize {
         let Some(list) = self.actions.get(self.rank_of(stage)) else {
             return 0;
         };
+        // A split backward keeps what W needs until W runs.
+        let split = self.kind.splits_backward();
         let mut held = 0usize;
         let mut max = 0usize;
         for action in list {
@@ -386,7 +428,12 @@ impl Schedule {
                     held += 1;
                     max = max.max(held);
                 }
-                Action::Backward { stage: s, .. } if s == stage => held = held.saturating_sub(1),
+                Action::Backward { stage: s, .. } if s == stage && !split => {
+                    held = held.saturating_sub(1)
+                }
+                Action::BackwardWeight { stage: s, .. } if s == stage => {
+                    held = held.saturating_sub(1)
+                }
                 _ => {}
             }
         }
@@ -404,8 +451,10 @@ impl Schedule {
 pub(crate) enum Op {
     /// Forward of (`mb`, `stage`).
     F(usize, usize),
-    /// Backward of (`mb`, `stage`).
+    /// Backward of (`mb`, `stage`) (only its input gradient in a split backward).
     B(usize, usize),
+    /// Weight gradients of (`mb`, `stage`) in a split backward.
+    W(usize, usize),
 }
 
 /// Builds the schedule of `kind` for `ranks` pipeline ranks, `micro_batches` micro-batches per
@@ -507,6 +556,7 @@ pub fn build_schedule(
                 ScheduleKind::Interleaved => {
                     interleaved_order(ranks, micro_batches, virtual_stages, rank)
                 }
+                ScheduleKind::ZbH1 => zb_h1_order(ranks, micro_batches, rank),
             };
             let mut list = Vec::with_capacity(order.len() * 3 + 1);
             for op in order {
@@ -547,6 +597,34 @@ pub(crate) fn one_f_one_b_order(ranks: usize, micro_batches: usize, rank: usize)
         order.push(Op::B(i, rank));
     }
     order.extend((micro_batches - warmup..micro_batches).map(|mb| Op::B(mb, rank)));
+    order
+}
+
+/// The ZB-H1 compute order on `rank` of `ranks`: 1F1B's warm-up forwards; then one forward and
+/// one B per micro-batch, where the first `rank` micro-batches' W passes are postponed and
+/// every later B is followed by the oldest pending W; then the cool-down, each B followed by a
+/// W; then the postponed W passes, which fill the tail 1F1B leaves idle (longest on the last
+/// rank). At most `ranks` micro-batches are between their forward and their W on any rank.
+fn zb_h1_order(ranks: usize, micro_batches: usize, rank: usize) -> Vec<Op> {
+    let warmup = ranks.saturating_sub(rank + 1).min(micro_batches);
+    let mut order = Vec::with_capacity(3 * micro_batches);
+    let (mut b, mut w) = (0, 0);
+    order.extend((0..warmup).map(|mb| Op::F(mb, rank)));
+    for f in warmup..micro_batches {
+        order.push(Op::F(f, rank));
+        order.push(Op::B(b, rank));
+        b += 1;
+        if b > rank {
+            order.push(Op::W(w, rank));
+            w += 1;
+        }
+    }
+    for mb in b..micro_batches {
+        order.push(Op::B(mb, rank));
+        order.push(Op::W(w, rank));
+        w += 1;
+    }
+    order.extend((w..micro_batches).map(|mb| Op::W(mb, rank)));
     order
 }
 
@@ -615,6 +693,7 @@ pub(crate) fn expand_op(
                 out.push(Action::SendGrad { mb, stage });
             }
         }
+        Op::W(mb, stage) => out.push(Action::BackwardWeight { mb, stage }),
     }
 }
 
@@ -639,6 +718,34 @@ mod tests {
     }
 
     #[test]
+    fn zb_h1_cuts_the_1f1b_bubble_to_a_third_at_1f1b_peak_memory() {
+        use crate::pipeline::{Costs, simulate};
+        for p in [2, 3, 4, 6] {
+            for m in [p, 2 * p, 3 * p + 1] {
+                let zb = build_schedule(ScheduleKind::ZbH1, p, m, 1, &vec![false; p]).unwrap();
+                let one = build_schedule(ScheduleKind::OneFOneB, p, m, 1, &vec![false; p]).unwrap();
+                // F = B = W = 1: 1F1B idles (p-1)(F+B+W) per rank, ZB-H1 (p-1)(F+B-W).
+                let costs = Costs::uniform(p, 1.0, 2.0);
+                let idle = |s: &Schedule| {
+                    let sim = simulate(s, &costs, 1).unwrap();
+                    sim.makespan() - sim.busy(0)
+                };
+                let (z, o) = (idle(&zb), idle(&one));
+                assert!(
+                    (o - 3.0 * (p - 1) as f64).abs() < 1e-9,
+                    "p={p} m={m}: 1f1b {o}"
+                );
+                assert!((z - (p - 1) as f64).abs() < 1e-9, "p={p} m={m}: zb-h1 {z}");
+                // Rank r holds at most p micro-batches between F and W; stage 0 as in 1F1B.
+                for stage in 0..p {
+                    assert!(zb.max_in_flight(stage) <= p.min(m), "p={p} m={m} s={stage}");
+                }
+                assert_eq!(zb.max_in_flight(0), one.max_in_flight(0));
+            }
+        }
+    }
+
+    #[test]
     fn kind_names_round_trip() {
         for kind in ScheduleKind::ALL {
             let name = kind.to_string();
@@ -655,7 +762,8 @@ mod tests {
                 "1f1b",
                 "interleaved",
                 "shifted-critical-path",
-                "2bw"
+                "2bw",
+                "zb-h1"
             ]
         );
         let err = "pipedream".parse::<ScheduleKind>().unwrap_err();

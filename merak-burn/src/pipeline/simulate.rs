@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use super::schedule::{Action, Op, Schedule, ScheduleKind, expand_op, one_f_one_b_order};
 use super::trace::{
     CATEGORY_BACKWARD, CATEGORY_FORWARD, CATEGORY_IDLE, CATEGORY_OPTIMIZER, CATEGORY_RECOMPUTE,
-    CATEGORY_RECV, CATEGORY_SEND, TraceEvent,
+    CATEGORY_RECV, CATEGORY_SEND, CATEGORY_WEIGHT, TraceEvent,
 };
 use super::validate::{ValidationError, execute, validate};
 
@@ -38,6 +38,11 @@ pub struct Costs {
     pub send_grad: f64,
     /// One optimizer step of one rank.
     pub optimizer: f64,
+    /// The share of each backward that is the weight gradients (W), in `[0, 1]`: in a schedule
+    /// that splits the backward, [`Action::Backward`] (B) costs `backward * (1 - weight_share)`
+    /// and [`Action::BackwardWeight`] (W) `backward * weight_share`. A transformer's backward
+    /// does two matrix products per forward product, one for each, so 0.5.
+    pub weight_share: f64,
 }
 
 impl Costs {
@@ -48,6 +53,7 @@ impl Costs {
             forward: vec![forward; stages],
             backward: vec![backward; stages],
             recompute: vec![forward; stages],
+            weight_share: 0.5,
             send_activation: 0.0,
             send_grad: 0.0,
             optimizer: 0.0,
@@ -176,6 +182,7 @@ fn category(action: Action) -> &'static str {
         Action::Forward { .. } => CATEGORY_FORWARD,
         Action::Recompute { .. } => CATEGORY_RECOMPUTE,
         Action::Backward { .. } => CATEGORY_BACKWARD,
+        Action::BackwardWeight { .. } => CATEGORY_WEIGHT,
         Action::SendActivation { .. } | Action::SendGrad { .. } => CATEGORY_SEND,
         Action::RecvActivation { .. } | Action::RecvGrad { .. } => CATEGORY_RECV,
         Action::OptimizerStep => CATEGORY_OPTIMIZER,
@@ -218,6 +225,13 @@ pub fn simulate(s: &Schedule, costs: &Costs, steps: usize) -> Result<Simulation,
             });
         }
     }
+    if !(0.0..=1.0).contains(&costs.weight_share) {
+        return Err(ValidationError::BadCost {
+            field: "weight_share",
+            stage: 0,
+            value: costs.weight_share,
+        });
+    }
     let actions: usize = s.actions.iter().map(Vec::len).sum();
     if steps.saturating_mul(actions) > MAX_SIMULATED_ACTIONS {
         return Err(ValidationError::TooManySteps {
@@ -238,7 +252,8 @@ pub fn simulate(s: &Schedule, costs: &Costs, steps: usize) -> Result<Simulation,
             })
             .collect()
     };
-    let events = execute(s.ranks, stages, &s.recompute, &lists, Some(costs))?;
+    let split = s.kind.splits_backward();
+    let events = execute(s.ranks, stages, &s.recompute, split, &lists, Some(costs))?;
     Ok(Simulation {
         ranks: s.ranks,
         steps,

@@ -15,6 +15,8 @@ use serde_json::{Value, json};
 pub const CATEGORY_FORWARD: &str = "forward";
 /// Category of backward passes.
 pub const CATEGORY_BACKWARD: &str = "backward";
+/// Category of weight-gradient passes (W) of a split backward.
+pub const CATEGORY_WEIGHT: &str = "weight";
 /// Category of recomputed forward passes.
 pub const CATEGORY_RECOMPUTE: &str = "recompute";
 /// Category of sends (activations and gradients).

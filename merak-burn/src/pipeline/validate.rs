@@ -19,7 +19,7 @@
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
 
-use super::schedule::{Action, Schedule};
+use super::schedule::{Action, Schedule, ScheduleKind};
 use super::simulate::{Costs, TimedAction};
 
 /// Why a schedule is not valid.
@@ -132,6 +132,19 @@ pub enum ValidationError {
         /// Global stages.
         stages: usize,
     },
+    /// A weight-gradient pass in a schedule whose backward is not split.
+    #[error(
+        "rank {rank}: {action} in a {kind} schedule, whose backward computes the weight \
+         gradients itself"
+    )]
+    Unsplit {
+        /// The rank.
+        rank: usize,
+        /// The action.
+        action: Action,
+        /// The schedule's kind.
+        kind: ScheduleKind,
+    },
     /// The simulator was asked for zero steps.
     #[error("simulate needs at least one step")]
     ZeroSteps,
@@ -180,7 +193,8 @@ pub fn validate(s: &Schedule) -> Result<(), ValidationError> {
         .iter()
         .map(|list| list.iter().map(|&a| (0, a)).collect())
         .collect();
-    execute(s.ranks, s.stages(), &s.recompute, &lists, None)?;
+    let split = s.kind.splits_backward();
+    execute(s.ranks, s.stages(), &s.recompute, split, &lists, None)?;
     Ok(())
 }
 
@@ -292,6 +306,13 @@ fn check_complete(s: &Schedule) -> Result<(), ValidationError> {
                     reason,
                 });
             }
+            if matches!(action, Action::BackwardWeight { .. }) && !s.kind.splits_backward() {
+                return Err(ValidationError::Unsplit {
+                    rank,
+                    action,
+                    kind: s.kind,
+                });
+            }
             if matches!(action, Action::Recompute { .. }) && !s.recompute[stage] {
                 return Err(ValidationError::RecomputeMisplaced {
                     rank,
@@ -331,6 +352,10 @@ fn check_complete(s: &Schedule) -> Result<(), ValidationError> {
                     return Err(ValidationError::Missing { rank, action });
                 }
             }
+            let action = Action::BackwardWeight { mb, stage };
+            if s.kind.splits_backward() && !seen.contains_key(&action) {
+                return Err(ValidationError::Missing { rank, action });
+            }
         }
     }
     for (rank, action) in needed_messages(s) {
@@ -369,6 +394,7 @@ type Key = (usize, usize, usize);
 struct Machine {
     forward: HashSet<Key>,
     backward: HashSet<Key>,
+    weight: HashSet<Key>,
     recomputed: HashSet<Key>,
     /// Activations received, by receiving stage.
     activation_in: HashSet<Key>,
@@ -398,6 +424,7 @@ pub(crate) fn execute(
     ranks: usize,
     stages: usize,
     recompute: &[bool],
+    split: bool,
     lists: &[Vec<(usize, Action)>],
     costs: Option<&Costs>,
 ) -> Result<Vec<Vec<TimedAction>>, ValidationError> {
@@ -411,7 +438,14 @@ pub(crate) fn execute(
         for (rank, list) in lists.iter().enumerate() {
             while let Some(&(step, action)) = list.get(next[rank]) {
                 let outcome = machine.try_run(
-                    ranks, stages, recompute, costs, rank, step, action, free[rank],
+                    ranks,
+                    stages,
+                    recompute,
+                    costs.map(|c| (c, split)),
+                    rank,
+                    step,
+                    action,
+                    free[rank],
                 );
                 match outcome {
                     Outcome::Ran(start, end) => {
@@ -457,16 +491,20 @@ impl Machine {
         ranks: usize,
         stages: usize,
         recompute: &[bool],
-        costs: Option<&Costs>,
+        costs: Option<(&Costs, bool)>,
         rank: usize,
         step: usize,
         action: Action,
         free: f64,
     ) -> Outcome {
         let local = ranks < 2;
+        let (costs, split) = (costs.map(|c| c.0), costs.is_some_and(|c| c.1));
         let cost = |v: Option<&Vec<f64>>, stage: usize| {
             v.and_then(|v| v.get(stage)).copied().unwrap_or(0.0)
         };
+        // A split backward's B pays the input-gradient share, its W the rest.
+        let share = costs.map_or(0.0, |c| c.weight_share);
+        let b_share = if split { 1.0 - share } else { 1.0 };
         let compute = |duration: f64| Outcome::Ran(free, free + duration);
         match action {
             Action::Forward { mb, stage } => {
@@ -535,12 +573,23 @@ impl Machine {
                     });
                 }
                 self.backward.insert(key);
-                let mut duration = cost(costs.map(|c| &c.backward), stage);
+                let mut duration = cost(costs.map(|c| &c.backward), stage) * b_share;
                 if recompute.get(stage).copied().unwrap_or(false) && !self.recomputed.contains(&key)
                 {
                     duration += cost(costs.map(|c| &c.recompute), stage);
                 }
                 compute(duration)
+            }
+            Action::BackwardWeight { mb, stage } => {
+                let key = (step, mb, stage);
+                if !self.backward.contains(&key) {
+                    return Outcome::NotReady(format!(
+                        "{} earlier on rank {rank}",
+                        Action::Backward { mb, stage }
+                    ));
+                }
+                self.weight.insert(key);
+                compute(cost(costs.map(|c| &c.backward), stage) * share)
             }
             Action::SendActivation { mb, stage } => {
                 let key = (step, mb, stage);
@@ -636,6 +685,38 @@ mod tests {
 
     fn one_f_one_b(p: usize, m: usize) -> Schedule {
         build_schedule(ScheduleKind::OneFOneB, p, m, 1, &vec![false; p]).unwrap()
+    }
+
+    #[test]
+    fn a_split_backward_needs_each_w_once_after_its_b_and_only_where_split() {
+        let zb = build_schedule(ScheduleKind::ZbH1, 2, 4, 1, &[false; 2]).unwrap();
+        validate(&zb).unwrap();
+        let w = Action::BackwardWeight { mb: 1, stage: 1 };
+        // Without one of its W passes.
+        let mut s = zb.clone();
+        s.actions[1].retain(|a| *a != w);
+        assert_eq!(
+            validate(&s),
+            Err(ValidationError::Missing { rank: 1, action: w })
+        );
+        // A W before its B.
+        let mut s = zb.clone();
+        s.actions[1].retain(|a| *a != w);
+        s.actions[1].insert(0, w);
+        assert!(
+            matches!(validate(&s), Err(ValidationError::NotReady { action, .. }) if action == w),
+            "{:?}",
+            validate(&s)
+        );
+        // A W in a schedule that does not split.
+        let mut s = build_schedule(ScheduleKind::OneFOneB, 2, 4, 1, &[false; 2]).unwrap();
+        let end = s.actions[1].len() - 1;
+        s.actions[1].insert(end, w);
+        assert!(
+            matches!(validate(&s), Err(ValidationError::Unsplit { rank: 1, .. })),
+            "{:?}",
+            validate(&s)
+        );
     }
 
     #[test]
