@@ -1,9 +1,11 @@
 //! Pipeline benchmark: runs `merak train` under `mpirun` for several schedules, side by side in
 //! one invocation, and reports
 //!
-//! 1. the measured bubble of GPipe and 1F1B against (p - 1) / m, from `--trace` (per step and
-//!    rank: (step wall time - the rank's compute time) / compute time, averaged over ranks and
-//!    over every step but the first);
+//! 1. the measured bubble of GPipe, 1F1B, interleaved 1F1B (v = 2) and ZB-H1, from `--trace`
+//!    (per step and rank: (step wall time - the rank's compute time) / compute time, averaged
+//!    over ranks and over every step but the first), next to the simulator's prediction for
+//!    the same schedule from the measured mean forward, backward (B) and weight-gradient (W)
+//!    times of each stage, and to the textbook formula;
 //! 2. the step time of the shifted-critical-path schedule against 1F1B with the same (full)
 //!    recomputation;
 //! 3. the peak resident memory of every pipeline stage under GPipe, 1F1B and 1F1B with
@@ -21,6 +23,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
+use merak_burn::pipeline::{Costs, ScheduleKind, build_schedule, simulate};
 
 /// Pipeline schedules measured side by side.
 #[derive(Parser, Debug)]
@@ -120,7 +123,7 @@ fn measured_bubble(out: &Path) -> Result<f64> {
             .or_insert((f64::INFINITY, 0.0, BTreeMap::new()));
         entry.0 = entry.0.min(ts);
         entry.1 = entry.1.max(ts + dur);
-        if matches!(cat, "forward" | "backward" | "recompute") {
+        if matches!(cat, "forward" | "backward" | "weight" | "recompute") {
             *entry.2.entry(tid).or_insert(0.0) += dur;
         }
     }
@@ -190,24 +193,107 @@ fn main() -> Result<()> {
 fn bubble(a: &Args) -> Result<()> {
     println!("\n## 1. Bubble, pp = 2 (one rank per core)");
     println!(
-        "{:<8} {:>3} {:>10} {:>10}",
-        "schedule", "m", "measured", "(p-1)/m"
+        "{:<12} {:>3} {:>10} {:>10} {:>8} {:>10} {:>8}",
+        "schedule", "m", "measured", "simulated", "error", "formula", "step s"
     );
     for &m in &a.micro_batches {
-        for kind in ["gpipe", "1f1b"] {
-            let sets = [format!("parallel.schedule={kind}")];
+        for (kind, v) in [
+            (ScheduleKind::GPipe, 1),
+            (ScheduleKind::OneFOneB, 1),
+            (ScheduleKind::Interleaved, 2),
+            (ScheduleKind::ZbH1, 1),
+        ] {
+            let sets = [
+                format!("parallel.schedule={kind}"),
+                format!("parallel.virtual_stages={v}"),
+            ];
             let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
             let out = train(a, &format!("bubble-{kind}-m{m}"), 2, m, &sets, true)?;
+            let measured = measured_bubble(&out)?;
+            let simulated = simulated_bubble(&out, kind, 2, m, v)?;
+            // Textbook: (p-1)/(v m); ZB-H1 with F = B = W: a third of 1F1B's.
+            let formula = match kind {
+                ScheduleKind::ZbH1 => 1.0 / (3.0 * m as f64),
+                _ => 1.0 / (v * m) as f64,
+            };
             println!(
-                "{:<8} {:>3} {:>10.3} {:>10.3}",
-                kind,
+                "{:<12} {:>3} {:>10.3} {:>10.3} {:>7.0}% {:>10.3} {:>8.3}",
+                kind.as_str(),
                 m,
-                measured_bubble(&out)?,
-                1.0 / m as f64
+                measured,
+                simulated,
+                100.0 * (simulated - measured) / measured,
+                formula,
+                step_time(&out)?
             );
         }
     }
     Ok(())
+}
+
+/// Mean duration (seconds) of each trace category per global stage, over every step but the
+/// first: `[category][stage]`, categories forward, backward (B), weight (W).
+fn action_times(out: &Path, stages: usize) -> Result<[Vec<f64>; 3]> {
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("trace.json"))?)?;
+    let events = json["traceEvents"].as_array().context("traceEvents")?;
+    let mut sum = [vec![0.0; stages], vec![0.0; stages], vec![0.0; stages]];
+    let mut count = sum.clone();
+    for e in events {
+        let (Some(name), Some(cat), Some(dur)) =
+            (e["name"].as_str(), e["cat"].as_str(), e["dur"].as_f64())
+        else {
+            continue;
+        };
+        let Some(c) = ["forward", "backward", "weight"]
+            .iter()
+            .position(|k| *k == cat)
+        else {
+            continue;
+        };
+        let mut words = name.split(' ').skip(1);
+        let stage = words
+            .next()
+            .and_then(|w| w.strip_prefix('s')?.parse::<usize>().ok());
+        let step = words
+            .next()
+            .and_then(|w| w.strip_prefix('t')?.parse::<usize>().ok());
+        if let (Some(stage), Some(step)) = (stage, step)
+            && step > 0
+            && stage < stages
+        {
+            sum[c][stage] += dur * 1e-6;
+            count[c][stage] += 1.0;
+        }
+    }
+    for (s, n) in sum.iter_mut().zip(&count) {
+        for (v, n) in s.iter_mut().zip(n) {
+            *v /= n.max(1.0);
+        }
+    }
+    Ok(sum)
+}
+
+/// The simulator's bubble for `kind` with the measured mean action times of `out`, in the
+/// measured bubble's terms: the mean over ranks of (makespan - busy) / busy.
+fn simulated_bubble(out: &Path, kind: ScheduleKind, p: usize, m: usize, v: usize) -> Result<f64> {
+    let stages = p * v;
+    let [forward, b, w] = action_times(out, stages)?;
+    let mut costs = Costs::uniform(stages, 0.0, 0.0);
+    costs.forward = forward;
+    costs.backward = b.iter().zip(&w).map(|(b, w)| b + w).collect();
+    costs.recompute = vec![0.0; stages];
+    let (bs, ws): (f64, f64) = (b.iter().sum(), w.iter().sum());
+    costs.weight_share = if kind.splits_backward() {
+        ws / (bs + ws)
+    } else {
+        0.5
+    };
+    let schedule = build_schedule(kind, p, m, v, &vec![false; stages])?;
+    let sim = simulate(&schedule, &costs, 1)?;
+    let per_rank: Vec<f64> = (0..p)
+        .map(|r| (sim.makespan() - sim.busy(r)) / sim.busy(r))
+        .collect();
+    Ok(per_rank.iter().sum::<f64>() / p as f64)
 }
 
 fn critical_path(a: &Args) -> Result<()> {

@@ -86,8 +86,8 @@ pub struct ParallelSection {
     /// Size of a data-parallel gradient bucket in MiB; a bucket's all-reduce starts as soon as
     /// all its gradients are final.
     pub bucket_mb: f64,
-    /// Pipeline schedule: "gpipe", "1f1b", "interleaved", "shifted-critical-path" or "2bw"
-    /// ("zb-h1" is simulated by `merak schedule` but not trained yet).
+    /// Pipeline schedule: "gpipe", "1f1b", "interleaved", "shifted-critical-path", "2bw" or
+    /// "zb-h1".
     pub schedule: ScheduleKind,
     /// Model stages per pipeline rank (interleaved schedule only; 1 otherwise).
     pub virtual_stages: usize,

@@ -72,16 +72,6 @@ pub enum PlanError {
         /// Why.
         source: ScheduleError,
     },
-    /// A schedule that `merak schedule` builds and simulates but training cannot run yet.
-    #[error(
-        "parallel.schedule = \"{kind}\" is validated and simulated (merak schedule, merak \
-         simulate) but training cannot run its split backward yet: choose 1f1b, interleaved, \
-         shifted-critical-path, gpipe or 2bw"
-    )]
-    NotRunnable {
-        /// The schedule.
-        kind: ScheduleKind,
-    },
     /// Stage-aware recomputation was asked of a model known only by its unit costs.
     #[error(
         "parallel.recompute = \"stage-aware\" needs a transformer's shape (activation sizes); choose \"full\", \"selective\" or per-stage modes"
@@ -296,11 +286,6 @@ impl ParallelPlan {
         model: Option<&TransformerShape>,
         global_batch: usize,
     ) -> Result<PipelinePlan, PlanError> {
-        if !self.schedule.is_runnable() {
-            return Err(PlanError::NotRunnable {
-                kind: self.schedule,
-            });
-        }
         let stages = self.stages();
         let partition = self.partition(costs)?;
         let m = self.micro_batches(global_batch);
@@ -439,27 +424,6 @@ mod tests {
 
     fn tiny() -> TransformerShape {
         TransformerShape::preset("tiny").expect("the tiny preset")
-    }
-
-    #[test]
-    fn a_schedule_training_cannot_run_is_refused_naming_the_key() {
-        let plan = ParallelPlan {
-            pp: 2,
-            schedule: ScheduleKind::ZbH1,
-            ..ParallelPlan::default()
-        };
-        let model = TransformerShape::gpt(2, 64, 4, 32, 512);
-        let e = plan.pipeline(&model, 4).unwrap_err();
-        assert_eq!(
-            e,
-            PlanError::NotRunnable {
-                kind: ScheduleKind::ZbH1
-            }
-        );
-        assert!(
-            e.to_string().contains("parallel.schedule = \"zb-h1\""),
-            "{e}"
-        );
     }
 
     #[test]

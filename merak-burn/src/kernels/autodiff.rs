@@ -79,12 +79,42 @@ pub(crate) fn linear_backward<B: FusedOps, const N: usize>(
     for (w, p) in want.iter_mut().zip(&ops.parents) {
         *w = p.is_some();
     }
+    // A split backward (B) leaves the weight gradient to its W pass.
+    let deferred = match (&ops.parents[1], &x) {
+        (Some(node), Some(x)) => super::deferred::defer_for(node.id).map(|hook| {
+            let empty = empty_like::<B>(&dy);
+            let (x, w, g) = (x.clone(), w.clone(), dy.clone());
+            let compute = move || {
+                let [_, dw, _] = B::linear_backward(Some(x), w, g, [false, true, false]);
+                dw.map_or_else(Vec::new, B::into_host_vec)
+            };
+            super::deferred::push(hook, Box::new(compute));
+            (node.id, empty)
+        }),
+        _ => None,
+    };
+    if deferred.is_some() {
+        want[1] = false;
+    }
     let out = B::linear_backward(x, w, dy, want);
     for (parent, grad) in ops.parents.into_iter().zip(out) {
         if let (Some(node), Some(grad)) = (parent, grad) {
             grads.register::<B>(node.id, grad);
         }
     }
+    if let Some((node, empty)) = deferred {
+        // The hook's backward must run; an empty gradient tells it the W pass delivers.
+        grads.register::<B>(node, empty);
+    }
+}
+
+/// A tensor with no elements on `like`'s device: the deferred weight gradient's placeholder.
+fn empty_like<B: FusedOps>(like: &FloatTensor<B>) -> FloatTensor<B> {
+    B::float_zeros(
+        burn::tensor::Shape::new([0]),
+        &B::float_device(like),
+        burn::tensor::FloatDType::F32,
+    )
 }
 
 /// The graph node of a linear product `forward(x, w)` whose backward pass is `op`: it keeps

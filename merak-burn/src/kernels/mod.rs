@@ -28,6 +28,7 @@
 //! the data-parallel reducer without a copy.
 
 mod autodiff;
+pub mod deferred;
 pub(crate) use autodiff::{LinearState, linear_backward, linear_node};
 pub mod composed;
 pub mod cpu;

@@ -28,6 +28,8 @@ use super::stage::{PipelineModel, StageInput, StageOutput};
 use super::trace::TraceEvent;
 use crate::comm::{CommError, Group, Pending};
 use crate::data_parallel::DataParallel;
+use crate::kernels::deferred;
+use crate::tensor_parallel::ops::deliver_grad;
 use crate::tensor_parallel::{ParallelBackend, force_dropout, set_dropout_position};
 
 /// A failure while running a pipeline step.
@@ -50,14 +52,14 @@ pub enum PipelineError {
     /// A tensor could not be read back.
     #[error("reading a tensor: {0}")]
     Tensor(String),
-    /// The schedule splits the backward, which this executor does not run
-    /// ([`ScheduleKind::is_runnable`](super::ScheduleKind::is_runnable)).
-    #[error("pipeline rank {rank}: {action} of a split backward cannot be run yet")]
-    SplitBackward {
+    /// A split backward's weight gradients that no `BackwardWeight` computed (a schedule that
+    /// passed [`validate`](fn@super::validate) never leaves any).
+    #[error("pipeline rank {rank}: {undone} deferred weight gradients were never computed")]
+    WeightsNotRun {
         /// The pipeline rank.
         rank: usize,
-        /// The weight-gradient action.
-        action: Action,
+        /// How many.
+        undone: usize,
     },
 }
 
@@ -261,12 +263,11 @@ impl Executor {
         // The DP reducer starts a bucket's all-reduce once its gradients are final: after the
         // last backward pass of each stage in this rank's order (not necessarily the last
         // micro-batch: GPipe runs them in reverse).
-        let mut final_backward: HashMap<usize, usize> = HashMap::new();
-        for a in &actions {
-            if let Action::Backward { mb, stage } = *a {
-                final_backward.insert(stage, mb);
-            }
-        }
+        // A split backward's weight gradients are final after its last W pass.
+        let final_backward = final_micro_batches(&actions, false);
+        let final_weight = final_micro_batches(&actions, true);
+        let split = self.plan.schedule.kind.splits_backward();
+        deferred::enable(split);
         let stages = self.plan.schedule.stages();
         let last = self.last_stage();
         let [micro, seq, hidden] = shape;
@@ -471,6 +472,8 @@ impl Executor {
                         Some(Tensor::from_inner(hidden_of(g)))
                     };
                     reducer.set_last_micro_batch(final_backward.get(&stage) == Some(&mb));
+                    // B of a split backward: linear weight gradients wait for W.
+                    let _open = split.then(|| deferred::open((mb, stage)));
                     // Backward through the kept part, then through the recomputed part.
                     let grad_at =
                         |out: StageOutput<B>,
@@ -540,17 +543,25 @@ impl Executor {
                     report.wait_s += t0.elapsed().as_secs_f64();
                     self.record("recv", format!("recv grad {mb} s{stage} t{step}"), start);
                 }
-                Action::BackwardWeight { .. } => {
-                    return Err(PipelineError::SplitBackward {
-                        rank: self.rank,
-                        action,
-                    });
+                Action::BackwardWeight { mb, stage } => {
+                    reducer.set_last_micro_batch(final_weight.get(&stage) == Some(&mb));
+                    deferred::run((mb, stage), deliver_grad);
+                    report.compute_s += t0.elapsed().as_secs_f64();
+                    self.record("weight", format!("W{mb} s{stage} t{step}"), start);
                 }
                 Action::OptimizerStep => break,
             }
         }
         for p in pending {
             p.wait()?;
+        }
+        let undone = deferred::pending();
+        deferred::enable(false);
+        if undone > 0 {
+            return Err(PipelineError::WeightsNotRun {
+                rank: self.rank,
+                undone,
+            });
         }
         Ok(report)
     }
@@ -656,4 +667,20 @@ impl Executor {
         }
         Ok(loss)
     }
+}
+
+/// The micro-batch of each stage's last backward pass in `actions` (its last W pass with
+/// `weight`): after it the stage's gradients are final.
+fn final_micro_batches(actions: &[Action], weight: bool) -> HashMap<usize, usize> {
+    let mut last = HashMap::new();
+    for a in actions {
+        match (*a, weight) {
+            (Action::Backward { mb, stage }, false)
+            | (Action::BackwardWeight { mb, stage }, true) => {
+                last.insert(stage, mb);
+            }
+            _ => {}
+        }
+    }
+    last
 }

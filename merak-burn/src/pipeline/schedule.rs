@@ -244,12 +244,6 @@ impl ScheduleKind {
         self == ScheduleKind::ZbH1
     }
 
-    /// Whether the executor runs this kind. ZB-H1 is built, validated and simulated, but
-    /// training cannot run its split backward yet; the planner does not choose it.
-    pub fn is_runnable(self) -> bool {
-        !self.splits_backward()
-    }
-
     /// Whether this kind runs several virtual stages per rank (only [`ScheduleKind::Interleaved`]).
     pub fn uses_virtual_stages(self) -> bool {
         self == ScheduleKind::Interleaved

@@ -75,10 +75,7 @@ impl SearchOptions {
             global_batch,
             memory_budget_bytes: None,
             micro_batch_sizes: vec![1, 2, 4, 8],
-            schedules: ScheduleKind::ALL
-                .into_iter()
-                .filter(|k| k.is_runnable())
-                .collect(),
+            schedules: ScheduleKind::ALL.to_vec(),
             virtual_stages: vec![2, 4],
             recompute: Recompute::ALL.to_vec(),
             zero1: vec![false, true],

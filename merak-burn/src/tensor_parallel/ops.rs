@@ -75,7 +75,7 @@ pub fn set_grad_sink(sink: Option<GradSink>) {
 }
 
 /// Hands gradient `hook` to the installed sink (dropped when none is installed).
-fn deliver_grad(hook: usize, grad: Vec<f32>) {
+pub(crate) fn deliver_grad(hook: usize, grad: Vec<f32>) {
     let sink = GRAD_SINK.with(|s| s.borrow().clone());
     if let Some(sink) = sink {
         sink(hook, grad);
@@ -283,8 +283,13 @@ impl<B: ParallelBackend> Backward<B, 1> for HookBackward {
     /// the hook (a fresh leaf of one forward pass) gets no gradient of its own, so the buffer
     /// moves to the reducer without a copy.
     fn backward(self, ops: Ops<usize, 1>, grads: &mut Gradients, _c: &mut Checkpointer) {
-        let g = grads.consume::<B>(&ops.node);
-        deliver_grad(ops.state, B::into_host_vec(g));
+        let g = B::into_host_vec(grads.consume::<B>(&ops.node));
+        crate::kernels::deferred::forget_hook(ops.node.id);
+        // An empty gradient: a split backward's W pass delivers this one
+        // (`kernels::deferred`).
+        if !g.is_empty() {
+            deliver_grad(ops.state, g);
+        }
     }
 }
 
@@ -403,7 +408,11 @@ impl<B: ParallelBackend, C: CheckpointStrategy> ParallelBackend for Autodiff<B, 
             .compute_bound()
             .stateful()
         {
-            OpsKind::Tracked(prep) => prep.finish(hook, x.primitive),
+            OpsKind::Tracked(prep) => {
+                let out = prep.finish(hook, x.primitive);
+                crate::kernels::deferred::note_hook(out.node.id, hook);
+                out
+            }
             OpsKind::UnTracked(prep) => prep.finish(x.primitive),
         }
     }
