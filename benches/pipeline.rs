@@ -43,6 +43,10 @@ struct Args {
     /// Which sections to run (1: bubble, 2: shifted critical path, 3: memory).
     #[arg(long, value_delimiter = ',', default_value = "1,2,3")]
     sections: Vec<usize>,
+    /// Open MPI transports of the runs (`OMPI_MCA_btl`), e.g. `self,tcp` to send the pipeline's
+    /// messages over loopback TCP instead of shared memory (default: Open MPI's choice).
+    #[arg(long)]
+    btl: Option<String>,
     /// Where runs write their output.
     #[arg(long, default_value = "runs/bench-pipeline")]
     out: PathBuf,
@@ -84,6 +88,9 @@ fn train(a: &Args, name: &str, pp: usize, m: usize, sets: &[&str], trace: bool) 
         cmd.args(["--set", s]);
     }
     cmd.arg("--out").arg(&out);
+    if let Some(btl) = &a.btl {
+        cmd.env("OMPI_MCA_btl", btl);
+    }
     if trace {
         cmd.arg("--trace").arg(out.join("trace.json"));
     }
@@ -174,8 +181,11 @@ fn main() -> Result<()> {
     let a = Args::parse();
     std::fs::create_dir_all(&a.out)?;
     println!(
-        "# GPT hidden {}, 8 layers, 8 heads, seq 128, micro-batch {}, {} steps per run (first not measured)",
-        a.hidden, a.micro_batch, a.steps
+        "# GPT hidden {}, 8 layers, 8 heads, seq 128, micro-batch {}, {} steps per run (first not measured), transports {}",
+        a.hidden,
+        a.micro_batch,
+        a.steps,
+        a.btl.as_deref().unwrap_or("Open MPI's default")
     );
 
     if a.sections.contains(&1) {

@@ -66,7 +66,7 @@ enum Command {
 
 #[derive(clap::Args, Debug)]
 struct ScheduleArgs {
-    /// gpipe, 1f1b, interleaved, shifted-critical-path or 2bw.
+    /// gpipe, 1f1b, interleaved, shifted-critical-path, 2bw or zb-h1.
     #[arg(long, default_value = "1f1b")]
     schedule: String,
     /// Pipeline ranks.
@@ -84,6 +84,10 @@ struct ScheduleArgs {
     /// Simulated time of a backward pass relative to a forward pass.
     #[arg(long, default_value_t = 2.0)]
     backward_ratio: f64,
+    /// Simulated transfer time of one message (activation or gradient) relative to a forward
+    /// pass (0: free messages).
+    #[arg(long, default_value_t = 0.0)]
+    message_cost: f64,
     /// Simulated steps.
     #[arg(long, default_value_t = 1)]
     steps: usize,
@@ -121,6 +125,8 @@ fn run_schedule(a: &ScheduleArgs) -> Result<()> {
     if !a.recompute {
         costs.recompute = vec![0.0; stages];
     }
+    costs.send_activation = a.message_cost / v;
+    costs.send_grad = a.message_cost / v;
     let sim = simulate(&schedule, &costs, a.steps)?;
     let one_f_one_b = (a.pp as f64 - 1.0) / (v * a.micro_batches as f64);
     let (name, formula) = if kind.splits_backward() {
@@ -133,8 +139,9 @@ fn run_schedule(a: &ScheduleArgs) -> Result<()> {
         ("(p-1)/(v*m)", one_f_one_b)
     };
     println!(
-        "simulated (forward 1, backward {}, free messages): step time {:.3}, bubble {:.4} (formula {name} = {formula:.4})",
+        "simulated (forward 1, backward {}, message {}): step time {:.3}, bubble {:.4} (formula {name} = {formula:.4})",
         a.backward_ratio,
+        a.message_cost,
         sim.step_time(),
         sim.bubble_fraction()
     );

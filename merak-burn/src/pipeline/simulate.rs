@@ -225,6 +225,19 @@ pub fn simulate(s: &Schedule, costs: &Costs, steps: usize) -> Result<Simulation,
             });
         }
     }
+    for (field, value) in [
+        ("send_activation", costs.send_activation),
+        ("send_grad", costs.send_grad),
+        ("optimizer", costs.optimizer),
+    ] {
+        if !(value >= 0.0 && value.is_finite()) {
+            return Err(ValidationError::BadCost {
+                field,
+                stage: 0,
+                value,
+            });
+        }
+    }
     if !(0.0..=1.0).contains(&costs.weight_share) {
         return Err(ValidationError::BadCost {
             field: "weight_share",
@@ -317,6 +330,18 @@ mod tests {
             })
         ));
         costs.backward[1] = -1.0;
+        assert!(simulate(&s, &costs, 1).is_err());
+        let mut costs = unit(2);
+        costs.send_grad = f64::INFINITY;
+        assert!(matches!(
+            simulate(&s, &costs, 1),
+            Err(ValidationError::BadCost {
+                field: "send_grad",
+                ..
+            })
+        ));
+        let mut costs = unit(2);
+        costs.weight_share = 1.5;
         assert!(simulate(&s, &costs, 1).is_err());
         assert!(matches!(
             simulate(&s, &unit(2), usize::MAX),
