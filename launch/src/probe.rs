@@ -322,9 +322,7 @@ pub fn probe(args: &ProbeArgs, world: Option<&MpiCommunicator>) -> Result<()> {
     let (spec, overlap) = measure_with_overlap(world, args.reps)?;
     if world.is_none_or(|w| w.rank() == 0) {
         print_overlap(overlap.as_deref());
-        let text = toml::to_string(&spec)?;
-        std::fs::write(&args.out, &text)
-            .with_context(|| format!("writing {}", args.out.display()))?;
+        spec.write(&args.out)?;
         println!(
             "{}: {:.2} GFLOP/s per rank (f32 matrix products, all ranks at once; {:.2} of that time when half the ranks wait), memory {:.1} GB/s, MPI latency {:.1} us, bandwidth {:.2} GB/s",
             args.out.display(),

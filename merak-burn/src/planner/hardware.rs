@@ -24,6 +24,14 @@ pub enum HardwareError {
     /// The TOML does not describe a spec (the message names the key).
     #[error("hardware spec: {0}")]
     Toml(#[from] toml::de::Error),
+    /// Writing the spec failed.
+    #[error("writing the hardware spec {}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
     /// A value out of range.
     #[error("hardware spec key `{key}` = {value} must be {expected}")]
     Invalid {
@@ -177,6 +185,16 @@ impl HardwareSpec {
         Ok(spec)
     }
 
+    /// Writes the spec as TOML to `path` atomically (a reader never sees half a file).
+    pub fn write(&self, path: &Path) -> Result<(), HardwareError> {
+        let io = |source| HardwareError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let text = toml::to_string(self).map_err(|e| io(std::io::Error::other(e)))?;
+        super::write_atomically(path, text.as_bytes()).map_err(io)
+    }
+
     /// A preset name, or else the path of a TOML file.
     pub fn load(name_or_path: &str) -> Result<Self, HardwareError> {
         if let Some(spec) = HardwareSpec::preset(name_or_path) {
@@ -271,6 +289,21 @@ impl HardwareSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_written_spec_loads_back_and_a_folder_is_refused_naming_it() {
+        let dir = std::env::temp_dir().join(format!("merak-hw-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let spec = HardwareSpec::preset("h100-80g").unwrap();
+        let path = dir.join("hw.toml");
+        spec.write(&path).unwrap();
+        let back = HardwareSpec::load(&path.display().to_string()).unwrap();
+        assert_eq!(back, spec);
+        let e = spec.write(&dir).unwrap_err().to_string();
+        assert!(e.contains(&dir.display().to_string()), "{e}");
+        assert!(!dir.with_extension("partial").exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn presets_are_valid_and_round_trip_through_toml() {
