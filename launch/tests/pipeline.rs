@@ -162,22 +162,8 @@ fn eight_ranks_in_3d_equal_one_process() {
 fn bert_in_a_pipeline_equals_one_process() {
     let bert = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/bert-tiny.toml");
     let run = |np: usize, name: &str, extra: &[&str]| {
-        let out = out_dir(name);
-        let mut cmd = merak(np);
-        cmd.arg("train")
-            .arg("--config")
-            .arg(&bert)
-            .args([
-                "--set",
-                "train.steps=5",
-                "--set",
-                "train.micro_batch=4",
-                "--out",
-            ])
-            .arg(&out)
-            .args(extra);
-        run_with_deadline(cmd, Duration::from_secs(300)).assert_success();
-        out
+        let micro = ["--set", "train.micro_batch=4"];
+        train_dir_with(&bert, np, name, &[&micro[..], extra].concat())
     };
     let single = run(0, "bert-pp-single", &[]);
     for (np, name, layout) in [

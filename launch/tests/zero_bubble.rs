@@ -4,10 +4,8 @@
 //! decoder keeps its gradient in B); and at pp = 2 it equals 1F1B bit for bit.
 
 use std::path::Path;
-use std::time::Duration;
 
 use merak_burn::checkpoint::Checkpoint;
-use merak_tests::run_with_deadline;
 
 mod common;
 use common::*;
@@ -84,22 +82,8 @@ fn zb_h1_in_3d_with_dropout_and_zero1_equals_one_process() {
 fn bert_under_zb_h1_equals_one_process() {
     let bert = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/bert-tiny.toml");
     let run = |np: usize, name: &str, extra: &[&str]| {
-        let out = out_dir(name);
-        let mut cmd = merak(np);
-        cmd.arg("train")
-            .arg("--config")
-            .arg(&bert)
-            .args([
-                "--set",
-                "train.steps=5",
-                "--set",
-                "train.micro_batch=2",
-                "--out",
-            ])
-            .arg(&out)
-            .args(extra);
-        run_with_deadline(cmd, Duration::from_secs(300)).assert_success();
-        out
+        let micro = ["--set", "train.micro_batch=2"];
+        train_dir_with(&bert, np, name, &[&micro[..], extra].concat())
     };
     let single = run(0, "bert-zb-single", &[]);
     let out = run(2, "bert-zb-pp2", &[&["--pp", "2"][..], &ZB].concat());

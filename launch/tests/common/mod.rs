@@ -49,6 +49,11 @@ pub fn merak(np: usize) -> Command {
 /// Runs `merak train` with `config` for 5 steps on `np` ranks (without mpirun when `np == 0`)
 /// and returns the metrics.
 pub fn train_with(config: &Path, np: usize, name: &str, extra: &[&str]) -> Vec<serde_json::Value> {
+    read_metrics(&train_dir_with(config, np, name, extra))
+}
+
+/// Like [`train_with`], returning the run's output folder.
+pub fn train_dir_with(config: &Path, np: usize, name: &str, extra: &[&str]) -> PathBuf {
     let out = out_dir(name);
     let mut cmd = merak(np);
     cmd.arg("train")
@@ -58,7 +63,7 @@ pub fn train_with(config: &Path, np: usize, name: &str, extra: &[&str]) -> Vec<s
         .arg(&out)
         .args(extra);
     run_with_deadline(cmd, Duration::from_secs(300)).assert_success();
-    read_metrics(&out)
+    out
 }
 
 /// The records of `out/metrics.jsonl`.
