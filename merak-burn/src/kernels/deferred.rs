@@ -125,6 +125,11 @@ pub fn run(key: Key, mut deliver: impl FnMut(usize, Vec<f32>)) -> usize {
     n
 }
 
+/// Backward passes (keys) whose deferred weight gradients have not run yet.
+pub fn pending_backwards() -> usize {
+    STATE.with(|s| s.borrow().jobs.len())
+}
+
 /// Deferred jobs not yet run, over all keys.
 pub fn pending() -> usize {
     STATE.with(|s| s.borrow().jobs.values().map(Vec::len).sum())

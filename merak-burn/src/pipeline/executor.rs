@@ -412,7 +412,9 @@ impl Executor {
                         }
                     }
                     held.insert((mb, stage), h);
-                    report.max_in_flight = report.max_in_flight.max(held.len());
+                    // A split backward holds what its W needs until W runs.
+                    let in_flight = held.len() + deferred::pending_backwards();
+                    report.max_in_flight = report.max_in_flight.max(in_flight);
                     report.compute_s += t0.elapsed().as_secs_f64();
                     self.record("forward", format!("F{mb} s{stage} t{step}"), start);
                 }
