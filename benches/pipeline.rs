@@ -212,6 +212,7 @@ fn bubble(a: &Args) -> Result<()> {
             (ScheduleKind::OneFOneB, 1),
             (ScheduleKind::Interleaved, 2),
             (ScheduleKind::ZbH1, 1),
+            (ScheduleKind::ZbV, 2),
         ] {
             let sets = [
                 format!("parallel.schedule={kind}"),
@@ -221,9 +222,10 @@ fn bubble(a: &Args) -> Result<()> {
             let out = train(a, &format!("bubble-{kind}-m{m}"), 2, m, &sets, true)?;
             let measured = measured_bubble(&out)?;
             let simulated = simulated_bubble(&out, kind, 2, m, v)?;
-            // Textbook: (p-1)/(v m); ZB-H1 with F = B = W: a third of 1F1B's.
+            // Textbook: (p-1)/(v m); ZB-H1 with F = B = W: a third of 1F1B's; ZB-V: about 0.
             let formula = match kind {
                 ScheduleKind::ZbH1 => 1.0 / (3.0 * m as f64),
+                ScheduleKind::ZbV => 0.0,
                 _ => 1.0 / (v * m) as f64,
             };
             println!(

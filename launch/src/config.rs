@@ -635,7 +635,7 @@ impl Config {
         if self.parallel.virtual_stages == 0 {
             return bad("parallel.virtual_stages", "must be at least 1".into());
         }
-        let stages = self.parallel.pp * self.parallel.virtual_stages;
+        let stages = self.parallel.pp * self.virtual_stages();
         if !self.parallel.stage_recompute.is_empty()
             && self.parallel.stage_recompute.len() != stages
         {
@@ -649,12 +649,18 @@ impl Config {
                 ),
             );
         }
-        if self.parallel.virtual_stages > 1 && self.parallel.schedule != ScheduleKind::Interleaved {
+        let (v, schedule) = (self.parallel.virtual_stages, self.parallel.schedule);
+        if schedule == ScheduleKind::ZbV && v > 2 {
+            return bad(
+                "parallel.virtual_stages",
+                format!("{v}: parallel.schedule = \"zb-v\" runs two stages per rank"),
+            );
+        }
+        if v > 1 && !schedule.uses_virtual_stages() {
             return bad(
                 "parallel.virtual_stages",
                 format!(
-                    "{} needs parallel.schedule = \"interleaved\" (it is \"{}\")",
-                    self.parallel.virtual_stages, self.parallel.schedule
+                    "{v} needs parallel.schedule = \"interleaved\" or \"zb-v\" (it is \"{schedule}\")"
                 ),
             );
         }
@@ -744,6 +750,14 @@ impl Config {
             .pipeline(&shape, self.train.global_batch)?)
     }
 
+    /// Stages per pipeline rank: `parallel.virtual_stages`, and always 2 under ZB-V.
+    pub fn virtual_stages(&self) -> usize {
+        match self.parallel.schedule {
+            ScheduleKind::ZbV => 2,
+            _ => self.parallel.virtual_stages,
+        }
+    }
+
     /// The run's parallel plan: `[parallel]` with the micro-batch size resolved.
     pub fn parallel_plan(&self) -> ParallelPlan {
         let p = &self.parallel;
@@ -751,7 +765,7 @@ impl Config {
             dp: p.dp,
             tp: p.tp,
             pp: p.pp,
-            virtual_stages: p.virtual_stages,
+            virtual_stages: self.virtual_stages(),
             micro_batch: self.micro_batch(),
             schedule: p.schedule,
             stage_units: p.stage_layers.clone(),

@@ -103,6 +103,13 @@ struct ScheduleArgs {
 fn run_schedule(a: &ScheduleArgs) -> Result<()> {
     use merak_burn::pipeline::{Costs, ScheduleKind, build_schedule, simulate, validate};
     let kind: ScheduleKind = a.schedule.parse()?;
+    // ZB-V always runs two stages per rank.
+    let a = &ScheduleArgs {
+        virtual_stages: if kind.v_shaped() { 2 } else { a.virtual_stages },
+        trace: a.trace.clone(),
+        schedule: a.schedule.clone(),
+        ..*a
+    };
     if let Some(path) = &a.trace {
         output_file(path, "--trace")?;
     }
@@ -129,17 +136,17 @@ fn run_schedule(a: &ScheduleArgs) -> Result<()> {
     costs.send_grad = a.message_cost / v;
     let sim = simulate(&schedule, &costs, a.steps)?;
     let one_f_one_b = (a.pp as f64 - 1.0) / (v * a.micro_batches as f64);
-    let (name, formula) = if kind.splits_backward() {
-        // B and W each take `weight_share` of the backward: the tail idles F + B - W.
-        let (f, w) = (1.0, a.backward_ratio * costs.weight_share);
-        let b = a.backward_ratio - w;
-        let zb = one_f_one_b * (f + b - w) / (f + a.backward_ratio);
-        ("(p-1)(F+B-W)/(m(F+B+W))", zb)
-    } else {
-        ("(p-1)/(v*m)", one_f_one_b)
+    // B and W each take `weight_share` of the backward: ZB-H1's tail idles F + B - W.
+    let (f, w) = (1.0, a.backward_ratio * costs.weight_share);
+    let zb_h1 = (a.pp as f64 - 1.0) / a.micro_batches as f64 * (f + a.backward_ratio - 2.0 * w)
+        / (f + a.backward_ratio);
+    let formula = match kind {
+        ScheduleKind::ZbV => format!("none for zb-v; zb-h1 would have {zb_h1:.4}"),
+        ScheduleKind::ZbH1 => format!("(p-1)(F+B-W)/(m(F+B+W)) = {zb_h1:.4}"),
+        _ => format!("(p-1)/(v*m) = {one_f_one_b:.4}"),
     };
     println!(
-        "simulated (forward 1, backward {}, message {}): step time {:.3}, bubble {:.4} (formula {name} = {formula:.4})",
+        "simulated (forward 1, backward {}, message {}): step time {:.3}, bubble {:.4} (formula {formula})",
         a.backward_ratio,
         a.message_cost,
         sim.step_time(),

@@ -106,7 +106,7 @@ fn fit_layout_to_launch(cfg: &mut Config, size: usize) {
     (p.dp, p.tp, p.pp, p.virtual_stages) = (size, 1, 1, 1);
     p.stage_layers.clear();
     p.stage_recompute.clear();
-    if p.schedule == merak_burn::pipeline::ScheduleKind::Interleaved {
+    if p.schedule.uses_virtual_stages() {
         p.schedule = merak_burn::pipeline::ScheduleKind::OneFOneB;
     }
     let share = cfg.train.global_batch / size.max(1);

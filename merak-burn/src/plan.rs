@@ -181,6 +181,11 @@ impl ParallelPlan {
         self.local_batch(global_batch) / self.micro_batch.max(1)
     }
 
+    /// The pipeline rank of global stage `stage` under this plan's schedule.
+    pub fn rank_of(&self, stage: usize) -> usize {
+        crate::pipeline::schedule::rank_of_stage(self.schedule, self.pp.max(1), stage)
+    }
+
     /// Global pipeline stages, `pp * virtual_stages`.
     pub fn stages(&self) -> usize {
         self.pp * self.virtual_stages
@@ -220,7 +225,7 @@ impl ParallelPlan {
                 let units = partition.range(s).len();
                 let recomputed = pipeline.recompute_units.get(s).copied().unwrap_or(0);
                 match recomputed.min(units) {
-                    0 if self.selective_on_rank(s % self.pp.max(1)) => RecomputeMode::Selective,
+                    0 if self.selective_on_rank(self.rank_of(s)) => RecomputeMode::Selective,
                     0 => RecomputeMode::None,
                     _ => RecomputeMode::Full,
                 }
@@ -250,7 +255,7 @@ impl ParallelPlan {
         self.stage_recompute
             .iter()
             .enumerate()
-            .any(|(stage, &m)| stage % self.pp.max(1) == pp_rank && m == RecomputeMode::Selective)
+            .any(|(stage, &m)| self.rank_of(stage) == pp_rank && m == RecomputeMode::Selective)
     }
 
     /// Builds and validates the pipeline plan of `model` trained on `global_batch` sequences

@@ -264,8 +264,15 @@ impl Executor {
         // last backward pass of each stage in this rank's order (not necessarily the last
         // micro-batch: GPipe runs them in reverse).
         // A split backward's weight gradients are final after its last W pass.
-        let final_backward = final_micro_batches(&actions, false);
+        let mut final_backward = final_micro_batches(&actions, false);
         let final_weight = final_micro_batches(&actions, true);
+        // A rank holding both ends of the model (ZB-V's rank 0) delivers the tied table's
+        // gradient from two stages: the last stage's final backward must not mark it final;
+        // what it leaves unmarked is reduced when the step finishes.
+        let schedule = &self.plan.schedule;
+        if schedule.stages() > 1 && schedule.rank_of(0) == schedule.rank_of(schedule.stages() - 1) {
+            final_backward.remove(&(schedule.stages() - 1));
+        }
         let split = self.plan.schedule.kind.splits_backward();
         deferred::enable(split);
         let stages = self.plan.schedule.stages();

@@ -7,7 +7,9 @@
 //!
 //! Stages: with `p` pipeline ranks and `v` virtual stages per rank there are `p * v` model
 //! stages; stage `s` lives on rank `s % p` as its chunk `s / p` (Megatron's interleaved
-//! mapping; `v = 1` is the plain one-stage-per-rank pipeline).
+//! mapping; `v = 1` is the plain one-stage-per-rank pipeline), except under ZB-V, whose two
+//! stages per rank form a V (rank `r` holds `r` and `2p - 1 - r`;
+//! [`schedule::rank_of_stage`]). Consecutive stages on one rank hand over without messages.
 
 pub mod executor;
 pub mod partition;
@@ -18,6 +20,7 @@ pub mod stack;
 pub mod stage;
 pub mod trace;
 pub mod validate;
+mod zero_bubble;
 
 pub use executor::{Executor, MicroBatch, PipelineError, PipelinePlan, StepReport};
 pub use partition::{

@@ -18,6 +18,8 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
+use super::zero_bubble::zb_h1_order;
+
 /// One thing a pipeline rank does. `stage` is the global model stage (`0..p*v`), `mb` the
 /// micro-batch of the step (`0..m`).
 ///
@@ -182,7 +184,7 @@ impl fmt::Display for Action {
 }
 
 /// Which pipeline schedule to run. The names (serde, [`FromStr`], [`Display`](fmt::Display))
-/// are `gpipe`, `1f1b`, `interleaved`, `shifted-critical-path`, `2bw` and `zb-h1`.
+/// are `gpipe`, `1f1b`, `interleaved`, `shifted-critical-path`, `2bw`, `zb-h1` and `zb-v`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum ScheduleKind {
     /// GPipe: every forward of the step, then every backward (a flush at the end of the step).
@@ -213,17 +215,24 @@ pub enum ScheduleKind {
     /// activation memory (at most `p` micro-batches in flight on a rank).
     #[serde(rename = "zb-h1")]
     ZbH1,
+    /// ZB-V (Qi et al.): two stages per rank in a V (rank `r` holds stages `r` and `2p-1-r`),
+    /// with the split backward; the order is found by a unit-time run that prefers B, then
+    /// forwards within 1F1B's peak activation memory, then W (`zero_bubble::zb_v_orders`).
+    /// Needs `virtual_stages = 2`; the bubble is about zero when F = B = W.
+    #[serde(rename = "zb-v")]
+    ZbV,
 }
 
 impl ScheduleKind {
     /// Every schedule kind.
-    pub const ALL: [ScheduleKind; 6] = [
+    pub const ALL: [ScheduleKind; 7] = [
         ScheduleKind::GPipe,
         ScheduleKind::OneFOneB,
         ScheduleKind::Interleaved,
         ScheduleKind::ShiftedCriticalPath,
         ScheduleKind::TwoBw,
         ScheduleKind::ZbH1,
+        ScheduleKind::ZbV,
     ];
 
     /// The name used in configuration files and on the command line.
@@ -235,18 +244,25 @@ impl ScheduleKind {
             ScheduleKind::ShiftedCriticalPath => "shifted-critical-path",
             ScheduleKind::TwoBw => "2bw",
             ScheduleKind::ZbH1 => "zb-h1",
+            ScheduleKind::ZbV => "zb-v",
         }
     }
 
     /// Whether the backward is split into B ([`Action::Backward`]) and W
     /// ([`Action::BackwardWeight`]).
     pub fn splits_backward(self) -> bool {
-        self == ScheduleKind::ZbH1
+        matches!(self, ScheduleKind::ZbH1 | ScheduleKind::ZbV)
     }
 
-    /// Whether this kind runs several virtual stages per rank (only [`ScheduleKind::Interleaved`]).
+    /// Whether stages sit on the ranks in a V ([`ScheduleKind::ZbV`]) rather than round-robin.
+    pub fn v_shaped(self) -> bool {
+        self == ScheduleKind::ZbV
+    }
+
+    /// Whether this kind runs several virtual stages per rank ([`ScheduleKind::Interleaved`],
+    /// and [`ScheduleKind::ZbV`] with exactly two).
     pub fn uses_virtual_stages(self) -> bool {
-        self == ScheduleKind::Interleaved
+        matches!(self, ScheduleKind::Interleaved | ScheduleKind::ZbV)
     }
 
     /// Whether the pipeline drains (flushes) at the end of every step. All kinds but
@@ -323,6 +339,22 @@ pub enum ScheduleError {
         /// The virtual stages asked for.
         virtual_stages: usize,
     },
+    /// ZB-V was asked for other than two stages per rank.
+    #[error(
+        "the zb-v schedule runs two stages per rank in a V: virtual_stages = 2, got {virtual_stages}"
+    )]
+    VShapeNeedsTwo {
+        /// The virtual stages asked for.
+        virtual_stages: usize,
+    },
+    /// The ZB-V run found no order (not seen for any shape).
+    #[error("no zb-v order found for {ranks} ranks and {micro_batches} micro-batches")]
+    NoOrder {
+        /// Pipeline ranks.
+        ranks: usize,
+        /// Micro-batches per step.
+        micro_batches: usize,
+    },
     /// The interleaved schedule needs the micro-batches to come in groups of `ranks`.
     #[error(
         "the interleaved schedule needs micro_batches divisible by ranks, \
@@ -352,7 +384,7 @@ pub enum ScheduleError {
     /// An unknown schedule name was parsed.
     #[error(
         "unknown schedule `{name}`, expected one of: gpipe, 1f1b, interleaved, \
-         shifted-critical-path, 2bw, zb-h1"
+         shifted-critical-path, 2bw, zb-h1, zb-v"
     )]
     UnknownKind {
         /// The name that was given.
@@ -384,9 +416,10 @@ impl Schedule {
         self.ranks * self.virtual_stages
     }
 
-    /// The rank that runs global stage `stage` (`stage % p`).
+    /// The rank that runs global stage `stage` (`stage % p`; in a V, see
+    /// [`ScheduleKind::ZbV`]).
     pub fn rank_of(&self, stage: usize) -> usize {
-        stage.checked_rem(self.ranks).unwrap_or(0)
+        rank_of_stage(self.kind, self.ranks, stage)
     }
 
     /// The chunk (virtual stage index on its rank) of global stage `stage` (`stage / p`).
@@ -401,7 +434,7 @@ impl Schedule {
             return Vec::new();
         }
         (0..self.virtual_stages)
-            .map(|chunk| chunk * self.ranks + rank)
+            .map(|chunk| stage_of_chunk(self.kind, self.ranks, rank, chunk))
             .collect()
     }
 
@@ -437,6 +470,26 @@ impl Schedule {
     /// The number of actions of each rank.
     pub fn len_per_rank(&self) -> Vec<usize> {
         self.actions.iter().map(Vec::len).collect()
+    }
+}
+
+/// The rank of global stage `stage` of a `kind` pipeline over `ranks` ranks: `stage % ranks`,
+/// or the V of [`ScheduleKind::ZbV`].
+pub fn rank_of_stage(kind: ScheduleKind, ranks: usize, stage: usize) -> usize {
+    if kind.v_shaped() {
+        super::zero_bubble::v_rank_of(ranks, stage)
+    } else {
+        stage.checked_rem(ranks).unwrap_or(0)
+    }
+}
+
+/// The global stage that is chunk `chunk` of `rank` (the inverse of [`rank_of_stage`]):
+/// `chunk * ranks + rank`, or in a V `rank` and then `2 ranks - 1 - rank`.
+pub fn stage_of_chunk(kind: ScheduleKind, ranks: usize, rank: usize, chunk: usize) -> usize {
+    if kind.v_shaped() && chunk == 1 {
+        (2 * ranks).saturating_sub(rank + 1)
+    } else {
+        chunk * ranks + rank
     }
 }
 
@@ -498,7 +551,11 @@ pub fn build_schedule(
     if micro_batches == 0 {
         return Err(ScheduleError::ZeroMicroBatches);
     }
-    if kind.uses_virtual_stages() {
+    if kind.v_shaped() {
+        if virtual_stages != 2 {
+            return Err(ScheduleError::VShapeNeedsTwo { virtual_stages });
+        }
+    } else if kind.uses_virtual_stages() {
         if virtual_stages < 2 {
             return Err(ScheduleError::TooFewVirtualStages { virtual_stages });
         }
@@ -540,6 +597,15 @@ pub fn build_schedule(
     } else {
         &[]
     };
+    let v_orders = if kind.v_shaped() {
+        super::zero_bubble::zb_v_orders(ranks, micro_batches).ok_or(ScheduleError::NoOrder {
+            ranks,
+            micro_batches,
+        })?
+    } else {
+        Vec::new()
+    };
+    let rank_of = |stage| rank_of_stage(kind, ranks, stage);
     let actions = (0..ranks)
         .map(|rank| {
             let order = match kind {
@@ -551,10 +617,11 @@ pub fn build_schedule(
                     interleaved_order(ranks, micro_batches, virtual_stages, rank)
                 }
                 ScheduleKind::ZbH1 => zb_h1_order(ranks, micro_batches, rank),
+                ScheduleKind::ZbV => v_orders[rank].clone(),
             };
             let mut list = Vec::with_capacity(order.len() * 3 + 1);
             for op in order {
-                expand_op(op, ranks, stages, explicit_recompute, &mut list);
+                expand_op(op, &rank_of, stages, explicit_recompute, &mut list);
             }
             list.push(Action::OptimizerStep);
             list
@@ -594,34 +661,6 @@ pub(crate) fn one_f_one_b_order(ranks: usize, micro_batches: usize, rank: usize)
     order
 }
 
-/// The ZB-H1 compute order on `rank` of `ranks`: 1F1B's warm-up forwards; then one forward and
-/// one B per micro-batch, where the first `rank` micro-batches' W passes are postponed and
-/// every later B is followed by the oldest pending W; then the cool-down, each B followed by a
-/// W; then the postponed W passes, which fill the tail 1F1B leaves idle (longest on the last
-/// rank). At most `ranks` micro-batches are between their forward and their W on any rank.
-fn zb_h1_order(ranks: usize, micro_batches: usize, rank: usize) -> Vec<Op> {
-    let warmup = ranks.saturating_sub(rank + 1).min(micro_batches);
-    let mut order = Vec::with_capacity(3 * micro_batches);
-    let (mut b, mut w) = (0, 0);
-    order.extend((0..warmup).map(|mb| Op::F(mb, rank)));
-    for f in warmup..micro_batches {
-        order.push(Op::F(f, rank));
-        order.push(Op::B(b, rank));
-        b += 1;
-        if b > rank {
-            order.push(Op::W(w, rank));
-            w += 1;
-        }
-    }
-    for mb in b..micro_batches {
-        order.push(Op::B(mb, rank));
-        order.push(Op::W(w, rank));
-        w += 1;
-    }
-    order.extend((w..micro_batches).map(|mb| Op::W(mb, rank)));
-    order
-}
-
 /// Megatron's interleaved 1F1B compute order on `rank` of `ranks`, with `virtual_stages`
 /// chunks per rank and `micro_batches` (a multiple of `ranks`) micro-batches.
 fn interleaved_order(
@@ -654,24 +693,26 @@ fn interleaved_order(
 }
 
 /// Appends the compute action `op` with its messages: the receive of its input right before,
-/// the send of its output right after (no messages when `ranks == 1`). When
+/// the send of its output right after (none between two stages on the same rank: `rank_of`
+/// gives each stage's rank). When
 /// `explicit_recompute[stage]` is set, a backward is preceded by a `Recompute` placed before its
 /// `RecvGrad`.
 pub(crate) fn expand_op(
     op: Op,
-    ranks: usize,
+    rank_of: &dyn Fn(usize) -> usize,
     stages: usize,
     explicit_recompute: &[bool],
     out: &mut Vec<Action>,
 ) {
-    let messages = ranks > 1;
+    let from_prev = |stage: usize| stage > 0 && rank_of(stage - 1) != rank_of(stage);
+    let to_next = |stage: usize| stage + 1 < stages && rank_of(stage + 1) != rank_of(stage);
     match op {
         Op::F(mb, stage) => {
-            if messages && stage > 0 {
+            if from_prev(stage) {
                 out.push(Action::RecvActivation { mb, stage });
             }
             out.push(Action::Forward { mb, stage });
-            if messages && stage + 1 < stages {
+            if to_next(stage) {
                 out.push(Action::SendActivation { mb, stage });
             }
         }
@@ -679,11 +720,11 @@ pub(crate) fn expand_op(
             if explicit_recompute.get(stage).copied().unwrap_or(false) {
                 out.push(Action::Recompute { mb, stage });
             }
-            if messages && stage + 1 < stages {
+            if to_next(stage) {
                 out.push(Action::RecvGrad { mb, stage });
             }
             out.push(Action::Backward { mb, stage });
-            if messages && stage > 0 {
+            if from_prev(stage) {
                 out.push(Action::SendGrad { mb, stage });
             }
         }
@@ -757,7 +798,8 @@ mod tests {
                 "interleaved",
                 "shifted-critical-path",
                 "2bw",
-                "zb-h1"
+                "zb-h1",
+                "zb-v"
             ]
         );
         let err = "pipedream".parse::<ScheduleKind>().unwrap_err();

@@ -265,8 +265,7 @@ pub fn simulate(s: &Schedule, costs: &Costs, steps: usize) -> Result<Simulation,
             })
             .collect()
     };
-    let split = s.kind.splits_backward();
-    let events = execute(s.ranks, stages, &s.recompute, split, &lists, Some(costs))?;
+    let events = execute(s.kind, s.ranks, stages, &s.recompute, &lists, Some(costs))?;
     Ok(Simulation {
         ranks: s.ranks,
         steps,
@@ -287,7 +286,7 @@ fn continuous_two_bw(s: &Schedule, steps: usize) -> Vec<Vec<(usize, Action)>> {
             let mut actions = Vec::new();
             for op in one_f_one_b_order(s.ranks, total, rank) {
                 actions.clear();
-                expand_op(op, s.ranks, stages, &[], &mut actions);
+                expand_op(op, &|stage| s.rank_of(stage), stages, &[], &mut actions);
                 for a in &actions {
                     let g = a.micro_batch().unwrap_or(0);
                     list.push((g / m, a.with_micro_batch(g % m)));

@@ -19,7 +19,7 @@
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
 
-use super::schedule::{Action, Schedule, ScheduleKind};
+use super::schedule::{Action, Schedule, ScheduleKind, rank_of_stage};
 use super::simulate::{Costs, TimedAction};
 
 /// Why a schedule is not valid.
@@ -193,8 +193,7 @@ pub fn validate(s: &Schedule) -> Result<(), ValidationError> {
         .iter()
         .map(|list| list.iter().map(|&a| (0, a)).collect())
         .collect();
-    let split = s.kind.splits_backward();
-    execute(s.ranks, s.stages(), &s.recompute, split, &lists, None)?;
+    execute(s.kind, s.ranks, s.stages(), &s.recompute, &lists, None)?;
     Ok(())
 }
 
@@ -208,11 +207,11 @@ fn needed_messages(s: &Schedule) -> Vec<(usize, Action)> {
     for mb in 0..s.micro_batches {
         for stage in 0..stages {
             let rank = s.rank_of(stage);
-            if stage > 0 {
+            if stage > 0 && s.rank_of(stage - 1) != rank {
                 out.push((rank, Action::RecvActivation { mb, stage }));
                 out.push((rank, Action::SendGrad { mb, stage }));
             }
-            if stage + 1 < stages {
+            if stage + 1 < stages && s.rank_of(stage + 1) != rank {
                 out.push((rank, Action::SendActivation { mb, stage }));
                 out.push((rank, Action::RecvGrad { mb, stage }));
             }
@@ -230,6 +229,17 @@ fn unexpected_reason(s: &Schedule, action: Action) -> Option<String> {
         return Some("a one-rank pipeline hands over locally, without messages".to_string());
     }
     let last = s.stages() - 1;
+    let stage = action.stage().unwrap_or(0);
+    let peer = match action {
+        Action::SendActivation { .. } | Action::RecvGrad { .. } => Some(stage + 1),
+        _ => stage.checked_sub(1),
+    };
+    if let Some(peer) = peer.filter(|&p| p <= last && s.rank_of(p) == s.rank_of(stage)) {
+        return Some(format!(
+            "stages {stage} and {peer} share rank {}, which hands over locally",
+            s.rank_of(stage)
+        ));
+    }
     match action {
         Action::SendActivation { stage, .. } if stage == last => Some(format!(
             "stage {stage} is the last stage, its output is the loss"
@@ -421,10 +431,10 @@ enum Outcome {
 /// free; a receive completes at `max(rank free, send time + transfer)`. Returns the timed
 /// actions of every rank.
 pub(crate) fn execute(
+    kind: ScheduleKind,
     ranks: usize,
     stages: usize,
     recompute: &[bool],
-    split: bool,
     lists: &[Vec<(usize, Action)>],
     costs: Option<&Costs>,
 ) -> Result<Vec<Vec<TimedAction>>, ValidationError> {
@@ -438,10 +448,10 @@ pub(crate) fn execute(
         for (rank, list) in lists.iter().enumerate() {
             while let Some(&(step, action)) = list.get(next[rank]) {
                 let outcome = machine.try_run(
-                    ranks,
+                    (kind, ranks),
                     stages,
                     recompute,
-                    costs.map(|c| (c, split)),
+                    costs,
                     rank,
                     step,
                     action,
@@ -488,17 +498,19 @@ impl Machine {
     #[allow(clippy::too_many_arguments)]
     fn try_run(
         &mut self,
-        ranks: usize,
+        (kind, ranks): (ScheduleKind, usize),
         stages: usize,
         recompute: &[bool],
-        costs: Option<(&Costs, bool)>,
+        costs: Option<&Costs>,
         rank: usize,
         step: usize,
         action: Action,
         free: f64,
     ) -> Outcome {
-        let local = ranks < 2;
-        let (costs, split) = (costs.map(|c| c.0), costs.is_some_and(|c| c.1));
+        // Whether the neighbouring stage is on this rank (hands over without a message).
+        let same_rank =
+            |a: usize, b: usize| rank_of_stage(kind, ranks, a) == rank_of_stage(kind, ranks, b);
+        let split = kind.splits_backward();
         let cost = |v: Option<&Vec<f64>>, stage: usize| {
             v.and_then(|v| v.get(stage)).copied().unwrap_or(0.0)
         };
@@ -509,6 +521,7 @@ impl Machine {
         match action {
             Action::Forward { mb, stage } => {
                 let key = (step, mb, stage);
+                let local = stage > 0 && same_rank(stage - 1, stage);
                 let input = stage == 0
                     || if local {
                         self.forward.contains(&(step, mb, stage - 1))
@@ -553,6 +566,7 @@ impl Machine {
                         Action::Forward { mb, stage }
                     ));
                 }
+                let local = stage + 1 < stages && same_rank(stage + 1, stage);
                 let grad = stage + 1 >= stages
                     || if local {
                         self.backward.contains(&(step, mb, stage + 1))
@@ -665,6 +679,8 @@ mod tests {
                             continue;
                         }
                         vec![2, 3]
+                    } else if kind.v_shaped() {
+                        vec![2]
                     } else {
                         vec![1]
                     };

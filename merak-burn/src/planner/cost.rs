@@ -31,6 +31,7 @@ use thiserror::Error;
 use super::calibration::{Calibration, UnitKind};
 use super::hardware::HardwareSpec;
 use super::model::{BYTES_16BIT, ModelProxy, RecomputeMode};
+use crate::pipeline::schedule::stage_of_chunk;
 use crate::pipeline::{
     Costs, Partition, ScheduleError, ScheduleKind, ValidationError, build_schedule, simulate,
 };
@@ -639,14 +640,14 @@ impl<'a> CostModel<'a> {
         for rank in 0..p {
             let mut last_backward = 0.0;
             for chunk in 0..v {
-                let j = chunk * p + rank;
+                let j = stage_of_chunk(layout.schedule, p, rank, chunk);
                 last_backward += derived.costs.backward[j] + derived.costs.recompute[j];
                 derived.compute_per_mb[rank] += terms[j].compute();
                 derived.tp_per_mb[rank] += terms[j].tp_comm();
             }
             let memory = Self::rank_memory(
                 (0..v).map(|chunk| {
-                    let j = chunk * p + rank;
+                    let j = stage_of_chunk(layout.schedule, p, rank, chunk);
                     ChunkMemory {
                         params: terms[j].params,
                         activation_bytes: terms[j].activation_bytes,

@@ -265,7 +265,11 @@ fn generate(
                 for (k, &schedule) in
                     overlaps.flat_map(|k| options.schedules.iter().map(move |s| (k, s)))
                 {
-                    let vs: Vec<usize> = if schedule.uses_virtual_stages() {
+                    let vs: Vec<usize> = if schedule.v_shaped() {
+                        [2].into_iter()
+                            .filter(|&v| pp >= 2 && pp * v <= units)
+                            .collect()
+                    } else if schedule.uses_virtual_stages() {
                         options
                             .virtual_stages
                             .iter()
