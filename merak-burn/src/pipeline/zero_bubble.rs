@@ -179,6 +179,17 @@ mod tests {
     use crate::pipeline::{Action, Costs, ScheduleKind, build_schedule, simulate, validate};
 
     #[test]
+    fn a_message_between_stages_on_one_rank_is_refused() {
+        let mut s = build_schedule(ScheduleKind::ZbV, 2, 2, 2, &[false; 4]).unwrap();
+        // Stages 1 and 2 share rank 1 in the V.
+        let send = Action::SendActivation { mb: 0, stage: 1 };
+        assert!(!s.actions[1].contains(&send));
+        s.actions[1].insert(2, send);
+        let e = validate(&s).unwrap_err().to_string();
+        assert!(e.contains("stages 1 and 2 share rank 1"), "{e}");
+    }
+
+    #[test]
     fn zb_v_is_valid_within_1f1b_peak_and_beats_zb_h1() {
         for p in 1..=6 {
             for m in 1..=12 {
