@@ -3,7 +3,6 @@
 //! CUDA run uses today) and how many of them share it.
 
 use anyhow::Result;
-pub use merak_burn::admission::meminfo_bytes;
 use merak_burn::admission::{GPU_RUNTIME_BYTES, HOST_RUNTIME_BYTES, MemoryLimit, admit, estimate};
 use merak_burn::pipeline::PipelinePlan;
 use merak_burn::plan::ParallelPlan;

@@ -104,18 +104,13 @@ fn run_schedule(a: &ScheduleArgs) -> Result<()> {
     use merak_burn::pipeline::{Costs, ScheduleKind, build_schedule, simulate, validate};
     let kind: ScheduleKind = a.schedule.parse()?;
     // ZB-V always runs two stages per rank.
-    let a = &ScheduleArgs {
-        virtual_stages: if kind.v_shaped() { 2 } else { a.virtual_stages },
-        trace: a.trace.clone(),
-        schedule: a.schedule.clone(),
-        ..*a
-    };
+    let virtual_stages = if kind.v_shaped() { 2 } else { a.virtual_stages };
     if let Some(path) = &a.trace {
         output_file(path, "--trace")?;
     }
-    let stages = a.pp * a.virtual_stages;
+    let stages = a.pp * virtual_stages;
     let recompute: Vec<bool> = (0..stages).map(|s| a.recompute && s + 1 < stages).collect();
-    let schedule = build_schedule(kind, a.pp, a.micro_batches, a.virtual_stages, &recompute)?;
+    let schedule = build_schedule(kind, a.pp, a.micro_batches, virtual_stages, &recompute)?;
     validate(&schedule)?;
     println!(
         "{kind}: {} ranks, {stages} stages, {} micro-batches: valid (complete, every receive matched, no deadlock)",
@@ -127,7 +122,7 @@ fn run_schedule(a: &ScheduleArgs) -> Result<()> {
             println!("rank {r}: {}", text.join(" "));
         }
     }
-    let v = a.virtual_stages as f64;
+    let v = virtual_stages as f64;
     let mut costs = Costs::uniform(stages, 1.0 / v, a.backward_ratio / v);
     if !a.recompute {
         costs.recompute = vec![0.0; stages];

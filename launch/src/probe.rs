@@ -308,7 +308,7 @@ fn link_speed(world: Option<&MpiCommunicator>, reps: usize) -> Result<[f64; 2]> 
 
 /// The machine's main memory in bytes (`MemTotal` of /proc/meminfo; 8 GiB when unknown).
 fn total_memory_bytes() -> u64 {
-    crate::admission::meminfo_bytes("MemTotal").unwrap_or(8 << 30)
+    merak_burn::admission::meminfo_bytes("MemTotal").unwrap_or(8 << 30)
 }
 
 /// `merak probe`: writes the measured spec (rank 0).

@@ -195,19 +195,20 @@ fn output_flags_that_name_a_folder_are_refused_before_any_work_and_the_folder_ke
             "--logits-out",
         ),
     ] {
-        let out = Command::new(MERAK)
-            .args(&args)
-            .output()
-            .expect("merak runs");
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
-        let needle = format!("{flag} {f} is a folder");
-        assert!(
-            stderr.contains(&needle),
-            "{args:?}: `{needle}` not in {stderr}"
-        );
+        assert_refused(&args, &format!("{flag} {f} is a folder"));
         assert!(keep.exists(), "{args:?} touched {f}");
     }
+}
+
+/// Runs `merak args` and asserts that it exits with status 2 (bad input) naming `needle`.
+fn assert_refused(args: &[&str], needle: &str) {
+    let out = Command::new(MERAK).args(args).output().expect("merak runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+    assert!(
+        stderr.contains(needle),
+        "{args:?}: `{needle}` not in {stderr}"
+    );
 }
 
 #[test]
@@ -242,21 +243,10 @@ fn config_errors_name_the_key_and_exit_non_zero() {
             "GiB of available host memory",
         ),
     ] {
-        let out = Command::new(MERAK)
-            .arg("train")
-            .arg("--config")
-            .arg(config())
-            .args(&args)
-            .arg("--out")
-            .arg(out_dir("bad"))
-            .output()
-            .expect("merak runs");
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
-        assert!(
-            stderr.contains(needle),
-            "{args:?}: `{needle}` not in {stderr}"
-        );
+        let (config, bad) = (config(), out_dir("bad"));
+        let (config, bad) = (config.to_str().unwrap(), bad.to_str().unwrap());
+        let head = ["train", "--config", config];
+        assert_refused(&[&head[..], &args, &["--out", bad]].concat(), needle);
     }
     // Every path the run writes is checked before training, and named.
     let file = out_dir("an-output-file");
@@ -277,17 +267,7 @@ fn config_errors_name_the_key_and_exit_non_zero() {
             "is a folder",
         ),
     ] {
-        let out = Command::new(MERAK)
-            .arg("train")
-            .args(&args)
-            .output()
-            .expect("merak runs");
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
-        assert!(
-            stderr.contains(needle),
-            "{args:?}: `{needle}` not in {stderr}"
-        );
+        assert_refused(&[&["train"][..], &args].concat(), needle);
     }
     let out = Command::new(MERAK)
         .args(["train", "--config", "/nonexistent/x.toml"])

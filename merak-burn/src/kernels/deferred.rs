@@ -56,11 +56,6 @@ pub fn enable(on: bool) {
     });
 }
 
-/// Whether deferral is on.
-pub fn enabled() -> bool {
-    STATE.with(|s| s.borrow().enabled)
-}
-
 /// Notes that graph node `node` is gradient hook `hook` (called by the hook's forward).
 pub(crate) fn note_hook(node: NodeId, hook: usize) {
     STATE.with(|s| {
