@@ -16,7 +16,7 @@
 //!
 //! The same machine, with costs, times the simulator ([`simulate`](super::simulate::simulate)).
 
-use std::collections::{HashMap, HashSet};
+use hashbrown::{HashMap, HashSet};
 use std::fmt::Write as _;
 
 use super::schedule::{Action, Schedule, ScheduleKind, rank_of_stage};
