@@ -9,7 +9,10 @@
 //! 2. the step time of the shifted-critical-path schedule against 1F1B with the same (full)
 //!    recomputation;
 //! 3. the peak resident memory of every pipeline stage under GPipe, 1F1B and 1F1B with
-//!    stage-aware recomputation (`memory.json`).
+//!    stage-aware recomputation (`memory.json`);
+//! 4. the step time of PipeDream-2BW, whose next step's warm-up runs during this step's
+//!    cool-down, against 1F1B, next to the simulator's prediction from the measured forward
+//!    and backward times.
 //!
 //! Run from the repository root after `cargo build --release --workspace`:
 //! `target/release/bench-pipeline` (it starts the ranks itself, through `merak train --np`,
@@ -23,7 +26,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use merak_burn::pipeline::{Costs, ScheduleKind, build_schedule, simulate};
+use merak_burn::pipeline::{Costs, Schedule, ScheduleKind, build_schedule, simulate};
 
 /// Pipeline schedules measured side by side.
 #[derive(Parser, Debug)]
@@ -40,13 +43,17 @@ struct Args {
     /// Micro-batch counts for the bubble measurement.
     #[arg(long, value_delimiter = ',', default_value = "2,4,8")]
     micro_batches: Vec<usize>,
-    /// Which sections to run (1: bubble, 2: shifted critical path, 3: memory).
-    #[arg(long, value_delimiter = ',', default_value = "1,2,3")]
+    /// Which sections to run (1: bubble, 2: shifted critical path, 3: memory, 4: 2BW).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3,4")]
     sections: Vec<usize>,
     /// Open MPI transports of the runs (`OMPI_MCA_btl`), e.g. `self,tcp` to send the pipeline's
     /// messages over loopback TCP instead of shared memory (default: Open MPI's choice).
     #[arg(long)]
     btl: Option<String>,
+    /// Section 4 runs 1F1B and 2BW this many times in turn and reports the median step times
+    /// (the runs are short and this machine is shared).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
     /// Where runs write their output.
     #[arg(long, default_value = "runs/bench-pipeline")]
     out: PathBuf,
@@ -197,6 +204,9 @@ fn main() -> Result<()> {
     if a.sections.contains(&3) {
         peak_memory(&a)?;
     }
+    if a.sections.contains(&4) {
+        two_bw(&a)?;
+    }
     Ok(())
 }
 
@@ -300,12 +310,76 @@ fn simulated_bubble(out: &Path, kind: ScheduleKind, p: usize, m: usize, v: usize
     } else {
         0.5
     };
-    let schedule = build_schedule(kind, p, m, v, &vec![false; stages])?;
-    let sim = simulate(&schedule, &costs, 1)?;
+    let sim = simulate(&schedule_of(kind, p, m, v)?, &costs, 1)?;
     let per_rank: Vec<f64> = (0..p)
         .map(|r| (sim.makespan() - sim.busy(r)) / sim.busy(r))
         .collect();
     Ok(per_rank.iter().sum::<f64>() / p as f64)
+}
+
+/// The schedule of `kind` without recomputation.
+fn schedule_of(kind: ScheduleKind, p: usize, m: usize, v: usize) -> Result<Schedule> {
+    Ok(build_schedule(kind, p, m, v, &vec![false; p * v])?)
+}
+
+/// The simulator's costs from the measured mean forward and backward times of `out`'s trace
+/// (one stage per rank, unsplit backward).
+fn measured_costs(out: &Path, stages: usize) -> Result<Costs> {
+    let [forward, backward, _] = action_times(out, stages)?;
+    let mut costs = Costs::uniform(stages, 0.0, 0.0);
+    costs.forward = forward;
+    costs.backward = backward;
+    costs.recompute = vec![0.0; stages];
+    Ok(costs)
+}
+
+fn two_bw(a: &Args) -> Result<()> {
+    println!(
+        "\n## 4. PipeDream-2BW (next step's warm-up in this step's cool-down) vs 1F1B, pp = 2"
+    );
+    println!(
+        "{:>3} {:>10} {:>10} {:>14} {:>14}",
+        "m", "1f1b s", "2bw s", "measured ratio", "simulated ratio"
+    );
+    for &m in &a.micro_batches {
+        let (mut t1, mut t2) = (Vec::new(), Vec::new());
+        let mut bw = PathBuf::new();
+        for _ in 0..a.rounds.max(1) {
+            let one = train(
+                a,
+                &format!("2bw-1f1b-m{m}"),
+                2,
+                m,
+                &["parallel.schedule=1f1b"],
+                true,
+            )?;
+            t1.push(step_time(&one)?);
+            bw = train(
+                a,
+                &format!("2bw-m{m}"),
+                2,
+                m,
+                &["parallel.schedule=2bw"],
+                true,
+            )?;
+            t2.push(step_time(&bw)?);
+        }
+        let (t1, t2) = (common::median(&mut t1), common::median(&mut t2));
+        // The simulator from 2BW's own F/B times; what it does not model (the reduction, the
+        // optimizer) is the measured 1F1B step less its simulated one, the same in both.
+        let costs = measured_costs(&bw, 2)?;
+        let sim_one =
+            simulate(&schedule_of(ScheduleKind::OneFOneB, 2, m, 1)?, &costs, 1)?.makespan();
+        let s = schedule_of(ScheduleKind::TwoBw, 2, m, 1)?;
+        let sim_bw = simulate(&s, &costs, 3)?.makespan() - simulate(&s, &costs, 2)?.makespan();
+        let rest = (t1 - sim_one).max(0.0);
+        println!(
+            "{m:>3} {t1:>10.3} {t2:>10.3} {:>14.3} {:>14.3}",
+            t2 / t1,
+            (sim_bw + rest) / (sim_one + rest)
+        );
+    }
+    Ok(())
 }
 
 fn critical_path(a: &Args) -> Result<()> {

@@ -66,7 +66,7 @@ enum Command {
 
 #[derive(clap::Args, Debug)]
 struct ScheduleArgs {
-    /// gpipe, 1f1b, interleaved, shifted-critical-path, 2bw or zb-h1.
+    /// gpipe, 1f1b, interleaved, shifted-critical-path, 2bw, zb-h1 or zb-v.
     #[arg(long, default_value = "1f1b")]
     schedule: String,
     /// Pipeline ranks.
@@ -121,6 +121,9 @@ fn run_schedule(a: &ScheduleArgs) -> Result<()> {
             let text: Vec<String> = list.iter().map(|x| x.to_string()).collect();
             println!("rank {r}: {}", text.join(" "));
         }
+        if kind == ScheduleKind::TwoBw {
+            print_two_bw_middle(&schedule);
+        }
     }
     let v = virtual_stages as f64;
     let mut costs = Costs::uniform(stages, 1.0 / v, a.backward_ratio / v);
@@ -138,6 +141,10 @@ fn run_schedule(a: &ScheduleArgs) -> Result<()> {
     let formula = match kind {
         ScheduleKind::ZbV => format!("none for zb-v; zb-h1 would have {zb_h1:.4}"),
         ScheduleKind::ZbH1 => format!("(p-1)(F+B-W)/(m(F+B+W)) = {zb_h1:.4}"),
+        ScheduleKind::TwoBw => format!(
+            "(p-1)/m = {one_f_one_b:.4} in a step that drains, (p-1)B/(m(F+B)) = {:.4} in a steady step",
+            one_f_one_b * a.backward_ratio / (1.0 + a.backward_ratio)
+        ),
         _ => format!("(p-1)/(v*m) = {one_f_one_b:.4}"),
     };
     println!(
@@ -147,6 +154,13 @@ fn run_schedule(a: &ScheduleArgs) -> Result<()> {
         sim.step_time(),
         sim.bubble_fraction()
     );
+    if kind == ScheduleKind::TwoBw {
+        let steady = |n| simulate(&schedule, &costs, n).map(|s| s.makespan());
+        println!(
+            "2bw steady step (3 overlapping steps less 2): {:.3}",
+            steady(3)? - steady(2)?
+        );
+    }
     for s in 0..stages {
         println!(
             "stage {s} on rank {}: at most {} micro-batches in flight",
@@ -159,6 +173,23 @@ fn run_schedule(a: &ScheduleArgs) -> Result<()> {
         println!("trace: {}", path.display());
     }
     Ok(())
+}
+
+/// Prints each rank's 2BW list for a step between two others: the next step's warm-up forwards
+/// run before this step's last backwards.
+fn print_two_bw_middle(schedule: &merak_burn::pipeline::Schedule) {
+    let m = schedule.micro_batches;
+    println!("a step between two others (next: marks the next step's micro-batches):");
+    for r in 0..schedule.ranks {
+        let text: Vec<String> = merak_burn::pipeline::two_bw::segment(schedule, r, true, true)
+            .into_iter()
+            .map(|a| match a.micro_batch() {
+                Some(mb) if mb >= m => format!("next:{}", a.with_micro_batch(mb - m)),
+                _ => a.to_string(),
+            })
+            .collect();
+        println!("rank {r}: {} OptimizerStep", text.join(" "));
+    }
 }
 
 #[derive(clap::Args, Debug)]

@@ -54,6 +54,15 @@ pub struct PlanArgs {
     /// hardware's `max_tp_overlap`.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
     tp_overlap: Vec<usize>,
+    /// Pipeline schedules to search (comma-separated). By default every schedule that trains
+    /// like one process; add `2bw` to search PipeDream-2BW, whose delayed update changes the
+    /// training.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "gpipe,1f1b,interleaved,shifted-critical-path,zb-h1,zb-v"
+    )]
+    schedules: Vec<ScheduleKind>,
 }
 
 /// Arguments of `merak simulate`.
@@ -163,6 +172,7 @@ pub fn plan(a: &PlanArgs) -> Result<()> {
         bail!("--tp-overlap: degrees must be at least 1 (1: no overlap)");
     }
     options.tp_overlap.clone_from(&a.tp_overlap);
+    options.schedules.clone_from(&a.schedules);
     options.memory_budget_bytes = a
         .target
         .memory_gib

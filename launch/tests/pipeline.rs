@@ -205,6 +205,45 @@ fn two_bw_in_a_pipeline_equals_one_process_two_bw() {
     }
 }
 
+/// 2BW's overlap (the next step's forwards during this step's cool-down) in 3D, with dropout
+/// (masks keyed by the step the forward belongs to), ZeRO-1 and a validation pass after step 3
+/// (before which no step runs ahead): the same losses, validation losses and parameters as
+/// one-process 2BW.
+#[test]
+fn two_bw_overlap_in_3d_with_dropout_and_validation_equals_one_process_two_bw() {
+    let base = [
+        "--set",
+        "parallel.schedule=2bw",
+        "--set",
+        "model.dropout=0.1",
+        "--set",
+        "parallel.zero=1",
+        "--set",
+        "data.val_every=3",
+    ];
+    let single = out_dir("2bw-3d-single");
+    run_pp(0, &single, &base).assert_success();
+    let name = "2bw-dp2tp2pp2";
+    let out = out_dir(name);
+    let layout = ["--dp", "2", "--tp", "2", "--pp", "2"];
+    run_pp(8, &out, &[&layout[..], &base].concat()).assert_success();
+    assert_same_losses(name, &out, &single);
+    assert_same_params(name, &out, &single);
+    let val = |dir: &Path| -> Vec<f64> {
+        let m = read_metrics(dir);
+        m.iter().filter_map(|r| r["val_loss"].as_f64()).collect()
+    };
+    let (a, b) = (val(&out), val(&single));
+    assert_eq!(a.len(), 2, "{name}: validation after steps 3 and 5");
+    assert_eq!(b.len(), 2);
+    for (x, y) in a.iter().zip(&b) {
+        assert!(
+            (x - y).abs() <= 1e-5 * y.abs(),
+            "{name}: val loss {x} vs {y}"
+        );
+    }
+}
+
 /// A small data set prepared from real text (the README, the design notes of this repository).
 fn real_text(name: &str) -> PathBuf {
     let raw = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}.txt"));

@@ -23,9 +23,10 @@ use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use thiserror::Error;
 
 use super::partition::Partition;
-use super::schedule::{Action, Schedule};
+use super::schedule::{Action, Schedule, ScheduleKind};
 use super::stage::{PipelineModel, StageInput, StageOutput};
 use super::trace::TraceEvent;
+use super::two_bw;
 use crate::comm::{CommError, Group, Pending};
 use crate::data_parallel::DataParallel;
 use crate::kernels::deferred;
@@ -52,6 +53,30 @@ pub enum PipelineError {
     /// A tensor could not be read back.
     #[error("reading a tensor: {0}")]
     Tensor(String),
+    /// The forwards this rank ran ahead belong to another step than the one asked for (2BW's
+    /// overlap: the step after an overlapping step must be the next one).
+    #[error(
+        "pipeline rank {rank}: step {step} asked for, but the forwards of step {carried} ran ahead"
+    )]
+    OutOfStep {
+        /// The pipeline rank.
+        rank: usize,
+        /// The 0-based step asked for.
+        step: usize,
+        /// The 0-based step whose first forwards ran ahead.
+        carried: usize,
+    },
+    /// A forward-only pass while the forwards of the next step are in flight (2BW's overlap).
+    #[error(
+        "pipeline rank {rank}: the forwards of step {step} ran ahead; run that step before a \
+         forward-only pass"
+    )]
+    AheadInFlight {
+        /// The pipeline rank.
+        rank: usize,
+        /// The 1-based step whose forwards ran ahead.
+        step: usize,
+    },
     /// A split backward's weight gradients that no `BackwardWeight` computed (a schedule that
     /// passed [`validate`](fn@super::validate) never leaves any).
     #[error("pipeline rank {rank}: {undone} deferred weight gradients were never computed")]
@@ -104,6 +129,109 @@ pub struct StepReport {
 /// Tag of the message carrying (`mb`, `stage`)'s input (kind 0) or output gradient (kind 1).
 fn tag(mb: usize, stage: usize, stages: usize, kind: usize) -> u16 {
     ((2 * (mb * stages + stage) + kind) % 32_768) as u16
+}
+
+/// What one call of [`Executor::run_step`] works on.
+pub struct StepWork<'a, M> {
+    /// The weights of this step's forward passes (under 2BW, the version before the last
+    /// update).
+    pub model: &'a M,
+    /// This step's micro-batches.
+    pub batches: &'a [MicroBatch],
+    /// The 0-based step (keys the dropout masks).
+    pub step: usize,
+    /// Under 2BW: the next step's weights and micro-batches, to run its first forwards during
+    /// this step's last backwards ([`super::two_bw`]). Other schedules ignore it.
+    pub next: Option<(&'a M, &'a [MicroBatch])>,
+}
+
+/// A micro-batch of a call: `mb < m` is this step's, `mb >= m` the next step's `mb - m`.
+struct Picked<'a, M> {
+    batch: &'a MicroBatch,
+    model: &'a M,
+    step: usize,
+    /// The micro-batch within its step.
+    mb: usize,
+}
+
+impl<'a, M> StepWork<'a, M> {
+    fn pick(&self, mb: usize) -> Option<Picked<'a, M>> {
+        let m = self.batches.len();
+        if mb < m {
+            return Some(Picked {
+                batch: &self.batches[mb],
+                model: self.model,
+                step: self.step,
+                mb,
+            });
+        }
+        let (model, batches) = self.next?;
+        Some(Picked {
+            batch: batches.get(mb - m)?,
+            model,
+            step: self.step + 1,
+            mb: mb - m,
+        })
+    }
+
+    /// The message tag of (`mb`, `stage`) in this call: the step's parity keeps a step's
+    /// messages apart from the next step's, which may be in flight at the same time.
+    fn tag(&self, mb: usize, stage: usize, stages: usize, kind: usize) -> u16 {
+        let m = self.batches.len();
+        let (step, local) = if mb < m {
+            (self.step, mb)
+        } else {
+            (self.step + 1, mb - m)
+        };
+        tag(local + (step % 2) * m, stage, stages, kind)
+    }
+}
+
+/// The forward passes (and messages) of a step that ran ahead during the previous step, kept
+/// between two calls of [`Executor::run_step`] (PipeDream-2BW without a flush). Empty for every
+/// other schedule.
+pub struct InFlight<B: AutodiffBackend> {
+    /// The 0-based step whose forwards ran ahead.
+    step: Option<usize>,
+    held: HashMap<(usize, usize), Held<B>>,
+    inbox_act: HashMap<(usize, usize), Vec<f32>>,
+    outbox_act: HashMap<(usize, usize), Vec<f32>>,
+    pending: Vec<Box<dyn Pending>>,
+    /// Loss of that step's micro-batches already run (on the last stage).
+    loss: f64,
+}
+
+impl<B: AutodiffBackend> Default for InFlight<B> {
+    fn default() -> Self {
+        Self {
+            step: None,
+            held: HashMap::new(),
+            inbox_act: HashMap::new(),
+            outbox_act: HashMap::new(),
+            pending: Vec::new(),
+            loss: 0.0,
+        }
+    }
+}
+
+impl<B: AutodiffBackend> InFlight<B> {
+    /// Whether some step's forwards ran ahead.
+    pub fn is_empty(&self) -> bool {
+        self.step.is_none()
+    }
+
+    /// The 0-based step whose forwards ran ahead.
+    pub fn step(&self) -> Option<usize> {
+        self.step
+    }
+}
+
+/// The entries of `map` of the next step (`mb >= m`), renumbered as that step's.
+fn next_step_part<V>(map: HashMap<(usize, usize), V>, m: usize) -> HashMap<(usize, usize), V> {
+    map.into_iter()
+        .filter(|((mb, _), _)| *mb >= m)
+        .map(|((mb, stage), v)| ((mb - m, stage), v))
+        .collect()
 }
 
 /// What the forward pass of one (micro-batch, stage) keeps for its backward pass.
@@ -197,8 +325,7 @@ impl Executor {
         values: Vec<f32>,
         dest: usize,
         tag: u16,
-        pending: &mut Vec<Box<dyn Pending>>,
-    ) -> Result<(), PipelineError> {
+    ) -> Result<Box<dyn Pending>, PipelineError> {
         let t = self.tp.size();
         let part = if t > 1 && values.len().is_multiple_of(t) {
             let n = values.len() / t;
@@ -206,8 +333,7 @@ impl Executor {
         } else {
             values
         };
-        pending.push(self.pp.comm()?.send_start(part, dest, tag)?);
-        Ok(())
+        Ok(self.pp.comm()?.send_start(part, dest, tag)?)
     }
 
     /// Receives `len` values sent by [`Executor::send`] from pipeline rank `src`.
@@ -242,16 +368,18 @@ impl Executor {
     }
 
     /// Runs one training step: every action of this rank's list up to its `OptimizerStep`.
-    /// Every forward pass runs a copy of `model` hooked by the DP reducer, whose hooks collect
+    /// Every forward pass runs a copy of its model hooked by the DP reducer, whose hooks collect
     /// the gradients (`reducer.begin_step()` before, `reducer.finish()` after).
+    ///
+    /// Under 2BW with `work.next`, the next step's first forwards run during this step's last
+    /// backwards and stay in `in_flight` for the next call, which must be that step's.
     pub fn run_step<B, M>(
         &mut self,
-        model: &M,
+        work: StepWork<'_, M>,
         reducer: &DataParallel,
-        batches: &[MicroBatch],
-        step: usize,
         shape: [usize; 3],
         device: &B::Device,
+        in_flight: &mut InFlight<B>,
     ) -> Result<StepReport, PipelineError>
     where
         B: AutodiffBackend + ParallelBackend,
@@ -259,7 +387,28 @@ impl Executor {
         M: PipelineModel<B> + AutodiffModule<B>,
         M::InnerModule: PipelineModel<B::InnerBackend>,
     {
-        let actions = self.plan.schedule.actions[self.rank].clone();
+        let step = work.step;
+        let m = work.batches.len();
+        let carried_in = match in_flight.step {
+            None => false,
+            Some(carried) if carried == step => true,
+            Some(carried) => {
+                return Err(PipelineError::OutOfStep {
+                    rank: self.rank,
+                    step,
+                    carried,
+                });
+            }
+        };
+        let two_bw = self.plan.schedule.kind == ScheduleKind::TwoBw;
+        let overlap = two_bw && work.next.is_some();
+        let actions = if two_bw {
+            let mut list = two_bw::segment(&self.plan.schedule, self.rank, carried_in, overlap);
+            list.push(Action::OptimizerStep);
+            list
+        } else {
+            self.plan.schedule.actions[self.rank].clone()
+        };
         // The DP reducer starts a bucket's all-reduce once its gradients are final: after the
         // last backward pass of each stage in this rank's order (not necessarily the last
         // micro-batch: GPipe runs them in reverse).
@@ -280,12 +429,16 @@ impl Executor {
         let [micro, seq, hidden] = shape;
         let act_len = micro * seq * hidden;
         let mut report = StepReport::default();
-        let mut held: HashMap<(usize, usize), Held<B>> = HashMap::new();
-        let mut inbox_act: HashMap<(usize, usize), Vec<f32>> = HashMap::new();
+        // The loss of this step's micro-batches and of the next step's that run ahead.
+        let mut losses = [std::mem::take(&mut in_flight.loss), 0.0];
+        let mut held = std::mem::take(&mut in_flight.held);
+        let mut inbox_act = std::mem::take(&mut in_flight.inbox_act);
         let mut inbox_grad: HashMap<(usize, usize), Vec<f32>> = HashMap::new();
-        let mut outbox_act: HashMap<(usize, usize), Vec<f32>> = HashMap::new();
+        let mut outbox_act = std::mem::take(&mut in_flight.outbox_act);
         let mut outbox_grad: HashMap<(usize, usize), Vec<f32>> = HashMap::new();
-        let mut pending: Vec<Box<dyn Pending>> = Vec::new();
+        // Sends of this step, and sends of the next step's forwards that ran ahead.
+        let mut pending: Vec<Box<dyn Pending>> = std::mem::take(&mut in_flight.pending);
+        let mut pending_next: Vec<Box<dyn Pending>> = Vec::new();
         let hidden_of = |v: Vec<f32>| -> Tensor<B::InnerBackend, 3> {
             Tensor::from_data(TensorData::new(v, [micro, seq, hidden]), device)
         };
@@ -301,10 +454,15 @@ impl Executor {
             let t0 = Instant::now();
             match action {
                 Action::Forward { mb, stage } => {
-                    let batch = batches
-                        .get(mb)
+                    let Picked {
+                        batch,
+                        model,
+                        step: its_step,
+                        mb: its_mb,
+                    } = work
+                        .pick(mb)
                         .ok_or_else(|| missing(action, "its micro-batch"))?;
-                    set_dropout_position(step as u64, batch.first_sample as u64);
+                    set_dropout_position(its_step as u64, batch.first_sample as u64);
                     let input: StageInput<B::InnerBackend> = if stage == 0 {
                         StageInput::Tokens(Tensor::from_data(
                             TensorData::new(batch.inputs.clone(), [micro, seq]),
@@ -359,7 +517,8 @@ impl Executor {
                         out_values = match &out {
                             StageOutput::Hidden(x) => Some(read(x.clone().inner())?),
                             StageOutput::Loss(l) => {
-                                report.loss += f64::from(l.clone().into_scalar().elem::<f32>());
+                                let v = f64::from(l.clone().into_scalar().elem::<f32>());
+                                losses[usize::from(mb >= m)] += v;
                                 None
                             }
                         };
@@ -381,7 +540,7 @@ impl Executor {
                         force_dropout(false);
                         match tmp {
                             StageOutput::Loss(l) => {
-                                report.loss +=
+                                losses[usize::from(mb >= m)] +=
                                     f64::from(l.into_scalar().elem::<f32>()) * f64::from(weight);
                                 out_values = None;
                             }
@@ -402,8 +561,8 @@ impl Executor {
                                 out_values = match &out {
                                     StageOutput::Hidden(x) => Some(read(x.clone().inner())?),
                                     StageOutput::Loss(l) => {
-                                        report.loss +=
-                                            f64::from(l.clone().into_scalar().elem::<f32>());
+                                        let v = f64::from(l.clone().into_scalar().elem::<f32>());
+                                        losses[usize::from(mb >= m)] += v;
                                         None
                                     }
                                 };
@@ -423,11 +582,16 @@ impl Executor {
                     let in_flight = held.len() + deferred::pending_backwards();
                     report.max_in_flight = report.max_in_flight.max(in_flight);
                     report.compute_s += t0.elapsed().as_secs_f64();
-                    self.record("forward", format!("F{mb} s{stage} t{step}"), start);
+                    self.record("forward", format!("F{its_mb} s{stage} t{its_step}"), start);
                 }
                 Action::Recompute { mb, stage } => {
-                    let batch = batches
-                        .get(mb)
+                    let Picked {
+                        batch,
+                        model,
+                        step: its_step,
+                        ..
+                    } = work
+                        .pick(mb)
                         .ok_or_else(|| missing(action, "its micro-batch"))?;
                     let h = held
                         .get_mut(&(mb, stage))
@@ -442,7 +606,7 @@ impl Executor {
                         k,
                         last,
                         batch,
-                        step,
+                        its_step,
                         [micro, seq],
                         device,
                     );
@@ -450,8 +614,13 @@ impl Executor {
                     self.record("recompute", format!("R{mb} s{stage} t{step}"), start);
                 }
                 Action::Backward { mb, stage } => {
-                    let batch = batches
-                        .get(mb)
+                    let Picked {
+                        batch,
+                        model,
+                        step: its_step,
+                        ..
+                    } = work
+                        .pick(mb)
                         .ok_or_else(|| missing(action, "its micro-batch"))?;
                     let mut h = held
                         .remove(&(mb, stage))
@@ -467,7 +636,7 @@ impl Executor {
                             k,
                             last,
                             batch,
-                            step,
+                            its_step,
                             [micro, seq],
                             device,
                         );
@@ -527,12 +696,17 @@ impl Executor {
                         .remove(&(mb, stage))
                         .ok_or_else(|| missing(action, "its forward output"))?;
                     let dest = self.plan.schedule.rank_of(stage + 1);
-                    self.send(v, dest, tag(mb, stage + 1, stages, 0), &mut pending)?;
+                    let sent = self.send(v, dest, work.tag(mb, stage + 1, stages, 0))?;
+                    if mb < m {
+                        pending.push(sent);
+                    } else {
+                        pending_next.push(sent);
+                    }
                     self.record("send", format!("send act {mb} s{stage} t{step}"), start);
                 }
                 Action::RecvActivation { mb, stage } => {
                     let src = self.plan.schedule.rank_of(stage - 1);
-                    let v = self.recv(act_len, src, tag(mb, stage, stages, 0))?;
+                    let v = self.recv(act_len, src, work.tag(mb, stage, stages, 0))?;
                     inbox_act.insert((mb, stage), v);
                     report.wait_s += t0.elapsed().as_secs_f64();
                     self.record("recv", format!("recv act {mb} s{stage} t{step}"), start);
@@ -542,12 +716,12 @@ impl Executor {
                         .remove(&(mb, stage))
                         .ok_or_else(|| missing(action, "its input gradient"))?;
                     let dest = self.plan.schedule.rank_of(stage - 1);
-                    self.send(v, dest, tag(mb, stage - 1, stages, 1), &mut pending)?;
+                    pending.push(self.send(v, dest, work.tag(mb, stage - 1, stages, 1))?);
                     self.record("send", format!("send grad {mb} s{stage} t{step}"), start);
                 }
                 Action::RecvGrad { mb, stage } => {
                     let src = self.plan.schedule.rank_of(stage + 1);
-                    let v = self.recv(act_len, src, tag(mb, stage, stages, 1))?;
+                    let v = self.recv(act_len, src, work.tag(mb, stage, stages, 1))?;
                     inbox_grad.insert((mb, stage), v);
                     report.wait_s += t0.elapsed().as_secs_f64();
                     self.record("recv", format!("recv grad {mb} s{stage} t{step}"), start);
@@ -564,6 +738,13 @@ impl Executor {
         for p in pending {
             p.wait()?;
         }
+        in_flight.step = overlap.then_some(step + 1);
+        in_flight.held = next_step_part(held, m);
+        in_flight.inbox_act = next_step_part(inbox_act, m);
+        in_flight.outbox_act = next_step_part(outbox_act, m);
+        in_flight.pending = pending_next;
+        report.loss = losses[0];
+        in_flight.loss = losses[1];
         let undone = deferred::pending();
         deferred::enable(false);
         if undone > 0 {
@@ -665,7 +846,7 @@ impl Executor {
                         if next == self.rank {
                             local = Some(v);
                         } else {
-                            self.send(v, next, tag(mb, s + 1, stages, 0), &mut pending)?;
+                            pending.push(self.send(v, next, tag(mb, s + 1, stages, 0))?);
                         }
                     }
                 }

@@ -19,10 +19,13 @@ pub mod simulate;
 pub mod stack;
 pub mod stage;
 pub mod trace;
+pub mod two_bw;
 pub mod validate;
 mod zero_bubble;
 
-pub use executor::{Executor, MicroBatch, PipelineError, PipelinePlan, StepReport};
+pub use executor::{
+    Executor, InFlight, MicroBatch, PipelineError, PipelinePlan, StepReport, StepWork,
+};
 pub use partition::{
     Partition, PartitionError, balanced_partition, explicit_partition, unit_costs_gpt,
 };

@@ -5,16 +5,16 @@
 //! buffered); a message's transfer time is paid by its receive, which completes at
 //! `max(rank free, send time + transfer)`. The rank is idle while it waits.
 //!
-//! Steps: for the flushing schedules (all but 2BW) step `k + 1`'s list starts on each rank as
-//! soon as that rank has finished its step-`k` list (the optimizer step is local, not a
-//! barrier). For [`ScheduleKind::TwoBw`] the steps are one continuous 1F1B pipeline over
-//! `steps * m` micro-batches, with each rank's optimizer step of step `k` right after its
-//! backward (and gradient send) of the last micro-batch of step `k`: the next step's warm-up
-//! fills the previous step's cool-down, which is what 2BW's two weight versions allow.
+//! Steps: each rank runs its lists of steps `0..steps` one after the other, and every step
+//! ends with its `OptimizerStep`, a barrier over all ranks (the global gradient norm before it
+//! is a collective), as in the trainer. For the flushing schedules (all but 2BW) a step's list
+//! is the schedule's. For [`ScheduleKind::TwoBw`] they are the overlapping lists of
+//! [`two_bw::continuous`](super::two_bw::continuous) that the executor runs: every step but the
+//! last runs the next step's warm-up forwards during its own cool-down.
 
 use serde::{Deserialize, Serialize};
 
-use super::schedule::{Action, Op, Schedule, ScheduleKind, expand_op, one_f_one_b_order};
+use super::schedule::{Action, Schedule, ScheduleKind};
 use super::trace::{
     CATEGORY_BACKWARD, CATEGORY_FORWARD, CATEGORY_IDLE, CATEGORY_OPTIMIZER, CATEGORY_RECOMPUTE,
     CATEGORY_RECV, CATEGORY_SEND, CATEGORY_WEIGHT, TraceEvent,
@@ -193,8 +193,8 @@ fn category(action: Action) -> &'static str {
 pub const MAX_SIMULATED_ACTIONS: usize = 1 << 24;
 
 /// Simulates `steps` training steps of `s` with `costs` (see the [module docs](self)). The
-/// schedule is validated first; a 2BW schedule is simulated as its continuous no-flush pipeline
-/// (built from its shape, not from its per-step lists).
+/// schedule is validated first; a 2BW schedule is simulated with its steps overlapping as the
+/// executor runs them (built from its shape, not from its per-step lists).
 pub fn simulate(s: &Schedule, costs: &Costs, steps: usize) -> Result<Simulation, ValidationError> {
     validate(s)?;
     if steps == 0 {
@@ -254,7 +254,7 @@ pub fn simulate(s: &Schedule, costs: &Costs, steps: usize) -> Result<Simulation,
         });
     }
     let lists = if s.kind == ScheduleKind::TwoBw {
-        continuous_two_bw(s, steps)
+        super::two_bw::continuous(s, steps)
     } else {
         s.actions
             .iter()
@@ -271,35 +271,6 @@ pub fn simulate(s: &Schedule, costs: &Costs, steps: usize) -> Result<Simulation,
         steps,
         events,
     })
-}
-
-/// 2BW without flushes: one 1F1B pipeline over `steps * m` micro-batches, global micro-batch
-/// `g` being micro-batch `g % m` of step `g / m`, with every rank's optimizer step of step `k`
-/// right after its backward (and gradient send) of the step's last micro-batch.
-fn continuous_two_bw(s: &Schedule, steps: usize) -> Vec<Vec<(usize, Action)>> {
-    let m = s.micro_batches;
-    let total = steps * m;
-    let stages = s.stages();
-    (0..s.ranks)
-        .map(|rank| {
-            let mut list = Vec::new();
-            let mut actions = Vec::new();
-            for op in one_f_one_b_order(s.ranks, total, rank) {
-                actions.clear();
-                expand_op(op, &|stage| s.rank_of(stage), stages, &[], &mut actions);
-                for a in &actions {
-                    let g = a.micro_batch().unwrap_or(0);
-                    list.push((g / m, a.with_micro_batch(g % m)));
-                }
-                if let Op::B(g, _) = op
-                    && (g + 1).is_multiple_of(m)
-                {
-                    list.push((g / m, Action::OptimizerStep));
-                }
-            }
-            list
-        })
-        .collect()
 }
 
 #[cfg(test)]
@@ -451,7 +422,7 @@ mod tests {
     }
 
     #[test]
-    fn two_bw_has_no_flush() {
+    fn two_bw_overlaps_the_next_warm_up_with_the_cool_down() {
         for p in 2..=4 {
             for m in [2, 4, 8] {
                 let steps = 4;
@@ -461,15 +432,38 @@ mod tests {
                 let t_flush = simulate(&flush, &unit(p), steps).unwrap().step_time();
                 let sim = simulate(&two_bw, &unit(p), steps).unwrap();
                 assert!(sim.step_time() < t_flush, "p={p} m={m}");
-                // The fill and drain are paid once, not once per step.
-                assert!(close(sim.makespan(), 3.0 * (steps * m + p - 1) as f64));
+                // Each step after the first starts on the last rank with its first forward:
+                // its input was sent during the previous step.
+                let last = &sim.events[p - 1];
+                for step in 1..steps {
+                    let barrier = last
+                        .iter()
+                        .find(|e| e.action == Action::OptimizerStep && e.step == step - 1)
+                        .unwrap()
+                        .end;
+                    let first = last
+                        .iter()
+                        .find(|e| e.step == step && matches!(e.action, Action::Forward { .. }))
+                        .unwrap();
+                    assert!(close(first.start, barrier), "p={p} m={m} step={step}");
+                }
                 for rank in 0..p {
-                    let optimizer: Vec<usize> = sim.events[rank]
+                    let optimizer: Vec<(usize, f64)> = sim.events[rank]
                         .iter()
                         .filter(|e| e.action == Action::OptimizerStep)
-                        .map(|e| e.step)
+                        .map(|e| (e.step, e.start))
                         .collect();
-                    assert_eq!(optimizer, (0..steps).collect::<Vec<_>>());
+                    assert_eq!(optimizer.len(), steps);
+                    for (step, (s, start)) in optimizer.iter().enumerate() {
+                        // The optimizer step is a barrier: it starts at once on every rank.
+                        let on_zero = sim.events[0]
+                            .iter()
+                            .find(|e| e.action == Action::OptimizerStep && e.step == step)
+                            .unwrap()
+                            .start;
+                        assert_eq!(*s, step);
+                        assert!(close(*start, on_zero));
+                    }
                     assert!(
                         sim.events[rank]
                             .iter()

@@ -414,6 +414,9 @@ struct Machine {
     activation_sent: HashMap<Key, f64>,
     /// Gradients sent, by sending stage, with the send time.
     grad_sent: HashMap<Key, f64>,
+    /// The ranks that reached each step's `OptimizerStep` (a barrier: the global gradient norm
+    /// is a collective over all ranks), with the latest arrival time.
+    arrived: HashMap<usize, (HashSet<usize>, f64)>,
 }
 
 /// What happened when a rank tried its next action.
@@ -649,7 +652,16 @@ impl Machine {
                 let transfer = costs.map_or(0.0, |c| c.send_grad);
                 Outcome::Ran(free.max(sent), free.max(sent + transfer))
             }
-            Action::OptimizerStep => compute(costs.map_or(0.0, |c| c.optimizer)),
+            Action::OptimizerStep => {
+                let (ranks_in, latest) = self.arrived.entry(step).or_default();
+                ranks_in.insert(rank);
+                *latest = latest.max(free);
+                if ranks_in.len() < ranks {
+                    return Outcome::Blocked;
+                }
+                let start = *latest;
+                Outcome::Ran(start, start + costs.map_or(0.0, |c| c.optimizer))
+            }
         }
     }
 }

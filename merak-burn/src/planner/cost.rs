@@ -831,10 +831,15 @@ impl<'a> CostModel<'a> {
             layout.virtual_stages,
             &derived.schedule_recompute,
         )?;
-        // merak's executor ends every step with its pipeline drained, PipeDream-2BW included
-        // (2BW changes which weights a step uses, not when the step ends), so one step from an
-        // empty to an empty pipeline is what it runs.
-        let time = simulate(&schedule, costs, 1)?.makespan();
+        // A flushing schedule runs every step from an empty to an empty pipeline. PipeDream-2BW
+        // runs each step's warm-up during the previous step's cool-down (the optimizer step
+        // stays a barrier): its steady step is three overlapping steps less two (the first
+        // fills the pipeline and the last drains it).
+        let time = if schedule.kind.flushes() {
+            simulate(&schedule, costs, 1)?.makespan()
+        } else {
+            simulate(&schedule, costs, 3)?.makespan() - simulate(&schedule, costs, 2)?.makespan()
+        };
         self.simulations.borrow_mut().insert(key, time);
         Ok(time)
     }

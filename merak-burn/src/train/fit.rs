@@ -57,10 +57,16 @@ where
         let progress = Progress::new(self.grid.rank == 0 && out.progress, start, steps);
         let (mut final_loss, mut skipped, mut total_time) = (f64::NAN, 0, 0.0);
         let mut stopped = false;
+        // Under 2BW a step may run the next one's first forwards: whether to stop is agreed
+        // before such a step, so that none runs ahead of a stop.
+        let overlapping = self.overlaps_steps();
         while self.done < steps {
             let ts = Instant::now();
             let faults = process::minor_faults();
-            let outcome = self.step(data)?;
+            let stop_first = overlapping && self.stop_agreed(out)?;
+            let next = self.done + 1;
+            let next_follows = !stop_first && next < steps && !self.settings.validates_after(next);
+            let outcome = self.step_overlapping(data, next_follows)?;
             if let Some(grad_norm) = outcome.grad_norm {
                 let val_loss = (self.settings.validates_after(outcome.step))
                     .then(|| self.validation_loss(data))
@@ -78,7 +84,12 @@ where
                 skipped += 1;
             }
             let saved = self.save_if_due(out, &progress)?;
-            if self.done < steps && self.stop_agreed(out)? {
+            let stop = if overlapping {
+                stop_first
+            } else {
+                self.done < steps && self.stop_agreed(out)?
+            };
+            if self.done < steps && stop {
                 if !saved {
                     self.save_now(out, &progress)?;
                 }

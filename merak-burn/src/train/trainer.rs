@@ -14,7 +14,10 @@ use crate::checkpoint::{Checkpoint, FullState, state};
 use crate::comm::{Group, ReduceOp};
 use crate::data_parallel::{DataParallel, DpStats};
 use crate::grid::ProcessGrid;
-use crate::pipeline::{Executor, MicroBatch, PipelineModel, PipelinePlan, ScheduleKind};
+use crate::pipeline::{
+    Executor, InFlight, MicroBatch, PipelineError, PipelineModel, PipelinePlan, ScheduleKind,
+    StepWork,
+};
 use crate::plan::ParallelPlan;
 use crate::tensor_parallel::{ParallelBackend, Shard};
 use crate::train::{
@@ -77,6 +80,10 @@ where
     /// PipeDream-2BW: the weights from before the previous update, on which the next step's
     /// gradients are computed (V_t = V_{t-1} - lr * grad(V_{t-2})).
     stale: Option<M>,
+    /// PipeDream-2BW's overlap: the forwards of the next step that ran ahead, and its
+    /// micro-batches.
+    in_flight: InFlight<B>,
+    next_batches: Option<Vec<MicroBatch>>,
     pub(crate) optim_decay: AdamW<M, B>,
     pub(crate) optim_no_decay: AdamW<M, B>,
     reducer: DataParallel,
@@ -142,6 +149,8 @@ where
             device,
             model,
             stale: None,
+            in_flight: InFlight::default(),
+            next_batches: None,
             optim_decay,
             optim_no_decay,
             reducer,
@@ -204,8 +213,30 @@ where
         &self.settings
     }
 
-    /// Runs the next step on the global batch `data` gives for it.
+    /// Runs the next step on the global batch `data` gives for it; the pipeline is drained at
+    /// its end.
     pub fn step(&mut self, data: &dyn BatchSource) -> Result<StepOutcome, TrainError> {
+        self.step_overlapping(data, false)
+    }
+
+    /// Whether [`step_overlapping`](Self::step_overlapping) can run the next step's first
+    /// forwards during this step (PipeDream-2BW with more than one pipeline stage).
+    pub fn overlaps_steps(&self) -> bool {
+        self.executor.plan().schedule.kind == ScheduleKind::TwoBw && self.grid.layout.pp > 1
+    }
+
+    /// Runs the next step like [`step`](Self::step); with `next_follows` under PipeDream-2BW
+    /// (and a step left), the next step's first forward passes run during this step's last
+    /// backward passes, on the weights that step uses (the version before this step's update),
+    /// so its warm-up fills this step's cool-down. The next call must then be the next step's,
+    /// on the same `data`, with no [`validation_loss`](Self::validation_loss) between; the
+    /// losses and weights are those of [`step`](Self::step) either way. Other schedules ignore
+    /// `next_follows`.
+    pub fn step_overlapping(
+        &mut self,
+        data: &dyn BatchSource,
+        next_follows: bool,
+    ) -> Result<StepOutcome, TrainError> {
         let step = self.done;
         let mut phases = StepPhases::default();
         let mut clock = Instant::now();
@@ -214,14 +245,33 @@ where
             clock = Instant::now();
         };
         self.reducer.begin_step();
-        let batches = self.micro_batches(data, step)?;
+        let batches = match self.next_batches.take() {
+            Some(b) if self.in_flight.step() == Some(step) => b,
+            _ => self.micro_batches(data, step)?,
+        };
+        let overlap = next_follows && self.overlaps_steps() && step + 1 < self.settings.steps;
+        let next = overlap
+            .then(|| self.micro_batches(data, step + 1))
+            .transpose()?;
         lap(&mut phases.data_s);
         let [micro, seq] = [self.parallel.micro_batch, self.settings.seq_len];
         let shape = [micro, seq, self.model.hidden_size()];
-        let model = self.stale.as_ref().unwrap_or(&self.model);
-        let report =
-            self.executor
-                .run_step(model, &self.reducer, &batches, step, shape, &self.device)?;
+        let work = StepWork {
+            model: self.stale.as_ref().unwrap_or(&self.model),
+            batches: &batches,
+            step,
+            // The next step's forwards run on the weights it uses: the current ones, which
+            // become the stale version at this step's update.
+            next: next.as_deref().map(|b| (&self.model, b)),
+        };
+        let report = self.executor.run_step(
+            work,
+            &self.reducer,
+            shape,
+            &self.device,
+            &mut self.in_flight,
+        )?;
+        self.next_batches = next;
         self.max_in_flight = self.max_in_flight.max(report.max_in_flight);
         lap(&mut phases.forward_backward_s);
         let (mut grads, dp) = self.reducer.finish::<B, _>(&self.model)?;
@@ -249,6 +299,11 @@ where
                 "the loss is {loss} at step {}: step skipped, parameters unchanged",
                 step + 1
             );
+            // Under 2BW a skipped step still moves the weight versions on (as a zero update):
+            // the next step's forwards may already run on the current weights.
+            if self.executor.plan().schedule.kind == ScheduleKind::TwoBw {
+                self.stale = Some(self.model.clone());
+            }
             return Ok(outcome);
         }
         let g = self.grid;
@@ -343,6 +398,13 @@ where
     /// Mean loss over `val_batches` global batches of held-out sequences, without gradients;
     /// each data-parallel rank evaluates its share through the pipeline.
     pub fn validation_loss(&self, data: &dyn BatchSource) -> Result<f64, TrainError> {
+        if let Some(step) = self.in_flight.step() {
+            return Err(PipelineError::AheadInFlight {
+                rank: self.grid.coords.pp,
+                step: step + 1,
+            }
+            .into());
+        }
         let s = &self.settings;
         let model = self.model.valid();
         let local = self.parallel.local_batch(s.global_batch);
