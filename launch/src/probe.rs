@@ -153,6 +153,8 @@ fn measure_with_overlap(
         // Measured where there is tensor parallelism (more than one rank).
         max_tp_overlap: overlap.as_ref().map_or(1, |_| 4),
         tp_overlap_slowdown: overlap.as_deref().map_or(0.0, probe_overlap::slowdown),
+        // Burn's attention on the CPU backend is not fused.
+        flash_attention: false,
     };
     spec.validate()?;
     Ok((spec, overlap))

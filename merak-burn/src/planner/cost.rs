@@ -1,8 +1,11 @@
 //! The cost model: predicted step time and per-rank memory of a 3D-parallel [`Layout`].
 //!
 //! Time. For every global pipeline stage the forward, backward and recomputation times of one
-//! micro-batch are its FLOPs on one tensor-parallel rank divided by the achievable FLOP/s
-//! ([`HardwareSpec::achievable_flops`], the one efficiency constant), plus its tensor-parallel
+//! micro-batch are its FLOPs on one tensor-parallel rank divided by the matrix products'
+//! achievable FLOP/s ([`HardwareSpec::achievable_flops`]), plus the bytes its memory-bound
+//! operations move ([`UnitProfile::forward_memory_bytes`](super::model::UnitProfile), twice
+//! that backward) over the sustained memory bandwidth, so a layer's share of peak grows with
+//! its size, plus its tensor-parallel
 //! all-reduces (ring: `2 (t-1)/t * bytes / bandwidth + latency` each, on the intra-node link
 //! when the `t` ranks fit in a node), of which sub-pipelined tensor parallelism
 //! ([`Layout::tp_overlap`]) hides part behind compute (see `tp_exposed`). These costs and the
@@ -455,13 +458,20 @@ impl<'a> CostModel<'a> {
         };
         let flops = self.hardware.achievable_flops() * t as f64;
         let bytes = u.tp_allreduce_elements * b as f64 * self.element_bytes();
-        let (forward_s, backward_s) = (u.forward_flops(b) / flops, u.backward_flops(b) / flops);
+        // Matrix products at the achievable FLOP/s, memory-bound operations at the sustained
+        // memory bandwidth; the backward pass moves twice the forward's bytes.
+        let bandwidth = self.hardware.memory_bandwidth;
+        let flash = self.hardware.flash_attention;
+        let memory_s = u.forward_memory_bytes(b, t, flash) / bandwidth;
+        let forward_s = u.forward_flops(b) / flops + memory_s;
+        let backward_s = u.backward_flops(b) / flops + 2.0 * memory_s;
         let kind = UnitKind::of(unit, self.model.units.len());
         let tp_forward_s = self.tp_exposed(u.tp_forward_allreduces, bytes, t, forward_s, k);
         let mut terms = UnitTerms {
             forward_s,
             backward_s,
-            recompute_s: u.recompute_flops(b, mode) / flops,
+            recompute_s: u.recompute_flops(b, mode) / flops
+                + u.recompute_memory_bytes(b, t, mode, flash) / bandwidth,
             tp_forward_s,
             tp_backward_s: self.tp_exposed(u.tp_backward_allreduces, bytes, t, backward_s, k),
             tp_recompute_s: if mode == RecomputeMode::Full && u.recomputable {
@@ -1151,13 +1161,48 @@ mod tests {
     #[test]
     fn single_device_time_is_flops_over_rate() {
         let model = ModelProxy::parse("gpt2").unwrap();
-        let hw = HardwareSpec::preset("a100-80g").unwrap();
+        let mut hw = HardwareSpec::preset("a100-80g").unwrap();
+        // Memory-bound work for free: only the matrix products' FLOPs count.
+        hw.memory_bandwidth = 1e30;
         let cm = CostModel::new(&model, &hw);
         let pred = cm.predict(&layout(&model, 1, 1, 1, 8)).unwrap();
         let flops = model.flops_per_iteration(8, RecomputeMode::Full);
         let expect = flops / hw.achievable_flops();
         let tail = pred.breakdown["optimizer_s"];
         assert!((pred.step_time_s - tail - expect).abs() < 1e-9 * expect);
+    }
+
+    /// The share of peak one device reaches on a GPT layer stack (no recomputation, 8
+    /// sequences of 2048).
+    fn single_device_efficiency(hidden: usize, flash_attention: bool) -> f64 {
+        let heads = hidden / 128;
+        let spec = format!("gpt:layers=8,hidden={hidden},heads={heads},seq=2048,vocab=51200");
+        let model = ModelProxy::parse(&spec).unwrap();
+        let mut hw = HardwareSpec::preset("h100-80g").unwrap();
+        hw.flash_attention = flash_attention;
+        hw.memory_bytes = u64::MAX / 4;
+        let cm = CostModel::new(&model, &hw);
+        let mut l = layout(&model, 1, 1, 1, 8);
+        l.recompute = vec![RecomputeMode::None];
+        let pred = cm.predict(&l).unwrap();
+        let compute = pred.breakdown["compute_s"];
+        model.flops_per_iteration(8, RecomputeMode::None) / compute / hw.peak_flops_fp16
+    }
+
+    #[test]
+    fn larger_layers_reach_a_higher_share_of_peak() {
+        // The memory-bound work grows like s h (and a s² without flash attention), the
+        // matrix products like s h²: a small model runs further below the products' rate.
+        for flash in [false, true] {
+            let e: Vec<f64> = [1024, 2048, 4096, 8192]
+                .iter()
+                .map(|&h| single_device_efficiency(h, flash))
+                .collect();
+            assert!(e.windows(2).all(|w| w[0] < w[1]), "{flash}: {e:?}");
+            assert!(e[3] < 0.70 && e[0] > 0.2, "{flash}: {e:?}");
+        }
+        // Flash attention removes the scores' memory traffic.
+        assert!(single_device_efficiency(2048, true) > single_device_efficiency(2048, false));
     }
 
     #[test]

@@ -142,6 +142,10 @@ impl LayerCosts for MeasuredModel {
                     selective_recompute_flops: selective,
                     tp_forward_allreduces: m.row_layers,
                     tp_backward_allreduces: m.column_layers,
+                    // The measured times include the memory-bound work.
+                    memory_replicated: 0.0,
+                    memory_split: 0.0,
+                    memory_attention: 0.0,
                     ..formula
                 }
             })

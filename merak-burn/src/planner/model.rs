@@ -71,6 +71,21 @@ pub struct UnitProfile {
     pub tp_backward_allreduces: u32,
     /// Elements per sequence of each TP all-reduce (`s h` for a transformer).
     pub tp_allreduce_elements: f64,
+    /// Bytes per sequence that the forward pass's memory-bound operations (LayerNorm,
+    /// bias-dropout-add, residuals) read and write on every TP rank. Their time is these bytes
+    /// over the memory bandwidth: a cost that grows like `s h` while the matrix products grow
+    /// like `s h²`, which is why large models run at a higher share of peak than small ones.
+    #[serde(default)]
+    pub memory_replicated: f64,
+    /// Bytes per sequence of memory-bound operations split by TP (all ranks together): the
+    /// MLP's activation function.
+    #[serde(default)]
+    pub memory_split: f64,
+    /// Bytes per sequence of the attention core's memory-bound work, split by TP (the scores'
+    /// scaling, mask, softmax and dropout, written and read by the two batched products),
+    /// repeated by selective recomputation.
+    #[serde(default)]
+    pub memory_attention: f64,
 }
 
 impl UnitProfile {
@@ -116,6 +131,38 @@ impl UnitProfile {
             RecomputeMode::Full => none,
         };
         per_seq * b as f64
+    }
+
+    /// Bytes the forward pass's memory-bound operations move on one TP rank of `t` for a
+    /// micro-batch of `b` sequences (the backward pass moves twice as much); with
+    /// `flash_attention` the attention core's scores stay on chip.
+    pub fn forward_memory_bytes(&self, b: usize, t: usize, flash_attention: bool) -> f64 {
+        let t = t.max(1) as f64;
+        let attention = if flash_attention {
+            0.0
+        } else {
+            self.memory_attention
+        };
+        (self.memory_replicated + (self.memory_split + attention) / t) * b as f64
+    }
+
+    /// The bytes of memory-bound work that recomputation under `mode` repeats on one TP rank.
+    pub fn recompute_memory_bytes(
+        &self,
+        b: usize,
+        t: usize,
+        mode: RecomputeMode,
+        flash_attention: bool,
+    ) -> f64 {
+        match mode {
+            RecomputeMode::None => 0.0,
+            RecomputeMode::Selective if flash_attention => 0.0,
+            RecomputeMode::Selective => self.memory_attention / t.max(1) as f64 * b as f64,
+            RecomputeMode::Full if self.recomputable => {
+                self.forward_memory_bytes(b, t, flash_attention)
+            }
+            RecomputeMode::Full => 0.0,
+        }
     }
 
     /// Elements all-reduced across TP per micro-batch of `b` sequences (forward and backward,
@@ -499,6 +546,8 @@ impl LayerCosts for TransformerShape {
             act_full: s * h,
             tp_forward_allreduces: 1,
             tp_allreduce_elements: s * h,
+            // Position add and dropout: read two, write one 16-bit value, a 1-byte mask.
+            memory_replicated: 7.0 * s * h,
             ..UnitProfile::default()
         };
         let block = UnitProfile {
@@ -518,6 +567,14 @@ impl LayerCosts for TransformerShape {
             tp_forward_allreduces: 2,
             tp_backward_allreduces: 2,
             tp_allreduce_elements: s * h,
+            // 16-bit values: two LayerNorms (read, write) and two fused bias-dropout-adds (read
+            // two, write one, a 1-byte mask): 11 values of s h.
+            memory_replicated: BYTES_16BIT * 11.0 * s * h,
+            // The fused bias and GeLU on the MLP's 4h: read and write.
+            memory_split: BYTES_16BIT * 8.0 * s * h,
+            // a s² scores: written by Q Kᵀ, fused scale-mask-softmax (read, write), dropout
+            // (read, write, 1-byte mask), read by the product with V: 6.5 values each.
+            memory_attention: BYTES_16BIT * 6.5 * a * s * s,
         };
         let dense = if bert { 2.0 * s * h * h } else { 0.0 };
         let head = UnitProfile {
@@ -536,6 +593,11 @@ impl LayerCosts for TransformerShape {
             tp_forward_allreduces: 0,
             tp_backward_allreduces: 1,
             tp_allreduce_elements: s * h,
+            // The final LayerNorm (read, write); the loss reads the fp32 logits three times
+            // (maximum, exponentials and sum, target).
+            memory_replicated: BYTES_16BIT * 2.0 * s * h,
+            memory_split: 12.0 * s * v,
+            memory_attention: 0.0,
         };
         let mut units = Vec::with_capacity(self.layers + 2);
         units.push(embedding);

@@ -113,7 +113,7 @@ mod tests {
     use crate::planner::search::{SearchOptions, search};
 
     #[test]
-    fn megatron_rows_are_predicted_within_15_percent() {
+    fn megatron_rows_are_predicted_within_10_percent() {
         for row in MEGATRON_SC21 {
             let model = row.model();
             let hw = HardwareSpec::preset("a100-80g")
@@ -133,7 +133,7 @@ mod tests {
                 pred.max_memory_bytes() as f64 / 1e9,
                 pred.breakdown
             );
-            assert!(err.abs() <= 0.15, "{}: {err}", row.name);
+            assert!(err.abs() <= 0.10, "{}: {err}", row.name);
             assert!(pred.max_memory_bytes() <= hw.memory_bytes, "{}", row.name);
             let result =
                 search(&model, &hw, &SearchOptions::new(row.gpus, row.global_batch)).unwrap();
