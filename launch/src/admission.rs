@@ -1,6 +1,6 @@
 //! The launch's side of the memory admission check ([`merak_burn::admission`]): which memory
-//! the run's ranks share on this machine (the host's, or CUDA device 0's, which every rank of a
-//! CUDA run uses today) and how many of them share it.
+//! the run's ranks share on this machine (the host's, or this rank's CUDA device's) and how many
+//! of them share it.
 
 use anyhow::Result;
 use merak_burn::admission::{GPU_RUNTIME_BYTES, HOST_RUNTIME_BYTES, MemoryLimit, admit, estimate};
@@ -20,7 +20,7 @@ pub fn check(cfg: &Config, parallel: &ParallelPlan, pipeline: &PipelinePlan) -> 
     };
     let ranks = local_ranks(parallel);
     let (limit, runtime) = match cfg.train.device.as_str() {
-        "cuda" => (gpu_limit(ranks), GPU_RUNTIME_BYTES),
+        "cuda" => (gpu_limit(cfg), GPU_RUNTIME_BYTES),
         _ => (MemoryLimit::host(ranks), HOST_RUNTIME_BYTES),
     };
     let global_batch = cfg.train.global_batch;
@@ -40,13 +40,16 @@ pub fn check(cfg: &Config, parallel: &ParallelPlan, pipeline: &PipelinePlan) -> 
     Ok(admit(e, limit, parallel.micro_batch)?)
 }
 
+/// The memory of this rank's CUDA device, shared by the ranks of the node that use it.
 #[cfg(feature = "cuda")]
-fn gpu_limit(ranks: usize) -> Option<MemoryLimit> {
-    MemoryLimit::gpu(0, ranks)
+fn gpu_limit(cfg: &Config) -> Option<MemoryLimit> {
+    let request = cfg.train.cuda_device.as_ref();
+    let choice = merak_burn::device::cuda_device_for_rank(request).ok()?;
+    MemoryLimit::gpu(choice.ordinal, choice.ranks_on_device)
 }
 
 #[cfg(not(feature = "cuda"))]
-fn gpu_limit(_ranks: usize) -> Option<MemoryLimit> {
+fn gpu_limit(_cfg: &Config) -> Option<MemoryLimit> {
     None
 }
 

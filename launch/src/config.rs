@@ -148,6 +148,11 @@ pub struct TrainSection {
     pub seed: u64,
     /// Device: "cpu" or "cuda" (needs the `cuda` build feature).
     pub device: String,
+    /// With `device = "cuda"`: a device number that every rank of a node uses, or a list of
+    /// them indexed by the rank's local rank; unset, local rank `r` uses device `r` (ranks
+    /// share devices round-robin when a node has fewer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cuda_device: Option<merak_burn::device::DeviceRequest>,
     /// A rank blocked in one communication call longer than this many seconds (plus the
     /// message's time at 100 MB/s) names the call and its peers and aborts the job; 0: wait
     /// forever.
@@ -241,6 +246,7 @@ impl Default for Config {
                 sample_temperature: 0.0,
                 seed: 1234,
                 device: "cpu".into(),
+                cuda_device: None,
                 comm_timeout_s: 300.0,
             },
             data: DataSection {
@@ -261,6 +267,20 @@ impl Default for Config {
 
 fn default_value() -> Value {
     Value::try_from(Config::default()).expect("the default config serializes")
+}
+
+/// Keys without a default value (absent unless set), as (section, key).
+const OPTIONAL_KEYS: [(&str, &str); 1] = [("train", "cuda_device")];
+
+/// Every key a config may set: the defaults' and the optional ones.
+fn known_keys() -> Value {
+    let mut known = default_value();
+    for (section, key) in OPTIONAL_KEYS {
+        if let Some(Value::Table(t)) = known.get_mut(section) {
+            t.insert(key.into(), Value::Boolean(true));
+        }
+    }
+    known
 }
 
 /// Checks every key of `user` against `known`, recursively; `prefix` is the dotted path so far.
@@ -354,7 +374,7 @@ pub fn load(path: Option<&Path>, sets: &[String]) -> Result<Config, ConfigError>
 
 /// Like [`load`], from the text of a config (`(text, where it came from)`).
 pub fn load_text(file: Option<(&str, &str)>, sets: &[String]) -> Result<Config, ConfigError> {
-    let known = default_value();
+    let known = known_keys();
     let mut user = Value::Table(Default::default());
     if let Some((text, shown)) = file {
         user = Value::Table(toml::from_str(text).map_err(|e| ConfigError::Parse {
@@ -375,7 +395,7 @@ pub fn load_text(file: Option<(&str, &str)>, sets: &[String]) -> Result<Config, 
     }
 
     // Base: the defaults, then the model preset if one is named, then the user's keys.
-    let mut merged = known;
+    let mut merged = default_value();
     let preset = user
         .get("model")
         .and_then(|m| m.get("preset"))
@@ -588,6 +608,15 @@ impl Config {
             return bad(
                 "train.device",
                 format!("`{}` is not a device (cpu or cuda)", self.train.device),
+            );
+        }
+        if self.train.cuda_device.is_some() && self.train.device != "cuda" {
+            return bad(
+                "train.cuda_device",
+                format!(
+                    "is set, but train.device = \"{}\" (it chooses CUDA devices)",
+                    self.train.device
+                ),
             );
         }
         Ok(())
@@ -827,6 +856,31 @@ mod tests {
         assert!(e.contains("data.kind"), "{e}");
         let e = load(None, &sets(&["train.steps"])).unwrap_err().to_string();
         assert!(e.contains("key=value"), "{e}");
+    }
+
+    #[test]
+    fn cuda_devices_are_a_number_or_a_list_and_only_for_cuda() {
+        use merak_burn::device::DeviceRequest;
+        let c = load(None, &sets(&["train.device=cuda", "train.cuda_device=1"])).unwrap();
+        assert_eq!(c.train.cuda_device, Some(DeviceRequest::Same(1)));
+        let c = load(
+            None,
+            &sets(&["train.device=cuda", "train.cuda_device=[1, 0]"]),
+        )
+        .unwrap();
+        assert_eq!(
+            c.train.cuda_device,
+            Some(DeviceRequest::PerLocalRank(vec![1, 0]))
+        );
+        assert_eq!(load(None, &[]).unwrap().train.cuda_device, None);
+        let e = load(None, &sets(&["train.cuda_device=1"]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("train.cuda_device") && e.contains("cpu"), "{e}");
+        let e = load(None, &sets(&["train.device=cuda", "train.cuda_device=-1"]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("train.cuda_device"), "{e}");
     }
 
     #[test]

@@ -254,7 +254,8 @@ fn run(job: &Job, out: &Path, trace: Option<&Path>, stop: &StopRequest) -> Resul
         #[cfg(feature = "cuda")]
         "cuda" => {
             type B = burn::backend::Autodiff<burn_cuda::Cuda<f32>>;
-            train_model::<B>(job, out, &burn_cuda::CudaDevice::new(0), spec)?
+            let device = cuda_device(cfg, grid.rank)?;
+            train_model::<B>(job, out, &burn_cuda::CudaDevice::new(device), spec)?
         }
         other => bail!(
             "train.device = {other:?} is not available in this build (rebuild with --features cuda)"
@@ -264,6 +265,22 @@ fn run(job: &Job, out: &Path, trace: Option<&Path>, stop: &StopRequest) -> Resul
         print_summary(&summary, out)?;
     }
     Ok(summary.stopped)
+}
+
+/// This rank's CUDA device ([`merak_burn::device::cuda_device_for_rank`]), logged by every
+/// rank, with a warning where ranks share one.
+#[cfg(feature = "cuda")]
+pub(crate) fn cuda_device(cfg: &crate::config::Config, rank: usize) -> Result<usize> {
+    let choice = merak_burn::device::cuda_device_for_rank(cfg.train.cuda_device.as_ref())?;
+    tracing::info!("rank {rank}: CUDA device {}", choice.ordinal);
+    if choice.ranks_on_device > 1 {
+        tracing::warn!(
+            "rank {rank}: {} ranks of this node share CUDA device {} (messages go through MPI)",
+            choice.ranks_on_device,
+            choice.ordinal
+        );
+    }
+    Ok(choice.ordinal)
 }
 
 /// Rank 0's closing lines: the summary and the loss curve.

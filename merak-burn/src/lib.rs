@@ -28,6 +28,7 @@ pub mod checkpoint;
 pub mod comm;
 pub mod data;
 pub mod data_parallel;
+pub mod device;
 pub mod grid;
 pub mod kernels;
 pub mod parallelize;
