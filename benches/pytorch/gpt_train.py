@@ -118,7 +118,7 @@ class Block(torch.nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(h // self.heads))
-            causal = torch.ones(s, s, dtype=torch.bool).tril()
+            causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
             att = att.masked_fill(~causal, float("-inf")).softmax(dim=-1)
             y = att @ v
         return self.attn_proj(y.transpose(1, 2).reshape(b, s, h))
@@ -165,7 +165,7 @@ class Gpt(torch.nn.Module):
 
     def forward(self, ids, targets):
         s = ids.shape[1]
-        x = self.wte(ids) + self.wpe(torch.arange(s))
+        x = self.wte(ids) + self.wpe(torch.arange(s, device=ids.device))
         for blk in self.blocks:
             x = blk(x)
         logits = self.ln_f(x) @ self.wte.weight.t()
@@ -200,8 +200,14 @@ def main():
                         "matmul, mask, softmax, matmul")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32",
                    help="float64: a reference trajectory (the same initial values, in double)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: autocast to bfloat16 (fp32 weights, gradients and AdamW)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--out", required=True, help="JSON lines, one per step, then a summary")
     a = p.parse_args()
+    if a.precision == "bf16" and a.device != "cuda":
+        raise SystemExit("--precision bf16 needs --device cuda")
 
     torch.set_num_threads(a.threads)
     torch.set_default_dtype(getattr(torch, a.dtype))
@@ -215,16 +221,23 @@ def main():
         raise SystemExit(f"--batch {a.batch} is not divisible by {world} ranks")
     local = a.batch // world
 
-    model = Gpt(a)
-    step_model = model
+    dev = torch.device(a.device)
+    model = Gpt(a).to(dev)
+    step_model = torch.compile(model) if a.compile else model
     if world > 1:
-        step_model = torch.nn.parallel.DistributedDataParallel(model)
+        step_model = torch.nn.parallel.DistributedDataParallel(step_model)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": a.weight_decay},
          {"params": no_decay, "weight_decay": 0.0}],
         lr=a.lr, betas=(a.beta1, a.beta2), eps=a.adam_eps, foreach=True)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.precision == "bf16")
+
+    def sync():
+        if a.device == "cuda":
+            torch.cuda.synchronize()
+
 
     out = open(a.out, "w") if rank == 0 else None
     tokens = a.batch * a.seq
@@ -233,9 +246,11 @@ def main():
         t0 = time.perf_counter()
         f0 = minor_faults()
         ids, targets = synthetic_batch(a.seed, a.vocab, step, rank * local, local, a.seq)
+        ids, targets = ids.to(dev), targets.to(dev)
         for g in opt.param_groups:
             g["lr"] = lr_at(a, step)
-        loss = step_model(ids, targets)
+        with autocast:
+            loss = step_model(ids, targets)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
@@ -244,6 +259,7 @@ def main():
         if world > 1:
             torch.distributed.all_reduce(value)
             value /= world
+        sync()
         dt = time.perf_counter() - t0
         if out:
             out.write(json.dumps({
@@ -254,7 +270,10 @@ def main():
     if world > 1:
         torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
     if out:
+        gpu = torch.cuda.max_memory_allocated() / 2**20 if a.device == "cuda" else 0.0
         out.write(json.dumps({"summary": True, "peak_rss_mib": peak.item(),
+                              "peak_gpu_mib": gpu, "device": a.device,
+                              "precision": a.precision, "compile": a.compile,
                               "wall_s": time.perf_counter() - t_all,
                               "torch": torch.__version__}) + "\n")
         out.close()

@@ -190,7 +190,10 @@ pub fn choose_device(
 /// `CUDA_VISIBLE_DEVICES`).
 #[cfg(feature = "cuda")]
 pub fn cuda_device_count() -> Result<usize, DeviceError> {
-    crate::comm::nccl::cuda_available().map_err(|e| DeviceError::Driver(e.to_string()))?;
+    crate::comm::nccl::cuda_available().map_err(|e| match e {
+        crate::comm::CommError::NcclUnavailable(why) => DeviceError::Driver(why),
+        other => DeviceError::Driver(other.to_string()),
+    })?;
     let n = cudarc::driver::CudaContext::device_count()
         .map_err(|e| DeviceError::Driver(format!("{e:?}")))?;
     Ok(usize::try_from(n).unwrap_or(0))

@@ -1,0 +1,95 @@
+"""Summarises benches/gpu/run.sh's runs as Markdown: tokens/s, MFU and peak GPU memory of merak
+and PyTorch per model, and the two-rank loss differences.
+
+MFU is the model's FLOPs per token without recomputation (DESIGN.md section 5:
+72 l h^2 (1 + s/(6h) + V/(12 l h)) per sequence of s tokens) times the tokens per second, over
+the GPU's peak (--peak-tflops, dense bf16 by default; merak computes in fp32, so its MFU is
+against the bf16 peak too, as the issue asks).
+"""
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+SHAPES = {"gpt2": (12, 768, 12), "gpt2-medium": (24, 1024, 16)}
+SEQ, VOCAB = 1024, 50257
+
+
+def flops_per_token(layers: int, hidden: int) -> float:
+    s, l, h, v = SEQ, layers, hidden, VOCAB
+    return 72.0 * l * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * l * h))
+
+
+def records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def median_tokens(rows: list[dict]) -> float | None:
+    # The first two steps warm up (allocations, compilation).
+    speeds = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r][2:]
+    return statistics.median(speeds) if speeds else None
+
+
+def peak_sampled(path: Path) -> float | None:
+    values = []
+    if path.exists():
+        for line in path.read_text().split():
+            try:
+                values.append(float(line))
+            except ValueError:
+                pass
+    return max(values) if values else None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out", type=Path)
+    p.add_argument("--peak-tflops", type=float, default=989.0)
+    a = p.parse_args()
+    gpu = (a.out / "gpu.txt").read_text().strip() if (a.out / "gpu.txt").exists() else "?"
+    print(f"# GPU: {gpu}; peak {a.peak_tflops:.0f} TFLOP/s; sequence {SEQ}\n")
+    print("| model | run | micro-batch | tokens/s | MFU | peak GPU MiB | first loss -> last |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for model, (layers, hidden, _) in SHAPES.items():
+        fpt = flops_per_token(layers, hidden)
+        mbs_file = a.out / f"merak-{model}.mbs"
+        mbs = mbs_file.read_text().strip() if mbs_file.exists() else "-"
+        runs = [("merak fp32", records(a.out / f"merak-{model}" / "metrics.jsonl"),
+                 peak_sampled(a.out / f"merak-{model}.mem"))]
+        for mode, precision in [("eager", "fp32"), ("eager", "bf16"), ("compile", "bf16")]:
+            rows = records(a.out / f"torch-{model}-{mode}-{precision}.jsonl")
+            summary = next((r for r in rows if r.get("summary")), {})
+            runs.append((f"torch {mode} {precision}", rows, summary.get("peak_gpu_mib")))
+        for name, rows, mem in runs:
+            tps = median_tokens(rows)
+            losses = [r["loss"] for r in rows if "loss" in r]
+            loss = f"{losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "-"
+            if tps is None:
+                print(f"| {model} | {name} | {mbs} | failed | - | - | - |")
+                continue
+            mfu = 100.0 * tps * fpt / (a.peak_tflops * 1e12)
+            mem_text = f"{mem:.0f}" if mem else "-"
+            print(f"| {model} | {name} | {mbs} | {tps:,.0f} | {mfu:.1f}% | {mem_text} | {loss} |")
+    print("\n| tiny GPT, 5 steps | max relative loss difference to 1 rank |")
+    print("| --- | --- |")
+    one = [r["loss"] for r in records(a.out / "tiny-1" / "metrics.jsonl") if "loss" in r]
+    for name in ["tp2", "pp2"]:
+        other = [r["loss"] for r in records(a.out / f"tiny-{name}" / "metrics.jsonl") if "loss" in r]
+        if not one or len(other) != len(one):
+            print(f"| {name} | failed |")
+            continue
+        diff = max(abs(x - y) / abs(y) for x, y in zip(other, one))
+        print(f"| {name} | {diff:.2e} |")
+
+
+if __name__ == "__main__":
+    main()
