@@ -197,6 +197,13 @@ fn two_bw_in_a_pipeline_equals_one_process_two_bw() {
     for (np, name, layout) in [
         (2, "2bw-pp2", vec!["--pp", "2"]),
         (4, "2bw-pp4", vec!["--pp", "4"]),
+        // The forwards that run ahead keep only their input; their recomputation runs in the
+        // next step's call, on the weights they ran on.
+        (
+            2,
+            "2bw-pp2-full",
+            vec!["--pp", "2", "--set", "parallel.recompute=full"],
+        ),
     ] {
         let out = out_dir(name);
         run_pp(np, &out, &[&layout[..], &bw].concat()).assert_success();
