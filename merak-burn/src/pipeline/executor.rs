@@ -449,6 +449,11 @@ impl Executor {
             what,
         };
 
+        // The micro-batch of an action, with its weights and step.
+        let pick = |mb: usize, action: Action| {
+            work.pick(mb)
+                .ok_or_else(|| missing(action, "its micro-batch"))
+        };
         for action in actions {
             let start = now_s();
             let t0 = Instant::now();
@@ -459,9 +464,7 @@ impl Executor {
                         model,
                         step: its_step,
                         mb: its_mb,
-                    } = work
-                        .pick(mb)
-                        .ok_or_else(|| missing(action, "its micro-batch"))?;
+                    } = pick(mb, action)?;
                     set_dropout_position(its_step as u64, batch.first_sample as u64);
                     let input: StageInput<B::InnerBackend> = if stage == 0 {
                         StageInput::Tokens(Tensor::from_data(
@@ -590,9 +593,7 @@ impl Executor {
                         model,
                         step: its_step,
                         ..
-                    } = work
-                        .pick(mb)
-                        .ok_or_else(|| missing(action, "its micro-batch"))?;
+                    } = pick(mb, action)?;
                     let h = held
                         .get_mut(&(mb, stage))
                         .ok_or_else(|| missing(action, "its forward pass"))?;
@@ -619,9 +620,7 @@ impl Executor {
                         model,
                         step: its_step,
                         ..
-                    } = work
-                        .pick(mb)
-                        .ok_or_else(|| missing(action, "its micro-batch"))?;
+                    } = pick(mb, action)?;
                     let mut h = held
                         .remove(&(mb, stage))
                         .ok_or_else(|| missing(action, "its forward pass"))?;
