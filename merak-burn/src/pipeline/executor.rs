@@ -174,16 +174,27 @@ impl<'a, M> StepWork<'a, M> {
         })
     }
 
-    /// The message tag of (`mb`, `stage`) in this call: the step's parity keeps a step's
-    /// messages apart from the next step's, which may be in flight at the same time.
-    fn tag(&self, mb: usize, stage: usize, stages: usize, kind: usize) -> u16 {
+    /// The step of micro-batch `mb` of this call and its number within that step.
+    fn step_of(&self, mb: usize) -> (usize, usize) {
         let m = self.batches.len();
-        let (step, local) = if mb < m {
+        if mb < m {
             (self.step, mb)
         } else {
             (self.step + 1, mb - m)
-        };
-        tag(local + (step % 2) * m, stage, stages, kind)
+        }
+    }
+
+    /// The message tag of (`mb`, `stage`) in this call: the step's parity keeps a step's
+    /// messages apart from the next step's, which may be in flight at the same time.
+    fn tag(&self, mb: usize, stage: usize, stages: usize, kind: usize) -> u16 {
+        let (step, local) = self.step_of(mb);
+        tag(local + (step % 2) * self.batches.len(), stage, stages, kind)
+    }
+
+    /// The trace name of a message of `mb`: "`what` `mb` s`stage` t`step`" as its step counts.
+    fn message_name(&self, what: &str, mb: usize, stage: usize) -> String {
+        let (step, local) = self.step_of(mb);
+        format!("{what} {local} s{stage} t{step}")
     }
 }
 
@@ -701,14 +712,14 @@ impl Executor {
                     } else {
                         pending_next.push(sent);
                     }
-                    self.record("send", format!("send act {mb} s{stage} t{step}"), start);
+                    self.record("send", work.message_name("send act", mb, stage), start);
                 }
                 Action::RecvActivation { mb, stage } => {
                     let src = self.plan.schedule.rank_of(stage - 1);
                     let v = self.recv(act_len, src, work.tag(mb, stage, stages, 0))?;
                     inbox_act.insert((mb, stage), v);
                     report.wait_s += t0.elapsed().as_secs_f64();
-                    self.record("recv", format!("recv act {mb} s{stage} t{step}"), start);
+                    self.record("recv", work.message_name("recv act", mb, stage), start);
                 }
                 Action::SendGrad { mb, stage } => {
                     let v = outbox_grad
@@ -716,14 +727,14 @@ impl Executor {
                         .ok_or_else(|| missing(action, "its input gradient"))?;
                     let dest = self.plan.schedule.rank_of(stage - 1);
                     pending.push(self.send(v, dest, work.tag(mb, stage - 1, stages, 1))?);
-                    self.record("send", format!("send grad {mb} s{stage} t{step}"), start);
+                    self.record("send", work.message_name("send grad", mb, stage), start);
                 }
                 Action::RecvGrad { mb, stage } => {
                     let src = self.plan.schedule.rank_of(stage + 1);
                     let v = self.recv(act_len, src, work.tag(mb, stage, stages, 1))?;
                     inbox_grad.insert((mb, stage), v);
                     report.wait_s += t0.elapsed().as_secs_f64();
-                    self.record("recv", format!("recv grad {mb} s{stage} t{step}"), start);
+                    self.record("recv", work.message_name("recv grad", mb, stage), start);
                 }
                 Action::BackwardWeight { mb, stage } => {
                     reducer.set_last_micro_batch(final_weight.get(&stage) == Some(&mb));
