@@ -54,15 +54,43 @@ const CONSTANT_LR: [&str; 6] = [
 #[test]
 fn a_preemption_signal_stops_every_rank_after_one_step_with_a_checkpoint_that_resumes_exactly() {
     let out = out_dir("preempted");
+    let k = preempt(&out, &["--dp", "2"]);
+    // Resumed for two more steps, it equals a run that was never stopped.
+    let steps = format!("train.steps={}", k + 2);
+    let mut cmd = mpirun(2);
+    cmd.arg(MERAK)
+        .arg("train")
+        .arg("--resume")
+        .arg(out.join("checkpoints"))
+        .args(["--set", &steps, "--out"])
+        .arg(&out);
+    merak_tests::run_with_deadline(cmd, std::time::Duration::from_secs(120)).assert_success();
+    let reference = out_dir("preempted-reference");
+    let mut cmd = mpirun(2);
+    cmd.arg(MERAK);
+    train_args(&mut cmd, &reference, &["--dp", "2", "--set", &steps]);
+    cmd.args(CONSTANT_LR);
+    merak_tests::run_with_deadline(cmd, std::time::Duration::from_secs(120)).assert_success();
+    let (got, want) = (read_metrics(&out), read_metrics(&reference));
+    assert_eq!(got.len(), k + 2);
+    for key in ["loss", "grad_norm"] {
+        assert_eq!(series(&got, key), series(&want, key), "{key}");
+    }
+}
+
+/// Starts a long 2-rank run with `layout`, sends mpirun SIGUSR1 after five steps and checks
+/// that the job stops with status 75, every rank after the same step, that step checkpointed;
+/// returns the steps done.
+fn preempt(out: &std::path::Path, layout: &[&str]) -> usize {
     let mut cmd = mpirun(2);
     cmd.arg(MERAK);
     train_args(
         &mut cmd,
-        &out,
-        &["--dp", "2", "--set", "train.steps=100000"],
+        out,
+        &[layout, &["--set", "train.steps=100000"]].concat(),
     );
     // The job's output goes to files: a pipe nobody reads before the end would fill up.
-    std::fs::create_dir_all(&out).unwrap();
+    std::fs::create_dir_all(out).unwrap();
     let log = |name: &str| std::fs::File::create(out.join(name)).expect("log file");
     cmd.args(CONSTANT_LR)
         .stdout(log("job.out"))
@@ -87,33 +115,20 @@ fn a_preemption_signal_stops_every_rank_after_one_step_with_a_checkpoint_that_re
         stderr.contains("stopped on a signal after step"),
         "{stderr}"
     );
-
     // Every rank stopped after the same step, and that step was checkpointed.
-    let k = read_metrics(&out).len();
+    let k = read_metrics(out).len();
     let latest = std::fs::read_to_string(out.join("checkpoints/latest")).unwrap();
     assert_eq!(latest.trim(), format!("step-{k:08}"));
 
-    // Resumed for two more steps, it equals a run that was never stopped.
-    let steps = format!("train.steps={}", k + 2);
-    let mut cmd = mpirun(2);
-    cmd.arg(MERAK)
-        .arg("train")
-        .arg("--resume")
-        .arg(out.join("checkpoints"))
-        .args(["--set", &steps, "--out"])
-        .arg(&out);
-    merak_tests::run_with_deadline(cmd, std::time::Duration::from_secs(120)).assert_success();
-    let reference = out_dir("preempted-reference");
-    let mut cmd = mpirun(2);
-    cmd.arg(MERAK);
-    train_args(&mut cmd, &reference, &["--dp", "2", "--set", &steps]);
-    cmd.args(CONSTANT_LR);
-    merak_tests::run_with_deadline(cmd, std::time::Duration::from_secs(120)).assert_success();
-    let (got, want) = (read_metrics(&out), read_metrics(&reference));
-    assert_eq!(got.len(), k + 2);
-    for key in ["loss", "grad_norm"] {
-        assert_eq!(series(&got, key), series(&want, key), "{key}");
-    }
+    k
+}
+
+/// Under 2BW a step runs the next one's first forwards: the stop is agreed before a step, so
+/// that none runs ahead of it, and the job ends without a hang.
+#[test]
+fn a_preemption_signal_stops_an_overlapping_2bw_pipeline() {
+    let out = out_dir("preempted-2bw");
+    preempt(&out, &["--pp", "2", "--set", "parallel.schedule=2bw"]);
 }
 
 /// Waits for `child` at most `secs` seconds (killing it after that) and returns its status.
