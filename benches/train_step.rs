@@ -297,6 +297,7 @@ fn merak_variant<'g>(
         seed: args.seed,
         val_every: 0,
         val_batches: 0,
+        precision: Default::default(),
     };
     let parallel = ParallelPlan {
         dp: grid.layout.dp,

@@ -4,10 +4,10 @@
 #
 #   bash benches/gpu/run.sh            # OUT=runs/gpu STEPS=12 PEAK_TFLOPS=989 (H100 SXM bf16)
 #
-# 1. GPT-2 small (124M) and medium (355M), sequence 1024, synthetic data, one GPU: merak (fp32,
-#    the only precision it has today) at the largest micro-batch of 16, 8, 4, 2, 1 that runs,
-#    and at that micro-batch PyTorch eager fp32, eager bf16 (autocast) and torch.compile bf16,
-#    on the same model and step (benches/pytorch/gpt_train.py).
+# 1. GPT-2 small (124M) and medium (355M), sequence 1024, synthetic data, one GPU: merak bf16
+#    at the largest micro-batch of 16, 8, 4, 2, 1 that runs, merak fp32 at that micro-batch,
+#    and PyTorch eager fp32, eager bf16 (autocast) and torch.compile bf16, on the same model
+#    and step (benches/pytorch/gpt_train.py).
 # 2. Two ranks on the one GPU over MPI: tp=2 and pp=2 against one rank, tiny GPT, 5 steps.
 # benches/gpu/report.py prints tokens/s, MFU (DESIGN.md section 5's FLOPs over PEAK_TFLOPS)
 # and peak GPU memory, and the 2-rank loss differences.
@@ -45,7 +45,7 @@ for model in gpt2 gpt2-medium; do
         dir="$out/merak-$model"
         rm -rf "$dir"
         watcher=$(watch_memory "$out/merak-$model.mem")
-        merak train --set model.preset=$model --set model.seq_len=1024 \
+        merak train --set model.preset=$model --set model.seq_len=1024 --set train.precision=bf16 \
             --set data.kind=synthetic --set train.device=cuda --set train.micro_batch=$b \
             --set train.global_batch=$b --set train.steps="$steps" --set train.warmup_steps=2 \
             --set checkpoint.at_end=false --out "$dir" >"$out/merak-$model.log" 2>&1
@@ -59,6 +59,11 @@ for model in gpt2 gpt2-medium; do
         echo "merak $model micro-batch $b: exit $status (see $out/merak-$model.log)"
     done
     mbs=${mbs:-1}
+    merak train --set model.preset=$model --set model.seq_len=1024 --set train.precision=fp32 \
+        --set data.kind=synthetic --set train.device=cuda --set train.micro_batch="$mbs" \
+        --set train.global_batch="$mbs" --set train.steps="$steps" --set train.warmup_steps=2 \
+        --set checkpoint.at_end=false --out "$out/merak-fp32-$model" >"$out/merak-fp32-$model.log" 2>&1 ||
+        echo "merak fp32 $model failed (see its log)"
     for variant in "eager fp32" "eager bf16" "compile bf16"; do
         read -r mode precision <<<"$variant"
         flags=(--device cuda --precision "$precision")

@@ -148,6 +148,9 @@ pub struct TrainSection {
     pub seed: u64,
     /// Device: "cpu" or "cuda" (needs the `cuda` build feature).
     pub device: String,
+    /// Compute precision: "fp32", or "bf16" (bf16 compute and activations over f32 master
+    /// weights, gradients, reduction, optimizer state and checkpoints).
+    pub precision: merak_burn::precision::Precision,
     /// With `device = "cuda"`: a device number that every rank of a node uses, or a list of
     /// them indexed by the rank's local rank; unset, local rank `r` uses device `r` (ranks
     /// share devices round-robin when a node has fewer).
@@ -246,6 +249,7 @@ impl Default for Config {
                 sample_temperature: 0.0,
                 seed: 1234,
                 device: "cpu".into(),
+                precision: merak_burn::precision::Precision::Fp32,
                 cuda_device: None,
                 comm_timeout_s: 300.0,
             },

@@ -106,6 +106,7 @@ pub fn settings(cfg: &Config) -> TrainSettings {
         seed: t.seed,
         val_every: cfg.data.val_every,
         val_batches: cfg.data.val_batches,
+        precision: cfg.train.precision,
     }
 }
 

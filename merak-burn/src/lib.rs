@@ -35,5 +35,6 @@ pub mod parallelize;
 pub mod pipeline;
 pub mod plan;
 pub mod planner;
+pub mod precision;
 pub mod tensor_parallel;
 pub mod train;

@@ -206,6 +206,7 @@ fn settings(args: &Args) -> TrainSettings {
         seed: args.seed,
         val_every: 0,
         val_batches: 0,
+        precision: Default::default(),
     }
 }
 

@@ -4,7 +4,9 @@
 //! buffer is communicated, and the result is written back to the same device with the same
 //! element type. This works for every backend; NCCL avoids the host round trip on CUDA.
 
-use burn::tensor::{Shape, Tensor, TensorData, backend::Backend};
+use burn::tensor::{DType, Shape, Tensor, TensorData, backend::Backend};
+
+use crate::precision::like_dtype;
 
 use super::{CommError, Communicator, ReduceOp};
 
@@ -20,13 +22,18 @@ pub(crate) fn tensor_to_vec<B: Backend, const D: usize>(
         .map_err(|e| CommError::TensorRead(format!("{e:?}")))
 }
 
-/// Writes a host `f32` vector into a tensor of `shape` on `device`.
+/// Writes a host `f32` vector into a tensor of `shape` on `device`, of element type `dtype`
+/// (the communicated tensor's: bf16 activations travel as `f32` and come back bf16).
 pub(crate) fn vec_to_tensor<B: Backend, const D: usize>(
     values: Vec<f32>,
     shape: Shape,
     device: &B::Device,
+    dtype: DType,
 ) -> Tensor<B, D> {
-    Tensor::from_data(TensorData::new(values, shape), device)
+    like_dtype(
+        Tensor::from_data(TensorData::new(values, shape), device),
+        dtype,
+    )
 }
 
 /// Communication on Burn tensors, available on every [`Communicator`].
@@ -88,10 +95,10 @@ impl<C: Communicator + ?Sized> TensorComm for C {
         if self.size() == 1 {
             return Ok(t);
         }
-        let (shape, device) = (t.shape(), t.device());
+        let (shape, device, dtype) = (t.shape(), t.device(), t.dtype());
         let mut buf = tensor_to_vec(t)?;
         self.all_reduce(&mut buf, op)?;
-        Ok(vec_to_tensor(buf, shape, &device))
+        Ok(vec_to_tensor(buf, shape, &device, dtype))
     }
 
     fn all_gather_tensor<B: Backend, const D: usize>(
@@ -102,13 +109,13 @@ impl<C: Communicator + ?Sized> TensorComm for C {
         if self.size() == 1 {
             return Ok(t);
         }
-        let (shape, device) = (t.shape(), t.device());
+        let (shape, device, dtype) = (t.shape(), t.device(), t.dtype());
         let send = tensor_to_vec(t)?;
         let mut recv = vec![0.0; send.len() * self.size()];
         self.all_gather(&send, &mut recv)?;
         let parts = recv
             .chunks_exact(send.len().max(1))
-            .map(|c| vec_to_tensor::<B, D>(c.to_vec(), shape.clone(), &device))
+            .map(|c| vec_to_tensor::<B, D>(c.to_vec(), shape.clone(), &device, dtype))
             .collect::<Vec<_>>();
         Ok(Tensor::cat(parts, dim))
     }
@@ -131,14 +138,14 @@ impl<C: Communicator + ?Sized> TensorComm for C {
         if n == 1 {
             return Ok(t);
         }
-        let device = t.device();
+        let (device, dtype) = (t.device(), t.dtype());
         // Lay the chunks out rank-major so that chunk r is contiguous.
         let chunks = t.chunk(n, dim);
         let chunk_shape = chunks[0].shape();
         let send = tensor_to_vec(Tensor::cat(chunks, 0))?;
         let mut recv = vec![0.0; send.len() / n];
         self.reduce_scatter(&send, &mut recv, op)?;
-        Ok(vec_to_tensor(recv, chunk_shape, &device))
+        Ok(vec_to_tensor(recv, chunk_shape, &device, dtype))
     }
 
     fn broadcast_tensor<B: Backend, const D: usize>(
@@ -149,10 +156,10 @@ impl<C: Communicator + ?Sized> TensorComm for C {
         if self.size() == 1 {
             return Ok(t);
         }
-        let (shape, device) = (t.shape(), t.device());
+        let (shape, device, dtype) = (t.shape(), t.device(), t.dtype());
         let mut buf = tensor_to_vec(t)?;
         self.broadcast(&mut buf, root)?;
-        Ok(vec_to_tensor(buf, shape, &device))
+        Ok(vec_to_tensor(buf, shape, &device, dtype))
     }
 
     fn send_tensor<B: Backend, const D: usize>(
@@ -174,6 +181,6 @@ impl<C: Communicator + ?Sized> TensorComm for C {
     ) -> Result<Tensor<B, D>, CommError> {
         let mut buf = vec![0.0; shape.iter().product()];
         self.recv(&mut buf, src, tag)?;
-        Ok(vec_to_tensor(buf, Shape::from(shape), device))
+        Ok(vec_to_tensor(buf, Shape::from(shape), device, DType::F32))
     }
 }

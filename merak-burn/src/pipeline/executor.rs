@@ -30,6 +30,7 @@ use super::two_bw;
 use crate::comm::{CommError, Group, Pending};
 use crate::data_parallel::DataParallel;
 use crate::kernels::deferred;
+use crate::precision::autocast;
 use crate::tensor_parallel::ops::deliver_grad;
 use crate::tensor_parallel::{ParallelBackend, force_dropout, set_dropout_position};
 
@@ -450,8 +451,12 @@ impl Executor {
         // Sends of this step, and sends of the next step's forwards that ran ahead.
         let mut pending: Vec<Box<dyn Pending>> = std::mem::take(&mut in_flight.pending);
         let mut pending_next: Vec<Box<dyn Pending>> = Vec::new();
+        // Messages travel as f32; a stage computes in the step's precision.
         let hidden_of = |v: Vec<f32>| -> Tensor<B::InnerBackend, 3> {
-            Tensor::from_data(TensorData::new(v, [micro, seq, hidden]), device)
+            autocast(Tensor::from_data(
+                TensorData::new(v, [micro, seq, hidden]),
+                device,
+            ))
         };
         let me = self.rank;
         let missing = move |action: Action, what: &'static str| PipelineError::Missing {
@@ -840,10 +845,10 @@ impl Executor {
                             tag(mb, s, stages, 0),
                         )?,
                     };
-                    StageInput::Hidden(Tensor::from_data(
+                    StageInput::Hidden(autocast(Tensor::from_data(
                         TensorData::new(v, [micro, seq, hidden]),
                         device,
-                    ))
+                    )))
                 };
                 let targets = (s == last).then_some(batch.targets.as_slice());
                 match Self::run_units(model, self.units(s), input, targets, [micro, seq], device) {

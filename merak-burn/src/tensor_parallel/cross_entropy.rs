@@ -21,6 +21,8 @@ pub fn vocab_parallel_cross_entropy<B: ParallelBackend>(
     vocab_size: usize,
     group: Group,
 ) -> Tensor<B, 1> {
+    // The loss is computed in f32 whatever the compute precision.
+    let logits = crate::precision::to_f32(logits);
     let [b, s, local] = logits.dims();
     let shard = VocabShard {
         start: vocab_start,

@@ -90,6 +90,7 @@ impl ReplicatedDropout {
             );
         }
         let mask = Tensor::<B, D>::from_data(TensorData::new(mask, shape), &x.device());
+        let mask = crate::precision::like_dtype(mask, x.dtype());
         x * mask
     }
 }

@@ -1,5 +1,6 @@
 //! The vocabulary-parallel embedding, also used as the tied output head.
 
+use crate::precision::autocast;
 use burn::module::Module;
 use burn::nn::Embedding;
 use burn::tensor::{Int, Tensor, backend::Backend};
@@ -93,7 +94,9 @@ impl<B: ParallelBackend> VocabParallelEmbedding<B> {
     /// [`crate::kernels::embedding`]) and the TP group sums the results.
     pub fn forward(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
         let rows = embedding(self.embedding.weight.val(), ids, self.vocab_start);
-        reduce_from_tp(rows, self.group)
+        // The table stays f32 (its gradient is scattered into it); the rows enter the
+        // compute precision here.
+        autocast(reduce_from_tp(rows, self.group))
     }
 
     /// The tied output head: `[batch, seq, d_model]` hidden states to this rank's slice of
@@ -103,7 +106,11 @@ impl<B: ParallelBackend> VocabParallelEmbedding<B> {
         let [b, s, h] = hidden.dims();
         let hidden = copy_to_tp(hidden, self.group).reshape([b * s, h]);
         // One [b s, h] x [h, V] product (its weight gradient one product over every token).
-        let logits = linear(hidden, self.embedding.weight.val().transpose(), None);
+        let logits = linear(
+            hidden,
+            autocast(self.embedding.weight.val()).transpose(),
+            None,
+        );
         logits.reshape([b, s, self.local_rows])
     }
 }

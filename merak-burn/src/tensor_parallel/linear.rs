@@ -1,5 +1,6 @@
 //! Column- and row-parallel linear layers.
 
+use crate::precision::autocast;
 use burn::module::{Module, Param};
 use burn::nn::Linear;
 use burn::tensor::{Tensor, TensorData, backend::Backend};
@@ -28,11 +29,11 @@ fn linear_rows<B: FusedOps, const D: usize>(
     bias: bool,
 ) -> Tensor<B, D> {
     let b = if bias {
-        layer.bias.as_ref().map(|b| b.val())
+        layer.bias.as_ref().map(|b| autocast(b.val()))
     } else {
         None
     };
-    on_rows(x, |x| kernels::linear(x, layer.weight.val(), b))
+    on_rows(x, |x| kernels::linear(x, autocast(layer.weight.val()), b))
 }
 
 /// A parameter of `shape` holding `values` (row-major) on `device`.
@@ -149,7 +150,7 @@ impl<B: ParallelBackend> ColumnParallelLinear<B> {
         }
         on_rows(x, |x| {
             let chunks = self.overlap.chunks_for(x.dims()[0]);
-            overlap::column_linear(x, self.linear.weight.val(), chunks, self.group)
+            overlap::column_linear(x, autocast(self.linear.weight.val()), chunks, self.group)
         })
     }
 
@@ -172,7 +173,7 @@ impl<B: ParallelBackend> ColumnParallelLinear<B> {
     pub fn forward_bias_gelu<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         let y = self.product(x);
         match &self.linear.bias {
-            Some(b) => bias_gelu(y, b.val()),
+            Some(b) => bias_gelu(y, autocast(b.val())),
             None => burn::tensor::activation::gelu(y),
         }
     }
@@ -246,7 +247,7 @@ impl<B: ParallelBackend> RowParallelLinear<B> {
         } else {
             on_rows(x, |x| {
                 let chunks = self.overlap.chunks_for(x.dims()[0]);
-                overlap::row_linear(x, self.linear.weight.val(), chunks, self.group)
+                overlap::row_linear(x, autocast(self.linear.weight.val()), chunks, self.group)
             })
         };
         add_bias(y, self.bias.as_ref())
@@ -259,7 +260,7 @@ fn add_bias<B: Backend, const D: usize>(
     bias: Option<&Param<Tensor<B, 1>>>,
 ) -> Tensor<B, D> {
     match bias {
-        Some(b) => y + b.val().unsqueeze(),
+        Some(b) => y + autocast(b.val()).unsqueeze(),
         None => y,
     }
 }

@@ -1,5 +1,6 @@
 //! LayerNorm, replicated on every tensor-parallel rank, on the fused kernel.
 
+use crate::precision::autocast;
 use burn::module::{Module, Param};
 use burn::tensor::{Tensor, backend::Backend};
 
@@ -37,6 +38,7 @@ impl<B: Backend> LayerNorm<B> {
 impl<B: FusedOps> LayerNorm<B> {
     /// `[..., d] -> [..., d]`.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        layer_norm(x, self.gamma.val(), self.beta.val(), self.epsilon)
+        let (gamma, beta) = (autocast(self.gamma.val()), autocast(self.beta.val()));
+        layer_norm(x, gamma, beta, self.epsilon)
     }
 }

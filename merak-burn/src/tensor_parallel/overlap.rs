@@ -102,36 +102,42 @@ fn fatal(e: impl std::fmt::Display) -> ! {
 
 /// The all-reduces in flight, tested between chunk products so that MPI moves them.
 struct InFlight {
-    pending: Vec<(Box<dyn Pending>, Shape)>,
+    pending: Vec<(Box<dyn Pending>, Shape, burn::tensor::DType)>,
 }
 
 impl InFlight {
     /// Starts the all-reduce (sum) of `x` over `group`.
     fn start<B: FusedOps>(&mut self, x: FloatTensor<B>, comm: &dyn Communicator) {
-        let shape = x.shape();
+        let (shape, dtype) = (x.shape(), x.dtype());
         let t = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(x));
         let n = shape.num_elements();
         let host = tensor_to_vec(t.reshape([n])).unwrap_or_else(|e| fatal(e));
         let pending = comm
             .all_reduce_start(host, ReduceOp::Sum)
             .unwrap_or_else(|e| fatal(e));
-        self.pending.push((pending, shape));
+        self.pending.push((pending, shape, dtype));
     }
 
     /// Lets MPI progress every outstanding all-reduce.
     fn progress(&mut self) {
-        for (p, _) in &mut self.pending {
+        for (p, _, _) in &mut self.pending {
             p.test().unwrap_or_else(|e| fatal(e));
         }
     }
 
-    /// Waits for every all-reduce and joins the results along the rows, on `device`.
+    /// Waits for every all-reduce and joins the results along the rows, on `device`, in the
+    /// element type each chunk had (bf16 chunks travel as `f32`).
     fn finish<B: FusedOps>(self, device: &B::Device) -> FloatTensor<B> {
         let parts: Vec<FloatTensor<B>> = (self.pending.into_iter())
-            .map(|(p, shape)| {
+            .map(|(p, shape, dtype)| {
                 let values = p.wait().unwrap_or_else(|e| fatal(e));
                 let data = burn::tensor::TensorData::new(values, shape);
-                B::float_from_data(data, device)
+                let t = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(B::float_from_data(
+                    data, device,
+                )));
+                crate::precision::like_dtype(t, dtype)
+                    .into_primitive()
+                    .tensor()
             })
             .collect();
         B::float_cat(parts, 0)

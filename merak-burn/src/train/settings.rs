@@ -44,6 +44,10 @@ pub struct TrainSettings {
     pub val_every: usize,
     /// Global batches of held-out sequences per validation.
     pub val_batches: usize,
+    /// The compute precision ([`Precision`](crate::precision::Precision)): bf16 computes
+    /// and keeps activations in bf16 over f32 master weights, gradients and optimizer state.
+    #[serde(default)]
+    pub precision: crate::precision::Precision,
 }
 
 impl TrainSettings {

@@ -238,6 +238,7 @@ where
         next_follows: bool,
     ) -> Result<StepOutcome, TrainError> {
         let step = self.done;
+        crate::precision::set_precision(self.settings.precision);
         let mut phases = StepPhases::default();
         let mut clock = Instant::now();
         let mut lap = |slot: &mut f64| {
@@ -398,6 +399,7 @@ where
     /// Mean loss over `val_batches` global batches of held-out sequences, without gradients;
     /// each data-parallel rank evaluates its share through the pipeline.
     pub fn validation_loss(&self, data: &dyn BatchSource) -> Result<f64, TrainError> {
+        crate::precision::set_precision(self.settings.precision);
         if let Some(step) = self.in_flight.step() {
             return Err(PipelineError::AheadInFlight {
                 rank: self.grid.coords.pp,

@@ -58,9 +58,10 @@ impl<B: ParallelBackend> MlmHead<B> {
     /// `[batch, seq, hidden] -> [batch, seq, hidden]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let [b, s, h] = x.dims();
-        let y = linear(x.reshape([b * s, h]), self.dense.weight.val(), None).reshape([b, s, h]);
+        let w = merak_burn::precision::autocast(self.dense.weight.val());
+        let y = linear(x.reshape([b * s, h]), w, None).reshape([b, s, h]);
         let y = match &self.dense.bias {
-            Some(b) => bias_gelu(y, b.val()),
+            Some(b) => bias_gelu(y, merak_burn::precision::autocast(b.val())),
             None => gelu(y),
         };
         self.ln.forward(y)
@@ -223,7 +224,8 @@ impl<B: ParallelBackend> Bert<B> {
         };
         // The first `seq` position embeddings, added to every sequence (broadcast).
         let s = ids.dims()[1];
-        let pos = wpe.weight.val().narrow(0, 0, s).unsqueeze::<3>();
+        let pos =
+            merak_burn::precision::autocast(wpe.weight.val().narrow(0, 0, s)).unsqueeze::<3>();
         self.dropout.forward(ln.forward(wte.forward(ids) + pos))
     }
 

@@ -168,7 +168,8 @@ impl<B: ParallelBackend> Gpt<B> {
         };
         // The first `seq` position embeddings, added to every sequence (broadcast).
         let s = ids.dims()[1];
-        let pos = wpe.weight.val().narrow(0, 0, s).unsqueeze::<3>();
+        let pos =
+            merak_burn::precision::autocast(wpe.weight.val().narrow(0, 0, s)).unsqueeze::<3>();
         self.dropout.forward(wte.forward(ids) + pos)
     }
 

@@ -39,6 +39,7 @@ fn a_checkpoint_folder_that_is_a_file_fails_before_the_first_step() {
         seed: 7,
         val_every: 0,
         val_batches: 0,
+        precision: Default::default(),
     };
     let mut trainer =
         Trainer::new(&grid, &parallel, pipeline, settings, model, device, false).unwrap();
