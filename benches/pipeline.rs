@@ -26,7 +26,9 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use merak_burn::pipeline::{Costs, Schedule, ScheduleKind, build_schedule, simulate};
+use merak_burn::pipeline::{
+    Costs, Schedule, ScheduleKind, build_schedule, simulate, steady_step_time,
+};
 
 /// Pipeline schedules measured side by side.
 #[derive(Parser, Debug)]
@@ -298,18 +300,7 @@ fn action_times(out: &Path, stages: usize) -> Result<[Vec<f64>; 3]> {
 /// The simulator's bubble for `kind` with the measured mean action times of `out`, in the
 /// measured bubble's terms: the mean over ranks of (makespan - busy) / busy.
 fn simulated_bubble(out: &Path, kind: ScheduleKind, p: usize, m: usize, v: usize) -> Result<f64> {
-    let stages = p * v;
-    let [forward, b, w] = action_times(out, stages)?;
-    let mut costs = Costs::uniform(stages, 0.0, 0.0);
-    costs.forward = forward;
-    costs.backward = b.iter().zip(&w).map(|(b, w)| b + w).collect();
-    costs.recompute = vec![0.0; stages];
-    let (bs, ws): (f64, f64) = (b.iter().sum(), w.iter().sum());
-    costs.weight_share = if kind.splits_backward() {
-        ws / (bs + ws)
-    } else {
-        0.5
-    };
+    let costs = measured_costs(out, kind, p * v)?;
     let sim = simulate(&schedule_of(kind, p, m, v)?, &costs, 1)?;
     let per_rank: Vec<f64> = (0..p)
         .map(|r| (sim.makespan() - sim.busy(r)) / sim.busy(r))
@@ -322,14 +313,21 @@ fn schedule_of(kind: ScheduleKind, p: usize, m: usize, v: usize) -> Result<Sched
     Ok(build_schedule(kind, p, m, v, &vec![false; p * v])?)
 }
 
-/// The simulator's costs from the measured mean forward and backward times of `out`'s trace
-/// (one stage per rank, unsplit backward).
-fn measured_costs(out: &Path, stages: usize) -> Result<Costs> {
-    let [forward, backward, _] = action_times(out, stages)?;
+/// The simulator's costs for `kind` from the measured mean forward, B and W times of each
+/// stage in `out`'s trace (messages free): the backward is B + W, and a split backward's W
+/// share the measured one.
+fn measured_costs(out: &Path, kind: ScheduleKind, stages: usize) -> Result<Costs> {
+    let [forward, b, w] = action_times(out, stages)?;
     let mut costs = Costs::uniform(stages, 0.0, 0.0);
     costs.forward = forward;
-    costs.backward = backward;
+    costs.backward = b.iter().zip(&w).map(|(b, w)| b + w).collect();
     costs.recompute = vec![0.0; stages];
+    let (bs, ws): (f64, f64) = (b.iter().sum(), w.iter().sum());
+    costs.weight_share = if kind.splits_backward() {
+        ws / (bs + ws)
+    } else {
+        0.5
+    };
     Ok(costs)
 }
 
@@ -367,11 +365,13 @@ fn two_bw(a: &Args) -> Result<()> {
         let (t1, t2) = (common::median(&mut t1), common::median(&mut t2));
         // The simulator from 2BW's own F/B times; what it does not model (the reduction, the
         // optimizer) is the measured 1F1B step less its simulated one, the same in both.
-        let costs = measured_costs(&bw, 2)?;
-        let sim_one =
-            simulate(&schedule_of(ScheduleKind::OneFOneB, 2, m, 1)?, &costs, 1)?.makespan();
-        let s = schedule_of(ScheduleKind::TwoBw, 2, m, 1)?;
-        let sim_bw = simulate(&s, &costs, 3)?.makespan() - simulate(&s, &costs, 2)?.makespan();
+        let costs = measured_costs(&bw, ScheduleKind::TwoBw, 2)?;
+        let steady =
+            |kind| -> Result<f64> { Ok(steady_step_time(&schedule_of(kind, 2, m, 1)?, &costs)?) };
+        let (sim_one, sim_bw) = (
+            steady(ScheduleKind::OneFOneB)?,
+            steady(ScheduleKind::TwoBw)?,
+        );
         let rest = (t1 - sim_one).max(0.0);
         println!(
             "{m:>3} {t1:>10.3} {t2:>10.3} {:>14.3} {:>14.3}",

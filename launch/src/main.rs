@@ -155,10 +155,9 @@ fn run_schedule(a: &ScheduleArgs) -> Result<()> {
         sim.bubble_fraction()
     );
     if kind == ScheduleKind::TwoBw {
-        let steady = |n| simulate(&schedule, &costs, n).map(|s| s.makespan());
         println!(
             "2bw steady step (3 overlapping steps less 2): {:.3}",
-            steady(3)? - steady(2)?
+            merak_burn::pipeline::steady_step_time(&schedule, &costs)?
         );
     }
     for s in 0..stages {

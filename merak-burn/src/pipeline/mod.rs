@@ -34,7 +34,7 @@ pub use recompute::{
     in_flight_gpipe, kept_bytes_per_layer, stage_aware_recompute,
 };
 pub use schedule::{Action, Schedule, ScheduleError, ScheduleKind, build_schedule};
-pub use simulate::{Costs, Simulation, TimedAction, simulate};
+pub use simulate::{Costs, Simulation, TimedAction, simulate, steady_step_time};
 pub use stack::{TiedTable, UnitStack};
 pub use stage::{PipelineModel, StageInput, StageOutput};
 pub use trace::{TraceEvent, chrome_trace, write_chrome_trace};

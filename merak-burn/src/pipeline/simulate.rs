@@ -273,6 +273,16 @@ pub fn simulate(s: &Schedule, costs: &Costs, steps: usize) -> Result<Simulation,
     })
 }
 
+/// The time of one step of `s` in a long run: for a flushing schedule one step from an empty to
+/// an empty pipeline; for [`ScheduleKind::TwoBw`], whose steps overlap, three simulated steps
+/// less two (the first fills the pipeline and the last drains it).
+pub fn steady_step_time(s: &Schedule, costs: &Costs) -> Result<f64, ValidationError> {
+    if s.kind.flushes() {
+        return Ok(simulate(s, costs, 1)?.makespan());
+    }
+    Ok(simulate(s, costs, 3)?.makespan() - simulate(s, costs, 2)?.makespan())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -36,7 +36,8 @@ use super::hardware::HardwareSpec;
 use super::model::{BYTES_16BIT, ModelProxy, RecomputeMode};
 use crate::pipeline::schedule::stage_of_chunk;
 use crate::pipeline::{
-    Costs, Partition, ScheduleError, ScheduleKind, ValidationError, build_schedule, simulate,
+    Costs, Partition, ScheduleError, ScheduleKind, ValidationError, build_schedule,
+    steady_step_time,
 };
 
 /// Memory every rank needs besides model states and activations: CUDA context, communication
@@ -841,15 +842,9 @@ impl<'a> CostModel<'a> {
             layout.virtual_stages,
             &derived.schedule_recompute,
         )?;
-        // A flushing schedule runs every step from an empty to an empty pipeline. PipeDream-2BW
-        // runs each step's warm-up during the previous step's cool-down (the optimizer step
-        // stays a barrier): its steady step is three overlapping steps less two (the first
-        // fills the pipeline and the last drains it).
-        let time = if schedule.kind.flushes() {
-            simulate(&schedule, costs, 1)?.makespan()
-        } else {
-            simulate(&schedule, costs, 3)?.makespan() - simulate(&schedule, costs, 2)?.makespan()
-        };
+        // PipeDream-2BW runs each step's warm-up during the previous step's cool-down (the
+        // optimizer step stays a barrier); the others drain every step.
+        let time = steady_step_time(&schedule, costs)?;
         self.simulations.borrow_mut().insert(key, time);
         Ok(time)
     }
