@@ -205,9 +205,9 @@ impl<'a, M> StepWork<'a, M> {
 pub struct InFlight<B: AutodiffBackend> {
     /// The 0-based step whose forwards ran ahead.
     step: Option<usize>,
+    /// Their graphs (a received activation is used, an output sent, right away: no message
+    /// value waits between calls).
     held: HashMap<(usize, usize), Held<B>>,
-    inbox_act: HashMap<(usize, usize), Vec<f32>>,
-    outbox_act: HashMap<(usize, usize), Vec<f32>>,
     pending: Vec<Box<dyn Pending>>,
     /// Loss of that step's micro-batches already run (on the last stage).
     loss: f64,
@@ -218,8 +218,6 @@ impl<B: AutodiffBackend> Default for InFlight<B> {
         Self {
             step: None,
             held: HashMap::new(),
-            inbox_act: HashMap::new(),
-            outbox_act: HashMap::new(),
             pending: Vec::new(),
             loss: 0.0,
         }
@@ -444,9 +442,9 @@ impl Executor {
         // The loss of this step's micro-batches and of the next step's that run ahead.
         let mut losses = [std::mem::take(&mut in_flight.loss), 0.0];
         let mut held = std::mem::take(&mut in_flight.held);
-        let mut inbox_act = std::mem::take(&mut in_flight.inbox_act);
+        let mut inbox_act: HashMap<(usize, usize), Vec<f32>> = HashMap::new();
         let mut inbox_grad: HashMap<(usize, usize), Vec<f32>> = HashMap::new();
-        let mut outbox_act = std::mem::take(&mut in_flight.outbox_act);
+        let mut outbox_act: HashMap<(usize, usize), Vec<f32>> = HashMap::new();
         let mut outbox_grad: HashMap<(usize, usize), Vec<f32>> = HashMap::new();
         // Sends of this step, and sends of the next step's forwards that ran ahead.
         let mut pending: Vec<Box<dyn Pending>> = std::mem::take(&mut in_flight.pending);
@@ -755,8 +753,6 @@ impl Executor {
         }
         in_flight.step = overlap.then_some(step + 1);
         in_flight.held = next_step_part(held, m);
-        in_flight.inbox_act = next_step_part(inbox_act, m);
-        in_flight.outbox_act = next_step_part(outbox_act, m);
         in_flight.pending = pending_next;
         report.loss = losses[0];
         in_flight.loss = losses[1];

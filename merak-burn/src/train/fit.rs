@@ -64,8 +64,9 @@ where
             let ts = Instant::now();
             let faults = process::minor_faults();
             let stop_first = overlapping && self.stop_agreed(out)?;
-            let next = self.done + 1;
-            let next_follows = !stop_first && next < steps && !self.settings.validates_after(next);
+            // No step runs ahead of a validation pass (after step `done + 1`, 1-based); the
+            // trainer itself overlaps only where a step is left.
+            let next_follows = !stop_first && !self.settings.validates_after(self.done + 1);
             let outcome = self.step_overlapping(data, next_follows)?;
             if let Some(grad_norm) = outcome.grad_norm {
                 let val_loss = (self.settings.validates_after(outcome.step))
