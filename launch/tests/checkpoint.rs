@@ -23,13 +23,8 @@ fn run_train(np: usize, out: &Path, steps: usize, extra: &[&str]) -> Run {
 
 /// `merak train --resume <checkpoint>` on `np` ranks writing into `out`.
 fn run_resume(np: usize, checkpoint: &Path, out: &Path, extra: &[&str]) -> Run {
-    let mut cmd = merak(np);
-    cmd.arg("train")
-        .arg("--resume")
-        .arg(checkpoint)
-        .arg("--out")
-        .arg(out)
-        .args(extra);
+    let mut cmd = resume_cmd(np, checkpoint, out);
+    cmd.args(extra);
     run_with_deadline(cmd, Duration::from_secs(300))
 }
 
@@ -245,14 +240,9 @@ fn a_killed_job_resumes_from_its_last_checkpoint() {
     let last = Checkpoint::open(&out.join("checkpoints")).expect("a complete checkpoint");
     let k = last.manifest.step;
     let steps = format!("train.steps={}", k + 2);
-    let mut cmd = mpirun(2);
-    cmd.arg(MERAK)
-        .arg("train")
-        .arg("--resume")
-        .arg(out.join("checkpoints"))
-        .args(["--set", &steps]);
     // metrics.jsonl keeps the steps up to the checkpoint and continues after them.
-    cmd.arg("--out").arg(&out);
+    let mut cmd = resume_cmd(2, &out.join("checkpoints"), &out);
+    cmd.args(["--set", &steps]);
     run_with_deadline(cmd, Duration::from_secs(120)).assert_success();
     let resumed = read_metrics(&out);
     assert_eq!(resumed.len(), k + 2, "steps 1..={} in metrics.jsonl", k + 2);

@@ -57,13 +57,8 @@ fn a_preemption_signal_stops_every_rank_after_one_step_with_a_checkpoint_that_re
     let k = preempt(&out, &["--dp", "2"]);
     // Resumed for two more steps, it equals a run that was never stopped.
     let steps = format!("train.steps={}", k + 2);
-    let mut cmd = mpirun(2);
-    cmd.arg(MERAK)
-        .arg("train")
-        .arg("--resume")
-        .arg(out.join("checkpoints"))
-        .args(["--set", &steps, "--out"])
-        .arg(&out);
+    let mut cmd = resume_cmd(2, &out.join("checkpoints"), &out);
+    cmd.args(["--set", &steps]);
     merak_tests::run_with_deadline(cmd, std::time::Duration::from_secs(120)).assert_success();
     let reference = out_dir("preempted-reference");
     let mut cmd = mpirun(2);

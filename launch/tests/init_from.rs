@@ -130,14 +130,8 @@ fn init_from_an_export_starts_where_the_checkpoint_is_under_any_layout() {
     // with the weights held fixed: its training batches are later ones, the held-out ones
     // the same).
     let resumed = out_dir("init-resumed");
-    let mut cmd = merak(0);
-    cmd.arg("train")
-        .arg("--resume")
-        .arg(&checkpoints)
-        .arg("--out")
-        .arg(&resumed)
-        .args(FIXED)
-        .args(["--set", "train.steps=21"]);
+    let mut cmd = resume_cmd(0, &checkpoints, &resumed);
+    cmd.args(FIXED).args(["--set", "train.steps=21"]);
     run_with_deadline(cmd, Duration::from_secs(120)).assert_success();
     let resumed = read_metrics(&resumed);
     let step21 = resumed

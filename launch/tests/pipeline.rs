@@ -329,13 +329,8 @@ fn checkpoints_move_across_pipeline_layouts() {
         ),
     ] {
         let out = out_dir(name);
-        let mut cmd = merak(np);
-        cmd.arg("train")
-            .arg("--resume")
-            .arg(&step3)
-            .arg("--out")
-            .arg(&out)
-            .args(&layout);
+        let mut cmd = resume_cmd(np, &step3, &out);
+        cmd.args(&layout);
         run_with_deadline(cmd, Duration::from_secs(120)).assert_success();
         let got = read_metrics(&out);
         let want = read_metrics(&full);

@@ -46,6 +46,18 @@ pub fn merak(np: usize) -> Command {
     c
 }
 
+/// `merak train --resume <checkpoint> --out <out>` on `np` ranks (without mpirun when
+/// `np == 0`); the caller adds its settings and runs it.
+pub fn resume_cmd(np: usize, checkpoint: &Path, out: &Path) -> Command {
+    let mut cmd = merak(np);
+    cmd.arg("train")
+        .arg("--resume")
+        .arg(checkpoint)
+        .arg("--out")
+        .arg(out);
+    cmd
+}
+
 /// Runs `merak train` with `config` for 5 steps on `np` ranks (without mpirun when `np == 0`)
 /// and returns the metrics.
 pub fn train_with(config: &Path, np: usize, name: &str, extra: &[&str]) -> Vec<serde_json::Value> {
