@@ -79,19 +79,15 @@ for plugin in "$out/ompi/$(rel "$ompi_pkglibdir")"/*.so; do
     esac
 done
 
-# PMIx (external to Debian's Open MPI): its plugins under OUT/pmix.
-pmix_lib=$(ldd "$out/bin/mpirun" "$out/lib"/* 2>/dev/null | awk '/libpmix\.so/{print $3; exit}')
-if [ -z "$pmix_lib" ]; then
-    pmix_lib=$(find "$out/ompi" -name 'mca_pmix_ext*.so' -exec ldd {} \; | awk '/libpmix\.so/{print $3; exit}')
-fi
+# PMIx (external to Debian's Open MPI): its plugins under OUT/pmix/lib/pmix, found through the
+# library Open MPI's PMIx plugin loads.
+pmix_lib=$(find "$out/ompi" -name 'mca_pmix_ext*.so' -exec ldd {} \; | awk '/libpmix\.so/{print $3; exit}')
 if [ -n "$pmix_lib" ]; then
     pmix_prefix=$(dirname "$(dirname "$(readlink -f "$pmix_lib")")")
     if [ -d "$pmix_prefix/lib/pmix" ]; then
-        mkdir -p "$out/pmix/lib"
-        cp -L "$pmix_prefix"/lib/pmix/*.so "$out/pmix/lib/" 2>/dev/null || true
         mkdir -p "$out/pmix/lib/pmix"
-        mv "$out/pmix/lib"/*.so "$out/pmix/lib/pmix/" 2>/dev/null || true
-        [ -d "$pmix_prefix/share" ] && cp -r "$pmix_prefix/share" "$out/pmix/"
+        cp -L "$pmix_prefix"/lib/pmix/*.so "$out/pmix/lib/pmix/"
+        if [ -d "$pmix_prefix/share" ]; then cp -r "$pmix_prefix/share" "$out/pmix/"; fi
         for plugin in "$out/pmix/lib/pmix"/*.so; do copy_deps "$plugin"; done
     fi
 fi
