@@ -19,7 +19,7 @@ use burn_autodiff::{
     ops::{Backward, Ops, OpsKind, unary},
 };
 
-use super::{AttentionSpec, FusedOps, NormStats, VocabShard};
+use super::{AttentionSpec, FusedOps, NormStats, VocabShard, composed};
 use crate::comm::Group;
 
 #[derive(Debug)]
@@ -232,11 +232,12 @@ impl<B: FusedOps> RetroForward for RetroBiasGelu<B> {
 struct Attention;
 
 impl<B: FusedOps> Backward<B, 1> for Attention {
-    type State = (NodeId, B::FloatTensorPrimitive, AttentionSpec);
+    type State = (NodeId, Option<B::FloatTensorPrimitive>, AttentionSpec);
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, c: &mut Checkpointer) {
         let (qkv, probs, spec) = ops.state;
         let qkv = c.retrieve_node_output::<B::FloatTensorPrimitive>(qkv);
+        let probs = probs.unwrap_or_else(|| composed::attention_probs::<B>(qkv.clone(), spec));
         unary::<B, _>(ops.parents, ops.node, grads, |dctx| {
             B::attention_backward(qkv, probs, dctx, spec)
         });

@@ -221,25 +221,57 @@ fn merge_heads<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 3> {
     x.swap_dims(1, 2).reshape([b, s, h * d])
 }
 
-/// Composed attention forward (see
-/// [`FusedOps::attention_forward`](super::FusedOps::attention_forward)).
-pub fn attention_forward<B: Backend>(
-    qkv: FloatTensor<B>,
-    spec: AttentionSpec,
-) -> (FloatTensor<B>, FloatTensor<B>) {
-    let [q, k, v] = split_heads(lift::<B, 3>(qkv), spec.heads);
+/// The attention probabilities `[batch, heads, seq, seq]` of a fused Q/K/V buffer: the
+/// softmax of the scaled scores, under the causal mask when `spec.causal`. The backward pass
+/// recomputes them this way when the forward pass did not keep them.
+pub fn attention_probs<B: Backend>(qkv: FloatTensor<B>, spec: AttentionSpec) -> FloatTensor<B> {
+    let [q, k, _] = split_heads(lift::<B, 3>(qkv), spec.heads);
+    prim(probs_of(q, k, spec.causal))
+}
+
+/// `softmax(q kᵀ / sqrt(d))`, with the future masked out when `causal`.
+fn probs_of<B: Backend>(q: Tensor<B, 4>, k: Tensor<B, 4>, causal: bool) -> Tensor<B, 4> {
     let [b, h, s, d] = q.dims();
     let mut scores = q.matmul(k.swap_dims(2, 3)) * (1.0 / (d as f64).sqrt());
-    if spec.causal {
+    if causal {
         let future = Tensor::<B, 2, Bool>::tril_mask([s, s], 0, &scores.device());
         scores = scores.mask_fill(
             future.unsqueeze::<4>().expand([b, h, s, s]),
             f32::NEG_INFINITY,
         );
     }
-    let probs = burn::tensor::activation::softmax(scores, 3);
+    burn::tensor::activation::softmax(scores, 3)
+}
+
+/// Composed attention forward (see
+/// [`FusedOps::attention_forward`](super::FusedOps::attention_forward)): the context and the
+/// probabilities.
+pub fn attention_forward<B: Backend>(
+    qkv: FloatTensor<B>,
+    spec: AttentionSpec,
+) -> (FloatTensor<B>, Option<FloatTensor<B>>) {
+    let [q, k, v] = split_heads(lift::<B, 3>(qkv), spec.heads);
+    let probs = probs_of(q, k, spec.causal);
     let ctx = merge_heads(probs.clone().matmul(v));
-    (prim(ctx), prim(probs))
+    (prim(ctx), Some(prim(probs)))
+}
+
+/// Attention through Burn's own attention operation ([`burn::tensor::module::attention`]: flash
+/// attention on the CubeCL backends when its autotuner finds it faster): the context only. No
+/// `[batch, heads, seq, seq]` tensor outlives the forward pass; the backward pass recomputes
+/// the probabilities ([`attention_probs`]).
+pub fn attention_forward_unsaved<B: Backend>(
+    qkv: FloatTensor<B>,
+    spec: AttentionSpec,
+) -> (FloatTensor<B>, Option<FloatTensor<B>>) {
+    let [q, k, v] = split_heads(lift::<B, 3>(qkv), spec.heads);
+    let options = burn::tensor::ops::AttentionModuleOptions {
+        scale: None,
+        softcap: None,
+        is_causal: spec.causal,
+    };
+    let ctx = burn::tensor::module::attention(q, k, v, None, None, options);
+    (prim(merge_heads(ctx)), None)
 }
 
 /// Composed attention backward (see

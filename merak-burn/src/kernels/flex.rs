@@ -355,7 +355,7 @@ impl FusedOps for Flex {
         [dx, tensor(dbias, [d])]
     }
 
-    fn attention_forward(qkv: FlexTensor, spec: AttentionSpec) -> (FlexTensor, FlexTensor) {
+    fn attention_forward(qkv: FlexTensor, spec: AttentionSpec) -> (FlexTensor, Option<FlexTensor>) {
         if !is_f32(&qkv) {
             return composed::attention_forward::<Flex>(qkv, spec);
         }
@@ -365,7 +365,10 @@ impl FusedOps for Flex {
         let mut probs = vec![0.0; shape.probs_len()];
         attention::forward(qkv.storage::<f32>(), shape, &mut ctx, &mut probs);
         let (b, s, h, d) = (shape.batch, shape.seq, shape.heads, shape.head_dim);
-        (tensor(ctx, [b, s, h * d]), tensor(probs, [b, h, s, s]))
+        (
+            tensor(ctx, [b, s, h * d]),
+            Some(tensor(probs, [b, h, s, s])),
+        )
     }
 
     fn attention_backward(

@@ -248,11 +248,12 @@ pub trait FusedOps: Backend {
     /// Forward kernel of scaled dot-product self-attention on a fused Q/K/V projection
     /// (`[batch, seq, 3 * heads * head_dim]`: all query heads, then keys, then values): the
     /// context `[batch, seq, heads * head_dim]` and the probabilities
-    /// `[batch, heads, seq, seq]` kept for the backward pass.
+    /// `[batch, heads, seq, seq]` kept for the backward pass, or `None` where the kernel does
+    /// not keep them (the backward pass then recomputes them, [`composed::attention_probs`]).
     fn attention_forward(
         qkv: FloatTensor<Self>,
         spec: AttentionSpec,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         composed::attention_forward::<Self>(qkv, spec)
     }
 
@@ -329,8 +330,18 @@ pub fn attention<B: FusedOps>(qkv: Tensor<B, 3>, spec: AttentionSpec) -> Tensor<
     lift(B::fused_attention(prim(qkv), spec))
 }
 
+/// On CUDA the attention is Burn's attention operation (flash attention where the autotuner
+/// finds it faster), which keeps no probabilities: the backward pass recomputes them. The other
+/// kernels compose Burn's operators.
 #[cfg(feature = "cuda")]
-impl FusedOps for burn_cuda::Cuda<f32> {}
+impl FusedOps for burn_cuda::Cuda<f32> {
+    fn attention_forward(
+        qkv: FloatTensor<Self>,
+        spec: AttentionSpec,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        composed::attention_forward_unsaved::<Self>(qkv, spec)
+    }
+}
 
 /// Communication failures inside a fused operation cannot be returned through Burn's operator
 /// signatures; they are fatal for the job (the panic hook aborts it and names the rank).

@@ -234,6 +234,10 @@ fn composed_kernels_equal_the_cpu_kernels() {
     let (c1, p1) = Cpu::attention_forward(prim(qkv.clone()), spec);
     let (c2, p2) = composed::attention_forward::<Cpu>(prim(qkv.clone()), spec);
     close("attention forward", host::<3>(c1), host::<3>(c2));
+    let (p1, p2) = (
+        p1.expect("flex keeps probs"),
+        p2.expect("composed keeps probs"),
+    );
     let d1 = Cpu::attention_backward(prim(qkv.clone()), p1, prim(dctx.clone()), spec);
     let d2 = composed::attention_backward::<Cpu>(prim(qkv), p2, prim(dctx), spec);
     close("attention backward", host::<3>(d1), host::<3>(d2));
@@ -286,4 +290,35 @@ fn composed_kernels_equal_the_cpu_kernels() {
     let sq = Cpu::sum_of_squares(prim(x.clone()));
     let want: f64 = values(x).iter().map(|&v| f64::from(v) * f64::from(v)).sum();
     assert!((sq - want).abs() <= 1e-12 * want, "{sq} vs {want}");
+}
+
+/// The CUDA attention (Burn's attention operation, no probabilities kept) gives the composed
+/// context, and the backward pass over recomputed probabilities gives the composed gradient,
+/// with and without the causal mask.
+#[test]
+fn unsaved_attention_equals_the_composed_attention() {
+    let rng = InitRng::new(5);
+    for causal in [true, false] {
+        let spec = AttentionSpec { heads: 3, causal };
+        let qkv: Tensor<Cpu, 3> = tensor::<Cpu, 2>(&rng, "qkv", [14, 36]).reshape([2, 7, 36]);
+        let dctx: Tensor<Cpu, 3> = tensor::<Cpu, 2>(&rng, "dctx", [14, 12]).reshape([2, 7, 12]);
+        let (c1, p1) = composed::attention_forward_unsaved::<Cpu>(prim(qkv.clone()), spec);
+        assert!(p1.is_none(), "the unsaved attention keeps no probabilities");
+        let (c2, p2) = composed::attention_forward::<Cpu>(prim(qkv.clone()), spec);
+        close("unsaved attention forward", host::<3>(c1), host::<3>(c2));
+        let p2 = p2.expect("composed keeps probs");
+        let recomputed = composed::attention_probs::<Cpu>(prim(qkv.clone()), spec);
+        close(
+            "recomputed probs",
+            host::<4>(recomputed.clone()),
+            host::<4>(p2.clone()),
+        );
+        let d1 = Cpu::attention_backward(prim(qkv.clone()), recomputed, prim(dctx.clone()), spec);
+        let d2 = composed::attention_backward::<Cpu>(prim(qkv), p2, prim(dctx), spec);
+        close(
+            "attention backward over recomputed probs",
+            host::<3>(d1),
+            host::<3>(d2),
+        );
+    }
 }
