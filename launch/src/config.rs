@@ -151,6 +151,9 @@ pub struct TrainSection {
     /// Compute precision: "fp32", or "bf16" (bf16 compute and activations over f32 master
     /// weights, gradients, reduction, optimizer state and checkpoints).
     pub precision: merak_burn::precision::Precision,
+    /// What carries messages between ranks: "auto" (NCCL on CUDA when every rank has a GPU of
+    /// its own, MPI otherwise), "nccl" (an error where NCCL cannot run) or "mpi".
+    pub comm: merak_burn::comm::TransportRequest,
     /// With `device = "cuda"`: a device number that every rank of a node uses, or a list of
     /// them indexed by the rank's local rank; unset, local rank `r` uses device `r` (ranks
     /// share devices round-robin when a node has fewer).
@@ -250,6 +253,7 @@ impl Default for Config {
                 seed: 1234,
                 device: "cpu".into(),
                 precision: merak_burn::precision::Precision::Fp32,
+                comm: merak_burn::comm::TransportRequest::Auto,
                 cuda_device: None,
                 comm_timeout_s: 300.0,
             },
@@ -614,6 +618,18 @@ impl Config {
                 format!("`{}` is not a device (cpu or cuda)", self.train.device),
             );
         }
+        if self.train.comm == merak_burn::comm::TransportRequest::Nccl
+            && self.train.device != "cuda"
+        {
+            return bad(
+                "train.comm",
+                format!(
+                    "is \"nccl\", but train.device = \"{}\" (NCCL moves GPU memory; use \"mpi\" \
+                     or \"auto\")",
+                    self.train.device
+                ),
+            );
+        }
         if self.train.cuda_device.is_some() && self.train.device != "cuda" {
             return bad(
                 "train.cuda_device",
@@ -885,6 +901,24 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("train.cuda_device"), "{e}");
+    }
+
+    #[test]
+    fn comm_is_auto_nccl_or_mpi_and_nccl_only_on_cuda() {
+        use merak_burn::comm::TransportRequest;
+        assert_eq!(load(None, &[]).unwrap().train.comm, TransportRequest::Auto);
+        let c = load(None, &sets(&["train.comm=\"mpi\""])).unwrap();
+        assert_eq!(c.train.comm, TransportRequest::Mpi);
+        let c = load(None, &sets(&["train.device=cuda", "train.comm=nccl"])).unwrap();
+        assert_eq!(c.train.comm, TransportRequest::Nccl);
+        let e = load(None, &sets(&["train.comm=nccl"]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("train.comm") && e.contains("cpu"), "{e}");
+        let e = load(None, &sets(&["train.comm=gloo"]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("train.comm") && e.contains("gloo"), "{e}");
     }
 
     #[test]

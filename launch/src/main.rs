@@ -19,6 +19,7 @@ mod spawn;
 mod tokens;
 mod train;
 mod train_cmd;
+mod transport;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -78,6 +78,9 @@ struct Job {
     parallel: ParallelPlan,
     /// The pipeline plan built from it (one stage for pp = 1).
     pipeline: PipelinePlan,
+    /// This rank's device and the grid's transport (the device is read on CUDA only).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    placement: crate::transport::Placement,
     /// This rank's place in the grid.
     grid: ProcessGrid,
     /// The data set, opened and checked.
@@ -115,9 +118,11 @@ pub fn run_train(args: TrainArgs) -> ExitCode {
     let job = match prepare(&args, world, size) {
         Ok(job) => job,
         // Errors that every rank detects identically (config, layout, data): rank 0 reports,
-        // all exit 2.
+        // all exit 2. A rank's own device error is reported by that rank.
         Err(e) => {
-            if rank == 0 {
+            if crate::transport::is_rank_specific(&e) && size > 1 {
+                eprintln!("error: rank {rank}: {}", describe(&e));
+            } else if rank == 0 {
                 eprintln!("error: {}", describe(&e));
             }
             return ExitCode::from(2);
@@ -193,9 +198,10 @@ fn prepare(args: &TrainArgs, world: Option<MpiCommunicator>, size: usize) -> Res
         );
     }
     check_outputs(args, &cfg, rank)?;
+    let placement = crate::transport::place(&cfg, world.as_ref())?;
     crate::admission::check(&cfg, &parallel, &pipeline)?;
     let grid = match world {
-        Some(w) => ProcessGrid::from_mpi(w, parallel.layout())?,
+        Some(w) => ProcessGrid::from_mpi_with(w, parallel.layout(), placement.transport)?,
         None => ProcessGrid::single(),
     };
     let data = crate::data::open(&cfg)?;
@@ -206,6 +212,7 @@ fn prepare(args: &TrainArgs, world: Option<MpiCommunicator>, size: usize) -> Res
         cfg,
         parallel,
         pipeline,
+        placement,
         grid,
         data,
         resume,
@@ -254,7 +261,7 @@ fn run(job: &Job, out: &Path, trace: Option<&Path>, stop: &StopRequest) -> Resul
         #[cfg(feature = "cuda")]
         "cuda" => {
             type B = burn::backend::Autodiff<burn_cuda::Cuda<f32>>;
-            let device = cuda_device(cfg, grid.rank)?;
+            let device = job.placement.device.map_or(0, |d| d.ordinal);
             train_model::<B>(job, out, &burn_cuda::CudaDevice::new(device), spec)?
         }
         other => bail!(
@@ -265,22 +272,6 @@ fn run(job: &Job, out: &Path, trace: Option<&Path>, stop: &StopRequest) -> Resul
         print_summary(&summary, out)?;
     }
     Ok(summary.stopped)
-}
-
-/// This rank's CUDA device ([`merak_burn::device::cuda_device_for_rank`]), logged by every
-/// rank, with a warning where ranks share one.
-#[cfg(feature = "cuda")]
-pub(crate) fn cuda_device(cfg: &crate::config::Config, rank: usize) -> Result<usize> {
-    let choice = merak_burn::device::cuda_device_for_rank(cfg.train.cuda_device.as_ref())?;
-    tracing::info!("rank {rank}: CUDA device {}", choice.ordinal);
-    if choice.ranks_on_device > 1 {
-        tracing::warn!(
-            "rank {rank}: {} ranks of this node share CUDA device {} (messages go through MPI)",
-            choice.ranks_on_device,
-            choice.ordinal
-        );
-    }
-    Ok(choice.ordinal)
 }
 
 /// Rank 0's closing lines: the summary and the loss curve.

@@ -2,7 +2,8 @@
 //! weights, gradients and optimizer state. Over 50 steps a bf16 run's losses stay within 1% of
 //! fp32's (measured: 3.4e-4) and fall; bf16 under tp = 2, dp = 2, pp = 2 and tp x pp gives
 //! bf16 one process's losses and gradient norms within 1e-3 (measured: at most 1e-4; dp = 2
-//! equals it to 6e-8, as the reduction is f32).
+//! equals it to 6e-8, as the reduction is f32). And `train.comm`: NCCL asked for on the CPU
+//! is refused before training on every rank, naming the key.
 
 use std::path::Path;
 
@@ -80,4 +81,24 @@ fn an_unknown_precision_is_refused_naming_the_key() {
     let text = &run.stderr;
     assert_eq!(run.code, Some(2), "{text}");
     assert!(text.contains("train.precision"), "{text}");
+}
+
+#[test]
+fn nccl_on_the_cpu_is_refused_on_every_rank_before_training() {
+    let out = out_dir("comm-nccl-cpu");
+    let run = run_pp(2, &out, &["--tp", "2", "--set", "train.comm=nccl"]);
+    let text = &run.stderr;
+    assert_eq!(run.code, Some(2), "{text}");
+    assert!(
+        text.contains("train.comm") && text.contains("cpu"),
+        "{text}"
+    );
+    assert!(
+        !out.join("metrics.jsonl").exists(),
+        "no step may run: {text}"
+    );
+    let out = out_dir("comm-mpi");
+    let run = run_pp(2, &out, &["--tp", "2", "--set", "train.comm=mpi"]);
+    assert_eq!(run.code, Some(0), "{}", run.stderr);
+    assert!(run.stderr.contains("comm: MPI"), "{}", run.stderr);
 }

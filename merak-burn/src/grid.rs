@@ -7,7 +7,7 @@ use std::rc::Rc;
 
 use thiserror::Error;
 
-use crate::comm::{CommError, Communicator, Group, LocalCommunicator, MpiCommunicator};
+use crate::comm::{CommError, Communicator, Group, LocalCommunicator, MpiCommunicator, Transport};
 use crate::planner::TransformerShape;
 
 /// The degrees of parallelism along each axis.
@@ -217,6 +217,20 @@ impl ProcessGrid {
     /// Splits the MPI world into per-axis groups. Call on every rank, after
     /// [`Layout::validate`]; checks the world size again.
     pub fn from_mpi(world: MpiCommunicator, layout: Layout) -> Result<ProcessGrid, GridError> {
+        Self::from_mpi_with(world, layout, Transport::Mpi)
+    }
+
+    /// Like [`from_mpi`](Self::from_mpi), with the tensor- and data-parallel groups on
+    /// `transport`. Under NCCL, those groups (each rank on its own GPU) get NCCL communicators,
+    /// built over their MPI groups, which carry the unique id. The pipeline group and the world
+    /// stay on MPI: pipeline messages are matched by tag and sent without waiting for the
+    /// receiver, which NCCL's ordered, blocking point-to-point does not give, and the world
+    /// carries only small agreements.
+    pub fn from_mpi_with(
+        world: MpiCommunicator,
+        layout: Layout,
+        transport: Transport,
+    ) -> Result<ProcessGrid, GridError> {
         let size = world.size();
         if layout.world_size() != size {
             return Err(LayoutError::WorldSize {
@@ -246,11 +260,38 @@ impl ProcessGrid {
             layout,
             rank,
             coords: c,
+            tp: on_transport(tp, transport, wrap)?,
+            dp: on_transport(dp, transport, wrap)?,
             world: wrap(world),
-            tp: wrap(tp),
-            dp: wrap(dp),
             pp: wrap(pp),
         })
+    }
+}
+
+/// The group of `comm` on `transport`: its MPI communicator wrapped by `wrap`, or an NCCL
+/// communicator over it (collective over `comm`'s ranks).
+fn on_transport(
+    comm: MpiCommunicator,
+    transport: Transport,
+    wrap: impl Fn(MpiCommunicator) -> Group,
+) -> Result<Group, GridError> {
+    match transport {
+        Transport::Nccl { .. } if comm.size() == 1 => Ok(wrap(comm)),
+        Transport::Mpi => Ok(wrap(comm)),
+        #[cfg(feature = "cuda")]
+        Transport::Nccl { device } => {
+            let nccl = crate::comm::nccl::NcclCommunicator::new(&comm, device)?;
+            tracing::info!(
+                "{} group of {} ranks on NCCL, CUDA device {device}",
+                comm.name(),
+                comm.size()
+            );
+            Ok(Group::register(Rc::new(nccl)))
+        }
+        #[cfg(not(feature = "cuda"))]
+        Transport::Nccl { .. } => Err(GridError::Comm(CommError::NcclUnavailable(
+            "this build has no CUDA (rebuild with --features cuda)".to_string(),
+        ))),
     }
 }
 

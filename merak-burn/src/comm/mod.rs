@@ -15,8 +15,11 @@ mod local;
 mod mpi_comm;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+#[cfg(feature = "cuda")]
+mod nccl_device;
 mod progress_thread;
 pub(crate) mod tensor;
+pub mod transport;
 pub mod watchdog;
 
 pub use error::CommError;
@@ -27,6 +30,7 @@ pub use mpi_comm::{
 };
 pub use progress_thread::ProgressThreadComm;
 pub use tensor::TensorComm;
+pub use transport::{Transport, TransportRequest};
 
 /// The reduction applied by all-reduce and reduce-scatter.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,6 +64,12 @@ pub trait Communicator {
     fn size(&self) -> usize;
     /// A short name of the implementation, for logs ("local", "mpi", "nccl").
     fn kind(&self) -> &'static str;
+
+    /// The NCCL communicator behind this one, whose tensor operations stay in device memory.
+    #[cfg(feature = "cuda")]
+    fn as_nccl(&self) -> Option<&nccl::NcclCommunicator> {
+        None
+    }
 
     /// Reduces `buf` element-wise over all ranks; every rank receives the result in `buf`.
     fn all_reduce(&self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError>;

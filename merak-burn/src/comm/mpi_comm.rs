@@ -191,6 +191,11 @@ impl MpiCommunicator {
         self
     }
 
+    /// The name the watchdog reports this communicator under ("world", "tensor-parallel", ...).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
     /// Marks a blocking call for the watchdog ([`super::watchdog`]).
     fn watch(&self, op: &'static str, values: usize) -> watchdog::Guard {
         watchdog::watch(op, values, &self.name, &self.members)

@@ -1,7 +1,11 @@
-//! NCCL communicators (crate `cudarc`), on host buffers staged through the GPU.
+//! NCCL communicators (crate `cudarc`).
 //!
-//! Every operation copies its host `f32` buffer to the device on the communicator's own CUDA
-//! stream, runs the NCCL collective there, synchronises the stream and copies the result back.
+//! The [`Communicator`] operations take host `f32` buffers: each copies its buffer to the
+//! device on the communicator's own CUDA stream, runs the NCCL collective there, synchronises
+//! the stream and copies the result back. CUDA tensors skip the host: [`TensorComm`]'s
+//! all-reduce and all-gather hand them to NCCL in device memory (`nccl_device`).
+//!
+//! [`TensorComm`]: super::TensorComm
 //! The NCCL unique id is created by rank 0 and shared over MPI.
 //!
 //! `cudarc` loads `libcuda` and `libnccl` at run time and panics when one is missing; with an
@@ -49,24 +53,53 @@ pub fn nccl_available() -> Result<(), CommError> {
                 .to_string(),
         )),
         Err(versioned_err) => Err(CommError::NcclUnavailable(format!(
-            "NCCL is not installed (neither libnccl.so nor libnccl.so.2 could be loaded: \
-             {plain_err}; {versioned_err}); install NCCL and put its lib directory on \
-             LD_LIBRARY_PATH, or use the MPI communicator"
+            "NCCL is not installed (neither libnccl.so nor libnccl.so.2 could be loaded from {}: \
+             {plain_err}; {versioned_err}); install NCCL (for example the nvidia-nccl-cu13 \
+             Python package) and put its lib directory on LD_LIBRARY_PATH, or set \
+             train.comm = \"mpi\"",
+            searched()
         ))),
     }
 }
 
-/// Checks that the CUDA driver library (`libcuda.so`) can be loaded and initialised and that
-/// at least one GPU is visible. Never panics.
+/// Where the dynamic loader looks for a library, for error messages.
+fn searched() -> String {
+    let path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+    if path.is_empty() {
+        "the system's library directories (LD_LIBRARY_PATH is not set)".to_string()
+    } else {
+        format!("LD_LIBRARY_PATH={path} and the system's library directories")
+    }
+}
+
+/// Checks that NVRTC, which compiles Burn's CUDA kernels at run time, can be loaded. Never
+/// panics.
+pub fn nvrtc_available() -> Result<(), CommError> {
+    // SAFETY: tries to open the library under the names `cudarc` uses, then closes it.
+    if unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(CommError::NcclUnavailable(format!(
+            "NVRTC (libnvrtc.so), which compiles the CUDA kernels at run time, could not be \
+             loaded from {}: install the CUDA runtime compiler (for example the \
+             nvidia-cuda-nvrtc Python package) and put its lib directory on LD_LIBRARY_PATH",
+            searched()
+        )))
+    }
+}
+
+/// Checks that the CUDA driver library (`libcuda.so`) and NVRTC can be loaded, that the driver
+/// initialises and that at least one GPU is visible. Never panics.
 pub fn cuda_available() -> Result<(), CommError> {
     // SAFETY: tries to open the driver library under the names `cudarc` uses, then closes it.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
-        return Err(CommError::NcclUnavailable(
-            "the CUDA driver library (libcuda.so) could not be loaded: is an NVIDIA driver \
-             installed and its library directory on LD_LIBRARY_PATH?"
-                .to_string(),
-        ));
+        return Err(CommError::NcclUnavailable(format!(
+            "the CUDA driver library (libcuda.so) could not be loaded from {}: is an NVIDIA \
+             driver installed and its library directory on LD_LIBRARY_PATH?",
+            searched()
+        )));
     }
+    nvrtc_available()?;
     let count = guard("CUDA initialisation", || {
         cudarc::driver::result::init()?;
         cudarc::driver::result::device::get_count()
@@ -111,7 +144,7 @@ fn nccl_msg(e: &NcclError) -> String {
     format!("{:?}: {text}", e.0)
 }
 
-fn nccl_err(op: &'static str) -> impl FnOnce(NcclError) -> CommError {
+pub(super) fn nccl_err(op: &'static str) -> impl FnOnce(NcclError) -> CommError {
     move |e| CommError::Nccl {
         op,
         msg: nccl_msg(&e),
@@ -125,7 +158,7 @@ fn cuda_err(op: &'static str) -> impl FnOnce(DriverError) -> CommError {
     }
 }
 
-fn nccl_op(op: ReduceOp) -> cudarc::nccl::ReduceOp {
+pub(super) fn nccl_op(op: ReduceOp) -> cudarc::nccl::ReduceOp {
     match op {
         ReduceOp::Sum | ReduceOp::Mean => cudarc::nccl::ReduceOp::Sum,
         ReduceOp::Max => cudarc::nccl::ReduceOp::Max,
@@ -252,6 +285,11 @@ impl NcclCommunicator {
         &self.stream
     }
 
+    /// The NCCL communicator itself.
+    pub(super) fn raw(&self) -> &Comm {
+        &self.comm
+    }
+
     /// The CUDA device ordinal this communicator uses.
     pub fn device_ordinal(&self) -> usize {
         self.stream.context().ordinal()
@@ -334,6 +372,10 @@ impl Communicator for NcclCommunicator {
     }
     fn kind(&self) -> &'static str {
         "nccl"
+    }
+
+    fn as_nccl(&self) -> Option<&NcclCommunicator> {
+        Some(self)
     }
 
     fn all_reduce(&self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {

@@ -2,7 +2,8 @@
 //!
 //! Tensors travel through host memory as `f32`: the tensor is read from its device, the host
 //! buffer is communicated, and the result is written back to the same device with the same
-//! element type. This works for every backend; NCCL avoids the host round trip on CUDA.
+//! element type. This works for every backend. With an NCCL communicator, the all-reduce and
+//! all-gather of `Cuda<f32>` tensors stay in device memory instead.
 
 use burn::tensor::{DType, Shape, Tensor, TensorData, backend::Backend};
 
@@ -95,6 +96,13 @@ impl<C: Communicator + ?Sized> TensorComm for C {
         if self.size() == 1 {
             return Ok(t);
         }
+        #[cfg(feature = "cuda")]
+        let t = match super::nccl_device::try_on_device(self, t, |nccl, t| {
+            nccl.all_reduce_device(t, op)
+        }) {
+            Ok(done) => return done,
+            Err(t) => t,
+        };
         let (shape, device, dtype) = (t.shape(), t.device(), t.dtype());
         let mut buf = tensor_to_vec(t)?;
         self.all_reduce(&mut buf, op)?;
@@ -110,6 +118,19 @@ impl<C: Communicator + ?Sized> TensorComm for C {
             return Ok(t);
         }
         let (shape, device, dtype) = (t.shape(), t.device(), t.dtype());
+        #[cfg(feature = "cuda")]
+        let t =
+            match super::nccl_device::try_on_device(self, t, |nccl, t| nccl.all_gather_device(t)) {
+                Ok(flat) => {
+                    let parts = flat?
+                        .chunk(self.size(), 0)
+                        .into_iter()
+                        .map(|c| c.reshape(shape.clone()))
+                        .collect::<Vec<_>>();
+                    return Ok(Tensor::cat(parts, dim));
+                }
+                Err(t) => t,
+            };
         let send = tensor_to_vec(t)?;
         let mut recv = vec![0.0; send.len() * self.size()];
         self.all_gather(&send, &mut recv)?;
