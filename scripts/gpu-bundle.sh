@@ -8,6 +8,7 @@
 #                       NCCL and NVRTC come from the machine's Python packages, see env.sh)
 #   ompi/, pmix/        Open MPI's and PMIx's plugins and help files, in the layout their
 #                       OPAL_PREFIX / PMIX_INSTALL_PREFIX relocation expects
+#   python/             Megatron-Core (pure Python, from PyPI) for the benchmark's comparison
 #   env.sh              sets PATH, LD_LIBRARY_PATH and the prefixes: `source OUT/env.sh`
 #
 # Usage: scripts/gpu-bundle.sh [OUT]      (default: gpu-bundle, ignored by git)
@@ -100,6 +101,20 @@ for lib in "$out/lib"/*; do copy_deps "$lib"; done
 # The binary travels compressed (a quarter of its size).
 gzip -9 "$out/bin/merak"
 
+# Megatron-Core for the comparison row of benches/gpu/run.sh (the GPU machine has no network):
+# its pure-Python package from the PyPI wheel, unpacked under OUT/python; the dataset helpers'
+# compiled extension (built for one Python version, unused by the benchmark) stays out.
+mcore_version=${MEGATRON_CORE_VERSION:-0.16.1}
+wheels=$(mktemp -d)
+if pip download --quiet --no-deps "megatron-core==$mcore_version" -d "$wheels" >/dev/null 2>&1; then
+    mkdir -p "$out/python"
+    python3 -m zipfile -e "$wheels"/megatron_core-*.whl "$out/python"
+    find "$out/python" -name '*.so' -delete
+else
+    echo "gpu-bundle: could not download megatron-core $mcore_version; the Megatron-Core row will fail" >&2
+fi
+rm -rf "$wheels"
+
 cat >"$out/env.sh" <<'EOF'
 # Source this file (bash) to run the bundled merak and mpirun: `source gpu-bundle/env.sh`.
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -119,7 +134,16 @@ for py in python3 python; do
         break
     fi
 done
-export LD_LIBRARY_PATH="$here/lib$extra${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# NCCL's packages ship libnccl.so.2, but cudarc loads libnccl.so: link it in links/.
+mkdir -p "$here/links"
+for d in ${extra//:/ }; do
+    if [ -e "$d/libnccl.so.2" ] && [ ! -e "$d/libnccl.so" ]; then
+        ln -sfn "$d/libnccl.so.2" "$here/links/libnccl.so"
+    fi
+done
+export LD_LIBRARY_PATH="$here/lib:$here/links$extra${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# Megatron-Core's Python package (benches/gpu/megatron_gpt.py).
+if [ -d "$here/python" ]; then export PYTHONPATH="$here/python${PYTHONPATH:+:$PYTHONPATH}"; fi
 # mpirun as root (the GPU machine runs commands as root).
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 EOF

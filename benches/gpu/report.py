@@ -59,6 +59,7 @@ def main() -> None:
     print(f"# GPU: {gpu}; peak {a.peak_tflops:.0f} TFLOP/s; sequence {SEQ}\n")
     print("| model | run | micro-batch | tokens/s | MFU | peak GPU MiB | first loss -> last |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
+    ratios = []
     for model, (layers, hidden, _) in SHAPES.items():
         fpt = flops_per_token(layers, hidden)
         mbs_file = a.out / f"merak-{model}.mbs"
@@ -70,8 +71,17 @@ def main() -> None:
             rows = records(a.out / f"torch-{model}-{mode}-{precision}.jsonl")
             summary = next((r for r in rows if r.get("summary")), {})
             runs.append((f"torch {mode} {precision}", rows, summary.get("peak_gpu_mib")))
+        rows = records(a.out / f"megatron-{model}.jsonl")
+        summary = next((r for r in rows if r.get("summary")), {})
+        runs.append(("megatron-core bf16", rows, summary.get("peak_gpu_mib")))
+        speed = {name: median_tokens(rows) for name, rows, _ in runs}
+        for other in ["torch eager bf16", "torch compile bf16", "megatron-core bf16"]:
+            if speed["merak bf16"] and speed[other]:
+                ratios.append(f"| {model} | {other} | {speed['merak bf16'] / speed[other]:.3f} |")
+            else:
+                ratios.append(f"| {model} | {other} | - |")
         for name, rows, mem in runs:
-            tps = median_tokens(rows)
+            tps = speed[name]
             losses = [r["loss"] for r in rows if "loss" in r]
             loss = f"{losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "-"
             if tps is None:
@@ -80,6 +90,9 @@ def main() -> None:
             mfu = 100.0 * tps * fpt / (a.peak_tflops * 1e12)
             mem_text = f"{mem:.0f}" if mem else "-"
             print(f"| {model} | {name} | {mbs} | {tps:,.0f} | {mfu:.1f}% | {mem_text} | {loss} |")
+    print("\n| model | merak bf16 against | tokens/s ratio |")
+    print("| --- | --- | --- |")
+    print("\n".join(ratios))
     print("\n| tiny GPT, 5 steps | max relative loss difference to 1 rank |")
     print("| --- | --- |")
     one = [r["loss"] for r in records(a.out / "tiny-1" / "metrics.jsonl") if "loss" in r]

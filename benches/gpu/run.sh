@@ -7,7 +7,8 @@
 # 1. GPT-2 small (124M) and medium (355M), sequence 1024, synthetic data, one GPU: merak bf16
 #    at the largest micro-batch of 16, 8, 4, 2, 1 that runs, merak fp32 at that micro-batch,
 #    and PyTorch eager fp32, eager bf16 (autocast) and torch.compile bf16, on the same model
-#    and step (benches/pytorch/gpt_train.py).
+#    and step (benches/pytorch/gpt_train.py), and Megatron-Core's GPT (plain-PyTorch layer
+#    spec, its own bf16 recipe) at the same micro-batch (benches/gpu/megatron_gpt.py).
 # 2. Two ranks on the one GPU over MPI: tp=2 and pp=2 against one rank, tiny GPT, 5 steps.
 # benches/gpu/report.py prints tokens/s, MFU (DESIGN.md section 5's FLOPs over PEAK_TFLOPS)
 # and peak GPU memory, and the 2-rank loss differences.
@@ -74,6 +75,10 @@ for model in gpt2 gpt2-medium; do
             >"$out/torch-$model-$mode-$precision.log" 2>&1 ||
             echo "torch $model $mode $precision failed (see its log)"
     done
+    "$python" benches/gpu/megatron_gpt.py --vocab 50257 --layers "$layers" --hidden "$hidden" \
+        --heads "$heads" --seq 1024 --batch "$mbs" --steps "$steps" --warmup 2 \
+        --out "$out/megatron-$model.jsonl" >"$out/megatron-$model.log" 2>&1 ||
+        echo "megatron-core $model failed (see its log)"
 done
 
 # Two ranks on one GPU (MPI carries the messages): tp=2 and pp=2 against one rank.
