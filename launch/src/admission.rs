@@ -4,23 +4,35 @@
 
 use anyhow::Result;
 use merak_burn::admission::{GPU_RUNTIME_BYTES, HOST_RUNTIME_BYTES, MemoryLimit, admit, estimate};
+use merak_burn::device::DeviceChoice;
 use merak_burn::pipeline::PipelinePlan;
 use merak_burn::plan::ParallelPlan;
 
 use crate::config::Config;
 
-/// Bytes of an activation element: merak computes in f32.
-const ACTIVATION_BYTES: f64 = 4.0;
+/// Bytes of an activation element: 4 in f32, 2 under bf16 (`train.precision`).
+fn activation_bytes(cfg: &Config) -> f64 {
+    match cfg.train.precision {
+        merak_burn::precision::Precision::Fp32 => 4.0,
+        merak_burn::precision::Precision::Bf16 => 2.0,
+    }
+}
 
-/// Fails when the busiest rank's estimated peak exceeds its share of the memory it trains in.
-/// Where the memory cannot be read, or the cost model cannot describe the run, it admits.
-pub fn check(cfg: &Config, parallel: &ParallelPlan, pipeline: &PipelinePlan) -> Result<()> {
+/// Fails when the busiest rank's estimated peak exceeds its share of the memory it trains in:
+/// the host's, or that of `device`, this rank's CUDA device. Where the memory cannot be read,
+/// or the cost model cannot describe the run, it admits.
+pub fn check(
+    cfg: &Config,
+    parallel: &ParallelPlan,
+    pipeline: &PipelinePlan,
+    device: Option<DeviceChoice>,
+) -> Result<()> {
     let Ok(shape) = cfg.shape() else {
         return Ok(());
     };
     let ranks = local_ranks(parallel);
     let (limit, runtime) = match cfg.train.device.as_str() {
-        "cuda" => (gpu_limit(cfg), GPU_RUNTIME_BYTES),
+        "cuda" => (device.and_then(gpu_limit), GPU_RUNTIME_BYTES),
         _ => (MemoryLimit::host(ranks), HOST_RUNTIME_BYTES),
     };
     let global_batch = cfg.train.global_batch;
@@ -31,7 +43,7 @@ pub fn check(cfg: &Config, parallel: &ParallelPlan, pipeline: &PipelinePlan) -> 
             parallel,
             pipeline,
             global_batch,
-            ACTIVATION_BYTES,
+            activation_bytes(cfg),
             runtime,
         ),
     ) else {
@@ -42,14 +54,12 @@ pub fn check(cfg: &Config, parallel: &ParallelPlan, pipeline: &PipelinePlan) -> 
 
 /// The memory of this rank's CUDA device, shared by the ranks of the node that use it.
 #[cfg(feature = "cuda")]
-fn gpu_limit(cfg: &Config) -> Option<MemoryLimit> {
-    let request = cfg.train.cuda_device.as_ref();
-    let choice = merak_burn::device::cuda_device_for_rank(request).ok()?;
+fn gpu_limit(choice: DeviceChoice) -> Option<MemoryLimit> {
     MemoryLimit::gpu(choice.ordinal, choice.ranks_on_device)
 }
 
 #[cfg(not(feature = "cuda"))]
-fn gpu_limit(_cfg: &Config) -> Option<MemoryLimit> {
+fn gpu_limit(_choice: DeviceChoice) -> Option<MemoryLimit> {
     None
 }
 

@@ -199,7 +199,7 @@ fn prepare(args: &TrainArgs, world: Option<MpiCommunicator>, size: usize) -> Res
     }
     check_outputs(args, &cfg, rank)?;
     let placement = crate::transport::place(&cfg, world.as_ref())?;
-    crate::admission::check(&cfg, &parallel, &pipeline)?;
+    crate::admission::check(&cfg, &parallel, &pipeline, placement.device)?;
     let grid = match world {
         Some(w) => ProcessGrid::from_mpi_with(w, parallel.layout(), placement.transport)?,
         None => ProcessGrid::single(),

@@ -11,8 +11,7 @@ use crate::config::Config;
 /// Where this rank computes and what carries its messages.
 #[derive(Clone, Copy, Debug)]
 pub struct Placement {
-    /// The CUDA device, with `train.device = "cuda"` (read by the CUDA build only).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// The CUDA device, with `train.device = "cuda"`.
     pub device: Option<DeviceChoice>,
     /// The tensor- and data-parallel groups' transport.
     pub transport: Transport,
