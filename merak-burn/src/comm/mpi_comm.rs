@@ -196,6 +196,11 @@ impl MpiCommunicator {
         &self.name
     }
 
+    /// The watchdog's name and world ranks of this group, for a communicator built over it.
+    pub(crate) fn watch_identity(&self) -> (Arc<str>, Arc<[usize]>) {
+        (self.name.clone(), self.members.clone())
+    }
+
     /// Marks a blocking call for the watchdog ([`super::watchdog`]).
     fn watch(&self, op: &'static str, values: usize) -> watchdog::Guard {
         watchdog::watch(op, values, &self.name, &self.members)

@@ -189,6 +189,8 @@ pub struct NcclCommunicator {
     stream: Arc<CudaStream>,
     rank: usize,
     size: usize,
+    /// The MPI group's name and world ranks, for the watchdog's report of a stuck call.
+    watch: (Arc<str>, Arc<[usize]>),
 }
 
 impl NcclCommunicator {
@@ -259,6 +261,7 @@ impl NcclCommunicator {
             stream,
             rank,
             size,
+            watch: mpi.watch_identity(),
         })
     }
 
@@ -315,8 +318,10 @@ impl NcclCommunicator {
         self.stream.alloc_zeros(len).map_err(cuda_err(op))
     }
 
-    /// Waits for the stream and reports errors of earlier asynchronous work.
-    fn sync(&self, op: &'static str) -> Result<(), CommError> {
+    /// Waits for the stream and reports errors of earlier asynchronous work. The wait is
+    /// watched ([`watchdog`](super::watchdog)): a peer that never joins aborts the job.
+    pub(super) fn sync(&self, op: &'static str) -> Result<(), CommError> {
+        let _watched = super::watchdog::watch(op, 0, &self.watch.0, &self.watch.1);
         self.stream.synchronize().map_err(cuda_err(op))?;
         self.stream.context().check_err().map_err(cuda_err(op))
     }
@@ -498,6 +503,7 @@ impl Communicator for NcclCommunicator {
         if buf.is_empty() || self.size == 1 {
             return Ok(Box::new(PendingNcclAllReduce {
                 stream: self.stream.clone(),
+                watch: self.watch.clone(),
                 dev: None,
                 event: None,
                 host: buf,
@@ -516,6 +522,7 @@ impl Communicator for NcclCommunicator {
             .map_err(cuda_err(OP))?;
         Ok(Box::new(PendingNcclAllReduce {
             stream: self.stream.clone(),
+            watch: self.watch.clone(),
             dev: Some(dev),
             event: Some(event),
             host: buf,
@@ -530,6 +537,7 @@ impl Communicator for NcclCommunicator {
 /// blocking); [`Pending::wait`] copies the result back and synchronises the stream.
 pub struct PendingNcclAllReduce {
     stream: Arc<CudaStream>,
+    watch: (Arc<str>, Arc<[usize]>),
     dev: Option<CudaSlice<f32>>,
     event: Option<CudaEvent>,
     host: Vec<f32>,
@@ -563,6 +571,7 @@ impl Pending for PendingNcclAllReduce {
             self.stream
                 .memcpy_dtoh(&dev, &mut self.host[..])
                 .map_err(cuda_err(OP))?;
+            let _watched = super::watchdog::watch(OP, 0, &self.watch.0, &self.watch.1);
             self.stream.synchronize().map_err(cuda_err(OP))?;
             self.stream.context().check_err().map_err(cuda_err(OP))?;
         }

@@ -108,10 +108,7 @@ impl NcclCommunicator {
                 msg: format!("CUDA: {e}"),
             })?;
         run(&src, &mut dst)?;
-        self.stream().synchronize().map_err(|e| CommError::Nccl {
-            op,
-            msg: format!("CUDA: {e}"),
-        })
+        self.sync(op)
     }
 
     /// All-reduce of a CUDA tensor in device memory; the result has the input's shape and
