@@ -93,6 +93,12 @@ def main() -> None:
     print("\n| model | merak bf16 against | tokens/s ratio |")
     print("| --- | --- | --- |")
     print("\n".join(ratios))
+    check = a.out / "nccl-check.log"
+    lines = check.read_text().strip().splitlines() if check.exists() else ["not run"]
+    print(f"\nNCCL self-check (one rank): {lines[-1] if lines else 'no output'}")
+    shared = a.out / "nccl-shared.log"
+    refused = shared.exists() and "one GPU per rank" in shared.read_text()
+    print(f"Two ranks asking for NCCL on one GPU refused before training: {refused}")
     print("\n| tiny GPT, 5 steps | max relative loss difference to 1 rank |")
     print("| --- | --- |")
     one = [r["loss"] for r in records(a.out / "tiny-1" / "metrics.jsonl") if "loss" in r]

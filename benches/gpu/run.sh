@@ -10,6 +10,7 @@
 #    and step (benches/pytorch/gpt_train.py), and Megatron-Core's GPT (plain-PyTorch layer
 #    spec, its own bf16 recipe) at the same micro-batch (benches/gpu/megatron_gpt.py).
 # 2. Two ranks on the one GPU over MPI: tp=2 and pp=2 against one rank, tiny GPT, 5 steps.
+# Before them, `merak probe --nccl` on one rank (Burn's CUDA buffers lent to NCCL).
 # benches/gpu/report.py prints tokens/s, MFU (DESIGN.md section 5's FLOPs over PEAK_TFLOPS)
 # and peak GPU memory, and the 2-rank loss differences.
 set -uo pipefail
@@ -25,6 +26,13 @@ steps=${STEPS:-12}
 python=${PYTHON:-python3}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+
+# NCCL on this GPU: one rank lends Burn's CUDA buffers to NCCL (the device all-reduce and
+# all-gather against exact values); two ranks asking for NCCL on one GPU must be refused.
+mpirun -np 1 merak probe --nccl >"$out/nccl-check.log" 2>&1 || echo "merak probe --nccl failed"
+mpirun -np 2 --oversubscribe merak train --config configs/gpt-tiny.toml --tp 2 \
+    --set train.device=cuda --set train.comm=nccl --set train.steps=1 --out "$out/nccl-shared" \
+    >"$out/nccl-shared.log" 2>&1 && echo "two ranks on one GPU with NCCL were not refused"
 
 shape() {
     case $1 in

@@ -31,6 +31,11 @@ pub struct ProbeArgs {
     /// Timed repetitions of each measurement (the median is kept).
     #[arg(long, default_value_t = 7)]
     pub reps: usize,
+    /// Instead of measuring, check NCCL on each rank's GPU: device all-reduce (f32, bf16) and
+    /// all-gather of Burn tensors and a host all-reduce against exact values (a CUDA build,
+    /// under `mpirun`, one rank per GPU; one rank checks how tensors are lent to NCCL).
+    #[arg(long)]
+    pub nccl: bool,
 }
 
 /// Arguments of `merak profile`.
@@ -315,6 +320,9 @@ fn total_memory_bytes() -> u64 {
 
 /// `merak probe`: writes the measured spec (rank 0).
 pub fn probe(args: &ProbeArgs, world: Option<&MpiCommunicator>) -> Result<()> {
+    if args.nccl {
+        return nccl_check(world);
+    }
     if args.reps == 0 {
         bail!("--reps 0: at least 1 repetition is needed");
     }
@@ -336,6 +344,43 @@ pub fn probe(args: &ProbeArgs, world: Option<&MpiCommunicator>) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// `merak probe --nccl`: [`merak_burn::comm::nccl_device::self_check`] on this rank's GPU;
+/// rank 0 prints the result, and a wrong value is an error.
+#[cfg(feature = "cuda")]
+fn nccl_check(world: Option<&MpiCommunicator>) -> Result<()> {
+    let Some(world) = world else {
+        bail!("merak probe --nccl runs under mpirun (mpirun -np 1 works: one GPU)");
+    };
+    let local = merak_burn::device::LocalRank::from_env()?;
+    let devices = merak_burn::device::cuda_device_count()?;
+    let choice = merak_burn::device::choose_device(local, devices, None, false)?;
+    let check = merak_burn::comm::nccl_device::self_check(world, choice.ordinal)?;
+    if world.rank() == 0 {
+        println!(
+            "NCCL over {} ranks, {} elements: device all-reduce error {} (f32 and bf16), \
+             device all-gather error {}, host all-reduce error {}, inputs unchanged: {}",
+            check.ranks,
+            check.elements,
+            check.all_reduce_error,
+            check.all_gather_error,
+            check.host_all_reduce_error,
+            check.inputs_unchanged
+        );
+    }
+    if !check.passed() {
+        bail!(
+            "the NCCL self-check found wrong values on rank {}",
+            world.rank()
+        );
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn nccl_check(_world: Option<&MpiCommunicator>) -> Result<()> {
+    bail!("merak probe --nccl needs a build with CUDA (cargo build --release --features cuda)")
 }
 
 /// `b` sequences of deterministic token ids for the profiled model.

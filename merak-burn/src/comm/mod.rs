@@ -16,7 +16,7 @@ mod mpi_comm;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 #[cfg(feature = "cuda")]
-mod nccl_device;
+pub mod nccl_device;
 mod progress_thread;
 pub(crate) mod tensor;
 pub mod transport;

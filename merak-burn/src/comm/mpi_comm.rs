@@ -197,6 +197,7 @@ impl MpiCommunicator {
     }
 
     /// The watchdog's name and world ranks of this group, for a communicator built over it.
+    #[cfg(feature = "cuda")]
     pub(crate) fn watch_identity(&self) -> (Arc<str>, Arc<[usize]>) {
         (self.name.clone(), self.members.clone())
     }

@@ -189,3 +189,92 @@ where
             .unwrap_or_else(|_| unreachable!("B is Cuda: the tensor came from a B"))
     }))
 }
+
+/// What [`self_check`] found.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct NcclCheck {
+    /// Ranks in the communicator.
+    pub ranks: usize,
+    /// Elements per rank of each checked tensor.
+    pub elements: usize,
+    /// The largest difference of a device all-reduce (f32, then bf16) from the exact sums.
+    pub all_reduce_error: f32,
+    /// The largest difference of a device all-gather from the ranks' tensors.
+    pub all_gather_error: f32,
+    /// The largest difference of a host-buffer all-reduce from the exact sums.
+    pub host_all_reduce_error: f32,
+    /// Whether the inputs kept their values (the device operations never write in place).
+    pub inputs_unchanged: bool,
+}
+
+impl NcclCheck {
+    /// Whether every result is exact (the values are small integers, exact in bf16 too).
+    pub fn passed(&self) -> bool {
+        self.all_reduce_error == 0.0
+            && self.all_gather_error == 0.0
+            && self.host_all_reduce_error == 0.0
+            && self.inputs_unchanged
+    }
+}
+
+/// Builds an NCCL communicator over `mpi` on CUDA device `device` and checks its device
+/// all-reduce (f32 and bf16) and all-gather of Burn tensors, and its host all-reduce, against
+/// exact values. Collective over `mpi`; each rank needs its own GPU. With one rank the
+/// collectives still run through NCCL, which checks how Burn's buffers are lent to it.
+pub fn self_check(mpi: &super::MpiCommunicator, device: usize) -> Result<NcclCheck, CommError> {
+    let nccl = NcclCommunicator::new(mpi, device)?;
+    let (rank, ranks) = (nccl.rank(), nccl.size());
+    let dev = burn_cuda::CudaDevice::new(device);
+    let elements = 1031;
+    let pattern = |i: usize| (i % 17) as f32;
+    let mine: Vec<f32> = (0..elements)
+        .map(|i| (rank + 1) as f32 * pattern(i))
+        .collect();
+    let total = (ranks * (ranks + 1) / 2) as f32;
+    let sums: Vec<f32> = (0..elements).map(|i| total * pattern(i)).collect();
+    let input = Tensor::<Cuda, 1>::from_floats(mine.as_slice(), &dev);
+
+    let mut all_reduce_error = 0.0f32;
+    for dtype in [DType::F32, DType::BF16] {
+        let out = nccl.all_reduce_device(like_dtype(input.clone(), dtype), ReduceOp::Sum)?;
+        all_reduce_error = all_reduce_error.max(max_difference(out, &sums)?);
+    }
+    let gathered = nccl.all_gather_device(input.clone())?;
+    let expected: Vec<f32> = (0..ranks)
+        .flat_map(|r| (0..elements).map(move |i| (r + 1) as f32 * pattern(i)))
+        .collect();
+    let all_gather_error = max_difference(gathered, &expected)?;
+    let mut host = mine.clone();
+    nccl.all_reduce(&mut host, ReduceOp::Sum)?;
+    let host_all_reduce_error = host
+        .iter()
+        .zip(&sums)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
+    let inputs_unchanged = max_difference(input, &mine)? == 0.0;
+    Ok(NcclCheck {
+        ranks,
+        elements,
+        all_reduce_error,
+        all_gather_error,
+        host_all_reduce_error,
+        inputs_unchanged,
+    })
+}
+
+/// The largest absolute difference between `t` (read back as `f32`) and `want`.
+fn max_difference(t: Tensor<Cuda, 1>, want: &[f32]) -> Result<f32, CommError> {
+    let got = super::tensor::tensor_to_vec(t)?;
+    if got.len() != want.len() {
+        return Err(CommError::BufferSize {
+            op: "NCCL self-check",
+            expected: want.len(),
+            got: got.len(),
+        });
+    }
+    Ok(got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max))
+}
