@@ -11,6 +11,8 @@
 //! 3. NCCL runs on the communicator's stream from the input into a fresh output tensor (never
 //!    in place: Burn may share the input's buffer, for example with a saved autodiff state);
 //! 4. the communicator's stream is synchronised before the output is handed back to Burn.
+//!
+//! [`self_check`] (`merak probe --nccl`) checks this path against exact values on a GPU.
 
 use std::any::Any;
 use std::sync::Arc;
