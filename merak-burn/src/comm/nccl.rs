@@ -3,10 +3,10 @@
 //! The [`Communicator`] operations take host `f32` buffers: each copies its buffer to the
 //! device on the communicator's own CUDA stream, runs the NCCL collective there, synchronises
 //! the stream and copies the result back. CUDA tensors skip the host: [`TensorComm`]'s
-//! all-reduce and all-gather hand them to NCCL in device memory (`nccl_device`).
+//! all-reduce and all-gather hand them to NCCL in device memory (`nccl_device`). The NCCL
+//! unique id is created by rank 0 and shared over MPI.
 //!
 //! [`TensorComm`]: super::TensorComm
-//! The NCCL unique id is created by rank 0 and shared over MPI.
 //!
 //! `cudarc` loads `libcuda` and `libnccl` at run time and panics when one is missing; with an
 //! [`MpiWorld`](super::MpiWorld) alive a panic aborts the whole job. [`nccl_available`] and
