@@ -2,9 +2,10 @@
 //! place on its node (its *local rank*, which `mpirun` puts in the environment), or the
 //! devices a configuration names.
 //!
-//! More ranks than GPUs on a node share the GPUs round-robin. That works while every message
-//! goes through MPI on host buffers, which is merak's only transport today; NCCL will need one
-//! GPU per rank (`sharing_allowed = false`).
+//! More ranks than GPUs on a node share the GPUs round-robin. That works while the messages go
+//! through MPI on host buffers; NCCL refuses two ranks on one GPU, so `train.comm`
+//! ([`comm::transport`](crate::comm::transport)) uses NCCL only where each rank has its own,
+//! and `sharing_allowed = false` refuses sharing outright.
 
 use serde::{Deserialize, Serialize};
 use thiserror::Error;

@@ -298,7 +298,7 @@ impl NcclCommunicator {
         self.stream.context().ordinal()
     }
 
-    fn bind(&self, op: &'static str) -> Result<(), CommError> {
+    pub(super) fn bind(&self, op: &'static str) -> Result<(), CommError> {
         self.stream.context().bind_to_thread().map_err(cuda_err(op))
     }
 

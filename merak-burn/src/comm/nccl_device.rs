@@ -24,7 +24,7 @@ use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDro
 
 use super::nccl::NcclCommunicator;
 use super::{CommError, Communicator, ReduceOp};
-use crate::precision::like_dtype;
+use crate::precision::{like_dtype, to_f32};
 
 /// The CUDA backend whose tensors NCCL reads and writes in place.
 type Cuda = burn_cuda::Cuda<f32>;
@@ -102,13 +102,7 @@ impl NcclCommunicator {
             len: output.dims()[0],
             stream,
         };
-        self.stream()
-            .context()
-            .bind_to_thread()
-            .map_err(|e| CommError::Nccl {
-                op,
-                msg: format!("CUDA: {e}"),
-            })?;
+        self.bind(op)?;
         run(&src, &mut dst)?;
         self.sync(op)
     }
@@ -123,7 +117,7 @@ impl NcclCommunicator {
         const OP: &str = "all_reduce (device)";
         let (shape, dtype, device) = (t.shape(), t.dtype(), t.device());
         let n = shape.num_elements();
-        let input = like_dtype(t, DType::F32).reshape([n]);
+        let input = to_f32(t).reshape([n]);
         let output = Tensor::<Cuda, 1>::empty([n], &device);
         self.on_device(OP, &input, &output, |src, dst| {
             self.raw()
@@ -146,7 +140,7 @@ impl NcclCommunicator {
     ) -> Result<Tensor<Cuda, 1>, CommError> {
         const OP: &str = "all_gather (device)";
         let (n, dtype, device) = (t.shape().num_elements(), t.dtype(), t.device());
-        let input = like_dtype(t, DType::F32).reshape([n]);
+        let input = to_f32(t).reshape([n]);
         let output = Tensor::<Cuda, 1>::empty([n * self.size()], &device);
         self.on_device(OP, &input, &output, |src, dst| {
             self.raw()
@@ -248,11 +242,7 @@ pub fn self_check(mpi: &super::MpiCommunicator, device: usize) -> Result<NcclChe
     let all_gather_error = max_difference(gathered, &expected)?;
     let mut host = mine.clone();
     nccl.all_reduce(&mut host, ReduceOp::Sum)?;
-    let host_all_reduce_error = host
-        .iter()
-        .zip(&sums)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f32::max);
+    let host_all_reduce_error = max_abs_difference(&host, &sums);
     let inputs_unchanged = max_difference(input, &mine)? == 0.0;
     Ok(NcclCheck {
         ranks,
@@ -274,9 +264,13 @@ fn max_difference(t: Tensor<Cuda, 1>, want: &[f32]) -> Result<f32, CommError> {
             got: got.len(),
         });
     }
-    Ok(got
-        .iter()
+    Ok(max_abs_difference(&got, want))
+}
+
+/// The largest absolute element-wise difference of two equally long slices.
+fn max_abs_difference(got: &[f32], want: &[f32]) -> f32 {
+    got.iter()
         .zip(want)
         .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f32::max))
+        .fold(0.0, f32::max)
 }
