@@ -1,9 +1,13 @@
 //! The launch's side of the memory admission check ([`merak_burn::admission`]): which memory
 //! the run's ranks share on this machine (the host's, or this rank's CUDA device's) and how many
-//! of them share it.
+//! of them share it. [`check_shape`] refuses a shape beyond the host from the shape alone,
+//! before the pipeline plan is built; [`check`] then admits the whole plan.
 
 use anyhow::Result;
-use merak_burn::admission::{GPU_RUNTIME_BYTES, HOST_RUNTIME_BYTES, MemoryLimit, admit, estimate};
+use merak_burn::admission::{
+    GPU_RUNTIME_BYTES, HOST_RUNTIME_BYTES, MemoryEstimate, MemoryLimit, admit, admit_shape,
+    estimate, estimate_shape,
+};
 use merak_burn::device::DeviceChoice;
 use merak_burn::pipeline::PipelinePlan;
 use merak_burn::plan::ParallelPlan;
@@ -18,9 +22,40 @@ fn activation_bytes(cfg: &Config) -> f64 {
     }
 }
 
+/// Fails, in microseconds and before anything per layer is built, when the shape of `cfg`
+/// under `parallel` cannot fit this machine: on the CPU the lower bound of the busiest rank's
+/// peak ([`estimate_shape`]), on CUDA the host's share of it (runtime and the planner's
+/// bookkeeping per layer), against the available host memory. Where the memory cannot be
+/// read it admits.
+pub fn check_shape(cfg: &Config, parallel: &ParallelPlan) -> Result<()> {
+    let Ok(shape) = cfg.shape() else {
+        return Ok(());
+    };
+    let Some(limit) = MemoryLimit::host(local_ranks(parallel)) else {
+        return Ok(());
+    };
+    let mut bound = estimate_shape(
+        &shape,
+        parallel,
+        activation_bytes(cfg),
+        HOST_RUNTIME_BYTES,
+        true,
+    );
+    if cfg.train.device == "cuda" {
+        // Model states and activations live on the device; `check` admits them there.
+        bound = MemoryEstimate {
+            states: 0.0,
+            activations: 0.0,
+            ..bound
+        };
+    }
+    Ok(admit_shape(&shape, bound, limit, parallel.micro_batch)?)
+}
+
 /// Fails when the busiest rank's estimated peak exceeds its share of the memory it trains in:
-/// the host's, or that of `device`, this rank's CUDA device. Where the memory cannot be read,
-/// or the cost model cannot describe the run, it admits.
+/// the host's, or that of `device`, this rank's CUDA device (first from the shape alone, as
+/// [`check_shape`], then for the plan's partition). Where the memory cannot be read, or the
+/// cost model cannot describe the run, it admits.
 pub fn check(
     cfg: &Config,
     parallel: &ParallelPlan,
@@ -35,18 +70,15 @@ pub fn check(
         "cuda" => (device.and_then(gpu_limit), GPU_RUNTIME_BYTES),
         _ => (MemoryLimit::host(ranks), HOST_RUNTIME_BYTES),
     };
+    let Some(limit) = limit else {
+        return Ok(());
+    };
+    let bytes = activation_bytes(cfg);
+    // The host's share was admitted by `check_shape`; this is the device's.
+    let bound = estimate_shape(&shape, parallel, bytes, runtime, false);
+    admit_shape(&shape, bound, limit.clone(), parallel.micro_batch)?;
     let global_batch = cfg.train.global_batch;
-    let (Some(limit), Some(e)) = (
-        limit,
-        estimate(
-            &shape,
-            parallel,
-            pipeline,
-            global_batch,
-            activation_bytes(cfg),
-            runtime,
-        ),
-    ) else {
+    let Some(e) = estimate(&shape, parallel, pipeline, global_batch, bytes, runtime) else {
         return Ok(());
     };
     Ok(admit(e, limit, parallel.micro_batch)?)

@@ -41,6 +41,14 @@ pub enum ConfigError {
         /// The keys known at that level.
         hint: String,
     },
+    /// A key or value of a config file that is refused (the file named).
+    #[error("config file {path}: {source}")]
+    InFile {
+        /// The path.
+        path: String,
+        /// What is wrong with the key or value.
+        source: Box<ConfigError>,
+    },
     /// A `--set` argument without `=`.
     #[error("--set expects key=value, got `{0}`")]
     SetSyntax(String),
@@ -292,9 +300,24 @@ fn known_keys() -> Value {
 }
 
 /// Checks every key of `user` against `known`, recursively; `prefix` is the dotted path so far.
+/// A table where `known` has a value (`model.kind.x`) is an unknown key, a value where
+/// `known` has a table (`model = 3`) a bad value: keys added later are checked alike.
 fn check_keys(user: &Value, known: &Value, prefix: &str) -> Result<(), ConfigError> {
-    let (Value::Table(u), Value::Table(k)) = (user, known) else {
-        return Ok(());
+    let (u, k) = match (user, known) {
+        (Value::Table(u), Value::Table(k)) => (u, k),
+        (Value::Table(u), _) => {
+            let Some(name) = u.keys().next() else {
+                return bad(prefix, "is a value, not a table".into());
+            };
+            return Err(ConfigError::UnknownKey {
+                key: format!("{prefix}.{name}"),
+                hint: format!(" (`{prefix}` is a value, not a table)"),
+            });
+        }
+        (_, Value::Table(_)) => {
+            return bad(prefix, format!("is a table ([{prefix}]), not a value"));
+        }
+        _ => return Ok(()),
     };
     for (name, v) in u {
         let key = if prefix.is_empty() {
@@ -323,6 +346,34 @@ fn check_keys(user: &Value, known: &Value, prefix: &str) -> Result<(), ConfigErr
     Ok(())
 }
 
+/// Keys whose value may be NaN or infinite; every other float of a config must be finite.
+const NON_FINITE_ALLOWED: [&str; 0] = [];
+
+/// Refuses every float of `value` (a whole config, at dotted path `prefix`) that is NaN or
+/// infinite, naming its key (`key[i]` inside an array), unless [`NON_FINITE_ALLOWED`] lists
+/// the key.
+fn check_finite(value: &Value, prefix: &str) -> Result<(), ConfigError> {
+    let child = |name: &str| {
+        if prefix.is_empty() {
+            name.to_string()
+        } else {
+            format!("{prefix}.{name}")
+        }
+    };
+    match value {
+        Value::Float(x) if !x.is_finite() && !NON_FINITE_ALLOWED.contains(&prefix) => bad(
+            prefix,
+            format!("{x} is not a finite number (nan, inf and values beyond 1.8e308 are refused)"),
+        ),
+        Value::Table(t) => t.iter().try_for_each(|(k, v)| check_finite(v, &child(k))),
+        Value::Array(a) => a
+            .iter()
+            .enumerate()
+            .try_for_each(|(i, v)| check_finite(v, &format!("{prefix}[{i}]"))),
+        _ => Ok(()),
+    }
+}
+
 /// Overlays `top` onto `base`, table by table.
 fn merge(base: &mut Value, top: Value) {
     match (base, top) {
@@ -340,12 +391,18 @@ fn merge(base: &mut Value, top: Value) {
     }
 }
 
-/// Parses the text of a `--set` value: a TOML literal (number, boolean, quoted string, array)
-/// or, failing that, a bare string.
+/// Parses the text of a `--set` value: a TOML literal (number, boolean, quoted string, array),
+/// a number beyond TOML's floats (`1e309`, infinite, so that it is refused as not finite) or,
+/// failing those, a bare string.
 fn parse_literal(text: &str) -> Value {
     toml::from_str::<toml::Table>(&format!("v = {text}"))
         .ok()
         .and_then(|mut t| t.remove("v"))
+        .or_else(|| {
+            let numeric = text.bytes().any(|b| b.is_ascii_digit());
+            let x: f64 = text.parse().ok().filter(|_| numeric)?;
+            x.is_infinite().then_some(Value::Float(x))
+        })
         .unwrap_or_else(|| Value::String(text.to_string()))
 }
 
@@ -383,14 +440,51 @@ pub fn load(path: Option<&Path>, sets: &[String]) -> Result<Config, ConfigError>
 /// Like [`load`], from the text of a config (`(text, where it came from)`).
 pub fn load_text(file: Option<(&str, &str)>, sets: &[String]) -> Result<Config, ConfigError> {
     let known = known_keys();
-    let mut user = Value::Table(Default::default());
-    if let Some((text, shown)) = file {
-        user = Value::Table(toml::from_str(text).map_err(|e| ConfigError::Parse {
-            path: shown.to_string(),
-            msg: e.to_string(),
-        })?);
-        check_keys(&user, &known, "")?;
+    let mut user = match file {
+        Some((text, shown)) => read_file(text, shown, &known)?,
+        None => Value::Table(Default::default()),
+    };
+    apply_sets(&mut user, sets, &known)?;
+    // Base: the defaults, then the model preset if one is named, then the user's keys.
+    let mut merged = default_value();
+    if let Some(shape) = preset_shape(&user)? {
+        let mut model = toml::Table::new();
+        model.insert("model".into(), shape);
+        merge(&mut merged, Value::Table(model));
     }
+    merge(&mut merged, user);
+    check_finite(&merged, "")?;
+    let cfg: Config = deserialize_named(merged)?;
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+/// The keys of a config file's `text` (from `shown`), checked against `known` and for
+/// non-finite floats; errors name the file.
+fn read_file(text: &str, shown: &str, known: &Value) -> Result<Value, ConfigError> {
+    let user = Value::Table(toml::from_str(text).map_err(|e: toml::de::Error| {
+        // Name the key of the offending line too (`lr = 1e309` under [train]).
+        let key = e.span().and_then(|span| key_at(text, span.start));
+        ConfigError::Parse {
+            path: shown.to_string(),
+            msg: match key {
+                Some(key) => format!("at key `{key}`: {e}"),
+                None => e.to_string(),
+            },
+        }
+    })?);
+    let in_file = |source| ConfigError::InFile {
+        path: shown.to_string(),
+        source: Box::new(source),
+    };
+    check_keys(&user, known, "").map_err(in_file)?;
+    check_finite(&user, "").map_err(in_file)?;
+    Ok(user)
+}
+
+/// Applies `--set key=value` overrides to `user` in order (a key set twice: the later wins),
+/// checking each key, then every value, against `known`.
+fn apply_sets(user: &mut Value, sets: &[String], known: &Value) -> Result<(), ConfigError> {
     for s in sets {
         let (key, text) = s
             .split_once('=')
@@ -398,44 +492,39 @@ pub fn load_text(file: Option<(&str, &str)>, sets: &[String]) -> Result<Config, 
         let key = key.trim();
         let mut probe = Value::Table(Default::default());
         set_key(&mut probe, key, Value::Boolean(true));
-        check_keys(&probe, &known, "")?;
-        set_key(&mut user, key, parse_literal(text.trim()));
+        check_keys(&probe, known, "")?;
+        set_key(user, key, parse_literal(text.trim()));
     }
+    // The values too: `--set model.kind={x=1}` names `model.kind.x`.
+    check_keys(user, known, "")
+}
 
-    // Base: the defaults, then the model preset if one is named, then the user's keys.
-    let mut merged = default_value();
-    let preset = user
-        .get("model")
-        .and_then(|m| m.get("preset"))
-        .and_then(Value::as_str)
-        .unwrap_or("")
-        .to_string();
-    let kind = user
-        .get("model")
-        .and_then(|m| m.get("kind"))
-        .and_then(Value::as_str)
-        .unwrap_or("gpt")
-        .to_string();
-    if !preset.is_empty() {
-        let bad = |msg: String| ConfigError::BadValue {
-            key: "model.preset".into(),
-            msg,
-        };
-        let shape = if kind == "bert" {
-            let b = merak_bert::BertConfig::preset(&preset).map_err(|e| bad(e.to_string()))?;
-            Value::try_from(b).map_err(|e| bad(e.to_string()))?
-        } else {
-            let g = GptConfig::preset(&preset).map_err(|e| bad(e.to_string()))?;
-            Value::try_from(g).map_err(|e| bad(e.to_string()))?
-        };
-        let mut model = toml::Table::new();
-        model.insert("model".into(), shape);
-        merge(&mut merged, Value::Table(model));
+/// The shape of the preset `model.preset` of `user` (of `model.kind`), if one is named.
+fn preset_shape(user: &Value) -> Result<Option<Value>, ConfigError> {
+    let model = |key: &str| {
+        user.get("model")
+            .and_then(|m| m.get(key))
+            .and_then(Value::as_str)
+    };
+    let (preset, kind) = (
+        model("preset").unwrap_or(""),
+        model("kind").unwrap_or("gpt"),
+    );
+    if preset.is_empty() {
+        return Ok(None);
     }
-    merge(&mut merged, user);
-    let cfg: Config = deserialize_named(merged)?;
-    cfg.validate()?;
-    Ok(cfg)
+    let bad = |msg: String| ConfigError::BadValue {
+        key: "model.preset".into(),
+        msg,
+    };
+    let shape = if kind == "bert" {
+        let b = merak_bert::BertConfig::preset(preset).map_err(|e| bad(e.to_string()))?;
+        Value::try_from(b).map_err(|e| bad(e.to_string()))?
+    } else {
+        let g = GptConfig::preset(preset).map_err(|e| bad(e.to_string()))?;
+        Value::try_from(g).map_err(|e| bad(e.to_string()))?
+    };
+    Ok(Some(shape))
 }
 
 /// Deserializes section by section so that a type error names its key.
@@ -469,7 +558,12 @@ fn key_at(text: &str, offset: usize) -> Option<String> {
         }
         if offset <= end {
             if let Some((k, _)) = t.split_once('=') {
-                return Some(format!("{section}.{}", k.trim()));
+                let k = k.trim();
+                return Some(if section.is_empty() {
+                    k.to_string()
+                } else {
+                    format!("{section}.{k}")
+                });
             }
             return (!section.is_empty()).then_some(section);
         }
@@ -477,6 +571,23 @@ fn key_at(text: &str, offset: usize) -> Option<String> {
     }
     None
 }
+
+/// `x` as written in a message: plainly, or in scientific notation when large (`1e300`).
+fn shown(x: f64) -> String {
+    if x.abs() < 1e15 {
+        x.to_string()
+    } else {
+        format!("{x:e}")
+    }
+}
+
+/// The largest `train.comm_timeout_s`: a year, in seconds.
+pub const MAX_COMM_TIMEOUT_S: f64 = 365.0 * 24.0 * 3600.0;
+
+/// The most sequences a validation pass over synthetic data reads (`data.val_batches x
+/// train.global_batch`): far beyond any useful estimate of a loss, far below a pass that never
+/// ends.
+pub const MAX_SYNTHETIC_VAL_SEQUENCES: usize = 1 << 16;
 
 /// `Err(BadValue)` naming `key`.
 fn bad(key: &str, msg: String) -> Result<(), ConfigError> {
@@ -542,7 +653,36 @@ impl Config {
                 "must be at least 1 when data.val_every > 0".into(),
             );
         }
+        if self.data.kind == "synthetic" {
+            return self.validate_val_sequences(MAX_SYNTHETIC_VAL_SEQUENCES, "the synthetic cap");
+        }
         Ok(())
+    }
+
+    /// `data.val_batches` against the validation windows of the data set (`data.kind =
+    /// "tokens"`, [`merak_burn::data::TokenData::val_samples`]): a validation pass reads
+    /// `data.val_batches x train.global_batch` windows and must not read one twice. Called
+    /// once the data set is open.
+    pub fn validate_val_windows(&self, windows: u64) -> Result<(), ConfigError> {
+        let limit = usize::try_from(windows).unwrap_or(usize::MAX);
+        self.validate_val_sequences(limit, "the validation windows of data.path")
+    }
+
+    /// A validation pass (when `data.val_every > 0`) of at most `limit` sequences (`what`).
+    fn validate_val_sequences(&self, limit: usize, what: &str) -> Result<(), ConfigError> {
+        let (batches, global) = (self.data.val_batches, self.train.global_batch);
+        let sequences = batches.checked_mul(global);
+        if self.data.val_every == 0 || sequences.is_some_and(|n| n <= limit) {
+            return Ok(());
+        }
+        let shown = sequences.map_or_else(|| "more than 2^64".into(), |n| n.to_string());
+        bad(
+            "data.val_batches",
+            format!(
+                "{batches} batches of train.global_batch = {global} make {shown} sequences per \
+                 validation, more than {what} ({limit})"
+            ),
+        )
     }
 
     /// `[train]`: steps, learning rates, betas, clipping and device in range.
@@ -556,7 +696,7 @@ impl Config {
         if !(self.train.lr > 0.0 && self.train.lr.is_finite()) {
             return bad(
                 "train.lr",
-                format!("{} must be a positive number", self.train.lr),
+                format!("{} must be a positive number", shown(self.train.lr)),
             );
         }
         if self.train.min_lr < 0.0 || self.train.min_lr > self.train.lr {
@@ -589,8 +729,8 @@ impl Config {
             (
                 "train.comm_timeout_s",
                 t.comm_timeout_s,
-                t.comm_timeout_s >= 0.0,
-                ">= 0 (0: no limit)",
+                (0.0..=MAX_COMM_TIMEOUT_S).contains(&t.comm_timeout_s),
+                "in [0, 31536000] (a year; 0: no limit)",
             ),
             (
                 "train.sample_temperature",
@@ -600,7 +740,7 @@ impl Config {
             ),
         ] {
             if !(ok && v.is_finite()) {
-                return bad(key, format!("{v} must be a finite number {range}"));
+                return bad(key, format!("{} must be a finite number {range}", shown(v)));
             }
         }
         if t.sample_tokens > self.model.gpt.seq_len {
@@ -684,7 +824,8 @@ impl Config {
         if self.parallel.virtual_stages == 0 {
             return bad("parallel.virtual_stages", "must be at least 1".into());
         }
-        let stages = self.parallel.pp * self.virtual_stages();
+        self.validate_degrees()?;
+        let stages = self.stages();
         if !self.parallel.stage_recompute.is_empty()
             && self.parallel.stage_recompute.len() != stages
         {
@@ -716,21 +857,63 @@ impl Config {
         if !(self.parallel.memory_budget_mb >= 0.0 && self.parallel.memory_budget_mb.is_finite()) {
             return bad(
                 "parallel.memory_budget_mb",
-                format!("{} must be >= 0", self.parallel.memory_budget_mb),
+                format!("{} must be >= 0", shown(self.parallel.memory_budget_mb)),
             );
         }
         if !(self.parallel.bucket_mb > 0.0 && self.parallel.bucket_mb.is_finite()) {
             return bad(
                 "parallel.bucket_mb",
-                format!("{} must be a positive number", self.parallel.bucket_mb),
+                format!(
+                    "{} must be a positive number",
+                    shown(self.parallel.bucket_mb)
+                ),
             );
         }
         self.validate_overlap()
     }
 
+    /// Products of the degrees fit in a `usize`: the ranks `dp x tp x pp`, the stages
+    /// `pp x virtual_stages` and the tokens `micro_batch x seq_len`.
+    fn validate_degrees(&self) -> Result<(), ConfigError> {
+        let p = &self.parallel;
+        let products = [
+            (
+                "parallel.dp",
+                "parallel.dp x parallel.tp x parallel.pp",
+                [p.dp, p.tp, p.pp],
+            ),
+            (
+                "parallel.virtual_stages",
+                "parallel.pp x parallel.virtual_stages",
+                [p.pp, self.virtual_stages(), 1],
+            ),
+            (
+                "train.micro_batch",
+                "train.micro_batch x model.seq_len",
+                [self.micro_batch(), self.model.gpt.seq_len, 1],
+            ),
+        ];
+        for (key, what, factors) in products {
+            if factors
+                .iter()
+                .try_fold(1usize, |a, &f| a.checked_mul(f))
+                .is_none()
+            {
+                return bad(key, format!("{what} = {factors:?} overflows"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Pipeline stages: `parallel.pp x` [`virtual_stages`](Self::virtual_stages) (saturating;
+    /// validation refuses an overflow).
+    pub fn stages(&self) -> usize {
+        self.parallel.pp.saturating_mul(self.virtual_stages())
+    }
+
     /// `parallel.tp_overlap`: at least 1 and a divisor of the tokens of a micro-batch.
     fn validate_overlap(&self) -> Result<(), ConfigError> {
-        let tokens = self.micro_batch() * self.model.gpt.seq_len;
+        let tokens = self.micro_batch().saturating_mul(self.model.gpt.seq_len);
         let overlap = match TpOverlap::new(self.parallel.tp_overlap) {
             Ok(k) => k,
             Err(e) => return bad("parallel.tp_overlap", e.to_string()),
@@ -930,6 +1113,179 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("model.preset") && e.contains("gpt2-xl"), "{e}");
+    }
+
+    /// Every leaf key of the built-in default, as (section, key, value).
+    fn leaves() -> Vec<(String, String, Value)> {
+        let Value::Table(root) = default_value() else {
+            panic!("the default is a table");
+        };
+        let mut out = Vec::new();
+        for (section, table) in root {
+            let Value::Table(table) = table else {
+                panic!("{section} is a section");
+            };
+            for (key, value) in table {
+                out.push((section.clone(), key, value));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_value_used_as_a_table_is_an_unknown_key_in_every_section_by_file_and_set() {
+        let e = load(None, &sets(&["model.kind.x=1"]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`model.kind.x`") && e.contains("not a table"),
+            "{e}"
+        );
+        let e = load(None, &sets(&["model.kind={x=1}"]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`model.kind.x`"), "{e}");
+        let leaves = leaves();
+        assert!(leaves.len() > 40, "{}", leaves.len());
+        for (section, key, _) in &leaves {
+            let dotted = format!("{section}.{key}.x");
+            let e = load(None, &[format!("{dotted}=1")])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(&format!("`{dotted}`")), "{e}");
+            let file = format!("[{section}.{key}]\nx = 1\n");
+            let e = load_text(Some((&file, "f.toml")), &[])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(&format!("`{dotted}`")), "{e}");
+            // A section given a value is named too.
+            let e = load(None, &[format!("{section}=3")])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(&format!("`{section}`")), "{e}");
+            let e = load_text(Some((&format!("{section} = 3"), "f.toml")), &[])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(&format!("`{section}`")), "{e}");
+        }
+    }
+
+    #[test]
+    fn every_non_finite_float_is_refused_naming_its_key_by_file_and_set() {
+        let e = load(None, &sets(&["train.min_lr=nan"]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`train.min_lr`") && e.contains("finite"), "{e}");
+        let floats: Vec<_> = leaves()
+            .into_iter()
+            .filter(|(_, _, v)| matches!(v, Value::Float(_)))
+            .collect();
+        assert!(floats.len() >= 14, "{}", floats.len());
+        for (section, key, _) in floats {
+            let dotted = format!("{section}.{key}");
+            for bad in ["nan", "inf", "-inf", "+nan", "1e309", "-1e309"] {
+                let e = load(None, &[format!("{dotted}={bad}")])
+                    .unwrap_err()
+                    .to_string();
+                assert!(e.contains(&format!("`{dotted}`")), "{bad}: {e}");
+                let file = format!("[{section}]\n{key} = {bad}\n");
+                let e = load_text(Some((&file, "f.toml")), &[])
+                    .unwrap_err()
+                    .to_string();
+                assert!(e.contains(&format!("`{dotted}`")), "{bad}: {e}");
+            }
+        }
+        // Inside an array the element is named.
+        let e = check_finite(&parse_literal("[1.0, nan]"), "a.b")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`a.b[1]`"), "{e}");
+    }
+
+    #[test]
+    fn a_key_twice_in_a_file_is_refused_and_the_later_set_wins() {
+        for text in [
+            "[train]\nsteps = 1\nsteps = 2\n",
+            "[train]\nsteps = 1\n[train]\nlr = 0.1\n",
+            "model = { layers = 1, layers = 2 }\n",
+        ] {
+            let e = load_text(Some((text, "twice.toml")), &[])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("twice.toml") && e.contains("duplicate"),
+                "{text}: {e}"
+            );
+        }
+        let c = load(None, &sets(&["train.steps=1", "train.steps=7"])).unwrap();
+        assert_eq!(c.train.steps, 7);
+    }
+
+    #[test]
+    fn comm_timeout_is_bounded_by_a_year() {
+        let c = load(None, &sets(&["train.comm_timeout_s=31536000"])).unwrap();
+        assert_eq!(c.train.comm_timeout_s, MAX_COMM_TIMEOUT_S);
+        for big in ["1e300", "31536001"] {
+            let e = load(None, &[format!("train.comm_timeout_s={big}")])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("`train.comm_timeout_s`") && e.contains("31536000"),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_validation_pass_is_bounded_by_the_data() {
+        let huge = ["data.val_every=1", "data.val_batches=1000000000"];
+        let e = load(None, &sets(&huge)).unwrap_err().to_string();
+        for part in ["`data.val_batches`", "8000000000 sequences", "(65536)"] {
+            assert!(e.contains(part), "{part:?} not in {e}");
+        }
+        // Unused without validation.
+        load(None, &sets(&["data.val_batches=1000000000"])).unwrap();
+        let e = load(
+            None,
+            &sets(&["data.val_every=1", "data.val_batches=9223372036854775807"]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("more than 2^64"), "{e}");
+        // Tokens: as many windows as a pass reads, not one more.
+        let c = load(None, &sets(&["data.val_every=1", "data.val_batches=2"])).unwrap();
+        c.validate_val_windows(16).unwrap();
+        let e = c.validate_val_windows(15).unwrap_err().to_string();
+        assert!(e.contains("16 sequences") && e.contains("(15)"), "{e}");
+    }
+
+    #[test]
+    fn products_of_degrees_that_overflow_are_refused() {
+        let e = load(
+            None,
+            &sets(&[
+                "train.global_batch=4611686018427387904",
+                "parallel.dp=4611686018427387904",
+                "parallel.tp=4",
+            ]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("`parallel.dp`") && e.contains("overflows"),
+            "{e}"
+        );
+        let e = load(
+            None,
+            &sets(&[
+                "parallel.pp=4",
+                "parallel.schedule=interleaved",
+                "parallel.virtual_stages=9223372036854775807",
+            ]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("`parallel.virtual_stages`"), "{e}");
     }
 
     #[test]

@@ -80,16 +80,46 @@ proptest! {
         let _ = config::load_text(Some((&toml, "prop.toml")), &[]);
     }
 
+    /// A value that is not a finite number, set on any known key (in a file or with `--set`,
+    /// after other assignments), is refused naming that key.
+    #[test]
+    fn non_finite_values_are_refused_naming_the_key(
+        before in prop::collection::vec(assignment(), 0..4),
+        target in assignment(),
+        bad in prop::sample::select(vec!["nan", "-nan", "inf", "-inf", "1e309", "-1e400"]),
+    ) {
+        let key = target.split_once('=').map_or("", |(k, _)| k).to_string();
+        // An unknown key is refused as such (naming its unknown part).
+        prop_assume!(key != "nonsense.key");
+        let mut sets = before.clone();
+        sets.retain(|s| !s.starts_with(&format!("{key}=")));
+        sets.push(format!("{key}={bad}"));
+        let e = config::load_text(None, &sets).expect_err("not finite").to_string();
+        // An earlier bad assignment may be named first; this one must not pass.
+        prop_assert!(e.contains('`'), "{}", e);
+        let alone = config::load_text(None, &[format!("{key}={bad}")])
+            .expect_err("not finite")
+            .to_string();
+        prop_assert!(alone.contains(&format!("`{key}`")), "{}", alone);
+        let (section, rest) = key.split_once('.').unwrap_or(("", &key));
+        let file = format!("[{section}]\n{rest} = {bad}\n");
+        let e = config::load_text(Some((&file, "prop.toml")), &[])
+            .expect_err("not finite")
+            .to_string();
+        prop_assert!(e.contains(&key), "{}", e);
+    }
+
     #[test]
     fn layouts(text in "[a-z0-9=,.-]{0,60}", global_batch in 0usize..64) {
         let model = merak_burn::planner::ModelProxy::parse(
             "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=512",
         )
         .expect("model");
-        let _ = parse_layout(&text, &model, global_batch);
+        let _ = parse_layout(&text, &model, 4, global_batch);
         let _ = parse_layout(
             &format!("dp=1,tp=2,pp=2,mbs=1,{text}"),
             &model,
+            4,
             global_batch,
         );
     }

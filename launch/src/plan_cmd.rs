@@ -4,8 +4,9 @@ use anyhow::{Context, Result, bail};
 use merak_burn::pipeline::{ScheduleKind, balanced_partition, build_schedule};
 use merak_burn::planner::Calibration;
 use merak_burn::planner::{
-    CostModel, HardwareSpec, Layout, ModelProxy, Plan, PlanFile, Prediction, RecomputeMode,
-    SearchOptions, TransformerShape, search_calibrated,
+    CostModel, HardwareSpec, Layout, MAX_SEARCH_UNITS, ModelProxy, Plan, PlanFile, Prediction,
+    RecomputeMode, SearchOptions, SearchProgress, SearchResult, TransformerShape,
+    search_calibrated, search_with_progress,
 };
 
 /// The model and machines both commands take.
@@ -81,8 +82,15 @@ pub struct SimulateArgs {
     trace: Option<std::path::PathBuf>,
 }
 
+/// The most units (layers + embedding + head) `merak simulate` costs: one layout, but the
+/// model proxy takes about 140 bytes per unit.
+const MAX_SIMULATED_UNITS: usize = 1 << 20;
+
+/// The model, hardware and calibration of `t`, refusing (before the per-unit proxy is built)
+/// a model of more than `max_units` units.
 fn resolve(
     t: &Target,
+    max_units: usize,
 ) -> Result<(
     TransformerShape,
     ModelProxy,
@@ -104,6 +112,13 @@ fn resolve(
     shape
         .validate()
         .with_context(|| format!("--model {:?}", t.model))?;
+    let units = shape.layers.saturating_add(2);
+    if units > max_units {
+        bail!(
+            "--model {:?}: {units} units (layers + embedding + head), the limit is {max_units}",
+            t.model
+        );
+    }
     let hw = HardwareSpec::load(&t.hardware)
         .with_context(|| format!("--hardware {:?}", t.hardware))?
         .with_devices(t.gpus);
@@ -161,12 +176,47 @@ fn print_prediction(p: &Prediction) {
     }
 }
 
+/// The search, with a progress bar on stderr when it is a terminal (shown after a second, so
+/// quick searches print nothing). Ctrl-C stops it (the default SIGINT: `merak plan` holds no
+/// state).
+fn search_shown(
+    model: &ModelProxy,
+    hw: &HardwareSpec,
+    cal: Option<&Calibration>,
+    options: &SearchOptions,
+) -> Result<SearchResult> {
+    use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+    if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        return Ok(search_calibrated(model, hw, cal, options)?);
+    }
+    let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::hidden());
+    if let Ok(style) = ProgressStyle::with_template("{msg} {bar:30} {pos}/{len} ({elapsed})") {
+        bar.set_style(style);
+    }
+    let start = std::time::Instant::now();
+    let mut phase = "";
+    let mut show = |p: SearchProgress| {
+        if bar.is_hidden() && start.elapsed().as_secs_f64() > 1.0 {
+            bar.set_draw_target(ProgressDrawTarget::stderr());
+        }
+        if p.phase != phase {
+            phase = p.phase;
+            bar.set_length(p.total as u64);
+            bar.set_message(p.phase);
+        }
+        bar.set_position(p.done as u64);
+    };
+    let result = search_with_progress(model, hw, cal, options, &mut show);
+    bar.finish_and_clear();
+    Ok(result?)
+}
+
 /// `merak plan`: the fastest plan, the runner-ups and optionally the Pareto set.
 pub fn plan(a: &PlanArgs) -> Result<()> {
     if let Some(path) = &a.output {
         crate::output_file(path, "--output")?;
     }
-    let (shape, model, hw, cal) = resolve(&a.target)?;
+    let (shape, model, hw, cal) = resolve(&a.target, MAX_SEARCH_UNITS)?;
     let mut options = SearchOptions::new(a.target.gpus, a.target.global_batch);
     if a.tp_overlap.contains(&0) {
         bail!("--tp-overlap: degrees must be at least 1 (1: no overlap)");
@@ -178,7 +228,7 @@ pub fn plan(a: &PlanArgs) -> Result<()> {
         .memory_gib
         .map(|g| (g * (1u64 << 30) as f64) as u64);
     let t0 = std::time::Instant::now();
-    let result = search_calibrated(&model, &hw, cal.as_ref(), &options)?;
+    let result = search_shown(&model, &hw, cal.as_ref(), &options)?;
     let secs = t0.elapsed().as_secs_f64();
     if let Some(path) = &a.output {
         PlanFile::new(
@@ -230,30 +280,75 @@ pub fn plan(a: &PlanArgs) -> Result<()> {
     Ok(())
 }
 
-/// Parses `key=value,...` into a layout of `model` for `global_batch` sequences.
-pub(crate) fn parse_layout(text: &str, model: &ModelProxy, global_batch: usize) -> Result<Layout> {
+/// The keys of `--layout`, in the order of its help.
+const LAYOUT_KEYS: [&str; 9] = [
+    "dp",
+    "tp",
+    "pp",
+    "v",
+    "mbs",
+    "schedule",
+    "recompute",
+    "zero",
+    "overlap",
+];
+
+/// Splits `--layout` text into its `key=value` pairs, refusing an unknown or repeated key.
+fn layout_pairs(text: &str) -> Result<Vec<(&'static str, &str)>> {
+    let mut pairs: Vec<(&'static str, &str)> = Vec::new();
+    for part in text.split(',').filter(|p| !p.is_empty()) {
+        let (k, val) = part
+            .split_once('=')
+            .with_context(|| format!("--layout: `{part}` is not key=value"))?;
+        let Some(&key) = LAYOUT_KEYS.iter().find(|&&known| known == k.trim()) else {
+            bail!(
+                "--layout: unknown key `{}` (dp, tp, pp, v, mbs, schedule, recompute, zero, \
+                 overlap)",
+                k.trim()
+            );
+        };
+        if let Some((_, first)) = pairs.iter().find(|(seen, _)| *seen == key) {
+            bail!("--layout: `{key}` is given twice ({key}={first} and {key}={val})");
+        }
+        pairs.push((key, val.trim()));
+    }
+    Ok(pairs)
+}
+
+/// The number of `--layout` key `key`: `dp`, `tp`, `pp`, `v`, `mbs` and `overlap` at least 1,
+/// `zero` 0 or 1.
+fn layout_number(key: &str, val: &str) -> Result<usize> {
+    let n = val
+        .parse::<usize>()
+        .with_context(|| format!("--layout: {key}={val} is not a number"))?;
+    match key {
+        "zero" if n > 1 => bail!("--layout: zero={n} is not a supported ZeRO stage (0 or 1)"),
+        "zero" => Ok(n),
+        _ if n == 0 => bail!("--layout: {key}=0 must be at least 1"),
+        _ => Ok(n),
+    }
+}
+
+/// Parses `key=value,...` into a layout of `model` for `global_batch` sequences on `gpus`
+/// devices; every value is range-checked, as `merak train` checks `parallel.*`.
+pub(crate) fn parse_layout(
+    text: &str,
+    model: &ModelProxy,
+    gpus: usize,
+    global_batch: usize,
+) -> Result<Layout> {
     let (mut dp, mut tp, mut pp, mut v, mut mbs) = (1, 1, 1, 1, 1);
     let mut recompute = RecomputeMode::None;
     let mut schedule = ScheduleKind::OneFOneB;
     let mut zero1 = false;
     let mut tp_overlap = 1;
-    for part in text.split(',').filter(|p| !p.is_empty()) {
-        let (k, val) = part
-            .split_once('=')
-            .with_context(|| format!("--layout: `{part}` is not key=value"))?;
-        let num = || {
-            val.parse::<usize>()
-                .with_context(|| format!("--layout: {k}={val} is not a number"))
-        };
-        match k.trim() {
-            "dp" => dp = num()?,
-            "tp" => tp = num()?,
-            "pp" => pp = num()?,
-            "v" => v = num()?,
-            "mbs" => mbs = num()?,
-            "zero" => zero1 = num()? == 1,
-            "overlap" => tp_overlap = num()?,
-            "schedule" => schedule = val.parse()?,
+    for (key, val) in layout_pairs(text)? {
+        match key {
+            "schedule" => {
+                schedule = val
+                    .parse()
+                    .with_context(|| format!("--layout: schedule={val}"))?
+            }
             "recompute" => {
                 recompute = match val {
                     "none" => RecomputeMode::None,
@@ -262,16 +357,30 @@ pub(crate) fn parse_layout(text: &str, model: &ModelProxy, global_batch: usize) 
                     other => bail!("--layout: recompute={other} (none, selective or full)"),
                 }
             }
-            other => bail!(
-                "--layout: unknown key `{other}` (dp, tp, pp, v, mbs, schedule, recompute, zero, \
-                 overlap)"
-            ),
+            _ => {
+                let n = layout_number(key, val)?;
+                match key {
+                    "dp" => dp = n,
+                    "tp" => tp = n,
+                    "pp" => pp = n,
+                    "v" => v = n,
+                    "mbs" => mbs = n,
+                    "zero" => zero1 = n == 1,
+                    _ => tp_overlap = n,
+                }
+            }
         }
     }
-    if dp * mbs == 0 || !global_batch.is_multiple_of(dp * mbs) {
+    check_layout_fits(model, [dp, tp, pp, v], gpus)?;
+    if !global_batch.is_multiple_of(dp * mbs) {
         bail!(
             "--layout: dp * mbs = {} does not divide --global-batch {global_batch}",
             dp * mbs
+        );
+    }
+    if let Err(tokens) = model.splits_tokens(mbs, tp_overlap) {
+        bail!(
+            "--layout: overlap={tp_overlap} does not divide the {tokens} tokens of a micro-batch"
         );
     }
     let stages = pp * v;
@@ -297,14 +406,35 @@ pub(crate) fn parse_layout(text: &str, model: &ModelProxy, global_batch: usize) 
     })
 }
 
+/// The degrees `[dp, tp, pp, v]` against the devices and the model: `dp x tp x pp = gpus`,
+/// `tp` dividing the heads, at most as many stages `pp x v` as units.
+fn check_layout_fits(model: &ModelProxy, [dp, tp, pp, v]: [usize; 4], gpus: usize) -> Result<()> {
+    let product = dp.checked_mul(tp).and_then(|n| n.checked_mul(pp));
+    if product != Some(gpus) {
+        let shown = product.map_or_else(|| "more than 2^64".into(), |n| n.to_string());
+        bail!("--layout uses dp * tp * pp = {shown} devices, --gpus is {gpus}");
+    }
+    if !model.heads.is_multiple_of(tp) {
+        bail!(
+            "--layout: tp={tp} does not divide the model's {} heads",
+            model.heads
+        );
+    }
+    let units = model.num_units();
+    if pp.checked_mul(v).is_none_or(|stages| stages > units) {
+        bail!("--layout: pp * v = {pp} x {v} stages, more than the model's {units} units");
+    }
+    Ok(())
+}
+
 /// `merak simulate`: the predicted time breakdown and memory of one layout.
 pub fn simulate(a: &SimulateArgs) -> Result<()> {
     if let Some(path) = &a.trace {
         crate::output_file(path, "--trace")?;
     }
-    let (shape, model, hw, cal) = resolve(&a.target)?;
+    let (shape, model, hw, cal) = resolve(&a.target, MAX_SIMULATED_UNITS)?;
     let layout = match (&a.layout, &a.plan) {
-        (Some(text), _) => parse_layout(text, &model, a.target.global_batch)?,
+        (Some(text), _) => parse_layout(text, &model, a.target.gpus, a.target.global_batch)?,
         (None, Some(path)) => {
             let file = PlanFile::read(path)?;
             file.check_job(path, &shape, a.target.gpus, a.target.global_batch)?;
@@ -312,13 +442,6 @@ pub fn simulate(a: &SimulateArgs) -> Result<()> {
         }
         (None, None) => bail!("give --layout or --plan"),
     };
-    if layout.gpus() != a.target.gpus {
-        bail!(
-            "--layout uses dp * tp * pp = {} devices, --gpus is {}",
-            layout.gpus(),
-            a.target.gpus
-        );
-    }
     let cm = match &cal {
         Some(c) => CostModel::new(&model, &hw).with_calibration(c),
         None => CostModel::new(&model, &hw),
@@ -404,6 +527,14 @@ pub fn auto_plan(
     use merak_burn::comm::Communicator;
     let gpus = world.map_or(1, |w| w.size());
     let shape = cfg.shape()?;
+    if shape.layers.saturating_add(2) > MAX_SEARCH_UNITS {
+        bail!(
+            "model.layers = {}: --plan auto searches models of at most {} layers (the planner's \
+             limit of {MAX_SEARCH_UNITS} units)",
+            shape.layers,
+            MAX_SEARCH_UNITS - 2
+        );
+    }
     let hw = crate::probe::measure(world, 3)?;
     let cal = calibration
         .map(|path| Calibration::read(path, &shape))
@@ -413,4 +544,59 @@ pub fn auto_plan(
     let result = search_calibrated(&model, &hw, cal.as_ref(), &options)
         .with_context(|| format!("planning {shape} on {gpus} ranks of this machine"))?;
     Ok(PlanFile::new(shape, &hw.name, gpus, result.best))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gpt2() -> ModelProxy {
+        ModelProxy::parse("gpt2").expect("preset")
+    }
+
+    fn refused(text: &str) -> String {
+        parse_layout(text, &gpt2(), 8, 8)
+            .expect_err(text)
+            .to_string()
+    }
+
+    #[test]
+    fn a_layout_key_given_twice_is_refused_naming_it() {
+        let e = refused("dp=2,dp=4,tp=2");
+        assert!(
+            e.contains("`dp` is given twice") && e.contains("dp=4"),
+            "{e}"
+        );
+        let e = refused("dp=8,schedule=gpipe,schedule=1f1b");
+        assert!(e.contains("`schedule` is given twice"), "{e}");
+    }
+
+    #[test]
+    fn every_layout_value_is_range_checked() {
+        for (text, part) in [
+            (
+                "dp=8,zero=5",
+                "zero=5 is not a supported ZeRO stage (0 or 1)",
+            ),
+            ("dp=8,mbs=0", "mbs=0 must be at least 1"),
+            ("dp=0", "dp=0 must be at least 1"),
+            ("dp=8,v=0", "v=0 must be at least 1"),
+            ("dp=4,tp=2,overlap=0", "overlap=0 must be at least 1"),
+            ("dp=1,tp=8", "tp=8 does not divide the model's 12 heads"),
+            ("dp=1,pp=8,v=2", "more than the model's 14 units"),
+            (
+                "dp=2,tp=2,pp=2,v=9223372036854775807",
+                "more than the model's 14 units",
+            ),
+            ("dp=4611686018427387904,tp=4", "more than 2^64"),
+            ("dp=4,tp=2,overlap=3", "overlap=3 does not divide"),
+            ("dp=8,schedule=fast", "--layout: schedule=fast"),
+            ("dp=8,speed=1", "unknown key `speed`"),
+        ] {
+            let e = refused(text);
+            assert!(e.contains(part), "{text}: {part:?} not in {e}");
+        }
+        let l = parse_layout("dp=4,tp=2,zero=1,overlap=2", &gpt2(), 8, 8).expect("valid");
+        assert!(l.zero1 && l.tp_overlap == 2 && l.micro_batches == 2);
+    }
 }

@@ -47,6 +47,11 @@ pub fn resolve_config(
             let text = checkpoint_config(r)?;
             let origin = r.checkpoint.dir.join("manifest.json");
             let mut cfg = config::load_text(Some((&text, &origin.display().to_string())), &sets)?;
+            // The checkpoint folder stored in the checkpoint is history: a resumed run writes
+            // under its --out, or where this command line says.
+            if !sets.iter().any(|s| set_key(s) == "checkpoint.dir") {
+                cfg.checkpoint.dir.clear();
+            }
             if args.plan.is_none() && !sets.iter().any(|s| sets_layout(s)) {
                 fit_layout_to_launch(&mut cfg, size);
                 cfg.validate()?;
@@ -66,6 +71,8 @@ pub fn resolve_config(
     }
     let (parallel, shape) = (cfg.parallel_plan(), cfg.shape()?);
     parallel.layout().validate(size, &shape)?;
+    // Before anything per layer is built (model.layers = 100000000 is refused at once).
+    crate::admission::check_shape(&cfg, &parallel)?;
     // Built here, so that a bad schedule stops every rank at once.
     let pipeline = parallel.pipeline(&shape, cfg.train.global_batch)?;
     Ok(Resolved {

@@ -3,14 +3,35 @@
 //! the memory its ranks share ([`MemoryLimit`]: the machine's available memory, or a GPU's free
 //! memory) stops with the estimate, the limit and the keys to change ([`admit`]), instead of
 //! being killed by the kernel (or failing in the allocator) minutes later.
+//!
+//! Building the pipeline plan and [`estimate`] itself take memory and time per layer, so a
+//! shape far beyond any machine (`model.layers = 100000000`) is refused first, from the shape
+//! and the degrees alone, in microseconds: [`estimate_shape`] is a lower bound of the busiest
+//! rank's peak that builds nothing per layer, [`admit_shape`] refuses it naming the model's
+//! keys. Call both in that order:
+//!
+//! ```
+//! use merak_burn::admission::{HOST_RUNTIME_BYTES, MemoryKind, MemoryLimit, admit_shape, estimate_shape};
+//! use merak_burn::plan::ParallelPlan;
+//! use merak_burn::planner::TransformerShape;
+//!
+//! let huge = TransformerShape::gpt(100_000_000, 64, 4, 32, 512);
+//! let plan = ParallelPlan::default();
+//! let limit = MemoryLimit { kind: MemoryKind::Host, available: 64e9, ranks: 1 };
+//! let bound = estimate_shape(&huge, &plan, 4.0, HOST_RUNTIME_BYTES, true);
+//! let refused = admit_shape(&huge, bound, limit, plan.micro_batch).unwrap_err();
+//! assert!(refused.to_string().contains("model.layers = 100000000"));
+//! ```
 
 use std::fmt;
 
 use thiserror::Error;
 
-use crate::pipeline::PipelinePlan;
+use crate::pipeline::{PipelinePlan, Recompute};
 use crate::plan::ParallelPlan;
-use crate::planner::{CostModel, HardwareSpec, ModelProxy, TransformerShape};
+use crate::planner::{
+    CostModel, HardwareSpec, ModelProxy, RecomputeMode, TransformerShape, UnitProfile,
+};
 
 /// What a rank's process holds on the host besides model states and activations (code,
 /// allocator, MPI).
@@ -108,26 +129,59 @@ impl MemoryLimit {
 /// A run that does not fit its memory; the message names the estimate, the limit and the keys
 /// to change.
 #[derive(Clone, Debug, Error, PartialEq)]
-#[error(
-    "this run needs about {need:.1} GiB per rank (model states {states:.1} GiB, activations \
-     {act:.1} GiB for train.micro_batch = {micro_batch}) but {ranks} rank(s) share {avail:.1} \
-     GiB of {kind} ({each:.1} GiB each): lower train.micro_batch or train.global_batch, add \
-     ranks (parallel.tp, parallel.pp), or set parallel.recompute = \"full\"",
-    need = .estimate.total() / GIB,
-    states = .estimate.states / GIB,
-    act = .estimate.activations / GIB,
-    ranks = .limit.ranks,
-    avail = .limit.available / GIB,
-    kind = .limit.kind,
-    each = .limit.per_rank() / GIB
-)]
 pub struct AdmissionError {
-    /// The busiest rank's estimate.
+    /// The busiest rank's estimate (a lower bound when `shape` is set).
     pub estimate: MemoryEstimate,
     /// The memory it would have.
     pub limit: MemoryLimit,
     /// The micro-batch the activations were counted for.
     pub micro_batch: usize,
+    /// Set when the shape alone was refused ([`admit_shape`]): the estimate is then the lower
+    /// bound of [`estimate_shape`] and the message names the model's keys.
+    pub shape: Option<TransformerShape>,
+}
+
+impl fmt::Display for AdmissionError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (e, l) = (&self.estimate, &self.limit);
+        let memory = format!(
+            "{} rank(s) share {:.1} GiB of {} ({:.1} GiB each)",
+            l.ranks,
+            l.available / GIB,
+            l.kind,
+            l.per_rank() / GIB
+        );
+        let Some(m) = &self.shape else {
+            return write!(
+                f,
+                "this run needs about {:.1} GiB per rank (model states {:.1} GiB, activations \
+                 {:.1} GiB for train.micro_batch = {}) but {memory}: lower train.micro_batch or \
+                 train.global_batch, add ranks (parallel.tp, parallel.pp), or set \
+                 parallel.recompute = \"full\"",
+                e.total() / GIB,
+                e.states / GIB,
+                e.activations / GIB,
+                self.micro_batch
+            );
+        };
+        write!(
+            f,
+            "the model's shape (model.layers = {}, model.hidden = {}, model.vocab_size = {}, \
+             model.seq_len = {}) needs at least {:.1} GiB per rank (model states {:.1} GiB, \
+             activations {:.1} GiB for train.micro_batch = {}, runtime and bookkeeping {:.1} \
+             GiB) but {memory}: lower model.layers or model.hidden (or train.micro_batch), or \
+             add ranks (parallel.tp, parallel.pp)",
+            m.layers,
+            m.hidden,
+            m.vocab,
+            m.seq,
+            e.total() / GIB,
+            e.states / GIB,
+            e.activations / GIB,
+            self.micro_batch,
+            e.runtime / GIB
+        )
+    }
 }
 
 /// The estimated peak of the busiest rank of `plan` (cut into `pipeline`) training `model` on
@@ -168,6 +222,98 @@ pub fn admit(
         estimate,
         limit,
         micro_batch,
+        shape: None,
+    })
+}
+
+/// Host bytes the planner's proxy and the pipeline's cost arrays take per unit (embedding,
+/// block, head) of a model, whatever the device: what building the pipeline plan and
+/// [`estimate`] allocate before the model exists.
+pub const BOOKKEEPING_BYTES_PER_UNIT: f64 =
+    (std::mem::size_of::<UnitProfile>() + 4 * std::mem::size_of::<f64>()) as f64;
+
+/// The host bytes of [`BOOKKEEPING_BYTES_PER_UNIT`] for every unit of `model`.
+pub fn bookkeeping_bytes(model: &TransformerShape) -> f64 {
+    (model.layers as f64 + 2.0) * BOOKKEEPING_BYTES_PER_UNIT
+}
+
+/// A lower bound of the busiest rank's peak under `plan` (micro-batch `plan.micro_batch`),
+/// from the shape and the degrees alone: nothing per layer is built, so it answers at once for
+/// any shape.
+///
+/// Model states and one micro-batch's activations (under the recomputation of the plan that
+/// keeps the least, [`least_kept`]; counted at 16 bits, or `activation_bytes` per element if
+/// fewer) are summed over the units and shared evenly by the pipeline ranks: the busiest holds
+/// at least the mean, less the recomputation workspace by which the ranks' peaks may differ
+/// (one unit's activations), which is taken off. `runtime` is added, and on the host (`host`)
+/// the [`bookkeeping_bytes`] too. So the [`estimate`] of the same plan, whatever its
+/// partition, is never smaller (with the same `runtime`).
+pub fn estimate_shape(
+    model: &TransformerShape,
+    plan: &ParallelPlan,
+    activation_bytes: f64,
+    runtime: f64,
+    host: bool,
+) -> MemoryEstimate {
+    let (t, b, p) = (
+        plan.tp.max(1),
+        plan.micro_batch.max(1),
+        plan.pp.max(1) as f64,
+    );
+    let units = model.distinct_units();
+    let counts = [1.0, model.layers as f64, 1.0];
+    let sum = |f: &dyn Fn(&UnitProfile) -> f64| -> f64 {
+        units.iter().zip(counts).map(|(u, n)| n * f(u)).sum()
+    };
+    let params = sum(&|u| u.params_per_rank(t));
+    let mode = least_kept(plan);
+    let activations = sum(&|u| u.activation_bytes(b, t, mode));
+    let workspace = match mode {
+        RecomputeMode::None => 0.0,
+        _ => units
+            .iter()
+            .map(|u| u.activation_bytes(b, t, RecomputeMode::None))
+            .fold(0.0, f64::max),
+    };
+    let per_param = CostModel::state_bytes_per_param(plan.dp.max(1), plan.zero1, plan.schedule);
+    let states = params * per_param / p;
+    // The cost model counts activations of 16-bit training.
+    let activations = activations * (activation_bytes / 2.0).min(1.0) / p - workspace;
+    MemoryEstimate {
+        states: (states + activations.min(0.0)).max(0.0),
+        activations: activations.max(0.0),
+        runtime: runtime + if host { bookkeeping_bytes(model) } else { 0.0 },
+    }
+}
+
+/// Of the recomputation modes `plan` may give a stage, the one that keeps the fewest
+/// activations (full, then selective, then none).
+pub fn least_kept(plan: &ParallelPlan) -> RecomputeMode {
+    let modes = match plan.stage_recompute.as_slice() {
+        [] => vec![match plan.recompute {
+            Recompute::None => RecomputeMode::None,
+            Recompute::Selective => RecomputeMode::Selective,
+            Recompute::Full | Recompute::StageAware => RecomputeMode::Full,
+        }],
+        given => given.to_vec(),
+    };
+    [RecomputeMode::Full, RecomputeMode::Selective]
+        .into_iter()
+        .find(|m| modes.contains(m))
+        .unwrap_or(RecomputeMode::None)
+}
+
+/// Admits the shape `model` whose lower bound ([`estimate_shape`]) is `estimate`, when it fits
+/// its share of `limit`; the error names the model's keys and `micro_batch`.
+pub fn admit_shape(
+    model: &TransformerShape,
+    estimate: MemoryEstimate,
+    limit: MemoryLimit,
+    micro_batch: usize,
+) -> Result<(), AdmissionError> {
+    admit(estimate, limit, micro_batch).map_err(|e| AdmissionError {
+        shape: Some(*model),
+        ..e
     })
 }
 
@@ -246,6 +392,91 @@ mod tests {
         }
         let roomy = MemoryLimit { ranks: 1, ..limit };
         assert_eq!(admit(e, roomy, 4), Ok(()));
+    }
+
+    #[test]
+    fn the_shape_bound_never_exceeds_the_estimate() {
+        use crate::pipeline::ScheduleKind;
+        let shapes = [
+            gpt2_small(),
+            TransformerShape::bert(4, 128, 4, 64, 1000),
+            TransformerShape::gpt(2, 64, 4, 32, 512),
+        ];
+        let plans = [
+            (1, 1, 1, 1, ScheduleKind::OneFOneB, Recompute::None, false),
+            (2, 2, 1, 4, ScheduleKind::OneFOneB, Recompute::None, true),
+            (1, 1, 2, 1, ScheduleKind::GPipe, Recompute::Full, false),
+            (
+                1,
+                2,
+                4,
+                2,
+                ScheduleKind::OneFOneB,
+                Recompute::StageAware,
+                false,
+            ),
+            (2, 1, 2, 1, ScheduleKind::TwoBw, Recompute::Selective, true),
+        ];
+        for model in shapes {
+            for (dp, tp, pp, micro_batch, schedule, recompute, zero1) in plans {
+                let plan = ParallelPlan {
+                    dp,
+                    tp,
+                    pp,
+                    micro_batch,
+                    schedule,
+                    recompute,
+                    zero1,
+                    ..ParallelPlan::default()
+                };
+                let global_batch = 8 * dp * micro_batch;
+                let pipeline = plan.pipeline(&model, global_batch).expect("pipeline");
+                for bytes in [2.0, 4.0] {
+                    let full = estimate(&model, &plan, &pipeline, global_batch, bytes, 0.0)
+                        .expect("estimate");
+                    let bound = estimate_shape(&model, &plan, bytes, 0.0, false);
+                    // A bound, and not a vacuous one: at least the mean model states less
+                    // one unit's activations.
+                    assert!(
+                        bound.total() <= full.total() && bound.states > 0.1 * full.states,
+                        "{model} {plan:?}: {bound:?} vs {full:?}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_shape_beyond_any_machine_is_refused_at_once_naming_the_keys() {
+        let huge = TransformerShape::gpt(100_000_000, 64, 4, 32, 512);
+        let plan = ParallelPlan::default();
+        let start = std::time::Instant::now();
+        let bound = estimate_shape(&huge, &plan, 4.0, HOST_RUNTIME_BYTES, true);
+        let limit = MemoryLimit {
+            kind: MemoryKind::Host,
+            available: 64.0 * GIB,
+            ranks: 2,
+        };
+        let msg = admit_shape(&huge, bound, limit.clone(), 1)
+            .expect_err("80 TB of model states")
+            .to_string();
+        assert!(start.elapsed().as_millis() < 50, "{:?}", start.elapsed());
+        let need = format!("needs at least {:.1} GiB per rank", bound.total() / GIB);
+        for part in [
+            "model.layers = 100000000",
+            "model.hidden = 64",
+            &need,
+            "2 rank(s) share 64.0 GiB of available host memory (32.0 GiB each)",
+        ] {
+            assert!(msg.contains(part), "{part:?} not in {msg}");
+        }
+        // 12 h² + 13 h parameters per layer at 16 bytes, and the bookkeeping per unit.
+        let states = 1e8 * (12.0 * 64.0 * 64.0 + 13.0 * 64.0) * 16.0;
+        assert!((bound.states / states - 1.0).abs() < 1e-3, "{bound:?}");
+        assert!(bound.runtime > 1e8 * BOOKKEEPING_BYTES_PER_UNIT);
+        let small = TransformerShape::gpt(2, 64, 4, 32, 512);
+        let bound = estimate_shape(&small, &plan, 4.0, HOST_RUNTIME_BYTES, true);
+        assert_eq!(admit_shape(&small, bound, limit, 1), Ok(()));
     }
 
     #[test]

@@ -32,6 +32,24 @@ struct State {
 static ARMED: AtomicBool = AtomicBool::new(false);
 static STATE: OnceLock<Mutex<State>> = OnceLock::new();
 
+/// `secs` seconds as a [`Duration`], saturating instead of panicking like
+/// [`Duration::from_secs_f64`]: NaN and negative values are zero, values beyond
+/// [`Duration::MAX`] (infinity included) are [`Duration::MAX`]. Use it for every limit read
+/// from a user's number (`train.comm_timeout_s`).
+pub fn saturating_duration(secs: f64) -> Duration {
+    Duration::try_from_secs_f64(secs).unwrap_or(if secs > 0.0 {
+        Duration::MAX
+    } else {
+        Duration::ZERO
+    })
+}
+
+/// The limit of a call of `values` floats: `base` plus their time at [`GRANTED_RATE`],
+/// saturating at [`Duration::MAX`].
+fn call_limit(base: Duration, values: usize) -> Duration {
+    base.saturating_add(saturating_duration(values as f64 * 4.0 / GRANTED_RATE))
+}
+
 /// Arms the watchdog of this process (world rank `rank`): from now on a watched call blocked
 /// longer than `base` (plus its message's time) aborts the job. A zero `base` disarms it.
 pub fn arm(base: Duration, rank: usize) {
@@ -76,7 +94,7 @@ pub(crate) fn watch(
     let Some(Ok(mut s)) = STATE.get().map(Mutex::lock) else {
         return Guard(false);
     };
-    let limit = s.base + Duration::from_secs_f64(values as f64 * 4.0 / GRANTED_RATE);
+    let limit = call_limit(s.base, values);
     s.current = Some(Watch {
         op,
         values,
@@ -121,5 +139,32 @@ fn watch_loop() {
             super::report_line(&line);
             super::mpi_comm::abort_world(124);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_saturate_instead_of_panicking() {
+        assert_eq!(saturating_duration(1.5), Duration::from_millis(1500));
+        assert_eq!(saturating_duration(0.0), Duration::ZERO);
+        for big in [1e300, f64::INFINITY, 1.9e19] {
+            assert_eq!(saturating_duration(big), Duration::MAX, "{big}");
+        }
+        for small in [-1.0, f64::NEG_INFINITY, f64::NAN] {
+            assert_eq!(saturating_duration(small), Duration::ZERO, "{small}");
+        }
+    }
+
+    #[test]
+    fn a_call_limit_adds_the_message_time_and_saturates() {
+        assert_eq!(
+            call_limit(Duration::from_secs(2), 25_000_000),
+            Duration::from_secs(3)
+        );
+        assert_eq!(call_limit(Duration::MAX, usize::MAX), Duration::MAX);
+        assert_eq!(call_limit(saturating_duration(1e300), 1000), Duration::MAX);
     }
 }

@@ -130,14 +130,16 @@ pub struct Layout {
 }
 
 impl Layout {
-    /// Devices used: `dp * tp * pp`.
+    /// Devices used: `dp * tp * pp` (saturating).
     pub fn gpus(&self) -> usize {
-        self.dp * self.tp * self.pp
+        self.dp.saturating_mul(self.tp).saturating_mul(self.pp)
     }
 
-    /// Sequences per step: `dp * micro_batch * micro_batches`.
+    /// Sequences per step: `dp * micro_batch * micro_batches` (saturating).
     pub fn global_batch(&self) -> usize {
-        self.dp * self.micro_batch * self.micro_batches
+        self.dp
+            .saturating_mul(self.micro_batch)
+            .saturating_mul(self.micro_batches)
     }
 
     /// Global pipeline stages `pp * virtual_stages`.

@@ -47,7 +47,10 @@ pub use model::{
 };
 pub use plan_file::{PLAN_FORMAT, PlanFile, PlanFileError};
 pub use reference::{MEGATRON_SC21, PublishedRow};
-pub use search::{Plan, SearchError, SearchOptions, SearchResult, search, search_calibrated};
+pub use search::{
+    MAX_SEARCH_LAYOUTS, MAX_SEARCH_UNITS, MAX_SEARCH_WORK, Plan, SearchError, SearchOptions,
+    SearchProgress, SearchResult, layout_limit, search, search_calibrated, search_with_progress,
+};
 pub use stage_dp::{Skeleton, StageDp, StageDpError, StagePlan};
 
 /// The serde default of the planner's degrees that mean "off" at 1 (`tp_overlap`,

@@ -91,7 +91,7 @@ pub struct UnitProfile {
 impl UnitProfile {
     /// All parameters of the unit (without tied copies).
     pub fn params(&self) -> u64 {
-        self.params_split + self.params_replicated
+        self.params_split.saturating_add(self.params_replicated)
     }
 
     /// Parameters one TP rank of `t` holds, tied copies excluded.
@@ -262,6 +262,25 @@ pub enum ModelSpecError {
         /// Heads.
         heads: usize,
     },
+    /// A field given twice in one spec.
+    #[error("model field `{field}` is given twice (`{first}` and `{second}`)")]
+    Duplicate {
+        /// The key.
+        field: String,
+        /// The first value.
+        first: String,
+        /// The second value.
+        second: String,
+    },
+    /// A shape whose parameter count does not fit in 64 bits.
+    #[error(
+        "model `{shape}` has more than 2^64 parameters (12 x layers x hidden² + (vocab + seq) x \
+         hidden overflows): lower `layers`, `hidden`, `vocab` or `seq`"
+    )]
+    TooLarge {
+        /// The shape, as a spec.
+        shape: String,
+    },
 }
 
 /// The shape of a GPT or BERT model.
@@ -374,8 +393,8 @@ impl TransformerShape {
         names.join(", ")
     }
 
-    /// Checks that `heads` divides `hidden` (every field is positive by construction of
-    /// [`FromStr`]; a zero is reported as missing).
+    /// Checks that every field is positive, that `heads` divides `hidden` and that the
+    /// parameter count fits in 64 bits (so no count derived from the shape overflows).
     pub fn validate(&self) -> Result<(), ModelSpecError> {
         for (field, v) in [
             ("layers", self.layers),
@@ -397,23 +416,39 @@ impl TransformerShape {
                 heads: self.heads,
             });
         }
+        if self.checked_params().is_none() {
+            return Err(ModelSpecError::TooLarge {
+                shape: self.to_string(),
+            });
+        }
         Ok(())
     }
 
-    /// The exact parameter count. GPT: `12 l h² + 13 l h + (V + s) h + 2 h`; BERT:
-    /// `12 l h² + 13 l h + (V + s) h + h² + 5 h`.
+    /// The exact parameter count (saturating at `u64::MAX`; see
+    /// [`checked_params`](Self::checked_params)). GPT: `12 l h² + 13 l h + (V + s) h + 2 h`;
+    /// BERT: `12 l h² + 13 l h + (V + s) h + h² + 5 h`.
     pub fn params(&self) -> u64 {
+        self.checked_params().unwrap_or(u64::MAX)
+    }
+
+    /// The exact parameter count, `None` when it does not fit in a `u64`. Every per-unit count
+    /// of the planner (a block's `12 h² + 13 h`, the embedding's `(V + s) h`) is at most this,
+    /// so a shape that passes [`validate`](Self::validate) overflows none of them.
+    pub fn checked_params(&self) -> Option<u64> {
         let (l, h, v, s) = (
             self.layers as u64,
             self.hidden as u64,
             self.vocab as u64,
             self.seq as u64,
         );
-        let common = 12 * l * h * h + 13 * l * h + (v + s) * h;
-        match self.kind {
-            ModelKind::Gpt => common + 2 * h,
-            ModelKind::Bert => common + h * h + 5 * h,
-        }
+        let h2 = h.checked_mul(h)?;
+        let block = h2.checked_mul(12)?.checked_add(h.checked_mul(13)?)?;
+        let table = v.checked_add(s)?.checked_mul(h)?;
+        let extra = match self.kind {
+            ModelKind::Gpt => h.checked_mul(2)?,
+            ModelKind::Bert => h2.checked_add(h.checked_mul(5)?)?,
+        };
+        l.checked_mul(block)?.checked_add(table)?.checked_add(extra)
     }
 
     /// The Megatron-LM FLOPs of one iteration of `global_batch` sequences (DESIGN.md §5):
@@ -484,7 +519,7 @@ impl FromStr for TransformerShape {
                 });
             }
         };
-        let mut values: [Option<usize>; 5] = [None; 5];
+        let mut values: [Option<(usize, &str)>; 5] = [None; 5];
         const NAMES: [&str; 5] = ["layers", "hidden", "heads", "seq", "vocab"];
         for item in fields.split(',').map(str::trim).filter(|i| !i.is_empty()) {
             let Some((key, value)) = item.split_once('=') else {
@@ -508,9 +543,20 @@ impl FromStr for TransformerShape {
                     field: key.to_string(),
                     value: value.trim().to_string(),
                 })?;
-            values[index] = Some(parsed);
+            if let Some((_, first)) = values[index] {
+                return Err(ModelSpecError::Duplicate {
+                    field: key.to_string(),
+                    first: first.trim().to_string(),
+                    second: value.trim().to_string(),
+                });
+            }
+            values[index] = Some((parsed, value));
         }
-        let get = |i: usize| values[i].ok_or(ModelSpecError::Missing { field: NAMES[i] });
+        let get = |i: usize| {
+            values[i]
+                .map(|(v, _)| v)
+                .ok_or(ModelSpecError::Missing { field: NAMES[i] })
+        };
         let shape = TransformerShape {
             kind,
             layers: get(0)?,
@@ -530,17 +576,47 @@ impl LayerCosts for TransformerShape {
     }
 
     fn unit_profiles(&self) -> Vec<UnitProfile> {
+        let [embedding, block, head] = self.distinct_units();
+        let mut units = Vec::with_capacity(self.layers + 2);
+        units.push(embedding);
+        units.extend(std::iter::repeat_n(block, self.layers));
+        units.push(head);
+        units
+    }
+
+    fn heads(&self) -> usize {
+        self.heads
+    }
+
+    fn pp_message_elements(&self) -> f64 {
+        self.seq as f64 * self.hidden as f64
+    }
+}
+
+impl TransformerShape {
+    /// The three distinct units of the shape: the embedding, a transformer block (every block
+    /// is the same) and the head. [`LayerCosts::unit_profiles`] is the embedding, `layers`
+    /// blocks and the head; sums over the model can be taken from these three without building
+    /// the per-unit list (see [`crate::admission::estimate_shape`]).
+    pub fn distinct_units(&self) -> [UnitProfile; 3] {
         let (s, h, a, v) = (
             self.seq as f64,
             self.hidden as f64,
             self.heads as f64,
             self.vocab as f64,
         );
+        // Saturating: a shape that passed `validate` has no product near the limit (its
+        // parameter count fits), and one that did not must not panic here.
         let (hu, su, vu) = (self.hidden as u64, self.seq as u64, self.vocab as u64);
+        let hu2 = hu.saturating_mul(hu);
         let bert = self.kind == ModelKind::Bert;
         let embedding = UnitProfile {
-            params_split: vu * hu,
-            params_replicated: su * hu + if bert { 2 * hu } else { 0 },
+            params_split: vu.saturating_mul(hu),
+            params_replicated: su.saturating_mul(hu).saturating_add(if bert {
+                hu.saturating_mul(2)
+            } else {
+                0
+            }),
             // Dropout mask of the embedding output (1 byte per value).
             act_replicated: s * h,
             act_full: s * h,
@@ -552,9 +628,9 @@ impl LayerCosts for TransformerShape {
         };
         let block = UnitProfile {
             // QKV (3h² + 3h), attention output weight, MLP (8h² + 4h bias of the first layer).
-            params_split: 12 * hu * hu + 7 * hu,
+            params_split: hu2.saturating_mul(12).saturating_add(hu.saturating_mul(7)),
             // Attention-output and second MLP biases, two LayerNorms.
-            params_replicated: 6 * hu,
+            params_replicated: hu.saturating_mul(6),
             params_tied: 0,
             forward_flops: 24.0 * s * h * h + 4.0 * s * s * h,
             backward_flops: 2.0 * (24.0 * s * h * h + 4.0 * s * s * h),
@@ -579,8 +655,12 @@ impl LayerCosts for TransformerShape {
         let dense = if bert { 2.0 * s * h * h } else { 0.0 };
         let head = UnitProfile {
             params_split: 0,
-            params_replicated: if bert { hu * hu + 3 * hu } else { 2 * hu },
-            params_tied: vu * hu,
+            params_replicated: if bert {
+                hu2.saturating_add(hu.saturating_mul(3))
+            } else {
+                hu.saturating_mul(2)
+            },
+            params_tied: vu.saturating_mul(hu),
             forward_flops: 2.0 * s * h * v + dense,
             backward_flops: 2.0 * (2.0 * s * h * v + dense),
             selective_recompute_flops: 0.0,
@@ -599,19 +679,7 @@ impl LayerCosts for TransformerShape {
             memory_split: 12.0 * s * v,
             memory_attention: 0.0,
         };
-        let mut units = Vec::with_capacity(self.layers + 2);
-        units.push(embedding);
-        units.extend(std::iter::repeat_n(block, self.layers));
-        units.push(head);
-        units
-    }
-
-    fn heads(&self) -> usize {
-        self.heads
-    }
-
-    fn pp_message_elements(&self) -> f64 {
-        (self.seq * self.hidden) as f64
+        [embedding, block, head]
     }
 }
 
@@ -673,7 +741,10 @@ impl ModelProxy {
 
     /// All parameters (tied copies counted once).
     pub fn params(&self) -> u64 {
-        self.units.iter().map(UnitProfile::params).sum()
+        self.units
+            .iter()
+            .map(UnitProfile::params)
+            .fold(0, u64::saturating_add)
     }
 
     /// Forward plus backward (plus recomputation under `mode` for every unit) FLOPs of
@@ -802,6 +873,42 @@ mod tests {
         }
         assert_eq!(block.tp_comm_elements(2), 4.0 * b * s * h);
         assert_eq!(proxy.pp_message_bytes(2), 2.0 * b * s * h);
+    }
+
+    #[test]
+    fn a_field_given_twice_is_refused_naming_it() {
+        let e = "gpt:layers=2,layers=4,hidden=64,heads=4,seq=32,vocab=100"
+            .parse::<TransformerShape>()
+            .unwrap_err();
+        assert_eq!(
+            e,
+            ModelSpecError::Duplicate {
+                field: "layers".into(),
+                first: "2".into(),
+                second: "4".into()
+            }
+        );
+        assert!(e.to_string().contains("`layers` is given twice"), "{e}");
+    }
+
+    #[test]
+    fn a_shape_of_more_than_2_pow_64_parameters_is_refused() {
+        let spec = "gpt:layers=1000000000000,hidden=1000000,heads=4,seq=32,vocab=100";
+        let e = spec.parse::<TransformerShape>().unwrap_err();
+        assert!(matches!(e, ModelSpecError::TooLarge { .. }), "{e}");
+        assert!(e.to_string().contains("layers=1000000000000"), "{e}");
+        // Unvalidated shapes saturate instead of overflowing.
+        let shape = TransformerShape::gpt(usize::MAX, usize::MAX, 1, usize::MAX, usize::MAX);
+        assert_eq!(shape.params(), u64::MAX);
+        assert_eq!(shape.checked_params(), None);
+        for unit in shape.distinct_units() {
+            assert_eq!(unit.params(), u64::MAX);
+        }
+        // The three distinct units are the proxy's units.
+        let small = TransformerShape::bert(3, 64, 4, 32, 100);
+        let units = small.unit_profiles();
+        let [e, b, h] = small.distinct_units();
+        assert_eq!(units, vec![e, b.clone(), b.clone(), b, h]);
     }
 
     #[test]

@@ -21,12 +21,20 @@
 //! Merak's per-rank rule on the compute-balanced partition: per pipeline rank the cheapest mode
 //! whose memory fits.
 //!
+//! The space is bounded before any layout is built: at most [`MAX_SEARCH_UNITS`] units, and
+//! at most [`layout_limit`] layouts (counted from the degrees, micro-batch sizes, schedules
+//! and policies; the devices are never enumerated, so `gpus = 10^12` is answered at once).
+//! Beyond either the search is refused, naming the numbers; within them it takes seconds, and
+//! [`search_with_progress`] reports how far it has come.
+//!
 //! Every layout is first *estimated* (exact memory and a lower bound of its time, no
 //! simulation, see [`CostModel::estimate`]); plans over the budget are dropped. The rest are
 //! predicted with the simulating cost model in increasing order of their lower bound, skipping a
 //! plan when it can neither enter the fastest few (its bound is already slower) nor the Pareto
 //! set (a Pareto member is at least as fast as its bound with at most its memory). The skipped
 //! plans are therefore dominated by, or equal to, a member of the returned Pareto set.
+
+use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -37,6 +45,41 @@ use super::hardware::HardwareSpec;
 use super::model::{ModelProxy, RecomputeMode};
 use super::stage_dp::{Skeleton, StageDp, StageDpError};
 use crate::pipeline::{Partition, Recompute, ScheduleKind, balanced_partition};
+
+/// The most units (layers + the embedding + the head) a search plans: the stage planner
+/// tabulates every range of units (`O(units²)` memory per tensor-parallel degree, micro-batch
+/// size and overlap degree: about 230 MB at this bound), so a larger model is refused at once
+/// ([`SearchError::TooManyUnits`]) instead of exhausting the memory.
+pub const MAX_SEARCH_UNITS: usize = 514;
+
+/// The most layouts a search considers, whatever the model.
+pub const MAX_SEARCH_LAYOUTS: usize = 1 << 20;
+
+/// The search's work bound: layouts × units² (the stage planner's passes over a skeleton take
+/// up to `units²` steps each; about 10 s at this bound on one core). With
+/// [`MAX_SEARCH_LAYOUTS`] it gives the most layouts a search of a model considers
+/// ([`layout_limit`]); a space beyond it, counted before any layout is built, is refused at
+/// once ([`SearchError::TooManyLayouts`]).
+pub const MAX_SEARCH_WORK: usize = 1 << 30;
+
+/// The most layouts a search of a model of `units` units considers: [`MAX_SEARCH_WORK`] /
+/// units², at most [`MAX_SEARCH_LAYOUTS`].
+pub fn layout_limit(units: usize) -> usize {
+    let square = units.max(1).saturating_mul(units.max(1));
+    (MAX_SEARCH_WORK / square).min(MAX_SEARCH_LAYOUTS)
+}
+
+/// How far a search has come, for a progress bar: `done` of `total` steps of `phase`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SearchProgress {
+    /// What the search is doing: "building layouts" (the stage planner included), "estimating"
+    /// or "simulating".
+    pub phase: &'static str,
+    /// Steps done.
+    pub done: usize,
+    /// Steps of the phase.
+    pub total: usize,
+}
 
 /// What to search over.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -160,6 +203,36 @@ pub enum SearchError {
         /// The smallest peak memory of any layout.
         smallest_bytes: u64,
     },
+    /// The model has more units than a search plans ([`MAX_SEARCH_UNITS`]).
+    #[error(
+        "the model has {units} units (layers + embedding + head): the planner searches at most \
+         {limit} (its stage planner's tables grow with the square of the units)"
+    )]
+    TooManyUnits {
+        /// The model's units.
+        units: usize,
+        /// [`MAX_SEARCH_UNITS`].
+        limit: usize,
+    },
+    /// The space holds more layouts than a search considers ([`layout_limit`]).
+    #[error(
+        "{gpus} devices with global batch {global_batch}: the search would consider {layouts} \
+         layouts of a model of {units} units, the limit is {limit} (2^30 / units², at most \
+         2^20): plan fewer layers or devices, or search fewer micro-batch sizes, schedules, \
+         overlap degrees or recomputation policies"
+    )]
+    TooManyLayouts {
+        /// Devices.
+        gpus: usize,
+        /// Global batch.
+        global_batch: usize,
+        /// The layouts of the space.
+        layouts: usize,
+        /// The model's units.
+        units: usize,
+        /// [`layout_limit`] of the model.
+        limit: usize,
+    },
     /// A layout could not be costed.
     #[error(transparent)]
     Cost(#[from] CostError),
@@ -177,8 +250,38 @@ pub struct Candidate {
     pub policy: Recompute,
 }
 
-fn divisors(n: usize) -> Vec<usize> {
-    (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
+/// The divisors of `n` up to `at_most`, in increasing order, found in `O(√n)` steps.
+fn divisors_up_to(n: usize, at_most: usize) -> Vec<usize> {
+    let (mut small, mut large) = (Vec::new(), Vec::new());
+    let mut d = 1usize;
+    while d.checked_mul(d).is_some_and(|square| square <= n) {
+        if n.is_multiple_of(d) {
+            small.push(d);
+            if d != n / d {
+                large.push(n / d);
+            }
+        }
+        d += 1;
+    }
+    small.extend(large.into_iter().rev());
+    small.retain(|&d| d <= at_most);
+    small
+}
+
+/// The greatest common divisor.
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
+
+/// `values` without repeats (the first of each kept) and without those `keep` refuses.
+fn distinct<T: Copy + PartialEq>(values: &[T], keep: impl Fn(T) -> bool) -> Vec<T> {
+    let mut out: Vec<T> = Vec::new();
+    for &v in values {
+        if keep(v) && !out.contains(&v) {
+            out.push(v);
+        }
+    }
+    out
 }
 
 fn unit_costs(model: &ModelProxy, mode: RecomputeMode) -> Vec<f64> {
@@ -202,164 +305,294 @@ fn uniform_policy(mode: RecomputeMode) -> (Recompute, usize) {
 ///
 /// # Errors
 ///
-/// A layout that the cost model rejects (should not happen for generated layouts).
+/// [`SearchError::TooManyUnits`] or [`SearchError::TooManyLayouts`] for a space beyond the
+/// search's bounds; a layout that the cost model rejects (should not happen for generated
+/// layouts).
 pub fn candidates(
     cm: &CostModel<'_>,
     options: &SearchOptions,
     budget: u64,
 ) -> Result<Vec<Candidate>, SearchError> {
-    generate(cm, options, &mut StageDp::new(cm, budget), &mut Vec::new())
+    let slots = space(cm.model(), cm.hardware(), options)?;
+    let mut dp_planner = StageDp::new(cm, budget);
+    generate(
+        cm,
+        options,
+        &slots,
+        &mut dp_planner,
+        &mut Vec::new(),
+        &mut |_| {},
+    )
 }
 
-/// [`candidates`] with the stage planner `dp_planner` (and its budget); the skeletons it finds
-/// no cut for are pushed to `unplanned`.
-fn generate(
-    cm: &CostModel<'_>,
+/// A point of the search space before the recomputation policy and ZeRO-1.
+#[derive(Clone, Copy, Debug)]
+struct Slot {
+    dp: usize,
+    tp: usize,
+    pp: usize,
+    /// Micro-batch size.
+    b: usize,
+    /// Micro-batches per step.
+    m: usize,
+    /// Tensor-parallel overlap degree.
+    k: usize,
+    schedule: ScheduleKind,
+    /// Virtual stages.
+    v: usize,
+}
+
+impl Slot {
+    /// The layouts of this slot: one per policy and ZeRO-1 setting (ZeRO-1 needs dp > 1).
+    fn layouts(&self, options: &SearchOptions) -> usize {
+        let zero1 = options.zero1.iter().filter(|&&z| !z || self.dp > 1).count();
+        options.recompute.len() * zero1
+    }
+}
+
+/// The slots of the search space (see the [module docs](self)), in the order the layouts are
+/// generated, after checking the bounds: at most [`MAX_SEARCH_UNITS`] units and
+/// [`layout_limit`] layouts. The device count is never enumerated: tensor parallelism ranges
+/// over the divisors of the heads, pipeline parallelism over the units, so any `gpus` is
+/// answered at once.
+fn space(
+    model: &ModelProxy,
+    hw: &HardwareSpec,
     options: &SearchOptions,
-    dp_planner: &mut StageDp<'_, '_>,
-    unplanned: &mut Vec<Skeleton>,
-) -> Result<Vec<Candidate>, SearchError> {
-    let budget = dp_planner.budget();
-    let model = cm.model();
-    let hw = cm.hardware();
+) -> Result<Vec<Slot>, SearchError> {
     let units = model.num_units();
-    let partitions: Vec<Vec<f64>> = RecomputeMode::ALL
-        .iter()
-        .map(|&m| unit_costs(model, m))
-        .collect();
-    let mut partition_cache: std::collections::HashMap<(usize, usize), Partition> =
-        std::collections::HashMap::new();
-    let no_layout = || SearchError::NoLayout {
-        gpus: options.gpus,
-        global_batch: options.global_batch,
-        heads: model.heads,
-        per_node: hw.devices_per_node,
-        units,
-    };
-    let mut plain_partition = |mode_index: usize, stages: usize| {
-        if let Some(p) = partition_cache.get(&(mode_index, stages)) {
-            return Ok(p.clone());
-        }
-        let p = balanced_partition(&partitions[mode_index], stages).map_err(|_| no_layout())?;
-        partition_cache.insert((mode_index, stages), p.clone());
-        Ok::<_, SearchError>(p)
-    };
-    let mut out = Vec::new();
-    for tp in divisors(options.gpus) {
-        if !model.heads.is_multiple_of(tp) || tp > hw.devices_per_node {
-            continue;
-        }
-        for pp in divisors(options.gpus / tp) {
-            if pp > units {
-                continue;
-            }
-            let dp = options.gpus / tp / pp;
+    if units > MAX_SEARCH_UNITS {
+        return Err(SearchError::TooManyUnits {
+            units,
+            limit: MAX_SEARCH_UNITS,
+        });
+    }
+    let gpus = options.gpus;
+    let micro_batches = distinct(&options.micro_batch_sizes, |b| b > 0);
+    let overlaps = distinct(&options.tp_overlap, |k| k == 1 || k <= hw.max_tp_overlap);
+    let schedules = distinct(&options.schedules, |_| true);
+    let virtual_stages = distinct(&options.virtual_stages, |v| v >= 2 && v <= units);
+    let limit = layout_limit(units);
+    let mut slots = Vec::new();
+    let mut layouts = 0usize;
+    for tp in divisors_up_to(gcd(gpus, model.heads), hw.devices_per_node) {
+        let rest = gpus / tp;
+        for pp in (1..=units.min(rest)).filter(|&pp| rest.is_multiple_of(pp)) {
+            let dp = rest / pp;
             if !options.global_batch.is_multiple_of(dp) {
                 continue;
             }
             let per_replica = options.global_batch / dp;
-            for &b in &options.micro_batch_sizes {
-                if b == 0 || !per_replica.is_multiple_of(b) {
-                    continue;
-                }
+            for &b in micro_batches
+                .iter()
+                .filter(|&&b| per_replica.is_multiple_of(b))
+            {
                 let m = per_replica / b;
-                let overlaps = options.tp_overlap.iter().copied().filter(|&k| {
-                    k == 1
-                        || (tp > 1 && k <= hw.max_tp_overlap && model.splits_tokens(b, k).is_ok())
-                });
-                for (k, &schedule) in
-                    overlaps.flat_map(|k| options.schedules.iter().map(move |s| (k, s)))
-                {
-                    let vs: Vec<usize> = if schedule.v_shaped() {
-                        [2].into_iter()
-                            .filter(|&v| pp >= 2 && pp * v <= units)
-                            .collect()
-                    } else if schedule.uses_virtual_stages() {
-                        options
-                            .virtual_stages
-                            .iter()
-                            .copied()
-                            .filter(|&v| v >= 2 && pp >= 2 && pp * v <= units)
-                            .filter(|_| m.is_multiple_of(pp))
-                            .collect()
-                    } else {
-                        vec![1]
-                    };
-                    for v in vs {
-                        let stages = pp * v;
-                        for &policy in &options.recompute {
-                            let mode_index = match policy {
-                                Recompute::None | Recompute::StageAware => 0,
-                                Recompute::Selective => 1,
-                                Recompute::Full => 2,
-                            };
-                            let partition = plain_partition(mode_index, stages)?;
-                            for &zero1 in &options.zero1 {
-                                if zero1 && dp == 1 {
-                                    continue;
-                                }
-                                if policy == Recompute::StageAware && v == 1 {
-                                    let skeleton = Skeleton {
-                                        dp,
-                                        tp,
-                                        pp,
-                                        micro_batch: b,
-                                        micro_batches: m,
-                                        schedule,
-                                        zero1,
-                                        tp_overlap: k,
-                                    };
-                                    let Some(plan) = dp_planner.plan(&skeleton)? else {
-                                        unplanned.push(skeleton);
-                                        continue;
-                                    };
-                                    let layout = plan.layout;
-                                    let first = layout.recompute[0];
-                                    if layout.recompute.iter().all(|&mode| mode == first) {
-                                        // Left to the uniform policy when it makes this layout.
-                                        let (plain, index) = uniform_policy(first);
-                                        if options.recompute.contains(&plain)
-                                            && plain_partition(index, stages)? == layout.partition
-                                        {
-                                            continue;
-                                        }
-                                    }
-                                    out.push(Candidate { layout, policy });
-                                    continue;
-                                }
-                                let uniform = |mode| Layout {
-                                    dp,
-                                    tp,
-                                    pp,
-                                    virtual_stages: v,
-                                    micro_batch: b,
-                                    micro_batches: m,
-                                    schedule,
-                                    recompute: vec![mode; stages],
-                                    zero1,
-                                    partition: partition.clone(),
-                                    tp_overlap: k,
-                                };
-                                let layout = match policy {
-                                    Recompute::None => uniform(RecomputeMode::None),
-                                    Recompute::Selective => uniform(RecomputeMode::Selective),
-                                    Recompute::Full => uniform(RecomputeMode::Full),
-                                    Recompute::StageAware => {
-                                        match stage_aware(cm, &uniform, budget)? {
-                                            Some(layout) => layout,
-                                            None => continue,
-                                        }
-                                    }
-                                };
-                                out.push(Candidate { layout, policy });
-                            }
+                let ks = overlaps
+                    .iter()
+                    .filter(|&&k| k == 1 || (tp > 1 && model.splits_tokens(b, k).is_ok()));
+                for (&k, &schedule) in ks.flat_map(|k| schedules.iter().map(move |s| (k, s))) {
+                    for v in stage_counts(schedule, pp, m, units, &virtual_stages) {
+                        let slot = Slot {
+                            dp,
+                            tp,
+                            pp,
+                            b,
+                            m,
+                            k,
+                            schedule,
+                            v,
+                        };
+                        layouts = layouts.saturating_add(slot.layouts(options));
+                        if layouts <= limit {
+                            slots.push(slot);
                         }
                     }
                 }
             }
         }
     }
+    if layouts > limit {
+        return Err(SearchError::TooManyLayouts {
+            gpus,
+            global_batch: options.global_batch,
+            layouts,
+            units,
+            limit,
+        });
+    }
+    Ok(slots)
+}
+
+/// The virtual stages of `schedule` with `pp` ranks, `m` micro-batches and `units` units:
+/// 2 for ZB-V, those of `virtual` for the interleaved schedule, 1 otherwise.
+fn stage_counts(
+    schedule: ScheduleKind,
+    pp: usize,
+    m: usize,
+    units: usize,
+    virtual_stages: &[usize],
+) -> Vec<usize> {
+    let fits = |v: usize| pp >= 2 && pp.checked_mul(v).is_some_and(|s| s <= units);
+    if schedule.v_shaped() {
+        [2].into_iter().filter(|&v| fits(v)).collect()
+    } else if schedule.uses_virtual_stages() {
+        virtual_stages
+            .iter()
+            .copied()
+            .filter(|&v| fits(v) && m.is_multiple_of(pp))
+            .collect()
+    } else {
+        vec![1]
+    }
+}
+
+/// The layouts of `slots` (from [`space`]) with the stage planner `dp_planner` (and its
+/// budget); the skeletons it finds no cut for are pushed to `unplanned`. `progress` hears of
+/// every slot done.
+fn generate(
+    cm: &CostModel<'_>,
+    options: &SearchOptions,
+    slots: &[Slot],
+    dp_planner: &mut StageDp<'_, '_>,
+    unplanned: &mut Vec<Skeleton>,
+    progress: &mut dyn FnMut(SearchProgress),
+) -> Result<Vec<Candidate>, SearchError> {
+    let model = cm.model();
+    let partitions: Vec<Vec<f64>> = RecomputeMode::ALL
+        .iter()
+        .map(|&m| unit_costs(model, m))
+        .collect();
+    let mut cache: HashMap<(usize, usize), Partition> = HashMap::new();
+    let none = || no_layout(model, cm.hardware(), options);
+    let mut plain_partition = |mode_index: usize, stages: usize| {
+        if let Some(p) = cache.get(&(mode_index, stages)) {
+            return Ok(p.clone());
+        }
+        let p = balanced_partition(&partitions[mode_index], stages).map_err(|_| none())?;
+        cache.insert((mode_index, stages), p.clone());
+        Ok::<_, SearchError>(p)
+    };
+    let mut out = Vec::new();
+    let mut tp = 0;
+    for (done, slot) in slots.iter().enumerate() {
+        if slot.tp != tp {
+            // The stage planner's tables are per tensor-parallel degree: keep one degree's.
+            dp_planner.release_tables();
+            tp = slot.tp;
+        }
+        progress(SearchProgress {
+            phase: "building layouts",
+            done,
+            total: slots.len(),
+        });
+        for &policy in &options.recompute {
+            let mode_index = match policy {
+                Recompute::None | Recompute::StageAware => 0,
+                Recompute::Selective => 1,
+                Recompute::Full => 2,
+            };
+            let partition = plain_partition(mode_index, slot.pp * slot.v)?;
+            for &zero1 in options.zero1.iter().filter(|&&z| !z || slot.dp > 1) {
+                let layout = if policy == Recompute::StageAware && slot.v == 1 {
+                    planned(
+                        slot,
+                        zero1,
+                        dp_planner,
+                        unplanned,
+                        &mut plain_partition,
+                        options,
+                    )?
+                } else {
+                    shaped(cm, slot, policy, zero1, &partition, dp_planner.budget())?
+                };
+                if let Some(layout) = layout {
+                    out.push(Candidate { layout, policy });
+                }
+            }
+        }
+    }
     Ok(out)
+}
+
+/// The stage planner's layout of `slot` with `zero1`, or `None` when no cut fits (the
+/// skeleton goes to `unplanned`) or when a uniform policy searched makes the same layout.
+fn planned(
+    slot: &Slot,
+    zero1: bool,
+    dp_planner: &mut StageDp<'_, '_>,
+    unplanned: &mut Vec<Skeleton>,
+    plain_partition: &mut dyn FnMut(usize, usize) -> Result<Partition, SearchError>,
+    options: &SearchOptions,
+) -> Result<Option<Layout>, SearchError> {
+    let skeleton = Skeleton {
+        dp: slot.dp,
+        tp: slot.tp,
+        pp: slot.pp,
+        micro_batch: slot.b,
+        micro_batches: slot.m,
+        schedule: slot.schedule,
+        zero1,
+        tp_overlap: slot.k,
+    };
+    let Some(plan) = dp_planner.plan(&skeleton)? else {
+        unplanned.push(skeleton);
+        return Ok(None);
+    };
+    let layout = plan.layout;
+    let first = layout.recompute[0];
+    if layout.recompute.iter().all(|&mode| mode == first) {
+        // Left to the uniform policy when it makes this layout.
+        let (plain, index) = uniform_policy(first);
+        if options.recompute.contains(&plain)
+            && plain_partition(index, slot.pp)? == layout.partition
+        {
+            return Ok(None);
+        }
+    }
+    Ok(Some(layout))
+}
+
+/// The layout of `slot` with `zero1` under a uniform `policy` on `partition`, or the per-rank
+/// stage-aware rule for interleaved slots (`None` when that is uniform).
+fn shaped(
+    cm: &CostModel<'_>,
+    slot: &Slot,
+    policy: Recompute,
+    zero1: bool,
+    partition: &Partition,
+    budget: u64,
+) -> Result<Option<Layout>, SearchError> {
+    let uniform = |mode| Layout {
+        dp: slot.dp,
+        tp: slot.tp,
+        pp: slot.pp,
+        virtual_stages: slot.v,
+        micro_batch: slot.b,
+        micro_batches: slot.m,
+        schedule: slot.schedule,
+        recompute: vec![mode; slot.pp * slot.v],
+        zero1,
+        partition: partition.clone(),
+        tp_overlap: slot.k,
+    };
+    Ok(match policy {
+        Recompute::None => Some(uniform(RecomputeMode::None)),
+        Recompute::Selective => Some(uniform(RecomputeMode::Selective)),
+        Recompute::Full => Some(uniform(RecomputeMode::Full)),
+        Recompute::StageAware => stage_aware(cm, &uniform, budget)?,
+    })
+}
+
+/// The error for a space without layouts.
+fn no_layout(model: &ModelProxy, hw: &HardwareSpec, options: &SearchOptions) -> SearchError {
+    SearchError::NoLayout {
+        gpus: options.gpus,
+        global_batch: options.global_batch,
+        heads: model.heads,
+        per_node: hw.devices_per_node,
+        units: model.num_units(),
+    }
 }
 
 /// Merak's stage-aware recomputation for interleaved layouts: per pipeline rank, the cheapest
@@ -424,6 +657,24 @@ pub fn search_calibrated(
     calibration: Option<&Calibration>,
     options: &SearchOptions,
 ) -> Result<SearchResult, SearchError> {
+    search_with_progress(model, hardware, calibration, options, &mut |_| {})
+}
+
+/// [`search_calibrated`] telling `progress` how far it has come (a few calls per layout), for
+/// a progress bar on long searches.
+///
+/// # Errors
+///
+/// As [`search`], and [`SearchError::TooManyUnits`] or [`SearchError::TooManyLayouts`] at
+/// once for a space beyond the bounds.
+pub fn search_with_progress(
+    model: &ModelProxy,
+    hardware: &HardwareSpec,
+    calibration: Option<&Calibration>,
+    options: &SearchOptions,
+    progress: &mut dyn FnMut(SearchProgress),
+) -> Result<SearchResult, SearchError> {
+    let slots = space(model, hardware, options)?;
     let cm = match calibration {
         Some(c) => CostModel::new(model, hardware).with_calibration(c),
         None => CostModel::new(model, hardware),
@@ -431,20 +682,26 @@ pub fn search_calibrated(
     let budget = options.memory_budget_bytes.unwrap_or(hardware.memory_bytes);
     let mut dp_planner = StageDp::new(&cm, budget);
     let mut unplanned = Vec::new();
-    let all = generate(&cm, options, &mut dp_planner, &mut unplanned)?;
+    let all = generate(
+        &cm,
+        options,
+        &slots,
+        &mut dp_planner,
+        &mut unplanned,
+        progress,
+    )?;
     if all.is_empty() && unplanned.is_empty() {
-        return Err(SearchError::NoLayout {
-            gpus: options.gpus,
-            global_batch: options.global_batch,
-            heads: model.heads,
-            per_node: hardware.devices_per_node,
-            units: model.num_units(),
-        });
+        return Err(no_layout(model, hardware, options));
     }
     let considered = all.len();
     let mut smallest = u64::MAX;
     let mut feasible = Vec::new();
-    for c in all {
+    for (done, c) in all.into_iter().enumerate() {
+        progress(SearchProgress {
+            phase: "estimating",
+            done,
+            total: considered,
+        });
         let est = cm.estimate(&c.layout)?;
         let mem = est.peak_memory_bytes.iter().copied().max().unwrap_or(0);
         smallest = smallest.min(mem);
@@ -455,7 +712,12 @@ pub fn search_calibrated(
     if feasible.is_empty() {
         // The stage planner's skeletons that no cut fits count with the least memory a cut
         // of them can reach.
+        let mut tp = 0;
         for skeleton in &unplanned {
+            if skeleton.tp != tp {
+                dp_planner.release_tables();
+                tp = skeleton.tp;
+            }
             smallest = smallest.min(dp_planner.min_memory(skeleton)?);
         }
         return Err(SearchError::DoesNotFit {
@@ -470,7 +732,12 @@ pub fn search_calibrated(
     let mut front: Vec<(f64, u64)> = Vec::new();
     let mut pareto: Vec<Plan> = Vec::new();
     let mut predicted = 0;
-    for (bound, mem, c) in feasible {
+    for (done, (bound, mem, c)) in feasible.into_iter().enumerate() {
+        progress(SearchProgress {
+            phase: "simulating",
+            done,
+            total: feasible_count,
+        });
         let top_full = top.len() >= keep;
         let kth = top
             .last()
@@ -679,6 +946,103 @@ mod tests {
             search(&model, &hw, &options),
             Err(SearchError::DoesNotFit { .. })
         ));
+    }
+
+    #[test]
+    fn divisors_are_found_in_order() {
+        for n in 0..300usize {
+            for at_most in [1, 4, 8, 1000] {
+                let brute: Vec<usize> = (1..=n)
+                    .filter(|d| n.is_multiple_of(*d) && *d <= at_most)
+                    .collect();
+                assert_eq!(divisors_up_to(n, at_most), brute, "{n} {at_most}");
+            }
+        }
+        // √n steps: the search passes gcd(gpus, heads), at most the heads.
+        assert_eq!(divisors_up_to(1 << 40, 8), vec![1, 2, 4, 8]);
+        assert_eq!(
+            divisors_up_to(3 * 5 * (1 << 30), 8),
+            vec![1, 2, 3, 4, 5, 6, 8]
+        );
+    }
+
+    #[test]
+    fn a_trillion_devices_are_answered_at_once() {
+        let model = ModelProxy::parse("gpt2").unwrap();
+        let hw = HardwareSpec::preset("a100-80g").unwrap();
+        let start = Instant::now();
+        let err = search(&model, &hw, &SearchOptions::new(1_000_000_000_000, 8)).unwrap_err();
+        assert!(start.elapsed().as_secs_f64() < 0.5, "{:?}", start.elapsed());
+        assert!(matches!(err, SearchError::NoLayout { .. }), "{err}");
+        assert!(err.to_string().contains("1000000000000 devices"), "{err}");
+        // With a batch that admits layouts, the search still finishes (few divisors qualify).
+        let result = search(&model, &hw, &SearchOptions::new(1 << 40, 1 << 40)).unwrap();
+        assert_eq!(result.best.layout.gpus(), 1 << 40);
+        assert!(start.elapsed().as_secs_f64() < 5.0, "{:?}", start.elapsed());
+    }
+
+    #[test]
+    fn a_model_beyond_the_unit_bound_is_refused_before_any_layout() {
+        let model = ModelProxy::parse("gpt:layers=513,hidden=64,heads=4,seq=32,vocab=100").unwrap();
+        let hw = HardwareSpec::preset("a100-80g").unwrap().with_devices(8);
+        let start = Instant::now();
+        let err = search(&model, &hw, &SearchOptions::new(8, 8)).unwrap_err();
+        assert!(start.elapsed().as_secs_f64() < 0.5, "{:?}", start.elapsed());
+        assert_eq!(
+            err,
+            SearchError::TooManyUnits {
+                units: 515,
+                limit: MAX_SEARCH_UNITS
+            }
+        );
+        assert!(err.to_string().contains("515 units"), "{err}");
+        let cm = CostModel::new(&model, &hw);
+        assert!(candidates(&cm, &SearchOptions::new(8, 8), hw.memory_bytes).is_err());
+    }
+
+    #[test]
+    fn a_space_beyond_the_layout_limit_is_refused_naming_the_numbers() {
+        let model = ModelProxy::parse("gpt:layers=256,hidden=64,heads=4,seq=32,vocab=100").unwrap();
+        let hw = HardwareSpec::preset("a100-80g").unwrap();
+        let start = Instant::now();
+        let err = search(&model, &hw, &SearchOptions::new(720_720, 720_720)).unwrap_err();
+        assert!(start.elapsed().as_secs_f64() < 0.5, "{:?}", start.elapsed());
+        let SearchError::TooManyLayouts {
+            layouts,
+            units,
+            limit,
+            ..
+        } = err
+        else {
+            panic!("{err}");
+        };
+        assert_eq!((units, limit), (258, (1 << 30) / (258 * 258)));
+        assert!(layouts > limit, "{layouts}");
+        let msg = err.to_string();
+        for part in [
+            "720720 devices".to_string(),
+            format!("consider {layouts} layouts"),
+            format!("the limit is {limit}"),
+        ] {
+            assert!(msg.contains(&part), "{part:?} not in {msg}");
+        }
+        assert_eq!(layout_limit(3), MAX_SEARCH_LAYOUTS);
+    }
+
+    #[test]
+    fn progress_covers_every_phase() {
+        let (model, hw, options) = small_case();
+        let mut seen: Vec<SearchProgress> = Vec::new();
+        let result =
+            search_with_progress(&model, &hw, None, &options, &mut |p| seen.push(p)).unwrap();
+        for phase in ["building layouts", "estimating", "simulating"] {
+            let steps: Vec<_> = seen.iter().filter(|p| p.phase == phase).collect();
+            assert!(!steps.is_empty(), "{phase}");
+            assert!(steps.iter().all(|p| p.done < p.total), "{phase}");
+        }
+        let estimates = seen.iter().filter(|p| p.phase == "estimating").count();
+        assert_eq!(estimates, result.considered);
+        assert_eq!(result, search(&model, &hw, &options).unwrap());
     }
 
     #[test]

@@ -355,6 +355,13 @@ impl<'c, 'a> StageDp<'c, 'a> {
         self.budget
     }
 
+    /// Frees the tables of unit ranges (`O(units²)` each, see the [module docs](self)); the
+    /// answers found stay cached. The search calls it when it moves to the next
+    /// tensor-parallel degree, whose tables are all different.
+    pub fn release_tables(&mut self) {
+        self.tables.clear();
+    }
+
     fn check(&self, skeleton: &Skeleton) -> Result<(), StageDpError> {
         for (field, v) in [
             ("dp", skeleton.dp),

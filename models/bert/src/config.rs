@@ -61,6 +61,21 @@ pub enum BertConfigError {
     /// A dropout probability outside `[0, 1)`.
     #[error("model.dropout = {0} must be in [0, 1)")]
     Dropout(String),
+    /// A shape whose parameter count does not fit in 64 bits.
+    #[error(
+        "model.layers = {layers}, model.hidden = {hidden}, model.vocab_size = {vocab} and \
+         model.seq_len = {seq} make more than 2^64 parameters"
+    )]
+    TooLarge {
+        /// Layers.
+        layers: usize,
+        /// Hidden size.
+        hidden: usize,
+        /// Vocabulary size.
+        vocab: usize,
+        /// Sequence length.
+        seq: usize,
+    },
     /// The `[MASK]` id is not a token of the vocabulary.
     #[error("model.mask_token_id = {id} must be below model.vocab_size = {vocab}")]
     MaskToken {
@@ -131,6 +146,14 @@ impl BertConfig {
         if !(0.0..1.0).contains(&self.dropout) {
             return Err(BertConfigError::Dropout(self.dropout.to_string()));
         }
+        if self.shape().checked_params().is_none() {
+            return Err(BertConfigError::TooLarge {
+                layers: self.layers,
+                hidden: self.hidden,
+                vocab: self.vocab_size,
+                seq: self.seq_len,
+            });
+        }
         if self.mask_token_id >= self.vocab_size {
             return Err(BertConfigError::MaskToken {
                 id: self.mask_token_id,
@@ -184,6 +207,21 @@ mod tests {
             BertConfig::preset("bert-large").unwrap().num_params(),
             355_351_552
         );
+    }
+
+    #[test]
+    fn a_shape_of_more_than_2_pow_64_parameters_is_refused_naming_the_keys() {
+        let mut c = BertConfig::preset("tiny").unwrap();
+        c.hidden = 1 << 31;
+        c.layers = 1 << 20;
+        let e = c.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("model.layers = 1048576") && e.contains("model.hidden = 2147483648"),
+            "{e}"
+        );
+        c.layers = 1;
+        c.hidden = 1 << 20;
+        c.validate().unwrap();
     }
 
     #[test]

@@ -55,6 +55,21 @@ pub enum GptConfigError {
     /// A dropout probability outside `[0, 1)`.
     #[error("model.dropout = {0} must be in [0, 1)")]
     Dropout(String),
+    /// A shape whose parameter count does not fit in 64 bits.
+    #[error(
+        "model.layers = {layers}, model.hidden = {hidden}, model.vocab_size = {vocab} and \
+         model.seq_len = {seq} make more than 2^64 parameters"
+    )]
+    TooLarge {
+        /// Layers.
+        layers: usize,
+        /// Hidden size.
+        hidden: usize,
+        /// Vocabulary size.
+        vocab: usize,
+        /// Sequence length.
+        seq: usize,
+    },
     /// A real-valued key outside its range.
     #[error("model.{key} = {value} must be {range}")]
     OutOfRange {
@@ -126,6 +141,14 @@ impl GptConfig {
         }
         if !(0.0..1.0).contains(&self.dropout) {
             return Err(GptConfigError::Dropout(self.dropout.to_string()));
+        }
+        if self.shape().checked_params().is_none() {
+            return Err(GptConfigError::TooLarge {
+                layers: self.layers,
+                hidden: self.hidden,
+                vocab: self.vocab_size,
+                seq: self.seq_len,
+            });
         }
         // A standard deviation of 1 already saturates a GPT's softmax; the epsilon only keeps a
         // LayerNorm of a constant row finite.
@@ -201,6 +224,21 @@ mod tests {
             let c = GptConfig::preset(name).unwrap();
             c.validate().unwrap();
         }
+    }
+
+    #[test]
+    fn a_shape_of_more_than_2_pow_64_parameters_is_refused_naming_the_keys() {
+        let mut c = GptConfig::preset("tiny").unwrap();
+        c.hidden = 1 << 31;
+        c.layers = 1 << 20;
+        let e = c.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("model.layers = 1048576") && e.contains("model.hidden = 2147483648"),
+            "{e}"
+        );
+        c.layers = 1;
+        c.hidden = 1 << 20;
+        c.validate().unwrap();
     }
 
     #[test]
