@@ -273,7 +273,11 @@ fn main() -> Result<()> {
     let mut measured = vec![f64::INFINITY; plans.len()];
     for round in 0..a.rounds {
         for (i, path) in paths.iter().enumerate() {
-            let t = measure(&a, &merak, path, &a.work.join(format!("run-{i}")))?;
+            // A folder per run (a run refuses another run's folder); the bench's own folders
+            // of an earlier invocation are removed first.
+            let out = a.work.join(format!("run-{i}-round-{round}"));
+            let _ = std::fs::remove_dir_all(&out);
+            let t = measure(&a, &merak, path, &out)?;
             measured[i] = measured[i].min(t);
             eprintln!("round {round} layout {i}: {:.1} ms", t * 1e3);
         }

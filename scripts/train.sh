@@ -15,9 +15,11 @@ bash scripts/fetch-text.sh data/raw/book.txt
 if [ ! -s data/text/meta.json ]; then
   target/release/merak prepare-data --input data/raw/book.txt --output data/text
 fi
+# A new folder each time: a run never writes into another run's folder.
+out="runs/quickstart-$(date -u +%Y%m%d-%H%M%S)"
 mpirun --oversubscribe --bind-to none -np 4 target/release/merak train \
-  --config configs/gpt-mini-text.toml --dp 2 --tp 2 --out runs/quickstart "$@"
-echo "metrics: runs/quickstart/metrics.jsonl, loss curve: runs/quickstart/loss.svg"
-echo "checkpoint: runs/quickstart/checkpoints; try:"
-echo "  target/release/merak generate --checkpoint runs/quickstart/checkpoints --prompt 'It is a truth' --max-new-tokens 40"
-echo "  target/release/merak export --checkpoint runs/quickstart/checkpoints --output runs/quickstart/hf/model.safetensors"
+  --config configs/gpt-mini-text.toml --dp 2 --tp 2 --out "$out" "$@"
+echo "metrics: $out/metrics.jsonl, loss curve: $out/loss.svg"
+echo "checkpoint: $out/checkpoints; try:"
+echo "  target/release/merak generate --checkpoint $out/checkpoints --prompt 'It is a truth' --max-new-tokens 40"
+echo "  target/release/merak export --checkpoint $out/checkpoints --output $out/hf/model.safetensors"

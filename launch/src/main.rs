@@ -15,6 +15,7 @@ mod plot;
 mod probe;
 mod probe_overlap;
 mod resolve;
+mod run_folder;
 mod spawn;
 mod tokens;
 mod train;

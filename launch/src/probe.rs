@@ -604,6 +604,7 @@ fn train_step_time(
         resume: None,
         trace: None,
         stop: &never,
+        existing: merak_burn::train::ExistingRun::Refuse,
     };
     crate::train::train(
         &cfg,
@@ -924,8 +925,10 @@ fn time_training_runs(
         .context("making a scratch folder for the profile's training runs")?;
     let fastest_run = |m: usize, zero: u8| -> Result<f64> {
         let mut best = f64::INFINITY;
-        for _ in 0..3 {
-            best = best.min(train_step_time(args, mpi, m, zero, scratch.path())?);
+        for i in 0..3 {
+            // Each run in a folder of its own: a run never writes into another run's folder.
+            let out = scratch.path().join(format!("m{m}-zero{zero}-{i}"));
+            best = best.min(train_step_time(args, mpi, m, zero, &out)?);
         }
         Ok(best)
     };

@@ -16,8 +16,8 @@ use merak_burn::plan::ParallelPlan;
 use merak_burn::tensor_parallel::ParallelBackend;
 pub use merak_burn::train::Summary;
 use merak_burn::train::{
-    BatchSource, CheckpointPolicy, RunOutput, SourceError, StopRequest, TrainSettings, Trainer,
-    Windows,
+    BatchSource, CheckpointPolicy, ExistingRun, RunFile, RunOutput, SourceError, StopRequest,
+    TrainSettings, Trainer, Windows,
 };
 
 use crate::config::Config;
@@ -85,6 +85,18 @@ pub struct RunSpec<'a> {
     pub trace: Option<&'a Path>,
     /// Set by the signal handlers: stop after the current step and checkpoint.
     pub stop: &'a StopRequest,
+    /// What to do with folders that hold another run (`--replace`, `--branch`).
+    pub existing: ExistingRun,
+}
+
+/// The config file `merak train` writes into its output folder.
+pub const CONFIG_FILE: &str = "config.toml";
+/// The loss curve `merak train` draws into its output folder.
+pub const LOSS_CURVE: &str = "loss.svg";
+
+/// The names of `merak train`'s own files in its output folder (besides the trainer's).
+pub fn own_file_names() -> Vec<String> {
+    vec![CONFIG_FILE.to_string(), LOSS_CURVE.to_string()]
 }
 
 /// The library's training settings of a config.
@@ -111,12 +123,7 @@ pub fn settings(cfg: &Config) -> TrainSettings {
 }
 
 /// Where a run of `cfg` writing to `out` puts its metrics, checkpoints and trace.
-fn run_output(
-    cfg: &Config,
-    out: &Path,
-    trace: Option<&Path>,
-    stop: &StopRequest,
-) -> Result<RunOutput> {
+fn run_output(cfg: &Config, out: &Path, spec: &RunSpec<'_>) -> Result<RunOutput> {
     let c = &cfg.checkpoint;
     let policy = CheckpointPolicy {
         dir: checkpoint_root(cfg, out),
@@ -125,12 +132,24 @@ fn run_output(
         keep: c.keep,
         extra: serde_json::json!({ "config": toml::to_string(cfg)? }),
     };
+    let config = toml::to_string(cfg)?;
     Ok(RunOutput {
         dir: out.to_path_buf(),
         checkpoints: Some(policy),
-        trace: trace.map(Path::to_path_buf),
+        trace: spec.trace.map(Path::to_path_buf),
         progress: true,
-        stop: Some(stop.clone()),
+        stop: Some(spec.stop.clone()),
+        existing: spec.existing,
+        files: vec![
+            RunFile {
+                name: CONFIG_FILE.into(),
+                contents: Some(config.into_bytes()),
+            },
+            RunFile {
+                name: LOSS_CURVE.into(),
+                contents: None,
+            },
+        ],
     })
 }
 
@@ -224,7 +243,7 @@ where
         objective,
         seed: cfg.train.seed,
     };
-    let output = run_output(cfg, out, spec.trace, spec.stop)?;
+    let output = run_output(cfg, out, &spec)?;
     let summary = trainer.fit(&source, &output, &mut |_| {})?;
     Ok((summary, trainer.into_model()))
 }
@@ -257,6 +276,7 @@ mod tests {
             resume: None,
             trace: None,
             stop: &never,
+            existing: ExistingRun::Refuse,
         };
         let (_, trained) = train(
             &cfg,

@@ -12,7 +12,7 @@ use merak_burn::grid::ProcessGrid;
 use merak_burn::pipeline::PipelinePlan;
 use merak_burn::plan::ParallelPlan;
 use merak_burn::tensor_parallel::{ParallelBackend, TpOverlap};
-use merak_burn::train::StopRequest;
+use merak_burn::train::{ExistingRun, Origin, RunFolders, StopRequest};
 
 use crate::config::Config;
 use crate::data::Source;
@@ -39,9 +39,22 @@ pub struct TrainArgs {
     /// Override any config key, e.g. --set train.steps=5 (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub sets: Vec<String>,
-    /// Output folder for metrics.jsonl and the resolved config.
-    #[arg(long, default_value = "runs/latest")]
-    pub out: PathBuf,
+    /// Output folder: metrics.jsonl, the resolved config, the run record (run.json) and, by
+    /// default, the checkpoints. Default: a new folder runs/<date>-<time> (UTC), or with
+    /// --resume the folder of the run the checkpoint belongs to. A folder that holds another
+    /// run is refused (see --replace).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Replace the run that the output or checkpoint folder holds: remove that run's files
+    /// (only what merak writes: checkpoints, metrics, config, run record, plot), say which,
+    /// and start here.
+    #[arg(long, conflicts_with = "branch")]
+    pub replace: bool,
+    /// With --resume of a checkpoint older than others of its run in the checkpoint folder:
+    /// move the later ones aside into branch-N (nothing is deleted) and continue from the
+    /// older one.
+    #[arg(long, requires = "resume")]
+    pub branch: bool,
     /// Continue from a checkpoint: a `step-*` folder, or a checkpoint folder whose `latest`
     /// names one. Its config is the base (then --config's model must match it), and any
     /// dp/tp layout may load it.
@@ -72,6 +85,10 @@ pub struct TrainArgs {
 
 /// What every rank has checked and built before training starts.
 struct Job {
+    /// The output folder.
+    out: PathBuf,
+    /// What to do with folders that hold another run.
+    existing: ExistingRun,
     /// The resolved config.
     cfg: Config,
     /// The parallel plan.
@@ -129,7 +146,7 @@ pub fn run_train(args: TrainArgs) -> ExitCode {
         }
     };
     if size > 1 {
-        let limit = std::time::Duration::from_secs_f64(job.cfg.train.comm_timeout_s);
+        let limit = merak_burn::comm::watchdog::saturating_duration(job.cfg.train.comm_timeout_s);
         merak_burn::comm::watchdog::arm(limit, rank);
     }
     let stop = StopRequest::new();
@@ -137,7 +154,7 @@ pub fn run_train(args: TrainArgs) -> ExitCode {
         eprintln!("error: installing the signal handlers: {e}");
         return ExitCode::from(1);
     }
-    match (run(&job, &args.out, args.trace.as_deref(), &stop), mpi) {
+    match (run(&job, args.trace.as_deref(), &stop), mpi) {
         (Ok(false), _) => ExitCode::SUCCESS,
         (Ok(true), _) => ExitCode::from(STOPPED),
         (Err(e), Some(mpi)) if size > 1 => mpi.abort(1, &describe(&e)),
@@ -175,6 +192,27 @@ fn prepare(args: &TrainArgs, world: Option<MpiCommunicator>, size: usize) -> Res
         pipeline,
     } = resolve_config(args, world.as_ref(), size, resume.as_ref())?;
     let rank = world.as_ref().map_or(0, |w| w.rank());
+    let out = crate::run_folder::output_folder(
+        args.out.as_deref(),
+        resume.as_ref().map(|r| &r.checkpoint),
+        world.as_ref(),
+    )?;
+    let existing = match (args.replace, args.branch) {
+        (true, _) => ExistingRun::Replace,
+        (_, true) => ExistingRun::Branch,
+        _ => ExistingRun::Refuse,
+    };
+    check_outputs(args, &out, &cfg, rank)?;
+    // Read-only here (every rank, before anything is built); `Trainer::fit` claims for real.
+    let root = train::checkpoint_root(&cfg, &out);
+    let own = train::own_file_names();
+    let origin = resume.as_ref().map(|r| Origin::of(&r.checkpoint));
+    let folders = RunFolders {
+        out: &out,
+        checkpoints: Some(&root),
+        own_files: &own,
+    };
+    merak_burn::train::claim(folders, origin.as_ref(), existing)?;
     let init_from = args
         .init_from
         .as_deref()
@@ -197,7 +235,6 @@ fn prepare(args: &TrainArgs, world: Option<MpiCommunicator>, size: usize) -> Res
             f.hardware
         );
     }
-    check_outputs(args, &cfg, rank)?;
     let placement = crate::transport::place(&cfg, world.as_ref())?;
     crate::admission::check(&cfg, &parallel, &pipeline, placement.device)?;
     let grid = match world {
@@ -209,6 +246,8 @@ fn prepare(args: &TrainArgs, world: Option<MpiCommunicator>, size: usize) -> Res
         tracing::info!("data: {}", data.describe());
     }
     Ok(Job {
+        out,
+        existing,
         cfg,
         parallel,
         pipeline,
@@ -222,9 +261,9 @@ fn prepare(args: &TrainArgs, world: Option<MpiCommunicator>, size: usize) -> Res
 
 /// Checks every path the run will write (the output folder, the checkpoint folder, the trace)
 /// before anything is built, on every rank.
-fn check_outputs(args: &TrainArgs, cfg: &Config, rank: usize) -> Result<()> {
-    merak_burn::train::writable_dir(&args.out, "output folder (--out)", rank)?;
-    let checkpoints = train::checkpoint_root(cfg, &args.out);
+fn check_outputs(args: &TrainArgs, out: &Path, cfg: &Config, rank: usize) -> Result<()> {
+    merak_burn::train::writable_dir(out, "output folder (--out)", rank)?;
+    let checkpoints = train::checkpoint_root(cfg, out);
     merak_burn::train::writable_dir(&checkpoints, "checkpoint folder (checkpoint.dir)", rank)?;
     if let Some(trace) = &args.trace {
         merak_burn::train::writable_file(trace, "trace file (--trace)", rank)?;
@@ -235,18 +274,15 @@ fn check_outputs(args: &TrainArgs, cfg: &Config, rank: usize) -> Result<()> {
 /// Trains on the backend the config names (selective recomputation is Burn's balanced
 /// checkpointing: the matrix products are kept, memory-bound results recomputed) and reports.
 /// Returns whether the run stopped early on a signal.
-fn run(job: &Job, out: &Path, trace: Option<&Path>, stop: &StopRequest) -> Result<bool> {
-    let (cfg, grid) = (&job.cfg, &job.grid);
-    // `check_outputs` made `out` on every rank before anything was built.
-    if grid.rank == 0 {
-        std::fs::write(out.join("config.toml"), toml::to_string(cfg)?)?;
-    }
+fn run(job: &Job, trace: Option<&Path>, stop: &StopRequest) -> Result<bool> {
+    let (cfg, grid, out) = (&job.cfg, &job.grid, job.out.as_path());
     let spec = RunSpec {
         parallel: &job.parallel,
         plan: &job.pipeline,
         resume: job.resume.as_ref(),
         trace,
         stop,
+        existing: job.existing,
     };
     let selective = job.parallel.selective_on_rank(grid.coords.pp);
     let summary = match cfg.train.device.as_str() {

@@ -131,6 +131,32 @@ fn shard_of(dir: &Path) -> PathBuf {
     dir.join("tp00-dp000-pp00.safetensors")
 }
 
+/// Sets the first value of the first parameter of the checkpoint `dir` to NaN, and its
+/// manifest's size and checksum to match (a checkpoint written by a run that diverged).
+fn poison_first_param(dir: &Path) {
+    use sha2::{Digest, Sha256};
+    let path = shard_of(dir);
+    let bytes = std::fs::read(&path).unwrap();
+    let (mut tensors, meta) = shard_file::decode(&bytes, &path).unwrap();
+    let t = tensors
+        .iter_mut()
+        .find(|t| t.name.starts_with("param/"))
+        .unwrap();
+    t.values[0] = f32::NAN;
+    let bytes = shard_file::encode(&tensors, meta).unwrap();
+    std::fs::write(&path, &bytes).unwrap();
+    let sum: String = Sha256::digest(&bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let manifest_path = dir.join("manifest.json");
+    let mut m: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&manifest_path).unwrap()).unwrap();
+    m["files"][0]["bytes"] = bytes.len().into();
+    m["files"][0]["sha256"] = sum.into();
+    std::fs::write(&manifest_path, m.to_string()).unwrap();
+}
+
 /// Resumes from a damaged checkpoint and returns stderr; the run must fail before training.
 fn resume_fails(checkpoint: &Path, name: &str) -> String {
     let out = out_dir(name);
@@ -204,6 +230,36 @@ fn damaged_checkpoints_are_named_before_training() {
     );
     assert_ne!(run.code, Some(0), "{run:?}");
     assert!(run.stderr.contains("`model`"), "{}", run.stderr);
+
+    // A checkpoint of a run that diverged: NaN weights are refused by every command that
+    // loads them, naming the tensor (generate printed token ids and exited 0 before).
+    let nan = root.join("ckpt-nan");
+    copy_dir(&good, &nan);
+    poison_first_param(&nan);
+    let e = resume_fails(&nan, "ckpt-nan-run");
+    assert!(e.contains("NaN") && e.contains("param/"), "{e}");
+    let g = generate(
+        &nan,
+        &[
+            "--prompt-ids",
+            "1,2",
+            "--max-new-tokens",
+            "2",
+            "--print-ids",
+        ],
+    );
+    assert_eq!(g.code, Some(2), "{g:?}");
+    assert!(g.stderr.contains("NaN") && g.stdout.is_empty(), "{g:?}");
+    let mut cmd = Command::new(MERAK);
+    cmd.arg("export")
+        .arg("--checkpoint")
+        .arg(&nan)
+        .arg("--output")
+        .arg(root.join("ckpt-nan-export/model.safetensors"));
+    let x = run_with_deadline(cmd, Duration::from_secs(60));
+    assert_eq!(x.code, Some(2), "{x:?}");
+    assert!(x.stderr.contains("NaN"), "{x:?}");
+    assert!(!root.join("ckpt-nan-export/model.safetensors").exists());
 
     // The undamaged one still resumes.
     let out = out_dir("ckpt-good-run");

@@ -73,12 +73,48 @@ fn a_preemption_signal_stops_every_rank_after_one_step_with_a_checkpoint_that_re
     }
 }
 
+/// How a preemption test starts its job and which signal the scheduler sends.
+#[derive(Clone, Copy)]
+enum Launch {
+    /// `mpirun -np 2 merak train ...`, SIGUSR1 to mpirun (the README's recipe).
+    Mpirun,
+    /// `merak train --np 2 ...`, SIGTERM to merak (what a scheduler or `kill` sends).
+    OwnLauncher,
+}
+
 /// Starts a long 2-rank run with `layout`, sends mpirun SIGUSR1 after five steps and checks
 /// that the job stops with status 75, every rank after the same step, that step checkpointed;
 /// returns the steps done.
 fn preempt(out: &std::path::Path, layout: &[&str]) -> usize {
-    let mut cmd = mpirun(2);
-    cmd.arg(MERAK);
+    preempt_with(out, layout, Launch::Mpirun)
+}
+
+/// Like [`preempt`], launched and signalled as `launch` says.
+fn preempt_with(out: &std::path::Path, layout: &[&str], launch: Launch) -> usize {
+    let (cmd, signal, layout) = match launch {
+        Launch::Mpirun => {
+            let mut cmd = mpirun(2);
+            cmd.arg(MERAK);
+            (cmd, "-USR1", layout.to_vec())
+        }
+        // `--np` is an argument of `train`: it follows it, as the layout does.
+        Launch::OwnLauncher => (
+            std::process::Command::new(MERAK),
+            "-TERM",
+            [&["--np", "2"][..], layout].concat(),
+        ),
+    };
+    preempt_started(out, &layout, cmd, signal)
+}
+
+/// Trains with `cmd` (`merak` or `mpirun ... merak`) and `layout`, sends `signal` to the
+/// process started after five steps and checks the stop (see [`preempt`]).
+fn preempt_started(
+    out: &std::path::Path,
+    layout: &[&str],
+    mut cmd: std::process::Command,
+    signal: &str,
+) -> usize {
     train_args(
         &mut cmd,
         out,
@@ -97,10 +133,11 @@ fn preempt(out: &std::path::Path, layout: &[&str]) -> usize {
         assert!(start.elapsed().as_secs() < 60, "training did not start");
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    // SIGUSR1 to mpirun, which forwards it to every rank (as a scheduler's warning signal).
+    // SIGUSR1 to mpirun, which forwards it to every rank (as a scheduler's warning signal),
+    // or SIGTERM to merak's own launcher, which passes it on as SIGUSR1.
     let pid = child.id().to_string();
     let sent = std::process::Command::new("kill")
-        .args(["-USR1", &pid])
+        .args([signal, &pid])
         .status();
     assert!(sent.is_ok_and(|s| s.success()));
     let status = wait_at_most(&mut child, 60);
@@ -116,6 +153,20 @@ fn preempt(out: &std::path::Path, layout: &[&str]) -> usize {
     assert_eq!(latest.trim(), format!("step-{k:08}"));
 
     k
+}
+
+/// `merak train --np 2` turns SIGTERM (a scheduler's, or `kill`'s default) into the
+/// checkpoint-and-stop path on every rank and exits 75 itself (a bare mpirun exits 1 on
+/// SIGTERM, after killing the ranks a second later); the checkpoint resumes exactly.
+#[test]
+fn merak_np_turns_sigterm_into_a_checkpoint_and_exit_75() {
+    let out = out_dir("preempted-np");
+    let k = preempt_with(&out, &["--dp", "2"], Launch::OwnLauncher);
+    let steps = format!("train.steps={}", k + 1);
+    let mut cmd = resume_cmd(2, &out.join("checkpoints"), &out);
+    cmd.args(["--set", &steps]);
+    merak_tests::run_with_deadline(cmd, std::time::Duration::from_secs(120)).assert_success();
+    assert_eq!(read_metrics(&out).len(), k + 1);
 }
 
 /// Under 2BW a step runs the next one's first forwards: the stop is agreed before a step, so
@@ -139,4 +190,56 @@ fn wait_at_most(child: &mut std::process::Child, secs: u64) -> std::process::Exi
         }
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
+}
+
+/// A long validation pass honours the stop signals: the ranks agree batch by batch, abandon
+/// the pass, checkpoint the step and exit 75 (a pass of 8192 batches ran on, deaf to signals,
+/// before).
+#[test]
+fn a_preemption_signal_stops_a_long_validation_pass() {
+    let out = out_dir("preempted-validation");
+    let mut cmd = mpirun(2);
+    cmd.arg(MERAK);
+    train_args(
+        &mut cmd,
+        &out,
+        &[
+            "--dp",
+            "2",
+            "--set",
+            "train.steps=4",
+            "--set",
+            "data.val_every=2",
+            "--set",
+            "data.val_batches=8192",
+        ],
+    );
+    std::fs::create_dir_all(&out).unwrap();
+    let log = |name: &str| std::fs::File::create(out.join(name)).expect("log file");
+    cmd.stdout(log("job.out")).stderr(log("job.err"));
+    let mut child = cmd.spawn().expect("mpirun starts");
+    let metrics = out.join("metrics.jsonl");
+    let start = std::time::Instant::now();
+    while !std::fs::read_to_string(&metrics).is_ok_and(|m| m.lines().count() >= 1) {
+        assert!(start.elapsed().as_secs() < 60, "training did not start");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // Step 2 takes milliseconds; its validation pass, seconds.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let sent = std::process::Command::new("kill")
+        .args(["-USR1", &child.id().to_string()])
+        .status();
+    assert!(sent.is_ok_and(|s| s.success()));
+    let status = wait_at_most(&mut child, 60);
+    let stderr = std::fs::read_to_string(out.join("job.err")).unwrap_or_default();
+    assert_eq!(status.code(), Some(75), "{stderr}");
+    let m = read_metrics(&out);
+    assert_eq!(m.len(), 2, "stopped after step 2: {m:?}");
+    assert!(
+        m[1].get("val_loss").is_none(),
+        "the pass was abandoned: {:?}",
+        m[1]
+    );
+    let latest = std::fs::read_to_string(out.join("checkpoints/latest")).unwrap();
+    assert_eq!(latest.trim(), "step-00000002");
 }

@@ -268,6 +268,7 @@ fn run(args: &Args, world: Option<MpiCommunicator>) -> Result<()> {
         trace: None,
         progress: true,
         stop: None,
+        ..Default::default()
     };
     let summary = trainer.fit(&data, &out, &mut |_| {})?;
     if grid.rank == 0 {

@@ -77,6 +77,32 @@ pub enum CheckpointError {
         /// What differs.
         reason: String,
     },
+    /// A checkpoint root holds no complete checkpoint.
+    #[error("{root}: no checkpoint yet: {reason}")]
+    NoCheckpoint {
+        /// The checkpoint root.
+        root: PathBuf,
+        /// What it holds instead.
+        reason: String,
+    },
+    /// A parameter or optimizer moment holds a NaN or an infinity.
+    #[error(
+        "tensor {name} holds {value} at index {index}: the checkpoint is not usable (written by a run that diverged?)"
+    )]
+    NonFinite {
+        /// The tensor's name in the shard (`param/...`, `m1/...`, `m2/...`).
+        name: String,
+        /// The position of the first such value.
+        index: usize,
+        /// The value.
+        value: f32,
+    },
+    /// A test's crash point was reached ([`fault::inject_error`](super::fault::inject_error)).
+    #[error("injected failure at {point}")]
+    Injected {
+        /// The point.
+        point: &'static str,
+    },
     /// A collective operation failed while saving.
     #[error(transparent)]
     Comm(#[from] CommError),

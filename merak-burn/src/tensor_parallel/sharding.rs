@@ -379,6 +379,54 @@ impl ShardKind {
         full
     }
 
+    /// The number of values of each rank's piece of a full tensor of shape `full_shape` split
+    /// over `tp` ranks, or why that shape cannot be split this way (a zero segment count, a
+    /// dimension that does not divide, a size that overflows). Checked arithmetic throughout:
+    /// the shape may come from an untrusted file.
+    pub fn piece_len(&self, full_shape: &[usize], tp: usize) -> Result<usize, String> {
+        let total = full_shape
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .ok_or_else(|| format!("shape {full_shape:?} has more than {} values", usize::MAX))?;
+        if tp == 0 {
+            return Err("a tensor-parallel degree of 0".into());
+        }
+        let (rows, cols) = as_matrix(full_shape);
+        match *self {
+            ShardKind::Replicated => Ok(total),
+            ShardKind::Columns { segments } => {
+                let parts = segments
+                    .checked_mul(tp)
+                    .filter(|&p| p > 0)
+                    .ok_or_else(|| format!("{segments} column segments over tp = {tp}"))?;
+                if !cols.is_multiple_of(parts) {
+                    return Err(format!(
+                        "last dimension {cols} is not divisible by {segments} segments x tp = {tp}"
+                    ));
+                }
+                Ok(rows * (cols / tp))
+            }
+            ShardKind::Rows => match full_shape.first() {
+                Some(&first) if first.is_multiple_of(tp) => Ok(total / tp),
+                Some(&first) => Err(format!(
+                    "first dimension {first} is not divisible by tp = {tp}"
+                )),
+                None => Err("a row split of a scalar".into()),
+            },
+            ShardKind::VocabRows { vocab } => {
+                if full_shape.len() < 2 || full_shape[0] != vocab {
+                    return Err(format!(
+                        "a table of {vocab} vocabulary rows in a tensor of shape {full_shape:?}"
+                    ));
+                }
+                vocab
+                    .div_ceil(tp)
+                    .checked_mul(cols)
+                    .ok_or_else(|| format!("shape {full_shape:?} over tp = {tp} overflows"))
+            }
+        }
+    }
+
     /// This rank's piece (row-major) of the full tensor `full` of shape `full_shape`.
     pub fn cut(&self, full: &[f32], full_shape: &[usize], shard: Shard) -> Vec<f32> {
         let (rows, cols) = as_matrix(full_shape);

@@ -60,6 +60,14 @@ pub enum TrainError {
     /// The tied embedding has no gradient on a rank that holds one of its copies.
     #[error("the tied embedding has no gradient")]
     TiedGradient,
+    /// The run may not write into its folders (they hold another run, or later checkpoints).
+    #[error(transparent)]
+    Claim(#[from] super::ClaimError),
+    /// A caller's file of [`RunOutput::files`](super::RunOutput::files) is not a plain name.
+    #[error(
+        "run file {0:?}: give a file name without folders (it is written into the output folder)"
+    )]
+    BadRunFile(String),
     /// A path the run writes cannot be written (checked before the first step).
     #[error(transparent)]
     Output(#[from] super::OutputError),

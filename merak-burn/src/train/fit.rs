@@ -42,7 +42,9 @@ where
     /// resumed checkpoint's step) and shows progress; `on_step` sees every step's metrics on
     /// every rank; checkpoints follow `out.checkpoints`. At the end rank 0 writes
     /// `memory.json`, and the trace when `out.trace` asks for one. Every path of `out` is
-    /// checked for writing before the first step ([`RunOutput::check`]).
+    /// checked for writing before the first step ([`RunOutput::check`]), and the folders are
+    /// claimed for this run's lineage ([`claim`](mod@super::claim)): a folder that holds another
+    /// run, or later checkpoints of the resumed one, is refused as `out.existing` says.
     pub fn fit(
         &mut self,
         data: &dyn BatchSource,
@@ -50,7 +52,7 @@ where
         on_step: &mut dyn FnMut(&StepMetrics),
     ) -> Result<Summary, TrainError> {
         let t0 = Instant::now();
-        out.check(self.grid.rank)?;
+        self.start(out)?;
         let (start, steps) = (self.done, self.settings.steps);
         let metrics_path = out.dir.join("metrics.jsonl");
         let mut metrics = self.metrics_writer(&metrics_path, start)?;
@@ -70,8 +72,9 @@ where
             let outcome = self.step_overlapping(data, next_follows)?;
             if let Some(grad_norm) = outcome.grad_norm {
                 let val_loss = (self.settings.validates_after(outcome.step))
-                    .then(|| self.validation_loss(data))
-                    .transpose()?;
+                    .then(|| self.validation_loss_unless_stopped(data, out.stop.as_ref()))
+                    .transpose()?
+                    .flatten();
                 let dt = ts.elapsed().as_secs_f64();
                 total_time += dt;
                 final_loss = outcome.loss;
@@ -179,13 +182,10 @@ where
     /// Whether any rank was asked to stop (a collective over the world when `out.stop` is
     /// set, so that every rank stops after the same step).
     fn stop_agreed(&self, out: &RunOutput) -> Result<bool, TrainError> {
-        let Some(stop) = &out.stop else {
-            return Ok(false);
-        };
-        let mut flag = [if stop.is_requested() { 1.0f32 } else { 0.0 }];
-        let comm = self.grid.world.comm()?;
-        comm.all_reduce(&mut flag, crate::comm::ReduceOp::Max)?;
-        Ok(flag[0] > 0.0)
+        match &out.stop {
+            Some(stop) => self.stop_agreed_now(stop),
+            None => Ok(false),
+        }
     }
 
     /// Saves a checkpoint now, when the run has a checkpoint policy.

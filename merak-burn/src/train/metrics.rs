@@ -67,13 +67,18 @@ impl MetricsWriter {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
             Err(e) => return Err(e),
         };
-        let mut w = Self::create(path)?;
+        // Rewritten beside the old file and renamed over it: a crash keeps one or the other.
+        let mut text = String::new();
         for line in kept {
-            w.out.write_all(line.as_bytes())?;
-            w.out.write_all(b"\n")?;
+            text.push_str(&line);
+            text.push('\n');
         }
-        w.out.flush()?;
-        Ok(w)
+        crate::checkpoint::write_file_atomically(path, text.as_bytes())
+            .map_err(|e| std::io::Error::other(e.to_string()))?;
+        let file = std::fs::OpenOptions::new().append(true).open(path)?;
+        Ok(Self {
+            out: BufWriter::new(file),
+        })
     }
 
     /// Writes one record.

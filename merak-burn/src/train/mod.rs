@@ -5,6 +5,9 @@
 //! page faults and peak memory.
 
 mod adamw;
+pub mod claim;
+#[cfg(test)]
+mod claim_tests;
 mod error;
 mod fit;
 mod grad_norm;
@@ -17,11 +20,13 @@ mod save;
 mod schedule;
 mod settings;
 mod source;
+mod start;
 mod stop;
 mod tied;
 mod trainer;
 
 pub use adamw::FusedAdamW;
+pub use claim::{Claim, ClaimError, ExistingRun, Origin, RUN_FILE, RunFolders, claim};
 pub use error::TrainError;
 pub use fit::Summary;
 pub use grad_norm::{
@@ -31,7 +36,7 @@ pub use metrics::{MetricsWriter, StepMetrics};
 pub use outputs::{OutputError, writable_dir, writable_file};
 pub use report::{report_memory, write_trace};
 pub use schedule::LrSchedule;
-pub use settings::{CheckpointPolicy, RunOutput, TrainSettings};
+pub use settings::{CheckpointPolicy, RunFile, RunOutput, TrainSettings};
 pub use source::{BatchSource, SourceError, Windows};
 pub use stop::StopRequest;
 pub use tied::sum_tied_grads;

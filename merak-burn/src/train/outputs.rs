@@ -57,11 +57,12 @@ pub fn writable_dir(dir: &Path, what: &str, rank: usize) -> Result<(), OutputErr
         });
     }
     std::fs::create_dir_all(dir).map_err(fail("create"))?;
+    // One byte, not an empty file: a full disk still makes empty files.
     let probe = dir.join(format!(".merak-write-probe-{rank}"));
-    std::fs::write(&probe, b"").map_err(fail("write in"))?;
+    let written = std::fs::write(&probe, b"m");
     // Removing the probe can only fail if someone else removed it first.
     let _ = std::fs::remove_file(&probe);
-    Ok(())
+    written.map_err(fail("write in"))
 }
 
 /// Checks that the file `path` can be written: not a folder, its folder writable.

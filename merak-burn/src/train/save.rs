@@ -47,7 +47,7 @@ where
         let rank_state = RankState { params, moments };
         let mut extra = serde_json::json!({
             "data": {
-                "samples_consumed": step * self.settings.global_batch,
+                "samples_consumed": step.saturating_mul(self.settings.global_batch),
                 "order": "windows shuffled per epoch by train.seed; step s reads global batch s",
             },
             "rng": {
@@ -60,8 +60,13 @@ where
         {
             all.extend(user);
         }
+        // Outside `fit` (which claims the folders first) the lineage is the resumed one, or new.
+        let run = (self.run.clone())
+            .or_else(|| self.origin.as_ref().and_then(|o| o.run.clone()))
+            .unwrap_or_default();
         Ok(checkpoint::save(
             &policy.dir,
+            &run,
             step,
             policy.keep,
             &rank_state,

@@ -108,9 +108,39 @@ pub struct RunOutput {
     /// Stop after the current step when this is requested on any rank (and checkpoint, when
     /// `checkpoints` is set); `None`: run every step.
     pub stop: Option<super::StopRequest>,
+    /// What to do when `dir` or the checkpoint folder holds another run's files, or later
+    /// checkpoints of the resumed run ([`claim`](mod@super::claim)): refuse by default.
+    pub existing: super::ExistingRun,
+    /// The caller's own files in `dir` (a config, a plot): written once the folders are
+    /// claimed, and counted as this run's (another run replacing it removes them).
+    pub files: Vec<RunFile>,
+}
+
+/// A file of the caller's in a run's output folder.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunFile {
+    /// Its name in the output folder (one plain name).
+    pub name: String,
+    /// Its contents, written by rank 0 (atomically) before the first step; `None`: the caller
+    /// writes it later (a plot at the end), but it is still this run's.
+    pub contents: Option<Vec<u8>>,
 }
 
 impl RunOutput {
+    /// The names of the caller's files ([`RunOutput::files`]).
+    pub fn own_files(&self) -> Vec<String> {
+        self.files.iter().map(|f| f.name.clone()).collect()
+    }
+
+    /// The folders this run writes, for [`claim`](mod@super::claim).
+    pub fn folders<'a>(&'a self, own_files: &'a [String]) -> super::RunFolders<'a> {
+        super::RunFolders {
+            out: &self.dir,
+            checkpoints: self.checkpoints.as_ref().map(|c| c.dir.as_path()),
+            own_files,
+        }
+    }
+
     /// Checks every path the run will write (the output folder, the checkpoint folder, the
     /// trace file) on rank `rank`: [`Trainer::fit`](super::Trainer::fit) does this before its
     /// first step, so a path that cannot be written fails at once, named.

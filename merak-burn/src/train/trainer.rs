@@ -98,6 +98,10 @@ where
     /// Steps done (the 0-based index of the next one).
     pub(crate) done: usize,
     pub(crate) max_in_flight: usize,
+    /// The checkpoint this run resumed, if any.
+    pub(crate) origin: Option<super::Origin>,
+    /// The lineage this run writes, once [`fit`](Self::fit) has claimed its folders.
+    pub(crate) run: Option<crate::checkpoint::RunId>,
 }
 
 impl<'g, B, M> Trainer<'g, B, M>
@@ -160,6 +164,8 @@ where
             tied,
             done: 0,
             max_in_flight: 0,
+            origin: None,
+            run: None,
         })
     }
 
@@ -190,7 +196,14 @@ where
         self.optim_decay = self.optim_decay.clone().load_record(decay);
         self.optim_no_decay = self.optim_no_decay.clone().load_record(no_decay);
         self.done = step;
+        self.origin = Some(super::Origin::of(checkpoint));
         Ok(())
+    }
+
+    /// The lineage this run writes its checkpoints under: known once [`fit`](Self::fit) has
+    /// claimed the run's folders (the resumed checkpoint's, or a new one).
+    pub fn run_id(&self) -> Option<&crate::checkpoint::RunId> {
+        self.run.as_ref()
     }
 
     /// The model as trained so far.
@@ -399,6 +412,17 @@ where
     /// Mean loss over `val_batches` global batches of held-out sequences, without gradients;
     /// each data-parallel rank evaluates its share through the pipeline.
     pub fn validation_loss(&self, data: &dyn BatchSource) -> Result<f64, TrainError> {
+        let loss = self.validation_loss_unless_stopped(data, None)?;
+        Ok(loss.unwrap_or(f64::NAN))
+    }
+
+    /// Like [`validation_loss`](Self::validation_loss), but before each batch the ranks agree
+    /// whether `stop` was requested on any of them; `None` when it was (the pass is abandoned).
+    pub fn validation_loss_unless_stopped(
+        &self,
+        data: &dyn BatchSource,
+        stop: Option<&super::StopRequest>,
+    ) -> Result<Option<f64>, TrainError> {
         crate::precision::set_precision(self.settings.precision);
         if let Some(step) = self.in_flight.step() {
             return Err(PipelineError::AheadInFlight {
@@ -415,6 +439,11 @@ where
         // Per-micro-batch mean losses weighted by target tokens: (sum of losses, target tokens).
         let mut acc = [0.0f32, 0.0f32];
         for b in 0..s.val_batches {
+            if let Some(stop) = stop
+                && self.stop_agreed_now(stop)?
+            {
+                return Ok(None);
+            }
             let mut batches = Vec::new();
             for m in 0..local / micro {
                 let first = b * s.global_batch + self.grid.coords.dp * local + m * micro;
@@ -444,7 +473,17 @@ where
             acc[0] = l[0];
         }
         all_reduce_if(self.grid.dp, &mut acc)?;
-        Ok(f64::from(acc[0] / acc[1].max(1.0)))
+        Ok(Some(f64::from(acc[0] / acc[1].max(1.0))))
+    }
+
+    /// Whether `stop` was requested on any rank (a collective over the world).
+    pub(crate) fn stop_agreed_now(&self, stop: &super::StopRequest) -> Result<bool, TrainError> {
+        let mut flag = [if stop.is_requested() { 1.0f32 } else { 0.0 }];
+        self.grid
+            .world
+            .comm()?
+            .all_reduce(&mut flag, ReduceOp::Max)?;
+        Ok(flag[0] > 0.0)
     }
 }
 

@@ -61,6 +61,7 @@ fn a_checkpoint_folder_that_is_a_file_fails_before_the_first_step() {
         trace: None,
         progress: false,
         stop: None,
+        ..Default::default()
     };
     let err = trainer.fit(&windows, &out, &mut |_| {}).unwrap_err();
     assert!(

@@ -1,0 +1,112 @@
+//! `merak train`'s output folder when `--out` is not given: the folder of the run a resumed
+//! checkpoint belongs to, or a new folder `runs/<UTC date>-<time>` that no earlier run used.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Result;
+use merak_burn::checkpoint::{Checkpoint, RunId};
+use merak_burn::comm::{Communicator, MpiCommunicator};
+use merak_burn::train::RUN_FILE;
+
+/// The folder new runs go to when `--out` is not given.
+pub const RUNS: &str = "runs";
+
+/// The output folder: `out` when given; else, resuming `checkpoint`, the folder whose
+/// `run.json` names the checkpoint's run and whose `checkpoints/` holds it; else a new
+/// folder under [`RUNS`] named by rank 0's clock (every rank gets the same name).
+pub fn output_folder(
+    out: Option<&Path>,
+    checkpoint: Option<&Checkpoint>,
+    world: Option<&MpiCommunicator>,
+) -> Result<PathBuf> {
+    if let Some(out) = out {
+        return Ok(out.to_path_buf());
+    }
+    if let Some(folder) = checkpoint.and_then(run_folder_of) {
+        return Ok(folder);
+    }
+    let mut name = [0u8; 32];
+    let stamp = new_folder_name(Path::new(RUNS));
+    name[..stamp.len()].copy_from_slice(stamp.as_bytes());
+    if let Some(w) = world {
+        w.broadcast_bytes(&mut name, 0)?;
+    }
+    let len = name.iter().position(|&b| b == 0).unwrap_or(name.len());
+    Ok(Path::new(RUNS).join(String::from_utf8_lossy(&name[..len]).as_ref()))
+}
+
+/// The run folder holding `checkpoint` (`<run>/checkpoints/step-*`), when its run record
+/// names the checkpoint's lineage.
+fn run_folder_of(checkpoint: &Checkpoint) -> Option<PathBuf> {
+    let lineage = checkpoint.manifest.run.as_ref()?;
+    let root = checkpoint.dir.parent()?;
+    if root.file_name()? != "checkpoints" {
+        return None;
+    }
+    let folder = root.parent()?;
+    let text = std::fs::read(folder.join(RUN_FILE)).ok()?;
+    let record: serde_json::Value = serde_json::from_slice(&text).ok()?;
+    let run = RunId::try_from(record.get("run")?.as_str()?.to_string()).ok()?;
+    (run == *lineage).then(|| folder.to_path_buf())
+}
+
+/// `YYYYMMDD-HHMMSS` of now (UTC), with `-2`, `-3`, ... when `parent` already has it.
+fn new_folder_name(parent: &Path) -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let stamp = utc_stamp(secs);
+    (1..)
+        .map(|n| match n {
+            1 => stamp.clone(),
+            n => format!("{stamp}-{n}"),
+        })
+        .find(|name| parent.join(name).symlink_metadata().is_err())
+        .unwrap_or(stamp)
+}
+
+/// `YYYYMMDD-HHMMSS` of a Unix time (the proleptic Gregorian calendar, UTC).
+fn utc_stamp(secs: u64) -> String {
+    let days = (secs / 86_400) as i64;
+    let rest = secs % 86_400;
+    // Days to a civil date (H. Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}{month:02}{day:02}-{:02}{:02}{:02}",
+        rest / 3600,
+        rest / 60 % 60,
+        rest % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stamps_are_utc_calendar_dates() {
+        assert_eq!(utc_stamp(0), "19700101-000000");
+        // 2026-11-25 19:45:30 UTC.
+        assert_eq!(utc_stamp(1_795_635_930), "20261125-194530");
+        // 2024-02-29 23:59:59 UTC (a leap day).
+        assert_eq!(utc_stamp(1_709_251_199), "20240229-235959");
+    }
+
+    #[test]
+    fn a_taken_name_gets_a_suffix() {
+        let parent = tempfile::tempdir().expect("temp folder");
+        let first = new_folder_name(parent.path());
+        std::fs::create_dir(parent.path().join(&first)).expect("made");
+        let second = new_folder_name(parent.path());
+        assert_ne!(first, second);
+        assert!(!parent.path().join(&second).exists(), "{second}");
+    }
+}

@@ -1,0 +1,397 @@
+//! Reading a checkpoint: the manifest checked before anything is built from it, every
+//! shard's size and checksum verified, every tensor put back together at full size and cut
+//! again for the layout of the run that loads it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use super::root::{list, read_manifest};
+use super::state::ParamShape;
+use super::{
+    CheckpointError, LATEST, MANIFEST, MAX_STEP, Manifest, Moments, ParamEntry, plain_name,
+    read_regular, sha256_hex, shard_file,
+};
+use crate::tensor_parallel::Shard;
+
+/// A checkpoint on disk whose manifest has been read.
+#[derive(Clone, Debug)]
+pub struct Checkpoint {
+    /// The checkpoint folder.
+    pub dir: PathBuf,
+    /// Its manifest.
+    pub manifest: Manifest,
+}
+
+/// A rank's pieces of a checkpoint: parameters and AdamW moments by the model's names.
+pub type LocalPieces = (HashMap<String, Vec<f32>>, HashMap<String, Moments>);
+
+/// Every tensor of a checkpoint at full size.
+#[derive(Clone, Debug, Default)]
+pub struct FullState {
+    /// Parameters by name.
+    pub params: HashMap<String, Vec<f32>>,
+    /// AdamW moments by name (absent for parameters never stepped).
+    pub moments: HashMap<String, Moments>,
+}
+
+impl Checkpoint {
+    /// Opens the checkpoint at `path`: a `step-*` folder, or a checkpoint root, whose newest
+    /// complete checkpoint it opens (the one `latest` names, or a newer complete one that a
+    /// job killed before switching `latest` left). The manifest is checked
+    /// ([`Manifest::validate`]) and every shard's size compared before anything is read.
+    pub fn open(path: &Path) -> Result<Checkpoint, CheckpointError> {
+        let dir = if path.join(MANIFEST).exists() {
+            path.to_path_buf()
+        } else {
+            resolve_root(path)?
+        };
+        let manifest_path = dir.join(MANIFEST);
+        let manifest = read_manifest(&dir)?;
+        manifest.validate(&manifest_path)?;
+        let ckpt = Checkpoint { dir, manifest };
+        // Cheap checks first, so a damaged checkpoint is reported before anything is built.
+        for f in &ckpt.manifest.files {
+            let path = ckpt.dir.join(&f.file);
+            let meta = std::fs::metadata(&path)
+                .map_err(|_| CheckpointError::MissingShard { file: path.clone() })?;
+            if !meta.is_file() {
+                return Err(CheckpointError::Corrupt {
+                    file: path,
+                    reason: "not a regular file".into(),
+                });
+            }
+            if meta.len() != f.bytes {
+                return Err(CheckpointError::Truncated {
+                    file: path,
+                    expected: f.bytes,
+                    got: meta.len(),
+                });
+            }
+        }
+        Ok(ckpt)
+    }
+
+    /// Reads and verifies every shard and puts every tensor back together at full size.
+    /// Every piece must have the size its parameter's shape and split give, and every value
+    /// must be finite (a checkpoint of a diverged run is refused, naming the tensor).
+    pub fn read_full(&self) -> Result<FullState, CheckpointError> {
+        let m = &self.manifest;
+        let entries: HashMap<&str, &ParamEntry> =
+            m.params.iter().map(|p| (p.name.as_str(), p)).collect();
+        let mut pieces = Pieces::new();
+        let mut times: HashMap<String, usize> = HashMap::new();
+        for f in &m.files {
+            let path = self.dir.join(&f.file);
+            let bytes = self.read_shard(f)?;
+            let (tensors, meta) = shard_file::decode(&bytes, &path)?;
+            if let Some(t) = meta.get("adamw_time") {
+                let t: BTreeMap<String, usize> =
+                    serde_json::from_str(t).map_err(|e| CheckpointError::Corrupt {
+                        file: path.clone(),
+                        reason: format!("adamw_time: {e}"),
+                    })?;
+                if let Some((name, t)) = t.iter().find(|(_, t)| **t > MAX_STEP) {
+                    return Err(CheckpointError::Corrupt {
+                        file: path,
+                        reason: format!("adamw_time of {name} is {t}, beyond any run"),
+                    });
+                }
+                times.extend(t);
+            }
+            for t in tensors {
+                let Some((kind, name)) = t.name.split_once('/') else {
+                    continue;
+                };
+                let Some(entry) = entries.get(name) else {
+                    continue;
+                };
+                if !matches!(kind, "param" | "m1" | "m2") {
+                    continue;
+                }
+                let want = entry.shard.piece_len(&entry.shape, m.layout.tp);
+                if want.as_ref().ok() != Some(&t.values.len()) {
+                    return Err(CheckpointError::Corrupt {
+                        file: path,
+                        reason: format!(
+                            "tensor {}: {} values, its shape {:?} split over tp = {} gives {:?}",
+                            t.name,
+                            t.values.len(),
+                            entry.shape,
+                            m.layout.tp,
+                            want
+                        ),
+                    });
+                }
+                check_finite(&t.name, &t.values)?;
+                pieces.insert((kind.to_string(), name.to_string(), f.tp), t.values);
+            }
+        }
+        let mut full = FullState::default();
+        for p in &m.params {
+            full.params
+                .insert(p.name.clone(), merge(&mut pieces, p, "param", tp_of(m))?);
+            let has_moments =
+                (0..tp_of(m)).any(|r| pieces.contains_key(&("m1".to_string(), p.name.clone(), r)));
+            if has_moments {
+                let moments = Moments {
+                    time: times.get(&p.name).copied().unwrap_or(0),
+                    m1: merge(&mut pieces, p, "m1", tp_of(m))?,
+                    m2: merge(&mut pieces, p, "m2", tp_of(m))?,
+                };
+                full.moments.insert(p.name.clone(), moments);
+            }
+        }
+        Ok(full)
+    }
+
+    /// The bytes of shard `f`, checked against the manifest's size and SHA-256.
+    fn read_shard(&self, f: &super::FileEntry) -> Result<Vec<u8>, CheckpointError> {
+        let path = self.dir.join(&f.file);
+        let bytes = read_regular(&path, f.bytes)?;
+        if bytes.len() as u64 != f.bytes {
+            return Err(CheckpointError::Truncated {
+                file: path,
+                expected: f.bytes,
+                got: bytes.len() as u64,
+            });
+        }
+        let sum = sha256_hex(&bytes);
+        if sum != f.sha256 {
+            return Err(CheckpointError::Checksum {
+                file: path,
+                expected: f.sha256.clone(),
+                got: sum,
+            });
+        }
+        Ok(bytes)
+    }
+}
+
+/// The newest complete checkpoint of the checkpoint root `root` (see [`Checkpoint::open`]).
+fn resolve_root(root: &Path) -> Result<PathBuf, CheckpointError> {
+    if !root.is_dir() {
+        return Err(CheckpointError::Io {
+            path: root.to_path_buf(),
+            source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such folder"),
+        });
+    }
+    let listing = list(root)?;
+    if let Some(name) = listing.latest.as_deref().filter(|n| !plain_name(n)) {
+        return Err(CheckpointError::BadManifest {
+            path: root.join(LATEST),
+            reason: format!("names {name:?}, not a checkpoint folder beside it"),
+        });
+    }
+    if let Some(dir) = listing.newest(root) {
+        return Ok(dir);
+    }
+    if listing.is_empty() {
+        return Err(CheckpointError::MissingManifest {
+            dir: root.to_path_buf(),
+        });
+    }
+    let reason = match (listing.unreadable.first(), listing.unfinished.first()) {
+        (Some(dir), _) => format!("{} has no readable manifest.json", dir.display()),
+        (None, Some(dir)) => format!(
+            "{} is a save that was interrupted before it completed",
+            dir.display()
+        ),
+        (None, None) => match listing.branches.first() {
+            Some(b) => format!(
+                "only branches set aside: resume one of them, such as {}",
+                b.display()
+            ),
+            None => "nothing but a `latest` naming a folder that is not here".into(),
+        },
+    };
+    Err(CheckpointError::NoCheckpoint {
+        root: root.to_path_buf(),
+        reason,
+    })
+}
+
+/// Tensor pieces by (kind: param, m1 or m2; parameter name; tp rank).
+type Pieces = HashMap<(String, String, usize), Vec<f32>>;
+
+fn tp_of(m: &Manifest) -> usize {
+    m.layout.tp
+}
+
+/// Takes the `tp` pieces of `kind` of parameter `p` out of `pieces` and puts them together.
+fn merge(
+    pieces: &mut Pieces,
+    p: &ParamEntry,
+    kind: &str,
+    tp: usize,
+) -> Result<Vec<f32>, CheckpointError> {
+    let what = match kind {
+        "param" => "the parameter",
+        "m1" => "the first moment",
+        _ => "the second moment",
+    };
+    let parts = (0..tp)
+        .map(|r| {
+            pieces
+                .remove(&(kind.to_string(), p.name.clone(), r))
+                .ok_or_else(|| CheckpointError::Mismatch {
+                    name: p.name.clone(),
+                    reason: format!("{what} of tp rank {r} is missing from the shards"),
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(p.shard.merge(&parts, &p.shape))
+}
+
+/// Fails naming the tensor and the first value that is NaN or infinite.
+fn check_finite(name: &str, values: &[f32]) -> Result<(), CheckpointError> {
+    match values.iter().position(|v| !v.is_finite()) {
+        Some(index) => Err(CheckpointError::NonFinite {
+            name: name.to_string(),
+            index,
+            value: values[index],
+        }),
+        None => Ok(()),
+    }
+}
+
+impl FullState {
+    /// This rank's pieces of every tensor for a model whose parameters are `shapes` (name,
+    /// local shape, split) on a TP group described by `shard`: (parameters, moments), by the model's
+    /// names. `copies` lists `(copy, original)` names of tied parameters: a copy is loaded from
+    /// its original. Fails naming the parameter if the model and the checkpoint disagree on a
+    /// name, shape or split. A checkpoint parameter that this rank does not hold (another
+    /// pipeline stage) is skipped; [`Manifest::check_covers`] checks a whole model.
+    pub fn cut_for(
+        &self,
+        manifest: &Manifest,
+        shapes: &[ParamShape],
+        shard: Shard,
+        copies: &[(String, String)],
+    ) -> Result<LocalPieces, CheckpointError> {
+        let entries: HashMap<&str, &ParamEntry> = manifest
+            .params
+            .iter()
+            .map(|p| (p.name.as_str(), p))
+            .collect();
+        cut_pieces(
+            &entries,
+            &|name| self.params.get(name).map(Vec::as_slice),
+            &self.moments,
+            shapes,
+            shard,
+            copies,
+        )
+    }
+}
+
+/// The original of `name` when it is a tied copy (`copies` lists `(copy, original)`).
+fn source_of<'a>(name: &'a str, copies: &'a [(String, String)]) -> &'a str {
+    copies
+        .iter()
+        .find(|(copy, _)| copy == name)
+        .map_or(name, |(_, original)| original.as_str())
+}
+
+/// This rank's pieces of the full tensors described by `entries` (parameters from `param`,
+/// moments from `moments`) for the model parameters `shapes`; see [`FullState::cut_for`].
+fn cut_pieces<'a>(
+    entries: &HashMap<&str, &ParamEntry>,
+    param: &dyn Fn(&str) -> Option<&'a [f32]>,
+    moments: &HashMap<String, Moments>,
+    shapes: &[ParamShape],
+    shard: Shard,
+    copies: &[(String, String)],
+) -> Result<LocalPieces, CheckpointError> {
+    let mut params = HashMap::new();
+    let mut local_moments = HashMap::new();
+    for ParamShape {
+        name,
+        shape: local,
+        split: kind,
+        ..
+    } in shapes
+    {
+        let kind = *kind;
+        let source = source_of(name, copies);
+        let entry = entries
+            .get(source)
+            .ok_or_else(|| CheckpointError::Mismatch {
+                name: name.clone(),
+                reason: "the model has it, the checkpoint does not (a different model?)".into(),
+            })?;
+        let full_shape = kind.full_shape(local, shard.size);
+        if full_shape != entry.shape {
+            return Err(CheckpointError::Mismatch {
+                name: name.clone(),
+                reason: format!(
+                    "shape {:?} in the checkpoint, {full_shape:?} in the model",
+                    entry.shape
+                ),
+            });
+        }
+        if kind != entry.shard {
+            return Err(CheckpointError::Mismatch {
+                name: name.clone(),
+                reason: format!(
+                    "split {:?} in the checkpoint, {kind:?} in the model",
+                    entry.shard
+                ),
+            });
+        }
+        let cut = |v: &[f32]| kind.cut(v, &entry.shape, shard);
+        if let Some(v) = param(source) {
+            params.insert(name.clone(), cut(v));
+        }
+        if let Some(m) = moments.get(source) {
+            local_moments.insert(
+                name.clone(),
+                Moments {
+                    time: m.time,
+                    m1: cut(&m.m1),
+                    m2: cut(&m.m2),
+                },
+            );
+        }
+    }
+    Ok((params, local_moments))
+}
+
+/// This rank's pieces of full-size parameters that come without a manifest (pretrained
+/// weights read from another format), for a model whose parameters are `shapes` (as
+/// [`state::param_shapes`](super::state::param_shapes) lists them) on a TP group described by `shard`.
+/// `full` maps the model's names to (full shape, row-major values); each parameter is split
+/// the way the model declares it split and cut like a checkpoint's
+/// ([`FullState::cut_for`]), so a vocabulary-parallel token table is padded with zero rows.
+/// `copies` lists `(copy, original)` names of tied parameters: a copy is cut from its
+/// original. Fails naming the parameter if one of `shapes` is missing from `full` or has
+/// another full shape; entries of `full` that this rank does not hold (other pipeline stages)
+/// are skipped. The result goes to [`state::assign_params`](super::state::assign_params).
+pub fn cut_full_params(
+    full: &HashMap<String, (Vec<usize>, Vec<f32>)>,
+    shapes: &[ParamShape],
+    shard: Shard,
+    copies: &[(String, String)],
+) -> Result<HashMap<String, Vec<f32>>, CheckpointError> {
+    let entries: Vec<ParamEntry> = shapes
+        .iter()
+        .filter_map(|p| {
+            let source = source_of(&p.name, copies);
+            full.get(source).map(|(shape, _)| ParamEntry {
+                name: source.to_string(),
+                shape: shape.clone(),
+                shard: p.split,
+            })
+        })
+        .collect();
+    let entries: HashMap<&str, &ParamEntry> =
+        entries.iter().map(|p| (p.name.as_str(), p)).collect();
+    let (params, _) = cut_pieces(
+        &entries,
+        &|name| full.get(name).map(|(_, v)| v.as_slice()),
+        &HashMap::new(),
+        shapes,
+        shard,
+        copies,
+    )?;
+    Ok(params)
+}

@@ -1,0 +1,55 @@
+//! What [`Trainer::fit`] does before its first step: every path it will write is checked, the
+//! run's folders are claimed for its lineage ([`claim`](mod@super::claim)), and the caller's files
+//! are written.
+
+use burn::module::AutodiffModule;
+use burn::tensor::backend::AutodiffBackend;
+
+use crate::checkpoint::{RunId, plain_name, write_file_atomically};
+use crate::pipeline::PipelineModel;
+use crate::tensor_parallel::ParallelBackend;
+use crate::train::{RunOutput, TrainError, Trainer, claim};
+
+/// The bytes a run id is broadcast in (ids are at most 64 characters).
+const ID_BYTES: usize = 64;
+
+impl<B, M> Trainer<'_, B, M>
+where
+    B: AutodiffBackend + ParallelBackend,
+    B::InnerBackend: ParallelBackend,
+    M: PipelineModel<B> + AutodiffModule<B>,
+    M::InnerModule: PipelineModel<B::InnerBackend>,
+{
+    /// Checks `out`'s paths on every rank, claims its folders (every rank checks, rank 0
+    /// changes what the claim asks and writes the caller's files) and agrees on the lineage.
+    pub(crate) fn start(&mut self, out: &RunOutput) -> Result<(), TrainError> {
+        let rank = self.grid.rank;
+        out.check(rank)?;
+        if let Some(f) = out.files.iter().find(|f| !plain_name(&f.name)) {
+            return Err(TrainError::BadRunFile(f.name.clone()));
+        }
+        let own = out.own_files();
+        let claim = claim::claim(out.folders(&own), self.origin.as_ref(), out.existing)?;
+        let world = self.grid.world.comm()?;
+        // Every rank has checked before rank 0 changes anything.
+        world.barrier()?;
+        let mut id = [0u8; ID_BYTES];
+        if rank == 0 {
+            for line in claim.apply()? {
+                tracing::warn!("{line}");
+            }
+            for f in &out.files {
+                if let Some(bytes) = &f.contents {
+                    write_file_atomically(&out.dir.join(&f.name), bytes)?;
+                }
+            }
+            let text = claim.run.as_str().as_bytes();
+            id[..text.len()].copy_from_slice(text);
+        }
+        world.broadcast_bytes(&mut id, 0)?;
+        let len = id.iter().position(|&b| b == 0).unwrap_or(ID_BYTES);
+        let text = String::from_utf8_lossy(&id[..len]).into_owned();
+        self.run = Some(RunId::try_from(text).unwrap_or(claim.run));
+        Ok(())
+    }
+}
