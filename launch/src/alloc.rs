@@ -9,8 +9,16 @@
 //! costs no memory at the peak.
 
 /// The process's allocator.
+#[cfg(not(test))]
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// The unit tests' allocator: mimalloc (whose page faults a test below measures) under the
+/// caps of the tests of parsers of untrusted input ([`merak_tests::CappedAlloc`]).
+#[cfg(test)]
+#[global_allocator]
+static GLOBAL: merak_tests::CappedAlloc<mimalloc::MiMalloc> =
+    merak_tests::CappedAlloc::new(mimalloc::MiMalloc);
 
 /// `mi_option_purge_delay` in the option enumeration of the mimalloc bundled with
 /// libmimalloc-sys 0.1.49 (`mimalloc.h`, v2 and v3 alike); `libmimalloc-sys` names no
@@ -56,6 +64,11 @@ mod tests {
 
     /// With purging on (delay 0) a freed buffer comes back as fresh pages; with
     /// [`keep_freed_memory`] it comes back without page faults.
+    #[test]
+    fn the_unit_tests_run_under_the_allocation_caps() {
+        merak_tests::assert_capped();
+    }
+
     #[test]
     fn a_freed_large_buffer_is_reused_without_page_faults() {
         // SAFETY: as in keep_freed_memory.

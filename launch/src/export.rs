@@ -16,7 +16,7 @@ use merak_gpt::{Gpt, GptConfig};
 
 use crate::config::{self, Config};
 use crate::generate::{self, Sampling};
-use crate::tokens::GPT2_VOCAB;
+use crate::prepare_data::GPT2_VOCAB;
 
 /// Arguments of `merak export`.
 #[derive(clap::Args, Debug)]

@@ -126,7 +126,7 @@ pub fn print_sample<B: merak_burn::tensor_parallel::ParallelBackend>(
                 .filter_map(|&t| {
                     u32::try_from(t)
                         .ok()
-                        .filter(|&t| t < crate::tokens::GPT2_VOCAB as u32)
+                        .filter(|&t| t < crate::prepare_data::GPT2_VOCAB as u32)
                 })
                 .collect();
             let text = String::from_utf8_lossy(&bpe.decode_bytes(&tokens)?).into_owned();

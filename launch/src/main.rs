@@ -12,12 +12,12 @@ mod init_from;
 mod parsers_never_panic;
 mod plan_cmd;
 mod plot;
+mod prepare_data;
 mod probe;
 mod probe_overlap;
 mod resolve;
 mod run_folder;
 mod spawn;
-mod tokens;
 mod train;
 mod train_cmd;
 mod transport;
@@ -45,7 +45,7 @@ enum Command {
     /// List the model presets with their parameter counts.
     Models,
     /// Tokenize text files into a data set for `data.kind = "tokens"`.
-    PrepareData(PrepareArgs),
+    PrepareData(prepare_data::PrepareArgs),
     /// Write a GPT checkpoint as one Hugging Face GPT-2 safetensors file (+ config.json).
     Export(export::ExportArgs),
     /// Continue a prompt with a GPT checkpoint.
@@ -193,22 +193,6 @@ fn print_two_bw_middle(schedule: &merak_burn::pipeline::Schedule) {
     }
 }
 
-#[derive(clap::Args, Debug)]
-struct PrepareArgs {
-    /// UTF-8 text files; each becomes one document, separated by the end-of-text token.
-    #[arg(long, required = true, num_args = 1..)]
-    input: Vec<PathBuf>,
-    /// Output folder (train.bin, val.bin, meta.json).
-    #[arg(long)]
-    output: PathBuf,
-    /// Tokenizer: gpt2 (GPT-2's BPE, bundled; no download).
-    #[arg(long, default_value = "gpt2")]
-    tokenizer: String,
-    /// Fraction of the tokens held out for validation (the end of the text).
-    #[arg(long, default_value_t = 0.05)]
-    val_fraction: f64,
-}
-
 fn main() -> ExitCode {
     alloc::keep_freed_memory();
     let cli = Cli::parse();
@@ -225,25 +209,7 @@ fn main() -> ExitCode {
         Command::Simulate(a) => report(plan_cmd::simulate(&a)),
         Command::Probe(a) => with_mpi(|w| probe::probe(&a, w.map(|w| w.world()).as_ref())),
         Command::Profile(a) => with_mpi(|w| probe::profile(&a, w)),
-        Command::PrepareData(a) => {
-            match tokens::prepare(&a.input, &a.output, &a.tokenizer, a.val_fraction) {
-                Ok(m) => {
-                    println!(
-                        "wrote {}: {} training and {} validation tokens ({} tokenizer, vocabulary {})",
-                        a.output.display(),
-                        m.train_tokens,
-                        m.val_tokens,
-                        m.tokenizer,
-                        m.vocab_size
-                    );
-                    ExitCode::SUCCESS
-                }
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    ExitCode::from(2)
-                }
-            }
-        }
+        Command::PrepareData(a) => prepare_data::run(&a),
     }
 }
 

@@ -1,6 +1,8 @@
 //! Every parser of untrusted input (model shapes, hardware specs, plan files, calibration
 //! files, checkpoint manifests, data set metadata) returns a value or an error for arbitrary
-//! input, never a panic: random text, and valid files with random edits.
+//! input, never a panic: random text, and valid files with random edits. The test process
+//! runs under a capped allocator ([`merak_tests::CappedAlloc`]), so a parser that allocates by a number read from
+//! its input aborts the test instead of passing by overcommit.
 
 use std::path::{Path, PathBuf};
 
@@ -10,6 +12,33 @@ use merak_burn::planner::{
     Calibration, HardwareSpec, ModelProxy, PlanFile, SearchOptions, TransformerShape, search,
 };
 use proptest::prelude::*;
+
+/// The test process's allocator: the system's, refusing any single allocation above 256 MiB
+/// and more than 2 GiB live in all (it returns null, and the process aborts).
+#[global_allocator]
+static GLOBAL: merak_tests::CappedAlloc<std::alloc::System> =
+    merak_tests::CappedAlloc::new(std::alloc::System);
+
+#[test]
+fn a_single_allocation_above_the_cap_is_refused() {
+    merak_tests::assert_capped();
+}
+
+/// Numbers at the edges of what `meta.json`'s fields can hold (and beyond).
+const HUGE: [&str; 12] = [
+    "0",
+    "1",
+    "100",
+    "50",
+    "65536",
+    "4294967295",
+    "9223372036854775807",
+    "9223372036854775808",
+    "18446744073709551615",
+    "18446744073709551616",
+    "-1",
+    "1e309",
+];
 
 /// A fresh folder for one case.
 fn folder(name: &str) -> PathBuf {
@@ -97,6 +126,7 @@ fn valid_manifest() -> Vec<u8> {
     use merak_burn::tensor_parallel::ShardKind;
     let manifest = Manifest {
         format: FORMAT.into(),
+        run: None,
         step: 3,
         layout: merak_burn::grid::Layout {
             dp: 1,
@@ -119,6 +149,56 @@ fn valid_manifest() -> Vec<u8> {
     };
     serde_json::to_vec(&manifest).expect("json")
 }
+
+/// A real one-rank checkpoint of one column-split parameter `w` [2, 6] (3 segments) with
+/// AdamW moments, in `dir`; returns the manifest's text.
+fn real_checkpoint(dir: &Path) -> String {
+    use merak_burn::checkpoint::{LocalParam, Moments, RankState, RunId, save};
+    use merak_burn::tensor_parallel::ShardKind;
+    let state = RankState {
+        params: vec![LocalParam {
+            name: "w".into(),
+            id: burn::module::ParamId::new(),
+            shape: vec![2, 6],
+            split: ShardKind::Columns { segments: 3 },
+            values: (0..12).map(|i| i as f32).collect(),
+        }],
+        moments: vec![(
+            "w".into(),
+            Moments {
+                time: 3,
+                m1: vec![0.5; 12],
+                m2: vec![0.25; 12],
+            },
+        )],
+    };
+    let grid = merak_burn::grid::ProcessGrid::single();
+    let step = save(
+        dir,
+        &RunId::new(),
+        3,
+        1,
+        &state,
+        serde_json::Value::Null,
+        &grid,
+    )
+    .expect("saved");
+    std::fs::read_to_string(step.join("manifest.json")).expect("manifest")
+}
+
+/// The manifest fields that hold numbers, as JSON pointers.
+const MANIFEST_NUMBERS: [&str; 10] = [
+    "/layout/dp",
+    "/layout/tp",
+    "/layout/pp",
+    "/step",
+    "/files/0/tp",
+    "/files/0/dp",
+    "/files/0/bytes",
+    "/params/0/shape/0",
+    "/params/0/shape/1",
+    "/params/0/shard/segments",
+];
 
 proptest! {
     #![proptest_config(ProptestConfig {
@@ -211,5 +291,48 @@ proptest! {
         prop_assert!(TokenData::open(&dir, 8, 512, 1).is_ok());
         std::fs::write(dir.join("meta.json"), edited(valid, &e)).expect("write");
         let _ = TokenData::open(&dir, 8, 512, 1);
+    }
+
+    #[test]
+    fn checkpoint_manifests_with_huge_numbers(
+        field in prop::sample::select(MANIFEST_NUMBERS.to_vec()),
+        number in prop::sample::select(HUGE.to_vec()),
+    ) {
+        let dir = folder("checkpoint-huge");
+        let manifest = real_checkpoint(&dir);
+        let step = dir.join("step-00000003");
+        let mut m: serde_json::Value = serde_json::from_str(&manifest).expect("json");
+        *m.pointer_mut(field).expect("the field") = "__HUGE__".into();
+        let text = m.to_string().replace("\"__HUGE__\"", number);
+        std::fs::write(step.join("manifest.json"), text).expect("write");
+        // Read only when every number fits the layout and the files: then it is the tensor.
+        if let Ok(full) = Checkpoint::open(&step).and_then(|c| c.read_full()) {
+            prop_assert_eq!(full.params["w"].len(), 12);
+        }
+    }
+
+    #[test]
+    fn data_set_metadata_with_huge_numbers(
+        train in prop::sample::select(HUGE.to_vec()),
+        val in prop::sample::select(HUGE.to_vec()),
+        vocab in prop::sample::select(HUGE.to_vec()),
+        eot in prop::sample::select(HUGE.to_vec()),
+        train_bytes in prop::sample::select(vec![0usize, 1, 2, 200, 201]),
+    ) {
+        let dir = folder("data-huge");
+        std::fs::write(dir.join("train.bin"), vec![1u8; train_bytes]).expect("write");
+        std::fs::write(dir.join("val.bin"), [1u8; 100]).expect("write");
+        let meta = format!(
+            r#"{{"tokenizer":"gpt2","vocab_size":{vocab},"eot":{eot},"dtype":"u16","train_tokens":{train},"val_tokens":{val},"val_fraction":0.1,"sources":[]}}"#
+        );
+        std::fs::write(dir.join("meta.json"), meta).expect("write");
+        // Opened only when every number fits the files: then the whole epoch reads.
+        if let Ok(data) = TokenData::open(&dir, 8, 65536, 1) {
+            prop_assert_eq!(data.train.token_count() * 2, train_bytes as u64);
+            prop_assert_eq!(data.val.token_count(), 50);
+            let n = data.samples_per_epoch() as usize;
+            let (x, y) = data.train_batch(0, 2 * n);
+            prop_assert_eq!((x.len(), y.len()), (16 * n, 16 * n));
+        }
     }
 }

@@ -1,5 +1,10 @@
 //! Helpers for tests that run several MPI ranks: spawning `mpirun` with a deadline, and
-//! comparing numbers with a relative tolerance.
+//! comparing numbers with a relative tolerance; and a capped global allocator for the tests of
+//! parsers of untrusted input ([`CappedAlloc`]).
+
+mod capped_alloc;
+
+pub use capped_alloc::{CappedAlloc, MAX_LIVE, MAX_ONE, assert_capped};
 
 use std::io::Read;
 use std::process::{Command, Stdio};

@@ -38,8 +38,33 @@ pub enum DataError {
         /// What is wrong.
         msg: String,
     },
+    /// A value of `meta.json` that no data set can have.
+    #[error("{path}: `{key}` is {value}; {why}")]
+    MetaValue {
+        /// The `meta.json`.
+        path: String,
+        /// The key.
+        key: &'static str,
+        /// Its value, as written.
+        value: String,
+        /// What it must be.
+        why: String,
+    },
+    /// A path of the data set that is not a regular file (nor a link to one).
+    #[error(
+        "{path}: is {what}, not a regular file (a data set's files must be files or links to files)"
+    )]
+    NotAFile {
+        /// The path.
+        path: String,
+        /// What it is ("a folder", "a FIFO", ...).
+        what: &'static str,
+    },
     /// A token file does not hold what `meta.json` says.
-    #[error("{path}: holds {got} tokens but meta.json says {expected} (truncated or altered?)")]
+    #[error(
+        "{path}: holds {bytes} bytes ({got} tokens of 2 bytes) but meta.json says {expected} \
+         tokens (truncated or altered?)"
+    )]
     Size {
         /// The file.
         path: String,
@@ -47,7 +72,12 @@ pub enum DataError {
         expected: u64,
         /// Tokens found.
         got: u64,
+        /// The file's size in bytes.
+        bytes: u64,
     },
+    /// A sequence length of zero tokens.
+    #[error("model.seq_len is 0: a sequence needs at least one token")]
+    ZeroSeqLen,
     /// The data's vocabulary does not fit the model.
     #[error(
         "data.path {path}: tokenized with {tokenizer} (vocabulary {data_vocab}) but model.vocab_size is {model_vocab}; \

@@ -4,6 +4,7 @@
 //! is the last `val_fraction` of the tokens. (`merak prepare-data` writes them.)
 
 use std::fs::File;
+use std::io::Read;
 use std::path::Path;
 
 use memmap2::Mmap;
@@ -38,6 +39,10 @@ pub struct Meta {
     pub sources: Vec<String>,
 }
 
+/// The largest `meta.json` read: far more than any data set's (its `sources` list is the only
+/// part that grows).
+const MAX_META_BYTES: u64 = 64 << 20;
+
 /// The error of an I/O failure on `path`.
 pub fn io(path: &Path) -> impl FnOnce(std::io::Error) -> DataError + '_ {
     move |source| DataError::Io {
@@ -46,6 +51,121 @@ pub fn io(path: &Path) -> impl FnOnce(std::io::Error) -> DataError + '_ {
     }
 }
 
+/// What a file type that is not a regular file is, in words.
+fn kind_of(t: std::fs::FileType) -> &'static str {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        if t.is_fifo() {
+            return "a FIFO (named pipe)";
+        }
+        if t.is_socket() {
+            return "a socket";
+        }
+        if t.is_block_device() {
+            return "a block device";
+        }
+        if t.is_char_device() {
+            return "a character device";
+        }
+    }
+    if t.is_dir() { "a folder" } else { "not a file" }
+}
+
+/// The metadata of `path`, following links, if it is a regular file: what is not (a FIFO, a
+/// device, a folder) is refused before anything opens it, so a FIFO cannot block the reader.
+fn regular_file(path: &Path) -> Result<std::fs::Metadata, DataError> {
+    let m = std::fs::metadata(path).map_err(io(path))?;
+    if m.is_file() {
+        Ok(m)
+    } else {
+        Err(DataError::NotAFile {
+            path: path.display().to_string(),
+            what: kind_of(m.file_type()),
+        })
+    }
+}
+
+/// Opens the regular file `path` for reading and checks that what was opened is still a
+/// regular file of `len` bytes (it could have been replaced since [`regular_file`]).
+fn open_regular(path: &Path, len: u64) -> Result<File, DataError> {
+    let f = File::open(path).map_err(io(path))?;
+    let m = f.metadata().map_err(io(path))?;
+    if !m.is_file() || m.len() != len {
+        return Err(DataError::Io {
+            path: path.display().to_string(),
+            source: std::io::Error::other("the file changed while it was opened"),
+        });
+    }
+    Ok(f)
+}
+
+impl Meta {
+    /// Reads `meta.json` at `path`: a regular file of at most 64 MiB, valid JSON, and values
+    /// that a data set can have (see [`Meta::check`]).
+    pub fn read(path: &Path) -> Result<Self, DataError> {
+        let bad = |msg: String| DataError::Meta {
+            path: path.display().to_string(),
+            msg,
+        };
+        // A missing meta.json says how to make one.
+        let len = match regular_file(path) {
+            Err(DataError::Io { source, .. }) => return Err(bad(source.to_string())),
+            m => m?.len(),
+        };
+        if len > MAX_META_BYTES {
+            return Err(bad(format!(
+                "{len} bytes, more than the {MAX_META_BYTES} a meta.json may have"
+            )));
+        }
+        let mut text = String::new();
+        open_regular(path, len)?
+            .take(MAX_META_BYTES)
+            .read_to_string(&mut text)
+            .map_err(|e| bad(e.to_string()))?;
+        let meta: Meta = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+        meta.check(path)?;
+        Ok(meta)
+    }
+
+    /// Checks the values that do not depend on the token files (`path` names `meta.json` in
+    /// errors): `dtype` is "u16", the vocabulary fits `u16` ids, `eot` is in it and
+    /// `val_fraction` is a fraction.
+    pub fn check(&self, path: &Path) -> Result<(), DataError> {
+        let bad = |key, value: String, why: String| {
+            Err(DataError::MetaValue {
+                path: path.display().to_string(),
+                key,
+                value,
+                why,
+            })
+        };
+        if self.dtype != "u16" {
+            let why = "merak reads token files of \"u16\" only".to_string();
+            return bad("dtype", format!("{:?}", self.dtype), why);
+        }
+        if !(1..=U16_IDS).contains(&self.vocab_size) {
+            let why = format!("token ids are u16, so a vocabulary has 1 to {U16_IDS} ids");
+            return bad("vocab_size", self.vocab_size.to_string(), why);
+        }
+        if usize::try_from(self.eot).map_or(true, |eot| eot >= self.vocab_size) {
+            let why = format!(
+                "the end-of-text id must be below vocab_size = {}",
+                self.vocab_size
+            );
+            return bad("eot", self.eot.to_string(), why);
+        }
+        if !(self.val_fraction > 0.0 && self.val_fraction < 1.0) {
+            let why = "the held-out fraction must be between 0 and 1".to_string();
+            return bad("val_fraction", self.val_fraction.to_string(), why);
+        }
+        Ok(())
+    }
+}
+
+/// Token ids a `u16` token file can hold.
+const U16_IDS: usize = 1 << 16;
+
 /// One split of a data set, memory-mapped.
 pub struct TokenFile {
     map: Mmap,
@@ -53,16 +173,19 @@ pub struct TokenFile {
 }
 
 impl TokenFile {
+    /// Maps `path`, which must be a regular file (or a link to one) of `expected` 2-byte
+    /// tokens: its size is checked before it is opened.
     fn open(path: &Path, expected: u64) -> Result<Self, DataError> {
-        let f = File::open(path).map_err(io(path))?;
-        let len = f.metadata().map_err(io(path))?.len();
-        if len != expected * 2 {
+        let len = regular_file(path)?.len();
+        if expected.checked_mul(2) != Some(len) {
             return Err(DataError::Size {
                 path: path.display().to_string(),
                 expected,
                 got: len / 2,
+                bytes: len,
             });
         }
+        let f = open_regular(path, len)?;
         // SAFETY: the file is opened read-only and not modified while training reads it
         // (merak writes data sets atomically, to new files).
         let map = unsafe { Mmap::map(&f) }.map_err(io(path))?;
@@ -85,6 +208,34 @@ impl TokenFile {
             .enumerate()
             .find(|&(_, id)| id >= vocab)
             .map(|(i, id)| (i as u64, id))
+    }
+
+    /// Checks that every id of the file (`path`, for errors) is below `model_vocab` (the data
+    /// claims a vocabulary of `data_vocab`) and that it holds at least `need` tokens.
+    fn check(
+        &self,
+        path: &Path,
+        model_vocab: usize,
+        data_vocab: usize,
+        need: u64,
+    ) -> Result<(), DataError> {
+        if let Some((offset, id)) = self.first_id_at_or_above(model_vocab) {
+            return Err(DataError::TokenId {
+                path: path.display().to_string(),
+                offset,
+                id,
+                model_vocab,
+                data_vocab,
+            });
+        }
+        if self.tokens < need {
+            return Err(DataError::TooSmall {
+                path: path.display().to_string(),
+                tokens: self.tokens,
+                need,
+            });
+        }
+        Ok(())
     }
 
     /// Tokens `start..start + n` as `i64` ids.
@@ -119,15 +270,10 @@ impl TokenData {
         model_vocab: usize,
         seed: u64,
     ) -> Result<Self, DataError> {
-        let meta_path = dir.join("meta.json");
-        let text = std::fs::read_to_string(&meta_path).map_err(|e| DataError::Meta {
-            path: meta_path.display().to_string(),
-            msg: e.to_string(),
-        })?;
-        let meta: Meta = serde_json::from_str(&text).map_err(|e| DataError::Meta {
-            path: meta_path.display().to_string(),
-            msg: e.to_string(),
-        })?;
+        if seq_len == 0 {
+            return Err(DataError::ZeroSeqLen);
+        }
+        let meta = Meta::read(&dir.join("meta.json"))?;
         if meta.vocab_size > model_vocab {
             return Err(DataError::Vocab {
                 path: dir.display().to_string(),
@@ -138,24 +284,9 @@ impl TokenData {
         }
         let train = TokenFile::open(&dir.join("train.bin"), meta.train_tokens)?;
         let val = TokenFile::open(&dir.join("val.bin"), meta.val_tokens)?;
-        let need = seq_len as u64 + 1;
+        let need = (seq_len as u64).saturating_add(1);
         for (name, f) in [("train.bin", &train), ("val.bin", &val)] {
-            if let Some((offset, id)) = f.first_id_at_or_above(model_vocab) {
-                return Err(DataError::TokenId {
-                    path: dir.join(name).display().to_string(),
-                    offset,
-                    id,
-                    model_vocab,
-                    data_vocab: meta.vocab_size,
-                });
-            }
-            if f.token_count() < need {
-                return Err(DataError::TooSmall {
-                    path: dir.join(name).display().to_string(),
-                    tokens: f.token_count(),
-                    need,
-                });
-            }
+            f.check(&dir.join(name), model_vocab, meta.vocab_size, need)?;
         }
         let samples = (train.token_count() - 1) / seq_len as u64;
         Ok(Self {
@@ -294,5 +425,151 @@ mod tests {
         );
         assert!(TokenData::open(&d, 8, 100, 1).is_ok());
         let _ = std::fs::remove_dir_all(&d);
+    }
+
+    /// `dir`'s meta.json with `edit` applied.
+    fn edit_meta(dir: &Path, edit: impl FnOnce(&mut Meta)) {
+        let path = dir.join("meta.json");
+        let mut meta: Meta = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        edit(&mut meta);
+        std::fs::write(&path, serde_json::to_vec(&meta).unwrap()).unwrap();
+    }
+
+    /// The error of opening `dir` (a model of 512 ids, sequences of 8), within 20 s: a FIFO
+    /// opened for reading would block forever.
+    fn refusal(dir: &Path) -> String {
+        let dir = dir.to_path_buf();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(
+                TokenData::open(&dir, 8, 512, 1)
+                    .err()
+                    .map(|e| e.to_string()),
+            );
+        });
+        let e = rx
+            .recv_timeout(std::time::Duration::from_secs(20))
+            .expect("answered at once, not blocked");
+        e.expect("refused")
+    }
+
+    #[test]
+    fn token_counts_beyond_the_files_are_refused_without_overflow() {
+        let d = counting(100, "counts");
+        // 2^63 tokens are 2^64 bytes: `expected * 2` wrapped to 0 and matched an empty file.
+        std::fs::write(d.join("val.bin"), b"").unwrap();
+        edit_meta(&d, |m| m.val_tokens = 1 << 63);
+        let e = refusal(&d);
+        assert!(
+            e.contains("val.bin")
+                && e.contains("holds 0 bytes")
+                && e.contains("9223372036854775808"),
+            "{e}"
+        );
+        for huge in [u64::MAX, u64::MAX / 2 + 1, u64::MAX / 2] {
+            let d = counting(100, "counts");
+            edit_meta(&d, |m| m.train_tokens = huge);
+            let e = refusal(&d);
+            assert!(
+                e.contains("train.bin") && e.contains("200 bytes") && e.contains(&huge.to_string()),
+                "{e}"
+            );
+        }
+        // A count one off, and an odd size.
+        let d = counting(100, "counts");
+        edit_meta(&d, |m| m.train_tokens = 99);
+        let e = refusal(&d);
+        assert!(
+            e.contains("train.bin") && e.contains("200 bytes") && e.contains("says 99"),
+            "{e}"
+        );
+        edit_meta(&d, |m| m.train_tokens = 100);
+        std::fs::write(d.join("train.bin"), [0u8; 201]).unwrap();
+        let e = refusal(&d);
+        assert!(e.contains("201 bytes (100 tokens"), "{e}");
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn absurd_meta_values_are_named() {
+        type Edit = fn(&mut Meta);
+        let cases: [(&str, Edit); 7] = [
+            ("`dtype` is \"u32\"", |m| m.dtype = "u32".into()),
+            ("`vocab_size` is 0", |m| m.vocab_size = 0),
+            ("`vocab_size` is 65537", |m| m.vocab_size = 65537),
+            ("`vocab_size` is 18446744073709551615", |m| {
+                m.vocab_size = usize::MAX
+            }),
+            ("`eot` is 512", |m| m.eot = 512),
+            ("`eot` is 4294967295", |m| m.eot = u32::MAX),
+            ("`val_fraction` is 2", |m| m.val_fraction = 2.0),
+        ];
+        for (want, edit) in cases {
+            let d = counting(100, "absurd");
+            edit_meta(&d, edit);
+            let e = refusal(&d);
+            assert!(e.contains("meta.json") && e.contains(want), "{want}: {e}");
+        }
+        let d = counting(100, "absurd");
+        let e = TokenData::open(&d, 0, 512, 1)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(e.contains("seq_len is 0"), "{e}");
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn token_files_that_are_not_regular_files_are_refused_before_opening() {
+        let fifo = |path: &Path| {
+            let ok = std::process::Command::new("mkfifo")
+                .arg(path)
+                .status()
+                .unwrap();
+            assert!(ok.success(), "mkfifo");
+        };
+        let d = counting(100, "special");
+        std::fs::remove_file(d.join("train.bin")).unwrap();
+        fifo(&d.join("train.bin"));
+        let e = refusal(&d);
+        assert!(e.contains("train.bin") && e.contains("FIFO"), "{e}");
+        // A link to a FIFO, to a device and to a folder; meta.json as a FIFO.
+        let d = counting(100, "special");
+        let target = d.join("pipe");
+        fifo(&target);
+        std::fs::remove_file(d.join("val.bin")).unwrap();
+        std::os::unix::fs::symlink(&target, d.join("val.bin")).unwrap();
+        let e = refusal(&d);
+        assert!(e.contains("val.bin") && e.contains("FIFO"), "{e}");
+        std::fs::remove_file(d.join("val.bin")).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", d.join("val.bin")).unwrap();
+        let e = refusal(&d);
+        assert!(
+            e.contains("val.bin") && e.contains("character device"),
+            "{e}"
+        );
+        std::fs::remove_file(d.join("val.bin")).unwrap();
+        std::fs::create_dir(d.join("val.bin")).unwrap();
+        let e = refusal(&d);
+        assert!(e.contains("val.bin") && e.contains("a folder"), "{e}");
+        std::fs::remove_file(d.join("meta.json")).unwrap();
+        fifo(&d.join("meta.json"));
+        let e = refusal(&d);
+        assert!(e.contains("meta.json") && e.contains("FIFO"), "{e}");
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn token_files_may_be_links_to_files() {
+        let d = counting(100, "links");
+        let cache = counting(100, "links-cache");
+        for name in ["train.bin", "val.bin"] {
+            std::fs::remove_file(d.join(name)).unwrap();
+            std::os::unix::fs::symlink(cache.join(name), d.join(name)).unwrap();
+        }
+        let data = TokenData::open(&d, 8, 512, 1).expect("links to files are read");
+        assert_eq!(data.train.read(5, 2), [5, 6]);
+        let _ = std::fs::remove_dir_all(&d);
+        let _ = std::fs::remove_dir_all(&cache);
     }
 }

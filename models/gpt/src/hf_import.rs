@@ -136,34 +136,128 @@ fn describe(cfg: &GptConfig) -> String {
 /// Reads the GPT-2 safetensors file at `path` (and the `config.json` in its folder, when there
 /// is one) and checks it against `cfg`: the full-size parameters of the model, by merak name.
 pub fn read_hf_gpt2(path: &Path, cfg: &GptConfig) -> Result<HfGpt2Weights, HfImportError> {
-    let io = |path: &Path| {
-        let path = path.to_path_buf();
-        move |error| HfImportError::Io { path, error }
-    };
     let mut notes = Vec::new();
     let folder = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
     let config_path = folder.join("config.json");
-    if config_path.is_file() {
-        let text = std::fs::read(&config_path).map_err(io(&config_path))?;
-        let json: serde_json::Value =
-            serde_json::from_slice(&text).map_err(|e| HfImportError::Format {
-                path: config_path.clone(),
-                reason: format!("not valid JSON: {e}"),
-            })?;
-        notes.extend(check_hf_gpt2_config(&json, &config_path, cfg)?);
-    } else {
-        notes.push(format!(
+    match read_config(&config_path)? {
+        Some(json) => notes.extend(check_hf_gpt2_config(&json, &config_path, cfg)?),
+        None => notes.push(format!(
             "no config.json next to {}: the head count (model.heads = {}) cannot be checked against the file",
             path.display(),
             cfg.heads
-        ));
+        )),
     }
+    regular_file(path, u64::MAX)?;
     let bytes = std::fs::read(path).map_err(io(path))?;
     let params = decode_hf_gpt2(&bytes, path, cfg, &mut notes)?;
     Ok(HfGpt2Weights { params, notes })
+}
+
+/// The error of an I/O failure on `path`.
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> HfImportError {
+    let path = path.to_path_buf();
+    move |error| HfImportError::Io { path, error }
+}
+
+/// The largest `config.json` read (GPT-2's is under 1 KiB).
+const MAX_CONFIG_BYTES: u64 = 1 << 20;
+/// The largest safetensors header read (the safetensors crate's limit).
+const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+/// The size of `path` if it is a regular file (or a link to one) of at most `max` bytes:
+/// anything else (a FIFO, a device, a folder) is refused before it is opened.
+fn regular_file(path: &Path, max: u64) -> Result<u64, HfImportError> {
+    let m = std::fs::metadata(path).map_err(io(path))?;
+    let reason = if !m.is_file() {
+        "not a regular file (a folder, a FIFO or a device?)".to_string()
+    } else if m.len() > max {
+        format!("{} bytes, more than the {max} read", m.len())
+    } else {
+        return Ok(m.len());
+    };
+    Err(HfImportError::Format {
+        path: path.to_path_buf(),
+        reason,
+    })
+}
+
+/// `config.json` at `path` as JSON, `None` if there is none.
+fn read_config(path: &Path) -> Result<Option<serde_json::Value>, HfImportError> {
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(io(path)(e)),
+        Ok(_) => {}
+    }
+    regular_file(path, MAX_CONFIG_BYTES)?;
+    let text = std::fs::read(path).map_err(io(path))?;
+    serde_json::from_slice(&text)
+        .map(Some)
+        .map_err(|e| HfImportError::Format {
+            path: path.to_path_buf(),
+            reason: format!("not valid JSON: {e}"),
+        })
+}
+
+/// Checks the numbers of a safetensors file's header against the file's size before the
+/// safetensors crate uses them: the header length, and each tensor's data offsets and element
+/// count (the crate adds the last offset to the header length unchecked).
+fn check_layout(bytes: &[u8], path: &Path) -> Result<(), HfImportError> {
+    let bad = |reason: String| HfImportError::Format {
+        path: path.to_path_buf(),
+        reason: format!("not a valid safetensors file: {reason}"),
+    };
+    let file = bytes.len() as u64;
+    let Some(length) = bytes.first_chunk::<8>() else {
+        return Err(bad(format!(
+            "{file} bytes, too short for a safetensors file (it starts with an 8-byte header length)"
+        )));
+    };
+    let n = u64::from_le_bytes(*length);
+    let room = file - 8;
+    if n > room || n > MAX_HEADER_BYTES {
+        return Err(bad(format!(
+            "the header claims {n} bytes, but {room} follow its 8-byte length (at most \
+             {MAX_HEADER_BYTES} are read): cut short or not a safetensors file"
+        )));
+    }
+    let header = &bytes[8..8 + n as usize];
+    // A header that is not a JSON object is named by the safetensors crate.
+    let Ok(tensors) = serde_json::from_slice::<HashMap<String, serde_json::Value>>(header) else {
+        return Ok(());
+    };
+    let data = room - n;
+    for (name, info) in tensors.iter().filter(|(name, _)| *name != "__metadata__") {
+        check_tensor_layout(name, info, data).map_err(bad)?;
+    }
+    Ok(())
+}
+
+/// Checks that tensor `name` of a header (`info`) lies within the `data` bytes after it:
+/// offsets in order and inside, no more elements than bits.
+fn check_tensor_layout(name: &str, info: &serde_json::Value, data: u64) -> Result<(), String> {
+    let numbers = |key: &str| -> Option<Vec<u64>> {
+        let list = info.get(key)?.as_array()?;
+        list.iter().map(serde_json::Value::as_u64).collect()
+    };
+    if let Some([start, end]) = numbers("data_offsets").as_deref()
+        && (start > end || *end > data)
+    {
+        return Err(format!(
+            "tensor {name}: data_offsets [{start}, {end}] lie outside the {data} bytes of data after the header"
+        ));
+    }
+    if let Some(shape) = numbers("shape") {
+        let elements = shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
+        if elements.is_none_or(|n| n / 8 > data) {
+            return Err(format!(
+                "tensor {name}: shape {shape:?} has more elements than the {data} bytes of data after the header hold"
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// A `config.json` value as an integer; absent keys take `GPT2Config`'s defaults.
@@ -246,13 +340,14 @@ pub fn check_hf_gpt2_config(
         };
         return Err(mismatch(key, shown, format!("{setting} = {model}{bound}")));
     }
+    let width = h.saturating_mul(4);
     if let Some(inner) = json.get("n_inner").filter(|v| !v.is_null())
-        && inner.as_u64() != Some(4 * h)
+        && inner.as_u64() != Some(width)
     {
         return Err(mismatch(
             "n_inner",
             inner.to_string(),
-            format!("an MLP of width 4 * model.hidden = {}", 4 * h),
+            format!("an MLP of width 4 * model.hidden = {width}"),
         ));
     }
     let mut notes = Vec::new();
@@ -314,6 +409,7 @@ pub fn decode_hf_gpt2(
     cfg: &GptConfig,
     notes: &mut Vec<String>,
 ) -> Result<FullParams, HfImportError> {
+    check_layout(bytes, path)?;
     let st = SafeTensors::deserialize(bytes).map_err(|e| HfImportError::Format {
         path: path.to_path_buf(),
         reason: format!("not a valid safetensors file: {e}"),
@@ -734,6 +830,135 @@ mod tests {
         );
     }
 
+    /// Numbers at the edges of what a header's sizes can hold.
+    const EXTREMES: [u64; 11] = [
+        0,
+        1,
+        2,
+        8,
+        64,
+        u32::MAX as u64,
+        1 << 32,
+        1 << 62,
+        1 << 63,
+        u64::MAX - 4,
+        u64::MAX,
+    ];
+
+    /// A safetensors file of `header` (its length as written unless `length` is given) and
+    /// `data` bytes.
+    fn raw(header: &str, length: Option<u64>, data: usize) -> Vec<u8> {
+        let n = length.unwrap_or(header.len() as u64);
+        [&n.to_le_bytes()[..], header.as_bytes(), &vec![0u8; data]].concat()
+    }
+
+    /// The error of reading `path` as the tiny GPT's file, within 20 s (a FIFO opened for
+    /// reading would block forever).
+    fn refused_at_once(path: PathBuf) -> String {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(read_hf_gpt2(&path, &tiny()).err().map(|e| e.to_string()));
+        });
+        let e = rx.recv_timeout(std::time::Duration::from_secs(20));
+        e.expect("answered at once").expect("refused")
+    }
+
+    /// The error of reading `bytes` as the tiny GPT's file (in folder `name`).
+    fn refusal(name: &str, bytes: Vec<u8>) -> String {
+        let path = folder(name).join("model.safetensors");
+        std::fs::write(&path, bytes).unwrap();
+        refused_at_once(path)
+    }
+
+    #[test]
+    fn header_lengths_beyond_the_file_are_refused_with_the_numbers() {
+        let header = r#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#;
+        for claimed in [u64::MAX, 1 << 63, 4_000_000_000, header.len() as u64 + 9] {
+            let e = refusal("header-length", raw(header, Some(claimed), 8));
+            assert!(
+                e.contains("model.safetensors")
+                    && e.contains(&format!("claims {claimed} bytes"))
+                    && e.contains(&format!("{} follow", header.len() + 8)),
+                "{e}"
+            );
+        }
+        let e = refusal("header-length", vec![1, 2, 3]);
+        assert!(e.contains("3 bytes, too short"), "{e}");
+    }
+
+    #[test]
+    fn offsets_and_shapes_beyond_the_data_are_refused_with_the_numbers() {
+        let end = u64::MAX - 4;
+        let cases = [
+            // Offsets whose end, added to the header length, overflows (a panic in a build
+            // with overflow checks).
+            format!(r#"{{"w":{{"dtype":"U8","shape":[{end}],"data_offsets":[0,{end}]}}}}"#),
+            r#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}}"#.into(),
+            r#"{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#.into(),
+            // Shapes whose element count overflows, or exceeds the data.
+            r#"{"w":{"dtype":"F32","shape":[4294967296,4294967296,4294967296],"data_offsets":[0,8]}}"#.into(),
+            r#"{"w":{"dtype":"F32","shape":[18446744073709551615,2],"data_offsets":[0,8]}}"#.into(),
+            r#"{"w":{"dtype":"F32","shape":[1099511627776],"data_offsets":[0,8]}}"#.into(),
+        ];
+        let wants = [
+            format!("data_offsets [0, {end}]"),
+            "data_offsets [8, 0]".into(),
+            "data_offsets [0, 16]".into(),
+            "shape [4294967296, 4294967296, 4294967296]".into(),
+            "shape [18446744073709551615, 2]".into(),
+            "shape [1099511627776]".into(),
+        ];
+        for (header, want) in cases.iter().zip(&wants) {
+            let e = refusal("layout", raw(header, None, 8));
+            assert!(
+                e.contains("model.safetensors")
+                    && e.contains("tensor w")
+                    && e.contains(want)
+                    && e.contains("8 bytes of data"),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_fifo_as_weights_or_config_is_refused_before_opening() {
+        let dir = folder("fifo");
+        let fifo = |p: &Path| {
+            let ok = std::process::Command::new("mkfifo")
+                .arg(p)
+                .status()
+                .unwrap();
+            assert!(ok.success(), "mkfifo");
+        };
+        fifo(&dir.join("config.json"));
+        let path = write(&dir, &tensors(&tiny()), Dtype::F32);
+        let e = refused_at_once(path.clone());
+        assert!(
+            e.contains("config.json") && e.contains("not a regular file"),
+            "{e}"
+        );
+        std::fs::remove_file(dir.join("config.json")).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        fifo(&path);
+        let e = refused_at_once(path);
+        assert!(
+            e.contains("model.safetensors") && e.contains("not a regular file"),
+            "{e}"
+        );
+    }
+
+    /// The unit tests' allocator: the system's, refusing any single allocation above 256 MiB
+    /// and more than 2 GiB live in all. An allocation sized by a number from a hostile file
+    /// then aborts the test instead of passing by overcommit.
+    #[global_allocator]
+    static GLOBAL: merak_tests::CappedAlloc<std::alloc::System> =
+        merak_tests::CappedAlloc::new(std::alloc::System);
+
+    #[test]
+    fn a_single_allocation_above_the_cap_is_refused() {
+        merak_tests::assert_capped();
+    }
+
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig {
             cases: 100,
@@ -766,6 +991,29 @@ mod tests {
             edited.truncate(valid.len().saturating_sub(cut + 1));
             std::fs::write(&path, &edited).unwrap();
             proptest::prop_assert!(read_hf_gpt2(&path, &cfg).is_err());
+        }
+
+        /// Headers with extreme numbers (header lengths, offsets, shapes, dtypes) give an error
+        /// naming the file, never a panic or an allocation of their size.
+        #[test]
+        fn headers_with_extreme_numbers_give_an_error(
+            length in proptest::sample::select(vec![None, Some(0), Some(1), Some(u64::MAX), Some(1 << 63), Some(100_000_001)]),
+            dims in proptest::collection::vec(proptest::sample::select(EXTREMES.to_vec()), 0..4),
+            start in proptest::sample::select(EXTREMES.to_vec()),
+            end in proptest::sample::select(EXTREMES.to_vec()),
+            dtype in proptest::sample::select(vec!["F32", "F16", "BF16", "F64", "U8", "BOOL", "F4", "I64"]),
+            data in 0usize..64,
+        ) {
+            let shape: Vec<String> = dims.iter().map(u64::to_string).collect();
+            let header = format!(
+                r#"{{"transformer.wte.weight":{{"dtype":"{dtype}","shape":[{}],"data_offsets":[{start},{end}]}}}}"#,
+                shape.join(",")
+            );
+            let dir = folder("proptest-header");
+            let path = dir.join("model.safetensors");
+            std::fs::write(&path, raw(&header, length, data)).unwrap();
+            let e = read_hf_gpt2(&path, &tiny());
+            proptest::prop_assert!(e.is_err_and(|e| e.to_string().contains("model.safetensors")));
         }
     }
 }
