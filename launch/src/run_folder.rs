@@ -35,6 +35,34 @@ pub fn output_folder(
     Ok(Path::new(RUNS).join(String::from_utf8_lossy(&name[..len]).as_ref()))
 }
 
+/// The folders among `paths` and their parents that do not exist yet, deepest first: what
+/// making `paths` will create.
+pub fn missing_folders(paths: &[&Path]) -> Vec<PathBuf> {
+    let mut missing = Vec::new();
+    for path in paths {
+        let mut dir = Some(*path);
+        while let Some(d) = dir.filter(|d| !d.as_os_str().is_empty()) {
+            if d.symlink_metadata().is_ok() {
+                break;
+            }
+            missing.push(d.to_path_buf());
+            dir = d.parent();
+        }
+    }
+    missing.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    missing.dedup();
+    missing
+}
+
+/// Removes the folders of `made` (deepest first, as [`missing_folders`] lists them) that are
+/// empty: a run refused before training leaves no folder it made behind. A folder someone
+/// wrote into meanwhile stays.
+pub fn remove_if_empty(made: &[PathBuf]) {
+    for dir in made {
+        let _ = std::fs::remove_dir(dir);
+    }
+}
+
 /// The run folder holding `checkpoint` (`<run>/checkpoints/step-*`), when its run record
 /// names the checkpoint's lineage.
 fn run_folder_of(checkpoint: &Checkpoint) -> Option<PathBuf> {
@@ -98,6 +126,28 @@ mod tests {
         assert_eq!(utc_stamp(1_795_635_930), "20261125-194530");
         // 2024-02-29 23:59:59 UTC (a leap day).
         assert_eq!(utc_stamp(1_709_251_199), "20240229-235959");
+    }
+
+    #[test]
+    fn a_refused_run_removes_the_empty_folders_it_made_and_nothing_else() {
+        let parent = tempfile::tempdir().expect("temp folder");
+        let out = parent.path().join("runs/new");
+        let root = out.join("checkpoints");
+        let elsewhere = parent.path().join("kept");
+        std::fs::create_dir(&elsewhere).expect("made");
+        let made = missing_folders(&[&out, &root, &elsewhere]);
+        assert_eq!(
+            made,
+            vec![root.clone(), out.clone(), parent.path().join("runs")]
+        );
+        std::fs::create_dir_all(&root).expect("made");
+        std::fs::write(out.join("notes.txt"), "someone's").expect("written");
+        remove_if_empty(&made);
+        // `out` holds a file now: it and its parents stay; the empty root goes.
+        assert!(!root.exists() && out.join("notes.txt").exists() && elsewhere.exists());
+        std::fs::remove_file(out.join("notes.txt")).expect("removed");
+        remove_if_empty(&made);
+        assert!(!parent.path().join("runs").exists() && elsewhere.exists());
     }
 
     #[test]

@@ -182,21 +182,41 @@ fn stop_on_signals(stop: &StopRequest) -> std::io::Result<()> {
 }
 
 /// Reads and checks everything before anything is built: the checkpoint to resume, the
-/// config and plan, the grid, the data set.
+/// config and plan, the output folders, the grid, the data set. A run refused here leaves no
+/// folder it made behind.
 fn prepare(args: &TrainArgs, world: Option<MpiCommunicator>, size: usize) -> Result<Job> {
     let resume = args.resume.as_deref().map(open_resume).transpose()?;
-    let Resolved {
-        cfg,
-        plan_file,
-        parallel,
-        pipeline,
-    } = resolve_config(args, world.as_ref(), size, resume.as_ref())?;
-    let rank = world.as_ref().map_or(0, |w| w.rank());
+    let resolved = resolve_config(args, world.as_ref(), size, resume.as_ref())?;
     let out = crate::run_folder::output_folder(
         args.out.as_deref(),
         resume.as_ref().map(|r| &r.checkpoint),
         world.as_ref(),
     )?;
+    let root = train::checkpoint_root(&resolved.cfg, &out);
+    let made = crate::run_folder::missing_folders(&[&out, &root]);
+    let job = check_and_open(args, world, resume, resolved, out, &root);
+    if job.is_err() {
+        crate::run_folder::remove_if_empty(&made);
+    }
+    job
+}
+
+/// [`prepare`] once the config and the output folder are known.
+fn check_and_open(
+    args: &TrainArgs,
+    world: Option<MpiCommunicator>,
+    resume: Option<Resume>,
+    resolved: Resolved,
+    out: PathBuf,
+    root: &Path,
+) -> Result<Job> {
+    let Resolved {
+        cfg,
+        plan_file,
+        parallel,
+        pipeline,
+    } = resolved;
+    let rank = world.as_ref().map_or(0, |w| w.rank());
     let existing = match (args.replace, args.branch) {
         (true, _) => ExistingRun::Replace,
         (_, true) => ExistingRun::Branch,
@@ -204,12 +224,11 @@ fn prepare(args: &TrainArgs, world: Option<MpiCommunicator>, size: usize) -> Res
     };
     check_outputs(args, &out, &cfg, rank)?;
     // Read-only here (every rank, before anything is built); `Trainer::fit` claims for real.
-    let root = train::checkpoint_root(&cfg, &out);
     let own = train::own_file_names();
     let origin = resume.as_ref().map(|r| Origin::of(&r.checkpoint));
     let folders = RunFolders {
         out: &out,
-        checkpoints: Some(&root),
+        checkpoints: Some(root),
         own_files: &own,
     };
     merak_burn::train::claim(folders, origin.as_ref(), existing)?;
