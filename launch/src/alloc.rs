@@ -62,20 +62,25 @@ mod tests {
         minor_faults() - before
     }
 
-    /// With purging on (delay 0) a freed buffer comes back as fresh pages; with
-    /// [`keep_freed_memory`] it comes back without page faults.
     #[test]
     fn the_unit_tests_run_under_the_allocation_caps() {
         merak_tests::assert_capped();
     }
 
+    /// With purging on (delay 0) a freed buffer comes back as fresh pages; with
+    /// [`keep_freed_memory`] it comes back without page faults.
     #[test]
     fn a_freed_large_buffer_is_reused_without_page_faults() {
         // SAFETY: as in keep_freed_memory.
         unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, 0) };
         let purged = faults_of_a_reused_buffer();
         unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
-        let kept = faults_of_a_reused_buffer();
+        // Other tests' threads may take the cached segment meanwhile (which only adds
+        // faults): the fewest of three tries.
+        let kept = (0..3)
+            .map(|_| faults_of_a_reused_buffer())
+            .min()
+            .unwrap_or(0);
         eprintln!("page faults: {purged} purged, {kept} kept");
         assert!(purged > 10, "purging should cost page faults ({purged})");
         assert!(kept * 10 < purged, "{kept} page faults with purging off");
