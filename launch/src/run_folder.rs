@@ -4,9 +4,8 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Result;
-use merak_burn::checkpoint::{Checkpoint, RunId};
+use merak_burn::checkpoint::Checkpoint;
 use merak_burn::comm::{Communicator, MpiCommunicator};
-use merak_burn::train::RUN_FILE;
 
 /// The folder new runs go to when `--out` is not given.
 pub const RUNS: &str = "runs";
@@ -25,14 +24,12 @@ pub fn output_folder(
     if let Some(folder) = checkpoint.and_then(run_folder_of) {
         return Ok(folder);
     }
-    let mut name = [0u8; 32];
     let stamp = new_folder_name(Path::new(RUNS));
-    name[..stamp.len()].copy_from_slice(stamp.as_bytes());
-    if let Some(w) = world {
-        w.broadcast_bytes(&mut name, 0)?;
-    }
-    let len = name.iter().position(|&b| b == 0).unwrap_or(name.len());
-    Ok(Path::new(RUNS).join(String::from_utf8_lossy(&name[..len]).as_ref()))
+    let name = match world {
+        Some(w) => w.broadcast_text(&stamp, 64, 0)?,
+        None => stamp,
+    };
+    Ok(Path::new(RUNS).join(name))
 }
 
 /// The folders among `paths` and their parents that do not exist yet, deepest first: what
@@ -72,9 +69,7 @@ fn run_folder_of(checkpoint: &Checkpoint) -> Option<PathBuf> {
         return None;
     }
     let folder = root.parent()?;
-    let text = std::fs::read(folder.join(RUN_FILE)).ok()?;
-    let record: serde_json::Value = serde_json::from_slice(&text).ok()?;
-    let run = RunId::try_from(record.get("run")?.as_str()?.to_string()).ok()?;
+    let run = merak_burn::train::run_of(folder).ok()??;
     (run == *lineage).then(|| folder.to_path_buf())
 }
 

@@ -125,14 +125,14 @@ pub fn settings(cfg: &Config) -> TrainSettings {
 /// Where a run of `cfg` writing to `out` puts its metrics, checkpoints and trace.
 fn run_output(cfg: &Config, out: &Path, spec: &RunSpec<'_>) -> Result<RunOutput> {
     let c = &cfg.checkpoint;
+    let config = toml::to_string(cfg)?;
     let policy = CheckpointPolicy {
         dir: checkpoint_root(cfg, out),
         every: c.every,
         at_end: c.at_end,
         keep: c.keep,
-        extra: serde_json::json!({ "config": toml::to_string(cfg)? }),
+        extra: serde_json::json!({ "config": config }),
     };
-    let config = toml::to_string(cfg)?;
     Ok(RunOutput {
         dir: out.to_path_buf(),
         checkpoints: Some(policy),

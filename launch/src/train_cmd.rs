@@ -222,7 +222,7 @@ fn check_and_open(
         (_, true) => ExistingRun::Branch,
         _ => ExistingRun::Refuse,
     };
-    check_outputs(args, &out, &cfg, rank)?;
+    check_outputs(args, &out, root, rank)?;
     // Read-only here (every rank, before anything is built); `Trainer::fit` claims for real.
     let own = train::own_file_names();
     let origin = resume.as_ref().map(|r| Origin::of(&r.checkpoint));
@@ -280,10 +280,9 @@ fn check_and_open(
 
 /// Checks every path the run will write (the output folder, the checkpoint folder, the trace)
 /// before anything is built, on every rank.
-fn check_outputs(args: &TrainArgs, out: &Path, cfg: &Config, rank: usize) -> Result<()> {
+fn check_outputs(args: &TrainArgs, out: &Path, checkpoints: &Path, rank: usize) -> Result<()> {
     merak_burn::train::writable_dir(out, "output folder (--out)", rank)?;
-    let checkpoints = train::checkpoint_root(cfg, out);
-    merak_burn::train::writable_dir(&checkpoints, "checkpoint folder (checkpoint.dir)", rank)?;
+    merak_burn::train::writable_dir(checkpoints, "checkpoint folder (checkpoint.dir)", rank)?;
     if let Some(trace) = &args.trace {
         merak_burn::train::writable_file(trace, "trace file (--trace)", rank)?;
     }

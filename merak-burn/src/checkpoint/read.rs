@@ -129,14 +129,14 @@ impl Checkpoint {
         let mut full = FullState::default();
         for p in &m.params {
             full.params
-                .insert(p.name.clone(), merge(&mut pieces, p, "param", tp_of(m))?);
-            let has_moments =
-                (0..tp_of(m)).any(|r| pieces.contains_key(&("m1".to_string(), p.name.clone(), r)));
+                .insert(p.name.clone(), merge(&mut pieces, p, "param", m.layout.tp)?);
+            let has_moments = (0..m.layout.tp)
+                .any(|r| pieces.contains_key(&("m1".to_string(), p.name.clone(), r)));
             if has_moments {
                 let moments = Moments {
                     time: times.get(&p.name).copied().unwrap_or(0),
-                    m1: merge(&mut pieces, p, "m1", tp_of(m))?,
-                    m2: merge(&mut pieces, p, "m2", tp_of(m))?,
+                    m1: merge(&mut pieces, p, "m1", m.layout.tp)?,
+                    m2: merge(&mut pieces, p, "m2", m.layout.tp)?,
                 };
                 full.moments.insert(p.name.clone(), moments);
             }
@@ -212,10 +212,6 @@ fn resolve_root(root: &Path) -> Result<PathBuf, CheckpointError> {
 
 /// Tensor pieces by (kind: param, m1 or m2; parameter name; tp rank).
 type Pieces = HashMap<(String, String, usize), Vec<f32>>;
-
-fn tp_of(m: &Manifest) -> usize {
-    m.layout.tp
-}
 
 /// Takes the `tp` pieces of `kind` of parameter `p` out of `pieces` and puts them together.
 fn merge(

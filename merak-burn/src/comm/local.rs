@@ -79,3 +79,19 @@ impl Communicator for LocalCommunicator {
         Ok(Box::new(Done(buf)))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_is_broadcast_whole_or_cut_at_the_limit() {
+        let c = LocalCommunicator;
+        assert_eq!(
+            c.broadcast_text("20261125-194530", 64, 0).unwrap(),
+            "20261125-194530"
+        );
+        assert_eq!(c.broadcast_text("", 64, 0).unwrap(), "");
+        assert_eq!(c.broadcast_text("abcdef", 4, 0).unwrap(), "abcd");
+    }
+}

@@ -89,6 +89,27 @@ pub trait Communicator {
     /// Copies the bytes `buf` of rank `root` into `buf` of every rank.
     fn broadcast_bytes(&self, buf: &mut [u8], root: usize) -> Result<(), CommError>;
 
+    /// Rank `root`'s `text` (its first `max_bytes` bytes) on every rank; the other ranks'
+    /// `text` is not read. Every rank passes the same `max_bytes`.
+    fn broadcast_text(
+        &self,
+        text: &str,
+        max_bytes: usize,
+        root: usize,
+    ) -> Result<String, CommError> {
+        let mut buf = vec![0u8; 8 + max_bytes];
+        if self.rank() == root {
+            let n = text.len().min(max_bytes);
+            buf[..8].copy_from_slice(&(n as u64).to_le_bytes());
+            buf[8..8 + n].copy_from_slice(&text.as_bytes()[..n]);
+        }
+        self.broadcast_bytes(&mut buf, root)?;
+        let mut len = [0u8; 8];
+        len.copy_from_slice(&buf[..8]);
+        let n = usize::try_from(u64::from_le_bytes(len)).map_or(max_bytes, |n| n.min(max_bytes));
+        Ok(String::from_utf8_lossy(&buf[8..8 + n]).into_owned())
+    }
+
     /// Sends `buf` to rank `dest` with a message `tag`.
     fn send(&self, buf: &[f32], dest: usize, tag: u16) -> Result<(), CommError>;
 

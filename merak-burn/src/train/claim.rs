@@ -181,21 +181,27 @@ struct OutListing {
     files: Vec<PathBuf>,
 }
 
-fn list_out(out: &Path, own_files: &[String]) -> Result<OutListing, ClaimError> {
+/// The lineage the run record (`run.json`) of the output folder `out` names; `None` when it
+/// has none.
+pub fn run_of(out: &Path) -> Result<Option<RunId>, ClaimError> {
     let record = out.join(RUN_FILE);
     let bad = |reason: String| ClaimError::BadRunRecord {
         path: record.clone(),
         reason,
     };
-    let run = match record.symlink_metadata() {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+    match record.symlink_metadata() {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         _ => {
             let bytes =
                 read_regular(&record, MAX_SMALL_FILE_BYTES).map_err(|e| bad(e.to_string()))?;
             let r: RunRecord = serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()))?;
-            Some(r.run)
+            Ok(Some(r.run))
         }
-    };
+    }
+}
+
+fn list_out(out: &Path, own_files: &[String]) -> Result<OutListing, ClaimError> {
+    let run = run_of(out)?;
     let names = TRAINER_FILES
         .iter()
         .copied()

@@ -26,7 +26,7 @@ mod tied;
 mod trainer;
 
 pub use adamw::FusedAdamW;
-pub use claim::{Claim, ClaimError, ExistingRun, Origin, RUN_FILE, RunFolders, claim};
+pub use claim::{Claim, ClaimError, ExistingRun, Origin, RUN_FILE, RunFolders, claim, run_of};
 pub use error::TrainError;
 pub use fit::Summary;
 pub use grad_norm::{

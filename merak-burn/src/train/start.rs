@@ -10,7 +10,7 @@ use crate::pipeline::PipelineModel;
 use crate::tensor_parallel::ParallelBackend;
 use crate::train::{RunOutput, TrainError, Trainer, claim};
 
-/// The bytes a run id is broadcast in (ids are at most 64 characters).
+/// The most bytes of a run id (ids are at most 64 characters).
 const ID_BYTES: usize = 64;
 
 impl<B, M> Trainer<'_, B, M>
@@ -33,7 +33,6 @@ where
         let world = self.grid.world.comm()?;
         // Every rank has checked before rank 0 changes anything.
         world.barrier()?;
-        let mut id = [0u8; ID_BYTES];
         if rank == 0 {
             for line in claim.apply()? {
                 tracing::warn!("{line}");
@@ -43,12 +42,8 @@ where
                     write_file_atomically(&out.dir.join(&f.name), bytes)?;
                 }
             }
-            let text = claim.run.as_str().as_bytes();
-            id[..text.len()].copy_from_slice(text);
         }
-        world.broadcast_bytes(&mut id, 0)?;
-        let len = id.iter().position(|&b| b == 0).unwrap_or(ID_BYTES);
-        let text = String::from_utf8_lossy(&id[..len]).into_owned();
+        let text = world.broadcast_text(claim.run.as_str(), ID_BYTES, 0)?;
         self.run = Some(RunId::try_from(text).unwrap_or(claim.run));
         Ok(())
     }
