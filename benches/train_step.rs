@@ -298,6 +298,7 @@ fn merak_variant<'g>(
         val_every: 0,
         val_batches: 0,
         precision: Default::default(),
+        optimizer: Default::default(),
     };
     let parallel = ParallelPlan {
         dp: grid.layout.dp,

@@ -212,6 +212,13 @@ pub struct Config {
     pub parallel: ParallelSection,
     /// Optimization.
     pub train: TrainSection,
+    /// `[optimizer]`: which optimizer, its own hyperparameters (`momentum`, `dampening`,
+    /// `nesterov`, `alpha`, `centered`, `lr_decay`) and the shape of the learning-rate
+    /// schedule (`schedule`, `decay_steps`); the shared ones (`lr`, `min_lr`, `warmup_steps`,
+    /// `weight_decay`, `beta1`, `beta2`, `eps`) stay in `[train]`. A kind-specific key set for
+    /// a kind that does not use it is refused.
+    #[serde(default)]
+    pub optimizer: merak_burn::train::OptimizerSettings,
     /// Data.
     pub data: DataSection,
     /// Checkpoints.
@@ -265,6 +272,7 @@ impl Default for Config {
                 cuda_device: None,
                 comm_timeout_s: 300.0,
             },
+            optimizer: merak_burn::train::OptimizerSettings::default(),
             data: DataSection {
                 kind: "synthetic".into(),
                 path: String::new(),
@@ -603,6 +611,7 @@ impl Config {
         self.validate_model()?;
         self.validate_data()?;
         self.validate_train()?;
+        self.validate_optimizer()?;
         self.validate_batch()?;
         self.validate_parallel()
     }
@@ -780,6 +789,25 @@ impl Config {
             );
         }
         Ok(())
+    }
+
+    /// `[optimizer]` and the schedule against `[train]`: the trainer's own checks
+    /// ([`merak_burn::train::check_settings`]), with the config's key named.
+    fn validate_optimizer(&self) -> Result<(), ConfigError> {
+        let Err(e) = merak_burn::train::check_settings(&crate::train::settings(self)) else {
+            return Ok(());
+        };
+        let key = if e.key.starts_with("optimizer.") {
+            e.key.clone()
+        } else {
+            format!("train.{}", e.key)
+        };
+        let sep = if e.reason.starts_with("must") {
+            ""
+        } else {
+            ":"
+        };
+        bad(&key, format!("{}{sep} {}", e.value, e.reason))
     }
 
     /// The batch splits over the data-parallel ranks and micro-batches.
@@ -1286,6 +1314,77 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("`parallel.virtual_stages`"), "{e}");
+    }
+
+    #[test]
+    fn optimizer_keys_are_checked_and_named() {
+        use merak_burn::train::{LrScheduleKind, OptimizerKind};
+        let c = load(None, &[]).unwrap();
+        assert_eq!(c.optimizer, merak_burn::train::OptimizerSettings::default());
+        let c = load(
+            None,
+            &sets(&[
+                "optimizer.kind=sgd",
+                "optimizer.momentum=0.9",
+                "optimizer.nesterov=true",
+                "optimizer.schedule=wsd",
+                "optimizer.decay_steps=20",
+            ]),
+        )
+        .unwrap();
+        assert_eq!(c.optimizer.kind, OptimizerKind::Sgd);
+        assert_eq!(c.optimizer.schedule, LrScheduleKind::Wsd);
+        let s = crate::train::settings(&c);
+        assert_eq!((s.optimizer.momentum, s.optimizer.decay_steps), (0.9, 20));
+        for (set, key, part) in [
+            (vec!["optimizer.kind=lion"], "`optimizer.kind`", "lion"),
+            (
+                vec!["optimizer.kind=muon"],
+                "`optimizer.kind`",
+                "whole matrices",
+            ),
+            (
+                vec!["optimizer.schedule=step"],
+                "`optimizer.schedule`",
+                "step",
+            ),
+            (
+                vec!["optimizer.kind=sgd", "optimizer.momentum=1.5"],
+                "`optimizer.momentum`",
+                "1.5 must be in [0, 1)",
+            ),
+            (
+                vec!["optimizer.momentum=0.9"],
+                "`optimizer.momentum`",
+                "does not use it",
+            ),
+            (
+                vec!["optimizer.kind=sgd", "optimizer.nesterov=true"],
+                "`optimizer.nesterov`",
+                "momentum > 0",
+            ),
+            (
+                vec!["optimizer.schedule=wsd"],
+                "`optimizer.decay_steps`",
+                "at least 1",
+            ),
+            (
+                vec!["optimizer.schedule=linear", "train.warmup_steps=300"],
+                "`train.warmup_steps`",
+                "longer than the run",
+            ),
+            (
+                vec!["optimizer.kind=rmsprop", "optimizer.alpha=-0.5"],
+                "`optimizer.alpha`",
+                "-0.5",
+            ),
+        ] {
+            let e = load(None, &sets(&set)).unwrap_err().to_string();
+            assert!(e.contains(key) && e.contains(part), "{set:?}: {e}");
+        }
+        let file = "[optimizer]\nkind = \"adagrad\"\nlr_decay = 0.01\n";
+        let c = load_text(Some((file, "f.toml")), &[]).unwrap();
+        assert_eq!(c.optimizer.kind, OptimizerKind::AdaGrad);
     }
 
     #[test]

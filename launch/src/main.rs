@@ -16,7 +16,6 @@ mod prepare_data;
 mod probe;
 mod probe_overlap;
 mod resolve;
-mod run_folder;
 mod spawn;
 mod train;
 mod train_cmd;

@@ -68,6 +68,11 @@ pub fn resolve_config(
         let text = checkpoint_config(r)?;
         let saved = config::load_text(Some((&text, "the checkpoint")), &[])?;
         check_resumable(&cfg, &saved)?;
+        // Another optimizer than the checkpoint's is a config error (exit 2), found here.
+        let optimizer = crate::train::settings(&cfg).optimizer;
+        optimizer
+            .check_checkpoint(&r.checkpoint.manifest)
+            .map_err(|e| anyhow::anyhow!("--resume: {e}"))?;
     }
     let (parallel, shape) = (cfg.parallel_plan(), cfg.shape()?);
     parallel.layout().validate(size, &shape)?;

@@ -119,6 +119,7 @@ pub fn settings(cfg: &Config) -> TrainSettings {
         val_every: cfg.data.val_every,
         val_batches: cfg.data.val_batches,
         precision: cfg.train.precision,
+        optimizer: cfg.optimizer.clone(),
     }
 }
 

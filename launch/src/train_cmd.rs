@@ -12,7 +12,7 @@ use merak_burn::grid::ProcessGrid;
 use merak_burn::pipeline::PipelinePlan;
 use merak_burn::plan::ParallelPlan;
 use merak_burn::tensor_parallel::{ParallelBackend, TpOverlap};
-use merak_burn::train::{ExistingRun, Origin, RunFolders, StopRequest};
+use merak_burn::train::{ExistingRun, Origin, RunFolders, StopRequest, stop_on_signals};
 
 use crate::config::Config;
 use crate::data::Source;
@@ -60,9 +60,10 @@ pub struct TrainArgs {
     /// dp/tp layout may load it.
     #[arg(long)]
     pub resume: Option<PathBuf>,
-    /// Start from pretrained weights: a Hugging Face `GPT2LMHeadModel` safetensors file (or
-    /// one `merak export` wrote), checked against the model (and against the `config.json`
-    /// next to it) before anything is built. GPT only; any dp/tp/pp layout.
+    /// Start from pretrained weights: a Hugging Face `GPT2LMHeadModel` (model.kind = "gpt") or
+    /// `BertForMaskedLM` (model.kind = "bert", `config.json` next to it required) safetensors
+    /// file, or one `merak export` wrote, checked against the model (and against the
+    /// `config.json` next to it) before anything is built; any dp/tp/pp layout.
     #[arg(long, value_name = "FILE", conflicts_with = "resume")]
     pub init_from: Option<PathBuf>,
     /// Write a Chrome trace (JSON, open in Perfetto) of every rank's forward, backward,
@@ -169,34 +170,22 @@ pub fn run_train(args: TrainArgs) -> ExitCode {
 /// that is, resume).
 pub const STOPPED: u8 = 75;
 
-/// SIGTERM, SIGINT and SIGUSR1 ask the run to stop after the current step (every rank agrees
-/// on the step, then checkpoints); a second one ends the process at once (status 130).
-fn stop_on_signals(stop: &StopRequest) -> std::io::Result<()> {
-    use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
-    for signal in [SIGTERM, SIGINT, SIGUSR1] {
-        // Registered first, so it sees the flag as the earlier signal left it.
-        signal_hook::flag::register_conditional_shutdown(signal, 130, stop.flag())?;
-        signal_hook::flag::register(signal, stop.flag())?;
-    }
-    Ok(())
-}
-
 /// Reads and checks everything before anything is built: the checkpoint to resume, the
 /// config and plan, the output folders, the grid, the data set. A run refused here leaves no
 /// folder it made behind.
 fn prepare(args: &TrainArgs, world: Option<MpiCommunicator>, size: usize) -> Result<Job> {
     let resume = args.resume.as_deref().map(open_resume).transpose()?;
     let resolved = resolve_config(args, world.as_ref(), size, resume.as_ref())?;
-    let out = crate::run_folder::output_folder(
+    let out = merak_burn::train::run_folder::output_folder(
         args.out.as_deref(),
         resume.as_ref().map(|r| &r.checkpoint),
-        world.as_ref(),
+        world.as_ref().map(|w| w as &dyn Communicator),
     )?;
     let root = train::checkpoint_root(&resolved.cfg, &out);
-    let made = crate::run_folder::missing_folders(&[&out, &root]);
+    let made = merak_burn::train::run_folder::missing_folders(&[&out, &root]);
     let job = check_and_open(args, world, resume, resolved, out, &root);
     if job.is_err() {
-        crate::run_folder::remove_if_empty(&made);
+        merak_burn::train::run_folder::remove_if_empty(&made);
     }
     job
 }
@@ -369,8 +358,11 @@ where
     let overlap = TpOverlap::new(cfg.parallel.tp_overlap)?;
     if cfg.model.kind == "bert" {
         let bert = cfg.bert();
-        let model = merak_bert::Bert::<B>::new_units(&bert, seed, grid.tp, device, &holds)?
+        let mut model = merak_bert::Bert::<B>::new_units(&bert, seed, grid.tp, device, &holds)?
             .with_tp_overlap(overlap);
+        if let Some(pretrained) = &job.init_from {
+            model = init_from::apply(model, pretrained, grid)?;
+        }
         let objective = Objective::Masked(bert);
         return Ok(train::train(cfg, data, grid, out, device, model, &objective, spec)?.0);
     }

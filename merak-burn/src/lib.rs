@@ -19,6 +19,8 @@
 //! - [`admission`]: the memory admission check: a run whose ranks' estimated peak does not
 //!   fit the host's or the GPU's memory is refused before anything is built.
 //! - [`checkpoint`]: atomic sharded checkpoints that load under any dp/tp layout.
+//! - [`session`]: [`run`], the one call that trains a model described as units under any
+//!   layout (detecting `mpirun`, planning, building each rank's units, training, checkpoints).
 
 #![warn(missing_docs)]
 
@@ -36,5 +38,8 @@ pub mod pipeline;
 pub mod plan;
 pub mod planner;
 pub mod precision;
+pub mod session;
 pub mod tensor_parallel;
 pub mod train;
+
+pub use session::run;

@@ -161,6 +161,24 @@ impl Default for ParallelPlan {
     }
 }
 
+impl std::fmt::Display for ParallelPlan {
+    /// `dp=2 tp=2 pp=2 micro_batch=2 schedule=1f1b stages=[..]` (ZeRO-1 and overlap when on).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "dp={} tp={} pp={} micro_batch={} schedule={} stages={:?}",
+            self.dp, self.tp, self.pp, self.micro_batch, self.schedule, self.stage_units
+        )?;
+        if self.zero1 {
+            write!(f, " zero1")?;
+        }
+        if self.tp_overlap > 1 {
+            write!(f, " tp_overlap={}", self.tp_overlap)?;
+        }
+        Ok(())
+    }
+}
+
 impl ParallelPlan {
     /// The process layout `dp x tp x pp`.
     pub fn layout(&self) -> Layout {

@@ -1,14 +1,16 @@
-//! Parameters and AdamW moments by name: out of a model and its optimizers, and back in.
+//! Parameters and optimizer state by name: out of a model and its optimizers, and back in.
 //!
 //! A parameter's name is its path in the module tree (`blocks.0.attn.qkv.linear.weight`),
 //! which does not depend on the layout. Burn keys optimizer state by [`ParamId`], which is
-//! random per run, so the state is carried by name too.
+//! random per run, so the state is carried by name too. Every optimizer's state of a
+//! parameter is stored in the same three places ([`Moments`]: a step count and two tensors of
+//! the parameter's shape; see [`StateSlots`]): the AdamW moments, or the other optimizers'
+//! tensors in the same places, so that one format cuts and merges all of them across layouts.
 
 use std::collections::HashMap;
 
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::record::AdaptorRecord;
-use burn::optim::{AdamWState, AdaptiveMomentumState};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
 
@@ -16,13 +18,17 @@ use super::CheckpointError;
 use crate::comm::tensor::tensor_to_vec;
 use crate::kernels::FusedOps;
 use crate::tensor_parallel::{ParamSplits, ShardKind};
-use crate::train::FusedAdamW;
+use crate::train::{FusedAdamW, Slots, StateSlots};
 
 /// Burn's record of the AdamW state of every parameter it has stepped (the state of
 /// [`FusedAdamW`], which is Burn's `AdamWState`).
-pub type AdamWRecords<B> = hashbrown::HashMap<ParamId, AdaptorRecord<FusedAdamW, B>>;
+pub type AdamWRecords<B> = OptimizerRecords<FusedAdamW, B>;
 
-/// AdamW moments by parameter name.
+/// Burn's record of the state of the optimizer `O` of every parameter it has stepped.
+pub type OptimizerRecords<O, B> = hashbrown::HashMap<ParamId, AdaptorRecord<O, B>>;
+
+/// Optimizer state (AdamW moments, or another optimizer's state in their places) by
+/// parameter name.
 pub type NamedMoments = Vec<(String, Moments)>;
 
 /// One parameter of this rank, as stored.
@@ -54,14 +60,17 @@ pub struct ParamShape {
     pub split: ShardKind,
 }
 
-/// The AdamW state of one parameter.
+/// The optimizer state of one parameter: AdamW's (and Adam's) step count and moments, or
+/// another optimizer's state in the same places ([`StateSlots`]; the manifest's `extra`
+/// names the optimizer and what each place holds).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Moments {
-    /// Steps the optimizer has taken on it.
+    /// Steps the optimizer has taken on it (0 for optimizers that do not count them).
     pub time: usize,
-    /// First moment, row-major.
+    /// First moment (or the optimizer's first state tensor), row-major.
     pub m1: Vec<f32>,
-    /// Second moment, row-major.
+    /// Second moment (or the optimizer's second state tensor; zeros where it keeps one),
+    /// row-major.
     pub m2: Vec<f32>,
 }
 
@@ -80,19 +89,19 @@ impl Path {
     }
 }
 
-struct Collect<'a, B: AutodiffBackend>
+struct Collect<'a, B: AutodiffBackend, O: StateSlots<B::InnerBackend>>
 where
     B::InnerBackend: FusedOps,
 {
     path: Path,
-    records: Option<&'a AdamWRecords<B>>,
+    records: Option<(&'a OptimizerRecords<O, B>, &'a O)>,
     params: Vec<LocalParam>,
     moments: Vec<(String, Moments)>,
     with_values: bool,
     error: Option<CheckpointError>,
 }
 
-impl<B: AutodiffBackend> Collect<'_, B>
+impl<B: AutodiffBackend, O: StateSlots<B::InnerBackend>> Collect<'_, B, O>
 where
     B::InnerBackend: FusedOps,
 {
@@ -111,7 +120,7 @@ where
     }
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for Collect<'_, B>
+impl<B: AutodiffBackend, O: StateSlots<B::InnerBackend>> ModuleVisitor<B> for Collect<'_, B, O>
 where
     B::InnerBackend: FusedOps,
 {
@@ -124,6 +133,7 @@ where
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let name = self.path.name();
         let value = param.val().inner();
+        let device = value.device();
         if self.with_values {
             let shape = value.dims().to_vec();
             let values = self.read(value);
@@ -135,13 +145,35 @@ where
                 values,
             });
         }
-        if let Some(record) = self.records.and_then(|r| r.get(&param.id)) {
-            let state: AdamWState<B::InnerBackend, D> = record.clone().into_state();
-            let m1 = self.read(state.momentum.moment_1);
-            let m2 = self.read(state.momentum.moment_2);
-            let time = state.momentum.time;
-            self.moments.push((name, Moments { time, m1, m2 }));
-        }
+        let Some((records, optim)) = self.records else {
+            return;
+        };
+        let Some(record) = records.get(&param.id) else {
+            return;
+        };
+        let state = record.clone().into_state::<D>();
+        let slots = match optim.slots_of_state(state, &device) {
+            Ok(Some(slots)) => slots,
+            Ok(None) => return,
+            Err(reason) => {
+                self.error
+                    .get_or_insert(CheckpointError::Mismatch { name, reason });
+                return;
+            }
+        };
+        let m1 = self.read(slots.m1);
+        let m2 = match slots.m2 {
+            Some(m2) => self.read(m2),
+            None => vec![0.0; m1.len()],
+        };
+        self.moments.push((
+            name,
+            Moments {
+                time: slots.time,
+                m1,
+                m2,
+            },
+        ));
     }
 }
 
@@ -152,7 +184,7 @@ pub fn local_params<B: AutodiffBackend, M: AutodiffModule<B>>(
 where
     B::InnerBackend: FusedOps,
 {
-    let mut c = Collect::<B> {
+    let mut c = Collect::<B, FusedAdamW> {
         path: Path::default(),
         records: None,
         params: Vec::new(),
@@ -177,9 +209,22 @@ pub fn moments<B: AutodiffBackend, M: AutodiffModule<B>>(
 where
     B::InnerBackend: FusedOps,
 {
-    let mut c = Collect::<B> {
+    optimizer_moments(model, records, &FusedAdamW::new(0.9, 0.999, 1e-8, 0.0))
+}
+
+/// The state of the optimizer `optim` held in `records`, by parameter name, in the places of
+/// the AdamW moments ([`StateSlots`]).
+pub fn optimizer_moments<B: AutodiffBackend, M: AutodiffModule<B>, O: StateSlots<B::InnerBackend>>(
+    model: &M,
+    records: &OptimizerRecords<O, B>,
+    optim: &O,
+) -> Result<NamedMoments, CheckpointError>
+where
+    B::InnerBackend: FusedOps,
+{
+    let mut c = Collect::<B, O> {
         path: Path::default(),
-        records: Some(records),
+        records: Some((records, optim)),
         params: Vec::new(),
         moments: Vec::new(),
         with_values: false,
@@ -286,17 +331,18 @@ pub fn assign_params<B: Backend, M: Module<B>>(
     Ok(model)
 }
 
-struct Build<'a, B: AutodiffBackend>
+struct Build<'a, B: AutodiffBackend, O: StateSlots<B::InnerBackend>>
 where
     B::InnerBackend: FusedOps,
 {
     path: Path,
     moments: &'a HashMap<String, Moments>,
     keep: &'a dyn Fn(ParamId, usize) -> bool,
-    out: AdamWRecords<B>,
+    optim: &'a O,
+    out: OptimizerRecords<O, B>,
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for Build<'_, B>
+impl<B: AutodiffBackend, O: StateSlots<B::InnerBackend>> ModuleVisitor<B> for Build<'_, B, O>
 where
     B::InnerBackend: FusedOps,
 {
@@ -318,7 +364,11 @@ where
         let t = |v: &Vec<f32>| {
             Tensor::<B::InnerBackend, D>::from_data(TensorData::new(v.clone(), shape), &device)
         };
-        let state = AdamWState::new(AdaptiveMomentumState::new(m.time, t(&m.m1), t(&m.m2)));
+        let state = self.optim.state_from_slots(Slots {
+            time: m.time,
+            m1: t(&m.m1),
+            m2: Some(t(&m.m2)),
+        });
         self.out
             .insert(param.id, AdaptorRecord::from_state::<D>(state));
     }
@@ -334,10 +384,31 @@ pub fn adamw_records<B: AutodiffBackend, M: AutodiffModule<B>>(
 where
     B::InnerBackend: FusedOps,
 {
-    let mut b = Build::<B> {
+    optimizer_records(
+        model,
+        moments,
+        keep,
+        &FusedAdamW::new(0.9, 0.999, 1e-8, 0.0),
+    )
+}
+
+/// Burn records of the optimizer `optim` for the parameters of `model` that `keep(id, rank)`
+/// selects and that have state (this rank's shards, in the places of the AdamW moments) in
+/// `moments`.
+pub fn optimizer_records<B: AutodiffBackend, M: AutodiffModule<B>, O: StateSlots<B::InnerBackend>>(
+    model: &M,
+    moments: &HashMap<String, Moments>,
+    keep: &dyn Fn(ParamId, usize) -> bool,
+    optim: &O,
+) -> OptimizerRecords<O, B>
+where
+    B::InnerBackend: FusedOps,
+{
+    let mut b = Build::<B, O> {
         path: Path::default(),
         moments,
         keep,
+        optim,
         out: hashbrown::HashMap::new(),
     };
     model.visit(&mut b);

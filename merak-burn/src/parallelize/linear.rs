@@ -11,8 +11,9 @@ use crate::tensor_parallel::{ParallelBackend, ShardKind, Split, copy_to_tp, redu
 /// `x W + b` like `burn::nn::Linear` (weight `[d_input, d_output]`), which a
 /// [`TpPlan`](super::TpPlan) may split: column-parallel (this rank holds a slice of the output
 /// features; the input's gradient is summed over the TP group) or row-parallel (a slice of the
-/// input features; the partial outputs are summed over the group and the bias added once).
-/// Unsplit, it is Burn's linear layer.
+/// input features; the partial outputs are summed over the group and the bias added once) or
+/// shared (whole on every rank, which uses part of the output; the gradients of the input and
+/// of the parameters are summed over the group). Unsplit, it is Burn's linear layer.
 #[derive(Module, Debug)]
 pub struct Linear<B: Backend> {
     /// Burn's layer, holding this rank's slice once split.
@@ -32,6 +33,11 @@ impl<B: Backend> From<burn::nn::Linear<B>> for Linear<B> {
 
 impl<B: ParallelBackend> Linear<B> {
     /// `[..., d_input] -> [..., d_output]` (the local `d_output / tp` when column-parallel).
+    ///
+    /// Shared ([`TpStyle::Shared`](super::TpStyle::Shared)), every rank computes the whole
+    /// output; the caller uses its part of it, and the backward pass sums the gradients of
+    /// the input and of the weight and bias over the group, so that each rank gets the sum of
+    /// the parts every rank used (and the same gradient, as a replicated parameter needs).
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         let bias = self.linear.bias.as_ref().map(|b| b.val());
         let (kind, group) = match self.split.group() {
@@ -46,6 +52,12 @@ impl<B: ParallelBackend> Linear<B> {
                     None => y,
                 }
             }
+            // Only a shared layer declares a group with its weight whole.
+            ShardKind::Replicated => rows(
+                copy_to_tp(x, group),
+                copy_to_tp(self.linear.weight.val(), group),
+                bias.map(|b| copy_to_tp(b, group)),
+            ),
             _ => rows(copy_to_tp(x, group), self.linear.weight.val(), bias),
         }
     }

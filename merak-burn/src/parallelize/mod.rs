@@ -33,4 +33,5 @@ mod units;
 
 pub use linear::Linear;
 pub use styles::{TpPlan, TpPlanError, TpStyle, shard_module};
+pub(crate) use units::initialized;
 pub use units::{EmbedUnit, HeadUnit, LayerUnit, NoTokenTable, Units};

@@ -20,6 +20,33 @@ pub enum TpStyle {
     /// summed and the full bias added once. The second layer of a pair (the attention output,
     /// the MLP's projection).
     Row,
+    /// Every rank holds the whole layer and computes its whole output from the replicated
+    /// input, but uses only part of that output; the gradients of the input and of the
+    /// weights are summed over the group (each rank's share of them comes from the part it
+    /// used). For the key and value projections of grouped-query attention with more TP ranks
+    /// than key/value heads: each rank takes the key/value heads its query heads use. The
+    /// parameters stay whole, so checkpoints hold them as replicated.
+    Shared,
+    /// The key or value projection of grouped-query attention, whose output is `heads` whole
+    /// key/value heads: [`Column`](Self::Column) when the TP degree divides `heads` (each rank
+    /// its own heads), [`Shared`](Self::Shared) when it is a multiple of `heads` (the ranks
+    /// whose query heads use a key/value head share it). Any other degree is refused.
+    KvHeads {
+        /// Key/value heads of the whole layer.
+        heads: usize,
+    },
+}
+
+impl TpStyle {
+    /// The style a layer of this style takes over `tp` ranks ([`KvHeads`](Self::KvHeads)
+    /// becomes column-parallel or shared; it stays itself over a degree it cannot take).
+    pub fn over(self, tp: usize) -> TpStyle {
+        match self {
+            TpStyle::KvHeads { heads } if tp > 0 && heads.is_multiple_of(tp) => TpStyle::Column,
+            TpStyle::KvHeads { heads } if heads > 0 && tp.is_multiple_of(heads) => TpStyle::Shared,
+            style => style,
+        }
+    }
 }
 
 /// A layer the plan cannot split, or a pattern that names no layer.
@@ -38,6 +65,19 @@ pub enum TpPlanError {
         what: &'static str,
         /// Its size.
         size: usize,
+        /// The TP degree.
+        tp: usize,
+    },
+    /// Key/value heads that a TP degree neither divides nor is a multiple of.
+    #[error(
+        "{path}: tp = {tp} and {heads} key/value heads: the TP degree must divide the \
+         key/value heads or be a multiple of them"
+    )]
+    KvHeads {
+        /// The layer's path.
+        path: String,
+        /// Its key/value heads.
+        heads: usize,
         /// The TP degree.
         tp: usize,
     },
@@ -146,7 +186,7 @@ impl Cutter<'_> {
         self.example = layer.join(".");
         let (rule, style) = self.plan.style_of(layer)?;
         self.used[rule] = true;
-        Some((layer.join("."), style, weight))
+        Some((layer.join("."), style.over(self.tp.size()), weight))
     }
 
     /// This rank's slice of `full` (`[rows, cols]`, one row for a bias) for `style`, or why
@@ -166,6 +206,16 @@ impl Cutter<'_> {
         let (what, size) = match style {
             TpStyle::Column => ("output features", cols),
             TpStyle::Row => ("input features", rows),
+            // Nothing is cut.
+            TpStyle::Shared => return Ok(None),
+            // Not resolved by `over`: neither divides the other.
+            TpStyle::KvHeads { heads } => {
+                return Err(TpPlanError::KvHeads {
+                    path: path.to_string(),
+                    heads,
+                    tp: shard.size,
+                });
+            }
         };
         if style == TpStyle::Row && !weight {
             // A row-parallel bias is added once, after the sum: every rank keeps it whole.
@@ -180,10 +230,11 @@ impl Cutter<'_> {
                 tp: shard.size,
             });
         }
-        Ok(Some(match style {
-            TpStyle::Column => shard.columns(full, rows, cols, 1),
-            TpStyle::Row => shard.rows(full, rows, cols),
-        }))
+        Ok(match style {
+            TpStyle::Column => Some(shard.columns(full, rows, cols, 1)),
+            TpStyle::Row => Some(shard.rows(full, rows, cols)),
+            TpStyle::Shared | TpStyle::KvHeads { .. } => None,
+        })
     }
 }
 
@@ -197,6 +248,12 @@ impl TpStyle {
             }
             // A row-parallel bias is added once, after the sum: every rank keeps it whole.
             TpStyle::Row => (ShardKind::Rows, ShardKind::Replicated),
+            // Whole on every rank: the split declares the group only, which the layer's
+            // forward pass reads as this style. (An unresolved `KvHeads` is refused by the
+            // cut.)
+            TpStyle::Shared | TpStyle::KvHeads { .. } => {
+                (ShardKind::Replicated, ShardKind::Replicated)
+            }
         }
     }
 }
@@ -209,7 +266,7 @@ impl Cutter<'_> {
             return;
         }
         if let Some((_, style)) = self.plan.style_of(&self.path[..n - 1]) {
-            let (weight, bias) = style.kinds();
+            let (weight, bias) = style.over(self.tp.size()).kinds();
             replace_split(self.tp, [("linear.weight", weight), ("linear.bias", bias)]);
         }
     }
@@ -259,6 +316,7 @@ impl<B: Backend> ModuleMapper<B> for Cutter<'_> {
         match style {
             TpStyle::Column => local[D - 1] /= self.tp.size(),
             TpStyle::Row => local[0] /= self.tp.size(),
+            TpStyle::Shared | TpStyle::KvHeads { .. } => {}
         }
         let mut fresh = Tensor::<B, D>::from_data(TensorData::new(values, local), &tensor.device());
         if tensor.is_require_grad() {
@@ -325,5 +383,53 @@ mod tests {
         assert_eq!(splits.by_name("down.linear.weight"), ShardKind::Rows);
         assert_eq!(splits.by_name("down.linear.bias"), ShardKind::Replicated);
         assert_eq!(pair.up.split.group().map(|g| g.size()), Some(1));
+    }
+
+    #[test]
+    fn a_shared_layer_stays_whole_and_computes_what_it_did() {
+        let device = Default::default();
+        let pair = Pair::<Cpu> {
+            up: LinearConfig::new(4, 6).init(&device).into(),
+            down: LinearConfig::new(6, 4).init(&device).into(),
+        };
+        let x = Tensor::<Cpu, 2>::ones([3, 4], &device);
+        let before = pair.down.forward(pair.up.forward(x.clone())).into_data();
+        let plan = TpPlan::new([("up", TpStyle::Shared), ("down", TpStyle::Row)]);
+        let pair = shard_module(pair, &plan, Group::local()).expect("a valid plan");
+        let after = pair.down.forward(pair.up.forward(x)).into_data();
+        after.assert_approx_eq::<f32>(&before, burn::tensor::Tolerance::absolute(1e-6));
+        // Whole: declared replicated, over the group.
+        assert_eq!(pair.up.linear.weight.dims(), [4, 6]);
+        let splits = crate::tensor_parallel::ParamSplits::of(&pair);
+        assert_eq!(splits.by_name("up.linear.weight"), ShardKind::Replicated);
+        assert_eq!(splits.by_name("up.linear.bias"), ShardKind::Replicated);
+        assert_eq!(pair.up.split.group().map(|g| g.size()), Some(1));
+        assert_eq!(
+            serde_json::to_string(&TpStyle::Shared).unwrap(),
+            "\"shared\""
+        );
+    }
+
+    #[test]
+    fn kv_heads_split_by_column_or_share_or_are_refused() {
+        let kv = TpStyle::KvHeads { heads: 2 };
+        assert_eq!(kv.over(1), TpStyle::Column);
+        assert_eq!(kv.over(2), TpStyle::Column);
+        assert_eq!(kv.over(4), TpStyle::Shared);
+        assert_eq!(kv.over(3), kv);
+        assert_eq!(TpStyle::Row.over(4), TpStyle::Row);
+        let device = Default::default();
+        let pair = Pair::<Cpu> {
+            up: LinearConfig::new(4, 6).init(&device).into(),
+            down: LinearConfig::new(6, 4).init(&device).into(),
+        };
+        let plan = TpPlan::new([
+            ("up", TpStyle::KvHeads { heads: 3 }),
+            ("down", TpStyle::Row),
+        ]);
+        let pair = shard_module(pair, &plan, Group::local()).expect("tp = 1 divides 3");
+        let splits = crate::tensor_parallel::ParamSplits::of(&pair);
+        let columns = ShardKind::Columns { segments: 1 };
+        assert_eq!(splits.by_name("up.linear.weight"), columns);
     }
 }

@@ -7,7 +7,7 @@ use burn::module::{Module, ModuleDisplay, ModuleVisitor, Param};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Int, Tensor};
 
-use crate::pipeline::{TiedTable, UnitStack};
+use crate::pipeline::{Evaluate, TiedTable, UnitStack};
 use crate::planner::MeasuredUnit;
 use crate::tensor_parallel::ParamSplits;
 
@@ -32,19 +32,38 @@ pub trait LayerUnit<B: Backend>: Module<B> + ModuleDisplay {
 /// The last pipeline unit: hidden states and targets to the loss.
 pub trait HeadUnit<B: Backend>: Module<B> + ModuleDisplay {
     /// The mean loss of `[batch, seq, hidden]` against `[batch, seq]` target ids (negative
-    /// targets not counted), `[1]`.
-    fn loss(&self, x: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1>;
-
-    /// The loss of a head tied to the embedding's token `table` (`[vocab, hidden]`), for
-    /// [`Units::tied`]; by default the untied [`loss`](Self::loss).
-    fn tied_loss(
+    /// targets not counted), `[1]`. `table` is the first unit's token table (`[vocab, hidden]`)
+    /// when the model declares its head tied to it
+    /// ([`UnitModel::tie_embeddings`](crate::session::UnitModel::tie_embeddings),
+    /// [`Units::tied`]), `None` otherwise: a tied head projects with it instead of a weight of
+    /// its own.
+    fn loss(
         &self,
         x: Tensor<B, 3>,
         targets: Tensor<B, 2, Int>,
-        table: Tensor<B, 2>,
-    ) -> Tensor<B, 1> {
-        let _ = table;
-        self.loss(x, targets)
+        table: Option<Tensor<B, 2>>,
+    ) -> Tensor<B, 1>;
+
+    /// Sums of evaluation metrics of `x` against `targets` over the micro-batch, `[k]` (for
+    /// example `[summed loss, correct predictions, counted targets]`): the evaluation pass
+    /// sums them over micro-batches and ranks. `table` is the token table of a tied head.
+    /// `None` (the default): the head has no metrics.
+    fn metrics(
+        &self,
+        x: Tensor<B, 3>,
+        targets: Tensor<B, 2, Int>,
+        table: Option<Tensor<B, 2>>,
+    ) -> Option<Tensor<B, 1>> {
+        let _ = (x, targets, table);
+        None
+    }
+
+    /// One row of outputs per sample, `[batch, k]` (for example class scores, or the logits
+    /// of the last position). `table` is the token table of a tied head. `None` (the
+    /// default): the head predicts nothing.
+    fn predict(&self, x: Tensor<B, 3>, table: Option<Tensor<B, 2>>) -> Option<Tensor<B, 2>> {
+        let _ = (x, table);
+        None
     }
 }
 
@@ -95,11 +114,25 @@ where
     /// random generator then) is initialized here, in module order: every rank then holds the
     /// same weights whatever units it later keeps, and clones hold the same values.
     pub fn new(embed: E, layers: Vec<L>, head: H, hidden: usize) -> Self {
-        let (embed, layers, head) = (initialized(embed), initialized(layers), initialized(head));
+        let layers = layers.into_iter().map(Some).collect();
+        Self::from_parts(Some(embed), layers, Some(head), hidden)
+    }
+
+    /// The units a rank built, `None` for those it does not hold (unit 0 `embed`, units
+    /// `1..=L` `layers`, unit `L + 1` `head`), with hidden states `hidden` wide. Parameters not
+    /// yet initialized are initialized here, in module order; to get the same weights on every
+    /// layout, build and initialize each unit from its own seed first, as
+    /// [`build_units`](crate::session::build_units) does.
+    pub fn from_parts(
+        embed: Option<E>,
+        layers: Vec<Option<L>>,
+        head: Option<H>,
+        hidden: usize,
+    ) -> Self {
         Self {
-            embed: Some(embed),
-            layers: layers.into_iter().map(Some).collect(),
-            head: Some(head),
+            embed: embed.map(initialized),
+            layers: layers.into_iter().map(|l| l.map(initialized)).collect(),
+            head: head.map(initialized),
             tied_table: None,
             tied: false,
             table_name: "",
@@ -109,7 +142,7 @@ where
     }
 
     /// Ties the head to the embedding's token table ([`EmbedUnit::table`]): the head computes
-    /// [`HeadUnit::tied_loss`] with it, and under pipeline parallelism the last stage keeps a
+    /// [`HeadUnit::loss`] with it, and under pipeline parallelism the last stage keeps a
     /// copy whose gradient is summed with the embedding's. Call it before
     /// [`retain`](Self::retain). Fails when the embedding names no table.
     pub fn tied(mut self) -> Result<Self, NoTokenTable> {
@@ -222,8 +255,28 @@ where
     }
 }
 
+impl<B, E, L, H> Units<B, E, L, H>
+where
+    B: Backend,
+    E: EmbedUnit<B>,
+    L: LayerUnit<B>,
+    H: HeadUnit<B>,
+{
+    /// The token table a tied head projects with (its copy on a rank without the embedding);
+    /// `None` for an untied head.
+    fn table(&self) -> Option<Tensor<B, 2>> {
+        if !self.tied {
+            return None;
+        }
+        let table = (self.tied_table.as_ref())
+            .or_else(|| self.embed.as_ref().and_then(|e| e.table().map(|(t, _)| t)))
+            .unwrap_or_else(|| panic!("a tied head needs EmbedUnit::table"));
+        Some(table.val())
+    }
+}
+
 /// `module` with every parameter initialized, in visit order.
-fn initialized<B: Backend, M: Module<B>>(module: M) -> M {
+pub(crate) fn initialized<B: Backend, M: Module<B>>(module: M) -> M {
     struct Touch;
     impl<B: Backend> ModuleVisitor<B> for Touch {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
@@ -286,13 +339,22 @@ where
 
     fn head_loss(&self, x: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
         let head = held(&self.head, self.layers.len() + 1);
-        if !self.tied {
-            return head.loss(x, targets);
+        head.loss(x, targets, self.table())
+    }
+
+    fn head_eval(
+        &self,
+        x: Tensor<B, 3>,
+        targets: Tensor<B, 2, Int>,
+        what: Evaluate,
+    ) -> Option<Tensor<B, 2>> {
+        let head = held(&self.head, self.layers.len() + 1);
+        match what {
+            Evaluate::Metrics => {
+                (head.metrics(x, targets, self.table())).map(|m| m.unsqueeze_dim(0))
+            }
+            Evaluate::Predictions => head.predict(x, self.table()),
         }
-        let table = (self.tied_table.as_ref())
-            .or_else(|| self.embed.as_ref().and_then(|e| e.table().map(|(t, _)| t)))
-            .unwrap_or_else(|| panic!("a tied head needs EmbedUnit::table"));
-        head.tied_loss(x, targets, table.val())
     }
 
     fn tied(&self) -> Option<TiedTable> {
@@ -338,7 +400,12 @@ mod tests {
     }
 
     impl<B: Backend> HeadUnit<B> for Plain<B> {
-        fn loss(&self, x: Tensor<B, 3>, _targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        fn loss(
+            &self,
+            x: Tensor<B, 3>,
+            _targets: Tensor<B, 2, Int>,
+            _table: Option<Tensor<B, 2>>,
+        ) -> Tensor<B, 1> {
             x.mean()
         }
     }

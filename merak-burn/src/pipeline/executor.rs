@@ -24,7 +24,7 @@ use thiserror::Error;
 
 use super::partition::Partition;
 use super::schedule::{Action, Schedule, ScheduleKind};
-use super::stage::{PipelineModel, StageInput, StageOutput};
+use super::stage::{EvalOutput, Evaluate, PipelineModel, StageInput, StageOutput};
 use super::trace::TraceEvent;
 use super::two_bw;
 use crate::comm::{CommError, Group, Pending};
@@ -87,6 +87,18 @@ pub enum PipelineError {
         /// How many.
         undone: usize,
     },
+    /// An evaluation pass asked the head for what it does not provide
+    /// ([`HeadUnit::metrics`](crate::parallelize::HeadUnit::metrics) or
+    /// [`HeadUnit::predict`](crate::parallelize::HeadUnit::predict) returned `None`).
+    #[error(
+        "pipeline rank {rank}: the model's head provides no {what:?} (implement HeadUnit::metrics or HeadUnit::predict)"
+    )]
+    NoEvaluation {
+        /// The pipeline rank.
+        rank: usize,
+        /// What was asked for.
+        what: Evaluate,
+    },
 }
 
 /// How a model is cut and run: the schedule, the stages and the recomputation per stage.
@@ -112,6 +124,18 @@ pub struct MicroBatch {
     pub weight: f32,
     /// Global index of its first sample in the step (keys the dropout masks).
     pub first_sample: usize,
+}
+
+/// What the last unit returned for one micro-batch in an evaluation pass
+/// ([`Executor::forward_eval`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct EvalValues {
+    /// The micro-batch's index in the pass.
+    pub mb: usize,
+    /// `[1, k]` metric sums or `[micro, k]` predictions.
+    pub shape: [usize; 2],
+    /// The values, row-major.
+    pub values: Vec<f32>,
 }
 
 /// What a step reports on one rank.
@@ -816,14 +840,84 @@ impl Executor {
         B: ParallelBackend,
         M: PipelineModel<B>,
     {
+        let [micro, seq, _] = shape;
+        let mut loss = 0.0;
+        self.forward_each(model, batches, shape, device, |mb, units, input| {
+            let batch = &batches[mb];
+            let targets = Some(batch.targets.as_slice());
+            if let StageOutput::Loss(l) =
+                Self::run_units(model, units, input, targets, [micro, seq], device)
+            {
+                loss += f64::from(l.into_scalar().elem::<f32>()) * f64::from(batch.weight);
+            }
+            Ok(())
+        })?;
+        Ok(loss)
+    }
+
+    /// An evaluation pass without gradients: like [`forward_only`](Self::forward_only), but
+    /// the last unit returns `what` ([`Evaluate`]). Returns, for each micro-batch whose last
+    /// stage is on this rank, its index and its values (`[1, k]` or `[micro, k]`, row-major)
+    /// with their shape. Fails naming the rank when the model's head does not provide `what`.
+    pub fn forward_eval<B, M>(
+        &self,
+        model: &M,
+        batches: &[MicroBatch],
+        shape: [usize; 3],
+        device: &B::Device,
+        what: Evaluate,
+    ) -> Result<Vec<EvalValues>, PipelineError>
+    where
+        B: ParallelBackend,
+        M: PipelineModel<B>,
+    {
+        let [micro, seq, _] = shape;
+        let mut out = Vec::new();
+        self.forward_each(model, batches, shape, device, |mb, units, input| {
+            let targets = Tensor::<B, 2, Int>::from_data(
+                TensorData::new(batches[mb].targets.clone(), [micro, seq]),
+                device,
+            );
+            match model.eval_units(units, input, Some(targets), what) {
+                Some(EvalOutput::Values(v)) => {
+                    let dims = v.dims();
+                    out.push(EvalValues {
+                        mb,
+                        shape: dims,
+                        values: read(v)?,
+                    });
+                    Ok(())
+                }
+                _ => Err(PipelineError::NoEvaluation {
+                    rank: self.rank,
+                    what,
+                }),
+            }
+        })?;
+        Ok(out)
+    }
+
+    /// Every micro-batch through this rank's stages without gradients, micro-batch after
+    /// micro-batch, sending and receiving the hidden states between stages; the last stage's
+    /// units are run by `last` (micro-batch, units, input).
+    fn forward_each<B, M>(
+        &self,
+        model: &M,
+        batches: &[MicroBatch],
+        shape: [usize; 3],
+        device: &B::Device,
+        mut last: impl FnMut(usize, Range<usize>, StageInput<B>) -> Result<(), PipelineError>,
+    ) -> Result<(), PipelineError>
+    where
+        B: ParallelBackend,
+        M: PipelineModel<B>,
+    {
         let stages = self.plan.schedule.stages();
-        let last = stages - 1;
         let [micro, seq, hidden] = shape;
         let mine: Vec<usize> = (0..stages)
             .filter(|&s| self.plan.schedule.rank_of(s) == self.rank)
             .collect();
         let mut pending = Vec::new();
-        let mut loss = 0.0;
         for (mb, batch) in batches.iter().enumerate() {
             let mut local: Option<Vec<f32>> = None;
             for &s in &mine {
@@ -846,19 +940,19 @@ impl Executor {
                         device,
                     )))
                 };
-                let targets = (s == last).then_some(batch.targets.as_slice());
-                match Self::run_units(model, self.units(s), input, targets, [micro, seq], device) {
-                    StageOutput::Loss(l) => {
-                        loss += f64::from(l.into_scalar().elem::<f32>()) * f64::from(batch.weight);
-                    }
-                    StageOutput::Hidden(x) => {
-                        let v = read(x)?;
-                        let next = self.plan.schedule.rank_of(s + 1);
-                        if next == self.rank {
-                            local = Some(v);
-                        } else {
-                            pending.push(self.send(v, next, tag(mb, s + 1, stages, 0))?);
-                        }
+                if s == stages - 1 {
+                    last(mb, self.units(s), input)?;
+                    continue;
+                }
+                if let StageOutput::Hidden(x) =
+                    Self::run_units(model, self.units(s), input, None, [micro, seq], device)
+                {
+                    let v = read(x)?;
+                    let next = self.plan.schedule.rank_of(s + 1);
+                    if next == self.rank {
+                        local = Some(v);
+                    } else {
+                        pending.push(self.send(v, next, tag(mb, s + 1, stages, 0))?);
                     }
                 }
             }
@@ -866,7 +960,7 @@ impl Executor {
         for p in pending {
             p.wait()?;
         }
-        Ok(loss)
+        Ok(())
     }
 }
 

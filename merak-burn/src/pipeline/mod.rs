@@ -24,7 +24,7 @@ pub mod validate;
 mod zero_bubble;
 
 pub use executor::{
-    Executor, InFlight, MicroBatch, PipelineError, PipelinePlan, StepReport, StepWork,
+    EvalValues, Executor, InFlight, MicroBatch, PipelineError, PipelinePlan, StepReport, StepWork,
 };
 pub use partition::{
     Partition, PartitionError, balanced_partition, explicit_partition, unit_costs_gpt,
@@ -36,6 +36,6 @@ pub use recompute::{
 pub use schedule::{Action, Schedule, ScheduleError, ScheduleKind, build_schedule};
 pub use simulate::{Costs, Simulation, TimedAction, simulate, steady_step_time};
 pub use stack::{TiedTable, UnitStack};
-pub use stage::{PipelineModel, StageInput, StageOutput};
+pub use stage::{EvalOutput, Evaluate, PipelineModel, StageInput, StageOutput};
 pub use trace::{TraceEvent, chrome_trace, write_chrome_trace};
 pub use validate::{ValidationError, validate};

@@ -8,7 +8,7 @@ use burn::module::{Module, ParamId};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 
-use crate::pipeline::{PipelineModel, StageInput, StageOutput};
+use crate::pipeline::{EvalOutput, Evaluate, PipelineModel, StageInput, StageOutput};
 
 /// The two copies of an embedding table tied to the output projection, as a rank holds them.
 #[derive(Clone, Debug, PartialEq)]
@@ -43,10 +43,39 @@ pub trait UnitStack<B: Backend>: Module<B> {
     /// Unit `L + 1`: the mean loss of `x` against `targets` (negative targets not counted).
     fn head_loss(&self, x: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1>;
 
+    /// Unit `L + 1` in an evaluation pass: what `what` asks of `x` against `targets`
+    /// ([`Evaluate`]); `None` (the default) when the head does not provide it.
+    fn head_eval(
+        &self,
+        x: Tensor<B, 3>,
+        targets: Tensor<B, 2, Int>,
+        what: Evaluate,
+    ) -> Option<Tensor<B, 2>> {
+        let _ = (x, targets, what);
+        None
+    }
+
     /// The tied embedding, when the head projects onto the token table.
     fn tied(&self) -> Option<TiedTable> {
         None
     }
+}
+
+/// The hidden states after the units of `range` below the head.
+fn through_layers<B: Backend, T: UnitStack<B>>(
+    stack: &T,
+    range: &Range<usize>,
+    input: StageInput<B>,
+) -> Tensor<B, 3> {
+    let last = stack.layer_count() + 1;
+    let mut x = match input {
+        StageInput::Tokens(ids) => stack.embed(ids),
+        StageInput::Hidden(x) => x,
+    };
+    for unit in range.start.max(1)..range.end.min(last) {
+        x = stack.layer(unit - 1, x);
+    }
+    x
 }
 
 impl<B: Backend, T: UnitStack<B>> PipelineModel<B> for T {
@@ -65,18 +94,28 @@ impl<B: Backend, T: UnitStack<B>> PipelineModel<B> for T {
         targets: Option<Tensor<B, 2, Int>>,
     ) -> StageOutput<B> {
         let last = self.layer_count() + 1;
-        let mut x = match input {
-            StageInput::Tokens(ids) => self.embed(ids),
-            StageInput::Hidden(x) => x,
-        };
-        for unit in range.start.max(1)..range.end.min(last) {
-            x = self.layer(unit - 1, x);
-        }
+        let x = through_layers(self, &range, input);
         if range.end <= last {
             return StageOutput::Hidden(x);
         }
         let targets = targets.unwrap_or_else(|| panic!("the head (unit {last}) needs targets"));
         StageOutput::Loss(self.head_loss(x, targets))
+    }
+
+    fn eval_units(
+        &self,
+        range: Range<usize>,
+        input: StageInput<B>,
+        targets: Option<Tensor<B, 2, Int>>,
+        what: Evaluate,
+    ) -> Option<EvalOutput<B>> {
+        let last = self.layer_count() + 1;
+        let x = through_layers(self, &range, input);
+        if range.end <= last {
+            return Some(EvalOutput::Hidden(x));
+        }
+        let targets = targets.unwrap_or_else(|| panic!("the head (unit {last}) needs targets"));
+        self.head_eval(x, targets, what).map(EvalOutput::Values)
     }
 
     fn tied_embedding(&self) -> Option<ParamId> {

@@ -24,6 +24,26 @@ pub enum StageOutput<B: Backend> {
     Loss(Tensor<B, 1>),
 }
 
+/// What the last unit returns in an evaluation pass ([`PipelineModel::eval_units`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Evaluate {
+    /// Sums of the head's metrics over the micro-batch (for example the summed loss, the
+    /// correct predictions and the count), `[1, k]`: summed over micro-batches and ranks.
+    Metrics,
+    /// One row of outputs per sample (for example class scores), `[batch, k]`.
+    Predictions,
+}
+
+/// The output of a stage in an evaluation pass: hidden states for the next stage, or what the
+/// last unit was asked for.
+#[derive(Clone, Debug)]
+pub enum EvalOutput<B: Backend> {
+    /// `[batch, seq, hidden]`.
+    Hidden(Tensor<B, 3>),
+    /// `[1, k]` metric sums or `[batch, k]` predictions ([`Evaluate`]).
+    Values(Tensor<B, 2>),
+}
+
 /// A model cut into *units* for pipelining: unit 0 is the embedding, units `1..=L` the
 /// transformer blocks, unit `L + 1` the head with the loss. A pipeline rank builds the model
 /// with only the units of its stages (the others are absent), and the executor runs contiguous
@@ -43,6 +63,19 @@ pub trait PipelineModel<B: Backend>: Module<B> {
         input: StageInput<B>,
         targets: Option<Tensor<B, 2, Int>>,
     ) -> StageOutput<B>;
+
+    /// Like [`run_units`](Self::run_units), but the last unit returns `what` instead of the
+    /// loss; `None` when the model's head does not provide it.
+    fn eval_units(
+        &self,
+        range: Range<usize>,
+        input: StageInput<B>,
+        targets: Option<Tensor<B, 2, Int>>,
+        what: Evaluate,
+    ) -> Option<EvalOutput<B>> {
+        let _ = (range, input, targets, what);
+        None
+    }
 
     /// The output head's copy of the token embedding on a rank that holds the head but not the
     /// embedding, or the embedding itself on a rank that holds the embedding but not the head:

@@ -71,6 +71,34 @@ pub enum TrainError {
     /// A path the run writes cannot be written (checked before the first step).
     #[error(transparent)]
     Output(#[from] super::OutputError),
+    /// A setting is out of range (checked by [`Trainer::new`](crate::train::Trainer::new)
+    /// before anything trains).
+    #[error(transparent)]
+    Setting(#[from] InvalidSetting),
+    /// A parameter-group rule gave a parameter a group that cannot be used.
+    #[error("parameter group of {name}: {reason}")]
+    ParamGroup {
+        /// The parameter's name.
+        name: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// Parameter groups were set after the optimizer state was loaded or used.
+    #[error(
+        "parameter groups must be set before the first step and before resuming (the optimizer state is kept per group)"
+    )]
+    GroupsTooLate,
+    /// The checkpoint holds the state of another optimizer, or the same optimizer keeping
+    /// other state.
+    #[error(
+        "the checkpoint holds the state of optimizer {checkpoint}, but this run uses {run}: resume with the checkpoint's optimizer settings, or start a new run from its weights (its optimizer state cannot be carried over)"
+    )]
+    OptimizerMismatch {
+        /// The checkpoint's optimizer and what its state holds: "`sgd` (momentum buffer)".
+        checkpoint: String,
+        /// This run's.
+        run: String,
+    },
     /// Writing metrics, the trace or the memory report failed.
     #[error("writing {path}: {source}")]
     Io {
@@ -89,4 +117,17 @@ impl TrainError {
             source,
         }
     }
+}
+
+/// A training setting out of range, or set for an optimizer or schedule that does not use it.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error("setting `{key}` = {value}: {reason}")]
+pub struct InvalidSetting {
+    /// The key: a field of [`TrainSettings`](crate::train::TrainSettings) (`lr`), or
+    /// `optimizer.<field>` for [`OptimizerSettings`](crate::train::OptimizerSettings).
+    pub key: String,
+    /// Its value, as written.
+    pub value: String,
+    /// What is wrong.
+    pub reason: String,
 }

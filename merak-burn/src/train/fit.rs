@@ -31,6 +31,21 @@ pub struct Summary {
     pub stopped: bool,
 }
 
+impl std::fmt::Display for Summary {
+    /// `6 steps, final loss 5.22491, 12345 tokens/s, 0.2 s` (and `, stopped early`).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} steps, final loss {:.5}, {:.0} tokens/s, {:.1} s",
+            self.steps, self.final_loss, self.mean_tokens_per_s, self.wall_s
+        )?;
+        if self.stopped {
+            write!(f, ", stopped early")?;
+        }
+        Ok(())
+    }
+}
+
 impl<B, M> Trainer<'_, B, M>
 where
     B: AutodiffBackend + ParallelBackend,

@@ -3,7 +3,6 @@
 use std::path::PathBuf;
 
 use burn::module::AutodiffModule;
-use burn::optim::Optimizer;
 use burn::tensor::backend::AutodiffBackend;
 
 use crate::checkpoint::{self, RankState, state};
@@ -20,19 +19,16 @@ where
 {
     /// Writes a checkpoint of the steps done so far under `policy.dir` (every rank of the grid
     /// must call it), keeping the newest `policy.keep`; returns its folder. The manifest holds
-    /// `policy.extra`, the data position and the seed.
+    /// `policy.extra`, the data position, the seed, and the optimizer with what its state
+    /// holds (`optimizer`: a checkpoint resumes only into the same optimizer).
     pub fn save_checkpoint(&self, policy: &CheckpointPolicy) -> Result<PathBuf, TrainError> {
         let step = self.done;
         let grid = self.grid;
-        // Without ZeRO every DP replica holds the same moments: the first one writes them.
+        // Without ZeRO every DP replica holds the same state: the first one writes it.
         let writes_moments = self.owned.is_some() || grid.coords.dp == 0;
         let mut moments = Vec::new();
         if writes_moments {
-            moments.extend(state::moments(&self.model, &self.optim_decay.to_record())?);
-            moments.extend(state::moments(
-                &self.model,
-                &self.optim_no_decay.to_record(),
-            )?);
+            moments = self.optim.moments(&self.model)?;
         }
         // A tied copy is stored once, under its original's name.
         let copies: Vec<String> = self
@@ -59,6 +55,9 @@ where
             (extra.as_object_mut(), policy.extra.clone())
         {
             all.extend(user);
+        }
+        if let Some(all) = extra.as_object_mut() {
+            all.insert("optimizer".into(), self.settings.optimizer.manifest_entry());
         }
         // Outside `fit` (which claims the folders first) the lineage is the resumed one, or new.
         let run = (self.run.clone())

@@ -48,10 +48,79 @@ pub struct TrainSettings {
     /// and keeps activations in bf16 over f32 master weights, gradients and optimizer state.
     #[serde(default)]
     pub precision: crate::precision::Precision,
+    /// The optimizer (AdamW by default), its own hyperparameters and the shape of the
+    /// learning-rate schedule ([`OptimizerSettings`](crate::train::OptimizerSettings)).
+    #[serde(default)]
+    pub optimizer: crate::train::OptimizerSettings,
+}
+
+impl Default for TrainSettings {
+    /// A short run with the usual small-model optimizer settings: 100 steps of 8 sequences of
+    /// 128 tokens, AdamW at peak lr 3e-4 (10 warm-up steps, cosine to 3e-5), betas 0.9/0.95,
+    /// weight decay 0.1, clipping at 1.0, seed 0, no validation, fp32.
+    fn default() -> Self {
+        Self {
+            steps: 100,
+            global_batch: 8,
+            seq_len: 128,
+            lr: 3e-4,
+            min_lr: 3e-5,
+            warmup_steps: 10,
+            weight_decay: 0.1,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            grad_clip: 1.0,
+            skip_nonfinite: false,
+            seed: 0,
+            val_every: 0,
+            val_batches: 0,
+            precision: crate::precision::Precision::Fp32,
+            optimizer: crate::train::OptimizerSettings::default(),
+        }
+    }
+}
+
+/// Chainable setters `with_<field>` for each field, in the style of Burn's configs:
+/// `TrainSettings::default().with_steps(10).with_lr(1e-3)`.
+macro_rules! setters {
+    ($($field:ident: $ty:ty => $setter:ident),* $(,)?) => {
+        impl TrainSettings {
+            $(
+                #[doc = concat!("These settings with `", stringify!($field), "` set.")]
+                #[must_use]
+                pub fn $setter(mut self, $field: $ty) -> Self {
+                    self.$field = $field;
+                    self
+                }
+            )*
+        }
+    };
+}
+
+setters! {
+    steps: usize => with_steps,
+    global_batch: usize => with_global_batch,
+    seq_len: usize => with_seq_len,
+    lr: f64 => with_lr,
+    min_lr: f64 => with_min_lr,
+    warmup_steps: usize => with_warmup_steps,
+    weight_decay: f64 => with_weight_decay,
+    beta1: f64 => with_beta1,
+    beta2: f64 => with_beta2,
+    eps: f64 => with_eps,
+    grad_clip: f64 => with_grad_clip,
+    skip_nonfinite: bool => with_skip_nonfinite,
+    seed: u64 => with_seed,
+    val_every: usize => with_val_every,
+    val_batches: usize => with_val_batches,
+    precision: crate::precision::Precision => with_precision,
+    optimizer: crate::train::OptimizerSettings => with_optimizer,
 }
 
 impl TrainSettings {
-    /// The learning-rate schedule: linear warm-up, then cosine decay to `min_lr`.
+    /// The learning-rate schedule: linear warm-up, then the shape `optimizer.schedule` names
+    /// (cosine decay to `min_lr` by default).
     pub fn lr_schedule(&self) -> LrSchedule {
         LrSchedule {
             peak: self.lr,

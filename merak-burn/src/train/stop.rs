@@ -30,3 +30,18 @@ impl StopRequest {
         self.0.clone()
     }
 }
+
+/// SIGTERM, SIGINT and SIGUSR1 ask the run to stop after the current step (every rank agrees
+/// on the step, then checkpoints): `stop` is requested. A second signal ends the process at
+/// once with status 130. Installing handlers is the program's choice: `merak train` does,
+/// [`merak_burn::run`](crate::run) does when [`RunOptions::signals`](crate::session::RunOptions)
+/// asks.
+pub fn stop_on_signals(stop: &StopRequest) -> std::io::Result<()> {
+    use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
+    for signal in [SIGTERM, SIGINT, SIGUSR1] {
+        // Registered first, so it sees the flag as the earlier signal left it.
+        signal_hook::flag::register_conditional_shutdown(signal, 130, stop.flag())?;
+        signal_hook::flag::register(signal, stop.flag())?;
+    }
+    Ok(())
+}

@@ -1,12 +1,11 @@
 //! The training step of a model cut over a process grid: micro-batches through the pipeline
-//! executor, data-parallel gradient reduction, the tied embedding, the loss, clipping, the two
-//! AdamW groups and ZeRO-1. Every layout runs this one step.
+//! executor, data-parallel gradient reduction, the tied embedding, the loss, clipping, the
+//! optimizer's parameter groups and ZeRO-1. Every layout runs this one step.
 
 use std::collections::HashSet;
 use std::time::Instant;
 
 use burn::module::{AutodiffModule, ParamId};
-use burn::optim::Optimizer;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::tensor::backend::AutodiffBackend;
 
@@ -20,9 +19,10 @@ use crate::pipeline::{
 };
 use crate::plan::ParallelPlan;
 use crate::tensor_parallel::{ParallelBackend, Shard};
+use crate::train::optim::Optimizers;
 use crate::train::{
-    BatchSource, FusedAdamW, TrainError, TrainSettings, clip_grads, global_grad_norm,
-    sharded_param_ids, split_for_weight_decay, tied::sum_tied_grads,
+    BatchSource, FusedAdamW, ParamGroup, ParamInfo, TrainError, TrainSettings, check_settings,
+    clip_grads, global_grad_norm, sharded_param_ids, tied::sum_tied_grads,
 };
 
 /// Burn's optimizer adaptor around [`FusedAdamW`] for the model `M`.
@@ -37,7 +37,7 @@ pub struct StepPhases {
     pub forward_backward_s: f64,
     /// Finishing the data-parallel reduction, the tied gradients and the loss all-reduces.
     pub reduce_s: f64,
-    /// The global gradient norm, clipping and the weight-decay split.
+    /// The global gradient norm, clipping and the split into parameter groups.
     pub clip_s: f64,
     /// The optimizer steps (and the ZeRO-1 broadcast).
     pub optimizer_s: f64,
@@ -73,7 +73,7 @@ where
 {
     pub(crate) grid: &'g ProcessGrid,
     /// How the batch is split and the optimizer state sharded.
-    parallel: ParallelPlan,
+    pub(crate) parallel: ParallelPlan,
     pub(crate) settings: TrainSettings,
     pub(crate) device: B::Device,
     pub(crate) model: M,
@@ -82,10 +82,11 @@ where
     stale: Option<M>,
     /// PipeDream-2BW's overlap: the forwards of the next step that ran ahead, and its
     /// micro-batches.
-    in_flight: InFlight<B>,
+    pub(crate) in_flight: InFlight<B>,
     next_batches: Option<Vec<MicroBatch>>,
-    pub(crate) optim_decay: AdamW<M, B>,
-    pub(crate) optim_no_decay: AdamW<M, B>,
+    /// The optimizer of each parameter group (by default: matrices with weight decay,
+    /// vectors without).
+    pub(crate) optim: Optimizers<M, B>,
     reducer: DataParallel,
     /// The parameters whose optimizer state this rank keeps under ZeRO-1.
     pub(crate) owned: Option<HashSet<ParamId>>,
@@ -113,7 +114,9 @@ where
 {
     /// A trainer for `model` (this rank's units and shard, built for `grid` and `pipeline`,
     /// the pipeline plan of `parallel`) at step 0; `trace` records every action for a Chrome
-    /// trace.
+    /// trace. Out-of-range settings ([`check_settings`]) are refused before anything is built.
+    /// The parameters are in the default groups (see
+    /// [`with_param_groups`](Self::with_param_groups)).
     pub fn new(
         grid: &'g ProcessGrid,
         parallel: &ParallelPlan,
@@ -123,6 +126,7 @@ where
         device: B::Device,
         trace: bool,
     ) -> Result<Self, TrainError> {
+        check_settings(&settings)?;
         let dp = grid.layout.dp;
         let micro = parallel.micro_batch;
         if micro == 0 || !settings.global_batch.is_multiple_of(dp * micro) {
@@ -132,12 +136,8 @@ where
                 micro_batch: micro,
             });
         }
-        let s = &settings;
-        let adamw = |decay: f64| {
-            FusedAdamW::new(s.beta1 as f32, s.beta2 as f32, s.eps as f32, decay as f32)
-                .init::<B, M>()
-        };
-        let (optim_decay, optim_no_decay) = (adamw(s.weight_decay), adamw(0.0));
+        let copies = model.tied_names();
+        let optim = Optimizers::new(&model, &settings, grid.layout.tp, copies, &|p| p.default)?;
         let bucket_elems = (parallel.bucket_mb * (1 << 20) as f64 / 4.0) as usize;
         let reducer = DataParallel::new(&model, grid.dp, bucket_elems)?;
         let owned = parallel.zero1.then(|| reducer.owned_params());
@@ -155,8 +155,7 @@ where
             stale: None,
             in_flight: InFlight::default(),
             next_batches: None,
-            optim_decay,
-            optim_no_decay,
+            optim,
             reducer,
             owned,
             executor,
@@ -169,9 +168,37 @@ where
         })
     }
 
+    /// Puts every parameter in the group `rule` gives it: its weight decay and the factor of
+    /// its learning rate ([`ParamGroup`]). The rule sees the parameter's name (as checkpoints
+    /// name it; a tied copy by its original) and full shape ([`ParamInfo`]), so every layout
+    /// and rank groups alike, and the default rule's group for it. Must be called before
+    /// [`resume`](Self::resume) and the first step; a negative or non-finite value is refused
+    /// naming the parameter.
+    ///
+    /// ```ignore
+    /// // No weight decay on the embeddings, and half the learning rate for the head.
+    /// let trainer = trainer.with_param_groups(|p| match p.name {
+    ///     n if n.starts_with("embed") => ParamGroup { weight_decay: 0.0, ..p.default },
+    ///     n if n.starts_with("head") => ParamGroup { lr_scale: 0.5, ..p.default },
+    ///     _ => p.default,
+    /// })?;
+    /// ```
+    pub fn with_param_groups(
+        mut self,
+        rule: impl Fn(&ParamInfo<'_>) -> ParamGroup,
+    ) -> Result<Self, TrainError> {
+        if self.done > 0 || self.origin.is_some() {
+            return Err(TrainError::GroupsTooLate);
+        }
+        let (tp, copies) = (self.grid.layout.tp, self.model.tied_names());
+        self.optim = Optimizers::new(&self.model, &self.settings, tp, copies, &rule)?;
+        Ok(self)
+    }
+
     /// Continues from `checkpoint` (its tensors at full size in `state`): this rank's pieces
-    /// of the parameters and of the AdamW moments it keeps, cut for this run's layout, and the
-    /// checkpoint's step.
+    /// of the parameters and of the optimizer state it keeps, cut for this run's layout, and
+    /// the checkpoint's step. A checkpoint of another optimizer (or of the same one keeping
+    /// other state) is refused, naming both.
     pub fn resume(&mut self, checkpoint: &Checkpoint, state: &FullState) -> Result<(), TrainError> {
         let step = checkpoint.manifest.step;
         if step >= self.settings.steps {
@@ -180,6 +207,9 @@ where
                 steps: self.settings.steps,
             });
         }
+        self.settings
+            .optimizer
+            .check_checkpoint(&checkpoint.manifest)?;
         let shapes = state::param_shapes(&self.model);
         let shard = Shard {
             rank: self.grid.coords.tp,
@@ -190,11 +220,7 @@ where
         self.model = state::assign_params(self.model.clone(), params)?;
         let owned = &self.owned;
         let mine = |id: ParamId| owned.as_ref().is_none_or(|o| o.contains(&id));
-        let decay = state::adamw_records(&self.model, &moments, &|id, rank| rank >= 2 && mine(id));
-        let no_decay =
-            state::adamw_records(&self.model, &moments, &|id, rank| rank < 2 && mine(id));
-        self.optim_decay = self.optim_decay.clone().load_record(decay);
-        self.optim_no_decay = self.optim_no_decay.clone().load_record(no_decay);
+        self.optim.load(&self.model, &moments, &mine);
         self.done = step;
         self.origin = Some(super::Origin::of(checkpoint));
         Ok(())
@@ -293,7 +319,7 @@ where
         let loss = self.sum_loss(report.loss)?;
         lap(&mut phases.reduce_s);
         self.done += 1;
-        let lr = self.settings.lr_schedule().at(step);
+        let lr = self.settings.lr_at(step);
         let mut outcome = StepOutcome {
             step: step + 1,
             loss,
@@ -330,28 +356,25 @@ where
             &self.not_counted,
         )?;
         clip_grads::<B, _>(&self.model, &mut grads, norm, self.settings.grad_clip);
-        let (decay, no_decay) =
-            split_for_weight_decay::<B, _>(&self.model, grads, self.owned.as_ref());
+        let groups = self.optim.split(&self.model, grads, self.owned.as_ref());
         lap(&mut outcome.phases.clip_s);
-        self.update(lr, decay, no_decay)?;
+        self.update(lr, groups)?;
         lap(&mut outcome.phases.optimizer_s);
         outcome.grad_norm = Some(norm);
         Ok(outcome)
     }
 
-    /// The two AdamW groups' steps (and, under ZeRO-1, the owners' broadcast).
+    /// The parameter groups' optimizer steps (and, under ZeRO-1, the owners' broadcast).
     fn update(
         &mut self,
         lr: f64,
-        decay: burn::optim::GradientsParams,
-        no_decay: burn::optim::GradientsParams,
+        groups: Vec<burn::optim::GradientsParams>,
     ) -> Result<(), TrainError> {
         if self.executor.plan().schedule.kind == ScheduleKind::TwoBw {
             self.stale = Some(self.model.clone());
         }
         let model = self.model.clone();
-        let model = self.optim_decay.step(lr, model, decay);
-        let mut model = self.optim_no_decay.step(lr, model, no_decay);
+        let mut model = self.optim.step(lr, model, groups);
         if self.owned.is_some() {
             model = self.reducer.broadcast_from_owners(model)?;
         }

@@ -27,8 +27,7 @@ use thiserror::Error;
 use crate::GptConfig;
 use crate::hf::{hf_gpt2_shapes, merak_gpt_name};
 
-/// Full-size parameters by merak parameter name: (shape, row-major values).
-pub type FullParams = HashMap<String, (Vec<usize>, Vec<f32>)>;
+pub use merak_burn::session::FullParams;
 
 /// The pretrained weights of a GPT-2 safetensors file, checked against a model config.
 #[derive(Clone, Debug)]

@@ -40,6 +40,7 @@ fn a_checkpoint_folder_that_is_a_file_fails_before_the_first_step() {
         val_every: 0,
         val_batches: 0,
         precision: Default::default(),
+        optimizer: Default::default(),
     };
     let mut trainer =
         Trainer::new(&grid, &parallel, pipeline, settings, model, device, false).unwrap();

@@ -1,11 +1,12 @@
-//! `merak train`'s output folder when `--out` is not given: the folder of the run a resumed
-//! checkpoint belongs to, or a new folder `runs/<UTC date>-<time>` that no earlier run used.
+//! A run's output folder when none is given: the folder of the run a resumed checkpoint
+//! belongs to, or a new folder `runs/<UTC date>-<time>` that no earlier run used (`merak
+//! train` without `--out`, and [`merak_burn::run`](crate::run) without
+//! [`RunOptions::out`](crate::session::RunOptions::out)).
 
 use std::path::{Path, PathBuf};
 
-use anyhow::Result;
-use merak_burn::checkpoint::Checkpoint;
-use merak_burn::comm::{Communicator, MpiCommunicator};
+use crate::checkpoint::Checkpoint;
+use crate::comm::{CommError, Communicator};
 
 /// The folder new runs go to when `--out` is not given.
 pub const RUNS: &str = "runs";
@@ -16,8 +17,8 @@ pub const RUNS: &str = "runs";
 pub fn output_folder(
     out: Option<&Path>,
     checkpoint: Option<&Checkpoint>,
-    world: Option<&MpiCommunicator>,
-) -> Result<PathBuf> {
+    world: Option<&dyn Communicator>,
+) -> Result<PathBuf, CommError> {
     if let Some(out) = out {
         return Ok(out.to_path_buf());
     }
@@ -69,7 +70,7 @@ fn run_folder_of(checkpoint: &Checkpoint) -> Option<PathBuf> {
         return None;
     }
     let folder = root.parent()?;
-    let run = merak_burn::train::run_of(folder).ok()??;
+    let run = super::run_of(folder).ok()??;
     (run == *lineage).then(|| folder.to_path_buf())
 }
 

@@ -1,0 +1,80 @@
+//! Why [`merak_burn::run`](crate::run) stopped before or during training.
+
+use thiserror::Error;
+
+use crate::checkpoint::CheckpointError;
+use crate::comm::CommError;
+use crate::grid::GridError;
+use crate::parallelize::{NoTokenTable, TpPlanError};
+use crate::plan::PlanError;
+use crate::planner::{HardwareError, MeasuredError, SearchError};
+use crate::train::{SourceError, TrainError};
+
+/// An error of [`merak_burn::run`](crate::run). Everything but [`Train`](Self::Train) is found
+/// before the first step.
+#[derive(Debug, Error)]
+pub enum RunError {
+    /// MPI could not start, or a message between ranks failed.
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    /// The plan's layout needs more ranks than one process without `mpirun`.
+    #[error(
+        "the plan's layout dp x tp x pp = {ranks} ranks, but this is one process: run it under `mpirun -np {ranks}`"
+    )]
+    NotLaunched {
+        /// Ranks the layout needs.
+        ranks: usize,
+    },
+    /// The layout does not fit the launched ranks.
+    #[error(transparent)]
+    Grid(#[from] GridError),
+    /// The plan cannot cut this model or batch.
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// The tensor-parallel plan names layers the model does not have, or cannot split them.
+    #[error(transparent)]
+    TpPlan(#[from] TpPlanError),
+    /// The model declares a tied head but its first unit names no token table.
+    #[error(transparent)]
+    Tie(#[from] NoTokenTable),
+    /// The planner's hardware is neither a preset nor a valid hardware file.
+    #[error(transparent)]
+    Hardware(#[from] HardwareError),
+    /// The units' timings cannot make a model proxy.
+    #[error(transparent)]
+    Measured(#[from] MeasuredError),
+    /// The planner found no plan.
+    #[error(transparent)]
+    Search(#[from] SearchError),
+    /// The data source failed or returned windows of the wrong size.
+    #[error(transparent)]
+    Data(#[from] SourceError),
+    /// A sample batch of the data source is not `micro_batch` sequences of `seq_len` tokens.
+    #[error(
+        "the data source returned {inputs} inputs and {targets} targets for {sequences} sequences of seq_len = {seq_len} tokens"
+    )]
+    Windows {
+        /// Sequences asked for.
+        sequences: usize,
+        /// `TrainSettings::seq_len`.
+        seq_len: usize,
+        /// Input ids returned.
+        inputs: usize,
+        /// Target ids returned.
+        targets: usize,
+    },
+    /// The checkpoint to resume or the pretrained weights cannot be used.
+    #[error("{source_name}: {error}")]
+    Checkpoint {
+        /// The checkpoint or weights named.
+        source_name: String,
+        /// What is wrong.
+        error: CheckpointError,
+    },
+    /// The signal handlers could not be installed.
+    #[error("installing the signal handlers: {0}")]
+    Signals(std::io::Error),
+    /// Training failed (or its settings were refused before the first step).
+    #[error(transparent)]
+    Train(#[from] TrainError),
+}

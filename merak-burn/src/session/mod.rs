@@ -1,0 +1,234 @@
+//! One call trains a Burn user's model under any layout: [`merak_burn::run`](crate::run).
+//!
+//! The user describes the model as units ([`UnitModel`]: a constructor per unit and a tensor
+//! parallel plan by sub-module name), says how to choose the plan ([`PlanChoice`]: given, or
+//! the planner's from the units timed on this backend), and hands over the data
+//! ([`BatchSource`](crate::train::BatchSource), by global sample index) with the
+//! [`TrainSettings`](crate::train::TrainSettings) and [`RunOptions`]. The library then does
+//! what every such program does:
+//!
+//! 1. detects `mpirun` (or runs as one process) and, when asked, installs the stop signals;
+//! 2. times the units and plans (when asked, or to cut a pipeline), the same on every rank;
+//! 3. builds the process grid and the pipeline, and **builds on each rank only the units it
+//!    holds**, each from its own seed ([`unit_seed`]), so every layout starts from the weights
+//!    one process starts from;
+//! 4. splits them for tensor parallelism, loads pretrained weights or a checkpoint to resume
+//!    (cut for this layout), trains with validation, metrics, progress and checkpoints.
+//!
+//! Under `mpirun` with several ranks an error on one rank ends the whole job (`MPI_Abort`,
+//! after printing it with the rank), since the other ranks would otherwise wait for it.
+
+mod choose;
+mod error;
+mod model;
+mod options;
+
+pub use choose::{AutoPlan, PlanChoice};
+pub use error::RunError;
+pub use model::{ModelDims, UnitModel, UnitsOf, build_units, sample_units, unit_seed};
+pub use options::{FullParams, InitWeights, RunOptions};
+
+use std::path::PathBuf;
+
+use burn::module::AutodiffModule;
+use burn::tensor::backend::AutodiffBackend;
+
+use crate::checkpoint::{Checkpoint, FullState, cut_full_params, state};
+use crate::comm::{Communicator, MpiWorld, launched_by_mpirun, watchdog};
+use crate::grid::ProcessGrid;
+use crate::parallelize::shard_module;
+use crate::pipeline::PipelineModel;
+use crate::plan::ParallelPlan;
+use crate::tensor_parallel::{ParallelBackend, Shard};
+use crate::train::{
+    BatchSource, CheckpointPolicy, Predictions, RunOutput, StopRequest, Summary, TrainSettings,
+    Trainer, run_folder, stop_on_signals,
+};
+
+/// What a finished [`run`] reports (on every rank).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunReport {
+    /// Steps, final loss, throughput; whether a signal stopped the run.
+    pub summary: Summary,
+    /// The plan the run trained under, with the stages as cut (`stage_units`).
+    pub plan: ParallelPlan,
+    /// This process's rank (0 without `mpirun`).
+    pub rank: usize,
+    /// The output folder.
+    pub out: PathBuf,
+    /// The sums of the head's metrics over the held-out batches
+    /// ([`RunOptions::eval_batches`]), the same on every rank; `None` when not asked for.
+    pub metrics: Option<Vec<f64>>,
+    /// The head's outputs for the held-out samples ([`RunOptions::predict_batches`]), on
+    /// every rank; `None` when not asked for.
+    pub predictions: Option<Predictions>,
+}
+
+/// Trains `model` on `data` as `settings` say, under the plan `plan` chooses, in one process or
+/// on every rank `mpirun` started (see the [module](self)). Returns on every rank.
+pub fn run<B, M>(
+    model: &M,
+    plan: &PlanChoice,
+    data: &dyn BatchSource,
+    settings: &TrainSettings,
+    options: &RunOptions,
+) -> Result<RunReport, RunError>
+where
+    B: AutodiffBackend + ParallelBackend,
+    B::InnerBackend: ParallelBackend,
+    M: UnitModel<B>,
+    UnitsOf<B, M>: PipelineModel<B> + AutodiffModule<B>,
+    <UnitsOf<B, M> as AutodiffModule<B>>::InnerModule: PipelineModel<B::InnerBackend>,
+{
+    let mpi = if launched_by_mpirun() {
+        Some(MpiWorld::init()?)
+    } else {
+        None
+    };
+    let result = run_on(model, plan, data, settings, options, mpi.as_ref());
+    match (result, &mpi) {
+        (Err(e), Some(m)) if m.world().size() > 1 => m.abort(1, &e.to_string()),
+        (result, _) => result,
+    }
+}
+
+/// [`run`] with MPI started (or not, for one process).
+fn run_on<B, M>(
+    model: &M,
+    plan: &PlanChoice,
+    data: &dyn BatchSource,
+    settings: &TrainSettings,
+    options: &RunOptions,
+    mpi: Option<&MpiWorld>,
+) -> Result<RunReport, RunError>
+where
+    B: AutodiffBackend + ParallelBackend,
+    B::InnerBackend: ParallelBackend,
+    M: UnitModel<B>,
+    UnitsOf<B, M>: PipelineModel<B> + AutodiffModule<B>,
+    <UnitsOf<B, M> as AutodiffModule<B>>::InnerModule: PipelineModel<B::InnerBackend>,
+{
+    let stop = stop_request(options)?;
+    let world = mpi.map(MpiWorld::world);
+    let comm = world.as_ref().map(|w| w as &dyn Communicator);
+    let device = B::Device::default();
+    let (plan, costs) = choose::choose_plan(model, plan, settings, data, comm, &device)?;
+    let resume = options.resume.as_deref().map(open_resume).transpose()?;
+    let out =
+        run_folder::output_folder(options.out.as_deref(), resume.as_ref().map(|r| &r.0), comm)?;
+    let ranks = plan.layout().world_size();
+    let grid = match world {
+        Some(w) => ProcessGrid::from_mpi(w, plan.layout())?,
+        None if ranks == 1 => ProcessGrid::single(),
+        None => return Err(RunError::NotLaunched { ranks }),
+    };
+    if ranks > 1 && options.comm_timeout_s > 0.0 {
+        watchdog::arm(
+            watchdog::saturating_duration(options.comm_timeout_s),
+            grid.rank,
+        );
+    }
+    let pipeline = plan.pipeline_with_costs(&costs, settings.global_batch)?;
+    // Reported as cut: a balanced cut is decided here, from the units' times.
+    let plan = ParallelPlan {
+        stage_units: pipeline.partition.sizes(),
+        ..plan
+    };
+    let me = grid.coords.pp;
+    let holds = |u: usize| pipeline.schedule.rank_of(pipeline.partition.stage_of(u)) == me;
+    let units = build_units(model, settings.seed, &device, holds)?;
+    let mut units = shard_module(units, &model.tp_plan(), grid.tp)?;
+    if let Some(init) = &options.init {
+        units = initialized_from(units, init, &grid)?;
+    }
+    let trace = options.trace.is_some();
+    let mut trainer = Trainer::new(
+        &grid,
+        &plan,
+        pipeline,
+        settings.clone(),
+        units,
+        device,
+        trace,
+    )?;
+    if let Some((checkpoint, state)) = &resume {
+        trainer.resume(checkpoint, state)?;
+    }
+    let summary = trainer.fit(data, &run_output(options, &out, stop), &mut |_| {})?;
+    let evaluates = |batches: usize| batches > 0 && !summary.stopped;
+    let metrics = evaluates(options.eval_batches)
+        .then(|| trainer.evaluate(data, options.eval_batches))
+        .transpose()?;
+    let predictions = evaluates(options.predict_batches)
+        .then(|| trainer.predict(data, options.predict_batches))
+        .transpose()?;
+    Ok(RunReport {
+        summary,
+        plan,
+        rank: grid.rank,
+        out,
+        metrics,
+        predictions,
+    })
+}
+
+/// The stop request the signal handlers set, when the options ask for them.
+fn stop_request(options: &RunOptions) -> Result<Option<StopRequest>, RunError> {
+    if !options.signals {
+        return Ok(None);
+    }
+    let stop = StopRequest::new();
+    stop_on_signals(&stop).map_err(RunError::Signals)?;
+    Ok(Some(stop))
+}
+
+/// The checkpoint to resume and its tensors at full size.
+fn open_resume(path: &std::path::Path) -> Result<(Checkpoint, FullState), RunError> {
+    let error = |error| RunError::Checkpoint {
+        source_name: format!("resume {}", path.display()),
+        error,
+    };
+    let checkpoint = Checkpoint::open(path).map_err(error)?;
+    let state = checkpoint.read_full().map_err(error)?;
+    Ok((checkpoint, state))
+}
+
+/// `units` with their parameters (this rank's shard of the units it holds) replaced by their
+/// pieces of `init`.
+fn initialized_from<B, M>(units: M, init: &InitWeights, grid: &ProcessGrid) -> Result<M, RunError>
+where
+    B: burn::tensor::backend::Backend,
+    M: PipelineModel<B>,
+{
+    let error = |error| RunError::Checkpoint {
+        source_name: init.source.clone(),
+        error,
+    };
+    let shapes = state::param_shapes(&units);
+    let shard = Shard {
+        rank: grid.coords.tp,
+        size: grid.layout.tp,
+    };
+    let params =
+        cut_full_params(&init.params, &shapes, shard, &units.tied_names()).map_err(error)?;
+    state::assign_params(units, params).map_err(error)
+}
+
+/// Where and how [`Trainer::fit`] writes the run.
+fn run_output(options: &RunOptions, out: &std::path::Path, stop: Option<StopRequest>) -> RunOutput {
+    RunOutput {
+        dir: out.to_path_buf(),
+        checkpoints: Some(CheckpointPolicy {
+            dir: out.join("checkpoints"),
+            every: options.checkpoint_every,
+            at_end: options.checkpoint_at_end,
+            keep: options.keep_checkpoints,
+            extra: options.manifest_extra.clone(),
+        }),
+        trace: options.trace.clone(),
+        progress: options.progress,
+        stop,
+        existing: options.existing,
+        files: Vec::new(),
+    }
+}

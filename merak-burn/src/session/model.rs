@@ -1,0 +1,164 @@
+//! A model described unit by unit, so that each rank builds only the units it holds.
+
+use burn::tensor::backend::Backend;
+
+use crate::parallelize::{EmbedUnit, HeadUnit, LayerUnit, NoTokenTable, TpPlan, Units};
+use crate::planner::TransformerShape;
+
+/// The sizes of a model that the planner and the pipeline need to know before anything is
+/// built: how many layers there are, how wide the hidden states between units are, and the
+/// transformer the model resembles (its heads and vocabulary size the message and activation
+/// sizes of the cost model).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ModelDims {
+    /// Repeated middle units (transformer blocks).
+    pub layers: usize,
+    /// Width of the hidden states between units.
+    pub hidden: usize,
+    /// Attention heads of a block (for the cost model's activation sizes).
+    pub heads: usize,
+    /// Vocabulary (or output classes) of the head (for the cost model).
+    pub vocab: usize,
+}
+
+impl ModelDims {
+    /// The transformer shape of these dimensions at sequences of `seq` tokens.
+    pub fn shape(&self, seq: usize) -> TransformerShape {
+        TransformerShape::gpt(self.layers, self.hidden, self.heads, seq, self.vocab)
+    }
+}
+
+/// A model that [`merak_burn::run`](crate::run) trains: three Burn modules (a first unit, a
+/// repeated block, a last unit with the loss), each built by its own constructor, and a tensor
+/// parallel plan naming the linear layers it splits.
+///
+/// The library calls a constructor only for the units a rank holds, after seeding the
+/// backend's generator with the unit's own seed ([`unit_seed`]), and initializes the unit's
+/// parameters at once: a rank that builds blocks 5 to 8 gets the weights one process gets.
+pub trait UnitModel<B: Backend> {
+    /// Unit 0: inputs to hidden states.
+    type Embed: EmbedUnit<B>;
+    /// Units `1..=layers`: hidden states to hidden states.
+    type Layer: LayerUnit<B>;
+    /// Unit `layers + 1`: hidden states and targets to the loss.
+    type Head: HeadUnit<B>;
+
+    /// The model's sizes.
+    fn dims(&self) -> ModelDims;
+
+    /// Builds the first unit.
+    fn embed(&self, device: &B::Device) -> Self::Embed;
+
+    /// Builds block `index` (0-based).
+    fn layer(&self, index: usize, device: &B::Device) -> Self::Layer;
+
+    /// Builds the last unit.
+    fn head(&self, device: &B::Device) -> Self::Head;
+
+    /// Which linear layers tensor parallelism splits, by sub-module path.
+    fn tp_plan(&self) -> TpPlan;
+
+    /// Whether the head projects with the first unit's token table
+    /// ([`EmbedUnit::table`]) instead of a weight of its own: declared here, the library keeps
+    /// a copy on the last pipeline stage and sums the two copies' gradients.
+    fn tie_embeddings(&self) -> bool {
+        false
+    }
+}
+
+/// The units of model `M` on backend `B`, as a rank holds them.
+pub type UnitsOf<B, M> =
+    Units<B, <M as UnitModel<B>>::Embed, <M as UnitModel<B>>::Layer, <M as UnitModel<B>>::Head>;
+
+/// The seed of unit `unit`'s weights in a run seeded `seed` (splitmix64 of both).
+pub fn unit_seed(seed: u64, unit: usize) -> u64 {
+    splitmix(seed ^ splitmix(unit as u64 + 1))
+}
+
+/// splitmix64.
+fn splitmix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The units of `model` for which `holds(unit)` is true, each built from its own seed. A tied
+/// head needs the token table's name and, on the last stage, a copy of the table: the first
+/// unit is then built on every rank and dropped where it is not held.
+pub fn build_units<B, M>(
+    model: &M,
+    seed: u64,
+    device: &B::Device,
+    holds: impl Fn(usize) -> bool,
+) -> Result<UnitsOf<B, M>, NoTokenTable>
+where
+    B: Backend,
+    M: UnitModel<B>,
+{
+    let dims = model.dims();
+    let last = dims.layers + 1;
+    let tied = model.tie_embeddings();
+    let seeded = |unit: usize| B::seed(device, unit_seed(seed, unit));
+    let embed = (holds(0) || tied).then(|| {
+        seeded(0);
+        crate::parallelize::initialized(model.embed(device))
+    });
+    let layers = (0..dims.layers)
+        .map(|i| {
+            holds(i + 1).then(|| {
+                seeded(i + 1);
+                crate::parallelize::initialized(model.layer(i, device))
+            })
+        })
+        .collect();
+    let head = holds(last).then(|| {
+        seeded(last);
+        crate::parallelize::initialized(model.head(device))
+    });
+    let units = Units::from_parts(embed, layers, head, dims.hidden);
+    let units = if tied { units.tied()? } else { units };
+    Ok(units.retain(holds))
+}
+
+/// The first unit, block 0 and the last unit of `model` as a one-block model (its head's
+/// weights are not the run's): what [`merak_burn::run`](crate::run) times for the planner and
+/// the pipeline's cut, since every block costs the same.
+pub fn sample_units<B, M>(
+    model: &M,
+    seed: u64,
+    device: &B::Device,
+) -> Result<UnitsOf<B, M>, NoTokenTable>
+where
+    B: Backend,
+    M: UnitModel<B>,
+{
+    struct OneBlock<'a, M>(&'a M);
+    impl<B: Backend, M: UnitModel<B>> UnitModel<B> for OneBlock<'_, M> {
+        type Embed = M::Embed;
+        type Layer = M::Layer;
+        type Head = M::Head;
+        fn dims(&self) -> ModelDims {
+            ModelDims {
+                layers: 1,
+                ..self.0.dims()
+            }
+        }
+        fn embed(&self, device: &B::Device) -> M::Embed {
+            self.0.embed(device)
+        }
+        fn layer(&self, index: usize, device: &B::Device) -> M::Layer {
+            self.0.layer(index, device)
+        }
+        fn head(&self, device: &B::Device) -> M::Head {
+            self.0.head(device)
+        }
+        fn tp_plan(&self) -> TpPlan {
+            self.0.tp_plan()
+        }
+        fn tie_embeddings(&self) -> bool {
+            self.0.tie_embeddings()
+        }
+    }
+    build_units(&OneBlock(model), seed, device, |_| true)
+}

@@ -1,0 +1,273 @@
+//! The optimizers of a trainer: one Burn optimizer per parameter group (weight decay and
+//! learning-rate factor), all of the run's kind, and their state by parameter name for
+//! checkpoints.
+
+use std::collections::{HashMap, HashSet};
+
+use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::decay::WeightDecayConfig;
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{
+    AdaGrad, AdaGradConfig, Adam, AdamConfig, GradientsParams, Optimizer, RmsPropConfig, Sgd,
+    SgdConfig,
+};
+use burn::tensor::Tensor;
+use burn::tensor::backend::AutodiffBackend;
+
+use super::{OptimizerKind, ParamGroup, ParamInfo, RmsPropStep};
+use crate::checkpoint::state::{self, NamedMoments};
+use crate::checkpoint::{CheckpointError, Moments};
+use crate::kernels::FusedOps;
+use crate::train::{FusedAdamW, TrainError, TrainSettings};
+
+/// One group's optimizer: Burn's optimizer adaptor around the run's kind.
+pub(crate) enum GroupOptim<M, B>
+where
+    B: AutodiffBackend,
+    B::InnerBackend: FusedOps,
+    M: AutodiffModule<B>,
+{
+    AdamW(OptimizerAdaptor<FusedAdamW, M, B>),
+    Adam(OptimizerAdaptor<Adam, M, B>),
+    Sgd(OptimizerAdaptor<Sgd<B::InnerBackend>, M, B>),
+    AdaGrad(OptimizerAdaptor<AdaGrad, M, B>),
+    RmsProp(OptimizerAdaptor<RmsPropStep, M, B>),
+}
+
+/// Runs `$body` with `$o` bound to the adaptor of whichever kind `$group` is.
+macro_rules! each_kind {
+    ($group:expr, $o:ident => $body:expr) => {
+        match $group {
+            GroupOptim::AdamW($o) => $body,
+            GroupOptim::Adam($o) => $body,
+            GroupOptim::Sgd($o) => $body,
+            GroupOptim::AdaGrad($o) => $body,
+            GroupOptim::RmsProp($o) => $body,
+        }
+    };
+}
+
+impl<M, B> GroupOptim<M, B>
+where
+    B: AutodiffBackend,
+    B::InnerBackend: FusedOps,
+    M: AutodiffModule<B>,
+{
+    /// The optimizer of `s.optimizer.kind` for a group with weight decay `weight_decay`.
+    pub(crate) fn new(s: &TrainSettings, weight_decay: f64) -> Self {
+        let o = &s.optimizer;
+        let (beta1, beta2, eps) = (s.beta1 as f32, s.beta2 as f32, s.eps as f32);
+        // Burn adds `penalty * param` to the gradient (L2): skipped when it is 0.
+        let l2 = (weight_decay > 0.0).then(|| WeightDecayConfig::new(weight_decay as f32));
+        match o.kind {
+            OptimizerKind::AdamW => {
+                Self::AdamW(FusedAdamW::new(beta1, beta2, eps, weight_decay as f32).init::<B, M>())
+            }
+            OptimizerKind::Adam => Self::Adam(
+                AdamConfig::new()
+                    .with_beta_1(beta1)
+                    .with_beta_2(beta2)
+                    .with_epsilon(eps)
+                    .with_weight_decay(l2)
+                    .init(),
+            ),
+            OptimizerKind::Sgd => Self::Sgd(
+                SgdConfig::new()
+                    .with_weight_decay(l2)
+                    .with_momentum((o.momentum > 0.0).then_some(MomentumConfig {
+                        momentum: o.momentum,
+                        dampening: o.dampening,
+                        nesterov: o.nesterov,
+                    }))
+                    .init(),
+            ),
+            OptimizerKind::AdaGrad => Self::AdaGrad(
+                AdaGradConfig::new()
+                    .with_lr_decay(o.lr_decay)
+                    .with_epsilon(eps)
+                    .with_weight_decay(l2)
+                    .init(),
+            ),
+            OptimizerKind::RmsProp => Self::RmsProp(
+                RmsPropStep {
+                    inner: RmsPropConfig::new()
+                        .with_alpha(o.alpha as f32)
+                        .with_momentum(o.momentum as f32)
+                        .with_epsilon(eps)
+                        .with_centered(o.centered)
+                        .with_weight_decay(l2)
+                        .build(),
+                    momentum: o.momentum > 0.0,
+                    centered: o.centered,
+                }
+                .init(),
+            ),
+        }
+    }
+
+    /// Steps the parameters of `model` that have a gradient in `grads` at `lr`.
+    pub(crate) fn step(&mut self, lr: f64, model: M, grads: GradientsParams) -> M {
+        each_kind!(self, o => o.step(lr, model, grads))
+    }
+
+    /// The state of every parameter this group has stepped, by name.
+    pub(crate) fn moments(&self, model: &M) -> Result<NamedMoments, CheckpointError> {
+        each_kind!(self, o => state::optimizer_moments(model, &o.to_record(), o.optim()))
+    }
+
+    /// Loads the state in `moments` of the parameters of `model` that `keep` selects.
+    pub(crate) fn load(
+        &mut self,
+        model: &M,
+        moments: &HashMap<String, Moments>,
+        keep: &dyn Fn(ParamId, usize) -> bool,
+    ) {
+        each_kind!(self, o => {
+            let records = state::optimizer_records(model, moments, keep, o.optim());
+            *o = o.clone().load_record(records);
+        })
+    }
+}
+
+/// The optimizers of a trainer: one per distinct parameter group, and the group of every
+/// parameter of this rank.
+pub(crate) struct Optimizers<M, B>
+where
+    B: AutodiffBackend,
+    B::InnerBackend: FusedOps,
+    M: AutodiffModule<B>,
+{
+    /// The distinct groups in the order first met, with their optimizers.
+    groups: Vec<(ParamGroup, GroupOptim<M, B>)>,
+    /// The index in `groups` of each parameter.
+    of_param: HashMap<ParamId, usize>,
+}
+
+impl<M, B> Optimizers<M, B>
+where
+    B: AutodiffBackend,
+    B::InnerBackend: FusedOps,
+    M: AutodiffModule<B>,
+{
+    /// The optimizers of `model` (this rank's units and shard on a TP group of `tp` ranks)
+    /// under `settings`, each parameter in the group `rule` gives it. The rule sees the
+    /// parameter's name and full shape, so every layout groups alike; a tied copy (`copies`:
+    /// `(copy, original)` names) is grouped by its original. A group with a negative or
+    /// non-finite value is refused, naming the parameter.
+    pub(crate) fn new(
+        model: &M,
+        settings: &TrainSettings,
+        tp: usize,
+        copies: Vec<(String, String)>,
+        rule: &dyn Fn(&ParamInfo<'_>) -> ParamGroup,
+    ) -> Result<Self, TrainError> {
+        let copies: HashMap<String, String> = copies.into_iter().collect();
+        let mut groups: Vec<(ParamGroup, GroupOptim<M, B>)> = Vec::new();
+        let mut of_param = HashMap::new();
+        for p in state::param_shapes(model) {
+            let name = copies.get(&p.name).unwrap_or(&p.name);
+            let shape = p.split.full_shape(&p.shape, tp);
+            let info = ParamInfo {
+                name,
+                shape: &shape,
+                default: ParamInfo::default_group(&shape, settings.weight_decay),
+            };
+            let g = rule(&info);
+            for (what, v) in [("weight_decay", g.weight_decay), ("lr_scale", g.lr_scale)] {
+                if !(v >= 0.0 && v.is_finite()) {
+                    return Err(TrainError::ParamGroup {
+                        name: name.clone(),
+                        reason: format!("{what} = {v}: must be a finite number >= 0"),
+                    });
+                }
+            }
+            let index = match groups.iter().position(|(q, _)| *q == g) {
+                Some(i) => i,
+                None => {
+                    groups.push((g, GroupOptim::new(settings, g.weight_decay)));
+                    groups.len() - 1
+                }
+            };
+            of_param.insert(p.id, index);
+        }
+        Ok(Self { groups, of_param })
+    }
+
+    /// Splits `grads` by group; with `keep`, gradients of other parameters are dropped
+    /// (ZeRO-1: a rank steps only what it owns).
+    pub(crate) fn split(
+        &self,
+        model: &M,
+        mut grads: GradientsParams,
+        keep: Option<&HashSet<ParamId>>,
+    ) -> Vec<GradientsParams> {
+        let mut v = Split::<B> {
+            grads: &mut grads,
+            out: (0..self.groups.len())
+                .map(|_| GradientsParams::new())
+                .collect(),
+            of_param: &self.of_param,
+            keep,
+            _b: std::marker::PhantomData,
+        };
+        model.visit(&mut v);
+        v.out
+    }
+
+    /// Steps every group with its gradients (`split`'s) at `lr` times its `lr_scale`.
+    pub(crate) fn step(&mut self, lr: f64, mut model: M, grads: Vec<GradientsParams>) -> M {
+        for ((group, optim), g) in self.groups.iter_mut().zip(grads) {
+            if !g.is_empty() {
+                model = optim.step(lr * group.lr_scale, model, g);
+            }
+        }
+        model
+    }
+
+    /// The state of every parameter this rank has stepped, by name.
+    pub(crate) fn moments(&self, model: &M) -> Result<NamedMoments, CheckpointError> {
+        let mut all = Vec::new();
+        for (_, optim) in &self.groups {
+            all.extend(optim.moments(model)?);
+        }
+        Ok(all)
+    }
+
+    /// Loads the state in `moments` (this rank's pieces, by name) of the parameters for
+    /// which `mine` holds.
+    pub(crate) fn load(
+        &mut self,
+        model: &M,
+        moments: &HashMap<String, Moments>,
+        mine: &dyn Fn(ParamId) -> bool,
+    ) {
+        let of_param = &self.of_param;
+        for (i, (_, optim)) in self.groups.iter_mut().enumerate() {
+            let keep = |id: ParamId, _rank: usize| of_param.get(&id) == Some(&i) && mine(id);
+            optim.load(model, moments, &keep);
+        }
+    }
+}
+
+struct Split<'a, B: AutodiffBackend> {
+    grads: &'a mut GradientsParams,
+    out: Vec<GradientsParams>,
+    of_param: &'a HashMap<ParamId, usize>,
+    keep: Option<&'a HashSet<ParamId>>,
+    _b: std::marker::PhantomData<B>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Split<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) else {
+            return;
+        };
+        if self.keep.is_some_and(|k| !k.contains(&param.id)) {
+            return;
+        }
+        if let Some(&i) = self.of_param.get(&param.id) {
+            self.out[i].register(param.id, g);
+        }
+    }
+}
