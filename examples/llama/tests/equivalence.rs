@@ -11,17 +11,51 @@ use merak_tests::{mpirun, rel_err, run_with_deadline};
 const BIN: &str = env!("CARGO_BIN_EXE_llama-train");
 const TOL: f64 = 1e-5;
 
-/// Runs `llama-train` on `np` ranks (alone for 1) with `args`; returns its losses and final
-/// parameters at full size.
-fn train(np: usize, name: &str, args: &[&str]) -> (Vec<f64>, FullState) {
-    let (losses, state, _) = train_printing(np, name, args);
-    (losses, state)
+/// What a run reports: its losses, final parameters at full size, and its held-out
+/// evaluation (loss, accuracy, next tokens predicted).
+type Trained = (Vec<f64>, FullState, Held);
+
+/// The held-out loss, the accuracy and the predicted next tokens, as `llama-train` prints them.
+#[derive(Debug, PartialEq)]
+struct Held {
+    loss: f64,
+    accuracy: String,
+    next: String,
+}
+
+impl Held {
+    fn parse(stdout: &str) -> Held {
+        let line = (stdout.lines())
+            .find_map(|l| l.strip_prefix("llama: held-out loss "))
+            .unwrap_or_else(|| panic!("no held-out line:\n{stdout}"));
+        let (loss, rest) = line.split_once(" accuracy ").expect("an accuracy");
+        let (accuracy, next) = rest.split_once(", next tokens ").expect("next tokens");
+        Held {
+            loss: loss.parse().expect("a loss"),
+            accuracy: accuracy.into(),
+            next: next.into(),
+        }
+    }
+}
+
+/// Runs `llama-train` on `np` ranks (alone for 1) with `args`; returns its losses, final
+/// parameters at full size and held-out evaluation.
+fn train(np: usize, name: &str, args: &[&str]) -> Trained {
+    let (losses, state, stdout) = train_printing(np, name, args);
+    (losses, state, Held::parse(&stdout))
 }
 
 /// [`train`], also returning what it printed.
 fn train_printing(np: usize, name: &str, args: &[&str]) -> (Vec<f64>, FullState, String) {
     let out = std::env::temp_dir().join(format!("merak-llama-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
+    let trained = train_into(np, &out, args);
+    let _ = std::fs::remove_dir_all(&out);
+    trained
+}
+
+/// Runs `llama-train` on `np` ranks writing to `out`; its losses, final parameters and output.
+fn train_into(np: usize, out: &Path, args: &[&str]) -> (Vec<f64>, FullState, String) {
     let mut cmd = if np == 1 {
         Command::new(BIN)
     } else {
@@ -29,14 +63,13 @@ fn train_printing(np: usize, name: &str, args: &[&str]) -> (Vec<f64>, FullState,
         c.arg(BIN);
         c
     };
-    cmd.args(args).arg("--out").arg(&out);
+    cmd.args(args).arg("--out").arg(out);
     let run = run_with_deadline(cmd, Duration::from_secs(240));
     run.assert_success();
     let losses = losses(&out.join("metrics.jsonl"));
     let state = Checkpoint::open(&out.join("checkpoints"))
         .and_then(|c| c.read_full())
-        .unwrap_or_else(|e| panic!("{name}: {e}"));
-    let _ = std::fs::remove_dir_all(&out);
+        .unwrap_or_else(|e| panic!("{}: {e}", out.display()));
     (losses, state, run.stdout)
 }
 
@@ -50,9 +83,17 @@ fn losses(path: &Path) -> Vec<f64> {
         .collect()
 }
 
-/// Asserts that `got` (losses, parameters) equals the one-process run `want` within [`TOL`].
-fn assert_equal(name: &str, got: &(Vec<f64>, FullState), want: &(Vec<f64>, FullState)) {
-    let ((losses, state), (single, reference)) = (got, want);
+/// Asserts that `got` (losses, parameters, held-out loss) equals the one-process run `want`
+/// within [`TOL`], and that it predicts the same next tokens with the same accuracy.
+fn assert_equal(name: &str, got: &Trained, want: &Trained) {
+    let ((losses, state, held), (single, reference, held_single)) = (got, want);
+    let err = (held.loss - held_single.loss).abs() / held_single.loss.abs();
+    assert!(err <= TOL, "{name}: held-out {held:?} vs {held_single:?}");
+    assert_eq!(
+        (&held.accuracy, &held.next),
+        (&held_single.accuracy, &held_single.next),
+        "{name}"
+    );
     assert_eq!(losses.len(), single.len(), "{name}");
     for (step, (a, b)) in losses.iter().zip(single).enumerate() {
         let err = (a - b).abs() / b.abs();
@@ -93,16 +134,17 @@ fn a_tied_embedding_across_the_pipeline_equals_one_process() {
 
 #[test]
 fn every_layout_equals_one_process() {
-    let (single, reference) = train(1, "single", &[]);
+    let want = train(1, "single", &[]);
+    let single = &want.0;
     assert_eq!(single.len(), 6);
     assert!(single[5] < single[0] - 0.3, "the loss falls: {single:?}");
+    assert!(want.2.loss < single[0], "held out: {:?}", want.2);
     let layouts: [(usize, &str, &[&str]); 4] = [
         (2, "dp2", &["--dp", "2"]),
         (2, "tp2", &["--tp", "2"]),
         (2, "pp2", &["--pp", "2"]),
         (8, "dp2tp2pp2", &["--dp", "2", "--tp", "2", "--pp", "2"]),
     ];
-    let want = (single, reference);
     for (np, name, args) in layouts {
         assert_equal(name, &train(np, name, args), &want);
     }
@@ -131,14 +173,14 @@ fn the_planned_layout_of_a_timed_model_equals_one_process() {
         4,
         "{planned}"
     );
-    assert_equal("auto", &(losses, state), &want);
+    assert_equal("auto", &(losses, state, Held::parse(&stdout)), &want);
 }
 
 /// The checkpoint holds every parameter of the model at full size (the embedding, every
 /// block's projections, norms and the head), whatever the layout cut.
 #[test]
 fn the_checkpoint_of_a_3d_run_has_every_parameter_at_full_size() {
-    let (_, state) = train(
+    let (_, state, _) = train(
         8,
         "names",
         &["--dp", "2", "--tp", "2", "--pp", "2", "--steps", "1"],
@@ -159,4 +201,35 @@ fn the_checkpoint_of_a_3d_run_has_every_parameter_at_full_size() {
         size("head.output.linear.weight"),
         Some(cfg.hidden * cfg.vocab)
     );
+}
+
+/// A one-process run checkpointed at step 3 and resumed under tp=2 x pp=2 ends where the
+/// uninterrupted run ends: the same losses of steps 4 to 6, parameters and held-out results.
+#[test]
+fn a_run_resumed_under_another_layout_equals_the_uninterrupted_run() {
+    let dir = std::env::temp_dir().join(format!("merak-llama-resume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (first, second) = (dir.join("first"), dir.join("second"));
+    let (losses, state, stdout) = train_into(1, &first, &["--checkpoint-every", "3"]);
+    let want = (losses[3..].to_vec(), state, Held::parse(&stdout));
+    let step3 = first.join("checkpoints/step-00000003");
+    let step3 = step3.to_str().expect("a UTF-8 path");
+    let (losses, state, stdout) =
+        train_into(4, &second, &["--tp", "2", "--pp", "2", "--resume", step3]);
+    assert_equal("resumed", &(losses, state, Held::parse(&stdout)), &want);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A layout of more ranks than were launched is refused before anything is built or written,
+/// naming the ranks and the command, with a non-zero exit.
+#[test]
+fn a_layout_without_its_ranks_is_refused_before_anything_is_written() {
+    let out = std::env::temp_dir().join(format!("merak-llama-refused-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let mut cmd = Command::new(BIN);
+    cmd.args(["--dp", "2", "--tp", "2", "--out"]).arg(&out);
+    let run = run_with_deadline(cmd, Duration::from_secs(60));
+    assert_eq!(run.code, Some(1), "{}", run.stderr);
+    assert!(run.stderr.contains("mpirun -np 4"), "{}", run.stderr);
+    assert!(!out.exists(), "{} was made", out.display());
 }

@@ -1,0 +1,1183 @@
+//! Hugging Face `LlamaForCausalLM` checkpoints in and out: [`read_hf_llama`] reads a folder
+//! as `save_pretrained` writes it (`config.json`, and `model.safetensors` or the files of
+//! `model.safetensors.index.json`) into a [`LlamaConfig`] and the full-size parameters by
+//! merak name; [`write_hf_llama`] writes them back in the same form.
+//!
+//! The layouts differ in two ways, converted both ways:
+//! - torch's `nn.Linear` weight is `[out, in]`, Burn's `[in, out]`: every projection is
+//!   transposed (the token table and the norms are not);
+//! - transformers rotates the two halves of each query/key head (`rotate_half`: feature `i`
+//!   with `i + head_dim / 2`), Burn's `RotaryEncoding` interleaved pairs (`2i` with `2i + 1`):
+//!   feature `2i` of each of our query/key heads is transformers' feature `i`, feature `2i + 1`
+//!   its feature `i + head_dim / 2` (the same attention scores, since queries and keys are
+//!   permuted alike).
+//!
+//! Files are untrusted: every size in a safetensors header is checked against the file's real
+//! size before anything is allocated from it, every tensor's name and shape against
+//! `config.json`, its values must be finite, and whatever does not fit is an error naming the
+//! file, the tensor (or key) and both shapes; nothing panics.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use serde_json::{Value, json};
+use thiserror::Error;
+
+use crate::model::{FullParams, InvalidConfig, LlamaConfig, RopeScaling};
+
+/// The model's config file.
+pub const CONFIG_FILE: &str = "config.json";
+/// The weights in one file.
+pub const SINGLE_FILE: &str = "model.safetensors";
+/// The index of weights in several files.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// The largest `config.json` read.
+const MAX_CONFIG_BYTES: u64 = 1 << 20;
+/// The largest index read (a 405B Llama's is about 100 KiB).
+const MAX_INDEX_BYTES: u64 = 64 << 20;
+/// The largest safetensors header read (the safetensors crate's limit).
+const MAX_HEADER_BYTES: u64 = 100_000_000;
+/// The most positions taken from `max_position_embeddings` (the rotary table of the model
+/// holds `max_seq x head_dim x 2` floats).
+pub const MAX_POSITIONS: usize = 1 << 20;
+
+/// A Hugging Face Llama read by [`read_hf_llama`].
+#[derive(Clone, Debug)]
+pub struct HfLlama {
+    /// The model's shape from `config.json` (`max_seq` is `max_position_embeddings`; a run on
+    /// shorter sequences may lower it, it only sizes the rotary table).
+    pub config: LlamaConfig,
+    /// Every parameter at full size, by merak name, in merak's layouts.
+    pub params: FullParams,
+    /// What was read but not used (rotary frequency buffers, a tied head's copy of the token
+    /// table).
+    pub notes: Vec<String>,
+}
+
+/// A Hugging Face Llama folder that cannot be read, or parameters that cannot be written;
+/// every variant reading a file names it.
+#[derive(Debug, Error)]
+pub enum HfLlamaError {
+    /// Reading or writing a file failed.
+    #[error("{}: {error}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The operating system's error.
+        error: std::io::Error,
+    },
+    /// Not a valid safetensors file, JSON file or folder.
+    #[error("{}: {reason}", path.display())]
+    Format {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A value of `config.json` this model cannot take.
+    #[error("{}: `{key}` = {value}: {reason}", path.display())]
+    Config {
+        /// The `config.json`.
+        path: PathBuf,
+        /// The key.
+        key: String,
+        /// Its value in the file (`absent` if missing).
+        value: String,
+        /// Why it cannot be taken.
+        reason: String,
+    },
+    /// A tensor of another shape than `config.json` gives.
+    #[error(
+        "{}: tensor {tensor} has shape {file:?}, but config.json ({model}) gives {expected:?}",
+        path.display()
+    )]
+    Shape {
+        /// The file.
+        path: PathBuf,
+        /// The tensor's name in the file.
+        tensor: String,
+        /// Its shape in the file.
+        file: Vec<usize>,
+        /// The shape `config.json` gives.
+        expected: Vec<usize>,
+        /// The sizes of `config.json`.
+        model: String,
+    },
+    /// A tensor of the model is in no file.
+    #[error("{}: tensor {tensor} is missing (config.json: {model})", path.display())]
+    Missing {
+        /// The file that should hold it (the one the index names, or `model.safetensors`).
+        path: PathBuf,
+        /// Its `LlamaForCausalLM` name.
+        tensor: String,
+        /// The sizes of `config.json`.
+        model: String,
+    },
+    /// A tensor the model cannot take.
+    #[error("{}: tensor {tensor}: {reason}", path.display())]
+    Unexpected {
+        /// The file.
+        path: PathBuf,
+        /// The tensor's name in the file.
+        tensor: String,
+        /// Why.
+        reason: String,
+    },
+    /// A tensor of an element type that is not converted.
+    #[error(
+        "{}: tensor {tensor} is {dtype}; F32, F16, BF16 and F64 tensors can be loaded",
+        path.display()
+    )]
+    Dtype {
+        /// The file.
+        path: PathBuf,
+        /// The tensor's name in the file.
+        tensor: String,
+        /// Its element type.
+        dtype: String,
+    },
+    /// A tensor holding NaN or an infinity.
+    #[error("{}: tensor {tensor} holds {value} at flat index {index}", path.display())]
+    NotFinite {
+        /// The file.
+        path: PathBuf,
+        /// The tensor's name in the file.
+        tensor: String,
+        /// The first such value's index (row-major, in the file's layout).
+        index: usize,
+        /// The value.
+        value: f32,
+    },
+    /// Writing: the config describes no model.
+    #[error(transparent)]
+    Invalid(#[from] InvalidConfig),
+    /// Writing: the parameters do not fit the config.
+    #[error("parameter {name}: {reason}")]
+    Params {
+        /// The merak name.
+        name: String,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+/// How a tensor's layout differs between the two.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Layout {
+    /// The same (token table, norms).
+    Same,
+    /// Transposed (a projection).
+    Transposed,
+    /// Transposed, and each head's output features permuted between half-split and
+    /// interleaved rotary order (query and key projections).
+    Rotary,
+}
+
+/// One tensor of `LlamaForCausalLM`.
+#[derive(Clone, Debug)]
+struct Spec {
+    /// Its transformers name.
+    hf: String,
+    /// Its merak name.
+    merak: String,
+    /// Its transformers shape.
+    shape: Vec<usize>,
+    layout: Layout,
+}
+
+/// The tensors of a `LlamaForCausalLM` of shape `c` (without the head of a tied one), in
+/// module order.
+fn specs(c: &LlamaConfig) -> Vec<Spec> {
+    let (h, hd) = (c.hidden, c.head_dim());
+    let (q, kv) = (c.heads * hd, c.kv_heads * hd);
+    let spec = |hf: String, merak: String, shape: Vec<usize>, layout| Spec {
+        hf,
+        merak,
+        shape,
+        layout,
+    };
+    let mut out = vec![spec(
+        "model.embed_tokens.weight".into(),
+        "embed.tokens.weight".into(),
+        vec![c.vocab, h],
+        Layout::Same,
+    )];
+    for l in 0..c.layers {
+        let per_layer = [
+            (
+                "input_layernorm.weight",
+                "attn_norm.gamma",
+                vec![h],
+                Layout::Same,
+            ),
+            (
+                "self_attn.q_proj.weight",
+                "attn.wq.linear.weight",
+                vec![q, h],
+                Layout::Rotary,
+            ),
+            (
+                "self_attn.k_proj.weight",
+                "attn.wk.linear.weight",
+                vec![kv, h],
+                Layout::Rotary,
+            ),
+            (
+                "self_attn.v_proj.weight",
+                "attn.wv.linear.weight",
+                vec![kv, h],
+                Layout::Transposed,
+            ),
+            (
+                "self_attn.o_proj.weight",
+                "attn.wo.linear.weight",
+                vec![h, q],
+                Layout::Transposed,
+            ),
+            (
+                "post_attention_layernorm.weight",
+                "mlp_norm.gamma",
+                vec![h],
+                Layout::Same,
+            ),
+            (
+                "mlp.gate_proj.weight",
+                "mlp.w1.linear.weight",
+                vec![c.ffn, h],
+                Layout::Transposed,
+            ),
+            (
+                "mlp.down_proj.weight",
+                "mlp.w2.linear.weight",
+                vec![h, c.ffn],
+                Layout::Transposed,
+            ),
+            (
+                "mlp.up_proj.weight",
+                "mlp.w3.linear.weight",
+                vec![c.ffn, h],
+                Layout::Transposed,
+            ),
+        ];
+        for (hf, merak, shape, layout) in per_layer {
+            out.push(spec(
+                format!("model.layers.{l}.{hf}"),
+                format!("layers.{l}.{merak}"),
+                shape,
+                layout,
+            ));
+        }
+    }
+    out.push(spec(
+        "model.norm.weight".into(),
+        "head.norm.gamma".into(),
+        vec![h],
+        Layout::Same,
+    ));
+    if !c.tie_embeddings {
+        out.push(spec(
+            "lm_head.weight".into(),
+            "head.output.linear.weight".into(),
+            vec![c.vocab, h],
+            Layout::Transposed,
+        ));
+    }
+    out
+}
+
+/// The transformers output feature of our output feature `o` of a query/key projection with
+/// heads `hd` wide: within each head, our `2i` is their `i` and our `2i + 1` their
+/// `i + hd / 2`.
+fn rotary_source(o: usize, hd: usize) -> usize {
+    let (head, k) = (o / hd, o % hd);
+    head * hd + k / 2 + (k % 2) * (hd / 2)
+}
+
+/// Our values of a transformers tensor `[out, in]` (`hf`), for `layout`; `hd` the head width.
+fn to_ours(layout: Layout, shape: &[usize], hf: Vec<f32>, hd: usize) -> (Vec<usize>, Vec<f32>) {
+    let [out, inp] = match (layout, shape) {
+        (Layout::Same, _) | (_, [_]) => return (shape.to_vec(), hf),
+        (_, &[out, inp]) => [out, inp],
+        _ => return (shape.to_vec(), hf),
+    };
+    let mut ours = vec![0.0; hf.len()];
+    for o in 0..out {
+        let src = if layout == Layout::Rotary {
+            rotary_source(o, hd)
+        } else {
+            o
+        };
+        for i in 0..inp {
+            ours[i * out + o] = hf[src * inp + i];
+        }
+    }
+    (vec![inp, out], ours)
+}
+
+/// The transformers values (`[out, in]`) of our tensor `[in, out]`: the inverse of
+/// [`to_ours`].
+fn to_hf(layout: Layout, shape: &[usize], ours: &[f32], hd: usize) -> Vec<f32> {
+    let [inp, out] = match (layout, shape) {
+        (Layout::Same, _) | (_, [_]) => return ours.to_vec(),
+        (_, &[inp, out]) => [inp, out],
+        _ => return ours.to_vec(),
+    };
+    let mut hf = vec![0.0; ours.len()];
+    for o in 0..out {
+        let dst = if layout == Layout::Rotary {
+            rotary_source(o, hd)
+        } else {
+            o
+        };
+        for i in 0..inp {
+            hf[dst * inp + i] = ours[i * out + o];
+        }
+    }
+    hf
+}
+
+/// The sizes of `c` as `config.json` names them, for messages.
+fn describe(c: &LlamaConfig) -> String {
+    format!(
+        "vocab_size = {}, hidden_size = {}, num_hidden_layers = {}, num_attention_heads = {}, \
+         num_key_value_heads = {}, intermediate_size = {}, tie_word_embeddings = {}",
+        c.vocab, c.hidden, c.layers, c.heads, c.kv_heads, c.ffn, c.tie_embeddings
+    )
+}
+
+/// The error of an I/O failure on `path`.
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> HfLlamaError {
+    let path = path.to_path_buf();
+    move |error| HfLlamaError::Io { path, error }
+}
+
+/// The size of `path` if it is a regular file (or a link to one) of at most `max` bytes:
+/// anything else (a FIFO, a device, a folder) is refused before it is opened.
+fn regular_file(path: &Path, max: u64) -> Result<u64, HfLlamaError> {
+    let m = std::fs::metadata(path).map_err(io(path))?;
+    let reason = if !m.is_file() {
+        "not a regular file (a folder, a FIFO or a device?)".to_string()
+    } else if m.len() > max {
+        format!("{} bytes, more than the {max} read", m.len())
+    } else {
+        return Ok(m.len());
+    };
+    Err(HfLlamaError::Format {
+        path: path.to_path_buf(),
+        reason,
+    })
+}
+
+/// The JSON file at `path` (a regular file of at most `max` bytes).
+fn read_json(path: &Path, max: u64) -> Result<Value, HfLlamaError> {
+    regular_file(path, max)?;
+    let text = std::fs::read(path).map_err(io(path))?;
+    serde_json::from_slice(&text).map_err(|e| HfLlamaError::Format {
+        path: path.to_path_buf(),
+        reason: format!("not valid JSON: {e}"),
+    })
+}
+
+/// Whether `path` exists (as anything: a FIFO at `model.safetensors` is refused later).
+fn exists(path: &Path) -> Result<bool, HfLlamaError> {
+    match std::fs::symlink_metadata(path) {
+        Ok(_) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(io(path)(e)),
+    }
+}
+
+/// Reads the `config.json` of a `LlamaForCausalLM` (`json`, read from `path`) into our config.
+/// Sizes and flags the model cannot reproduce are refused: biases (`attention_bias`,
+/// `mlp_bias`), an activation other than SiLU, a `head_dim` other than `hidden_size /
+/// num_attention_heads`, partial rotary embedding, rotary types other than the default and
+/// `llama3`. Both the `rope_theta` + `rope_scaling` keys of transformers 4 and the
+/// `rope_parameters` of transformers 5 are read.
+pub fn llama_config_from_hf(json: &Value, path: &Path) -> Result<LlamaConfig, HfLlamaError> {
+    let refuse = |key: &str, value: Option<&Value>, reason: String| HfLlamaError::Config {
+        path: path.to_path_buf(),
+        key: key.into(),
+        value: value.map_or_else(|| "absent".into(), Value::to_string),
+        reason,
+    };
+    if !json.is_object() {
+        return Err(HfLlamaError::Format {
+            path: path.to_path_buf(),
+            reason: "not a JSON object".into(),
+        });
+    }
+    let get = |key: &str| json.get(key).filter(|v| !v.is_null());
+    if let Some(v) = get("model_type")
+        && v.as_str() != Some("llama")
+    {
+        return Err(refuse(
+            "model_type",
+            Some(v),
+            "a LlamaForCausalLM has \"llama\"".into(),
+        ));
+    }
+    let size = |key: &str, default: Option<usize>, max: usize| -> Result<usize, HfLlamaError> {
+        let Some(v) = get(key) else {
+            return default.ok_or_else(|| refuse(key, None, "required".into()));
+        };
+        match v.as_u64().and_then(|n| usize::try_from(n).ok()) {
+            Some(n) if n >= 1 && n <= max => Ok(n),
+            _ => Err(refuse(
+                key,
+                Some(v),
+                format!("must be a whole number from 1 to {max}"),
+            )),
+        }
+    };
+    let flag = |key: &str, default: bool| -> Result<bool, HfLlamaError> {
+        match get(key) {
+            None => Ok(default),
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| refuse(key, Some(v), "must be true or false".into())),
+        }
+    };
+    let number = |key: &str, v: Option<&Value>, default: f64| -> Result<f64, HfLlamaError> {
+        match v.filter(|v| !v.is_null()) {
+            None => Ok(default),
+            Some(x) => match x.as_f64() {
+                Some(f) if f.is_finite() && f > 0.0 => Ok(f),
+                _ => Err(refuse(key, Some(x), "must be a positive number".into())),
+            },
+        }
+    };
+    // Sizes at most 2^31: the model's dimensions, far above any Llama's.
+    const BIG: usize = 1 << 31;
+    let vocab = size("vocab_size", None, BIG)?;
+    let hidden = size("hidden_size", None, BIG)?;
+    let layers = size("num_hidden_layers", None, BIG)?;
+    let heads = size("num_attention_heads", None, BIG)?;
+    let ffn = size("intermediate_size", None, BIG)?;
+    let kv_heads = size("num_key_value_heads", Some(heads), BIG)?;
+    let max_seq = size("max_position_embeddings", Some(2048), MAX_POSITIONS)?;
+    if !hidden.is_multiple_of(heads) {
+        return Err(refuse(
+            "num_attention_heads",
+            get("num_attention_heads"),
+            format!("must divide hidden_size = {hidden}"),
+        ));
+    }
+    let head_dim = hidden / heads;
+    if let Some(v) = get("head_dim")
+        && v.as_u64() != Some(head_dim as u64)
+    {
+        return Err(refuse(
+            "head_dim",
+            Some(v),
+            format!("the model's heads are hidden_size / num_attention_heads = {head_dim} wide"),
+        ));
+    }
+    if !head_dim.is_multiple_of(2) {
+        return Err(refuse(
+            "hidden_size",
+            get("hidden_size"),
+            format!("heads of {head_dim} features: rotary position embedding needs an even width"),
+        ));
+    }
+    if !heads.is_multiple_of(kv_heads) {
+        return Err(refuse(
+            "num_key_value_heads",
+            get("num_key_value_heads"),
+            format!("must divide num_attention_heads = {heads}"),
+        ));
+    }
+    for key in ["attention_bias", "mlp_bias"] {
+        if flag(key, false)? {
+            return Err(refuse(
+                key,
+                get(key),
+                "the model's projections have no biases".into(),
+            ));
+        }
+    }
+    if let Some(v) = get("hidden_act")
+        && v.as_str() != Some("silu")
+    {
+        return Err(refuse(
+            "hidden_act",
+            Some(v),
+            "the model's MLP is SwiGLU (\"silu\")".into(),
+        ));
+    }
+    let tie_embeddings = flag("tie_word_embeddings", false)?;
+    let rms_norm_eps = number("rms_norm_eps", get("rms_norm_eps"), 1e-6)?;
+    // transformers 5 keeps the rotary settings in `rope_parameters`, 4 in `rope_theta` and
+    // `rope_scaling`.
+    let (section, rope) = match (get("rope_parameters"), get("rope_scaling")) {
+        (Some(p), _) => ("rope_parameters", Some(p)),
+        (None, Some(s)) => ("rope_scaling", Some(s)),
+        (None, None) => ("rope_scaling", None),
+    };
+    let field = |name: &str| rope.and_then(|r| r.get(name)).filter(|v| !v.is_null());
+    let key = |name: &str| format!("{section}.{name}");
+    if let Some(r) = rope
+        && !r.is_object()
+    {
+        return Err(refuse(section, Some(r), "must be an object".into()));
+    }
+    let theta_value = field("rope_theta").or_else(|| get("rope_theta"));
+    let rope_theta = number("rope_theta", theta_value, 10000.0)?;
+    let partial = field("partial_rotary_factor").or_else(|| get("partial_rotary_factor"));
+    if partial.is_some_and(|v| v.as_f64() != Some(1.0)) {
+        return Err(refuse(
+            "partial_rotary_factor",
+            partial,
+            "the model rotates whole heads (1.0)".into(),
+        ));
+    }
+    let kind_value = field("rope_type").or_else(|| field("type"));
+    let kind = match kind_value {
+        None => "default",
+        Some(v) => v
+            .as_str()
+            .ok_or_else(|| refuse(&key("rope_type"), Some(v), "must be a string".into()))?,
+    };
+    let rope_scaling = match kind {
+        "default" => None,
+        "llama3" => {
+            let factor = |name: &str| -> Result<f64, HfLlamaError> {
+                match field(name) {
+                    None => Err(refuse(&key(name), None, "required by llama3".into())),
+                    v => number(&key(name), v, 0.0),
+                }
+            };
+            let scaling = RopeScaling {
+                factor: factor("factor")?,
+                low_freq_factor: factor("low_freq_factor")?,
+                high_freq_factor: factor("high_freq_factor")?,
+                original_max_position_embeddings: match field("original_max_position_embeddings") {
+                    None => max_seq,
+                    Some(v) => match v.as_u64().and_then(|n| usize::try_from(n).ok()) {
+                        Some(n) if n >= 1 => n,
+                        _ => {
+                            return Err(refuse(
+                                &key("original_max_position_embeddings"),
+                                Some(v),
+                                "must be a positive whole number".into(),
+                            ));
+                        }
+                    },
+                },
+            };
+            if scaling.high_freq_factor <= scaling.low_freq_factor {
+                return Err(refuse(
+                    &key("high_freq_factor"),
+                    field("high_freq_factor"),
+                    format!("must exceed low_freq_factor = {}", scaling.low_freq_factor),
+                ));
+            }
+            Some(scaling)
+        }
+        other => {
+            return Err(refuse(
+                &key("rope_type"),
+                kind_value,
+                format!("rotary type {other:?}: the default and \"llama3\" are supported"),
+            ));
+        }
+    };
+    let config = LlamaConfig {
+        vocab,
+        layers,
+        hidden,
+        heads,
+        kv_heads,
+        ffn,
+        max_seq,
+        rope_theta,
+        rope_scaling,
+        rms_norm_eps,
+        tie_embeddings,
+    };
+    config.validate().map_err(|e| HfLlamaError::Format {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    Ok(config)
+}
+
+/// The `config.json` of a `LlamaForCausalLM` of shape `c` (as transformers 4 writes it; 5
+/// reads it too).
+pub fn hf_config_json(c: &LlamaConfig) -> Value {
+    let scaling = c.rope_scaling.map(|s| {
+        json!({
+            "rope_type": "llama3",
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        })
+    });
+    json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": c.vocab,
+        "hidden_size": c.hidden,
+        "intermediate_size": c.ffn,
+        "num_hidden_layers": c.layers,
+        "num_attention_heads": c.heads,
+        "num_key_value_heads": c.kv_heads,
+        "head_dim": c.head_dim(),
+        "max_position_embeddings": c.max_seq,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": scaling,
+        "tie_word_embeddings": c.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": false,
+        "mlp_bias": false,
+        "attention_dropout": 0.0,
+        "torch_dtype": "float32",
+    })
+}
+
+/// Whether `name` is a plain file name (no folder, not `.` or `..`): joined to the model's
+/// folder it stays inside.
+fn plain_name(name: &str) -> bool {
+    let mut parts = Path::new(name).components();
+    matches!(
+        (parts.next(), parts.next()),
+        (Some(std::path::Component::Normal(n)), None) if n == name
+    ) && !name.contains('\\')
+}
+
+/// An index file and its file of each tensor.
+type Index = (PathBuf, BTreeMap<String, String>);
+
+/// The weight files of the folder `dir`: `model.safetensors`, or the files of the index with
+/// the index.
+fn weight_files(dir: &Path) -> Result<(Vec<PathBuf>, Option<Index>), HfLlamaError> {
+    let index_path = dir.join(INDEX_FILE);
+    if !exists(&index_path)? {
+        let single = dir.join(SINGLE_FILE);
+        if !exists(&single)? {
+            return Err(HfLlamaError::Format {
+                path: dir.to_path_buf(),
+                reason: format!("neither {SINGLE_FILE} nor {INDEX_FILE} in the folder"),
+            });
+        }
+        return Ok((vec![single], None));
+    }
+    let index = read_json(&index_path, MAX_INDEX_BYTES)?;
+    let bad = |reason: String| HfLlamaError::Format {
+        path: index_path.clone(),
+        reason,
+    };
+    let map = (index.get("weight_map").and_then(Value::as_object))
+        .ok_or_else(|| bad("no `weight_map` object".into()))?;
+    let mut weight_map = BTreeMap::new();
+    for (tensor, file) in map {
+        let file = file.as_str().filter(|f| plain_name(f)).ok_or_else(|| {
+            bad(format!(
+                "tensor {tensor}: {file} is not a file name in the folder"
+            ))
+        })?;
+        weight_map.insert(tensor.clone(), file.to_string());
+    }
+    let files: BTreeSet<&String> = weight_map.values().collect();
+    let files = files.into_iter().map(|f| dir.join(f)).collect();
+    Ok((files, Some((index_path, weight_map))))
+}
+
+/// The name a `LlamaForCausalLM` gives the tensor `name` of a file (a `LlamaModel` saves its
+/// tensors without the `model.` prefix).
+fn canonical(name: &str) -> String {
+    if name.starts_with("model.") || name == "lm_head.weight" {
+        name.to_string()
+    } else {
+        format!("model.{name}")
+    }
+}
+
+/// Reads the Hugging Face `LlamaForCausalLM` in folder `dir`: its config and every parameter
+/// at full size by merak name, converted to merak's layouts and to f32.
+pub fn read_hf_llama(dir: &Path) -> Result<HfLlama, HfLlamaError> {
+    let config_path = dir.join(CONFIG_FILE);
+    let config = llama_config_from_hf(&read_json(&config_path, MAX_CONFIG_BYTES)?, &config_path)?;
+    let (files, index) = weight_files(dir)?;
+    let specs = specs(&config);
+    let by_name: HashMap<&str, &Spec> = specs.iter().map(|s| (s.hf.as_str(), s)).collect();
+    let model = describe(&config);
+    let hd = config.head_dim();
+    let mut params = FullParams::new();
+    let mut notes = Vec::new();
+    let mut found: HashMap<String, PathBuf> = HashMap::new();
+    // A tied model's `lm_head.weight`, when saved: (file, values), compared with the table.
+    let mut tied_head: Option<(PathBuf, Vec<f32>)> = None;
+    let mut buffers = 0;
+    for path in &files {
+        regular_file(path, u64::MAX)?;
+        let bytes = std::fs::read(path).map_err(io(path))?;
+        check_layout(&bytes, path)?;
+        let st = SafeTensors::deserialize(&bytes).map_err(|e| HfLlamaError::Format {
+            path: path.clone(),
+            reason: format!("not a valid safetensors file: {e}"),
+        })?;
+        let unexpected = |tensor: &str, reason: String| HfLlamaError::Unexpected {
+            path: path.clone(),
+            tensor: tensor.into(),
+            reason,
+        };
+        let mut tensors = st.tensors();
+        tensors.sort_by(|a, b| a.0.cmp(&b.0));
+        for (name, view) in tensors {
+            let hf = canonical(&name);
+            if hf.ends_with("rotary_emb.inv_freq") {
+                buffers += 1;
+                continue;
+            }
+            if let Some((index_path, map)) = &index {
+                let listed = map.get(&name).map(|f| dir.join(f));
+                if listed.as_ref() != Some(path) {
+                    let reason = match listed {
+                        Some(other) => {
+                            format!("{} puts it in {}", index_path.display(), other.display())
+                        }
+                        None => format!("not listed in {}", index_path.display()),
+                    };
+                    return Err(unexpected(&name, reason));
+                }
+            }
+            if let Some(first) = found.get(&hf) {
+                return Err(unexpected(
+                    &name,
+                    format!("{} holds it too: the same tensor twice", first.display()),
+                ));
+            }
+            let shape = view.shape().to_vec();
+            if hf == "lm_head.weight" && config.tie_embeddings {
+                let want = vec![config.vocab, config.hidden];
+                if shape != want {
+                    return Err(HfLlamaError::Shape {
+                        path: path.clone(),
+                        tensor: name,
+                        file: shape,
+                        expected: want,
+                        model: model.clone(),
+                    });
+                }
+                tied_head = Some((
+                    path.clone(),
+                    finite(to_f32(&view, path, &name)?, path, &name)?,
+                ));
+                found.insert(hf, path.clone());
+                continue;
+            }
+            let Some(spec) = by_name.get(hf.as_str()) else {
+                let layer = (hf.strip_prefix("model.layers."))
+                    .and_then(|r| r.split_once('.'))
+                    .and_then(|(l, _)| l.parse::<usize>().ok());
+                let reason = match layer {
+                    Some(l) if l >= config.layers => format!(
+                        "config.json has {} layers (num_hidden_layers)",
+                        config.layers
+                    ),
+                    _ => "not a tensor of LlamaForCausalLM (biases are not supported)".into(),
+                };
+                return Err(unexpected(&name, reason));
+            };
+            if shape != spec.shape {
+                return Err(HfLlamaError::Shape {
+                    path: path.clone(),
+                    tensor: name,
+                    file: shape,
+                    expected: spec.shape.clone(),
+                    model: model.clone(),
+                });
+            }
+            let values = finite(to_f32(&view, path, &name)?, path, &name)?;
+            params.insert(spec.merak.clone(), to_ours(spec.layout, &shape, values, hd));
+            found.insert(hf, path.clone());
+        }
+    }
+    if buffers > 0 {
+        notes.push(format!(
+            "{buffers} rotary frequency buffers (rotary_emb.inv_freq) skipped: the model computes its own"
+        ));
+    }
+    let file_of = |hf: &str| match &index {
+        Some((index_path, map)) => map
+            .get(hf)
+            .map_or_else(|| index_path.clone(), |f| dir.join(f)),
+        None => files[0].clone(),
+    };
+    for spec in &specs {
+        if !found.contains_key(&spec.hf) {
+            return Err(HfLlamaError::Missing {
+                path: file_of(&spec.hf),
+                tensor: spec.hf.clone(),
+                model: model.clone(),
+            });
+        }
+    }
+    if let Some((_, map)) = &index
+        && let Some((tensor, file)) = map
+            .iter()
+            .find(|(t, _)| !found.contains_key(&canonical(t)) && !t.ends_with("inv_freq"))
+    {
+        return Err(HfLlamaError::Missing {
+            path: dir.join(file),
+            tensor: tensor.clone(),
+            model: format!("{INDEX_FILE} lists it there"),
+        });
+    }
+    if let Some((path, head)) = tied_head {
+        let table = &params["embed.tokens.weight"].1;
+        if head != *table {
+            return Err(HfLlamaError::Unexpected {
+                path,
+                tensor: "lm_head.weight".into(),
+                reason: "differs from model.embed_tokens.weight, but config.json has \
+                         tie_word_embeddings = true"
+                    .into(),
+            });
+        }
+        notes.push("lm_head.weight equals the token table (tied): not loaded twice".into());
+    }
+    Ok(HfLlama {
+        config,
+        params,
+        notes,
+    })
+}
+
+/// `values` if all are finite; else the error naming the first that is not.
+fn finite(values: Vec<f32>, path: &Path, tensor: &str) -> Result<Vec<f32>, HfLlamaError> {
+    match values.iter().position(|v| !v.is_finite()) {
+        None => Ok(values),
+        Some(index) => Err(HfLlamaError::NotFinite {
+            path: path.to_path_buf(),
+            tensor: tensor.into(),
+            index,
+            value: values[index],
+        }),
+    }
+}
+
+/// Checks the numbers of a safetensors file's header against the file's size before the
+/// safetensors crate uses them: the header length, and each tensor's data offsets and element
+/// count.
+fn check_layout(bytes: &[u8], path: &Path) -> Result<(), HfLlamaError> {
+    let bad = |reason: String| HfLlamaError::Format {
+        path: path.to_path_buf(),
+        reason: format!("not a valid safetensors file: {reason}"),
+    };
+    let file = bytes.len() as u64;
+    let Some(length) = bytes.first_chunk::<8>() else {
+        return Err(bad(format!(
+            "{file} bytes, too short for a safetensors file (it starts with an 8-byte header length)"
+        )));
+    };
+    let n = u64::from_le_bytes(*length);
+    let room = file - 8;
+    if n > room || n > MAX_HEADER_BYTES {
+        return Err(bad(format!(
+            "the header claims {n} bytes, but {room} follow its 8-byte length (at most \
+             {MAX_HEADER_BYTES} are read): cut short or not a safetensors file"
+        )));
+    }
+    let header = &bytes[8..8 + n as usize];
+    // A header that is not a JSON object is named by the safetensors crate.
+    let Ok(tensors) = serde_json::from_slice::<HashMap<String, Value>>(header) else {
+        return Ok(());
+    };
+    let data = room - n;
+    for (name, info) in tensors.iter().filter(|(name, _)| *name != "__metadata__") {
+        let numbers = |key: &str| -> Option<Vec<u64>> {
+            let list = info.get(key)?.as_array()?;
+            list.iter().map(Value::as_u64).collect()
+        };
+        if let Some([start, end]) = numbers("data_offsets").as_deref()
+            && (start > end || *end > data)
+        {
+            return Err(bad(format!(
+                "tensor {name}: data_offsets [{start}, {end}] lie outside the {data} bytes of data after the header"
+            )));
+        }
+        if let Some(shape) = numbers("shape") {
+            let elements = shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
+            if elements.is_none_or(|n| n / 8 > data) {
+                return Err(bad(format!(
+                    "tensor {name}: shape {shape:?} has more elements than the {data} bytes of data after the header hold"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// An IEEE half-precision number as f32 (exact).
+fn f16_to_f32(h: u16) -> f32 {
+    let sign = u32::from(h >> 15) << 31;
+    let exp = u32::from((h >> 10) & 0x1f);
+    let frac = u32::from(h & 0x3ff);
+    let bits = match exp {
+        0 if frac == 0 => sign,
+        0 => {
+            // Subnormal: frac * 2^-24.
+            let v = frac as f32 * f32::from_bits(0x3380_0000);
+            return if sign != 0 { -v } else { v };
+        }
+        0x1f => sign | 0x7f80_0000 | (frac << 13),
+        _ => sign | ((exp + 112) << 23) | (frac << 13),
+    };
+    f32::from_bits(bits)
+}
+
+/// The values of `view` (the tensor `name` of `path`) as f32.
+fn to_f32(view: &TensorView<'_>, path: &Path, name: &str) -> Result<Vec<f32>, HfLlamaError> {
+    let d = view.data();
+    Ok(match view.dtype() {
+        Dtype::F32 => d
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        Dtype::F64 => d
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32)
+            .collect(),
+        Dtype::BF16 => d
+            .chunks_exact(2)
+            .map(|c| f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16))
+            .collect(),
+        Dtype::F16 => d
+            .chunks_exact(2)
+            .map(|c| f16_to_f32(u16::from_le_bytes([c[0], c[1]])))
+            .collect(),
+        other => {
+            return Err(HfLlamaError::Dtype {
+                path: path.to_path_buf(),
+                tensor: name.into(),
+                dtype: format!("{other:?}"),
+            });
+        }
+    })
+}
+
+/// Writes `bytes` to `path` through a temporary file in the same folder, renamed into place.
+fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), HfLlamaError> {
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
+    let tmp = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
+    let written = std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written.map_err(io(path))
+}
+
+/// Whether `name` is a shard file name of `save_pretrained` (`model-00001-of-00003.safetensors`).
+fn is_shard_name(name: &str) -> bool {
+    let Some(rest) = name
+        .strip_prefix("model-")
+        .and_then(|r| r.strip_suffix(".safetensors"))
+    else {
+        return false;
+    };
+    let digits = |s: &str| s.len() == 5 && s.bytes().all(|b| b.is_ascii_digit());
+    rest.split_once("-of-")
+        .is_some_and(|(a, b)| digits(a) && digits(b))
+}
+
+/// Writes the model of shape `cfg` with parameters `params` (full size, by merak name, as
+/// [`read_hf_llama`] returns them or a checkpoint holds them) into folder `dir` as a
+/// `LlamaForCausalLM`: `config.json` and `model.safetensors` in f32, or, with
+/// `max_shard_bytes`, files `model-0000i-of-0000n.safetensors` of at most that many bytes of
+/// tensor data each (a larger tensor gets a file of its own) and `model.safetensors.index.json`.
+/// Weight files of the other form left in `dir` by an earlier export are removed. Returns the
+/// files written.
+pub fn write_hf_llama(
+    dir: &Path,
+    cfg: &LlamaConfig,
+    params: &FullParams,
+    max_shard_bytes: Option<u64>,
+) -> Result<Vec<PathBuf>, HfLlamaError> {
+    cfg.validate()?;
+    let specs = specs(cfg);
+    let hd = cfg.head_dim();
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::with_capacity(specs.len());
+    for spec in &specs {
+        let missing = || HfLlamaError::Params {
+            name: spec.merak.clone(),
+            reason: format!("missing (the model has {})", describe(cfg)),
+        };
+        let (shape, values) = params.get(&spec.merak).ok_or_else(missing)?;
+        let ours: Vec<usize> = match spec.layout {
+            Layout::Same => spec.shape.clone(),
+            _ => spec.shape.iter().rev().copied().collect(),
+        };
+        if *shape != ours || values.len() != ours.iter().product::<usize>() {
+            return Err(HfLlamaError::Params {
+                name: spec.merak.clone(),
+                reason: format!(
+                    "shape {shape:?} with {} values, the model ({}) has {ours:?}",
+                    values.len(),
+                    describe(cfg)
+                ),
+            });
+        }
+        let hf = to_hf(spec.layout, &ours, values, hd);
+        let bytes = hf.iter().flat_map(|v| v.to_le_bytes()).collect();
+        tensors.push((spec.hf.clone(), spec.shape.clone(), bytes));
+    }
+    if params.len() != specs.len() {
+        let known: BTreeSet<&str> = specs.iter().map(|s| s.merak.as_str()).collect();
+        let mut extra: Vec<&String> = params
+            .keys()
+            .filter(|k| !known.contains(k.as_str()))
+            .collect();
+        extra.sort();
+        if let Some(name) = extra.first() {
+            return Err(HfLlamaError::Params {
+                name: (*name).clone(),
+                reason: format!("not a parameter of the model ({})", describe(cfg)),
+            });
+        }
+    }
+    // Files of tensors, in module order.
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    let mut bytes_in_last = 0u64;
+    for (i, (_, _, bytes)) in tensors.iter().enumerate() {
+        let n = bytes.len() as u64;
+        match (groups.last_mut(), max_shard_bytes) {
+            (Some(last), Some(max)) if bytes_in_last.saturating_add(n) <= max => {
+                last.push(i);
+                bytes_in_last += n;
+            }
+            (Some(last), None) => last.push(i),
+            _ => {
+                groups.push(vec![i]);
+                bytes_in_last = n;
+            }
+        }
+    }
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let sharded = max_shard_bytes.is_some();
+    let count = groups.len();
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let mut written = Vec::new();
+    let mut weight_map = BTreeMap::new();
+    for (k, group) in groups.iter().enumerate() {
+        let name = if sharded {
+            format!("model-{:05}-of-{count:05}.safetensors", k + 1)
+        } else {
+            SINGLE_FILE.to_string()
+        };
+        let path = dir.join(&name);
+        let views = group
+            .iter()
+            .map(|&i| {
+                let (hf, shape, bytes) = &tensors[i];
+                weight_map.insert(hf.clone(), name.clone());
+                TensorView::new(Dtype::F32, shape.clone(), bytes).map(|v| (hf.clone(), v))
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| HfLlamaError::Format {
+                path: path.clone(),
+                reason: format!("encoding: {e}"),
+            })?;
+        let encoded = safetensors::serialize(views, Some(meta.clone())).map_err(|e| {
+            HfLlamaError::Format {
+                path: path.clone(),
+                reason: format!("encoding: {e}"),
+            }
+        })?;
+        write_atomically(&path, &encoded)?;
+        written.push(path);
+    }
+    if sharded {
+        let total: u64 = tensors.iter().map(|t| t.2.len() as u64).sum();
+        let index = json!({ "metadata": { "total_size": total }, "weight_map": weight_map });
+        let path = dir.join(INDEX_FILE);
+        let text = serde_json::to_vec_pretty(&index).map_err(|e| HfLlamaError::Format {
+            path: path.clone(),
+            reason: e.to_string(),
+        })?;
+        write_atomically(&path, &text)?;
+        written.push(path);
+    }
+    let config_path = dir.join(CONFIG_FILE);
+    let text =
+        serde_json::to_vec_pretty(&hf_config_json(cfg)).map_err(|e| HfLlamaError::Format {
+            path: config_path.clone(),
+            reason: e.to_string(),
+        })?;
+    write_atomically(&config_path, &text)?;
+    written.push(config_path);
+    // Weight files of the other form (or another shard count) would be read instead of, or
+    // with, these.
+    let entries = std::fs::read_dir(dir).map_err(io(dir))?;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let stale = if sharded {
+            name == SINGLE_FILE || is_shard_name(name)
+        } else {
+            name == INDEX_FILE || is_shard_name(name)
+        };
+        let path = dir.join(name);
+        if stale && !written.contains(&path) {
+            std::fs::remove_file(&path).map_err(io(&path))?;
+        }
+    }
+    Ok(written)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_rotary_permutation_is_a_permutation_and_export_inverts_import() {
+        for hd in [2, 4, 8, 16] {
+            let mut seen: Vec<usize> = (0..3 * hd).map(|o| rotary_source(o, hd)).collect();
+            seen.sort_unstable();
+            assert_eq!(seen, (0..3 * hd).collect::<Vec<_>>());
+        }
+        // Head width 4: ours [0, 1, 2, 3] are theirs [0, 2, 1, 3].
+        assert_eq!(
+            (0..8).map(|o| rotary_source(o, 4)).collect::<Vec<_>>(),
+            [0, 2, 1, 3, 4, 6, 5, 7]
+        );
+        let hf: Vec<f32> = (0..8 * 3).map(|i| i as f32).collect();
+        for layout in [Layout::Same, Layout::Transposed, Layout::Rotary] {
+            let (shape, ours) = to_ours(layout, &[8, 3], hf.clone(), 4);
+            assert_eq!(to_hf(layout, &shape, &ours, 4), hf, "{layout:?}");
+        }
+        let (shape, ours) = to_ours(Layout::Transposed, &[8, 3], hf.clone(), 4);
+        assert_eq!(shape, [3, 8]);
+        // ours[i][o] = hf[o][i]
+        assert_eq!(ours[8 + 2], hf[2 * 3 + 1]);
+    }
+
+    #[test]
+    fn shard_names_are_recognized() {
+        assert!(is_shard_name("model-00001-of-00003.safetensors"));
+        assert!(!is_shard_name("model-1-of-3.safetensors"));
+        assert!(!is_shard_name("model.safetensors"));
+        assert!(!plain_name("../x.safetensors"));
+        assert!(!plain_name("a/b"));
+        assert!(plain_name("model-00001-of-00002.safetensors"));
+    }
+
+    #[test]
+    fn f16_values_convert_exactly() {
+        for (bits, want) in [
+            (0x3c00u16, 1.0f32),
+            (0xc000, -2.0),
+            (0x3555, 0.333_251_95),
+            (0x0001, 5.960_464_5e-8),
+            (0x7bff, 65504.0),
+            (0x0000, 0.0),
+        ] {
+            assert_eq!(f16_to_f32(bits), want, "{bits:#06x}");
+        }
+        assert!(f16_to_f32(0x7c00).is_infinite() && f16_to_f32(0x7e00).is_nan());
+    }
+}
