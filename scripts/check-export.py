@@ -1,23 +1,26 @@
 #!/usr/bin/env python3
 """Checks a `merak export` against Hugging Face transformers.
 
-Loads the exported folder with `GPT2LMHeadModel.from_pretrained`, runs the prompt that
-`merak generate --logits-out FILE` wrote, and compares the logits at every position.
+Loads the exported folder with `GPT2LMHeadModel.from_pretrained` (a GPT export) or
+`BertForMaskedLM.from_pretrained` (a BERT export: `model_type` "bert" in its config.json),
+runs the ids of LOGITS_JSON (written by `merak generate --logits-out FILE` or
+`merak export --logits-out FILE`), and compares the logits at every position.
 
     python3 scripts/check-export.py EXPORT_FOLDER LOGITS_JSON [--tolerance 1e-4] [--expect-ids IDS]
 
-With --expect-ids (the last line of `merak generate --print-ids`, greedy), transformers'
-greedy `generate` must produce the same ids.
+With --expect-ids (the last line of `merak generate --print-ids`, greedy; GPT only),
+transformers' greedy `generate` must produce the same ids.
 
 Needs torch and transformers (`pip install torch transformers safetensors`). Exits non-zero
 when the largest difference, relative to the largest logit, exceeds the tolerance.
 """
 import argparse
 import json
+import os
 import sys
 
 import torch
-from transformers import GPT2LMHeadModel
+from transformers import BertForMaskedLM, GPT2LMHeadModel
 
 
 def main() -> int:
@@ -28,7 +31,12 @@ def main() -> int:
     p.add_argument("--expect-ids", default=None)
     a = p.parse_args()
 
-    model = GPT2LMHeadModel.from_pretrained(a.folder, dtype=torch.float32)
+    with open(os.path.join(a.folder, "config.json")) as f:
+        kind = json.load(f).get("model_type")
+    if kind == "bert" and a.expect_ids:
+        p.error("--expect-ids: a BERT does not generate")
+    cls = BertForMaskedLM if kind == "bert" else GPT2LMHeadModel
+    model = cls.from_pretrained(a.folder, dtype=torch.float32)
     model.eval()
     ref = json.load(open(a.logits))
     n, vocab = ref["shape"]
@@ -44,7 +52,7 @@ def main() -> int:
     rel = diff / max(scale, 1e-12)
     same_argmax = bool((theirs.argmax(-1) == ours.argmax(-1)).all())
     print(
-        f"{n} positions x {vocab} logits: max |transformers - merak| = {diff:.3e} "
+        f"{cls.__name__}: {n} positions x {vocab} logits: max |transformers - merak| = {diff:.3e} "
         f"(largest logit {scale:.3f}, relative {rel:.3e}); same arg-max at every position: {same_argmax}"
     )
     ok = rel <= a.tolerance and same_argmax

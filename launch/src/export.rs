@@ -1,12 +1,17 @@
-//! `merak export` and `merak generate`: using a trained GPT checkpoint outside training.
+//! `merak export` and `merak generate`: using a trained checkpoint outside training.
 //!
 //! Both run in one process on the CPU and read the checkpoint whatever layout wrote it: the
-//! shards are put back together at full size (see [`merak_burn::checkpoint`]).
+//! shards are put back together at full size (see [`merak_burn::checkpoint`]). `export`
+//! writes a GPT as Hugging Face `GPT2LMHeadModel` and a BERT as `BertForMaskedLM`
+//! ([`merak_bert::hf`] says what is done with the pieces merak's BERT lacks); `generate`
+//! takes GPT checkpoints.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
+use merak_bert::hf::{hf_bert_config, to_hf_bert};
+use merak_bert::{Bert, BertConfig};
 use merak_burn::backend::Cpu;
 use merak_burn::checkpoint::{Checkpoint, NamedTensor, shard_file, state, write_file_atomically};
 use merak_burn::grid::ProcessGrid;
@@ -25,9 +30,19 @@ pub struct ExportArgs {
     #[arg(long)]
     pub checkpoint: PathBuf,
     /// The safetensors file to write; `config.json` is written next to it, so that
-    /// `GPT2LMHeadModel.from_pretrained(<its folder>)` loads it.
+    /// `GPT2LMHeadModel.from_pretrained(<its folder>)` (a GPT) or
+    /// `BertForMaskedLM.from_pretrained(<its folder>)` (a BERT) loads it.
     #[arg(long)]
     pub output: PathBuf,
+    /// Also write the checkpoint's logits (merak's, one process) for `--logits-ids` as JSON
+    /// (`{"ids", "shape", "logits"}`), to compare the export with transformers
+    /// (`scripts/check-export.sh`).
+    #[arg(long)]
+    pub logits_out: Option<PathBuf>,
+    /// The token ids of `--logits-out`, comma-separated (at most `model.seq_len`); default:
+    /// 16 fixed ids (fewer for a shorter context), for a BERT every fifth one `[MASK]`.
+    #[arg(long, value_delimiter = ',', requires = "logits_out")]
+    pub logits_ids: Option<Vec<i64>>,
 }
 
 /// Arguments of `merak generate`.
@@ -68,8 +83,8 @@ pub struct GenerateArgs {
     pub logits_out: Option<PathBuf>,
 }
 
-/// The training config stored in a checkpoint; it must be a GPT.
-fn gpt_of(ck: &Checkpoint) -> Result<Config> {
+/// The training config stored in a checkpoint.
+fn config_of(ck: &Checkpoint) -> Result<Config> {
     let text = ck
         .manifest
         .extra
@@ -81,10 +96,18 @@ fn gpt_of(ck: &Checkpoint) -> Result<Config> {
                 ck.dir.display()
             )
         })?;
-    let cfg = config::load_text(Some((text, "the checkpoint's config")), &[])?;
+    Ok(config::load_text(
+        Some((text, "the checkpoint's config")),
+        &[],
+    )?)
+}
+
+/// The training config stored in a checkpoint; it must be a GPT.
+fn gpt_of(ck: &Checkpoint) -> Result<Config> {
+    let cfg = config_of(ck)?;
     if cfg.model.kind != "gpt" {
         bail!(
-            "{}: model.kind = {:?}; export and generate take GPT checkpoints",
+            "{}: model.kind = {:?}; generate takes GPT checkpoints",
             ck.dir.display(),
             cfg.model.kind
         );
@@ -92,20 +115,159 @@ fn gpt_of(ck: &Checkpoint) -> Result<Config> {
     Ok(cfg)
 }
 
-/// Writes the checkpoint as one GPT-2 safetensors file plus `config.json`.
+/// Writes the checkpoint as one Hugging Face safetensors file plus `config.json`: GPT-2 for a
+/// GPT, `BertForMaskedLM` for a BERT.
 pub fn export(args: &ExportArgs) -> Result<()> {
     crate::output_file(&args.output, "--output")?;
+    if let Some(path) = &args.logits_out {
+        crate::output_file(path, "--logits-out")?;
+    }
     let ck = Checkpoint::open(&args.checkpoint)?;
-    let cfg = gpt_of(&ck)?;
+    let cfg = config_of(&ck)?;
+    let ids = match &args.logits_out {
+        Some(_) => Some(logits_ids(args.logits_ids.as_deref(), &cfg)?),
+        None => None,
+    };
     let full = ck.read_full()?;
-    let shapes: HashMap<&str, &[usize]> = ck
-        .manifest
+    let (tensors, config) = match cfg.model.kind.as_str() {
+        "gpt" => (
+            gpt2_tensors(&ck, &cfg, &full.params)?,
+            hf_gpt2_config(&cfg.model.gpt),
+        ),
+        "bert" => (
+            bert_tensors(&ck, &cfg, &full.params)?,
+            hf_bert_config(&cfg.bert()),
+        ),
+        other => bail!(
+            "{}: model.kind = {other:?}; export takes GPT and BERT checkpoints",
+            ck.dir.display()
+        ),
+    };
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let bytes = shard_file::encode(&tensors, meta).map_err(|e| anyhow::anyhow!(e))?;
+    let folder = args
+        .output
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(folder).with_context(|| format!("creating {}", folder.display()))?;
+    write_file_atomically(&args.output, &bytes)?;
+    write_file_atomically(
+        &folder.join("config.json"),
+        &serde_json::to_vec_pretty(&config)?,
+    )?;
+    println!(
+        "wrote {} ({} tensors, step {}) and {}",
+        args.output.display(),
+        tensors.len(),
+        ck.manifest.step,
+        folder.join("config.json").display()
+    );
+    if let (Some(path), Some(ids)) = (&args.logits_out, ids) {
+        let seed = cfg.train.seed;
+        let (logits, vocab) = match cfg.model.kind.as_str() {
+            "bert" => {
+                let b = cfg.bert();
+                (
+                    load_bert(&ck, &b, seed)?.logits(ids_tensor(&ids)),
+                    b.vocab_size,
+                )
+            }
+            _ => {
+                let g = &cfg.model.gpt;
+                (
+                    load_gpt(&ck, g, seed)?.logits(ids_tensor(&ids)),
+                    g.vocab_size,
+                )
+            }
+        };
+        write_logits(logits, &ids, vocab, path)?;
+        println!("wrote {} (logits of {} ids)", path.display(), ids.len());
+    }
+    Ok(())
+}
+
+/// The ids of `--logits-out`: `given`, checked against the model, or 16 fixed ones.
+fn logits_ids(given: Option<&[i64]>, cfg: &Config) -> Result<Vec<i64>> {
+    let (vocab, seq) = (cfg.model.gpt.vocab_size, cfg.model.gpt.seq_len);
+    let ids = match given {
+        Some(ids) => ids.to_vec(),
+        None => {
+            let mask = (cfg.model.kind == "bert").then(|| cfg.bert().mask_token_id as i64);
+            (0..16.min(seq) as i64)
+                .map(|i| match mask {
+                    Some(m) if i % 5 == 2 => m,
+                    _ => (i * 31 + 7) % vocab as i64,
+                })
+                .collect()
+        }
+    };
+    if ids.is_empty() || ids.len() > seq {
+        bail!(
+            "--logits-ids: {} ids; give 1 to model.seq_len = {seq}",
+            ids.len()
+        );
+    }
+    if let Some(bad) = ids.iter().find(|&&t| t < 0 || t as usize >= vocab) {
+        bail!("--logits-ids: token {bad} is outside the model's vocabulary (0..{vocab})");
+    }
+    Ok(ids)
+}
+
+/// `ids` as a batch of one sequence.
+fn ids_tensor(ids: &[i64]) -> burn::tensor::Tensor<Cpu, 2, burn::tensor::Int> {
+    burn::tensor::Tensor::from_data(
+        burn::tensor::TensorData::new(ids.to_vec(), [1, ids.len()]),
+        &Default::default(),
+    )
+}
+
+/// The full-size shape of every parameter of the checkpoint.
+fn manifest_shapes(ck: &Checkpoint) -> HashMap<&str, &[usize]> {
+    ck.manifest
         .params
         .iter()
         .map(|p| (p.name.as_str(), p.shape.as_slice()))
+        .collect()
+}
+
+/// A BERT checkpoint's parameters as `BertForMaskedLM` tensors.
+fn bert_tensors(
+    ck: &Checkpoint,
+    cfg: &Config,
+    params: &HashMap<String, Vec<f32>>,
+) -> Result<Vec<NamedTensor>> {
+    let shapes = manifest_shapes(ck);
+    let full: merak_bert::hf_import::FullParams = params
+        .iter()
+        .map(|(name, values)| {
+            let shape = shapes
+                .get(name.as_str())
+                .map(|s| s.to_vec())
+                .unwrap_or_default();
+            (name.clone(), (shape, values.clone()))
+        })
         .collect();
+    let tensors = to_hf_bert(&cfg.bert(), &full).with_context(|| ck.dir.display().to_string())?;
+    Ok(tensors
+        .into_iter()
+        .map(|(name, shape, values)| NamedTensor {
+            name,
+            shape,
+            values,
+        })
+        .collect())
+}
+
+/// A GPT checkpoint's parameters as `GPT2LMHeadModel` tensors.
+fn gpt2_tensors(
+    ck: &Checkpoint,
+    cfg: &Config,
+    params: &HashMap<String, Vec<f32>>,
+) -> Result<Vec<NamedTensor>> {
+    let shapes = manifest_shapes(ck);
     let mut by_hf: HashMap<String, NamedTensor> = HashMap::new();
-    for (name, values) in &full.params {
+    for (name, values) in params {
         let hf = hf_gpt2_name(name)
             .with_context(|| format!("parameter {name} has no GPT-2 counterpart"))?;
         let shape = shapes
@@ -134,25 +296,19 @@ pub fn export(args: &ExportArgs) -> Result<()> {
         }
         tensors.push(t);
     }
-    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    let bytes = shard_file::encode(&tensors, meta).map_err(|e| anyhow::anyhow!(e))?;
-    let folder = args
-        .output
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    std::fs::create_dir_all(folder).with_context(|| format!("creating {}", folder.display()))?;
-    write_file_atomically(&args.output, &bytes)?;
-    let config = serde_json::to_vec_pretty(&hf_gpt2_config(&cfg.model.gpt))?;
-    write_file_atomically(&folder.join("config.json"), &config)?;
-    println!(
-        "wrote {} ({} tensors, step {}) and {}",
-        args.output.display(),
-        tensors.len(),
-        ck.manifest.step,
-        folder.join("config.json").display()
-    );
-    Ok(())
+    Ok(tensors)
+}
+
+/// Loads a BERT checkpoint into a one-process model.
+fn load_bert(ck: &Checkpoint, cfg: &BertConfig, seed: u64) -> Result<Bert<Cpu>> {
+    let grid = ProcessGrid::single();
+    let model = Bert::<Cpu>::new(cfg, seed, grid.tp, &Default::default())?;
+    let full = ck.read_full()?;
+    let shapes = state::param_shapes(&model);
+    let names: Vec<String> = shapes.iter().map(|p| p.name.clone()).collect();
+    ck.manifest.check_covers(&names)?;
+    let (params, _) = full.cut_for(&ck.manifest, &shapes, Shard::FULL, &[])?;
+    Ok(state::assign_params(model, params)?)
 }
 
 /// Loads a GPT checkpoint into a one-process model.
@@ -207,7 +363,8 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
     let model = load_gpt(&ck, g, cfg.train.seed)?;
     let grid = ProcessGrid::single();
     if let Some(path) = &args.logits_out {
-        write_logits(&model, &prompt, g, path)?;
+        let ids = &prompt[..prompt.len().min(g.seq_len)];
+        write_logits(model.logits(ids_tensor(ids)), ids, g.vocab_size, path)?;
     }
     let sampling = Sampling {
         temperature: args.temperature,
@@ -304,21 +461,21 @@ impl<'a> TextStream<'a> {
     }
 }
 
-/// Writes the logits of every position of `prompt` (at most the model's sequence length).
-fn write_logits(model: &Gpt<Cpu>, prompt: &[i64], g: &GptConfig, path: &Path) -> Result<()> {
-    use burn::tensor::{Int, Tensor, TensorData};
-    let ids = &prompt[..prompt.len().min(g.seq_len)];
+/// Writes `logits` (`[1, ids, V_pad]` of a one-process model) of every position of `ids`,
+/// the first `vocab` columns.
+fn write_logits(
+    logits: burn::tensor::Tensor<Cpu, 3>,
+    ids: &[i64],
+    vocab: usize,
+    path: &Path,
+) -> Result<()> {
     let n = ids.len();
-    let x = Tensor::<Cpu, 2, Int>::from_data(
-        TensorData::new(ids.to_vec(), [1, n]),
-        &Default::default(),
-    );
-    let logits = model.logits(x).narrow(2, 0, g.vocab_size);
     let values = logits
+        .narrow(2, 0, vocab)
         .into_data()
         .into_vec::<f32>()
         .map_err(|e| anyhow::anyhow!("{e:?}"))?;
-    let json = serde_json::json!({ "ids": ids, "shape": [n, g.vocab_size], "logits": values });
+    let json = serde_json::json!({ "ids": ids, "shape": [n, vocab], "logits": values });
     write_file_atomically(path, &serde_json::to_vec(&json)?)?;
     Ok(())
 }

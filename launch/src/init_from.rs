@@ -1,19 +1,22 @@
-//! `merak train --init-from`: start training from pretrained GPT-2 weights (a Hugging Face
-//! `GPT2LMHeadModel` safetensors file, or one `merak export` wrote).
+//! `merak train --init-from`: start training from pretrained weights: for a GPT
+//! (`model.kind = "gpt"`) a Hugging Face `GPT2LMHeadModel` safetensors file, for a BERT
+//! (`model.kind = "bert"`) a `BertForMaskedLM` one with its `config.json` (or a file
+//! `merak export` wrote).
 //!
 //! Every rank reads and checks the whole file against the config before anything is built
-//! ([`merak_gpt::hf_import`]), so a bad file stops every rank at once, naming the file; once
-//! the model is built, each rank cuts its TP shard of the units it holds from the full tensors
-//! with the checkpoint code ([`merak_burn::checkpoint::cut_full_params`]).
+//! ([`merak_gpt::hf_import`], [`merak_bert::hf_import`]), so a bad file stops every rank at
+//! once, naming the file; once the model is built, each rank cuts its TP shard of the units it
+//! holds from the full tensors with the checkpoint code
+//! ([`merak_burn::checkpoint::cut_full_params`]).
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
+use burn::module::Module;
 use merak_burn::checkpoint::{cut_full_params, state};
 use merak_burn::grid::ProcessGrid;
 use merak_burn::pipeline::PipelineModel;
 use merak_burn::tensor_parallel::{ParallelBackend, Shard};
-use merak_gpt::Gpt;
 use merak_gpt::hf_import::{FullParams, read_hf_gpt2};
 
 use crate::config::Config;
@@ -26,41 +29,46 @@ pub struct Pretrained {
     pub params: FullParams,
 }
 
-/// Reads `path` (and the `config.json` next to it) and checks it against the model of `cfg`;
-/// rank 0 (`log`) reports what differs without stopping the import.
+/// Reads `path` (and the `config.json` next to it) and checks it against the model of `cfg`
+/// (a GPT-2 file for a GPT, a `BertForMaskedLM` file for a BERT); rank 0 (`log`) reports
+/// what differs without stopping the import.
 pub fn open(path: &Path, cfg: &Config, log: bool) -> Result<Pretrained> {
-    if cfg.model.kind != "gpt" {
-        bail!(
-            "--init-from {}: model.kind = {:?}, but --init-from loads GPT-2 weights into a GPT (model.kind = \"gpt\")",
-            path.display(),
-            cfg.model.kind
-        );
-    }
-    let weights = read_hf_gpt2(path, &cfg.model.gpt)
-        .with_context(|| format!("--init-from {}", path.display()))?;
+    let context = || format!("--init-from {}", path.display());
+    let (params, notes) = match cfg.model.kind.as_str() {
+        "gpt" => {
+            let w = read_hf_gpt2(path, &cfg.model.gpt).with_context(context)?;
+            (w.params, w.notes)
+        }
+        "bert" => {
+            let w = merak_bert::hf_import::read_hf_bert(path, &cfg.bert()).with_context(context)?;
+            (w.params, w.notes)
+        }
+        other => bail!(
+            "--init-from {}: model.kind = {other:?}; --init-from loads GPT-2 weights into a GPT \
+             (model.kind = \"gpt\") and BertForMaskedLM weights into a BERT (model.kind = \"bert\")",
+            path.display()
+        ),
+    };
     if log {
-        for note in &weights.notes {
+        for note in &notes {
             tracing::warn!("--init-from: {note}");
         }
-        tracing::info!(
-            "init: {} parameters from {}",
-            weights.params.len(),
-            path.display()
-        );
+        tracing::info!("init: {} parameters from {}", params.len(), path.display());
     }
     Ok(Pretrained {
         path: path.to_path_buf(),
-        params: weights.params,
+        params,
     })
 }
 
-/// Replaces this rank's parameters of `model` (the units it holds, its TP shard, the head's
-/// copy of the token table included) by its pieces of the pretrained weights.
-pub fn apply<B: ParallelBackend>(
-    model: Gpt<B>,
-    pretrained: &Pretrained,
-    grid: &ProcessGrid,
-) -> Result<Gpt<B>> {
+/// Replaces this rank's parameters of `model` (a GPT or a BERT: the units it holds, its TP
+/// shard, the head's copy of the token table included) by its pieces of the pretrained
+/// weights.
+pub fn apply<B, M>(model: M, pretrained: &Pretrained, grid: &ProcessGrid) -> Result<M>
+where
+    B: ParallelBackend,
+    M: Module<B> + PipelineModel<B>,
+{
     let context = || format!("--init-from {}", pretrained.path.display());
     let shapes = state::param_shapes(&model);
     let shard = Shard {

@@ -257,7 +257,7 @@ fn a_bad_file_is_refused_on_every_rank_before_training() {
     let e = refused(0, &root.join("none.safetensors"), "init-bad-none", &[]);
     assert!(e.contains("none.safetensors"), "{e}");
 
-    // GPT only; not with --resume.
+    // GPT-2 weights into a BERT: config.json says so; not with --resume.
     let out = out_dir("init-bad-bert");
     let mut cmd = merak(0);
     cmd.arg("train")
@@ -270,7 +270,7 @@ fn a_bad_file_is_refused_on_every_rank_before_training() {
     let run = run_with_deadline(cmd, Duration::from_secs(60));
     assert_ne!(run.code, Some(0), "{run:?}");
     assert!(
-        run.stderr.contains("model.kind = \"bert\"") && !out.join("metrics.jsonl").exists(),
+        run.stderr.contains("`model_type` is \"gpt2\"") && !out.join("metrics.jsonl").exists(),
         "{run:?}"
     );
     let e = refused(

@@ -19,10 +19,16 @@
 //! - **No attention-probability dropout.** Dropout applies to the summed embeddings and to
 //!   both residual branches of every block; the attention layers have none of their own.
 //!
+//! Hugging Face `BertForMaskedLM` weights go in and out: [`hf`] maps the parameters (and says
+//! what is done with the token type table and the output bias merak's BERT lacks),
+//! [`hf_import`] reads and checks a safetensors file.
+//!
 //! Masking is deterministic ([`mask_tokens`]): every rank and every parallel layout masks a
 //! batch the same way, so the loss of a tp = N / dp = M run matches the single-process run.
 
 mod config;
+pub mod hf;
+pub mod hf_import;
 mod mask;
 mod model;
 

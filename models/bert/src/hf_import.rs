@@ -1,0 +1,1432 @@
+//! Pretrained BERT weights from a Hugging Face `BertForMaskedLM` safetensors file, as the
+//! full-size parameters of a merak BERT (what `merak train --init-from` starts from).
+//!
+//! The file is what `BertForMaskedLM.save_pretrained` or `merak export` writes: tensors named
+//! `bert.*` and `cls.predictions.*` (`BertModel` names without `bert.`, and the legacy
+//! `LayerNorm.gamma` / `LayerNorm.beta` of the original checkpoints, are accepted), in F32,
+//! F16, BF16 or F64 (converted to f32), with the model's `config.json` next to it. The
+//! config is required: the head count, the activation and the LayerNorm epsilon are not in
+//! the weights.
+//!
+//! Everything is checked before anything is returned, and every refusal is an error naming
+//! the file and the tensor (or `config.json` key):
+//!
+//! - the file's layout: the header length, each tensor's offsets and element count are
+//!   checked (with checked arithmetic) against the file's real size before the safetensors
+//!   crate reads them, so a truncated or hostile file allocates nothing of the size it claims;
+//! - `config.json`: the sizes must be the model's (the vocabulary may be smaller, padded with
+//!   zero rows; the position table longer, its first `model.seq_len` rows used), and the
+//!   computation merak's (exact `"gelu"`, `layer_norm_eps` equal to `model.layer_norm_eps`,
+//!   absolute positions, an encoder without cross-attention);
+//! - the tensors: an unknown, missing, duplicated or misshapen tensor, an unsupported dtype,
+//!   a NaN or an infinity;
+//! - what merak's BERT lacks (see [`crate::hf`]): the output bias must be all zeros and the
+//!   decoder (when the file holds one) the word embeddings; the token type table's row 0 is
+//!   folded into the position table (exact for token type ids 0), its other rows dropped with a
+//!   note; a pooler or next-sentence head is skipped with a note.
+//!
+//! The padding that tensor parallelism adds to the token table is not the business of this
+//! module: the full tensors have `model.vocab_size` rows, and cutting them for a TP rank pads
+//! them.
+
+use std::cmp::Ordering;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use thiserror::Error;
+
+use crate::BertConfig;
+use crate::hf::{
+    DECODER_BIAS, DECODER_WEIGHT, OUTPUT_BIAS, POSITION_EMBEDDINGS, TOKEN_TYPE_EMBEDDINGS,
+    WORD_EMBEDDINGS, describe, hf_bert_shapes, specs, to_ours,
+};
+
+/// Full-size parameters by merak parameter name: (shape, row-major values).
+pub type FullParams = HashMap<String, (Vec<usize>, Vec<f32>)>;
+
+/// The pretrained weights of a `BertForMaskedLM` safetensors file, checked against a model
+/// config.
+#[derive(Clone, Debug)]
+pub struct HfBertWeights {
+    /// Every parameter of the model (all pipeline stages, at full size, without the tied
+    /// head copy), by merak name.
+    pub params: FullParams,
+    /// Differences that do not stop the import but that the user should know about (the token
+    /// table padded, the position table cut, the token type table folded or cut, a pooler
+    /// skipped).
+    pub notes: Vec<String>,
+}
+
+/// A `BertForMaskedLM` file that does not fit the model; every variant names the file.
+#[derive(Debug, Error)]
+pub enum HfBertImportError {
+    /// Reading the file failed.
+    #[error("{}: {error}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The operating system's error.
+        error: std::io::Error,
+    },
+    /// The file is not a valid safetensors file (or `config.json` not valid JSON, or absent).
+    #[error("{}: {reason}", path.display())]
+    Format {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// `config.json` describes another model.
+    #[error("{}: `{key}` is {file}, but the model has {model}", path.display())]
+    Config {
+        /// The `config.json`.
+        path: PathBuf,
+        /// The key in `config.json`.
+        key: String,
+        /// Its value in the file.
+        file: String,
+        /// What the model needs, with the setting that holds it.
+        model: String,
+    },
+    /// A tensor has another shape than the model's parameter.
+    #[error(
+        "{}: tensor {tensor} has shape {file:?}, but the model ({model}) expects {expected:?}",
+        path.display()
+    )]
+    Shape {
+        /// The file.
+        path: PathBuf,
+        /// The tensor's name in the file.
+        tensor: String,
+        /// Its shape in the file.
+        file: Vec<usize>,
+        /// The shape the model needs.
+        expected: Vec<usize>,
+        /// The model's sizes.
+        model: String,
+    },
+    /// A parameter of the model has no tensor in the file.
+    #[error("{}: tensor {tensor} is missing ({needed})", path.display())]
+    Missing {
+        /// The `BertForMaskedLM` name of the missing tensor.
+        tensor: String,
+        /// The file.
+        path: PathBuf,
+        /// Why it is needed (the model's sizes).
+        needed: String,
+    },
+    /// A tensor the model cannot take.
+    #[error("{}: tensor {tensor}: {reason}", path.display())]
+    Unexpected {
+        /// The file.
+        path: PathBuf,
+        /// The tensor's name in the file.
+        tensor: String,
+        /// Why it cannot be loaded.
+        reason: String,
+    },
+    /// A tensor of an element type that is not converted.
+    #[error(
+        "{}: tensor {tensor} is {dtype}; F32, F16, BF16 and F64 tensors can be loaded",
+        path.display()
+    )]
+    Dtype {
+        /// The file.
+        path: PathBuf,
+        /// The tensor's name in the file.
+        tensor: String,
+        /// Its element type.
+        dtype: String,
+    },
+    /// A tensor holding a NaN or an infinity.
+    #[error(
+        "{}: tensor {tensor} holds {value} at index {index}: a model with non-finite weights is not loaded",
+        path.display()
+    )]
+    NonFinite {
+        /// The file.
+        path: PathBuf,
+        /// The tensor's name in the file.
+        tensor: String,
+        /// The first non-finite value.
+        value: f32,
+        /// Its flat index.
+        index: usize,
+    },
+}
+
+/// What `config.json` says about the sizes that may differ from the model's.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HfBertFileConfig {
+    /// `vocab_size`: rows of the word table (at most `model.vocab_size`).
+    pub vocab: usize,
+    /// `max_position_embeddings`: rows of the position table (at least `model.seq_len`).
+    pub positions: usize,
+    /// `type_vocab_size`: rows of the token type table (at least 1).
+    pub type_vocab: usize,
+    /// `tie_word_embeddings`: whether the decoder is the word table (then the file need not
+    /// hold it).
+    pub tied: bool,
+}
+
+/// Reads the `BertForMaskedLM` safetensors file at `path` and the `config.json` in its folder
+/// and checks them against `cfg`: the full-size parameters of the model, by merak name.
+pub fn read_hf_bert(path: &Path, cfg: &BertConfig) -> Result<HfBertWeights, HfBertImportError> {
+    let mut notes = Vec::new();
+    let folder = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let config_path = folder.join("config.json");
+    let Some(json) = read_config(&config_path)? else {
+        return Err(HfBertImportError::Format {
+            path: config_path,
+            reason: format!(
+                "missing: a BertForMaskedLM file ({}) needs its config.json next to it (the \
+                 head count, activation and LayerNorm epsilon are not in the weights)",
+                path.display()
+            ),
+        });
+    };
+    let file = check_hf_bert_config(&json, &config_path, cfg)?;
+    regular_file(path, u64::MAX)?;
+    let bytes = std::fs::read(path).map_err(io(path))?;
+    let params = decode_hf_bert(&bytes, path, cfg, &file, &mut notes)?;
+    Ok(HfBertWeights { params, notes })
+}
+
+/// The error of an I/O failure on `path`.
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> HfBertImportError {
+    let path = path.to_path_buf();
+    move |error| HfBertImportError::Io { path, error }
+}
+
+/// The largest `config.json` read (BERT's is under 1 KiB).
+const MAX_CONFIG_BYTES: u64 = 1 << 20;
+/// The largest safetensors header read (the safetensors crate's limit).
+const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+/// The size of `path` if it is a regular file (or a link to one) of at most `max` bytes:
+/// anything else (a FIFO, a device, a folder) is refused before it is opened.
+fn regular_file(path: &Path, max: u64) -> Result<u64, HfBertImportError> {
+    let m = std::fs::metadata(path).map_err(io(path))?;
+    let reason = if !m.is_file() {
+        "not a regular file (a folder, a FIFO or a device?)".to_string()
+    } else if m.len() > max {
+        format!("{} bytes, more than the {max} read", m.len())
+    } else {
+        return Ok(m.len());
+    };
+    Err(HfBertImportError::Format {
+        path: path.to_path_buf(),
+        reason,
+    })
+}
+
+/// `config.json` at `path` as JSON, `None` if there is none.
+fn read_config(path: &Path) -> Result<Option<serde_json::Value>, HfBertImportError> {
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(io(path)(e)),
+        Ok(_) => {}
+    }
+    regular_file(path, MAX_CONFIG_BYTES)?;
+    let text = std::fs::read(path).map_err(io(path))?;
+    serde_json::from_slice(&text)
+        .map(Some)
+        .map_err(|e| HfBertImportError::Format {
+            path: path.to_path_buf(),
+            reason: format!("not valid JSON: {e}"),
+        })
+}
+
+/// Checks the numbers of a safetensors file's header against the file's size before the
+/// safetensors crate uses them: the header length, and each tensor's data offsets and element
+/// count (the crate adds the last offset to the header length unchecked).
+fn check_layout(bytes: &[u8], path: &Path) -> Result<(), HfBertImportError> {
+    let bad = |reason: String| HfBertImportError::Format {
+        path: path.to_path_buf(),
+        reason: format!("not a valid safetensors file: {reason}"),
+    };
+    let file = bytes.len() as u64;
+    let Some(length) = bytes.first_chunk::<8>() else {
+        return Err(bad(format!(
+            "{file} bytes, too short for a safetensors file (it starts with an 8-byte header length)"
+        )));
+    };
+    let n = u64::from_le_bytes(*length);
+    let room = file - 8;
+    if n > room || n > MAX_HEADER_BYTES {
+        return Err(bad(format!(
+            "the header claims {n} bytes, but {room} follow its 8-byte length (at most \
+             {MAX_HEADER_BYTES} are read): cut short or not a safetensors file"
+        )));
+    }
+    let header = &bytes[8..8 + n as usize];
+    // A header that is not a JSON object is named by the safetensors crate.
+    let Ok(tensors) = serde_json::from_slice::<HashMap<String, serde_json::Value>>(header) else {
+        return Ok(());
+    };
+    let data = room - n;
+    let mut names: Vec<&String> = tensors.keys().filter(|n| *n != "__metadata__").collect();
+    names.sort();
+    for name in names {
+        check_tensor_layout(name, &tensors[name], data).map_err(bad)?;
+    }
+    Ok(())
+}
+
+/// Checks that tensor `name` of a header (`info`) lies within the `data` bytes after it:
+/// offsets in order and inside, no more elements than bits.
+fn check_tensor_layout(name: &str, info: &serde_json::Value, data: u64) -> Result<(), String> {
+    let numbers = |key: &str| -> Option<Vec<u64>> {
+        let list = info.get(key)?.as_array()?;
+        list.iter().map(serde_json::Value::as_u64).collect()
+    };
+    if let Some([start, end]) = numbers("data_offsets").as_deref()
+        && (start > end || *end > data)
+    {
+        return Err(format!(
+            "tensor {name}: data_offsets [{start}, {end}] lie outside the {data} bytes of data after the header"
+        ));
+    }
+    if let Some(shape) = numbers("shape") {
+        let elements = shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
+        if elements.is_none_or(|n| n / 8 > data) {
+            return Err(format!(
+                "tensor {name}: shape {shape:?} has more elements than the {data} bytes of data after the header hold"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Checks a `BertForMaskedLM` `config.json` (at `path`, for messages) against `cfg`: sizes
+/// that shape the model must agree (the vocabulary may be smaller and the positions more, see
+/// the module documentation), and so must the computation (activation, LayerNorm epsilon,
+/// position embedding type, encoder only). Absent keys take `BertConfig`'s defaults.
+pub fn check_hf_bert_config(
+    json: &serde_json::Value,
+    path: &Path,
+    cfg: &BertConfig,
+) -> Result<HfBertFileConfig, HfBertImportError> {
+    let mismatch = |key: &str, file: String, model: String| HfBertImportError::Config {
+        path: path.to_path_buf(),
+        key: key.into(),
+        file,
+        model,
+    };
+    let shown = |key: &str, default: &str| {
+        json.get(key)
+            .map_or_else(|| format!("{default} (the default)"), |v| v.to_string())
+    };
+    if !json.is_object() {
+        return Err(HfBertImportError::Format {
+            path: path.to_path_buf(),
+            reason: "not a JSON object".into(),
+        });
+    }
+    let text = |key: &str, default: &'static str| -> Option<String> {
+        match json.get(key) {
+            None | Some(serde_json::Value::Null) => Some(default.into()),
+            Some(v) => v.as_str().map(str::to_string),
+        }
+    };
+    if text("model_type", "bert").as_deref() != Some("bert") {
+        return Err(mismatch(
+            "model_type",
+            shown("model_type", "\"bert\""),
+            "\"bert\" (merak's BERT loads BertForMaskedLM files)".into(),
+        ));
+    }
+    let int = |key: &str, default: u64| -> Option<u64> {
+        match json.get(key) {
+            None | Some(serde_json::Value::Null) => Some(default),
+            Some(v) => v.as_u64(),
+        }
+    };
+    let h = cfg.hidden as u64;
+    // (key, BertConfig's default, what the model needs, its setting, how they may differ)
+    let checks = [
+        ("hidden_size", 768, h, "model.hidden", Ordering::Equal),
+        (
+            "num_hidden_layers",
+            12,
+            cfg.layers as u64,
+            "model.layers",
+            Ordering::Equal,
+        ),
+        (
+            "num_attention_heads",
+            12,
+            cfg.heads as u64,
+            "model.heads",
+            Ordering::Equal,
+        ),
+        (
+            "intermediate_size",
+            3072,
+            h.saturating_mul(4),
+            "an MLP of width 4 * model.hidden =",
+            Ordering::Equal,
+        ),
+        (
+            "vocab_size",
+            30522,
+            cfg.vocab_size as u64,
+            "model.vocab_size",
+            Ordering::Less,
+        ),
+        (
+            "max_position_embeddings",
+            512,
+            cfg.seq_len as u64,
+            "model.seq_len",
+            Ordering::Greater,
+        ),
+    ];
+    let mut values = HashMap::new();
+    for (key, default, model, setting, may) in checks {
+        let file = int(key, default);
+        if let Some(f) = file
+            && (f == model || f.cmp(&model) == may)
+            && (f > 0)
+        {
+            values.insert(key, f);
+            continue;
+        }
+        let bound = match may {
+            Ordering::Less => " (the file's vocabulary may be smaller, not larger)",
+            Ordering::Greater => " (the file may have more positions, not fewer)",
+            Ordering::Equal => "",
+        };
+        let eq = if setting.ends_with('=') { " " } else { " = " };
+        return Err(mismatch(
+            key,
+            shown(key, &default.to_string()),
+            format!("{setting}{eq}{model}{bound}"),
+        ));
+    }
+    let type_vocab = match int("type_vocab_size", 2) {
+        Some(t) if t >= 1 => t,
+        _ => {
+            return Err(mismatch(
+                "type_vocab_size",
+                shown("type_vocab_size", "2"),
+                "a token type table of at least 1 row (merak uses token type 0)".into(),
+            ));
+        }
+    };
+    let act = text("hidden_act", "gelu");
+    if !matches!(act.as_deref(), Some("gelu" | "gelu_python")) {
+        return Err(mismatch(
+            "hidden_act",
+            shown("hidden_act", "\"gelu\""),
+            "the exact (erf) GELU, \"gelu\" (merak's BERT has no other activation)".into(),
+        ));
+    }
+    let eps = match json.get("layer_norm_eps") {
+        None | Some(serde_json::Value::Null) => Some(1e-12),
+        Some(v) => v.as_f64(),
+    };
+    let want = cfg.layer_norm_eps;
+    if eps.is_none_or(|e| !(e.is_finite() && (e - want).abs() <= 1e-6 * want.abs())) {
+        return Err(mismatch(
+            "layer_norm_eps",
+            shown("layer_norm_eps", "1e-12"),
+            format!("model.layer_norm_eps = {want:e} (set it to the file's value)"),
+        ));
+    }
+    if text("position_embedding_type", "absolute").as_deref() != Some("absolute") {
+        return Err(mismatch(
+            "position_embedding_type",
+            shown("position_embedding_type", "\"absolute\""),
+            "learned absolute positions (\"absolute\")".into(),
+        ));
+    }
+    let flag = |key: &str, default: bool| match json.get(key) {
+        None | Some(serde_json::Value::Null) => Some(default),
+        Some(v) => v.as_bool(),
+    };
+    for key in ["is_decoder", "add_cross_attention"] {
+        if flag(key, false) != Some(false) {
+            return Err(mismatch(
+                key,
+                shown(key, "false"),
+                "a bidirectional encoder without cross-attention (false)".into(),
+            ));
+        }
+    }
+    let Some(tied) = flag("tie_word_embeddings", true) else {
+        return Err(mismatch(
+            "tie_word_embeddings",
+            shown("tie_word_embeddings", "true"),
+            "a decoder tied to the word embeddings (true)".into(),
+        ));
+    };
+    // The values fit in usize: they equal or are bounded by the model's sizes (the positions
+    // only from below, so they are clamped; a larger count is only compared with the file).
+    let size = |key: &str| usize::try_from(values[key]).unwrap_or(usize::MAX);
+    Ok(HfBertFileConfig {
+        vocab: size("vocab_size"),
+        positions: size("max_position_embeddings"),
+        type_vocab: usize::try_from(type_vocab).unwrap_or(usize::MAX),
+        tied,
+    })
+}
+
+/// The name of a tensor as `BertForMaskedLM` saves it: `BertModel`'s names get `bert.`, the
+/// legacy `LayerNorm.gamma` / `beta` become `weight` / `bias`.
+fn canonical(name: &str) -> String {
+    let mut n = if name.starts_with("bert.") || name.starts_with("cls.") {
+        name.to_string()
+    } else {
+        format!("bert.{name}")
+    };
+    for (old, new) in [
+        (".LayerNorm.gamma", ".LayerNorm.weight"),
+        (".LayerNorm.beta", ".LayerNorm.bias"),
+    ] {
+        if let Some(stem) = n.strip_suffix(old) {
+            n = format!("{stem}{new}");
+        }
+    }
+    n
+}
+
+/// The encoder layer a `BertForMaskedLM` name belongs to.
+fn layer_of(name: &str) -> Option<usize> {
+    let rest = name.strip_prefix("bert.encoder.layer.")?;
+    rest.split_once('.')?.0.parse().ok()
+}
+
+/// Decodes a `BertForMaskedLM` safetensors file (`bytes`, read from `path`) whose
+/// `config.json` said `file`, and checks every tensor against `cfg`; differences that are
+/// bridged are added to `notes`.
+pub fn decode_hf_bert(
+    bytes: &[u8],
+    path: &Path,
+    cfg: &BertConfig,
+    file: &HfBertFileConfig,
+    notes: &mut Vec<String>,
+) -> Result<FullParams, HfBertImportError> {
+    check_layout(bytes, path)?;
+    let st = SafeTensors::deserialize(bytes).map_err(|e| HfBertImportError::Format {
+        path: path.to_path_buf(),
+        reason: format!("not a valid safetensors file: {e}"),
+    })?;
+    let unexpected = |tensor: &str, reason: String| HfBertImportError::Unexpected {
+        path: path.to_path_buf(),
+        tensor: tensor.into(),
+        reason,
+    };
+    // The file's shapes: the model's, with the vocabulary and positions config.json gives.
+    let file_shape = BertConfig {
+        vocab_size: file.vocab,
+        seq_len: file.positions,
+        ..cfg.clone()
+    };
+    let expected = hf_bert_shapes(&file_shape, file.type_vocab);
+    let model = format!(
+        "{}; config.json: vocab_size = {}, max_position_embeddings = {}, type_vocab_size = {}",
+        describe(cfg),
+        file.vocab,
+        file.positions,
+        file.type_vocab
+    );
+    let mut found: HashMap<String, (String, TensorView<'_>)> = HashMap::new();
+    let mut skipped = Vec::new();
+    let mut tensors = st.tensors();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    for (name, view) in tensors {
+        let canonical = canonical(&name);
+        match canonical.as_str() {
+            // Buffers of transformers' embeddings, not parameters.
+            "bert.embeddings.position_ids" | "bert.embeddings.token_type_ids" => continue,
+            n if n.starts_with("bert.pooler.") || n.starts_with("cls.seq_relationship.") => {
+                skipped.push(name);
+                continue;
+            }
+            _ => {}
+        }
+        let known = canonical == DECODER_WEIGHT
+            || canonical == DECODER_BIAS
+            || expected.iter().any(|(n, _)| *n == canonical);
+        if !known {
+            let reason = match layer_of(&canonical) {
+                Some(_) => format!(
+                    "the model has {} layers (model.layers), the file has more",
+                    cfg.layers
+                ),
+                None => "not a tensor of BertForMaskedLM".into(),
+            };
+            return Err(unexpected(&name, reason));
+        }
+        if let Some((first, _)) = found.insert(canonical, (name.clone(), view)) {
+            return Err(unexpected(
+                &name,
+                format!("the file also holds {first}: the same tensor twice"),
+            ));
+        }
+    }
+    if !skipped.is_empty() {
+        notes.push(format!(
+            "{}: {} skipped (the pooler and the next-sentence head do not take part in masked language modelling)",
+            path.display(),
+            skipped.join(", ")
+        ));
+    }
+
+    // Every tensor of the file, checked and as f32, by canonical name.
+    let mut hf: HashMap<&str, Vec<f32>> = HashMap::new();
+    for (canonical, want) in &expected {
+        let Some((name, view)) = found.get(canonical) else {
+            return Err(HfBertImportError::Missing {
+                tensor: canonical.clone(),
+                path: path.to_path_buf(),
+                needed: format!("the model has {model}"),
+            });
+        };
+        if view.shape() != want.as_slice() {
+            return Err(HfBertImportError::Shape {
+                path: path.to_path_buf(),
+                tensor: name.clone(),
+                file: view.shape().to_vec(),
+                expected: want.clone(),
+                model: model.clone(),
+            });
+        }
+        hf.insert(canonical.as_str(), finite_f32(view, path, name)?);
+    }
+
+    // The tied decoder: the word table itself.
+    match found.get(DECODER_WEIGHT) {
+        Some((name, view)) => {
+            let table = &hf[WORD_EMBEDDINGS];
+            let same =
+                view.shape() == [file.vocab, cfg.hidden] && finite_f32(view, path, name)? == *table;
+            if !same {
+                return Err(unexpected(
+                    name,
+                    "differs from bert.embeddings.word_embeddings.weight: merak's decoder is \
+                     tied to the word embeddings, so an untied decoder cannot be loaded"
+                        .into(),
+                ));
+            }
+        }
+        None if !file.tied => {
+            return Err(HfBertImportError::Missing {
+                tensor: DECODER_WEIGHT.into(),
+                path: path.to_path_buf(),
+                needed: "config.json says tie_word_embeddings = false, so the decoder is not the \
+                         word table; merak's decoder is, and a file of an untied decoder must \
+                         hold it to show it equal"
+                    .into(),
+            });
+        }
+        None => {}
+    }
+    // The output bias merak's head does not have: it must be all zeros.
+    let mut biases = vec![(OUTPUT_BIAS.to_string(), hf[OUTPUT_BIAS].clone())];
+    if let Some((name, view)) = found.get(DECODER_BIAS) {
+        if view.shape() != [file.vocab] {
+            return Err(HfBertImportError::Shape {
+                path: path.to_path_buf(),
+                tensor: name.clone(),
+                file: view.shape().to_vec(),
+                expected: vec![file.vocab],
+                model: model.clone(),
+            });
+        }
+        biases.push((name.clone(), finite_f32(view, path, name)?));
+    }
+    for (name, values) in &biases {
+        if let Some((index, value)) = values.iter().enumerate().find(|(_, v)| **v != 0.0) {
+            return Err(unexpected(
+                name,
+                format!(
+                    "holds {value} at index {index}, not 0: merak's BERT has no output bias (its \
+                     decoder is the tied word embedding alone), so a non-zero bias cannot be \
+                     loaded without changing every logit"
+                ),
+            ));
+        }
+    }
+
+    let (h, v, s) = (cfg.hidden, cfg.vocab_size, cfg.seq_len);
+    // Token type 0, the only segment merak's BERT sees, joins the position embeddings.
+    let types = &hf[TOKEN_TYPE_EMBEDDINGS];
+    let type0 = &types[..h];
+    let mut positions = hf[POSITION_EMBEDDINGS][..s * h].to_vec();
+    if type0.iter().any(|&x| x != 0.0) {
+        for row in positions.chunks_mut(h) {
+            for (p, t) in row.iter_mut().zip(type0) {
+                *p += t;
+            }
+        }
+        notes.push(format!(
+            "{}: {TOKEN_TYPE_EMBEDDINGS} row 0 (token type 0, the only segment merak's BERT \
+             sees) is added to every position embedding",
+            path.display()
+        ));
+    }
+    if types.chunks(h).skip(1).any(|row| row != type0) {
+        notes.push(format!(
+            "{}: {TOKEN_TYPE_EMBEDDINGS} rows 1..{} are dropped: merak's BERT has no segments, \
+             so it computes what BERT computes for token type ids 0",
+            path.display(),
+            file.type_vocab
+        ));
+    }
+    if file.vocab < v {
+        notes.push(format!(
+            "{}: {WORD_EMBEDDINGS} has {} rows, padded with zero rows to model.vocab_size = {v}",
+            path.display(),
+            file.vocab
+        ));
+    }
+    if file.positions > s {
+        notes.push(format!(
+            "{}: {POSITION_EMBEDDINGS} has {} positions, the first model.seq_len = {s} are used",
+            path.display(),
+            file.positions
+        ));
+    }
+
+    let mut params = FullParams::new();
+    for spec in specs(cfg) {
+        let values = match spec.ours.as_str() {
+            "wte.embedding.weight" => {
+                let mut table = hf[WORD_EMBEDDINGS].clone();
+                table.resize(v * h, 0.0);
+                table
+            }
+            "wpe.weight" => positions.clone(),
+            _ => {
+                let parts: Vec<(&[usize], &[f32])> = spec
+                    .hf
+                    .iter()
+                    .map(|(name, shape)| (shape.as_slice(), hf[name.as_str()].as_slice()))
+                    .collect();
+                to_ours(spec.layout, &parts)
+            }
+        };
+        params.insert(spec.ours, (spec.shape, values));
+    }
+    Ok(params)
+}
+
+/// An IEEE half-precision number as f32 (exact).
+fn f16_to_f32(h: u16) -> f32 {
+    let sign = u32::from(h >> 15) << 31;
+    let exp = u32::from((h >> 10) & 0x1f);
+    let frac = u32::from(h & 0x3ff);
+    let bits = match exp {
+        0 if frac == 0 => sign,
+        0 => {
+            // Subnormal: frac * 2^-24.
+            let v = frac as f32 * f32::from_bits(0x3380_0000);
+            return if sign != 0 { -v } else { v };
+        }
+        0x1f => sign | 0x7f80_0000 | (frac << 13),
+        _ => sign | ((exp + 112) << 23) | (frac << 13),
+    };
+    f32::from_bits(bits)
+}
+
+/// The values of `view` (the tensor `name` of `path`) as f32, refused if one is not finite.
+fn finite_f32(
+    view: &TensorView<'_>,
+    path: &Path,
+    name: &str,
+) -> Result<Vec<f32>, HfBertImportError> {
+    let d = view.data();
+    let values: Vec<f32> = match view.dtype() {
+        Dtype::F32 => d
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        Dtype::F64 => d
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32)
+            .collect(),
+        Dtype::BF16 => d
+            .chunks_exact(2)
+            .map(|c| f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16))
+            .collect(),
+        Dtype::F16 => d
+            .chunks_exact(2)
+            .map(|c| f16_to_f32(u16::from_le_bytes([c[0], c[1]])))
+            .collect(),
+        other => {
+            return Err(HfBertImportError::Dtype {
+                path: path.to_path_buf(),
+                tensor: name.into(),
+                dtype: format!("{other:?}"),
+            });
+        }
+    };
+    if let Some((index, &value)) = values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+        return Err(HfBertImportError::NonFinite {
+            path: path.to_path_buf(),
+            tensor: name.into(),
+            value,
+            index,
+        });
+    }
+    Ok(values)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hf::{hf_bert_config, to_hf_bert};
+
+    /// A BERT with an odd vocabulary (padded under tp = 2).
+    fn tiny() -> BertConfig {
+        BertConfig {
+            vocab_size: 101,
+            layers: 2,
+            heads: 4,
+            hidden: 32,
+            seq_len: 16,
+            mask_token_id: 100,
+            ..BertConfig::preset("tiny").unwrap()
+        }
+    }
+
+    type Tensors = Vec<(String, Vec<usize>, Vec<f32>)>;
+
+    /// A fresh folder for one test.
+    fn folder(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!(
+            "merak-bert-hf-import-{}-{name}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    /// Distinct values for every tensor of a `BertForMaskedLM` of shape `cfg` (two token
+    /// types, both zero; a zero output bias): (name, shape, values).
+    fn tensors(cfg: &BertConfig) -> Tensors {
+        hf_bert_shapes(cfg, 2)
+            .into_iter()
+            .enumerate()
+            .map(|(k, (name, shape))| {
+                let n: usize = shape.iter().product();
+                let zero = name == OUTPUT_BIAS || name == TOKEN_TYPE_EMBEDDINGS;
+                let values = (0..n)
+                    .map(|i| {
+                        if zero {
+                            0.0
+                        } else {
+                            k as f32 + i as f32 / 1024.0
+                        }
+                    })
+                    .collect();
+                (name, shape, values)
+            })
+            .collect()
+    }
+
+    /// Writes `tensors` as `dtype` (F32, BF16 or I32 from the f32 values) into
+    /// `dir/model.safetensors`.
+    fn write(dir: &Path, tensors: &Tensors, dtype: Dtype) -> PathBuf {
+        let bytes: Vec<Vec<u8>> = tensors
+            .iter()
+            .map(|(_, _, v)| match dtype {
+                Dtype::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                Dtype::BF16 => v
+                    .iter()
+                    .flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes())
+                    .collect(),
+                Dtype::I32 => v.iter().flat_map(|x| (*x as i32).to_le_bytes()).collect(),
+                _ => unreachable!(),
+            })
+            .collect();
+        let views: Vec<(String, TensorView<'_>)> = tensors
+            .iter()
+            .zip(&bytes)
+            .map(|((n, s, _), b)| (n.clone(), TensorView::new(dtype, s.clone(), b).unwrap()))
+            .collect();
+        let path = dir.join("model.safetensors");
+        std::fs::write(&path, safetensors::serialize(views, None).unwrap()).unwrap();
+        path
+    }
+
+    fn write_json(dir: &Path, json: &serde_json::Value) {
+        std::fs::write(dir.join("config.json"), json.to_string()).unwrap();
+    }
+
+    /// A folder with the tiny BERT's `tensors` (edited by `edit`) and its config.json (edited
+    /// by `config`); the error of reading it.
+    fn refusal(
+        name: &str,
+        edit: impl FnOnce(&mut Tensors),
+        config: impl FnOnce(&mut serde_json::Value),
+    ) -> String {
+        let dir = folder(name);
+        let mut t = tensors(&tiny());
+        edit(&mut t);
+        let path = write(&dir, &t, Dtype::F32);
+        let mut json = hf_bert_config(&tiny());
+        config(&mut json);
+        write_json(&dir, &json);
+        read_hf_bert(&path, &tiny()).unwrap_err().to_string()
+    }
+
+    fn find<'a>(t: &'a mut Tensors, name: &str) -> &'a mut (String, Vec<usize>, Vec<f32>) {
+        t.iter_mut().find(|x| x.0 == name).unwrap()
+    }
+
+    #[test]
+    fn import_then_export_gives_the_file_back_and_export_then_import_the_params() {
+        let cfg = tiny();
+        let dir = folder("roundtrip");
+        let t = tensors(&cfg);
+        let path = write(&dir, &t, Dtype::F32);
+        write_json(&dir, &hf_bert_config(&cfg));
+        let w = read_hf_bert(&path, &cfg).unwrap();
+        assert!(w.notes.is_empty(), "{:?}", w.notes);
+        assert_eq!(w.params.len(), specs(&cfg).len());
+        let mut back = to_hf_bert(&cfg, &w.params).unwrap();
+        let mut want = t.clone();
+        back.sort_by(|a, b| a.0.cmp(&b.0));
+        want.sort_by(|a, b| a.0.cmp(&b.0));
+        assert_eq!(back, want);
+
+        // merak parameters -> file -> merak parameters, bit for bit.
+        let params: FullParams = specs(&cfg)
+            .into_iter()
+            .enumerate()
+            .map(|(k, s)| {
+                let n: usize = s.shape.iter().product();
+                let v = (0..n)
+                    .map(|i| ((k * 7919 + i) % 1013) as f32 * 1e-3 - 0.5)
+                    .collect();
+                (s.ours, (s.shape, v))
+            })
+            .collect();
+        let dir = folder("roundtrip-merak");
+        let path = write(&dir, &to_hf_bert(&cfg, &params).unwrap(), Dtype::F32);
+        write_json(&dir, &hf_bert_config(&cfg));
+        assert_eq!(read_hf_bert(&path, &cfg).unwrap().params, params);
+    }
+
+    #[test]
+    fn token_type_zero_joins_the_positions_and_the_other_types_are_noted() {
+        let cfg = tiny();
+        let h = cfg.hidden;
+        let dir = folder("types");
+        let mut t = tensors(&cfg);
+        let types: Vec<f32> = (0..2 * h).map(|i| i as f32 * 0.01 - 0.3).collect();
+        find(&mut t, TOKEN_TYPE_EMBEDDINGS).2 = types.clone();
+        let path = write(&dir, &t, Dtype::F32);
+        write_json(&dir, &hf_bert_config(&cfg));
+        let w = read_hf_bert(&path, &cfg).unwrap();
+        let pos = &find(&mut t, POSITION_EMBEDDINGS).2.clone();
+        let (shape, got) = &w.params["wpe.weight"];
+        assert_eq!(shape, &vec![16, 32]);
+        for (i, g) in got.iter().enumerate() {
+            assert_eq!(*g, pos[i] + types[i % h], "{i}");
+        }
+        assert_eq!(w.notes.len(), 2, "{:?}", w.notes);
+        assert!(w.notes[0].contains("row 0") && w.notes[1].contains("rows 1..2 are dropped"));
+    }
+
+    #[test]
+    fn legacy_and_bertmodel_names_buffers_a_pooler_and_a_tied_decoder_are_accepted() {
+        let cfg = tiny();
+        let dir = folder("names");
+        let mut t: Tensors = tensors(&cfg)
+            .into_iter()
+            .map(|(n, s, v)| {
+                let n = n.replace("LayerNorm.weight", "LayerNorm.gamma");
+                let n = n.replace("LayerNorm.bias", "LayerNorm.beta");
+                (
+                    n.strip_prefix("bert.").map_or(n.clone(), str::to_string),
+                    s,
+                    v,
+                )
+            })
+            .collect();
+        let table = t
+            .iter()
+            .find(|x| x.0 == "embeddings.word_embeddings.weight")
+            .unwrap();
+        let table = table.clone();
+        t.push((DECODER_WEIGHT.into(), table.1.clone(), table.2.clone()));
+        t.push((DECODER_BIAS.into(), vec![101], vec![0.0; 101]));
+        t.push(("embeddings.position_ids".into(), vec![1, 16], vec![0.0; 16]));
+        t.push(("pooler.dense.weight".into(), vec![32, 32], vec![1.0; 1024]));
+        t.push(("cls.seq_relationship.bias".into(), vec![2], vec![1.0; 2]));
+        let path = write(&dir, &t, Dtype::F32);
+        write_json(&dir, &hf_bert_config(&cfg));
+        let w = read_hf_bert(&path, &cfg).unwrap();
+        assert_eq!(w.params["wte.embedding.weight"].1, table.2);
+        let ln = t
+            .iter()
+            .find(|x| x.0 == "encoder.layer.1.output.LayerNorm.beta")
+            .unwrap();
+        assert_eq!(w.params["layers.1.ln_2.beta"].1, ln.2);
+        assert_eq!(w.notes.len(), 1, "{:?}", w.notes);
+        assert!(
+            w.notes[0].contains("cls.seq_relationship.bias, pooler.dense.weight skipped"),
+            "{:?}",
+            w.notes
+        );
+
+        // An untied decoder, a non-zero decoder bias, a name twice.
+        let k = t.iter().position(|x| x.0 == DECODER_WEIGHT).unwrap();
+        t[k].2[5] += 1.0;
+        let path = write(&dir, &t, Dtype::F32);
+        let e = read_hf_bert(&path, &cfg).unwrap_err().to_string();
+        assert!(
+            e.contains("names/model.safetensors")
+                && e.contains("tensor cls.predictions.decoder.weight: differs"),
+            "{e}"
+        );
+        t[k].2[5] -= 1.0;
+        find(&mut t, DECODER_BIAS).2[7] = 0.25;
+        let path = write(&dir, &t, Dtype::F32);
+        let e = read_hf_bert(&path, &cfg).unwrap_err().to_string();
+        assert!(
+            e.contains("tensor cls.predictions.decoder.bias: holds 0.25 at index 7"),
+            "{e}"
+        );
+        find(&mut t, DECODER_BIAS).2[7] = 0.0;
+        t.push((
+            "bert.embeddings.LayerNorm.weight".into(),
+            vec![32],
+            vec![1.0; 32],
+        ));
+        let path = write(&dir, &t, Dtype::F32);
+        let e = read_hf_bert(&path, &cfg).unwrap_err().to_string();
+        assert!(e.contains("the same tensor twice"), "{e}");
+    }
+
+    #[test]
+    fn what_merak_lacks_is_refused_when_not_neutral() {
+        let e = refusal("bias", |t| find(t, OUTPUT_BIAS).2[3] = -0.5, |_| {});
+        assert!(
+            e.contains("bias/model.safetensors")
+                && e.contains("tensor cls.predictions.bias: holds -0.5 at index 3, not 0")
+                && e.contains("no output bias"),
+            "{e}"
+        );
+        // An untied decoder the file does not hold.
+        let e = refusal(
+            "untied",
+            |_| {},
+            |j| j["tie_word_embeddings"] = false.into(),
+        );
+        assert!(
+            e.contains("tensor cls.predictions.decoder.weight is missing")
+                && e.contains("tie_word_embeddings = false"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn computation_differences_in_config_json_are_refused_naming_the_key() {
+        let cases: [(&str, serde_json::Value, &str); 10] = [
+            ("hidden_act", "gelu_new".into(), "exact (erf) GELU"),
+            (
+                "layer_norm_eps",
+                1e-5.into(),
+                "model.layer_norm_eps = 1e-12",
+            ),
+            ("position_embedding_type", "relative_key".into(), "absolute"),
+            ("is_decoder", true.into(), "bidirectional encoder"),
+            ("model_type", "roberta".into(), "BertForMaskedLM"),
+            ("num_attention_heads", 2.into(), "model.heads = 4"),
+            ("intermediate_size", 64.into(), "4 * model.hidden = 128"),
+            ("hidden_size", "32".into(), "model.hidden = 32"),
+            (
+                "vocab_size",
+                200.into(),
+                "model.vocab_size = 101 (the file's vocabulary may be smaller",
+            ),
+            ("type_vocab_size", 0.into(), "at least 1 row"),
+        ];
+        for (key, value, want) in cases {
+            let shown = value.to_string();
+            let e = refusal("config", |_| {}, |j| j[key] = value);
+            assert!(
+                e.contains("config/config.json")
+                    && e.contains(&format!("`{key}` is {shown}"))
+                    && e.contains(want),
+                "{key}: {e}"
+            );
+        }
+        // An absent key is BertConfig's default, named as such.
+        let e = refusal(
+            "config-default",
+            |_| {},
+            |j| {
+                j.as_object_mut().unwrap().remove("num_hidden_layers");
+            },
+        );
+        assert!(e.contains("`num_hidden_layers` is 12 (the default)"), "{e}");
+        // gelu_python is the exact GELU too.
+        let dir = folder("gelu-python");
+        let path = write(&dir, &tensors(&tiny()), Dtype::F32);
+        let mut json = hf_bert_config(&tiny());
+        json["hidden_act"] = "gelu_python".into();
+        write_json(&dir, &json);
+        read_hf_bert(&path, &tiny()).unwrap();
+        // Without config.json, or with one that is not JSON.
+        std::fs::remove_file(dir.join("config.json")).unwrap();
+        let e = read_hf_bert(&path, &tiny()).unwrap_err().to_string();
+        assert!(e.contains("gelu-python/config.json: missing"), "{e}");
+        std::fs::write(dir.join("config.json"), "{\"hidden_size\": 3").unwrap();
+        let e = read_hf_bert(&path, &tiny()).unwrap_err().to_string();
+        assert!(e.contains("config.json: not valid JSON"), "{e}");
+    }
+
+    #[test]
+    fn mismatched_tensors_are_refused_naming_the_file_the_tensor_and_both_shapes() {
+        let fc = "bert.encoder.layer.1.intermediate.dense.weight";
+        let e = refusal(
+            "shape",
+            |t| {
+                let x = find(t, fc);
+                x.1 = vec![64, 32];
+                x.2.truncate(64 * 32);
+            },
+            |_| {},
+        );
+        assert!(
+            e.contains("shape/model.safetensors")
+                && e.contains(&format!("tensor {fc} has shape [64, 32]"))
+                && e.contains("expects [128, 32]"),
+            "{e}"
+        );
+        let ln = "bert.encoder.layer.0.output.LayerNorm.bias";
+        let e = refusal("missing", |t| t.retain(|x| x.0 != ln), |_| {});
+        assert!(e.contains(&format!("tensor {ln} is missing")), "{e}");
+        // A file of three layers for a model of two (config.json edited to match).
+        let three = BertConfig {
+            layers: 3,
+            ..tiny()
+        };
+        let e = refusal("layers", |t| *t = tensors(&three), |_| {});
+        assert!(
+            e.contains("bert.encoder.layer.2.") && e.contains("2 layers"),
+            "{e}"
+        );
+        let e = refusal(
+            "unknown",
+            |t| t.push(("bert.foo".into(), vec![1], vec![0.0])),
+            |_| {},
+        );
+        assert!(
+            e.contains("tensor bert.foo: not a tensor of BertForMaskedLM"),
+            "{e}"
+        );
+        // NaN and infinity, named with the index.
+        let q = "bert.encoder.layer.0.attention.self.query.bias";
+        let e = refusal("nan", |t| find(t, q).2[9] = f32::NAN, |_| {});
+        assert!(
+            e.contains("nan/model.safetensors")
+                && e.contains(&format!("tensor {q} holds NaN at index 9")),
+            "{e}"
+        );
+        let e = refusal(
+            "inf",
+            |t| find(t, WORD_EMBEDDINGS).2[0] = f32::NEG_INFINITY,
+            |_| {},
+        );
+        assert!(e.contains("holds -inf at index 0"), "{e}");
+        // A truncated file.
+        let dir = folder("truncated");
+        let path = write(&dir, &tensors(&tiny()), Dtype::F32);
+        write_json(&dir, &hf_bert_config(&tiny()));
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[..bytes.len() - 100]).unwrap();
+        let e = read_hf_bert(&path, &tiny()).unwrap_err().to_string();
+        assert!(
+            e.contains("truncated/model.safetensors: not a valid safetensors file"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn bf16_is_converted_and_other_dtypes_named() {
+        let cfg = tiny();
+        let dir = folder("dtypes");
+        let t = tensors(&cfg);
+        write_json(&dir, &hf_bert_config(&cfg));
+        let path = write(&dir, &t, Dtype::BF16);
+        let w = read_hf_bert(&path, &cfg).unwrap();
+        let want = &t.iter().find(|x| x.0 == POSITION_EMBEDDINGS).unwrap().2;
+        let e = w.params["wpe.weight"]
+            .1
+            .iter()
+            .zip(want)
+            .map(|(a, b)| ((a - b) / b.abs().max(1e-3)).abs())
+            .fold(0.0f32, f32::max);
+        assert!(e < 1e-2, "bf16 relative error {e}");
+        for (bits, want) in [
+            (0x3c00u16, 1.0f32),
+            (0xc000, -2.0),
+            (0x0001, 5.960_464_5e-8),
+        ] {
+            assert_eq!(f16_to_f32(bits), want, "{bits:#06x}");
+        }
+        let path = write(&dir, &t, Dtype::I32);
+        let e = read_hf_bert(&path, &cfg).unwrap_err().to_string();
+        assert!(e.contains("model.safetensors") && e.contains("I32"), "{e}");
+    }
+
+    #[test]
+    fn a_smaller_vocabulary_is_padded_and_longer_positions_cut() {
+        let file_cfg = BertConfig {
+            vocab_size: 90,
+            seq_len: 20,
+            mask_token_id: 89,
+            ..tiny()
+        };
+        let cfg = tiny();
+        let dir = folder("sizes");
+        let t = tensors(&file_cfg);
+        let path = write(&dir, &t, Dtype::F32);
+        write_json(&dir, &hf_bert_config(&file_cfg));
+        let w = read_hf_bert(&path, &cfg).unwrap();
+        let (shape, table) = &w.params["wte.embedding.weight"];
+        assert_eq!(shape, &vec![101, 32]);
+        assert_eq!(&table[..90 * 32], &t[0].2[..]);
+        assert!(table[90 * 32..].iter().all(|&x| x == 0.0));
+        let (shape, pos) = &w.params["wpe.weight"];
+        assert_eq!(shape, &vec![16, 32]);
+        assert_eq!(&pos[..], &t[1].2[..16 * 32]);
+        assert_eq!(w.notes.len(), 2, "{:?}", w.notes);
+        // Fewer positions than the model's are refused.
+        let e = read_hf_bert(
+            &path,
+            &BertConfig {
+                seq_len: 24,
+                ..tiny()
+            },
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("`max_position_embeddings` is 20") && e.contains("model.seq_len = 24"),
+            "{e}"
+        );
+    }
+
+    /// Numbers at the edges of what a header's sizes can hold.
+    const EXTREMES: [u64; 11] = [
+        0,
+        1,
+        2,
+        8,
+        64,
+        u32::MAX as u64,
+        1 << 32,
+        1 << 62,
+        1 << 63,
+        u64::MAX - 4,
+        u64::MAX,
+    ];
+
+    /// A safetensors file of `header` (its length as written unless `length` is given) and
+    /// `data` bytes.
+    fn raw(header: &str, length: Option<u64>, data: usize) -> Vec<u8> {
+        let n = length.unwrap_or(header.len() as u64);
+        [&n.to_le_bytes()[..], header.as_bytes(), &vec![0u8; data]].concat()
+    }
+
+    /// The error of reading `path` as the tiny BERT's file, within 20 s (a FIFO opened for
+    /// reading would block forever).
+    fn refused_at_once(path: PathBuf) -> String {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(read_hf_bert(&path, &tiny()).err().map(|e| e.to_string()));
+        });
+        let e = rx.recv_timeout(std::time::Duration::from_secs(20));
+        e.expect("answered at once").expect("refused")
+    }
+
+    /// The error of reading `bytes` as the tiny BERT's file (in folder `name`, with a valid
+    /// config.json).
+    fn raw_refusal(name: &str, bytes: Vec<u8>) -> String {
+        let dir = folder(name);
+        write_json(&dir, &hf_bert_config(&tiny()));
+        let path = dir.join("model.safetensors");
+        std::fs::write(&path, bytes).unwrap();
+        refused_at_once(path)
+    }
+
+    #[test]
+    fn header_lengths_offsets_and_shapes_beyond_the_file_are_refused_with_the_numbers() {
+        let header = r#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#;
+        for claimed in [u64::MAX, 1 << 63, 4_000_000_000, header.len() as u64 + 9] {
+            let e = raw_refusal("header-length", raw(header, Some(claimed), 8));
+            assert!(
+                e.contains("model.safetensors")
+                    && e.contains(&format!("claims {claimed} bytes"))
+                    && e.contains(&format!("{} follow", header.len() + 8)),
+                "{e}"
+            );
+        }
+        let e = raw_refusal("header-length", vec![1, 2, 3]);
+        assert!(e.contains("3 bytes, too short"), "{e}");
+        let end = u64::MAX - 4;
+        let cases = [
+            (
+                format!(r#"{{"w":{{"dtype":"U8","shape":[{end}],"data_offsets":[0,{end}]}}}}"#),
+                format!("data_offsets [0, {end}]"),
+            ),
+            (
+                r#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}}"#.into(),
+                "data_offsets [8, 0]".into(),
+            ),
+            (
+                r#"{"w":{"dtype":"F32","shape":[4294967296,4294967296,4294967296],"data_offsets":[0,8]}}"#.into(),
+                "shape [4294967296, 4294967296, 4294967296]".into(),
+            ),
+            (
+                r#"{"w":{"dtype":"F32","shape":[1099511627776],"data_offsets":[0,8]}}"#.into(),
+                "shape [1099511627776]".into(),
+            ),
+        ];
+        for (header, want) in &cases {
+            let e = raw_refusal("layout", raw(header, None, 8));
+            assert!(
+                e.contains("model.safetensors")
+                    && e.contains("tensor w")
+                    && e.contains(want)
+                    && e.contains("8 bytes of data"),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_fifo_as_weights_or_config_is_refused_before_opening() {
+        let dir = folder("fifo");
+        let fifo = |p: &Path| {
+            let ok = std::process::Command::new("mkfifo")
+                .arg(p)
+                .status()
+                .unwrap();
+            assert!(ok.success(), "mkfifo");
+        };
+        fifo(&dir.join("config.json"));
+        let path = write(&dir, &tensors(&tiny()), Dtype::F32);
+        let e = refused_at_once(path.clone());
+        assert!(
+            e.contains("config.json") && e.contains("not a regular file"),
+            "{e}"
+        );
+        std::fs::remove_file(dir.join("config.json")).unwrap();
+        write_json(&dir, &hf_bert_config(&tiny()));
+        std::fs::remove_file(&path).unwrap();
+        fifo(&path);
+        let e = refused_at_once(path);
+        assert!(
+            e.contains("model.safetensors") && e.contains("not a regular file"),
+            "{e}"
+        );
+    }
+
+    /// The unit tests' allocator: the system's, refusing any single allocation above 256 MiB
+    /// and more than 2 GiB live in all. An allocation sized by a number from a hostile file
+    /// then aborts the test instead of passing by overcommit.
+    #[global_allocator]
+    static GLOBAL: merak_tests::CappedAlloc<std::alloc::System> =
+        merak_tests::CappedAlloc::new(std::alloc::System);
+
+    #[test]
+    fn a_single_allocation_above_the_cap_is_refused() {
+        merak_tests::assert_capped();
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            cases: 100,
+            failure_persistence: None,
+            ..proptest::prelude::ProptestConfig::default()
+        })]
+
+        /// An imported file is untrusted: random bytes, and a valid BERT file with a byte
+        /// changed or cut short, give weights or an error naming the file, never a panic.
+        #[test]
+        fn damaged_files_give_an_error_not_a_panic(
+            noise in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64),
+            at in 0usize..8192,
+            byte in proptest::prelude::any::<u8>(),
+            cut in 0usize..64,
+        ) {
+            let cfg = tiny();
+            let dir = folder("proptest");
+            write_json(&dir, &hf_bert_config(&cfg));
+            let path = dir.join("model.safetensors");
+            std::fs::write(&path, &noise).unwrap();
+            proptest::prop_assert!(read_hf_bert(&path, &cfg).is_err());
+            let valid = std::fs::read(write(&dir, &tensors(&cfg), Dtype::F32)).unwrap();
+            let mut edited = valid.clone();
+            let i = at % edited.len();
+            edited[i] = byte;
+            std::fs::write(&path, &edited).unwrap();
+            if let Err(e) = read_hf_bert(&path, &cfg) {
+                proptest::prop_assert!(e.to_string().contains("model.safetensors"), "{}", e);
+            }
+            edited.truncate(valid.len().saturating_sub(cut + 1));
+            std::fs::write(&path, &edited).unwrap();
+            proptest::prop_assert!(read_hf_bert(&path, &cfg).is_err());
+        }
+
+        /// Headers with extreme numbers (header lengths, offsets, shapes, dtypes) give an error
+        /// naming the file, never a panic or an allocation of their size.
+        #[test]
+        fn headers_with_extreme_numbers_give_an_error(
+            length in proptest::sample::select(vec![None, Some(0), Some(1), Some(u64::MAX), Some(1 << 63), Some(100_000_001)]),
+            dims in proptest::collection::vec(proptest::sample::select(EXTREMES.to_vec()), 0..4),
+            start in proptest::sample::select(EXTREMES.to_vec()),
+            end in proptest::sample::select(EXTREMES.to_vec()),
+            dtype in proptest::sample::select(vec!["F32", "F16", "BF16", "F64", "U8", "BOOL", "F4", "I64"]),
+            data in 0usize..64,
+        ) {
+            let shape: Vec<String> = dims.iter().map(u64::to_string).collect();
+            let header = format!(
+                r#"{{"bert.embeddings.word_embeddings.weight":{{"dtype":"{dtype}","shape":[{}],"data_offsets":[{start},{end}]}}}}"#,
+                shape.join(",")
+            );
+            let dir = folder("proptest-header");
+            write_json(&dir, &hf_bert_config(&tiny()));
+            let path = dir.join("model.safetensors");
+            std::fs::write(&path, raw(&header, length, data)).unwrap();
+            let e = read_hf_bert(&path, &tiny());
+            proptest::prop_assert!(e.is_err_and(|e| e.to_string().contains("model.safetensors")));
+        }
+
+        /// config.json values of any JSON type or size are refused naming the key, or
+        /// accepted, never a panic.
+        #[test]
+        fn any_config_value_gives_an_answer(
+            key in proptest::sample::select(vec!["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size", "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "hidden_act", "tie_word_embeddings", "model_type", "is_decoder"]),
+            value in proptest::sample::select(vec![
+                serde_json::json!(null), serde_json::json!(-1), serde_json::json!(0),
+                serde_json::json!(u64::MAX), serde_json::json!(1e300), serde_json::json!("x"),
+                serde_json::json!([1]), serde_json::json!({"a": 1}), serde_json::json!(true),
+                serde_json::json!(f64::MIN_POSITIVE),
+            ]),
+        ) {
+            let dir = folder("proptest-config");
+            let path = write(&dir, &tensors(&tiny()), Dtype::F32);
+            let mut json = hf_bert_config(&tiny());
+            json[key] = value;
+            write_json(&dir, &json);
+            if let Err(e) = read_hf_bert(&path, &tiny()) {
+                proptest::prop_assert!(e.to_string().contains(key), "{}", e);
+            }
+        }
+    }
+}
