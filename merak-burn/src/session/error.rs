@@ -63,6 +63,19 @@ pub enum RunError {
         /// Target ids returned.
         targets: usize,
     },
+    /// A unit returns another shape than the next one takes (found on a sample micro-batch
+    /// before training).
+    #[error("{unit} returns {got:?}, but {expected} = {want:?}")]
+    UnitShape {
+        /// The unit (or the tied table's name).
+        unit: String,
+        /// Its shape.
+        got: Vec<usize>,
+        /// The shape wanted.
+        want: Vec<usize>,
+        /// What wants it.
+        expected: &'static str,
+    },
     /// The checkpoint to resume or the pretrained weights cannot be used.
     #[error("{source_name}: {error}")]
     Checkpoint {

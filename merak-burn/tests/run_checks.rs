@@ -1,0 +1,168 @@
+//! `merak_burn::run` refuses a model whose units do not fit together before anything trains
+//! or is written, naming the unit and the shapes; and trains one that fits.
+
+use burn::module::{Module, Param};
+use burn::nn::{Embedding, EmbeddingConfig, LinearConfig};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor};
+use merak_burn::backend::CpuAutodiff;
+use merak_burn::parallelize::{EmbedUnit, HeadUnit, LayerUnit, Linear, TpPlan, TpStyle};
+use merak_burn::plan::ParallelPlan;
+use merak_burn::session::{ModelDims, PlanChoice, RunError, RunOptions, UnitModel};
+use merak_burn::tensor_parallel::ParallelBackend;
+use merak_burn::train::{BatchSource, SourceError, TrainSettings, Windows};
+
+#[derive(Module, Debug)]
+struct Tokens<B: Backend> {
+    table: Embedding<B>,
+}
+
+#[derive(Module, Debug)]
+struct Block<B: Backend> {
+    proj: Linear<B>,
+}
+
+impl<B: Backend> EmbedUnit<B> for Tokens<B> {
+    fn embed(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        self.table.forward(tokens)
+    }
+    fn table(&self) -> Option<(&Param<Tensor<B, 2>>, &'static str)> {
+        Some((&self.table.weight, "table.weight"))
+    }
+}
+
+impl<B: ParallelBackend> LayerUnit<B> for Block<B> {
+    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        self.proj.forward(x)
+    }
+}
+
+impl<B: ParallelBackend> HeadUnit<B> for Block<B> {
+    fn loss(
+        &self,
+        x: Tensor<B, 3>,
+        _targets: Tensor<B, 2, Int>,
+        _table: Option<Tensor<B, 2>>,
+    ) -> Tensor<B, 1> {
+        self.proj.forward(x).powi_scalar(2).mean()
+    }
+}
+
+/// A model of width 4 whose block returns `block_out` features and whose token table is
+/// `table_width` wide.
+struct Model {
+    block_out: usize,
+    table_width: usize,
+    tied: bool,
+}
+
+impl<B: ParallelBackend> UnitModel<B> for Model {
+    type Embed = Tokens<B>;
+    type Layer = Block<B>;
+    type Head = Block<B>;
+    fn dims(&self) -> ModelDims {
+        ModelDims {
+            layers: 2,
+            hidden: 4,
+            heads: 1,
+            vocab: 8,
+        }
+    }
+    fn embed(&self, device: &B::Device) -> Tokens<B> {
+        Tokens {
+            table: EmbeddingConfig::new(8, self.table_width).init(device),
+        }
+    }
+    fn layer(&self, _index: usize, device: &B::Device) -> Block<B> {
+        Block {
+            proj: LinearConfig::new(4, self.block_out).init(device).into(),
+        }
+    }
+    fn head(&self, device: &B::Device) -> Block<B> {
+        Block {
+            proj: LinearConfig::new(4, 4).init(device).into(),
+        }
+    }
+    fn tp_plan(&self) -> TpPlan {
+        TpPlan::new([("proj", TpStyle::Column)])
+    }
+    fn tie_embeddings(&self) -> bool {
+        self.tied
+    }
+}
+
+/// Token `i % 8` everywhere.
+struct Data;
+
+impl BatchSource for Data {
+    fn train_windows(&self, _: usize, first: usize, count: usize) -> Result<Windows, SourceError> {
+        let ids: Vec<i64> = (0..count * 4).map(|i| ((first + i) % 8) as i64).collect();
+        Ok(Windows {
+            inputs: ids.clone(),
+            targets: ids,
+        })
+    }
+    fn val_windows(&self, first: usize, count: usize) -> Result<Windows, SourceError> {
+        self.train_windows(0, first, count)
+    }
+}
+
+fn run(model: &Model, out: &std::path::Path, plan: ParallelPlan) -> Result<(), RunError> {
+    let settings = TrainSettings::default()
+        .with_steps(2)
+        .with_global_batch(2)
+        .with_seq_len(4);
+    let options = RunOptions::default().with_out(out);
+    let plan = PlanChoice::Given(ParallelPlan {
+        micro_batch: 1,
+        ..plan
+    });
+    merak_burn::run::<CpuAutodiff, _>(model, &plan, &Data, &settings, &options).map(|_| ())
+}
+
+#[test]
+fn units_that_do_not_fit_together_are_refused_before_anything_is_written() {
+    let dir = tempfile::tempdir().expect("a scratch folder");
+    let out = dir.path().join("run");
+    let cases = [
+        (
+            Model {
+                block_out: 3,
+                table_width: 4,
+                tied: false,
+            },
+            "block 0 returns [1, 4, 3]",
+        ),
+        (
+            Model {
+                block_out: 4,
+                table_width: 5,
+                tied: false,
+            },
+            "the first unit returns [1, 4, 5]",
+        ),
+    ];
+    for (model, says) in cases {
+        let err = run(&model, &out, ParallelPlan::default()).expect_err("refused");
+        let text = err.to_string();
+        assert!(matches!(err, RunError::UnitShape { .. }), "{text}");
+        assert!(text.contains(says) && text.contains("[1, 4, 4]"), "{text}");
+        assert!(!out.exists(), "{} was made", out.display());
+    }
+    // More ranks than this one process: refused, naming the command.
+    let fits = Model {
+        block_out: 4,
+        table_width: 4,
+        tied: true,
+    };
+    let two = ParallelPlan {
+        dp: 2,
+        ..ParallelPlan::default()
+    };
+    let err = run(&fits, &out, two).expect_err("refused");
+    assert!(err.to_string().contains("mpirun -np 2"), "{err}");
+    assert!(!out.exists());
+    // The same model, fitting, trains and checkpoints.
+    run(&fits, &out, ParallelPlan::default()).expect("trains");
+    assert!(out.join("metrics.jsonl").exists() && out.join("checkpoints/latest").exists());
+}
