@@ -108,11 +108,18 @@ impl BatchSource for Data {
 }
 
 fn run(model: &Model, out: &std::path::Path, plan: ParallelPlan) -> Result<(), RunError> {
-    let settings = TrainSettings::default()
+    run_with(model, RunOptions::default().with_out(out), plan)
+}
+
+fn settings() -> TrainSettings {
+    TrainSettings::default()
         .with_steps(2)
         .with_global_batch(2)
-        .with_seq_len(4);
-    let options = RunOptions::default().with_out(out);
+        .with_seq_len(4)
+}
+
+fn run_with(model: &Model, options: RunOptions, plan: ParallelPlan) -> Result<(), RunError> {
+    let settings = settings();
     let plan = PlanChoice::Given(ParallelPlan {
         micro_batch: 1,
         ..plan
@@ -165,4 +172,42 @@ fn units_that_do_not_fit_together_are_refused_before_anything_is_written() {
     // The same model, fitting, trains and checkpoints.
     run(&fits, &out, ParallelPlan::default()).expect("trains");
     assert!(out.join("metrics.jsonl").exists() && out.join("checkpoints/latest").exists());
+    param_groups_of_the_options_reach_the_optimizer(dir.path());
+}
+
+/// A rule freezing the blocks (learning-rate scale 0) leaves them as built while the rest
+/// moves.
+fn param_groups_of_the_options_reach_the_optimizer(dir: &std::path::Path) {
+    use merak_burn::checkpoint::{Checkpoint, state};
+    use merak_burn::session::build_units;
+    use merak_burn::train::ParamGroup;
+
+    let model = Model {
+        block_out: 4,
+        table_width: 4,
+        tied: false,
+    };
+    let out = dir.join("frozen");
+    let options = RunOptions::default()
+        .with_out(&out)
+        .with_param_groups(|p| ParamGroup {
+            lr_scale: if p.name.starts_with("layers.") {
+                0.0
+            } else {
+                1.0
+            },
+            ..p.default
+        });
+    run_with(&model, options, ParallelPlan::default()).expect("trains");
+    let trained = (Checkpoint::open(&out.join("checkpoints")))
+        .and_then(|c| c.read_full())
+        .expect("a checkpoint");
+    let device = Default::default();
+    let built = build_units::<CpuAutodiff, _>(&model, settings().seed, &device, |_| true);
+    let built = state::local_params(&built.expect("built")).expect("readable");
+    for p in built {
+        let after = &trained.params[&p.name];
+        let frozen = p.name.starts_with("layers.");
+        assert_eq!(after == &p.values, frozen, "{}: frozen {frozen}", p.name);
+    }
 }

@@ -26,7 +26,7 @@ mod options;
 pub use choose::{AutoPlan, PlanChoice};
 pub use error::RunError;
 pub use model::{ModelDims, UnitModel, UnitsOf, build_units, sample_units, unit_seed};
-pub use options::{FullParams, InitWeights, RunOptions};
+pub use options::{FullParams, InitWeights, ParamGroups, RunOptions};
 
 use std::path::PathBuf;
 
@@ -151,6 +151,9 @@ where
         device,
         trace,
     )?;
+    if let Some(ParamGroups(rule)) = &options.param_groups {
+        trainer = trainer.with_param_groups(|p| rule(p))?;
+    }
     if let Some((checkpoint, state)) = &resume {
         trainer.resume(checkpoint, state)?;
     }

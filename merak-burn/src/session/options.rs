@@ -4,7 +4,9 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use crate::train::ExistingRun;
+use std::sync::Arc;
+
+use crate::train::{ExistingRun, ParamGroup, ParamInfo};
 
 /// Every parameter of a model at full size by checkpoint name, `(shape, values)`: pretrained
 /// weights to start from (for example read from a Hugging Face checkpoint).
@@ -17,6 +19,24 @@ pub struct InitWeights {
     pub source: String,
     /// The weights.
     pub params: FullParams,
+}
+
+/// A rule giving each parameter its optimizer group (weight decay, learning-rate scale) by
+/// its name and full shape ([`Trainer::with_param_groups`](crate::train::Trainer::with_param_groups)).
+#[derive(Clone)]
+pub struct ParamGroups(pub Arc<dyn Fn(&ParamInfo<'_>) -> ParamGroup + Send + Sync>);
+
+impl std::fmt::Debug for ParamGroups {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ParamGroups(..)")
+    }
+}
+
+impl PartialEq for ParamGroups {
+    /// The same rule (the same closure), not rules that happen to agree.
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
 }
 
 /// The options of a run. `RunOptions::default()` writes to a new `runs/<UTC date-time>`,
@@ -53,6 +73,9 @@ pub struct RunOptions {
     pub comm_timeout_s: f64,
     /// Write a Chrome trace of every rank's actions here.
     pub trace: Option<PathBuf>,
+    /// The optimizer's parameter groups; `None`: the default rule (matrices decay, vectors
+    /// such as biases and norm gains do not).
+    pub param_groups: Option<ParamGroups>,
     /// After training, sum the head's metrics
     /// ([`HeadUnit::metrics`](crate::parallelize::HeadUnit::metrics)) over this many global
     /// batches of held-out samples (0: no evaluation).
@@ -78,6 +101,7 @@ impl Default for RunOptions {
             existing: ExistingRun::Refuse,
             comm_timeout_s: 300.0,
             trace: None,
+            param_groups: None,
             eval_batches: 0,
             predict_batches: 0,
         }
@@ -117,6 +141,16 @@ impl RunOptions {
     #[must_use]
     pub fn with_signals(mut self, signals: bool) -> Self {
         self.signals = signals;
+        self
+    }
+
+    /// These options giving each parameter the optimizer group `rule` returns.
+    #[must_use]
+    pub fn with_param_groups(
+        mut self,
+        rule: impl Fn(&ParamInfo<'_>) -> ParamGroup + Send + Sync + 'static,
+    ) -> Self {
+        self.param_groups = Some(ParamGroups(Arc::new(rule)));
         self
     }
 
