@@ -491,7 +491,7 @@ fn main() -> Result<()> {
         println!(
             "# phases: mean ms/step on rank 0 over the timed steps; grads = from_grads (plain) \
              or DataParallel::finish (merak); nrm/clip = global_grad_norm + clip_grads + \
-             split_for_weight_decay; optim = AdamW step(s)"
+             the parameter groups' split; optim = AdamW step(s)"
         );
         println!();
         println!(

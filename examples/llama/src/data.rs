@@ -1,5 +1,6 @@
 //! A learnable synthetic data set, the same for every layout.
 
+use merak_burn::data::splitmix64;
 use merak_burn::train::{BatchSource, SourceError, TrainSettings, Windows};
 
 /// Sequences that count up from a random start by a random stride (1 to 3), modulo the
@@ -29,7 +30,7 @@ impl Counting {
 
     /// The `seq + 1` tokens of global sample `g`.
     fn sample(&self, g: usize) -> Vec<i64> {
-        let h = splitmix(self.seed ^ splitmix(g as u64));
+        let h = splitmix64(self.seed ^ splitmix64(g as u64));
         let (start, stride) = (h % self.vocab as u64, 1 + (h >> 32) % 3);
         (0..=self.seq as u64)
             .map(|j| ((start + j * stride) % self.vocab as u64) as i64)
@@ -61,12 +62,4 @@ impl BatchSource for Counting {
     fn val_windows(&self, first: usize, count: usize) -> Result<Windows, SourceError> {
         Ok(self.windows(usize::MAX / 2 + first, count))
     }
-}
-
-/// splitmix64.
-fn splitmix(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }

@@ -5,11 +5,11 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
 
 use super::{RunError, UnitModel, UnitsOf, sample_units};
-use crate::parallelize::EmbedUnit;
-use crate::pipeline::UnitStack;
 use crate::comm::{Communicator, Group, ReduceOp};
+use crate::parallelize::EmbedUnit;
 use crate::parallelize::shard_module;
 use crate::pipeline::Recompute;
+use crate::pipeline::UnitStack;
 use crate::plan::ParallelPlan;
 use crate::planner::{
     HardwareSpec, MeasuredModel, MeasuredUnit, ModelProxy, SearchOptions, search,
@@ -106,7 +106,10 @@ where
     };
     let sample = Sample::new(model, settings, data, plan.micro_batch, device)?;
     let timed = sample.timed(world, dims.layers)?;
-    Ok((plan, timed.iter().map(|u| u.forward_s + u.backward_s).collect()))
+    Ok((
+        plan,
+        timed.iter().map(|u| u.forward_s + u.backward_s).collect(),
+    ))
 }
 
 /// The first unit, block 0 and the last unit of a model (at tp = 1) with a micro-batch of
@@ -159,8 +162,10 @@ impl<B: AutodiffBackend, M: UnitModel<B>> Sample<B, M> {
     fn check(&self) -> Result<(), RunError> {
         let [micro, seq] = self.inputs.dims();
         let want = vec![micro, seq, self.hidden];
-        let fits = |unit: &str, got: Vec<usize>, want: &Vec<usize>, expected: &'static str| {
-            match got == *want {
+        let fits =
+            |unit: &str, got: Vec<usize>, want: &Vec<usize>, expected: &'static str| match got
+                == *want
+            {
                 true => Ok(()),
                 false => Err(RunError::UnitShape {
                     unit: unit.into(),
@@ -168,8 +173,7 @@ impl<B: AutodiffBackend, M: UnitModel<B>> Sample<B, M> {
                     want: want.clone(),
                     expected,
                 }),
-            }
-        };
+            };
         let between = "the units pass [micro_batch, seq_len, ModelDims::hidden]";
         let x = self.units.embed(self.inputs.clone());
         fits("the first unit", x.dims().to_vec(), &want, between)?;
@@ -179,10 +183,20 @@ impl<B: AutodiffBackend, M: UnitModel<B>> Sample<B, M> {
         if let (true, Some((table, name))) = (self.tied, table) {
             let dims = table.val().dims().to_vec();
             let want = vec![dims[0], self.hidden];
-            fits(name, dims, &want, "a tied head's table is [vocab, ModelDims::hidden]")?;
+            fits(
+                name,
+                dims,
+                &want,
+                "a tied head's table is [vocab, ModelDims::hidden]",
+            )?;
         }
         let loss = self.units.head_loss(x, self.targets.clone());
-        fits("the last unit", loss.dims().to_vec(), &vec![1], "a loss is one number")
+        fits(
+            "the last unit",
+            loss.dims().to_vec(),
+            &vec![1],
+            "a loss is one number",
+        )
     }
 
     /// Every unit measured (averaged over the ranks of `world`): the first unit, `layers`

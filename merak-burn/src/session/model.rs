@@ -2,6 +2,7 @@
 
 use burn::tensor::backend::Backend;
 
+use crate::data::splitmix64;
 use crate::parallelize::{EmbedUnit, HeadUnit, LayerUnit, NoTokenTable, TpPlan, Units};
 use crate::planner::TransformerShape;
 
@@ -72,15 +73,7 @@ pub type UnitsOf<B, M> =
 
 /// The seed of unit `unit`'s weights in a run seeded `seed` (splitmix64 of both).
 pub fn unit_seed(seed: u64, unit: usize) -> u64 {
-    splitmix(seed ^ splitmix(unit as u64 + 1))
-}
-
-/// splitmix64.
-fn splitmix(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
+    splitmix64(seed ^ splitmix64(unit as u64 + 1))
 }
 
 /// The units of `model` for which `holds(unit)` is true, each built from its own seed. A tied

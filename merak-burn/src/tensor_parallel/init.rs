@@ -96,12 +96,11 @@ pub struct InitRng {
     seed: u64,
 }
 
+/// The next value of the splitmix64 stream whose state is `state` (advanced).
 fn splitmix(state: &mut u64) -> u64 {
+    let z = crate::data::splitmix64(*state);
     *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+    z
 }
 
 /// FNV-1a, to turn a parameter name into a stream key.

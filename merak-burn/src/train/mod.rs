@@ -35,9 +35,7 @@ pub use error::InvalidSetting;
 pub use error::TrainError;
 pub use evaluate::Predictions;
 pub use fit::Summary;
-pub use grad_norm::{
-    GradStats, clip_grads, global_grad_norm, sharded_param_ids, split_for_weight_decay,
-};
+pub use grad_norm::{GradStats, clip_grads, global_grad_norm, sharded_param_ids};
 pub use metrics::{MetricsWriter, StepMetrics};
 pub use optim::{OptimizerKind, OptimizerSettings, check_settings};
 pub use optim::{ParamGroup, ParamInfo};

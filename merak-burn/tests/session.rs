@@ -1,14 +1,22 @@
-//! `merak_burn::run` refuses a model whose units do not fit together before anything trains
-//! or is written, naming the unit and the shapes; and trains one that fits.
+//! The one-call API (`merak_burn::session`): every rank builds its units with the weights one
+//! process gets; `merak_burn::run` refuses a model whose units do not fit together before
+//! anything trains or is written, naming the unit and the shapes, trains one that fits, and
+//! hands the parameter groups of its options to the optimizer. Burn's random generator is
+//! global to the process, so the checks run one after the other in a single test of their own
+//! binary (a test drawing weights on another thread would change the draws).
 
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, LinearConfig};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
-use merak_burn::backend::CpuAutodiff;
+use merak_burn::backend::{CpuAutodiff, CpuAutodiff as Cpu, CpuDevice};
+use merak_burn::checkpoint::state;
 use merak_burn::parallelize::{EmbedUnit, HeadUnit, LayerUnit, Linear, TpPlan, TpStyle};
+use merak_burn::pipeline::PipelineModel;
 use merak_burn::plan::ParallelPlan;
-use merak_burn::session::{ModelDims, PlanChoice, RunError, RunOptions, UnitModel};
+use merak_burn::session::{
+    ModelDims, PlanChoice, RunError, RunOptions, UnitModel, build_units, unit_seed,
+};
 use merak_burn::tensor_parallel::ParallelBackend;
 use merak_burn::train::{BatchSource, SourceError, TrainSettings, Windows};
 
@@ -173,13 +181,23 @@ fn units_that_do_not_fit_together_are_refused_before_anything_is_written() {
     run(&fits, &out, ParallelPlan::default()).expect("trains");
     assert!(out.join("metrics.jsonl").exists() && out.join("checkpoints/latest").exists());
     param_groups_of_the_options_reach_the_optimizer(dir.path());
+    a_rank_that_builds_some_units_gets_the_weights_one_process_gets();
+    a_tied_head_alone_on_its_rank_holds_a_copy_of_the_first_units_table();
+}
+
+/// The model of width 4 whose units fit, tied or not.
+fn fits(tied: bool) -> Model {
+    Model {
+        block_out: 4,
+        table_width: 4,
+        tied,
+    }
 }
 
 /// A rule freezing the blocks (learning-rate scale 0) leaves them as built while the rest
 /// moves.
 fn param_groups_of_the_options_reach_the_optimizer(dir: &std::path::Path) {
-    use merak_burn::checkpoint::{Checkpoint, state};
-    use merak_burn::session::build_units;
+    use merak_burn::checkpoint::Checkpoint;
     use merak_burn::train::ParamGroup;
 
     let model = Model {
@@ -210,4 +228,58 @@ fn param_groups_of_the_options_reach_the_optimizer(dir: &std::path::Path) {
         let frozen = p.name.starts_with("layers.");
         assert_eq!(after == &p.values, frozen, "{}: frozen {frozen}", p.name);
     }
+}
+
+/// The parameters of `model` by checkpoint name.
+fn params<M: burn::module::AutodiffModule<Cpu>>(
+    model: &M,
+) -> std::collections::HashMap<String, Vec<f32>> {
+    (state::local_params(model).expect("readable").into_iter())
+        .map(|p| (p.name, p.values))
+        .collect()
+}
+
+fn a_rank_that_builds_some_units_gets_the_weights_one_process_gets() {
+    let device = CpuDevice::default();
+    let all = params(&build_units(&fits(false), 7, &device, |_| true).expect("built"));
+    assert_eq!(all.len(), 1 + 2 * 2 + 2, "{:?}", all.keys());
+    // A middle rank holding block 1 (unit 2), another holding the head (unit 3).
+    for held in [vec![2], vec![3], vec![0, 1]] {
+        let part = build_units(&fits(false), 7, &device, |u| held.contains(&u));
+        let part = params(&part.expect("built"));
+        assert!(!part.is_empty());
+        for (name, values) in &part {
+            assert_eq!(
+                Some(values),
+                all.get(name),
+                "{name} on a rank holding {held:?}"
+            );
+        }
+        assert!(part.len() < all.len());
+    }
+    // Another seed, other weights; another unit, another seed.
+    let other = params(&build_units(&fits(false), 8, &device, |_| true).expect("built"));
+    assert_ne!(
+        other.get("layers.0.proj.linear.weight"),
+        all.get("layers.0.proj.linear.weight")
+    );
+    assert_ne!(
+        all.get("layers.0.proj.linear.weight"),
+        all.get("layers.1.proj.linear.weight")
+    );
+    assert_ne!(unit_seed(7, 1), unit_seed(7, 2));
+}
+
+fn a_tied_head_alone_on_its_rank_holds_a_copy_of_the_first_units_table() {
+    let device = CpuDevice::default();
+    let all = build_units(&fits(true), 3, &device, |_| true).expect("built");
+    let table = params(&all)
+        .remove("embed.table.weight")
+        .expect("the table");
+    let last = build_units(&fits(true), 3, &device, |u| u == 3).expect("built");
+    assert!(last.embed.is_none() && last.head.is_some());
+    assert_eq!(params(&last).get("tied_table"), Some(&table));
+    assert!(last.tied_embedding().is_some());
+    let middle = build_units::<Cpu, _>(&fits(true), 3, &device, |u| u == 2).expect("built");
+    assert!(middle.embed.is_none() && middle.tied_table.is_none());
 }
