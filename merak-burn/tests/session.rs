@@ -135,6 +135,13 @@ fn run_with(model: &Model, options: RunOptions, plan: ParallelPlan) -> Result<()
     merak_burn::run::<CpuAutodiff, _>(model, &plan, &Data, &settings, &options).map(|_| ())
 }
 
+/// [`run`] under `plan` as given (its micro-batch included).
+fn run_plan(model: &Model, out: &std::path::Path, plan: ParallelPlan) -> Result<(), RunError> {
+    let options = RunOptions::default().with_out(out);
+    let plan = PlanChoice::Given(plan);
+    merak_burn::run::<CpuAutodiff, _>(model, &plan, &Data, &settings(), &options).map(|_| ())
+}
+
 #[test]
 fn units_that_do_not_fit_together_are_refused_before_anything_is_written() {
     let dir = tempfile::tempdir().expect("a scratch folder");
@@ -164,6 +171,13 @@ fn units_that_do_not_fit_together_are_refused_before_anything_is_written() {
         assert!(text.contains(says) && text.contains("[1, 4, 4]"), "{text}");
         assert!(!out.exists(), "{} was made", out.display());
     }
+    // A micro-batch that does not split the batch: refused before a sample is run.
+    let odd = ParallelPlan {
+        micro_batch: 0,
+        ..ParallelPlan::default()
+    };
+    let err = run_plan(&fits(false), &out, odd).expect_err("refused");
+    assert!(err.to_string().contains("micro_batch = 0"), "{err}");
     // More ranks than this one process: refused, naming the command.
     let fits = Model {
         block_out: 4,

@@ -14,7 +14,7 @@ use crate::plan::ParallelPlan;
 use crate::planner::{
     HardwareSpec, MeasuredModel, MeasuredUnit, ModelProxy, SearchOptions, search,
 };
-use crate::train::{BatchSource, TrainSettings};
+use crate::train::{BatchSource, TrainError, TrainSettings};
 
 /// How [`merak_burn::run`](crate::run) chooses the parallel plan.
 #[derive(Clone, Debug, PartialEq)]
@@ -83,6 +83,20 @@ where
 {
     let dims = model.dims();
     let ranks = world.map_or(1, |w| w.size());
+    let splits = |dp: usize, micro: usize| match micro > 0
+        && settings.global_batch.is_multiple_of(dp.max(1) * micro)
+    {
+        true => Ok(()),
+        false => Err(RunError::Train(TrainError::Batch {
+            global_batch: settings.global_batch,
+            dp,
+            micro_batch: micro,
+        })),
+    };
+    match choice {
+        PlanChoice::Given(plan) => splits(plan.dp, plan.micro_batch)?,
+        PlanChoice::Auto(auto) => splits(1, auto.timed_micro_batch)?,
+    }
     let plan = match choice {
         PlanChoice::Given(plan) if plan.pp == 1 => {
             Sample::new(model, settings, data, plan.micro_batch, device)?;
