@@ -211,7 +211,6 @@ fn check_and_open(
         (_, true) => ExistingRun::Branch,
         _ => ExistingRun::Refuse,
     };
-    check_outputs(args, &out, root, rank)?;
     // Read-only here (every rank, before anything is built); `Trainer::fit` claims for real.
     let own = train::own_file_names();
     let origin = resume.as_ref().map(|r| Origin::of(&r.checkpoint));
@@ -250,6 +249,10 @@ fn check_and_open(
         None => ProcessGrid::single(),
     };
     let data = crate::data::open(&cfg)?;
+    // Last: the only check that makes folders, so that a run refused by any other check
+    // makes none (ranks that made them would otherwise remove them under ranks still
+    // checking them, and those would report the missing folder instead of the refusal).
+    check_outputs(args, &out, root, rank)?;
     if rank == 0 {
         tracing::info!("data: {}", data.describe());
     }
