@@ -85,8 +85,29 @@ where
     } else {
         None
     };
-    let result = run_on(model, plan, data, settings, options, mpi.as_ref());
-    match (result, &mpi) {
+    run_with_mpi(mpi.as_ref(), model, plan, data, settings, options)
+}
+
+/// [`run`] for a program that starts MPI itself ([`MpiWorld::init`], before its own MPI work)
+/// and keeps it after the run: `mpi` is its world, `None` for one process without MPI. An
+/// error on one of several ranks still ends the job (`MPI_Abort`).
+pub fn run_with_mpi<B, M>(
+    mpi: Option<&MpiWorld>,
+    model: &M,
+    plan: &PlanChoice,
+    data: &dyn BatchSource,
+    settings: &TrainSettings,
+    options: &RunOptions,
+) -> Result<RunReport, RunError>
+where
+    B: AutodiffBackend + ParallelBackend,
+    B::InnerBackend: ParallelBackend,
+    M: UnitModel<B>,
+    UnitsOf<B, M>: PipelineModel<B> + AutodiffModule<B>,
+    <UnitsOf<B, M> as AutodiffModule<B>>::InnerModule: PipelineModel<B::InnerBackend>,
+{
+    let result = run_on(model, plan, data, settings, options, mpi);
+    match (result, mpi) {
         (Err(e), Some(m)) if m.world().size() > 1 => m.abort(1, &e.to_string()),
         (result, _) => result,
     }
