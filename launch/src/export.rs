@@ -13,8 +13,10 @@ use anyhow::{Context, Result, bail};
 use merak_bert::hf::{hf_bert_config, to_hf_bert};
 use merak_bert::{Bert, BertConfig};
 use merak_burn::backend::Cpu;
-use merak_burn::checkpoint::{Checkpoint, NamedTensor, shard_file, state, write_file_atomically};
+use merak_burn::checkpoint::{Checkpoint, NamedTensor, state, write_file_atomically};
 use merak_burn::grid::ProcessGrid;
+use merak_burn::hf_files;
+use merak_burn::session::FullParams;
 use merak_burn::tensor_parallel::Shard;
 use merak_gpt::hf::{hf_gpt2_config, hf_gpt2_name, hf_gpt2_shapes};
 use merak_gpt::{Gpt, GptConfig};
@@ -128,14 +130,11 @@ pub fn export(args: &ExportArgs) -> Result<()> {
         Some(_) => Some(logits_ids(args.logits_ids.as_deref(), &cfg)?),
         None => None,
     };
-    let full = ck.read_full()?;
+    let params = full_params(&ck)?;
     let (tensors, config) = match cfg.model.kind.as_str() {
-        "gpt" => (
-            gpt2_tensors(&ck, &cfg, &full.params)?,
-            hf_gpt2_config(&cfg.model.gpt),
-        ),
+        "gpt" => (gpt2_tensors(&cfg, params)?, hf_gpt2_config(&cfg.model.gpt)),
         "bert" => (
-            bert_tensors(&ck, &cfg, &full.params)?,
+            bert_tensors(&ck, &cfg, &params)?,
             hf_bert_config(&cfg.bert()),
         ),
         other => bail!(
@@ -143,13 +142,8 @@ pub fn export(args: &ExportArgs) -> Result<()> {
             ck.dir.display()
         ),
     };
-    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    let bytes = shard_file::encode(&tensors, meta).map_err(|e| anyhow::anyhow!(e))?;
-    let folder = args
-        .output
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
+    let bytes = hf_files::encode(&tensors).map_err(anyhow::Error::msg)?;
+    let folder = hf_files::folder_of(&args.output);
     std::fs::create_dir_all(folder).with_context(|| format!("creating {}", folder.display()))?;
     write_file_atomically(&args.output, &bytes)?;
     write_file_atomically(
@@ -222,33 +216,27 @@ fn ids_tensor(ids: &[i64]) -> burn::tensor::Tensor<Cpu, 2, burn::tensor::Int> {
     )
 }
 
-/// The full-size shape of every parameter of the checkpoint.
-fn manifest_shapes(ck: &Checkpoint) -> HashMap<&str, &[usize]> {
-    ck.manifest
-        .params
-        .iter()
+/// The checkpoint's parameters at full size with their shapes, by merak name.
+fn full_params(ck: &Checkpoint) -> Result<FullParams> {
+    let shapes: HashMap<&str, &[usize]> = (ck.manifest.params.iter())
         .map(|p| (p.name.as_str(), p.shape.as_slice()))
-        .collect()
-}
-
-/// A BERT checkpoint's parameters as `BertForMaskedLM` tensors.
-fn bert_tensors(
-    ck: &Checkpoint,
-    cfg: &Config,
-    params: &HashMap<String, Vec<f32>>,
-) -> Result<Vec<NamedTensor>> {
-    let shapes = manifest_shapes(ck);
-    let full: merak_bert::hf_import::FullParams = params
-        .iter()
+        .collect();
+    let full = ck.read_full()?;
+    Ok(full
+        .params
+        .into_iter()
         .map(|(name, values)| {
             let shape = shapes
                 .get(name.as_str())
-                .map(|s| s.to_vec())
-                .unwrap_or_default();
-            (name.clone(), (shape, values.clone()))
+                .map_or_else(Vec::new, |s| s.to_vec());
+            (name, (shape, values))
         })
-        .collect();
-    let tensors = to_hf_bert(&cfg.bert(), &full).with_context(|| ck.dir.display().to_string())?;
+        .collect())
+}
+
+/// A BERT checkpoint's parameters as `BertForMaskedLM` tensors.
+fn bert_tensors(ck: &Checkpoint, cfg: &Config, params: &FullParams) -> Result<Vec<NamedTensor>> {
+    let tensors = to_hf_bert(&cfg.bert(), params).with_context(|| ck.dir.display().to_string())?;
     Ok(tensors
         .into_iter()
         .map(|(name, shape, values)| NamedTensor {
@@ -260,26 +248,17 @@ fn bert_tensors(
 }
 
 /// A GPT checkpoint's parameters as `GPT2LMHeadModel` tensors.
-fn gpt2_tensors(
-    ck: &Checkpoint,
-    cfg: &Config,
-    params: &HashMap<String, Vec<f32>>,
-) -> Result<Vec<NamedTensor>> {
-    let shapes = manifest_shapes(ck);
+fn gpt2_tensors(cfg: &Config, params: FullParams) -> Result<Vec<NamedTensor>> {
     let mut by_hf: HashMap<String, NamedTensor> = HashMap::new();
-    for (name, values) in params {
-        let hf = hf_gpt2_name(name)
+    for (name, (shape, values)) in params {
+        let hf = hf_gpt2_name(&name)
             .with_context(|| format!("parameter {name} has no GPT-2 counterpart"))?;
-        let shape = shapes
-            .get(name.as_str())
-            .map(|s| s.to_vec())
-            .unwrap_or_default();
         by_hf.insert(
             hf.clone(),
             NamedTensor {
                 name: hf,
                 shape,
-                values: values.clone(),
+                values,
             },
         );
     }
@@ -302,20 +281,23 @@ fn gpt2_tensors(
 /// Loads a BERT checkpoint into a one-process model.
 fn load_bert(ck: &Checkpoint, cfg: &BertConfig, seed: u64) -> Result<Bert<Cpu>> {
     let grid = ProcessGrid::single();
-    let model = Bert::<Cpu>::new(cfg, seed, grid.tp, &Default::default())?;
-    let full = ck.read_full()?;
-    let shapes = state::param_shapes(&model);
-    let names: Vec<String> = shapes.iter().map(|p| p.name.clone()).collect();
-    ck.manifest.check_covers(&names)?;
-    let (params, _) = full.cut_for(&ck.manifest, &shapes, Shard::FULL, &[])?;
-    Ok(state::assign_params(model, params)?)
+    load(
+        ck,
+        Bert::<Cpu>::new(cfg, seed, grid.tp, &Default::default())?,
+    )
 }
 
 /// Loads a GPT checkpoint into a one-process model.
 fn load_gpt(ck: &Checkpoint, cfg: &GptConfig, seed: u64) -> Result<Gpt<Cpu>> {
     let grid = ProcessGrid::single();
-    let device = Default::default();
-    let model = Gpt::<Cpu>::new(cfg, seed, grid.tp, &device)?;
+    load(
+        ck,
+        Gpt::<Cpu>::new(cfg, seed, grid.tp, &Default::default())?,
+    )
+}
+
+/// `model` (one process) holding the checkpoint's parameters.
+fn load<M: burn::module::Module<Cpu>>(ck: &Checkpoint, model: M) -> Result<M> {
     let full = ck.read_full()?;
     let shapes = state::param_shapes(&model);
     let names: Vec<String> = shapes.iter().map(|p| p.name.clone()).collect();

@@ -21,7 +21,7 @@ use merak_burn::checkpoint::{Checkpoint, NamedTensor, cut_full_params, shard_fil
 use merak_burn::comm::Group;
 use merak_burn::pipeline::PipelineModel;
 use merak_burn::tensor_parallel::Shard;
-use merak_tests::{Run, rel_err, run_with_deadline};
+use merak_tests::{Run, WEIGHTS_HELD, assert_close, rel_err, run_with_deadline};
 
 mod common;
 use common::*;
@@ -50,37 +50,9 @@ const SHAPE: [&str; 8] = [
 
 /// The merak BERT of [`SHAPE`].
 fn shape() -> BertConfig {
-    BertConfig {
-        vocab_size: 101,
-        layers: 2,
-        heads: 4,
-        hidden: 32,
-        seq_len: 16,
-        dropout: 0.0,
-        layer_norm_eps: 1e-12,
-        init_std: 0.02,
-        mask_token_id: 100,
-    }
+    let shape = "bert:layers=2,hidden=32,heads=4,seq=16,vocab=101".parse();
+    BertConfig::from_shape(&shape.unwrap())
 }
-
-/// Two steps that leave the weights where they start (a learning rate of 1e-12 moves no
-/// weight by a relative 1e-9), with the held-out loss after each.
-const FIXED: [&str; 14] = [
-    "--set",
-    "train.steps=2",
-    "--set",
-    "train.lr=1e-12",
-    "--set",
-    "train.min_lr=0",
-    "--set",
-    "train.warmup_steps=0",
-    "--set",
-    "train.weight_decay=0",
-    "--set",
-    "data.val_every=1",
-    "--set",
-    "data.val_batches=2",
-];
 
 /// `merak train` of the tiny BERT of [`SHAPE`] on `np` ranks (0: no mpirun) into `out`;
 /// `extra` goes last.
@@ -100,7 +72,7 @@ fn bert_run(np: usize, out: &Path, extra: &[&str]) -> Run {
 fn init_from(np: usize, file: &Path, name: &str, layout: &[&str]) -> Vec<serde_json::Value> {
     let out = out_dir(name);
     let mut extra = vec!["--init-from", file.to_str().unwrap()];
-    extra.extend(FIXED);
+    extra.extend(WEIGHTS_HELD);
     extra.extend(layout);
     let run = bert_run(np, &out, &extra);
     run.assert_success();
@@ -116,11 +88,6 @@ fn value(record: &serde_json::Value, key: &str) -> f32 {
     record[key]
         .as_f64()
         .unwrap_or_else(|| panic!("{key} missing in {record}")) as f32
-}
-
-fn assert_close(what: &str, a: f32, b: f32) {
-    let e = rel_err(&[a], &[b]);
-    assert!(e <= 1e-5, "{what}: {a} vs {b} (rel {e:e})");
 }
 
 #[test]
@@ -148,7 +115,7 @@ fn init_from_transformers_weights_starts_where_one_process_does_under_tp_and_pp(
 
     // Without --init-from the same run starts elsewhere: the weights did come from the file.
     let fresh = out_dir("bert-init-none");
-    bert_run(0, &fresh, &FIXED).assert_success();
+    bert_run(0, &fresh, &WEIGHTS_HELD).assert_success();
     let (a, b) = (
         value(&read_metrics(&fresh)[0], "loss"),
         value(&single[0], "loss"),

@@ -8,32 +8,13 @@ use std::process::Command;
 use std::time::Duration;
 
 use merak_burn::checkpoint::{Checkpoint, NamedTensor, shard_file};
-use merak_tests::{Run, rel_err, run_with_deadline};
+use merak_tests::{Run, WEIGHTS_HELD, assert_close, rel_err, run_with_deadline};
 
 mod common;
 use common::*;
 
 /// An odd vocabulary, so that tp = 2 pads the token table.
 const VOCAB: [&str; 2] = ["--set", "model.vocab_size=509"];
-
-/// Two steps that leave the weights where they start (the learning rate must be positive:
-/// 1e-12 moves no weight by a relative 1e-9), with the held-out loss after each.
-const FIXED: [&str; 14] = [
-    "--set",
-    "train.steps=2",
-    "--set",
-    "train.lr=1e-12",
-    "--set",
-    "train.min_lr=0",
-    "--set",
-    "train.warmup_steps=0",
-    "--set",
-    "train.weight_decay=0",
-    "--set",
-    "data.val_every=1",
-    "--set",
-    "data.val_batches=2",
-];
 
 /// Trains the tiny GPT (vocabulary 509) for `steps` steps in one process and exports its
 /// checkpoint: the safetensors file (with `config.json` beside it) and the checkpoint folder.
@@ -69,7 +50,7 @@ fn train_run(np: usize, out: &Path, extra: &[&str]) -> Run {
 fn init_from(np: usize, file: &Path, name: &str, layout: &[&str]) -> Vec<serde_json::Value> {
     let out = out_dir(name);
     let mut extra = vec!["--init-from", file.to_str().unwrap()];
-    extra.extend(FIXED);
+    extra.extend(WEIGHTS_HELD);
     extra.extend(layout);
     let run = train_run(np, &out, &extra);
     run.assert_success();
@@ -85,11 +66,6 @@ fn value(record: &serde_json::Value, key: &str) -> f32 {
     record[key]
         .as_f64()
         .unwrap_or_else(|| panic!("{key} missing in {record}")) as f32
-}
-
-fn assert_close(what: &str, a: f32, b: f32) {
-    let e = rel_err(&[a], &[b]);
-    assert!(e <= 1e-5, "{what}: {a} vs {b} (rel {e:e})");
 }
 
 /// The tensors of a safetensors file written by `merak export`, by name.
@@ -131,7 +107,7 @@ fn init_from_an_export_starts_where_the_checkpoint_is_under_any_layout() {
     // the same).
     let resumed = out_dir("init-resumed");
     let mut cmd = resume_cmd(0, &checkpoints, &resumed);
-    cmd.args(FIXED).args(["--set", "train.steps=21"]);
+    cmd.args(WEIGHTS_HELD).args(["--set", "train.steps=21"]);
     run_with_deadline(cmd, Duration::from_secs(120)).assert_success();
     let resumed = read_metrics(&resumed);
     let step21 = resumed
@@ -146,7 +122,7 @@ fn init_from_an_export_starts_where_the_checkpoint_is_under_any_layout() {
 
     // Without --init-from the same run starts elsewhere: the weights did come from the file.
     let fresh = out_dir("init-none");
-    train_run(0, &fresh, &FIXED).assert_success();
+    train_run(0, &fresh, &WEIGHTS_HELD).assert_success();
     let (a, b) = (
         value(&read_metrics(&fresh)[0], "loss"),
         value(&single[0], "loss"),

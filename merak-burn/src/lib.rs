@@ -19,6 +19,7 @@
 //! - [`admission`]: the memory admission check: a run whose ranks' estimated peak does not
 //!   fit the host's or the GPU's memory is refused before anything is built.
 //! - [`checkpoint`]: atomic sharded checkpoints that load under any dp/tp layout.
+//! - [`hf_files`]: Hugging Face safetensors and `config.json` files, read as untrusted input.
 //! - [`session`]: [`run`], the one call that trains a model described as units under any
 //!   layout (detecting `mpirun`, planning, building each rank's units, training, checkpoints).
 
@@ -32,6 +33,7 @@ pub mod data;
 pub mod data_parallel;
 pub mod device;
 pub mod grid;
+pub mod hf_files;
 pub mod kernels;
 pub mod parallelize;
 pub mod pipeline;
@@ -42,4 +44,4 @@ pub mod session;
 pub mod tensor_parallel;
 pub mod train;
 
-pub use session::run;
+pub use session::{run, run_with_mpi};

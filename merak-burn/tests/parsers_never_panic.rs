@@ -1,10 +1,10 @@
 //! Every parser of untrusted input (model shapes, hardware specs, plan files, calibration
-//! files, checkpoint manifests, data set metadata) returns a value or an error for arbitrary
+//! files, checkpoint manifests, data set metadata, Hugging Face safetensors files) returns a value or an error for arbitrary
 //! input, never a panic: random text, and valid files with random edits. The test process
 //! runs under a capped allocator ([`merak_tests::CappedAlloc`]), so a parser that allocates by a number read from
 //! its input aborts the test instead of passing by overcommit.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use merak_burn::checkpoint::Checkpoint;
 use merak_burn::data::TokenData;
@@ -13,16 +13,7 @@ use merak_burn::planner::{
 };
 use proptest::prelude::*;
 
-/// The test process's allocator: the system's, refusing any single allocation above 256 MiB
-/// and more than 2 GiB live in all (it returns null, and the process aborts).
-#[global_allocator]
-static GLOBAL: merak_tests::CappedAlloc<std::alloc::System> =
-    merak_tests::CappedAlloc::new(std::alloc::System);
-
-#[test]
-fn a_single_allocation_above_the_cap_is_refused() {
-    merak_tests::assert_capped();
-}
+merak_tests::cap_allocations!();
 
 /// Numbers at the edges of what `meta.json`'s fields can hold (and beyond).
 const HUGE: [&str; 12] = [
@@ -40,13 +31,7 @@ const HUGE: [&str; 12] = [
     "1e309",
 ];
 
-/// A fresh folder for one case.
-fn folder(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("merak-prop-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).expect("temp folder");
-    d
-}
+use merak_tests::fresh_folder as folder;
 
 /// `valid` with the edit `(at, cut, insert)`: `cut` bytes removed at `at`, `insert` put there.
 fn edited(valid: &[u8], (at, cut, insert): &(usize, usize, Vec<u8>)) -> Vec<u8> {
@@ -184,6 +169,36 @@ fn real_checkpoint(dir: &Path) -> String {
     )
     .expect("saved");
     std::fs::read_to_string(step.join("manifest.json")).expect("manifest")
+}
+
+/// Numbers at the edges of what a safetensors header's sizes can hold.
+const EXTREMES: [u64; 11] = [
+    0,
+    1,
+    2,
+    8,
+    64,
+    u32::MAX as u64,
+    1 << 32,
+    1 << 62,
+    1 << 63,
+    u64::MAX - 4,
+    u64::MAX,
+];
+
+/// Every tensor of a safetensors file, as f32 where its element type converts (what an
+/// importer does with a file): an error names the file.
+fn hf_tensors(bytes: &[u8], path: &Path) -> Result<(), String> {
+    use merak_burn::hf_files::{tensor_views, to_f32};
+    let named = |e: merak_burn::hf_files::HfFileError| {
+        let e = e.to_string();
+        assert!(e.contains(&path.display().to_string()), "{e}");
+        e
+    };
+    for (name, view) in tensor_views(bytes, path).map_err(named)? {
+        let _ = to_f32(&view, path, &name).map_err(named);
+    }
+    Ok(())
 }
 
 /// The manifest fields that hold numbers, as JSON pointers.
@@ -335,4 +350,50 @@ proptest! {
             prop_assert_eq!((x.len(), y.len()), (16 * n, 16 * n));
         }
     }
+
+    /// Random bytes, and a valid file with a byte changed or cut short.
+    #[test]
+    fn hf_safetensors_files(
+        bytes in prop::collection::vec(any::<u8>(), 0..200),
+        at in any::<usize>(),
+        byte in any::<u8>(),
+        cut in 1usize..64,
+    ) {
+        let path = Path::new("dir/model.safetensors");
+        let _ = hf_tensors(&bytes, path);
+        let tensors = [("w".into(), vec![2, 3], vec![0.5; 6]), ("b".into(), vec![3], vec![-1.0; 3])];
+        for dtype in ["F32", "F16", "BF16", "I32"] {
+            let valid = merak_tests::safetensors_file(&tensors, dtype);
+            prop_assert!(hf_tensors(&valid, path).is_ok());
+            let mut edited = valid.clone();
+            edited[at % valid.len()] = byte;
+            let _ = hf_tensors(&edited, path);
+            prop_assert!(hf_tensors(&valid[..valid.len().saturating_sub(cut)], path).is_err());
+        }
+    }
+
+    /// Headers with extreme numbers (header lengths, offsets, shapes, dtypes) give an error
+    /// naming the file, never a panic or an allocation of their size.
+    #[test]
+    fn hf_safetensors_headers_with_extreme_numbers(
+        length in prop::sample::select(vec![None, Some(0), Some(1), Some(u64::MAX), Some(1 << 63), Some(100_000_001)]),
+        dims in prop::collection::vec(prop::sample::select(EXTREMES.to_vec()), 0..4),
+        start in prop::sample::select(EXTREMES.to_vec()),
+        end in prop::sample::select(EXTREMES.to_vec()),
+        dtype in prop::sample::select(vec!["F32", "F16", "BF16", "F64", "U8", "BOOL", "F4", "I64"]),
+        data in 0usize..64,
+    ) {
+        let shape: Vec<String> = dims.iter().map(u64::to_string).collect();
+        let header = format!(
+            r#"{{"model.embed_tokens.weight":{{"dtype":"{dtype}","shape":[{}],"data_offsets":[{start},{end}]}}}}"#,
+            shape.join(",")
+        );
+        let n = length.unwrap_or(header.len() as u64);
+        let bytes = [&n.to_le_bytes()[..], header.as_bytes(), &vec![0u8; data]].concat();
+        // Only a header whose one tensor fills the data exactly is a file.
+        let whole = length.is_none() && start == 0 && end == data as u64;
+        let path = Path::new("dir/model.safetensors");
+        prop_assert!(hf_tensors(&bytes, path).is_err() || whole);
+    }
+
 }

@@ -111,3 +111,101 @@ pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     let norm: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum::<f64>().sqrt();
     diff / norm.max(1e-30)
 }
+
+/// Puts this test binary under [`CappedAlloc`] (any single allocation above [`MAX_ONE`] and
+/// more than [`MAX_LIVE`] live refused, so that an allocation sized by a number read from a
+/// hostile file aborts the test instead of passing by overcommit), with the test
+/// `a_single_allocation_above_the_cap_is_refused` that shows the cap holds. Invoke it once, at
+/// the crate root of an integration test or in the `tests` module of a crate's unit tests.
+#[macro_export]
+macro_rules! cap_allocations {
+    () => {
+        #[global_allocator]
+        static GLOBAL: $crate::CappedAlloc<std::alloc::System> =
+            $crate::CappedAlloc::new(std::alloc::System);
+
+        #[test]
+        fn a_single_allocation_above_the_cap_is_refused() {
+            $crate::assert_capped();
+        }
+    };
+}
+
+/// A fresh, empty folder `merak-test-<pid>-<name>` in the temporary folder, for one test.
+pub fn fresh_folder(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("merak-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("a temporary folder");
+    d
+}
+
+/// A safetensors file of `tensors` (name, shape, f32 values), its values stored as `dtype`:
+/// `"F32"`, `"F16"` (rounded to the nearest), `"BF16"` (truncated) or `"I32"` (truncated), for
+/// tests of importers. Names are written as Rust escapes them, which is JSON for plain names.
+pub fn safetensors_file(tensors: &[(String, Vec<usize>, Vec<f32>)], dtype: &str) -> Vec<u8> {
+    let (mut header, mut data) = (Vec::new(), Vec::<u8>::new());
+    for (name, shape, values) in tensors {
+        let start = data.len();
+        for &x in values {
+            match dtype {
+                "F32" => data.extend(x.to_le_bytes()),
+                "F16" => data.extend(f32_to_f16(x).to_le_bytes()),
+                "BF16" => data.extend(((x.to_bits() >> 16) as u16).to_le_bytes()),
+                "I32" => data.extend((x as i32).to_le_bytes()),
+                other => panic!("{other}: not a dtype safetensors_file writes"),
+            }
+        }
+        let end = data.len();
+        header.push(format!(
+            r#"{name:?}:{{"dtype":"{dtype}","shape":{shape:?},"data_offsets":[{start},{end}]}}"#
+        ));
+    }
+    let header = format!("{{{}}}", header.join(","));
+    let length = (header.len() as u64).to_le_bytes();
+    [&length[..], header.as_bytes(), &data].concat()
+}
+
+/// The nearest half-precision number of a normal `x` of modest size (round to nearest even;
+/// values below 2^-14 are flushed to zero).
+pub fn f32_to_f16(x: f32) -> u16 {
+    let b = x.to_bits();
+    let sign = ((b >> 16) & 0x8000) as u16;
+    let exp = ((b >> 23) & 0xff) as i32 - 127 + 15;
+    if exp <= 0 {
+        return sign;
+    }
+    let mant = b & 0x7f_ffff;
+    let mut h = (u32::from(sign) | ((exp as u32) << 10) | (mant >> 13)) as u16;
+    let rest = mant & 0x1fff;
+    if rest > 0x1000 || (rest == 0x1000 && h & 1 == 1) {
+        h += 1;
+    }
+    h
+}
+
+/// `merak train` settings for two steps that leave the weights where they start (a learning
+/// rate of 1e-12 moves no weight by a relative 1e-9; it must be positive), with the held-out
+/// loss after each: runs started from the same weights under different layouts then report
+/// the same numbers.
+pub const WEIGHTS_HELD: [&str; 14] = [
+    "--set",
+    "train.steps=2",
+    "--set",
+    "train.lr=1e-12",
+    "--set",
+    "train.min_lr=0",
+    "--set",
+    "train.warmup_steps=0",
+    "--set",
+    "train.weight_decay=0",
+    "--set",
+    "data.val_every=1",
+    "--set",
+    "data.val_batches=2",
+];
+
+/// Asserts that `a` is within a relative 1e-5 of `b`, naming `what`.
+pub fn assert_close(what: &str, a: f32, b: f32) {
+    let e = rel_err(&[a], &[b]);
+    assert!(e <= 1e-5, "{what}: {a} vs {b} (rel {e:e})");
+}

@@ -20,7 +20,8 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use merak_burn::checkpoint::NamedTensor;
+use merak_burn::hf_files::{self, HfFileError};
 use serde_json::{Value, json};
 use thiserror::Error;
 
@@ -33,12 +34,8 @@ pub const SINGLE_FILE: &str = "model.safetensors";
 /// The index of weights in several files.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
 
-/// The largest `config.json` read.
-const MAX_CONFIG_BYTES: u64 = 1 << 20;
 /// The largest index read (a 405B Llama's is about 100 KiB).
 const MAX_INDEX_BYTES: u64 = 64 << 20;
-/// The largest safetensors header read (the safetensors crate's limit).
-const MAX_HEADER_BYTES: u64 = 100_000_000;
 /// The most positions taken from `max_position_embeddings` (the rotary table of the model
 /// holds `max_seq x head_dim x 2` floats).
 pub const MAX_POSITIONS: usize = 1 << 20;
@@ -60,22 +57,11 @@ pub struct HfLlama {
 /// every variant reading a file names it.
 #[derive(Debug, Error)]
 pub enum HfLlamaError {
-    /// Reading or writing a file failed.
-    #[error("{}: {error}", path.display())]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// The operating system's error.
-        error: std::io::Error,
-    },
-    /// Not a valid safetensors file, JSON file or folder.
-    #[error("{}: {reason}", path.display())]
-    Format {
-        /// The file.
-        path: PathBuf,
-        /// What is wrong.
-        reason: String,
-    },
+    /// Reading or writing a file failed; not a valid safetensors file, JSON file or folder; a
+    /// tensor of an element type that is not converted (F32, F16, BF16 and F64 are), or
+    /// holding a NaN or an infinity.
+    #[error(transparent)]
+    File(#[from] HfFileError),
     /// A value of `config.json` this model cannot take.
     #[error("{}: `{key}` = {value}: {reason}", path.display())]
     Config {
@@ -124,31 +110,6 @@ pub enum HfLlamaError {
         tensor: String,
         /// Why.
         reason: String,
-    },
-    /// A tensor of an element type that is not converted.
-    #[error(
-        "{}: tensor {tensor} is {dtype}; F32, F16, BF16 and F64 tensors can be loaded",
-        path.display()
-    )]
-    Dtype {
-        /// The file.
-        path: PathBuf,
-        /// The tensor's name in the file.
-        tensor: String,
-        /// Its element type.
-        dtype: String,
-    },
-    /// A tensor holding NaN or an infinity.
-    #[error("{}: tensor {tensor} holds {value} at flat index {index}", path.display())]
-    NotFinite {
-        /// The file.
-        path: PathBuf,
-        /// The tensor's name in the file.
-        tensor: String,
-        /// The first such value's index (row-major, in the file's layout).
-        index: usize,
-        /// The value.
-        value: f32,
     },
     /// Writing: the config describes no model.
     #[error(transparent)]
@@ -347,48 +308,6 @@ fn describe(c: &LlamaConfig) -> String {
     )
 }
 
-/// The error of an I/O failure on `path`.
-fn io(path: &Path) -> impl FnOnce(std::io::Error) -> HfLlamaError {
-    let path = path.to_path_buf();
-    move |error| HfLlamaError::Io { path, error }
-}
-
-/// The size of `path` if it is a regular file (or a link to one) of at most `max` bytes:
-/// anything else (a FIFO, a device, a folder) is refused before it is opened.
-fn regular_file(path: &Path, max: u64) -> Result<u64, HfLlamaError> {
-    let m = std::fs::metadata(path).map_err(io(path))?;
-    let reason = if !m.is_file() {
-        "not a regular file (a folder, a FIFO or a device?)".to_string()
-    } else if m.len() > max {
-        format!("{} bytes, more than the {max} read", m.len())
-    } else {
-        return Ok(m.len());
-    };
-    Err(HfLlamaError::Format {
-        path: path.to_path_buf(),
-        reason,
-    })
-}
-
-/// The JSON file at `path` (a regular file of at most `max` bytes).
-fn read_json(path: &Path, max: u64) -> Result<Value, HfLlamaError> {
-    regular_file(path, max)?;
-    let text = std::fs::read(path).map_err(io(path))?;
-    serde_json::from_slice(&text).map_err(|e| HfLlamaError::Format {
-        path: path.to_path_buf(),
-        reason: format!("not valid JSON: {e}"),
-    })
-}
-
-/// Whether `path` exists (as anything: a FIFO at `model.safetensors` is refused later).
-fn exists(path: &Path) -> Result<bool, HfLlamaError> {
-    match std::fs::symlink_metadata(path) {
-        Ok(_) => Ok(true),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
-        Err(e) => Err(io(path)(e)),
-    }
-}
-
 /// Reads the `config.json` of a `LlamaForCausalLM` (`json`, read from `path`) into our config.
 /// Sizes and flags the model cannot reproduce are refused: biases (`attention_bias`,
 /// `mlp_bias`), an activation other than SiLU, a `head_dim` other than `hidden_size /
@@ -403,10 +322,7 @@ pub fn llama_config_from_hf(json: &Value, path: &Path) -> Result<LlamaConfig, Hf
         reason,
     };
     if !json.is_object() {
-        return Err(HfLlamaError::Format {
-            path: path.to_path_buf(),
-            reason: "not a JSON object".into(),
-        });
+        return Err(HfFileError::format(path, "not a JSON object").into());
     }
     let get = |key: &str| json.get(key).filter(|v| !v.is_null());
     if let Some(v) = get("model_type")
@@ -596,10 +512,9 @@ pub fn llama_config_from_hf(json: &Value, path: &Path) -> Result<LlamaConfig, Hf
         rms_norm_eps,
         tie_embeddings,
     };
-    config.validate().map_err(|e| HfLlamaError::Format {
-        path: path.to_path_buf(),
-        reason: e.to_string(),
-    })?;
+    config
+        .validate()
+        .map_err(|e| HfFileError::format(path, e.to_string()))?;
     Ok(config)
 }
 
@@ -655,21 +570,16 @@ type Index = (PathBuf, BTreeMap<String, String>);
 /// the index.
 fn weight_files(dir: &Path) -> Result<(Vec<PathBuf>, Option<Index>), HfLlamaError> {
     let index_path = dir.join(INDEX_FILE);
-    if !exists(&index_path)? {
+    if !hf_files::exists(&index_path)? {
         let single = dir.join(SINGLE_FILE);
-        if !exists(&single)? {
-            return Err(HfLlamaError::Format {
-                path: dir.to_path_buf(),
-                reason: format!("neither {SINGLE_FILE} nor {INDEX_FILE} in the folder"),
-            });
+        if !hf_files::exists(&single)? {
+            let reason = format!("neither {SINGLE_FILE} nor {INDEX_FILE} in the folder");
+            return Err(HfFileError::format(dir, reason).into());
         }
         return Ok((vec![single], None));
     }
-    let index = read_json(&index_path, MAX_INDEX_BYTES)?;
-    let bad = |reason: String| HfLlamaError::Format {
-        path: index_path.clone(),
-        reason,
-    };
+    let index = hf_files::read_json(&index_path, MAX_INDEX_BYTES)?;
+    let bad = |reason: String| HfFileError::format(&index_path, reason);
     let map = (index.get("weight_map").and_then(Value::as_object))
         .ok_or_else(|| bad("no `weight_map` object".into()))?;
     let mut weight_map = BTreeMap::new();
@@ -700,7 +610,8 @@ fn canonical(name: &str) -> String {
 /// at full size by merak name, converted to merak's layouts and to f32.
 pub fn read_hf_llama(dir: &Path) -> Result<HfLlama, HfLlamaError> {
     let config_path = dir.join(CONFIG_FILE);
-    let config = llama_config_from_hf(&read_json(&config_path, MAX_CONFIG_BYTES)?, &config_path)?;
+    let json = hf_files::read_json(&config_path, hf_files::MAX_CONFIG_BYTES)?;
+    let config = llama_config_from_hf(&json, &config_path)?;
     let (files, index) = weight_files(dir)?;
     let specs = specs(&config);
     let by_name: HashMap<&str, &Spec> = specs.iter().map(|s| (s.hf.as_str(), s)).collect();
@@ -713,21 +624,13 @@ pub fn read_hf_llama(dir: &Path) -> Result<HfLlama, HfLlamaError> {
     let mut tied_head: Option<(PathBuf, Vec<f32>)> = None;
     let mut buffers = 0;
     for path in &files {
-        regular_file(path, u64::MAX)?;
-        let bytes = std::fs::read(path).map_err(io(path))?;
-        check_layout(&bytes, path)?;
-        let st = SafeTensors::deserialize(&bytes).map_err(|e| HfLlamaError::Format {
-            path: path.clone(),
-            reason: format!("not a valid safetensors file: {e}"),
-        })?;
+        let bytes = hf_files::read_weights(path)?;
         let unexpected = |tensor: &str, reason: String| HfLlamaError::Unexpected {
             path: path.clone(),
             tensor: tensor.into(),
             reason,
         };
-        let mut tensors = st.tensors();
-        tensors.sort_by(|a, b| a.0.cmp(&b.0));
-        for (name, view) in tensors {
+        for (name, view) in hf_files::tensor_views(&bytes, path)? {
             let hf = canonical(&name);
             if hf.ends_with("rotary_emb.inv_freq") {
                 buffers += 1;
@@ -763,10 +666,7 @@ pub fn read_hf_llama(dir: &Path) -> Result<HfLlama, HfLlamaError> {
                         model: model.clone(),
                     });
                 }
-                tied_head = Some((
-                    path.clone(),
-                    finite(to_f32(&view, path, &name)?, path, &name)?,
-                ));
+                tied_head = Some((path.clone(), hf_files::finite_f32(&view, path, &name)?));
                 found.insert(hf, path.clone());
                 continue;
             }
@@ -792,7 +692,7 @@ pub fn read_hf_llama(dir: &Path) -> Result<HfLlama, HfLlamaError> {
                     model: model.clone(),
                 });
             }
-            let values = finite(to_f32(&view, path, &name)?, path, &name)?;
+            let values = hf_files::finite_f32(&view, path, &name)?;
             params.insert(spec.merak.clone(), to_ours(spec.layout, &shape, values, hd));
             found.insert(hf, path.clone());
         }
@@ -848,119 +748,6 @@ pub fn read_hf_llama(dir: &Path) -> Result<HfLlama, HfLlamaError> {
     })
 }
 
-/// `values` if all are finite; else the error naming the first that is not.
-fn finite(values: Vec<f32>, path: &Path, tensor: &str) -> Result<Vec<f32>, HfLlamaError> {
-    match values.iter().position(|v| !v.is_finite()) {
-        None => Ok(values),
-        Some(index) => Err(HfLlamaError::NotFinite {
-            path: path.to_path_buf(),
-            tensor: tensor.into(),
-            index,
-            value: values[index],
-        }),
-    }
-}
-
-/// Checks the numbers of a safetensors file's header against the file's size before the
-/// safetensors crate uses them: the header length, and each tensor's data offsets and element
-/// count.
-fn check_layout(bytes: &[u8], path: &Path) -> Result<(), HfLlamaError> {
-    let bad = |reason: String| HfLlamaError::Format {
-        path: path.to_path_buf(),
-        reason: format!("not a valid safetensors file: {reason}"),
-    };
-    let file = bytes.len() as u64;
-    let Some(length) = bytes.first_chunk::<8>() else {
-        return Err(bad(format!(
-            "{file} bytes, too short for a safetensors file (it starts with an 8-byte header length)"
-        )));
-    };
-    let n = u64::from_le_bytes(*length);
-    let room = file - 8;
-    if n > room || n > MAX_HEADER_BYTES {
-        return Err(bad(format!(
-            "the header claims {n} bytes, but {room} follow its 8-byte length (at most \
-             {MAX_HEADER_BYTES} are read): cut short or not a safetensors file"
-        )));
-    }
-    let header = &bytes[8..8 + n as usize];
-    // A header that is not a JSON object is named by the safetensors crate.
-    let Ok(tensors) = serde_json::from_slice::<HashMap<String, Value>>(header) else {
-        return Ok(());
-    };
-    let data = room - n;
-    for (name, info) in tensors.iter().filter(|(name, _)| *name != "__metadata__") {
-        let numbers = |key: &str| -> Option<Vec<u64>> {
-            let list = info.get(key)?.as_array()?;
-            list.iter().map(Value::as_u64).collect()
-        };
-        if let Some([start, end]) = numbers("data_offsets").as_deref()
-            && (start > end || *end > data)
-        {
-            return Err(bad(format!(
-                "tensor {name}: data_offsets [{start}, {end}] lie outside the {data} bytes of data after the header"
-            )));
-        }
-        if let Some(shape) = numbers("shape") {
-            let elements = shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
-            if elements.is_none_or(|n| n / 8 > data) {
-                return Err(bad(format!(
-                    "tensor {name}: shape {shape:?} has more elements than the {data} bytes of data after the header hold"
-                )));
-            }
-        }
-    }
-    Ok(())
-}
-
-/// An IEEE half-precision number as f32 (exact).
-fn f16_to_f32(h: u16) -> f32 {
-    let sign = u32::from(h >> 15) << 31;
-    let exp = u32::from((h >> 10) & 0x1f);
-    let frac = u32::from(h & 0x3ff);
-    let bits = match exp {
-        0 if frac == 0 => sign,
-        0 => {
-            // Subnormal: frac * 2^-24.
-            let v = frac as f32 * f32::from_bits(0x3380_0000);
-            return if sign != 0 { -v } else { v };
-        }
-        0x1f => sign | 0x7f80_0000 | (frac << 13),
-        _ => sign | ((exp + 112) << 23) | (frac << 13),
-    };
-    f32::from_bits(bits)
-}
-
-/// The values of `view` (the tensor `name` of `path`) as f32.
-fn to_f32(view: &TensorView<'_>, path: &Path, name: &str) -> Result<Vec<f32>, HfLlamaError> {
-    let d = view.data();
-    Ok(match view.dtype() {
-        Dtype::F32 => d
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-        Dtype::F64 => d
-            .chunks_exact(8)
-            .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32)
-            .collect(),
-        Dtype::BF16 => d
-            .chunks_exact(2)
-            .map(|c| f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16))
-            .collect(),
-        Dtype::F16 => d
-            .chunks_exact(2)
-            .map(|c| f16_to_f32(u16::from_le_bytes([c[0], c[1]])))
-            .collect(),
-        other => {
-            return Err(HfLlamaError::Dtype {
-                path: path.to_path_buf(),
-                tensor: name.into(),
-                dtype: format!("{other:?}"),
-            });
-        }
-    })
-}
-
 /// Writes `bytes` to `path` through a temporary file in the same folder, renamed into place.
 fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), HfLlamaError> {
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
@@ -969,7 +756,7 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), HfLlamaError> {
     if written.is_err() {
         let _ = std::fs::remove_file(&tmp);
     }
-    written.map_err(io(path))
+    Ok(written.map_err(HfFileError::io(path))?)
 }
 
 /// Whether `name` is a shard file name of `save_pretrained` (`model-00001-of-00003.safetensors`).
@@ -1001,7 +788,7 @@ pub fn write_hf_llama(
     cfg.validate()?;
     let specs = specs(cfg);
     let hd = cfg.head_dim();
-    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::with_capacity(specs.len());
+    let mut tensors: Vec<NamedTensor> = Vec::with_capacity(specs.len());
     for spec in &specs {
         let missing = || HfLlamaError::Params {
             name: spec.merak.clone(),
@@ -1022,9 +809,11 @@ pub fn write_hf_llama(
                 ),
             });
         }
-        let hf = to_hf(spec.layout, &ours, values, hd);
-        let bytes = hf.iter().flat_map(|v| v.to_le_bytes()).collect();
-        tensors.push((spec.hf.clone(), spec.shape.clone(), bytes));
+        tensors.push(NamedTensor {
+            name: spec.hf.clone(),
+            shape: spec.shape.clone(),
+            values: to_hf(spec.layout, &ours, values, hd),
+        });
     }
     if params.len() != specs.len() {
         let known: BTreeSet<&str> = specs.iter().map(|s| s.merak.as_str()).collect();
@@ -1040,27 +829,27 @@ pub fn write_hf_llama(
             });
         }
     }
-    // Files of tensors, in module order.
-    let mut groups: Vec<Vec<usize>> = Vec::new();
+    // Files of tensors, in module order: runs of `tensors`.
+    let bytes = |t: &NamedTensor| 4 * t.values.len() as u64;
+    let mut groups: Vec<std::ops::Range<usize>> = Vec::new();
     let mut bytes_in_last = 0u64;
-    for (i, (_, _, bytes)) in tensors.iter().enumerate() {
-        let n = bytes.len() as u64;
+    for (i, t) in tensors.iter().enumerate() {
+        let n = bytes(t);
         match (groups.last_mut(), max_shard_bytes) {
             (Some(last), Some(max)) if bytes_in_last.saturating_add(n) <= max => {
-                last.push(i);
+                last.end = i + 1;
                 bytes_in_last += n;
             }
-            (Some(last), None) => last.push(i),
+            (Some(last), None) => last.end = i + 1,
             _ => {
-                groups.push(vec![i]);
+                groups.push(i..i + 1);
                 bytes_in_last = n;
             }
         }
     }
-    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    std::fs::create_dir_all(dir).map_err(HfFileError::io(dir))?;
     let sharded = max_shard_bytes.is_some();
     let count = groups.len();
-    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
     let mut written = Vec::new();
     let mut weight_map = BTreeMap::new();
     for (k, group) in groups.iter().enumerate() {
@@ -1070,49 +859,30 @@ pub fn write_hf_llama(
             SINGLE_FILE.to_string()
         };
         let path = dir.join(&name);
-        let views = group
-            .iter()
-            .map(|&i| {
-                let (hf, shape, bytes) = &tensors[i];
-                weight_map.insert(hf.clone(), name.clone());
-                TensorView::new(Dtype::F32, shape.clone(), bytes).map(|v| (hf.clone(), v))
-            })
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| HfLlamaError::Format {
-                path: path.clone(),
-                reason: format!("encoding: {e}"),
-            })?;
-        let encoded = safetensors::serialize(views, Some(meta.clone())).map_err(|e| {
-            HfLlamaError::Format {
-                path: path.clone(),
-                reason: format!("encoding: {e}"),
-            }
-        })?;
+        let part = &tensors[group.clone()];
+        weight_map.extend(part.iter().map(|t| (t.name.clone(), name.clone())));
+        let encoded = hf_files::encode(part)
+            .map_err(|e| HfFileError::format(&path, format!("encoding: {e}")))?;
         write_atomically(&path, &encoded)?;
         written.push(path);
     }
     if sharded {
-        let total: u64 = tensors.iter().map(|t| t.2.len() as u64).sum();
+        let total: u64 = tensors.iter().map(bytes).sum();
         let index = json!({ "metadata": { "total_size": total }, "weight_map": weight_map });
         let path = dir.join(INDEX_FILE);
-        let text = serde_json::to_vec_pretty(&index).map_err(|e| HfLlamaError::Format {
-            path: path.clone(),
-            reason: e.to_string(),
-        })?;
+        let text = serde_json::to_vec_pretty(&index)
+            .map_err(|e| HfFileError::format(&path, e.to_string()))?;
         write_atomically(&path, &text)?;
         written.push(path);
     }
     let config_path = dir.join(CONFIG_FILE);
-    let text =
-        serde_json::to_vec_pretty(&hf_config_json(cfg)).map_err(|e| HfLlamaError::Format {
-            path: config_path.clone(),
-            reason: e.to_string(),
-        })?;
+    let text = serde_json::to_vec_pretty(&hf_config_json(cfg))
+        .map_err(|e| HfFileError::format(&config_path, e.to_string()))?;
     write_atomically(&config_path, &text)?;
     written.push(config_path);
     // Weight files of the other form (or another shard count) would be read instead of, or
     // with, these.
-    let entries = std::fs::read_dir(dir).map_err(io(dir))?;
+    let entries = std::fs::read_dir(dir).map_err(HfFileError::io(dir))?;
     for entry in entries.flatten() {
         let name = entry.file_name();
         let Some(name) = name.to_str() else { continue };
@@ -1123,7 +893,7 @@ pub fn write_hf_llama(
         };
         let path = dir.join(name);
         if stale && !written.contains(&path) {
-            std::fs::remove_file(&path).map_err(io(&path))?;
+            std::fs::remove_file(&path).map_err(HfFileError::io(&path))?;
         }
     }
     Ok(written)
@@ -1164,20 +934,5 @@ mod tests {
         assert!(!plain_name("../x.safetensors"));
         assert!(!plain_name("a/b"));
         assert!(plain_name("model-00001-of-00002.safetensors"));
-    }
-
-    #[test]
-    fn f16_values_convert_exactly() {
-        for (bits, want) in [
-            (0x3c00u16, 1.0f32),
-            (0xc000, -2.0),
-            (0x3555, 0.333_251_95),
-            (0x0001, 5.960_464_5e-8),
-            (0x7bff, 65504.0),
-            (0x0000, 0.0),
-        ] {
-            assert_eq!(f16_to_f32(bits), want, "{bits:#06x}");
-        }
-        assert!(f16_to_f32(0x7c00).is_infinite() && f16_to_f32(0x7e00).is_nan());
     }
 }

@@ -12,20 +12,15 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Int, Tensor, TensorData};
 use merak_burn::backend::{Cpu, CpuAutodiff};
+use merak_burn::hf_files::{tensor_views, to_f32};
 use merak_burn::tensor_parallel::{ParamSplits, SPLIT_CONTAINER, Shard, ShardKind};
 use merak_example_llama::hf::{hf_config_json, llama_config_from_hf};
 use merak_example_llama::{
     FullParams, Llama, LlamaConfig, TpLayoutError, read_hf_llama, tp_plan_for, write_hf_llama,
 };
-use safetensors::SafeTensors;
-use safetensors::tensor::{Dtype, TensorView};
 use serde_json::Value;
 
-/// The unit tests' allocator: refuses any single allocation above 256 MiB, so that a size
-/// read from a hostile file aborts the test instead of passing by overcommit.
-#[global_allocator]
-static GLOBAL: merak_tests::CappedAlloc<std::alloc::System> =
-    merak_tests::CappedAlloc::new(std::alloc::System);
+merak_tests::cap_allocations!();
 
 /// Absolute tolerance on fp32 logits.
 const TOL: f32 = 1e-4;
@@ -184,64 +179,20 @@ type Tensors = Vec<(String, Vec<usize>, Vec<f32>)>;
 /// An edit of `config.json`.
 type ConfigEdit = Box<dyn Fn(&mut Value)>;
 
-/// Every tensor of the safetensors file at `path` as f32: (name, shape, values).
+/// Every tensor of the safetensors file at `path` as f32, by name: (name, shape, values).
 fn tensors_of(path: &Path) -> Tensors {
     let bytes = std::fs::read(path).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let mut out: Vec<_> = st
-        .tensors()
-        .into_iter()
+    (tensor_views(&bytes, path).unwrap().into_iter())
         .map(|(name, v)| {
-            let values = match v.dtype() {
-                Dtype::F32 => (v.data().chunks_exact(4))
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect(),
-                Dtype::BF16 => (v.data().chunks_exact(2))
-                    .map(|c| f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16))
-                    .collect(),
-                d => panic!("{d:?}"),
-            };
+            let values = to_f32(&v, path, &name).unwrap();
             (name, v.shape().to_vec(), values)
         })
-        .collect();
-    out.sort_by(|a, b| a.0.cmp(&b.0));
-    out
+        .collect()
 }
 
 /// Writes `tensors` (f32 values written as `dtype`) as the safetensors file `path`.
-fn write_tensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)], dtype: Dtype) {
-    let bytes: Vec<Vec<u8>> = (tensors.iter())
-        .map(|(_, _, v)| match dtype {
-            Dtype::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            Dtype::F16 => v
-                .iter()
-                .flat_map(|x| f32_to_f16(*x).to_le_bytes())
-                .collect(),
-            Dtype::I32 => v.iter().flat_map(|x| (*x as i32).to_le_bytes()).collect(),
-            _ => unreachable!(),
-        })
-        .collect();
-    let views: Vec<(String, TensorView<'_>)> = (tensors.iter().zip(&bytes))
-        .map(|((n, s, _), b)| (n.clone(), TensorView::new(dtype, s.clone(), b).unwrap()))
-        .collect();
-    std::fs::write(path, safetensors::serialize(views, None).unwrap()).unwrap();
-}
-
-/// The nearest half-precision number of a normal `x` of modest size (round to nearest even).
-fn f32_to_f16(x: f32) -> u16 {
-    let b = x.to_bits();
-    let sign = ((b >> 16) & 0x8000) as u16;
-    let exp = ((b >> 23) & 0xff) as i32 - 127 + 15;
-    if exp <= 0 {
-        return sign;
-    }
-    let mant = b & 0x7f_ffff;
-    let mut h = (u32::from(sign) | ((exp as u32) << 10) | (mant >> 13)) as u16;
-    let rest = mant & 0x1fff;
-    if rest > 0x1000 || (rest == 0x1000 && h & 1 == 1) {
-        h += 1;
-    }
-    h
+fn write_tensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)], dtype: &str) {
+    std::fs::write(path, merak_tests::safetensors_file(tensors, dtype)).unwrap();
 }
 
 #[test]
@@ -519,7 +470,7 @@ fn damaged_tensors_are_refused_naming_the_file_and_the_tensor() {
             let k = find(t, "model.layers.1.mlp.up_proj.weight");
             t[k].1 = vec![64, 96];
         },
-        Dtype::F32,
+        "F32",
     );
     assert!(
         e.contains("model.safetensors")
@@ -541,7 +492,7 @@ fn damaged_tensors_are_refused_naming_the_file_and_the_tensor() {
     let e = with(
         "missing",
         &|t| t.retain(|x| x.0 != "model.layers.0.post_attention_layernorm.weight"),
-        Dtype::F32,
+        "F32",
     );
     assert!(
         e.contains("model.safetensors")
@@ -558,7 +509,7 @@ fn damaged_tensors_are_refused_naming_the_file_and_the_tensor() {
                 let k = find(t, "model.layers.1.self_attn.v_proj.weight");
                 t[k].2[37] = bad;
             },
-            Dtype::F32,
+            "F32",
         );
         assert!(
             e.contains("model.safetensors")
@@ -579,7 +530,7 @@ fn damaged_tensors_are_refused_naming_the_file_and_the_tensor() {
                 vec![0.0; 64],
             ))
         },
-        Dtype::F32,
+        "F32",
     );
     assert!(
         e.contains("q_proj.bias") && e.contains("not a tensor of"),
@@ -594,13 +545,13 @@ fn damaged_tensors_are_refused_naming_the_file_and_the_tensor() {
                 vec![1.0; 64],
             ))
         },
-        Dtype::F32,
+        "F32",
     );
     assert!(
         e.contains("model.layers.2.") && e.contains("2 layers"),
         "{e}"
     );
-    let e = with("int", &|_| {}, Dtype::I32);
+    let e = with("int", &|_| {}, "I32");
     assert!(e.contains("model.safetensors") && e.contains("I32"), "{e}");
 
     // f16 is converted (within its precision), and a LlamaModel's unprefixed names and the
@@ -615,7 +566,7 @@ fn damaged_tensors_are_refused_naming_the_file_and_the_tensor() {
         vec![8],
         vec![1.0; 8],
     ));
-    write_tensors(&single(&dir), &t, Dtype::F16);
+    write_tensors(&single(&dir), &t, "F16");
     let hf = read_hf_llama(&dir).unwrap();
     assert!(hf.notes[0].contains("rotary"), "{:?}", hf.notes);
     let want = read_hf_llama(&fixture("gqa")).unwrap();

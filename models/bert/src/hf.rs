@@ -431,49 +431,28 @@ pub fn hf_bert_config(cfg: &BertConfig) -> serde_json::Value {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::Bert;
-    use burn::module::{Module, ModuleVisitor, Param};
-    use burn::tensor::Tensor;
     use merak_burn::backend::Cpu;
+    use merak_burn::checkpoint::state::param_shapes;
     use merak_burn::comm::Group;
 
-    /// Names and shapes of a tp = 1 model, by path.
-    struct Names(Vec<String>, Vec<(String, Vec<usize>)>);
-    impl ModuleVisitor<Cpu> for Names {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.0.push(name.into());
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.0.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<Cpu, D>>) {
-            self.1.push((self.0.join("."), p.val().dims().to_vec()));
-        }
-    }
-
-    fn odd() -> BertConfig {
-        BertConfig {
-            vocab_size: 101,
-            layers: 2,
-            heads: 4,
-            hidden: 32,
-            seq_len: 16,
-            mask_token_id: 100,
-            ..BertConfig::preset("tiny").unwrap()
-        }
+    /// A BERT of two layers whose vocabulary is odd (padded under tp = 2), `[MASK]` its last
+    /// id: the shape of the transformers fixture (tests/fixtures/bert-hf).
+    pub(crate) fn odd() -> BertConfig {
+        let shape = "bert:layers=2,hidden=32,heads=4,seq=16,vocab=101".parse();
+        BertConfig::from_shape(&shape.unwrap())
     }
 
     #[test]
     fn every_parameter_has_a_spec_of_its_shape() {
         let cfg = odd();
         let model = Bert::<Cpu>::new(&cfg, 1, Group::local(), &Default::default()).unwrap();
-        let mut names = Names(Vec::new(), Vec::new());
-        model.visit(&mut names);
+        let params = param_shapes(&model);
         let specs = specs(&cfg);
-        assert_eq!(names.1.len(), specs.len());
-        for (ours, shape) in &names.1 {
+        assert_eq!(params.len(), specs.len());
+        for (ours, shape) in params.iter().map(|p| (&p.name, &p.shape)) {
             let spec = specs
                 .iter()
                 .find(|s| &s.ours == ours)

@@ -23,17 +23,8 @@ fn fixture() -> PathBuf {
 
 /// The merak BERT of the fixture's shape (its config.json).
 fn config() -> BertConfig {
-    BertConfig {
-        vocab_size: 101,
-        layers: 2,
-        heads: 4,
-        hidden: 32,
-        seq_len: 16,
-        dropout: 0.0,
-        layer_norm_eps: 1e-12,
-        init_std: 0.02,
-        mask_token_id: 100,
-    }
+    let shape = "bert:layers=2,hidden=32,heads=4,seq=16,vocab=101".parse();
+    BertConfig::from_shape(&shape.unwrap())
 }
 
 /// A one-process model (built from another seed) holding `params`.

@@ -124,35 +124,20 @@ pub fn hf_gpt2_config(cfg: &GptConfig) -> serde_json::Value {
 mod tests {
     use super::*;
     use crate::Gpt;
-    use burn::module::{Module, ModuleVisitor, Param};
-    use burn::tensor::Tensor;
     use merak_burn::backend::Cpu;
+    use merak_burn::checkpoint::state::param_shapes;
     use merak_burn::comm::Group;
-
-    /// Names and shapes of a tp = 1 model, by path.
-    struct Names(Vec<String>, Vec<(String, Vec<usize>)>);
-    impl ModuleVisitor<Cpu> for Names {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.0.push(name.into());
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.0.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<Cpu, D>>) {
-            self.1.push((self.0.join("."), p.val().dims().to_vec()));
-        }
-    }
 
     #[test]
     fn every_parameter_maps_to_a_gpt2_tensor_of_the_same_shape() {
         let cfg = GptConfig::preset("tiny").unwrap();
         let model = Gpt::<Cpu>::new(&cfg, 1, Group::local(), &Default::default()).unwrap();
-        let mut names = Names(Vec::new(), Vec::new());
-        model.visit(&mut names);
+        let params = param_shapes(&model);
         let expected: std::collections::HashMap<String, Vec<usize>> =
             hf_gpt2_shapes(&cfg).into_iter().collect();
-        assert_eq!(names.1.len(), expected.len());
-        for (ours, shape) in &names.1 {
+        assert_eq!(params.len(), expected.len());
+        for p in &params {
+            let (ours, shape) = (&p.name, &p.shape);
             let theirs = hf_gpt2_name(ours).unwrap_or_else(|| panic!("{ours} has no GPT-2 name"));
             assert_eq!(expected.get(&theirs), Some(shape), "{ours} -> {theirs}");
             assert_eq!(merak_gpt_name(&theirs).as_deref(), Some(ours.as_str()));
