@@ -211,6 +211,9 @@ fn check_and_open(
         (_, true) => ExistingRun::Branch,
         _ => ExistingRun::Refuse,
     };
+    // A file where a folder goes is named as such before the lineage reads the folders.
+    merak_burn::train::not_a_file(&out, "output folder (--out)")?;
+    merak_burn::train::not_a_file(root, "checkpoint folder (checkpoint.dir)")?;
     // Read-only here (every rank, before anything is built); `Trainer::fit` claims for real.
     let own = train::own_file_names();
     let origin = resume.as_ref().map(|r| Origin::of(&r.checkpoint));

@@ -40,7 +40,7 @@ pub use metrics::{MetricsWriter, StepMetrics};
 pub use optim::{OptimizerKind, OptimizerSettings, check_settings};
 pub use optim::{ParamGroup, ParamInfo};
 pub use optim::{RmsPropStep, Slots, StateSlots};
-pub use outputs::{OutputError, writable_dir, writable_file};
+pub use outputs::{OutputError, not_a_file, writable_dir, writable_file};
 pub use report::{report_memory, write_trace};
 pub use schedule::LrSchedule;
 pub use schedule::LrScheduleKind;

@@ -50,12 +50,7 @@ pub fn writable_dir(dir: &Path, what: &str, rank: usize) -> Result<(), OutputErr
             source,
         }
     };
-    if dir.exists() && !dir.is_dir() {
-        return Err(OutputError::IsAFile {
-            what: what.to_string(),
-            path: dir.to_path_buf(),
-        });
-    }
+    not_a_file(dir, what)?;
     std::fs::create_dir_all(dir).map_err(fail("create"))?;
     // One byte, not an empty file: a full disk still makes empty files.
     let probe = dir.join(format!(".merak-write-probe-{rank}"));
@@ -63,6 +58,18 @@ pub fn writable_dir(dir: &Path, what: &str, rank: usize) -> Result<(), OutputErr
     // Removing the probe can only fail if someone else removed it first.
     let _ = std::fs::remove_file(&probe);
     written.map_err(fail("write in"))
+}
+
+/// Refuses a file (or anything but a folder) at `dir`, where a folder is wanted; creates
+/// nothing (a missing folder is fine).
+pub fn not_a_file(dir: &Path, what: &str) -> Result<(), OutputError> {
+    if dir.exists() && !dir.is_dir() {
+        return Err(OutputError::IsAFile {
+            what: what.to_string(),
+            path: dir.to_path_buf(),
+        });
+    }
+    Ok(())
 }
 
 /// Checks that the file `path` can be written: not a folder, its folder writable.
