@@ -3,17 +3,23 @@
 //! The user describes the model as units ([`UnitModel`]: a constructor per unit and a tensor
 //! parallel plan by sub-module name), says how to choose the plan ([`PlanChoice`]: given, or
 //! the planner's from the units timed on this backend), and hands over the data
-//! ([`BatchSource`](crate::train::BatchSource), by global sample index) with the
-//! [`TrainSettings`](crate::train::TrainSettings) and [`RunOptions`]. The library then does
+//! ([`BatchSource`], by global sample index) with the
+//! [`TrainSettings`] and [`RunOptions`]. The library then does
 //! what every such program does:
 //!
 //! 1. detects `mpirun` (or runs as one process) and, when asked, installs the stop signals;
-//! 2. times the units and plans (when asked, or to cut a pipeline), the same on every rank;
+//! 2. runs the first unit, one block and the last unit on a sample micro-batch, refusing units
+//!    whose shapes do not fit together ([`RunError::UnitShape`]), and times them to plan (when
+//!    asked) or to cut a pipeline, the same on every rank;
 //! 3. builds the process grid and the pipeline, and **builds on each rank only the units it
 //!    holds**, each from its own seed ([`unit_seed`]), so every layout starts from the weights
 //!    one process starts from;
 //! 4. splits them for tensor parallelism, loads pretrained weights or a checkpoint to resume
-//!    (cut for this layout), trains with validation, metrics, progress and checkpoints.
+//!    (cut for this layout), trains with validation, metrics, progress and checkpoints, then
+//!    evaluates held-out samples when asked ([`RunOptions::eval_batches`],
+//!    [`RunOptions::predict_batches`]).
+//!
+//! A program that starts MPI itself uses [`run_with_mpi`].
 //!
 //! Under `mpirun` with several ranks an error on one rank ends the whole job (`MPI_Abort`,
 //! after printing it with the rank), since the other ranks would otherwise wait for it.
