@@ -25,7 +25,7 @@ use merak_burn::hf_files::{self, HfFileError};
 use serde_json::{Value, json};
 use thiserror::Error;
 
-use crate::model::{FullParams, InvalidConfig, LlamaConfig, RopeScaling};
+use crate::{FullParams, InvalidConfig, LlamaConfig, RopeScaling};
 
 /// The model's config file.
 pub const CONFIG_FILE: &str = "config.json";

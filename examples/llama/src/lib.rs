@@ -9,16 +9,19 @@
 //! [`hf`] reads and writes Hugging Face `LlamaForCausalLM` checkpoints as the model's
 //! full-size parameters ([`FullParams`]), which a run of any layout cuts for its ranks.
 
+mod config;
 mod data;
 pub mod hf;
 mod model;
+mod params;
 mod pretrained;
+mod tp;
 mod units;
 
+pub use config::{InvalidConfig, LlamaConfig, RopeScaling};
 pub use data::Counting;
 pub use hf::{HfLlama, HfLlamaError, read_hf_llama, write_hf_llama};
-pub use model::{
-    Attention, Block, Embed, FullParams, Head, InvalidConfig, Llama, LlamaConfig, Mlp, ParamsError,
-    RopeScaling, TpLayoutError, tp_plan, tp_plan_for, tp_plan_of,
-};
+pub use model::{Attention, Block, Embed, Head, Llama, Mlp};
+pub use params::{FullParams, ParamsError};
 pub use pretrained::{ExportError, export_checkpoint, manifest_extra, pretrained_or};
+pub use tp::{TpLayoutError, tp_plan, tp_plan_for, tp_plan_of};
