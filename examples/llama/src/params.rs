@@ -1,11 +1,12 @@
 //! The decoder's parameters at full size by merak name, in and out (pretrained weights,
 //! checkpoints, exports).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use merak_burn::checkpoint::state;
 use merak_burn::tensor_parallel::SPLIT_CONTAINER;
 use thiserror::Error;
 
@@ -28,26 +29,28 @@ impl<B: Backend> Llama<B> {
     /// This model with its parameters replaced by `params` (full size, by merak name): every
     /// parameter must be there with its shape, and nothing else.
     pub fn load_full_params(self, params: &FullParams) -> Result<Self, ParamsError> {
-        let mut load = Load {
-            path: Vec::new(),
-            params,
-            seen: HashSet::new(),
-            error: None,
-        };
-        let model = self.map(&mut load);
-        if let Some(e) = load.error {
-            return Err(e);
+        let shapes = state::param_shapes(&self);
+        let mut values = HashMap::with_capacity(shapes.len());
+        for p in &shapes {
+            let name = merak_name(&p.name);
+            let Some((given, v)) = params.get(&name) else {
+                return Err(ParamsError::Missing { name });
+            };
+            if *given != p.shape || v.len() != p.shape.iter().product::<usize>() {
+                return Err(ParamsError::Shape {
+                    name,
+                    given: given.clone(),
+                    values: v.len(),
+                    model: p.shape.clone(),
+                });
+            }
+            values.insert(p.name.clone(), v.clone());
         }
-        let mut extra: Vec<&String> = (params.keys())
-            .filter(|k| !load.seen.contains(*k))
-            .collect();
-        extra.sort();
-        match extra.first() {
-            Some(name) => Err(ParamsError::Unexpected {
-                name: (*name).clone(),
-            }),
-            None => Ok(model),
+        let known: HashSet<String> = shapes.iter().map(|p| merak_name(&p.name)).collect();
+        if let Some(name) = params.keys().filter(|k| !known.contains(*k)).min() {
+            return Err(ParamsError::Unexpected { name: name.clone() });
         }
+        state::assign_params(self, values).map_err(|e| ParamsError::Assign(e.to_string()))
     }
 
     /// Every parameter at full size by merak name (of an unsplit model).
@@ -91,70 +94,17 @@ pub enum ParamsError {
         /// The model's shape.
         model: Vec<usize>,
     },
+    /// The checked values could not be assigned (a parameter the model names twice).
+    #[error("{0}")]
+    Assign(String),
 }
 
-/// The merak name of the parameter at module path `path` of a [`Llama`] (its blocks are the
-/// pipeline's `layers`).
-fn merak_name(path: &[String]) -> String {
-    match path.split_first() {
-        Some((first, rest)) if first == "blocks" => std::iter::once("layers")
-            .chain(rest.iter().map(String::as_str))
-            .collect::<Vec<_>>()
-            .join("."),
-        _ => path.join("."),
-    }
-}
-
-/// The mapper behind [`Llama::load_full_params`].
-struct Load<'a> {
-    path: Vec<String>,
-    params: &'a FullParams,
-    seen: HashSet<String>,
-    error: Option<ParamsError>,
-}
-
-impl<B: Backend> ModuleMapper<B> for Load<'_> {
-    fn enter_module(&mut self, name: &str, container_type: &str) {
-        if container_type != SPLIT_CONTAINER {
-            self.path.push(name.to_string());
-        }
-    }
-
-    fn exit_module(&mut self, _name: &str, container_type: &str) {
-        if container_type != SPLIT_CONTAINER {
-            self.path.pop();
-        }
-    }
-
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        if self.error.is_some() {
-            return param;
-        }
-        let name = merak_name(&self.path);
-        let Some((shape, values)) = self.params.get(&name) else {
-            self.error = Some(ParamsError::Missing { name });
-            return param;
-        };
-        let (id, tensor, mapper) = param.consume();
-        let dims = tensor.dims().to_vec();
-        if *shape != dims || values.len() != dims.iter().product::<usize>() {
-            self.error = Some(ParamsError::Shape {
-                name,
-                given: shape.clone(),
-                values: values.len(),
-                model: dims,
-            });
-            return Param::from_mapped_value(id, tensor, mapper);
-        }
-        self.seen.insert(name);
-        let mut fresh = Tensor::<B, D>::from_data(
-            TensorData::new(values.clone(), tensor.shape()),
-            &tensor.device(),
-        );
-        if tensor.is_require_grad() {
-            fresh = fresh.require_grad();
-        }
-        Param::from_mapped_value(id, fresh, mapper)
+/// The merak name of the parameter at module path `path` (`blocks.3.attn.wq.linear.weight`) of
+/// a [`Llama`]: its blocks are the pipeline's `layers`.
+fn merak_name(path: &str) -> String {
+    match path.strip_prefix("blocks.") {
+        Some(rest) => format!("layers.{rest}"),
+        None => path.to_string(),
     }
 }
 
@@ -185,6 +135,7 @@ impl<B: Backend> ModuleVisitor<B> for Collect {
             .convert::<f32>()
             .into_vec()
             .unwrap_or_default();
-        self.params.insert(merak_name(&self.path), (shape, values));
+        self.params
+            .insert(merak_name(&self.path.join(".")), (shape, values));
     }
 }
