@@ -96,6 +96,25 @@ where
         batches: usize,
         what: Evaluate,
     ) -> Result<Vec<Values>, TrainError> {
+        let (model, shape) = self.held_out_model()?;
+        let mut out = Vec::new();
+        for b in 0..batches {
+            let micro = self.val_micro_batches(data, b)?;
+            let values = self
+                .executor
+                .forward_eval(&model, &micro, shape, &self.device, what)?;
+            out.extend(values.into_iter().map(|v| EvalValues {
+                mb: micro[v.mb].first_sample,
+                ..v
+            }));
+        }
+        Ok(out)
+    }
+
+    /// The model without gradients and the shape of the messages between stages, for a pass
+    /// over held-out samples (in the run's precision); refused while the forwards of a next
+    /// step are in flight (2BW's overlap).
+    pub(crate) fn held_out_model(&self) -> Result<(M::InnerModule, [usize; 3]), TrainError> {
         crate::precision::set_precision(self.settings.precision);
         if let Some(step) = self.in_flight.step() {
             let rank = self.grid.coords.pp;
@@ -111,18 +130,7 @@ where
             self.settings.seq_len,
             model.hidden_size(),
         ];
-        let mut out = Vec::new();
-        for b in 0..batches {
-            let micro = self.val_micro_batches(data, b)?;
-            let values = self
-                .executor
-                .forward_eval(&model, &micro, shape, &self.device, what)?;
-            out.extend(values.into_iter().map(|v| EvalValues {
-                mb: micro[v.mb].first_sample,
-                ..v
-            }));
-        }
-        Ok(out)
+        Ok((model, shape))
     }
 
     /// This data-parallel rank's micro-batches of held-out global batch `b`.

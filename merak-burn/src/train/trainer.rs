@@ -14,8 +14,7 @@ use crate::comm::{Group, ReduceOp};
 use crate::data_parallel::{DataParallel, DpStats};
 use crate::grid::ProcessGrid;
 use crate::pipeline::{
-    Executor, InFlight, MicroBatch, PipelineError, PipelineModel, PipelinePlan, ScheduleKind,
-    StepWork,
+    Executor, InFlight, MicroBatch, PipelineModel, PipelinePlan, ScheduleKind, StepWork,
 };
 use crate::plan::ParallelPlan;
 use crate::tensor_parallel::{ParallelBackend, Shard};
@@ -446,45 +445,17 @@ where
         data: &dyn BatchSource,
         stop: Option<&super::StopRequest>,
     ) -> Result<Option<f64>, TrainError> {
-        crate::precision::set_precision(self.settings.precision);
-        if let Some(step) = self.in_flight.step() {
-            return Err(PipelineError::AheadInFlight {
-                rank: self.grid.coords.pp,
-                step: step + 1,
-            }
-            .into());
-        }
-        let s = &self.settings;
-        let model = self.model.valid();
-        let local = self.parallel.local_batch(s.global_batch);
-        let micro = self.parallel.micro_batch;
-        let shape = [micro, s.seq_len, model.hidden_size()];
+        let (model, shape) = self.held_out_model()?;
         // Per-micro-batch mean losses weighted by target tokens: (sum of losses, target tokens).
         let mut acc = [0.0f32, 0.0f32];
-        for b in 0..s.val_batches {
+        for b in 0..self.settings.val_batches {
             if let Some(stop) = stop
                 && self.stop_agreed_now(stop)?
             {
                 return Ok(None);
             }
-            let mut batches = Vec::new();
-            for m in 0..local / micro {
-                let first = b * s.global_batch + self.grid.coords.dp * local + m * micro;
-                let w = data
-                    .val_windows(first, micro)
-                    .map_err(|source| TrainError::Data {
-                        step: self.done,
-                        source,
-                    })?;
-                let n = w.target_count() as f32;
-                acc[1] += n;
-                batches.push(MicroBatch {
-                    inputs: w.inputs,
-                    targets: w.targets,
-                    weight: n,
-                    first_sample: first,
-                });
-            }
+            let batches = self.val_micro_batches(data, b)?;
+            acc[1] += batches.iter().map(|m| m.weight).sum::<f32>();
             acc[0] += self
                 .executor
                 .forward_only(&model, &batches, shape, &self.device)? as f32;
