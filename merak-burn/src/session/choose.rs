@@ -68,7 +68,8 @@ impl Default for AutoPlan {
 /// The plan of the run and the cost of each of the model's units (what the pipeline's stages
 /// are balanced by). The first unit, one block and the last unit are always run once on a
 /// sample micro-batch, checking the shapes between them ([`Sample::check`]); they are timed
-/// only when a plan is searched or a pipeline is cut.
+/// only when a plan is searched or a pipeline is cut (once when the plan's micro-batch is the
+/// one timed).
 pub(crate) fn choose_plan<B, M>(
     model: &M,
     choice: &PlanChoice,
@@ -97,29 +98,40 @@ where
         PlanChoice::Given(plan) => splits(plan.dp, plan.micro_batch)?,
         PlanChoice::Auto(auto) => splits(1, auto.timed_micro_batch)?,
     }
-    let plan = match choice {
+    let uniform = vec![1.0; dims.layers + 2];
+    let (plan, timed) = match choice {
         PlanChoice::Given(plan) if plan.pp == 1 => {
             Sample::new(model, settings, data, plan.micro_batch, device)?;
-            return Ok((plan.clone(), vec![1.0; dims.layers + 2]));
+            return Ok((plan.clone(), uniform));
         }
-        PlanChoice::Given(plan) => plan.clone(),
+        PlanChoice::Given(plan) => (plan.clone(), None),
         PlanChoice::Auto(auto) => {
             let sample = Sample::new(model, settings, data, auto.timed_micro_batch, device)?;
             let timed = sample.timed(world, dims.layers)?;
             let hardware = HardwareSpec::load(&auto.hardware)?.with_devices(ranks);
             let shape = dims.shape(settings.seq_len);
-            let proxy = MeasuredModel::new(shape, auto.timed_micro_batch, timed, &hardware)?;
+            let proxy =
+                MeasuredModel::new(shape, auto.timed_micro_batch, timed.clone(), &hardware)?;
             let options = SearchOptions {
                 recompute: vec![Recompute::None],
                 tp_overlap: vec![1],
                 ..SearchOptions::new(ranks, settings.global_batch)
             };
             let best = search(&ModelProxy::from_costs(&proxy), &hardware, &options)?.best;
-            ParallelPlan::from_planned(&best.layout)
+            let plan = ParallelPlan::from_planned(&best.layout);
+            (plan, Some((auto.timed_micro_batch, timed)))
         }
     };
-    let sample = Sample::new(model, settings, data, plan.micro_batch, device)?;
-    let timed = sample.timed(world, dims.layers)?;
+    if plan.pp == 1 {
+        // One stage: nothing to cut (the units were checked when they were timed).
+        return Ok((plan, uniform));
+    }
+    let timed = match timed {
+        // Timed at the planned micro-batch already.
+        Some((micro, timed)) if micro == plan.micro_batch => timed,
+        _ => Sample::new(model, settings, data, plan.micro_batch, device)?
+            .timed(world, dims.layers)?,
+    };
     Ok((
         plan,
         timed.iter().map(|u| u.forward_s + u.backward_s).collect(),
