@@ -772,13 +772,37 @@ fn is_shard_name(name: &str) -> bool {
         .is_some_and(|(a, b)| digits(a) && digits(b))
 }
 
+/// Refuses a `dir` that holds a file of a Hugging Face model (`config.json`, weights, an
+/// index): writing there would overwrite it, or leave weights that loaders read with ours.
+fn refuse_a_model_folder(dir: &Path) -> Result<(), HfFileError> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        // Absent (it is made), or not a folder (making it fails, naming it).
+        return Ok(());
+    };
+    let mut taken: Vec<String> = (entries.flatten())
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| {
+            [CONFIG_FILE, SINGLE_FILE, INDEX_FILE].contains(&n.as_str()) || is_shard_name(n)
+        })
+        .collect();
+    taken.sort();
+    match taken.first() {
+        Some(name) => Err(HfFileError::format(
+            &dir.join(name),
+            "already there: export into a new or empty folder (nothing was written)",
+        )),
+        None => Ok(()),
+    }
+}
+
 /// Writes the model of shape `cfg` with parameters `params` (full size, by merak name, as
 /// [`read_hf_llama`] returns them or a checkpoint holds them) into folder `dir` as a
 /// `LlamaForCausalLM`: `config.json` and `model.safetensors` in f32, or, with
 /// `max_shard_bytes`, files `model-0000i-of-0000n.safetensors` of at most that many bytes of
 /// tensor data each (a larger tensor gets a file of its own) and `model.safetensors.index.json`.
-/// Weight files of the other form left in `dir` by an earlier export are removed. Returns the
-/// files written.
+/// A `dir` that already holds a model's files (`config.json`, weights or an index) is
+/// refused, naming the file, before anything is written: an export never overwrites or
+/// removes files it did not write. Returns the files written.
 pub fn write_hf_llama(
     dir: &Path,
     cfg: &LlamaConfig,
@@ -847,6 +871,7 @@ pub fn write_hf_llama(
             }
         }
     }
+    refuse_a_model_folder(dir)?;
     std::fs::create_dir_all(dir).map_err(HfFileError::io(dir))?;
     let sharded = max_shard_bytes.is_some();
     let count = groups.len();
@@ -880,22 +905,6 @@ pub fn write_hf_llama(
         .map_err(|e| HfFileError::format(&config_path, e.to_string()))?;
     write_atomically(&config_path, &text)?;
     written.push(config_path);
-    // Weight files of the other form (or another shard count) would be read instead of, or
-    // with, these.
-    let entries = std::fs::read_dir(dir).map_err(HfFileError::io(dir))?;
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(name) = name.to_str() else { continue };
-        let stale = if sharded {
-            name == SINGLE_FILE || is_shard_name(name)
-        } else {
-            name == INDEX_FILE || is_shard_name(name)
-        };
-        let path = dir.join(name);
-        if stale && !written.contains(&path) {
-            std::fs::remove_file(&path).map_err(HfFileError::io(&path))?;
-        }
-    }
     Ok(written)
 }
 

@@ -226,16 +226,28 @@ fn an_export_reads_back_as_written_in_one_file_and_in_several() {
             ours.sort_by(|a, b| a.0.cmp(&b.0));
             assert_eq!(ours, theirs, "{name}");
         }
-        // Writing the other form removes the first's weight files.
-        let dir = folder(&format!("export-{name}-None"));
-        write_hf_llama(&dir, &hf.config, &hf.params, Some(10_000)).unwrap();
-        assert!(!dir.join("model.safetensors").exists());
+        // Writing into a folder that holds an export is refused, and nothing in it changes.
+        let dir = folder(&format!("export-{name}-again"));
         write_hf_llama(&dir, &hf.config, &hf.params, None).unwrap();
-        let left: Vec<_> = std::fs::read_dir(&dir)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().into_string().unwrap())
-            .collect();
-        assert_eq!(left.len(), 2, "{left:?}");
+        let before = |dir: &Path| -> Vec<(String, Vec<u8>)> {
+            let mut files: Vec<_> = (std::fs::read_dir(dir).unwrap())
+                .map(|e| e.unwrap().path())
+                .map(|p| (p.display().to_string(), std::fs::read(&p).unwrap()))
+                .collect();
+            files.sort();
+            files
+        };
+        let kept = before(&dir);
+        for shard in [Some(10_000), None] {
+            let e = write_hf_llama(&dir, &hf.config, &hf.params, shard)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("config.json") && e.contains("already there"),
+                "{e}"
+            );
+            assert_eq!(before(&dir), kept, "{name} {shard:?}");
+        }
     }
 }
 
