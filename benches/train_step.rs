@@ -46,7 +46,7 @@ use merak_burn::comm::{Communicator, Group, MpiCommunicator, MpiWorld, ReduceOp}
 use merak_burn::grid::{Layout, ProcessGrid};
 use merak_burn::pipeline::{PipelinePlan, ScheduleKind, build_schedule, explicit_partition};
 use merak_burn::plan::ParallelPlan;
-use merak_burn::train::{BatchSource, SourceError, TrainSettings, Trainer, Windows};
+use merak_burn::train::{SourceError, TokenSource, TrainSettings, Trainer, Windows};
 use merak_gpt::{Gpt, GptConfig};
 
 type B = CpuAutodiff;
@@ -209,7 +209,7 @@ impl<O: Optimizer<Model, B>> Stepper for Plain<O> {
 /// The fixed global batch as a data source: every step reads the same sequences.
 struct Fixed(Batch);
 
-impl BatchSource for Fixed {
+impl TokenSource for Fixed {
     fn train_windows(
         &self,
         _step: usize,

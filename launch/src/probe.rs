@@ -9,13 +9,15 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use burn::module::{AutodiffModule, Module};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
-use burn::tensor::{Distribution, Int, Tensor, TensorData};
+use burn::tensor::{Distribution, Tensor};
 use merak_burn::backend::{Cpu, CpuAutodiff};
+use merak_burn::batch::{Batch, Samples};
 use merak_burn::comm::{Communicator, MpiCommunicator, ReduceOp};
 use merak_burn::grid::{Layout, ProcessGrid};
 use merak_burn::pipeline::{PipelineModel, StageInput, StageOutput};
 use merak_burn::planner::{CALIBRATION_FORMAT, Calibration, HardwareSpec, UnitKind, UnitTiming};
 use merak_burn::tensor_parallel::TpOverlap;
+use merak_burn::train::Windows;
 
 use crate::config;
 use crate::probe_overlap::{self, OverlapSample};
@@ -383,20 +385,27 @@ fn nccl_check(_world: Option<&MpiCommunicator>) -> Result<()> {
     bail!("merak probe --nccl needs a build with CUDA (cargo build --release --features cuda)")
 }
 
-/// `b` sequences of deterministic token ids for the profiled model.
-fn token_batch(cfg: &merak_gpt::GptConfig, b: usize) -> Tensor<B, 2, Int> {
+/// `b` sequences of deterministic token ids for the profiled model, inputs and targets.
+fn token_batch(cfg: &merak_gpt::GptConfig, b: usize) -> Samples {
     let s = cfg.seq_len;
     let ids: Vec<i64> = (0..b * s)
         .map(|i| (i * 7919 % cfg.vocab_size) as i64)
         .collect();
-    Tensor::from_data(TensorData::new(ids, [b, s]), &Default::default())
+    let windows = Windows {
+        inputs: ids.clone(),
+        targets: ids,
+    };
+    windows
+        .into_samples(b)
+        .expect("b windows of seq_len tokens")
 }
 
 /// One forward and backward pass of the whole model on `b` sequences.
 fn whole_pass(model: &merak_gpt::Gpt<B>, cfg: &merak_gpt::GptConfig, b: usize) -> Result<()> {
     let units = 0..cfg.layers + 2;
-    let input = StageInput::Tokens(token_batch(cfg, b));
-    let StageOutput::Loss(loss) = model.run_units(units, input, Some(token_batch(cfg, b))) else {
+    let samples = token_batch(cfg, b);
+    let batch = Batch::new(&samples, &Default::default());
+    let StageOutput::Loss(loss) = model.run_units(units, StageInput::Data, &batch) else {
         bail!("the model returned hidden states");
     };
     std::hint::black_box(loss.backward());
@@ -417,30 +426,29 @@ fn time_units(
 ) -> Result<[(f64, f64); 3]> {
     let device = Default::default();
     let (s, h, l) = (cfg.seq_len, cfg.hidden, cfg.layers);
-    let tokens = || token_batch(cfg, b);
+    let samples = token_batch(cfg, b);
+    let batch = Batch::new(&samples, &device);
     let grad = Tensor::<B, 3>::random([b, s, h], Distribution::Default, &device);
     let mut samples = vec![Vec::new(); 7];
     for rep in 0..reps + 1 {
         let mut t = [0.0; 6];
         barrier(world)?;
         let start = Instant::now();
-        let StageOutput::Hidden(h0) = model.run_units(0..1, StageInput::Tokens(tokens()), None)
-        else {
+        let StageOutput::Hidden(h0) = model.run_units(0..1, StageInput::Data, &batch) else {
             bail!("the embedding returned a loss");
         };
         let h0c = h0.clone().into_data();
         t[0] = start.elapsed().as_secs_f64();
         let x = Tensor::<B, 3>::from_data(h0c, &device).require_grad();
         let start = Instant::now();
-        let StageOutput::Hidden(h1) = model.run_units(1..2, StageInput::Hidden(x), None) else {
+        let StageOutput::Hidden(h1) = model.run_units(1..2, StageInput::Hidden(x), &batch) else {
             bail!("a layer returned a loss");
         };
         let h1c = h1.clone().into_data();
         t[1] = start.elapsed().as_secs_f64();
         let y = Tensor::<B, 3>::from_data(h1c, &device).require_grad();
         let start = Instant::now();
-        let StageOutput::Loss(loss) =
-            model.run_units(l + 1..l + 2, StageInput::Hidden(y), Some(tokens()))
+        let StageOutput::Loss(loss) = model.run_units(l + 1..l + 2, StageInput::Hidden(y), &batch)
         else {
             bail!("the head returned hidden states");
         };
@@ -532,17 +540,15 @@ fn time_optimizer(
     cfg: &merak_gpt::GptConfig,
     reps: usize,
 ) -> Result<f64> {
-    let tokens = || token_batch(cfg, 1);
+    let samples = token_batch(cfg, 1);
+    let batch = Batch::new(&samples, &Default::default());
     let params = model.num_params() as f64;
     let mut optim = AdamWConfig::new().init();
     let mut model = model;
     let mut times = Vec::new();
     for rep in 0..reps + 1 {
-        let StageOutput::Loss(loss) = model.run_units(
-            0..cfg.layers + 2,
-            StageInput::Tokens(tokens()),
-            Some(tokens()),
-        ) else {
+        let StageOutput::Loss(loss) = model.run_units(0..cfg.layers + 2, StageInput::Data, &batch)
+        else {
             bail!("the model returned hidden states");
         };
         let grads = GradientsParams::from_grads(loss.backward(), &model);

@@ -16,7 +16,7 @@ use merak_burn::plan::ParallelPlan;
 use merak_burn::tensor_parallel::ParallelBackend;
 pub use merak_burn::train::Summary;
 use merak_burn::train::{
-    BatchSource, CheckpointPolicy, ExistingRun, RunFile, RunOutput, SourceError, StopRequest,
+    CheckpointPolicy, ExistingRun, RunFile, RunOutput, SourceError, StopRequest, TokenSource,
     TrainSettings, Trainer, Windows,
 };
 
@@ -164,7 +164,7 @@ pub struct ObjectiveData<'a> {
     pub seed: u64,
 }
 
-impl BatchSource for ObjectiveData<'_> {
+impl TokenSource for ObjectiveData<'_> {
     fn train_windows(
         &self,
         step: usize,

@@ -2,6 +2,7 @@
 //! framework, over MPI or NCCL.
 //!
 //! - [`backend`]: the CPU backend (burn-flex) and its autodiff variants, named once.
+//! - [`batch`]: samples of any shape as named fields, and a micro-batch of them as tensors.
 //! - [`comm`]: the [`Communicator`](comm::Communicator) trait with MPI, NCCL and one-process
 //!   implementations.
 //! - [`kernels`]: fused operations (cross-entropy, ...) with vectorized CPU kernels.
@@ -27,6 +28,7 @@
 
 pub mod admission;
 pub mod backend;
+pub mod batch;
 pub mod checkpoint;
 pub mod comm;
 pub mod data;

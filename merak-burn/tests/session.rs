@@ -7,9 +7,10 @@
 
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, LinearConfig};
+use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor};
 use merak_burn::backend::{CpuAutodiff, CpuAutodiff as Cpu, CpuDevice};
+use merak_burn::batch::{Batch, Samples, TOKENS};
 use merak_burn::checkpoint::state;
 use merak_burn::parallelize::{EmbedUnit, HeadUnit, LayerUnit, Linear, TpPlan, TpStyle};
 use merak_burn::pipeline::PipelineModel;
@@ -18,7 +19,7 @@ use merak_burn::session::{
     ModelDims, PlanChoice, RunError, RunOptions, UnitModel, build_units, unit_seed,
 };
 use merak_burn::tensor_parallel::ParallelBackend;
-use merak_burn::train::{BatchSource, SourceError, TrainSettings, Windows};
+use merak_burn::train::{BatchSource, SourceError, TokenSource, TrainSettings, Windows};
 
 #[derive(Module, Debug)]
 struct Tokens<B: Backend> {
@@ -28,11 +29,14 @@ struct Tokens<B: Backend> {
 #[derive(Module, Debug)]
 struct Block<B: Backend> {
     proj: Linear<B>,
+    /// Whether the block scales its output by the side input `scale`.
+    #[module(skip)]
+    scaled: bool,
 }
 
 impl<B: Backend> EmbedUnit<B> for Tokens<B> {
-    fn embed(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        self.table.forward(tokens)
+    fn embed(&self, batch: &Batch<'_, B>) -> Tensor<B, 3> {
+        self.table.forward(batch.int(TOKENS))
     }
     fn table(&self) -> Option<(&Param<Tensor<B, 2>>, &'static str)> {
         Some((&self.table.weight, "table.weight"))
@@ -40,8 +44,12 @@ impl<B: Backend> EmbedUnit<B> for Tokens<B> {
 }
 
 impl<B: ParallelBackend> LayerUnit<B> for Block<B> {
-    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        self.proj.forward(x)
+    fn forward(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> Tensor<B, 3> {
+        let y = self.proj.forward(x);
+        match self.scaled {
+            true => y * batch.float::<2>("scale").unsqueeze_dim(2),
+            false => y,
+        }
     }
 }
 
@@ -49,10 +57,10 @@ impl<B: ParallelBackend> HeadUnit<B> for Block<B> {
     fn loss(
         &self,
         x: Tensor<B, 3>,
-        _targets: Tensor<B, 2, Int>,
+        _batch: &Batch<'_, B>,
         _table: Option<Tensor<B, 2>>,
     ) -> Tensor<B, 1> {
-        self.proj.forward(x).powi_scalar(2).mean()
+        self.proj.forward(x).powi_scalar(2).sum()
     }
 }
 
@@ -62,6 +70,8 @@ struct Model {
     block_out: usize,
     table_width: usize,
     tied: bool,
+    /// Whether the blocks read the side input `scale`.
+    scaled: bool,
 }
 
 impl<B: ParallelBackend> UnitModel<B> for Model {
@@ -84,11 +94,13 @@ impl<B: ParallelBackend> UnitModel<B> for Model {
     fn layer(&self, _index: usize, device: &B::Device) -> Block<B> {
         Block {
             proj: LinearConfig::new(4, self.block_out).init(device).into(),
+            scaled: self.scaled,
         }
     }
     fn head(&self, device: &B::Device) -> Block<B> {
         Block {
             proj: LinearConfig::new(4, 4).init(device).into(),
+            scaled: false,
         }
     }
     fn tp_plan(&self) -> TpPlan {
@@ -102,7 +114,7 @@ impl<B: ParallelBackend> UnitModel<B> for Model {
 /// Token `i % 8` everywhere.
 struct Data;
 
-impl BatchSource for Data {
+impl TokenSource for Data {
     fn train_windows(&self, _: usize, first: usize, count: usize) -> Result<Windows, SourceError> {
         let ids: Vec<i64> = (0..count * 4).map(|i| ((first + i) % 8) as i64).collect();
         Ok(Windows {
@@ -152,6 +164,7 @@ fn units_that_do_not_fit_together_are_refused_before_anything_is_written() {
                 block_out: 3,
                 table_width: 4,
                 tied: false,
+                scaled: false,
             },
             "block 0 returns [1, 4, 3]",
         ),
@@ -160,6 +173,7 @@ fn units_that_do_not_fit_together_are_refused_before_anything_is_written() {
                 block_out: 4,
                 table_width: 5,
                 tied: false,
+                scaled: false,
             },
             "the first unit returns [1, 4, 5]",
         ),
@@ -183,6 +197,7 @@ fn units_that_do_not_fit_together_are_refused_before_anything_is_written() {
         block_out: 4,
         table_width: 4,
         tied: true,
+        scaled: false,
     };
     let two = ParallelPlan {
         dp: 2,
@@ -191,6 +206,20 @@ fn units_that_do_not_fit_together_are_refused_before_anything_is_written() {
     let err = run(&fits, &out, two).expect_err("refused");
     assert!(err.to_string().contains("mpirun -np 2"), "{err}");
     assert!(!out.exists());
+    // Blocks asking for a side input the data does not have: refused naming the field.
+    let scaled = Model {
+        scaled: true,
+        ..self::fits(false)
+    };
+    let err = run(&scaled, &out, ParallelPlan::default()).expect_err("refused");
+    let text = err.to_string();
+    assert!(matches!(err, RunError::UnitPanic { .. }), "{text}");
+    assert!(
+        text.contains("block 0") && text.contains("no field `scale`"),
+        "{text}"
+    );
+    assert!(!out.exists());
+    side_inputs_reach_every_block(dir.path());
     // The same model, fitting, trains and checkpoints.
     run(&fits, &out, ParallelPlan::default()).expect("trains");
     assert!(out.join("metrics.jsonl").exists() && out.join("checkpoints/latest").exists());
@@ -205,6 +234,7 @@ fn fits(tied: bool) -> Model {
         block_out: 4,
         table_width: 4,
         tied,
+        scaled: false,
     }
 }
 
@@ -218,6 +248,7 @@ fn param_groups_of_the_options_reach_the_optimizer(dir: &std::path::Path) {
         block_out: 4,
         table_width: 4,
         tied: false,
+        scaled: false,
     };
     let out = dir.join("frozen");
     let options = RunOptions::default()
@@ -296,4 +327,49 @@ fn a_tied_head_alone_on_its_rank_holds_a_copy_of_the_first_units_table() {
     assert!(last.tied_embedding().is_some());
     let middle = build_units::<Cpu, _>(&fits(true), 3, &device, |u| u == 2).expect("built");
     assert!(middle.embed.is_none() && middle.tied_table.is_none());
+}
+
+/// [`Data`] with the side input `scale` (`[seq]` per sample): one where `halve` is false,
+/// 0.5 otherwise.
+struct Scaled {
+    halve: bool,
+}
+
+impl BatchSource for Scaled {
+    fn train_samples(
+        &self,
+        step: usize,
+        first: usize,
+        count: usize,
+    ) -> Result<Samples, SourceError> {
+        let scale = vec![if self.halve { 0.5 } else { 1.0 }; count * 4];
+        Ok(Data
+            .train_samples(step, first, count)?
+            .with_float("scale", &[4], scale)?)
+    }
+    fn val_samples(&self, first: usize, count: usize) -> Result<Samples, SourceError> {
+        self.train_samples(0, first, count)
+    }
+}
+
+/// A side input reaches every block: blocks scaling by one train as blocks that ignore it,
+/// blocks halving their output do not.
+fn side_inputs_reach_every_block(dir: &std::path::Path) {
+    let loss = |model: &Model, data: &dyn BatchSource, name: &str| {
+        let plan = PlanChoice::Given(ParallelPlan::default());
+        let options = RunOptions::default().with_out(dir.join(name));
+        let report = merak_burn::run::<CpuAutodiff, _>(model, &plan, data, &settings(), &options);
+        report.expect("trains").summary.final_loss
+    };
+    let scaled = Model {
+        scaled: true,
+        ..fits(false)
+    };
+    let plain = loss(&fits(false), &Data, "plain");
+    assert_eq!(loss(&scaled, &Scaled { halve: false }, "ones"), plain);
+    let halved = loss(&scaled, &Scaled { halve: true }, "halves");
+    assert!(
+        (halved - plain).abs() > 1e-3 * plain.abs(),
+        "{halved} vs {plain}"
+    );
 }

@@ -11,6 +11,7 @@ use burn::nn::{
 use burn::tensor::activation::{silu, softmax};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
+use merak_burn::batch::{Batch, TARGETS, TOKENS};
 use merak_burn::parallelize::{EmbedUnit, HeadUnit, LayerUnit, Linear};
 use merak_burn::tensor_parallel::ParallelBackend;
 
@@ -272,8 +273,8 @@ fn repeat_heads<B: Backend>(t: Tensor<B, 4>, times: usize) -> Tensor<B, 4> {
 }
 
 impl<B: ParallelBackend> EmbedUnit<B> for Embed<B> {
-    fn embed(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        self.tokens.forward(tokens)
+    fn embed(&self, batch: &Batch<'_, B>) -> Tensor<B, 3> {
+        self.tokens.forward(batch.int(TOKENS))
     }
 
     fn table(&self) -> Option<(&Param<Tensor<B, 2>>, &'static str)> {
@@ -282,7 +283,14 @@ impl<B: ParallelBackend> EmbedUnit<B> for Embed<B> {
 }
 
 impl<B: ParallelBackend> LayerUnit<B> for Block<B> {
-    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+    fn forward(&self, x: Tensor<B, 3>, _batch: &Batch<'_, B>) -> Tensor<B, 3> {
+        self.apply(x)
+    }
+}
+
+impl<B: ParallelBackend> Block<B> {
+    /// `[batch, seq, hidden]` through the block (attention, then the SwiGLU MLP).
+    pub fn apply(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let x = x.clone() + self.attn.forward(self.attn_norm.forward(x));
         let h = self.mlp_norm.forward(x.clone());
         let m = &self.mlp;
@@ -318,22 +326,25 @@ impl<B: ParallelBackend> Head<B> {
 }
 
 impl<B: ParallelBackend> HeadUnit<B> for Head<B> {
+    /// The summed next-token loss (every position has a target).
     fn loss(
         &self,
         x: Tensor<B, 3>,
-        targets: Tensor<B, 2, Int>,
+        batch: &Batch<'_, B>,
         table: Option<Tensor<B, 2>>,
     ) -> Tensor<B, 1> {
-        Self::cross_entropy(self.logits(x, table), targets)
+        let [b, s, _] = x.dims();
+        Self::cross_entropy(self.logits(x, table), batch.int(TARGETS)) * (b * s) as f32
     }
 
     /// `[summed next-token loss, correct next tokens, tokens]` of the micro-batch.
     fn metrics(
         &self,
         x: Tensor<B, 3>,
-        targets: Tensor<B, 2, Int>,
+        batch: &Batch<'_, B>,
         table: Option<Tensor<B, 2>>,
     ) -> Option<Tensor<B, 1>> {
+        let targets = batch.int::<2>(TARGETS);
         let logits = self.logits(x, table);
         let [b, s, _] = logits.dims();
         let tokens = (b * s) as f64;
@@ -349,7 +360,12 @@ impl<B: ParallelBackend> HeadUnit<B> for Head<B> {
     }
 
     /// The logits of the next token after each sequence, `[batch, vocab]`.
-    fn predict(&self, x: Tensor<B, 3>, table: Option<Tensor<B, 2>>) -> Option<Tensor<B, 2>> {
+    fn predict(
+        &self,
+        x: Tensor<B, 3>,
+        _batch: &Batch<'_, B>,
+        table: Option<Tensor<B, 2>>,
+    ) -> Option<Tensor<B, 2>> {
         let [b, s, _] = x.dims();
         let last = x.slice([0..b, s - 1..s]);
         Some(self.logits(last, table).squeeze_dim::<2>(1))
@@ -360,9 +376,9 @@ impl<B: ParallelBackend> Llama<B> {
     /// Token ids `[batch, seq]` to the logits of the next token at every position,
     /// `[batch, seq, vocab]` (one process, or a TP rank of a model split by its plan).
     pub fn logits(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        let mut x = self.embed.embed(tokens);
+        let mut x = self.embed.tokens.forward(tokens);
         for block in &self.blocks {
-            x = block.forward(x);
+            x = block.apply(x);
         }
         let table = self
             .head

@@ -63,7 +63,7 @@ fn pretrained_loss(dir: &Path) -> f64 {
     use burn::nn::loss::CrossEntropyLossConfig;
     use burn::tensor::{Int, Tensor, TensorData};
     use merak_burn::backend::Cpu;
-    use merak_burn::train::{BatchSource, TrainSettings};
+    use merak_burn::train::{TokenSource, TrainSettings};
     use merak_example_llama::{Counting, Llama, LlamaConfig};
 
     let hf = read_hf_llama(dir).expect("the fixture");

@@ -11,7 +11,7 @@ pub use error::DataError;
 pub use synthetic::SyntheticData;
 pub use tokens::{GPT2_EOT, GPT2_VOCAB, Meta, TokenData, TokenFile, io};
 
-use crate::train::{BatchSource, SourceError, Windows};
+use crate::train::{SourceError, TokenSource, Windows};
 
 /// Validation sequences of the synthetic source come from steps this far away from training.
 const SYNTHETIC_VAL_STEP: usize = 1 << 40;
@@ -84,7 +84,7 @@ pub fn splitmix64(x: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-impl BatchSource for CausalWindows<'_> {
+impl TokenSource for CausalWindows<'_> {
     fn train_windows(
         &self,
         step: usize,

@@ -4,17 +4,20 @@ use std::marker::PhantomData;
 use std::time::Instant;
 
 use burn::module::{Module, ModuleDisplay, ModuleVisitor, Param};
+use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Int, Tensor};
+
+use crate::batch::Batch;
 
 use crate::pipeline::{Evaluate, TiedTable, UnitStack};
 use crate::planner::MeasuredUnit;
 use crate::tensor_parallel::ParamSplits;
 
-/// The first pipeline unit: token ids to hidden states.
+/// The first pipeline unit: a micro-batch's input fields to hidden states.
 pub trait EmbedUnit<B: Backend>: Module<B> + ModuleDisplay {
-    /// `[batch, seq]` ids to `[batch, seq, hidden]`.
-    fn embed(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3>;
+    /// The micro-batch's inputs (for a token model its [`TOKENS`](crate::batch::TOKENS),
+    /// `[batch, seq]` ids) to `[batch, positions, hidden]`.
+    fn embed(&self, batch: &Batch<'_, B>) -> Tensor<B, 3>;
 
     /// The token table `[vocab, hidden]` and its path inside the unit (e.g.
     /// `"tokens.weight"`), for a head tied to it ([`Units::tied`]); `None` by default.
@@ -25,44 +28,54 @@ pub trait EmbedUnit<B: Backend>: Module<B> + ModuleDisplay {
 
 /// A middle pipeline unit (a transformer block): hidden states to hidden states.
 pub trait LayerUnit<B: Backend>: Module<B> + ModuleDisplay {
-    /// `[batch, seq, hidden]` to `[batch, seq, hidden]`.
-    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3>;
+    /// `[batch, positions, hidden]` to `[batch, positions, hidden]`; `batch` holds the
+    /// micro-batch's fields, for side inputs every block needs (an attention mask, position
+    /// or segment ids).
+    fn forward(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> Tensor<B, 3>;
 }
 
-/// The last pipeline unit: hidden states and targets to the loss.
+/// The last pipeline unit: hidden states and the micro-batch's targets to the loss.
 pub trait HeadUnit<B: Backend>: Module<B> + ModuleDisplay {
-    /// The mean loss of `[batch, seq, hidden]` against `[batch, seq]` target ids (negative
-    /// targets not counted), `[1]`. `table` is the first unit's token table (`[vocab, hidden]`)
-    /// when the model declares its head tied to it
+    /// The **sum** of the micro-batch's loss terms, `[1]` (not their mean): the trainer divides
+    /// it by the global batch's loss terms ([`Samples::loss_terms`](crate::batch::Samples)),
+    /// so every layout computes the mean one process computes. `x` is `[batch, positions,
+    /// hidden]`, the targets are fields of `batch` (for a token model its
+    /// [`TARGETS`](crate::batch::TARGETS), negative ids not counted). `table` is the first
+    /// unit's token table (`[vocab, hidden]`) when the model declares its head tied to it
     /// ([`UnitModel::tie_embeddings`](crate::session::UnitModel::tie_embeddings),
     /// [`Units::tied`]), `None` otherwise: a tied head projects with it instead of a weight of
     /// its own.
     fn loss(
         &self,
         x: Tensor<B, 3>,
-        targets: Tensor<B, 2, Int>,
+        batch: &Batch<'_, B>,
         table: Option<Tensor<B, 2>>,
     ) -> Tensor<B, 1>;
 
-    /// Sums of evaluation metrics of `x` against `targets` over the micro-batch, `[k]` (for
+    /// Sums of evaluation metrics of `x` against the targets over the micro-batch, `[k]` (for
     /// example `[summed loss, correct predictions, counted targets]`): the evaluation pass
     /// sums them over micro-batches and ranks. `table` is the token table of a tied head.
     /// `None` (the default): the head has no metrics.
     fn metrics(
         &self,
         x: Tensor<B, 3>,
-        targets: Tensor<B, 2, Int>,
+        batch: &Batch<'_, B>,
         table: Option<Tensor<B, 2>>,
     ) -> Option<Tensor<B, 1>> {
-        let _ = (x, targets, table);
+        let _ = (x, batch, table);
         None
     }
 
     /// One row of outputs per sample, `[batch, k]` (for example class scores, or the logits
     /// of the last position). `table` is the token table of a tied head. `None` (the
     /// default): the head predicts nothing.
-    fn predict(&self, x: Tensor<B, 3>, table: Option<Tensor<B, 2>>) -> Option<Tensor<B, 2>> {
-        let _ = (x, table);
+    fn predict(
+        &self,
+        x: Tensor<B, 3>,
+        batch: &Batch<'_, B>,
+        table: Option<Tensor<B, 2>>,
+    ) -> Option<Tensor<B, 2>> {
+        let _ = (x, batch, table);
         None
     }
 }
@@ -184,45 +197,35 @@ where
     L: LayerUnit<B>,
     H: HeadUnit<B>,
 {
-    /// Seconds of one forward and one backward pass of each unit on `tokens` and `targets`
-    /// (`[batch, seq]`), the fastest of `reps`: the costs to cut the pipeline by, measured on
-    /// the backend that trains. Needs every unit (call it before [`retain`](Self::retain)).
-    pub fn unit_costs(
-        &self,
-        tokens: Tensor<B, 2, Int>,
-        targets: Tensor<B, 2, Int>,
-        reps: usize,
-    ) -> Vec<f64> {
-        (self.measure(tokens, targets, reps).iter())
+    /// Seconds of one forward and one backward pass of each unit on the micro-batch `batch`,
+    /// the fastest of `reps`: the costs to cut the pipeline by, measured on the backend that
+    /// trains. Needs every unit (call it before [`retain`](Self::retain)).
+    pub fn unit_costs(&self, batch: &Batch<'_, B>, reps: usize) -> Vec<f64> {
+        (self.measure(batch, reps).iter())
             .map(|u| u.forward_s + u.backward_s)
             .collect()
     }
 
     /// Each unit measured for the planner ([`MeasuredModel`](crate::planner::MeasuredModel)):
-    /// its forward and backward seconds on `tokens` and `targets` (`[batch, seq]`, the fastest
-    /// of `reps`), its parameters split and replicated as its layers declare them (cut it
-    /// with [`shard_module`](super::shard_module) first, at tp = 1 for a plan), and its
-    /// row- and column-parallel layers. Needs every unit.
-    pub fn measure(
-        &self,
-        tokens: Tensor<B, 2, Int>,
-        targets: Tensor<B, 2, Int>,
-        reps: usize,
-    ) -> Vec<MeasuredUnit> {
+    /// its forward and backward seconds on the micro-batch `batch` (the fastest of `reps`),
+    /// its parameters split and replicated as its layers declare them (cut it with
+    /// [`shard_module`](super::shard_module) first, at tp = 1 for a plan), and its row- and
+    /// column-parallel layers. Needs every unit.
+    pub fn measure(&self, batch: &Batch<'_, B>, reps: usize) -> Vec<MeasuredUnit> {
         let layers = self.layers.len();
         let mut units = vec![MeasuredUnit::default(); layers + 2];
         for u in units.iter_mut() {
             (u.forward_s, u.backward_s) = (f64::INFINITY, f64::INFINITY);
         }
         for _ in 0..reps.max(1) {
-            let mut x = time_unit(&mut units[0], || self.embed(tokens.clone()));
+            let mut x = time_unit(&mut units[0], || self.embed(batch));
             for (i, unit) in units[1..=layers].iter_mut().enumerate() {
                 let input = x.detach().require_grad();
-                x = time_unit(unit, || self.layer(i, input.clone()));
+                x = time_unit(unit, || self.layer(i, input.clone(), batch));
             }
             let input = x.detach().require_grad();
             time_unit(&mut units[layers + 1], || {
-                self.head_loss(input.clone(), targets.clone())
+                self.head_loss(input.clone(), batch)
             });
         }
         self.count_params(&mut units);
@@ -329,31 +332,29 @@ where
         self.hidden
     }
 
-    fn embed(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        held(&self.embed, 0).embed(tokens)
+    fn embed(&self, batch: &Batch<'_, B>) -> Tensor<B, 3> {
+        held(&self.embed, 0).embed(batch)
     }
 
-    fn layer(&self, index: usize, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        held(&self.layers[index], index + 1).forward(x)
+    fn layer(&self, index: usize, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> Tensor<B, 3> {
+        held(&self.layers[index], index + 1).forward(x, batch)
     }
 
-    fn head_loss(&self, x: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+    fn head_loss(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> Tensor<B, 1> {
         let head = held(&self.head, self.layers.len() + 1);
-        head.loss(x, targets, self.table())
+        head.loss(x, batch, self.table())
     }
 
     fn head_eval(
         &self,
         x: Tensor<B, 3>,
-        targets: Tensor<B, 2, Int>,
+        batch: &Batch<'_, B>,
         what: Evaluate,
     ) -> Option<Tensor<B, 2>> {
         let head = held(&self.head, self.layers.len() + 1);
         match what {
-            Evaluate::Metrics => {
-                (head.metrics(x, targets, self.table())).map(|m| m.unsqueeze_dim(0))
-            }
-            Evaluate::Predictions => head.predict(x, self.table()),
+            Evaluate::Metrics => (head.metrics(x, batch, self.table())).map(|m| m.unsqueeze_dim(0)),
+            Evaluate::Predictions => head.predict(x, batch, self.table()),
         }
     }
 
@@ -379,7 +380,9 @@ where
 mod tests {
     use super::*;
     use crate::backend::CpuAutodiff as Cpu;
+    use crate::batch::TOKENS;
     use crate::pipeline::PipelineModel;
+    use crate::train::Windows;
     use burn::nn::{Embedding, EmbeddingConfig};
 
     #[derive(Module, Debug)]
@@ -388,13 +391,13 @@ mod tests {
     }
 
     impl<B: Backend> EmbedUnit<B> for Plain<B> {
-        fn embed(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-            self.table.forward(tokens)
+        fn embed(&self, batch: &Batch<'_, B>) -> Tensor<B, 3> {
+            self.table.forward(batch.int(TOKENS))
         }
     }
 
     impl<B: Backend> LayerUnit<B> for Plain<B> {
-        fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        fn forward(&self, x: Tensor<B, 3>, _batch: &Batch<'_, B>) -> Tensor<B, 3> {
             x
         }
     }
@@ -403,10 +406,10 @@ mod tests {
         fn loss(
             &self,
             x: Tensor<B, 3>,
-            _targets: Tensor<B, 2, Int>,
+            _batch: &Batch<'_, B>,
             _table: Option<Tensor<B, 2>>,
         ) -> Tensor<B, 1> {
-            x.mean()
+            x.sum()
         }
     }
 
@@ -421,11 +424,17 @@ mod tests {
         let device = Default::default();
         let units = Units::new(plain(&device), vec![plain(&device)], plain(&device), 4);
         assert_eq!((units.units(), units.hidden_size()), (3, 4));
-        let ids = Tensor::<Cpu, 2, Int>::zeros([1, 2], &device);
-        let costs = units.unit_costs(ids.clone(), ids.clone(), 1);
+        let samples = Windows {
+            inputs: vec![0, 0],
+            targets: vec![0, 0],
+        }
+        .into_samples(1)
+        .expect("one window");
+        let batch = Batch::new(&samples, &device);
+        let costs = units.unit_costs(&batch, 1);
         assert_eq!(costs.len(), 3);
         assert!(costs.iter().all(|c| c.is_finite() && *c >= 0.0));
-        let measured = units.measure(ids.clone(), ids, 2);
+        let measured = units.measure(&batch, 2);
         // Each unit holds one unsplit 8 x 4 table.
         assert!(
             measured

@@ -19,7 +19,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use burn::module::AutodiffModule;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
+use burn::tensor::{ElementConversion, Tensor, TensorData};
 use thiserror::Error;
 
 use super::partition::Partition;
@@ -27,6 +27,7 @@ use super::schedule::{Action, Schedule, ScheduleKind};
 use super::stage::{EvalOutput, Evaluate, PipelineModel, StageInput, StageOutput};
 use super::trace::TraceEvent;
 use super::two_bw;
+use crate::batch::{Batch, Samples};
 use crate::comm::{CommError, Group, Pending};
 use crate::data_parallel::DataParallel;
 use crate::kernels::deferred;
@@ -116,11 +117,10 @@ pub struct PipelinePlan {
 /// One micro-batch of a step, as every rank sees it.
 #[derive(Clone, Debug)]
 pub struct MicroBatch {
-    /// Input token ids, `[micro_batch * seq]`.
-    pub inputs: Vec<i64>,
-    /// Target ids (negative: ignored), `[micro_batch * seq]`.
-    pub targets: Vec<i64>,
-    /// This micro-batch's share of the global loss (its target tokens over the global batch's).
+    /// Its samples: the fields every unit may read (inputs, targets, side inputs).
+    pub samples: Samples,
+    /// The factor of its summed loss: one over the global batch's loss terms (validation:
+    /// one), so that the micro-batches' weighted sums add up to the global mean.
     pub weight: f32,
     /// Global index of its first sample in the step (keys the dropout masks).
     pub first_sample: usize,
@@ -386,19 +386,16 @@ impl Executor {
         }
     }
 
-    /// Runs units `range` of `model` on `input`: `[micro, seq]` targets for the head.
+    /// Runs units `range` of `model` on `input`, every unit seeing the micro-batch's `samples`
+    /// as tensors on `device`.
     fn run_units<B: Backend, M: PipelineModel<B>>(
         model: &M,
         range: Range<usize>,
         input: StageInput<B>,
-        targets: Option<&[i64]>,
-        micro_seq: [usize; 2],
+        samples: &Samples,
         device: &B::Device,
     ) -> StageOutput<B> {
-        let targets = targets.map(|t| {
-            Tensor::<B, 2, Int>::from_data(TensorData::new(t.to_vec(), micro_seq), device)
-        });
-        model.run_units(range, input, targets)
+        model.run_units(range, input, &Batch::new(samples, device))
     }
 
     /// Runs one training step: every action of this rank's list up to its `OptimizerStep`.
@@ -505,10 +502,7 @@ impl Executor {
                     } = pick(mb, action)?;
                     set_dropout_position(its_step as u64, batch.first_sample as u64);
                     let input: StageInput<B::InnerBackend> = if stage == 0 {
-                        StageInput::Tokens(Tensor::from_data(
-                            TensorData::new(batch.inputs.clone(), [micro, seq]),
-                            device,
-                        ))
+                        StageInput::Data
                     } else {
                         let v = inbox_act
                             .remove(&(mb, stage))
@@ -517,11 +511,9 @@ impl Executor {
                     };
                     let units = self.units(stage);
                     let k = self.plan.recompute_units[stage].min(units.len());
-                    let targets = (stage == last).then_some(batch.targets.as_slice());
+                    let samples = &batch.samples;
                     let to_autodiff = |i: &StageInput<B::InnerBackend>, grad: bool| match i {
-                        StageInput::Tokens(ids) => {
-                            StageInput::Tokens(Tensor::from_inner(ids.clone()))
-                        }
+                        StageInput::Data => StageInput::Data,
                         StageInput::Hidden(h) => {
                             let t = Tensor::<B, 3>::from_inner(h.clone());
                             StageInput::Hidden(if grad { t.require_grad() } else { t })
@@ -551,8 +543,7 @@ impl Executor {
                             &reducer.hooked(model.clone()),
                             units.clone(),
                             inp,
-                            targets,
-                            [micro, seq],
+                            samples,
                             device,
                         ));
                         out_values = match &out {
@@ -568,16 +559,9 @@ impl Executor {
                         // The recomputed part runs now without autodiff (no graph is kept), with
                         // the dropout masks the recomputation will draw again.
                         let first = units.start..units.start + k;
-                        let seg_targets = (first.end == units.end).then_some(()).and(targets);
                         force_dropout(true);
-                        let tmp = Self::run_units(
-                            &model.valid(),
-                            first,
-                            input.clone(),
-                            seg_targets,
-                            [micro, seq],
-                            device,
-                        );
+                        let tmp =
+                            Self::run_units(&model.valid(), first, input.clone(), samples, device);
                         force_dropout(false);
                         match tmp {
                             StageOutput::Loss(l) => {
@@ -595,8 +579,7 @@ impl Executor {
                                     &reducer.hooked(model.clone()),
                                     units.start + k..units.end,
                                     StageInput::Hidden(leaf),
-                                    targets,
-                                    [micro, seq],
+                                    samples,
                                     device,
                                 ));
                                 out_values = match &out {
@@ -640,13 +623,10 @@ impl Executor {
                     Self::recompute(
                         &reducer.hooked(model.clone()),
                         h,
-                        stage,
                         units,
                         k,
-                        last,
                         batch,
                         its_step,
-                        [micro, seq],
                         device,
                     );
                     report.compute_s += t0.elapsed().as_secs_f64();
@@ -668,13 +648,10 @@ impl Executor {
                         Self::recompute(
                             &reducer.hooked(model.clone()),
                             &mut h,
-                            stage,
                             units.clone(),
                             k,
-                            last,
                             batch,
                             its_step,
-                            [micro, seq],
                             device,
                         );
                     }
@@ -792,17 +769,13 @@ impl Executor {
     }
 
     /// Reruns the recomputed first `k` units of a stage with their graph.
-    #[allow(clippy::too_many_arguments)]
     fn recompute<B, M>(
         model: &M,
         h: &mut Held<B>,
-        stage: usize,
         units: Range<usize>,
         k: usize,
-        last: usize,
         batch: &MicroBatch,
         step: usize,
-        micro_seq: [usize; 2],
         device: &B::Device,
     ) where
         B: AutodiffBackend + ParallelBackend,
@@ -810,7 +783,7 @@ impl Executor {
     {
         set_dropout_position(step as u64, batch.first_sample as u64);
         let input = match &h.input {
-            StageInput::Tokens(ids) => StageInput::Tokens(Tensor::from_inner(ids.clone())),
+            StageInput::Data => StageInput::Data,
             StageInput::Hidden(x) => {
                 let leaf = Tensor::<B, 3>::from_inner(x.clone()).require_grad();
                 h.input_leaf = Some(leaf.clone());
@@ -818,8 +791,7 @@ impl Executor {
             }
         };
         let end = units.start + k;
-        let targets = (stage == last && end == units.end).then_some(batch.targets.as_slice());
-        let out = Self::run_units(model, units.start..end, input, targets, micro_seq, device);
+        let out = Self::run_units(model, units.start..end, input, &batch.samples, device);
         h.recomputed = Some(match out {
             StageOutput::Loss(l) => StageOutput::Loss(l * batch.weight),
             o => o,
@@ -840,13 +812,11 @@ impl Executor {
         B: ParallelBackend,
         M: PipelineModel<B>,
     {
-        let [micro, seq, _] = shape;
         let mut loss = 0.0;
         self.forward_each(model, batches, shape, device, |mb, units, input| {
             let batch = &batches[mb];
-            let targets = Some(batch.targets.as_slice());
             if let StageOutput::Loss(l) =
-                Self::run_units(model, units, input, targets, [micro, seq], device)
+                Self::run_units(model, units, input, &batch.samples, device)
             {
                 loss += f64::from(l.into_scalar().elem::<f32>()) * f64::from(batch.weight);
             }
@@ -871,14 +841,10 @@ impl Executor {
         B: ParallelBackend,
         M: PipelineModel<B>,
     {
-        let [micro, seq, _] = shape;
         let mut out = Vec::new();
         self.forward_each(model, batches, shape, device, |mb, units, input| {
-            let targets = Tensor::<B, 2, Int>::from_data(
-                TensorData::new(batches[mb].targets.clone(), [micro, seq]),
-                device,
-            );
-            match model.eval_units(units, input, Some(targets), what) {
+            let batch = Batch::new(&batches[mb].samples, device);
+            match model.eval_units(units, input, &batch, what) {
                 Some(EvalOutput::Values(v)) => {
                     let dims = v.dims();
                     out.push(EvalValues {
@@ -922,10 +888,7 @@ impl Executor {
             let mut local: Option<Vec<f32>> = None;
             for &s in &mine {
                 let input = if s == 0 {
-                    StageInput::Tokens(Tensor::<B, 2, Int>::from_data(
-                        TensorData::new(batch.inputs.clone(), [micro, seq]),
-                        device,
-                    ))
+                    StageInput::Data
                 } else {
                     let v = match local.take() {
                         Some(v) if self.plan.schedule.rank_of(s - 1) == self.rank => v,
@@ -945,7 +908,7 @@ impl Executor {
                     continue;
                 }
                 if let StageOutput::Hidden(x) =
-                    Self::run_units(model, self.units(s), input, None, [micro, seq], device)
+                    Self::run_units(model, self.units(s), input, &batch.samples, device)
                 {
                     let v = read(x)?;
                     let next = self.plan.schedule.rank_of(s + 1);

@@ -5,8 +5,10 @@
 use std::ops::Range;
 
 use burn::module::{Module, ParamId};
+use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor};
+
+use crate::batch::Batch;
 
 use crate::pipeline::{EvalOutput, Evaluate, PipelineModel, StageInput, StageOutput};
 
@@ -34,24 +36,25 @@ pub trait UnitStack<B: Backend>: Module<B> {
     /// The width of the hidden states between units.
     fn width(&self) -> usize;
 
-    /// Unit 0: `[batch, seq]` ids to `[batch, seq, hidden]`.
-    fn embed(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3>;
+    /// Unit 0: the micro-batch's inputs to `[batch, positions, hidden]`.
+    fn embed(&self, batch: &Batch<'_, B>) -> Tensor<B, 3>;
 
-    /// Unit `index + 1`: layer `index` (0-based).
-    fn layer(&self, index: usize, x: Tensor<B, 3>) -> Tensor<B, 3>;
+    /// Unit `index + 1`: layer `index` (0-based), with the micro-batch's side inputs.
+    fn layer(&self, index: usize, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> Tensor<B, 3>;
 
-    /// Unit `L + 1`: the mean loss of `x` against `targets` (negative targets not counted).
-    fn head_loss(&self, x: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1>;
+    /// Unit `L + 1`: the summed loss of `x` against the micro-batch's targets
+    /// ([`HeadUnit::loss`](crate::parallelize::HeadUnit::loss)).
+    fn head_loss(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> Tensor<B, 1>;
 
-    /// Unit `L + 1` in an evaluation pass: what `what` asks of `x` against `targets`
-    /// ([`Evaluate`]); `None` (the default) when the head does not provide it.
+    /// Unit `L + 1` in an evaluation pass: what `what` asks of `x` against the micro-batch's
+    /// targets ([`Evaluate`]); `None` (the default) when the head does not provide it.
     fn head_eval(
         &self,
         x: Tensor<B, 3>,
-        targets: Tensor<B, 2, Int>,
+        batch: &Batch<'_, B>,
         what: Evaluate,
     ) -> Option<Tensor<B, 2>> {
-        let _ = (x, targets, what);
+        let _ = (x, batch, what);
         None
     }
 
@@ -66,14 +69,15 @@ fn through_layers<B: Backend, T: UnitStack<B>>(
     stack: &T,
     range: &Range<usize>,
     input: StageInput<B>,
+    batch: &Batch<'_, B>,
 ) -> Tensor<B, 3> {
     let last = stack.layer_count() + 1;
     let mut x = match input {
-        StageInput::Tokens(ids) => stack.embed(ids),
+        StageInput::Data => stack.embed(batch),
         StageInput::Hidden(x) => x,
     };
     for unit in range.start.max(1)..range.end.min(last) {
-        x = stack.layer(unit - 1, x);
+        x = stack.layer(unit - 1, x, batch);
     }
     x
 }
@@ -91,31 +95,29 @@ impl<B: Backend, T: UnitStack<B>> PipelineModel<B> for T {
         &self,
         range: Range<usize>,
         input: StageInput<B>,
-        targets: Option<Tensor<B, 2, Int>>,
+        batch: &Batch<'_, B>,
     ) -> StageOutput<B> {
         let last = self.layer_count() + 1;
-        let x = through_layers(self, &range, input);
+        let x = through_layers(self, &range, input, batch);
         if range.end <= last {
             return StageOutput::Hidden(x);
         }
-        let targets = targets.unwrap_or_else(|| panic!("the head (unit {last}) needs targets"));
-        StageOutput::Loss(self.head_loss(x, targets))
+        StageOutput::Loss(self.head_loss(x, batch))
     }
 
     fn eval_units(
         &self,
         range: Range<usize>,
         input: StageInput<B>,
-        targets: Option<Tensor<B, 2, Int>>,
+        batch: &Batch<'_, B>,
         what: Evaluate,
     ) -> Option<EvalOutput<B>> {
         let last = self.layer_count() + 1;
-        let x = through_layers(self, &range, input);
+        let x = through_layers(self, &range, input, batch);
         if range.end <= last {
             return Some(EvalOutput::Hidden(x));
         }
-        let targets = targets.unwrap_or_else(|| panic!("the head (unit {last}) needs targets"));
-        self.head_eval(x, targets, what).map(EvalOutput::Values)
+        self.head_eval(x, batch, what).map(EvalOutput::Values)
     }
 
     fn tied_embedding(&self) -> Option<ParamId> {

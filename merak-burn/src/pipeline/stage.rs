@@ -3,15 +3,18 @@
 use std::ops::Range;
 
 use burn::module::{Module, ParamId};
+use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor};
 
-/// The input of a stage: token ids for the stage holding the embedding, hidden states otherwise.
+use crate::batch::Batch;
+
+/// The input of a stage: the micro-batch's fields for the stage holding the first unit, hidden
+/// states otherwise.
 #[derive(Clone, Debug)]
 pub enum StageInput<B: Backend> {
-    /// `[batch, seq]` token ids.
-    Tokens(Tensor<B, 2, Int>),
-    /// `[batch, seq, hidden]` hidden states from the previous stage.
+    /// The first unit reads its inputs from the micro-batch ([`Batch`]).
+    Data,
+    /// `[batch, positions, hidden]` hidden states from the previous stage.
     Hidden(Tensor<B, 3>),
 }
 
@@ -20,7 +23,7 @@ pub enum StageInput<B: Backend> {
 pub enum StageOutput<B: Backend> {
     /// `[batch, seq, hidden]`.
     Hidden(Tensor<B, 3>),
-    /// The mean loss of the micro-batch, `[1]`.
+    /// The summed loss of the micro-batch, `[1]` ([`HeadUnit::loss`](crate::parallelize::HeadUnit::loss)).
     Loss(Tensor<B, 1>),
 }
 
@@ -55,13 +58,14 @@ pub trait PipelineModel<B: Backend>: Module<B> {
     /// The width of the hidden states that pass between stages (`[batch, seq, hidden]`).
     fn hidden_size(&self) -> usize;
 
-    /// Runs units `range` (all held by this rank) on `input` (tokens when `range.start == 0`,
-    /// hidden states otherwise); the last unit needs `targets` and returns the loss.
+    /// Runs units `range` (all held by this rank) on `input` (the micro-batch's data when
+    /// `range.start == 0`, hidden states otherwise); every unit sees the micro-batch `batch`
+    /// (the last one its targets) and the last one returns the summed loss.
     fn run_units(
         &self,
         range: Range<usize>,
         input: StageInput<B>,
-        targets: Option<Tensor<B, 2, Int>>,
+        batch: &Batch<'_, B>,
     ) -> StageOutput<B>;
 
     /// Like [`run_units`](Self::run_units), but the last unit returns `what` instead of the
@@ -70,10 +74,10 @@ pub trait PipelineModel<B: Backend>: Module<B> {
         &self,
         range: Range<usize>,
         input: StageInput<B>,
-        targets: Option<Tensor<B, 2, Int>>,
+        batch: &Batch<'_, B>,
         what: Evaluate,
     ) -> Option<EvalOutput<B>> {
-        let _ = (range, input, targets, what);
+        let _ = (range, input, batch, what);
         None
     }
 

@@ -2,9 +2,9 @@
 //! model's units timed on the backend that trains; and the units' costs the pipeline is cut by.
 
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{Int, Tensor, TensorData};
 
 use super::{RunError, UnitModel, UnitsOf, sample_units};
+use crate::batch::{Batch, Samples};
 use crate::comm::{Communicator, Group, ReduceOp};
 use crate::parallelize::EmbedUnit;
 use crate::parallelize::shard_module;
@@ -14,6 +14,7 @@ use crate::plan::ParallelPlan;
 use crate::planner::{
     HardwareSpec, MeasuredModel, MeasuredUnit, ModelProxy, SearchOptions, search,
 };
+use crate::train::read_samples;
 use crate::train::{BatchSource, TrainError, TrainSettings};
 
 /// How [`merak_burn::run`](crate::run) chooses the parallel plan.
@@ -65,11 +66,21 @@ impl Default for AutoPlan {
     }
 }
 
-/// The plan of the run and the cost of each of the model's units (what the pipeline's stages
-/// are balanced by). The first unit, one block and the last unit are always run once on a
-/// sample micro-batch, checking the shapes between them ([`Sample::check`]); they are timed
-/// only when a plan is searched or a pipeline is cut (once when the plan's micro-batch is the
-/// one timed).
+/// What [`choose_plan`] decided: the plan, the cost of each unit (what the pipeline's stages
+/// are balanced by) and the positions per sample of the hidden states between units.
+pub(crate) struct Chosen {
+    /// The plan.
+    pub plan: ParallelPlan,
+    /// Each unit's cost (uniform when nothing is cut).
+    pub costs: Vec<f64>,
+    /// The second dimension of the first unit's output, `[micro, positions, hidden]`.
+    pub positions: usize,
+}
+
+/// The plan of the run and the cost of each of the model's units. The first unit, one block
+/// and the last unit are always run once on a sample micro-batch, checking the shapes between
+/// them ([`Sample::check`]); they are timed only when a plan is searched or a pipeline is cut
+/// (once when the plan's micro-batch is the one timed).
 pub(crate) fn choose_plan<B, M>(
     model: &M,
     choice: &PlanChoice,
@@ -77,7 +88,7 @@ pub(crate) fn choose_plan<B, M>(
     data: &dyn BatchSource,
     world: Option<&dyn Communicator>,
     device: &B::Device,
-) -> Result<(ParallelPlan, Vec<f64>), RunError>
+) -> Result<Chosen, RunError>
 where
     B: AutodiffBackend,
     M: UnitModel<B>,
@@ -94,22 +105,26 @@ where
             micro_batch: micro,
         })),
     };
-    match choice {
-        PlanChoice::Given(plan) => splits(plan.dp, plan.micro_batch)?,
-        PlanChoice::Auto(auto) => splits(1, auto.timed_micro_batch)?,
-    }
+    let first_micro = match choice {
+        PlanChoice::Given(plan) => (splits(plan.dp, plan.micro_batch), plan.micro_batch),
+        PlanChoice::Auto(auto) => (splits(1, auto.timed_micro_batch), auto.timed_micro_batch),
+    };
+    first_micro.0?;
+    let sample = Sample::new(model, settings, data, first_micro.1, device)?;
+    let positions = sample.positions;
     let uniform = vec![1.0; dims.layers + 2];
+    let chosen = |plan, costs| Chosen {
+        plan,
+        costs,
+        positions,
+    };
     let (plan, timed) = match choice {
-        PlanChoice::Given(plan) if plan.pp == 1 => {
-            Sample::new(model, settings, data, plan.micro_batch, device)?;
-            return Ok((plan.clone(), uniform));
-        }
+        PlanChoice::Given(plan) if plan.pp == 1 => return Ok(chosen(plan.clone(), uniform)),
         PlanChoice::Given(plan) => (plan.clone(), None),
         PlanChoice::Auto(auto) => {
-            let sample = Sample::new(model, settings, data, auto.timed_micro_batch, device)?;
             let timed = sample.timed(world, dims.layers)?;
             let hardware = HardwareSpec::load(&auto.hardware)?.with_devices(ranks);
-            let shape = dims.shape(settings.seq_len);
+            let shape = dims.shape(positions);
             let proxy =
                 MeasuredModel::new(shape, auto.timed_micro_batch, timed.clone(), &hardware)?;
             let options = SearchOptions {
@@ -124,28 +139,29 @@ where
     };
     if plan.pp == 1 {
         // One stage: nothing to cut (the units were checked when they were timed).
-        return Ok((plan, uniform));
+        return Ok(chosen(plan, uniform));
     }
     let timed = match timed {
         // Timed at the planned micro-batch already.
         Some((micro, timed)) if micro == plan.micro_batch => timed,
-        _ => Sample::new(model, settings, data, plan.micro_batch, device)?
+        Some(_) => Sample::new(model, settings, data, plan.micro_batch, device)?
             .timed(world, dims.layers)?,
+        None => sample.timed(world, dims.layers)?,
     };
-    Ok((
-        plan,
-        timed.iter().map(|u| u.forward_s + u.backward_s).collect(),
-    ))
+    let costs = timed.iter().map(|u| u.forward_s + u.backward_s).collect();
+    Ok(chosen(plan, costs))
 }
 
 /// The first unit, block 0 and the last unit of a model (at tp = 1) with a micro-batch of
 /// the data's first samples.
 struct Sample<B: AutodiffBackend, M: UnitModel<B>> {
     units: UnitsOf<B, M>,
-    inputs: Tensor<B, 2, Int>,
-    targets: Tensor<B, 2, Int>,
+    samples: Samples,
+    device: B::Device,
     hidden: usize,
     tied: bool,
+    /// Positions per sample between units, found by [`check`](Self::check).
+    positions: usize,
 }
 
 impl<B: AutodiffBackend, M: UnitModel<B>> Sample<B, M> {
@@ -158,36 +174,28 @@ impl<B: AutodiffBackend, M: UnitModel<B>> Sample<B, M> {
         micro: usize,
         device: &B::Device,
     ) -> Result<Self, RunError> {
-        let seq = settings.seq_len;
-        let w = data.train_windows(0, 0, micro)?;
-        if w.inputs.len() != micro * seq || w.targets.len() != micro * seq {
-            return Err(RunError::Windows {
-                sequences: micro,
-                seq_len: seq,
-                inputs: w.inputs.len(),
-                targets: w.targets.len(),
-            });
-        }
-        let ids = |v: Vec<i64>| Tensor::from_data(TensorData::new(v, [micro, seq]), device);
+        let samples = read_samples(micro, 1, || data.train_samples(0, 0, micro))?;
         let units = sample_units(model, settings.seed, device)?;
-        let sample = Sample {
+        let mut sample = Sample {
             units: shard_module(units, &model.tp_plan(), Group::local())?,
-            inputs: ids(w.inputs),
-            targets: ids(w.targets),
+            samples,
+            device: device.clone(),
             hidden: model.dims().hidden,
             tied: model.tie_embeddings(),
+            positions: 0,
         };
-        sample.check()?;
+        sample.positions = sample.check()?;
         Ok(sample)
     }
 
-    /// Runs the units once, checking that the first unit and the block return
-    /// `[micro_batch, seq_len, hidden]`, that a tied head's table is `[_, hidden]`, and that
-    /// the last unit returns one loss: a model whose units do not fit together is refused
-    /// here, naming the unit and the shapes, before anything trains.
-    fn check(&self) -> Result<(), RunError> {
-        let [micro, seq] = self.inputs.dims();
-        let want = vec![micro, seq, self.hidden];
+    /// Runs the units once, checking that the first unit returns `[micro_batch, positions,
+    /// hidden]` and the block the same shape, that a tied head's table is `[_, hidden]`, and
+    /// that the last unit returns one loss: a model whose units do not fit together (or
+    /// panic, for example asking for a field the samples do not have) is refused here, naming
+    /// the unit and the shapes, before anything trains. Returns the positions.
+    fn check(&self) -> Result<usize, RunError> {
+        let batch = Batch::new(&self.samples, &self.device);
+        let micro = self.samples.count;
         let fits =
             |unit: &str, got: Vec<usize>, want: &Vec<usize>, expected: &'static str| match got
                 == *want
@@ -200,10 +208,12 @@ impl<B: AutodiffBackend, M: UnitModel<B>> Sample<B, M> {
                     expected,
                 }),
             };
-        let between = "the units pass [micro_batch, seq_len, ModelDims::hidden]";
-        let x = self.units.embed(self.inputs.clone());
+        let between = "the units pass [micro_batch, positions, ModelDims::hidden]";
+        let x = caught("the first unit", || self.units.embed(&batch))?;
+        let positions = x.dims()[1];
+        let want = vec![micro, positions, self.hidden];
         fits("the first unit", x.dims().to_vec(), &want, between)?;
-        let x = self.units.layer(0, x);
+        let x = caught("block 0", || self.units.layer(0, x, &batch))?;
         fits("block 0", x.dims().to_vec(), &want, between)?;
         let table = (self.units.embed.as_ref()).and_then(|e| e.table());
         if let (true, Some((table, name))) = (self.tied, table) {
@@ -216,13 +226,14 @@ impl<B: AutodiffBackend, M: UnitModel<B>> Sample<B, M> {
                 "a tied head's table is [vocab, ModelDims::hidden]",
             )?;
         }
-        let loss = self.units.head_loss(x, self.targets.clone());
+        let loss = caught("the last unit", || self.units.head_loss(x, &batch))?;
         fits(
             "the last unit",
             loss.dims().to_vec(),
             &vec![1],
             "a loss is one number",
-        )
+        )?;
+        Ok(positions)
     }
 
     /// Every unit measured (averaged over the ranks of `world`): the first unit, `layers`
@@ -232,7 +243,8 @@ impl<B: AutodiffBackend, M: UnitModel<B>> Sample<B, M> {
         world: Option<&dyn Communicator>,
         layers: usize,
     ) -> Result<Vec<MeasuredUnit>, RunError> {
-        let measured = (self.units).measure(self.inputs.clone(), self.targets.clone(), 3);
+        let batch = Batch::new(&self.samples, &self.device);
+        let measured = (self.units).measure(&batch, 3);
         let mut times: Vec<f32> = (measured.iter())
             .flat_map(|u| [u.forward_s as f32, u.backward_s as f32])
             .collect();
@@ -252,4 +264,18 @@ impl<B: AutodiffBackend, M: UnitModel<B>> Sample<B, M> {
         units.push(agreed[2].clone());
         Ok(units)
     }
+}
+
+/// `run()`, with a panic inside it (a user's unit asking for a missing field, or Burn refusing
+/// a shape) turned into [`RunError::UnitPanic`] naming `unit`.
+fn caught<T>(unit: &str, run: impl FnOnce() -> T) -> Result<T, RunError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).map_err(|payload| {
+        let message = (payload.downcast_ref::<String>().cloned())
+            .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "a panic without a message".into());
+        RunError::UnitPanic {
+            unit: unit.into(),
+            message,
+        }
+    })
 }

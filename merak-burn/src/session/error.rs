@@ -49,19 +49,14 @@ pub enum RunError {
     /// The data source failed or returned windows of the wrong size.
     #[error(transparent)]
     Data(#[from] SourceError),
-    /// A sample batch of the data source is not `micro_batch` sequences of `seq_len` tokens.
-    #[error(
-        "the data source returned {inputs} inputs and {targets} targets for {sequences} sequences of seq_len = {seq_len} tokens"
-    )]
-    Windows {
-        /// Sequences asked for.
-        sequences: usize,
-        /// `TrainSettings::seq_len`.
-        seq_len: usize,
-        /// Input ids returned.
-        inputs: usize,
-        /// Target ids returned.
-        targets: usize,
+    /// A unit panicked on the sample micro-batch run before training (for example asking
+    /// the batch for a field the data does not have, or an operation refusing a shape).
+    #[error("{unit} failed on a sample micro-batch: {message}")]
+    UnitPanic {
+        /// The unit.
+        unit: String,
+        /// The panic's message.
+        message: String,
     },
     /// A unit returns another shape than the next one takes (found on a sample micro-batch
     /// before training).

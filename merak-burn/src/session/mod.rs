@@ -139,7 +139,10 @@ where
     let world = mpi.map(MpiWorld::world);
     let comm = world.as_ref().map(|w| w as &dyn Communicator);
     let device = B::Device::default();
-    let (plan, costs) = choose::choose_plan(model, plan, settings, data, comm, &device)?;
+    let chosen = choose::choose_plan(model, plan, settings, data, comm, &device)?;
+    let (plan, costs) = (chosen.plan, chosen.costs);
+    // The messages between stages are as wide as the first unit's output.
+    let settings = &settings.clone().with_seq_len(chosen.positions);
     let resume = options.resume.as_deref().map(open_resume).transpose()?;
     let out =
         run_folder::output_folder(options.out.as_deref(), resume.as_ref().map(|r| &r.0), comm)?;

@@ -7,6 +7,7 @@ use burn::tensor::backend::AutodiffBackend;
 use crate::comm::{Group, ReduceOp};
 use crate::pipeline::{EvalValues, Evaluate, MicroBatch, PipelineError, PipelineModel};
 use crate::tensor_parallel::ParallelBackend;
+use crate::train::read_samples;
 use crate::train::{BatchSource, TrainError, Trainer};
 
 /// The head's outputs for held-out samples, one row per sample in sample order.
@@ -145,14 +146,10 @@ where
         (0..local / micro)
             .map(|m| {
                 let first = b * global + self.grid.coords.dp * local + m * micro;
-                let w = (data.val_windows(first, micro)).map_err(|source| TrainError::Data {
-                    step: self.done,
-                    source,
-                })?;
+                let samples = read_samples(micro, self.done, || data.val_samples(first, micro))?;
                 Ok(MicroBatch {
-                    weight: w.target_count() as f32,
-                    inputs: w.inputs,
-                    targets: w.targets,
+                    samples,
+                    weight: 1.0,
                     first_sample: first,
                 })
             })

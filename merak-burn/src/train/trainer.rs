@@ -9,6 +9,7 @@ use burn::module::{AutodiffModule, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::tensor::backend::AutodiffBackend;
 
+use crate::batch::Samples;
 use crate::checkpoint::{Checkpoint, FullState, state};
 use crate::comm::{Group, ReduceOp};
 use crate::data_parallel::{DataParallel, DpStats};
@@ -381,9 +382,9 @@ where
         Ok(())
     }
 
-    /// This rank's micro-batches of step `step`, each weighted by its share of the global
-    /// batch's target tokens (masked LM: the number of masked positions varies), so that every
-    /// layout computes the gradient of the same global mean loss.
+    /// This rank's micro-batches of step `step`, each weighted by one over the global batch's
+    /// loss terms (masked LM: the number of masked positions varies), so that every layout
+    /// computes the gradient of the same global mean loss.
     fn micro_batches(
         &self,
         data: &dyn BatchSource,
@@ -392,26 +393,29 @@ where
         let (p, global) = (&self.parallel, self.settings.global_batch);
         let first = self.grid.coords.dp * p.local_batch(global);
         let micro = p.micro_batch;
-        let mut batches = Vec::new();
+        let mut batches: Vec<MicroBatch> = Vec::new();
         for m in 0..p.micro_batches(global) {
             let start = first + m * micro;
-            let w = data
-                .train_windows(step, start, micro)
-                .map_err(|source| TrainError::Data {
+            let samples = read_samples(micro, step + 1, || data.train_samples(step, start, micro))?;
+            if let Some(b) = batches.first() {
+                (b.samples.check_same_layout(&samples, start)).map_err(|e| TrainError::Data {
                     step: step + 1,
-                    source,
+                    source: Box::new(e),
                 })?;
+            }
             batches.push(MicroBatch {
-                weight: w.target_count() as f32,
-                inputs: w.inputs,
-                targets: w.targets,
+                samples,
+                weight: 1.0,
                 first_sample: start,
             });
         }
-        let mut total = [batches.iter().map(|b| b.weight).sum::<f32>()];
+        let mut total = [batches
+            .iter()
+            .map(|b| b.samples.loss_terms as f32)
+            .sum::<f32>()];
         all_reduce_if(self.grid.dp, &mut total)?;
         for b in &mut batches {
-            b.weight /= total[0].max(1.0);
+            b.weight = 1.0 / total[0].max(1.0);
         }
         Ok(batches)
     }
@@ -446,7 +450,7 @@ where
         stop: Option<&super::StopRequest>,
     ) -> Result<Option<f64>, TrainError> {
         let (model, shape) = self.held_out_model()?;
-        // Per-micro-batch mean losses weighted by target tokens: (sum of losses, target tokens).
+        // (summed losses, loss terms).
         let mut acc = [0.0f32, 0.0f32];
         for b in 0..self.settings.val_batches {
             if let Some(stop) = stop
@@ -455,7 +459,10 @@ where
                 return Ok(None);
             }
             let batches = self.val_micro_batches(data, b)?;
-            acc[1] += batches.iter().map(|m| m.weight).sum::<f32>();
+            acc[1] += batches
+                .iter()
+                .map(|m| m.samples.loss_terms as f32)
+                .sum::<f32>();
             acc[0] += self
                 .executor
                 .forward_only(&model, &batches, shape, &self.device)? as f32;
@@ -479,6 +486,24 @@ where
             .all_reduce(&mut flag, ReduceOp::Max)?;
         Ok(flag[0] > 0.0)
     }
+}
+
+/// `micro` samples from `read`, checked: the data source's error, samples of another count or
+/// fields that do not fill them fail as [`TrainError::Data`] naming step `step` (1-based).
+pub(crate) fn read_samples(
+    micro: usize,
+    step: usize,
+    read: impl FnOnce() -> Result<Samples, crate::train::SourceError>,
+) -> Result<Samples, TrainError> {
+    let data = |source| TrainError::Data { step, source };
+    let samples = read().map_err(data)?;
+    if samples.count != micro {
+        return Err(data(
+            format!("{} samples were read, {micro} asked for", samples.count).into(),
+        ));
+    }
+    samples.check().map_err(|e| data(Box::new(e)))?;
+    Ok(samples)
 }
 
 /// Sums `values` over `group` when it has more than one rank.

@@ -1,5 +1,6 @@
 //! The GPT module.
 
+use merak_burn::batch::{Batch, TARGETS, TOKENS};
 use std::ops::Range;
 
 use burn::module::Module;
@@ -235,16 +236,17 @@ impl<B: ParallelBackend> UnitStack<B> for Gpt<B> {
         self.hidden
     }
 
-    fn embed(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        Gpt::embed(self, tokens)
+    fn embed(&self, batch: &Batch<'_, B>) -> Tensor<B, 3> {
+        Gpt::embed(self, batch.int(TOKENS))
     }
 
-    fn layer(&self, index: usize, x: Tensor<B, 3>) -> Tensor<B, 3> {
+    fn layer(&self, index: usize, x: Tensor<B, 3>, _batch: &Batch<'_, B>) -> Tensor<B, 3> {
         self.run_blocks(x, index..index + 1)
     }
 
-    fn head_loss(&self, x: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
-        Gpt::head_loss(self, x, targets)
+    /// The summed loss: the mean over the counted targets times their count.
+    fn head_loss(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> Tensor<B, 1> {
+        Gpt::head_loss(self, x, batch.int(TARGETS)) * batch.loss_terms() as f32
     }
 
     fn tied(&self) -> Option<TiedTable> {
