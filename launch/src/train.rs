@@ -2,7 +2,6 @@
 //! set seen through the model's objective (causal or masked), checkpoints to resume.
 
 use std::path::Path;
-use std::time::Instant;
 
 use anyhow::Result;
 use burn::module::AutodiffModule;
@@ -13,11 +12,11 @@ use merak_burn::data::CausalWindows;
 use merak_burn::grid::ProcessGrid;
 use merak_burn::pipeline::{PipelineModel, PipelinePlan};
 use merak_burn::plan::ParallelPlan;
+use merak_burn::session::{Part, RunOptions, train_part};
 use merak_burn::tensor_parallel::ParallelBackend;
 pub use merak_burn::train::Summary;
 use merak_burn::train::{
-    CheckpointPolicy, ExistingRun, RunFile, RunOutput, SourceError, StopRequest, TokenSource,
-    TrainSettings, Trainer, Windows,
+    ExistingRun, RunFile, SourceError, StopRequest, TokenSource, TrainSettings, Windows,
 };
 
 use crate::config::Config;
@@ -123,23 +122,20 @@ pub fn settings(cfg: &Config) -> TrainSettings {
     }
 }
 
-/// Where a run of `cfg` writing to `out` puts its metrics, checkpoints and trace.
-fn run_output(cfg: &Config, out: &Path, spec: &RunSpec<'_>) -> Result<RunOutput> {
+/// The library's run options of `cfg` writing to `out`: its checkpoint policy (the config in
+/// every manifest), trace, folder policy and `merak train`'s own files (the config and the
+/// loss curve). The signal handlers and the watchdog are `merak train`'s own.
+fn run_options(cfg: &Config, out: &Path, spec: &RunSpec<'_>) -> Result<RunOptions> {
     let c = &cfg.checkpoint;
     let config = toml::to_string(cfg)?;
-    let policy = CheckpointPolicy {
-        dir: checkpoint_root(cfg, out),
-        every: c.every,
-        at_end: c.at_end,
-        keep: c.keep,
-        extra: serde_json::json!({ "config": config }),
-    };
-    Ok(RunOutput {
-        dir: out.to_path_buf(),
-        checkpoints: Some(policy),
+    Ok(RunOptions {
+        out: Some(out.to_path_buf()),
+        checkpoint_dir: Some(checkpoint_root(cfg, out)),
+        checkpoint_every: c.every,
+        checkpoint_at_end: c.at_end,
+        keep_checkpoints: c.keep,
+        manifest_extra: serde_json::json!({ "config": config }),
         trace: spec.trace.map(Path::to_path_buf),
-        progress: true,
-        stop: Some(spec.stop.clone()),
         existing: spec.existing,
         files: vec![
             RunFile {
@@ -151,6 +147,7 @@ fn run_output(cfg: &Config, out: &Path, spec: &RunSpec<'_>) -> Result<RunOutput>
                 contents: None,
             },
         ],
+        ..RunOptions::default()
     })
 }
 
@@ -184,8 +181,9 @@ impl TokenSource for ObjectiveData<'_> {
 }
 
 /// Trains `model` (this rank's stages and TP shard) on this rank's part of the grid (from the
-/// state of `spec.resume` when given) with the library's [`Trainer`]; rank 0 writes
-/// `out/metrics.jsonl`; checkpoints follow `[checkpoint]`.
+/// state of `spec.resume` when given) through the library's
+/// [`train_part`](merak_burn::session::train_part), the step `merak_burn::run` ends in;
+/// rank 0 writes `out/metrics.jsonl`; checkpoints follow `[checkpoint]`.
 #[allow(clippy::too_many_arguments)]
 pub fn train<B, M>(
     cfg: &Config,
@@ -203,37 +201,6 @@ where
     M: PipelineModel<B> + AutodiffModule<B>,
     M::InnerModule: PipelineModel<B::InnerBackend>,
 {
-    let t0 = Instant::now();
-    let params = model.num_params();
-    let trace = spec.trace.is_some();
-    let mut trainer = Trainer::new(
-        grid,
-        spec.parallel,
-        spec.plan.clone(),
-        settings(cfg),
-        model,
-        device.clone(),
-        trace,
-    )?;
-    if let Some(r) = spec.resume {
-        trainer.resume(&r.checkpoint, &r.state)?;
-        let saved = &r.checkpoint.manifest;
-        tracing::info!(
-            "resumed from {} after step {} (saved under dp={} tp={} pp={})",
-            r.checkpoint.dir.display(),
-            saved.step,
-            saved.layout.dp,
-            saved.layout.tp,
-            saved.layout.pp
-        );
-    }
-    let l = &grid.layout;
-    tracing::info!(
-        params,
-        layout = %format!("dp={} tp={} pp={}", l.dp, l.tp, l.pp),
-        "model ready in {:.2}s",
-        t0.elapsed().as_secs_f64()
-    );
     let windows = CausalWindows {
         data,
         global_batch: cfg.train.global_batch,
@@ -244,9 +211,18 @@ where
         objective,
         seed: cfg.train.seed,
     };
-    let output = run_output(cfg, out, &spec)?;
-    let summary = trainer.fit(&source, &output, &mut |_| {})?;
-    Ok((summary, trainer.into_model()))
+    let part = Part {
+        grid,
+        device: device.clone(),
+        plan: spec.parallel.clone(),
+        pipeline: spec.plan.clone(),
+        out: out.to_path_buf(),
+    };
+    let options = run_options(cfg, out, &spec)?;
+    let resume = spec.resume.map(|r| (&r.checkpoint, &r.state));
+    let stop = Some(spec.stop.clone());
+    let (report, model) = train_part(part, model, &source, &settings(cfg), &options, resume, stop)?;
+    Ok((report.summary, model))
 }
 
 #[cfg(test)]

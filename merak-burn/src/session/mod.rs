@@ -19,7 +19,9 @@
 //!    evaluates held-out samples when asked ([`RunOptions::eval_batches`],
 //!    [`RunOptions::predict_batches`]).
 //!
-//! A program that starts MPI itself uses [`run_with_mpi`].
+//! A program that starts MPI itself uses [`run_with_mpi`]; one that builds its model's part
+//! itself (its own layers, its own plan, as `merak train` does for GPT and BERT) trains it
+//! with [`train_part`], the step `run` ends in.
 //!
 //! Under `mpirun` with several ranks an error on one rank ends the whole job (`MPI_Abort`,
 //! after printing it with the rank), since the other ranks would otherwise wait for it.
@@ -28,27 +30,28 @@ mod choose;
 mod error;
 mod model;
 mod options;
+mod train_part;
 
 pub use choose::{AutoPlan, PlanChoice};
 pub use error::RunError;
 pub use model::{ModelDims, UnitModel, UnitsOf, build_units, sample_units, unit_seed};
 pub use options::{FullParams, InitWeights, ParamGroups, RunOptions};
+pub use train_part::{Part, train_part};
 
 use std::path::PathBuf;
 
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
 
-use crate::checkpoint::{Checkpoint, FullState, cut_full_params, state};
+use crate::checkpoint::{Checkpoint, FullState};
 use crate::comm::{Communicator, MpiWorld, launched_by_mpirun, watchdog};
 use crate::grid::ProcessGrid;
 use crate::parallelize::shard_module;
 use crate::pipeline::PipelineModel;
 use crate::plan::ParallelPlan;
-use crate::tensor_parallel::{ParallelBackend, Shard};
+use crate::tensor_parallel::ParallelBackend;
 use crate::train::{
-    BatchSource, CheckpointPolicy, Predictions, RunOutput, StopRequest, Summary, TrainSettings,
-    Trainer, run_folder, stop_on_signals,
+    BatchSource, Predictions, StopRequest, Summary, TrainSettings, run_folder, stop_on_signals,
 };
 
 /// What a finished [`run`] reports (on every rank).
@@ -167,42 +170,16 @@ where
     let me = grid.coords.pp;
     let holds = |u: usize| pipeline.schedule.rank_of(pipeline.partition.stage_of(u)) == me;
     let units = build_units(model, settings.seed, &device, holds)?;
-    let mut units = shard_module(units, &model.tp_plan(), grid.tp)?;
-    if let Some(init) = &options.init {
-        units = initialized_from(units, init, &grid)?;
-    }
-    let trace = options.trace.is_some();
-    let mut trainer = Trainer::new(
-        &grid,
-        &plan,
-        pipeline,
-        settings.clone(),
-        units,
+    let units = shard_module(units, &model.tp_plan(), grid.tp)?;
+    let part = Part {
+        grid: &grid,
         device,
-        trace,
-    )?;
-    if let Some(ParamGroups(rule)) = &options.param_groups {
-        trainer = trainer.with_param_groups(|p| rule(p))?;
-    }
-    if let Some((checkpoint, state)) = &resume {
-        trainer.resume(checkpoint, state)?;
-    }
-    let summary = trainer.fit(data, &run_output(options, &out, stop), &mut |_| {})?;
-    let evaluates = |batches: usize| batches > 0 && !summary.stopped;
-    let metrics = evaluates(options.eval_batches)
-        .then(|| trainer.evaluate(data, options.eval_batches))
-        .transpose()?;
-    let predictions = evaluates(options.predict_batches)
-        .then(|| trainer.predict(data, options.predict_batches))
-        .transpose()?;
-    Ok(RunReport {
-        summary,
         plan,
-        rank: grid.rank,
+        pipeline,
         out,
-        metrics,
-        predictions,
-    })
+    };
+    let resume = resume.as_ref().map(|(c, s)| (c, s));
+    Ok(train_part(part, units, data, settings, options, resume, stop)?.0)
 }
 
 /// The stop request the signal handlers set, when the options ask for them.
@@ -224,44 +201,4 @@ fn open_resume(path: &std::path::Path) -> Result<(Checkpoint, FullState), RunErr
     let checkpoint = Checkpoint::open(path).map_err(error)?;
     let state = checkpoint.read_full().map_err(error)?;
     Ok((checkpoint, state))
-}
-
-/// `units` with their parameters (this rank's shard of the units it holds) replaced by their
-/// pieces of `init`.
-fn initialized_from<B, M>(units: M, init: &InitWeights, grid: &ProcessGrid) -> Result<M, RunError>
-where
-    B: burn::tensor::backend::Backend,
-    M: PipelineModel<B>,
-{
-    let error = |error| RunError::Checkpoint {
-        source_name: init.source.clone(),
-        error,
-    };
-    let shapes = state::param_shapes(&units);
-    let shard = Shard {
-        rank: grid.coords.tp,
-        size: grid.layout.tp,
-    };
-    let params =
-        cut_full_params(&init.params, &shapes, shard, &units.tied_names()).map_err(error)?;
-    state::assign_params(units, params).map_err(error)
-}
-
-/// Where and how [`Trainer::fit`] writes the run.
-fn run_output(options: &RunOptions, out: &std::path::Path, stop: Option<StopRequest>) -> RunOutput {
-    RunOutput {
-        dir: out.to_path_buf(),
-        checkpoints: Some(CheckpointPolicy {
-            dir: out.join("checkpoints"),
-            every: options.checkpoint_every,
-            at_end: options.checkpoint_at_end,
-            keep: options.keep_checkpoints,
-            extra: options.manifest_extra.clone(),
-        }),
-        trace: options.trace.clone(),
-        progress: options.progress,
-        stop,
-        existing: options.existing,
-        files: Vec::new(),
-    }
 }

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use std::sync::Arc;
 
-use crate::train::{ExistingRun, ParamGroup, ParamInfo};
+use crate::train::{ExistingRun, ParamGroup, ParamInfo, RunFile};
 
 /// Every parameter of a model at full size by checkpoint name, `(shape, values)`: pretrained
 /// weights to start from (for example read from a Hugging Face checkpoint).
@@ -47,6 +47,8 @@ pub struct RunOptions {
     /// The output folder: `metrics.jsonl`, `run.json`, `memory.json` and `checkpoints/`.
     /// `None`: the resumed run's folder, or a new `runs/<UTC date-time>`.
     pub out: Option<PathBuf>,
+    /// Where checkpoints go; `None`: `checkpoints/` in the output folder.
+    pub checkpoint_dir: Option<PathBuf>,
     /// Save a checkpoint every this many steps (0: only at the end).
     pub checkpoint_every: usize,
     /// Save a checkpoint after the last step (and when stopped by a signal).
@@ -73,6 +75,9 @@ pub struct RunOptions {
     pub comm_timeout_s: f64,
     /// Write a Chrome trace of every rank's actions here.
     pub trace: Option<PathBuf>,
+    /// The program's own files in the output folder (a config, a plot drawn at the end): the
+    /// run claims them with the folder ([`RunOutput::files`](crate::train::RunOutput)).
+    pub files: Vec<RunFile>,
     /// The optimizer's parameter groups; `None`: the default rule (matrices decay, vectors
     /// such as biases and norm gains do not).
     pub param_groups: Option<ParamGroups>,
@@ -90,6 +95,7 @@ impl Default for RunOptions {
     fn default() -> Self {
         Self {
             out: None,
+            checkpoint_dir: None,
             checkpoint_every: 0,
             checkpoint_at_end: true,
             keep_checkpoints: 2,
@@ -101,6 +107,7 @@ impl Default for RunOptions {
             existing: ExistingRun::Refuse,
             comm_timeout_s: 300.0,
             trace: None,
+            files: Vec::new(),
             param_groups: None,
             eval_batches: 0,
             predict_batches: 0,
