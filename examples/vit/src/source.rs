@@ -148,7 +148,7 @@ impl DigitsSource {
         let mut h = splitmix64(splitmix64(splitmix64(self.seed ^ DROP) ^ step as u64) ^ g as u64);
         for k in keep.iter_mut().skip(1) {
             h = splitmix64(h);
-            if h % PATCH_DROP == 0 {
+            if h.is_multiple_of(PATCH_DROP) {
                 *k = 0.0;
             }
         }
