@@ -97,9 +97,9 @@ fn gpu_limit(_choice: DeviceChoice) -> Option<MemoryLimit> {
 
 /// Ranks of the job on this machine (Open MPI says; otherwise all of them).
 fn local_ranks(parallel: &ParallelPlan) -> usize {
-    std::env::var("OMPI_COMM_WORLD_LOCAL_SIZE")
+    merak_burn::launcher::Launch::from_env()
         .ok()
-        .and_then(|v| v.parse().ok())
+        .and_then(|l| l.local_size)
         .unwrap_or(parallel.dp * parallel.tp * parallel.pp)
         .max(1)
 }

@@ -3,6 +3,7 @@
 //! Every key has a default, so a config file only states what differs. Unknown keys and bad
 //! values are errors that name the key.
 
+use merak_burn::train::TrainSettings;
 use std::path::Path;
 
 use merak_burn::pipeline::{PipelinePlan, Recompute, RecomputeMode, ScheduleKind};
@@ -94,8 +95,8 @@ pub struct ParallelSection {
     /// Size of a data-parallel gradient bucket in MiB; a bucket's all-reduce starts as soon as
     /// all its gradients are final.
     pub bucket_mb: f64,
-    /// Pipeline schedule: "gpipe", "1f1b", "interleaved", "shifted-critical-path", "2bw" or
-    /// "zb-h1".
+    /// Pipeline schedule: "gpipe", "1f1b", "interleaved", "shifted-critical-path", "2bw",
+    /// "zb-h1" or "zb-v".
     pub schedule: ScheduleKind,
     /// Model stages per pipeline rank (interleaved schedule only; 1 otherwise).
     pub virtual_stages: usize,
@@ -131,17 +132,19 @@ pub struct TrainSection {
     pub micro_batch: usize,
     /// Peak learning rate.
     pub lr: f64,
-    /// Final learning rate of the cosine decay.
+    /// Final learning rate of the schedule's decay (`optimizer.schedule`: cosine, linear or
+    /// WSD; unused by constant).
     pub min_lr: f64,
     /// Linear warm-up steps.
     pub warmup_steps: usize,
-    /// AdamW decoupled weight decay.
+    /// Weight decay: decoupled for AdamW, L2 (added to the gradient) for the other
+    /// optimizers; norms and biases get none by default.
     pub weight_decay: f64,
-    /// AdamW beta 1.
+    /// Beta 1 of AdamW and Adam.
     pub beta1: f64,
-    /// AdamW beta 2.
+    /// Beta 2 of AdamW and Adam.
     pub beta2: f64,
-    /// AdamW epsilon.
+    /// Epsilon of AdamW, Adam, AdaGrad and RMSProp.
     pub eps: f64,
     /// Clip gradients to this global norm (0 disables clipping).
     pub grad_clip: f64,
@@ -606,6 +609,30 @@ fn bad(key: &str, msg: String) -> Result<(), ConfigError> {
 }
 
 impl Config {
+    /// The library's training settings of this config.
+    pub fn train_settings(&self) -> TrainSettings {
+        let t = &self.train;
+        TrainSettings {
+            steps: t.steps,
+            global_batch: t.global_batch,
+            seq_len: self.model.gpt.seq_len,
+            lr: t.lr,
+            min_lr: t.min_lr,
+            warmup_steps: t.warmup_steps,
+            weight_decay: t.weight_decay,
+            beta1: t.beta1,
+            beta2: t.beta2,
+            eps: t.eps,
+            grad_clip: t.grad_clip,
+            skip_nonfinite: t.skip_nonfinite,
+            seed: t.seed,
+            val_every: self.data.val_every,
+            val_batches: self.data.val_batches,
+            precision: self.train.precision,
+            optimizer: self.optimizer.clone(),
+        }
+    }
+
     /// Checks values that types alone do not constrain.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.validate_model()?;
@@ -794,7 +821,7 @@ impl Config {
     /// `[optimizer]` and the schedule against `[train]`: the trainer's own checks
     /// ([`merak_burn::train::check_settings`]), with the config's key named.
     fn validate_optimizer(&self) -> Result<(), ConfigError> {
-        let Err(e) = merak_burn::train::check_settings(&crate::train::settings(self)) else {
+        let Err(e) = merak_burn::train::check_settings(&self.train_settings()) else {
             return Ok(());
         };
         let key = if e.key.starts_with("optimizer.") {
@@ -1334,7 +1361,7 @@ mod tests {
         .unwrap();
         assert_eq!(c.optimizer.kind, OptimizerKind::Sgd);
         assert_eq!(c.optimizer.schedule, LrScheduleKind::Wsd);
-        let s = crate::train::settings(&c);
+        let s = c.train_settings();
         assert_eq!((s.optimizer.momentum, s.optimizer.decay_steps), (0.9, 20));
         for (set, key, part) in [
             (vec!["optimizer.kind=lion"], "`optimizer.kind`", "lion"),

@@ -8,6 +8,7 @@ mod describe;
 mod export;
 mod generate;
 mod init_from;
+mod measured;
 #[cfg(test)]
 mod parsers_never_panic;
 mod plan_cmd;
@@ -18,6 +19,7 @@ mod probe_overlap;
 mod resolve;
 mod spawn;
 mod train;
+mod train_args;
 mod train_cmd;
 mod transport;
 

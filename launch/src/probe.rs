@@ -20,6 +20,7 @@ use merak_burn::tensor_parallel::TpOverlap;
 use merak_burn::train::Windows;
 
 use crate::config;
+use crate::measured::{from_rank0, median};
 use crate::probe_overlap::{self, OverlapSample};
 
 type B = CpuAutodiff;
@@ -79,12 +80,6 @@ fn fastest(v: Vec<f64>) -> f64 {
     v.into_iter().fold(f64::INFINITY, f64::min)
 }
 
-/// The median of `v` (the upper one of an even count).
-pub(crate) fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 /// The mean of `values` over all ranks (every rank gets the same numbers).
 fn mean_over_ranks(world: Option<&MpiCommunicator>, values: &mut [f64]) -> Result<()> {
     let Some(w) = world else { return Ok(()) };
@@ -100,17 +95,6 @@ fn mean_over_ranks(world: Option<&MpiCommunicator>, values: &mut [f64]) -> Resul
 fn barrier(world: Option<&MpiCommunicator>) -> Result<()> {
     if let Some(w) = world {
         w.barrier()?;
-    }
-    Ok(())
-}
-
-/// Rank 0's values on every rank.
-pub(crate) fn from_rank0(world: Option<&MpiCommunicator>, values: &mut [f64]) -> Result<()> {
-    let Some(w) = world else { return Ok(()) };
-    let mut buf: Vec<f32> = values.iter().map(|&v| v as f32).collect();
-    w.broadcast(&mut buf, 0)?;
-    for (v, b) in values.iter_mut().zip(buf) {
-        *v = b as f64;
     }
     Ok(())
 }
@@ -356,7 +340,7 @@ fn nccl_check(world: Option<&MpiCommunicator>) -> Result<()> {
         bail!("merak probe --nccl runs under mpirun (mpirun -np 1 works: one GPU)");
     };
     let local = merak_burn::device::LocalRank::from_env()?;
-    let devices = merak_burn::device::cuda_device_count()?;
+    let devices = merak_burn::comm::nccl::cuda_device_count()?;
     let choice = merak_burn::device::choose_device(local, devices, None, false)?;
     let check = merak_burn::comm::nccl_device::self_check(world, choice.ordinal)?;
     if world.rank() == 0 {

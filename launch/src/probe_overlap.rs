@@ -20,7 +20,7 @@ use merak_burn::backend::Cpu;
 use merak_burn::comm::{Communicator, Group, MpiCommunicator, ReduceOp};
 use merak_burn::tensor_parallel::overlap::row_forward;
 
-use crate::probe::{from_rank0, median};
+use crate::measured::{from_rank0, median};
 
 /// Rows (tokens) and features of the timed product.
 const ROWS: usize = 512;

@@ -13,7 +13,7 @@ use merak_burn::planner::PlanFile;
 use crate::config::{self, Config};
 use crate::plan_cmd;
 use crate::train::Resume;
-use crate::train_cmd::TrainArgs;
+use crate::train_args::TrainArgs;
 
 /// A training job's resolved config, its plan file (when `--plan` gave one) and its pipeline
 /// plan, built once.
@@ -69,7 +69,7 @@ pub fn resolve_config(
         let saved = config::load_text(Some((&text, "the checkpoint")), &[])?;
         check_resumable(&cfg, &saved)?;
         // Another optimizer than the checkpoint's is a config error (exit 2), found here.
-        let optimizer = crate::train::settings(&cfg).optimizer;
+        let optimizer = cfg.train_settings().optimizer;
         optimizer
             .check_checkpoint(&r.checkpoint.manifest)
             .map_err(|e| anyhow::anyhow!("--resume: {e}"))?;

@@ -9,13 +9,21 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
 use signal_hook::iterator::Signals;
 
-/// `--np np`: refused under mpirun (mpirun sets the ranks) and for 0 ranks; otherwise the
-/// ranks are started with [`relaunch`].
+/// `--np np`: refused under mpirun or srun (they set the ranks) and for 0 ranks; otherwise
+/// the ranks are started with [`relaunch`].
 pub fn launch(np: usize) -> ExitCode {
     if merak_burn::comm::launched_by_mpirun() {
-        eprintln!(
-            "error: --np {np} starts mpirun itself: drop --np under mpirun (mpirun -np sets the ranks)"
-        );
+        let srun = merak_burn::launcher::Launch::from_env()
+            .is_ok_and(|l| l.kind == merak_burn::launcher::LauncherKind::Slurm);
+        if srun {
+            eprintln!(
+                "error: --np {np} starts mpirun itself: drop --np under srun (srun -n sets the ranks)"
+            );
+        } else {
+            eprintln!(
+                "error: --np {np} starts mpirun itself: drop --np under mpirun (mpirun -np sets the ranks)"
+            );
+        }
         return ExitCode::from(2);
     }
     if np == 0 {

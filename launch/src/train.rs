@@ -15,9 +15,7 @@ use merak_burn::plan::ParallelPlan;
 use merak_burn::session::{Part, RunOptions, train_part};
 use merak_burn::tensor_parallel::ParallelBackend;
 pub use merak_burn::train::Summary;
-use merak_burn::train::{
-    ExistingRun, RunFile, SourceError, StopRequest, TokenSource, TrainSettings, Windows,
-};
+use merak_burn::train::{ExistingRun, RunFile, SourceError, StopRequest, TokenSource, Windows};
 
 use crate::config::Config;
 use crate::data::Source;
@@ -96,30 +94,6 @@ pub const LOSS_CURVE: &str = "loss.svg";
 /// The names of `merak train`'s own files in its output folder (besides the trainer's).
 pub fn own_file_names() -> Vec<String> {
     vec![CONFIG_FILE.to_string(), LOSS_CURVE.to_string()]
-}
-
-/// The library's training settings of a config.
-pub fn settings(cfg: &Config) -> TrainSettings {
-    let t = &cfg.train;
-    TrainSettings {
-        steps: t.steps,
-        global_batch: t.global_batch,
-        seq_len: cfg.model.gpt.seq_len,
-        lr: t.lr,
-        min_lr: t.min_lr,
-        warmup_steps: t.warmup_steps,
-        weight_decay: t.weight_decay,
-        beta1: t.beta1,
-        beta2: t.beta2,
-        eps: t.eps,
-        grad_clip: t.grad_clip,
-        skip_nonfinite: t.skip_nonfinite,
-        seed: t.seed,
-        val_every: cfg.data.val_every,
-        val_batches: cfg.data.val_batches,
-        precision: cfg.train.precision,
-        optimizer: cfg.optimizer.clone(),
-    }
 }
 
 /// The library's run options of `cfg` writing to `out`: its checkpoint policy (the config in
@@ -221,7 +195,15 @@ where
     let options = run_options(cfg, out, &spec)?;
     let resume = spec.resume.map(|r| (&r.checkpoint, &r.state));
     let stop = Some(spec.stop.clone());
-    let (report, model) = train_part(part, model, &source, &settings(cfg), &options, resume, stop)?;
+    let (report, model) = train_part(
+        part,
+        model,
+        &source,
+        &cfg.train_settings(),
+        &options,
+        resume,
+        stop,
+    )?;
     Ok((report.summary, model))
 }
 

@@ -17,7 +17,7 @@ pub struct Placement {
     pub transport: Transport,
 }
 
-/// This rank's CUDA device ([`merak_burn::device::cuda_device_for_rank`]), or `None` on the
+/// This rank's CUDA device ([`merak_burn::comm::nccl::cuda_device_for_rank`]), or `None` on the
 /// CPU.
 fn rank_device(cfg: &Config) -> Result<Option<DeviceChoice>> {
     if cfg.train.device != "cuda" {
@@ -25,7 +25,7 @@ fn rank_device(cfg: &Config) -> Result<Option<DeviceChoice>> {
     }
     #[cfg(feature = "cuda")]
     {
-        Ok(Some(merak_burn::device::cuda_device_for_rank(
+        Ok(Some(merak_burn::comm::nccl::cuda_device_for_rank(
             cfg.train.cuda_device.as_ref(),
         )?))
     }
@@ -54,6 +54,7 @@ pub fn place(cfg: &Config, world: Option<&MpiCommunicator>) -> Result<Placement>
     let agreed = transport::agree(world, request, mine);
     let device = device?;
     let transport = agreed?;
+    log_launch(world.rank());
     log(world.rank(), device, transport);
     Ok(Placement { device, transport })
 }
@@ -64,6 +65,21 @@ fn situation(device: Option<DeviceChoice>, world_size: usize) -> RankSituation {
         device,
         world_size,
     }
+}
+
+/// Every rank logs its place as its launcher describes it (`mpirun` or `srun`; see
+/// [`merak_burn::launcher::Launch`]): its local rank, which picks its GPU, and its node.
+fn log_launch(rank: usize) {
+    // MPI started, so the environment was read once already and adds up.
+    let Ok(launch) = merak_burn::launcher::Launch::from_env() else {
+        return;
+    };
+    let (local_rank, local_size) = launch.local();
+    tracing::info!(
+        "rank {rank}: local rank {local_rank} of {local_size} on node {} ({})",
+        launch.node.as_deref().unwrap_or("?"),
+        launch.kind
+    );
 }
 
 /// Every rank logs its device; rank 0 logs the transport.

@@ -54,14 +54,9 @@ pub enum DeviceError {
         /// Devices on the node.
         devices: usize,
     },
-    /// A launcher variable that is not a number.
-    #[error("the environment variable {name} = {value:?} is not a rank number")]
-    BadVariable {
-        /// The variable.
-        name: &'static str,
-        /// Its value.
-        value: String,
-    },
+    /// The launcher's environment does not add up (see [`crate::launcher`]).
+    #[error(transparent)]
+    Launcher(#[from] crate::launcher::LauncherError),
     /// The CUDA driver could not be asked.
     #[error("counting the CUDA devices: {0}")]
     Driver(String),
@@ -76,39 +71,18 @@ pub struct LocalRank {
     pub size: usize,
 }
 
-/// The launchers' variables for (local rank, local size): Open MPI, MPICH/Hydra, Slurm.
-const LAUNCHER_VARIABLES: [(&str, &str); 3] = [
-    ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-    ("SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
-];
-
 impl LocalRank {
-    /// From the environment `mpirun` (Open MPI or MPICH) or Slurm gives each process; a process
-    /// started without a launcher is alone on its node.
+    /// From the environment `mpirun` (Open MPI or MPICH) or `srun` gives each process (see
+    /// [`Launch`](crate::launcher::Launch)); a process started without a launcher is alone on its
+    /// node.
     pub fn from_env() -> Result<Self, DeviceError> {
         Self::from_vars(|name| std::env::var(name).ok())
     }
 
     /// Like [`from_env`](Self::from_env), reading variables through `get`.
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Self, DeviceError> {
-        let number = |name: &'static str| -> Result<Option<usize>, DeviceError> {
-            get(name)
-                .map(|value| {
-                    value
-                        .trim()
-                        .parse()
-                        .map_err(|_| DeviceError::BadVariable { name, value })
-                })
-                .transpose()
-        };
-        for (rank_var, size_var) in LAUNCHER_VARIABLES {
-            if let Some(rank) = number(rank_var)? {
-                let size = number(size_var)?.unwrap_or(rank + 1).max(rank + 1);
-                return Ok(LocalRank { rank, size });
-            }
-        }
-        Ok(LocalRank { rank: 0, size: 1 })
+        let (rank, size) = crate::launcher::Launch::from_vars(get)?.local();
+        Ok(LocalRank { rank, size })
     }
 }
 
@@ -185,27 +159,6 @@ pub fn choose_device(
         ordinal,
         ranks_on_device,
     })
-}
-
-/// The CUDA devices this process sees (the CUDA driver's count, after
-/// `CUDA_VISIBLE_DEVICES`).
-#[cfg(feature = "cuda")]
-pub fn cuda_device_count() -> Result<usize, DeviceError> {
-    crate::comm::nccl::cuda_available().map_err(|e| match e {
-        crate::comm::CommError::NcclUnavailable(why) => DeviceError::Driver(why),
-        other => DeviceError::Driver(other.to_string()),
-    })?;
-    let n = cudarc::driver::CudaContext::device_count()
-        .map_err(|e| DeviceError::Driver(format!("{e:?}")))?;
-    Ok(usize::try_from(n).unwrap_or(0))
-}
-
-/// The CUDA device of this rank: its local rank from the environment, the node's devices from
-/// the driver, shared by several ranks when there are more ranks than devices (MPI carries the
-/// messages; see the [module docs](self)).
-#[cfg(feature = "cuda")]
-pub fn cuda_device_for_rank(request: Option<&DeviceRequest>) -> Result<DeviceChoice, DeviceError> {
-    choose_device(LocalRank::from_env()?, cuda_device_count()?, request, true)
 }
 
 #[cfg(test)]

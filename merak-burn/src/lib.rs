@@ -5,6 +5,7 @@
 //! - [`batch`]: samples of any shape as named fields, and a micro-batch of them as tensors.
 //! - [`comm`]: the [`Communicator`](comm::Communicator) trait with MPI, NCCL and one-process
 //!   implementations.
+//! - [`launcher`]: the launcher's environment (mpirun, srun, PMIx): rank, local rank, node.
 //! - [`kernels`]: fused operations (cross-entropy, ...) with vectorized CPU kernels.
 //! - [`grid`]: the process grid `world = dp * pp * tp` and its per-axis communicators.
 //! - [`data`]: synthetic sequences and memory-mapped token data sets, as the trainer's windows.
@@ -21,6 +22,7 @@
 //!   fit the host's or the GPU's memory is refused before anything is built.
 //! - [`checkpoint`]: atomic sharded checkpoints that load under any dp/tp layout.
 //! - [`hf_files`]: Hugging Face safetensors and `config.json` files, read as untrusted input.
+//! - [`rng`]: deterministic randomness keyed by seed, name and global index.
 //! - [`session`]: [`run`], the one call that trains a model described as units under any
 //!   layout (detecting `mpirun`, planning, building each rank's units, training, checkpoints).
 
@@ -37,11 +39,13 @@ pub mod device;
 pub mod grid;
 pub mod hf_files;
 pub mod kernels;
+pub mod launcher;
 pub mod parallelize;
 pub mod pipeline;
 pub mod plan;
 pub mod planner;
 pub mod precision;
+pub mod rng;
 pub mod session;
 pub mod tensor_parallel;
 pub mod train;

@@ -3,7 +3,7 @@
 use merak_burn::data::DataError;
 use thiserror::Error;
 
-use super::split::{MAX_UNCUT_BYTES, MAX_WHITESPACE_RUN};
+use super::{MAX_UNCUT_BYTES, MAX_WHITESPACE_RUN};
 
 /// Why `prepare-data` wrote no data set.
 #[derive(Debug, Error)]

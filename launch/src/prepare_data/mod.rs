@@ -34,6 +34,14 @@ use error::signal_name;
 use output::{Undo, check_inputs, check_output, create_output, publish, split_tail, temp_file};
 use stream::{Sink, check_stop, progress_bar, tokenize_input};
 
+/// The most text held while no place to cut it has been found (a run of letters, of
+/// punctuation or of whitespace this long is not text).
+pub const MAX_UNCUT_BYTES: usize = 4 << 20;
+/// The longest run of whitespace characters tokenized: GPT-2's pre-tokenizer (`fancy-regex`,
+/// a backtracking stack of 10^6 entries) fails on runs of about a million, and tiktoken-rs
+/// panics then.
+pub const MAX_WHITESPACE_RUN: usize = 1 << 18;
+
 /// Bytes read from an input at once.
 const CHUNK_BYTES: usize = 1 << 20;
 

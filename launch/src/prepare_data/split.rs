@@ -3,15 +3,7 @@
 
 use std::path::Path;
 
-use super::PrepareError;
-
-/// The most text held while no place to cut it has been found (a run of letters, of
-/// punctuation or of whitespace this long is not text).
-pub const MAX_UNCUT_BYTES: usize = 4 << 20;
-/// The longest run of whitespace characters tokenized: GPT-2's pre-tokenizer (`fancy-regex`,
-/// a backtracking stack of 10^6 entries) fails on runs of about a million, and tiktoken-rs
-/// panics then.
-pub const MAX_WHITESPACE_RUN: usize = 1 << 18;
+use super::{MAX_UNCUT_BYTES, MAX_WHITESPACE_RUN, PrepareError};
 
 /// Whether cutting a text between the characters `a` and `b` leaves GPT-2's tokens unchanged:
 /// the tokens of the two parts, put together, are those of the whole.

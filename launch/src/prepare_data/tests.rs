@@ -5,8 +5,9 @@ use std::sync::atomic::AtomicUsize;
 use std::time::Duration;
 
 use super::output::DATA_SET_FILES;
-use super::split::{MAX_UNCUT_BYTES, MAX_WHITESPACE_RUN, Splitter, safe_cut};
+use super::split::{Splitter, safe_cut};
 use super::*;
+use super::{MAX_UNCUT_BYTES, MAX_WHITESPACE_RUN};
 use merak_burn::data::TokenData;
 use proptest::prelude::*;
 

@@ -31,6 +31,7 @@ mod read;
 pub mod root;
 mod run_id;
 pub mod shard_file;
+mod slots;
 pub mod state;
 mod write;
 
@@ -43,7 +44,8 @@ pub use manifest::{FORMAT, FileEntry, MAX_DEGREE, MAX_STEP, Manifest, ParamEntry
 pub use read::{Checkpoint, FullState, LocalPieces, cut_full_params};
 pub use run_id::RunId;
 pub use shard_file::NamedTensor;
-pub use state::{AdamWRecords, LocalParam, Moments};
+pub use slots::{Slots, StateSlots};
+pub use state::{LocalParam, Moments};
 pub use write::{save, write_file_atomically};
 
 /// The manifest's file name.

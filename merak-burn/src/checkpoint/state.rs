@@ -15,14 +15,10 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
 
 use super::CheckpointError;
-use crate::comm::tensor::tensor_to_vec;
+use super::{Slots, StateSlots};
+use crate::comm::host::tensor_to_vec;
 use crate::kernels::FusedOps;
 use crate::tensor_parallel::{ParamSplits, ShardKind};
-use crate::train::{FusedAdamW, Slots, StateSlots};
-
-/// Burn's record of the AdamW state of every parameter it has stepped (the state of
-/// [`FusedAdamW`], which is Burn's `AdamWState`).
-pub type AdamWRecords<B> = OptimizerRecords<FusedAdamW, B>;
 
 /// Burn's record of the state of the optimizer `O` of every parameter it has stepped.
 pub type OptimizerRecords<O, B> = hashbrown::HashMap<ParamId, AdaptorRecord<O, B>>;
@@ -94,10 +90,9 @@ where
     B::InnerBackend: FusedOps,
 {
     path: Path,
-    records: Option<(&'a OptimizerRecords<O, B>, &'a O)>,
-    params: Vec<LocalParam>,
+    records: &'a OptimizerRecords<O, B>,
+    optim: &'a O,
     moments: Vec<(String, Moments)>,
-    with_values: bool,
     error: Option<CheckpointError>,
 }
 
@@ -106,16 +101,13 @@ where
     B::InnerBackend: FusedOps,
 {
     fn read<const D: usize>(&mut self, t: Tensor<B::InnerBackend, D>) -> Vec<f32> {
-        tensor_to_vec(t).unwrap_or_else(|e| {
-            self.error.get_or_insert(e.into());
-            Vec::new()
-        })
+        read_or_note(t, &mut self.error)
     }
 
-    fn finish(self) -> Result<(Vec<LocalParam>, NamedMoments), CheckpointError> {
+    fn finish(self) -> Result<NamedMoments, CheckpointError> {
         match self.error {
             Some(e) => Err(e),
-            None => Ok((self.params, self.moments)),
+            None => Ok(self.moments),
         }
     }
 }
@@ -132,27 +124,12 @@ where
     }
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let name = self.path.name();
-        let value = param.val().inner();
-        let device = value.device();
-        if self.with_values {
-            let shape = value.dims().to_vec();
-            let values = self.read(value);
-            self.params.push(LocalParam {
-                name: name.clone(),
-                id: param.id,
-                shape,
-                split: ShardKind::Replicated,
-                values,
-            });
-        }
-        let Some((records, optim)) = self.records else {
+        let Some(record) = self.records.get(&param.id) else {
             return;
         };
-        let Some(record) = records.get(&param.id) else {
-            return;
-        };
+        let device = param.val().inner().device();
         let state = record.clone().into_state::<D>();
-        let slots = match optim.slots_of_state(state, &device) {
+        let slots = match self.optim.slots_of_state(state, &device) {
             Ok(Some(slots)) => slots,
             Ok(None) => return,
             Err(reason) => {
@@ -177,39 +154,64 @@ where
     }
 }
 
+/// `t`'s values, or none with the error noted in `error` (the first one is kept).
+fn read_or_note<B: Backend, const D: usize>(
+    t: Tensor<B, D>,
+    error: &mut Option<CheckpointError>,
+) -> Vec<f32> {
+    tensor_to_vec(t).unwrap_or_else(|e| {
+        error.get_or_insert(e.into());
+        Vec::new()
+    })
+}
+
+/// Every parameter of a module with its name, shape and values.
+struct CollectParams {
+    path: Path,
+    params: Vec<LocalParam>,
+    error: Option<CheckpointError>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for CollectParams {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.enter(name);
+    }
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.exit();
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let value = param.val().inner();
+        let shape = value.dims().to_vec();
+        let values = read_or_note(value, &mut self.error);
+        self.params.push(LocalParam {
+            name: self.path.name(),
+            id: param.id,
+            shape,
+            split: ShardKind::Replicated,
+            values,
+        });
+    }
+}
+
 /// This rank's parameters, in visit order, with their names.
 pub fn local_params<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,
-) -> Result<Vec<LocalParam>, CheckpointError>
-where
-    B::InnerBackend: FusedOps,
-{
-    let mut c = Collect::<B, FusedAdamW> {
+) -> Result<Vec<LocalParam>, CheckpointError> {
+    let mut c = CollectParams {
         path: Path::default(),
-        records: None,
         params: Vec::new(),
-        moments: Vec::new(),
-        with_values: true,
         error: None,
     };
     model.visit(&mut c);
-    let mut params = c.finish()?.0;
+    if let Some(e) = c.error {
+        return Err(e);
+    }
+    let mut params = c.params;
     let splits = ParamSplits::of(model);
     for p in &mut params {
         p.split = splits.by_id(p.id);
     }
     Ok(params)
-}
-
-/// The AdamW moments held in `records`, by parameter name.
-pub fn moments<B: AutodiffBackend, M: AutodiffModule<B>>(
-    model: &M,
-    records: &AdamWRecords<B>,
-) -> Result<NamedMoments, CheckpointError>
-where
-    B::InnerBackend: FusedOps,
-{
-    optimizer_moments(model, records, &FusedAdamW::new(0.9, 0.999, 1e-8, 0.0))
 }
 
 /// The state of the optimizer `optim` held in `records`, by parameter name, in the places of
@@ -224,14 +226,13 @@ where
 {
     let mut c = Collect::<B, O> {
         path: Path::default(),
-        records: Some((records, optim)),
-        params: Vec::new(),
+        records,
+        optim,
         moments: Vec::new(),
-        with_values: false,
         error: None,
     };
     model.visit(&mut c);
-    Ok(c.finish()?.1)
+    c.finish()
 }
 
 /// The names, shapes and splits of a model's parameters (any backend), in visit order.
@@ -372,24 +373,6 @@ where
         self.out
             .insert(param.id, AdaptorRecord::from_state::<D>(state));
     }
-}
-
-/// Burn AdamW records for the parameters of `model` that `keep(id, rank)` selects and that
-/// have moments (this rank's shards) in `moments`.
-pub fn adamw_records<B: AutodiffBackend, M: AutodiffModule<B>>(
-    model: &M,
-    moments: &HashMap<String, Moments>,
-    keep: &dyn Fn(ParamId, usize) -> bool,
-) -> AdamWRecords<B>
-where
-    B::InnerBackend: FusedOps,
-{
-    optimizer_records(
-        model,
-        moments,
-        keep,
-        &FusedAdamW::new(0.9, 0.999, 1e-8, 0.0),
-    )
 }
 
 /// Burn records of the optimizer `optim` for the parameters of `model` that `keep(id, rank)`

@@ -38,6 +38,9 @@ pub enum CommError {
     /// The MPI library could not be initialised.
     #[error("MPI could not be initialised (was it already initialised in this process?)")]
     MpiInit,
+    /// The launcher's environment does not add up, or MPI's world disagrees with it.
+    #[error(transparent)]
+    Launcher(#[from] crate::launcher::LauncherError),
     /// The MPI library returned an error code.
     #[error("{op}: MPI error code {code}")]
     Mpi {

@@ -9,8 +9,10 @@
 //! - [`MpiCommunicator`]: MPI through the `mpi` crate, host buffers, any backend.
 //! - `NcclCommunicator` (feature `cuda`): NCCL through `cudarc`, unique id broadcast over MPI.
 
+mod abort;
 mod error;
 mod group;
+pub(crate) mod host;
 mod local;
 mod mpi_comm;
 #[cfg(feature = "cuda")]
@@ -22,12 +24,11 @@ pub(crate) mod tensor;
 pub mod transport;
 pub mod watchdog;
 
+pub use abort::report_line;
 pub use error::CommError;
 pub use group::Group;
 pub use local::LocalCommunicator;
-pub use mpi_comm::{
-    MpiCommunicator, MpiWorld, PendingMpiAllReduce, launched_by_mpirun, report_line,
-};
+pub use mpi_comm::{MpiCommunicator, MpiWorld, PendingMpiAllReduce, launched_by_mpirun};
 pub use progress_thread::ProgressThreadComm;
 pub use tensor::TensorComm;
 pub use transport::{Transport, TransportRequest};

@@ -8,7 +8,9 @@ use mpi::raw::AsRaw;
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::{Communicator as _, CommunicatorCollectives, Destination, Root, Source};
 
+use super::abort::{abort_world, report_line};
 use super::{CommError, Communicator, Pending, ReduceOp, check_len, check_rank, watchdog};
+use crate::launcher::Launch;
 use std::sync::Arc;
 
 /// The largest element count one MPI call can describe (MPI counts are C `int`).
@@ -22,17 +24,23 @@ fn check_count(op: &'static str, len: usize) -> Result<c_int, CommError> {
     })
 }
 
-/// Whether this process was started by `mpirun`/`mpiexec` (Open MPI, MPICH or PMIx
-/// environments), so that MPI should be initialised.
+/// Whether this process is one rank of an MPI job, so that MPI should be initialised: started
+/// by `mpirun`/`mpiexec` (Open MPI, MPICH), a PMIx launcher, or `srun` (a Slurm job step of
+/// several tasks or with PMIx/PMI), as [`Launch::starts_mpi`] reads the environment. An
+/// environment that does not add up also answers `true`, so that [`MpiWorld::init`] reports it.
 pub fn launched_by_mpirun() -> bool {
-    [
-        "OMPI_COMM_WORLD_SIZE",
-        "PMI_SIZE",
-        "PMIX_RANK",
-        "MPI_LOCALNRANKS",
-    ]
-    .iter()
-    .any(|k| std::env::var_os(k).is_some())
+    Launch::from_env().map_or(true, |l| l.starts_mpi())
+}
+
+/// The launcher's description of this process, checked before MPI starts.
+fn launch_env() -> Result<Launch, CommError> {
+    Ok(Launch::from_env()?)
+}
+
+/// MPI's world against the launcher's (see [`Launch::check_world`]).
+fn check_world(launch: &Launch, universe: &Universe) -> Result<(), CommError> {
+    let world = universe.world();
+    Ok(launch.check_world(world.rank() as usize, world.size() as usize)?)
 }
 
 /// The MPI environment of this process: initialises MPI once and finalises it when dropped.
@@ -45,20 +53,26 @@ pub struct MpiWorld {
 }
 
 impl MpiWorld {
-    /// Initialises MPI. Fails if MPI was already initialised in this process.
+    /// Initialises MPI. Fails if MPI was already initialised in this process, if the
+    /// launcher's environment does not add up, or if MPI's world is one process where the
+    /// launcher started several (`srun` without `--mpi=pmix`).
     pub fn init() -> Result<Self, CommError> {
+        let launch = launch_env()?;
         let universe = mpi::initialize().ok_or(CommError::MpiInit)?;
+        check_world(&launch, &universe)?;
         let rank = universe.world().rank();
         install_abort_on_panic(rank as usize);
         Ok(Self { universe })
     }
 
     /// Initialises MPI with `MPI_THREAD_MULTIPLE` (any thread may call MPI, as a
-    /// [`ProgressThreadComm`](super::ProgressThreadComm) needs). Fails if MPI was already
-    /// initialised or the library does not provide that level.
+    /// [`ProgressThreadComm`](super::ProgressThreadComm) needs). Fails where
+    /// [`init`](Self::init) fails, or if the library does not provide that level.
     pub fn init_thread_multiple() -> Result<Self, CommError> {
+        let launch = launch_env()?;
         let (universe, level) =
             mpi::initialize_with_threading(mpi::Threading::Multiple).ok_or(CommError::MpiInit)?;
+        check_world(&launch, &universe)?;
         if level != mpi::Threading::Multiple {
             return Err(CommError::Mpi {
                 op: "MPI_Init_thread (MPI_THREAD_MULTIPLE not provided)",
@@ -84,30 +98,12 @@ impl MpiWorld {
     }
 }
 
-/// Writes `line` to stderr as one line in one write, so that the lines of ranks sharing the
-/// launcher's stderr do not interleave (a message's newlines become `; `).
-pub fn report_line(line: &str) {
-    use std::io::Write;
-    let mut one = line.trim_end().replace('\n', "; ");
-    one.push('\n');
-    let _ = std::io::stderr().lock().write_all(one.as_bytes());
-}
-
 impl Drop for MpiWorld {
     fn drop(&mut self) {
         // Sub-communicators held by group handles must be freed before MPI_Finalize, which
         // runs when `universe` is dropped right after this.
         super::Group::release_all();
     }
-}
-
-/// Calls `MPI_Abort` on the world communicator.
-pub(crate) fn abort_world(code: i32) -> ! {
-    // SAFETY: MPI is initialised (an `MpiWorld` exists) and MPI_Abort does not return.
-    unsafe {
-        mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, code);
-    }
-    std::process::exit(code)
 }
 
 fn install_abort_on_panic(rank: usize) {

@@ -113,6 +113,32 @@ pub fn cuda_available() -> Result<(), CommError> {
     Ok(())
 }
 
+/// The CUDA devices this process sees (the CUDA driver's count, after
+/// `CUDA_VISIBLE_DEVICES`).
+pub fn cuda_device_count() -> Result<usize, crate::device::DeviceError> {
+    cuda_available().map_err(|e| match e {
+        CommError::NcclUnavailable(why) => crate::device::DeviceError::Driver(why),
+        other => crate::device::DeviceError::Driver(other.to_string()),
+    })?;
+    let n = cudarc::driver::CudaContext::device_count()
+        .map_err(|e| crate::device::DeviceError::Driver(format!("{e:?}")))?;
+    Ok(usize::try_from(n).unwrap_or(0))
+}
+
+/// The CUDA device of this rank: its local rank from the environment, the node's devices from
+/// the driver, shared by several ranks when there are more ranks than devices (MPI carries the
+/// messages; see the [`crate::device`]).
+pub fn cuda_device_for_rank(
+    request: Option<&crate::device::DeviceRequest>,
+) -> Result<crate::device::DeviceChoice, crate::device::DeviceError> {
+    crate::device::choose_device(
+        crate::device::LocalRank::from_env()?,
+        cuda_device_count()?,
+        request,
+        true,
+    )
+}
+
 /// Runs `f`, turning a panic inside `cudarc` (a missing library or symbol) into an error.
 ///
 /// This is a last line of defence only: the panic hook that [`MpiWorld`](super::MpiWorld)

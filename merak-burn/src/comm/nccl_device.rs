@@ -256,7 +256,7 @@ pub fn self_check(mpi: &super::MpiCommunicator, device: usize) -> Result<NcclChe
 
 /// The largest absolute difference between `t` (read back as `f32`) and `want`.
 fn max_difference(t: Tensor<Cuda, 1>, want: &[f32]) -> Result<f32, CommError> {
-    let got = super::tensor::tensor_to_vec(t)?;
+    let got = super::host::tensor_to_vec(t)?;
     if got.len() != want.len() {
         return Err(CommError::BufferSize {
             op: "NCCL self-check",

@@ -5,37 +5,10 @@
 //! element type. This works for every backend. With an NCCL communicator, the all-reduce and
 //! all-gather of `Cuda<f32>` tensors stay in device memory instead.
 
-use burn::tensor::{DType, Shape, Tensor, TensorData, backend::Backend};
+use burn::tensor::{DType, Shape, Tensor, backend::Backend};
 
-use crate::precision::like_dtype;
-
+use super::host::{tensor_to_vec, vec_to_tensor};
 use super::{CommError, Communicator, ReduceOp};
-
-/// Reads a tensor into a host `f32` vector.
-pub(crate) fn tensor_to_vec<B: Backend, const D: usize>(
-    t: Tensor<B, D>,
-) -> Result<Vec<f32>, CommError> {
-    let data = t
-        .try_into_data()
-        .map_err(|e| CommError::TensorRead(format!("{e:?}")))?;
-    data.convert::<f32>()
-        .into_vec::<f32>()
-        .map_err(|e| CommError::TensorRead(format!("{e:?}")))
-}
-
-/// Writes a host `f32` vector into a tensor of `shape` on `device`, of element type `dtype`
-/// (the communicated tensor's: bf16 activations travel as `f32` and come back bf16).
-pub(crate) fn vec_to_tensor<B: Backend, const D: usize>(
-    values: Vec<f32>,
-    shape: Shape,
-    device: &B::Device,
-    dtype: DType,
-) -> Tensor<B, D> {
-    like_dtype(
-        Tensor::from_data(TensorData::new(values, shape), device),
-        dtype,
-    )
-}
 
 /// Communication on Burn tensors, available on every [`Communicator`].
 pub trait TensorComm {

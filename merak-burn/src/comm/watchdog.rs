@@ -136,8 +136,8 @@ fn watch_loop() {
                 w.group,
                 w.members
             );
-            super::report_line(&line);
-            super::mpi_comm::abort_world(124);
+            super::abort::report_line(&line);
+            super::abort::abort_world(124);
         }
     }
 }

@@ -11,6 +11,9 @@ pub use error::DataError;
 pub use synthetic::SyntheticData;
 pub use tokens::{GPT2_EOT, GPT2_VOCAB, Meta, TokenData, TokenFile, io};
 
+/// [`crate::rng::splitmix64`], here for data sources keying augmentation by sample index.
+pub use crate::rng::splitmix64;
+
 use crate::train::{SourceError, TokenSource, Windows};
 
 /// Validation sequences of the synthetic source come from steps this far away from training.
@@ -73,15 +76,6 @@ pub struct CausalWindows<'a> {
     pub global_batch: usize,
     /// Tokens per sequence.
     pub seq: usize,
-}
-
-/// splitmix64 of `x`: a well-mixed 64-bit value, for randomness keyed by a seed and a global
-/// sample index (the same on every layout), e.g. `splitmix64(seed ^ splitmix64(index))`.
-pub fn splitmix64(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 impl TokenSource for CausalWindows<'_> {

@@ -1,6 +1,6 @@
 //! Deterministic synthetic sequences, the built-in default data.
 
-use crate::tensor_parallel::InitRng;
+use crate::rng::InitRng;
 
 /// Deterministic synthetic sequences: each sequence is an arithmetic progression modulo the
 /// vocabulary with a random start and a stride from a small set, so the next token is

@@ -11,7 +11,7 @@ use memmap2::Mmap;
 use serde::{Deserialize, Serialize};
 
 use super::DataError;
-use crate::tensor_parallel::InitRng;
+use crate::rng::InitRng;
 
 /// The GPT-2 BPE vocabulary size (r50k_base), end-of-text included.
 pub const GPT2_VOCAB: usize = 50257;

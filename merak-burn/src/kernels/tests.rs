@@ -10,7 +10,7 @@ use burn::tensor::{Bool, Tensor, TensorData};
 
 use super::*;
 use crate::backend::{Cpu, CpuAutodiff, CpuAutodiffSelective};
-use crate::tensor_parallel::InitRng;
+use crate::rng::InitRng;
 
 fn values<K: Backend, const D: usize>(t: Tensor<K, D>) -> Vec<f32> {
     t.into_data().convert::<f32>().into_vec::<f32>().unwrap()

@@ -12,16 +12,20 @@
 //! [`schedule::rank_of_stage`]). Consecutive stages on one rank hand over without messages.
 
 pub mod executor;
+mod order;
 pub mod partition;
 pub mod recompute;
 pub mod schedule;
 pub mod simulate;
 pub mod stack;
 pub mod stage;
+pub mod timing;
 pub mod trace;
 pub mod two_bw;
 pub mod validate;
 mod zero_bubble;
+#[cfg(test)]
+mod zero_bubble_tests;
 
 pub use executor::{
     EvalValues, Executor, InFlight, MicroBatch, PipelineError, PipelinePlan, StepReport, StepWork,
@@ -34,8 +38,9 @@ pub use recompute::{
     in_flight_gpipe, kept_bytes_per_layer, stage_aware_recompute,
 };
 pub use schedule::{Action, Schedule, ScheduleError, ScheduleKind, build_schedule};
-pub use simulate::{Costs, Simulation, TimedAction, simulate, steady_step_time};
+pub use simulate::{Simulation, simulate, steady_step_time};
 pub use stack::{TiedTable, UnitStack};
 pub use stage::{EvalOutput, Evaluate, PipelineModel, StageInput, StageOutput};
+pub use timing::{Costs, TimedAction};
 pub use trace::{TraceEvent, chrome_trace, write_chrome_trace};
 pub use validate::{ValidationError, validate};

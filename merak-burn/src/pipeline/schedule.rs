@@ -18,6 +18,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
+use super::order::Op;
 use super::zero_bubble::zb_h1_order;
 
 /// One thing a pipeline rank does. `stage` is the global model stage (`0..p*v`), `mb` the
@@ -493,17 +494,6 @@ pub fn stage_of_chunk(kind: ScheduleKind, ranks: usize, rank: usize, chunk: usiz
     }
 }
 
-/// One compute action in a rank's compute order, before the messages are added.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Op {
-    /// Forward of (`mb`, `stage`).
-    F(usize, usize),
-    /// Backward of (`mb`, `stage`) (only its input gradient in a split backward).
-    B(usize, usize),
-    /// Weight gradients of (`mb`, `stage`) in a split backward.
-    W(usize, usize),
-}
-
 /// Builds the schedule of `kind` for `ranks` pipeline ranks, `micro_batches` micro-batches per
 /// step and `virtual_stages` model chunks per rank; `recompute[s]` says whether global stage `s`
 /// recomputes its forward pass (activation checkpointing).
@@ -750,34 +740,6 @@ mod tests {
             .copied()
             .filter(|a| matches!(a, Action::Forward { .. } | Action::Backward { .. }))
             .collect()
-    }
-
-    #[test]
-    fn zb_h1_cuts_the_1f1b_bubble_to_a_third_at_1f1b_peak_memory() {
-        use crate::pipeline::{Costs, simulate};
-        for p in [2, 3, 4, 6] {
-            for m in [p, 2 * p, 3 * p + 1] {
-                let zb = build_schedule(ScheduleKind::ZbH1, p, m, 1, &vec![false; p]).unwrap();
-                let one = build_schedule(ScheduleKind::OneFOneB, p, m, 1, &vec![false; p]).unwrap();
-                // F = B = W = 1: 1F1B idles (p-1)(F+B+W) per rank, ZB-H1 (p-1)(F+B-W).
-                let costs = Costs::uniform(p, 1.0, 2.0);
-                let idle = |s: &Schedule| {
-                    let sim = simulate(s, &costs, 1).unwrap();
-                    sim.makespan() - sim.busy(0)
-                };
-                let (z, o) = (idle(&zb), idle(&one));
-                assert!(
-                    (o - 3.0 * (p - 1) as f64).abs() < 1e-9,
-                    "p={p} m={m}: 1f1b {o}"
-                );
-                assert!((z - (p - 1) as f64).abs() < 1e-9, "p={p} m={m}: zb-h1 {z}");
-                // Rank r holds at most p micro-batches between F and W; stage 0 as in 1F1B.
-                for stage in 0..p {
-                    assert!(zb.max_in_flight(stage) <= p.min(m), "p={p} m={m} s={stage}");
-                }
-                assert_eq!(zb.max_in_flight(0), one.max_in_flight(0));
-            }
-        }
     }
 
     #[test]

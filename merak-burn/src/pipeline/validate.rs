@@ -20,7 +20,7 @@ use hashbrown::{HashMap, HashSet};
 use std::fmt::Write as _;
 
 use super::schedule::{Action, Schedule, ScheduleKind, rank_of_stage};
-use super::simulate::{Costs, TimedAction};
+use super::timing::{Costs, TimedAction};
 
 /// Why a schedule is not valid.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]

@@ -2,7 +2,7 @@
 //! ZB-H1 (one stage per rank) and ZB-V (two stages per rank in a V), whose backward is split
 //! into B (input gradient) and W (weight gradients).
 
-use super::schedule::Op;
+use super::order::Op;
 
 /// The ZB-H1 compute order on `rank` of `ranks`: 1F1B's warm-up forwards; then one forward and
 /// one B per micro-batch, where the first `rank` micro-batches' W passes are postponed and
@@ -171,59 +171,5 @@ impl VRun {
         }
         self.time = end;
         progressed
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use crate::pipeline::{Action, Costs, ScheduleKind, build_schedule, simulate, validate};
-
-    #[test]
-    fn a_message_between_stages_on_one_rank_is_refused() {
-        let mut s = build_schedule(ScheduleKind::ZbV, 2, 2, 2, &[false; 4]).unwrap();
-        // Stages 1 and 2 share rank 1 in the V.
-        let send = Action::SendActivation { mb: 0, stage: 1 };
-        assert!(!s.actions[1].contains(&send));
-        s.actions[1].insert(2, send);
-        let e = validate(&s).unwrap_err().to_string();
-        assert!(e.contains("stages 1 and 2 share rank 1"), "{e}");
-    }
-
-    #[test]
-    fn zb_v_is_valid_within_1f1b_peak_and_beats_zb_h1() {
-        for p in 1..=6 {
-            for m in 1..=12 {
-                let s = build_schedule(ScheduleKind::ZbV, p, m, 2, &vec![false; 2 * p]).unwrap();
-                validate(&s).unwrap_or_else(|e| panic!("p={p} m={m}: {e}"));
-                // Stage 0 and the last stage share rank 0, the middle two rank p-1.
-                assert_eq!((s.rank_of(0), s.rank_of(2 * p - 1)), (0, 0));
-                assert_eq!((s.rank_of(p - 1), s.rank_of(p)), (p - 1, p - 1));
-                // A rank holds at most 2p stage micro-batches between a forward and its W:
-                // 1F1B's p micro-batches of its whole share of the model.
-                for list in &s.actions {
-                    let mut held: usize = 0;
-                    for a in list {
-                        match a {
-                            Action::Forward { .. } => held += 1,
-                            Action::BackwardWeight { .. } => held -= 1,
-                            _ => {}
-                        }
-                        assert!(held <= 2 * p, "p={p} m={m}: {held}");
-                    }
-                }
-                if p < 2 || m < p {
-                    continue;
-                }
-                // F = B = W: each chunk forward 0.5, backward 1 (ZB-H1's stages are twice as
-                // large).
-                let time = |kind: ScheduleKind, v: usize| {
-                    let s = build_schedule(kind, p, m, v, &vec![false; p * v]).unwrap();
-                    let costs = Costs::uniform(p * v, 1.0 / v as f64, 2.0 / v as f64);
-                    simulate(&s, &costs, 1).unwrap().makespan()
-                };
-                let (v, h) = (time(ScheduleKind::ZbV, 2), time(ScheduleKind::ZbH1, 1));
-                assert!(v <= h, "p={p} m={m}: zb-v {v} > zb-h1 {h}");
-            }
-        }
     }
 }

@@ -2,9 +2,9 @@
 
 use burn::tensor::backend::Backend;
 
-use crate::data::splitmix64;
 use crate::parallelize::{EmbedUnit, HeadUnit, LayerUnit, NoTokenTable, TpPlan, Units};
 use crate::planner::TransformerShape;
+use crate::rng::splitmix64;
 
 /// The sizes of a model that the planner and the pipeline need to know before anything is
 /// built: how many layers there are, how wide the hidden states between units are, and the

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use burn::module::Module;
 use burn::tensor::{Tensor, TensorData, backend::Backend};
 
-use super::init::InitRng;
+use crate::rng::InitRng;
 
 static STEP: AtomicU64 = AtomicU64::new(0);
 static FIRST_SAMPLE: AtomicU64 = AtomicU64::new(0);

@@ -8,15 +8,10 @@ use burn::tensor::{Int, Tensor, backend::Backend};
 use super::init::{Shard, TpError};
 use super::linear::{param2, shard_of};
 use super::ops::{ParallelBackend, copy_to_tp, reduce_from_tp};
+use super::sharding::padded_vocab;
 use super::sharding::{ShardKind, Split};
 use crate::comm::Group;
 use crate::kernels::{embedding, linear};
-
-/// The vocabulary size padded up to a multiple of `tp`, so that every rank holds the same
-/// number of rows. Padding rows are zero, never looked up, and kept out of the softmax.
-pub fn padded_vocab(vocab: usize, tp: usize) -> usize {
-    vocab.div_ceil(tp.max(1)) * tp.max(1)
-}
 
 /// An embedding table split over the vocabulary: rank `r` holds rows
 /// `r * V_pad / tp .. (r + 1) * V_pad / tp`. A token outside the local range contributes zero,

@@ -7,7 +7,10 @@
 //! communicate nothing.
 
 pub mod attention;
+mod backend;
 pub mod cross_entropy;
+#[cfg(test)]
+mod deferred_tests;
 pub mod dropout;
 pub mod embedding;
 pub mod init;
@@ -18,11 +21,12 @@ pub mod ops;
 pub mod overlap;
 pub mod sharding;
 
+pub use crate::rng::InitRng;
 pub use attention::{AttentionMask, AttentionWeights, ParallelSelfAttention};
 pub use cross_entropy::{vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_unfused};
 pub use dropout::{ReplicatedDropout, force_dropout, set_dropout_position};
-pub use embedding::{VocabParallelEmbedding, padded_vocab};
-pub use init::{InitRng, Shard, TpError};
+pub use embedding::VocabParallelEmbedding;
+pub use init::{Shard, TpError};
 pub use linear::{ColumnParallelLinear, RowParallelLinear, param_from_values};
 pub use mlp::{MlpWeights, ParallelMlp};
 pub use norm::LayerNorm;
@@ -31,5 +35,6 @@ pub use ops::{
     split_to_tp,
 };
 pub use overlap::TpOverlap;
+pub use sharding::padded_vocab;
 pub(crate) use sharding::replace_split;
 pub use sharding::{ParamSplits, SPLIT_CONTAINER, ShardKind, Split};

@@ -25,41 +25,7 @@ use std::rc::Rc;
 use crate::comm::{Group, ReduceOp, TensorComm};
 use crate::kernels::{LinearState, linear_backward, linear_node};
 
-/// A backend on which the tensor-parallel operators are defined.
-///
-/// Implemented for `Flex` (the CPU backend, [`crate::backend::Cpu`]), `Cuda<f32>` (feature `cuda`) and `Autodiff` of any of them.
-/// Another backend gets it with [`impl_parallel_backend!`](crate::impl_parallel_backend).
-pub trait ParallelBackend: Backend + crate::kernels::FusedOps {
-    /// *f*: identity forward, all-reduce of the gradient backward.
-    fn tp_copy(x: FloatTensor<Self>, group: Group) -> FloatTensor<Self>;
-    /// *g*: all-reduce forward, identity backward.
-    fn tp_reduce(x: FloatTensor<Self>, group: Group) -> FloatTensor<Self>;
-    /// All-gather along `dim` forward; the gradient's own chunk backward.
-    fn tp_gather(x: FloatTensor<Self>, dim: usize, group: Group) -> FloatTensor<Self>;
-    /// This rank's chunk along `dim` forward; all-gather of the gradient backward.
-    fn tp_split(x: FloatTensor<Self>, dim: usize, group: Group) -> FloatTensor<Self>;
-    /// `x w` of a row-parallel layer summed over the group, the all-reduce overlapped with the
-    /// products of `chunks` token chunks ([`overlap`](super::overlap)); backward as the
-    /// serial layer (no communication).
-    fn tp_row_linear(
-        x: FloatTensor<Self>,
-        w: FloatTensor<Self>,
-        chunks: usize,
-        group: Group,
-    ) -> FloatTensor<Self>;
-    /// `x w` of a column-parallel layer (no communication forward); backward, the input
-    /// gradient summed over the group in `chunks` token chunks, overlapped with the products.
-    fn tp_column_linear(
-        x: FloatTensor<Self>,
-        w: FloatTensor<Self>,
-        chunks: usize,
-        group: Group,
-    ) -> FloatTensor<Self>;
-    /// Identity forward; backward, hands the gradient to the sink installed with
-    /// [`set_grad_sink`] (the data-parallel reducer's) as gradient `hook`, as soon as it is
-    /// final; the input gets none.
-    fn grad_hook(x: FloatTensor<Self>, hook: usize) -> FloatTensor<Self>;
-}
+pub use super::backend::ParallelBackend;
 
 /// Where [`ParallelBackend::grad_hook`] hands its gradients: `(hook, values)`. The layer that
 /// hooks the tensors (the data-parallel reducer) installs it; this layer never calls up.

@@ -21,12 +21,12 @@
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Shape, Tensor, TensorMetadata, TensorPrimitive};
 
-use crate::comm::tensor::tensor_to_vec;
+use crate::comm::host::tensor_to_vec;
 use crate::comm::{Communicator, Group, Pending, ReduceOp};
 use crate::kernels::FusedOps;
 
+use super::backend::ParallelBackend;
 use super::init::TpError;
-use super::ops::ParallelBackend;
 
 /// The overlap degree of a tensor-parallel layer: the token chunks its all-reduce is cut into
 /// (`parallel.tp_overlap`). One chunk (the default) is the serial layer.

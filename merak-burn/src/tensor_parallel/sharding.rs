@@ -19,9 +19,14 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use serde::{Deserialize, Serialize};
 
-use super::embedding::padded_vocab;
 use super::init::Shard;
 use crate::comm::Group;
+
+/// The vocabulary size padded up to a multiple of `tp`, so that every rank holds the same
+/// number of rows. Padding rows are zero, never looked up, and kept out of the softmax.
+pub fn padded_vocab(vocab: usize, tp: usize) -> usize {
+    vocab.div_ceil(tp.max(1)) * tp.max(1)
+}
 
 /// The split of one parameter across the TP group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -49,9 +49,9 @@ pub struct TrainSettings {
     #[serde(default)]
     pub precision: crate::precision::Precision,
     /// The optimizer (AdamW by default), its own hyperparameters and the shape of the
-    /// learning-rate schedule ([`OptimizerSettings`](crate::train::OptimizerSettings)).
+    /// learning-rate schedule ([`OptimizerSettings`](crate::train::optimizer_settings::OptimizerSettings)).
     #[serde(default)]
-    pub optimizer: crate::train::OptimizerSettings,
+    pub optimizer: crate::train::optimizer_settings::OptimizerSettings,
 }
 
 impl Default for TrainSettings {
@@ -76,7 +76,7 @@ impl Default for TrainSettings {
             val_every: 0,
             val_batches: 0,
             precision: crate::precision::Precision::Fp32,
-            optimizer: crate::train::OptimizerSettings::default(),
+            optimizer: crate::train::optimizer_settings::OptimizerSettings::default(),
         }
     }
 }
@@ -115,7 +115,7 @@ setters! {
     val_every: usize => with_val_every,
     val_batches: usize => with_val_batches,
     precision: crate::precision::Precision => with_precision,
-    optimizer: crate::train::OptimizerSettings => with_optimizer,
+    optimizer: crate::train::optimizer_settings::OptimizerSettings => with_optimizer,
 }
 
 impl TrainSettings {

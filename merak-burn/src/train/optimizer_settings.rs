@@ -1,0 +1,255 @@
+//! Which optimizer a run uses and its own hyperparameters ([`OptimizerSettings`], the
+//! `[optimizer]` table of a config), and how checkpoints record it.
+
+use serde::{Deserialize, Serialize};
+
+use crate::train::LrScheduleKind;
+
+/// Which optimizer a run uses. In settings and configs it is named by
+/// [`name`](Self::name); a name Burn has but merak does not offer (`muon`, `lbfgs`, `adan`)
+/// is refused saying why.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum OptimizerKind {
+    /// AdamW: `beta1`, `beta2`, `eps`, decoupled `weight_decay`.
+    #[default]
+    AdamW,
+    /// Adam with L2 weight decay added to the gradient: `beta1`, `beta2`, `eps`,
+    /// `weight_decay`.
+    Adam,
+    /// SGD: `momentum`, `dampening`, `nesterov`, L2 `weight_decay`.
+    Sgd,
+    /// AdaGrad: `lr_decay`, `eps`, L2 `weight_decay`.
+    AdaGrad,
+    /// RMSProp: `alpha`, `eps`, `momentum` or `centered`, L2 `weight_decay`.
+    RmsProp,
+}
+
+impl OptimizerKind {
+    /// Every kind.
+    pub const ALL: [OptimizerKind; 5] = [
+        OptimizerKind::AdamW,
+        OptimizerKind::Adam,
+        OptimizerKind::Sgd,
+        OptimizerKind::AdaGrad,
+        OptimizerKind::RmsProp,
+    ];
+
+    /// The name used in settings, configs and checkpoints.
+    pub fn name(self) -> &'static str {
+        match self {
+            OptimizerKind::AdamW => "adamw",
+            OptimizerKind::Adam => "adam",
+            OptimizerKind::Sgd => "sgd",
+            OptimizerKind::AdaGrad => "adagrad",
+            OptimizerKind::RmsProp => "rmsprop",
+        }
+    }
+
+    /// Whether the optimizer uses `beta1`, `beta2` (Adam and AdamW).
+    pub fn uses_betas(self) -> bool {
+        matches!(self, OptimizerKind::AdamW | OptimizerKind::Adam)
+    }
+}
+
+impl TryFrom<String> for OptimizerKind {
+    type Error = String;
+
+    fn try_from(name: String) -> Result<Self, String> {
+        if let Some(k) = Self::ALL.into_iter().find(|k| k.name() == name) {
+            return Ok(k);
+        }
+        let known: Vec<&str> = Self::ALL.iter().map(|k| k.name()).collect();
+        let why = match name.as_str() {
+            "muon" => {
+                "Muon orthogonalizes whole matrices (tensor parallelism and sharded optimizer \
+                 state split them) and needs another optimizer for the other parameters; not \
+                 offered. "
+            }
+            "lbfgs" | "l-bfgs" => {
+                "L-BFGS needs the loss as a closure and whole-model state; not offered. "
+            }
+            "adan" => {
+                "Adan keeps four state tensors per parameter and checkpoints hold two; not \
+                 offered. "
+            }
+            _ => "",
+        };
+        Err(format!(
+            "`{name}` is not an optimizer merak offers. {why}Known: {}",
+            known.join(", ")
+        ))
+    }
+}
+
+impl From<OptimizerKind> for String {
+    fn from(k: OptimizerKind) -> String {
+        k.name().to_string()
+    }
+}
+
+impl std::fmt::Display for OptimizerKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The optimizer of a run and the shape of its learning-rate schedule. The hyperparameters
+/// that several optimizers share stay in [`TrainSettings`] (`lr`, `min_lr`, `warmup_steps`,
+/// `weight_decay`, `beta1`, `beta2`, `eps`); the ones here belong to some kinds only, and a
+/// value other than the default for a kind that does not use it is refused
+/// ([`check_settings`]), so that a setting never silently does nothing. The default is
+/// AdamW with warm-up and cosine decay.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OptimizerSettings {
+    /// Which optimizer: "adamw" (default), "adam", "sgd", "adagrad" or "rmsprop".
+    pub kind: OptimizerKind,
+    /// SGD and RMSProp: momentum factor in [0, 1); 0: none.
+    pub momentum: f64,
+    /// SGD: dampening of the momentum, in [0, 1].
+    pub dampening: f64,
+    /// SGD: Nesterov momentum (needs momentum > 0 and dampening = 0).
+    pub nesterov: bool,
+    /// RMSProp: smoothing constant of the squared-gradient average, in [0, 1).
+    pub alpha: f64,
+    /// RMSProp: divide by the gradient's estimated variance (not with momentum).
+    pub centered: bool,
+    /// AdaGrad: the learning rate of its t-th step is `lr / (1 + (t - 1) lr_decay)`; >= 0.
+    pub lr_decay: f64,
+    /// The shape of the learning rate after the warm-up: "cosine" (default), "constant",
+    /// "linear" or "wsd".
+    pub schedule: LrScheduleKind,
+    /// WSD: steps of the final linear decay to `min_lr` (at least 1; 0 for other shapes).
+    pub decay_steps: usize,
+}
+
+impl Default for OptimizerSettings {
+    /// AdamW with warm-up and cosine decay (the kind-specific values are PyTorch's defaults).
+    fn default() -> Self {
+        Self {
+            kind: OptimizerKind::AdamW,
+            momentum: 0.0,
+            dampening: 0.0,
+            nesterov: false,
+            alpha: 0.99,
+            centered: false,
+            lr_decay: 0.0,
+            schedule: LrScheduleKind::Cosine,
+            decay_steps: 0,
+        }
+    }
+}
+
+impl OptimizerSettings {
+    /// These settings with `kind` set.
+    #[must_use]
+    pub fn with_kind(mut self, kind: OptimizerKind) -> Self {
+        self.kind = kind;
+        self
+    }
+
+    /// SGD with `momentum` (0: none), `dampening` and Nesterov momentum.
+    pub fn sgd(momentum: f64, dampening: f64, nesterov: bool) -> Self {
+        Self {
+            kind: OptimizerKind::Sgd,
+            momentum,
+            dampening,
+            nesterov,
+            ..Self::default()
+        }
+    }
+
+    /// These settings with the schedule shape `schedule` (and WSD's `decay_steps`, 0 for the
+    /// other shapes).
+    #[must_use]
+    pub fn with_schedule(mut self, schedule: LrScheduleKind, decay_steps: usize) -> Self {
+        self.schedule = schedule;
+        self.decay_steps = decay_steps;
+        self
+    }
+}
+
+impl OptimizerSettings {
+    /// What the optimizer keeps per parameter in the checkpoint's two state tensors
+    /// ([`Moments`](crate::checkpoint::Moments) `m1`, `m2`; `"-"`: nothing). A checkpoint
+    /// records it with the kind, and loads only into an optimizer that keeps the same.
+    pub fn state_slots(&self) -> [&'static str; 2] {
+        match self.kind {
+            OptimizerKind::AdamW | OptimizerKind::Adam => ["first moment", "second moment"],
+            OptimizerKind::Sgd if self.momentum > 0.0 => ["momentum buffer", "-"],
+            OptimizerKind::Sgd => ["-", "-"],
+            OptimizerKind::AdaGrad => ["sum of squared gradients", "-"],
+            OptimizerKind::RmsProp => [
+                "squared-gradient average",
+                if self.momentum > 0.0 {
+                    "momentum buffer"
+                } else if self.centered {
+                    "gradient average"
+                } else {
+                    "-"
+                },
+            ],
+        }
+    }
+
+    /// Whether a run with these settings can continue the optimizer state of the checkpoint
+    /// whose manifest is `manifest`: the same kind keeping the same state (or a checkpoint
+    /// that keeps none, such as SGD without momentum). A checkpoint that does not name its
+    /// optimizer was written by AdamW. The error names both optimizers.
+    pub fn check_checkpoint(
+        &self,
+        manifest: &crate::checkpoint::Manifest,
+    ) -> Result<(), crate::train::TrainError> {
+        let (kind, slots) = checkpoint_optimizer(&manifest.extra);
+        let ours = self.state_slots();
+        let nothing_kept = slots.iter().all(|s| s == "-");
+        if kind != self.kind.name() || (slots != ours && !nothing_kept) {
+            return Err(crate::train::TrainError::OptimizerMismatch {
+                checkpoint: describe_optimizer(&kind, &slots),
+                run: describe_optimizer(self.kind.name(), &ours),
+            });
+        }
+        Ok(())
+    }
+
+    /// The optimizer and its state as checkpoint manifests record it (`extra.optimizer`).
+    pub fn manifest_entry(&self) -> serde_json::Value {
+        serde_json::json!({ "kind": self.kind.name(), "state": self.state_slots() })
+    }
+}
+
+/// The optimizer kind and state slots of a checkpoint's manifest `extra` (written by
+/// [`OptimizerSettings::manifest_entry`]); a checkpoint without them was written by AdamW.
+fn checkpoint_optimizer(extra: &serde_json::Value) -> (String, Vec<String>) {
+    let entry = extra.get("optimizer");
+    let kind = entry
+        .and_then(|o| o.get("kind"))
+        .and_then(serde_json::Value::as_str)
+        .unwrap_or("adamw")
+        .to_string();
+    let state = entry
+        .and_then(|o| o.get("state"))
+        .and_then(serde_json::Value::as_array)
+        .map(|a| {
+            a.iter()
+                .map(|v| v.as_str().unwrap_or("?").to_string())
+                .collect()
+        })
+        .unwrap_or_else(|| vec!["first moment".into(), "second moment".into()]);
+    (kind, state)
+}
+
+/// `kind` and what it keeps, for messages: "`sgd` (momentum buffer)".
+fn describe_optimizer(kind: &str, state: &[impl AsRef<str>]) -> String {
+    let kept: Vec<&str> = state
+        .iter()
+        .map(AsRef::as_ref)
+        .filter(|s| *s != "-")
+        .collect();
+    if kept.is_empty() {
+        format!("`{kind}` (no state)")
+    } else {
+        format!("`{kind}` ({})", kept.join(", "))
+    }
+}
