@@ -88,17 +88,22 @@ pub struct RunSpec<'a> {
 
 /// The config file `merak train` writes into its output folder.
 pub const CONFIG_FILE: &str = "config.toml";
-/// The loss curve `merak train` draws into its output folder.
-pub const LOSS_CURVE: &str = "loss.svg";
+/// The charts `merak train` may draw into its output folder at the end (loss, throughput,
+/// memory per rank, pipeline timeline: [`crate::plot`]).
+pub const CHARTS: [&str; 4] = crate::plot::FILES;
 
-/// The names of `merak train`'s own files in its output folder (besides the trainer's).
+/// The names of `merak train`'s own files in its output folder (besides the trainer's): its
+/// config and every chart it may draw.
 pub fn own_file_names() -> Vec<String> {
-    vec![CONFIG_FILE.to_string(), LOSS_CURVE.to_string()]
+    std::iter::once(CONFIG_FILE)
+        .chain(CHARTS)
+        .map(str::to_string)
+        .collect()
 }
 
 /// The library's run options of `cfg` writing to `out`: its checkpoint policy (the config in
 /// every manifest), trace, folder policy and `merak train`'s own files (the config and the
-/// loss curve). The signal handlers and the watchdog are `merak train`'s own.
+/// charts). The signal handlers and the watchdog are `merak train`'s own.
 fn run_options(cfg: &Config, out: &Path, spec: &RunSpec<'_>) -> Result<RunOptions> {
     let c = &cfg.checkpoint;
     let config = toml::to_string(cfg)?;
@@ -111,16 +116,15 @@ fn run_options(cfg: &Config, out: &Path, spec: &RunSpec<'_>) -> Result<RunOption
         manifest_extra: serde_json::json!({ "config": config }),
         trace: spec.trace.map(Path::to_path_buf),
         existing: spec.existing,
-        files: vec![
-            RunFile {
-                name: CONFIG_FILE.into(),
-                contents: Some(config.into_bytes()),
-            },
-            RunFile {
-                name: LOSS_CURVE.into(),
-                contents: None,
-            },
-        ],
+        files: std::iter::once(RunFile {
+            name: CONFIG_FILE.into(),
+            contents: Some(config.into_bytes()),
+        })
+        .chain(CHARTS.map(|name| RunFile {
+            name: name.into(),
+            contents: None,
+        }))
+        .collect(),
         ..RunOptions::default()
     })
 }

@@ -256,14 +256,15 @@ fn run(job: &Job, trace: Option<&Path>, stop: &StopRequest) -> Result<bool> {
         ),
     };
     if grid.rank == 0 {
-        print_summary(&summary, out)?;
+        print_summary(&summary, out, trace)?;
     }
     Ok(summary.stopped)
 }
 
-/// Rank 0's closing lines: the summary and the loss curve.
-fn print_summary(summary: &Summary, out: &Path) -> Result<()> {
-    let curve = plot::write_loss_curve(out)?;
+/// Rank 0's closing lines: the summary and where each chart of the run went (drawn into `out`
+/// from its metrics, its memory report and the Chrome trace at `trace`, when there is one).
+fn print_summary(summary: &Summary, out: &Path, trace: Option<&Path>) -> Result<()> {
+    let charts = plot::write_charts(out, trace)?;
     tracing::info!(
         "done: {} steps, final loss {:.5}, mean {:.0} tokens/s, wall {:.1}s; metrics in {}",
         summary.steps,
@@ -272,7 +273,9 @@ fn print_summary(summary: &Summary, out: &Path) -> Result<()> {
         summary.wall_s,
         out.join("metrics.jsonl").display()
     );
-    tracing::info!("loss curve: {}", curve.display());
+    for chart in &charts {
+        tracing::info!("{}: {}", chart.what, chart.path.display());
+    }
     if summary.stopped {
         tracing::warn!(
             "stopped on a signal after step {}, checkpointed: continue with --resume (exit status {STOPPED})",
