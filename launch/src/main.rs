@@ -16,6 +16,7 @@ mod plot;
 mod prepare_data;
 mod probe;
 mod probe_overlap;
+mod reference;
 mod resolve;
 mod spawn;
 mod train;
@@ -65,6 +66,9 @@ enum Command {
     /// tensor-parallel degree and micro-batch size, and write the calibration `merak plan
     /// --calibration` uses. Run under `mpirun -np N`.
     Profile(probe::ProfileArgs),
+    /// Print the built-in default config as TOML (generates the book's config reference).
+    #[command(hide = true)]
+    ConfigReference,
 }
 
 #[derive(clap::Args, Debug)]
@@ -211,6 +215,7 @@ fn main() -> ExitCode {
         Command::Probe(a) => with_mpi(|w| probe::probe(&a, w.map(|w| w.world()).as_ref())),
         Command::Profile(a) => with_mpi(|w| probe::profile(&a, w)),
         Command::PrepareData(a) => prepare_data::run(&a),
+        Command::ConfigReference => report(reference::print_default_config()),
     }
 }
 
