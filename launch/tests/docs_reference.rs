@@ -643,7 +643,7 @@ fn find_struct<'a>(
     }
 }
 
-/// The config's sections from `struct Config` of `launch/src/config.rs` and the default config
+/// The config's sections from `struct Config` of `launch/src/config/mod.rs` and the default config
 /// (`merak config-reference`). Every key of the default config must have a field with a doc
 /// comment, and every field a default unless it is an `Option`.
 fn config_sections() -> Vec<Section> {
@@ -655,8 +655,8 @@ fn config_sections() -> Vec<Section> {
         .get("Config")
         .into_iter()
         .flatten()
-        .find(|(file, _, _)| file == "launch/src/config.rs")
-        .expect("struct Config in launch/src/config.rs")
+        .find(|(file, _, _)| file == "launch/src/config/mod.rs")
+        .expect("struct Config in launch/src/config/mod.rs")
         .2;
     let mut sections = Vec::new();
     for section in &config.fields {

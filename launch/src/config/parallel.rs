@@ -1,0 +1,236 @@
+//! `[parallel]`: the layout, pipeline, recomputation, ZeRO-1 and overlap; the
+//! [`ParallelPlan`] and [`PipelinePlan`] they give.
+
+use merak_burn::pipeline::{PipelinePlan, Recompute, RecomputeMode, ScheduleKind};
+use merak_burn::plan::ParallelPlan;
+use merak_burn::tensor_parallel::TpOverlap;
+use serde::{Deserialize, Serialize};
+
+use super::{Config, ConfigError, bad, shown};
+
+/// `[parallel]`: the layout.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ParallelSection {
+    /// Data-parallel degree.
+    pub dp: usize,
+    /// Tensor-parallel degree.
+    pub tp: usize,
+    /// Pipeline-parallel degree.
+    pub pp: usize,
+    /// ZeRO stage: 0 (every DP rank keeps the whole optimizer state) or 1 (each DP rank keeps
+    /// and updates the state of its share of the parameters, then shares the new values).
+    pub zero: u8,
+    /// Size of a data-parallel gradient bucket in MiB; a bucket's all-reduce starts as soon as
+    /// all its gradients are final.
+    pub bucket_mb: f64,
+    /// Pipeline schedule: "gpipe", "1f1b", "interleaved", "shifted-critical-path", "2bw",
+    /// "zb-h1" or "zb-v".
+    pub schedule: ScheduleKind,
+    /// Model stages per pipeline rank (interleaved schedule only; 1 otherwise).
+    pub virtual_stages: usize,
+    /// Units per pipeline stage (the embedding counts as the first unit and the head as the
+    /// last, so they sum to layers + 2); empty: balanced automatically by cost.
+    pub stage_layers: Vec<usize>,
+    /// Activation recomputation: "none", "full", "selective" or "stage-aware".
+    pub recompute: Recompute,
+    /// Recomputation per stage ("none", "selective" or "full", one per pipeline stage, as a
+    /// plan from `merak plan` gives it); when set it replaces `recompute`. A pipeline rank
+    /// whose stages include a selective one runs all of them with selective recomputation.
+    pub stage_recompute: Vec<RecomputeMode>,
+    /// Stage-aware recomputation: activation memory per stage in MiB; 0: what the last stage
+    /// needs without recomputation.
+    pub memory_budget_mb: f64,
+    /// Sub-pipelined tensor parallelism: token chunks per micro-batch (1: none). Each
+    /// tensor-parallel all-reduce is cut into this many chunks, each overlapped with the next
+    /// chunk's matrix product; it must divide micro-batch x sequence length.
+    pub tp_overlap: usize,
+}
+
+impl Config {
+    /// `[parallel]`: ZeRO stage, stages, recomputation and sizes consistent.
+    pub(super) fn validate_parallel(&self) -> Result<(), ConfigError> {
+        if self.parallel.zero > 1 {
+            return bad(
+                "parallel.zero",
+                format!(
+                    "{} is not a supported ZeRO stage (0 or 1)",
+                    self.parallel.zero
+                ),
+            );
+        }
+        if self.parallel.virtual_stages == 0 {
+            return bad("parallel.virtual_stages", "must be at least 1".into());
+        }
+        self.validate_degrees()?;
+        let stages = self.stages();
+        if !self.parallel.stage_recompute.is_empty()
+            && self.parallel.stage_recompute.len() != stages
+        {
+            return bad(
+                "parallel.stage_recompute",
+                format!(
+                    "has {} entries for {stages} stages (parallel.pp = {} x parallel.virtual_stages = {})",
+                    self.parallel.stage_recompute.len(),
+                    self.parallel.pp,
+                    self.parallel.virtual_stages
+                ),
+            );
+        }
+        let (v, schedule) = (self.parallel.virtual_stages, self.parallel.schedule);
+        if schedule == ScheduleKind::ZbV && v > 2 {
+            return bad(
+                "parallel.virtual_stages",
+                format!("{v}: parallel.schedule = \"zb-v\" runs two stages per rank"),
+            );
+        }
+        if v > 1 && !schedule.uses_virtual_stages() {
+            return bad(
+                "parallel.virtual_stages",
+                format!(
+                    "{v} needs parallel.schedule = \"interleaved\" or \"zb-v\" (it is \"{schedule}\")"
+                ),
+            );
+        }
+        if !(self.parallel.memory_budget_mb >= 0.0 && self.parallel.memory_budget_mb.is_finite()) {
+            return bad(
+                "parallel.memory_budget_mb",
+                format!("{} must be >= 0", shown(self.parallel.memory_budget_mb)),
+            );
+        }
+        if !(self.parallel.bucket_mb > 0.0 && self.parallel.bucket_mb.is_finite()) {
+            return bad(
+                "parallel.bucket_mb",
+                format!(
+                    "{} must be a positive number",
+                    shown(self.parallel.bucket_mb)
+                ),
+            );
+        }
+        self.validate_overlap()
+    }
+
+    /// Products of the degrees fit in a `usize`: the ranks `dp x tp x pp`, the stages
+    /// `pp x virtual_stages` and the tokens `micro_batch x seq_len`.
+    pub(super) fn validate_degrees(&self) -> Result<(), ConfigError> {
+        let p = &self.parallel;
+        let products = [
+            (
+                "parallel.dp",
+                "parallel.dp x parallel.tp x parallel.pp",
+                [p.dp, p.tp, p.pp],
+            ),
+            (
+                "parallel.virtual_stages",
+                "parallel.pp x parallel.virtual_stages",
+                [p.pp, self.virtual_stages(), 1],
+            ),
+            (
+                "train.micro_batch",
+                "train.micro_batch x model.seq_len",
+                [self.micro_batch(), self.model.gpt.seq_len, 1],
+            ),
+        ];
+        for (key, what, factors) in products {
+            if factors
+                .iter()
+                .try_fold(1usize, |a, &f| a.checked_mul(f))
+                .is_none()
+            {
+                return bad(key, format!("{what} = {factors:?} overflows"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Pipeline stages: `parallel.pp x` [`virtual_stages`](Self::virtual_stages) (saturating;
+    /// validation refuses an overflow).
+    pub fn stages(&self) -> usize {
+        self.parallel.pp.saturating_mul(self.virtual_stages())
+    }
+
+    /// `parallel.tp_overlap`: at least 1 and a divisor of the tokens of a micro-batch.
+    pub(super) fn validate_overlap(&self) -> Result<(), ConfigError> {
+        let tokens = self.micro_batch().saturating_mul(self.model.gpt.seq_len);
+        let overlap = match TpOverlap::new(self.parallel.tp_overlap) {
+            Ok(k) => k,
+            Err(e) => return bad("parallel.tp_overlap", e.to_string()),
+        };
+        match overlap.check_tokens(tokens) {
+            Ok(()) => Ok(()),
+            Err(e) => bad(
+                "parallel.tp_overlap",
+                format!(
+                    "{e} (train.micro_batch = {} x model.seq_len = {}): choose a divisor of {tokens}",
+                    self.micro_batch(),
+                    self.model.gpt.seq_len
+                ),
+            ),
+        }
+    }
+
+    /// Sequences per forward/backward pass on one rank: `train.micro_batch`, or when it is 0
+    /// the rank's whole share (one micro-batch) without a pipeline, and 1 sequence (as many
+    /// micro-batches as possible, the smallest bubble) with one.
+    pub fn micro_batch(&self) -> usize {
+        match self.train.micro_batch {
+            0 if self.parallel.pp > 1 => 1,
+            0 => self.train.global_batch / self.parallel.dp.max(1),
+            m => m,
+        }
+    }
+
+    /// The pipeline plan of this config (stages, schedule, recomputation per stage), built and
+    /// validated; errors name the `parallel.*` key.
+    pub fn pipeline_plan(&self) -> anyhow::Result<PipelinePlan> {
+        let shape = self.shape()?;
+        Ok(self
+            .parallel_plan()
+            .pipeline(&shape, self.train.global_batch)?)
+    }
+
+    /// Stages per pipeline rank: `parallel.virtual_stages`, and always 2 under ZB-V.
+    pub fn virtual_stages(&self) -> usize {
+        match self.parallel.schedule {
+            ScheduleKind::ZbV => 2,
+            _ => self.parallel.virtual_stages,
+        }
+    }
+
+    /// The run's parallel plan: `[parallel]` with the micro-batch size resolved.
+    pub fn parallel_plan(&self) -> ParallelPlan {
+        let p = &self.parallel;
+        ParallelPlan {
+            dp: p.dp,
+            tp: p.tp,
+            pp: p.pp,
+            virtual_stages: self.virtual_stages(),
+            micro_batch: self.micro_batch(),
+            schedule: p.schedule,
+            stage_units: p.stage_layers.clone(),
+            recompute: p.recompute,
+            stage_recompute: p.stage_recompute.clone(),
+            memory_budget_mb: p.memory_budget_mb,
+            zero1: p.zero == 1,
+            bucket_mb: p.bucket_mb,
+            tp_overlap: p.tp_overlap,
+        }
+    }
+
+    /// Sets the keys a plan decides (`plan_cmd::PLANNED_KEYS`: the layout, stages, schedule,
+    /// recomputation per stage, ZeRO-1 and the micro-batch size) to run `plan`; the bucket
+    /// size and the recomputation policy stay the config's.
+    pub fn apply_plan(&mut self, plan: &ParallelPlan) {
+        let p = &mut self.parallel;
+        p.dp = plan.dp;
+        p.tp = plan.tp;
+        p.pp = plan.pp;
+        p.virtual_stages = plan.virtual_stages;
+        p.schedule = plan.schedule;
+        p.stage_layers = plan.stage_units.clone();
+        p.stage_recompute = plan.stage_recompute.clone();
+        p.zero = u8::from(plan.zero1);
+        p.tp_overlap = plan.tp_overlap;
+        self.train.micro_batch = plan.micro_batch;
+    }
+}

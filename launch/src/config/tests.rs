@@ -1,0 +1,339 @@
+use super::load::*;
+use super::*;
+use toml::Value;
+
+use std::path::Path;
+
+fn sets(s: &[&str]) -> Vec<String> {
+    s.iter().map(|x| x.to_string()).collect()
+}
+
+#[test]
+fn overrides_apply_and_unknown_keys_are_named() {
+    let c = load(
+        None,
+        &sets(&["train.steps=5", "parallel.tp=2", "data.kind=synthetic"]),
+    )
+    .unwrap();
+    assert_eq!(c.train.steps, 5);
+    assert_eq!(c.parallel.tp, 2);
+    let e = load(None, &sets(&["train.stepz=5"]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("train.stepz") && e.contains("steps"), "{e}");
+    let e = load(None, &sets(&["train.steps=many"]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("train.steps"), "{e}");
+    let e = load(None, &sets(&["data.kind=books"]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("data.kind"), "{e}");
+    let e = load(None, &sets(&["train.steps"])).unwrap_err().to_string();
+    assert!(e.contains("key=value"), "{e}");
+}
+
+#[test]
+fn cuda_devices_are_a_number_or_a_list_and_only_for_cuda() {
+    use merak_burn::device::DeviceRequest;
+    let c = load(None, &sets(&["train.device=cuda", "train.cuda_device=1"])).unwrap();
+    assert_eq!(c.train.cuda_device, Some(DeviceRequest::Same(1)));
+    let c = load(
+        None,
+        &sets(&["train.device=cuda", "train.cuda_device=[1, 0]"]),
+    )
+    .unwrap();
+    assert_eq!(
+        c.train.cuda_device,
+        Some(DeviceRequest::PerLocalRank(vec![1, 0]))
+    );
+    assert_eq!(load(None, &[]).unwrap().train.cuda_device, None);
+    let e = load(None, &sets(&["train.cuda_device=1"]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("train.cuda_device") && e.contains("cpu"), "{e}");
+    let e = load(None, &sets(&["train.device=cuda", "train.cuda_device=-1"]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("train.cuda_device"), "{e}");
+}
+
+#[test]
+fn comm_is_auto_nccl_or_mpi_and_nccl_only_on_cuda() {
+    use merak_burn::comm::TransportRequest;
+    assert_eq!(load(None, &[]).unwrap().train.comm, TransportRequest::Auto);
+    let c = load(None, &sets(&["train.comm=\"mpi\""])).unwrap();
+    assert_eq!(c.train.comm, TransportRequest::Mpi);
+    let c = load(None, &sets(&["train.device=cuda", "train.comm=nccl"])).unwrap();
+    assert_eq!(c.train.comm, TransportRequest::Nccl);
+    let e = load(None, &sets(&["train.comm=nccl"]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("train.comm") && e.contains("cpu"), "{e}");
+    let e = load(None, &sets(&["train.comm=gloo"]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("train.comm") && e.contains("gloo"), "{e}");
+}
+
+#[test]
+fn presets_fill_the_shape_and_keys_override_them() {
+    let c = load(None, &sets(&["model.preset=gpt2", "model.layers=2"])).unwrap();
+    assert_eq!(c.model.gpt.hidden, 768);
+    assert_eq!(c.model.gpt.layers, 2);
+    let e = load(None, &sets(&["model.preset=gpt5"]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("model.preset") && e.contains("gpt2-xl"), "{e}");
+}
+
+/// Every leaf key of the built-in default, as (section, key, value).
+fn leaves() -> Vec<(String, String, Value)> {
+    let Value::Table(root) = default_value() else {
+        panic!("the default is a table");
+    };
+    let mut out = Vec::new();
+    for (section, table) in root {
+        let Value::Table(table) = table else {
+            panic!("{section} is a section");
+        };
+        for (key, value) in table {
+            out.push((section.clone(), key, value));
+        }
+    }
+    out
+}
+
+#[test]
+fn a_value_used_as_a_table_is_an_unknown_key_in_every_section_by_file_and_set() {
+    let e = load(None, &sets(&["model.kind.x=1"]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`model.kind.x`") && e.contains("not a table"),
+        "{e}"
+    );
+    let e = load(None, &sets(&["model.kind={x=1}"]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`model.kind.x`"), "{e}");
+    let leaves = leaves();
+    assert!(leaves.len() > 40, "{}", leaves.len());
+    for (section, key, _) in &leaves {
+        let dotted = format!("{section}.{key}.x");
+        let e = load(None, &[format!("{dotted}=1")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(&format!("`{dotted}`")), "{e}");
+        let file = format!("[{section}.{key}]\nx = 1\n");
+        let e = load_text(Some((&file, "f.toml")), &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(&format!("`{dotted}`")), "{e}");
+        // A section given a value is named too.
+        let e = load(None, &[format!("{section}=3")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(&format!("`{section}`")), "{e}");
+        let e = load_text(Some((&format!("{section} = 3"), "f.toml")), &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(&format!("`{section}`")), "{e}");
+    }
+}
+
+#[test]
+fn every_non_finite_float_is_refused_naming_its_key_by_file_and_set() {
+    let e = load(None, &sets(&["train.min_lr=nan"]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`train.min_lr`") && e.contains("finite"), "{e}");
+    let floats: Vec<_> = leaves()
+        .into_iter()
+        .filter(|(_, _, v)| matches!(v, Value::Float(_)))
+        .collect();
+    assert!(floats.len() >= 14, "{}", floats.len());
+    for (section, key, _) in floats {
+        let dotted = format!("{section}.{key}");
+        for bad in ["nan", "inf", "-inf", "+nan", "1e309", "-1e309"] {
+            let e = load(None, &[format!("{dotted}={bad}")])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(&format!("`{dotted}`")), "{bad}: {e}");
+            let file = format!("[{section}]\n{key} = {bad}\n");
+            let e = load_text(Some((&file, "f.toml")), &[])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(&format!("`{dotted}`")), "{bad}: {e}");
+        }
+    }
+    // Inside an array the element is named.
+    let e = check_finite(&parse_literal("[1.0, nan]"), "a.b")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`a.b[1]`"), "{e}");
+}
+
+#[test]
+fn a_key_twice_in_a_file_is_refused_and_the_later_set_wins() {
+    for text in [
+        "[train]\nsteps = 1\nsteps = 2\n",
+        "[train]\nsteps = 1\n[train]\nlr = 0.1\n",
+        "model = { layers = 1, layers = 2 }\n",
+    ] {
+        let e = load_text(Some((text, "twice.toml")), &[])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("twice.toml") && e.contains("duplicate"),
+            "{text}: {e}"
+        );
+    }
+    let c = load(None, &sets(&["train.steps=1", "train.steps=7"])).unwrap();
+    assert_eq!(c.train.steps, 7);
+}
+
+#[test]
+fn comm_timeout_is_bounded_by_a_year() {
+    let c = load(None, &sets(&["train.comm_timeout_s=31536000"])).unwrap();
+    assert_eq!(c.train.comm_timeout_s, MAX_COMM_TIMEOUT_S);
+    for big in ["1e300", "31536001"] {
+        let e = load(None, &[format!("train.comm_timeout_s={big}")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`train.comm_timeout_s`") && e.contains("31536000"),
+            "{e}"
+        );
+    }
+}
+
+#[test]
+fn a_validation_pass_is_bounded_by_the_data() {
+    let huge = ["data.val_every=1", "data.val_batches=1000000000"];
+    let e = load(None, &sets(&huge)).unwrap_err().to_string();
+    for part in ["`data.val_batches`", "8000000000 sequences", "(65536)"] {
+        assert!(e.contains(part), "{part:?} not in {e}");
+    }
+    // Unused without validation.
+    load(None, &sets(&["data.val_batches=1000000000"])).unwrap();
+    let e = load(
+        None,
+        &sets(&["data.val_every=1", "data.val_batches=9223372036854775807"]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("more than 2^64"), "{e}");
+    // Tokens: as many windows as a pass reads, not one more.
+    let c = load(None, &sets(&["data.val_every=1", "data.val_batches=2"])).unwrap();
+    c.validate_val_windows(16).unwrap();
+    let e = c.validate_val_windows(15).unwrap_err().to_string();
+    assert!(e.contains("16 sequences") && e.contains("(15)"), "{e}");
+}
+
+#[test]
+fn products_of_degrees_that_overflow_are_refused() {
+    let e = load(
+        None,
+        &sets(&[
+            "train.global_batch=4611686018427387904",
+            "parallel.dp=4611686018427387904",
+            "parallel.tp=4",
+        ]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("`parallel.dp`") && e.contains("overflows"),
+        "{e}"
+    );
+    let e = load(
+        None,
+        &sets(&[
+            "parallel.pp=4",
+            "parallel.schedule=interleaved",
+            "parallel.virtual_stages=9223372036854775807",
+        ]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("`parallel.virtual_stages`"), "{e}");
+}
+
+#[test]
+fn optimizer_keys_are_checked_and_named() {
+    use merak_burn::train::{LrScheduleKind, OptimizerKind};
+    let c = load(None, &[]).unwrap();
+    assert_eq!(c.optimizer, merak_burn::train::OptimizerSettings::default());
+    let c = load(
+        None,
+        &sets(&[
+            "optimizer.kind=sgd",
+            "optimizer.momentum=0.9",
+            "optimizer.nesterov=true",
+            "optimizer.schedule=wsd",
+            "optimizer.decay_steps=20",
+        ]),
+    )
+    .unwrap();
+    assert_eq!(c.optimizer.kind, OptimizerKind::Sgd);
+    assert_eq!(c.optimizer.schedule, LrScheduleKind::Wsd);
+    let s = c.train_settings();
+    assert_eq!((s.optimizer.momentum, s.optimizer.decay_steps), (0.9, 20));
+    for (set, key, part) in [
+        (vec!["optimizer.kind=lion"], "`optimizer.kind`", "lion"),
+        (
+            vec!["optimizer.kind=muon"],
+            "`optimizer.kind`",
+            "whole matrices",
+        ),
+        (
+            vec!["optimizer.schedule=step"],
+            "`optimizer.schedule`",
+            "step",
+        ),
+        (
+            vec!["optimizer.kind=sgd", "optimizer.momentum=1.5"],
+            "`optimizer.momentum`",
+            "1.5 must be in [0, 1)",
+        ),
+        (
+            vec!["optimizer.momentum=0.9"],
+            "`optimizer.momentum`",
+            "does not use it",
+        ),
+        (
+            vec!["optimizer.kind=sgd", "optimizer.nesterov=true"],
+            "`optimizer.nesterov`",
+            "momentum > 0",
+        ),
+        (
+            vec!["optimizer.schedule=wsd"],
+            "`optimizer.decay_steps`",
+            "at least 1",
+        ),
+        (
+            vec!["optimizer.schedule=linear", "train.warmup_steps=300"],
+            "`train.warmup_steps`",
+            "longer than the run",
+        ),
+        (
+            vec!["optimizer.kind=rmsprop", "optimizer.alpha=-0.5"],
+            "`optimizer.alpha`",
+            "-0.5",
+        ),
+    ] {
+        let e = load(None, &sets(&set)).unwrap_err().to_string();
+        assert!(e.contains(key) && e.contains(part), "{set:?}: {e}");
+    }
+    let file = "[optimizer]\nkind = \"adagrad\"\nlr_decay = 0.01\n";
+    let c = load_text(Some((file, "f.toml")), &[]).unwrap();
+    assert_eq!(c.optimizer.kind, OptimizerKind::AdaGrad);
+}
+
+#[test]
+fn the_shipped_config_loads() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/gpt-tiny.toml");
+    let c = load(Some(&path), &[]).unwrap();
+    assert_eq!(c.model.gpt.heads, 4);
+}

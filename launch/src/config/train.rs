@@ -1,0 +1,235 @@
+//! `[train]` and `[optimizer]`: steps, batch, learning rate, clipping, device; the library's
+//! [`TrainSettings`] they give.
+
+use merak_burn::train::TrainSettings;
+use serde::{Deserialize, Serialize};
+
+use super::{Config, ConfigError, MAX_COMM_TIMEOUT_S, bad, shown};
+
+/// `[train]`: optimization.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainSection {
+    /// Optimizer steps.
+    pub steps: usize,
+    /// Sequences per optimizer step, over all data-parallel ranks.
+    pub global_batch: usize,
+    /// Sequences per forward/backward pass on one rank; 0 means the rank's whole share
+    /// (`global_batch / dp`) without a pipeline and 1 with one (pp > 1). Gradients are accumulated over the micro-batches, so every
+    /// layout trains on the same global batch.
+    pub micro_batch: usize,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Final learning rate of the schedule's decay (`optimizer.schedule`: cosine, linear or
+    /// WSD; unused by constant).
+    pub min_lr: f64,
+    /// Linear warm-up steps.
+    pub warmup_steps: usize,
+    /// Weight decay: decoupled for AdamW, L2 (added to the gradient) for the other
+    /// optimizers; norms and biases get none by default.
+    pub weight_decay: f64,
+    /// Beta 1 of AdamW and Adam.
+    pub beta1: f64,
+    /// Beta 2 of AdamW and Adam.
+    pub beta2: f64,
+    /// Epsilon of AdamW, Adam, AdaGrad and RMSProp.
+    pub eps: f64,
+    /// Clip gradients to this global norm (0 disables clipping).
+    pub grad_clip: f64,
+    /// On a NaN or infinite loss, skip the step (true) instead of stopping (false).
+    pub skip_nonfinite: bool,
+    /// GPT: after training, continue a held-out prompt by this many tokens and print it
+    /// (0: no sample).
+    pub sample_tokens: usize,
+    /// Temperature of that sample's top-40 sampling (seeded by train.seed); 0 is greedy.
+    pub sample_temperature: f64,
+    /// Seed of initialization, data and dropout.
+    pub seed: u64,
+    /// Device: "cpu" or "cuda" (needs the `cuda` build feature).
+    pub device: String,
+    /// Compute precision: "fp32", or "bf16" (bf16 compute and activations over f32 master
+    /// weights, gradients, reduction, optimizer state and checkpoints).
+    pub precision: merak_burn::precision::Precision,
+    /// What carries messages between ranks: "auto" (NCCL on CUDA when every rank has a GPU of
+    /// its own, MPI otherwise), "nccl" (an error where NCCL cannot run) or "mpi".
+    pub comm: merak_burn::comm::TransportRequest,
+    /// With `device = "cuda"`: a device number that every rank of a node uses, or a list of
+    /// them indexed by the rank's local rank; unset, local rank `r` uses device `r` (ranks
+    /// share devices round-robin when a node has fewer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cuda_device: Option<merak_burn::device::DeviceRequest>,
+    /// A rank blocked in one communication call longer than this many seconds (plus the
+    /// message's time at 100 MB/s) names the call and its peers and aborts the job; 0: wait
+    /// forever.
+    pub comm_timeout_s: f64,
+}
+
+impl Config {
+    /// The library's training settings of this config.
+    pub fn train_settings(&self) -> TrainSettings {
+        let t = &self.train;
+        TrainSettings {
+            steps: t.steps,
+            global_batch: t.global_batch,
+            seq_len: self.model.gpt.seq_len,
+            lr: t.lr,
+            min_lr: t.min_lr,
+            warmup_steps: t.warmup_steps,
+            weight_decay: t.weight_decay,
+            beta1: t.beta1,
+            beta2: t.beta2,
+            eps: t.eps,
+            grad_clip: t.grad_clip,
+            skip_nonfinite: t.skip_nonfinite,
+            seed: t.seed,
+            val_every: self.data.val_every,
+            val_batches: self.data.val_batches,
+            precision: self.train.precision,
+            optimizer: self.optimizer.clone(),
+        }
+    }
+
+    /// `[train]`: steps, learning rates, betas, clipping and device in range.
+    pub(super) fn validate_train(&self) -> Result<(), ConfigError> {
+        if self.train.steps == 0 {
+            return bad("train.steps", "must be at least 1".into());
+        }
+        if self.train.global_batch == 0 {
+            return bad("train.global_batch", "must be at least 1".into());
+        }
+        if !(self.train.lr > 0.0 && self.train.lr.is_finite()) {
+            return bad(
+                "train.lr",
+                format!("{} must be a positive number", shown(self.train.lr)),
+            );
+        }
+        if self.train.min_lr < 0.0 || self.train.min_lr > self.train.lr {
+            return bad(
+                "train.min_lr",
+                format!(
+                    "{} must be in [0, train.lr = {}]",
+                    self.train.min_lr, self.train.lr
+                ),
+            );
+        }
+        for (key, b) in [
+            ("train.beta1", self.train.beta1),
+            ("train.beta2", self.train.beta2),
+        ] {
+            if !(0.0..1.0).contains(&b) {
+                return bad(key, format!("{b} must be in [0, 1)"));
+            }
+        }
+        let t = &self.train;
+        for (key, v, ok, range) in [
+            ("train.grad_clip", t.grad_clip, t.grad_clip >= 0.0, ">= 0"),
+            (
+                "train.weight_decay",
+                t.weight_decay,
+                t.weight_decay >= 0.0,
+                ">= 0",
+            ),
+            ("train.eps", t.eps, t.eps > 0.0, "> 0"),
+            (
+                "train.comm_timeout_s",
+                t.comm_timeout_s,
+                (0.0..=MAX_COMM_TIMEOUT_S).contains(&t.comm_timeout_s),
+                "in [0, 31536000] (a year; 0: no limit)",
+            ),
+            (
+                "train.sample_temperature",
+                t.sample_temperature,
+                t.sample_temperature >= 0.0,
+                ">= 0 (0: greedy)",
+            ),
+        ] {
+            if !(ok && v.is_finite()) {
+                return bad(key, format!("{} must be a finite number {range}", shown(v)));
+            }
+        }
+        if t.sample_tokens > self.model.gpt.seq_len {
+            return bad(
+                "train.sample_tokens",
+                format!(
+                    "{} is more than the model's context (model.seq_len = {})",
+                    t.sample_tokens, self.model.gpt.seq_len
+                ),
+            );
+        }
+        if !matches!(self.train.device.as_str(), "cpu" | "cuda") {
+            return bad(
+                "train.device",
+                format!("`{}` is not a device (cpu or cuda)", self.train.device),
+            );
+        }
+        if self.train.comm == merak_burn::comm::TransportRequest::Nccl
+            && self.train.device != "cuda"
+        {
+            return bad(
+                "train.comm",
+                format!(
+                    "is \"nccl\", but train.device = \"{}\" (NCCL moves GPU memory; use \"mpi\" \
+                     or \"auto\")",
+                    self.train.device
+                ),
+            );
+        }
+        if self.train.cuda_device.is_some() && self.train.device != "cuda" {
+            return bad(
+                "train.cuda_device",
+                format!(
+                    "is set, but train.device = \"{}\" (it chooses CUDA devices)",
+                    self.train.device
+                ),
+            );
+        }
+        Ok(())
+    }
+
+    /// `[optimizer]` and the schedule against `[train]`: the trainer's own checks
+    /// ([`merak_burn::train::check_settings`]), with the config's key named.
+    pub(super) fn validate_optimizer(&self) -> Result<(), ConfigError> {
+        let Err(e) = merak_burn::train::check_settings(&self.train_settings()) else {
+            return Ok(());
+        };
+        let key = if e.key.starts_with("optimizer.") {
+            e.key.clone()
+        } else {
+            format!("train.{}", e.key)
+        };
+        let sep = if e.reason.starts_with("must") {
+            ""
+        } else {
+            ":"
+        };
+        bad(&key, format!("{}{sep} {}", e.value, e.reason))
+    }
+
+    /// The batch splits over the data-parallel ranks and micro-batches.
+    pub(super) fn validate_batch(&self) -> Result<(), ConfigError> {
+        if !self
+            .train
+            .global_batch
+            .is_multiple_of(self.parallel.dp.max(1))
+        {
+            return bad(
+                "train.global_batch",
+                format!(
+                    "{} is not divisible by parallel.dp = {}",
+                    self.train.global_batch, self.parallel.dp
+                ),
+            );
+        }
+        let local = self.train.global_batch / self.parallel.dp.max(1);
+        if self.train.micro_batch > 0 && !local.is_multiple_of(self.train.micro_batch) {
+            return bad(
+                "train.micro_batch",
+                format!(
+                    "{} does not divide the per-rank batch {} (train.global_batch = {} / parallel.dp = {})",
+                    self.train.micro_batch, local, self.train.global_batch, self.parallel.dp
+                ),
+            );
+        }
+        Ok(())
+    }
+}
