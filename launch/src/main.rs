@@ -15,7 +15,6 @@ mod plan_cmd;
 mod plot;
 mod prepare_data;
 mod probe;
-mod probe_overlap;
 mod reference;
 mod resolve;
 mod spawn;
