@@ -1,0 +1,136 @@
+//! `merak plan` and `merak simulate`: the planner on the command line (pure computation, no MPI).
+
+mod plan;
+mod simulate;
+#[cfg(test)]
+mod tests;
+
+use anyhow::{Context, Result, bail};
+use merak_burn::planner::Calibration;
+use merak_burn::planner::{HardwareSpec, ModelProxy, Plan, Prediction, TransformerShape};
+
+pub use plan::{PLANNED_KEYS, PlanArgs, auto_plan, plan};
+#[cfg(test)]
+pub(crate) use simulate::parse_layout;
+pub use simulate::{SimulateArgs, simulate};
+
+/// The model and machines both commands take.
+#[derive(clap::Args, Debug)]
+pub struct Target {
+    /// A preset (`gpt-8.3b`, `gpt2`, ...) or an inline shape such as
+    /// `gpt:layers=48,hidden=8192,heads=64,seq=2048,vocab=51200`.
+    #[arg(long)]
+    pub model: String,
+    /// Override the model's sequence length.
+    #[arg(long)]
+    pub seq: Option<usize>,
+    /// Devices.
+    #[arg(long)]
+    pub gpus: usize,
+    /// A hardware preset (a100-80g, h100-80g, local-cpu) or a TOML file.
+    #[arg(long, default_value = "a100-80g")]
+    pub hardware: String,
+    /// Sequences per step.
+    #[arg(long)]
+    pub global_batch: usize,
+    /// Memory budget per device in GiB (default: the device's memory).
+    #[arg(long)]
+    pub memory_gib: Option<f64>,
+    /// Print JSON instead of tables.
+    #[arg(long)]
+    pub json: bool,
+    /// Measured layer times of this model from `merak profile` (used instead of FLOPs over the
+    /// hardware's rate where they apply).
+    #[arg(long)]
+    pub calibration: Option<std::path::PathBuf>,
+}
+
+/// The model, hardware and calibration of `t`, refusing (before the per-unit proxy is built)
+/// a model of more than `max_units` units.
+pub(super) fn resolve(
+    t: &Target,
+    max_units: usize,
+) -> Result<(
+    TransformerShape,
+    ModelProxy,
+    HardwareSpec,
+    Option<Calibration>,
+)> {
+    if let Some(g) = t.memory_gib
+        && !(g > 0.0 && g.is_finite())
+    {
+        bail!("--memory-gib {g}: must be a positive number of GiB per device");
+    }
+    let mut shape: TransformerShape = t
+        .model
+        .parse()
+        .with_context(|| format!("--model {:?}", t.model))?;
+    if let Some(seq) = t.seq {
+        shape.seq = seq;
+    }
+    shape
+        .validate()
+        .with_context(|| format!("--model {:?}", t.model))?;
+    let units = shape.layers.saturating_add(2);
+    if units > max_units {
+        bail!(
+            "--model {:?}: {units} units (layers + embedding + head), the limit is {max_units}",
+            t.model
+        );
+    }
+    let hw = HardwareSpec::load(&t.hardware)
+        .with_context(|| format!("--hardware {:?}", t.hardware))?
+        .with_devices(t.gpus);
+    if t.gpus == 0 || t.global_batch == 0 {
+        bail!("--gpus and --global-batch must be at least 1");
+    }
+    let cal = t
+        .calibration
+        .as_deref()
+        .map(|path| Calibration::read(path, &shape))
+        .transpose()?;
+    Ok((shape, ModelProxy::from_shape(shape), hw, cal))
+}
+
+pub(super) fn gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}
+
+/// One line describing a plan.
+pub(super) fn describe(p: &Plan) -> String {
+    let l = &p.layout;
+    format!(
+        "dp={} tp={} pp={} v={} mbs={} m={} {} recompute={} zero1={} overlap={}",
+        l.dp,
+        l.tp,
+        l.pp,
+        l.virtual_stages,
+        l.micro_batch,
+        l.micro_batches,
+        l.schedule,
+        p.policy,
+        l.zero1,
+        l.tp_overlap
+    )
+}
+
+pub(super) fn print_prediction(p: &Prediction) {
+    println!(
+        "  step time {:.3} s, {:.1} TFLOP/s per device, peak memory per stage (GiB): {}",
+        p.step_time_s,
+        p.tflops_per_gpu,
+        p.peak_memory_bytes
+            .iter()
+            .map(|&b| format!("{:.1}", gib(b)))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    println!("  breakdown:");
+    for (k, v) in &p.breakdown {
+        if k.ends_with("_bytes") {
+            println!("    {k:<22} {:>10.2} GiB", v / (1u64 << 30) as f64);
+        } else {
+            println!("    {k:<22} {v:>10.4} s");
+        }
+    }
+}

@@ -1,0 +1,186 @@
+//! `merak plan`: the planner's search for a model on a cluster, and `merak train --plan auto`.
+
+use anyhow::{Context, Result, bail};
+use merak_burn::pipeline::ScheduleKind;
+use merak_burn::planner::Calibration;
+use merak_burn::planner::{
+    HardwareSpec, MAX_SEARCH_UNITS, ModelProxy, PlanFile, SearchOptions, SearchProgress,
+    SearchResult, search_calibrated, search_with_progress,
+};
+
+use super::*;
+
+/// Arguments of `merak plan`.
+#[derive(clap::Args, Debug)]
+pub struct PlanArgs {
+    #[command(flatten)]
+    target: Target,
+    /// Also print the Pareto set of (step time, peak memory).
+    #[arg(long)]
+    pareto: bool,
+    /// Write the best plan as JSON here.
+    #[arg(long)]
+    output: Option<std::path::PathBuf>,
+    /// Sub-pipelining degrees of tensor parallelism to search (comma-separated), within the
+    /// hardware's `max_tp_overlap`.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    tp_overlap: Vec<usize>,
+    /// Pipeline schedules to search (comma-separated). By default every schedule that trains
+    /// like one process; add `2bw` to search PipeDream-2BW, whose delayed update changes the
+    /// training.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "gpipe,1f1b,interleaved,shifted-critical-path,zb-h1,zb-v"
+    )]
+    schedules: Vec<ScheduleKind>,
+}
+
+/// The search, with a progress bar on stderr when it is a terminal (shown after a second, so
+/// quick searches print nothing). Ctrl-C stops it (the default SIGINT: `merak plan` holds no
+/// state).
+pub(super) fn search_shown(
+    model: &ModelProxy,
+    hw: &HardwareSpec,
+    cal: Option<&Calibration>,
+    options: &SearchOptions,
+) -> Result<SearchResult> {
+    use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+    if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        return Ok(search_calibrated(model, hw, cal, options)?);
+    }
+    let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::hidden());
+    if let Ok(style) = ProgressStyle::with_template("{msg} {bar:30} {pos}/{len} ({elapsed})") {
+        bar.set_style(style);
+    }
+    let start = std::time::Instant::now();
+    let mut phase = "";
+    let mut show = |p: SearchProgress| {
+        if bar.is_hidden() && start.elapsed().as_secs_f64() > 1.0 {
+            bar.set_draw_target(ProgressDrawTarget::stderr());
+        }
+        if p.phase != phase {
+            phase = p.phase;
+            bar.set_length(p.total as u64);
+            bar.set_message(p.phase);
+        }
+        bar.set_position(p.done as u64);
+    };
+    let result = search_with_progress(model, hw, cal, options, &mut show);
+    bar.finish_and_clear();
+    Ok(result?)
+}
+
+/// `merak plan`: the fastest plan, the runner-ups and optionally the Pareto set.
+pub fn plan(a: &PlanArgs) -> Result<()> {
+    if let Some(path) = &a.output {
+        crate::output_file(path, "--output")?;
+    }
+    let (shape, model, hw, cal) = resolve(&a.target, MAX_SEARCH_UNITS)?;
+    let mut options = SearchOptions::new(a.target.gpus, a.target.global_batch);
+    if a.tp_overlap.contains(&0) {
+        bail!("--tp-overlap: degrees must be at least 1 (1: no overlap)");
+    }
+    options.tp_overlap.clone_from(&a.tp_overlap);
+    options.schedules.clone_from(&a.schedules);
+    options.memory_budget_bytes = a
+        .target
+        .memory_gib
+        .map(|g| (g * (1u64 << 30) as f64) as u64);
+    let t0 = std::time::Instant::now();
+    let result = search_shown(&model, &hw, cal.as_ref(), &options)?;
+    let secs = t0.elapsed().as_secs_f64();
+    if let Some(path) = &a.output {
+        PlanFile::new(
+            shape,
+            &a.target.hardware,
+            a.target.gpus,
+            result.best.clone(),
+        )
+        .write(path)?;
+    }
+    if a.target.json {
+        println!("{}", serde_json::to_string_pretty(&result)?);
+        return Ok(());
+    }
+    println!(
+        "{} ({:.2}B parameters) on {} x {}, global batch {}: {} layouts considered, {} fit, {} simulated, in {secs:.2} s",
+        model.name,
+        model.params() as f64 / 1e9,
+        a.target.gpus,
+        a.target.hardware,
+        a.target.global_batch,
+        result.considered,
+        result.feasible,
+        result.predicted
+    );
+    println!("best: {}", describe(&result.best));
+    print_prediction(&result.best.prediction);
+    println!("runner-ups:");
+    for p in &result.runner_ups {
+        println!(
+            "  {:>8.3} s {:>7.1} TFLOP/s {:>7.1} GiB  {}",
+            p.prediction.step_time_s,
+            p.prediction.tflops_per_gpu,
+            gib(p.prediction.max_memory_bytes()),
+            describe(p)
+        );
+    }
+    if a.pareto {
+        println!("Pareto set (step time, peak memory per device):");
+        for p in &result.pareto {
+            println!(
+                "  {:>8.3} s {:>7.1} GiB  {}",
+                p.prediction.step_time_s,
+                gib(p.prediction.max_memory_bytes()),
+                describe(p)
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The config keys a plan sets.
+pub const PLANNED_KEYS: [&str; 10] = [
+    "train.micro_batch",
+    "parallel.dp",
+    "parallel.tp",
+    "parallel.pp",
+    "parallel.virtual_stages",
+    "parallel.schedule",
+    "parallel.stage_layers",
+    "parallel.stage_recompute",
+    "parallel.zero",
+    "parallel.tp_overlap",
+];
+
+/// `merak train --plan auto`: probes this machine with every rank of the launch (a quick
+/// [`crate::probe::measure`]), reads the calibration if one is given, and searches the plans of
+/// `cfg`'s model for the launched world size and global batch. Every rank computes the same
+/// plan (the probe's numbers are agreed between ranks).
+pub fn auto_plan(
+    cfg: &crate::config::Config,
+    world: Option<&merak_burn::comm::MpiCommunicator>,
+    calibration: Option<&std::path::Path>,
+) -> Result<PlanFile> {
+    use merak_burn::comm::Communicator;
+    let gpus = world.map_or(1, |w| w.size());
+    let shape = cfg.shape()?;
+    if shape.layers.saturating_add(2) > MAX_SEARCH_UNITS {
+        bail!(
+            "model.layers = {}: --plan auto searches models of at most {} layers (the planner's \
+             limit of {MAX_SEARCH_UNITS} units)",
+            shape.layers,
+            MAX_SEARCH_UNITS - 2
+        );
+    }
+    let hw = crate::probe::measure(world, 3)?;
+    let cal = calibration
+        .map(|path| Calibration::read(path, &shape))
+        .transpose()?;
+    let model = ModelProxy::from_shape(shape);
+    let options = SearchOptions::new(gpus, cfg.train.global_batch);
+    let result = search_calibrated(&model, &hw, cal.as_ref(), &options)
+        .with_context(|| format!("planning {shape} on {gpus} ranks of this machine"))?;
+    Ok(PlanFile::new(shape, &hw.name, gpus, result.best))
+}

@@ -1,0 +1,252 @@
+//! `merak simulate`: one layout's predicted step, and the layout strings both commands read.
+
+use anyhow::{Context, Result, bail};
+use merak_burn::pipeline::{ScheduleKind, balanced_partition, build_schedule};
+use merak_burn::planner::{CostModel, Layout, ModelProxy, PlanFile, RecomputeMode};
+
+use super::*;
+
+/// Arguments of `merak simulate`.
+#[derive(clap::Args, Debug)]
+pub struct SimulateArgs {
+    #[command(flatten)]
+    target: Target,
+    /// The layout, e.g. `dp=32,tp=8,pp=2,v=1,mbs=4,recompute=full,schedule=1f1b,zero=0,overlap=1`.
+    #[arg(long, required_unless_present = "plan", conflicts_with = "plan")]
+    layout: Option<String>,
+    /// A plan written by `merak plan --output` (instead of `--layout`).
+    #[arg(long)]
+    plan: Option<std::path::PathBuf>,
+    /// Write the Chrome trace (open in Perfetto) of one predicted pipeline step here.
+    #[arg(long)]
+    trace: Option<std::path::PathBuf>,
+}
+
+/// The most units (layers + embedding + head) `merak simulate` costs: one layout, but the
+/// model proxy takes about 140 bytes per unit.
+pub(super) const MAX_SIMULATED_UNITS: usize = 1 << 20;
+
+/// The keys of `--layout`, in the order of its help.
+pub(super) const LAYOUT_KEYS: [&str; 9] = [
+    "dp",
+    "tp",
+    "pp",
+    "v",
+    "mbs",
+    "schedule",
+    "recompute",
+    "zero",
+    "overlap",
+];
+
+/// Splits `--layout` text into its `key=value` pairs, refusing an unknown or repeated key.
+pub(super) fn layout_pairs(text: &str) -> Result<Vec<(&'static str, &str)>> {
+    let mut pairs: Vec<(&'static str, &str)> = Vec::new();
+    for part in text.split(',').filter(|p| !p.is_empty()) {
+        let (k, val) = part
+            .split_once('=')
+            .with_context(|| format!("--layout: `{part}` is not key=value"))?;
+        let Some(&key) = LAYOUT_KEYS.iter().find(|&&known| known == k.trim()) else {
+            bail!(
+                "--layout: unknown key `{}` (dp, tp, pp, v, mbs, schedule, recompute, zero, \
+                 overlap)",
+                k.trim()
+            );
+        };
+        if let Some((_, first)) = pairs.iter().find(|(seen, _)| *seen == key) {
+            bail!("--layout: `{key}` is given twice ({key}={first} and {key}={val})");
+        }
+        pairs.push((key, val.trim()));
+    }
+    Ok(pairs)
+}
+
+/// The number of `--layout` key `key`: `dp`, `tp`, `pp`, `v`, `mbs` and `overlap` at least 1,
+/// `zero` 0 or 1.
+pub(super) fn layout_number(key: &str, val: &str) -> Result<usize> {
+    let n = val
+        .parse::<usize>()
+        .with_context(|| format!("--layout: {key}={val} is not a number"))?;
+    match key {
+        "zero" if n > 1 => bail!("--layout: zero={n} is not a supported ZeRO stage (0 or 1)"),
+        "zero" => Ok(n),
+        _ if n == 0 => bail!("--layout: {key}=0 must be at least 1"),
+        _ => Ok(n),
+    }
+}
+
+/// Parses `key=value,...` into a layout of `model` for `global_batch` sequences on `gpus`
+/// devices; every value is range-checked, as `merak train` checks `parallel.*`.
+pub(crate) fn parse_layout(
+    text: &str,
+    model: &ModelProxy,
+    gpus: usize,
+    global_batch: usize,
+) -> Result<Layout> {
+    let (mut dp, mut tp, mut pp, mut v, mut mbs) = (1, 1, 1, 1, 1);
+    let mut recompute = RecomputeMode::None;
+    let mut schedule = ScheduleKind::OneFOneB;
+    let mut zero1 = false;
+    let mut tp_overlap = 1;
+    for (key, val) in layout_pairs(text)? {
+        match key {
+            "schedule" => {
+                schedule = val
+                    .parse()
+                    .with_context(|| format!("--layout: schedule={val}"))?
+            }
+            "recompute" => {
+                recompute = match val {
+                    "none" => RecomputeMode::None,
+                    "selective" => RecomputeMode::Selective,
+                    "full" => RecomputeMode::Full,
+                    other => bail!("--layout: recompute={other} (none, selective or full)"),
+                }
+            }
+            _ => {
+                let n = layout_number(key, val)?;
+                match key {
+                    "dp" => dp = n,
+                    "tp" => tp = n,
+                    "pp" => pp = n,
+                    "v" => v = n,
+                    "mbs" => mbs = n,
+                    "zero" => zero1 = n == 1,
+                    _ => tp_overlap = n,
+                }
+            }
+        }
+    }
+    check_layout_fits(model, [dp, tp, pp, v], gpus)?;
+    if !global_batch.is_multiple_of(dp * mbs) {
+        bail!(
+            "--layout: dp * mbs = {} does not divide --global-batch {global_batch}",
+            dp * mbs
+        );
+    }
+    if let Err(tokens) = model.splits_tokens(mbs, tp_overlap) {
+        bail!(
+            "--layout: overlap={tp_overlap} does not divide the {tokens} tokens of a micro-batch"
+        );
+    }
+    let stages = pp * v;
+    let costs: Vec<f64> = model
+        .units
+        .iter()
+        .map(|u| u.forward_flops + u.backward_flops)
+        .collect();
+    let partition = balanced_partition(&costs, stages)
+        .with_context(|| format!("--layout: pp = {pp} x v = {v} stages"))?;
+    Ok(Layout {
+        dp,
+        tp,
+        pp,
+        virtual_stages: v,
+        micro_batch: mbs,
+        micro_batches: global_batch / (dp * mbs),
+        schedule,
+        recompute: vec![recompute; stages],
+        zero1,
+        partition,
+        tp_overlap,
+    })
+}
+
+/// The degrees `[dp, tp, pp, v]` against the devices and the model: `dp x tp x pp = gpus`,
+/// `tp` dividing the heads, at most as many stages `pp x v` as units.
+pub(super) fn check_layout_fits(
+    model: &ModelProxy,
+    [dp, tp, pp, v]: [usize; 4],
+    gpus: usize,
+) -> Result<()> {
+    let product = dp.checked_mul(tp).and_then(|n| n.checked_mul(pp));
+    if product != Some(gpus) {
+        let shown = product.map_or_else(|| "more than 2^64".into(), |n| n.to_string());
+        bail!("--layout uses dp * tp * pp = {shown} devices, --gpus is {gpus}");
+    }
+    if !model.heads.is_multiple_of(tp) {
+        bail!(
+            "--layout: tp={tp} does not divide the model's {} heads",
+            model.heads
+        );
+    }
+    let units = model.num_units();
+    if pp.checked_mul(v).is_none_or(|stages| stages > units) {
+        bail!("--layout: pp * v = {pp} x {v} stages, more than the model's {units} units");
+    }
+    Ok(())
+}
+
+/// `merak simulate`: the predicted time breakdown and memory of one layout.
+pub fn simulate(a: &SimulateArgs) -> Result<()> {
+    if let Some(path) = &a.trace {
+        crate::output_file(path, "--trace")?;
+    }
+    let (shape, model, hw, cal) = resolve(&a.target, MAX_SIMULATED_UNITS)?;
+    let layout = match (&a.layout, &a.plan) {
+        (Some(text), _) => parse_layout(text, &model, a.target.gpus, a.target.global_batch)?,
+        (None, Some(path)) => {
+            let file = PlanFile::read(path)?;
+            file.check_job(path, &shape, a.target.gpus, a.target.global_batch)?;
+            file.plan.layout
+        }
+        (None, None) => bail!("give --layout or --plan"),
+    };
+    let cm = match &cal {
+        Some(c) => CostModel::new(&model, &hw).with_calibration(c),
+        None => CostModel::new(&model, &hw),
+    };
+    let prediction = cm.predict(&layout)?;
+    if let Some(path) = &a.trace {
+        let flags: Vec<bool> = layout
+            .recompute
+            .iter()
+            .map(|&m| m == RecomputeMode::Full)
+            .collect();
+        let schedule = build_schedule(
+            layout.schedule,
+            layout.pp,
+            layout.micro_batches,
+            layout.virtual_stages,
+            &flags,
+        )?;
+        let sim = merak_burn::pipeline::simulate(&schedule, &cm.stage_costs(&layout)?, 1)?;
+        merak_burn::pipeline::write_chrome_trace(path, &sim.trace_events())?;
+        if !a.target.json {
+            println!("trace of one predicted step: {}", path.display());
+        }
+    }
+    if a.target.json {
+        let json = serde_json::json!({ "layout": layout, "prediction": prediction });
+        println!("{}", serde_json::to_string_pretty(&json)?);
+        return Ok(());
+    }
+    println!(
+        "{} on {} x {}: dp={} tp={} pp={} v={} mbs={} m={} {} zero1={} overlap={}",
+        model.name,
+        a.target.gpus,
+        a.target.hardware,
+        layout.dp,
+        layout.tp,
+        layout.pp,
+        layout.virtual_stages,
+        layout.micro_batch,
+        layout.micro_batches,
+        layout.schedule,
+        layout.zero1,
+        layout.tp_overlap
+    );
+    print_prediction(&prediction);
+    let budget = a
+        .target
+        .memory_gib
+        .map_or(hw.memory_bytes, |g| (g * (1u64 << 30) as f64) as u64);
+    if prediction.max_memory_bytes() > budget {
+        println!(
+            "  does NOT fit: {:.1} GiB needed, {:.1} GiB per device",
+            gib(prediction.max_memory_bytes()),
+            gib(budget)
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,52 @@
+use super::simulate::*;
+use super::*;
+
+fn gpt2() -> ModelProxy {
+    ModelProxy::parse("gpt2").expect("preset")
+}
+
+fn refused(text: &str) -> String {
+    parse_layout(text, &gpt2(), 8, 8)
+        .expect_err(text)
+        .to_string()
+}
+
+#[test]
+fn a_layout_key_given_twice_is_refused_naming_it() {
+    let e = refused("dp=2,dp=4,tp=2");
+    assert!(
+        e.contains("`dp` is given twice") && e.contains("dp=4"),
+        "{e}"
+    );
+    let e = refused("dp=8,schedule=gpipe,schedule=1f1b");
+    assert!(e.contains("`schedule` is given twice"), "{e}");
+}
+
+#[test]
+fn every_layout_value_is_range_checked() {
+    for (text, part) in [
+        (
+            "dp=8,zero=5",
+            "zero=5 is not a supported ZeRO stage (0 or 1)",
+        ),
+        ("dp=8,mbs=0", "mbs=0 must be at least 1"),
+        ("dp=0", "dp=0 must be at least 1"),
+        ("dp=8,v=0", "v=0 must be at least 1"),
+        ("dp=4,tp=2,overlap=0", "overlap=0 must be at least 1"),
+        ("dp=1,tp=8", "tp=8 does not divide the model's 12 heads"),
+        ("dp=1,pp=8,v=2", "more than the model's 14 units"),
+        (
+            "dp=2,tp=2,pp=2,v=9223372036854775807",
+            "more than the model's 14 units",
+        ),
+        ("dp=4611686018427387904,tp=4", "more than 2^64"),
+        ("dp=4,tp=2,overlap=3", "overlap=3 does not divide"),
+        ("dp=8,schedule=fast", "--layout: schedule=fast"),
+        ("dp=8,speed=1", "unknown key `speed`"),
+    ] {
+        let e = refused(text);
+        assert!(e.contains(part), "{text}: {part:?} not in {e}");
+    }
+    let l = parse_layout("dp=4,tp=2,zero=1,overlap=2", &gpt2(), 8, 8).expect("valid");
+    assert!(l.zero1 && l.tp_overlap == 2 && l.micro_batches == 2);
+}
