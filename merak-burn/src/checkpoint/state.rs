@@ -85,11 +85,51 @@ impl Path {
     }
 }
 
+/// A visitor of a module's float parameters by their names (`blocks.0.attn.qkv.weight`).
+trait NamedVisitor<B: Backend> {
+    /// Visits the parameter called `name`.
+    fn visit_named<const D: usize>(&mut self, name: String, param: &Param<Tensor<B, D>>);
+}
+
+/// Runs a [`NamedVisitor`] over a module, keeping track of the parameters' names.
+struct Named<V> {
+    path: Path,
+    inner: V,
+}
+
+impl<V> Named<V> {
+    /// `inner`, to be visited with names ([`visit_with_names`]).
+    fn new(inner: V) -> Self {
+        Self {
+            path: Path::default(),
+            inner,
+        }
+    }
+}
+
+impl<B: Backend, V: NamedVisitor<B>> ModuleVisitor<B> for Named<V> {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.enter(name);
+    }
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.exit();
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        self.inner.visit_named(self.path.name(), param);
+    }
+}
+
+/// `visitor` after visiting every float parameter of `module` with its name.
+fn visit_with_names<B: Backend, M: Module<B>, V: NamedVisitor<B>>(module: &M, visitor: V) -> V {
+    let mut named = Named::new(visitor);
+    module.visit(&mut named);
+    named.inner
+}
+
 struct Collect<'a, B: AutodiffBackend, O: StateSlots<B::InnerBackend>>
 where
     B::InnerBackend: FusedOps,
 {
-    path: Path,
     records: &'a OptimizerRecords<O, B>,
     optim: &'a O,
     moments: Vec<(String, Moments)>,
@@ -112,18 +152,11 @@ where
     }
 }
 
-impl<B: AutodiffBackend, O: StateSlots<B::InnerBackend>> ModuleVisitor<B> for Collect<'_, B, O>
+impl<B: AutodiffBackend, O: StateSlots<B::InnerBackend>> NamedVisitor<B> for Collect<'_, B, O>
 where
     B::InnerBackend: FusedOps,
 {
-    fn enter_module(&mut self, name: &str, _container_type: &str) {
-        self.path.enter(name);
-    }
-    fn exit_module(&mut self, _name: &str, _container_type: &str) {
-        self.path.exit();
-    }
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        let name = self.path.name();
+    fn visit_named<const D: usize>(&mut self, name: String, param: &Param<Tensor<B, D>>) {
         let Some(record) = self.records.get(&param.id) else {
             return;
         };
@@ -167,24 +200,17 @@ fn read_or_note<B: Backend, const D: usize>(
 
 /// Every parameter of a module with its name, shape and values.
 struct CollectParams {
-    path: Path,
     params: Vec<LocalParam>,
     error: Option<CheckpointError>,
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for CollectParams {
-    fn enter_module(&mut self, name: &str, _container_type: &str) {
-        self.path.enter(name);
-    }
-    fn exit_module(&mut self, _name: &str, _container_type: &str) {
-        self.path.exit();
-    }
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+impl<B: AutodiffBackend> NamedVisitor<B> for CollectParams {
+    fn visit_named<const D: usize>(&mut self, name: String, param: &Param<Tensor<B, D>>) {
         let value = param.val().inner();
         let shape = value.dims().to_vec();
         let values = read_or_note(value, &mut self.error);
         self.params.push(LocalParam {
-            name: self.path.name(),
+            name,
             id: param.id,
             shape,
             split: ShardKind::Replicated,
@@ -197,12 +223,11 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for CollectParams {
 pub fn local_params<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,
 ) -> Result<Vec<LocalParam>, CheckpointError> {
-    let mut c = CollectParams {
-        path: Path::default(),
+    let c = CollectParams {
         params: Vec::new(),
         error: None,
     };
-    model.visit(&mut c);
+    let c = visit_with_names(model, c);
     if let Some(e) = c.error {
         return Err(e);
     }
@@ -224,15 +249,13 @@ pub fn optimizer_moments<B: AutodiffBackend, M: AutodiffModule<B>, O: StateSlots
 where
     B::InnerBackend: FusedOps,
 {
-    let mut c = Collect::<B, O> {
-        path: Path::default(),
+    let c = Collect::<B, O> {
         records,
         optim,
         moments: Vec::new(),
         error: None,
     };
-    model.visit(&mut c);
-    c.finish()
+    visit_with_names(model, c).finish()
 }
 
 /// The names, shapes and splits of a model's parameters (any backend), in visit order.
@@ -336,28 +359,21 @@ struct Build<'a, B: AutodiffBackend, O: StateSlots<B::InnerBackend>>
 where
     B::InnerBackend: FusedOps,
 {
-    path: Path,
     moments: &'a HashMap<String, Moments>,
     keep: &'a dyn Fn(ParamId, usize) -> bool,
     optim: &'a O,
     out: OptimizerRecords<O, B>,
 }
 
-impl<B: AutodiffBackend, O: StateSlots<B::InnerBackend>> ModuleVisitor<B> for Build<'_, B, O>
+impl<B: AutodiffBackend, O: StateSlots<B::InnerBackend>> NamedVisitor<B> for Build<'_, B, O>
 where
     B::InnerBackend: FusedOps,
 {
-    fn enter_module(&mut self, name: &str, _container_type: &str) {
-        self.path.enter(name);
-    }
-    fn exit_module(&mut self, _name: &str, _container_type: &str) {
-        self.path.exit();
-    }
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+    fn visit_named<const D: usize>(&mut self, name: String, param: &Param<Tensor<B, D>>) {
         if !(self.keep)(param.id, D) {
             return;
         }
-        let Some(m) = self.moments.get(&self.path.name()) else {
+        let Some(m) = self.moments.get(&name) else {
             return;
         };
         let value = param.val();
@@ -387,13 +403,11 @@ pub fn optimizer_records<B: AutodiffBackend, M: AutodiffModule<B>, O: StateSlots
 where
     B::InnerBackend: FusedOps,
 {
-    let mut b = Build::<B, O> {
-        path: Path::default(),
+    let b = Build::<B, O> {
         moments,
         keep,
         optim,
         out: hashbrown::HashMap::new(),
     };
-    model.visit(&mut b);
-    b.out
+    visit_with_names(model, b).out
 }

@@ -546,14 +546,7 @@ impl Executor {
                             samples,
                             device,
                         ));
-                        out_values = match &out {
-                            StageOutput::Hidden(x) => Some(read(x.clone().inner())?),
-                            StageOutput::Loss(l) => {
-                                let v = f64::from(l.clone().into_scalar().elem::<f32>());
-                                losses[usize::from(mb >= m)] += v;
-                                None
-                            }
-                        };
+                        out_values = hidden_or_loss(&out, &mut losses[usize::from(mb >= m)])?;
                         h.output = Some(out);
                     } else {
                         // The recomputed part runs now without autodiff (no graph is kept), with
@@ -582,14 +575,8 @@ impl Executor {
                                     samples,
                                     device,
                                 ));
-                                out_values = match &out {
-                                    StageOutput::Hidden(x) => Some(read(x.clone().inner())?),
-                                    StageOutput::Loss(l) => {
-                                        let v = f64::from(l.clone().into_scalar().elem::<f32>());
-                                        losses[usize::from(mb >= m)] += v;
-                                        None
-                                    }
-                                };
+                                out_values =
+                                    hidden_or_loss(&out, &mut losses[usize::from(mb >= m)])?;
                                 h.output = Some(out);
                             }
                         }
@@ -924,6 +911,21 @@ impl Executor {
             p.wait()?;
         }
         Ok(())
+    }
+}
+
+/// The values of a stage's output to send on (hidden states), or `None` for the last stage's
+/// loss, which is added to `loss` instead.
+fn hidden_or_loss<B: AutodiffBackend>(
+    out: &StageOutput<B>,
+    loss: &mut f64,
+) -> Result<Option<Vec<f32>>, PipelineError> {
+    match out {
+        StageOutput::Hidden(x) => Ok(Some(read(x.clone().inner())?)),
+        StageOutput::Loss(l) => {
+            *loss += f64::from(l.clone().into_scalar().elem::<f32>());
+            Ok(None)
+        }
     }
 }
 
