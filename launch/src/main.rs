@@ -7,6 +7,7 @@ mod data;
 mod describe;
 mod export;
 mod generate;
+mod generate_cmd;
 mod init_from;
 mod measured;
 #[cfg(test)]
@@ -50,7 +51,7 @@ enum Command {
     /// Write a GPT checkpoint as one Hugging Face GPT-2 safetensors file (+ config.json).
     Export(export::ExportArgs),
     /// Continue a prompt with a GPT checkpoint.
-    Generate(export::GenerateArgs),
+    Generate(generate_cmd::GenerateArgs),
     /// Build, validate and simulate a pipeline schedule; print its action lists and bubble.
     Schedule(ScheduleArgs),
     /// Find the fastest 3D layout (and the time/memory Pareto set) for a model on a cluster.
@@ -207,7 +208,7 @@ fn main() -> ExitCode {
         }
         Command::Train(args) => train_cmd::run_train(args),
         Command::Export(a) => report(export::export(&a)),
-        Command::Generate(a) => report(export::generate(&a)),
+        Command::Generate(a) => report(generate_cmd::generate(&a)),
         Command::Schedule(a) => report(run_schedule(&a)),
         Command::Plan(a) => report(plan_cmd::plan(&a)),
         Command::Simulate(a) => report(plan_cmd::simulate(&a)),
