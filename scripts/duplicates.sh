@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-THRESHOLD=0.5
+THRESHOLD=0.45
 
 command -v npm >/dev/null || { echo "error: npm not found (Debian: apt-get install nodejs npm)" >&2; exit 1; }
 jscpd=tools/jscpd/node_modules/.bin/jscpd

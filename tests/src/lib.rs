@@ -1,10 +1,13 @@
 //! Helpers for tests that run several MPI ranks: spawning `mpirun` with a deadline, and
-//! comparing numbers with a relative tolerance; and a capped global allocator for the tests of
+//! comparing numbers with a relative tolerance; a training program's runs compared with its
+//! one-process run ([`run_training`], [`assert_same_training`]); and a capped global allocator for the tests of
 //! parsers of untrusted input ([`CappedAlloc`]).
 
 mod capped_alloc;
+mod training_runs;
 
 pub use capped_alloc::{CappedAlloc, MAX_LIVE, MAX_ONE, assert_capped};
+pub use training_runs::{TrainingRun, assert_same_training, read_losses, run_training};
 
 use std::io::Read;
 use std::process::{Command, Stdio};

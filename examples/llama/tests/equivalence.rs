@@ -5,8 +5,8 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use merak_burn::checkpoint::{Checkpoint, FullState};
-use merak_tests::{mpirun, rel_err, run_with_deadline};
+use merak_burn::checkpoint::FullState;
+use merak_tests::{assert_same_training, run_training, run_with_deadline};
 
 const BIN: &str = env!("CARGO_BIN_EXE_llama-train");
 const TOL: f64 = 1e-5;
@@ -56,31 +56,8 @@ fn train_printing(np: usize, name: &str, args: &[&str]) -> (Vec<f64>, FullState,
 
 /// Runs `llama-train` on `np` ranks writing to `out`; its losses, final parameters and output.
 fn train_into(np: usize, out: &Path, args: &[&str]) -> (Vec<f64>, FullState, String) {
-    let mut cmd = if np == 1 {
-        Command::new(BIN)
-    } else {
-        let mut c = mpirun(np);
-        c.arg(BIN);
-        c
-    };
-    cmd.args(args).arg("--out").arg(out);
-    let run = run_with_deadline(cmd, Duration::from_secs(240));
-    run.assert_success();
-    let losses = losses(&out.join("metrics.jsonl"));
-    let state = Checkpoint::open(&out.join("checkpoints"))
-        .and_then(|c| c.read_full())
-        .unwrap_or_else(|e| panic!("{}: {e}", out.display()));
-    (losses, state, run.stdout)
-}
-
-fn losses(path: &Path) -> Vec<f64> {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    text.lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).expect("a JSON line");
-            v["loss"].as_f64().expect("a loss")
-        })
-        .collect()
+    let run = run_training(BIN, np, out, args, Duration::from_secs(240));
+    (run.losses, run.state, run.stdout)
 }
 
 /// Asserts that `got` (losses, parameters, held-out loss) equals the one-process run `want`
@@ -94,24 +71,7 @@ fn assert_equal(name: &str, got: &Trained, want: &Trained) {
         (&held_single.accuracy, &held_single.next),
         "{name}"
     );
-    assert_eq!(losses.len(), single.len(), "{name}");
-    for (step, (a, b)) in losses.iter().zip(single).enumerate() {
-        let err = (a - b).abs() / b.abs();
-        assert!(
-            err <= TOL,
-            "{name} step {}: {a} vs {b} ({err:.2e})",
-            step + 1
-        );
-    }
-    assert_eq!(state.params.len(), reference.params.len(), "{name}");
-    for (pname, want) in &reference.params {
-        let got = state
-            .params
-            .get(pname)
-            .unwrap_or_else(|| panic!("{name}: no {pname}"));
-        let err = rel_err(got, want);
-        assert!(err <= TOL, "{name}: {pname} differs by {err:.2e}");
-    }
+    assert_same_training(name, (losses, state), (single, reference), TOL);
 }
 
 /// With the output projection tied to the token embedding, the pipeline's last stage keeps a

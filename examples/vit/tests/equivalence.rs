@@ -7,8 +7,8 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use merak_burn::checkpoint::{Checkpoint, FullState};
-use merak_tests::{fresh_folder, mpirun, rel_err, run_with_deadline};
+use merak_burn::checkpoint::FullState;
+use merak_tests::{assert_same_training, fresh_folder, run_training, run_with_deadline};
 
 const BIN: &str = env!("CARGO_BIN_EXE_vit-train");
 const TOL: f64 = 1e-5;
@@ -72,31 +72,9 @@ fn train(np: usize, name: &str, args: &[&str]) -> Trained {
 
 /// [`train`] writing to `out`.
 fn train_into(np: usize, out: &Path, args: &[&str]) -> Trained {
-    let mut cmd = if np == 1 {
-        Command::new(BIN)
-    } else {
-        let mut c = mpirun(np);
-        c.arg(BIN);
-        c
-    };
-    cmd.args(TINY).args(args).arg("--out").arg(out);
-    let run = run_with_deadline(cmd, Duration::from_secs(300));
-    run.assert_success();
-    let losses = losses(&out.join("metrics.jsonl"));
-    let state = Checkpoint::open(&out.join("checkpoints"))
-        .and_then(|c| c.read_full())
-        .unwrap_or_else(|e| panic!("{}: {e}", out.display()));
-    (losses, state, Held::parse(&run.stdout))
-}
-
-fn losses(path: &Path) -> Vec<f64> {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    text.lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).expect("a JSON line");
-            v["loss"].as_f64().expect("a loss")
-        })
-        .collect()
+    let args: Vec<&str> = TINY.iter().chain(args).copied().collect();
+    let run = run_training(BIN, np, out, &args, Duration::from_secs(300));
+    (run.losses, run.state, Held::parse(&run.stdout))
 }
 
 /// Asserts that `got` (losses, parameters, held-out loss) equals the one-process run `want`
@@ -110,21 +88,7 @@ fn assert_equal(name: &str, got: &Trained, want: &Trained) {
         (&held_single.accuracy, &held_single.predicted),
         "{name}"
     );
-    assert_eq!(losses.len(), single.len(), "{name}");
-    for (step, (a, b)) in losses.iter().zip(single).enumerate() {
-        let err = (a - b).abs() / b.abs();
-        assert!(
-            err <= TOL,
-            "{name} step {}: {a} vs {b} ({err:.2e})",
-            step + 1
-        );
-    }
-    assert_eq!(state.params.len(), reference.params.len(), "{name}");
-    for (pname, want) in &reference.params {
-        let got = (state.params.get(pname)).unwrap_or_else(|| panic!("{name}: no {pname}"));
-        let err = rel_err(got, want);
-        assert!(err <= TOL, "{name}: {pname} differs by {err:.2e}");
-    }
+    assert_same_training(name, (losses, state), (single, reference), TOL);
 }
 
 #[test]
