@@ -9,7 +9,6 @@ mod export;
 mod generate;
 mod generate_cmd;
 mod init_from;
-mod measured;
 #[cfg(test)]
 mod parsers_never_panic;
 mod plan_cmd;

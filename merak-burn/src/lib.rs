@@ -22,6 +22,8 @@
 //!   fit the host's or the GPU's memory is refused before anything is built.
 //! - [`checkpoint`]: atomic sharded checkpoints that load under any dp/tp layout.
 //! - [`hf_files`]: Hugging Face safetensors and `config.json` files, read as untrusted input.
+//! - [`probe`]: the machine measured for the planner (matrix products, memory, MPI, the
+//!   tensor-parallel overlap), under `mpirun`.
 //! - [`rng`]: deterministic randomness keyed by seed, name and global index.
 //! - [`session`]: [`run`], the one call that trains a model described as units under any
 //!   layout (detecting `mpirun`, planning, building each rank's units, training, checkpoints).
@@ -45,6 +47,7 @@ pub mod pipeline;
 pub mod plan;
 pub mod planner;
 pub mod precision;
+pub mod probe;
 pub mod rng;
 pub mod session;
 pub mod tensor_parallel;

@@ -2,11 +2,11 @@
 //! runs.
 
 use crate::config;
-use crate::measured::{from_rank0, median};
 use anyhow::{Context, Result, bail};
 use merak_burn::comm::Communicator;
 use merak_burn::grid::{Layout, ProcessGrid};
 use merak_burn::planner::{Calibration, UnitKind};
+use merak_burn::probe::{from_rank0, median};
 
 use super::*;
 

@@ -4,19 +4,18 @@
 //! cores (or of a device) between ranks.
 
 mod fit;
-mod hardware;
-mod overlap;
 mod profile;
 mod units;
 
 use anyhow::{Result, bail};
 use merak_burn::backend::CpuAutodiff;
-use merak_burn::comm::{Communicator, MpiCommunicator, ReduceOp};
+use merak_burn::comm::{Communicator, MpiCommunicator};
 use std::path::PathBuf;
 
-pub use hardware::measure;
-use hardware::{measure_with_overlap, print_overlap};
-use overlap::OverlapSample;
+use merak_burn::probe::OverlapSample;
+pub use merak_burn::probe::measure;
+use merak_burn::probe::measure_with_overlap;
+pub(super) use merak_burn::probe::{barrier, fastest, mean_over_ranks};
 pub use profile::profile;
 
 type B = CpuAutodiff;
@@ -67,37 +66,6 @@ pub struct ProfileArgs {
     /// Write the calibration (JSON) here.
     #[arg(long, default_value = "calibration.json")]
     pub out: PathBuf,
-}
-
-/// The fastest of `v`: other work on a shared machine only ever adds time, so the fastest
-/// repetition is the best estimate of the work itself (the benchmarks count a layout's fastest
-/// round the same way).
-pub(super) fn fastest(v: Vec<f64>) -> f64 {
-    v.into_iter().fold(f64::INFINITY, f64::min)
-}
-
-/// The mean of `values` over all ranks (every rank gets the same numbers).
-pub(super) fn mean_over_ranks(world: Option<&MpiCommunicator>, values: &mut [f64]) -> Result<()> {
-    let Some(w) = world else { return Ok(()) };
-    let mut buf: Vec<f32> = values.iter().map(|&v| v as f32).collect();
-    w.all_reduce(&mut buf, ReduceOp::Sum)?;
-    for (v, b) in values.iter_mut().zip(buf) {
-        *v = b as f64 / w.size() as f64;
-    }
-    Ok(())
-}
-
-/// Aligns all ranks (nothing without MPI).
-pub(super) fn barrier(world: Option<&MpiCommunicator>) -> Result<()> {
-    if let Some(w) = world {
-        w.barrier()?;
-    }
-    Ok(())
-}
-
-/// The machine's main memory in bytes (`MemTotal` of /proc/meminfo; 8 GiB when unknown).
-pub(super) fn total_memory_bytes() -> u64 {
-    merak_burn::admission::meminfo_bytes("MemTotal").unwrap_or(8 << 30)
 }
 
 /// `merak probe`: writes the measured spec (rank 0).
@@ -163,4 +131,21 @@ pub(super) fn nccl_check(world: Option<&MpiCommunicator>) -> Result<()> {
 #[cfg(not(feature = "cuda"))]
 pub(super) fn nccl_check(_world: Option<&MpiCommunicator>) -> Result<()> {
     bail!("merak probe --nccl needs a build with CUDA (cargo build --release --features cuda)")
+}
+
+/// Prints what the overlap measurement saw.
+fn print_overlap(samples: Option<&[OverlapSample]>) {
+    for s in samples.unwrap_or_default() {
+        println!(
+            "tp overlap k={}: product {:.3} ms, + all-reduce serial {:.3} ms, sub-pipelined {:.3} ms \
+             (one chunk's all-reduce alone {:.3} ms): {:.0}% of the communication hidden, slowdown {:.2}",
+            s.k,
+            s.compute_s * 1e3,
+            s.serial_s * 1e3,
+            s.overlapped_s * 1e3,
+            s.chunk_allreduce_s * 1e3,
+            100.0 * s.hidden_fraction(),
+            s.slowdown
+        );
+    }
 }

@@ -1,7 +1,6 @@
 //! Timing the GPT's units (embedding, a layer, the head) and the optimizer for `merak
 //! profile`.
 
-use crate::measured::from_rank0;
 use anyhow::{Result, bail};
 use burn::module::{AutodiffModule, Module};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
@@ -9,6 +8,7 @@ use burn::tensor::{Distribution, Tensor};
 use merak_burn::batch::{Batch, Samples};
 use merak_burn::comm::{Communicator, MpiCommunicator};
 use merak_burn::pipeline::{PipelineModel, StageInput, StageOutput};
+use merak_burn::probe::from_rank0;
 use merak_burn::train::Windows;
 use std::time::Instant;
 

@@ -1,15 +1,18 @@
-//! `merak probe`'s measurements of this machine: matrix-product rate with every rank at
+//! The measurements of this machine (`merak probe`): matrix-product rate with every rank at
 //! once, memory bandwidth, MPI latency and bandwidth.
 
-use crate::measured::{from_rank0, median};
-use anyhow::Result;
-use burn::tensor::{Distribution, Tensor};
-use merak_burn::backend::Cpu;
-use merak_burn::comm::{Communicator, MpiCommunicator};
-use merak_burn::planner::HardwareSpec;
 use std::time::Instant;
 
-use super::*;
+use burn::tensor::{Distribution, Tensor};
+
+use super::ProbeError;
+use super::agree::{barrier, from_rank0, mean_over_ranks, median, total_memory_bytes};
+use super::overlap::OverlapSample;
+use crate::backend::Cpu;
+use crate::comm::{Communicator, MpiCommunicator};
+use crate::planner::HardwareSpec;
+
+type Result<T> = std::result::Result<T, ProbeError>;
 
 /// Measures this machine: the backend's matrix-product rate per rank with every rank
 /// multiplying at once, memory bandwidth, and the MPI latency and bandwidth between rank 0 and
@@ -21,7 +24,7 @@ pub fn measure(world: Option<&MpiCommunicator>, reps: usize) -> Result<HardwareS
 
 /// [`measure`], with what the measurement of sub-pipelined tensor parallelism saw (`None` for
 /// a single rank).
-pub(super) fn measure_with_overlap(
+pub fn measure_with_overlap(
     world: Option<&MpiCommunicator>,
     reps: usize,
 ) -> Result<(HardwareSpec, Option<Vec<OverlapSample>>)> {
@@ -61,23 +64,6 @@ pub(super) fn measure_with_overlap(
     };
     spec.validate()?;
     Ok((spec, overlap))
-}
-
-/// Prints what the overlap measurement saw.
-pub(super) fn print_overlap(samples: Option<&[OverlapSample]>) {
-    for s in samples.unwrap_or_default() {
-        println!(
-            "tp overlap k={}: product {:.3} ms, + all-reduce serial {:.3} ms, sub-pipelined {:.3} ms \
-             (one chunk's all-reduce alone {:.3} ms): {:.0}% of the communication hidden, slowdown {:.2}",
-            s.k,
-            s.compute_s * 1e3,
-            s.serial_s * 1e3,
-            s.overlapped_s * 1e3,
-            s.chunk_allreduce_s * 1e3,
-            100.0 * s.hidden_fraction(),
-            s.slowdown
-        );
-    }
 }
 
 /// Two random `n` x `n` matrices whose products measure the backend's matrix-product rate.

@@ -1,9 +1,9 @@
-//! `merak probe`'s measurement of sub-pipelined tensor parallelism on this machine: how much
+//! The measurement of sub-pipelined tensor parallelism on this machine: how much
 //! of a tensor-parallel all-reduce the runtime's chunked products hide, and what the overlap
-//! costs them ([`HardwareSpec::tp_overlap_slowdown`](merak_burn::planner::HardwareSpec)).
+//! costs them ([`HardwareSpec::tp_overlap_slowdown`](crate::planner::HardwareSpec)).
 //!
 //! Every rank runs the row-parallel product of the runtime
-//! ([`merak_burn::tensor_parallel::overlap::row_forward`]) on a `[512, 256] x [256, 256]`
+//! ([`crate::tensor_parallel::overlap::row_forward`]) on a `[512, 256] x [256, 256]`
 //! product summed over all ranks: with one chunk (product, then all-reduce), with `k` chunks
 //! (chunk `i`'s all-reduce in flight while chunk `i + 1` multiplies), and, apart, the product
 //! alone and the all-reduce of one chunk alone. The cost model exposes, per block,
@@ -14,13 +14,14 @@
 use std::rc::Rc;
 use std::time::Instant;
 
-use anyhow::Result;
 use burn::tensor::{Distribution, Tensor, TensorPrimitive};
-use merak_burn::backend::Cpu;
-use merak_burn::comm::{Communicator, Group, MpiCommunicator, ReduceOp};
-use merak_burn::tensor_parallel::overlap::row_forward;
 
-use crate::measured::{from_rank0, median};
+use super::agree::{from_rank0, median};
+use crate::backend::Cpu;
+use crate::comm::{CommError, Communicator, Group, MpiCommunicator, ReduceOp};
+use crate::tensor_parallel::overlap::row_forward;
+
+type Result<T> = std::result::Result<T, CommError>;
 
 /// Rows (tokens) and features of the timed product.
 const ROWS: usize = 512;
@@ -100,7 +101,7 @@ pub fn measure(world: Option<&MpiCommunicator>, reps: usize) -> Result<Option<Ve
     let mut samples = Vec::new();
     for k in DEGREES {
         let buf = std::cell::RefCell::new(vec![1.0f32; ROWS * FEATURES / k]);
-        let chunk_allreduce_s = timed(&|| Ok(w.all_reduce(&mut buf.borrow_mut(), ReduceOp::Sum)?))?;
+        let chunk_allreduce_s = timed(&|| w.all_reduce(&mut buf.borrow_mut(), ReduceOp::Sum))?;
         let overlapped_s = timed(&|| product(k, group))?;
         let mut v = [serial_s, overlapped_s, compute_s, chunk_allreduce_s];
         from_rank0(world, &mut v)?;
