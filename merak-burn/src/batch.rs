@@ -217,10 +217,22 @@ impl Samples {
     /// Fails, naming both, when `other` (samples from `first` on) has other fields, kinds or
     /// shapes than these: every micro-batch of a run must look alike.
     pub fn check_same_layout(&self, other: &Samples, first: usize) -> Result<(), BatchError> {
-        let (want, got) = (self.layout(), other.layout());
-        match want == got {
+        let alike = |(a, f): (&String, &Field), (b, g): (&String, &Field)| {
+            a == b && f.shape == g.shape && f.values.kind() == g.values.kind()
+        };
+        let same = self.fields.len() == other.fields.len()
+            && self
+                .fields
+                .iter()
+                .zip(&other.fields)
+                .all(|(x, y)| alike(x, y));
+        match same {
             true => Ok(()),
-            false => Err(BatchError::Layout { first, got, want }),
+            false => Err(BatchError::Layout {
+                first,
+                got: other.layout(),
+                want: self.layout(),
+            }),
         }
     }
 

@@ -1,7 +1,7 @@
 //! Measured times as the probes use them: the fastest or the median of repetitions, their
 //! mean over ranks, and rank 0's values on every rank.
 
-use crate::comm::{CommError, Communicator, MpiCommunicator, ReduceOp};
+use crate::comm::{CommError, Communicator, ReduceOp};
 
 type Result<T> = std::result::Result<T, CommError>;
 
@@ -12,7 +12,7 @@ pub fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// Rank 0's values on every rank.
-pub fn from_rank0(world: Option<&MpiCommunicator>, values: &mut [f64]) -> Result<()> {
+pub fn from_rank0<C: Communicator + ?Sized>(world: Option<&C>, values: &mut [f64]) -> Result<()> {
     let Some(w) = world else { return Ok(()) };
     let mut buf: Vec<f32> = values.iter().map(|&v| v as f32).collect();
     w.broadcast(&mut buf, 0)?;
@@ -29,8 +29,11 @@ pub fn fastest(v: Vec<f64>) -> f64 {
     v.into_iter().fold(f64::INFINITY, f64::min)
 }
 
-/// The mean of `values` over all ranks (every rank gets the same numbers).
-pub fn mean_over_ranks(world: Option<&MpiCommunicator>, values: &mut [f64]) -> Result<()> {
+/// The mean of `values` over all ranks (every rank gets the same numbers; summed as `f32`).
+pub fn mean_over_ranks<C: Communicator + ?Sized>(
+    world: Option<&C>,
+    values: &mut [f64],
+) -> Result<()> {
     let Some(w) = world else { return Ok(()) };
     let mut buf: Vec<f32> = values.iter().map(|&v| v as f32).collect();
     w.all_reduce(&mut buf, ReduceOp::Sum)?;
@@ -41,7 +44,7 @@ pub fn mean_over_ranks(world: Option<&MpiCommunicator>, values: &mut [f64]) -> R
 }
 
 /// Aligns all ranks (nothing without MPI).
-pub fn barrier(world: Option<&MpiCommunicator>) -> Result<()> {
+pub fn barrier<C: Communicator + ?Sized>(world: Option<&C>) -> Result<()> {
     if let Some(w) = world {
         w.barrier()?;
     }

@@ -5,7 +5,7 @@ use burn::tensor::backend::AutodiffBackend;
 
 use super::{RunError, UnitModel, UnitsOf, sample_units};
 use crate::batch::{Batch, Samples};
-use crate::comm::{Communicator, Group, ReduceOp};
+use crate::comm::{Communicator, Group};
 use crate::parallelize::EmbedUnit;
 use crate::parallelize::shard_module;
 use crate::pipeline::Recompute;
@@ -14,6 +14,7 @@ use crate::plan::ParallelPlan;
 use crate::planner::{
     HardwareSpec, MeasuredModel, MeasuredUnit, ModelProxy, SearchOptions, search,
 };
+use crate::probe::mean_over_ranks;
 use crate::train::read_samples;
 use crate::train::{BatchSource, TrainError, TrainSettings};
 
@@ -245,17 +246,14 @@ impl<B: AutodiffBackend, M: UnitModel<B>> Sample<B, M> {
     ) -> Result<Vec<MeasuredUnit>, RunError> {
         let batch = Batch::new(&self.samples, &self.device);
         let measured = (self.units).measure(&batch, 3);
-        let mut times: Vec<f32> = (measured.iter())
-            .flat_map(|u| [u.forward_s as f32, u.backward_s as f32])
+        let mut times: Vec<f64> = (measured.iter())
+            .flat_map(|u| [u.forward_s, u.backward_s])
             .collect();
-        if let Some(world) = world {
-            world.all_reduce(&mut times, ReduceOp::Sum)?;
-        }
-        let n = world.map_or(1, |w| w.size()) as f64;
+        mean_over_ranks(world, &mut times)?;
         let agreed: Vec<MeasuredUnit> = (measured.into_iter().zip(times.chunks(2)))
             .map(|(u, t)| MeasuredUnit {
-                forward_s: f64::from(t[0]) / n,
-                backward_s: f64::from(t[1]) / n,
+                forward_s: t[0],
+                backward_s: t[1],
                 ..u
             })
             .collect();
