@@ -12,6 +12,7 @@
 #   env.sh              sets PATH, LD_LIBRARY_PATH and the prefixes: `source OUT/env.sh`
 #
 # Usage: scripts/gpu-bundle.sh [OUT]      (default: gpu-bundle, ignored by git)
+#        FEATURES=cuda-autotune scripts/gpu-bundle.sh   (CubeCL autotune on: slow first steps)
 # The folder must stay under 64 MiB to travel to the GPU machine; the script fails above it.
 # Run it on x86-64 Debian/Ubuntu with Open MPI installed (scripts/deps.sh).
 set -euo pipefail
@@ -39,7 +40,7 @@ if [ -z "$ompi_pkglibdir" ] || [ -z "$ompi_prefix" ]; then
     exit 2
 fi
 
-cargo build --release -p merak-launch --features cuda
+cargo build --release -p merak-launch --features "${FEATURES:-cuda}"
 
 rm -rf "$out"
 mkdir -p "$out/bin" "$out/lib"
@@ -141,9 +142,14 @@ for d in ${extra//:/ }; do
         ln -sfn "$d/libnccl.so.2" "$here/links/libnccl.so"
     fi
 done
+# The driver's libcuda, where a container mounts it outside the loader's cache.
+for d in /usr/local/nvidia/lib64 /usr/local/nvidia/lib; do [ -d "$d" ] && extra="$extra:$d"; done
 export LD_LIBRARY_PATH="$here/lib:$here/links$extra${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 # Megatron-Core's Python package (benches/gpu/megatron_gpt.py).
 if [ -d "$here/python" ]; then export PYTHONPATH="$here/python${PYTHONPATH:+:$PYTHONPATH}"; fi
+# The machine's own PMIx plugins may not match the bundled library; their missing compression
+# is harmless for one node.
+export PMIX_MCA_pcompress_base_silence_warning=1
 # mpirun as root (the GPU machine runs commands as root).
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 EOF

@@ -3,8 +3,8 @@ and PyTorch per model, and the two-rank loss differences.
 
 MFU is the model's FLOPs per token without recomputation (DESIGN.md section 5:
 72 l h^2 (1 + s/(6h) + V/(12 l h)) per sequence of s tokens) times the tokens per second, over
-the GPU's peak (--peak-tflops, dense bf16 by default; fp32 runs are measured against the bf16
-peak too).
+the GPU's dense bf16 peak (--peak-tflops, else derived from the device's name: H100 SXM and H200
+989, H100 NVL and H200 NVL 835, H100 PCIe 756 TFLOP/s; fp32 runs are measured against the bf16 peak too).
 """
 
 import argparse
@@ -19,6 +19,14 @@ SEQ, VOCAB = 1024, 50257
 def flops_per_token(layers: int, hidden: int) -> float:
     s, l, h, v = SEQ, layers, hidden, VOCAB
     return 72.0 * l * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * l * h))
+
+
+# Dense bf16 tensor-core peaks (NVIDIA's data sheets, without sparsity), by device name.
+PEAKS = [("H200 NVL", 835.0), ("H200", 989.0), ("H100 NVL", 835.0), ("H100 PCIe", 756.0), ("H100", 989.0)]
+
+
+def peak_of(name: str) -> float | None:
+    return next((tflops for key, tflops in PEAKS if key in name), None)
 
 
 def records(path: Path) -> list[dict]:
@@ -53,9 +61,11 @@ def peak_sampled(path: Path) -> float | None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path)
-    p.add_argument("--peak-tflops", type=float, default=989.0)
+    p.add_argument("--peak-tflops", type=float, default=None)
     a = p.parse_args()
     gpu = (a.out / "gpu.txt").read_text().strip() if (a.out / "gpu.txt").exists() else "?"
+    a.peak_tflops = a.peak_tflops or peak_of(gpu) or 989.0
+    gpu = gpu.replace("\n", "; ")
     print(f"# GPU: {gpu}; peak {a.peak_tflops:.0f} TFLOP/s; sequence {SEQ}\n")
     print("| model | run | micro-batch | tokens/s | MFU | peak GPU MiB | first loss -> last |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

@@ -1,18 +1,30 @@
 #!/usr/bin/env bash
-# The GPU benchmark (issue 17), run on the GPU machine from the repository root, after
+# The GPU benchmark, run on the GPU machine from the repository root, after
 # `scripts/gpu-bundle.sh` built gpu-bundle/ here and it travelled with the tree:
 #
-#   bash benches/gpu/run.sh            # OUT=runs/gpu STEPS=12 PEAK_TFLOPS=989 (H100 SXM bf16)
+#   bash benches/gpu/run.sh [PHASE...]     # default: smoke small ranks medium report
 #
-# 1. GPT-2 small (124M) and medium (355M), sequence 1024, synthetic data, one GPU: merak bf16
-#    at the largest micro-batch of 16, 8, 4, 2, 1 that runs, merak fp32 at that micro-batch,
-#    and PyTorch eager fp32, eager bf16 (autocast) and torch.compile bf16, on the same model
-#    and step (benches/pytorch/gpt_train.py), and Megatron-Core's GPT (plain-PyTorch layer
-#    spec, its own bf16 recipe) at the same micro-batch (benches/gpu/megatron_gpt.py).
-# 2. Two ranks on the one GPU over MPI: tp=2 and pp=2 against one rank, tiny GPT, 5 steps.
-# Before them, `merak probe --nccl` on one rank (Burn's CUDA buffers lent to NCCL).
-# benches/gpu/report.py prints tokens/s, MFU (DESIGN.md section 5's FLOPs over PEAK_TFLOPS)
-# and peak GPU memory, and the 2-rank loss differences.
+# GPU time is scarce and one command there is limited to minutes, so the benchmark runs in
+# phases; each writes its results into RESULTS as it goes, and every run has its own time limit.
+#   smoke   about a minute: the GPU and the driver, the bundle's libraries (NVRTC, NCCL), a
+#           3-step tiny GPT on CUDA, `merak probe --nccl`, torch.compile on a small function,
+#           and the Megatron-Core import. Exits 1 when merak cannot train on the GPU, so a
+#           broken bundle costs a minute, not the whole budget.
+#   small   GPT-2 small (124M), sequence 1024, synthetic data, one GPU: merak bf16 at the
+#           largest micro-batch of 16, 8, 4, 2, 1 that runs, merak fp32 at that micro-batch,
+#           PyTorch eager fp32, eager bf16 (autocast) and torch.compile bf16 on the same model
+#           and step (benches/pytorch/gpt_train.py), and Megatron-Core's GPT (plain-PyTorch
+#           layer spec, its own bf16 recipe; benches/gpu/megatron_gpt.py) at the same micro-batch.
+#   medium  the same for GPT-2 medium (355M).
+#   ranks   two ranks on the one GPU over MPI: tp=2 and pp=2 against one rank, tiny GPT, 5
+#           steps (correctness only: two ranks time-slice one GPU); and two ranks asking for
+#           NCCL on one GPU must be refused.
+#   report  benches/gpu/report.py: tokens/s, MFU, peak GPU memory, the 2-rank loss differences.
+#
+# Environment: RESULTS (the results folder, default runs/gpu), STEPS (default 8; the first two are warm-up),
+# RUN_LIMIT_S (each run's time limit, default 150), ARCHIVE (if set, a .tar.gz of RESULTS rewritten
+# after every run, so a killed command still brings back what finished), PEAK_TFLOPS (default:
+# from the device's name, see report.py).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 if [ ! -f gpu-bundle/env.sh ]; then
@@ -21,24 +33,38 @@ if [ ! -f gpu-bundle/env.sh ]; then
 fi
 # shellcheck disable=SC1091
 source gpu-bundle/env.sh
-out=${OUT:-runs/gpu}
-steps=${STEPS:-12}
+out=${RESULTS:-runs/gpu}
+steps=${STEPS:-8}
+limit=${RUN_LIMIT_S:-150}
 python=${PYTHON:-python3}
 mkdir -p "$out"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+# CubeCL compiles every kernel with NVRTC on its first use; its PTX cache (cubecl.toml, under
+# the repository's target/, safe across processes) lets each later run load them instead.
+# Written only where the repository has no cubecl.toml of its own, and removed at the end.
+if [ ! -e cubecl.toml ]; then
+    printf '[compilation]\ncache = "target"\n' >cubecl.toml
+    trap 'rm -f cubecl.toml' EXIT
+fi
 
-# NCCL on this GPU: one rank lends Burn's CUDA buffers to NCCL (the device all-reduce and
-# all-gather against exact values); two ranks asking for NCCL on one GPU must be refused.
-mpirun -np 1 merak probe --nccl >"$out/nccl-check.log" 2>&1 || echo "merak probe --nccl failed"
-mpirun -np 2 --oversubscribe merak train --config configs/gpt-tiny.toml --tp 2 \
-    --set train.device=cuda --set train.comm=nccl --set train.steps=1 --out "$out/nccl-shared" \
-    >"$out/nccl-shared.log" 2>&1 && echo "two ranks on one GPU with NCCL were not refused"
+# Saves RESULTS into ARCHIVE (when set).
+save() {
+    if [ -n "${ARCHIVE:-}" ]; then
+        tar czf "$ARCHIVE.partial" -C "$out" . 2>/dev/null && mv "$ARCHIVE.partial" "$ARCHIVE"
+    fi
+}
 
-shape() {
-    case $1 in
-        gpt2) echo "12 768 12" ;;
-        gpt2-medium) echo "24 1024 16" ;;
-    esac
+# `timed NAME CMD...`: runs CMD under the time limit, its output in RESULTS/NAME.log, and prints
+# one line with its exit status and seconds.
+timed() {
+    local name=$1 start status
+    shift
+    start=$(date +%s%N)
+    timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
+    status=$?
+    printf '%-28s exit %3d  %6d ms\n' "$name" "$status" $((($(date +%s%N) - start) / 1000000)) |
+        tee -a "$out/timings.txt"
+    save
+    return $status
 }
 
 # Peak GPU memory of a run, sampled by nvidia-smi every 200 ms into $1.
@@ -47,17 +73,57 @@ watch_memory() {
     echo $!
 }
 
-for model in gpt2 gpt2-medium; do
-    read -r layers hidden heads <<<"$(shape $model)"
-    mbs=""
+smoke() {
+    {
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+        nvidia-smi | sed -n 's/.*CUDA Version: *\([0-9.]*\).*/CUDA \1/p'
+    } | tee "$out/gpu.txt"
+    {
+        echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+        ls -l gpu-bundle/links
+        for d in ${LD_LIBRARY_PATH//:/ }; do ls "$d" 2>/dev/null | grep -E 'nvrtc|nccl|cudart' | sed "s|^|$d/|"; done
+        "$python" -c 'import torch; print("torch", torch.__version__, torch.version.cuda)'
+    } >"$out/env.txt" 2>&1
+    "$python" - >"$out/compile-smoke.log" 2>&1 <<'EOF' &
+import torch
+f = torch.compile(lambda x: torch.nn.functional.gelu(x @ x))
+print("torch.compile:", float(f(torch.ones(64, 64, device="cuda")).sum()))
+import megatron.core
+print("megatron.core", getattr(megatron.core, "__version__", "?"))
+EOF
+    local pycheck=$!
+    local ok=0
+    timed smoke-tiny merak train --config configs/gpt-tiny.toml --set train.device=cuda \
+        --set train.steps=3 --set checkpoint.at_end=false --out "$out/smoke-tiny" || ok=1
+    timed smoke-tiny-bf16 merak train --config configs/gpt-tiny.toml --set train.device=cuda \
+        --set train.precision=bf16 --set train.steps=3 --set checkpoint.at_end=false \
+        --out "$out/smoke-tiny-bf16" || ok=1
+    timed nccl-check mpirun -np 1 merak probe --nccl
+    wait "$pycheck"
+    cat "$out/compile-smoke.log"
+    save
+    return $ok
+}
+
+shape() {
+    case $1 in
+        gpt2) echo "12 768 12" ;;
+        gpt2-medium) echo "24 1024 16" ;;
+    esac
+}
+
+# merak, PyTorch and Megatron-Core on one GPT-2 shape ($1: gpt2 or gpt2-medium).
+compare() {
+    local model=$1 layers hidden heads mbs="" b watcher status variant mode precision
+    read -r layers hidden heads <<<"$(shape "$model")"
+    local common=(--set model.preset="$model" --set model.seq_len=1024 --set data.kind=synthetic
+        --set train.device=cuda --set train.steps="$steps" --set train.warmup_steps=2
+        --set checkpoint.at_end=false)
     for b in 16 8 4 2 1; do
-        dir="$out/merak-$model"
-        rm -rf "$dir"
+        rm -rf "$out/merak-$model"
         watcher=$(watch_memory "$out/merak-$model.mem")
-        merak train --set model.preset=$model --set model.seq_len=1024 --set train.precision=bf16 \
-            --set data.kind=synthetic --set train.device=cuda --set train.micro_batch=$b \
-            --set train.global_batch=$b --set train.steps="$steps" --set train.warmup_steps=2 \
-            --set checkpoint.at_end=false --out "$dir" >"$out/merak-$model.log" 2>&1
+        timed "merak-$model" merak train "${common[@]}" --set train.precision=bf16 \
+            --set train.micro_batch=$b --set train.global_batch=$b --out "$out/merak-$model"
         status=$?
         kill "$watcher" 2>/dev/null
         if [ $status -eq 0 ]; then
@@ -65,37 +131,56 @@ for model in gpt2 gpt2-medium; do
             echo "$b" >"$out/merak-$model.mbs"
             break
         fi
-        echo "merak $model micro-batch $b: exit $status (see $out/merak-$model.log)"
+        # Only running out of memory makes a smaller micro-batch worth trying.
+        grep -qiE 'out of memory|OutOfMemory|memory' "$out/merak-$model.log" || break
     done
-    mbs=${mbs:-1}
-    merak train --set model.preset=$model --set model.seq_len=1024 --set train.precision=fp32 \
-        --set data.kind=synthetic --set train.device=cuda --set train.micro_batch="$mbs" \
-        --set train.global_batch="$mbs" --set train.steps="$steps" --set train.warmup_steps=2 \
-        --set checkpoint.at_end=false --out "$out/merak-fp32-$model" >"$out/merak-fp32-$model.log" 2>&1 ||
-        echo "merak fp32 $model failed (see its log)"
+    mbs=${mbs:-8}
+    timed "merak-fp32-$model" merak train "${common[@]}" --set train.precision=fp32 \
+        --set train.micro_batch="$mbs" --set train.global_batch="$mbs" --out "$out/merak-fp32-$model"
     for variant in "eager fp32" "eager bf16" "compile bf16"; do
         read -r mode precision <<<"$variant"
-        flags=(--device cuda --precision "$precision")
+        local flags=(--device cuda --precision "$precision")
         [ "$mode" = compile ] && flags+=(--compile)
-        "$python" benches/pytorch/gpt_train.py "${flags[@]}" --vocab 50257 --layers "$layers" \
-            --hidden "$hidden" --heads "$heads" --seq 1024 --batch "$mbs" --steps "$steps" \
-            --warmup 2 --threads 8 --out "$out/torch-$model-$mode-$precision.jsonl" \
-            >"$out/torch-$model-$mode-$precision.log" 2>&1 ||
-            echo "torch $model $mode $precision failed (see its log)"
+        timed "torch-$model-$mode-$precision" "$python" benches/pytorch/gpt_train.py "${flags[@]}" \
+            --vocab 50257 --layers "$layers" --hidden "$hidden" --heads "$heads" --seq 1024 \
+            --batch "$mbs" --steps "$steps" --warmup 2 --threads 8 \
+            --out "$out/torch-$model-$mode-$precision.jsonl"
     done
-    "$python" benches/gpu/megatron_gpt.py --vocab 50257 --layers "$layers" --hidden "$hidden" \
-        --heads "$heads" --seq 1024 --batch "$mbs" --steps "$steps" --warmup 2 \
-        --out "$out/megatron-$model.jsonl" >"$out/megatron-$model.log" 2>&1 ||
-        echo "megatron-core $model failed (see its log)"
+    timed "megatron-$model" "$python" benches/gpu/megatron_gpt.py --vocab 50257 --layers "$layers" \
+        --hidden "$hidden" --heads "$heads" --seq 1024 --batch "$mbs" --steps "$steps" --warmup 2 \
+        --out "$out/megatron-$model.jsonl"
+}
+
+ranks() {
+    local tiny=(--config configs/gpt-tiny.toml --set train.device=cuda --set train.steps=5
+        --set train.micro_batch=2 --set checkpoint.at_end=false)
+    timed tiny-1 merak train "${tiny[@]}" --out "$out/tiny-1"
+    timed tiny-tp2 mpirun -np 2 --oversubscribe merak train "${tiny[@]}" --tp 2 --out "$out/tiny-tp2"
+    timed tiny-pp2 mpirun -np 2 --oversubscribe merak train "${tiny[@]}" --pp 2 --out "$out/tiny-pp2"
+    if timed nccl-shared mpirun -np 2 --oversubscribe merak train --config configs/gpt-tiny.toml \
+        --tp 2 --set train.device=cuda --set train.comm=nccl --set train.steps=1 \
+        --out "$out/nccl-shared"; then
+        echo "two ranks on one GPU with NCCL were not refused"
+    fi
+}
+
+report() {
+    local peak=()
+    [ -n "${PEAK_TFLOPS:-}" ] && peak=(--peak-tflops "$PEAK_TFLOPS")
+    "$python" benches/gpu/report.py "$out" "${peak[@]}" | tee "$out/report.md"
+    save
+}
+
+phases=("$@")
+[ ${#phases[@]} -eq 0 ] && phases=(smoke small ranks medium report)
+for phase in "${phases[@]}"; do
+    echo "== $phase ($(date -u +%H:%M:%S))"
+    case $phase in
+        smoke) smoke || { echo "smoke failed: merak cannot train on this GPU (see $out)"; exit 1; } ;;
+        small) compare gpt2 ;;
+        medium) compare gpt2-medium ;;
+        ranks) ranks ;;
+        report) report ;;
+        *) echo "unknown phase $phase (smoke, small, medium, ranks, report)" >&2; exit 2 ;;
+    esac
 done
-
-# Two ranks on one GPU (MPI carries the messages): tp=2 and pp=2 against one rank.
-tiny=(--config configs/gpt-tiny.toml --set train.device=cuda --set train.steps=5
-    --set train.micro_batch=2 --set checkpoint.at_end=false)
-merak train "${tiny[@]}" --out "$out/tiny-1" >"$out/tiny-1.log" 2>&1 || echo "tiny 1 rank failed"
-mpirun -np 2 --oversubscribe merak train "${tiny[@]}" --tp 2 --out "$out/tiny-tp2" \
-    >"$out/tiny-tp2.log" 2>&1 || echo "tiny tp=2 failed"
-mpirun -np 2 --oversubscribe merak train "${tiny[@]}" --pp 2 --out "$out/tiny-pp2" \
-    >"$out/tiny-pp2.log" 2>&1 || echo "tiny pp=2 failed"
-
-"$python" benches/gpu/report.py "$out" --peak-tflops "${PEAK_TFLOPS:-989}" | tee "$out/report.md"
