@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Installs what merak-burn needs to build and run on Debian/Ubuntu, if it is missing:
 # Open MPI (library, headers, mpirun), libclang (the `mpi` crate generates its bindings with it),
-# pkg-config and procps (pgrep, used by a test). Needs a Rust toolchain (https://rustup.rs).
+# pkg-config, procps (pgrep, used by a test) and python3 (the GPU report's test runs
+# benches/gpu/report.py). Needs a Rust toolchain (https://rustup.rs).
 set -euo pipefail
 
 need=()
-for pkg in libopenmpi-dev openmpi-bin libclang-dev clang pkg-config procps; do
+for pkg in libopenmpi-dev openmpi-bin libclang-dev clang pkg-config procps python3; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then

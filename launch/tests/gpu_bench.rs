@@ -1,0 +1,80 @@
+//! CPU-side guards for the GPU benchmark (`benches/gpu`), which CI cannot run: its scripts
+//! parse, its report reproduces the recorded results of the first GPU run from their raw
+//! records, and CUDA builds keep CubeCL's autotuner off by default (with it on, the first GPU
+//! run's 3-step tiny GPT did not finish in 150 s).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("launch/ has a parent")
+        .to_path_buf()
+}
+
+fn read(path: &str) -> String {
+    std::fs::read_to_string(root().join(path)).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+#[test]
+fn the_gpu_scripts_parse() {
+    for script in ["benches/gpu/run.sh", "scripts/gpu-bundle.sh"] {
+        let out = Command::new("bash")
+            .arg("-n")
+            .arg(root().join(script))
+            .output()
+            .expect("bash runs");
+        assert!(
+            out.status.success(),
+            "{script}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+#[test]
+fn the_report_reproduces_the_recorded_gpu_results() {
+    let results = "benches/gpu/results/2026-11-26-h200";
+    let out = Command::new("python3")
+        .arg(root().join("benches/gpu/report.py"))
+        .arg(root().join(results))
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report = String::from_utf8(out.stdout).expect("UTF-8");
+    assert_eq!(report, read(&format!("{results}/report.md")));
+    // The figures the book quotes (docs/src/benchmarks/gpu.md).
+    for row in [
+        "| gpt2 | merak bf16 | 16 | 15,231 | 1.3% | 19609 |",
+        "| gpt2 | torch eager bf16 | 16 | 217,780 | 18.8% | 14857 |",
+        "| gpt2-medium | megatron-core bf16 | 16 | 54,641 | 13.4% | 60631 |",
+        "| tp2 | 1.37e-06 |",
+        "| pp2 | 8.59e-07 |",
+        "peak 989 TFLOP/s",
+    ] {
+        assert!(report.contains(row), "missing {row:?} in\n{report}");
+    }
+}
+
+#[test]
+fn cuda_builds_leave_autotune_off_unless_asked() {
+    let workspace: toml::Table = read("Cargo.toml").parse().expect("Cargo.toml parses");
+    let features = &workspace["workspace"]["dependencies"]["burn-cuda"]["features"];
+    let features: Vec<&str> = features
+        .as_array()
+        .expect("burn-cuda lists its features")
+        .iter()
+        .filter_map(|f| f.as_str())
+        .collect();
+    assert!(!features.contains(&"autotune"), "{features:?}");
+    let library: toml::Table = read("merak-burn/Cargo.toml").parse().expect("parses");
+    let opt_in = library["features"]["cuda-autotune"]
+        .as_array()
+        .expect("merak-burn has the cuda-autotune feature");
+    assert!(opt_in.iter().any(|f| f.as_str() == Some("burn-cuda/autotune")));
+}
