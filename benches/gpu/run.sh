@@ -19,6 +19,10 @@
 #   ranks   two ranks on the one GPU over MPI: tp=2 and pp=2 against one rank, tiny GPT, 5
 #           steps (correctness only: two ranks time-slice one GPU); and two ranks asking for
 #           NCCL on one GPU must be refused.
+#   profile not in the default list: GPT-2 small, merak bf16, 4 steps, with CubeCL's profiling
+#           log (CUBECL_DEBUG_OPTION=profile: every kernel timed, so slower steps) in
+#           RESULTS/cubecl-profile.log (`merak profile` times units on the CPU backend only).
+#           Not run yet: written after the first GPU run, whose device time ran out.
 #   report  benches/gpu/report.py: tokens/s, MFU, peak GPU memory, the 2-rank loss differences.
 #
 # Environment: RESULTS (the results folder, default runs/gpu), STEPS (default 8; the first two are warm-up),
@@ -164,6 +168,15 @@ ranks() {
     fi
 }
 
+profile() {
+    local run=(--set model.preset=gpt2 --set model.seq_len=1024 --set data.kind=synthetic
+        --set train.device=cuda --set train.precision=bf16 --set train.micro_batch=16
+        --set train.global_batch=16)
+    CUBECL_DEBUG_OPTION=profile CUBECL_DEBUG_LOG="$out/cubecl-profile.log" timed merak-profiled \
+        merak train "${run[@]}" --set train.steps=4 --set checkpoint.at_end=false \
+        --out "$out/merak-profiled"
+}
+
 report() {
     local peak=()
     [ -n "${PEAK_TFLOPS:-}" ] && peak=(--peak-tflops "$PEAK_TFLOPS")
@@ -180,7 +193,8 @@ for phase in "${phases[@]}"; do
         small) compare gpt2 ;;
         medium) compare gpt2-medium ;;
         ranks) ranks ;;
+        profile) profile ;;
         report) report ;;
-        *) echo "unknown phase $phase (smoke, small, medium, ranks, report)" >&2; exit 2 ;;
+        *) echo "unknown phase $phase (smoke, small, medium, ranks, profile, report)" >&2; exit 2 ;;
     esac
 done
