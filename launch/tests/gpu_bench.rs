@@ -76,5 +76,9 @@ fn cuda_builds_leave_autotune_off_unless_asked() {
     let opt_in = library["features"]["cuda-autotune"]
         .as_array()
         .expect("merak-burn has the cuda-autotune feature");
-    assert!(opt_in.iter().any(|f| f.as_str() == Some("burn-cuda/autotune")));
+    assert!(
+        opt_in
+            .iter()
+            .any(|f| f.as_str() == Some("burn-cuda/autotune"))
+    );
 }

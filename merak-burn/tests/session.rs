@@ -226,6 +226,7 @@ fn units_that_do_not_fit_together_are_refused_before_anything_is_written() {
     param_groups_of_the_options_reach_the_optimizer(dir.path());
     a_rank_that_builds_some_units_gets_the_weights_one_process_gets();
     a_tied_head_alone_on_its_rank_holds_a_copy_of_the_first_units_table();
+    a_user_model_is_profiled_unit_by_unit();
 }
 
 /// The model of width 4 whose units fit, tied or not.
@@ -327,6 +328,27 @@ fn a_tied_head_alone_on_its_rank_holds_a_copy_of_the_first_units_table() {
     assert!(last.tied_embedding().is_some());
     let middle = build_units::<Cpu, _>(&fits(true), 3, &device, |u| u == 2).expect("built");
     assert!(middle.embed.is_none() && middle.tied_table.is_none());
+}
+
+/// The library's profiler (`merak profile` uses it) times a Burn user's model too: each unit's
+/// passes, the fraction of its time a lone rank needs (1 on one rank) and the optimizer step.
+fn a_user_model_is_profiled_unit_by_unit() {
+    use merak_burn::comm::Communicator;
+    use merak_burn::probe;
+    let device = CpuDevice::default();
+    let model = build_units::<Cpu, _>(&fits(false), 7, &device, |_| true).expect("built");
+    let samples = Data.train_samples(0, 0, 2).expect("two samples");
+    let alone = None::<&dyn Communicator>;
+    let passes = probe::time_units(&model, &samples, &device, alone, 2).expect("timed");
+    for pass in [passes.embedding, passes.layer, passes.head] {
+        for t in [pass.forward_s, pass.backward_s] {
+            assert!(t > 0.0 && t.is_finite(), "{passes:?}");
+        }
+    }
+    let fraction = probe::alone_fraction(&model, &samples, &device, alone, 1).expect("timed");
+    assert_eq!(fraction, 1.0);
+    let per_param = probe::time_optimizer(model, &samples, &device, alone, 1).expect("timed");
+    assert!(per_param > 0.0 && per_param < 1e-3, "{per_param}");
 }
 
 /// [`Data`] with the side input `scale` (`[seq]` per sample): one where `halve` is false,

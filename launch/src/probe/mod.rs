@@ -15,7 +15,6 @@ use std::path::PathBuf;
 use merak_burn::probe::OverlapSample;
 pub use merak_burn::probe::measure;
 use merak_burn::probe::measure_with_overlap;
-pub(super) use merak_burn::probe::{barrier, fastest, mean_over_ranks};
 pub use profile::profile;
 
 type B = CpuAutodiff;

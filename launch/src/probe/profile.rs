@@ -5,6 +5,7 @@ use anyhow::{Context, Result, bail};
 use merak_burn::comm::{Communicator, MpiCommunicator};
 use merak_burn::grid::{Layout, ProcessGrid};
 use merak_burn::planner::{CALIBRATION_FORMAT, Calibration, UnitKind, UnitTiming};
+use merak_burn::probe;
 use merak_burn::tensor_parallel::TpOverlap;
 
 use super::fit::*;
@@ -148,12 +149,17 @@ pub(super) fn time_all_degrees(p: &Profiling, tps: &[usize]) -> Result<UnitCosts
             time_micro_batch(p, &model, (tp, 1), b, &mut costs.timings)?;
         }
         time_overlapped(p, &grid, &mut costs.timings)?;
+        let world = p.world.as_ref();
         if tp == 1 {
             let b = p.args.micro_batches.iter().copied().max().unwrap_or(1);
-            costs.alone_time_fraction = alone_fraction(&model, p.world.as_ref(), p.gpt, b, reps)?;
+            let samples = token_batch(p.gpt, b);
+            costs.alone_time_fraction =
+                probe::alone_fraction(&model, &samples, &device, world, reps)?;
         }
         if tp == tps[0] {
-            costs.optimizer_s_per_param = time_optimizer(model, p.world.as_ref(), p.gpt, reps)?;
+            let samples = token_batch(p.gpt, 1);
+            costs.optimizer_s_per_param =
+                probe::time_optimizer(model, &samples, &device, world, reps)?;
         }
     }
     Ok(costs)
@@ -213,15 +219,18 @@ pub(super) fn time_micro_batch(
     b: usize,
     timings: &mut Vec<UnitTiming>,
 ) -> Result<()> {
+    let samples = token_batch(p.gpt, b);
+    let (device, reps) = (Default::default(), p.args.reps.max(1));
+    let m = probe::time_units(model, &samples, &device, p.world.as_ref(), reps)?;
+    let measured = [m.embedding, m.layer, m.head];
     let kinds = [UnitKind::Embedding, UnitKind::Layer, UnitKind::Head];
-    let measured = time_units(model, p.world.as_ref(), p.gpt, b, p.args.reps.max(1))?;
-    for (unit, (forward_s, backward_s)) in kinds.into_iter().zip(measured) {
+    for (unit, pass) in kinds.into_iter().zip(measured) {
         timings.push(UnitTiming {
             unit,
             tp,
             micro_batch: b,
-            forward_s,
-            backward_s,
+            forward_s: pass.forward_s,
+            backward_s: pass.backward_s,
             tp_overlap: k,
         });
     }
@@ -233,12 +242,12 @@ pub(super) fn time_micro_batch(
         };
         println!(
             "tp={tp}{overlap} micro_batch={b}: forward/backward ms: embedding {:.3}/{:.3}, layer {:.3}/{:.3}, head {:.3}/{:.3}",
-            measured[0].0 * 1e3,
-            measured[0].1 * 1e3,
-            measured[1].0 * 1e3,
-            measured[1].1 * 1e3,
-            measured[2].0 * 1e3,
-            measured[2].1 * 1e3
+            m.embedding.forward_s * 1e3,
+            m.embedding.backward_s * 1e3,
+            m.layer.forward_s * 1e3,
+            m.layer.backward_s * 1e3,
+            m.head.forward_s * 1e3,
+            m.head.backward_s * 1e3
         );
     }
     Ok(())

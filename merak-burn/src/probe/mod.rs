@@ -2,7 +2,8 @@
 //! every rank multiplying at once, memory bandwidth, the MPI latency and bandwidth between two
 //! ranks, and how much of a tensor-parallel all-reduce the chunked products hide. What it
 //! measures is a [`HardwareSpec`](crate::planner::HardwareSpec) for the planner, which itself
-//! stays free of MPI and tensors.
+//! stays free of MPI and tensors. Profiling a model (`merak profile`): its units' passes, the
+//! time a rank needs when its peers wait and the optimizer step ([`time_units`] and the rest).
 
 use crate::comm::CommError;
 use crate::planner::HardwareError;
@@ -10,10 +11,12 @@ use crate::planner::HardwareError;
 mod agree;
 mod hardware;
 mod overlap;
+mod units;
 
 pub use agree::{barrier, fastest, from_rank0, mean_over_ranks, median, total_memory_bytes};
 pub use hardware::{measure, measure_with_overlap};
 pub use overlap::{DEGREES, OverlapSample, slowdown};
+pub use units::{PassTimes, UnitPasses, alone_fraction, time_optimizer, time_units, whole_pass};
 
 /// Why a probe failed.
 #[derive(Debug, thiserror::Error)]
@@ -24,4 +27,12 @@ pub enum ProbeError {
     /// The measured hardware spec is not usable (a rate of zero, say).
     #[error("the measured hardware spec: {0}")]
     Spec(#[from] HardwareError),
+    /// A profiled unit returned the wrong kind of output.
+    #[error("{unit} returned the wrong output: expected {expected}")]
+    UnitOutput {
+        /// The unit (or "the model").
+        unit: &'static str,
+        /// What it should have returned.
+        expected: &'static str,
+    },
 }
