@@ -55,23 +55,32 @@ struct RmsPropMomentumMirror<B: Backend, const D: usize> {
     buf: Tensor<B, D>,
 }
 
+/// Adam's and AdamW's two moments as slots.
+fn moment_slots<B: Backend, const D: usize>(m: AdaptiveMomentumState<B, D>) -> Slots<B, D> {
+    Slots {
+        time: m.time,
+        m1: m.moment_1,
+        m2: Some(m.moment_2),
+    }
+}
+
+/// Slots as Adam's and AdamW's two moments (a missing second moment is zero).
+fn moments_of<B: Backend, const D: usize>(s: Slots<B, D>) -> AdaptiveMomentumState<B, D> {
+    let m2 = s.m2.unwrap_or_else(|| s.m1.zeros_like());
+    AdaptiveMomentumState::new(s.time, s.m1, m2)
+}
+
 impl<B: FusedOps> StateSlots<B> for FusedAdamW {
     fn slots_of_state<const D: usize>(
         &self,
         state: AdamWState<B, D>,
         _device: &B::Device,
     ) -> Result<Option<Slots<B, D>>, String> {
-        let m = state.momentum;
-        Ok(Some(Slots {
-            time: m.time,
-            m1: m.moment_1,
-            m2: Some(m.moment_2),
-        }))
+        Ok(Some(moment_slots(state.momentum)))
     }
 
     fn state_from_slots<const D: usize>(&self, s: Slots<B, D>) -> AdamWState<B, D> {
-        let m2 = s.m2.unwrap_or_else(|| s.m1.zeros_like());
-        AdamWState::new(AdaptiveMomentumState::new(s.time, s.m1, m2))
+        AdamWState::new(moments_of(s))
     }
 }
 
@@ -81,17 +90,11 @@ impl<B: Backend> StateSlots<B> for Adam {
         state: AdamState<B, D>,
         _device: &B::Device,
     ) -> Result<Option<Slots<B, D>>, String> {
-        let m = state.momentum;
-        Ok(Some(Slots {
-            time: m.time,
-            m1: m.moment_1,
-            m2: Some(m.moment_2),
-        }))
+        Ok(Some(moment_slots(state.momentum)))
     }
 
     fn state_from_slots<const D: usize>(&self, s: Slots<B, D>) -> AdamState<B, D> {
-        let m2 = s.m2.unwrap_or_else(|| s.m1.zeros_like());
-        AdamState::new(AdaptiveMomentumState::new(s.time, s.m1, m2))
+        AdamState::new(moments_of(s))
     }
 }
 
