@@ -15,5 +15,6 @@
 //! Buckets start strictly in order, so every rank issues the collectives in the same order.
 
 mod reducer;
+pub mod slices;
 
 pub use reducer::{DataParallel, DpStats};

@@ -1,0 +1,305 @@
+//! Sharding by slices (ZeRO): which elements of the gradients, parameters and optimizer state
+//! each data-parallel rank holds.
+//!
+//! The reducer lays every gradient out in one flat, visit-order concatenation and cuts it into
+//! contiguous buckets. A bucket is split into `dp` equal chunks, the last padded: rank `r`
+//! holds elements `[start + r·chunk, start + (r+1)·chunk)` of it, and a bucket's
+//! reduce-scatter hands each rank exactly its chunk with no copy to reorder it (Megatron's
+//! distributed optimizer cuts its buffers the same way; FSDP2's per-parameter dim-0 shards need
+//! an interleaving copy before each reduce-scatter). A chunk may cover the end of one
+//! parameter and the start of the next: the rank then holds a [`Piece`] of each, and every
+//! optimizer rule merak trains with is element-wise, so updating pieces equals updating whole
+//! tensors.
+
+use std::ops::Range;
+
+/// One bucket split into `dp` equal chunks (the last one padded where `dp` does not divide the
+/// bucket): rank `r` holds flat elements [`range_of(r)`](Self::range_of).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BucketChunks {
+    /// The bucket's first element in the flat concatenation.
+    pub start: usize,
+    /// The bucket's elements (unpadded).
+    pub len: usize,
+    /// Elements per rank: `len` divided by `dp`, rounded up.
+    pub chunk: usize,
+}
+
+impl BucketChunks {
+    /// Flat elements `start..end` split over `dp` ranks.
+    pub fn new(start: usize, end: usize, dp: usize) -> Self {
+        let len = end.saturating_sub(start);
+        Self {
+            start,
+            len,
+            chunk: len.div_ceil(dp.max(1)),
+        }
+    }
+
+    /// The flat elements rank `rank` holds (fewer than `chunk`, or none, at the padded end).
+    pub fn range_of(&self, rank: usize) -> Range<usize> {
+        let end = self.start + self.len;
+        let first = (self.start + rank * self.chunk).min(end);
+        first..(first + self.chunk).min(end)
+    }
+}
+
+/// A rank's part of one parameter: elements `param_start..param_start + len` of the parameter
+/// (row-major, of this rank's tensor-parallel shard of it), held at `chunk_offset` in this
+/// rank's chunk of bucket `bucket`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Piece {
+    /// The parameter's index in visit order.
+    pub param: usize,
+    /// The bucket holding it.
+    pub bucket: usize,
+    /// The piece's first element within the parameter.
+    pub param_start: usize,
+    /// The piece's first element within this rank's chunk of the bucket.
+    pub chunk_offset: usize,
+    /// Elements in the piece.
+    pub len: usize,
+}
+
+/// What one data-parallel rank holds: its chunk of every bucket and the parameter pieces in
+/// them, in flat order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RankSlices {
+    /// This rank.
+    pub rank: usize,
+    /// Every bucket, split over the ranks.
+    pub buckets: Vec<BucketChunks>,
+    /// This rank's pieces, in flat order.
+    pub pieces: Vec<Piece>,
+}
+
+impl RankSlices {
+    /// The slices of rank `rank` of `dp`, for parameters at `params` (`(offset, len)` in the
+    /// flat concatenation, in visit order) and buckets at `buckets` (`(start, end)`, any
+    /// order; together they cover the parameters).
+    pub fn new(
+        params: &[(usize, usize)],
+        buckets: &[(usize, usize)],
+        dp: usize,
+        rank: usize,
+    ) -> Self {
+        let chunks: Vec<BucketChunks> = (buckets.iter())
+            .map(|&(start, end)| BucketChunks::new(start, end, dp))
+            .collect();
+        let mut pieces = Vec::new();
+        for (b, c) in chunks.iter().enumerate() {
+            let mine = c.range_of(rank);
+            for (p, &(offset, len)) in params.iter().enumerate() {
+                let first = mine.start.max(offset);
+                let end = mine.end.min(offset + len);
+                if first < end {
+                    pieces.push(Piece {
+                        param: p,
+                        bucket: b,
+                        param_start: first - offset,
+                        chunk_offset: first - mine.start,
+                        len: end - first,
+                    });
+                }
+            }
+        }
+        pieces.sort_by_key(|x| (chunks[x.bucket].start + x.chunk_offset, x.param));
+        Self {
+            rank,
+            buckets: chunks,
+            pieces,
+        }
+    }
+
+    /// Elements this rank holds (the sum of its pieces).
+    pub fn held(&self) -> usize {
+        self.pieces.iter().map(|p| p.len).sum()
+    }
+
+    /// This rank's pieces of parameter `param`.
+    pub fn pieces_of(&self, param: usize) -> impl Iterator<Item = &Piece> {
+        self.pieces.iter().filter(move |p| p.param == param)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Flat `(offset, len)` or `(start, end)` ranges.
+    type Ranges = Vec<(usize, usize)>;
+
+    /// Parameters of `lens` laid end to end, and buckets of about `target` elements from the
+    /// end, as the reducer cuts them (whole parameters per bucket).
+    fn layout(lens: &[usize], target: usize) -> (Ranges, Ranges) {
+        let mut params = Vec::new();
+        let mut offset = 0;
+        for &len in lens {
+            params.push((offset, len));
+            offset += len;
+        }
+        let (mut buckets, mut end) = (Vec::new(), offset);
+        for (i, &(start, _)) in params.iter().enumerate().rev() {
+            if end - start >= target.max(1) || i == 0 {
+                buckets.push((start, end));
+                end = start;
+            }
+        }
+        (params, buckets)
+    }
+
+    #[test]
+    fn a_chunk_spanning_two_parameters_holds_a_piece_of_each() {
+        // Parameters of 5 and 3 elements in one bucket of 8, over 3 ranks: chunks of 3.
+        let (params, buckets) = layout(&[5, 3], 100);
+        let r1 = RankSlices::new(&params, &buckets, 3, 1);
+        assert_eq!(
+            r1.buckets,
+            vec![BucketChunks {
+                start: 0,
+                len: 8,
+                chunk: 3
+            }]
+        );
+        assert_eq!(
+            r1.pieces,
+            vec![
+                Piece {
+                    param: 0,
+                    bucket: 0,
+                    param_start: 3,
+                    chunk_offset: 0,
+                    len: 2
+                },
+                Piece {
+                    param: 1,
+                    bucket: 0,
+                    param_start: 0,
+                    chunk_offset: 2,
+                    len: 1
+                },
+            ]
+        );
+        // The last rank's chunk is cut short by the padding.
+        let r2 = RankSlices::new(&params, &buckets, 3, 2);
+        assert_eq!(r2.buckets[0].range_of(2), 6..8);
+        assert_eq!(r2.held(), 2);
+    }
+
+    /// The claim the slicing rests on: every optimizer merak trains with updates each element
+    /// from that element alone, so stepping pieces of a parameter (cut anywhere, each with its
+    /// own state) equals stepping the whole tensor, step after step.
+    #[test]
+    fn every_optimizer_steps_pieces_as_it_steps_the_whole_tensor() {
+        use crate::backend::{Cpu, CpuAutodiff};
+        use crate::train::FusedAdamW;
+        use burn::module::{Module, Param};
+        use burn::optim::decay::WeightDecayConfig;
+        use burn::optim::momentum::MomentumConfig;
+        use burn::optim::{AdaGradConfig, AdamConfig, RmsPropConfig, SgdConfig, SimpleOptimizer};
+        use burn::tensor::backend::Backend;
+        use burn::tensor::{Tensor, TensorData};
+
+        #[derive(Module, Debug)]
+        struct Net<B: Backend> {
+            w: Param<Tensor<B, 2>>,
+        }
+        type Ad = CpuAutodiff;
+
+        fn compare<O: SimpleOptimizer<Cpu>>(name: &str, o: &O) {
+            let device = Default::default();
+            let values = |n: usize, k: usize| -> Vec<f32> {
+                (0..n)
+                    .map(|i| ((i * 37 + k * 11) % 23) as f32 * 0.05 - 0.55)
+                    .collect()
+            };
+            let (rows, cols) = (6, 10);
+            let tensor = |v: Vec<f32>| {
+                Tensor::<Cpu, 2>::from_data(TensorData::new(v, [rows, cols]), &device)
+            };
+            let flat = |v: &[f32]| {
+                Tensor::<Cpu, 1>::from_data(TensorData::new(v.to_vec(), [v.len()]), &device)
+            };
+            let cuts = [0, 7, 8, 33, 60];
+            let (mut whole, mut state) = (tensor(values(60, 0)), None);
+            let mut pieces: Vec<_> = (cuts.windows(2))
+                .map(|c| (flat(&values(60, 0)[c[0]..c[1]]), None))
+                .collect();
+            for step in 1..=5 {
+                let lr = 0.01 * step as f64;
+                let grad = values(60, step);
+                (whole, state) = o.step(lr, whole, tensor(grad.clone()), state);
+                for ((piece, st), c) in pieces.iter_mut().zip(cuts.windows(2)) {
+                    let (p, s) = o.step(lr, piece.clone(), flat(&grad[c[0]..c[1]]), st.take());
+                    (*piece, *st) = (p, s);
+                }
+            }
+            let whole = whole.into_data().into_vec::<f32>().expect("f32");
+            let joined: Vec<f32> = (pieces.into_iter())
+                .flat_map(|(p, _)| p.into_data().into_vec::<f32>().expect("f32"))
+                .collect();
+            assert_eq!(joined, whole, "{name}");
+        }
+        let l2 = Some(WeightDecayConfig::new(0.1));
+        compare("AdamW", &FusedAdamW::new(0.9, 0.95, 1e-8, 0.1));
+        let adam = AdamConfig::new()
+            .with_weight_decay(l2.clone())
+            .init::<Ad, Net<Ad>>();
+        compare("Adam", adam.optim());
+        let momentum = Some(MomentumConfig {
+            momentum: 0.9,
+            dampening: 0.1,
+            nesterov: true,
+        });
+        let sgd = SgdConfig::new()
+            .with_weight_decay(l2.clone())
+            .with_momentum(momentum);
+        compare("SGD", sgd.init::<Ad, Net<Ad>>().optim());
+        let adagrad = AdaGradConfig::new()
+            .with_lr_decay(0.01)
+            .with_weight_decay(l2.clone());
+        compare("AdaGrad", adagrad.init::<Ad, Net<Ad>>().optim());
+        let rms = RmsPropConfig::new()
+            .with_momentum(0.9)
+            .with_centered(true)
+            .with_weight_decay(l2);
+        compare("RMSProp", &rms.build());
+    }
+
+    proptest! {
+        /// Over all ranks, the pieces cover every element of every parameter exactly once,
+        /// each piece lies in its rank's chunk of its bucket, and no rank holds more than one
+        /// chunk per bucket.
+        #[test]
+        fn the_ranks_pieces_partition_every_parameter(
+            lens in proptest::collection::vec(1usize..40, 1..12),
+            target in 1usize..120,
+            dp in 1usize..9,
+        ) {
+            let (params, buckets) = layout(&lens, target);
+            let total: usize = lens.iter().sum();
+            let mut owner = vec![usize::MAX; total];
+            for rank in 0..dp {
+                let s = RankSlices::new(&params, &buckets, dp, rank);
+                for p in &s.pieces {
+                    let c = s.buckets[p.bucket];
+                    let chunk = c.range_of(rank);
+                    let flat = params[p.param].0 + p.param_start;
+                    prop_assert_eq!(flat, chunk.start + p.chunk_offset);
+                    prop_assert!(p.chunk_offset + p.len <= chunk.len());
+                    prop_assert!(p.param_start + p.len <= params[p.param].1);
+                    for o in &mut owner[flat..flat + p.len] {
+                        prop_assert_eq!(*o, usize::MAX);
+                        *o = rank;
+                    }
+                }
+                for c in &s.buckets {
+                    prop_assert!(c.range_of(rank).len() <= c.chunk);
+                    prop_assert!(c.chunk * dp >= c.len);
+                }
+            }
+            prop_assert!(owner.iter().all(|&o| o < dp));
+        }
+    }
+}
