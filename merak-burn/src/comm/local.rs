@@ -94,4 +94,14 @@ mod tests {
         assert_eq!(c.broadcast_text("", 64, 0).unwrap(), "");
         assert_eq!(c.broadcast_text("abcdef", 4, 0).unwrap(), "abcd");
     }
+
+    /// The default non-blocking reduce-scatter and all-gather (run at once) on one rank.
+    #[test]
+    fn non_blocking_reduce_scatter_and_all_gather_of_one_rank_return_the_input() {
+        let c = LocalCommunicator;
+        let rs = c.reduce_scatter_start(vec![1.0, 2.0], ReduceOp::Mean).unwrap();
+        assert_eq!(rs.wait().unwrap(), vec![1.0, 2.0]);
+        let ag = c.all_gather_start(vec![3.0]).unwrap();
+        assert_eq!(ag.wait().unwrap(), vec![3.0]);
+    }
 }

@@ -28,7 +28,7 @@ pub use abort::report_line;
 pub use error::CommError;
 pub use group::Group;
 pub use local::LocalCommunicator;
-pub use mpi_comm::{MpiCommunicator, MpiWorld, PendingMpiAllReduce, launched_by_mpirun};
+pub use mpi_comm::{MpiCommunicator, MpiWorld, PendingMpi, launched_by_mpirun};
 pub use progress_thread::ProgressThreadComm;
 pub use tensor::TensorComm;
 pub use transport::{Transport, TransportRequest};
@@ -135,6 +135,29 @@ pub trait Communicator {
 
     /// Starts a non-blocking all-reduce of `buf`; progress it with [`Pending::test`].
     fn all_reduce_start(&self, buf: Vec<f32>, op: ReduceOp) -> Result<Box<dyn Pending>, CommError>;
+
+    /// Starts a non-blocking reduce-scatter of `send` (`size()` equal blocks, rank-major):
+    /// [`Pending::wait`] returns this rank's block, reduced over the ranks. The default runs
+    /// [`reduce_scatter`](Self::reduce_scatter) at once.
+    fn reduce_scatter_start(
+        &self,
+        send: Vec<f32>,
+        op: ReduceOp,
+    ) -> Result<Box<dyn Pending>, CommError> {
+        let block = send.len() / self.size().max(1);
+        check_len("reduce_scatter_start", block * self.size(), send.len())?;
+        let mut recv = vec![0.0; block];
+        self.reduce_scatter(&send, &mut recv, op)?;
+        Ok(Box::new(Done(recv)))
+    }
+
+    /// Starts a non-blocking all-gather of `send`: [`Pending::wait`] returns every rank's
+    /// `send`, ordered by rank. The default runs [`all_gather`](Self::all_gather) at once.
+    fn all_gather_start(&self, send: Vec<f32>) -> Result<Box<dyn Pending>, CommError> {
+        let mut recv = vec![0.0; send.len() * self.size()];
+        self.all_gather(&send, &mut recv)?;
+        Ok(Box::new(Done(recv)))
+    }
 }
 
 /// An operation that completed when it started.

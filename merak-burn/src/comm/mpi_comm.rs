@@ -396,17 +396,8 @@ impl Communicator for MpiCommunicator {
 
     fn all_reduce_start(&self, buf: Vec<f32>, op: ReduceOp) -> Result<Box<dyn Pending>, CommError> {
         let count = check_count("all_reduce_start", buf.len())?;
-        let mut pending = PendingMpiAllReduce {
-            recv: self.buffer(buf.len()),
-            request: Request::new("all_reduce (non-blocking)", buf.len(), self),
-            send: buf,
-            pool: self.pool.clone(),
-            divide_by: (op == ReduceOp::Mean).then_some(self.size() as f32),
-        };
-        let mpi_op = match op {
-            ReduceOp::Sum | ReduceOp::Mean => unsafe { mpi::ffi::RSMPI_SUM },
-            ReduceOp::Max => unsafe { mpi::ffi::RSMPI_MAX },
-        };
+        let mut pending = self.pending("all_reduce (non-blocking)", buf, count as usize, op);
+        let mpi_op = mpi_op(op);
         // SAFETY: both buffers are owned by `pending`, live on the heap (their addresses do not
         // move when `pending` moves) and are neither read nor freed before the request
         // completes: `wait` and `Drop` complete it first.
@@ -421,14 +412,95 @@ impl Communicator for MpiCommunicator {
                 &mut pending.request.raw,
             )
         };
+        self.started(pending, "MPI_Iallreduce", code)
+    }
+
+    fn reduce_scatter_start(
+        &self,
+        send: Vec<f32>,
+        op: ReduceOp,
+    ) -> Result<Box<dyn Pending>, CommError> {
+        let block = send.len() / self.size().max(1);
+        check_len("reduce_scatter_start", block * self.size(), send.len())?;
+        let count = check_count("reduce_scatter_start", block)?;
+        let mut pending = self.pending("reduce_scatter (non-blocking)", send, block, op);
+        // SAFETY: as in `all_reduce_start`: the buffers are owned by `pending`, on the heap,
+        // and untouched until the request completes (`wait` and `Drop` complete it first).
+        let code = unsafe {
+            mpi::ffi::MPI_Ireduce_scatter_block(
+                pending.send.as_ptr().cast(),
+                pending.recv.as_mut_ptr().cast(),
+                count,
+                mpi::ffi::RSMPI_FLOAT,
+                mpi_op(op),
+                self.comm.as_raw(),
+                &mut pending.request.raw,
+            )
+        };
+        self.started(pending, "MPI_Ireduce_scatter_block", code)
+    }
+
+    fn all_gather_start(&self, send: Vec<f32>) -> Result<Box<dyn Pending>, CommError> {
+        let count = check_count("all_gather_start", send.len())?;
+        let total = send.len() * self.size();
+        check_count("all_gather_start", total)?;
+        let mut pending = self.pending("all_gather (non-blocking)", send, total, ReduceOp::Sum);
+        // SAFETY: as in `all_reduce_start`.
+        let code = unsafe {
+            mpi::ffi::MPI_Iallgather(
+                pending.send.as_ptr().cast(),
+                count,
+                mpi::ffi::RSMPI_FLOAT,
+                pending.recv.as_mut_ptr().cast(),
+                count,
+                mpi::ffi::RSMPI_FLOAT,
+                self.comm.as_raw(),
+                &mut pending.request.raw,
+            )
+        };
+        self.started(pending, "MPI_Iallgather", code)
+    }
+}
+
+impl MpiCommunicator {
+    /// A non-blocking collective's buffers: `send`, and `recv_len` values to receive (from the
+    /// pool); a mean divides the result by the group size.
+    fn pending(
+        &self,
+        what: &'static str,
+        send: Vec<f32>,
+        recv_len: usize,
+        op: ReduceOp,
+    ) -> PendingMpi {
+        PendingMpi {
+            recv: self.buffer(recv_len),
+            request: Request::new(what, send.len(), self),
+            send,
+            pool: self.pool.clone(),
+            divide_by: (op == ReduceOp::Mean).then_some(self.size() as f32),
+        }
+    }
+
+    /// The started collective, or the MPI error `code` of `op` (the request never started).
+    fn started(
+        &self,
+        mut pending: PendingMpi,
+        op: &'static str,
+        code: c_int,
+    ) -> Result<Box<dyn Pending>, CommError> {
         if code != 0 {
             pending.request.complete = true;
-            return Err(CommError::Mpi {
-                op: "MPI_Iallreduce",
-                code,
-            });
+            return Err(CommError::Mpi { op, code });
         }
         Ok(Box::new(pending))
+    }
+}
+
+/// MPI's operation for `op` (a mean is a sum, divided afterwards).
+fn mpi_op(op: ReduceOp) -> mpi::ffi::MPI_Op {
+    match op {
+        ReduceOp::Sum | ReduceOp::Mean => unsafe { mpi::ffi::RSMPI_SUM },
+        ReduceOp::Max => unsafe { mpi::ffi::RSMPI_MAX },
     }
 }
 
@@ -517,8 +589,9 @@ impl Drop for PendingMpiSend {
     }
 }
 
-/// A non-blocking MPI all-reduce (`MPI_Iallreduce`) that owns its buffers.
-pub struct PendingMpiAllReduce {
+/// A non-blocking MPI collective (`MPI_Iallreduce`, `MPI_Ireduce_scatter_block`,
+/// `MPI_Iallgather`) that owns its buffers.
+pub struct PendingMpi {
     send: Vec<f32>,
     recv: Vec<f32>,
     request: Request,
@@ -526,7 +599,7 @@ pub struct PendingMpiAllReduce {
     pool: BufferPool,
 }
 
-impl PendingMpiAllReduce {
+impl PendingMpi {
     fn finish(&mut self) -> Vec<f32> {
         let mut pool = self.pool.borrow_mut();
         if pool.len() < POOL_SIZE {
@@ -540,7 +613,7 @@ impl PendingMpiAllReduce {
     }
 }
 
-impl Pending for PendingMpiAllReduce {
+impl Pending for PendingMpi {
     fn test(&mut self) -> Result<bool, CommError> {
         self.request.test()
     }
@@ -551,7 +624,7 @@ impl Pending for PendingMpiAllReduce {
     }
 }
 
-impl Drop for PendingMpiAllReduce {
+impl Drop for PendingMpi {
     fn drop(&mut self) {
         // The buffers must outlive the request: complete it before they are freed.
         let _ = self.request.wait();

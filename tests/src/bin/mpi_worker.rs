@@ -146,6 +146,31 @@ fn comm(c: &dyn Communicator) {
     let mut nb_max = c.all_reduce_start(data(r, len), ReduceOp::Max).unwrap();
     while !nb_max.test().unwrap() {}
     expect("all_reduce_start max", &nb_max.wait().unwrap(), &max);
+    // Non-blocking reduce-scatter (sum and mean) and all-gather, two in flight at once.
+    let mut rs = c
+        .reduce_scatter_start(data(r, len * n), ReduceOp::Sum)
+        .unwrap();
+    let ag = c.all_gather_start(data(r, len)).unwrap();
+    let mean = c
+        .reduce_scatter_start(data(r, len * n), ReduceOp::Mean)
+        .unwrap();
+    while !rs.test().unwrap() {}
+    expect(
+        "reduce_scatter_start",
+        &rs.wait().unwrap(),
+        &big_sum[r * len..(r + 1) * len],
+    );
+    expect("all_gather_start", &ag.wait().unwrap(), &all.concat());
+    let want: Vec<f32> = big_sum[r * len..(r + 1) * len]
+        .iter()
+        .map(|s| s / n as f32)
+        .collect();
+    expect("reduce_scatter_start mean", &mean.wait().unwrap(), &want);
+    let uneven = c.reduce_scatter_start(vec![0.0; n + 1], ReduceOp::Sum);
+    assert!(
+        n == 1 || uneven.is_err(),
+        "a send buffer of size+1 values must be refused"
+    );
 
     // The same operations on Burn tensors.
     let dev = Default::default();
