@@ -99,7 +99,9 @@ mod tests {
     #[test]
     fn non_blocking_reduce_scatter_and_all_gather_of_one_rank_return_the_input() {
         let c = LocalCommunicator;
-        let rs = c.reduce_scatter_start(vec![1.0, 2.0], ReduceOp::Mean).unwrap();
+        let rs = c
+            .reduce_scatter_start(vec![1.0, 2.0], ReduceOp::Mean)
+            .unwrap();
         assert_eq!(rs.wait().unwrap(), vec![1.0, 2.0]);
         let ag = c.all_gather_start(vec![3.0]).unwrap();
         assert_eq!(ag.wait().unwrap(), vec![3.0]);
