@@ -515,3 +515,42 @@ fn greedy_samples_agree_across_tensor_parallel_layouts() {
         sampled
     );
 }
+
+/// `memory.json` counts each rank's model state from what it keeps: the tiny GPT's 134,912 f32
+/// parameters and their gradients on every rank, AdamW's two moments of every parameter
+/// without ZeRO, and under ZeRO-1 a share per rank that adds up to the whole; SGD without
+/// momentum keeps none, with it one tensor.
+#[test]
+fn memory_json_counts_each_ranks_model_state() {
+    let state = |np: usize, name: &str, extra: &[&str]| -> Vec<[f64; 3]> {
+        let mut args = vec!["--set", "data.kind=synthetic", "--set", "train.steps=2"];
+        args.extend_from_slice(extra);
+        let dir = train_dir_with(&config(), np, name, &args);
+        let text = std::fs::read_to_string(dir.join("memory.json")).expect("memory.json");
+        let json: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+        let ranks = json["ranks"].as_array().expect("ranks").clone();
+        let field = |r: &serde_json::Value, k: &str| r[k].as_f64().expect(k);
+        (ranks.iter())
+            .map(|r| {
+                let f = |k| field(r, k);
+                [f("param_mib"), f("grad_mib"), f("optimizer_mib")]
+            })
+            .collect()
+    };
+    let mib = 134_912.0 * 4.0 / (1u64 << 20) as f64;
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-6 * b.max(1.0);
+    let one = state(0, "state-one", &[]);
+    assert!(one.len() == 1 && close(one[0][0], mib), "{one:?}");
+    assert!(close(one[0][1], mib) && close(one[0][2], 2.0 * mib), "{one:?}");
+    let dp = state(2, "state-dp2", &["--dp", "2"]);
+    assert!(dp.iter().all(|r| r == &one[0]), "{dp:?}");
+    let zero = state(2, "state-zero1", &["--dp", "2", "--set", "parallel.zero=1"]);
+    assert!(zero.iter().all(|r| close(r[0], mib) && close(r[1], mib)), "{zero:?}");
+    assert!(zero.iter().all(|r| r[2] > 0.0 && r[2] < one[0][2]), "{zero:?}");
+    assert!(close(zero[0][2] + zero[1][2], one[0][2]), "{zero:?}");
+    let sgd = state(0, "state-sgd", &["--set", "optimizer.kind=sgd"]);
+    assert_eq!(sgd[0][2], 0.0, "{sgd:?}");
+    let momentum = ["--set", "optimizer.kind=sgd", "--set", "optimizer.momentum=0.9"];
+    let sgd = state(0, "state-sgd-momentum", &momentum);
+    assert!(close(sgd[0][2], mib), "{sgd:?}");
+}

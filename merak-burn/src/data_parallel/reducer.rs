@@ -287,6 +287,14 @@ impl DataParallel {
         })
     }
 
+    /// Gradient values this rank's buckets hold during a step (every parameter's: the
+    /// gradients are reduced whole).
+    pub fn gradient_elements(&self) -> usize {
+        (self.state.borrow().buckets.iter())
+            .map(|b| b.end - b.start)
+            .sum()
+    }
+
     /// The DP group.
     pub fn group(&self) -> Group {
         self.dp

@@ -121,6 +121,7 @@ where
             self.grid,
             self.executor.plan(),
             self.max_in_flight,
+            self.state_bytes(),
             &out.dir,
         )?;
         if let Some(path) = &out.trace {

@@ -43,7 +43,7 @@ pub use optim::{ParamGroup, ParamInfo};
 pub use optim::{RmsPropStep, Slots, StateSlots};
 pub use optimizer_settings::{OptimizerKind, OptimizerSettings};
 pub use outputs::{OutputError, not_a_file, writable_dir, writable_file};
-pub use report::{report_memory, write_trace};
+pub use report::{StateBytes, report_memory, write_trace};
 pub use schedule::LrSchedule;
 pub use schedule::LrScheduleKind;
 pub use settings::{CheckpointPolicy, RunFile, RunOutput, TrainSettings};

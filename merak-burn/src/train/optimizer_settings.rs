@@ -124,6 +124,21 @@ pub struct OptimizerSettings {
     pub decay_steps: usize,
 }
 
+impl OptimizerSettings {
+    /// Tensors of state the optimizer keeps per parameter, each the parameter's size: AdamW's
+    /// and Adam's two moments, SGD's momentum buffer (none without momentum), AdaGrad's sum of
+    /// squares, RMSProp's squared-gradient average plus its momentum and centred mean.
+    pub fn state_tensors(&self) -> usize {
+        let momentum = usize::from(self.momentum > 0.0);
+        match self.kind {
+            OptimizerKind::AdamW | OptimizerKind::Adam => 2,
+            OptimizerKind::Sgd => momentum,
+            OptimizerKind::AdaGrad => 1,
+            OptimizerKind::RmsProp => 1 + momentum + usize::from(self.centered),
+        }
+    }
+}
+
 impl Default for OptimizerSettings {
     /// AdamW with warm-up and cosine decay (the kind-specific values are PyTorch's defaults).
     fn default() -> Self {

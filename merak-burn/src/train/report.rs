@@ -8,21 +8,43 @@ use crate::grid::ProcessGrid;
 use crate::pipeline::{PipelinePlan, TraceEvent, write_chrome_trace};
 use crate::train::TrainError;
 
-/// Gathers every rank's peak resident memory and most micro-batches in flight. Rank 0 writes
+/// Bytes of model state one rank holds, in f32 (what `merak train` trains in): counted by
+/// the library from what the rank keeps, not measured.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StateBytes {
+    /// Its parameters (twice under PipeDream-2BW, which keeps the previous version).
+    pub params: u64,
+    /// Its gradient buckets.
+    pub grads: u64,
+    /// The optimizer state of the parameters it steps (all of them, or its ZeRO-1 share), once
+    /// each has stepped.
+    pub optimizer: u64,
+}
+
+/// Values per rank in `memory.json`'s gather.
+const FIELDS: usize = 5;
+
+/// Gathers every rank's peak resident memory, most micro-batches in flight and model-state
+/// bytes ([`StateBytes`]). Rank 0 writes
 /// `out/memory.json` and, under pp > 1, logs per rank its stages, the units it recomputed, its
 /// peak memory and the most micro-batches it held.
 pub fn report_memory(
     grid: &ProcessGrid,
     plan: &PipelinePlan,
     max_in_flight: usize,
+    state: StateBytes,
     out: &Path,
 ) -> Result<(), TrainError> {
     let world = grid.world.comm()?;
+    let mib = |bytes: u64| bytes as f32 / (1 << 20) as f32;
     let mine = [
-        crate::train::process::peak_rss_bytes() as f32 / (1 << 20) as f32,
+        mib(crate::train::process::peak_rss_bytes()),
         max_in_flight as f32,
+        mib(state.params),
+        mib(state.grads),
+        mib(state.optimizer),
     ];
-    let mut all = vec![0.0f32; 2 * world.size()];
+    let mut all = vec![0.0f32; FIELDS * world.size()];
     world.all_gather(&mine, &mut all)?;
     if grid.rank != 0 {
         return Ok(());
@@ -33,7 +55,7 @@ pub fn report_memory(
             .collect()
     };
     let ranks: Vec<serde_json::Value> = all
-        .chunks(2)
+        .chunks(FIELDS)
         .enumerate()
         .map(|(rank, v)| {
             let pp = grid.layout.coords(rank).pp;
@@ -46,6 +68,9 @@ pub fn report_memory(
                 "recompute_units": recompute,
                 "peak_rss_mib": v[0],
                 "max_in_flight": v[1] as usize,
+                "param_mib": v[2],
+                "grad_mib": v[3],
+                "optimizer_mib": v[4],
             })
         })
         .collect();
@@ -57,7 +82,7 @@ pub fn report_memory(
     let bytes = serde_json::to_vec_pretty(&json).unwrap_or_default();
     std::fs::write(&path, bytes).map_err(TrainError::io(&path))?;
     if grid.layout.pp > 1 {
-        for (rank, v) in all.chunks(2).enumerate() {
+        for (rank, v) in all.chunks(FIELDS).enumerate() {
             let stages: Vec<String> = stages_of(grid.layout.coords(rank).pp)
                 .into_iter()
                 .map(|s| {

@@ -21,8 +21,8 @@ use crate::plan::ParallelPlan;
 use crate::tensor_parallel::{ParallelBackend, Shard};
 use crate::train::optim::Optimizers;
 use crate::train::{
-    BatchSource, FusedAdamW, ParamGroup, ParamInfo, TrainError, TrainSettings, check_settings,
-    clip_grads, global_grad_norm, sharded_param_ids, tied::sum_tied_grads,
+    BatchSource, FusedAdamW, ParamGroup, ParamInfo, StateBytes, TrainError, TrainSettings,
+    check_settings, clip_grads, global_grad_norm, sharded_param_ids, tied::sum_tied_grads,
 };
 
 /// Burn's optimizer adaptor around [`FusedAdamW`] for the model `M`.
@@ -230,6 +230,26 @@ where
     /// claimed the run's folders (the resumed checkpoint's, or a new one).
     pub fn run_id(&self) -> Option<&crate::checkpoint::RunId> {
         self.run.as_ref()
+    }
+
+    /// The bytes of model state this rank holds ([`StateBytes`]): its parameters (and
+    /// PipeDream-2BW's previous version), its gradient buckets, and the optimizer state of the
+    /// parameters it steps (all of them, or its ZeRO-1 share) once each has stepped.
+    pub fn state_bytes(&self) -> StateBytes {
+        let shapes = state::param_shapes(&self.model);
+        let elements = |keep: &dyn Fn(ParamId) -> bool| -> u64 {
+            (shapes.iter().filter(|p| keep(p.id)))
+                .map(|p| p.shape.iter().product::<usize>() as u64)
+                .sum()
+        };
+        let owned = &self.owned;
+        let stepped = elements(&|id| owned.as_ref().is_none_or(|o| o.contains(&id)));
+        let versions = 1 + u64::from(self.stale.is_some());
+        StateBytes {
+            params: 4 * versions * elements(&|_| true),
+            grads: 4 * self.reducer.gradient_elements() as u64,
+            optimizer: 4 * stepped * self.settings.optimizer.state_tensors() as u64,
+        }
     }
 
     /// The model as trained so far.
