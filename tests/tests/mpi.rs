@@ -67,6 +67,13 @@ fn zero1_gives_every_parameter_exactly_one_owner() {
 }
 
 #[test]
+fn reduce_scattered_gradients_are_each_ranks_pieces_of_the_all_reduced_ones() {
+    for np in [1, 2, 3, 4] {
+        assert_all_ranks_ok(np, "scatter");
+    }
+}
+
+#[test]
 fn a_panicking_rank_ends_the_job_promptly_and_is_named() {
     let run = worker(3, "panic");
     assert!(!run.timed_out, "the job hung: {run:?}");

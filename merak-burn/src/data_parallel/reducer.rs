@@ -10,6 +10,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
+use super::slices::{BucketChunks, RankSlices};
 use crate::comm::{CommError, Communicator, Group, Pending, ReduceOp, TensorComm};
 use crate::tensor_parallel::{ParallelBackend, set_grad_sink};
 
@@ -50,6 +51,9 @@ struct State {
     buckets: Vec<Bucket>,
     next_launch: usize,
     reduce_now: bool,
+    /// Reduce-scatter the buckets (each rank gets its chunk, [`RankSlices`]) instead of
+    /// all-reducing them.
+    scatter: bool,
     comm: Rc<dyn Communicator>,
     error: Option<CommError>,
     launched_early: usize,
@@ -103,7 +107,7 @@ impl State {
             if !(all || b.waiting == 0) {
                 break;
             }
-            if self.comm.size() > 1 {
+            if self.comm.size() > 1 || self.scatter {
                 b.data.resize(b.end - b.start, 0.0);
                 for slot in &self.slots[b.slots.clone()] {
                     if !slot.seen {
@@ -113,8 +117,17 @@ impl State {
                         }
                     }
                 }
-                let data = std::mem::take(&mut b.data);
-                match self.comm.all_reduce_start(data, ReduceOp::Sum) {
+            }
+            if self.comm.size() > 1 {
+                let mut data = std::mem::take(&mut b.data);
+                let started = if self.scatter {
+                    let size = self.comm.size();
+                    data.resize(BucketChunks::new(b.start, b.end, size).chunk * size, 0.0);
+                    self.comm.reduce_scatter_start(data, ReduceOp::Sum)
+                } else {
+                    self.comm.all_reduce_start(data, ReduceOp::Sum)
+                };
+                match started {
                     Ok(p) => b.pending = Some(p),
                     Err(e) => self.error = Some(e),
                 }
@@ -279,12 +292,30 @@ impl DataParallel {
                 buckets,
                 next_launch: 0,
                 reduce_now: false,
+                scatter: false,
                 comm: dp.comm()?,
                 error: None,
                 launched_early: 0,
             })),
             dp,
         })
+    }
+
+    /// This reducer, reduce-scattering its buckets instead of all-reducing them: each rank
+    /// receives only its chunk of every bucket ([`RankSlices`]), read with
+    /// [`finish_chunks`](Self::finish_chunks) (ZeRO-2).
+    pub fn reduce_scattering(self) -> Self {
+        self.state.borrow_mut().scatter = true;
+        self
+    }
+
+    /// Which elements of the flat gradients this rank's chunks hold ([`RankSlices`]; with
+    /// one rank, everything).
+    pub fn slices(&self) -> RankSlices {
+        let s = self.state.borrow();
+        let params: Vec<(usize, usize)> = s.slots.iter().map(|x| (x.offset, x.len)).collect();
+        let buckets: Vec<(usize, usize)> = s.buckets.iter().map(|b| (b.start, b.end)).collect();
+        RankSlices::new(&params, &buckets, self.dp.size(), self.dp.rank())
     }
 
     /// Gradient values this rank's buckets hold during a step (every parameter's: the
@@ -382,6 +413,37 @@ impl DataParallel {
         };
         model.visit(&mut builder);
         Ok((builder.grads, stats))
+    }
+
+    /// Under [`reduce_scattering`](Self::reduce_scattering): waits for the reduce-scatters
+    /// and returns this rank's chunk of every bucket (summed over the micro-batches and the DP
+    /// ranks; `chunk` values each, zeros past the bucket's end), in bucket order.
+    pub fn finish_chunks(&self) -> Result<(Vec<Vec<f32>>, DpStats), CommError> {
+        let t0 = Instant::now();
+        set_grad_sink(None);
+        let mut s = self.state.borrow_mut();
+        s.launch_ready(true);
+        let size = s.comm.size();
+        let mut chunks = Vec::with_capacity(s.buckets.len());
+        for b in &mut s.buckets {
+            let chunk = BucketChunks::new(b.start, b.end, size).chunk;
+            let mut data = match b.pending.take() {
+                Some(p) => p.wait()?,
+                None => std::mem::take(&mut b.data),
+            };
+            // One rank: its chunk is the whole bucket.
+            data.resize(chunk, 0.0);
+            chunks.push(data);
+        }
+        if let Some(e) = s.error.take() {
+            return Err(e);
+        }
+        let stats = DpStats {
+            buckets: s.buckets.len(),
+            overlapped_buckets: s.launched_early,
+            exposed_wait: t0.elapsed(),
+        };
+        Ok((chunks, stats))
     }
 
     /// The ids of the parameters whose optimizer state this DP rank owns under ZeRO-1.

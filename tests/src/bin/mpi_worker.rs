@@ -44,6 +44,7 @@ fn main() {
         "layers" => layers(Group::register(Rc::new(mpi.world()))),
         "panic" => panic_scenario(&world),
         "zero" => zero(Group::register(Rc::new(mpi.world()))),
+        "scatter" => scatter(Group::register(Rc::new(mpi.world()))),
         "overlap" => overlap(Group::register(Rc::new(mpi.world()))),
         other => panic!("unknown scenario {other:?}"),
     }
@@ -310,6 +311,82 @@ fn zero(dp: Group) {
     assert!(
         total.iter().all(|&x| x == 1.0),
         "ownership counts {total:?}"
+    );
+}
+
+/// A reduce-scattering reducer (ZeRO-2) hands each rank exactly its pieces of the gradients
+/// the all-reducing reducer gives every rank, and zeros in the padding past each bucket.
+fn scatter(dp: Group) {
+    use burn::module::{Module, ModuleVisitor, Param};
+    use merak_burn::data_parallel::DataParallel;
+    let dev = Default::default();
+    let r = dp.rank();
+    let w = MlpWeights {
+        fc_weight: (0..16 * 64)
+            .map(|i| (i % 13) as f32 * 0.01 - 0.06)
+            .collect(),
+        fc_bias: vec![0.01; 64],
+        proj_weight: (0..64 * 16).map(|i| (i % 7) as f32 * 0.02 - 0.06).collect(),
+        proj_bias: vec![0.0; 16],
+    };
+    let mlp = ParallelMlp::<B>::from_full(&w, 16, 64, Group::local(), &dev).unwrap();
+    let all = DataParallel::new(&mlp, dp, 300).unwrap();
+    let rs = DataParallel::new(&mlp, dp, 300)
+        .unwrap()
+        .reduce_scattering();
+    let run = |reducer: &DataParallel| {
+        reducer.begin_step();
+        reducer.set_last_micro_batch(true);
+        let x = Tensor::<B, 3>::from_data(TensorData::new(data(r, 96), [2, 3, 16]), &dev);
+        reducer.hooked(mlp.clone()).forward(x).sum().backward();
+    };
+    run(&all);
+    let (grads, _) = all.finish::<B, _>(&mlp).unwrap();
+    run(&rs);
+    let (chunks, stats) = rs.finish_chunks().unwrap();
+    // The all-reduced gradients, flat in visit order.
+    struct Flat<'a>(&'a burn::optim::GradientsParams, Vec<f32>, Vec<usize>);
+    impl ModuleVisitor<B> for Flat<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+            let g = self.0.get::<Cpu, D>(p.id).expect("a gradient");
+            self.2.push(self.1.len());
+            self.1.extend(to_vec(g));
+        }
+    }
+    let mut flat = Flat(&grads, Vec::new(), Vec::new());
+    mlp.visit(&mut flat);
+    let slices = rs.slices();
+    assert_eq!(chunks.len(), stats.buckets);
+    let mut held = 0;
+    for (b, chunk) in chunks.iter().enumerate() {
+        assert_eq!(chunk.len(), slices.buckets[b].chunk, "bucket {b}");
+        let mut covered = vec![false; chunk.len()];
+        for p in slices.pieces.iter().filter(|p| p.bucket == b) {
+            let at = flat.2[p.param] + p.param_start;
+            let got = chunk[p.chunk_offset..p.chunk_offset + p.len].to_vec();
+            check(
+                "reduce-scattered piece",
+                got,
+                flat.1[at..at + p.len].to_vec(),
+            );
+            covered[p.chunk_offset..p.chunk_offset + p.len].fill(true);
+            held += p.len;
+        }
+        let mut padding = chunk.iter().zip(&covered).filter(|(_, c)| !**c);
+        assert!(
+            padding.all(|(v, _)| *v == 0.0),
+            "bucket {b}: padding not zero"
+        );
+    }
+    let mut total = [held as f32];
+    dp.comm()
+        .unwrap()
+        .all_reduce(&mut total, ReduceOp::Sum)
+        .unwrap();
+    assert_eq!(
+        total[0] as usize,
+        flat.1.len(),
+        "the ranks' pieces cover every gradient"
     );
 }
 
