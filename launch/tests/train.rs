@@ -541,16 +541,30 @@ fn memory_json_counts_each_ranks_model_state() {
     let close = |a: f64, b: f64| (a - b).abs() <= 1e-6 * b.max(1.0);
     let one = state(0, "state-one", &[]);
     assert!(one.len() == 1 && close(one[0][0], mib), "{one:?}");
-    assert!(close(one[0][1], mib) && close(one[0][2], 2.0 * mib), "{one:?}");
+    assert!(
+        close(one[0][1], mib) && close(one[0][2], 2.0 * mib),
+        "{one:?}"
+    );
     let dp = state(2, "state-dp2", &["--dp", "2"]);
     assert!(dp.iter().all(|r| r == &one[0]), "{dp:?}");
     let zero = state(2, "state-zero1", &["--dp", "2", "--set", "parallel.zero=1"]);
-    assert!(zero.iter().all(|r| close(r[0], mib) && close(r[1], mib)), "{zero:?}");
-    assert!(zero.iter().all(|r| r[2] > 0.0 && r[2] < one[0][2]), "{zero:?}");
+    assert!(
+        zero.iter().all(|r| close(r[0], mib) && close(r[1], mib)),
+        "{zero:?}"
+    );
+    assert!(
+        zero.iter().all(|r| r[2] > 0.0 && r[2] < one[0][2]),
+        "{zero:?}"
+    );
     assert!(close(zero[0][2] + zero[1][2], one[0][2]), "{zero:?}");
     let sgd = state(0, "state-sgd", &["--set", "optimizer.kind=sgd"]);
     assert_eq!(sgd[0][2], 0.0, "{sgd:?}");
-    let momentum = ["--set", "optimizer.kind=sgd", "--set", "optimizer.momentum=0.9"];
+    let momentum = [
+        "--set",
+        "optimizer.kind=sgd",
+        "--set",
+        "optimizer.momentum=0.9",
+    ];
     let sgd = state(0, "state-sgd-momentum", &momentum);
     assert!(close(sgd[0][2], mib), "{sgd:?}");
 }
