@@ -382,7 +382,9 @@ impl DataParallel {
     /// the DP ranks, for the parameters that received one, as Burn's `GradientsParams` for
     /// `model` (the unhooked module). Weight each micro-batch's loss by its share of the global
     /// batch (for example `1 / (dp * micro_batches)`, or its share of the target tokens) so that
-    /// the sum is the gradient of the global mean loss.
+    /// the sum is the gradient of the global mean loss. A reducer that
+    /// [reduce-scatters](Self::reduce_scattering) is read with
+    /// [`finish_chunks`](Self::finish_chunks) instead.
     pub fn finish<B: AutodiffBackend, M: AutodiffModule<B>>(
         &self,
         model: &M,
