@@ -518,7 +518,7 @@ fn greedy_samples_agree_across_tensor_parallel_layouts() {
 
 /// `memory.json` counts each rank's model state from what it keeps: the tiny GPT's 134,912 f32
 /// parameters and their gradients on every rank, AdamW's two moments of every parameter
-/// without ZeRO, and under ZeRO-1 a share per rank that adds up to the whole; SGD without
+/// without ZeRO, and under ZeRO-1 and ZeRO-2 a share per rank that adds up to the whole; SGD without
 /// momentum keeps none, with it one tensor.
 #[test]
 fn memory_json_counts_each_ranks_model_state() {
@@ -557,6 +557,10 @@ fn memory_json_counts_each_ranks_model_state() {
         "{zero:?}"
     );
     assert!(close(zero[0][2] + zero[1][2], one[0][2]), "{zero:?}");
+    // ZeRO-2: each rank keeps the state of its slices, which add up to the whole.
+    let two = state(2, "state-zero2", &["--dp", "2", "--set", "parallel.zero=2"]);
+    assert!(two.iter().all(|r| r[2] < one[0][2]), "{two:?}");
+    assert!(close(two[0][2] + two[1][2], one[0][2]), "{two:?}");
     let sgd = state(0, "state-sgd", &["--set", "optimizer.kind=sgd"]);
     assert_eq!(sgd[0][2], 0.0, "{sgd:?}");
     let momentum = [

@@ -275,7 +275,7 @@ pub fn estimate_shape(
             .map(|u| u.activation_bytes(b, t, RecomputeMode::None))
             .fold(0.0, f64::max),
     };
-    let per_param = CostModel::state_bytes_per_param(plan.dp.max(1), plan.zero1, plan.schedule);
+    let per_param = CostModel::state_bytes_per_param(plan.dp.max(1), plan.zero >= 1, plan.schedule);
     let states = params * per_param / p;
     // The cost model counts activations of 16-bit training.
     let activations = activations * (activation_bytes / 2.0).min(1.0) / p - workspace;
@@ -426,7 +426,7 @@ mod tests {
                     micro_batch,
                     schedule,
                     recompute,
-                    zero1,
+                    zero: u8::from(zero1),
                     ..ParallelPlan::default()
                 };
                 let global_batch = 8 * dp * micro_batch;

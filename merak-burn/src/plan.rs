@@ -131,8 +131,10 @@ pub struct ParallelPlan {
     /// Stage-aware recomputation: activation memory per stage in MiB; 0: what the last stage
     /// needs without recomputation.
     pub memory_budget_mb: f64,
-    /// ZeRO-1: optimizer state sharded over the data-parallel ranks.
-    pub zero1: bool,
+    /// The ZeRO stage over the data-parallel ranks: 0 none; 1 the optimizer state sharded (by
+    /// whole parameters); 2 the gradients and the optimizer state sharded by slices (the
+    /// gradients reduce-scattered, the new parameters all-gathered).
+    pub zero: u8,
     /// Size of a data-parallel gradient bucket in MiB; a bucket's all-reduce starts as soon as
     /// all its gradients are final.
     pub bucket_mb: f64,
@@ -154,7 +156,7 @@ impl Default for ParallelPlan {
             recompute: Recompute::None,
             stage_recompute: Vec::new(),
             memory_budget_mb: 0.0,
-            zero1: false,
+            zero: 0,
             bucket_mb: 1.0,
             tp_overlap: 1,
         }
@@ -162,15 +164,16 @@ impl Default for ParallelPlan {
 }
 
 impl std::fmt::Display for ParallelPlan {
-    /// `dp=2 tp=2 pp=2 micro_batch=2 schedule=1f1b stages=[..]` (ZeRO-1 and overlap when on).
+    /// `dp=2 tp=2 pp=2 micro_batch=2 schedule=1f1b stages=[..]` (the ZeRO stage and overlap
+    /// when on).
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
             "dp={} tp={} pp={} micro_batch={} schedule={} stages={:?}",
             self.dp, self.tp, self.pp, self.micro_batch, self.schedule, self.stage_units
         )?;
-        if self.zero1 {
-            write!(f, " zero1")?;
+        if self.zero > 0 {
+            write!(f, " zero{}", self.zero)?;
         }
         if self.tp_overlap > 1 {
             write!(f, " tp_overlap={}", self.tp_overlap)?;
@@ -222,7 +225,7 @@ impl ParallelPlan {
             recompute: Recompute::None,
             stage_recompute: l.recompute.clone(),
             memory_budget_mb: 0.0,
-            zero1: l.zero1,
+            zero: u8::from(l.zero1),
             bucket_mb: 1.0,
             tp_overlap: l.tp_overlap,
         }
@@ -258,7 +261,9 @@ impl ParallelPlan {
             micro_batches: self.micro_batches(global_batch),
             schedule: self.schedule,
             recompute,
-            zero1: self.zero1,
+            // The planner models stages 0 and 1; ZeRO-2 holds less, so stage 1's memory is an
+            // upper bound for it.
+            zero1: self.zero >= 1,
             partition,
             tp_overlap: self.tp_overlap,
         }

@@ -18,8 +18,10 @@ pub struct ParallelSection {
     pub tp: usize,
     /// Pipeline-parallel degree.
     pub pp: usize,
-    /// ZeRO stage: 0 (every DP rank keeps the whole optimizer state) or 1 (each DP rank keeps
-    /// and updates the state of its share of the parameters, then shares the new values).
+    /// ZeRO stage: 0 (every DP rank keeps the whole optimizer state), 1 (each DP rank keeps
+    /// and updates the state of its share of the parameters, then shares the new values) or 2
+    /// (the gradients are reduce-scattered too: each DP rank keeps its slice of every gradient
+    /// bucket and the optimizer state of that slice, and the new values are all-gathered).
     pub zero: u8,
     /// Size of a data-parallel gradient bucket in MiB; a bucket's all-reduce starts as soon as
     /// all its gradients are final.
@@ -50,12 +52,21 @@ pub struct ParallelSection {
 impl Config {
     /// `[parallel]`: ZeRO stage, stages, recomputation and sizes consistent.
     pub(super) fn validate_parallel(&self) -> Result<(), ConfigError> {
-        if self.parallel.zero > 1 {
+        if self.parallel.zero > 2 {
             return bad(
                 "parallel.zero",
                 format!(
-                    "{} is not a supported ZeRO stage (0 or 1)",
+                    "{} is not a supported ZeRO stage (0, 1 or 2)",
                     self.parallel.zero
+                ),
+            );
+        }
+        if self.parallel.zero == 2 && self.parallel.pp > 1 {
+            return bad(
+                "parallel.zero",
+                format!(
+                    "2 with parallel.pp = {}: ZeRO-2 does not support the tied embedding's copies on two pipeline stages yet; use parallel.zero = 1, or parallel.pp = 1",
+                    self.parallel.pp
                 ),
             );
         }
@@ -211,7 +222,7 @@ impl Config {
             recompute: p.recompute,
             stage_recompute: p.stage_recompute.clone(),
             memory_budget_mb: p.memory_budget_mb,
-            zero1: p.zero == 1,
+            zero: p.zero,
             bucket_mb: p.bucket_mb,
             tp_overlap: p.tp_overlap,
         }
@@ -229,7 +240,7 @@ impl Config {
         p.schedule = plan.schedule;
         p.stage_layers = plan.stage_units.clone();
         p.stage_recompute = plan.stage_recompute.clone();
-        p.zero = u8::from(plan.zero1);
+        p.zero = plan.zero;
         p.tp_overlap = plan.tp_overlap;
         self.train.micro_batch = plan.micro_batch;
     }

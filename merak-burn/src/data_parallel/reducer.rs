@@ -312,10 +312,28 @@ impl DataParallel {
     /// Which elements of the flat gradients this rank's chunks hold ([`RankSlices`]; with
     /// one rank, everything).
     pub fn slices(&self) -> RankSlices {
-        let s = self.state.borrow();
-        let params: Vec<(usize, usize)> = s.slots.iter().map(|x| (x.offset, x.len)).collect();
-        let buckets: Vec<(usize, usize)> = s.buckets.iter().map(|b| (b.start, b.end)).collect();
-        RankSlices::new(&params, &buckets, self.dp.size(), self.dp.rank())
+        let buckets: Vec<(usize, usize)> = (self.state.borrow().buckets.iter())
+            .map(|b| (b.start, b.end))
+            .collect();
+        RankSlices::new(
+            &self.param_ranges(),
+            &buckets,
+            self.dp.size(),
+            self.dp.rank(),
+        )
+    }
+
+    /// Each parameter's `(offset, len)` in the flat concatenation of the gradients, in visit
+    /// order.
+    pub fn param_ranges(&self) -> Vec<(usize, usize)> {
+        (self.state.borrow().slots.iter())
+            .map(|x| (x.offset, x.len))
+            .collect()
+    }
+
+    /// Whether each parameter (in visit order) received a gradient this step on this rank.
+    pub fn seen(&self) -> Vec<bool> {
+        self.state.borrow().slots.iter().map(|x| x.seen).collect()
     }
 
     /// Gradient values this rank's buckets hold during a step (every parameter's: the

@@ -9,7 +9,7 @@
 //! an interleaving copy before each reduce-scatter). A chunk may cover the end of one
 //! parameter and the start of the next: the rank then holds a [`Piece`] of each, and every
 //! optimizer rule merak trains with is element-wise, so updating pieces equals updating whole
-//! tensors.
+//! tensors (`train::pieces` tests this for every optimizer).
 
 use std::ops::Range;
 
@@ -185,86 +185,6 @@ mod tests {
         let r2 = RankSlices::new(&params, &buckets, 3, 2);
         assert_eq!(r2.buckets[0].range_of(2), 6..8);
         assert_eq!(r2.held(), 2);
-    }
-
-    /// The claim the slicing rests on: every optimizer merak trains with updates each element
-    /// from that element alone, so stepping pieces of a parameter (cut anywhere, each with its
-    /// own state) equals stepping the whole tensor, step after step.
-    #[test]
-    fn every_optimizer_steps_pieces_as_it_steps_the_whole_tensor() {
-        use crate::backend::{Cpu, CpuAutodiff};
-        use crate::train::FusedAdamW;
-        use burn::module::{Module, Param};
-        use burn::optim::decay::WeightDecayConfig;
-        use burn::optim::momentum::MomentumConfig;
-        use burn::optim::{AdaGradConfig, AdamConfig, RmsPropConfig, SgdConfig, SimpleOptimizer};
-        use burn::tensor::backend::Backend;
-        use burn::tensor::{Tensor, TensorData};
-
-        #[derive(Module, Debug)]
-        struct Net<B: Backend> {
-            w: Param<Tensor<B, 2>>,
-        }
-        type Ad = CpuAutodiff;
-
-        fn compare<O: SimpleOptimizer<Cpu>>(name: &str, o: &O) {
-            let device = Default::default();
-            let values = |n: usize, k: usize| -> Vec<f32> {
-                (0..n)
-                    .map(|i| ((i * 37 + k * 11) % 23) as f32 * 0.05 - 0.55)
-                    .collect()
-            };
-            let (rows, cols) = (6, 10);
-            let tensor = |v: Vec<f32>| {
-                Tensor::<Cpu, 2>::from_data(TensorData::new(v, [rows, cols]), &device)
-            };
-            let flat = |v: &[f32]| {
-                Tensor::<Cpu, 1>::from_data(TensorData::new(v.to_vec(), [v.len()]), &device)
-            };
-            let cuts = [0, 7, 8, 33, 60];
-            let (mut whole, mut state) = (tensor(values(60, 0)), None);
-            let mut pieces: Vec<_> = (cuts.windows(2))
-                .map(|c| (flat(&values(60, 0)[c[0]..c[1]]), None))
-                .collect();
-            for step in 1..=5 {
-                let lr = 0.01 * step as f64;
-                let grad = values(60, step);
-                (whole, state) = o.step(lr, whole, tensor(grad.clone()), state);
-                for ((piece, st), c) in pieces.iter_mut().zip(cuts.windows(2)) {
-                    let (p, s) = o.step(lr, piece.clone(), flat(&grad[c[0]..c[1]]), st.take());
-                    (*piece, *st) = (p, s);
-                }
-            }
-            let whole = whole.into_data().into_vec::<f32>().expect("f32");
-            let joined: Vec<f32> = (pieces.into_iter())
-                .flat_map(|(p, _)| p.into_data().into_vec::<f32>().expect("f32"))
-                .collect();
-            assert_eq!(joined, whole, "{name}");
-        }
-        let l2 = Some(WeightDecayConfig::new(0.1));
-        compare("AdamW", &FusedAdamW::new(0.9, 0.95, 1e-8, 0.1));
-        let adam = AdamConfig::new()
-            .with_weight_decay(l2.clone())
-            .init::<Ad, Net<Ad>>();
-        compare("Adam", adam.optim());
-        let momentum = Some(MomentumConfig {
-            momentum: 0.9,
-            dampening: 0.1,
-            nesterov: true,
-        });
-        let sgd = SgdConfig::new()
-            .with_weight_decay(l2.clone())
-            .with_momentum(momentum);
-        compare("SGD", sgd.init::<Ad, Net<Ad>>().optim());
-        let adagrad = AdaGradConfig::new()
-            .with_lr_decay(0.01)
-            .with_weight_decay(l2.clone());
-        compare("AdaGrad", adagrad.init::<Ad, Net<Ad>>().optim());
-        let rms = RmsPropConfig::new()
-            .with_momentum(0.9)
-            .with_centered(true)
-            .with_weight_decay(l2);
-        compare("RMSProp", &rms.build());
     }
 
     proptest! {

@@ -81,18 +81,24 @@ where
         _b: std::marker::PhantomData,
     };
     module.visit(&mut v);
-    let mut buf = [v.stats.sharded_sq as f32];
+    norm_of(v.stats, tp, pp)
+}
+
+/// The global norm of one rank's squared gradient norms `stats`: the sharded part summed over
+/// `tp`, the replicated part counted once, the stages' sums added over `pp`.
+pub(crate) fn norm_of(stats: GradStats, tp: Group, pp: Group) -> Result<f64, CommError> {
+    let mut buf = [stats.sharded_sq as f32];
     if tp.size() > 1 {
         tp.comm()?
             .all_reduce(&mut buf, crate::comm::ReduceOp::Sum)?;
     }
-    let mut stage = [(f64::from(buf[0]) + v.stats.replicated_sq) as f32];
+    let mut stage = [(f64::from(buf[0]) + stats.replicated_sq) as f32];
     if pp.size() > 1 {
         pp.comm()?
             .all_reduce(&mut stage, crate::comm::ReduceOp::Sum)?;
         return Ok(f64::from(stage[0]).sqrt());
     }
-    Ok((f64::from(buf[0]) + v.stats.replicated_sq).sqrt())
+    Ok((f64::from(buf[0]) + stats.replicated_sq).sqrt())
 }
 
 struct ScaleVisitor<'a, B: AutodiffBackend> {

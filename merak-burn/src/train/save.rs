@@ -27,7 +27,13 @@ where
         // Without ZeRO every DP replica holds the same state: the first one writes it.
         let writes_moments = self.owned.is_some() || grid.coords.dp == 0;
         let mut moments = Vec::new();
-        if writes_moments {
+        if self.sliced.is_some() {
+            // ZeRO-2: every DP rank gives its pieces; the first writes the whole tensors.
+            let gathered = self.sliced_moments()?;
+            if grid.coords.dp == 0 {
+                moments = gathered;
+            }
+        } else if writes_moments {
             moments = self.optim.moments(&self.model)?;
         }
         // A tied copy is stored once, under its original's name.

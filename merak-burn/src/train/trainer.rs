@@ -20,10 +20,18 @@ use crate::pipeline::{
 use crate::plan::ParallelPlan;
 use crate::tensor_parallel::{ParallelBackend, Shard};
 use crate::train::optim::Optimizers;
+use crate::train::pieces::Sliced;
 use crate::train::{
     BatchSource, FusedAdamW, ParamGroup, ParamInfo, StateBytes, TrainError, TrainSettings,
     check_settings, clip_grads, global_grad_norm, sharded_param_ids, tied::sum_tied_grads,
 };
+
+/// A step's gradients after the data-parallel reduction: whole (all-reduced), or this rank's
+/// chunk of every bucket (ZeRO-2's reduce-scatter).
+enum Reduced {
+    Whole(burn::optim::GradientsParams),
+    Chunks(Vec<Vec<f32>>),
+}
 
 /// Burn's optimizer adaptor around [`FusedAdamW`] for the model `M`.
 pub type AdamW<M, B> = OptimizerAdaptor<FusedAdamW, M, B>;
@@ -79,7 +87,7 @@ where
     pub(crate) model: M,
     /// PipeDream-2BW: the weights from before the previous update, on which the next step's
     /// gradients are computed (V_t = V_{t-1} - lr * grad(V_{t-2})).
-    stale: Option<M>,
+    pub(crate) stale: Option<M>,
     /// PipeDream-2BW's overlap: the forwards of the next step that ran ahead, and its
     /// micro-batches.
     pub(crate) in_flight: InFlight<B>,
@@ -87,14 +95,16 @@ where
     /// The optimizer of each parameter group (by default: matrices with weight decay,
     /// vectors without).
     pub(crate) optim: Optimizers<M, B>,
-    reducer: DataParallel,
+    pub(crate) reducer: DataParallel,
     /// The parameters whose optimizer state this rank keeps under ZeRO-1.
     pub(crate) owned: Option<HashSet<ParamId>>,
+    /// Under ZeRO-2: this rank's pieces of the parameters and their optimizer state.
+    pub(crate) sliced: Option<Sliced<B::InnerBackend>>,
     pub(crate) executor: Executor,
-    sharded: HashSet<ParamId>,
+    pub(crate) sharded: HashSet<ParamId>,
     /// The head's copy of a tied embedding, counted in the gradient norm on the embedding's
     /// rank only.
-    not_counted: HashSet<ParamId>,
+    pub(crate) not_counted: HashSet<ParamId>,
     tied: Option<ParamId>,
     /// Steps done (the 0-based index of the next one).
     pub(crate) done: usize,
@@ -139,9 +149,18 @@ where
         let copies = model.tied_names();
         let optim = Optimizers::new(&model, &settings, grid.layout.tp, copies, &|p| p.default)?;
         let bucket_elems = (parallel.bucket_mb * (1 << 20) as f64 / 4.0) as usize;
-        let reducer = DataParallel::new(&model, grid.dp, bucket_elems)?;
-        let owned = parallel.zero1.then(|| reducer.owned_params());
+        let mut reducer = DataParallel::new(&model, grid.dp, bucket_elems)?;
+        let owned = (parallel.zero == 1).then(|| reducer.owned_params());
         let tied = model.tied_embedding();
+        let mut sliced = None;
+        if parallel.zero == 2 {
+            if tied.is_some() {
+                return Err(TrainError::ZeroTwoTied { pp: grid.layout.pp });
+            }
+            reducer = reducer.reduce_scattering();
+            let (slices, ranges) = (reducer.slices(), reducer.param_ranges());
+            sliced = Some(Sliced::new(slices, ranges, state::param_shapes(&model)));
+        }
         let holds_embedding = pipeline.schedule.rank_of(0) == grid.coords.pp;
         let not_counted = tied.filter(|_| !holds_embedding).into_iter().collect();
         let executor = Executor::new(pipeline, grid.pp, grid.tp, trace.then_some(grid.rank));
@@ -158,6 +177,7 @@ where
             optim,
             reducer,
             owned,
+            sliced,
             executor,
             not_counted,
             tied,
@@ -218,9 +238,14 @@ where
         let copies = self.model.tied_names();
         let (params, moments) = state.cut_for(&checkpoint.manifest, &shapes, shard, &copies)?;
         self.model = state::assign_params(self.model.clone(), params)?;
-        let owned = &self.owned;
-        let mine = |id: ParamId| owned.as_ref().is_none_or(|o| o.contains(&id));
-        self.optim.load(&self.model, &moments, &mine);
+        match self.sliced.as_mut() {
+            Some(sliced) => sliced.load(&moments, &self.device),
+            None => {
+                let owned = &self.owned;
+                let mine = |id: ParamId| owned.as_ref().is_none_or(|o| o.contains(&id));
+                self.optim.load(&self.model, &moments, &mine);
+            }
+        }
         self.done = step;
         self.origin = Some(super::Origin::of(checkpoint));
         Ok(())
@@ -243,7 +268,10 @@ where
                 .sum()
         };
         let owned = &self.owned;
-        let stepped = elements(&|id| owned.as_ref().is_none_or(|o| o.contains(&id)));
+        let stepped = match &self.sliced {
+            Some(s) => s.slices.held() as u64,
+            None => elements(&|id| owned.as_ref().is_none_or(|o| o.contains(&id))),
+        };
         let versions = 1 + u64::from(self.stale.is_some());
         StateBytes {
             params: 4 * versions * elements(&|_| true),
@@ -334,8 +362,14 @@ where
         self.next_batches = next;
         self.max_in_flight = self.max_in_flight.max(report.max_in_flight);
         lap(&mut phases.forward_backward_s);
-        let (mut grads, dp) = self.reducer.finish::<B, _>(&self.model)?;
-        sum_tied_grads::<B>(&mut grads, self.grid, self.tied, &self.device)?;
+        let (reduced, dp) = if self.sliced.is_some() {
+            let (chunks, dp) = self.reducer.finish_chunks()?;
+            (Reduced::Chunks(chunks), dp)
+        } else {
+            let (mut grads, dp) = self.reducer.finish::<B, _>(&self.model)?;
+            sum_tied_grads::<B>(&mut grads, self.grid, self.tied, &self.device)?;
+            (Reduced::Whole(grads), dp)
+        };
         let loss = self.sum_loss(report.loss)?;
         lap(&mut phases.reduce_s);
         self.done += 1;
@@ -366,19 +400,25 @@ where
             }
             return Ok(outcome);
         }
-        let g = self.grid;
-        let norm = global_grad_norm::<B, _>(
-            &self.model,
-            &grads,
-            &self.sharded,
-            g.tp,
-            g.pp,
-            &self.not_counted,
-        )?;
-        clip_grads::<B, _>(&self.model, &mut grads, norm, self.settings.grad_clip);
-        let groups = self.optim.split(&self.model, grads, self.owned.as_ref());
-        lap(&mut outcome.phases.clip_s);
-        self.update(lr, groups)?;
+        let norm = match reduced {
+            Reduced::Whole(mut grads) => {
+                let g = self.grid;
+                let norm = global_grad_norm::<B, _>(
+                    &self.model,
+                    &grads,
+                    &self.sharded,
+                    g.tp,
+                    g.pp,
+                    &self.not_counted,
+                )?;
+                clip_grads::<B, _>(&self.model, &mut grads, norm, self.settings.grad_clip);
+                let groups = self.optim.split(&self.model, grads, self.owned.as_ref());
+                lap(&mut outcome.phases.clip_s);
+                self.update(lr, groups)?;
+                norm
+            }
+            Reduced::Chunks(chunks) => self.update_sliced(lr, chunks)?,
+        };
         lap(&mut outcome.phases.optimizer_s);
         outcome.grad_norm = Some(norm);
         Ok(outcome)

@@ -10,14 +10,14 @@ use burn::optim::decay::WeightDecayConfig;
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{
     AdaGrad, AdaGradConfig, Adam, AdamConfig, GradientsParams, Optimizer, RmsPropConfig, Sgd,
-    SgdConfig,
+    SgdConfig, SimpleOptimizer,
 };
 use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
 
 use super::{OptimizerKind, ParamGroup, ParamInfo, RmsPropStep};
 use crate::checkpoint::state::{self, NamedMoments};
-use crate::checkpoint::{CheckpointError, Moments};
+use crate::checkpoint::{CheckpointError, Moments, Slots, StateSlots};
 use crate::kernels::FusedOps;
 use crate::train::{FusedAdamW, TrainError, TrainSettings};
 
@@ -111,6 +111,37 @@ where
         each_kind!(self, o => o.step(lr, model, grads))
     }
 
+    /// One step of a piece of a parameter (ZeRO-2's slices): its values and gradient flat,
+    /// its state from the last step as slots; returns the new values and state. Every
+    /// optimizer merak trains with is element-wise, so this equals the piece of the whole
+    /// tensor's step (`train::pieces` tests it). `name` (the parameter's) names a
+    /// state that cannot be kept as slots.
+    pub(crate) fn step_piece(
+        &self,
+        name: &str,
+        lr: f64,
+        values: Tensor<B::InnerBackend, 1>,
+        grad: Tensor<B::InnerBackend, 1>,
+        state: Option<Slots<B::InnerBackend, 1>>,
+    ) -> Result<PieceStep<B::InnerBackend>, CheckpointError> {
+        let device = values.device();
+        each_kind!(self, o => {
+            let simple = o.optim();
+            let state = state.map(|s| simple.state_from_slots(s));
+            let (values, state) = simple.step(lr, values, grad, state);
+            let state = match state {
+                Some(st) => simple
+                    .slots_of_state(st, &device)
+                    .map_err(|reason| CheckpointError::Mismatch {
+                        name: name.to_string(),
+                        reason,
+                    })?,
+                None => None,
+            };
+            Ok(PieceStep { values, state })
+        })
+    }
+
     /// The state of every parameter this group has stepped, by name.
     pub(crate) fn moments(&self, model: &M) -> Result<NamedMoments, CheckpointError> {
         each_kind!(self, o => state::optimizer_moments(model, &o.to_record(), o.optim()))
@@ -128,6 +159,14 @@ where
             *o = o.clone().load_record(records);
         })
     }
+}
+
+/// A piece's new values and optimizer state ([`GroupOptim::step_piece`]).
+pub(crate) struct PieceStep<B: burn::tensor::backend::Backend> {
+    /// The piece's values after the step.
+    pub values: Tensor<B, 1>,
+    /// Its state as slots; `None` where the optimizer keeps none.
+    pub state: Option<Slots<B, 1>>,
 }
 
 /// The optimizers of a trainer: one per distinct parameter group, and the group of every
@@ -192,6 +231,12 @@ where
             of_param.insert(p.id, index);
         }
         Ok(Self { groups, of_param })
+    }
+
+    /// The optimizer of parameter `id`'s group and the group's learning-rate factor.
+    pub(crate) fn group_of(&self, id: ParamId) -> Option<(&GroupOptim<M, B>, f64)> {
+        let (group, optim) = self.groups.get(*self.of_param.get(&id)?)?;
+        Some((optim, group.lr_scale))
     }
 
     /// Splits `grads` by group; with `keep`, gradients of other parameters are dropped

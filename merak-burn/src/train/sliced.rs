@@ -1,0 +1,246 @@
+//! ZeRO-2 (`parallel.zero = 2`): the gradient buckets are reduce-scattered, each data-parallel
+//! rank steps only its pieces of the parameters ([`RankSlices`]) with the optimizer state of
+//! those pieces, and the new values are all-gathered into every rank's model. The pieces'
+//! state is gathered into whole tensors only when a checkpoint is written, so checkpoints stay
+//! layout-free and resume under any stage and layout.
+
+use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Tensor, TensorData};
+
+use super::pieces::{Sliced, flat, values_of};
+use crate::checkpoint::Moments;
+use crate::checkpoint::state::NamedMoments;
+use crate::comm::ReduceOp;
+use crate::pipeline::{PipelineModel, ScheduleKind};
+use crate::tensor_parallel::ParallelBackend;
+use crate::train::grad_norm::norm_of;
+use crate::train::{GradStats, TrainError, Trainer};
+
+impl<B, M> Trainer<'_, B, M>
+where
+    B: AutodiffBackend + ParallelBackend,
+    B::InnerBackend: ParallelBackend,
+    M: PipelineModel<B> + AutodiffModule<B>,
+    M::InnerModule: PipelineModel<B::InnerBackend>,
+{
+    /// ZeRO-2's update from this rank's reduce-scattered gradient `chunks` at `lr`: the global
+    /// gradient norm over every rank's pieces, clipping, each piece stepped by its group's
+    /// optimizer, and the new values all-gathered into the model. Returns the norm before
+    /// clipping.
+    pub(crate) fn update_sliced(
+        &mut self,
+        lr: f64,
+        chunks: Vec<Vec<f32>>,
+    ) -> Result<f64, TrainError> {
+        let mut sliced = self
+            .sliced
+            .take()
+            .ok_or(TrainError::Sliced("the ZeRO-2 state is missing".into()))?;
+        let result = self.update_pieces(&mut sliced, lr, chunks);
+        self.sliced = Some(sliced);
+        result
+    }
+
+    fn update_pieces(
+        &mut self,
+        s: &mut Sliced<B::InnerBackend>,
+        lr: f64,
+        mut chunks: Vec<Vec<f32>>,
+    ) -> Result<f64, TrainError> {
+        let norm = self.pieces_norm(s, &chunks)?;
+        let max = self.settings.grad_clip;
+        if max > 0.0 && norm > max && norm.is_finite() {
+            // As `clip_grads` scales whole gradients.
+            let scale = (max / (norm + 1e-6)) as f32;
+            chunks.iter_mut().flatten().for_each(|g| *g *= scale);
+        }
+        if self.executor.plan().schedule.kind == ScheduleKind::TwoBw {
+            self.stale = Some(self.model.clone());
+        }
+        let values = read_params(&self.model)?;
+        let seen = self.reducer.seen();
+        let mut mine: Vec<Vec<f32>> = (s.slices.buckets.iter())
+            .map(|c| vec![0.0; c.chunk])
+            .collect();
+        for (k, p) in s.slices.pieces.iter().enumerate() {
+            let current = &values[p.param][p.param_start..p.param_start + p.len];
+            let dst = &mut mine[p.bucket][p.chunk_offset..p.chunk_offset + p.len];
+            let param = &s.params[p.param];
+            let group = seen[p.param]
+                .then(|| self.optim.group_of(param.id))
+                .flatten();
+            let Some((optim, lr_scale)) = group else {
+                // No gradient this step: the parameter keeps its values (as Burn's optimizer
+                // leaves a parameter without a gradient alone).
+                dst.copy_from_slice(current);
+                continue;
+            };
+            let grad = &chunks[p.bucket][p.chunk_offset..p.chunk_offset + p.len];
+            let device = &self.device;
+            let step = optim.step_piece(
+                &param.name,
+                lr * lr_scale,
+                flat::<B::InnerBackend>(current, device),
+                flat::<B::InnerBackend>(grad, device),
+                s.states[k].take(),
+            )?;
+            s.states[k] = step.state;
+            dst.copy_from_slice(&values_of(step.values)?);
+        }
+        let flat = self.gather_buckets(s, mine)?;
+        let mut write = WriteParams {
+            ranges: &s.ranges,
+            flat: &flat,
+            next: 0,
+        };
+        self.model = self.model.clone().map(&mut write);
+        Ok(norm)
+    }
+
+    /// The flat values of every bucket from every rank's chunk of it (`mine`: this rank's).
+    fn gather_buckets(
+        &self,
+        s: &Sliced<B::InnerBackend>,
+        mine: Vec<Vec<f32>>,
+    ) -> Result<Vec<f32>, TrainError> {
+        let comm = self.grid.dp.comm()?;
+        let pending = (mine.into_iter())
+            .map(|c| comm.all_gather_start(c))
+            .collect::<Result<Vec<_>, _>>()?;
+        let total = s.ranges.iter().map(|&(o, l)| o + l).max().unwrap_or(0);
+        let mut flat = vec![0.0; total];
+        for (c, p) in s.slices.buckets.iter().zip(pending) {
+            let all = p.wait()?;
+            flat[c.start..c.start + c.len].copy_from_slice(&all[..c.len]);
+        }
+        Ok(flat)
+    }
+
+    /// The global gradient norm from this rank's pieces: squares summed over the
+    /// data-parallel ranks, then over tensor-parallel shards and stages as
+    /// [`global_grad_norm`](crate::train::global_grad_norm) does.
+    fn pieces_norm(
+        &self,
+        s: &Sliced<B::InnerBackend>,
+        chunks: &[Vec<f32>],
+    ) -> Result<f64, TrainError> {
+        let mut stats = GradStats::default();
+        for p in &s.slices.pieces {
+            let id = s.params[p.param].id;
+            if self.not_counted.contains(&id) {
+                continue;
+            }
+            let g = &chunks[p.bucket][p.chunk_offset..p.chunk_offset + p.len];
+            let sq: f64 = g.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+            if self.sharded.contains(&id) {
+                stats.sharded_sq += sq;
+            } else {
+                stats.replicated_sq += sq;
+            }
+        }
+        let mut both = [stats.sharded_sq as f32, stats.replicated_sq as f32];
+        if self.grid.dp.size() > 1 {
+            self.grid.dp.comm()?.all_reduce(&mut both, ReduceOp::Sum)?;
+        }
+        let stats = GradStats {
+            sharded_sq: f64::from(both[0]),
+            replicated_sq: f64::from(both[1]),
+        };
+        Ok(norm_of(stats, self.grid.tp, self.grid.pp)?)
+    }
+
+    /// Every parameter's optimizer state as whole tensors, gathered from the data-parallel
+    /// ranks' pieces (every DP rank must call it): what a checkpoint stores.
+    pub(crate) fn sliced_moments(&self) -> Result<NamedMoments, TrainError> {
+        let Some(s) = self.sliced.as_ref() else {
+            return Ok(Vec::new());
+        };
+        let n = s.params.len();
+        let (mut has, mut time) = (vec![0.0f32; n], vec![0.0f32; n]);
+        let zeros = || -> Vec<Vec<f32>> {
+            (s.slices.buckets.iter())
+                .map(|c| vec![0.0; c.chunk])
+                .collect()
+        };
+        let (mut m1, mut m2) = (zeros(), zeros());
+        for (p, state) in s.slices.pieces.iter().zip(&s.states) {
+            let Some(st) = state else { continue };
+            let at = p.chunk_offset..p.chunk_offset + p.len;
+            m1[p.bucket][at.clone()].copy_from_slice(&values_of(st.m1.clone())?);
+            if let Some(x) = &st.m2 {
+                m2[p.bucket][at].copy_from_slice(&values_of(x.clone())?);
+            }
+            has[p.param] = 1.0;
+            time[p.param] = time[p.param].max(st.time as f32);
+        }
+        if self.grid.dp.size() > 1 {
+            let comm = self.grid.dp.comm()?;
+            comm.all_reduce(&mut has, ReduceOp::Max)?;
+            comm.all_reduce(&mut time, ReduceOp::Max)?;
+        }
+        let (m1, m2) = (self.gather_buckets(s, m1)?, self.gather_buckets(s, m2)?);
+        let moments = (s.params.iter().zip(&s.ranges).enumerate())
+            .filter(|(i, _)| has[*i] > 0.0)
+            .map(|(i, (param, &(offset, len)))| {
+                let m = Moments {
+                    time: time[i] as usize,
+                    m1: m1[offset..offset + len].to_vec(),
+                    m2: m2[offset..offset + len].to_vec(),
+                };
+                (param.name.clone(), m)
+            })
+            .collect();
+        Ok(moments)
+    }
+}
+
+/// Every float parameter's values, flat, in visit order.
+fn read_params<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+) -> Result<Vec<Vec<f32>>, TrainError> {
+    struct Read(Vec<Vec<f32>>, Option<TrainError>);
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Read {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let data = param.val().inner().into_data().convert::<f32>();
+            match data.into_vec::<f32>() {
+                Ok(v) => self.0.push(v),
+                Err(e) => {
+                    self.0.push(Vec::new());
+                    self.1.get_or_insert(TrainError::Sliced(format!("{e:?}")));
+                }
+            }
+        }
+    }
+    let mut read = Read(Vec::new(), None);
+    model.visit(&mut read);
+    match read.1 {
+        Some(e) => Err(e),
+        None => Ok(read.0),
+    }
+}
+
+/// Sets every float parameter (visit order) to its range of `flat`, keeping its id.
+struct WriteParams<'a> {
+    ranges: &'a [(usize, usize)],
+    flat: &'a [f32],
+    next: usize,
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for WriteParams<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let Some(&(offset, len)) = self.ranges.get(self.next) else {
+            return param;
+        };
+        self.next += 1;
+        let (id, tensor, mapper) = param.consume();
+        let require_grad = tensor.is_require_grad();
+        let (shape, device) = (tensor.shape(), tensor.device());
+        let data = TensorData::new(self.flat[offset..offset + len].to_vec(), shape);
+        let mut out = Tensor::<B, D>::from_data(data, &device);
+        if require_grad {
+            out = out.require_grad();
+        }
+        Param::from_mapped_value(id, out, mapper)
+    }
+}
