@@ -48,6 +48,18 @@ fn zero2_equals_one_process_under_dp_tp_and_accumulation() {
         let z2 = ["--set", "parallel.zero=2"];
         let layouts: Vec<(usize, &str, Vec<&str>)> = vec![
             (2, "dp2", vec!["--dp", "2"]),
+            // Buckets of 0.05 MiB: a dozen, chunks spanning parameters, every rank holding
+            // pieces of several.
+            (
+                2,
+                "dp2-buckets",
+                vec!["--dp", "2", "--set", "parallel.bucket_mb=0.05"],
+            ),
+            (
+                4,
+                "dp4-buckets",
+                vec!["--dp", "4", "--set", "parallel.bucket_mb=0.05"],
+            ),
             (4, "dp4", vec!["--dp", "4"]),
             (4, "dp2-tp2", vec!["--dp", "2", "--tp", "2"]),
             // Two micro-batches per rank: the buckets accumulate, then reduce-scatter once.
@@ -82,7 +94,14 @@ fn resume(np: usize, checkpoint: &Path, name: &str, extra: &[&str]) -> PathBuf {
 #[test]
 fn zero2_checkpoints_resume_under_other_layouts_and_stages() {
     let four = ["--set", "train.steps=4", "--set", "checkpoint.every=2"];
-    let z2 = ["--dp", "2", "--set", "parallel.zero=2"];
+    let z2 = [
+        "--dp",
+        "2",
+        "--set",
+        "parallel.zero=2",
+        "--set",
+        "parallel.bucket_mb=0.05",
+    ];
     let full = run(0, "z2-ckpt-full", &[], &four);
     // Written under ZeRO-2 (the moments gathered from both ranks' slices), resumed elsewhere.
     let sliced = run(2, "z2-ckpt-dp2", &[], &[&four[..], &z2[..]].concat());

@@ -132,20 +132,19 @@ where
                 continue;
             }
             let g = &chunks[p.bucket][p.chunk_offset..p.chunk_offset + p.len];
-            let sq: f64 = g.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+            let sq = crate::kernels::cpu::math::sum_of_squares(g);
             if self.sharded.contains(&id) {
                 stats.sharded_sq += sq;
             } else {
                 stats.replicated_sq += sq;
             }
         }
-        let mut both = [stats.sharded_sq as f32, stats.replicated_sq as f32];
-        if self.grid.dp.size() > 1 {
-            self.grid.dp.comm()?.all_reduce(&mut both, ReduceOp::Sum)?;
-        }
+        // Summed in f64, so that the norm (and the clipping) is the one of the whole
+        // gradients up to the order of the additions.
+        let both = sum_f64(self.grid.dp, &[stats.sharded_sq, stats.replicated_sq])?;
         let stats = GradStats {
-            sharded_sq: f64::from(both[0]),
-            replicated_sq: f64::from(both[1]),
+            sharded_sq: both[0],
+            replicated_sq: both[1],
         };
         Ok(norm_of(stats, self.grid.tp, self.grid.pp)?)
     }
@@ -193,6 +192,29 @@ where
             .collect();
         Ok(moments)
     }
+}
+
+/// `values` summed over the ranks of `group` in f64: each value travels as two f32 (its nearest
+/// f32 and the remainder), and every rank adds them up in rank order, so all get the same bits.
+fn sum_f64(group: crate::comm::Group, values: &[f64]) -> Result<Vec<f64>, TrainError> {
+    if group.size() == 1 {
+        return Ok(values.to_vec());
+    }
+    let split: Vec<f32> = (values.iter())
+        .flat_map(|&v| {
+            let hi = v as f32;
+            [hi, (v - f64::from(hi)) as f32]
+        })
+        .collect();
+    let mut all = vec![0.0f32; split.len() * group.size()];
+    group.comm()?.all_gather(&split, &mut all)?;
+    let mut out = vec![0.0f64; values.len()];
+    for rank in all.chunks(split.len()) {
+        for (o, pair) in out.iter_mut().zip(rank.chunks(2)) {
+            *o += f64::from(pair[0]) + f64::from(pair[1]);
+        }
+    }
+    Ok(out)
 }
 
 /// Every float parameter's values, flat, in visit order.
