@@ -61,15 +61,6 @@ impl Config {
                 ),
             );
         }
-        if self.parallel.zero == 2 && self.parallel.pp > 1 {
-            return bad(
-                "parallel.zero",
-                format!(
-                    "2 with parallel.pp = {}: ZeRO-2 does not support the tied embedding's copies on two pipeline stages yet; use parallel.zero = 1, or parallel.pp = 1",
-                    self.parallel.pp
-                ),
-            );
-        }
         if self.parallel.virtual_stages == 0 {
             return bad("parallel.virtual_stages", "must be at least 1".into());
         }

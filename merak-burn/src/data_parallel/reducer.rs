@@ -240,6 +240,18 @@ impl DataParallel {
         dp: Group,
         bucket_elems: usize,
     ) -> Result<Self, CommError> {
+        Self::with_own_bucket(model, dp, bucket_elems, None)
+    }
+
+    /// Like [`new`](Self::new), with parameter `alone` (when given) in a bucket of its own: a
+    /// tied embedding's two copies on two pipeline stages are then cut into the same chunks on
+    /// both, whatever the rest of each stage holds (ZeRO-2 sums them chunk by chunk).
+    pub fn with_own_bucket<B: Backend, M: Module<B>>(
+        model: &M,
+        dp: Group,
+        bucket_elems: usize,
+        alone: Option<ParamId>,
+    ) -> Result<Self, CommError> {
         let mut layout = Layout {
             slots: Vec::new(),
             total: 0,
@@ -251,21 +263,28 @@ impl DataParallel {
         let mut end = layout.total;
         let mut members = 0;
         let mut start = end;
+        let new_bucket = |start: usize, end: usize, first: usize, members: usize| Bucket {
+            start,
+            end,
+            slots: first..first + members,
+            data: bucket_buffer(members, end - start),
+            waiting: members,
+            members,
+            pending: None,
+            launched: false,
+        };
         for i in (0..slots.len()).rev() {
+            let isolated = alone == Some(slots[i].id);
+            if isolated && members > 0 {
+                // Close the bucket in progress before the parameter that stands alone.
+                buckets.push(new_bucket(start, end, i + 1, members));
+                (end, members) = (start, 0);
+            }
             start = slots[i].offset;
             slots[i].bucket = buckets.len();
             members += 1;
-            if end - start >= bucket_elems.max(1) || i == 0 {
-                buckets.push(Bucket {
-                    start,
-                    end,
-                    slots: i..i + members,
-                    data: bucket_buffer(members, end - start),
-                    waiting: members,
-                    members,
-                    pending: None,
-                    launched: false,
-                });
+            if isolated || end - start >= bucket_elems.max(1) || i == 0 {
+                buckets.push(new_bucket(start, end, i, members));
                 end = start;
                 members = 0;
             }
@@ -334,6 +353,12 @@ impl DataParallel {
     /// Whether each parameter (in visit order) received a gradient this step on this rank.
     pub fn seen(&self) -> Vec<bool> {
         self.state.borrow().slots.iter().map(|x| x.seen).collect()
+    }
+
+    /// The bucket holding parameter `id` (by visit order), if it is this model's.
+    pub fn bucket_of(&self, id: ParamId) -> Option<usize> {
+        let s = self.state.borrow();
+        s.slots.iter().find(|x| x.id == id).map(|x| x.bucket)
     }
 
     /// Gradient values this rank's buckets hold during a step (every parameter's: the

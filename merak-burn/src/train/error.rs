@@ -60,15 +60,6 @@ pub enum TrainError {
     /// The tied embedding has no gradient on a rank that holds one of its copies.
     #[error("the tied embedding has no gradient")]
     TiedGradient,
-    /// ZeRO-2 (`parallel.zero = 2`) with a tied embedding whose copies sit on two pipeline
-    /// stages: not supported yet.
-    #[error(
-        "parallel.zero = 2 does not support a tied embedding split across pipeline stages yet (pp = {pp}): use parallel.zero = 1, or pp = 1"
-    )]
-    ZeroTwoTied {
-        /// The pipeline degree.
-        pp: usize,
-    },
     /// ZeRO-2's update failed reading a tensor's values.
     #[error("ZeRO-2: {0}")]
     Sliced(String),

@@ -47,3 +47,22 @@ pub fn sum_tied_grads<B: AutodiffBackend>(
     );
     Ok(())
 }
+
+/// ZeRO-2's [`sum_tied_grads`]: sums this rank's chunk of the tied embedding's own bucket with
+/// the same chunk on the partner stage (both stages cut the copy alike: it is alone in its
+/// bucket), in place. Nothing happens without a pipeline.
+pub fn sum_tied_chunk(chunk: &mut [f32], grid: &ProcessGrid) -> Result<(), TrainError> {
+    if grid.layout.pp <= 1 {
+        return Ok(());
+    }
+    let p = grid.layout.pp;
+    let partner = if grid.coords.pp == 0 { p - 1 } else { 0 };
+    let comm = grid.pp.comm()?;
+    let sending = comm.send_start(chunk.to_vec(), partner, TIED_TAG)?;
+    let mut other = vec![0.0f32; chunk.len()];
+    comm.recv(&mut other, partner, TIED_TAG)?;
+    sending.wait()?;
+    // a + b == b + a: both ranks get the same bits.
+    chunk.iter_mut().zip(&other).for_each(|(a, b)| *a += b);
+    Ok(())
+}

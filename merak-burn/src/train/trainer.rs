@@ -23,7 +23,8 @@ use crate::train::optim::Optimizers;
 use crate::train::pieces::Sliced;
 use crate::train::{
     BatchSource, FusedAdamW, ParamGroup, ParamInfo, StateBytes, TrainError, TrainSettings,
-    check_settings, clip_grads, global_grad_norm, sharded_param_ids, tied::sum_tied_grads,
+    check_settings, clip_grads, global_grad_norm, sharded_param_ids,
+    tied::{sum_tied_chunk, sum_tied_grads},
 };
 
 /// A step's gradients after the data-parallel reduction: whole (all-reduced), or this rank's
@@ -149,14 +150,13 @@ where
         let copies = model.tied_names();
         let optim = Optimizers::new(&model, &settings, grid.layout.tp, copies, &|p| p.default)?;
         let bucket_elems = (parallel.bucket_mb * (1 << 20) as f64 / 4.0) as usize;
-        let mut reducer = DataParallel::new(&model, grid.dp, bucket_elems)?;
-        let owned = (parallel.zero == 1).then(|| reducer.owned_params());
         let tied = model.tied_embedding();
+        // Under ZeRO-2 a tied copy gets a bucket of its own, so that both stages cut it alike.
+        let alone = tied.filter(|_| parallel.zero == 2);
+        let mut reducer = DataParallel::with_own_bucket(&model, grid.dp, bucket_elems, alone)?;
+        let owned = (parallel.zero == 1).then(|| reducer.owned_params());
         let mut sliced = None;
         if parallel.zero == 2 {
-            if tied.is_some() {
-                return Err(TrainError::ZeroTwoTied { pp: grid.layout.pp });
-            }
             reducer = reducer.reduce_scattering();
             let (slices, ranges) = (reducer.slices(), reducer.param_ranges());
             sliced = Some(Sliced::new(slices, ranges, state::param_shapes(&model)));
@@ -363,7 +363,11 @@ where
         self.max_in_flight = self.max_in_flight.max(report.max_in_flight);
         lap(&mut phases.forward_backward_s);
         let (reduced, dp) = if self.sliced.is_some() {
-            let (chunks, dp) = self.reducer.finish_chunks()?;
+            let (mut chunks, dp) = self.reducer.finish_chunks()?;
+            let tied = (self.tied).and_then(|id| self.reducer.bucket_of(id));
+            if let Some(chunk) = tied.and_then(|b| chunks.get_mut(b)) {
+                sum_tied_chunk(chunk, self.grid)?;
+            }
             (Reduced::Chunks(chunks), dp)
         } else {
             let (mut grads, dp) = self.reducer.finish::<B, _>(&self.model)?;
