@@ -140,6 +140,28 @@ impl State {
         }
     }
 
+    /// Ends the step's reduction: detaches the gradient hooks, starts the buckets left, and
+    /// waits for every bucket's collective (its result back in the bucket's buffer); the
+    /// step's statistics, the wait counted as exposed.
+    fn complete(&mut self) -> Result<DpStats, CommError> {
+        let t0 = Instant::now();
+        set_grad_sink(None);
+        self.launch_ready(true);
+        for b in &mut self.buckets {
+            if let Some(p) = b.pending.take() {
+                b.data = p.wait()?;
+            }
+        }
+        if let Some(e) = self.error.take() {
+            return Err(e);
+        }
+        Ok(DpStats {
+            buckets: self.buckets.len(),
+            overlapped_buckets: self.launched_early,
+            exposed_wait: t0.elapsed(),
+        })
+    }
+
     fn progress(&mut self) {
         for b in &mut self.buckets {
             if let Some(p) = b.pending.as_mut()
@@ -432,24 +454,8 @@ impl DataParallel {
         &self,
         model: &M,
     ) -> Result<(GradientsParams, DpStats), CommError> {
-        let t0 = Instant::now();
-        set_grad_sink(None);
         let mut s = self.state.borrow_mut();
-        s.launch_ready(true);
-        for b in &mut s.buckets {
-            if let Some(p) = b.pending.take() {
-                b.data = p.wait()?;
-            }
-        }
-        if let Some(e) = s.error.take() {
-            return Err(e);
-        }
-        let exposed_wait = t0.elapsed();
-        let stats = DpStats {
-            buckets: s.buckets.len(),
-            overlapped_buckets: s.launched_early,
-            exposed_wait,
-        };
+        let stats = s.complete()?;
         let mut builder = GradBuilder::<B> {
             state: &mut s,
             next: 0,
@@ -464,30 +470,17 @@ impl DataParallel {
     /// and returns this rank's chunk of every bucket (summed over the micro-batches and the DP
     /// ranks; `chunk` values each, zeros past the bucket's end), in bucket order.
     pub fn finish_chunks(&self) -> Result<(Vec<Vec<f32>>, DpStats), CommError> {
-        let t0 = Instant::now();
-        set_grad_sink(None);
         let mut s = self.state.borrow_mut();
-        s.launch_ready(true);
+        let stats = s.complete()?;
         let size = s.comm.size();
-        let mut chunks = Vec::with_capacity(s.buckets.len());
-        for b in &mut s.buckets {
-            let chunk = BucketChunks::new(b.start, b.end, size).chunk;
-            let mut data = match b.pending.take() {
-                Some(p) => p.wait()?,
-                None => std::mem::take(&mut b.data),
-            };
-            // One rank: its chunk is the whole bucket.
-            data.resize(chunk, 0.0);
-            chunks.push(data);
-        }
-        if let Some(e) = s.error.take() {
-            return Err(e);
-        }
-        let stats = DpStats {
-            buckets: s.buckets.len(),
-            overlapped_buckets: s.launched_early,
-            exposed_wait: t0.elapsed(),
-        };
+        let chunks = (s.buckets.iter_mut())
+            .map(|b| {
+                let mut data = std::mem::take(&mut b.data);
+                // One rank: its chunk is the whole bucket.
+                data.resize(BucketChunks::new(b.start, b.end, size).chunk, 0.0);
+                data
+            })
+            .collect();
         Ok((chunks, stats))
     }
 

@@ -23,24 +23,16 @@ pub fn sum_tied_grads<B: AutodiffBackend>(
     let (Some(id), true) = (tied, grid.layout.pp > 1) else {
         return Ok(());
     };
-    let p = grid.layout.pp;
-    let partner = if grid.coords.pp == 0 { p - 1 } else { 0 };
     let g = grads
         .remove::<B::InnerBackend, 2>(id)
         .ok_or(TrainError::TiedGradient)?;
     let shape = g.dims();
-    let mine: Vec<f32> = g
+    let mut sum: Vec<f32> = g
         .into_data()
         .convert::<f32>()
         .into_vec()
         .map_err(|_| TrainError::TiedGradient)?;
-    let comm = grid.pp.comm()?;
-    let sending = comm.send_start(mine.clone(), partner, TIED_TAG)?;
-    let mut other = vec![0.0f32; mine.len()];
-    comm.recv(&mut other, partner, TIED_TAG)?;
-    sending.wait()?;
-    // a + b == b + a: both ranks get the same bits.
-    let sum: Vec<f32> = mine.iter().zip(&other).map(|(a, b)| a + b).collect();
+    sum_tied_chunk(&mut sum, grid)?;
     grads.register(
         id,
         Tensor::<B::InnerBackend, 2>::from_data(TensorData::new(sum, shape), device),
@@ -48,21 +40,22 @@ pub fn sum_tied_grads<B: AutodiffBackend>(
     Ok(())
 }
 
-/// ZeRO-2's [`sum_tied_grads`]: sums this rank's chunk of the tied embedding's own bucket with
-/// the same chunk on the partner stage (both stages cut the copy alike: it is alone in its
-/// bucket), in place. Nothing happens without a pipeline.
-pub fn sum_tied_chunk(chunk: &mut [f32], grid: &ProcessGrid) -> Result<(), TrainError> {
+/// Sums `values` with the same values on the partner stage (the first and the last pipeline
+/// rank), in place: the whole tied gradient ([`sum_tied_grads`]), or under ZeRO-2 this rank's
+/// chunk of the tied copy's own bucket (both stages cut it alike). Nothing happens without a
+/// pipeline.
+pub fn sum_tied_chunk(values: &mut [f32], grid: &ProcessGrid) -> Result<(), TrainError> {
     if grid.layout.pp <= 1 {
         return Ok(());
     }
     let p = grid.layout.pp;
     let partner = if grid.coords.pp == 0 { p - 1 } else { 0 };
     let comm = grid.pp.comm()?;
-    let sending = comm.send_start(chunk.to_vec(), partner, TIED_TAG)?;
-    let mut other = vec![0.0f32; chunk.len()];
+    let sending = comm.send_start(values.to_vec(), partner, TIED_TAG)?;
+    let mut other = vec![0.0f32; values.len()];
     comm.recv(&mut other, partner, TIED_TAG)?;
     sending.wait()?;
     // a + b == b + a: both ranks get the same bits.
-    chunk.iter_mut().zip(&other).for_each(|(a, b)| *a += b);
+    values.iter_mut().zip(&other).for_each(|(a, b)| *a += b);
     Ok(())
 }
