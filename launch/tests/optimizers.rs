@@ -55,10 +55,7 @@ const RMSPROP: [&str; 14] = [
 /// `merak train` (tiny GPT, synthetic data, 5 steps) on `np` ranks with `opt` then `extra`;
 /// returns the output folder (its end-of-run checkpoint under `checkpoints`).
 fn run(np: usize, name: &str, opt: &[&str], extra: &[&str]) -> PathBuf {
-    let mut args = vec!["--set", "data.kind=synthetic"];
-    args.extend_from_slice(opt);
-    args.extend_from_slice(extra);
-    train_dir_with(&config(), np, name, &args)
+    train_dir_opt(np, name, opt, extra)
 }
 
 /// The optimizer entry of the newest checkpoint under `out`.

@@ -78,6 +78,15 @@ pub fn train_dir_with(config: &Path, np: usize, name: &str, extra: &[&str]) -> P
     out
 }
 
+/// `merak train` of the tiny GPT on synthetic data on `np` ranks (without mpirun when
+/// `np == 0`) with `opt` then `extra`; 5 steps; returns the output folder.
+pub fn train_dir_opt(np: usize, name: &str, opt: &[&str], extra: &[&str]) -> PathBuf {
+    let mut args = vec!["--set", "data.kind=synthetic"];
+    args.extend_from_slice(opt);
+    args.extend_from_slice(extra);
+    train_dir_with(&config(), np, name, &args)
+}
+
 /// The records of `out/metrics.jsonl`.
 pub fn read_metrics(out: &Path) -> Vec<serde_json::Value> {
     let text = std::fs::read_to_string(out.join("metrics.jsonl")).expect("metrics.jsonl written");
