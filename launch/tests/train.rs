@@ -446,6 +446,11 @@ fn bert_trains_the_same_under_dp_and_tp_and_learns() {
         ),
         (2, "bert-dp2", vec!["--dp", "2"]),
         (
+            2,
+            "bert-dp2-zero3",
+            vec!["--dp", "2", "--set", "parallel.zero=3"],
+        ),
+        (
             4,
             "bert-dp2tp2",
             vec!["--dp", "2", "--tp", "2", "--set", "parallel.zero=1"],
@@ -518,7 +523,8 @@ fn greedy_samples_agree_across_tensor_parallel_layouts() {
 
 /// `memory.json` counts each rank's model state from what it keeps: the tiny GPT's 134,912 f32
 /// parameters and their gradients on every rank, AdamW's two moments of every parameter
-/// without ZeRO, and under ZeRO-1 and ZeRO-2 a share per rank that adds up to the whole; SGD without
+/// without ZeRO, and under ZeRO-1, 2 and 3 a share per rank that adds up to the whole (ZeRO-3:
+/// of the parameters too); SGD without
 /// momentum keeps none, with it one tensor.
 #[test]
 fn memory_json_counts_each_ranks_model_state() {
@@ -561,6 +567,13 @@ fn memory_json_counts_each_ranks_model_state() {
     let two = state(2, "state-zero2", &["--dp", "2", "--set", "parallel.zero=2"]);
     assert!(two.iter().all(|r| r[2] < one[0][2]), "{two:?}");
     assert!(close(two[0][2] + two[1][2], one[0][2]), "{two:?}");
+    // ZeRO-3: each rank stores its slices of the parameters too (their chunks padded by at
+    // most one value per bucket).
+    let three = state(2, "state-zero3", &["--dp", "2", "--set", "parallel.zero=3"]);
+    let near = |a: f64, b: f64| (a - b).abs() <= 1e-4 * b;
+    assert!(near(three[0][0] + three[1][0], mib), "{three:?}");
+    assert!(three.iter().all(|r| r[0] < 0.6 * mib), "{three:?}");
+    assert!(near(three[0][2] + three[1][2], one[0][2]), "{three:?}");
     let sgd = state(0, "state-sgd", &["--set", "optimizer.kind=sgd"]);
     assert_eq!(sgd[0][2], 0.0, "{sgd:?}");
     let momentum = [

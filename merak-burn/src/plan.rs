@@ -140,6 +140,9 @@ pub struct ParallelPlan {
     pub bucket_mb: f64,
     /// Sub-pipelined tensor parallelism: token chunks per micro-batch (1: no overlap).
     pub tp_overlap: usize,
+    /// Under ZeRO-3: units whose parameters are gathered ahead of the one running (0: each
+    /// unit's gather waits for nothing but blocks it).
+    pub prefetch: usize,
 }
 
 impl Default for ParallelPlan {
@@ -159,6 +162,7 @@ impl Default for ParallelPlan {
             zero: 0,
             bucket_mb: 1.0,
             tp_overlap: 1,
+            prefetch: 1,
         }
     }
 }
@@ -228,6 +232,7 @@ impl ParallelPlan {
             zero: u8::from(l.zero1),
             bucket_mb: 1.0,
             tp_overlap: l.tp_overlap,
+            prefetch: 1,
         }
     }
 

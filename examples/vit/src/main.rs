@@ -28,6 +28,10 @@ struct Args {
     /// --micro-batch and --schedule).
     #[arg(long)]
     plan_auto: bool,
+    /// ZeRO stage over the data-parallel ranks: 0, 1, 2 or 3 (parameters, gradients and
+    /// optimizer state sharded; each unit gathered just before it runs).
+    #[arg(long, default_value_t = 0)]
+    zero: u8,
     /// Pipeline schedule: gpipe, 1f1b, interleaved, shifted-critical-path or 2bw.
     #[arg(long, default_value = "1f1b")]
     schedule: ScheduleKind,
@@ -84,6 +88,7 @@ fn main() -> anyhow::Result<()> {
                 pp: args.pp,
                 micro_batch: args.micro_batch,
                 schedule: args.schedule,
+                zero: args.zero,
                 ..ParallelPlan::default()
             })
         }

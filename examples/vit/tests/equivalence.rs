@@ -1,5 +1,5 @@
-//! The vision transformer under dp=2, tp=2, pp=2 and dp x tp x pp = 2 x 2 x 2 equals one
-//! process: the same losses at every step, the same final parameters (relative error <= 1e-5)
+//! The vision transformer under dp=2 (also with ZeRO-3), tp=2, pp=2 and dp x tp x pp =
+//! 2 x 2 x 2 equals one process: the same losses at every step, the same final parameters (relative error <= 1e-5)
 //! and the same held-out loss, accuracy and predictions. A corrupt digits file is refused,
 //! naming the file and the record.
 
@@ -111,8 +111,10 @@ fn every_layout_equals_one_process() {
         "{:?}",
         want.2
     );
-    let layouts: [(usize, &str, &[&str]); 4] = [
+    let layouts: [(usize, &str, &[&str]); 5] = [
         (2, "dp2", &["--dp", "2"]),
+        // ZeRO-3 through the one-call API: every unit gathered from both ranks' slices.
+        (2, "dp2-zero3", &["--dp", "2", "--zero", "3"]),
         (2, "tp2", &["--tp", "2"]),
         (2, "pp2", &["--pp", "2"]),
         (8, "dp2tp2pp2", &["--dp", "2", "--tp", "2", "--pp", "2"]),

@@ -77,6 +77,7 @@ impl Default for Config {
                 tp: 1,
                 pp: 1,
                 zero: 0,
+                prefetch: 1,
                 bucket_mb: 1.0,
                 schedule: ScheduleKind::OneFOneB,
                 virtual_stages: 1,

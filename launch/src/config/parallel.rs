@@ -19,10 +19,14 @@ pub struct ParallelSection {
     /// Pipeline-parallel degree.
     pub pp: usize,
     /// ZeRO stage: 0 (every DP rank keeps the whole optimizer state), 1 (each DP rank keeps
-    /// and updates the state of its share of the parameters, then shares the new values) or 2
+    /// and updates the state of its share of the parameters, then shares the new values), 2
     /// (the gradients are reduce-scattered too: each DP rank keeps its slice of every gradient
-    /// bucket and the optimizer state of that slice, and the new values are all-gathered).
+    /// bucket and the optimizer state of that slice, and the new values are all-gathered) or 3
+    /// (the parameters are sharded too: each DP rank stores only its slices, and a unit's
+    /// parameters are all-gathered just before it runs, forward and again backward).
     pub zero: u8,
+    /// Under ZeRO-3: units whose parameters are gathered ahead of the one running (0: none).
+    pub prefetch: usize,
     /// Size of a data-parallel gradient bucket in MiB; a bucket's all-reduce starts as soon as
     /// all its gradients are final.
     pub bucket_mb: f64,
@@ -52,12 +56,21 @@ pub struct ParallelSection {
 impl Config {
     /// `[parallel]`: ZeRO stage, stages, recomputation and sizes consistent.
     pub(super) fn validate_parallel(&self) -> Result<(), ConfigError> {
-        if self.parallel.zero > 2 {
+        if self.parallel.zero > 3 {
             return bad(
                 "parallel.zero",
                 format!(
-                    "{} is not a supported ZeRO stage (0, 1 or 2)",
+                    "{} is not a supported ZeRO stage (0, 1, 2 or 3)",
                     self.parallel.zero
+                ),
+            );
+        }
+        if self.parallel.prefetch > 8 {
+            return bad(
+                "parallel.prefetch",
+                format!(
+                    "{} units gathered ahead: at most 8 (each holds its parameters)",
+                    self.parallel.prefetch
                 ),
             );
         }
@@ -216,6 +229,7 @@ impl Config {
             zero: p.zero,
             bucket_mb: p.bucket_mb,
             tp_overlap: p.tp_overlap,
+            prefetch: p.prefetch,
         }
     }
 

@@ -14,7 +14,9 @@
 //! [`DataParallel::finish`] waits for what is left and returns the averaged gradients.
 //! Buckets start strictly in order, so every rank issues the collectives in the same order.
 
+pub mod gather;
 mod reducer;
 pub mod slices;
 
+pub use gather::{Shards, emptied};
 pub use reducer::{DataParallel, DpStats};

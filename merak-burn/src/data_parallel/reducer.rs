@@ -25,6 +25,9 @@ struct Slot {
     bucket: usize,
     /// Whether a gradient arrived during this step.
     seen: bool,
+    /// Gradients the parameter receives per micro-batch: 1, or more when separate backward
+    /// passes each deliver one (a tied table under ZeRO-3's unit-by-unit backward).
+    uses: usize,
     /// The DP rank that owns this parameter's optimizer state under ZeRO-1.
     owner: usize,
 }
@@ -39,9 +42,8 @@ struct Bucket {
     /// takes its first gradient's buffer; [`DataParallel::finish`] hands the buffer on to the
     /// gradient tensor: no copy on the way.
     data: Vec<f32>,
-    /// Parameters of the bucket whose gradient has not arrived yet in the last micro-batch.
+    /// Gradients of the bucket that have not arrived yet in the last micro-batch.
     waiting: usize,
-    members: usize,
     pending: Option<Box<dyn Pending>>,
     launched: bool,
 }
@@ -59,16 +61,6 @@ struct State {
     launched_early: usize,
 }
 
-/// A new bucket buffer: empty for one parameter (its first gradient becomes the buffer),
-/// zeros for several.
-fn bucket_buffer(members: usize, len: usize) -> Vec<f32> {
-    if members == 1 {
-        Vec::new()
-    } else {
-        vec![0.0; len]
-    }
-}
-
 impl State {
     /// Adds the gradient of parameter `index` to its place in its bucket (the step's first
     /// gradient of a parameter is copied, so no buffer is cleared between steps).
@@ -81,6 +73,11 @@ impl State {
         if bucket.data.is_empty() && bucket.slots.len() == 1 && grad.len() == slot.len {
             // A one-parameter bucket takes the first gradient's buffer itself.
             bucket.data = grad;
+        } else if bucket.data.is_empty() && grad.len() == slot.len {
+            // A bucket's buffer exists from its first gradient until its collective (ZeRO-2
+            // and 3 then keep only their chunk), not through the whole step.
+            bucket.data = vec![0.0; bucket.end - bucket.start];
+            bucket.data[at..at + slot.len].copy_from_slice(&grad);
         } else if let Some(dst) = bucket.data.get_mut(at..at + slot.len)
             && grad.len() == dst.len()
         {
@@ -215,6 +212,7 @@ impl<B: Backend> ModuleVisitor<B> for Layout {
             len,
             bucket: 0,
             seen: false,
+            uses: 1,
             owner: 0,
         });
         self.total += len;
@@ -274,6 +272,20 @@ impl DataParallel {
         bucket_elems: usize,
         alone: Option<ParamId>,
     ) -> Result<Self, CommError> {
+        Self::grouped(model, dp, bucket_elems, &|id| {
+            usize::from(alone == Some(id))
+        })
+    }
+
+    /// Like [`new`](Self::new), with no bucket spanning two groups: `group_of` gives each
+    /// parameter's group, and a bucket closes wherever the group changes in visit order
+    /// (ZeRO-3 groups by unit, so that a unit's gather reads only its own buckets).
+    pub fn grouped<B: Backend, M: Module<B>>(
+        model: &M,
+        dp: Group,
+        bucket_elems: usize,
+        group_of: &dyn Fn(ParamId) -> usize,
+    ) -> Result<Self, CommError> {
         let mut layout = Layout {
             slots: Vec::new(),
             total: 0,
@@ -285,28 +297,21 @@ impl DataParallel {
         let mut end = layout.total;
         let mut members = 0;
         let mut start = end;
-        let new_bucket = |start: usize, end: usize, first: usize, members: usize| Bucket {
-            start,
-            end,
-            slots: first..first + members,
-            data: bucket_buffer(members, end - start),
-            waiting: members,
-            members,
-            pending: None,
-            launched: false,
-        };
         for i in (0..slots.len()).rev() {
-            let isolated = alone == Some(slots[i].id);
-            if isolated && members > 0 {
-                // Close the bucket in progress before the parameter that stands alone.
-                buckets.push(new_bucket(start, end, i + 1, members));
-                (end, members) = (start, 0);
-            }
             start = slots[i].offset;
             slots[i].bucket = buckets.len();
             members += 1;
-            if isolated || end - start >= bucket_elems.max(1) || i == 0 {
-                buckets.push(new_bucket(start, end, i, members));
+            let boundary = i == 0 || group_of(slots[i - 1].id) != group_of(slots[i].id);
+            if boundary || end - start >= bucket_elems.max(1) {
+                buckets.push(Bucket {
+                    start,
+                    end,
+                    slots: i..i + members,
+                    data: Vec::new(),
+                    waiting: members,
+                    pending: None,
+                    launched: false,
+                });
                 end = start;
                 members = 0;
             }
@@ -399,23 +404,34 @@ impl DataParallel {
     /// Clears the accumulated gradients for a new optimizer step.
     pub fn begin_step(&self) {
         let mut s = self.state.borrow_mut();
+        let s = &mut *s;
         s.slots.iter_mut().for_each(|x| x.seen = false);
         for b in &mut s.buckets {
-            b.waiting = b.members;
+            b.waiting = s.slots[b.slots.clone()].iter().map(|x| x.uses).sum();
             b.pending = None;
             b.launched = false;
-            // A one-parameter bucket is filled by its first gradient; a bucket whose buffer went
-            // to a gradient tensor, or stayed with a failed all-reduce, gets a new one.
-            if b.slots.len() == 1 {
+            // A one-parameter bucket takes its first gradient as its buffer. Under ZeRO-2 and 3
+            // every bucket gets a buffer at its first gradient (what it held is a chunk now),
+            // so buffers live from then to their reduce-scatter; all-reducing buckets keep
+            // theirs from step to step.
+            if s.scatter || b.slots.len() == 1 {
                 b.data = Vec::new();
-            } else if b.data.len() != b.end - b.start {
-                b.data = vec![0.0; b.end - b.start];
             }
         }
         s.next_launch = 0;
         s.launched_early = 0;
         s.error = None;
         s.reduce_now = false;
+    }
+
+    /// Says that parameter `id` receives `uses` gradients per micro-batch, from as many
+    /// separate backward passes (a tied table used by two units that ZeRO-3 runs backward one
+    /// at a time): its bucket starts only after the last of them.
+    pub fn set_uses(&self, id: ParamId, uses: usize) {
+        let mut s = self.state.borrow_mut();
+        if let Some(slot) = s.slots.iter_mut().find(|x| x.id == id) {
+            slot.uses = uses.max(1);
+        }
     }
 
     /// Marks whether the next backward pass is the step's last micro-batch, whose completed

@@ -3,13 +3,13 @@
 use std::marker::PhantomData;
 use std::time::Instant;
 
-use burn::module::{Module, ModuleDisplay, ModuleVisitor, Param};
+use burn::module::{Module, ModuleDisplay, ModuleVisitor, Param, ParamId};
 use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
 use crate::batch::Batch;
 
-use crate::pipeline::{Evaluate, TiedTable, UnitStack};
+use crate::pipeline::{Evaluate, TiedTable, UnitStack, param_ids};
 use crate::planner::MeasuredUnit;
 use crate::tensor_parallel::ParamSplits;
 
@@ -356,6 +356,24 @@ where
             Evaluate::Metrics => (head.metrics(x, batch, self.table())).map(|m| m.unsqueeze_dim(0)),
             Evaluate::Predictions => head.predict(x, batch, self.table()),
         }
+    }
+
+    /// A tied head reads the embedding's table (or its own copy of it).
+    fn unit_params(&self, unit: usize) -> Option<Vec<ParamId>> {
+        let last = self.layers.len() + 1;
+        let mut ids = if unit == 0 {
+            param_ids(self.embed.as_ref())
+        } else if unit < last {
+            param_ids(self.layers.get(unit - 1)?.as_ref())
+        } else {
+            param_ids(self.head.as_ref())
+        };
+        if unit == last && self.tied {
+            let table = (self.tied_table.as_ref())
+                .or_else(|| self.embed.as_ref().and_then(|e| e.table().map(|(t, _)| t)));
+            ids.extend(table.map(|t| t.id));
+        }
+        Some(ids)
     }
 
     fn tied(&self) -> Option<TiedTable> {

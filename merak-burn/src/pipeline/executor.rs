@@ -26,10 +26,10 @@ use super::partition::Partition;
 use super::schedule::{Action, Schedule, ScheduleKind};
 use super::stage::{EvalOutput, Evaluate, PipelineModel, StageInput, StageOutput};
 use super::trace::TraceEvent;
-use super::two_bw;
+use super::{gathered, two_bw};
 use crate::batch::{Batch, Samples};
 use crate::comm::{CommError, Group, Pending};
-use crate::data_parallel::DataParallel;
+use crate::data_parallel::{DataParallel, Shards};
 use crate::kernels::deferred;
 use crate::precision::autocast;
 use crate::tensor_parallel::ops::deliver_grad;
@@ -168,6 +168,9 @@ pub struct StepWork<'a, M> {
     /// Under 2BW: the next step's weights and micro-batches, to run its first forwards during
     /// this step's last backwards ([`super::two_bw`]). Other schedules ignore it.
     pub next: Option<(&'a M, &'a [MicroBatch])>,
+    /// Under ZeRO-3: this rank's parameter shards; `model` then holds empty parameters and
+    /// every unit runs on its gathered ones ([`super::gathered`]).
+    pub shards: Option<&'a Shards>,
 }
 
 /// A micro-batch of a call: `mb < m` is this step's, `mb >= m` the next step's `mb - m`.
@@ -280,6 +283,8 @@ struct Held<B: AutodiffBackend> {
     boundary: Option<Tensor<B, 3>>,
     /// The kept part's output with its graph (the weighted loss on the last stage).
     output: Option<StageOutput<B>>,
+    /// Under ZeRO-3: each unit's input, for its recomputation in the backward pass.
+    unit_inputs: Vec<StageInput<B::InnerBackend>>,
 }
 
 /// Runs the action lists of one pipeline rank (see the module docs).
@@ -453,6 +458,14 @@ impl Executor {
         if schedule.stages() > 1 && schedule.rank_of(0) == schedule.rank_of(schedule.stages() - 1) {
             final_backward.remove(&(schedule.stages() - 1));
         }
+        if let Some(shards) = work.shards {
+            let passes = actions.iter().filter_map(|a| match *a {
+                Action::Forward { stage, .. } => Some((self.units(stage), false)),
+                Action::Backward { stage, .. } => Some((self.units(stage), true)),
+                _ => None,
+            });
+            shards.begin(gathered::gather_order(passes))?;
+        }
         let split = self.plan.schedule.kind.splits_backward();
         deferred::enable(split);
         let stages = self.plan.schedule.stages();
@@ -530,9 +543,29 @@ impl Executor {
                         recomputed: None,
                         boundary: None,
                         output: None,
+                        unit_inputs: Vec::new(),
                     };
                     let out_values: Option<Vec<f32>>;
-                    if k == 0 {
+                    if let Some(shards) = work.shards {
+                        let (out, inputs) = gathered::forward_units(
+                            &model.valid(),
+                            shards,
+                            units.clone(),
+                            input.clone(),
+                            batch,
+                            its_step,
+                            device,
+                        )?;
+                        h.unit_inputs = inputs;
+                        out_values = match out {
+                            StageOutput::Loss(l) => {
+                                losses[usize::from(mb >= m)] +=
+                                    f64::from(l.into_scalar().elem::<f32>()) * f64::from(weight);
+                                None
+                            }
+                            StageOutput::Hidden(x) => Some(read(x)?),
+                        };
+                    } else if k == 0 {
                         let inp = to_autodiff(&input, stage > 0);
                         if let StageInput::Hidden(leaf) = &inp {
                             h.input_leaf = Some(leaf.clone());
@@ -595,6 +628,8 @@ impl Executor {
                     report.compute_s += t0.elapsed().as_secs_f64();
                     self.record("forward", format!("F{its_mb} s{stage} t{its_step}"), start);
                 }
+                // ZeRO-3 recomputes every unit in its backward pass.
+                Action::Recompute { .. } if work.shards.is_some() => {}
                 Action::Recompute { mb, stage } => {
                     let Picked {
                         batch,
@@ -631,7 +666,7 @@ impl Executor {
                         .ok_or_else(|| missing(action, "its forward pass"))?;
                     let units = self.units(stage);
                     let k = self.plan.recompute_units[stage].min(units.len());
-                    if k > 0 && h.recomputed.is_none() {
+                    if k > 0 && h.recomputed.is_none() && work.shards.is_none() {
                         Self::recompute(
                             &reducer.hooked(model.clone()),
                             &mut h,
@@ -679,6 +714,19 @@ impl Executor {
                     }
                     if let Some(out) = h.recomputed.take() {
                         g = grad_at(out, g, h.input_leaf.as_ref())?;
+                    }
+                    if let Some(shards) = work.shards {
+                        g = gathered::backward_units(
+                            model,
+                            shards,
+                            reducer,
+                            units.clone(),
+                            std::mem::take(&mut h.unit_inputs),
+                            g,
+                            batch,
+                            its_step,
+                            device,
+                        )?;
                     }
                     if stage > 0 {
                         let g = g.ok_or_else(|| missing(action, "the gradient of its input"))?;

@@ -12,6 +12,7 @@
 //! [`schedule::rank_of_stage`]). Consecutive stages on one rank hand over without messages.
 
 pub mod executor;
+mod gathered;
 mod order;
 pub mod partition;
 pub mod recompute;
@@ -39,7 +40,7 @@ pub use recompute::{
 };
 pub use schedule::{Action, Schedule, ScheduleError, ScheduleKind, build_schedule};
 pub use simulate::{Simulation, simulate, steady_step_time};
-pub use stack::{TiedTable, UnitStack};
+pub use stack::{TiedTable, UnitStack, param_ids};
 pub use stage::{EvalOutput, Evaluate, PipelineModel, StageInput, StageOutput};
 pub use timing::{Costs, TimedAction};
 pub use trace::{TraceEvent, chrome_trace, write_chrome_trace};

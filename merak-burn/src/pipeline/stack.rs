@@ -62,6 +62,29 @@ pub trait UnitStack<B: Backend>: Module<B> {
     fn tied(&self) -> Option<TiedTable> {
         None
     }
+
+    /// The parameters unit `unit` (held by this rank) reads, a tied head's table included:
+    /// what ZeRO-3 gathers before running the unit ([`param_ids`] of its modules). `None` (the
+    /// default) when the model does not say; ZeRO-3 then refuses it.
+    fn unit_params(&self, unit: usize) -> Option<Vec<ParamId>> {
+        let _ = unit;
+        None
+    }
+}
+
+/// The ids of every float parameter of `module`, in visit order (`None`: none).
+pub fn param_ids<B: Backend, M: Module<B>>(module: Option<&M>) -> Vec<ParamId> {
+    struct Ids(Vec<ParamId>);
+    impl<B: Backend> burn::module::ModuleVisitor<B> for Ids {
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<B, D>>) {
+            self.0.push(param.id);
+        }
+    }
+    let mut ids = Ids(Vec::new());
+    if let Some(m) = module {
+        m.visit(&mut ids);
+    }
+    ids.0
 }
 
 /// The hidden states after the units of `range` below the head.
@@ -127,6 +150,10 @@ impl<B: Backend, T: UnitStack<B>> PipelineModel<B> for T {
             (None, Some(c)) => Some(c),
             _ => None,
         }
+    }
+
+    fn unit_params(&self, unit: usize) -> Option<Vec<ParamId>> {
+        UnitStack::unit_params(self, unit)
     }
 
     fn tied_names(&self) -> Vec<(String, String)> {

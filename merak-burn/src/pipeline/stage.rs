@@ -88,6 +88,14 @@ pub trait PipelineModel<B: Backend>: Module<B> {
     /// when the rank holds both or neither.
     fn tied_embedding(&self) -> Option<ParamId>;
 
+    /// The parameters unit `unit` (held by this rank) reads, a tied head's table included:
+    /// what ZeRO-3 gathers before running the unit. `None` (the default) when the model does
+    /// not say; ZeRO-3 then refuses it.
+    fn unit_params(&self, unit: usize) -> Option<Vec<ParamId>> {
+        let _ = unit;
+        None
+    }
+
     /// Parameters that are copies of others, as `(copy, original)` names (the head's copy of a
     /// tied embedding): checkpoints store the original only and load it into both.
     fn tied_names(&self) -> Vec<(String, String)>;

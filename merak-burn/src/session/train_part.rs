@@ -105,7 +105,7 @@ where
         metrics,
         predictions,
     };
-    Ok((report, trainer.into_model()))
+    Ok((report, trainer.into_model()?))
 }
 
 /// Logs the checkpoint a run continues from.

@@ -63,6 +63,9 @@ pub enum TrainError {
     /// ZeRO-2's update failed reading a tensor's values.
     #[error("ZeRO-2: {0}")]
     Sliced(String),
+    /// ZeRO-3 cannot shard this model: what is missing.
+    #[error("parallel.zero = 3: {0}")]
+    Zero3(String),
     /// The run may not write into its folders (they hold another run, or later checkpoints).
     #[error(transparent)]
     Claim(#[from] super::ClaimError),

@@ -125,7 +125,7 @@ where
             }
             .into());
         }
-        let model = self.model.valid();
+        let model = self.gathered_model()?.valid();
         let shape = [
             self.parallel.micro_batch,
             self.settings.seq_len,

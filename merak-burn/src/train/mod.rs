@@ -31,6 +31,7 @@ mod start;
 mod stop;
 mod tied;
 mod trainer;
+mod zero3;
 
 pub use adamw::FusedAdamW;
 pub use claim::{Claim, ClaimError, ExistingRun, Origin, RUN_FILE, RunFolders, claim, run_of};

@@ -44,7 +44,7 @@ where
             .map(|(c, _)| c)
             .collect();
         moments.retain(|(name, _)| !copies.contains(name));
-        let mut params = state::local_params(&self.model)?;
+        let mut params = state::local_params(&self.gathered_model()?)?;
         params.retain(|p| !copies.contains(&p.name));
         let rank_state = RankState { params, moments };
         let mut extra = serde_json::json!({

@@ -58,13 +58,22 @@ where
         if self.executor.plan().schedule.kind == ScheduleKind::TwoBw {
             self.stale = Some(self.model.clone());
         }
-        let values = read_params(&self.model)?;
+        let values = match &self.shards {
+            // ZeRO-3: this rank's own values are its chunks.
+            Some(shards) => shards.own().to_vec(),
+            None => read_params(&self.model)?,
+        };
+        let zero3 = self.shards.is_some();
         let seen = self.reducer.seen();
         let mut mine: Vec<Vec<f32>> = (s.slices.buckets.iter())
             .map(|c| vec![0.0; c.chunk])
             .collect();
         for (k, p) in s.slices.pieces.iter().enumerate() {
-            let current = &values[p.param][p.param_start..p.param_start + p.len];
+            let current = if zero3 {
+                &values[p.bucket][p.chunk_offset..p.chunk_offset + p.len]
+            } else {
+                &values[p.param][p.param_start..p.param_start + p.len]
+            };
             let dst = &mut mine[p.bucket][p.chunk_offset..p.chunk_offset + p.len];
             let param = &s.params[p.param];
             let group = seen[p.param]
@@ -87,6 +96,10 @@ where
             )?;
             s.states[k] = step.state;
             dst.copy_from_slice(&values_of(step.values)?);
+        }
+        if let Some(shards) = self.shards.as_mut() {
+            shards.set_own(mine);
+            return Ok(norm);
         }
         let flat = self.gather_buckets(s, mine)?;
         let mut write = WriteParams {
@@ -218,7 +231,7 @@ fn sum_f64(group: crate::comm::Group, values: &[f64]) -> Result<Vec<f64>, TrainE
 }
 
 /// Every float parameter's values, flat, in visit order.
-fn read_params<B: AutodiffBackend, M: AutodiffModule<B>>(
+pub(crate) fn read_params<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,
 ) -> Result<Vec<Vec<f32>>, TrainError> {
     struct Read(Vec<Vec<f32>>, Option<TrainError>);

@@ -12,7 +12,7 @@ use burn::tensor::backend::AutodiffBackend;
 use crate::batch::Samples;
 use crate::checkpoint::{Checkpoint, FullState, state};
 use crate::comm::{Group, ReduceOp};
-use crate::data_parallel::{DataParallel, DpStats};
+use crate::data_parallel::{DataParallel, DpStats, Shards, emptied};
 use crate::grid::ProcessGrid;
 use crate::pipeline::{
     Executor, InFlight, MicroBatch, PipelineModel, PipelinePlan, ScheduleKind, StepWork,
@@ -21,6 +21,7 @@ use crate::plan::ParallelPlan;
 use crate::tensor_parallel::{ParallelBackend, Shard};
 use crate::train::optim::Optimizers;
 use crate::train::pieces::Sliced;
+use crate::train::zero3::{self, check_zero};
 use crate::train::{
     BatchSource, FusedAdamW, ParamGroup, ParamInfo, StateBytes, TrainError, TrainSettings,
     check_settings, clip_grads, global_grad_norm, sharded_param_ids,
@@ -99,8 +100,11 @@ where
     pub(crate) reducer: DataParallel,
     /// The parameters whose optimizer state this rank keeps under ZeRO-1.
     pub(crate) owned: Option<HashSet<ParamId>>,
-    /// Under ZeRO-2: this rank's pieces of the parameters and their optimizer state.
+    /// Under ZeRO-2 and 3: this rank's pieces of the parameters and their optimizer state.
     pub(crate) sliced: Option<Sliced<B::InnerBackend>>,
+    /// Under ZeRO-3: this rank's shards of the parameter values (`model` then holds empty
+    /// parameters).
+    pub(crate) shards: Option<Shards>,
     pub(crate) executor: Executor,
     pub(crate) sharded: HashSet<ParamId>,
     /// The head's copy of a tied embedding, counted in the gradient norm on the embedding's
@@ -147,19 +151,39 @@ where
                 micro_batch: micro,
             });
         }
+        check_zero(parallel, &pipeline)?;
         let copies = model.tied_names();
         let optim = Optimizers::new(&model, &settings, grid.layout.tp, copies, &|p| p.default)?;
         let bucket_elems = (parallel.bucket_mb * (1 << 20) as f64 / 4.0) as usize;
         let tied = model.tied_embedding();
-        // Under ZeRO-2 a tied copy gets a bucket of its own, so that both stages cut it alike.
-        let alone = tied.filter(|_| parallel.zero == 2);
-        let mut reducer = DataParallel::with_own_bucket(&model, grid.dp, bucket_elems, alone)?;
+        let shapes = state::param_shapes(&model);
+        let me = grid.coords.pp;
+        let units = (parallel.zero == 3)
+            .then(|| zero3::unit_params(&model, &pipeline, me, &shapes))
+            .transpose()?;
+        // Under ZeRO-2 and 3 a tied copy gets a bucket of its own, so that both stages cut it
+        // alike; under ZeRO-3 no bucket spans two units.
+        let group =
+            zero3::bucket_groups(&shapes, units.as_ref(), tied.filter(|_| parallel.zero >= 2));
+        let mut reducer = DataParallel::grouped(&model, grid.dp, bucket_elems, &group)?;
         let owned = (parallel.zero == 1).then(|| reducer.owned_params());
-        let mut sliced = None;
-        if parallel.zero == 2 {
+        let (mut sliced, mut shards) = (None, None);
+        if parallel.zero >= 2 {
             reducer = reducer.reduce_scattering();
             let (slices, ranges) = (reducer.slices(), reducer.param_ranges());
-            sliced = Some(Sliced::new(slices, ranges, state::param_shapes(&model)));
+            if let Some(units) = units {
+                zero3::set_uses(&reducer, &shapes, &units);
+                shards = Some(zero3::shards(
+                    &model,
+                    grid,
+                    slices.clone(),
+                    ranges.clone(),
+                    &shapes,
+                    units,
+                    parallel.prefetch,
+                )?);
+            }
+            sliced = Some(Sliced::new(slices, ranges, shapes));
         }
         let holds_embedding = pipeline.schedule.rank_of(0) == grid.coords.pp;
         let not_counted = tied.filter(|_| !holds_embedding).into_iter().collect();
@@ -170,7 +194,11 @@ where
             sharded: sharded_param_ids::<B, _>(&model),
             settings,
             device,
-            model,
+            model: if shards.is_some() {
+                emptied(model)
+            } else {
+                model
+            },
             stale: None,
             in_flight: InFlight::default(),
             next_batches: None,
@@ -178,6 +206,7 @@ where
             reducer,
             owned,
             sliced,
+            shards,
             executor,
             not_counted,
             tied,
@@ -211,7 +240,9 @@ where
             return Err(TrainError::GroupsTooLate);
         }
         let (tp, copies) = (self.grid.layout.tp, self.model.tied_names());
-        self.optim = Optimizers::new(&self.model, &self.settings, tp, copies, &rule)?;
+        // The rule sees full shapes: under ZeRO-3 the model is gathered for it once.
+        let model = self.gathered_model()?;
+        self.optim = Optimizers::new(&model, &self.settings, tp, copies, &rule)?;
         Ok(self)
     }
 
@@ -230,14 +261,19 @@ where
         self.settings
             .optimizer
             .check_checkpoint(&checkpoint.manifest)?;
-        let shapes = state::param_shapes(&self.model);
+        let model = self.gathered_model()?;
+        let shapes = state::param_shapes(&model);
         let shard = Shard {
             rank: self.grid.coords.tp,
             size: self.grid.layout.tp,
         };
         let copies = self.model.tied_names();
         let (params, moments) = state.cut_for(&checkpoint.manifest, &shapes, shard, &copies)?;
-        self.model = state::assign_params(self.model.clone(), params)?;
+        let model = state::assign_params(model, params)?;
+        match self.shards.as_mut() {
+            Some(shards) => shards.set_own(zero3::own_chunks(&model, shards)?),
+            None => self.model = model,
+        }
         match self.sliced.as_mut() {
             Some(sliced) => sliced.load(&moments, &self.device),
             None => {
@@ -261,7 +297,10 @@ where
     /// PipeDream-2BW's previous version), its gradient buckets, and the optimizer state of the
     /// parameters it steps (all of them, or its ZeRO-1 share) once each has stepped.
     pub fn state_bytes(&self) -> StateBytes {
-        let shapes = state::param_shapes(&self.model);
+        let shapes = match &self.sliced {
+            Some(s) => s.params.clone(),
+            None => state::param_shapes(&self.model),
+        };
         let elements = |keep: &dyn Fn(ParamId) -> bool| -> u64 {
             (shapes.iter().filter(|p| keep(p.id)))
                 .map(|p| p.shape.iter().product::<usize>() as u64)
@@ -273,21 +312,35 @@ where
             None => elements(&|id| owned.as_ref().is_none_or(|o| o.contains(&id))),
         };
         let versions = 1 + u64::from(self.stale.is_some());
+        let params = match &self.shards {
+            Some(s) => s.stored_elements() as u64,
+            None => versions * elements(&|_| true),
+        };
         StateBytes {
-            params: 4 * versions * elements(&|_| true),
+            params: 4 * params,
             grads: 4 * self.reducer.gradient_elements() as u64,
             optimizer: 4 * stepped * self.settings.optimizer.state_tensors() as u64,
         }
     }
 
-    /// The model as trained so far.
+    /// The model as trained so far; under ZeRO-3 its parameters are empty (this rank keeps
+    /// only its shards of them): see [`gathered_model`](Self::gathered_model).
     pub fn model(&self) -> &M {
         &self.model
     }
 
-    /// The trained model.
-    pub fn into_model(self) -> M {
-        self.model
+    /// The model as trained so far with every parameter's values; under ZeRO-3 gathered from
+    /// every data-parallel rank's shards (every rank of the group must call it).
+    pub fn gathered_model(&self) -> Result<M, TrainError> {
+        match &self.shards {
+            Some(s) => Ok(s.fill(self.model.clone(), s.gathered_all()?)),
+            None => Ok(self.model.clone()),
+        }
+    }
+
+    /// The trained model with every parameter's values ([`gathered_model`](Self::gathered_model)).
+    pub fn into_model(self) -> Result<M, TrainError> {
+        self.gathered_model()
     }
 
     /// Steps done so far (the checkpoint's step after [`resume`](Self::resume)).
@@ -351,6 +404,7 @@ where
             // The next step's forwards run on the weights it uses: the current ones, which
             // become the stale version at this step's update.
             next: next.as_deref().map(|b| (&self.model, b)),
+            shards: self.shards.as_ref(),
         };
         let report = self.executor.run_step(
             work,

@@ -9,7 +9,7 @@ use burn::tensor::activation::gelu;
 use burn::tensor::{Int, Tensor, backend::Backend};
 use merak_burn::comm::Group;
 use merak_burn::kernels::{bias_gelu, linear};
-use merak_burn::pipeline::{TiedTable, UnitStack};
+use merak_burn::pipeline::{TiedTable, UnitStack, param_ids};
 use merak_burn::tensor_parallel::{
     AttentionMask, AttentionWeights, InitRng, LayerNorm, MlpWeights, ParallelBackend, ParallelMlp,
     ParallelSelfAttention, ReplicatedDropout, TpError, TpOverlap, VocabParallelEmbedding,
@@ -303,6 +303,25 @@ impl<B: ParallelBackend> UnitStack<B> for Bert<B> {
     /// The summed loss: the mean over the counted targets times their count.
     fn head_loss(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> Tensor<B, 1> {
         Bert::head_loss(self, x, batch.int(TARGETS)) * batch.loss_terms() as f32
+    }
+
+    /// The token table is read by the embedding and (tied) by the head.
+    fn unit_params(&self, unit: usize) -> Option<Vec<burn::module::ParamId>> {
+        let last = self.layers.len() + 1;
+        let mut ids = Vec::new();
+        if unit == 0 || unit == last {
+            ids.extend(param_ids(self.wte.as_ref()));
+        }
+        if unit == 0 {
+            ids.extend(param_ids(self.wpe.as_ref()));
+            ids.extend(param_ids(self.ln_emb.as_ref()));
+        } else if unit < last {
+            ids.extend(param_ids(self.layers.get(unit - 1)?.as_ref()));
+        } else {
+            ids.extend(param_ids(self.head.as_ref()));
+            ids.extend(param_ids(self.decoder.as_ref()));
+        }
+        Some(ids)
     }
 
     fn tied(&self) -> Option<TiedTable> {

@@ -7,7 +7,7 @@ use burn::module::Module;
 use burn::nn::Embedding;
 use burn::tensor::{Int, Tensor, backend::Backend};
 use merak_burn::comm::Group;
-use merak_burn::pipeline::{TiedTable, UnitStack};
+use merak_burn::pipeline::{TiedTable, UnitStack, param_ids};
 use merak_burn::tensor_parallel::{
     AttentionMask, AttentionWeights, InitRng, LayerNorm, MlpWeights, ParallelBackend, ParallelMlp,
     ParallelSelfAttention, ReplicatedDropout, TpError, TpOverlap, VocabParallelEmbedding,
@@ -247,6 +247,24 @@ impl<B: ParallelBackend> UnitStack<B> for Gpt<B> {
     /// The summed loss: the mean over the counted targets times their count.
     fn head_loss(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> Tensor<B, 1> {
         Gpt::head_loss(self, x, batch.int(TARGETS)) * batch.loss_terms() as f32
+    }
+
+    /// The token table is read by the embedding and (tied) by the head.
+    fn unit_params(&self, unit: usize) -> Option<Vec<burn::module::ParamId>> {
+        let last = self.blocks.len() + 1;
+        let mut ids = Vec::new();
+        if unit == 0 || unit == last {
+            ids.extend(param_ids(self.wte.as_ref()));
+        }
+        if unit == 0 {
+            ids.extend(param_ids(self.wpe.as_ref()));
+        } else if unit < last {
+            ids.extend(param_ids(self.blocks.get(unit - 1)?.as_ref()));
+        } else {
+            ids.extend(param_ids(self.ln_f.as_ref()));
+            ids.extend(param_ids(self.head.as_ref()));
+        }
+        Some(ids)
     }
 
     fn tied(&self) -> Option<TiedTable> {

@@ -1,0 +1,200 @@
+//! ZeRO-3 (`parallel.zero = 3`) under real `mpirun`: each data-parallel rank stores only its
+//! slices of the parameters, gathers a unit's parameters just before the unit runs (forward,
+//! and again for its recomputed backward), reduce-scatters the gradients and steps its slices.
+//! It gives one process's losses, gradient norms and parameters under dp 2 and 4, small
+//! buckets, dp 2 × tp 2, accumulation, pp 2 and dp 2 × pp 2 (the tied embedding's copies on two
+//! stages), with and without prefetch, for AdamW, SGD with momentum and RMSProp (clipping
+//! active); its checkpoints resume under other layouts and stages, one-process checkpoints
+//! resume under it, and the schedules it cannot run are refused before training.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use merak_tests::run_with_deadline;
+
+mod common;
+use common::*;
+
+const SGD: [&str; 4] = [
+    "--set",
+    "optimizer.kind=sgd",
+    "--set",
+    "optimizer.momentum=0.9",
+];
+const RMSPROP: [&str; 6] = [
+    "--set",
+    "optimizer.kind=rmsprop",
+    "--set",
+    "optimizer.momentum=0.5",
+    "--set",
+    "train.lr=1e-3",
+];
+const Z3: [&str; 2] = ["--set", "parallel.zero=3"];
+
+#[test]
+fn zero3_equals_one_process_under_dp_tp_pp_and_accumulation() {
+    for (name, opt) in [
+        ("adamw", &[][..]),
+        ("sgd", &SGD[..]),
+        ("rmsprop", &RMSPROP[..]),
+    ] {
+        let single = train_dir_opt(0, &format!("z3-{name}-single"), opt, &[]);
+        let layouts: Vec<(usize, &str, Vec<&str>)> = vec![
+            (2, "dp2", vec!["--dp", "2"]),
+            // No prefetch: every gather waits where it is needed.
+            (
+                2,
+                "dp2-noprefetch",
+                vec!["--dp", "2", "--set", "parallel.prefetch=0"],
+            ),
+            // Buckets of 0.05 MiB: a unit's parameters in several buckets, chunks spanning
+            // parameters; two units gathered ahead.
+            (
+                4,
+                "dp4-buckets",
+                vec![
+                    "--dp",
+                    "4",
+                    "--set",
+                    "parallel.bucket_mb=0.05",
+                    "--set",
+                    "parallel.prefetch=2",
+                ],
+            ),
+            (4, "dp2-tp2", vec!["--dp", "2", "--tp", "2"]),
+            // Two micro-batches per rank: the buckets accumulate, then reduce-scatter once.
+            (
+                2,
+                "dp2-accumulate",
+                vec!["--dp", "2", "--set", "train.micro_batch=2"],
+            ),
+            // The tied embedding's copies on two stages, each alone in its bucket.
+            (2, "pp2", vec!["--pp", "2", "--set", "train.micro_batch=2"]),
+            (
+                4,
+                "dp2-pp2",
+                vec!["--dp", "2", "--pp", "2", "--set", "train.micro_batch=2"],
+            ),
+        ];
+        for (np, layout, mut extra) in layouts {
+            if name != "adamw" && np == 4 {
+                continue;
+            }
+            extra.extend_from_slice(&Z3);
+            let what = format!("{name} {layout} zero3");
+            let got = train_dir_opt(np, &format!("z3-{name}-{layout}"), opt, &extra);
+            assert_same_losses(&what, &got, &single);
+            assert_same_params(&what, &got, &single);
+        }
+    }
+}
+
+/// `merak train --resume checkpoint` on `np` ranks with `extra`, into a new folder.
+fn resume(np: usize, checkpoint: &Path, name: &str, extra: &[&str]) -> PathBuf {
+    let out = out_dir(name);
+    let mut cmd = resume_cmd(np, checkpoint, &out);
+    cmd.args(extra);
+    run_with_deadline(cmd, Duration::from_secs(300)).assert_success();
+    out
+}
+
+#[test]
+fn zero3_checkpoints_resume_under_other_layouts_and_stages() {
+    let four = [
+        "--set",
+        "train.steps=4",
+        "--set",
+        "checkpoint.every=2",
+        "--set",
+        "data.val_every=2",
+        "--set",
+        "data.val_batches=2",
+    ];
+    let z3 = [
+        "--dp",
+        "2",
+        "--set",
+        "parallel.zero=3",
+        "--set",
+        "parallel.bucket_mb=0.05",
+    ];
+    let full = train_dir_opt(0, "z3-ckpt-full", &[], &four);
+    // Written under ZeRO-3 (parameters and moments gathered from both ranks' slices), with
+    // held-out losses on the gathered model; resumed elsewhere.
+    let sliced = train_dir_opt(2, "z3-ckpt-dp2", &[], &[&four[..], &z3[..]].concat());
+    assert_same_params("zero3 run", &sliced, &full);
+    for key in ["loss", "val_loss"] {
+        let of = |dir: &Path| -> Vec<f64> {
+            (read_metrics(dir).iter())
+                .filter_map(|r| r[key].as_f64())
+                .collect()
+        };
+        let (got, want) = (of(&sliced), of(&full));
+        assert!(
+            want.len() >= 2 && got.len() == want.len(),
+            "{key}: {got:?} vs {want:?}"
+        );
+        for (g, w) in got.iter().zip(&want) {
+            assert!(
+                (g - w).abs() <= 1e-5 * w.abs(),
+                "{key}: {got:?} vs {want:?}"
+            );
+        }
+    }
+    let step2 = sliced.join("checkpoints/step-00000002");
+    for (np, name, layout) in [
+        (
+            0,
+            "z3-ckpt-to-one",
+            vec!["--dp", "1", "--set", "parallel.zero=0"],
+        ),
+        (
+            2,
+            "z3-ckpt-to-zero2",
+            vec!["--dp", "2", "--set", "parallel.zero=2"],
+        ),
+        (
+            4,
+            "z3-ckpt-to-dp2-pp2",
+            vec!["--pp", "2", "--set", "train.micro_batch=2"],
+        ),
+    ] {
+        let out = resume(np, &step2, name, &layout);
+        assert_eq!(read_metrics(&out).len(), 2, "{name}: steps 3 and 4");
+        assert_same_params(name, &out, &full);
+    }
+    // A one-process checkpoint resumed under ZeRO-3 (each rank takes its slices).
+    let out = resume(
+        2,
+        &full.join("checkpoints/step-00000002"),
+        "z3-ckpt-from-one",
+        &z3,
+    );
+    assert_same_params("one process -> zero3", &out, &full);
+}
+
+#[test]
+fn zero3_refuses_split_backward_schedules_before_training() {
+    for schedule in ["zb-h1", "2bw"] {
+        let out = out_dir(&format!("z3-refused-{schedule}"));
+        let mut cmd = merak(2);
+        let set = format!("parallel.schedule={schedule}");
+        train_args(
+            &mut cmd,
+            &out,
+            &["--pp", "2", "--set", &set, "--set", "parallel.zero=3"],
+        );
+        let run = run_with_deadline(cmd, Duration::from_secs(120));
+        assert!(
+            run.code.is_some_and(|c| c != 0),
+            "{schedule}: {}",
+            run.stderr
+        );
+        assert!(
+            run.stderr.contains("parallel.zero") && run.stderr.contains(schedule),
+            "{schedule}: {}",
+            run.stderr
+        );
+        assert!(!out.join("metrics.jsonl").exists(), "{schedule}: trained");
+    }
+}
