@@ -524,7 +524,7 @@ fn greedy_samples_agree_across_tensor_parallel_layouts() {
 /// `memory.json` counts each rank's model state from what it keeps: the tiny GPT's 134,912 f32
 /// parameters and their gradients on every rank, AdamW's two moments of every parameter
 /// without ZeRO, and under ZeRO-1, 2 and 3 a share per rank that adds up to the whole (ZeRO-3:
-/// of the parameters too); SGD without
+/// of the parameters too; with hybrid sharding, over each shard group); SGD without
 /// momentum keeps none, with it one tensor.
 #[test]
 fn memory_json_counts_each_ranks_model_state() {
@@ -574,6 +574,19 @@ fn memory_json_counts_each_ranks_model_state() {
     assert!(near(three[0][0] + three[1][0], mib), "{three:?}");
     assert!(three.iter().all(|r| r[0] < 0.6 * mib), "{three:?}");
     assert!(near(three[0][2] + three[1][2], one[0][2]), "{three:?}");
+    // Hybrid: dp 4 as two copies sharded over two ranks each: half of everything per rank.
+    let hybrid = [
+        "--dp",
+        "4",
+        "--set",
+        "parallel.zero=3",
+        "--set",
+        "parallel.shard=2",
+    ];
+    let hybrid = state(4, "state-zero3-shard2", &hybrid);
+    assert!(hybrid.iter().all(|r| near(r[0], three[0][0])), "{hybrid:?}");
+    assert!(near(hybrid[0][0] + hybrid[1][0], mib), "{hybrid:?}");
+    assert!(near(hybrid[2][2] + hybrid[3][2], one[0][2]), "{hybrid:?}");
     let sgd = state(0, "state-sgd", &["--set", "optimizer.kind=sgd"]);
     assert_eq!(sgd[0][2], 0.0, "{sgd:?}");
     let momentum = [

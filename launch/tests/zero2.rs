@@ -60,6 +60,12 @@ fn zero2_equals_one_process_under_dp_tp_pp_and_accumulation() {
             ),
             (4, "dp4", vec!["--dp", "4"]),
             (4, "dp2-tp2", vec!["--dp", "2", "--tp", "2"]),
+            // Hybrid sharding: two copies, each sharded over two ranks.
+            (
+                4,
+                "dp4-shard2",
+                vec!["--dp", "4", "--set", "parallel.shard=2"],
+            ),
             // Two micro-batches per rank: the buckets accumulate, then reduce-scatter once.
             (
                 2,

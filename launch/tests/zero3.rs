@@ -62,6 +62,18 @@ fn zero3_equals_one_process_under_dp_tp_pp_and_accumulation() {
                 ],
             ),
             (4, "dp2-tp2", vec!["--dp", "2", "--tp", "2"]),
+            // Hybrid sharding: two copies, each sharded over two ranks; and one rank per
+            // shard group (every rank holds everything, the copies summed).
+            (
+                4,
+                "dp4-shard2",
+                vec!["--dp", "4", "--set", "parallel.shard=2"],
+            ),
+            (
+                2,
+                "dp2-shard1",
+                vec!["--dp", "2", "--set", "parallel.shard=1"],
+            ),
             // Two micro-batches per rank: the buckets accumulate, then reduce-scatter once.
             (
                 2,

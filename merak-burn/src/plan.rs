@@ -143,6 +143,9 @@ pub struct ParallelPlan {
     /// Under ZeRO-3: units whose parameters are gathered ahead of the one running (0: each
     /// unit's gather waits for nothing but blocks it).
     pub prefetch: usize,
+    /// Hybrid sharding under ZeRO-2 and 3: the data-parallel ranks that share one replica's
+    /// chunks (a divisor of `dp`; 0 or `dp`: all of them), the others holding copies.
+    pub shard: usize,
 }
 
 impl Default for ParallelPlan {
@@ -163,6 +166,7 @@ impl Default for ParallelPlan {
             bucket_mb: 1.0,
             tp_overlap: 1,
             prefetch: 1,
+            shard: 0,
         }
     }
 }
@@ -233,6 +237,7 @@ impl ParallelPlan {
             bucket_mb: 1.0,
             tp_overlap: l.tp_overlap,
             prefetch: 1,
+            shard: 0,
         }
     }
 

@@ -78,6 +78,7 @@ impl Default for Config {
                 pp: 1,
                 zero: 0,
                 prefetch: 1,
+                shard: 0,
                 bucket_mb: 1.0,
                 schedule: ScheduleKind::OneFOneB,
                 virtual_stages: 1,

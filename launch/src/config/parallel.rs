@@ -27,6 +27,10 @@ pub struct ParallelSection {
     pub zero: u8,
     /// Under ZeRO-3: units whose parameters are gathered ahead of the one running (0: none).
     pub prefetch: usize,
+    /// Hybrid sharding under ZeRO-2 and 3: the data-parallel ranks that share one copy's
+    /// slices (a divisor of dp; 0: all dp ranks); the dp / shard groups hold copies, and each
+    /// slice's gradient is summed over them after the reduce-scatter.
+    pub shard: usize,
     /// Size of a data-parallel gradient bucket in MiB; a bucket's all-reduce starts as soon as
     /// all its gradients are final.
     pub bucket_mb: f64,
@@ -64,6 +68,24 @@ impl Config {
                     self.parallel.zero
                 ),
             );
+        }
+        let (dp, shard) = (self.parallel.dp, self.parallel.shard);
+        if shard != 0 && shard != dp {
+            if !dp.is_multiple_of(shard) {
+                return bad(
+                    "parallel.shard",
+                    format!("{shard} must divide parallel.dp = {dp}"),
+                );
+            }
+            if self.parallel.zero < 2 {
+                return bad(
+                    "parallel.shard",
+                    format!(
+                        "{shard} (hybrid sharding) needs parallel.zero = 2 or 3 (it is {})",
+                        self.parallel.zero
+                    ),
+                );
+            }
         }
         if self.parallel.prefetch > 8 {
             return bad(
@@ -230,6 +252,7 @@ impl Config {
             bucket_mb: p.bucket_mb,
             tp_overlap: p.tp_overlap,
             prefetch: p.prefetch,
+            shard: p.shard,
         }
     }
 

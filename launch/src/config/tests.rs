@@ -232,6 +232,35 @@ fn a_validation_pass_is_bounded_by_the_data() {
 }
 
 #[test]
+fn zero_stages_prefetch_and_hybrid_sharding_are_checked_and_named() {
+    let refused = |keys: &[&str]| load(None, &sets(keys)).unwrap_err().to_string();
+    let e = refused(&["parallel.zero=4"]);
+    assert!(
+        e.contains("parallel.zero") && e.contains("0, 1, 2 or 3"),
+        "{e}"
+    );
+    let e = refused(&["parallel.zero=3", "parallel.prefetch=9"]);
+    assert!(
+        e.contains("parallel.prefetch") && e.contains("at most 8"),
+        "{e}"
+    );
+    let e = refused(&["parallel.dp=4", "parallel.zero=3", "parallel.shard=3"]);
+    assert!(e.contains("parallel.shard") && e.contains("divide"), "{e}");
+    let e = refused(&["parallel.dp=4", "parallel.zero=1", "parallel.shard=2"]);
+    assert!(
+        e.contains("parallel.shard") && e.contains("zero = 2 or 3"),
+        "{e}"
+    );
+    for ok in [
+        &["parallel.dp=4", "parallel.zero=2", "parallel.shard=2"][..],
+        &["parallel.dp=4", "parallel.zero=3", "parallel.shard=1"],
+        &["parallel.dp=4", "parallel.zero=0", "parallel.shard=4"],
+    ] {
+        load(None, &sets(ok)).unwrap_or_else(|e| panic!("{ok:?}: {e}"));
+    }
+}
+
+#[test]
 fn products_of_degrees_that_overflow_are_refused() {
     let e = load(
         None,

@@ -73,6 +73,11 @@ pub enum CommError {
         /// The library's message.
         msg: String,
     },
+    /// The communicator cannot be split into smaller groups.
+    #[error(
+        "a {0} communicator cannot be split into smaller groups (hybrid sharding needs MPI data-parallel groups)"
+    )]
+    CannotSplit(&'static str),
     /// A tensor could not be read back from its device.
     #[error("reading a tensor from its device failed: {0}")]
     TensorRead(String),

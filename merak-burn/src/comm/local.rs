@@ -19,6 +19,14 @@ impl Pending for Done {
 }
 
 impl Communicator for LocalCommunicator {
+    fn split(
+        &self,
+        _color: usize,
+        _key: usize,
+    ) -> Result<std::rc::Rc<dyn Communicator>, CommError> {
+        Ok(std::rc::Rc::new(LocalCommunicator))
+    }
+
     fn rank(&self) -> usize {
         0
     }

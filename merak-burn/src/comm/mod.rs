@@ -66,6 +66,14 @@ pub trait Communicator {
     /// A short name of the implementation, for logs ("local", "mpi", "nccl").
     fn kind(&self) -> &'static str;
 
+    /// The ranks of this group that give the same `color`, ordered by `key`, as a group of
+    /// their own (`MPI_Comm_split`; every rank must call it). Refused by an implementation that
+    /// cannot split (NCCL).
+    fn split(&self, color: usize, key: usize) -> Result<std::rc::Rc<dyn Communicator>, CommError> {
+        let _ = (color, key);
+        Err(CommError::CannotSplit(self.kind()))
+    }
+
     /// The NCCL communicator behind this one, whose tensor operations stay in device memory.
     #[cfg(feature = "cuda")]
     fn as_nccl(&self) -> Option<&nccl::NcclCommunicator> {

@@ -266,6 +266,15 @@ impl Communicator for MpiCommunicator {
     fn rank(&self) -> usize {
         self.comm.rank() as usize
     }
+
+    fn split(&self, color: usize, key: usize) -> Result<std::rc::Rc<dyn Communicator>, CommError> {
+        let comm = MpiCommunicator::split(self, check_count("split", color)? as u32, key as u32)?;
+        Ok(if comm.size() == 1 {
+            std::rc::Rc::new(super::LocalCommunicator)
+        } else {
+            std::rc::Rc::new(comm)
+        })
+    }
     fn size(&self) -> usize {
         self.comm.size() as usize
     }

@@ -145,6 +145,9 @@ impl Communicator for ProgressThreadComm {
     fn rank(&self) -> usize {
         self.main.rank()
     }
+    fn split(&self, color: usize, key: usize) -> Result<std::rc::Rc<dyn Communicator>, CommError> {
+        Communicator::split(&self.main, color, key)
+    }
     fn size(&self) -> usize {
         self.main.size()
     }

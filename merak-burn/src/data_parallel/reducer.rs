@@ -57,6 +57,12 @@ struct State {
     /// all-reducing them.
     scatter: bool,
     comm: Rc<dyn Communicator>,
+    /// The ranks a bucket is reduce-scattered over (the data-parallel group, or under hybrid
+    /// sharding its shard group).
+    shard: Rc<dyn Communicator>,
+    /// Under hybrid sharding: the ranks holding the same chunks, over which each chunk is
+    /// all-reduced after the reduce-scatter.
+    replicate: Option<Rc<dyn Communicator>>,
     error: Option<CommError>,
     launched_early: usize,
 }
@@ -115,12 +121,17 @@ impl State {
                     }
                 }
             }
-            if self.comm.size() > 1 {
+            let comm = if self.scatter {
+                &self.shard
+            } else {
+                &self.comm
+            };
+            if comm.size() > 1 {
                 let mut data = std::mem::take(&mut b.data);
                 let started = if self.scatter {
-                    let size = self.comm.size();
+                    let size = comm.size();
                     data.resize(BucketChunks::new(b.start, b.end, size).chunk * size, 0.0);
-                    self.comm.reduce_scatter_start(data, ReduceOp::Sum)
+                    comm.reduce_scatter_start(data, ReduceOp::Sum)
                 } else {
                     self.comm.all_reduce_start(data, ReduceOp::Sum)
                 };
@@ -194,6 +205,8 @@ pub struct DpStats {
 pub struct DataParallel {
     state: Rc<RefCell<State>>,
     dp: Group,
+    /// The group a reduce-scattering reducer cuts its buckets over (`dp` unless hybrid).
+    shard: Group,
 }
 
 struct Layout {
@@ -340,10 +353,13 @@ impl DataParallel {
                 reduce_now: false,
                 scatter: false,
                 comm: dp.comm()?,
+                shard: dp.comm()?,
+                replicate: None,
                 error: None,
                 launched_early: 0,
             })),
             dp,
+            shard: dp,
         })
     }
 
@@ -355,6 +371,25 @@ impl DataParallel {
         self
     }
 
+    /// Like [`reduce_scattering`](Self::reduce_scattering), under hybrid sharding: each bucket
+    /// is reduce-scattered over `shard` (this rank's shard group, whose ranks hold the chunks
+    /// of one replica), then each chunk all-reduced over `replicate` (the ranks holding the
+    /// same chunk in the other replicas).
+    pub fn reduce_scattering_over(
+        mut self,
+        shard: Group,
+        replicate: Group,
+    ) -> Result<Self, CommError> {
+        {
+            let mut s = self.state.borrow_mut();
+            s.scatter = true;
+            s.shard = shard.comm()?;
+            s.replicate = Some(replicate.comm()?).filter(|c| c.size() > 1);
+        }
+        self.shard = shard;
+        Ok(self)
+    }
+
     /// Which elements of the flat gradients this rank's chunks hold ([`RankSlices`]; with
     /// one rank, everything).
     pub fn slices(&self) -> RankSlices {
@@ -364,8 +399,8 @@ impl DataParallel {
         RankSlices::new(
             &self.param_ranges(),
             &buckets,
-            self.dp.size(),
-            self.dp.rank(),
+            self.shard.size(),
+            self.shard.rank(),
         )
     }
 
@@ -484,12 +519,13 @@ impl DataParallel {
 
     /// Under [`reduce_scattering`](Self::reduce_scattering): waits for the reduce-scatters
     /// and returns this rank's chunk of every bucket (summed over the micro-batches and the DP
-    /// ranks; `chunk` values each, zeros past the bucket's end), in bucket order.
+    /// ranks; `chunk` values each, zeros past the bucket's end), in bucket order. Under
+    /// hybrid sharding the chunks are then all-reduced over the replicas.
     pub fn finish_chunks(&self) -> Result<(Vec<Vec<f32>>, DpStats), CommError> {
         let mut s = self.state.borrow_mut();
-        let stats = s.complete()?;
-        let size = s.comm.size();
-        let chunks = (s.buckets.iter_mut())
+        let mut stats = s.complete()?;
+        let size = s.shard.size();
+        let chunks: Vec<Vec<f32>> = (s.buckets.iter_mut())
             .map(|b| {
                 let mut data = std::mem::take(&mut b.data);
                 // One rank: its chunk is the whole bucket.
@@ -497,6 +533,18 @@ impl DataParallel {
                 data
             })
             .collect();
+        let Some(replicate) = s.replicate.clone() else {
+            return Ok((chunks, stats));
+        };
+        // Hybrid sharding: the replicas' chunks summed (not overlapped with the backward pass).
+        let t0 = Instant::now();
+        let pending = (chunks.into_iter())
+            .map(|c| replicate.all_reduce_start(c, ReduceOp::Sum))
+            .collect::<Result<Vec<_>, _>>()?;
+        let chunks = (pending.into_iter())
+            .map(|p| p.wait())
+            .collect::<Result<Vec<_>, _>>()?;
+        stats.exposed_wait += t0.elapsed();
         Ok((chunks, stats))
     }
 

@@ -13,6 +13,7 @@ mod error;
 mod evaluate;
 mod fit;
 mod grad_norm;
+mod hybrid;
 mod metrics;
 mod optim;
 mod optimizer_settings;

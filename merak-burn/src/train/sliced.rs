@@ -117,7 +117,7 @@ where
         s: &Sliced<B::InnerBackend>,
         mine: Vec<Vec<f32>>,
     ) -> Result<Vec<f32>, TrainError> {
-        let comm = self.grid.dp.comm()?;
+        let comm = self.shard.comm()?;
         let pending = (mine.into_iter())
             .map(|c| comm.all_gather_start(c))
             .collect::<Result<Vec<_>, _>>()?;
@@ -154,7 +154,7 @@ where
         }
         // Summed in f64, so that the norm (and the clipping) is the one of the whole
         // gradients up to the order of the additions.
-        let both = sum_f64(self.grid.dp, &[stats.sharded_sq, stats.replicated_sq])?;
+        let both = sum_f64(self.shard, &[stats.sharded_sq, stats.replicated_sq])?;
         let stats = GradStats {
             sharded_sq: both[0],
             replicated_sq: both[1],
@@ -186,8 +186,8 @@ where
             has[p.param] = 1.0;
             time[p.param] = time[p.param].max(st.time as f32);
         }
-        if self.grid.dp.size() > 1 {
-            let comm = self.grid.dp.comm()?;
+        if self.shard.size() > 1 {
+            let comm = self.shard.comm()?;
             comm.all_reduce(&mut has, ReduceOp::Max)?;
             comm.all_reduce(&mut time, ReduceOp::Max)?;
         }

@@ -19,6 +19,7 @@ use crate::pipeline::{
 };
 use crate::plan::ParallelPlan;
 use crate::tensor_parallel::{ParallelBackend, Shard};
+use crate::train::hybrid::shard_groups;
 use crate::train::optim::Optimizers;
 use crate::train::pieces::Sliced;
 use crate::train::zero3::{self, check_zero};
@@ -105,6 +106,9 @@ where
     /// Under ZeRO-3: this rank's shards of the parameter values (`model` then holds empty
     /// parameters).
     pub(crate) shards: Option<Shards>,
+    /// The data-parallel ranks that share the slices of ZeRO-2 and 3 (`grid.dp` unless
+    /// hybrid sharding).
+    pub(crate) shard: Group,
     pub(crate) executor: Executor,
     pub(crate) sharded: HashSet<ParamId>,
     /// The head's copy of a tied embedding, counted in the gradient norm on the embedding's
@@ -168,14 +172,18 @@ where
         let mut reducer = DataParallel::grouped(&model, grid.dp, bucket_elems, &group)?;
         let owned = (parallel.zero == 1).then(|| reducer.owned_params());
         let (mut sliced, mut shards) = (None, None);
+        let (shard, replicate) = shard_groups(grid, parallel)?;
         if parallel.zero >= 2 {
-            reducer = reducer.reduce_scattering();
+            reducer = match replicate {
+                Some(r) => reducer.reduce_scattering_over(shard, r)?,
+                None => reducer.reduce_scattering(),
+            };
             let (slices, ranges) = (reducer.slices(), reducer.param_ranges());
             if let Some(units) = units {
                 zero3::set_uses(&reducer, &shapes, &units);
                 shards = Some(zero3::shards(
                     &model,
-                    grid,
+                    shard,
                     slices.clone(),
                     ranges.clone(),
                     &shapes,
@@ -207,6 +215,7 @@ where
             owned,
             sliced,
             shards,
+            shard,
             executor,
             not_counted,
             tied,

@@ -11,9 +11,9 @@ use burn::tensor::backend::AutodiffBackend;
 use super::error::InvalidSetting;
 use super::sliced::read_params;
 use crate::checkpoint::state::ParamShape;
+use crate::comm::Group;
 use crate::data_parallel::slices::RankSlices;
 use crate::data_parallel::{DataParallel, Shards};
-use crate::grid::ProcessGrid;
 use crate::pipeline::{PipelineModel, PipelinePlan, ScheduleKind};
 use crate::plan::ParallelPlan;
 use crate::train::TrainError;
@@ -125,10 +125,10 @@ pub(crate) fn set_uses(reducer: &DataParallel, shapes: &[ParamShape], units: &Un
     }
 }
 
-/// This rank's shards of `model`'s values.
+/// This rank's shards of `model`'s values, cut over the ranks of `shard`.
 pub(crate) fn shards<B, M>(
     model: &M,
-    grid: &ProcessGrid,
+    shard: Group,
     slices: RankSlices,
     ranges: Vec<(usize, usize)>,
     shapes: &[ParamShape],
@@ -141,7 +141,7 @@ where
 {
     let values: Vec<f32> = read_params(model)?.concat();
     let shapes = shapes.iter().map(|p| p.shape.clone()).collect();
-    let comm = grid.dp.comm()?;
+    let comm = shard.comm()?;
     Ok(Shards::new(
         comm, slices, ranges, shapes, &values, units, prefetch,
     ))
