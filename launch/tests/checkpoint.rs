@@ -79,7 +79,7 @@ fn resuming_reproduces_the_uninterrupted_run_under_any_layout() {
     let manifest = Checkpoint::open(&step3).expect("step 3 saved").manifest;
     assert_eq!(manifest.step, 3);
     assert_eq!((manifest.layout.dp, manifest.layout.tp), (2, 2));
-    // With ZeRO-1 every rank writes its share of the moments.
+    // With ZeRO-1 every rank writes its slices of the moments (the DP-slice split).
     assert_eq!(manifest.files.len(), 4, "{:?}", manifest.files);
 
     // Same layout: exactly the same numbers.

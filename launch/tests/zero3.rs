@@ -10,6 +10,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use merak_burn::checkpoint::Checkpoint;
 use merak_tests::run_with_deadline;
 
 mod common;
@@ -154,6 +155,11 @@ fn zero3_checkpoints_resume_under_other_layouts_and_stages() {
         }
     }
     let step2 = sliced.join("checkpoints/step-00000002");
+    // Each data-parallel rank wrote its slices of the parameters and moments (the
+    // checkpoint's DP-slice split): nothing was gathered to write it.
+    let files = Checkpoint::open(&step2).expect("step 2").manifest.files;
+    let dps: Vec<usize> = files.iter().map(|f| f.dp).collect();
+    assert_eq!(dps, [0, 1], "{files:?}");
     for (np, name, layout) in [
         (
             0,

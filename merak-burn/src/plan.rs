@@ -131,9 +131,10 @@ pub struct ParallelPlan {
     /// Stage-aware recomputation: activation memory per stage in MiB; 0: what the last stage
     /// needs without recomputation.
     pub memory_budget_mb: f64,
-    /// The ZeRO stage over the data-parallel ranks: 0 none; 1 the optimizer state sharded (by
-    /// whole parameters); 2 the gradients and the optimizer state sharded by slices (the
-    /// gradients reduce-scattered, the new parameters all-gathered).
+    /// The ZeRO stage over the data-parallel ranks: 0 none; 1 the optimizer state sharded by
+    /// slices (the gradients all-reduced, each rank stepping its slices, the new parameters
+    /// all-gathered); 2 the gradients too (reduce-scattered); 3 the parameters too (each
+    /// unit's gathered just before it runs).
     pub zero: u8,
     /// Size of a data-parallel gradient bucket in MiB; a bucket's all-reduce starts as soon as
     /// all its gradients are final.
@@ -143,7 +144,7 @@ pub struct ParallelPlan {
     /// Under ZeRO-3: units whose parameters are gathered ahead of the one running (0: each
     /// unit's gather waits for nothing but blocks it).
     pub prefetch: usize,
-    /// Hybrid sharding under ZeRO-2 and 3: the data-parallel ranks that share one replica's
+    /// Hybrid sharding under ZeRO: the data-parallel ranks that share one replica's
     /// chunks (a divisor of `dp`; 0 or `dp`: all of them), the others holding copies.
     pub shard: usize,
 }

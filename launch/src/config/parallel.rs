@@ -19,7 +19,8 @@ pub struct ParallelSection {
     /// Pipeline-parallel degree.
     pub pp: usize,
     /// ZeRO stage: 0 (every DP rank keeps the whole optimizer state), 1 (each DP rank keeps
-    /// and updates the state of its share of the parameters, then shares the new values), 2
+    /// and updates the state of its slice of every gradient bucket, then the new values are
+    /// all-gathered), 2
     /// (the gradients are reduce-scattered too: each DP rank keeps its slice of every gradient
     /// bucket and the optimizer state of that slice, and the new values are all-gathered) or 3
     /// (the parameters are sharded too: each DP rank stores only its slices, and a unit's
@@ -27,9 +28,9 @@ pub struct ParallelSection {
     pub zero: u8,
     /// Under ZeRO-3: units whose parameters are gathered ahead of the one running (0: none).
     pub prefetch: usize,
-    /// Hybrid sharding under ZeRO-2 and 3: the data-parallel ranks that share one copy's
-    /// slices (a divisor of dp; 0: all dp ranks); the dp / shard groups hold copies, and each
-    /// slice's gradient is summed over them after the reduce-scatter.
+    /// Hybrid sharding under ZeRO: the data-parallel ranks that share one copy's slices (a
+    /// divisor of dp; 0: all dp ranks); the dp / shard groups hold copies, and each slice's
+    /// gradient is summed over them after the reduce-scatter.
     pub shard: usize,
     /// Size of a data-parallel gradient bucket in MiB; a bucket's all-reduce starts as soon as
     /// all its gradients are final.
@@ -77,11 +78,11 @@ impl Config {
                     format!("{shard} must divide parallel.dp = {dp}"),
                 );
             }
-            if self.parallel.zero < 2 {
+            if self.parallel.zero == 0 {
                 return bad(
                     "parallel.shard",
                     format!(
-                        "{shard} (hybrid sharding) needs parallel.zero = 2 or 3 (it is {})",
+                        "{shard} (hybrid sharding) needs parallel.zero = 1, 2 or 3 (it is {})",
                         self.parallel.zero
                     ),
                 );

@@ -246,13 +246,14 @@ fn zero_stages_prefetch_and_hybrid_sharding_are_checked_and_named() {
     );
     let e = refused(&["parallel.dp=4", "parallel.zero=3", "parallel.shard=3"]);
     assert!(e.contains("parallel.shard") && e.contains("divide"), "{e}");
-    let e = refused(&["parallel.dp=4", "parallel.zero=1", "parallel.shard=2"]);
+    let e = refused(&["parallel.dp=4", "parallel.zero=0", "parallel.shard=2"]);
     assert!(
-        e.contains("parallel.shard") && e.contains("zero = 2 or 3"),
+        e.contains("parallel.shard") && e.contains("zero = 1, 2 or 3"),
         "{e}"
     );
     for ok in [
         &["parallel.dp=4", "parallel.zero=2", "parallel.shard=2"][..],
+        &["parallel.dp=4", "parallel.zero=1", "parallel.shard=2"],
         &["parallel.dp=4", "parallel.zero=3", "parallel.shard=1"],
         &["parallel.dp=4", "parallel.zero=0", "parallel.shard=4"],
     ] {

@@ -70,6 +70,10 @@ pub const MAX_MANIFEST_BYTES: u64 = 1 << 30;
 /// `run.json`).
 pub const MAX_SMALL_FILE_BYTES: u64 = 1 << 16;
 
+/// Between a tensor's name and its first element in the name of a ZeRO slice
+/// ([`TensorSlice`]): `m1/h.0.attn.weight@4096`.
+pub(crate) const SLICE_MARK: &str = "@";
+
 /// Reads `path`, which must be a regular file (a symbolic link to one is fine) of at most
 /// `limit` bytes: a FIFO or a device would block or never end, and a huge file would fill
 /// the memory, so both are refused naming the file before it is opened.
@@ -95,10 +99,32 @@ pub fn read_regular(path: &Path, limit: u64) -> Result<Vec<u8>, CheckpointError>
 
 /// What a rank contributes to a checkpoint.
 pub struct RankState {
-    /// This rank's parameter shards (written by the first DP replica only).
+    /// This rank's parameter shards (written by the first DP replica only; under ZeRO-3 their
+    /// values are empty and `slices` holds this rank's pieces).
     pub params: Vec<LocalParam>,
-    /// This rank's AdamW moments, by parameter name (possibly a ZeRO-1 part).
+    /// This rank's optimizer moments of whole tensors, by parameter name.
     pub moments: state::NamedMoments,
+    /// Under ZeRO: this data-parallel rank's slices of the parameters (ZeRO-3) and of their
+    /// moments, which every DP rank of the first copy writes (the checkpoint's DP-slice split).
+    pub slices: Vec<TensorSlice>,
+}
+
+/// A data-parallel rank's slice of one tensor of a checkpoint: elements
+/// `start..start + values.len()` of a parameter's (`kind` "param"), first moment's ("m1") or
+/// second moment's ("m2") row-major values on this tensor-parallel rank. Slices of all DP
+/// ranks together cover each tensor exactly once; reading a checkpoint puts them together.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorSlice {
+    /// "param", "m1" or "m2".
+    pub kind: &'static str,
+    /// The parameter's name.
+    pub name: String,
+    /// The first element.
+    pub start: usize,
+    /// The values.
+    pub values: Vec<f32>,
+    /// The optimizer's step count of the parameter (moments only; 0 for a parameter).
+    pub time: usize,
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {

@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use super::root::{list, read_manifest};
 use super::state::ParamShape;
 use super::{
-    CheckpointError, LATEST, MANIFEST, MAX_STEP, Manifest, Moments, ParamEntry, plain_name,
-    read_regular, sha256_hex, shard_file,
+    CheckpointError, LATEST, MANIFEST, MAX_STEP, Manifest, Moments, ParamEntry, SLICE_MARK,
+    plain_name, read_regular, sha256_hex, shard_file,
 };
 use crate::tensor_parallel::Shard;
 
@@ -79,6 +79,7 @@ impl Checkpoint {
         let entries: HashMap<&str, &ParamEntry> =
             m.params.iter().map(|p| (p.name.as_str(), p)).collect();
         let mut pieces = Pieces::new();
+        let mut slices = Slices::new();
         let mut times: HashMap<String, usize> = HashMap::new();
         for f in &m.files {
             let path = self.dir.join(&f.file);
@@ -102,6 +103,10 @@ impl Checkpoint {
                 let Some((kind, name)) = t.name.split_once('/') else {
                     continue;
                 };
+                let (name, start) = match name.split_once(SLICE_MARK) {
+                    Some((name, start)) => (name, Some(start)),
+                    None => (name, None),
+                };
                 let Some(entry) = entries.get(name) else {
                     continue;
                 };
@@ -109,6 +114,14 @@ impl Checkpoint {
                     continue;
                 }
                 let want = entry.shard.piece_len(&entry.shape, m.layout.tp);
+                if let Some(start) = start {
+                    check_finite(&t.name, &t.values)?;
+                    let at =
+                        slice_start(start, t.values.len(), want.as_ref().ok(), &t.name, &path)?;
+                    let key = (kind.to_string(), name.to_string(), f.tp);
+                    slices.entry(key).or_default().push((at, t.values));
+                    continue;
+                }
                 if want.as_ref().ok() != Some(&t.values.len()) {
                     return Err(CheckpointError::Corrupt {
                         file: path,
@@ -125,6 +138,16 @@ impl Checkpoint {
                 check_finite(&t.name, &t.values)?;
                 pieces.insert((kind.to_string(), name.to_string(), f.tp), t.values);
             }
+        }
+        for ((kind, name, tp), parts) in slices {
+            let len = (entries.get(name.as_str()))
+                .and_then(|e| e.shard.piece_len(&e.shape, m.layout.tp).ok())
+                .unwrap_or(0);
+            let values = join_slices(parts, len).map_err(|reason| CheckpointError::Mismatch {
+                name: name.clone(),
+                reason: format!("{kind} of tp rank {tp}: {reason}"),
+            })?;
+            pieces.insert((kind, name, tp), values);
         }
         let mut full = FullState::default();
         for p in &m.params {
@@ -213,6 +236,9 @@ fn resolve_root(root: &Path) -> Result<PathBuf, CheckpointError> {
 /// Tensor pieces by (kind: param, m1 or m2; parameter name; tp rank).
 type Pieces = HashMap<(String, String, usize), Vec<f32>>;
 
+/// ZeRO slices of the tensor pieces, as `(first element, values)` (keyed as [`Pieces`]).
+type Slices = HashMap<(String, String, usize), Vec<(usize, Vec<f32>)>>;
+
 /// Takes the `tp` pieces of `kind` of parameter `p` out of `pieces` and puts them together.
 fn merge(
     pieces: &mut Pieces,
@@ -236,6 +262,59 @@ fn merge(
         })
         .collect::<Result<Vec<_>, _>>()?;
     Ok(p.shard.merge(&parts, &p.shape))
+}
+
+/// The first element of a slice written `start` (the text after [`SLICE_MARK`]) of `len`
+/// values, in a tensor of `whole` values; fails naming the tensor and the file.
+fn slice_start(
+    start: &str,
+    len: usize,
+    whole: Option<&usize>,
+    tensor: &str,
+    file: &Path,
+) -> Result<usize, CheckpointError> {
+    let corrupt = |reason: String| CheckpointError::Corrupt {
+        file: file.to_path_buf(),
+        reason: format!("slice {tensor}: {reason}"),
+    };
+    let at: usize = start
+        .parse()
+        .map_err(|_| corrupt(format!("{start:?} is not an element index")))?;
+    match whole {
+        Some(&n) if at.checked_add(len).is_some_and(|end| end <= n) => Ok(at),
+        Some(n) => Err(corrupt(format!(
+            "elements {at}.. ({len} values) run past the tensor's {n}"
+        ))),
+        None => Err(corrupt("its parameter's shape does not split".into())),
+    }
+}
+
+/// The `len` values that `parts` (`(first element, values)`, from every data-parallel rank)
+/// cover exactly once; says where they leave a gap or overlap.
+fn join_slices(mut parts: Vec<(usize, Vec<f32>)>, len: usize) -> Result<Vec<f32>, String> {
+    parts.sort_by_key(|(at, _)| *at);
+    let mut values = Vec::with_capacity(len);
+    for (at, part) in parts {
+        if at != values.len() {
+            let what = if at < values.len() {
+                "overlap"
+            } else {
+                "leave a gap"
+            };
+            return Err(format!(
+                "the slices {what} at element {}",
+                values.len().min(at)
+            ));
+        }
+        values.extend(part);
+    }
+    if values.len() != len {
+        return Err(format!(
+            "the slices end at element {} of {len}",
+            values.len()
+        ));
+    }
+    Ok(values)
 }
 
 /// Fails naming the tensor and the first value that is NaN or infinite.
@@ -390,4 +469,81 @@ pub fn cut_full_params(
         copies,
     )?;
     Ok(params)
+}
+
+#[cfg(test)]
+mod slice_tests {
+    use burn::module::ParamId;
+
+    use super::*;
+    use crate::checkpoint::{LocalParam, RankState, RunId, TensorSlice, save};
+    use crate::grid::ProcessGrid;
+    use crate::tensor_parallel::ShardKind;
+
+    /// A checkpoint of one parameter `w` of 6 values written as slices starting at `starts`
+    /// (each to the next, the last to the end), for the parameter (values `0..6`) and both
+    /// moments; returns what reading it gives.
+    fn read_back(starts: &[usize], len: usize) -> Result<FullState, CheckpointError> {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mut slices = Vec::new();
+        for (i, &start) in starts.iter().enumerate() {
+            let end = starts.get(i + 1).copied().unwrap_or(len);
+            for kind in ["param", "m1", "m2"] {
+                slices.push(TensorSlice {
+                    kind,
+                    name: "w".into(),
+                    start,
+                    values: (start..end).map(|v| v as f32).collect(),
+                    time: 4,
+                });
+            }
+        }
+        let state = RankState {
+            params: vec![LocalParam {
+                name: "w".into(),
+                id: ParamId::new(),
+                shape: vec![2, 3],
+                split: ShardKind::Replicated,
+                values: Vec::new(),
+            }],
+            moments: Vec::new(),
+            slices,
+        };
+        let grid = ProcessGrid::single();
+        let step = save(
+            dir.path(),
+            &RunId::new(),
+            4,
+            1,
+            &state,
+            serde_json::Value::Null,
+            &grid,
+        )
+        .expect("saved");
+        Checkpoint::open(&step)?.read_full()
+    }
+
+    #[test]
+    fn slices_are_put_together_and_gaps_overlaps_and_overruns_are_named() {
+        let full = read_back(&[0, 2, 5], 6).expect("read");
+        let want: Vec<f32> = (0..6).map(|v| v as f32).collect();
+        assert_eq!(full.params["w"], want);
+        assert_eq!(
+            (full.moments["w"].m1.clone(), full.moments["w"].time),
+            (want, 4)
+        );
+        // Slices that stop short of the tensor's end, or run past it.
+        let e = read_back(&[0, 2], 5).expect_err("short").to_string();
+        assert!(
+            e.contains("w") && e.contains("end at element 5 of 6"),
+            "{e}"
+        );
+        let e = read_back(&[0, 4], 7).expect_err("past the end").to_string();
+        assert!(e.contains("w@4") && e.contains("past"), "{e}");
+        // A rank's slice missing in the middle.
+        let e = join_slices(vec![(0, vec![0.0; 2]), (3, vec![0.0; 3])], 6).expect_err("gap");
+        assert!(e.contains("gap at element 2"), "{e}");
+        let e = join_slices(vec![(0, vec![0.0; 3]), (2, vec![0.0; 4])], 6).expect_err("overlap");
+        assert!(e.contains("overlap at element 2"), "{e}");
+    }
 }

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use super::root::{prune, remove_unfinished, sync_dir};
 use super::{
     CheckpointError, FORMAT, FileEntry, LATEST, MANIFEST, Manifest, NamedTensor, ParamEntry,
-    RankState, RunId, fault, sha256_hex, shard_file, step_dir_name,
+    RankState, RunId, SLICE_MARK, fault, sha256_hex, shard_file, step_dir_name,
 };
 use crate::grid::ProcessGrid;
 
@@ -146,13 +146,25 @@ fn write_rank_files(
     let c = grid.coords;
     let mut tensors = Vec::new();
     if c.dp == 0 {
-        tensors.extend(state.params.iter().map(|p| NamedTensor {
+        // Under ZeRO-3 the parameters' values travel as slices.
+        let whole = state.params.iter().filter(|p| !p.values.is_empty());
+        tensors.extend(whole.map(|p| NamedTensor {
             name: format!("param/{}", p.name),
             shape: p.shape.clone(),
             values: p.values.clone(),
         }));
     }
     let mut times = BTreeMap::new();
+    for s in &state.slices {
+        tensors.push(NamedTensor {
+            name: format!("{}/{}{SLICE_MARK}{}", s.kind, s.name, s.start),
+            shape: vec![s.values.len()],
+            values: s.values.clone(),
+        });
+        if s.kind != "param" {
+            times.insert(s.name.clone(), s.time);
+        }
+    }
     let shapes: HashMap<&str, &[usize]> = state
         .params
         .iter()

@@ -1,6 +1,6 @@
 //! Data parallelism: gradients averaged over the DP group in buckets that start their
 //! all-reduce as soon as they are final, overlapping the rest of the backward pass; gradient
-//! accumulation over micro-batches; ZeRO-1 ownership of optimizer state.
+//! accumulation over micro-batches; ZeRO's slices and ZeRO-3's parameter shards.
 //!
 //! How it works: [`DataParallel::hooked`] wraps every parameter of a model in a gradient hook
 //! (an identity autodiff operation). When the backward pass reaches a parameter, its hook takes

@@ -1,7 +1,6 @@
 //! The bucketed gradient reducer behind [`DataParallel`].
 
 use std::cell::RefCell;
-use std::collections::HashSet;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
@@ -11,7 +10,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
 use super::slices::{BucketChunks, RankSlices};
-use crate::comm::{CommError, Communicator, Group, Pending, ReduceOp, TensorComm};
+use crate::comm::{CommError, Communicator, Group, Pending, ReduceOp};
 use crate::tensor_parallel::{ParallelBackend, set_grad_sink};
 
 /// One parameter's place in the gradient buffers (an offset in the concatenation of all
@@ -28,8 +27,6 @@ struct Slot {
     /// Gradients the parameter receives per micro-batch: 1, or more when separate backward
     /// passes each deliver one (a tied table under ZeRO-3's unit-by-unit backward).
     uses: usize,
-    /// The DP rank that owns this parameter's optimizer state under ZeRO-1.
-    owner: usize,
 }
 
 struct Bucket {
@@ -226,7 +223,6 @@ impl<B: Backend> ModuleVisitor<B> for Layout {
             bucket: 0,
             seen: false,
             uses: 1,
-            owner: 0,
         });
         self.total += len;
     }
@@ -267,7 +263,7 @@ impl<B: AutodiffBackend> ModuleMapper<B> for FreshLeaves {
 impl DataParallel {
     /// Lays out the gradients of `model` (every float parameter, in visit order) in buckets of
     /// about `bucket_elems` values, filled from the last parameter backwards (the order in
-    /// which the backward pass finishes them), and assigns each parameter a ZeRO-1 owner.
+    /// which the backward pass finishes them).
     pub fn new<B: Backend, M: Module<B>>(
         model: &M,
         dp: Group,
@@ -330,21 +326,6 @@ impl DataParallel {
             }
         }
         debug_assert!(start == 0 || slots.is_empty());
-        // ZeRO-1 owners: largest parameter first, to the least loaded rank (ties to the lower
-        // rank), so that the shares are balanced and each rank owns something when there are
-        // at least as many parameters as ranks. Deterministic: every rank computes the same.
-        let mut order: Vec<usize> = (0..slots.len()).collect();
-        order.sort_by_key(|&i| std::cmp::Reverse(slots[i].len));
-        let mut load = vec![0usize; dp.size().max(1)];
-        for i in order {
-            let (r, _) = load
-                .iter()
-                .enumerate()
-                .min_by_key(|&(r, l)| (*l, r))
-                .expect("at least one rank");
-            slots[i].owner = r;
-            load[r] += slots[i].len;
-        }
         Ok(Self {
             state: Rc::new(RefCell::new(State {
                 slots,
@@ -369,6 +350,15 @@ impl DataParallel {
     pub fn reduce_scattering(self) -> Self {
         self.state.borrow_mut().scatter = true;
         self
+    }
+
+    /// This reducer, all-reducing its buckets whole, read as the chunks of `shard`'s ranks
+    /// with [`finish_chunks`](Self::finish_chunks) (ZeRO-1 on slices; hybrid when `shard` is
+    /// smaller than the data-parallel group).
+    pub fn sliced_over(mut self, shard: Group) -> Result<Self, CommError> {
+        self.state.borrow_mut().shard = shard.comm()?;
+        self.shard = shard;
+        Ok(self)
     }
 
     /// Like [`reduce_scattering`](Self::reduce_scattering), under hybrid sharding: each bucket
@@ -517,23 +507,31 @@ impl DataParallel {
         Ok((builder.grads, stats))
     }
 
-    /// Under [`reduce_scattering`](Self::reduce_scattering): waits for the reduce-scatters
-    /// and returns this rank's chunk of every bucket (summed over the micro-batches and the DP
+    /// Waits for the reduce-scatters (or all-reduces, under
+    /// [`sliced_over`](Self::sliced_over)) and returns this rank's chunk of every bucket (summed over the micro-batches and the DP
     /// ranks; `chunk` values each, zeros past the bucket's end), in bucket order. Under
     /// hybrid sharding the chunks are then all-reduced over the replicas.
     pub fn finish_chunks(&self) -> Result<(Vec<Vec<f32>>, DpStats), CommError> {
         let mut s = self.state.borrow_mut();
         let mut stats = s.complete()?;
-        let size = s.shard.size();
+        let (size, rank, scatter) = (s.shard.size(), s.shard.rank(), s.scatter);
         let chunks: Vec<Vec<f32>> = (s.buckets.iter_mut())
             .map(|b| {
+                let c = BucketChunks::new(b.start, b.end, size);
                 let mut data = std::mem::take(&mut b.data);
+                if !scatter {
+                    // All-reduced whole (ZeRO-1): this rank's chunk of it.
+                    data.resize(c.len, 0.0);
+                    let mine = c.range_of(rank);
+                    data = data[mine.start - c.start..mine.end - c.start].to_vec();
+                }
                 // One rank: its chunk is the whole bucket.
-                data.resize(BucketChunks::new(b.start, b.end, size).chunk, 0.0);
+                data.resize(c.chunk, 0.0);
                 data
             })
             .collect();
-        let Some(replicate) = s.replicate.clone() else {
+        let replicate = s.replicate.clone().filter(|_| scatter);
+        let Some(replicate) = replicate else {
             return Ok((chunks, stats));
         };
         // Hybrid sharding: the replicas' chunks summed (not overlapped with the backward pass).
@@ -546,41 +544,6 @@ impl DataParallel {
             .collect::<Result<Vec<_>, _>>()?;
         stats.exposed_wait += t0.elapsed();
         Ok((chunks, stats))
-    }
-
-    /// The ids of the parameters whose optimizer state this DP rank owns under ZeRO-1.
-    pub fn owned_params(&self) -> HashSet<ParamId> {
-        let me = self.dp.rank();
-        self.state
-            .borrow()
-            .slots
-            .iter()
-            .filter(|s| s.owner == me)
-            .map(|s| s.id)
-            .collect()
-    }
-
-    /// After a ZeRO-1 step (each rank updated only the parameters it owns), copies every
-    /// parameter from its owner to the other DP ranks.
-    pub fn broadcast_from_owners<B: AutodiffBackend, M: AutodiffModule<B>>(
-        &self,
-        model: M,
-    ) -> Result<M, CommError> {
-        if self.dp.size() == 1 {
-            return Ok(model);
-        }
-        let mut mapper = OwnerBroadcast::<B> {
-            owners: self.state.borrow().slots.iter().map(|s| s.owner).collect(),
-            next: 0,
-            comm: self.dp.comm()?,
-            error: None,
-            _b: std::marker::PhantomData,
-        };
-        let model = model.map(&mut mapper);
-        match mapper.error {
-            Some(e) => Err(e),
-            None => Ok(model),
-        }
     }
 }
 
@@ -618,35 +581,5 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for GradBuilder<'_, B> {
         let device = param.val().device();
         let g = Tensor::<B::InnerBackend, D>::from_data(TensorData::new(values, shape), &device);
         self.grads.register(param.id, g);
-    }
-}
-
-struct OwnerBroadcast<B: AutodiffBackend> {
-    owners: Vec<usize>,
-    next: usize,
-    comm: Rc<dyn Communicator>,
-    error: Option<CommError>,
-    _b: std::marker::PhantomData<B>,
-}
-
-impl<B: AutodiffBackend> ModuleMapper<B> for OwnerBroadcast<B> {
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        let owner = self.owners.get(self.next).copied().unwrap_or(0);
-        self.next += 1;
-        let (id, tensor, mapper) = param.consume();
-        let require_grad = tensor.is_require_grad();
-        let inner = tensor.inner();
-        let value = match self.comm.broadcast_tensor(inner.clone(), owner) {
-            Ok(v) => v,
-            Err(e) => {
-                self.error = Some(e);
-                inner
-            }
-        };
-        let mut out = Tensor::<B, D>::from_inner(value);
-        if require_grad {
-            out = out.require_grad();
-        }
-        Param::from_mapped_value(id, out, mapper)
     }
 }

@@ -60,8 +60,8 @@ pub enum TrainError {
     /// The tied embedding has no gradient on a rank that holds one of its copies.
     #[error("the tied embedding has no gradient")]
     TiedGradient,
-    /// ZeRO-2's update failed reading a tensor's values.
-    #[error("ZeRO-2: {0}")]
+    /// ZeRO's update on slices failed reading a tensor's values.
+    #[error("ZeRO: {0}")]
     Sliced(String),
     /// ZeRO-3 cannot shard this model: what is missing.
     #[error("parallel.zero = 3: {0}")]

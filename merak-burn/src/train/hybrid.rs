@@ -10,7 +10,7 @@ use crate::train::{InvalidSetting, TrainError};
 
 /// This rank's shard group and replicate group: `(dp, None)` without hybrid sharding
 /// (`parallel.shard` 0 or dp). Refuses a degree that does not divide dp, and hybrid sharding
-/// without ZeRO-2 or 3.
+/// without ZeRO.
 pub(crate) fn shard_groups(
     grid: &ProcessGrid,
     parallel: &ParallelPlan,
@@ -27,9 +27,9 @@ pub(crate) fn shard_groups(
     if !dp.is_multiple_of(shard) {
         return Err(bad(format!("must divide parallel.dp = {dp}")).into());
     }
-    if parallel.zero < 2 {
+    if parallel.zero == 0 {
         return Err(bad(format!(
-            "hybrid sharding needs parallel.zero = 2 or 3 (it is {})",
+            "hybrid sharding needs parallel.zero = 1, 2 or 3 (it is {})",
             parallel.zero
         ))
         .into());

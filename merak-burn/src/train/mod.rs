@@ -1,6 +1,6 @@
 //! The trainer ([`Trainer`]): the whole training step of a model cut over a process grid
 //! (pipeline executor, data-parallel reduction, tied gradients, loss reduction, clipping, the
-//! optimizer's parameter groups, ZeRO-1), validation, evaluation, checkpoints, metrics and
+//! optimizer's parameter groups, ZeRO), validation, evaluation, checkpoints, metrics and
 //! progress; and its parts: the optimizers (the fused AdamW, Burn's Adam, SGD, AdaGrad and
 //! RMSProp), global gradient norm and clipping, learning-rate schedules, metrics, the run
 //! folder and its lineage, and the process's page faults and peak memory.

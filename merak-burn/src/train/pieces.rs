@@ -1,4 +1,4 @@
-//! A rank's ZeRO-2 state ([`Sliced`]): the pieces of the parameters it steps and their
+//! A rank's ZeRO state ([`Sliced`]): the pieces of the parameters it steps and their
 //! optimizer state (the step itself is `train::sliced`).
 
 use std::collections::HashMap;
@@ -11,7 +11,7 @@ use crate::checkpoint::{Moments, Slots};
 use crate::data_parallel::slices::RankSlices;
 use crate::train::TrainError;
 
-/// A rank's ZeRO-2 state: the pieces it holds and the optimizer state of each.
+/// A rank's ZeRO state: the pieces it holds and the optimizer state of each.
 pub(crate) struct Sliced<B: Backend> {
     /// This rank's pieces of the flat gradients.
     pub slices: RankSlices,

@@ -16,7 +16,7 @@ pub struct StateBytes {
     pub params: u64,
     /// Its gradient buckets.
     pub grads: u64,
-    /// The optimizer state of the parameters it steps (all of them, or its ZeRO-1 share), once
+    /// The optimizer state of the parameters it steps (all of them, or its ZeRO slices), once
     /// each has stepped.
     pub optimizer: u64,
 }

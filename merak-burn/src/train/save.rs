@@ -1,5 +1,6 @@
 //! Saving a trainer's state as a sharded checkpoint.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 
 use burn::module::AutodiffModule;
@@ -24,16 +25,15 @@ where
     pub fn save_checkpoint(&self, policy: &CheckpointPolicy) -> Result<PathBuf, TrainError> {
         let step = self.done;
         let grid = self.grid;
-        // Without ZeRO every DP replica holds the same state: the first one writes it.
-        let writes_moments = self.owned.is_some() || grid.coords.dp == 0;
+        // Without ZeRO every DP replica holds the same state: the first one writes it. Under
+        // ZeRO every DP rank of the first copy writes its slices.
         let mut moments = Vec::new();
+        let mut slices = Vec::new();
         if self.sliced.is_some() {
-            // ZeRO-2: every DP rank gives its pieces; the first writes the whole tensors.
-            let gathered = self.sliced_moments()?;
-            if grid.coords.dp == 0 {
-                moments = gathered;
+            if grid.coords.dp < self.shard.size() {
+                slices = self.slices_to_write()?;
             }
-        } else if writes_moments {
+        } else if grid.coords.dp == 0 {
             moments = self.optim.moments(&self.model)?;
         }
         // A tied copy is stored once, under its original's name.
@@ -44,9 +44,27 @@ where
             .map(|(c, _)| c)
             .collect();
         moments.retain(|(name, _)| !copies.contains(name));
-        let mut params = state::local_params(&self.gathered_model()?)?;
+        slices.retain(|s| !copies.contains(&s.name));
+        let mut params = state::local_params(&self.model)?;
         params.retain(|p| !copies.contains(&p.name));
-        let rank_state = RankState { params, moments };
+        if let Some(s) = self.sliced.as_ref().filter(|_| self.shards.is_some()) {
+            // ZeRO-3: the model's parameters are empty; their values travel as slices.
+            let shapes: HashMap<&str, &[usize]> = (s.params.iter())
+                .map(|p| (p.name.as_str(), p.shape.as_slice()))
+                .collect();
+            for p in &mut params {
+                p.shape = shapes
+                    .get(p.name.as_str())
+                    .map(|s| s.to_vec())
+                    .unwrap_or_default();
+                p.values.clear();
+            }
+        }
+        let rank_state = RankState {
+            params,
+            moments,
+            slices,
+        };
         let mut extra = serde_json::json!({
             "data": {
                 "samples_consumed": step.saturating_mul(self.settings.global_batch),

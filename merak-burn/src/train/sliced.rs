@@ -1,4 +1,5 @@
-//! ZeRO-2 (`parallel.zero = 2`): the gradient buckets are reduce-scattered, each data-parallel
+//! ZeRO on slices (`parallel.zero = 1` and `2`; ZeRO-3 keeps the new values as its shards): the
+//! gradient buckets are all-reduced (1) or reduce-scattered (2), each data-parallel
 //! rank steps only its pieces of the parameters ([`RankSlices`]) with the optimizer state of
 //! those pieces, and the new values are all-gathered into every rank's model. The pieces'
 //! state is gathered into whole tensors only when a checkpoint is written, so checkpoints stay
@@ -9,9 +10,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
 
 use super::pieces::{Sliced, flat, values_of};
-use crate::checkpoint::Moments;
-use crate::checkpoint::state::NamedMoments;
-use crate::comm::ReduceOp;
+use crate::checkpoint::TensorSlice;
 use crate::pipeline::{PipelineModel, ScheduleKind};
 use crate::tensor_parallel::ParallelBackend;
 use crate::train::grad_norm::norm_of;
@@ -33,10 +32,9 @@ where
         lr: f64,
         chunks: Vec<Vec<f32>>,
     ) -> Result<f64, TrainError> {
-        let mut sliced = self
-            .sliced
-            .take()
-            .ok_or(TrainError::Sliced("the ZeRO-2 state is missing".into()))?;
+        let mut sliced = self.sliced.take().ok_or(TrainError::Sliced(
+            "the sliced optimizer state is missing".into(),
+        ))?;
         let result = self.update_pieces(&mut sliced, lr, chunks);
         self.sliced = Some(sliced);
         result
@@ -162,48 +160,36 @@ where
         Ok(norm_of(stats, self.grid.tp, self.grid.pp)?)
     }
 
-    /// Every parameter's optimizer state as whole tensors, gathered from the data-parallel
-    /// ranks' pieces (every DP rank must call it): what a checkpoint stores.
-    pub(crate) fn sliced_moments(&self) -> Result<NamedMoments, TrainError> {
+    /// This data-parallel rank's slices of the optimizer state (and, under ZeRO-3, of the
+    /// parameters) for a checkpoint: each piece's moments where it has stepped (a second
+    /// moment of zeros for an optimizer that keeps one tensor).
+    pub(crate) fn slices_to_write(&self) -> Result<Vec<TensorSlice>, TrainError> {
         let Some(s) = self.sliced.as_ref() else {
             return Ok(Vec::new());
         };
-        let n = s.params.len();
-        let (mut has, mut time) = (vec![0.0f32; n], vec![0.0f32; n]);
-        let zeros = || -> Vec<Vec<f32>> {
-            (s.slices.buckets.iter())
-                .map(|c| vec![0.0; c.chunk])
-                .collect()
-        };
-        let (mut m1, mut m2) = (zeros(), zeros());
+        let mut out = Vec::new();
         for (p, state) in s.slices.pieces.iter().zip(&s.states) {
-            let Some(st) = state else { continue };
-            let at = p.chunk_offset..p.chunk_offset + p.len;
-            m1[p.bucket][at.clone()].copy_from_slice(&values_of(st.m1.clone())?);
-            if let Some(x) = &st.m2 {
-                m2[p.bucket][at].copy_from_slice(&values_of(x.clone())?);
+            let name = &s.params[p.param].name;
+            let slice = |kind, values, time| TensorSlice {
+                kind,
+                name: name.clone(),
+                start: p.param_start,
+                values,
+                time,
+            };
+            if let Some(shards) = &self.shards {
+                let own = &shards.own()[p.bucket][p.chunk_offset..p.chunk_offset + p.len];
+                out.push(slice("param", own.to_vec(), 0));
             }
-            has[p.param] = 1.0;
-            time[p.param] = time[p.param].max(st.time as f32);
+            let Some(st) = state else { continue };
+            let m2 = match &st.m2 {
+                Some(x) => values_of(x.clone())?,
+                None => vec![0.0; p.len],
+            };
+            out.push(slice("m1", values_of(st.m1.clone())?, st.time));
+            out.push(slice("m2", m2, st.time));
         }
-        if self.shard.size() > 1 {
-            let comm = self.shard.comm()?;
-            comm.all_reduce(&mut has, ReduceOp::Max)?;
-            comm.all_reduce(&mut time, ReduceOp::Max)?;
-        }
-        let (m1, m2) = (self.gather_buckets(s, m1)?, self.gather_buckets(s, m2)?);
-        let moments = (s.params.iter().zip(&s.ranges).enumerate())
-            .filter(|(i, _)| has[*i] > 0.0)
-            .map(|(i, (param, &(offset, len)))| {
-                let m = Moments {
-                    time: time[i] as usize,
-                    m1: m1[offset..offset + len].to_vec(),
-                    m2: m2[offset..offset + len].to_vec(),
-                };
-                (param.name.clone(), m)
-            })
-            .collect();
-        Ok(moments)
+        Ok(out)
     }
 }
 

@@ -1,6 +1,6 @@
 //! The training step of a model cut over a process grid: micro-batches through the pipeline
 //! executor, data-parallel gradient reduction, the tied embedding, the loss, clipping, the
-//! optimizer's parameter groups and ZeRO-1. Every layout runs this one step.
+//! optimizer's parameter groups and ZeRO. Every layout runs this one step.
 
 use std::collections::HashSet;
 use std::time::Instant;
@@ -50,7 +50,7 @@ pub struct StepPhases {
     pub reduce_s: f64,
     /// The global gradient norm, clipping and the split into parameter groups.
     pub clip_s: f64,
-    /// The optimizer steps (and the ZeRO-1 broadcast).
+    /// The optimizer steps (and ZeRO's all-gather of the new values).
     pub optimizer_s: f64,
 }
 
@@ -99,14 +99,12 @@ where
     /// vectors without).
     pub(crate) optim: Optimizers<M, B>,
     pub(crate) reducer: DataParallel,
-    /// The parameters whose optimizer state this rank keeps under ZeRO-1.
-    pub(crate) owned: Option<HashSet<ParamId>>,
-    /// Under ZeRO-2 and 3: this rank's pieces of the parameters and their optimizer state.
+    /// Under ZeRO-1, 2 and 3: this rank's pieces of the parameters and their optimizer state.
     pub(crate) sliced: Option<Sliced<B::InnerBackend>>,
     /// Under ZeRO-3: this rank's shards of the parameter values (`model` then holds empty
     /// parameters).
     pub(crate) shards: Option<Shards>,
-    /// The data-parallel ranks that share the slices of ZeRO-2 and 3 (`grid.dp` unless
+    /// The data-parallel ranks that share the slices of ZeRO (`grid.dp` unless
     /// hybrid sharding).
     pub(crate) shard: Group,
     pub(crate) executor: Executor,
@@ -165,18 +163,18 @@ where
         let units = (parallel.zero == 3)
             .then(|| zero3::unit_params(&model, &pipeline, me, &shapes))
             .transpose()?;
-        // Under ZeRO-2 and 3 a tied copy gets a bucket of its own, so that both stages cut it
-        // alike; under ZeRO-3 no bucket spans two units.
+        // Under ZeRO a tied copy gets a bucket of its own, so that both stages cut it alike;
+        // under ZeRO-3 no bucket spans two units.
         let group =
-            zero3::bucket_groups(&shapes, units.as_ref(), tied.filter(|_| parallel.zero >= 2));
+            zero3::bucket_groups(&shapes, units.as_ref(), tied.filter(|_| parallel.zero >= 1));
         let mut reducer = DataParallel::grouped(&model, grid.dp, bucket_elems, &group)?;
-        let owned = (parallel.zero == 1).then(|| reducer.owned_params());
         let (mut sliced, mut shards) = (None, None);
         let (shard, replicate) = shard_groups(grid, parallel)?;
-        if parallel.zero >= 2 {
-            reducer = match replicate {
-                Some(r) => reducer.reduce_scattering_over(shard, r)?,
-                None => reducer.reduce_scattering(),
+        if parallel.zero >= 1 {
+            reducer = match (parallel.zero, replicate) {
+                (1, _) => reducer.sliced_over(shard)?,
+                (_, Some(r)) => reducer.reduce_scattering_over(shard, r)?,
+                (_, None) => reducer.reduce_scattering(),
             };
             let (slices, ranges) = (reducer.slices(), reducer.param_ranges());
             if let Some(units) = units {
@@ -212,7 +210,6 @@ where
             next_batches: None,
             optim,
             reducer,
-            owned,
             sliced,
             shards,
             shard,
@@ -285,11 +282,7 @@ where
         }
         match self.sliced.as_mut() {
             Some(sliced) => sliced.load(&moments, &self.device),
-            None => {
-                let owned = &self.owned;
-                let mine = |id: ParamId| owned.as_ref().is_none_or(|o| o.contains(&id));
-                self.optim.load(&self.model, &moments, &mine);
-            }
+            None => self.optim.load(&self.model, &moments),
         }
         self.done = step;
         self.origin = Some(super::Origin::of(checkpoint));
@@ -315,10 +308,9 @@ where
                 .map(|p| p.shape.iter().product::<usize>() as u64)
                 .sum()
         };
-        let owned = &self.owned;
         let stepped = match &self.sliced {
             Some(s) => s.slices.held() as u64,
-            None => elements(&|id| owned.as_ref().is_none_or(|o| o.contains(&id))),
+            None => elements(&|_| true),
         };
         let versions = 1 + u64::from(self.stale.is_some());
         let params = match &self.shards {
@@ -479,7 +471,7 @@ where
                     &self.not_counted,
                 )?;
                 clip_grads::<B, _>(&self.model, &mut grads, norm, self.settings.grad_clip);
-                let groups = self.optim.split(&self.model, grads, self.owned.as_ref());
+                let groups = self.optim.split(&self.model, grads);
                 lap(&mut outcome.phases.clip_s);
                 self.update(lr, groups)?;
                 norm
@@ -491,7 +483,7 @@ where
         Ok(outcome)
     }
 
-    /// The parameter groups' optimizer steps (and, under ZeRO-1, the owners' broadcast).
+    /// The parameter groups' optimizer steps.
     fn update(
         &mut self,
         lr: f64,
@@ -500,12 +492,7 @@ where
         if self.executor.plan().schedule.kind == ScheduleKind::TwoBw {
             self.stale = Some(self.model.clone());
         }
-        let model = self.model.clone();
-        let mut model = self.optim.step(lr, model, groups);
-        if self.owned.is_some() {
-            model = self.reducer.broadcast_from_owners(model)?;
-        }
-        self.model = model;
+        self.model = self.optim.step(lr, self.model.clone(), groups);
         Ok(())
     }
 

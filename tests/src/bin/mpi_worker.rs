@@ -43,7 +43,6 @@ fn main() {
         "grid" => grid(mpi.world()),
         "layers" => layers(Group::register(Rc::new(mpi.world()))),
         "panic" => panic_scenario(&world),
-        "zero" => zero(Group::register(Rc::new(mpi.world()))),
         "scatter" => scatter(Group::register(Rc::new(mpi.world()))),
         "overlap" => overlap(Group::register(Rc::new(mpi.world()))),
         other => panic!("unknown scenario {other:?}"),
@@ -271,51 +270,9 @@ fn grid(world: merak_burn::comm::MpiCommunicator) {
     }
 }
 
-/// ZeRO-1 ownership: every parameter is owned by exactly one DP rank, and every rank owns some.
-fn zero(dp: Group) {
-    use burn::module::{Module, ModuleVisitor, Param};
-    let dev = Default::default();
-    let local = Group::local();
-    let w = MlpWeights {
-        fc_weight: vec![0.1; 16 * 64],
-        fc_bias: vec![0.0; 64],
-        proj_weight: vec![0.1; 64 * 16],
-        proj_bias: vec![0.0; 16],
-    };
-    let mlp = ParallelMlp::<B>::from_full(&w, 16, 64, local, &dev).unwrap();
-    let reducer = merak_burn::data_parallel::DataParallel::new(&mlp, dp, 256).unwrap();
-    let owned = reducer.owned_params();
-    struct Ids(Vec<burn::module::ParamId>);
-    impl ModuleVisitor<B> for Ids {
-        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
-            self.0.push(p.id);
-        }
-    }
-    let mut ids = Ids(Vec::new());
-    mlp.visit(&mut ids);
-    let mine: Vec<f32> = ids
-        .0
-        .iter()
-        .map(|id| if owned.contains(id) { 1.0 } else { 0.0 })
-        .collect();
-    assert!(
-        mine.iter().any(|&x| x > 0.0),
-        "rank {} owns nothing",
-        dp.rank()
-    );
-    let mut total = mine.clone();
-    dp.comm()
-        .unwrap()
-        .all_reduce(&mut total, ReduceOp::Sum)
-        .unwrap();
-    assert!(
-        total.iter().all(|&x| x == 1.0),
-        "ownership counts {total:?}"
-    );
-}
-
-/// A reduce-scattering reducer (ZeRO-2) hands each rank exactly its pieces of the gradients
-/// the all-reducing reducer gives every rank, and zeros in the padding past each bucket.
+/// A reduce-scattering reducer (ZeRO-2), an all-reducing one read as chunks (ZeRO-1) and, at
+/// dp = 4, a hybrid one hand each rank exactly its pieces of the gradients the all-reducing
+/// reducer gives every rank, and zeros in the padding past each bucket.
 fn scatter(dp: Group) {
     use burn::module::{Module, ModuleVisitor, Param};
     use merak_burn::data_parallel::DataParallel;
@@ -355,29 +312,8 @@ fn scatter(dp: Group) {
     }
     let mut flat = Flat(&grads, Vec::new(), Vec::new());
     mlp.visit(&mut flat);
-    let slices = rs.slices();
     assert_eq!(chunks.len(), stats.buckets);
-    let mut held = 0;
-    for (b, chunk) in chunks.iter().enumerate() {
-        assert_eq!(chunk.len(), slices.buckets[b].chunk, "bucket {b}");
-        let mut covered = vec![false; chunk.len()];
-        for p in slices.pieces.iter().filter(|p| p.bucket == b) {
-            let at = flat.2[p.param] + p.param_start;
-            let got = chunk[p.chunk_offset..p.chunk_offset + p.len].to_vec();
-            check(
-                "reduce-scattered piece",
-                got,
-                flat.1[at..at + p.len].to_vec(),
-            );
-            covered[p.chunk_offset..p.chunk_offset + p.len].fill(true);
-            held += p.len;
-        }
-        let mut padding = chunk.iter().zip(&covered).filter(|(_, c)| !**c);
-        assert!(
-            padding.all(|(v, _)| *v == 0.0),
-            "bucket {b}: padding not zero"
-        );
-    }
+    let held = pieces_match("reduce-scattered", &chunks, &rs.slices(), &flat.1, &flat.2);
     let mut total = [held as f32];
     dp.comm()
         .unwrap()
@@ -388,6 +324,60 @@ fn scatter(dp: Group) {
         flat.1.len(),
         "the ranks' pieces cover every gradient"
     );
+    // ZeRO-1 on slices: the all-reduced buckets, cut into the same chunks.
+    let sliced = DataParallel::new(&mlp, dp, 300)
+        .unwrap()
+        .sliced_over(dp)
+        .unwrap();
+    run(&sliced);
+    let (same, _) = sliced.finish_chunks().unwrap();
+    pieces_match("ZeRO-1 sliced", &same, &rs.slices(), &flat.1, &flat.2);
+    // Hybrid sharding at dp = 4: two copies of two ranks each; the chunks of the shard
+    // group, summed over the copies.
+    if dp.size() == 4 {
+        let comm = dp.comm().unwrap();
+        let shard = Group::register(comm.split(r / 2, r % 2).unwrap());
+        let copies = Group::register(comm.split(r % 2, r / 2).unwrap());
+        let hybrid = DataParallel::new(&mlp, dp, 300)
+            .unwrap()
+            .reduce_scattering_over(shard, copies)
+            .unwrap();
+        run(&hybrid);
+        let (chunks, _) = hybrid.finish_chunks().unwrap();
+        let slices = hybrid.slices();
+        assert_eq!(slices.rank, r % 2);
+        pieces_match("hybrid", &chunks, &slices, &flat.1, &flat.2);
+    }
+}
+
+/// Checks that each of `chunks` holds, at its `slices` pieces, the values of the flat
+/// all-reduced gradients `flat` (parameter `p` at `offsets[p]`) and zeros elsewhere; returns
+/// the values held.
+fn pieces_match(
+    name: &str,
+    chunks: &[Vec<f32>],
+    slices: &merak_burn::data_parallel::slices::RankSlices,
+    flat: &[f32],
+    offsets: &[usize],
+) -> usize {
+    let mut held = 0;
+    for (b, chunk) in chunks.iter().enumerate() {
+        assert_eq!(chunk.len(), slices.buckets[b].chunk, "{name}: bucket {b}");
+        let mut covered = vec![false; chunk.len()];
+        for p in slices.pieces.iter().filter(|p| p.bucket == b) {
+            let at = offsets[p.param] + p.param_start;
+            let got = chunk[p.chunk_offset..p.chunk_offset + p.len].to_vec();
+            check(name, got, flat[at..at + p.len].to_vec());
+            covered[p.chunk_offset..p.chunk_offset + p.len].fill(true);
+            held += p.len;
+        }
+        let mut padding = chunk.iter().zip(&covered).filter(|(_, c)| !**c);
+        assert!(
+            padding.all(|(v, _)| *v == 0.0),
+            "{name}: bucket {b}: padding not zero"
+        );
+    }
+    held
 }
 
 fn panic_scenario(c: &dyn Communicator) {

@@ -2,7 +2,7 @@
 //! learning-rate factor), all of the run's kind, and their state by parameter name for
 //! checkpoints.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
@@ -239,21 +239,14 @@ where
         Some((optim, group.lr_scale))
     }
 
-    /// Splits `grads` by group; with `keep`, gradients of other parameters are dropped
-    /// (ZeRO-1: a rank steps only what it owns).
-    pub(crate) fn split(
-        &self,
-        model: &M,
-        mut grads: GradientsParams,
-        keep: Option<&HashSet<ParamId>>,
-    ) -> Vec<GradientsParams> {
+    /// Splits `grads` by group.
+    pub(crate) fn split(&self, model: &M, mut grads: GradientsParams) -> Vec<GradientsParams> {
         let mut v = Split::<B> {
             grads: &mut grads,
             out: (0..self.groups.len())
                 .map(|_| GradientsParams::new())
                 .collect(),
             of_param: &self.of_param,
-            keep,
             _b: std::marker::PhantomData,
         };
         model.visit(&mut v);
@@ -279,17 +272,11 @@ where
         Ok(all)
     }
 
-    /// Loads the state in `moments` (this rank's pieces, by name) of the parameters for
-    /// which `mine` holds.
-    pub(crate) fn load(
-        &mut self,
-        model: &M,
-        moments: &HashMap<String, Moments>,
-        mine: &dyn Fn(ParamId) -> bool,
-    ) {
+    /// Loads the state in `moments` (this rank's pieces, by name).
+    pub(crate) fn load(&mut self, model: &M, moments: &HashMap<String, Moments>) {
         let of_param = &self.of_param;
         for (i, (_, optim)) in self.groups.iter_mut().enumerate() {
-            let keep = |id: ParamId, _rank: usize| of_param.get(&id) == Some(&i) && mine(id);
+            let keep = |id: ParamId, _rank: usize| of_param.get(&id) == Some(&i);
             optim.load(model, moments, &keep);
         }
     }
@@ -299,7 +286,6 @@ struct Split<'a, B: AutodiffBackend> {
     grads: &'a mut GradientsParams,
     out: Vec<GradientsParams>,
     of_param: &'a HashMap<ParamId, usize>,
-    keep: Option<&'a HashSet<ParamId>>,
     _b: std::marker::PhantomData<B>,
 }
 
@@ -308,9 +294,6 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Split<'_, B> {
         let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) else {
             return;
         };
-        if self.keep.is_some_and(|k| !k.contains(&param.id)) {
-            return;
-        }
         if let Some(&i) = self.of_param.get(&param.id) {
             self.out[i].register(param.id, g);
         }

@@ -3,8 +3,8 @@
 //! that refuse out-of-range settings before anything trains ([`check_settings`]).
 //!
 //! Every optimizer is element-wise (each parameter element is updated from its own gradient
-//! and state), so it runs unchanged on tensor-parallel shards and on the parameters a ZeRO-1
-//! rank owns, and gives the same result under every layout:
+//! and state), so it runs unchanged on tensor-parallel shards and on the pieces of parameters
+//! a ZeRO rank steps, and gives the same result under every layout:
 //!
 //! | kind | implementation | weight decay |
 //! | --- | --- | --- |

@@ -261,15 +261,15 @@ fn groups_follow_the_rule_by_name_and_full_shape() {
         let loss = model.a.val().sum() + model.b.val().sum() + model.c.val().sum();
         GradientsParams::from_grads(loss.backward(), &model)
     };
-    let sizes = |o: &Optimizers<Three<AB>, AB>, keep: Option<&std::collections::HashSet<_>>| {
-        let g = o.split(&model, all(), keep);
+    let sizes = |o: &Optimizers<Three<AB>, AB>| {
+        let g = o.split(&model, all());
         g.iter().map(GradientsParams::len).collect::<Vec<_>>()
     };
     let s = TrainSettings::default();
     let copies = || vec![("c".to_string(), "a".to_string())];
     // Default: the matrices decay, the vector does not.
     let default = Optimizers::new(&model, &s, 1, copies(), &|p| p.default).unwrap();
-    assert_eq!(sizes(&default, None), vec![2, 1]);
+    assert_eq!(sizes(&default), vec![2, 1]);
     // By name (the copy `c` is seen as its original `a`) and full shape.
     let seen = std::cell::RefCell::new(Vec::new());
     let rule = |p: &ParamInfo<'_>| {
@@ -285,7 +285,7 @@ fn groups_follow_the_rule_by_name_and_full_shape() {
         rule(p)
     })
     .unwrap();
-    assert_eq!(sizes(&by_name, None), vec![2, 1]);
+    assert_eq!(sizes(&by_name), vec![2, 1]);
     assert_eq!(
         seen.into_inner(),
         vec![
@@ -299,10 +299,7 @@ fn groups_follow_the_rule_by_name_and_full_shape() {
         lr_scale: 1.0,
     };
     let split = Optimizers::new(&model, &s, 1, vec![], &own).unwrap();
-    assert_eq!(sizes(&split, None), vec![2, 1]);
-    // ZeRO-1: only the parameters this rank owns.
-    let keep = [model.b.id].into_iter().collect();
-    assert_eq!(sizes(&split, Some(&keep)), vec![0, 1]);
+    assert_eq!(sizes(&split), vec![2, 1]);
     // A negative decay is refused, naming the parameter.
     let bad = |p: &ParamInfo<'_>| ParamGroup {
         weight_decay: -1.0,
