@@ -2,7 +2,7 @@
 //! weights, gradients and optimizer state. Over 50 steps a bf16 run's losses stay within 1% of
 //! fp32's (measured: 3.4e-4) and fall; bf16 under tp = 2, dp = 2, pp = 2 and tp x pp gives
 //! bf16 one process's losses and gradient norms within 1e-3 (measured: at most 1e-4; dp = 2
-//! equals it to 6e-8, as the reduction is f32). And `train.comm`: NCCL asked for on the CPU
+//! equals it to 6e-8, as the reduction is f32), also with ZeRO-2 and ZeRO-3 at dp = 2. And `train.comm`: NCCL asked for on the CPU
 //! is refused before training on every rank, naming the key.
 
 use std::path::Path;
@@ -64,6 +64,17 @@ fn bf16_layouts_equal_bf16_on_one_process() {
             vec!["--tp", "2", "--set", "parallel.tp_overlap=2"],
         ),
         (4, "precision-bf16-tp2pp2", vec!["--tp", "2", "--pp", "2"]),
+        // ZeRO-2 and 3: f32 slices of the master weights, gathered before bf16 compute.
+        (
+            2,
+            "precision-bf16-dp2-zero2",
+            vec!["--dp", "2", "--set", "parallel.zero=2"],
+        ),
+        (
+            2,
+            "precision-bf16-dp2-zero3",
+            vec!["--dp", "2", "--set", "parallel.zero=3"],
+        ),
     ] {
         let out = out_dir(name);
         run_pp(np, &out, &[&layout[..], &BF16].concat()).assert_success();

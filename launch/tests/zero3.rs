@@ -2,8 +2,9 @@
 //! slices of the parameters, gathers a unit's parameters just before the unit runs (forward,
 //! and again for its recomputed backward), reduce-scatters the gradients and steps its slices.
 //! It gives one process's losses, gradient norms and parameters under dp 2 and 4, small
-//! buckets, dp 2 × tp 2, accumulation, pp 2 and dp 2 × pp 2 (the tied embedding's copies on two
-//! stages), with and without prefetch, for AdamW, SGD with momentum and RMSProp (clipping
+//! buckets, dp 2 × tp 2, hybrid sharding (dp 4 as two copies of two; dp 2 as two copies of
+//! one), accumulation, pp 2, interleaved pp 2, tp 2 with sub-pipelined overlap and dp 2 × pp 2
+//! (the tied embedding's copies on two stages), with and without prefetch, for AdamW, SGD with momentum and RMSProp (clipping
 //! active); its checkpoints resume under other layouts and stages, one-process checkpoints
 //! resume under it, and the schedules it cannot run are refused before training.
 
@@ -83,6 +84,27 @@ fn zero3_equals_one_process_under_dp_tp_pp_and_accumulation() {
             ),
             // The tied embedding's copies on two stages, each alone in its bucket.
             (2, "pp2", vec!["--pp", "2", "--set", "train.micro_batch=2"]),
+            // Two stages per rank: the gathers follow the interleaved order.
+            (
+                2,
+                "pp2-interleaved",
+                vec![
+                    "--pp",
+                    "2",
+                    "--set",
+                    "parallel.schedule=interleaved",
+                    "--set",
+                    "parallel.virtual_stages=2",
+                    "--set",
+                    "train.micro_batch=2",
+                ],
+            ),
+            // Sub-pipelined tensor parallelism inside each gathered unit.
+            (
+                2,
+                "tp2-overlap",
+                vec!["--tp", "2", "--set", "parallel.tp_overlap=2"],
+            ),
             (
                 4,
                 "dp2-pp2",
