@@ -166,7 +166,7 @@ fn measure(a: &Args, merak: &Path, plan: &Path, out: &Path) -> Result<f64> {
 fn describe(l: &Layout) -> String {
     let modes: Vec<&str> = l.recompute.iter().map(|m| m.as_str()).collect();
     format!(
-        "dp={} tp={} pp={} mbs={} m={} {} recompute={} zero1={} overlap={}",
+        "dp={} tp={} pp={} mbs={} m={} {} recompute={} zero={} overlap={}",
         l.dp,
         l.tp,
         l.pp,
@@ -174,7 +174,7 @@ fn describe(l: &Layout) -> String {
         l.micro_batches,
         l.schedule,
         modes.join("/"),
-        l.zero1,
+        l.zero,
         l.tp_overlap
     )
 }
@@ -240,7 +240,7 @@ fn main() -> Result<()> {
             micro_batches: a.global_batch / dp / mbs,
             schedule,
             recompute: vec![mode; pp],
-            zero1: false,
+            zero: 0,
             partition: balanced_partition(&costs, pp)?,
             tp_overlap,
         };

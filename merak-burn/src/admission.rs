@@ -266,7 +266,11 @@ pub fn estimate_shape(
         units.iter().zip(counts).map(|(u, n)| n * f(u)).sum()
     };
     let params = sum(&|u| u.params_per_rank(t));
-    let mode = least_kept(plan);
+    // ZeRO-3 recomputes every unit.
+    let mode = match plan.zero {
+        3 => RecomputeMode::Full,
+        _ => least_kept(plan),
+    };
     let activations = sum(&|u| u.activation_bytes(b, t, mode));
     let workspace = match mode {
         RecomputeMode::None => 0.0,
@@ -275,7 +279,13 @@ pub fn estimate_shape(
             .map(|u| u.activation_bytes(b, t, RecomputeMode::None))
             .fold(0.0, f64::max),
     };
-    let per_param = CostModel::state_bytes_per_param(plan.dp.max(1), plan.zero >= 1, plan.schedule);
+    // Sharded over the shard group (hybrid sharding) or all of dp; gradients counted whole, as
+    // with accumulation (the bound for any number of micro-batches).
+    let shard = match plan.shard {
+        0 => plan.dp,
+        s => s,
+    };
+    let per_param = CostModel::state_bytes_per_param(shard.max(1), plan.zero, 2, plan.schedule);
     let states = params * per_param / p;
     // The cost model counts activations of 16-bit training.
     let activations = activations * (activation_bytes / 2.0).min(1.0) / p - workspace;

@@ -234,7 +234,7 @@ impl ParallelPlan {
             recompute: Recompute::None,
             stage_recompute: l.recompute.clone(),
             memory_budget_mb: 0.0,
-            zero: u8::from(l.zero1),
+            zero: l.zero,
             bucket_mb: 1.0,
             tp_overlap: l.tp_overlap,
             prefetch: 1,
@@ -274,7 +274,7 @@ impl ParallelPlan {
             recompute,
             // The planner models stages 0 and 1; ZeRO-2 holds less, so stage 1's memory is an
             // upper bound for it.
-            zero1: self.zero >= 1,
+            zero: self.zero,
             partition,
             tp_overlap: self.tp_overlap,
         }

@@ -62,13 +62,13 @@ pub(super) fn layout_pairs(text: &str) -> Result<Vec<(&'static str, &str)>> {
 }
 
 /// The number of `--layout` key `key`: `dp`, `tp`, `pp`, `v`, `mbs` and `overlap` at least 1,
-/// `zero` 0 or 1.
+/// `zero` 0 to 3.
 pub(super) fn layout_number(key: &str, val: &str) -> Result<usize> {
     let n = val
         .parse::<usize>()
         .with_context(|| format!("--layout: {key}={val} is not a number"))?;
     match key {
-        "zero" if n > 1 => bail!("--layout: zero={n} is not a supported ZeRO stage (0 or 1)"),
+        "zero" if n > 3 => bail!("--layout: zero={n} is not a supported ZeRO stage (0 to 3)"),
         "zero" => Ok(n),
         _ if n == 0 => bail!("--layout: {key}=0 must be at least 1"),
         _ => Ok(n),
@@ -86,7 +86,7 @@ pub(crate) fn parse_layout(
     let (mut dp, mut tp, mut pp, mut v, mut mbs) = (1, 1, 1, 1, 1);
     let mut recompute = RecomputeMode::None;
     let mut schedule = ScheduleKind::OneFOneB;
-    let mut zero1 = false;
+    let mut zero = 0u8;
     let mut tp_overlap = 1;
     for (key, val) in layout_pairs(text)? {
         match key {
@@ -111,13 +111,16 @@ pub(crate) fn parse_layout(
                     "pp" => pp = n,
                     "v" => v = n,
                     "mbs" => mbs = n,
-                    "zero" => zero1 = n == 1,
+                    "zero" => zero = n as u8,
                     _ => tp_overlap = n,
                 }
             }
         }
     }
     check_layout_fits(model, [dp, tp, pp, v], gpus)?;
+    if zero == 3 && recompute != RecomputeMode::Full {
+        bail!("--layout: zero=3 recomputes every unit: give recompute=full with it");
+    }
     if !global_batch.is_multiple_of(dp * mbs) {
         bail!(
             "--layout: dp * mbs = {} does not divide --global-batch {global_batch}",
@@ -146,7 +149,7 @@ pub(crate) fn parse_layout(
         micro_batches: global_batch / (dp * mbs),
         schedule,
         recompute: vec![recompute; stages],
-        zero1,
+        zero,
         partition,
         tp_overlap,
     })
@@ -222,7 +225,7 @@ pub fn simulate(a: &SimulateArgs) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{} on {} x {}: dp={} tp={} pp={} v={} mbs={} m={} {} zero1={} overlap={}",
+        "{} on {} x {}: dp={} tp={} pp={} v={} mbs={} m={} {} zero={} overlap={}",
         model.name,
         a.target.gpus,
         a.target.hardware,
@@ -233,7 +236,7 @@ pub fn simulate(a: &SimulateArgs) -> Result<()> {
         layout.micro_batch,
         layout.micro_batches,
         layout.schedule,
-        layout.zero1,
+        layout.zero,
         layout.tp_overlap
     );
     print_prediction(&prediction);

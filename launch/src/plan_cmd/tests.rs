@@ -27,7 +27,7 @@ fn every_layout_value_is_range_checked() {
     for (text, part) in [
         (
             "dp=8,zero=5",
-            "zero=5 is not a supported ZeRO stage (0 or 1)",
+            "zero=5 is not a supported ZeRO stage (0 to 3)",
         ),
         ("dp=8,mbs=0", "mbs=0 must be at least 1"),
         ("dp=0", "dp=0 must be at least 1"),
@@ -48,5 +48,5 @@ fn every_layout_value_is_range_checked() {
         assert!(e.contains(part), "{text}: {part:?} not in {e}");
     }
     let l = parse_layout("dp=4,tp=2,zero=1,overlap=2", &gpt2(), 8, 8).expect("valid");
-    assert!(l.zero1 && l.tp_overlap == 2 && l.micro_batches == 2);
+    assert!(l.zero == 1 && l.tp_overlap == 2 && l.micro_batches == 2);
 }

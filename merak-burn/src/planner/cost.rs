@@ -118,8 +118,12 @@ pub struct Layout {
     pub schedule: ScheduleKind,
     /// Per global stage (`pp * virtual_stages`), how it treats activations.
     pub recompute: Vec<RecomputeMode>,
-    /// Shard the optimizer states over data parallelism (ZeRO-1).
-    pub zero1: bool,
+    /// The ZeRO stage over data parallelism: 0 none, 1 the optimizer states sharded, 2 the
+    /// gradients too, 3 the parameters too (every unit recomputed, its parameters gathered
+    /// before its forward and backward passes). Plan files of earlier versions say
+    /// `"zero1": true` for stage 1.
+    #[serde(alias = "zero1", deserialize_with = "super::zero_stage", default)]
+    pub zero: u8,
     /// The model's units cut into `pp * virtual_stages` stages.
     pub partition: Partition,
     /// Sub-pipelined tensor parallelism (Merak, Oases): each micro-batch's tokens are split into
@@ -227,6 +231,8 @@ pub(crate) struct StageTerms {
     pub params: f64,
     /// The largest unit's activation bytes without recomputation.
     pub largest_activation_bytes: f64,
+    /// The largest unit's parameters, tied copies included (what ZeRO-3 gathers at once).
+    pub largest_params: f64,
 }
 
 impl StageTerms {
@@ -244,6 +250,7 @@ impl StageTerms {
         self.largest_activation_bytes = self
             .largest_activation_bytes
             .max(unit.largest_activation_bytes);
+        self.largest_params = self.largest_params.max(unit.params + unit.tied_params);
     }
 
     /// Forward pass of one micro-batch with its TP communication, seconds.
@@ -513,10 +520,27 @@ impl<'a> CostModel<'a> {
     }
 
     /// Bytes of model states per parameter held: 16 (16-bit weight and gradient, fp32 master
-    /// weight and two moments), `4 + 12/d` with ZeRO-1, plus a second 16-bit weight version
-    /// under PipeDream-2BW.
-    pub(crate) fn state_bytes_per_param(d: usize, zero1: bool, schedule: ScheduleKind) -> f64 {
-        let states = if zero1 { 4.0 + 12.0 / d as f64 } else { 16.0 };
+    /// weight and two moments) without ZeRO; `4 + 12/d` with ZeRO-1; with ZeRO-2 the
+    /// gradient is sharded too, `2 + 14/d`, but only with one micro-batch per step (merak
+    /// accumulates micro-batches in whole gradient buckets, so with `m > 1` stage 2 holds
+    /// stage 1's); with ZeRO-3 the weight is sharded too, `16/d` (`2 + 14/d` with `m > 1`);
+    /// plus a second 16-bit weight version under PipeDream-2BW.
+    pub(crate) fn state_bytes_per_param(
+        d: usize,
+        zero: u8,
+        micro_batches: usize,
+        schedule: ScheduleKind,
+    ) -> f64 {
+        let d = d as f64;
+        let whole_grads = micro_batches > 1;
+        let states = match zero {
+            0 => 16.0,
+            1 => 4.0 + 12.0 / d,
+            2 if whole_grads => 4.0 + 12.0 / d,
+            2 => 2.0 + 14.0 / d,
+            _ if whole_grads => 2.0 + 14.0 / d,
+            _ => 16.0 / d,
+        };
         let versions = if schedule == ScheduleKind::TwoBw {
             BYTES_16BIT
         } else {
@@ -621,6 +645,15 @@ impl<'a> CostModel<'a> {
             costs.forward[j] = terms[j].forward();
             costs.backward[j] = terms[j].backward();
             costs.recompute[j] = terms[j].recompute();
+            if layout.zero == 3 && d > 1 {
+                // ZeRO-3 gathers the stage's parameters before its forward pass and again
+                // before its recomputed backward pass, a unit ahead of the compute, which
+                // hides what it can.
+                let bytes = terms[j].params * self.element_bytes();
+                let gather = self.allreduce(bytes, d, d * t) / 2.0;
+                costs.forward[j] += (gather - costs.forward[j]).max(0.0);
+                costs.backward[j] += (gather - costs.backward[j] - costs.recompute[j]).max(0.0);
+            }
         }
         let (pp_bw, pp_lat) = hw.link(if p > 1 { 2 * d * t } else { 1 });
         let message =
@@ -649,7 +682,8 @@ impl<'a> CostModel<'a> {
             costs,
         };
         let dp_span = d * t;
-        let state_bytes = Self::state_bytes_per_param(d, layout.zero1, layout.schedule);
+        let state_bytes =
+            Self::state_bytes_per_param(d, layout.zero, layout.micro_batches, layout.schedule);
         for rank in 0..p {
             let mut last_backward = 0.0;
             for chunk in 0..v {
@@ -671,9 +705,19 @@ impl<'a> CostModel<'a> {
                 }),
                 state_bytes,
             );
+            let mut memory = memory;
+            if layout.zero == 3 {
+                // The unit running and the one gathered ahead, whole.
+                let largest = (0..v)
+                    .map(|chunk| {
+                        terms[stage_of_chunk(layout.schedule, p, rank, chunk)].largest_params
+                    })
+                    .fold(0.0, f64::max);
+                memory.workspace += 2.0 * largest * self.element_bytes();
+            }
             let rank_params = memory.params;
             let grad_bytes = rank_params * self.element_bytes();
-            let (exposed, allgather, local_params) = if layout.zero1 {
+            let (exposed, allgather, local_params) = if layout.zero >= 1 {
                 // Reduce-scatter (half a ring all-reduce) overlaps the backward pass; the
                 // all-gather of the updated 16-bit parameters does not.
                 let half = self.allreduce(grad_bytes, d, dp_span) / 2.0;
@@ -687,7 +731,12 @@ impl<'a> CostModel<'a> {
                 };
                 (
                     (half - last_backward).max(0.0),
-                    if d > 1 { exchange } else { 0.0 },
+                    // ZeRO-3 keeps its slices: no all-gather after the update.
+                    if d > 1 && layout.zero < 3 {
+                        exchange
+                    } else {
+                        0.0
+                    },
                     rank_params / d as f64,
                 )
             } else {
@@ -904,7 +953,7 @@ impl<'a> CostModel<'a> {
             derived.dp_exposed.iter().copied().fold(0.0, f64::max),
         );
         put(
-            "zero1_allgather_s",
+            "zero_allgather_s",
             derived.allgather.iter().copied().fold(0.0, f64::max),
         );
         put(
@@ -944,7 +993,7 @@ mod tests {
             micro_batches: m,
             schedule: ScheduleKind::OneFOneB,
             recompute: vec![RecomputeMode::Full; pp],
-            zero1: false,
+            zero: 0,
             partition: balanced_partition(&costs, pp).unwrap(),
             tp_overlap: 1,
         }
@@ -1261,7 +1310,7 @@ mod tests {
             + model.units[1].activation_bytes(1, 8, RecomputeMode::None);
         assert!((pred.peak_memory_bytes[0] as f64 - expected).abs() < 2.0);
         let mut z = l.clone();
-        z.zero1 = true;
+        z.zero = 1;
         let zp = cm.predict(&z).unwrap();
         assert!(zp.peak_memory_bytes[0] < pred.peak_memory_bytes[0]);
         assert!(est.time_lower_bound_s <= pred.step_time_s);

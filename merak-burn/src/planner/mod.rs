@@ -59,6 +59,21 @@ pub(crate) fn one() -> usize {
     1
 }
 
+/// Reads a layout's ZeRO stage: a number, or the `true`/`false` of `zero1` in plan files of
+/// earlier versions (stage 1 or 0).
+pub(crate) fn zero_stage<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u8, D::Error> {
+    #[derive(serde::Deserialize)]
+    #[serde(untagged)]
+    enum Stage {
+        Flag(bool),
+        Number(u8),
+    }
+    Ok(match serde::Deserialize::deserialize(d)? {
+        Stage::Flag(on) => u8::from(on),
+        Stage::Number(n) => n,
+    })
+}
+
 /// Writes `bytes` to `path` atomically: into `path.partial`, then renamed over `path`, so a
 /// reader never sees half a file (plan and calibration files).
 pub(crate) fn write_atomically(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {

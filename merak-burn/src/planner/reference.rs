@@ -98,7 +98,7 @@ impl PublishedRow {
             micro_batches: self.global_batch / dp,
             schedule: ScheduleKind::OneFOneB,
             recompute: vec![RecomputeMode::Full; self.pp],
-            zero1: false,
+            zero: 0,
             partition: balanced_partition(&costs, self.pp)?,
             tp_overlap: 1,
         })
@@ -139,7 +139,7 @@ mod tests {
                 search(&model, &hw, &SearchOptions::new(row.gpus, row.global_batch)).unwrap();
             eprintln!(
                 "  planner: {:.3} s ({:.1} TFLOP/s) dp={} tp={} pp={} v={} b={} {} {:?} \
-                 zero1={} overlap={} vs paper {:.3} s",
+                 zero={} overlap={} vs paper {:.3} s",
                 result.best.prediction.step_time_s,
                 result.best.prediction.tflops_per_gpu,
                 result.best.layout.dp,
@@ -149,7 +149,7 @@ mod tests {
                 result.best.layout.micro_batch,
                 result.best.layout.schedule,
                 result.best.policy,
-                result.best.layout.zero1,
+                result.best.layout.zero,
                 result.best.layout.tp_overlap,
                 pred.step_time_s
             );

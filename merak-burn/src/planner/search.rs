@@ -98,8 +98,10 @@ pub struct SearchOptions {
     pub virtual_stages: Vec<usize>,
     /// Recomputation policies to try.
     pub recompute: Vec<Recompute>,
-    /// ZeRO-1 settings to try.
-    pub zero1: Vec<bool>,
+    /// ZeRO stages to try (0 to 3; above 0 only with dp > 1; 3 only with full recomputation,
+    /// which is what merak's ZeRO-3 runs, and not with a schedule that splits the backward pass
+    /// or keeps two weight versions).
+    pub zero: Vec<u8>,
     /// Sub-pipelining degrees of tensor parallelism to try (`Layout::tp_overlap`); those above
     /// the hardware's `max_tp_overlap`, above 1 without tensor parallelism, or not dividing a
     /// micro-batch's tokens are skipped.
@@ -112,7 +114,7 @@ impl SearchOptions {
     /// Everything: micro-batches 1, 2, 4, 8; every schedule that trains like one process (all
     /// but PipeDream-2BW, whose delayed update changes the training: add
     /// [`ScheduleKind::TwoBw`] to `schedules` to search it too); 2 or 4 virtual stages; every
-    /// recomputation policy; with and without ZeRO-1; tensor-parallel overlap 1, 2 and 4 (as
+    /// recomputation policy; ZeRO stages 0 to 3; tensor-parallel overlap 1, 2 and 4 (as
     /// far as the hardware allows); 4 runner-ups; the hardware's memory.
     pub fn new(gpus: usize, global_batch: usize) -> Self {
         SearchOptions {
@@ -126,7 +128,7 @@ impl SearchOptions {
                 .collect(),
             virtual_stages: vec![2, 4],
             recompute: Recompute::ALL.to_vec(),
-            zero1: vec![false, true],
+            zero: vec![0, 1, 2, 3],
             tp_overlap: vec![1, 2, 4],
             runner_ups: 4,
         }
@@ -343,10 +345,27 @@ struct Slot {
 }
 
 impl Slot {
-    /// The layouts of this slot: one per policy and ZeRO-1 setting (ZeRO-1 needs dp > 1).
+    /// The layouts of this slot: one per policy and ZeRO stage it allows ([`Slot::allows`]).
     fn layouts(&self, options: &SearchOptions) -> usize {
-        let zero1 = options.zero1.iter().filter(|&&z| !z || self.dp > 1).count();
-        options.recompute.len() * zero1
+        (options.recompute.iter())
+            .map(|&p| options.zero.iter().filter(|&&z| self.allows(z, p)).count())
+            .sum()
+    }
+
+    /// Whether ZeRO stage `zero` goes with this slot under `policy`: any stage above 0 needs
+    /// dp > 1, and stage 3 (every unit recomputed, one unit's backward pass at a time) full
+    /// recomputation and a schedule that neither splits the backward pass nor keeps two
+    /// weight versions.
+    fn allows(&self, zero: u8, policy: Recompute) -> bool {
+        let three_runs = policy == Recompute::Full
+            && !self.schedule.splits_backward()
+            && self.schedule != ScheduleKind::TwoBw;
+        match zero {
+            0 => true,
+            1 | 2 => self.dp > 1,
+            3 => self.dp > 1 && three_runs,
+            _ => false,
+        }
     }
 }
 
@@ -493,18 +512,18 @@ fn generate(
                 Recompute::Full => 2,
             };
             let partition = plain_partition(mode_index, slot.pp * slot.v)?;
-            for &zero1 in options.zero1.iter().filter(|&&z| !z || slot.dp > 1) {
+            for &zero in options.zero.iter().filter(|&&z| slot.allows(z, policy)) {
                 let layout = if policy == Recompute::StageAware && slot.v == 1 {
                     planned(
                         slot,
-                        zero1,
+                        zero,
                         dp_planner,
                         unplanned,
                         &mut plain_partition,
                         options,
                     )?
                 } else {
-                    shaped(cm, slot, policy, zero1, &partition, dp_planner.budget())?
+                    shaped(cm, slot, policy, zero, &partition, dp_planner.budget())?
                 };
                 if let Some(layout) = layout {
                     out.push(Candidate { layout, policy });
@@ -515,11 +534,11 @@ fn generate(
     Ok(out)
 }
 
-/// The stage planner's layout of `slot` with `zero1`, or `None` when no cut fits (the
-/// skeleton goes to `unplanned`) or when a uniform policy searched makes the same layout.
+/// The stage planner's layout of `slot` with ZeRO stage `zero`, or `None` when no cut fits
+/// (the skeleton goes to `unplanned`) or when a uniform policy searched makes the same layout.
 fn planned(
     slot: &Slot,
-    zero1: bool,
+    zero: u8,
     dp_planner: &mut StageDp<'_, '_>,
     unplanned: &mut Vec<Skeleton>,
     plain_partition: &mut dyn FnMut(usize, usize) -> Result<Partition, SearchError>,
@@ -532,7 +551,7 @@ fn planned(
         micro_batch: slot.b,
         micro_batches: slot.m,
         schedule: slot.schedule,
-        zero1,
+        zero,
         tp_overlap: slot.k,
     };
     let Some(plan) = dp_planner.plan(&skeleton)? else {
@@ -553,13 +572,14 @@ fn planned(
     Ok(Some(layout))
 }
 
-/// The layout of `slot` with `zero1` under a uniform `policy` on `partition`, or the per-rank
+/// The layout of `slot` with ZeRO stage `zero` under a uniform `policy` on `partition`, or the
+/// per-rank
 /// stage-aware rule for interleaved slots (`None` when that is uniform).
 fn shaped(
     cm: &CostModel<'_>,
     slot: &Slot,
     policy: Recompute,
-    zero1: bool,
+    zero: u8,
     partition: &Partition,
     budget: u64,
 ) -> Result<Option<Layout>, SearchError> {
@@ -572,7 +592,7 @@ fn shaped(
         micro_batches: slot.m,
         schedule: slot.schedule,
         recompute: vec![mode; slot.pp * slot.v],
-        zero1,
+        zero,
         partition: partition.clone(),
         tp_overlap: slot.k,
     };
@@ -805,6 +825,66 @@ mod tests {
         (model, hw, options)
     }
 
+    /// A 32-layer, 4096-wide GPT on 8 × 80 GB with 8 sequences per step (one micro-batch per
+    /// replica at dp = 8): ZeRO-2 holds less than ZeRO-1 there, and ZeRO-3 (full
+    /// recomputation) gives the least memory with data parallelism alone; both are on the
+    /// Pareto set, and every ZeRO-3 layout searched recomputes fully and runs dp > 1.
+    #[test]
+    fn zero_stages_two_and_three_reach_the_pareto_set_of_a_7b_model() {
+        let model =
+            ModelProxy::parse("gpt:layers=32,hidden=4096,heads=32,seq=2048,vocab=51200").unwrap();
+        let hw = HardwareSpec::preset("a100-80g").unwrap().with_devices(8);
+        let options = SearchOptions::new(8, 8);
+        let result = search(&model, &hw, &options).unwrap();
+        let zeros: Vec<u8> = result.pareto.iter().map(|p| p.layout.zero).collect();
+        assert!(zeros.contains(&2) && zeros.contains(&3), "{zeros:?}");
+        let cm = CostModel::new(&model, &hw);
+        for c in candidates(&cm, &options, hw.memory_bytes).unwrap() {
+            let l = &c.layout;
+            if l.zero == 3 {
+                assert!(l.dp > 1 && l.recompute.iter().all(|&m| m == RecomputeMode::Full));
+                assert!(!l.schedule.splits_backward() && l.schedule != ScheduleKind::TwoBw);
+            }
+        }
+        // The same layout at stages 0 to 3: memory falls stage by stage.
+        let three = (result.pareto.iter())
+            .find(|p| p.layout.zero == 3)
+            .expect("a ZeRO-3 plan");
+        let memory: Vec<u64> = (0..=3)
+            .map(|zero| {
+                let l = Layout {
+                    zero,
+                    ..three.layout.clone()
+                };
+                cm.predict(&l).unwrap().max_memory_bytes()
+            })
+            .collect();
+        assert!(memory.windows(2).all(|w| w[1] < w[0]), "{memory:?}");
+        // Per parameter, at d = 8: 16, 4 + 12/8, 2 + 14/8 (one micro-batch; with more, the
+        // whole gradient: stage 1's), 16/8 (with more, a whole gradient: 2 + 14/8).
+        let per = |zero, m| CostModel::state_bytes_per_param(8, zero, m, ScheduleKind::OneFOneB);
+        assert_eq!(
+            [per(0, 1), per(1, 1), per(2, 1), per(3, 1)],
+            [16.0, 5.5, 3.75, 2.0]
+        );
+        assert_eq!([per(2, 4), per(3, 4)], [5.5, 3.75]);
+    }
+
+    /// A plan file of an earlier version names ZeRO-1 `"zero1": true`; it reads as stage 1.
+    #[test]
+    fn a_layout_with_the_old_zero1_flag_reads_as_stage_one() {
+        let (model, hw, options) = small_case();
+        let layout = search(&model, &hw, &options).unwrap().best.layout;
+        let json = serde_json::to_value(&layout).unwrap();
+        let mut fields = json.as_object().unwrap().clone();
+        fields.remove("zero");
+        for (flag, stage) in [(true, 1), (false, 0)] {
+            fields.insert("zero1".into(), flag.into());
+            let read: Layout = serde_json::from_value(fields.clone().into()).unwrap();
+            assert_eq!(read.zero, stage);
+        }
+    }
+
     #[test]
     fn pareto_set_is_exact_on_a_small_case() {
         let (model, hw, options) = small_case();
@@ -914,7 +994,7 @@ mod tests {
                 micro_batch: l.micro_batch,
                 micro_batches: l.micro_batches,
                 schedule: l.schedule,
-                zero1: l.zero1,
+                zero: l.zero,
                 tp_overlap: l.tp_overlap,
             };
             let plan = planner.plan(&skeleton).unwrap().unwrap();

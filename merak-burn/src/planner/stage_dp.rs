@@ -66,8 +66,9 @@ pub struct Skeleton {
     pub micro_batches: usize,
     /// The pipeline schedule (not the interleaved one).
     pub schedule: ScheduleKind,
-    /// ZeRO-1.
-    pub zero1: bool,
+    /// The ZeRO stage (0, 1 or 2: ZeRO-3 recomputes every unit, which the uniform full policy
+    /// plans).
+    pub zero: u8,
     /// Sub-pipelining degree of tensor parallelism.
     pub tp_overlap: usize,
 }
@@ -402,8 +403,12 @@ impl<'c, 'a> StageDp<'c, 'a> {
         let in_flight = self
             .cm
             .in_flight(skeleton.schedule, p, 1, skeleton.micro_batches)?;
-        let state_bytes =
-            CostModel::state_bytes_per_param(skeleton.dp, skeleton.zero1, skeleton.schedule);
+        let state_bytes = CostModel::state_bytes_per_param(
+            skeleton.dp,
+            skeleton.zero,
+            skeleton.micro_batches,
+            skeleton.schedule,
+        );
         let cm = self.cm;
         let tables = Rc::clone(
             self.tables
@@ -454,7 +459,7 @@ impl<'c, 'a> StageDp<'c, 'a> {
                 micro_batches: skeleton.micro_batches,
                 schedule: skeleton.schedule,
                 recompute: solution.modes,
-                zero1: skeleton.zero1,
+                zero: skeleton.zero,
                 partition,
                 tp_overlap: skeleton.tp_overlap,
             },
@@ -517,7 +522,7 @@ mod tests {
             micro_batch: 2,
             micro_batches: 8,
             schedule,
-            zero1,
+            zero: u8::from(zero1),
             tp_overlap: if zero1 { 2 } else { 1 },
         }
     }
@@ -578,7 +583,7 @@ mod tests {
                     micro_batches: sk.micro_batches,
                     schedule: sk.schedule,
                     recompute: modes.clone(),
-                    zero1: sk.zero1,
+                    zero: sk.zero,
                     partition: explicit_partition(&sizes, units).unwrap(),
                     tp_overlap: sk.tp_overlap,
                 };
