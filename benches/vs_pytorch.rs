@@ -16,10 +16,17 @@
 //! so they agree) and the speed-up of two processes over one. `--baseline-merak` adds an
 //! earlier `merak` build as a third variant (the previous version).
 //!
+//! `--zero 0,2,3` compares sharded data parallelism on more than one process: merak's
+//! `parallel.zero = 2` and `3` against PyTorch's `fully_shard` (FSDP2, each block and the root a
+//! unit) without and with `reshard_after_forward`, also over gloo, whose reduce-scatter is an
+//! all-reduce underneath (so the PyTorch side measures gloo as much as FSDP). For merak it also
+//! prints rank 0's counted model state (`memory.json`) next to the fp32 recipe's formula.
+//!
 //! ```text
 //! cargo build --release -p merak-launch -p merak-benches
 //! bash scripts/bench-venv.sh          # PyTorch (CPU) in .venv-bench
 //! target/release/bench-vs-pytorch     # --shapes tiny,4layer --procs 1,2 --reps 3 --curve-steps 0
+//! target/release/bench-vs-pytorch --shapes 4layer --procs 1,2,4 --zero 0,2,3
 //! ```
 
 #[path = "common.rs"]
@@ -62,6 +69,11 @@ struct Args {
     /// the two loss curves side by side.
     #[arg(long, default_value_t = 0)]
     curve_steps: usize,
+    /// ZeRO stages to compare on more than one process: 0 (merak's all-reduce against
+    /// `DistributedDataParallel`), 2 and 3 (merak's `parallel.zero` against PyTorch's
+    /// `fully_shard` without and with resharding after forward).
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    zero: Vec<u8>,
     /// Folder for the runs' outputs.
     #[arg(long, default_value = "target/bench-vs-pytorch")]
     out: PathBuf,
@@ -115,6 +127,9 @@ struct RunResult {
     faults_per_step: f64,
     peak_rss_mib: f64,
     losses: Vec<f64>,
+    /// merak's model state on rank 0 from `memory.json`: parameters, gradient buckets and
+    /// optimizer state, MiB.
+    state_mib: Option<[f64; 3]>,
 }
 
 /// One side of a comparison.
@@ -164,11 +179,19 @@ fn main() -> Result<()> {
             if np > 1 && !tools.mpirun {
                 bail!("--procs {np} needs mpirun on PATH");
             }
-            let results = compare(&args, &tools, shape, np)?;
-            report(shape, np, &results, args.warmup);
-            for (v, runs) in &results {
-                let mut t: Vec<f64> = runs.iter().map(|r| r.tokens_per_s).collect();
-                one_proc.push((format!("{}/{np}", shape.name), *v, median(&mut t)));
+            let stages: &[u8] = if np > 1 { &args.zero } else { &[0] };
+            for &zero in stages {
+                if !matches!(zero, 0 | 2 | 3) {
+                    bail!("--zero {zero}: compare stage 0, 2 or 3");
+                }
+                let results = compare(&args, &tools, shape, np, zero)?;
+                report(shape, np, zero, &results, args.warmup);
+                if zero == 0 {
+                    for (v, runs) in &results {
+                        let mut t: Vec<f64> = runs.iter().map(|r| r.tokens_per_s).collect();
+                        one_proc.push((format!("{}/{np}", shape.name), *v, median(&mut t)));
+                    }
+                }
             }
         }
     }
@@ -199,7 +222,7 @@ fn curves(args: &Args, tools: &Tools, shape: &Shape) -> Result<()> {
         ));
         let _ = std::fs::remove_dir_all(&out);
         std::fs::create_dir_all(&out)?;
-        losses.push(run(tools, v, &long, 1, &out, args.warmup)?.losses);
+        losses.push(run(tools, v, &long, 1, 0, &out, args.warmup)?.losses);
     }
     println!(
         "\n## loss curves, {}: {} steps on one process (ln V = {:.4})",
@@ -268,6 +291,7 @@ fn compare(
     tools: &Tools,
     shape: &Shape,
     np: usize,
+    zero: u8,
 ) -> Result<Vec<(Variant, Vec<RunResult>)>> {
     let mut variants = vec![Variant::Merak, Variant::Torch];
     if tools.baseline.is_some() {
@@ -281,13 +305,13 @@ fn compare(
         for i in order {
             let v = variants[i];
             let out = args.out.join(format!(
-                "{}-np{np}-{}-{rep}",
+                "{}-np{np}-zero{zero}-{}-{rep}",
                 shape.name,
                 v.label().replace([' ', '(', ')'], "")
             ));
             let _ = std::fs::remove_dir_all(&out);
             std::fs::create_dir_all(&out)?;
-            let r = run(tools, v, shape, np, &out, args.warmup).with_context(|| {
+            let r = run(tools, v, shape, np, zero, &out, args.warmup).with_context(|| {
                 format!("{} on {} with {np} process(es)", v.label(), shape.name)
             })?;
             results[i].1.push(r);
@@ -314,6 +338,7 @@ fn run(
     v: Variant,
     shape: &Shape,
     np: usize,
+    zero: u8,
     out: &Path,
     warmup: usize,
 ) -> Result<RunResult> {
@@ -338,6 +363,7 @@ fn run(
                 format!("train.min_lr={MIN_LR}"),
                 format!("train.warmup_steps={WARMUP}"),
                 format!("parallel.dp={np}"),
+                format!("parallel.zero={zero}"),
                 "checkpoint.at_end=false".to_string(),
             ];
             for s in sets {
@@ -362,6 +388,7 @@ fn run(
                 c.arg(format!("--{k}")).arg(val.to_string());
             }
             c.args(["--lr", LR, "--min-lr", MIN_LR, "--warmup", WARMUP]);
+            c.arg("--fsdp").arg(zero.to_string());
             c.arg("--out").arg(out.join("metrics.jsonl"));
             c.env("OMP_NUM_THREADS", "1").env("MKL_NUM_THREADS", "1");
             c.env(
@@ -402,12 +429,15 @@ fn parse(out: &Path, v: Variant, warmup: usize) -> Result<RunResult> {
         .filter_map(|r| field(r, "minor_faults"))
         .collect();
     let losses = steps.iter().filter_map(|r| field(r, "loss")).collect();
-    let peak_rss_mib = match v {
-        Variant::Torch => records
-            .iter()
-            .find_map(|r| field(r, "peak_rss_mib"))
-            .unwrap_or(f64::NAN),
-        _ => merak_peak_rss(out).unwrap_or(f64::NAN),
+    let (peak_rss_mib, state_mib) = match v {
+        Variant::Torch => (
+            records
+                .iter()
+                .find_map(|r| field(r, "peak_rss_mib"))
+                .unwrap_or(f64::NAN),
+            None,
+        ),
+        _ => (merak_peak_rss(out).unwrap_or(f64::NAN), merak_state(out)),
     };
     if tps.is_empty() {
         bail!("no timed steps in {}", out.display());
@@ -421,7 +451,18 @@ fn parse(out: &Path, v: Variant, warmup: usize) -> Result<RunResult> {
         },
         peak_rss_mib,
         losses,
+        state_mib,
     })
+}
+
+/// Rank 0's model state in merak's `memory.json`: parameters, gradient buckets and
+/// optimizer state, MiB.
+fn merak_state(out: &Path) -> Option<[f64; 3]> {
+    let v: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("memory.json")).ok()?).ok()?;
+    let r = v.get("ranks")?.as_array()?.first()?;
+    let f = |k: &str| r.get(k).and_then(Value::as_f64);
+    Some([f("param_mib")?, f("grad_mib")?, f("optimizer_mib")?])
 }
 
 /// The largest peak resident memory over ranks in merak's `memory.json`.
@@ -435,7 +476,13 @@ fn merak_peak_rss(out: &Path) -> Option<f64> {
         .reduce(f64::max)
 }
 
-fn report(shape: &Shape, np: usize, results: &[(Variant, Vec<RunResult>)], warmup: usize) {
+fn report(
+    shape: &Shape,
+    np: usize,
+    zero: u8,
+    results: &[(Variant, Vec<RunResult>)],
+    warmup: usize,
+) {
     let tokens = shape.batch * shape.seq;
     println!(
         "## {}: vocab {}, {} layers, {} heads, hidden {}, seq {}, batch {} ({tokens} tokens/step); {} process(es){}; {} steps per run",
@@ -447,10 +494,13 @@ fn report(shape: &Shape, np: usize, results: &[(Variant, Vec<RunResult>)], warmu
         shape.seq,
         shape.batch,
         np,
-        if np > 1 {
-            " (merak dp, PyTorch DDP over gloo)"
-        } else {
-            ""
+        match (np, zero) {
+            (1, _) => String::new(),
+            (_, 0) => " (merak dp, PyTorch DDP over gloo)".to_string(),
+            (_, z) => format!(
+                " (merak dp with parallel.zero = {z}, PyTorch fully_shard over gloo, reshard_after_forward = {})",
+                z == 3
+            ),
         },
         shape.steps
     );
@@ -474,6 +524,9 @@ fn report(shape: &Shape, np: usize, results: &[(Variant, Vec<RunResult>)], warmu
         );
     }
     let get = |v: Variant| results.iter().find(|(x, _)| *x == v).map(|(_, r)| r);
+    if let Some(state) = get(Variant::Merak).and_then(|m| m[0].state_mib) {
+        println!("{}", state_line(shape, np, zero, state));
+    }
     if let (Some(m), Some(t)) = (get(Variant::Merak), get(Variant::Torch)) {
         let mut paired: Vec<f64> = m
             .iter()
@@ -503,6 +556,32 @@ fn report(shape: &Shape, np: usize, results: &[(Variant, Vec<RunResult>)], warmu
         println!("merak / baseline tokens/s: {:.3}", median(&mut paired));
     }
     println!();
+}
+
+/// merak's counted model state on rank 0 next to the fp32 recipe's formula (f32 parameters,
+/// gradients and two AdamW moments over `P` parameters: `4P`, `4P`, `8P` bytes; ZeRO-2 holds
+/// `8P/d` of the moments and the whole gradient buckets during the step, ZeRO-3 also `4P/d`
+/// of the parameters).
+fn state_line(shape: &Shape, np: usize, zero: u8, [p, g, o]: [f64; 3]) -> String {
+    let params = gpt_params(shape) as f64 / (1u64 << 20) as f64;
+    let d = np as f64;
+    let want = match zero {
+        0 => [4.0, 4.0, 8.0],
+        2 => [4.0, 4.0, 8.0 / d],
+        _ => [4.0 / d, 4.0, 8.0 / d],
+    }
+    .map(|bytes| bytes * params);
+    format!(
+        "merak rank 0 state (counted / formula), MiB: parameters {p:.2} / {:.2}, gradient buckets {g:.2} / {:.2}, AdamW state {o:.2} / {:.2}",
+        want[0], want[1], want[2]
+    )
+}
+
+/// The parameters of merak's GPT of `shape` (tied head; biases on every linear layer).
+fn gpt_params(s: &Shape) -> usize {
+    let h = s.hidden;
+    let block = 4 * h + (h * 3 * h + 3 * h) + (h * h + h) + (h * 4 * h + 4 * h) + (4 * h * h + h);
+    s.vocab * h + s.seq * h + s.layers * block + 2 * h
 }
 
 /// Two processes over one, per shape and variant.

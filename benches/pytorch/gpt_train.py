@@ -10,8 +10,10 @@ the same tokens and the first losses agree to float rounding. The step is merak'
 two groups (matrices and embeddings decay, vectors do not), gradient clipping to a global norm,
 linear warm-up then cosine decay, fp32, one compute thread.
 
-One process, or data parallel under `mpirun -np N` (DistributedDataParallel over gloo, each
-rank its slice of the global batch, as `merak train` splits it).
+One process, or data parallel under `mpirun -np N` (DistributedDataParallel over gloo, or with
+`--fsdp 2|3` PyTorch's `fully_shard` over gloo, each block and the root a unit; each rank its
+slice of the global batch, as `merak train` splits it). Gloo has no native reduce-scatter: torch
+runs it as an all-reduce underneath, so an FSDP run measures gloo as much as FSDP.
 
 Writes one JSON object per step to `--out` (`step`, `loss`, `lr`, `grad_norm`, `step_time_s`,
 `tokens_per_s`, `minor_faults`) and a summary line with the peak resident memory (the largest
@@ -204,6 +206,11 @@ def main():
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                    help="bf16: autocast to bfloat16 (fp32 weights, gradients and AdamW)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--fsdp", type=int, choices=[0, 2, 3], default=0,
+                   help="with several ranks: 0 DistributedDataParallel; 2 fully_shard (FSDP2) "
+                        "keeping the gathered parameters from forward to backward "
+                        "(reshard_after_forward=False, ZeRO-2-like); 3 fully_shard freeing "
+                        "them after each block's forward (ZeRO-3)")
     p.add_argument("--out", required=True, help="JSON lines, one per step, then a summary")
     a = p.parse_args()
     if a.precision == "bf16" and a.device != "cuda":
@@ -224,7 +231,15 @@ def main():
     dev = torch.device(a.device)
     model = Gpt(a).to(dev)
     step_model = torch.compile(model) if a.compile else model
-    if world > 1:
+    if world > 1 and a.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh(a.device, (world,))
+        reshard = a.fsdp == 3
+        for blk in model.blocks:
+            fully_shard(blk, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    elif world > 1:
         step_model = torch.nn.parallel.DistributedDataParallel(step_model)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -254,6 +269,8 @@ def main():
         opt.zero_grad(set_to_none=True)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
         opt.step()
         value = loss.detach()
         if world > 1:
