@@ -3,7 +3,8 @@
 //!
 //! The forward pass keeps no graph, only each unit's input. The backward pass walks the units
 //! in reverse: it gathers a unit again, reruns its forward pass with the graph (the same
-//! dropout masks: they are keyed by step, sample and unit), and runs its backward pass from the
+//! dropout masks: both passes start each unit at a new dropout position, and masks are keyed by
+//! step, sample and each layer's calls in that position), and runs its backward pass from the
 //! gradient of the unit's output, which hands the unit's parameter gradients to the reducer's
 //! hooks and gives the gradient of the unit's input. At most one unit's gathered parameters
 //! and graph (plus the prefetched ones) are alive at a time, for any Burn module: this is
@@ -50,40 +51,27 @@ where
     B: Backend,
     M: PipelineModel<B> + Clone,
 {
+    // Dropout draws its masks now as it will when the unit is recomputed with its graph.
     force_dropout(true);
-    let result = forward_each(model, shards, units, input, batch, step, device);
+    let result = (|| {
+        let mut inputs = Vec::with_capacity(units.len());
+        let mut x = input;
+        for u in units {
+            let unit = shards.fill(model.clone(), shards.gathered(u)?);
+            set_dropout_position(step as u64, batch.first_sample as u64);
+            inputs.push(x.clone());
+            match unit.run_units(u..u + 1, x, &Batch::new(&batch.samples, device)) {
+                StageOutput::Hidden(h) => x = StageInput::Hidden(h),
+                loss => return Ok((loss, inputs)),
+            }
+        }
+        match x {
+            StageInput::Hidden(h) => Ok((StageOutput::Hidden(h), inputs)),
+            StageInput::Data => Err(PipelineError::Tensor("a stage without units".into())),
+        }
+    })();
     force_dropout(false);
     result
-}
-
-fn forward_each<B, M>(
-    model: &M,
-    shards: &Shards,
-    units: Range<usize>,
-    input: StageInput<B>,
-    batch: &MicroBatch,
-    step: usize,
-    device: &B::Device,
-) -> Result<(StageOutput<B>, Vec<StageInput<B>>), PipelineError>
-where
-    B: Backend,
-    M: PipelineModel<B> + Clone,
-{
-    let mut inputs = Vec::with_capacity(units.len());
-    let mut x = input;
-    for u in units {
-        let unit = shards.fill(model.clone(), shards.gathered(u)?);
-        set_dropout_position(step as u64, batch.first_sample as u64);
-        inputs.push(x.clone());
-        match unit.run_units(u..u + 1, x, &Batch::new(&batch.samples, device)) {
-            StageOutput::Hidden(h) => x = StageInput::Hidden(h),
-            loss => return Ok((loss, inputs)),
-        }
-    }
-    match x {
-        StageInput::Hidden(h) => Ok((StageOutput::Hidden(h), inputs)),
-        StageInput::Data => Err(PipelineError::Tensor("a stage without units".into())),
-    }
 }
 
 /// The backward pass of `units` of the parameterless `model` from the gradient `upstream` of
