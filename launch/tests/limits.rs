@@ -205,7 +205,7 @@ fn inline_specs_refuse_a_key_twice_and_out_of_range_values() {
         );
     };
     simulate("dp=2,dp=4", &["`dp` is given twice"]);
-    simulate("dp=8,zero=5", &["zero=5", "(0 or 1)"]);
+    simulate("dp=8,zero=5", &["zero=5", "(0 to 3)"]);
     simulate("dp=8,mbs=0", &["mbs=0"]);
 }
 

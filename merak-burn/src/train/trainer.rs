@@ -297,7 +297,8 @@ where
 
     /// The bytes of model state this rank holds ([`StateBytes`]): its parameters (and
     /// PipeDream-2BW's previous version), its gradient buckets, and the optimizer state of the
-    /// parameters it steps (all of them, or its ZeRO-1 share) once each has stepped.
+    /// parameters it steps (all of them, or its ZeRO slices) once each has stepped; under
+    /// ZeRO-3 its shards of the parameters.
     pub fn state_bytes(&self) -> StateBytes {
         let shapes = match &self.sliced {
             Some(s) => s.params.clone(),
