@@ -26,7 +26,7 @@ use super::partition::Partition;
 use super::schedule::{Action, Schedule, ScheduleKind};
 use super::stage::{EvalOutput, Evaluate, PipelineModel, StageInput, StageOutput};
 use super::trace::TraceEvent;
-use super::{gathered, two_bw};
+use super::two_bw;
 use crate::batch::{Batch, Samples};
 use crate::comm::{CommError, Group, Pending};
 use crate::data_parallel::{DataParallel, Shards};
@@ -34,6 +34,8 @@ use crate::kernels::deferred;
 use crate::precision::autocast;
 use crate::tensor_parallel::ops::deliver_grad;
 use crate::tensor_parallel::{ParallelBackend, force_dropout, set_dropout_position};
+
+mod gathered;
 
 /// A failure while running a pipeline step.
 #[derive(Debug, Error)]

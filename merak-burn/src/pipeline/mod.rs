@@ -12,7 +12,6 @@
 //! [`schedule::rank_of_stage`]). Consecutive stages on one rank hand over without messages.
 
 pub mod executor;
-mod gathered;
 mod order;
 pub mod partition;
 pub mod recompute;

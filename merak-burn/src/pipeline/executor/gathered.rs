@@ -16,10 +16,10 @@ use burn::module::AutodiffModule;
 use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
-use super::executor::{MicroBatch, PipelineError};
-use super::stage::{PipelineModel, StageInput, StageOutput};
+use super::{MicroBatch, PipelineError};
 use crate::batch::Batch;
 use crate::data_parallel::{DataParallel, Shards};
+use crate::pipeline::stage::{PipelineModel, StageInput, StageOutput};
 use crate::tensor_parallel::{ParallelBackend, force_dropout, set_dropout_position};
 
 /// The order in which a step gathers units: each forward pass's units in order, each backward
