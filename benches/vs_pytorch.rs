@@ -127,9 +127,9 @@ struct RunResult {
     faults_per_step: f64,
     peak_rss_mib: f64,
     losses: Vec<f64>,
-    /// merak's model state on rank 0 from `memory.json`: parameters, gradient buckets and
-    /// optimizer state, MiB.
-    state_mib: Option<[f64; 3]>,
+    /// merak's model state on rank 0 from `memory.json`: parameters, gradient buckets,
+    /// optimizer state and the allocator's high-water mark, MiB.
+    state_mib: Option<[f64; 4]>,
 }
 
 /// One side of a comparison.
@@ -455,14 +455,15 @@ fn parse(out: &Path, v: Variant, warmup: usize) -> Result<RunResult> {
     })
 }
 
-/// Rank 0's model state in merak's `memory.json`: parameters, gradient buckets and
-/// optimizer state, MiB.
-fn merak_state(out: &Path) -> Option<[f64; 3]> {
+/// Rank 0's model state in merak's `memory.json`: parameters, gradient buckets, optimizer
+/// state and the allocator's high-water mark (NaN when not counted), MiB.
+fn merak_state(out: &Path) -> Option<[f64; 4]> {
     let v: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("memory.json")).ok()?).ok()?;
     let r = v.get("ranks")?.as_array()?.first()?;
     let f = |k: &str| r.get(k).and_then(Value::as_f64);
-    Some([f("param_mib")?, f("grad_mib")?, f("optimizer_mib")?])
+    let alloc = f("alloc_peak_mib").unwrap_or(f64::NAN);
+    Some([f("param_mib")?, f("grad_mib")?, f("optimizer_mib")?, alloc])
 }
 
 /// The largest peak resident memory over ranks in merak's `memory.json`.
@@ -562,7 +563,7 @@ fn report(
 /// gradients and two AdamW moments over `P` parameters: `4P`, `4P`, `8P` bytes; ZeRO-2 holds
 /// `8P/d` of the moments and the whole gradient buckets during the step, ZeRO-3 also `4P/d`
 /// of the parameters).
-fn state_line(shape: &Shape, np: usize, zero: u8, [p, g, o]: [f64; 3]) -> String {
+fn state_line(shape: &Shape, np: usize, zero: u8, [p, g, o, alloc]: [f64; 4]) -> String {
     let params = gpt_params(shape) as f64 / (1u64 << 20) as f64;
     let d = np as f64;
     let want = match zero {
@@ -572,7 +573,7 @@ fn state_line(shape: &Shape, np: usize, zero: u8, [p, g, o]: [f64; 3]) -> String
     }
     .map(|bytes| bytes * params);
     format!(
-        "merak rank 0 state (counted / formula), MiB: parameters {p:.2} / {:.2}, gradient buckets {g:.2} / {:.2}, AdamW state {o:.2} / {:.2}",
+        "merak rank 0 state (counted / formula), MiB: parameters {p:.2} / {:.2}, gradient buckets {g:.2} / {:.2}, AdamW state {o:.2} / {:.2}; allocator high-water mark {alloc:.1}",
         want[0], want[1], want[2]
     )
 }

@@ -1,4 +1,5 @@
-//! The memory allocator of `merak`: mimalloc, told to keep freed memory.
+//! The memory allocator of `merak`: mimalloc, told to keep freed memory, its allocations
+//! counted.
 //!
 //! A training step frees and allocates the same large buffers (logits, activations, gradients)
 //! every step. With the system allocator, or with mimalloc's default of returning freed memory
@@ -8,10 +9,11 @@
 //! benches/README.md). A training process keeps its peak working set anyway, so purging off
 //! costs no memory at the peak.
 
-/// The process's allocator.
+/// The process's allocator, counted: `memory.json` reports its high-water mark.
 #[cfg(not(test))]
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: merak_burn::train::process::CountingAllocator<mimalloc::MiMalloc> =
+    merak_burn::train::process::CountingAllocator::new(mimalloc::MiMalloc);
 
 /// The unit tests' allocator: mimalloc (whose page faults a test below measures) under the
 /// caps of the tests of parsers of untrusted input ([`merak_tests::CappedAlloc`]).

@@ -22,7 +22,7 @@ pub struct StateBytes {
 }
 
 /// Values per rank in `memory.json`'s gather.
-const FIELDS: usize = 5;
+const FIELDS: usize = 6;
 
 /// Gathers every rank's peak resident memory, most micro-batches in flight and model-state
 /// bytes ([`StateBytes`]). Rank 0 writes
@@ -43,6 +43,8 @@ pub fn report_memory(
         mib(state.params),
         mib(state.grads),
         mib(state.optimizer),
+        // -1: the program counts no allocations.
+        crate::train::process::alloc_peak_bytes().map_or(-1.0, mib),
     ];
     let mut all = vec![0.0f32; FIELDS * world.size()];
     world.all_gather(&mine, &mut all)?;
@@ -71,6 +73,7 @@ pub fn report_memory(
                 "param_mib": v[2],
                 "grad_mib": v[3],
                 "optimizer_mib": v[4],
+                "alloc_peak_mib": (v[5] >= 0.0).then_some(v[5]),
             })
         })
         .collect();
