@@ -524,7 +524,8 @@ fn greedy_samples_agree_across_tensor_parallel_layouts() {
 /// `memory.json` counts each rank's model state from what it keeps: the tiny GPT's 134,912 f32
 /// parameters and their gradients on every rank, AdamW's two moments of every parameter
 /// without ZeRO, and under ZeRO-1, 2 and 3 a share per rank that adds up to the whole (ZeRO-3:
-/// of the parameters too; with hybrid sharding, over each shard group); SGD without
+/// of the parameters too; with hybrid sharding, over each shard group), and an allocator
+/// high-water mark at least as large as the state; SGD without
 /// momentum keeps none, with it one tensor.
 #[test]
 fn memory_json_counts_each_ranks_model_state() {
@@ -551,6 +552,14 @@ fn memory_json_counts_each_ranks_model_state() {
         close(one[0][1], mib) && close(one[0][2], 2.0 * mib),
         "{one:?}"
     );
+    // The allocator's high-water mark holds at least the model state it counts.
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("state-one");
+    let text = std::fs::read_to_string(dir.join("memory.json")).expect("memory.json");
+    let json: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+    let alloc = json["ranks"][0]["alloc_peak_mib"]
+        .as_f64()
+        .expect("alloc_peak_mib");
+    assert!(alloc >= one[0].iter().sum::<f64>(), "{alloc} < {one:?}");
     let dp = state(2, "state-dp2", &["--dp", "2"]);
     assert!(dp.iter().all(|r| r == &one[0]), "{dp:?}");
     let zero = state(2, "state-zero1", &["--dp", "2", "--set", "parallel.zero=1"]);
