@@ -837,10 +837,12 @@ impl Executor {
 
     /// A forward pass without gradients (validation): every micro-batch through every stage,
     /// micro-batch after micro-batch. Returns the weighted loss of the micro-batches whose last
-    /// stage is on this rank (0 elsewhere).
+    /// stage is on this rank (0 elsewhere). Under ZeRO-3 (`shards`; `model`'s parameters are
+    /// empty) each unit runs on its gathered parameters.
     pub fn forward_only<B, M>(
         &self,
         model: &M,
+        shards: Option<&Shards>,
         batches: &[MicroBatch],
         shape: [usize; 3],
         device: &B::Device,
@@ -850,15 +852,22 @@ impl Executor {
         M: PipelineModel<B>,
     {
         let mut loss = 0.0;
-        self.forward_each(model, batches, shape, device, |mb, units, input| {
-            let batch = &batches[mb];
-            if let StageOutput::Loss(l) =
-                Self::run_units(model, units, input, &batch.samples, device)
-            {
-                loss += f64::from(l.into_scalar().elem::<f32>()) * f64::from(batch.weight);
-            }
-            Ok(())
-        })?;
+        self.forward_each(
+            model,
+            shards,
+            batches,
+            shape,
+            device,
+            |mb, model, units, input| {
+                let batch = &batches[mb];
+                if let StageOutput::Loss(l) =
+                    Self::run_units(model, units, input, &batch.samples, device)
+                {
+                    loss += f64::from(l.into_scalar().elem::<f32>()) * f64::from(batch.weight);
+                }
+                Ok(())
+            },
+        )?;
         Ok(loss)
     }
 
@@ -869,6 +878,7 @@ impl Executor {
     pub fn forward_eval<B, M>(
         &self,
         model: &M,
+        shards: Option<&Shards>,
         batches: &[MicroBatch],
         shape: [usize; 3],
         device: &B::Device,
@@ -879,37 +889,45 @@ impl Executor {
         M: PipelineModel<B>,
     {
         let mut out = Vec::new();
-        self.forward_each(model, batches, shape, device, |mb, units, input| {
-            let batch = Batch::new(&batches[mb].samples, device);
-            match model.eval_units(units, input, &batch, what) {
-                Some(EvalOutput::Values(v)) => {
-                    let dims = v.dims();
-                    out.push(EvalValues {
-                        mb,
-                        shape: dims,
-                        values: read(v)?,
-                    });
-                    Ok(())
+        self.forward_each(
+            model,
+            shards,
+            batches,
+            shape,
+            device,
+            |mb, model, units, input| {
+                let batch = Batch::new(&batches[mb].samples, device);
+                match model.eval_units(units, input, &batch, what) {
+                    Some(EvalOutput::Values(v)) => {
+                        let dims = v.dims();
+                        out.push(EvalValues {
+                            mb,
+                            shape: dims,
+                            values: read(v)?,
+                        });
+                        Ok(())
+                    }
+                    _ => Err(PipelineError::NoEvaluation {
+                        rank: self.rank,
+                        what,
+                    }),
                 }
-                _ => Err(PipelineError::NoEvaluation {
-                    rank: self.rank,
-                    what,
-                }),
-            }
-        })?;
+            },
+        )?;
         Ok(out)
     }
 
     /// Every micro-batch through this rank's stages without gradients, micro-batch after
     /// micro-batch, sending and receiving the hidden states between stages; the last stage's
-    /// units are run by `last` (micro-batch, units, input).
+    /// units are run by `last` (micro-batch, the model to run them on, units, input).
     fn forward_each<B, M>(
         &self,
         model: &M,
+        shards: Option<&Shards>,
         batches: &[MicroBatch],
         shape: [usize; 3],
         device: &B::Device,
-        mut last: impl FnMut(usize, Range<usize>, StageInput<B>) -> Result<(), PipelineError>,
+        mut last: impl FnMut(usize, &M, Range<usize>, StageInput<B>) -> Result<(), PipelineError>,
     ) -> Result<(), PipelineError>
     where
         B: ParallelBackend,
@@ -940,12 +958,15 @@ impl Executor {
                         device,
                     )))
                 };
+                let b = Batch::new(&batch.samples, device);
                 if s == stages - 1 {
-                    last(mb, self.units(s), input)?;
+                    let run = |m: &M, u, i| last(mb, m, u, i);
+                    gathered::run_stage(model, shards, self.units(s), input, &b, run)??;
                     continue;
                 }
+                let run = |m: &M, u, i| m.run_units(u, i, &b);
                 if let StageOutput::Hidden(x) =
-                    Self::run_units(model, self.units(s), input, &batch.samples, device)
+                    gathered::run_stage(model, shards, self.units(s), input, &b, run)?
                 {
                     let v = read(x)?;
                     let next = self.plan.schedule.rank_of(s + 1);

@@ -101,9 +101,14 @@ where
         let mut out = Vec::new();
         for b in 0..batches {
             let micro = self.val_micro_batches(data, b)?;
-            let values = self
-                .executor
-                .forward_eval(&model, &micro, shape, &self.device, what)?;
+            let values = self.executor.forward_eval(
+                &model,
+                self.shards.as_ref(),
+                &micro,
+                shape,
+                &self.device,
+                what,
+            )?;
             out.extend(values.into_iter().map(|v| EvalValues {
                 mb: micro[v.mb].first_sample,
                 ..v
@@ -112,9 +117,10 @@ where
         Ok(out)
     }
 
-    /// The model without gradients and the shape of the messages between stages, for a pass
-    /// over held-out samples (in the run's precision); refused while the forwards of a next
-    /// step are in flight (2BW's overlap).
+    /// The model without gradients (under ZeRO-3 with empty parameters, run with the shards)
+    /// and the shape of the messages between stages, for a pass over held-out samples (in the
+    /// run's precision); refused while the forwards of a next step are in flight (2BW's
+    /// overlap).
     pub(crate) fn held_out_model(&self) -> Result<(M::InnerModule, [usize; 3]), TrainError> {
         crate::precision::set_precision(self.settings.precision);
         if let Some(step) = self.in_flight.step() {
@@ -125,7 +131,8 @@ where
             }
             .into());
         }
-        let model = self.gathered_model()?.valid();
+        // Under ZeRO-3 its parameters are empty: each unit is gathered when it runs.
+        let model = self.model.valid();
         let shape = [
             self.parallel.micro_batch,
             self.settings.seq_len,

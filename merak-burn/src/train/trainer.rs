@@ -578,9 +578,13 @@ where
                 .iter()
                 .map(|m| m.samples.loss_terms as f32)
                 .sum::<f32>();
-            acc[0] += self
-                .executor
-                .forward_only(&model, &batches, shape, &self.device)? as f32;
+            acc[0] += self.executor.forward_only(
+                &model,
+                self.shards.as_ref(),
+                &batches,
+                shape,
+                &self.device,
+            )? as f32;
         }
         if self.grid.layout.pp > 1 {
             // Only the last stage has the losses; every stage counted the tokens.

@@ -74,6 +74,40 @@ where
     result
 }
 
+/// Runs `units` of `model` on `input` without a graph, the last unit by `last` (given the
+/// model to run it on): at once, or under ZeRO-3 (`shards`: `model`'s parameters are empty)
+/// unit by unit, each on its gathered parameters (an evaluation pass; the gathers are not
+/// prefetched).
+pub(super) fn run_stage<B, M, T>(
+    model: &M,
+    shards: Option<&Shards>,
+    units: Range<usize>,
+    input: StageInput<B>,
+    batch: &Batch<'_, B>,
+    last: impl FnOnce(&M, Range<usize>, StageInput<B>) -> T,
+) -> Result<T, PipelineError>
+where
+    B: Backend,
+    M: PipelineModel<B> + Clone,
+{
+    let Some(shards) = shards else {
+        return Ok(last(model, units, input));
+    };
+    let mut x = input;
+    for u in units.start..units.end.saturating_sub(1) {
+        let unit = shards.fill(model.clone(), shards.gathered(u)?);
+        x = match unit.run_units(u..u + 1, x, batch) {
+            StageOutput::Hidden(h) => StageInput::Hidden(h),
+            StageOutput::Loss(_) => {
+                return Err(PipelineError::Tensor(format!("unit {u} returned a loss")));
+            }
+        };
+    }
+    let u = units.end.saturating_sub(1);
+    let unit = shards.fill(model.clone(), shards.gathered(u)?);
+    Ok(last(&unit, u..u + 1, x))
+}
+
 /// The backward pass of `units` of the parameterless `model` from the gradient `upstream` of
 /// the stage's output (`None` on the last stage, whose last unit returns the loss), unit by
 /// unit in reverse from their `inputs`: each unit gathered again, recomputed with its graph
