@@ -60,6 +60,9 @@ struct State {
     /// Under hybrid sharding: the ranks holding the same chunks, over which each chunk is
     /// all-reduced after the reduce-scatter.
     replicate: Option<Rc<dyn Communicator>>,
+    /// Under hybrid sharding: the next bucket whose chunk starts its all-reduce over the
+    /// copies (in bucket order, so that every rank starts them in the same order).
+    next_replicate: usize,
     error: Option<CommError>,
     launched_early: usize,
 }
@@ -152,6 +155,7 @@ impl State {
         let t0 = Instant::now();
         set_grad_sink(None);
         self.launch_ready(true);
+        self.start_replicas(true);
         for b in &mut self.buckets {
             if let Some(p) = b.pending.take() {
                 b.data = p.wait()?;
@@ -174,6 +178,33 @@ impl State {
             {
                 self.error = Some(e);
             }
+        }
+        self.start_replicas(false);
+    }
+
+    /// Under hybrid sharding: starts the all-reduce over the copies of each launched bucket's
+    /// chunk whose reduce-scatter is done, in bucket order (with `wait`, waiting for them), so
+    /// that it overlaps the rest of the backward pass.
+    fn start_replicas(&mut self, wait: bool) {
+        let Some(copies) = self.replicate.clone() else {
+            return;
+        };
+        while self.next_replicate < self.next_launch {
+            let b = &mut self.buckets[self.next_replicate];
+            let done = |p: &mut Box<dyn Pending>| matches!(p.test(), Ok(true) | Err(_));
+            if !wait && b.pending.as_mut().is_some_and(|p| !done(p)) {
+                return;
+            }
+            let chunk = match b.pending.take() {
+                Some(p) => p.wait(),
+                // One rank per copy: no reduce-scatter ran, the bucket is the chunk.
+                None => Ok(std::mem::take(&mut b.data)),
+            };
+            match chunk.and_then(|c| copies.all_reduce_start(c, ReduceOp::Sum)) {
+                Ok(p) => b.pending = Some(p),
+                Err(e) => self.error = Some(e),
+            }
+            self.next_replicate += 1;
         }
     }
 
@@ -336,6 +367,7 @@ impl DataParallel {
                 comm: dp.comm()?,
                 shard: dp.comm()?,
                 replicate: None,
+                next_replicate: 0,
                 error: None,
                 launched_early: 0,
             })),
@@ -444,6 +476,7 @@ impl DataParallel {
             }
         }
         s.next_launch = 0;
+        s.next_replicate = 0;
         s.launched_early = 0;
         s.error = None;
         s.reduce_now = false;
@@ -510,10 +543,11 @@ impl DataParallel {
     /// Waits for the reduce-scatters (or all-reduces, under
     /// [`sliced_over`](Self::sliced_over)) and returns this rank's chunk of every bucket (summed over the micro-batches and the DP
     /// ranks; `chunk` values each, zeros past the bucket's end), in bucket order. Under
-    /// hybrid sharding the chunks are then all-reduced over the replicas.
+    /// hybrid sharding each chunk is also all-reduced over the copies, started as soon as its
+    /// reduce-scatter is done.
     pub fn finish_chunks(&self) -> Result<(Vec<Vec<f32>>, DpStats), CommError> {
         let mut s = self.state.borrow_mut();
-        let mut stats = s.complete()?;
+        let stats = s.complete()?;
         let (size, rank, scatter) = (s.shard.size(), s.shard.rank(), s.scatter);
         let chunks: Vec<Vec<f32>> = (s.buckets.iter_mut())
             .map(|b| {
@@ -530,19 +564,6 @@ impl DataParallel {
                 data
             })
             .collect();
-        let replicate = s.replicate.clone().filter(|_| scatter);
-        let Some(replicate) = replicate else {
-            return Ok((chunks, stats));
-        };
-        // Hybrid sharding: the replicas' chunks summed (not overlapped with the backward pass).
-        let t0 = Instant::now();
-        let pending = (chunks.into_iter())
-            .map(|c| replicate.all_reduce_start(c, ReduceOp::Sum))
-            .collect::<Result<Vec<_>, _>>()?;
-        let chunks = (pending.into_iter())
-            .map(|p| p.wait())
-            .collect::<Result<Vec<_>, _>>()?;
-        stats.exposed_wait += t0.elapsed();
         Ok((chunks, stats))
     }
 }
