@@ -171,7 +171,7 @@ pub struct StepWork<'a, M> {
     /// this step's last backwards ([`super::two_bw`]). Other schedules ignore it.
     pub next: Option<(&'a M, &'a [MicroBatch])>,
     /// Under ZeRO-3: this rank's parameter shards; `model` then holds empty parameters and
-    /// every unit runs on its gathered ones ([`super::gathered`]).
+    /// every unit runs on its gathered ones, recomputed for its backward pass.
     pub shards: Option<&'a Shards>,
 }
 

@@ -95,11 +95,11 @@ impl std::fmt::Display for OptimizerKind {
 }
 
 /// The optimizer of a run and the shape of its learning-rate schedule. The hyperparameters
-/// that several optimizers share stay in [`TrainSettings`] (`lr`, `min_lr`, `warmup_steps`,
-/// `weight_decay`, `beta1`, `beta2`, `eps`); the ones here belong to some kinds only, and a
-/// value other than the default for a kind that does not use it is refused
-/// ([`check_settings`]), so that a setting never silently does nothing. The default is
-/// AdamW with warm-up and cosine decay.
+/// that several optimizers share stay in [`TrainSettings`](crate::train::TrainSettings)
+/// (`lr`, `min_lr`, `warmup_steps`, `weight_decay`, `beta1`, `beta2`, `eps`); the ones here
+/// belong to some kinds only, and a value other than the default for a kind that does not use
+/// it is refused ([`check_settings`](crate::train::check_settings)), so that a setting never
+/// silently does nothing. The default is AdamW with warm-up and cosine decay.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct OptimizerSettings {
