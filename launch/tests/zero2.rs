@@ -4,7 +4,7 @@
 //! (the tied embedding's copies on two stages) and with gradient accumulation, for AdamW, SGD
 //! with momentum and RMSProp (clipping active: the tiny GPT's gradient norm starts above
 //! `train.grad_clip`); its checkpoints resume under other layouts and stages, and one-process
-//! checkpoints resume under it.
+//! checkpoints resume under it. ZeRO-1 under hybrid sharding equals one process too.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -144,4 +144,22 @@ fn zero2_checkpoints_resume_under_other_layouts_and_stages() {
         &z2,
     );
     assert_same_params("one process -> zero2", &out, &full);
+}
+
+/// ZeRO-1 under hybrid sharding: gradients all-reduced over all four DP ranks, each rank
+/// stepping its chunk of its copy's slices; one process's losses and parameters.
+#[test]
+fn hybrid_zero1_equals_one_process() {
+    let single = run(0, "z1-hybrid-single", &[], &[]);
+    let hybrid = [
+        "--dp",
+        "4",
+        "--set",
+        "parallel.zero=1",
+        "--set",
+        "parallel.shard=2",
+    ];
+    let got = run(4, "z1-hybrid-dp4-shard2", &[], &hybrid);
+    assert_same_losses("zero1 dp4 shard2", &got, &single);
+    assert_same_params("zero1 dp4 shard2", &got, &single);
 }

@@ -158,7 +158,7 @@ impl Shards {
     }
 
     /// Every parameter's values, gathered from every rank's chunks (every rank must call it):
-    /// the whole model, for a checkpoint or an evaluation.
+    /// the whole model (the trained model, a parameter-group rule's view, a resume).
     pub fn gathered_all(&self) -> Result<Vec<ParamValues>, CommError> {
         let pending = (self.own.iter())
             .map(|c| self.comm.all_gather_start(c.clone()))
