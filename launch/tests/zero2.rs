@@ -6,10 +6,7 @@
 //! `train.grad_clip`); its checkpoints resume under other layouts and stages, and one-process
 //! checkpoints resume under it. ZeRO-1 under hybrid sharding equals one process too.
 
-use std::path::{Path, PathBuf};
-use std::time::Duration;
-
-use merak_tests::run_with_deadline;
+use std::path::PathBuf;
 
 mod common;
 use common::*;
@@ -94,15 +91,6 @@ fn zero2_equals_one_process_under_dp_tp_pp_and_accumulation() {
     }
 }
 
-/// `merak train --resume checkpoint` on `np` ranks with `extra`, into a new folder.
-fn resume(np: usize, checkpoint: &Path, name: &str, extra: &[&str]) -> PathBuf {
-    let out = out_dir(name);
-    let mut cmd = resume_cmd(np, checkpoint, &out);
-    cmd.args(extra);
-    run_with_deadline(cmd, Duration::from_secs(300)).assert_success();
-    out
-}
-
 #[test]
 fn zero2_checkpoints_resume_under_other_layouts_and_stages() {
     let four = ["--set", "train.steps=4", "--set", "checkpoint.every=2"];
@@ -132,12 +120,12 @@ fn zero2_checkpoints_resume_under_other_layouts_and_stages() {
         ),
         (2, "z2-ckpt-to-tp2", vec!["--dp", "1", "--tp", "2"]),
     ] {
-        let out = resume(np, &step2, name, &layout);
+        let out = resumed(np, &step2, name, &layout);
         assert_eq!(read_metrics(&out).len(), 2, "{name}: steps 3 and 4");
         assert_same_params(name, &out, &full);
     }
     // A one-process checkpoint resumed under ZeRO-2 (each rank takes its slices).
-    let out = resume(
+    let out = resumed(
         2,
         &full.join("checkpoints/step-00000002"),
         "z2-ckpt-from-one",

@@ -8,7 +8,7 @@
 //! active); its checkpoints resume under other layouts and stages, one-process checkpoints
 //! resume under it, and the schedules it cannot run are refused before training.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use merak_burn::checkpoint::Checkpoint;
@@ -124,15 +124,6 @@ fn zero3_equals_one_process_under_dp_tp_pp_and_accumulation() {
     }
 }
 
-/// `merak train --resume checkpoint` on `np` ranks with `extra`, into a new folder.
-fn resume(np: usize, checkpoint: &Path, name: &str, extra: &[&str]) -> PathBuf {
-    let out = out_dir(name);
-    let mut cmd = resume_cmd(np, checkpoint, &out);
-    cmd.args(extra);
-    run_with_deadline(cmd, Duration::from_secs(300)).assert_success();
-    out
-}
-
 #[test]
 fn zero3_checkpoints_resume_under_other_layouts_and_stages() {
     let four = [
@@ -199,12 +190,12 @@ fn zero3_checkpoints_resume_under_other_layouts_and_stages() {
             vec!["--pp", "2", "--set", "train.micro_batch=2"],
         ),
     ] {
-        let out = resume(np, &step2, name, &layout);
+        let out = resumed(np, &step2, name, &layout);
         assert_eq!(read_metrics(&out).len(), 2, "{name}: steps 3 and 4");
         assert_same_params(name, &out, &full);
     }
     // A one-process checkpoint resumed under ZeRO-3 (each rank takes its slices).
-    let out = resume(
+    let out = resumed(
         2,
         &full.join("checkpoints/step-00000002"),
         "z3-ckpt-from-one",

@@ -58,6 +58,16 @@ pub fn resume_cmd(np: usize, checkpoint: &Path, out: &Path) -> Command {
     cmd
 }
 
+/// `merak train --resume checkpoint` on `np` ranks with `extra`, into the new folder `name`,
+/// which it returns once the run succeeded.
+pub fn resumed(np: usize, checkpoint: &Path, name: &str, extra: &[&str]) -> PathBuf {
+    let out = out_dir(name);
+    let mut cmd = resume_cmd(np, checkpoint, &out);
+    cmd.args(extra);
+    run_with_deadline(cmd, Duration::from_secs(300)).assert_success();
+    out
+}
+
 /// Runs `merak train` with `config` for 5 steps on `np` ranks (without mpirun when `np == 0`)
 /// and returns the metrics.
 pub fn train_with(config: &Path, np: usize, name: &str, extra: &[&str]) -> Vec<serde_json::Value> {

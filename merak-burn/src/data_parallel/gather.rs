@@ -160,12 +160,7 @@ impl Shards {
     /// Every parameter's values, gathered from every rank's chunks (every rank must call it):
     /// the whole model (the trained model, a parameter-group rule's view, a resume).
     pub fn gathered_all(&self) -> Result<Vec<ParamValues>, CommError> {
-        let pending = (self.own.iter())
-            .map(|c| self.comm.all_gather_start(c.clone()))
-            .collect::<Result<Vec<_>, _>>()?;
-        let full = (pending.into_iter())
-            .map(|p| p.wait())
-            .collect::<Result<Vec<_>, _>>()?;
+        let full = all_gather_each(&*self.comm, self.own.clone())?;
         Ok((0..self.ranges.len())
             .map(|p| (p, self.param_values(p, &full[self.bucket_of[p]])))
             .collect())
@@ -201,6 +196,18 @@ impl Shards {
             next: 0,
         })
     }
+}
+
+/// Every rank's `chunks` (one per bucket, all started at once), each as the concatenation of
+/// the ranks' chunks in rank order: the buckets' whole values, padding at the end.
+pub fn all_gather_each(
+    comm: &dyn Communicator,
+    chunks: Vec<Vec<f32>>,
+) -> Result<Vec<Vec<f32>>, CommError> {
+    let pending = (chunks.into_iter())
+        .map(|c| comm.all_gather_start(c))
+        .collect::<Result<Vec<_>, _>>()?;
+    pending.into_iter().map(|p| p.wait()).collect()
 }
 
 /// Rank `slices.rank`'s chunk of every bucket of the flat `values` (zeros past the end).

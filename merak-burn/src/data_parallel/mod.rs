@@ -18,5 +18,5 @@ pub mod gather;
 mod reducer;
 pub mod slices;
 
-pub use gather::{Shards, emptied};
+pub use gather::{Shards, all_gather_each, emptied};
 pub use reducer::{DataParallel, DpStats};

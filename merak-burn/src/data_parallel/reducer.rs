@@ -300,26 +300,14 @@ impl DataParallel {
         dp: Group,
         bucket_elems: usize,
     ) -> Result<Self, CommError> {
-        Self::with_own_bucket(model, dp, bucket_elems, None)
-    }
-
-    /// Like [`new`](Self::new), with parameter `alone` (when given) in a bucket of its own: a
-    /// tied embedding's two copies on two pipeline stages are then cut into the same chunks on
-    /// both, whatever the rest of each stage holds (ZeRO-2 sums them chunk by chunk).
-    pub fn with_own_bucket<B: Backend, M: Module<B>>(
-        model: &M,
-        dp: Group,
-        bucket_elems: usize,
-        alone: Option<ParamId>,
-    ) -> Result<Self, CommError> {
-        Self::grouped(model, dp, bucket_elems, &|id| {
-            usize::from(alone == Some(id))
-        })
+        Self::grouped(model, dp, bucket_elems, &|_| 0)
     }
 
     /// Like [`new`](Self::new), with no bucket spanning two groups: `group_of` gives each
-    /// parameter's group, and a bucket closes wherever the group changes in visit order
-    /// (ZeRO-3 groups by unit, so that a unit's gather reads only its own buckets).
+    /// parameter's group, and a bucket closes wherever the group changes in visit order.
+    /// ZeRO-3 groups by unit, so that a unit's gather reads only its own buckets; under ZeRO a
+    /// tied copy is a group of its own, so that both pipeline stages cut it into the same
+    /// chunks.
     pub fn grouped<B: Backend, M: Module<B>>(
         model: &M,
         dp: Group,

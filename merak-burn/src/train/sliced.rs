@@ -11,6 +11,7 @@ use burn::tensor::{Tensor, TensorData};
 
 use super::pieces::{Sliced, flat, values_of};
 use crate::checkpoint::TensorSlice;
+use crate::data_parallel::all_gather_each;
 use crate::pipeline::{PipelineModel, ScheduleKind};
 use crate::tensor_parallel::ParallelBackend;
 use crate::train::grad_norm::norm_of;
@@ -56,10 +57,14 @@ where
         if self.executor.plan().schedule.kind == ScheduleKind::TwoBw {
             self.stale = Some(self.model.clone());
         }
-        let values = match &self.shards {
+        let read;
+        let values: &[Vec<f32>] = match &self.shards {
             // ZeRO-3: this rank's own values are its chunks.
-            Some(shards) => shards.own().to_vec(),
-            None => read_params(&self.model)?,
+            Some(shards) => shards.own(),
+            None => {
+                read = read_params(&self.model)?;
+                &read
+            }
         };
         let zero3 = self.shards.is_some();
         let seen = self.reducer.seen();
@@ -115,14 +120,10 @@ where
         s: &Sliced<B::InnerBackend>,
         mine: Vec<Vec<f32>>,
     ) -> Result<Vec<f32>, TrainError> {
-        let comm = self.shard.comm()?;
-        let pending = (mine.into_iter())
-            .map(|c| comm.all_gather_start(c))
-            .collect::<Result<Vec<_>, _>>()?;
+        let all = all_gather_each(&*self.shard.comm()?, mine)?;
         let total = s.ranges.iter().map(|&(o, l)| o + l).max().unwrap_or(0);
         let mut flat = vec![0.0; total];
-        for (c, p) in s.slices.buckets.iter().zip(pending) {
-            let all = p.wait()?;
+        for (c, all) in s.slices.buckets.iter().zip(all) {
             flat[c.start..c.start + c.len].copy_from_slice(&all[..c.len]);
         }
         Ok(flat)
