@@ -19,10 +19,11 @@
 #   ranks   two ranks on the one GPU over MPI: tp=2 and pp=2 against one rank, tiny GPT, 5
 #           steps (correctness only: two ranks time-slice one GPU); and two ranks asking for
 #           NCCL on one GPU must be refused.
-#   profile not in the default list: GPT-2 small, merak bf16, 4 steps, with CubeCL's profiling
-#           log (CUBECL_DEBUG_OPTION=profile: every kernel timed, so slower steps) in
-#           RESULTS/cubecl-profile.log (`merak profile` times units on the CPU backend only).
-#           Not run yet: written after the first GPU run, whose device time ran out.
+#   profile not in the default list: GPT-2 small, merak bf16, micro-batch 16: 8 steps unprofiled
+#           (the GPU's busy share from nvidia-smi, CPU against wall seconds), then 4 steps
+#           with CubeCL's profiling log (every launch timed, so slower steps), summarised by
+#           benches/gpu/kernel_profile.py into RESULTS/kernel-profile.md; and PyTorch eager
+#           bf16's last two of 6 steps under torch.profiler (RESULTS/torch-profile.txt).
 #   report  benches/gpu/report.py: tokens/s, MFU, peak GPU memory, the 2-rank loss differences.
 #
 # Environment: RESULTS (the results folder, default runs/gpu), STEPS (default 8; the first two are warm-up),
@@ -45,8 +46,10 @@ mkdir -p "$out"
 # CubeCL compiles every kernel with NVRTC on its first use; its PTX cache (cubecl.toml, under
 # the repository's target/, safe across processes) lets each later run load them instead.
 # Written only where the repository has no cubecl.toml of its own, and removed at the end.
+own_config=""
 if [ ! -e cubecl.toml ]; then
     printf '[compilation]\ncache = "target"\n' >cubecl.toml
+    own_config=1
     trap 'rm -f cubecl.toml' EXIT
 fi
 
@@ -171,10 +174,32 @@ ranks() {
 profile() {
     local run=(--set model.preset=gpt2 --set model.seq_len=1024 --set data.kind=synthetic
         --set train.device=cuda --set train.precision=bf16 --set train.micro_batch=16
-        --set train.global_batch=16)
-    CUBECL_DEBUG_OPTION=profile CUBECL_DEBUG_LOG="$out/cubecl-profile.log" timed merak-profiled \
-        merak train "${run[@]}" --set train.steps=4 --set checkpoint.at_end=false \
+        --set train.global_batch=16 --set checkpoint.at_end=false)
+    # Unprofiled first (it also fills the PTX cache): step times, the GPU's busy share sampled
+    # by nvidia-smi, and the process's CPU seconds against its wall seconds.
+    nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 100 \
+        >"$out/merak-plain.util" &
+    local watcher=$!
+    TIMEFORMAT='wall %R s, user %U s, sys %S s'
+    { time timed merak-plain merak train "${run[@]}" --set train.steps=8 --out "$out/merak-plain"; } \
+        2>"$out/merak-plain.cpu"
+    kill "$watcher" 2>/dev/null
+    # Then with every launch timed (CubeCL synchronises around each, so steps are slower).
+    local steps=4 config=()
+    [ -n "$own_config" ] && printf '[compilation]\ncache = "target"\n[profiling.logger]\nlevel = "basic"\nfile = "%s"\n' \
+        "$out/cubecl-profile.log" >cubecl.toml
+    [ -z "$own_config" ] && config=(env CUBECL_DEBUG_LOG="$out/cubecl-profile.log" CUBECL_DEBUG_OPTION=profile)
+    timed merak-profiled "${config[@]}" merak train "${run[@]}" --set train.steps=$steps \
         --out "$out/merak-profiled"
+    [ -n "$own_config" ] && printf '[compilation]\ncache = "target"\n' >cubecl.toml
+    gzip -f "$out/cubecl-profile.log"
+    "$python" benches/gpu/kernel_profile.py "$out/cubecl-profile.log.gz" --steps $steps \
+        >"$out/kernel-profile.md" 2>&1
+    # PyTorch eager bf16 on the same model and step, its last two steps profiled.
+    timed torch-profiled "$python" benches/pytorch/gpt_train.py --device cuda --precision bf16 \
+        --vocab 50257 --layers 12 --hidden 768 --heads 12 --seq 1024 --batch 16 --steps 6 \
+        --warmup 2 --threads 8 --out "$out/torch-profiled.jsonl" --profile "$out/torch-profile.txt"
+    save
 }
 
 report() {

@@ -187,6 +187,24 @@ def minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+def start_profiler(device: str):
+    """Starts torch.profiler on the CPU and, on a GPU, on CUDA too."""
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(activities=acts)
+    profiler.__enter__()
+    return profiler
+
+
+def write_profile(profiler, path: str, device: str):
+    """Stops the profiler and writes its operators and kernels, by total device time."""
+    profiler.__exit__(None, None, None)
+    key = "cuda_time_total" if device == "cuda" else "cpu_time_total"
+    with open(path, "w") as f:
+        f.write(profiler.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in [("vocab", 512), ("layers", 2), ("heads", 4), ("hidden", 64),
@@ -212,6 +230,9 @@ def main():
                         "(reshard_after_forward=False, ZeRO-2-like); 3 fully_shard freeing "
                         "them after each block's forward (ZeRO-3)")
     p.add_argument("--out", required=True, help="JSON lines, one per step, then a summary")
+    p.add_argument("--profile", metavar="PATH",
+                   help="profile the last two steps with torch.profiler and write its table of "
+                        "kernels by total device time to PATH")
     a = p.parse_args()
     if a.precision == "bf16" and a.device != "cuda":
         raise SystemExit("--precision bf16 needs --device cuda")
@@ -257,7 +278,10 @@ def main():
     out = open(a.out, "w") if rank == 0 else None
     tokens = a.batch * a.seq
     t_all = time.perf_counter()
+    profiler = None
     for step in range(a.steps):
+        if a.profile and step == max(a.steps - 2, 0):
+            profiler = start_profiler(a.device)
         t0 = time.perf_counter()
         f0 = minor_faults()
         ids, targets = synthetic_batch(a.seed, a.vocab, step, rank * local, local, a.seq)
@@ -283,6 +307,8 @@ def main():
                 "step": step + 1, "loss": value.item(), "lr": lr_at(a, step),
                 "grad_norm": norm.item(), "step_time_s": dt, "tokens_per_s": tokens / dt,
                 "minor_faults": minor_faults() - f0}) + "\n")
+    if profiler is not None:
+        write_profile(profiler, a.profile, a.device)
     peak = torch.tensor(float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024)
     if world > 1:
         torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)

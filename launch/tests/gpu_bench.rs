@@ -62,6 +62,45 @@ fn the_report_reproduces_the_recorded_gpu_results() {
 }
 
 #[test]
+fn the_kernel_summary_reproduces_the_recorded_profiles() {
+    let results = "benches/gpu/results/2026-11-26-h200-profile";
+    for build in ["untuned", "autotuned"] {
+        let out = Command::new("python3")
+            .arg(root().join("benches/gpu/kernel_profile.py"))
+            .arg(root().join(format!("{results}/{build}/cubecl-profile.log.gz")))
+            .args(["--steps", "4"])
+            .output()
+            .expect("python3 runs");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let summary = String::from_utf8(out.stdout).expect("UTF-8");
+        assert_eq!(
+            summary,
+            read(&format!("{results}/{build}/kernel-profile.md"))
+        );
+    }
+    // The figures the book quotes (docs/src/benchmarks/gpu.md).
+    let untuned = read(&format!("{results}/untuned/kernel-profile.md"));
+    for row in [
+        "4620 a step; their time 806.0 ms a step",
+        "| matrix product | 231 | 327.9 | 40.7% |",
+        "| reduction (sum, max, mean, argmax) | 436 | 258.2 | 32.0% |",
+    ] {
+        assert!(untuned.contains(row), "missing {row:?} in\n{untuned}");
+    }
+    let tuned = read(&format!("{results}/autotuned/kernel-profile.md"));
+    for row in [
+        "| element-wise | 3202 | 166.5 | 47.6% |",
+        "| matrix product | 230 | 106.0 | 30.3% |",
+    ] {
+        assert!(tuned.contains(row), "missing {row:?} in\n{tuned}");
+    }
+}
+
+#[test]
 fn cuda_builds_leave_autotune_off_unless_asked() {
     let workspace: toml::Table = read("Cargo.toml").parse().expect("Cargo.toml parses");
     let features = &workspace["workspace"]["dependencies"]["burn-cuda"]["features"];
