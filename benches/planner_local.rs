@@ -241,6 +241,7 @@ fn main() -> Result<()> {
             schedule,
             recompute: vec![mode; pp],
             zero: 0,
+            reduce_scatter: Default::default(),
             partition: balanced_partition(&costs, pp)?,
             tp_overlap,
         };

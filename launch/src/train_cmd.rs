@@ -169,7 +169,7 @@ fn check_and_open(
     if let (0, Some(f)) = (rank, plan_file) {
         let l = &f.plan.layout;
         tracing::info!(
-            "plan: dp={} tp={} pp={} v={} micro_batch={} {} stages {:?} recompute {:?} zero={}; predicted step {:.4} s on {}",
+            "plan: dp={} tp={} pp={} v={} micro_batch={} {} stages {:?} recompute {:?} {}; predicted step {:.4} s on {}",
             l.dp,
             l.tp,
             l.pp,
@@ -178,7 +178,7 @@ fn check_and_open(
             l.schedule,
             l.partition.sizes(),
             l.recompute.iter().map(|m| m.as_str()).collect::<Vec<_>>(),
-            l.zero,
+            l.zero_label(),
             f.plan.prediction.step_time_s,
             f.hardware
         );

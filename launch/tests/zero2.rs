@@ -4,7 +4,8 @@
 //! (the tied embedding's copies on two stages) and with gradient accumulation, for AdamW, SGD
 //! with momentum and RMSProp (clipping active: the tiny GPT's gradient norm starts above
 //! `train.grad_clip`); its checkpoints resume under other layouts and stages, and one-process
-//! checkpoints resume under it. ZeRO-1 under hybrid sharding equals one process too.
+//! checkpoints resume under it. ZeRO-1 under hybrid sharding equals one process too, and so do
+//! ZeRO-2 and 3 reduce-scattering every micro-batch (`parallel.reduce_scatter = "micro-batch"`).
 
 use std::path::PathBuf;
 
@@ -88,6 +89,64 @@ fn zero2_equals_one_process_under_dp_tp_pp_and_accumulation() {
             assert_same_losses(&what, &got, &single);
             assert_same_params(&what, &got, &single);
         }
+    }
+}
+
+#[test]
+fn reduce_scattering_every_micro_batch_equals_one_process() {
+    let single = run(0, "rs-each-single", &[], &[]);
+    let each = ["--set", "parallel.reduce_scatter=micro-batch"];
+    // Every layout runs two micro-batches per data-parallel rank.
+    let two = ["--set", "train.micro_batch=2"];
+    let one = ["--set", "train.micro_batch=1"];
+    let layouts: Vec<(usize, &str, Vec<&str>)> = vec![
+        // Two micro-batches per rank, a dozen buckets: each bucket reduce-scattered twice,
+        // the chunks summed.
+        (
+            2,
+            "dp2-z2",
+            vec![
+                "--dp",
+                "2",
+                "--set",
+                "parallel.zero=2",
+                "--set",
+                "parallel.bucket_mb=0.05",
+            ],
+        ),
+        // A pipeline: the two stages' backward passes interleave with the micro-batches.
+        (
+            4,
+            "dp2-pp2-z2",
+            vec!["--dp", "2", "--pp", "2", "--set", "parallel.zero=2"],
+        ),
+        // Hybrid sharding: the summed chunks all-reduced over the copies at the end.
+        (
+            4,
+            "dp4-shard2-z2",
+            vec![
+                "--dp",
+                "4",
+                "--set",
+                "parallel.zero=2",
+                "--set",
+                "parallel.shard=2",
+            ],
+        ),
+        // ZeRO-3, unit by unit, with the tied embedding read by two units.
+        (2, "dp2-z3", vec!["--dp", "2", "--set", "parallel.zero=3"]),
+    ];
+    for (np, layout, mut extra) in layouts {
+        extra.extend_from_slice(&each);
+        extra.extend_from_slice(if np == 4 && !layout.contains("pp") {
+            &one
+        } else {
+            &two
+        });
+        let what = format!("{layout} reduce-scattered every micro-batch");
+        let got = run(np, &format!("rs-each-{layout}"), &[], &extra);
+        assert_same_losses(&what, &got, &single);
+        assert_same_params(&what, &got, &single);
     }
 }
 

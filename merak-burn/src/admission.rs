@@ -285,7 +285,13 @@ pub fn estimate_shape(
         0 => plan.dp,
         s => s,
     };
-    let per_param = CostModel::state_bytes_per_param(shard.max(1), plan.zero, 2, plan.schedule);
+    let per_param = CostModel::state_bytes_per_param(
+        shard.max(1),
+        plan.zero,
+        2,
+        plan.reduce_scatter,
+        plan.schedule,
+    );
     let states = params * per_param / p;
     // The cost model counts activations of 16-bit training.
     let activations = activations * (activation_bytes / 2.0).min(1.0) / p - workspace;

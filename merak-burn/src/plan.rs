@@ -6,6 +6,7 @@
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+use crate::data_parallel::ReduceScatter;
 use crate::grid::Layout;
 use crate::pipeline::{
     PartitionError, PipelinePlan, Recompute, RecomputeMode, ScheduleError, ScheduleKind,
@@ -147,6 +148,8 @@ pub struct ParallelPlan {
     /// Hybrid sharding under ZeRO: the data-parallel ranks that share one replica's
     /// chunks (a divisor of `dp`; 0 or `dp`: all of them), the others holding copies.
     pub shard: usize,
+    /// Under ZeRO-2 and 3: reduce-scatter the gradients once per step or every micro-batch.
+    pub reduce_scatter: ReduceScatter,
 }
 
 impl Default for ParallelPlan {
@@ -168,6 +171,7 @@ impl Default for ParallelPlan {
             tp_overlap: 1,
             prefetch: 1,
             shard: 0,
+            reduce_scatter: ReduceScatter::Step,
         }
     }
 }
@@ -183,6 +187,9 @@ impl std::fmt::Display for ParallelPlan {
         )?;
         if self.zero > 0 {
             write!(f, " zero{}", self.zero)?;
+        }
+        if self.zero >= 2 && self.reduce_scatter == ReduceScatter::MicroBatch {
+            write!(f, " reduce_scatter={}", self.reduce_scatter)?;
         }
         if self.tp_overlap > 1 {
             write!(f, " tp_overlap={}", self.tp_overlap)?;
@@ -239,6 +246,7 @@ impl ParallelPlan {
             tp_overlap: l.tp_overlap,
             prefetch: 1,
             shard: 0,
+            reduce_scatter: l.reduce_scatter,
         }
     }
 
@@ -272,9 +280,8 @@ impl ParallelPlan {
             micro_batches: self.micro_batches(global_batch),
             schedule: self.schedule,
             recompute,
-            // The planner models stages 0 and 1; ZeRO-2 holds less, so stage 1's memory is an
-            // upper bound for it.
             zero: self.zero,
+            reduce_scatter: self.reduce_scatter,
             partition,
             tp_overlap: self.tp_overlap,
         }

@@ -13,6 +13,7 @@ mod train;
 #[cfg(test)]
 mod tests;
 
+use merak_burn::data_parallel::ReduceScatter;
 use merak_burn::pipeline::{Recompute, ScheduleKind};
 use merak_gpt::GptConfig;
 use serde::{Deserialize, Serialize};
@@ -79,6 +80,7 @@ impl Default for Config {
                 zero: 0,
                 prefetch: 1,
                 shard: 0,
+                reduce_scatter: ReduceScatter::Step,
                 bucket_mb: 1.0,
                 schedule: ScheduleKind::OneFOneB,
                 virtual_stages: 1,

@@ -1,6 +1,7 @@
 //! `[parallel]`: the layout, pipeline, recomputation, ZeRO-1 and overlap; the
 //! [`ParallelPlan`] and [`PipelinePlan`] they give.
 
+use merak_burn::data_parallel::ReduceScatter;
 use merak_burn::pipeline::{PipelinePlan, Recompute, RecomputeMode, ScheduleKind};
 use merak_burn::plan::ParallelPlan;
 use merak_burn::tensor_parallel::TpOverlap;
@@ -28,6 +29,11 @@ pub struct ParallelSection {
     pub zero: u8,
     /// Under ZeRO-3: units whose parameters are gathered ahead of the one running (0: none).
     pub prefetch: usize,
+    /// Under ZeRO-2 and 3 with several micro-batches a step: "step" (the micro-batches add up in
+    /// whole gradient buckets, reduce-scattered once, after the last) or "micro-batch" (each
+    /// bucket reduce-scattered as soon as a micro-batch completes it, only this rank's chunks
+    /// adding up: less memory, one reduce-scatter per micro-batch).
+    pub reduce_scatter: ReduceScatter,
     /// Hybrid sharding under ZeRO: the data-parallel ranks that share one copy's slices (a
     /// divisor of dp; 0: all dp ranks); the dp / shard groups hold copies, and each slice's
     /// gradient is summed over them after the reduce-scatter.
@@ -87,6 +93,16 @@ impl Config {
                     ),
                 );
             }
+        }
+        if self.parallel.reduce_scatter == ReduceScatter::MicroBatch && self.parallel.zero < 2 {
+            return bad(
+                "parallel.reduce_scatter",
+                format!(
+                    "\"micro-batch\" needs parallel.zero = 2 or 3 (it is {}): stages 0 and 1 \
+                     reduce whole gradients",
+                    self.parallel.zero
+                ),
+            );
         }
         if self.parallel.prefetch > 8 {
             return bad(
@@ -254,11 +270,13 @@ impl Config {
             tp_overlap: p.tp_overlap,
             prefetch: p.prefetch,
             shard: p.shard,
+            reduce_scatter: p.reduce_scatter,
         }
     }
 
     /// Sets the keys a plan decides (`plan_cmd::PLANNED_KEYS`: the layout, stages, schedule,
-    /// recomputation per stage, ZeRO-1 and the micro-batch size) to run `plan`; the bucket
+    /// recomputation per stage, the ZeRO stage and when it reduce-scatters, and the micro-batch
+    /// size) to run `plan`; the bucket
     /// size and the recomputation policy stay the config's.
     pub fn apply_plan(&mut self, plan: &ParallelPlan) {
         let p = &mut self.parallel;
@@ -270,6 +288,7 @@ impl Config {
         p.stage_layers = plan.stage_units.clone();
         p.stage_recompute = plan.stage_recompute.clone();
         p.zero = plan.zero;
+        p.reduce_scatter = plan.reduce_scatter;
         p.tp_overlap = plan.tp_overlap;
         self.train.micro_batch = plan.micro_batch;
     }

@@ -232,7 +232,7 @@ fn a_validation_pass_is_bounded_by_the_data() {
 }
 
 #[test]
-fn zero_stages_prefetch_and_hybrid_sharding_are_checked_and_named() {
+fn zero_stages_prefetch_reduce_scatter_and_hybrid_sharding_are_checked_and_named() {
     let refused = |keys: &[&str]| load(None, &sets(keys)).unwrap_err().to_string();
     let e = refused(&["parallel.zero=4"]);
     assert!(
@@ -251,8 +251,23 @@ fn zero_stages_prefetch_and_hybrid_sharding_are_checked_and_named() {
         e.contains("parallel.shard") && e.contains("zero = 1, 2 or 3"),
         "{e}"
     );
+    let e = refused(&["parallel.zero=1", "parallel.reduce_scatter=micro-batch"]);
+    assert!(
+        e.contains("parallel.reduce_scatter") && e.contains("zero = 2 or 3") && e.contains("is 1"),
+        "{e}"
+    );
+    let e = refused(&["parallel.zero=2", "parallel.reduce_scatter=always"]);
+    assert!(
+        e.contains("reduce_scatter") && e.contains("micro-batch"),
+        "{e}"
+    );
     for ok in [
-        &["parallel.dp=4", "parallel.zero=2", "parallel.shard=2"][..],
+        &[
+            "parallel.dp=2",
+            "parallel.zero=2",
+            "parallel.reduce_scatter=micro-batch",
+        ][..],
+        &["parallel.dp=4", "parallel.zero=2", "parallel.shard=2"],
         &["parallel.dp=4", "parallel.zero=1", "parallel.shard=2"],
         &["parallel.dp=4", "parallel.zero=3", "parallel.shard=1"],
         &["parallel.dp=4", "parallel.zero=0", "parallel.shard=4"],

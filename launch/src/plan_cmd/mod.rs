@@ -100,7 +100,7 @@ pub(super) fn gib(bytes: u64) -> f64 {
 pub(super) fn describe(p: &Plan) -> String {
     let l = &p.layout;
     format!(
-        "dp={} tp={} pp={} v={} mbs={} m={} {} recompute={} zero={} overlap={}",
+        "dp={} tp={} pp={} v={} mbs={} m={} {} recompute={} {} overlap={}",
         l.dp,
         l.tp,
         l.pp,
@@ -109,7 +109,7 @@ pub(super) fn describe(p: &Plan) -> String {
         l.micro_batches,
         l.schedule,
         p.policy,
-        l.zero,
+        l.zero_label(),
         l.tp_overlap
     )
 }

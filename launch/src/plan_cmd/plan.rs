@@ -141,7 +141,7 @@ pub fn plan(a: &PlanArgs) -> Result<()> {
 }
 
 /// The config keys a plan sets.
-pub const PLANNED_KEYS: [&str; 10] = [
+pub const PLANNED_KEYS: [&str; 11] = [
     "train.micro_batch",
     "parallel.dp",
     "parallel.tp",
@@ -151,6 +151,7 @@ pub const PLANNED_KEYS: [&str; 10] = [
     "parallel.stage_layers",
     "parallel.stage_recompute",
     "parallel.zero",
+    "parallel.reduce_scatter",
     "parallel.tp_overlap",
 ];
 

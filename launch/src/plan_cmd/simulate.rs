@@ -1,6 +1,7 @@
 //! `merak simulate`: one layout's predicted step, and the layout strings both commands read.
 
 use anyhow::{Context, Result, bail};
+use merak_burn::data_parallel::ReduceScatter;
 use merak_burn::pipeline::{ScheduleKind, balanced_partition, build_schedule};
 use merak_burn::planner::{CostModel, Layout, ModelProxy, PlanFile, RecomputeMode};
 
@@ -11,7 +12,8 @@ use super::*;
 pub struct SimulateArgs {
     #[command(flatten)]
     target: Target,
-    /// The layout, e.g. `dp=32,tp=8,pp=2,v=1,mbs=4,recompute=full,schedule=1f1b,zero=0,overlap=1`.
+    /// The layout, e.g. `dp=32,tp=8,pp=2,v=1,mbs=4,recompute=full,schedule=1f1b,zero=0,overlap=1`
+    /// (with `zero=2` or `3`, also `reduce_scatter=step` or `micro-batch`).
     #[arg(long, required_unless_present = "plan", conflicts_with = "plan")]
     layout: Option<String>,
     /// A plan written by `merak plan --output` (instead of `--layout`).
@@ -27,7 +29,7 @@ pub struct SimulateArgs {
 pub(super) const MAX_SIMULATED_UNITS: usize = 1 << 20;
 
 /// The keys of `--layout`, in the order of its help.
-pub(super) const LAYOUT_KEYS: [&str; 9] = [
+pub(super) const LAYOUT_KEYS: [&str; 10] = [
     "dp",
     "tp",
     "pp",
@@ -36,6 +38,7 @@ pub(super) const LAYOUT_KEYS: [&str; 9] = [
     "schedule",
     "recompute",
     "zero",
+    "reduce_scatter",
     "overlap",
 ];
 
@@ -49,7 +52,7 @@ pub(super) fn layout_pairs(text: &str) -> Result<Vec<(&'static str, &str)>> {
         let Some(&key) = LAYOUT_KEYS.iter().find(|&&known| known == k.trim()) else {
             bail!(
                 "--layout: unknown key `{}` (dp, tp, pp, v, mbs, schedule, recompute, zero, \
-                 overlap)",
+                 reduce_scatter, overlap)",
                 k.trim()
             );
         };
@@ -88,8 +91,16 @@ pub(crate) fn parse_layout(
     let mut schedule = ScheduleKind::OneFOneB;
     let mut zero = 0u8;
     let mut tp_overlap = 1;
+    let mut reduce_scatter = ReduceScatter::Step;
     for (key, val) in layout_pairs(text)? {
         match key {
+            "reduce_scatter" => {
+                reduce_scatter = match val {
+                    "step" => ReduceScatter::Step,
+                    "micro-batch" => ReduceScatter::MicroBatch,
+                    other => bail!("--layout: reduce_scatter={other} (step or micro-batch)"),
+                }
+            }
             "schedule" => {
                 schedule = val
                     .parse()
@@ -121,6 +132,9 @@ pub(crate) fn parse_layout(
     if zero == 3 && recompute != RecomputeMode::Full {
         bail!("--layout: zero=3 recomputes every unit: give recompute=full with it");
     }
+    if reduce_scatter == ReduceScatter::MicroBatch && zero < 2 {
+        bail!("--layout: reduce_scatter=micro-batch needs zero=2 or zero=3 (it is {zero})");
+    }
     if !global_batch.is_multiple_of(dp * mbs) {
         bail!(
             "--layout: dp * mbs = {} does not divide --global-batch {global_batch}",
@@ -150,6 +164,7 @@ pub(crate) fn parse_layout(
         schedule,
         recompute: vec![recompute; stages],
         zero,
+        reduce_scatter,
         partition,
         tp_overlap,
     })
@@ -225,7 +240,7 @@ pub fn simulate(a: &SimulateArgs) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{} on {} x {}: dp={} tp={} pp={} v={} mbs={} m={} {} zero={} overlap={}",
+        "{} on {} x {}: dp={} tp={} pp={} v={} mbs={} m={} {} {} overlap={}",
         model.name,
         a.target.gpus,
         a.target.hardware,
@@ -236,7 +251,7 @@ pub fn simulate(a: &SimulateArgs) -> Result<()> {
         layout.micro_batch,
         layout.micro_batches,
         layout.schedule,
-        layout.zero,
+        layout.zero_label(),
         layout.tp_overlap
     );
     print_prediction(&prediction);

@@ -13,6 +13,11 @@
 //! A bucket's buffer is moved into its all-reduce and back, not copied.
 //! [`DataParallel::finish`] waits for what is left and returns the averaged gradients.
 //! Buckets start strictly in order, so every rank issues the collectives in the same order.
+//!
+//! Under ZeRO-2 and 3 with several micro-batches, [`ReduceScatter`] says when the buckets are
+//! reduce-scattered: once per step (the default), or every micro-batch, as soon as that
+//! micro-batch's backward pass completes a bucket (every rank reaches the same gradient of the
+//! same backward pass, so the collectives still start in the same order).
 
 pub mod gather;
 mod reducer;
@@ -20,3 +25,28 @@ pub mod slices;
 
 pub use gather::{Shards, all_gather_each, emptied};
 pub use reducer::{DataParallel, DpStats};
+
+use serde::{Deserialize, Serialize};
+
+/// When ZeRO-2 and 3 reduce-scatter the gradients of a step of several micro-batches.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ReduceScatter {
+    /// Once per step: the micro-batches add up in whole gradient buckets (ZeRO-1's gradient
+    /// memory during the step), each bucket reduce-scattered after the last one.
+    #[default]
+    Step,
+    /// Every micro-batch: each bucket is reduce-scattered as soon as a micro-batch's backward
+    /// pass completes it, and only this rank's chunks add up (a chunk of the gradients held,
+    /// `m` times the reduce-scatter traffic).
+    MicroBatch,
+}
+
+impl std::fmt::Display for ReduceScatter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Step => "step",
+            Self::MicroBatch => "micro-batch",
+        })
+    }
+}

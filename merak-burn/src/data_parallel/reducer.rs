@@ -43,6 +43,9 @@ struct Bucket {
     waiting: usize,
     pending: Option<Box<dyn Pending>>,
     launched: bool,
+    /// When reduce-scattering every micro-batch: this rank's chunk summed over the
+    /// micro-batches whose reduce-scatter is done (empty before the first).
+    acc: Vec<f32>,
 }
 
 struct State {
@@ -53,6 +56,13 @@ struct State {
     /// Reduce-scatter the buckets (each rank gets its chunk, [`RankSlices`]) instead of
     /// all-reducing them.
     scatter: bool,
+    /// Reduce-scatter each bucket as soon as a micro-batch completes it, every micro-batch,
+    /// summing the chunks (less gradient memory, one reduce-scatter per micro-batch), instead
+    /// of accumulating whole buckets until the last micro-batch.
+    each: bool,
+    /// Reduce-scattering every micro-batch: the buckets whose reduce-scatter may still run,
+    /// oldest first.
+    in_flight: std::collections::VecDeque<usize>,
     comm: Rc<dyn Communicator>,
     /// The ranks a bucket is reduce-scattered over (the data-parallel group, or under hybrid
     /// sharding its shard group).
@@ -94,12 +104,109 @@ impl State {
             }
         }
         slot.seen = true;
-        if self.reduce_now {
-            let b = slot.bucket;
+        let b = slot.bucket;
+        if self.each {
+            self.buckets[b].waiting = self.buckets[b].waiting.saturating_sub(1);
+            if self.buckets[b].waiting == 0 {
+                self.scatter_now(b, false);
+            }
+        } else if self.reduce_now {
             self.buckets[b].waiting = self.buckets[b].waiting.saturating_sub(1);
             self.launch_ready(false);
         }
         self.progress();
+    }
+
+    /// Reduce-scattering every micro-batch: starts bucket `b`'s reduce-scatter of what this
+    /// micro-batch gave it (after adding the previous one's chunk, if still in flight), and
+    /// gets the bucket ready for the next micro-batch. Every rank reaches this at the same
+    /// gradient of the same backward pass, so the collectives start in the same order.
+    fn scatter_now(&mut self, b: usize, at_end: bool) {
+        self.settle(b, true);
+        // A bucket in flight holds its whole buffer: with more than a few, the micro-batches'
+        // buckets would all be alive at once (MPI progresses them only inside its calls), and
+        // the chunks would save nothing. Wait for the oldest first.
+        while self.in_flight.len() >= EACH_IN_FLIGHT {
+            if let Some(oldest) = self.in_flight.pop_front() {
+                self.settle(oldest, true);
+            }
+        }
+        let size = self.shard.size();
+        let uses = self.slots[self.buckets[b].slots.clone()]
+            .iter()
+            .map(|x| x.uses)
+            .sum();
+        let bucket = &mut self.buckets[b];
+        let mut data = std::mem::take(&mut bucket.data);
+        data.resize(
+            BucketChunks::new(bucket.start, bucket.end, size).chunk * size,
+            0.0,
+        );
+        if size == 1 {
+            // One rank per copy: the bucket is its chunk.
+            add_into(&mut bucket.acc, data);
+        } else {
+            match self.shard.reduce_scatter_start(data, ReduceOp::Sum) {
+                Ok(p) => bucket.pending = Some(p),
+                Err(e) => self.error = Some(e),
+            }
+            self.in_flight.push_back(b);
+        }
+        bucket.waiting = uses;
+        if !at_end {
+            self.launched_early += 1;
+        }
+    }
+
+    /// Reduce-scattering every micro-batch: adds bucket `b`'s finished reduce-scatter (with
+    /// `wait`, waiting for it) into its summed chunk.
+    fn settle(&mut self, b: usize, wait: bool) {
+        let bucket = &mut self.buckets[b];
+        let Some(p) = bucket.pending.as_mut() else {
+            return;
+        };
+        match p.test() {
+            Ok(false) if !wait => return,
+            Err(e) => {
+                self.error = Some(e);
+                bucket.pending = None;
+                return;
+            }
+            _ => {}
+        }
+        let Some(p) = bucket.pending.take() else {
+            return;
+        };
+        self.in_flight.retain(|&x| x != b);
+        match p.wait() {
+            Ok(chunk) => add_into(&mut bucket.acc, chunk),
+            Err(e) => self.error = Some(e),
+        }
+    }
+
+    /// Reduce-scattering every micro-batch, at the end of the step: starts the buckets the
+    /// last micro-batch left incomplete, sums every chunk, and under hybrid sharding
+    /// all-reduces the sums over the copies; each bucket's buffer then holds its chunk.
+    fn complete_each(&mut self) -> Result<(), CommError> {
+        for b in 0..self.buckets.len() {
+            if !self.buckets[b].data.is_empty() {
+                self.scatter_now(b, true);
+            }
+        }
+        for b in 0..self.buckets.len() {
+            self.settle(b, true);
+        }
+        let copies = self.replicate.clone();
+        let size = self.shard.size();
+        for bucket in &mut self.buckets {
+            let mut chunk = std::mem::take(&mut bucket.acc);
+            chunk.resize(BucketChunks::new(bucket.start, bucket.end, size).chunk, 0.0);
+            match &copies {
+                Some(c) => bucket.pending = Some(c.all_reduce_start(chunk, ReduceOp::Sum)?),
+                None => bucket.data = chunk,
+            }
+        }
+        Ok(())
     }
 
     /// Starts the buckets that are complete, in order; with `all`, starts every remaining one.
@@ -154,8 +261,12 @@ impl State {
     fn complete(&mut self) -> Result<DpStats, CommError> {
         let t0 = Instant::now();
         set_grad_sink(None);
-        self.launch_ready(true);
-        self.start_replicas(true);
+        if self.each {
+            self.complete_each()?;
+        } else {
+            self.launch_ready(true);
+            self.start_replicas(true);
+        }
         for b in &mut self.buckets {
             if let Some(p) = b.pending.take() {
                 b.data = p.wait()?;
@@ -172,6 +283,12 @@ impl State {
     }
 
     fn progress(&mut self) {
+        if self.each {
+            for b in 0..self.buckets.len() {
+                self.settle(b, false);
+            }
+            return;
+        }
         for b in &mut self.buckets {
             if let Some(p) = b.pending.as_mut()
                 && let Err(e) = p.test()
@@ -214,6 +331,21 @@ impl State {
         let bucket = &self.buckets[slot.bucket];
         let at = slot.offset - bucket.start;
         bucket.data.get(at..at + slot.len)
+    }
+}
+
+/// Reduce-scattering every micro-batch: at most this many buckets' reduce-scatters in flight
+/// (a new one first waits for the oldest), so that few whole buckets are alive at a time.
+const EACH_IN_FLIGHT: usize = 2;
+
+/// Adds `values` into `sum` (which takes them when still empty, without the spare capacity
+/// of a pooled communication buffer: the sum lives through the step).
+fn add_into(sum: &mut Vec<f32>, mut values: Vec<f32>) {
+    if sum.is_empty() {
+        values.shrink_to_fit();
+        *sum = values;
+    } else {
+        sum.iter_mut().zip(&values).for_each(|(a, v)| *a += v);
     }
 }
 
@@ -339,6 +471,7 @@ impl DataParallel {
                     waiting: members,
                     pending: None,
                     launched: false,
+                    acc: Vec::new(),
                 });
                 end = start;
                 members = 0;
@@ -352,6 +485,8 @@ impl DataParallel {
                 next_launch: 0,
                 reduce_now: false,
                 scatter: false,
+                each: false,
+                in_flight: std::collections::VecDeque::new(),
                 comm: dp.comm()?,
                 shard: dp.comm()?,
                 replicate: None,
@@ -369,6 +504,16 @@ impl DataParallel {
     /// [`finish_chunks`](Self::finish_chunks) (ZeRO-2).
     pub fn reduce_scattering(self) -> Self {
         self.state.borrow_mut().scatter = true;
+        self
+    }
+
+    /// This reducer, reduce-scattering (see [`reduce_scattering`](Self::reduce_scattering) and
+    /// [`reduce_scattering_over`](Self::reduce_scattering_over)) every micro-batch: a bucket's
+    /// reduce-scatter starts as soon as each micro-batch's backward pass completes it, and the
+    /// chunks are summed, so no whole bucket outlives its micro-batch (one reduce-scatter per
+    /// micro-batch instead of one per step).
+    pub fn each_micro_batch(self) -> Self {
+        self.state.borrow_mut().each = true;
         self
     }
 
@@ -433,11 +578,18 @@ impl DataParallel {
         s.slots.iter().find(|x| x.id == id).map(|x| x.bucket)
     }
 
-    /// Gradient values this rank's buckets hold during a step (every parameter's: the
-    /// gradients are reduced whole).
+    /// Gradient values this rank's buckets hold during a step: every parameter's when the
+    /// micro-batches add up in whole buckets; when reduce-scattering
+    /// [every micro-batch](Self::each_micro_batch), this rank's chunks (each bucket then lives
+    /// only from its first gradient to its reduce-scatter, within one backward pass).
     pub fn gradient_elements(&self) -> usize {
-        (self.state.borrow().buckets.iter())
-            .map(|b| b.end - b.start)
+        let s = self.state.borrow();
+        let size = s.shard.size();
+        (s.buckets.iter())
+            .map(|b| match s.each {
+                true => BucketChunks::new(b.start, b.end, size).chunk,
+                false => b.end - b.start,
+            })
             .sum()
     }
 
@@ -455,6 +607,7 @@ impl DataParallel {
             b.waiting = s.slots[b.slots.clone()].iter().map(|x| x.uses).sum();
             b.pending = None;
             b.launched = false;
+            b.acc = Vec::new();
             // A one-parameter bucket takes its first gradient as its buffer. Under ZeRO-2 and 3
             // every bucket gets a buffer at its first gradient (what it held is a chunk now),
             // so buffers live from then to their reduce-scatter; all-reducing buckets keep
@@ -464,6 +617,7 @@ impl DataParallel {
             }
         }
         s.next_launch = 0;
+        s.in_flight.clear();
         s.next_replicate = 0;
         s.launched_early = 0;
         s.error = None;

@@ -34,6 +34,7 @@ use thiserror::Error;
 use super::calibration::{Calibration, UnitKind};
 use super::hardware::HardwareSpec;
 use super::model::{BYTES_16BIT, ModelProxy, RecomputeMode};
+use crate::data_parallel::ReduceScatter;
 use crate::pipeline::schedule::stage_of_chunk;
 use crate::pipeline::{
     Costs, Partition, ScheduleError, ScheduleKind, ValidationError, build_schedule,
@@ -124,6 +125,11 @@ pub struct Layout {
     /// `"zero1": true` for stage 1.
     #[serde(alias = "zero1", deserialize_with = "super::zero_stage", default)]
     pub zero: u8,
+    /// Under ZeRO-2 and 3 with several micro-batches: the gradients reduce-scattered once per
+    /// step (whole buckets add up) or every micro-batch (only chunks add up, `m` times the
+    /// traffic).
+    #[serde(default)]
+    pub reduce_scatter: ReduceScatter,
     /// The model's units cut into `pp * virtual_stages` stages.
     pub partition: Partition,
     /// Sub-pipelined tensor parallelism (Merak, Oases): each micro-batch's tokens are split into
@@ -134,6 +140,16 @@ pub struct Layout {
 }
 
 impl Layout {
+    /// `zero=N`, with `reduce_scatter=micro-batch` when stage 2 or 3 reduce-scatters every
+    /// micro-batch: how plan listings name the ZeRO settings.
+    pub fn zero_label(&self) -> String {
+        if self.zero >= 2 && self.reduce_scatter == ReduceScatter::MicroBatch {
+            format!("zero={} reduce_scatter={}", self.zero, self.reduce_scatter)
+        } else {
+            format!("zero={}", self.zero)
+        }
+    }
+
     /// Devices used: `dp * tp * pp` (saturating).
     pub fn gpus(&self) -> usize {
         self.dp.saturating_mul(self.tp).saturating_mul(self.pp)
@@ -521,18 +537,20 @@ impl<'a> CostModel<'a> {
 
     /// Bytes of model states per parameter held: 16 (16-bit weight and gradient, fp32 master
     /// weight and two moments) without ZeRO; `4 + 12/d` with ZeRO-1; with ZeRO-2 the
-    /// gradient is sharded too, `2 + 14/d`, but only with one micro-batch per step (merak
-    /// accumulates micro-batches in whole gradient buckets, so with `m > 1` stage 2 holds
-    /// stage 1's); with ZeRO-3 the weight is sharded too, `16/d` (`2 + 14/d` with `m > 1`);
-    /// plus a second 16-bit weight version under PipeDream-2BW.
+    /// gradient is sharded too, `2 + 14/d`, but with `m > 1` micro-batches reduce-scattered
+    /// once per step ([`ReduceScatter::Step`]) the micro-batches add up in whole gradient
+    /// buckets, so stage 2 holds stage 1's; with ZeRO-3 the weight is sharded too, `16/d`
+    /// (`2 + 14/d` when the whole gradients add up); plus a second 16-bit weight version
+    /// under PipeDream-2BW.
     pub(crate) fn state_bytes_per_param(
         d: usize,
         zero: u8,
         micro_batches: usize,
+        reduce_scatter: ReduceScatter,
         schedule: ScheduleKind,
     ) -> f64 {
         let d = d as f64;
-        let whole_grads = micro_batches > 1;
+        let whole_grads = micro_batches > 1 && reduce_scatter == ReduceScatter::Step;
         let states = match zero {
             0 => 16.0,
             1 => 4.0 + 12.0 / d,
@@ -682,8 +700,20 @@ impl<'a> CostModel<'a> {
             costs,
         };
         let dp_span = d * t;
-        let state_bytes =
-            Self::state_bytes_per_param(d, layout.zero, layout.micro_batches, layout.schedule);
+        let state_bytes = Self::state_bytes_per_param(
+            d,
+            layout.zero,
+            layout.micro_batches,
+            layout.reduce_scatter,
+            layout.schedule,
+        );
+        // Reduce-scattered every micro-batch: m collectives, each hidden behind its
+        // micro-batch's backward pass as far as it goes.
+        let scatters = if layout.zero >= 2 && layout.reduce_scatter == ReduceScatter::MicroBatch {
+            layout.micro_batches.max(1) as f64
+        } else {
+            1.0
+        };
         for rank in 0..p {
             let mut last_backward = 0.0;
             for chunk in 0..v {
@@ -730,7 +760,7 @@ impl<'a> CostModel<'a> {
                     _ => half,
                 };
                 (
-                    (half - last_backward).max(0.0),
+                    scatters * (half - last_backward).max(0.0),
                     // ZeRO-3 keeps its slices: no all-gather after the update.
                     if d > 1 && layout.zero < 3 {
                         exchange
@@ -994,6 +1024,7 @@ mod tests {
             schedule: ScheduleKind::OneFOneB,
             recompute: vec![RecomputeMode::Full; pp],
             zero: 0,
+            reduce_scatter: ReduceScatter::Step,
             partition: balanced_partition(&costs, pp).unwrap(),
             tp_overlap: 1,
         }

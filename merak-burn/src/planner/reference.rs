@@ -5,6 +5,7 @@ use serde::Serialize;
 
 use super::cost::Layout;
 use super::model::{ModelProxy, RecomputeMode, TransformerShape};
+use crate::data_parallel::ReduceScatter;
 use crate::pipeline::{PartitionError, ScheduleKind, balanced_partition};
 
 /// One row of the published table.
@@ -99,6 +100,7 @@ impl PublishedRow {
             schedule: ScheduleKind::OneFOneB,
             recompute: vec![RecomputeMode::Full; self.pp],
             zero: 0,
+            reduce_scatter: ReduceScatter::Step,
             partition: balanced_partition(&costs, self.pp)?,
             tp_overlap: 1,
         })

@@ -44,6 +44,7 @@ use super::cost::{CostError, CostModel, Layout, Prediction};
 use super::hardware::HardwareSpec;
 use super::model::{ModelProxy, RecomputeMode};
 use super::stage_dp::{Skeleton, StageDp, StageDpError};
+use crate::data_parallel::ReduceScatter;
 use crate::pipeline::{Partition, Recompute, ScheduleKind, balanced_partition};
 
 /// The most units (layers + the embedding + the head) a search plans: the stage planner
@@ -345,11 +346,28 @@ struct Slot {
 }
 
 impl Slot {
-    /// The layouts of this slot: one per policy and ZeRO stage it allows ([`Slot::allows`]).
+    /// The layouts of this slot: one per policy and ZeRO stage it allows ([`Slot::allows`]),
+    /// and a second for ZeRO-2 and 3 under a uniform policy with several micro-batches
+    /// (reduce-scattered once per step, or every micro-batch).
     fn layouts(&self, options: &SearchOptions) -> usize {
         (options.recompute.iter())
-            .map(|&p| options.zero.iter().filter(|&&z| self.allows(z, p)).count())
+            .map(|&p| {
+                (options.zero.iter().filter(|&&z| self.allows(z, p)))
+                    .map(|&z| self.reduce_scatters(z, p).len())
+                    .sum::<usize>()
+            })
             .sum()
+    }
+
+    /// When ZeRO stage `zero` under `policy` may reduce-scatter: every micro-batch as well as
+    /// once per step for stages 2 and 3 with several micro-batches under a uniform policy
+    /// (the stage planner's cuts assume once per step).
+    fn reduce_scatters(&self, zero: u8, policy: Recompute) -> &'static [ReduceScatter] {
+        if zero >= 2 && self.m > 1 && policy != Recompute::StageAware {
+            &[ReduceScatter::Step, ReduceScatter::MicroBatch]
+        } else {
+            &[ReduceScatter::Step]
+        }
     }
 
     /// Whether ZeRO stage `zero` goes with this slot under `policy`: any stage above 0 needs
@@ -513,20 +531,22 @@ fn generate(
             };
             let partition = plain_partition(mode_index, slot.pp * slot.v)?;
             for &zero in options.zero.iter().filter(|&&z| slot.allows(z, policy)) {
-                let layout = if policy == Recompute::StageAware && slot.v == 1 {
-                    planned(
+                if policy == Recompute::StageAware && slot.v == 1 {
+                    let layout = planned(
                         slot,
                         zero,
                         dp_planner,
                         unplanned,
                         &mut plain_partition,
                         options,
-                    )?
-                } else {
-                    shaped(cm, slot, policy, zero, &partition, dp_planner.budget())?
-                };
-                if let Some(layout) = layout {
-                    out.push(Candidate { layout, policy });
+                    )?;
+                    out.extend(layout.map(|layout| Candidate { layout, policy }));
+                    continue;
+                }
+                for &rs in slot.reduce_scatters(zero, policy) {
+                    let zeroed = Zeroed { zero, rs };
+                    let layout = shaped(cm, slot, policy, zeroed, &partition, dp_planner.budget())?;
+                    out.extend(layout.map(|layout| Candidate { layout, policy }));
                 }
             }
         }
@@ -572,6 +592,13 @@ fn planned(
     Ok(Some(layout))
 }
 
+/// A ZeRO stage and when it reduce-scatters.
+#[derive(Clone, Copy)]
+struct Zeroed {
+    zero: u8,
+    rs: ReduceScatter,
+}
+
 /// The layout of `slot` with ZeRO stage `zero` under a uniform `policy` on `partition`, or the
 /// per-rank
 /// stage-aware rule for interleaved slots (`None` when that is uniform).
@@ -579,7 +606,7 @@ fn shaped(
     cm: &CostModel<'_>,
     slot: &Slot,
     policy: Recompute,
-    zero: u8,
+    zero: Zeroed,
     partition: &Partition,
     budget: u64,
 ) -> Result<Option<Layout>, SearchError> {
@@ -592,7 +619,8 @@ fn shaped(
         micro_batches: slot.m,
         schedule: slot.schedule,
         recompute: vec![mode; slot.pp * slot.v],
-        zero,
+        zero: zero.zero,
+        reduce_scatter: zero.rs,
         partition: partition.clone(),
         tp_overlap: slot.k,
     };
@@ -862,12 +890,47 @@ mod tests {
         assert!(memory.windows(2).all(|w| w[1] < w[0]), "{memory:?}");
         // Per parameter, at d = 8: 16, 4 + 12/8, 2 + 14/8 (one micro-batch; with more, the
         // whole gradient: stage 1's), 16/8 (with more, a whole gradient: 2 + 14/8).
-        let per = |zero, m| CostModel::state_bytes_per_param(8, zero, m, ScheduleKind::OneFOneB);
+        // Reduce-scattered every micro-batch, only chunks add up: as with one micro-batch.
+        let per =
+            |zero, m, rs| CostModel::state_bytes_per_param(8, zero, m, rs, ScheduleKind::OneFOneB);
+        let (step, each) = (ReduceScatter::Step, ReduceScatter::MicroBatch);
         assert_eq!(
-            [per(0, 1), per(1, 1), per(2, 1), per(3, 1)],
+            [
+                per(0, 1, step),
+                per(1, 1, step),
+                per(2, 1, step),
+                per(3, 1, step)
+            ],
             [16.0, 5.5, 3.75, 2.0]
         );
-        assert_eq!([per(2, 4), per(3, 4)], [5.5, 3.75]);
+        assert_eq!([per(2, 4, step), per(3, 4, step)], [5.5, 3.75]);
+        assert_eq!([per(2, 4, each), per(3, 4, each)], [3.75, 2.0]);
+    }
+
+    /// ZeRO-2 and 3 layouts with several micro-batches come in both variants; every
+    /// micro-batch's reduce-scatter holds less and exposes at least as much communication.
+    #[test]
+    fn reducing_every_micro_batch_is_searched_and_trades_traffic_for_memory() {
+        let model =
+            ModelProxy::parse("gpt:layers=32,hidden=4096,heads=32,seq=2048,vocab=51200").unwrap();
+        let hw = HardwareSpec::preset("a100-80g").unwrap().with_devices(8);
+        let options = SearchOptions::new(8, 8);
+        let cm = CostModel::new(&model, &hw);
+        let all = candidates(&cm, &options, hw.memory_bytes).unwrap();
+        let each: Vec<&Layout> = (all.iter().map(|c| &c.layout))
+            .filter(|l| l.reduce_scatter == ReduceScatter::MicroBatch)
+            .collect();
+        assert!(!each.is_empty());
+        for l in &each {
+            assert!(l.zero >= 2 && l.micro_batches > 1, "{l:?}");
+            let once = Layout {
+                reduce_scatter: ReduceScatter::Step,
+                ..(*l).clone()
+            };
+            let (a, b) = (cm.predict(l).unwrap(), cm.predict(&once).unwrap());
+            assert!(a.max_memory_bytes() < b.max_memory_bytes(), "{l:?}");
+            assert!(a.step_time_s >= b.step_time_s, "{l:?}");
+        }
     }
 
     /// A plan file of an earlier version names ZeRO-1 `"zero1": true`; it reads as stage 1.

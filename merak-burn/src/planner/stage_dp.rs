@@ -49,6 +49,7 @@ use thiserror::Error;
 
 use super::cost::{ChunkMemory, CostError, CostModel, Layout, StageTerms};
 use super::model::RecomputeMode;
+use crate::data_parallel::ReduceScatter;
 use crate::pipeline::{PartitionError, ScheduleKind, explicit_partition};
 
 /// The fields of a non-interleaved [`Layout`] that the stage planner does not choose.
@@ -407,6 +408,7 @@ impl<'c, 'a> StageDp<'c, 'a> {
             skeleton.dp,
             skeleton.zero,
             skeleton.micro_batches,
+            ReduceScatter::Step,
             skeleton.schedule,
         );
         let cm = self.cm;
@@ -460,6 +462,7 @@ impl<'c, 'a> StageDp<'c, 'a> {
                 schedule: skeleton.schedule,
                 recompute: solution.modes,
                 zero: skeleton.zero,
+                reduce_scatter: ReduceScatter::Step,
                 partition,
                 tp_overlap: skeleton.tp_overlap,
             },
@@ -584,6 +587,7 @@ mod tests {
                     schedule: sk.schedule,
                     recompute: modes.clone(),
                     zero: sk.zero,
+                    reduce_scatter: ReduceScatter::Step,
                     partition: explicit_partition(&sizes, units).unwrap(),
                     tp_overlap: sk.tp_overlap,
                 };

@@ -12,7 +12,7 @@ use burn::tensor::backend::AutodiffBackend;
 use crate::batch::Samples;
 use crate::checkpoint::{Checkpoint, FullState, state};
 use crate::comm::{Group, ReduceOp};
-use crate::data_parallel::{DataParallel, DpStats, Shards, emptied};
+use crate::data_parallel::{DataParallel, DpStats, ReduceScatter, Shards, emptied};
 use crate::grid::ProcessGrid;
 use crate::pipeline::{
     Executor, InFlight, MicroBatch, PipelineModel, PipelinePlan, ScheduleKind, StepWork,
@@ -176,6 +176,9 @@ where
                 (_, Some(r)) => reducer.reduce_scattering_over(shard, r)?,
                 (_, None) => reducer.reduce_scattering(),
             };
+            if parallel.zero >= 2 && parallel.reduce_scatter == ReduceScatter::MicroBatch {
+                reducer = reducer.each_micro_batch();
+            }
             let (slices, ranges) = (reducer.slices(), reducer.param_ranges());
             if let Some(units) = units {
                 zero3::set_uses(&reducer, &shapes, &units);
