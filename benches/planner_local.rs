@@ -242,6 +242,7 @@ fn main() -> Result<()> {
             recompute: vec![mode; pp],
             zero: 0,
             reduce_scatter: Default::default(),
+            shard: 0,
             partition: balanced_partition(&costs, pp)?,
             tp_overlap,
         };

@@ -245,7 +245,7 @@ impl ParallelPlan {
             bucket_mb: 1.0,
             tp_overlap: l.tp_overlap,
             prefetch: 1,
-            shard: 0,
+            shard: l.shard,
             reduce_scatter: l.reduce_scatter,
         }
     }
@@ -282,6 +282,7 @@ impl ParallelPlan {
             recompute,
             zero: self.zero,
             reduce_scatter: self.reduce_scatter,
+            shard: self.shard,
             partition,
             tp_overlap: self.tp_overlap,
         }

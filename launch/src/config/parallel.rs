@@ -275,8 +275,8 @@ impl Config {
     }
 
     /// Sets the keys a plan decides (`plan_cmd::PLANNED_KEYS`: the layout, stages, schedule,
-    /// recomputation per stage, the ZeRO stage and when it reduce-scatters, and the micro-batch
-    /// size) to run `plan`; the bucket
+    /// recomputation per stage, the ZeRO stage, when it reduce-scatters and its hybrid
+    /// sharding, and the micro-batch size) to run `plan`; the bucket
     /// size and the recomputation policy stay the config's.
     pub fn apply_plan(&mut self, plan: &ParallelPlan) {
         let p = &mut self.parallel;
@@ -289,6 +289,7 @@ impl Config {
         p.stage_recompute = plan.stage_recompute.clone();
         p.zero = plan.zero;
         p.reduce_scatter = plan.reduce_scatter;
+        p.shard = plan.shard;
         p.tp_overlap = plan.tp_overlap;
         self.train.micro_batch = plan.micro_batch;
     }

@@ -141,7 +141,7 @@ pub fn plan(a: &PlanArgs) -> Result<()> {
 }
 
 /// The config keys a plan sets.
-pub const PLANNED_KEYS: [&str; 11] = [
+pub const PLANNED_KEYS: [&str; 12] = [
     "train.micro_batch",
     "parallel.dp",
     "parallel.tp",
@@ -152,6 +152,7 @@ pub const PLANNED_KEYS: [&str; 11] = [
     "parallel.stage_recompute",
     "parallel.zero",
     "parallel.reduce_scatter",
+    "parallel.shard",
     "parallel.tp_overlap",
 ];
 

@@ -13,7 +13,8 @@ pub struct SimulateArgs {
     #[command(flatten)]
     target: Target,
     /// The layout, e.g. `dp=32,tp=8,pp=2,v=1,mbs=4,recompute=full,schedule=1f1b,zero=0,overlap=1`
-    /// (with `zero=2` or `3`, also `reduce_scatter=step` or `micro-batch`).
+    /// (with `zero=2` or `3`, also `reduce_scatter=step` or `micro-batch`; with any zero above 0,
+    /// `shard=S` for hybrid sharding).
     #[arg(long, required_unless_present = "plan", conflicts_with = "plan")]
     layout: Option<String>,
     /// A plan written by `merak plan --output` (instead of `--layout`).
@@ -29,7 +30,7 @@ pub struct SimulateArgs {
 pub(super) const MAX_SIMULATED_UNITS: usize = 1 << 20;
 
 /// The keys of `--layout`, in the order of its help.
-pub(super) const LAYOUT_KEYS: [&str; 10] = [
+pub(super) const LAYOUT_KEYS: [&str; 11] = [
     "dp",
     "tp",
     "pp",
@@ -39,6 +40,7 @@ pub(super) const LAYOUT_KEYS: [&str; 10] = [
     "recompute",
     "zero",
     "reduce_scatter",
+    "shard",
     "overlap",
 ];
 
@@ -52,7 +54,7 @@ pub(super) fn layout_pairs(text: &str) -> Result<Vec<(&'static str, &str)>> {
         let Some(&key) = LAYOUT_KEYS.iter().find(|&&known| known == k.trim()) else {
             bail!(
                 "--layout: unknown key `{}` (dp, tp, pp, v, mbs, schedule, recompute, zero, \
-                 reduce_scatter, overlap)",
+                 reduce_scatter, shard, overlap)",
                 k.trim()
             );
         };
@@ -64,7 +66,7 @@ pub(super) fn layout_pairs(text: &str) -> Result<Vec<(&'static str, &str)>> {
     Ok(pairs)
 }
 
-/// The number of `--layout` key `key`: `dp`, `tp`, `pp`, `v`, `mbs` and `overlap` at least 1,
+/// The number of `--layout` key `key`: `dp`, `tp`, `pp`, `v`, `mbs`, `shard` and `overlap` at least 1,
 /// `zero` 0 to 3.
 pub(super) fn layout_number(key: &str, val: &str) -> Result<usize> {
     let n = val
@@ -92,6 +94,7 @@ pub(crate) fn parse_layout(
     let mut zero = 0u8;
     let mut tp_overlap = 1;
     let mut reduce_scatter = ReduceScatter::Step;
+    let mut shard = 0;
     for (key, val) in layout_pairs(text)? {
         match key {
             "reduce_scatter" => {
@@ -123,6 +126,7 @@ pub(crate) fn parse_layout(
                     "v" => v = n,
                     "mbs" => mbs = n,
                     "zero" => zero = n as u8,
+                    "shard" => shard = n,
                     _ => tp_overlap = n,
                 }
             }
@@ -131,6 +135,14 @@ pub(crate) fn parse_layout(
     check_layout_fits(model, [dp, tp, pp, v], gpus)?;
     if zero == 3 && recompute != RecomputeMode::Full {
         bail!("--layout: zero=3 recomputes every unit: give recompute=full with it");
+    }
+    if shard != 0 && shard != dp {
+        if !dp.is_multiple_of(shard) {
+            bail!("--layout: shard={shard} must divide dp={dp}");
+        }
+        if zero == 0 {
+            bail!("--layout: shard={shard} (hybrid sharding) needs zero=1, 2 or 3");
+        }
     }
     if reduce_scatter == ReduceScatter::MicroBatch && zero < 2 {
         bail!("--layout: reduce_scatter=micro-batch needs zero=2 or zero=3 (it is {zero})");
@@ -165,6 +177,7 @@ pub(crate) fn parse_layout(
         recompute: vec![recompute; stages],
         zero,
         reduce_scatter,
+        shard,
         partition,
         tp_overlap,
     })

@@ -1,5 +1,6 @@
 use super::simulate::*;
 use super::*;
+use merak_burn::data_parallel::ReduceScatter;
 
 fn gpt2() -> ModelProxy {
     ModelProxy::parse("gpt2").expect("preset")
@@ -43,10 +44,33 @@ fn every_layout_value_is_range_checked() {
         ("dp=4,tp=2,overlap=3", "overlap=3 does not divide"),
         ("dp=8,schedule=fast", "--layout: schedule=fast"),
         ("dp=8,speed=1", "unknown key `speed`"),
+        ("dp=8,zero=2,shard=3", "shard=3 must divide dp=8"),
+        (
+            "dp=8,shard=4",
+            "shard=4 (hybrid sharding) needs zero=1, 2 or 3",
+        ),
+        ("dp=8,shard=0", "shard=0 must be at least 1"),
+        (
+            "dp=8,zero=1,reduce_scatter=micro-batch",
+            "reduce_scatter=micro-batch needs zero=2 or zero=3",
+        ),
+        (
+            "dp=8,zero=2,reduce_scatter=often",
+            "reduce_scatter=often (step or micro-batch)",
+        ),
     ] {
         let e = refused(text);
         assert!(e.contains(part), "{text}: {part:?} not in {e}");
     }
     let l = parse_layout("dp=4,tp=2,zero=1,overlap=2", &gpt2(), 8, 8).expect("valid");
     assert!(l.zero == 1 && l.tp_overlap == 2 && l.micro_batches == 2);
+    let l = parse_layout(
+        "dp=8,mbs=1,zero=2,reduce_scatter=micro-batch,shard=4",
+        &gpt2(),
+        8,
+        8,
+    )
+    .expect("valid");
+    assert!(l.shard_degree() == 4 && l.reduce_scatter == ReduceScatter::MicroBatch);
+    assert_eq!(l.zero_label(), "zero=2 reduce_scatter=micro-batch shard=4");
 }

@@ -130,6 +130,10 @@ pub struct Layout {
     /// traffic).
     #[serde(default)]
     pub reduce_scatter: ReduceScatter,
+    /// Hybrid sharding under ZeRO: the data-parallel ranks that share one copy's slices (a
+    /// divisor of `dp`; 0 or `dp`: all of them), the `dp / shard` copies summing each chunk.
+    #[serde(default)]
+    pub shard: usize,
     /// The model's units cut into `pp * virtual_stages` stages.
     pub partition: Partition,
     /// Sub-pipelined tensor parallelism (Merak, Oases): each micro-batch's tokens are split into
@@ -143,10 +147,24 @@ impl Layout {
     /// `zero=N`, with `reduce_scatter=micro-batch` when stage 2 or 3 reduce-scatters every
     /// micro-batch: how plan listings name the ZeRO settings.
     pub fn zero_label(&self) -> String {
+        let mut label = format!("zero={}", self.zero);
         if self.zero >= 2 && self.reduce_scatter == ReduceScatter::MicroBatch {
-            format!("zero={} reduce_scatter={}", self.zero, self.reduce_scatter)
+            label += &format!(" reduce_scatter={}", self.reduce_scatter);
+        }
+        if self.shard_degree() < self.dp {
+            label += &format!(" shard={}", self.shard_degree());
+        }
+        label
+    }
+
+    /// The data-parallel ranks that share one copy's slices: `shard` when it is a proper
+    /// divisor of dp under ZeRO (hybrid sharding), else all of dp.
+    pub fn shard_degree(&self) -> usize {
+        let s = self.shard;
+        if self.zero == 0 || s == 0 || s >= self.dp || !self.dp.is_multiple_of(s) {
+            self.dp
         } else {
-            format!("zero={}", self.zero)
+            s
         }
     }
 
@@ -643,6 +661,9 @@ impl<'a> CostModel<'a> {
             layout.virtual_stages,
             layout.dp,
         );
+        // Hybrid sharding: ZeRO's collectives within a copy of `s` consecutive DP ranks,
+        // spanning `s * t` devices; each chunk summed over the `d / s` copies.
+        let s = layout.shard_degree();
         let stages = layout.stages();
         let mut costs = Costs::uniform(stages, 0.0, 0.0);
         let ranges = layout.partition.ranges();
@@ -663,12 +684,12 @@ impl<'a> CostModel<'a> {
             costs.forward[j] = terms[j].forward();
             costs.backward[j] = terms[j].backward();
             costs.recompute[j] = terms[j].recompute();
-            if layout.zero == 3 && d > 1 {
+            if layout.zero == 3 && s > 1 {
                 // ZeRO-3 gathers the stage's parameters before its forward pass and again
                 // before its recomputed backward pass, a unit ahead of the compute, which
                 // hides what it can.
                 let bytes = terms[j].params * self.element_bytes();
-                let gather = self.allreduce(bytes, d, d * t) / 2.0;
+                let gather = self.allreduce(bytes, s, s * t) / 2.0;
                 costs.forward[j] += (gather - costs.forward[j]).max(0.0);
                 costs.backward[j] += (gather - costs.backward[j] - costs.recompute[j]).max(0.0);
             }
@@ -701,7 +722,7 @@ impl<'a> CostModel<'a> {
         };
         let dp_span = d * t;
         let state_bytes = Self::state_bytes_per_param(
-            d,
+            s,
             layout.zero,
             layout.micro_batches,
             layout.reduce_scatter,
@@ -750,24 +771,29 @@ impl<'a> CostModel<'a> {
             let (exposed, allgather, local_params) = if layout.zero >= 1 {
                 // Reduce-scatter (half a ring all-reduce) overlaps the backward pass; the
                 // all-gather of the updated 16-bit parameters does not.
-                let half = self.allreduce(grad_bytes, d, dp_span) / 2.0;
+                let half = self.allreduce(grad_bytes, s, s * t) / 2.0;
+                // Under hybrid sharding each chunk is all-reduced over the copies.
+                let copies = self.allreduce(grad_bytes / s as f64, d / s, dp_span);
                 let exchange = match self.calibration {
                     // Measured at dp = the calibration's ranks; scaled by the ring's (d-1)/d.
                     Some(c) if c.ranks > 1 => {
                         let at = |n: usize| (n - 1) as f64 / n as f64;
-                        c.zero1_s_per_param * rank_params * at(d) / at(c.ranks)
+                        c.zero1_s_per_param * rank_params * at(s) / at(c.ranks)
                     }
                     _ => half,
                 };
                 (
-                    scatters * (half - last_backward).max(0.0),
+                    // The copies' all-reduce starts as each chunk is reduced, during the
+                    // backward pass; m reduce-scatters expose m times what one does.
+                    (half + copies - last_backward).max(0.0)
+                        + (scatters - 1.0) * (half - last_backward).max(0.0),
                     // ZeRO-3 keeps its slices: no all-gather after the update.
-                    if d > 1 && layout.zero < 3 {
+                    if s > 1 && layout.zero < 3 {
                         exchange
                     } else {
                         0.0
                     },
-                    rank_params / d as f64,
+                    rank_params / s as f64,
                 )
             } else {
                 let full = self.allreduce(grad_bytes, d, dp_span);
@@ -1025,6 +1051,7 @@ mod tests {
             recompute: vec![RecomputeMode::Full; pp],
             zero: 0,
             reduce_scatter: ReduceScatter::Step,
+            shard: 0,
             partition: balanced_partition(&costs, pp).unwrap(),
             tp_overlap: 1,
         }

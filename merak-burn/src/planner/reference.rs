@@ -101,6 +101,7 @@ impl PublishedRow {
             recompute: vec![RecomputeMode::Full; self.pp],
             zero: 0,
             reduce_scatter: ReduceScatter::Step,
+            shard: 0,
             partition: balanced_partition(&costs, self.pp)?,
             tp_overlap: 1,
         })

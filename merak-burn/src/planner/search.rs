@@ -343,6 +343,8 @@ struct Slot {
     schedule: ScheduleKind,
     /// Virtual stages.
     v: usize,
+    /// Devices per node (hybrid sharding keeps a copy's shards within one).
+    per_node: usize,
 }
 
 impl Slot {
@@ -353,21 +355,34 @@ impl Slot {
         (options.recompute.iter())
             .map(|&p| {
                 (options.zero.iter().filter(|&&z| self.allows(z, p)))
-                    .map(|&z| self.reduce_scatters(z, p).len())
+                    .map(|&z| self.variants(z, p).len())
                     .sum::<usize>()
             })
             .sum()
     }
 
-    /// When ZeRO stage `zero` under `policy` may reduce-scatter: every micro-batch as well as
-    /// once per step for stages 2 and 3 with several micro-batches under a uniform policy
-    /// (the stage planner's cuts assume once per step).
-    fn reduce_scatters(&self, zero: u8, policy: Recompute) -> &'static [ReduceScatter] {
-        if zero >= 2 && self.m > 1 && policy != Recompute::StageAware {
-            &[ReduceScatter::Step, ReduceScatter::MicroBatch]
-        } else {
-            &[ReduceScatter::Step]
+    /// The ways ZeRO stage `zero` runs under `policy`, each when it reduce-scatters and over
+    /// how many ranks it shards. Stages 2 and 3 with several micro-batches reduce-scatter
+    /// every micro-batch as well as once per step; ZeRO-3, whose gathers run every pass, also
+    /// shards within a node when its data-parallel group spans more (hybrid sharding: the
+    /// largest divisor of dp whose copy fits in a node; stages 1 and 2 may be hybrid too, but
+    /// are not searched, to keep the space within its bound). Only under a uniform policy: the
+    /// stage planner's cuts assume once per step and all of dp.
+    fn variants(&self, zero: u8, policy: Recompute) -> Vec<Zeroed> {
+        let uniform = policy != Recompute::StageAware;
+        let mut rs = vec![ReduceScatter::Step];
+        if zero >= 2 && self.m > 1 && uniform {
+            rs.push(ReduceScatter::MicroBatch);
         }
+        let mut shards = vec![0];
+        if zero == 3 && uniform && self.dp * self.tp > self.per_node {
+            let largest = (self.per_node / self.tp.max(1)).min(self.dp - 1);
+            let within = (2..=largest).rev().find(|&s| self.dp.is_multiple_of(s));
+            shards.extend(within);
+        }
+        (rs.iter())
+            .flat_map(|&rs| shards.iter().map(move |&shard| Zeroed { zero, rs, shard }))
+            .collect()
     }
 
     /// Whether ZeRO stage `zero` goes with this slot under `policy`: any stage above 0 needs
@@ -439,6 +454,7 @@ fn space(
                             k,
                             schedule,
                             v,
+                            per_node: hw.devices_per_node,
                         };
                         layouts = layouts.saturating_add(slot.layouts(options));
                         if layouts <= limit {
@@ -543,8 +559,7 @@ fn generate(
                     out.extend(layout.map(|layout| Candidate { layout, policy }));
                     continue;
                 }
-                for &rs in slot.reduce_scatters(zero, policy) {
-                    let zeroed = Zeroed { zero, rs };
+                for zeroed in slot.variants(zero, policy) {
                     let layout = shaped(cm, slot, policy, zeroed, &partition, dp_planner.budget())?;
                     out.extend(layout.map(|layout| Candidate { layout, policy }));
                 }
@@ -592,11 +607,13 @@ fn planned(
     Ok(Some(layout))
 }
 
-/// A ZeRO stage and when it reduce-scatters.
+/// A ZeRO stage, when it reduce-scatters and over how many ranks it shards.
 #[derive(Clone, Copy)]
 struct Zeroed {
     zero: u8,
     rs: ReduceScatter,
+    /// The hybrid sharding degree (0: all of dp).
+    shard: usize,
 }
 
 /// The layout of `slot` with ZeRO stage `zero` under a uniform `policy` on `partition`, or the
@@ -621,6 +638,7 @@ fn shaped(
         recompute: vec![mode; slot.pp * slot.v],
         zero: zero.zero,
         reduce_scatter: zero.rs,
+        shard: zero.shard,
         partition: partition.clone(),
         tp_overlap: slot.k,
     };
@@ -931,6 +949,44 @@ mod tests {
             assert!(a.max_memory_bytes() < b.max_memory_bytes(), "{l:?}");
             assert!(a.step_time_s >= b.step_time_s, "{l:?}");
         }
+    }
+
+    /// Where data parallelism spans nodes, hybrid sharding is searched with a copy per node:
+    /// it holds more per rank than sharding over all of dp, and keeps ZeRO's collectives on
+    /// the node's links, so only its larger optimizer step can make it slower.
+    #[test]
+    fn hybrid_sharding_is_searched_within_a_node() {
+        let model =
+            ModelProxy::parse("gpt:layers=32,hidden=4096,heads=32,seq=2048,vocab=51200").unwrap();
+        let hw = HardwareSpec::preset("a100-80g").unwrap().with_devices(16);
+        let options = SearchOptions::new(16, 32);
+        let cm = CostModel::new(&model, &hw);
+        let all = candidates(&cm, &options, hw.memory_bytes).unwrap();
+        let hybrid: Vec<&Layout> = (all.iter().map(|c| &c.layout))
+            .filter(|l| l.shard_degree() < l.dp)
+            .collect();
+        assert!(!hybrid.is_empty());
+        for l in &hybrid {
+            let s = l.shard_degree();
+            assert!(l.zero == 3 && l.dp.is_multiple_of(s) && s * l.tp <= hw.devices_per_node);
+            assert!(l.dp * l.tp > hw.devices_per_node, "{l:?}");
+            assert!(l.zero_label().contains(&format!("shard={s}")));
+            let flat = Layout {
+                shard: 0,
+                ..(*l).clone()
+            };
+            let (a, b) = (cm.predict(l).unwrap(), cm.predict(&flat).unwrap());
+            assert!(a.max_memory_bytes() > b.max_memory_bytes(), "{l:?}");
+            // The step less the optimizer (which steps s / dp times more per rank).
+            let moving = |p: &Prediction| p.step_time_s - p.breakdown["optimizer_s"];
+            assert!(moving(&a) <= moving(&b) + 1e-12, "{l:?}");
+        }
+        // Within a node (8 devices here) nothing changes.
+        let small = HardwareSpec::preset("a100-80g").unwrap().with_devices(8);
+        let cm = CostModel::new(&model, &small);
+        let options = SearchOptions::new(8, 8);
+        let all = candidates(&cm, &options, small.memory_bytes).unwrap();
+        assert!(all.iter().all(|c| c.layout.shard == 0));
     }
 
     /// A plan file of an earlier version names ZeRO-1 `"zero1": true`; it reads as stage 1.

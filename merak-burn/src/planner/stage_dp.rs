@@ -463,6 +463,7 @@ impl<'c, 'a> StageDp<'c, 'a> {
                 recompute: solution.modes,
                 zero: skeleton.zero,
                 reduce_scatter: ReduceScatter::Step,
+                shard: 0,
                 partition,
                 tp_overlap: skeleton.tp_overlap,
             },
@@ -588,6 +589,7 @@ mod tests {
                     recompute: modes.clone(),
                     zero: sk.zero,
                     reduce_scatter: ReduceScatter::Step,
+                    shard: 0,
                     partition: explicit_partition(&sizes, units).unwrap(),
                     tp_overlap: sk.tp_overlap,
                 };
