@@ -125,6 +125,44 @@ fn zero3_equals_one_process_under_dp_tp_pp_and_accumulation() {
 }
 
 #[test]
+fn zero3_keeping_gathered_parameters_equals_one_process() {
+    let single = train_dir_opt(0, "z3-keep-single", &[], &[]);
+    let keep = ["--set", "parallel.reshard_after_forward=false"];
+    let layouts: Vec<(usize, &str, Vec<&str>)> = vec![
+        (
+            2,
+            "dp2",
+            vec!["--dp", "2", "--set", "parallel.bucket_mb=0.05"],
+        ),
+        // Two micro-batches on the parameters gathered once.
+        (
+            2,
+            "dp2-accumulate",
+            vec!["--dp", "2", "--set", "train.micro_batch=2"],
+        ),
+        (4, "dp2-tp2", vec!["--dp", "2", "--tp", "2"]),
+        (
+            4,
+            "dp2-pp2",
+            vec!["--dp", "2", "--pp", "2", "--set", "train.micro_batch=2"],
+        ),
+        (
+            4,
+            "dp4-shard2",
+            vec!["--dp", "4", "--set", "parallel.shard=2"],
+        ),
+    ];
+    for (np, layout, mut extra) in layouts {
+        extra.extend_from_slice(&Z3);
+        extra.extend_from_slice(&keep);
+        let what = format!("{layout} zero3 without resharding");
+        let got = train_dir_opt(np, &format!("z3-keep-{layout}"), &[], &extra);
+        assert_same_losses(&what, &got, &single);
+        assert_same_params(&what, &got, &single);
+    }
+}
+
+#[test]
 fn zero3_checkpoints_resume_under_other_layouts_and_stages() {
     let four = [
         "--set",

@@ -150,6 +150,11 @@ pub struct ParallelPlan {
     pub shard: usize,
     /// Under ZeRO-2 and 3: reduce-scatter the gradients once per step or every micro-batch.
     pub reduce_scatter: ReduceScatter,
+    /// Under ZeRO-3: free each unit's gathered parameters after its forward pass and gather
+    /// them again for its (recomputed) backward pass (`true`, the default); `false` gathers
+    /// the rank's parameters once per step and keeps them until the update, so nothing is
+    /// recomputed (ZeRO-2's parameter memory during the step, sharded between steps).
+    pub reshard_after_forward: bool,
 }
 
 impl Default for ParallelPlan {
@@ -172,6 +177,7 @@ impl Default for ParallelPlan {
             prefetch: 1,
             shard: 0,
             reduce_scatter: ReduceScatter::Step,
+            reshard_after_forward: true,
         }
     }
 }
@@ -247,6 +253,7 @@ impl ParallelPlan {
             prefetch: 1,
             shard: l.shard,
             reduce_scatter: l.reduce_scatter,
+            reshard_after_forward: true,
         }
     }
 

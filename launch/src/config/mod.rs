@@ -81,6 +81,7 @@ impl Default for Config {
                 prefetch: 1,
                 shard: 0,
                 reduce_scatter: ReduceScatter::Step,
+                reshard_after_forward: true,
                 bucket_mb: 1.0,
                 schedule: ScheduleKind::OneFOneB,
                 virtual_stages: 1,

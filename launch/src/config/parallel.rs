@@ -34,6 +34,11 @@ pub struct ParallelSection {
     /// bucket reduce-scattered as soon as a micro-batch completes it, only this rank's chunks
     /// adding up: less memory, one reduce-scatter per micro-batch).
     pub reduce_scatter: ReduceScatter,
+    /// Under ZeRO-3: true (each unit's gathered parameters freed after its forward pass and
+    /// gathered again, its forward recomputed, for its backward pass) or false (the rank's
+    /// parameters gathered once per step and kept until the update: nothing recomputed, the
+    /// whole parameters held during the step).
+    pub reshard_after_forward: bool,
     /// Hybrid sharding under ZeRO: the data-parallel ranks that share one copy's slices (a
     /// divisor of dp; 0: all dp ranks); the dp / shard groups hold copies, and each slice's
     /// gradient is summed over them after the reduce-scatter.
@@ -100,6 +105,15 @@ impl Config {
                 format!(
                     "\"micro-batch\" needs parallel.zero = 2 or 3 (it is {}): stages 0 and 1 \
                      reduce whole gradients",
+                    self.parallel.zero
+                ),
+            );
+        }
+        if !self.parallel.reshard_after_forward && self.parallel.zero != 3 {
+            return bad(
+                "parallel.reshard_after_forward",
+                format!(
+                    "false needs parallel.zero = 3 (it is {}): only ZeRO-3 shards the parameters",
                     self.parallel.zero
                 ),
             );
@@ -271,6 +285,7 @@ impl Config {
             prefetch: p.prefetch,
             shard: p.shard,
             reduce_scatter: p.reduce_scatter,
+            reshard_after_forward: p.reshard_after_forward,
         }
     }
 

@@ -256,6 +256,11 @@ fn zero_stages_prefetch_reduce_scatter_and_hybrid_sharding_are_checked_and_named
         e.contains("parallel.reduce_scatter") && e.contains("zero = 2 or 3") && e.contains("is 1"),
         "{e}"
     );
+    let e = refused(&["parallel.zero=2", "parallel.reshard_after_forward=false"]);
+    assert!(
+        e.contains("parallel.reshard_after_forward") && e.contains("zero = 3 (it is 2)"),
+        "{e}"
+    );
     let e = refused(&["parallel.zero=2", "parallel.reduce_scatter=always"]);
     assert!(
         e.contains("reduce_scatter") && e.contains("micro-batch"),

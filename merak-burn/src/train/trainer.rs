@@ -181,7 +181,10 @@ where
             }
             let (slices, ranges) = (reducer.slices(), reducer.param_ranges());
             if let Some(units) = units {
-                zero3::set_uses(&reducer, &shapes, &units);
+                if parallel.reshard_after_forward {
+                    // Unit by unit, a tied table's gradient comes from each unit reading it.
+                    zero3::set_uses(&reducer, &shapes, &units);
+                }
                 shards = Some(zero3::shards(
                     &model,
                     shard,
@@ -402,14 +405,21 @@ where
         lap(&mut phases.data_s);
         let [micro, seq] = [self.parallel.micro_batch, self.settings.seq_len];
         let shape = [micro, seq, self.model.hidden_size()];
+        // ZeRO-3 without resharding: this step's parameters gathered once, kept to the update.
+        let kept = match &self.shards {
+            Some(_) if !self.parallel.reshard_after_forward => Some(self.gathered_model()?),
+            _ => None,
+        };
         let work = StepWork {
-            model: self.stale.as_ref().unwrap_or(&self.model),
+            model: (kept.as_ref())
+                .or(self.stale.as_ref())
+                .unwrap_or(&self.model),
             batches: &batches,
             step,
             // The next step's forwards run on the weights it uses: the current ones, which
             // become the stale version at this step's update.
             next: next.as_deref().map(|b| (&self.model, b)),
-            shards: self.shards.as_ref(),
+            shards: self.shards.as_ref().filter(|_| kept.is_none()),
         };
         let report = self.executor.run_step(
             work,
@@ -418,6 +428,8 @@ where
             &self.device,
             &mut self.in_flight,
         )?;
+        // The gathered parameters go before the update builds the new values.
+        drop(kept);
         self.next_batches = next;
         self.max_in_flight = self.max_in_flight.max(report.max_in_flight);
         lap(&mut phases.forward_backward_s);
