@@ -151,6 +151,33 @@ fn zero3_keeping_gathered_parameters_equals_one_process() {
             "dp4-shard2",
             vec!["--dp", "4", "--set", "parallel.shard=2"],
         ),
+        // Split backward passes: refused when resharding, they run on the kept parameters.
+        (
+            2,
+            "zb-h1",
+            vec![
+                "--pp",
+                "2",
+                "--set",
+                "train.micro_batch=2",
+                "--set",
+                "parallel.schedule=zb-h1",
+            ],
+        ),
+        (
+            4,
+            "dp2-zb-v",
+            vec![
+                "--dp",
+                "2",
+                "--pp",
+                "2",
+                "--set",
+                "train.micro_batch=1",
+                "--set",
+                "parallel.schedule=zb-v",
+            ],
+        ),
     ];
     for (np, layout, mut extra) in layouts {
         extra.extend_from_slice(&Z3);
@@ -243,7 +270,7 @@ fn zero3_checkpoints_resume_under_other_layouts_and_stages() {
 }
 
 #[test]
-fn zero3_refuses_split_backward_schedules_before_training() {
+fn zero3_refuses_split_backward_and_two_version_schedules_before_training() {
     for schedule in ["zb-h1", "2bw"] {
         let out = out_dir(&format!("z3-refused-{schedule}"));
         let mut cmd = merak(2);

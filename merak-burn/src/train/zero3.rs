@@ -21,7 +21,8 @@ use crate::train::TrainError;
 /// The parameters (visit-order indices) each unit reads, by unit.
 pub(crate) type UnitParams = HashMap<usize, Vec<usize>>;
 
-/// Refuses a ZeRO stage that does not exist, and ZeRO-3 with a schedule it does not run.
+/// Refuses a ZeRO stage that does not exist, and ZeRO-3 with a schedule it does not run
+/// (two weight versions; a split backward pass unless the parameters stay gathered).
 pub(crate) fn check_zero(
     parallel: &ParallelPlan,
     pipeline: &PipelinePlan,
@@ -38,10 +39,14 @@ pub(crate) fn check_zero(
         return bad("the ZeRO stages are 0, 1, 2 and 3".into());
     }
     let kind = pipeline.schedule.kind;
-    if parallel.zero == 3 && (kind.splits_backward() || kind == ScheduleKind::TwoBw) {
+    if parallel.zero == 3 && kind == ScheduleKind::TwoBw {
+        return bad("ZeRO-3 stores one sharded weight version; schedule \"2bw\" keeps two".into());
+    }
+    if parallel.zero == 3 && parallel.reshard_after_forward && kind.splits_backward() {
         return bad(format!(
             "ZeRO-3 runs a unit's whole backward pass on its gathered parameters; schedule \
-             \"{kind}\" splits it or keeps two weight versions (use 1f1b, gpipe or interleaved)"
+             \"{kind}\" splits it (use 1f1b, gpipe or interleaved, or keep the parameters \
+             gathered through the step with parallel.reshard_after_forward = false)"
         ));
     }
     Ok(())
