@@ -284,7 +284,8 @@ impl State {
 
     fn progress(&mut self) {
         if self.each {
-            for b in 0..self.buckets.len() {
+            let in_flight: Vec<usize> = self.in_flight.iter().copied().collect();
+            for b in in_flight {
                 self.settle(b, false);
             }
             return;
@@ -513,7 +514,10 @@ impl DataParallel {
     /// chunks are summed, so no whole bucket outlives its micro-batch (one reduce-scatter per
     /// micro-batch instead of one per step).
     pub fn each_micro_batch(self) -> Self {
-        self.state.borrow_mut().each = true;
+        let mut s = self.state.borrow_mut();
+        s.scatter = true;
+        s.each = true;
+        drop(s);
         self
     }
 

@@ -145,7 +145,8 @@ pub struct Layout {
 
 impl Layout {
     /// `zero=N`, with `reduce_scatter=micro-batch` when stage 2 or 3 reduce-scatters every
-    /// micro-batch: how plan listings name the ZeRO settings.
+    /// micro-batch and `shard=S` under hybrid sharding: how plan listings name the ZeRO
+    /// settings.
     pub fn zero_label(&self) -> String {
         let mut label = format!("zero={}", self.zero);
         if self.zero >= 2 && self.reduce_scatter == ReduceScatter::MicroBatch {
