@@ -47,8 +47,9 @@ mkdir -p "$out"
 # the repository's target/, safe across processes) lets each later run load them instead.
 # Written only where the repository has no cubecl.toml of its own, and removed at the end.
 own_config=""
+cache_config='[compilation]\ncache = "target"\n'
 if [ ! -e cubecl.toml ]; then
-    printf '[compilation]\ncache = "target"\n' >cubecl.toml
+    printf "$cache_config" >cubecl.toml
     own_config=1
     trap 'rm -f cubecl.toml' EXIT
 fi
@@ -186,12 +187,12 @@ profile() {
     kill "$watcher" 2>/dev/null
     # Then with every launch timed (CubeCL synchronises around each, so steps are slower).
     local steps=4 config=()
-    [ -n "$own_config" ] && printf '[compilation]\ncache = "target"\n[profiling.logger]\nlevel = "basic"\nfile = "%s"\n' \
+    [ -n "$own_config" ] && printf "$cache_config"'[profiling.logger]\nlevel = "basic"\nfile = "%s"\n' \
         "$out/cubecl-profile.log" >cubecl.toml
     [ -z "$own_config" ] && config=(env CUBECL_DEBUG_LOG="$out/cubecl-profile.log" CUBECL_DEBUG_OPTION=profile)
     timed merak-profiled "${config[@]}" merak train "${run[@]}" --set train.steps=$steps \
         --out "$out/merak-profiled"
-    [ -n "$own_config" ] && printf '[compilation]\ncache = "target"\n' >cubecl.toml
+    [ -n "$own_config" ] && printf "$cache_config" >cubecl.toml
     gzip -f "$out/cubecl-profile.log"
     "$python" benches/gpu/kernel_profile.py "$out/cubecl-profile.log.gz" --steps $steps \
         >"$out/kernel-profile.md" 2>&1

@@ -17,6 +17,29 @@ fn read(path: &str) -> String {
     std::fs::read_to_string(root().join(path)).unwrap_or_else(|e| panic!("{path}: {e}"))
 }
 
+/// The standard output of `python3 SCRIPT ARGS...` (script and paths from the repository root),
+/// which must succeed.
+fn python(script: &str, args: &[String]) -> String {
+    let out = Command::new("python3")
+        .arg(root().join(script))
+        .args(args)
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "{script}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("UTF-8")
+}
+
+/// Asserts that `text` holds every one of `rows` (the figures the book quotes).
+fn assert_rows(text: &str, rows: &[&str]) {
+    for row in rows {
+        assert!(text.contains(row), "missing {row:?} in\n{text}");
+    }
+}
+
 #[test]
 fn the_gpu_scripts_parse() {
     for script in ["benches/gpu/run.sh", "scripts/gpu-bundle.sh"] {
@@ -36,68 +59,53 @@ fn the_gpu_scripts_parse() {
 #[test]
 fn the_report_reproduces_the_recorded_gpu_results() {
     let results = "benches/gpu/results/2026-11-26-h200";
-    let out = Command::new("python3")
-        .arg(root().join("benches/gpu/report.py"))
-        .arg(root().join(results))
-        .output()
-        .expect("python3 runs");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let report = python(
+        "benches/gpu/report.py",
+        &[root().join(results).display().to_string()],
     );
-    let report = String::from_utf8(out.stdout).expect("UTF-8");
     assert_eq!(report, read(&format!("{results}/report.md")));
     // The figures the book quotes (docs/src/benchmarks/gpu.md).
-    for row in [
-        "| gpt2 | merak bf16 | 16 | 15,231 | 1.3% | 19609 |",
-        "| gpt2 | torch eager bf16 | 16 | 217,780 | 18.8% | 14857 |",
-        "| gpt2-medium | megatron-core bf16 | 16 | 54,641 | 13.4% | 60631 |",
-        "| tp2 | 1.37e-06 |",
-        "| pp2 | 8.59e-07 |",
-        "peak 989 TFLOP/s",
-    ] {
-        assert!(report.contains(row), "missing {row:?} in\n{report}");
-    }
+    assert_rows(
+        &report,
+        &[
+            "| gpt2 | merak bf16 | 16 | 15,231 | 1.3% | 19609 |",
+            "| gpt2 | torch eager bf16 | 16 | 217,780 | 18.8% | 14857 |",
+            "| gpt2-medium | megatron-core bf16 | 16 | 54,641 | 13.4% | 60631 |",
+            "| tp2 | 1.37e-06 |",
+            "| pp2 | 8.59e-07 |",
+            "peak 989 TFLOP/s",
+        ],
+    );
 }
 
 #[test]
 fn the_kernel_summary_reproduces_the_recorded_profiles() {
     let results = "benches/gpu/results/2026-11-26-h200-profile";
     for build in ["untuned", "autotuned"] {
-        let out = Command::new("python3")
-            .arg(root().join("benches/gpu/kernel_profile.py"))
-            .arg(root().join(format!("{results}/{build}/cubecl-profile.log.gz")))
-            .args(["--steps", "4"])
-            .output()
-            .expect("python3 runs");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let summary = String::from_utf8(out.stdout).expect("UTF-8");
+        let log = root().join(format!("{results}/{build}/cubecl-profile.log.gz"));
+        let args = [log.display().to_string(), "--steps".into(), "4".into()];
+        let summary = python("benches/gpu/kernel_profile.py", &args);
         assert_eq!(
             summary,
             read(&format!("{results}/{build}/kernel-profile.md"))
         );
     }
     // The figures the book quotes (docs/src/benchmarks/gpu.md).
-    let untuned = read(&format!("{results}/untuned/kernel-profile.md"));
-    for row in [
-        "4620 a step; their time 806.0 ms a step",
-        "| matrix product | 231 | 327.9 | 40.7% |",
-        "| reduction (sum, max, mean, argmax) | 436 | 258.2 | 32.0% |",
-    ] {
-        assert!(untuned.contains(row), "missing {row:?} in\n{untuned}");
-    }
-    let tuned = read(&format!("{results}/autotuned/kernel-profile.md"));
-    for row in [
-        "| element-wise | 3202 | 166.5 | 47.6% |",
-        "| matrix product | 230 | 106.0 | 30.3% |",
-    ] {
-        assert!(tuned.contains(row), "missing {row:?} in\n{tuned}");
-    }
+    assert_rows(
+        &read(&format!("{results}/untuned/kernel-profile.md")),
+        &[
+            "4620 a step; their time 806.0 ms a step",
+            "| matrix product | 231 | 327.9 | 40.7% |",
+            "| reduction (sum, max, mean, argmax) | 436 | 258.2 | 32.0% |",
+        ],
+    );
+    assert_rows(
+        &read(&format!("{results}/autotuned/kernel-profile.md")),
+        &[
+            "| element-wise | 3202 | 166.5 | 47.6% |",
+            "| matrix product | 230 | 106.0 | 30.3% |",
+        ],
+    );
 }
 
 #[test]

@@ -48,6 +48,24 @@ struct Bucket {
     acc: Vec<f32>,
 }
 
+impl Bucket {
+    /// The bucket's gradients, taken out and padded to `size` equal chunks: what a
+    /// reduce-scatter over `size` ranks sends.
+    fn take_padded(&mut self, size: usize) -> Vec<f32> {
+        let mut data = std::mem::take(&mut self.data);
+        data.resize(
+            BucketChunks::new(self.start, self.end, size).chunk * size,
+            0.0,
+        );
+        data
+    }
+
+    /// The gradients the bucket receives per micro-batch: its parameters' uses.
+    fn uses(&self, slots: &[Slot]) -> usize {
+        slots[self.slots.clone()].iter().map(|x| x.uses).sum()
+    }
+}
+
 struct State {
     slots: Vec<Slot>,
     buckets: Vec<Bucket>,
@@ -132,16 +150,9 @@ impl State {
             }
         }
         let size = self.shard.size();
-        let uses = self.slots[self.buckets[b].slots.clone()]
-            .iter()
-            .map(|x| x.uses)
-            .sum();
+        let uses = self.buckets[b].uses(&self.slots);
         let bucket = &mut self.buckets[b];
-        let mut data = std::mem::take(&mut bucket.data);
-        data.resize(
-            BucketChunks::new(bucket.start, bucket.end, size).chunk * size,
-            0.0,
-        );
+        let data = bucket.take_padded(size);
         if size == 1 {
             // One rank per copy: the bucket is its chunk.
             add_into(&mut bucket.acc, data);
@@ -234,12 +245,10 @@ impl State {
                 &self.comm
             };
             if comm.size() > 1 {
-                let mut data = std::mem::take(&mut b.data);
                 let started = if self.scatter {
-                    let size = comm.size();
-                    data.resize(BucketChunks::new(b.start, b.end, size).chunk * size, 0.0);
-                    comm.reduce_scatter_start(data, ReduceOp::Sum)
+                    comm.reduce_scatter_start(b.take_padded(comm.size()), ReduceOp::Sum)
                 } else {
+                    let data = std::mem::take(&mut b.data);
                     self.comm.all_reduce_start(data, ReduceOp::Sum)
                 };
                 match started {
@@ -608,7 +617,7 @@ impl DataParallel {
         let s = &mut *s;
         s.slots.iter_mut().for_each(|x| x.seen = false);
         for b in &mut s.buckets {
-            b.waiting = s.slots[b.slots.clone()].iter().map(|x| x.uses).sum();
+            b.waiting = b.uses(&s.slots);
             b.pending = None;
             b.launched = false;
             b.acc = Vec::new();

@@ -862,6 +862,18 @@ mod tests {
     use super::*;
     use std::time::Instant;
 
+    /// A 7B GPT on `devices` A100s of 80 GB (8 a node).
+    fn seven_b(devices: usize) -> (ModelProxy, HardwareSpec) {
+        let model =
+            ModelProxy::parse("gpt:layers=32,hidden=4096,heads=32,seq=2048,vocab=51200").unwrap();
+        (
+            model,
+            HardwareSpec::preset("a100-80g")
+                .unwrap()
+                .with_devices(devices),
+        )
+    }
+
     fn small_case() -> (ModelProxy, HardwareSpec, SearchOptions) {
         let model = ModelProxy::parse("gpt2-medium").unwrap();
         let mut hw = HardwareSpec::preset("a100-80g").unwrap().with_devices(8);
@@ -877,9 +889,7 @@ mod tests {
     /// Pareto set, and every ZeRO-3 layout searched recomputes fully and runs dp > 1.
     #[test]
     fn zero_stages_two_and_three_reach_the_pareto_set_of_a_7b_model() {
-        let model =
-            ModelProxy::parse("gpt:layers=32,hidden=4096,heads=32,seq=2048,vocab=51200").unwrap();
-        let hw = HardwareSpec::preset("a100-80g").unwrap().with_devices(8);
+        let (model, hw) = seven_b(8);
         let options = SearchOptions::new(8, 8);
         let result = search(&model, &hw, &options).unwrap();
         let zeros: Vec<u8> = result.pareto.iter().map(|p| p.layout.zero).collect();
@@ -929,9 +939,7 @@ mod tests {
     /// micro-batch's reduce-scatter holds less and exposes at least as much communication.
     #[test]
     fn reducing_every_micro_batch_is_searched_and_trades_traffic_for_memory() {
-        let model =
-            ModelProxy::parse("gpt:layers=32,hidden=4096,heads=32,seq=2048,vocab=51200").unwrap();
-        let hw = HardwareSpec::preset("a100-80g").unwrap().with_devices(8);
+        let (model, hw) = seven_b(8);
         let options = SearchOptions::new(8, 8);
         let cm = CostModel::new(&model, &hw);
         let all = candidates(&cm, &options, hw.memory_bytes).unwrap();
@@ -956,9 +964,7 @@ mod tests {
     /// the node's links, so only its larger optimizer step can make it slower.
     #[test]
     fn hybrid_sharding_is_searched_within_a_node() {
-        let model =
-            ModelProxy::parse("gpt:layers=32,hidden=4096,heads=32,seq=2048,vocab=51200").unwrap();
-        let hw = HardwareSpec::preset("a100-80g").unwrap().with_devices(16);
+        let (model, hw) = seven_b(16);
         let options = SearchOptions::new(16, 32);
         let cm = CostModel::new(&model, &hw);
         let all = candidates(&cm, &options, hw.memory_bytes).unwrap();
