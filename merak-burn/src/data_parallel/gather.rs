@@ -56,15 +56,16 @@ struct Queue {
 }
 
 impl Shards {
-    /// The shards of rank `slices.rank` for parameters at `ranges` of shapes `shapes` with
-    /// the flat values `values` (every parameter, visit order), each unit reading the
-    /// parameters `units` lists; `prefetch` units gathered ahead.
+    /// The shards of rank `slices.rank` for parameters at `ranges` of shapes `shapes`, `own`
+    /// its chunk of every bucket's values ([`RankSlices::zero_chunks`] filled by
+    /// [`RankSlices::write_param`]), each unit reading the parameters `units` lists;
+    /// `prefetch` units gathered ahead.
     pub fn new(
         comm: Rc<dyn Communicator>,
         slices: RankSlices,
         ranges: Vec<(usize, usize)>,
         shapes: Vec<Vec<usize>>,
-        values: &[f32],
+        own: Vec<Vec<f32>>,
         units: HashMap<usize, Vec<usize>>,
         prefetch: usize,
     ) -> Self {
@@ -75,7 +76,6 @@ impl Shards {
                     .unwrap_or(0)
             })
             .collect();
-        let own = chunks(&slices, values);
         Self {
             comm,
             slices,
@@ -89,9 +89,9 @@ impl Shards {
         }
     }
 
-    /// This rank's chunk of every bucket of the flat `values` (every parameter, visit order).
-    pub fn chunks_of(&self, values: &[f32]) -> Vec<Vec<f32>> {
-        chunks(&self.slices, values)
+    /// How this rank's chunks are cut.
+    pub fn slices(&self) -> &RankSlices {
+        &self.slices
     }
 
     /// This rank's chunk of every bucket's values.
@@ -208,17 +208,6 @@ pub fn all_gather_each(
         .map(|c| comm.all_gather_start(c))
         .collect::<Result<Vec<_>, _>>()?;
     pending.into_iter().map(|p| p.wait()).collect()
-}
-
-/// Rank `slices.rank`'s chunk of every bucket of the flat `values` (zeros past the end).
-fn chunks(slices: &RankSlices, values: &[f32]) -> Vec<Vec<f32>> {
-    (slices.buckets.iter())
-        .map(|c| {
-            let mut chunk = values.get(c.range_of(slices.rank)).unwrap_or(&[]).to_vec();
-            chunk.resize(c.chunk, 0.0);
-            chunk
-        })
-        .collect()
 }
 
 /// `model` with every float parameter replaced by an empty tensor (same id, rank and

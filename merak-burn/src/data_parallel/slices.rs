@@ -120,6 +120,27 @@ impl RankSlices {
     pub fn pieces_of(&self, param: usize) -> impl Iterator<Item = &Piece> {
         self.pieces.iter().filter(move |p| p.param == param)
     }
+
+    /// This rank's chunk of every bucket, zeros (the padding stays so): filled parameter by
+    /// parameter with [`write_param`](Self::write_param), so that no whole copy of the model
+    /// is ever made.
+    pub fn zero_chunks(&self) -> Vec<Vec<f32>> {
+        self.buckets.iter().map(|c| vec![0.0; c.chunk]).collect()
+    }
+
+    /// Copies this rank's pieces of parameter `param` (`values`: all of its elements) into
+    /// `chunks` ([`zero_chunks`](Self::zero_chunks)'s layout); elements past the end of a
+    /// short `values` are left as they are.
+    pub fn write_param(&self, chunks: &mut [Vec<f32>], param: usize, values: &[f32]) {
+        for p in self.pieces_of(param) {
+            let src = values.get(p.param_start..p.param_start + p.len);
+            let dst = (chunks.get_mut(p.bucket))
+                .and_then(|c| c.get_mut(p.chunk_offset..p.chunk_offset + p.len));
+            if let (Some(src), Some(dst)) = (src, dst) {
+                dst.copy_from_slice(src);
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -220,6 +241,31 @@ mod tests {
                 }
             }
             prop_assert!(owner.iter().all(|&o| o < dp));
+        }
+
+        /// Writing the parameters one by one gives each rank the chunks it would cut from
+        /// the whole flat concatenation.
+        #[test]
+        fn chunks_written_by_parameter_equal_chunks_cut_from_the_whole(
+            lens in proptest::collection::vec(1usize..40, 1..12),
+            target in 1usize..120,
+            dp in 1usize..9,
+        ) {
+            let (params, buckets) = layout(&lens, target);
+            let total: usize = lens.iter().sum();
+            let flat: Vec<f32> = (0..total).map(|i| i as f32 + 1.0).collect();
+            for rank in 0..dp {
+                let s = RankSlices::new(&params, &buckets, dp, rank);
+                let mut chunks = s.zero_chunks();
+                for (p, &(offset, len)) in params.iter().enumerate() {
+                    s.write_param(&mut chunks, p, &flat[offset..offset + len]);
+                }
+                for (c, chunk) in s.buckets.iter().zip(&chunks) {
+                    let mut want = flat[c.range_of(rank)].to_vec();
+                    want.resize(c.chunk, 0.0);
+                    prop_assert_eq!(chunk, &want);
+                }
+            }
         }
     }
 }

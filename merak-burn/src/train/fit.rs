@@ -68,6 +68,8 @@ where
     ) -> Result<Summary, TrainError> {
         let t0 = Instant::now();
         self.start(out)?;
+        // Building, sharding and resuming are done: their high-water mark.
+        let startup_alloc = process::alloc_peak_bytes();
         let (start, steps) = (self.done, self.settings.steps);
         let metrics_path = out.dir.join("metrics.jsonl");
         let mut metrics = self.metrics_writer(&metrics_path, start)?;
@@ -122,6 +124,7 @@ where
             self.executor.plan(),
             self.max_in_flight,
             self.state_bytes(),
+            startup_alloc,
             &out.dir,
         )?;
         if let Some(path) = &out.trace {

@@ -22,10 +22,12 @@ pub struct StateBytes {
 }
 
 /// Values per rank in `memory.json`'s gather.
-const FIELDS: usize = 6;
+const FIELDS: usize = 7;
 
-/// Gathers every rank's peak resident memory, most micro-batches in flight and model-state
-/// bytes ([`StateBytes`]). Rank 0 writes
+/// Gathers every rank's peak resident memory, most micro-batches in flight, model-state
+/// bytes ([`StateBytes`]) and the allocator's high-water mark at the end and when training
+/// started (`startup_alloc`: [`alloc_peak_bytes`](crate::train::process::alloc_peak_bytes)
+/// then, after building, sharding and resuming). Rank 0 writes
 /// `out/memory.json` and, under pp > 1, logs per rank its stages, the units it recomputed, its
 /// peak memory and the most micro-batches it held.
 pub fn report_memory(
@@ -33,6 +35,7 @@ pub fn report_memory(
     plan: &PipelinePlan,
     max_in_flight: usize,
     state: StateBytes,
+    startup_alloc: Option<u64>,
     out: &Path,
 ) -> Result<(), TrainError> {
     let world = grid.world.comm()?;
@@ -45,6 +48,7 @@ pub fn report_memory(
         mib(state.optimizer),
         // -1: the program counts no allocations.
         crate::train::process::alloc_peak_bytes().map_or(-1.0, mib),
+        startup_alloc.map_or(-1.0, mib),
     ];
     let mut all = vec![0.0f32; FIELDS * world.size()];
     world.all_gather(&mine, &mut all)?;
@@ -74,6 +78,7 @@ pub fn report_memory(
                 "grad_mib": v[3],
                 "optimizer_mib": v[4],
                 "alloc_peak_mib": (v[5] >= 0.0).then_some(v[5]),
+                "startup_alloc_peak_mib": (v[6] >= 0.0).then_some(v[6]),
             })
         })
         .collect();

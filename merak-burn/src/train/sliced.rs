@@ -217,29 +217,44 @@ fn sum_f64(group: crate::comm::Group, values: &[f64]) -> Result<Vec<f64>, TrainE
     Ok(out)
 }
 
-/// Every float parameter's values, flat, in visit order.
+/// Every parameter's values (visit order), read to the host.
 pub(crate) fn read_params<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,
 ) -> Result<Vec<Vec<f32>>, TrainError> {
-    struct Read(Vec<Vec<f32>>, Option<TrainError>);
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Read {
+    let mut all = Vec::new();
+    for_each_param(model, &mut |_, v| all.push(v))?;
+    Ok(all)
+}
+
+/// Reads the parameters to the host one at a time, handing each (its visit-order index and
+/// values) to `take` before the next is read.
+pub(crate) fn for_each_param<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+    take: &mut dyn FnMut(usize, Vec<f32>),
+) -> Result<(), TrainError> {
+    struct Read<'a> {
+        take: &'a mut dyn FnMut(usize, Vec<f32>),
+        next: usize,
+        error: Option<TrainError>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Read<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             let data = param.val().inner().into_data().convert::<f32>();
-            match data.into_vec::<f32>() {
-                Ok(v) => self.0.push(v),
-                Err(e) => {
-                    self.0.push(Vec::new());
-                    self.1.get_or_insert(TrainError::Sliced(format!("{e:?}")));
-                }
-            }
+            let values = data.into_vec::<f32>().unwrap_or_else(|e| {
+                (self.error).get_or_insert(TrainError::Sliced(format!("{e:?}")));
+                Vec::new()
+            });
+            (self.take)(self.next, values);
+            self.next += 1;
         }
     }
-    let mut read = Read(Vec::new(), None);
+    let mut read = Read {
+        take,
+        next: 0,
+        error: None,
+    };
     model.visit(&mut read);
-    match read.1 {
-        Some(e) => Err(e),
-        None => Ok(read.0),
-    }
+    read.error.map_or(Ok(()), Err)
 }
 
 /// Sets every float parameter (visit order) to its range of `flat`, keeping its id.

@@ -155,10 +155,10 @@ where
         }
         check_zero(parallel, &pipeline)?;
         let copies = model.tied_names();
-        let optim = Optimizers::new(&model, &settings, grid.layout.tp, copies, &|p| p.default)?;
+        let shapes = state::param_shapes(&model);
+        let optim = Optimizers::new(&shapes, &settings, grid.layout.tp, copies, &|p| p.default)?;
         let bucket_elems = (parallel.bucket_mb * (1 << 20) as f64 / 4.0) as usize;
         let tied = model.tied_embedding();
-        let shapes = state::param_shapes(&model);
         let me = grid.coords.pp;
         let units = (parallel.zero == 3)
             .then(|| zero3::unit_params(&model, &pipeline, me, &shapes))
@@ -252,9 +252,9 @@ where
             return Err(TrainError::GroupsTooLate);
         }
         let (tp, copies) = (self.grid.layout.tp, self.model.tied_names());
-        // The rule sees full shapes: under ZeRO-3 the model is gathered for it once.
-        let model = self.gathered_model()?;
-        self.optim = Optimizers::new(&model, &self.settings, tp, copies, &rule)?;
+        // The rule sees full shapes, known under ZeRO-3 too without gathering the model.
+        let shapes = self.param_shapes();
+        self.optim = Optimizers::new(&shapes, &self.settings, tp, copies, &rule)?;
         Ok(self)
     }
 
@@ -273,18 +273,21 @@ where
         self.settings
             .optimizer
             .check_checkpoint(&checkpoint.manifest)?;
-        let model = self.gathered_model()?;
-        let shapes = state::param_shapes(&model);
+        // Under ZeRO-3 the checkpoint's values go straight into this rank's chunks: no
+        // gathered model.
+        let shapes = self.param_shapes();
         let shard = Shard {
             rank: self.grid.coords.tp,
             size: self.grid.layout.tp,
         };
         let copies = self.model.tied_names();
         let (params, moments) = state.cut_for(&checkpoint.manifest, &shapes, shard, &copies)?;
-        let model = state::assign_params(model, params)?;
         match self.shards.as_mut() {
-            Some(shards) => shards.set_own(zero3::own_chunks(&model, shards)?),
-            None => self.model = model,
+            Some(shards) => {
+                let own = zero3::chunks_by_name(shards.slices(), &shapes, params)?;
+                shards.set_own(own);
+            }
+            None => self.model = state::assign_params(self.model.clone(), params)?,
         }
         match self.sliced.as_mut() {
             Some(sliced) => sliced.load(&moments, &self.device),
@@ -306,10 +309,7 @@ where
     /// parameters it steps (all of them, or its ZeRO slices) once each has stepped; under
     /// ZeRO-3 its shards of the parameters.
     pub fn state_bytes(&self) -> StateBytes {
-        let shapes = match &self.sliced {
-            Some(s) => s.params.clone(),
-            None => state::param_shapes(&self.model),
-        };
+        let shapes = self.param_shapes();
         let elements = |keep: &dyn Fn(ParamId) -> bool| -> u64 {
             (shapes.iter().filter(|p| keep(p.id)))
                 .map(|p| p.shape.iter().product::<usize>() as u64)
@@ -328,6 +328,15 @@ where
             params: 4 * params,
             grads: 4 * self.reducer.gradient_elements() as u64,
             optimizer: 4 * stepped * self.settings.optimizer.state_tensors() as u64,
+        }
+    }
+
+    /// Every parameter's name, id and full local shape (this rank's units and tensor-parallel
+    /// shard), in visit order; under ZeRO-3 as the shards know them (the model's are empty).
+    fn param_shapes(&self) -> Vec<state::ParamShape> {
+        match &self.sliced {
+            Some(s) => s.params.clone(),
+            None => state::param_shapes(&self.model),
         }
     }
 

@@ -9,7 +9,8 @@ use burn::module::{AutodiffModule, ParamId};
 use burn::tensor::backend::AutodiffBackend;
 
 use super::error::InvalidSetting;
-use super::sliced::read_params;
+use super::sliced::for_each_param;
+use crate::checkpoint::CheckpointError;
 use crate::checkpoint::state::ParamShape;
 use crate::comm::Group;
 use crate::data_parallel::slices::RankSlices;
@@ -130,7 +131,8 @@ pub(crate) fn set_uses(reducer: &DataParallel, shapes: &[ParamShape], units: &Un
     }
 }
 
-/// This rank's shards of `model`'s values, cut over the ranks of `shard`.
+/// This rank's shards of `model`'s values, cut over the ranks of `shard`: read one parameter
+/// at a time, so that start-up holds the model and this rank's chunks, never a flat copy.
 pub(crate) fn shards<B, M>(
     model: &M,
     shard: Group,
@@ -144,19 +146,58 @@ where
     B: AutodiffBackend,
     M: AutodiffModule<B>,
 {
-    let values: Vec<f32> = read_params(model)?.concat();
+    let own = own_chunks(model, &slices)?;
     let shapes = shapes.iter().map(|p| p.shape.clone()).collect();
     let comm = shard.comm()?;
     Ok(Shards::new(
-        comm, slices, ranges, shapes, &values, units, prefetch,
+        comm, slices, ranges, shapes, own, units, prefetch,
     ))
 }
 
-/// This rank's chunks of `model`'s values (a resumed checkpoint's), cut as `shards` cuts.
-pub(crate) fn own_chunks<B, M>(model: &M, shards: &Shards) -> Result<Vec<Vec<f32>>, TrainError>
+/// This rank's chunks (as `slices` cuts them) of `model`'s values, read one parameter at a
+/// time.
+fn own_chunks<B, M>(model: &M, slices: &RankSlices) -> Result<Vec<Vec<f32>>, TrainError>
 where
     B: AutodiffBackend,
     M: AutodiffModule<B>,
 {
-    Ok(shards.chunks_of(&read_params(model)?.concat()))
+    let mut own = slices.zero_chunks();
+    for_each_param(model, &mut |i, v| slices.write_param(&mut own, i, &v))?;
+    Ok(own)
+}
+
+/// This rank's chunks (as `slices` cuts them) of the parameters `params` (`shapes` in visit
+/// order: every parameter's name and shape; `params`: values by name, a checkpoint's cut for
+/// this rank's tensor-parallel shard), with no model built. A parameter missing from
+/// `params`, of another size, or a value for no parameter is refused, naming it.
+pub(crate) fn chunks_by_name(
+    slices: &RankSlices,
+    shapes: &[ParamShape],
+    mut params: HashMap<String, Vec<f32>>,
+) -> Result<Vec<Vec<f32>>, CheckpointError> {
+    let mut own = slices.zero_chunks();
+    for (i, p) in shapes.iter().enumerate() {
+        let mismatch = |reason: String| CheckpointError::Mismatch {
+            name: p.name.clone(),
+            reason,
+        };
+        let values =
+            (params.remove(&p.name)).ok_or_else(|| mismatch("not in the checkpoint".into()))?;
+        let want: usize = p.shape.iter().product();
+        if values.len() != want {
+            return Err(mismatch(format!(
+                "{} values in the checkpoint, the model's {:?} holds {want}",
+                values.len(),
+                p.shape
+            )));
+        }
+        slices.write_param(&mut own, i, &values);
+    }
+    match params.keys().min() {
+        Some(name) => Err(CheckpointError::Mismatch {
+            name: name.clone(),
+            reason: "in the checkpoint but not in the model".into(),
+        }),
+        None => Ok(own),
+    }
 }

@@ -189,13 +189,13 @@ where
     B::InnerBackend: FusedOps,
     M: AutodiffModule<B>,
 {
-    /// The optimizers of `model` (this rank's units and shard on a TP group of `tp` ranks)
-    /// under `settings`, each parameter in the group `rule` gives it. The rule sees the
+    /// The optimizers of the parameters `shapes` (this rank's units and shard on a TP group of
+    /// `tp` ranks, [`state::param_shapes`] of its model) under `settings`, each parameter in the group `rule` gives it. The rule sees the
     /// parameter's name and full shape, so every layout groups alike; a tied copy (`copies`:
     /// `(copy, original)` names) is grouped by its original. A group with a negative or
     /// non-finite value is refused, naming the parameter.
     pub(crate) fn new(
-        model: &M,
+        shapes: &[state::ParamShape],
         settings: &TrainSettings,
         tp: usize,
         copies: Vec<(String, String)>,
@@ -204,7 +204,7 @@ where
         let copies: HashMap<String, String> = copies.into_iter().collect();
         let mut groups: Vec<(ParamGroup, GroupOptim<M, B>)> = Vec::new();
         let mut of_param = HashMap::new();
-        for p in state::param_shapes(model) {
+        for p in shapes {
             let name = copies.get(&p.name).unwrap_or(&p.name);
             let shape = p.split.full_shape(&p.shape, tp);
             let info = ParamInfo {

@@ -12,6 +12,7 @@ use super::groups::GroupOptim;
 use super::*;
 use crate::backend::CpuAutodiff;
 use crate::checkpoint::Moments;
+use crate::checkpoint::state;
 
 type AB = CpuAutodiff;
 
@@ -268,7 +269,10 @@ fn groups_follow_the_rule_by_name_and_full_shape() {
     let s = TrainSettings::default();
     let copies = || vec![("c".to_string(), "a".to_string())];
     // Default: the matrices decay, the vector does not.
-    let default = Optimizers::new(&model, &s, 1, copies(), &|p| p.default).unwrap();
+    let default = Optimizers::new(&state::param_shapes(&model), &s, 1, copies(), &|p| {
+        p.default
+    })
+    .unwrap();
     assert_eq!(sizes(&default), vec![2, 1]);
     // By name (the copy `c` is seen as its original `a`) and full shape.
     let seen = std::cell::RefCell::new(Vec::new());
@@ -279,7 +283,7 @@ fn groups_follow_the_rule_by_name_and_full_shape() {
             ..p.default
         }
     };
-    let by_name = Optimizers::new(&model, &s, 1, copies(), &|p| {
+    let by_name = Optimizers::new(&state::param_shapes(&model), &s, 1, copies(), &|p| {
         seen.borrow_mut()
             .push((p.name.to_string(), p.shape.to_vec()));
         rule(p)
@@ -298,14 +302,14 @@ fn groups_follow_the_rule_by_name_and_full_shape() {
         weight_decay: if p.name == "b" { 0.3 } else { 0.0 },
         lr_scale: 1.0,
     };
-    let split = Optimizers::new(&model, &s, 1, vec![], &own).unwrap();
+    let split = Optimizers::new(&state::param_shapes(&model), &s, 1, vec![], &own).unwrap();
     assert_eq!(sizes(&split), vec![2, 1]);
     // A negative decay is refused, naming the parameter.
     let bad = |p: &ParamInfo<'_>| ParamGroup {
         weight_decay: -1.0,
         ..p.default
     };
-    match Optimizers::new(&model, &s, 1, vec![], &bad) {
+    match Optimizers::<Three<AB>, AB>::new(&state::param_shapes(&model), &s, 1, vec![], &bad) {
         Err(crate::train::TrainError::ParamGroup { name, reason }) => {
             assert_eq!(name, "a");
             assert!(reason.contains("weight_decay = -1"), "{reason}");
@@ -336,7 +340,7 @@ fn a_shard_is_grouped_by_its_full_shape() {
         p.default
     };
     let s = TrainSettings::default();
-    Optimizers::<Sharded<AB>, AB>::new(&model, &s, 2, vec![], &rule).unwrap();
+    Optimizers::<Sharded<AB>, AB>::new(&state::param_shapes(&model), &s, 2, vec![], &rule).unwrap();
     assert_eq!(seen.into_inner(), vec![("w".to_string(), vec![2, 6])]);
 }
 
