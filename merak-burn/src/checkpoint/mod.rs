@@ -43,7 +43,7 @@ pub use error::CheckpointError;
 pub use manifest::{FORMAT, FileEntry, MAX_DEGREE, MAX_STEP, Manifest, ParamEntry};
 pub use read::{Checkpoint, FullState, LocalPieces, cut_full_params};
 pub use run_id::RunId;
-pub use shard_file::NamedTensor;
+pub use shard_file::{NamedTensor, TensorRef};
 pub use slots::{Slots, StateSlots};
 pub use state::{LocalParam, Moments};
 pub use write::{save, write_file_atomically};
@@ -128,10 +128,27 @@ pub struct TensorSlice {
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    hex(&Sha256::digest(bytes))
+}
+
+/// The size and SHA-256 digest (lowercase hex) of the file at `path`, read in blocks.
+fn sha256_file(path: &std::path::Path) -> Result<(u64, String), CheckpointError> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path).map_err(CheckpointError::io(path))?;
+    let (mut hasher, mut block, mut size) = (Sha256::new(), vec![0u8; 1 << 20], 0u64);
+    loop {
+        let n = file.read(&mut block).map_err(CheckpointError::io(path))?;
+        if n == 0 {
+            return Ok((size, hex(&hasher.finalize())));
+        }
+        hasher.update(&block[..n]);
+        size += n as u64;
+    }
+}
+
+/// Bytes as lowercase hex.
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// The folder name of the checkpoint after `step` steps.

@@ -1,8 +1,10 @@
 //! One shard file: f32 tensors in the safetensors format, plus a string metadata map.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::Path;
 
+use safetensors::SafeTensorError;
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 
 use super::CheckpointError;
@@ -18,26 +20,87 @@ pub struct NamedTensor {
     pub values: Vec<f32>,
 }
 
+/// A named f32 tensor borrowed for writing ([`encode_refs`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TensorRef<'a> {
+    /// Name in the file.
+    pub name: &'a str,
+    /// Shape.
+    pub shape: &'a [usize],
+    /// Values, row-major.
+    pub values: &'a [f32],
+}
+
 /// Encodes tensors and metadata as a safetensors file (little-endian f32).
 pub fn encode(
     tensors: &[NamedTensor],
     metadata: HashMap<String, String>,
 ) -> Result<Vec<u8>, String> {
-    let bytes: Vec<Vec<u8>> = tensors
-        .iter()
-        .map(|t| t.values.iter().flat_map(|v| v.to_le_bytes()).collect())
-        .collect();
-    let views = tensors
-        .iter()
-        .zip(&bytes)
-        .map(|(t, b)| {
-            TensorView::new(Dtype::F32, t.shape.clone(), b)
-                .map(|v| (t.name.clone(), v))
-                .map_err(|e| format!("tensor {}: {e}", t.name))
+    let refs: Vec<TensorRef<'_>> = (tensors.iter())
+        .map(|t| TensorRef {
+            name: &t.name,
+            shape: &t.shape,
+            values: &t.values,
         })
-        .collect::<Result<Vec<_>, String>>()?;
+        .collect();
+    encode_refs(&refs, metadata)
+}
+
+/// [`encode`] from borrowed values: on a little-endian machine the file is built straight from
+/// the tensors' buffers.
+fn encode_refs(
+    tensors: &[TensorRef<'_>],
+    metadata: HashMap<String, String>,
+) -> Result<Vec<u8>, String> {
+    let bytes: Vec<Cow<'_, [u8]>> = tensors.iter().map(|t| le_bytes(t.values)).collect();
+    let views = views(tensors, &bytes)?;
     let metadata = (!metadata.is_empty()).then_some(metadata);
     safetensors::serialize(views, metadata).map_err(|e| e.to_string())
+}
+
+/// Writes the file [`encode_refs`] encodes to `path`, streamed from the tensors' buffers (no
+/// copy of the file in memory), and syncs it.
+pub fn write_refs(
+    path: &Path,
+    tensors: &[TensorRef<'_>],
+    metadata: HashMap<String, String>,
+) -> Result<(), CheckpointError> {
+    let corrupt = |reason: String| CheckpointError::Corrupt {
+        file: path.to_path_buf(),
+        reason,
+    };
+    let bytes: Vec<Cow<'_, [u8]>> = tensors.iter().map(|t| le_bytes(t.values)).collect();
+    let views = views(tensors, &bytes).map_err(corrupt)?;
+    let metadata = (!metadata.is_empty()).then_some(metadata);
+    safetensors::serialize_to_file(views, metadata, path).map_err(|e| match e {
+        SafeTensorError::IoError(e) => CheckpointError::io(path)(e),
+        e => corrupt(e.to_string()),
+    })?;
+    let file = std::fs::File::open(path).map_err(CheckpointError::io(path))?;
+    file.sync_all().map_err(CheckpointError::io(path))
+}
+
+/// Safetensors views of `tensors` over their little-endian `bytes`.
+fn views<'a>(
+    tensors: &[TensorRef<'_>],
+    bytes: &'a [Cow<'_, [u8]>],
+) -> Result<Vec<(String, TensorView<'a>)>, String> {
+    (tensors.iter().zip(bytes))
+        .map(|(t, b)| {
+            TensorView::new(Dtype::F32, t.shape.to_vec(), b)
+                .map(|v| (t.name.to_string(), v))
+                .map_err(|e| format!("tensor {}: {e}", t.name))
+        })
+        .collect()
+}
+
+/// `values` as little-endian bytes: the buffer itself on a little-endian machine.
+fn le_bytes(values: &[f32]) -> Cow<'_, [u8]> {
+    if cfg!(target_endian = "little") {
+        Cow::Borrowed(bytemuck::cast_slice(values))
+    } else {
+        Cow::Owned(values.iter().flat_map(|v| v.to_le_bytes()).collect())
+    }
 }
 
 /// Decodes a safetensors file of f32 tensors; `file` names it in errors.
@@ -100,5 +163,33 @@ mod tests {
         assert_eq!(back, vec![t[1].clone(), t[0].clone()]);
         let err = decode(&bytes[..bytes.len() - 4], Path::new("x")).unwrap_err();
         assert!(matches!(err, CheckpointError::Corrupt { .. }), "{err}");
+    }
+
+    #[test]
+    fn a_streamed_file_equals_the_encoded_bytes_and_a_bad_folder_is_an_io_error() {
+        let values: Vec<f32> = (0..1000).map(|i| (i as f32).sin()).collect();
+        let refs = [
+            TensorRef {
+                name: "param/w",
+                shape: &[10, 100],
+                values: &values,
+            },
+            TensorRef {
+                name: "m1/w",
+                shape: &[3],
+                values: &values[..3],
+            },
+        ];
+        let meta = HashMap::from([("k".to_string(), "v".to_string())]);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("shard.safetensors");
+        write_refs(&path, &refs, meta.clone()).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!(bytes, encode_refs(&refs, meta.clone()).unwrap());
+        let (back, _) = decode(&bytes, &path).unwrap();
+        assert_eq!(back[1].values, values);
+        let missing = dir.path().join("no-such-folder").join("shard.safetensors");
+        let err = write_refs(&missing, &refs, meta).unwrap_err();
+        assert!(matches!(err, CheckpointError::Io { .. }), "{err}");
     }
 }

@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 
 use super::root::{prune, remove_unfinished, sync_dir};
 use super::{
-    CheckpointError, FORMAT, FileEntry, LATEST, MANIFEST, Manifest, NamedTensor, ParamEntry,
-    RankState, RunId, SLICE_MARK, fault, sha256_hex, shard_file, step_dir_name,
+    CheckpointError, FORMAT, FileEntry, LATEST, MANIFEST, Manifest, ParamEntry, RankState, RunId,
+    SLICE_MARK, TensorRef, fault, sha256_file, shard_file, step_dir_name,
 };
 use crate::grid::ProcessGrid;
 
@@ -144,23 +144,17 @@ fn write_rank_files(
     grid: &ProcessGrid,
 ) -> Result<(), CheckpointError> {
     let c = grid.coords;
-    let mut tensors = Vec::new();
+    // Names first, then borrowed views of the values: no copy of the state is made.
+    let mut named: Vec<(String, Vec<usize>, &[f32])> = Vec::new();
     if c.dp == 0 {
         // Under ZeRO-3 the parameters' values travel as slices.
         let whole = state.params.iter().filter(|p| !p.values.is_empty());
-        tensors.extend(whole.map(|p| NamedTensor {
-            name: format!("param/{}", p.name),
-            shape: p.shape.clone(),
-            values: p.values.clone(),
-        }));
+        named.extend(whole.map(|p| (format!("param/{}", p.name), p.shape.clone(), &p.values[..])));
     }
     let mut times = BTreeMap::new();
     for s in &state.slices {
-        tensors.push(NamedTensor {
-            name: format!("{}/{}{SLICE_MARK}{}", s.kind, s.name, s.start),
-            shape: vec![s.values.len()],
-            values: s.values.clone(),
-        });
+        let name = format!("{}/{}{SLICE_MARK}{}", s.kind, s.name, s.start);
+        named.push((name, vec![s.values.len()], &s.values[..]));
         if s.kind != "param" {
             times.insert(s.name.clone(), s.time);
         }
@@ -179,30 +173,30 @@ fn write_rank_files(
                 reason: "optimizer state for a parameter the model does not have".into(),
             })?;
         for (kind, values) in [("m1", &m.m1), ("m2", &m.m2)] {
-            tensors.push(NamedTensor {
-                name: format!("{kind}/{name}"),
-                shape: shape.clone(),
-                values: values.clone(),
-            });
+            named.push((format!("{kind}/{name}"), shape.clone(), &values[..]));
         }
         times.insert(name.clone(), m.time);
     }
+    let tensors: Vec<TensorRef<'_>> = (named.iter())
+        .map(|(name, shape, values)| TensorRef {
+            name,
+            shape,
+            values,
+        })
+        .collect();
     if !tensors.is_empty() {
         let file = shard_file_name(c.tp, c.dp, c.pp);
         let meta = HashMap::from([(
             "adamw_time".to_string(),
             serde_json::to_string(&times).unwrap_or_default(),
         )]);
-        let bytes =
-            shard_file::encode(&tensors, meta).map_err(|reason| CheckpointError::Corrupt {
-                file: tmp_dir.join(&file),
-                reason,
-            })?;
-        write_synced(&tmp_dir.join(&file), &bytes)?;
+        let path = tmp_dir.join(&file);
+        shard_file::write_refs(&path, &tensors, meta)?;
+        let (bytes, sha256) = sha256_file(&path)?;
         let entry = FileEntry {
             file: file.clone(),
-            bytes: bytes.len() as u64,
-            sha256: sha256_hex(&bytes),
+            bytes,
+            sha256,
             tp: c.tp,
             dp: c.dp,
         };
