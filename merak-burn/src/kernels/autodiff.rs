@@ -4,7 +4,8 @@
 //! LayerNorm and bias + GELU are memory-bound: under Burn's balanced checkpointing (selective
 //! recomputation) their outputs are recomputed from their inputs in the backward pass rather
 //! than kept (each has a [`RetroForward`]); their inputs are read through the checkpointer.
-//! Attention and cross-entropy are compute-bound and keep what their backward pass needs.
+//! Attention and cross-entropy are compute-bound and keep what their backward pass needs (the
+//! attention: its context and each row's log-sum-exp, not its probabilities).
 
 use std::marker::PhantomData;
 
@@ -19,7 +20,7 @@ use burn_autodiff::{
     ops::{Backward, Ops, OpsKind, unary},
 };
 
-use super::{AttentionSpec, FusedOps, NormStats, VocabShard, composed};
+use super::{AttentionSpec, FusedOps, NormStats, VocabShard};
 use crate::comm::Group;
 
 #[derive(Debug)]
@@ -231,15 +232,26 @@ impl<B: FusedOps> RetroForward for RetroBiasGelu<B> {
 #[derive(Debug)]
 struct Attention;
 
+/// The state of the attention's node: the Q/K/V buffer (through the checkpointer), the
+/// context (a second handle on the node's output: the backward pass needs
+/// `D = rowsum(dctx ∘ ctx)`, and the output projection keeps the same buffer as its input), the
+/// log-sum-exp, and the segment ids.
+type AttentionState<B> = (
+    NodeId,
+    FloatTensor<B>,
+    Option<FloatTensor<B>>,
+    Option<IntTensor<B>>,
+    AttentionSpec,
+);
+
 impl<B: FusedOps> Backward<B, 1> for Attention {
-    type State = (NodeId, Option<B::FloatTensorPrimitive>, AttentionSpec);
+    type State = AttentionState<B>;
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, c: &mut Checkpointer) {
-        let (qkv, probs, spec) = ops.state;
+        let (qkv, ctx, lse, segments, spec) = ops.state;
         let qkv = c.retrieve_node_output::<B::FloatTensorPrimitive>(qkv);
-        let probs = probs.unwrap_or_else(|| composed::attention_probs::<B>(qkv.clone(), spec));
         unary::<B, _>(ops.parents, ops.node, grads, |dctx| {
-            B::attention_backward(qkv, probs, dctx, spec)
+            B::attention_backward(qkv, ctx, lse, dctx, spec, segments)
         });
     }
 }
@@ -376,7 +388,11 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
         }
     }
 
-    fn fused_attention(qkv: FloatTensor<Self>, spec: AttentionSpec) -> FloatTensor<Self> {
+    fn fused_attention(
+        qkv: FloatTensor<Self>,
+        spec: AttentionSpec,
+        segments: Option<IntTensor<Self>>,
+    ) -> FloatTensor<Self> {
         match Attention
             .prepare::<C>([qkv.node.clone()])
             .compute_bound()
@@ -384,10 +400,12 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
         {
             OpsKind::Tracked(mut prep) => {
                 let state = prep.checkpoint(&qkv);
-                let (ctx, probs) = B::attention_forward(qkv.primitive, spec);
-                prep.finish((state, probs, spec), ctx)
+                let (ctx, lse) = B::attention_forward(qkv.primitive, spec, segments.clone());
+                prep.finish((state, ctx.clone(), lse, segments, spec), ctx)
             }
-            OpsKind::UnTracked(prep) => prep.finish(B::attention_forward(qkv.primitive, spec).0),
+            OpsKind::UnTracked(prep) => {
+                prep.finish(B::attention_forward(qkv.primitive, spec, segments).0)
+            }
         }
     }
 }

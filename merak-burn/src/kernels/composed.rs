@@ -221,16 +221,26 @@ fn merge_heads<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 3> {
     x.swap_dims(1, 2).reshape([b, s, h * d])
 }
 
-/// The attention probabilities `[batch, heads, seq, seq]` of a fused Q/K/V buffer: the
-/// softmax of the scaled scores, under the causal mask when `spec.causal`. The backward pass
-/// recomputes them this way when the forward pass did not keep them.
-pub fn attention_probs<B: Backend>(qkv: FloatTensor<B>, spec: AttentionSpec) -> FloatTensor<B> {
-    let [q, k, _] = split_heads(lift::<B, 3>(qkv), spec.heads);
-    prim(probs_of(q, k, spec.causal))
+/// `[batch, heads, seq, seq]`: true where a query may not see a key, because the key belongs to
+/// another segment (`segments` `[batch, seq]`).
+fn segment_mask<B: Backend>(segments: IntTensor<B>, heads: usize) -> Tensor<B, 4, Bool> {
+    let seg = Tensor::<B, 2, Int>::from_primitive(segments);
+    let [b, s] = seg.dims();
+    let rows = seg.clone().reshape([b, s, 1]).expand([b, s, s]);
+    let cols = seg.reshape([b, 1, s]).expand([b, s, s]);
+    rows.not_equal(cols)
+        .unsqueeze_dim::<4>(1)
+        .expand([b, heads, s, s])
 }
 
-/// `softmax(q kᵀ / sqrt(d))`, with the future masked out when `causal`.
-fn probs_of<B: Backend>(q: Tensor<B, 4>, k: Tensor<B, 4>, causal: bool) -> Tensor<B, 4> {
+/// `q kᵀ / sqrt(d)` (`[batch, heads, seq, seq]`), `-inf` where a query may not see a key: the
+/// future when `causal`, other segments with `segments`.
+fn masked_scores<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    causal: bool,
+    segments: Option<IntTensor<B>>,
+) -> Tensor<B, 4> {
     let [b, h, s, d] = q.dims();
     let mut scores = q.matmul(k.swap_dims(2, 3)) * (1.0 / (d as f64).sqrt());
     if causal {
@@ -240,29 +250,39 @@ fn probs_of<B: Backend>(q: Tensor<B, 4>, k: Tensor<B, 4>, causal: bool) -> Tenso
             f32::NEG_INFINITY,
         );
     }
-    burn::tensor::activation::softmax(scores, 3)
+    if let Some(seg) = segments {
+        scores = scores.mask_fill(segment_mask::<B>(seg, h), f32::NEG_INFINITY);
+    }
+    scores
 }
 
 /// Composed attention forward (see
 /// [`FusedOps::attention_forward`](super::FusedOps::attention_forward)): the context and the
-/// probabilities.
+/// log-sum-exp, the probabilities `exp(scores - lse)` in between.
 pub fn attention_forward<B: Backend>(
     qkv: FloatTensor<B>,
     spec: AttentionSpec,
+    segments: Option<IntTensor<B>>,
 ) -> (FloatTensor<B>, Option<FloatTensor<B>>) {
     let [q, k, v] = split_heads(lift::<B, 3>(qkv), spec.heads);
-    let probs = probs_of(q, k, spec.causal);
-    let ctx = merge_heads(probs.clone().matmul(v));
-    (prim(ctx), Some(prim(probs)))
+    let [b, h, s, _] = q.dims();
+    let scores = masked_scores(q, k, spec.causal, segments);
+    // Every query sees itself, so each row's maximum is finite.
+    let top = scores.clone().max_dim(3);
+    let lse = top.clone() + (scores.clone() - top).exp().sum_dim(3).log();
+    let probs = (scores - lse.clone()).exp();
+    let ctx = merge_heads(probs.matmul(v));
+    (prim(ctx), Some(prim(lse.reshape([b, h, s]))))
 }
 
 /// Attention through Burn's own attention operation ([`burn::tensor::module::attention`]: flash
-/// attention on the CubeCL backends when its autotuner finds it faster): the context only. No
-/// `[batch, heads, seq, seq]` tensor outlives the forward pass; the backward pass recomputes
-/// the probabilities ([`attention_probs`]).
+/// attention on the CubeCL backends when its autotuner finds it faster): the context only, no
+/// log-sum-exp. No `[batch, heads, seq, seq]` tensor outlives the forward pass; the backward
+/// pass recomputes the softmax ([`attention_backward`] without `lse`).
 pub fn attention_forward_unsaved<B: Backend>(
     qkv: FloatTensor<B>,
     spec: AttentionSpec,
+    segments: Option<IntTensor<B>>,
 ) -> (FloatTensor<B>, Option<FloatTensor<B>>) {
     let [q, k, v] = split_heads(lift::<B, 3>(qkv), spec.heads);
     let options = burn::tensor::ops::AttentionModuleOptions {
@@ -270,27 +290,37 @@ pub fn attention_forward_unsaved<B: Backend>(
         softcap: None,
         is_causal: spec.causal,
     };
-    let ctx = burn::tensor::module::attention(q, k, v, None, None, options);
+    let mask = segments.map(|seg| segment_mask::<B>(seg, spec.heads));
+    let ctx = burn::tensor::module::attention(q, k, v, mask, None, options);
     (prim(merge_heads(ctx)), None)
 }
 
 /// Composed attention backward (see
-/// [`FusedOps::attention_backward`](super::FusedOps::attention_backward)).
+/// [`FusedOps::attention_backward`](super::FusedOps::attention_backward)): the probabilities
+/// recomputed from the scores, as `exp(scores - lse)` or, without `lse`, as their softmax;
+/// `D = rowsum(dctx ∘ ctx)`.
 pub fn attention_backward<B: Backend>(
     qkv: FloatTensor<B>,
-    probs: FloatTensor<B>,
+    ctx: FloatTensor<B>,
+    lse: Option<FloatTensor<B>>,
     dctx: FloatTensor<B>,
     spec: AttentionSpec,
+    segments: Option<IntTensor<B>>,
 ) -> FloatTensor<B> {
     let [q, k, v] = split_heads(lift::<B, 3>(qkv), spec.heads);
     let [b, h, s, d] = q.dims();
-    let p = lift::<B, 4>(probs);
-    let dout = lift::<B, 3>(dctx).reshape([b, s, h, d]).swap_dims(1, 2);
+    let scores = masked_scores(q.clone(), k.clone(), spec.causal, segments);
+    let p = match lse {
+        Some(lse) => (scores - lift::<B, 3>(lse).reshape([b, h, s, 1])).exp(),
+        None => burn::tensor::activation::softmax(scores, 3),
+    };
+    let heads = |x: FloatTensor<B>| lift::<B, 3>(x).reshape([b, s, h, d]).swap_dims(1, 2);
+    let dout = heads(dctx);
+    let delta = (dout.clone() * heads(ctx)).sum_dim(3);
     let scale = 1.0 / (d as f64).sqrt();
     let dv = p.clone().swap_dims(2, 3).matmul(dout.clone());
     let dp = dout.matmul(v.swap_dims(2, 3));
-    let row = (p.clone() * dp.clone()).sum_dim(3);
-    let ds = p * (dp - row) * scale;
+    let ds = p * (dp - delta) * scale;
     let dq = ds.clone().matmul(k);
     let dk = ds.swap_dims(2, 3).matmul(q);
     prim(Tensor::cat(

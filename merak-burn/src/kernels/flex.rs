@@ -6,7 +6,7 @@ use burn_flex::{Flex, FlexTensor};
 
 use super::cpu::gemm::View;
 use super::cpu::xent::{self, Columns};
-use super::cpu::{adamw, attention, embedding, gelu, linear, math, norm};
+use super::cpu::{adamw, blockwise, embedding, gelu, linear, math, norm};
 use super::{AdamWStep, AttentionSpec, FusedOps, NormStats, VocabShard, composed, fatal};
 use crate::comm::{Group, ReduceOp};
 
@@ -355,55 +355,72 @@ impl FusedOps for Flex {
         [dx, tensor(dbias, [d])]
     }
 
-    fn attention_forward(qkv: FlexTensor, spec: AttentionSpec) -> (FlexTensor, Option<FlexTensor>) {
+    fn attention_forward(
+        qkv: FlexTensor,
+        spec: AttentionSpec,
+        segments: Option<FlexTensor>,
+    ) -> (FlexTensor, Option<FlexTensor>) {
         if !is_f32(&qkv) {
-            return composed::attention_forward::<Flex>(qkv, spec);
+            return composed::attention_forward::<Flex>(qkv, spec, segments);
         }
         let qkv = contiguous(&qkv);
         let shape = attention_shape(&qkv, spec);
+        let segments = segments.as_ref().map(int_values);
         let mut ctx = vec![0.0; shape.ctx_len()];
-        let mut probs = vec![0.0; shape.probs_len()];
-        attention::forward(qkv.storage::<f32>(), shape, &mut ctx, &mut probs);
+        let mut lse = vec![0.0; shape.lse_len()];
+        let mask = self_mask(spec, segments.as_deref());
+        blockwise::forward(qkv.storage::<f32>(), shape, mask, &mut ctx, &mut lse);
         let (b, s, h, d) = (shape.batch, shape.seq, shape.heads, shape.head_dim);
-        (
-            tensor(ctx, [b, s, h * d]),
-            Some(tensor(probs, [b, h, s, s])),
-        )
+        (tensor(ctx, [b, s, h * d]), Some(tensor(lse, [b, h, s])))
     }
 
     fn attention_backward(
         qkv: FlexTensor,
-        probs: FlexTensor,
+        ctx: FlexTensor,
+        lse: Option<FlexTensor>,
         dctx: FlexTensor,
         spec: AttentionSpec,
+        segments: Option<FlexTensor>,
     ) -> FlexTensor {
-        if !is_f32(&qkv) {
-            return composed::attention_backward::<Flex>(qkv, probs, dctx, spec);
-        }
-        let (qkv, probs, dctx) = (contiguous(&qkv), contiguous(&probs), contiguous(&dctx));
+        let lse = match lse {
+            Some(lse) if is_f32(&qkv) => lse,
+            lse => {
+                return composed::attention_backward::<Flex>(qkv, ctx, lse, dctx, spec, segments);
+            }
+        };
+        let [qkv, ctx, lse, dctx] = [qkv, ctx, lse, dctx].map(|t| contiguous(&t));
         let shape = attention_shape(&qkv, spec);
+        let segments = segments.as_ref().map(int_values);
         let mut dqkv = vec![0.0; shape.qkv_len()];
-        let mut scratch = vec![0.0; shape.seq * shape.seq];
-        attention::backward(
+        blockwise::backward(
             qkv.storage::<f32>(),
-            probs.storage::<f32>(),
+            ctx.storage::<f32>(),
+            lse.storage::<f32>(),
             dctx.storage::<f32>(),
             shape,
+            self_mask(spec, segments.as_deref()),
             &mut dqkv,
-            &mut scratch,
         );
         tensor_like(dqkv, &qkv)
     }
 }
 
+/// The kernel's mask: causal or not, positions `0..seq`, the segment ids if any.
+fn self_mask(spec: AttentionSpec, segments: Option<&[i64]>) -> blockwise::SelfMask<'_> {
+    blockwise::SelfMask {
+        causal: spec.causal,
+        positions: blockwise::Positions::From(0),
+        segments,
+    }
+}
+
 /// The kernel's shape of a `[batch, seq, 3 * heads * head_dim]` buffer.
-fn attention_shape(qkv: &FlexTensor, spec: AttentionSpec) -> attention::Shape {
+fn attention_shape(qkv: &FlexTensor, spec: AttentionSpec) -> blockwise::Shape {
     let s = qkv.shape();
-    attention::Shape {
+    blockwise::Shape {
         batch: s[0],
         seq: s[1],
         heads: spec.heads,
         head_dim: s[2] / 3 / spec.heads.max(1),
-        causal: spec.causal,
     }
 }

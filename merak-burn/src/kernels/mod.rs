@@ -20,7 +20,7 @@
 //! | [`linear`] | the bias written, the product accumulated onto it (`gemm`, strided weights) | two products over all rows and a column sum, only for the inputs that need a gradient |
 //! | [`LayerNorm`](crate::tensor_parallel::LayerNorm) | one pass per row; keeps each row's mean and `1 / std` | one pass per row, written over the upstream gradient |
 //! | [`bias_gelu`] | `gelu(x + b)` (exact GELU, vectorized `erfc`) | one pass, over the upstream gradient |
-//! | [`attention`] | per head, in blocks of 32 query rows under a causal mask (no scores above the diagonal's blocks): scores (a product reading Q and K in place), softmax, context written in its final layout | five products per head, the Q/K/V gradient written in the fused layout |
+//! | [`attention`] | blockwise ([`cpu::blockwise`]): per head, blocks of query rows against blocks of keys with an online softmax (key blocks the causal mask or the segment ids hide are skipped); Q, K and V read in place; keeps only each row's log-sum-exp (`[batch, heads, seq]`), no `[seq, seq]` matrix | per block, the probabilities recomputed from the log-sum-exp and five products, the Q/K/V gradient written in the fused layout |
 //!
 //! Besides, [`FusedOps::adamw_step`] (behind [`FusedAdamW`](crate::train::FusedAdamW)) updates a
 //! parameter and its moments in one in-place pass, [`FusedOps::sum_of_squares`] accumulates a
@@ -247,29 +247,39 @@ pub trait FusedOps: Backend {
 
     /// Forward kernel of scaled dot-product self-attention on a fused Q/K/V projection
     /// (`[batch, seq, 3 * heads * head_dim]`: all query heads, then keys, then values): the
-    /// context `[batch, seq, heads * head_dim]` and the probabilities
-    /// `[batch, heads, seq, seq]` kept for the backward pass, or `None` where the kernel does
-    /// not keep them (the backward pass then recomputes them, [`composed::attention_probs`]).
+    /// context `[batch, seq, heads * head_dim]` and each query's log-sum-exp of its scaled
+    /// scores `[batch, heads, seq]` (natural log) for the backward pass, or `None` where the
+    /// kernel does not give it (the backward pass then recomputes the softmax). `segments`
+    /// (`[batch, seq]`), when given, are segment ids: a token attends only to tokens of its own
+    /// segment (documents packed into one sequence).
     fn attention_forward(
         qkv: FloatTensor<Self>,
         spec: AttentionSpec,
+        segments: Option<IntTensor<Self>>,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
-        composed::attention_forward::<Self>(qkv, spec)
+        composed::attention_forward::<Self>(qkv, spec, segments)
     }
 
-    /// Backward kernel of the attention: the gradient of the Q/K/V buffer from the context's.
+    /// Backward kernel of the attention: the gradient of the Q/K/V buffer from the context's
+    /// (`dctx`), given the forward pass's context `ctx` and log-sum-exp `lse`.
     fn attention_backward(
         qkv: FloatTensor<Self>,
-        probs: FloatTensor<Self>,
+        ctx: FloatTensor<Self>,
+        lse: Option<FloatTensor<Self>>,
         dctx: FloatTensor<Self>,
         spec: AttentionSpec,
+        segments: Option<IntTensor<Self>>,
     ) -> FloatTensor<Self> {
-        composed::attention_backward::<Self>(qkv, probs, dctx, spec)
+        composed::attention_backward::<Self>(qkv, ctx, lse, dctx, spec, segments)
     }
 
     /// The differentiable attention (see [`FusedOps::attention_forward`]).
-    fn fused_attention(qkv: FloatTensor<Self>, spec: AttentionSpec) -> FloatTensor<Self> {
-        Self::attention_forward(qkv, spec).0
+    fn fused_attention(
+        qkv: FloatTensor<Self>,
+        spec: AttentionSpec,
+        segments: Option<IntTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        Self::attention_forward(qkv, spec, segments).0
     }
 }
 
@@ -327,19 +337,36 @@ pub fn bias_gelu<B: FusedOps, const D: usize>(x: Tensor<B, D>, bias: Tensor<B, 1
 /// ([`FusedOps::fused_attention`]): `[batch, seq, 3 * heads * head_dim]` (query heads, then key
 /// heads, then value heads) to the context `[batch, seq, heads * head_dim]`.
 pub fn attention<B: FusedOps>(qkv: Tensor<B, 3>, spec: AttentionSpec) -> Tensor<B, 3> {
-    lift(B::fused_attention(prim(qkv), spec))
+    lift(B::fused_attention(prim(qkv), spec, None))
+}
+
+/// [`attention`] within segments: `segments` (`[batch, seq]`) gives each token's segment id, and
+/// a token attends only to tokens of its own segment (documents packed into one sequence; with
+/// `spec.causal`, only to earlier tokens of its segment).
+pub fn attention_in_segments<B: FusedOps>(
+    qkv: Tensor<B, 3>,
+    spec: AttentionSpec,
+    segments: Tensor<B, 2, Int>,
+) -> Tensor<B, 3> {
+    lift(B::fused_attention(
+        prim(qkv),
+        spec,
+        Some(segments.into_primitive()),
+    ))
 }
 
 /// On CUDA the attention is Burn's attention operation (flash attention where the autotuner
-/// finds it faster), which keeps no probabilities: the backward pass recomputes them. The other
-/// kernels compose Burn's operators.
+/// finds it faster), which gives no log-sum-exp: the backward pass recomputes the softmax
+/// ([`composed::attention_backward`] without `lse`). The other kernels compose Burn's
+/// operators.
 #[cfg(feature = "cuda")]
 impl FusedOps for burn_cuda::Cuda<f32> {
     fn attention_forward(
         qkv: FloatTensor<Self>,
         spec: AttentionSpec,
+        segments: Option<IntTensor<Self>>,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
-        composed::attention_forward_unsaved::<Self>(qkv, spec)
+        composed::attention_forward_unsaved::<Self>(qkv, spec, segments)
     }
 }
 

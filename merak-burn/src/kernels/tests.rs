@@ -127,43 +127,91 @@ fn check_all<K: AutodiffBackend + FusedOps>(tag: &str) {
     compare(&format!("{tag} linear, transposed weight"), fused, composed);
 
     // Attention on a fused QKV buffer: 2 sequences of 7 tokens, 3 heads of 4 features.
-    let (b, s, h, hd) = (2, 7, 3, 4);
+    check_attention::<K>(tag, [2, 7, 3, 4], None);
+    // Attention within segments, 70 tokens (two key blocks): the fused operation against the
+    // composition with the segment mask.
+    let (b, s) = (2, 70);
+    let ids: Vec<i64> = (0..b * s).map(|i| (i % s / 17 + i / s) as i64).collect();
+    check_attention::<K>(tag, [b, s, 2, 4], Some(&ids));
+}
+
+/// The fused attention (within segments `ids`, `[b, s]`, when given) against its composition of
+/// Burn operators, causal and not, for `[b, s, h, hd]`: values and gradients.
+fn check_attention<K: AutodiffBackend + FusedOps>(
+    tag: &str,
+    [b, s, h, hd]: [usize; 4],
+    ids: Option<&[i64]>,
+) {
+    let seg = || {
+        ids.map(|ids| {
+            Tensor::<K, 2, burn::tensor::Int>::from_data(
+                TensorData::new(ids.to_vec(), [b, s]),
+                &Default::default(),
+            )
+        })
+    };
     for causal in [true, false] {
         let shapes = [vec![b * s, 3 * h * hd]];
         let spec = AttentionSpec { heads: h, causal };
         let fused = run::<K, 3>(&shapes, |l| {
-            attention(l[0].clone().reshape([b, s, 3 * h * hd]), spec)
+            let qkv = l[0].clone().reshape([b, s, 3 * h * hd]);
+            match seg() {
+                Some(segments) => attention_in_segments(qkv, spec, segments),
+                None => attention(qkv, spec),
+            }
         });
         let composed = run::<K, 3>(&shapes, |l| {
-            let qkv = l[0].clone().reshape([b, s, 3 * h * hd]);
-            let mut parts = qkv
-                .chunk(3, 2)
-                .into_iter()
-                .map(|t| t.reshape([b, s, h, hd]).swap_dims(1, 2));
-            let (q, k, v) = (
-                parts.next().unwrap(),
-                parts.next().unwrap(),
-                parts.next().unwrap(),
-            );
-            let mut scores = q.matmul(k.swap_dims(2, 3)) * (1.0 / (hd as f64).sqrt());
-            if causal {
-                let future = Tensor::<K, 2, Bool>::tril_mask([s, s], 0, &Default::default());
-                scores = scores.mask_fill(
-                    future.unsqueeze::<4>().expand([b, h, s, s]),
-                    f32::NEG_INFINITY,
-                );
-            }
-            softmax(scores, 3)
-                .matmul(v)
-                .swap_dims(1, 2)
-                .reshape([b, s, h * hd])
+            composed_attention(l[0].clone(), [b, s, h, hd], causal, seg())
         });
+        let within = if ids.is_some() { " in segments" } else { "" };
         compare(
-            &format!("{tag} attention (causal {causal})"),
+            &format!("{tag} attention{within} (causal {causal})"),
             fused,
             composed,
         );
     }
+}
+
+/// Attention composed of Burn operators on a `[b * s, 3 * h * hd]` Q/K/V buffer: a token sees
+/// no later token when `causal`, and only tokens of its own segment when `segments` are given.
+fn composed_attention<K: Backend>(
+    qkv: Tensor<K, 2>,
+    [b, s, h, hd]: [usize; 4],
+    causal: bool,
+    segments: Option<Tensor<K, 2, burn::tensor::Int>>,
+) -> Tensor<K, 3> {
+    let qkv = qkv.reshape([b, s, 3 * h * hd]);
+    let mut parts = qkv
+        .chunk(3, 2)
+        .into_iter()
+        .map(|t| t.reshape([b, s, h, hd]).swap_dims(1, 2));
+    let (q, k, v) = (
+        parts.next().unwrap(),
+        parts.next().unwrap(),
+        parts.next().unwrap(),
+    );
+    let scores = q.matmul(k.swap_dims(2, 3)) * (1.0 / (hd as f64).sqrt());
+    let device = scores.device();
+    let mut hidden = Tensor::<K, 3, burn::tensor::Int>::zeros([b, s, s], &device).bool();
+    if let Some(seg) = segments {
+        hidden = seg
+            .clone()
+            .reshape([b, s, 1])
+            .expand([b, s, s])
+            .not_equal(seg.reshape([b, 1, s]).expand([b, s, s]));
+    }
+    if causal {
+        let future = Tensor::<K, 2, Bool>::tril_mask([s, s], 0, &device);
+        hidden = hidden.bool_or(future.unsqueeze::<3>().expand([b, s, s]));
+    }
+    let scores = scores.mask_fill(
+        hidden.unsqueeze_dim::<4>(1).expand([b, h, s, s]),
+        f32::NEG_INFINITY,
+    );
+    softmax(scores, 3)
+        .matmul(v)
+        .swap_dims(1, 2)
+        .reshape([b, s, h * hd])
 }
 
 #[test]
@@ -225,22 +273,49 @@ fn composed_kernels_equal_the_cpu_kernels() {
         );
     }
 
-    let spec = AttentionSpec {
-        heads: 2,
-        causal: true,
-    };
-    let qkv: Tensor<Cpu, 3> = tensor::<Cpu, 2>(&rng, "qkv", [10, 24]).reshape([2, 5, 24]);
-    let dctx: Tensor<Cpu, 3> = tensor::<Cpu, 2>(&rng, "dctx", [10, 8]).reshape([2, 5, 8]);
-    let (c1, p1) = Cpu::attention_forward(prim(qkv.clone()), spec);
-    let (c2, p2) = composed::attention_forward::<Cpu>(prim(qkv.clone()), spec);
-    close("attention forward", host::<3>(c1), host::<3>(c2));
-    let (p1, p2) = (
-        p1.expect("flex keeps probs"),
-        p2.expect("composed keeps probs"),
-    );
-    let d1 = Cpu::attention_backward(prim(qkv.clone()), p1, prim(dctx.clone()), spec);
-    let d2 = composed::attention_backward::<Cpu>(prim(qkv), p2, prim(dctx), spec);
-    close("attention backward", host::<3>(d1), host::<3>(d2));
+    // Attention: 2 sequences of 70 tokens (two key blocks), with and without segment ids.
+    let (b, s, h, hd) = (2, 70, 2, 4);
+    let qkv: Tensor<Cpu, 3> =
+        tensor::<Cpu, 2>(&rng, "qkv", [b * s, 3 * h * hd]).reshape([b, s, 3 * h * hd]);
+    let dctx: Tensor<Cpu, 3> =
+        tensor::<Cpu, 2>(&rng, "dctx", [b * s, h * hd]).reshape([b, s, h * hd]);
+    for causal in [true, false] {
+        for segmented in [false, true] {
+            let spec = AttentionSpec { heads: h, causal };
+            let tag = format!("attention (causal {causal}, segments {segmented})");
+            let seg = || segmented.then(|| segments(b, s).into_primitive());
+            let (c1, l1) = Cpu::attention_forward(prim(qkv.clone()), spec, seg());
+            let (c2, l2) = composed::attention_forward::<Cpu>(prim(qkv.clone()), spec, seg());
+            close(
+                &format!("{tag} forward"),
+                host::<3>(c1.clone()),
+                host::<3>(c2.clone()),
+            );
+            let (l1, l2) = (l1.expect("flex gives lse"), l2.expect("composed gives lse"));
+            close(
+                &format!("{tag} lse"),
+                host::<3>(l1.clone()),
+                host::<3>(l2.clone()),
+            );
+            let d1 = Cpu::attention_backward(
+                prim(qkv.clone()),
+                c1,
+                Some(l1),
+                prim(dctx.clone()),
+                spec,
+                seg(),
+            );
+            let d2 = composed::attention_backward::<Cpu>(
+                prim(qkv.clone()),
+                c2,
+                Some(l2),
+                prim(dctx.clone()),
+                spec,
+                seg(),
+            );
+            close(&format!("{tag} backward"), host::<3>(d1), host::<3>(d2));
+        }
+    }
 
     let logits: Tensor<Cpu, 2> = tensor(&rng, "logits", [6, 16]);
     let targets = Tensor::<Cpu, 1, burn::tensor::Int>::from_data(
@@ -292,33 +367,49 @@ fn composed_kernels_equal_the_cpu_kernels() {
     assert!((sq - want).abs() <= 1e-12 * want, "{sq} vs {want}");
 }
 
-/// The CUDA attention (Burn's attention operation, no probabilities kept) gives the composed
-/// context, and the backward pass over recomputed probabilities gives the composed gradient,
-/// with and without the causal mask.
+/// Segment ids `[batch, seq]`: sorted runs of different lengths per sequence.
+fn segments(batch: usize, seq: usize) -> Tensor<Cpu, 2, burn::tensor::Int> {
+    let ids: Vec<i64> = (0..batch)
+        .flat_map(|b| (0..seq).map(move |i| ((i * (b + 2)) / 23) as i64))
+        .collect();
+    Tensor::from_data(TensorData::new(ids, [batch, seq]), &Default::default())
+}
+
+/// The CUDA attention (Burn's attention operation, no log-sum-exp) gives the composed context,
+/// and the backward pass recomputing the softmax gives the composed gradient, with and without
+/// the causal mask and segment ids.
 #[test]
 fn unsaved_attention_equals_the_composed_attention() {
     let rng = InitRng::new(5);
     for causal in [true, false] {
-        let spec = AttentionSpec { heads: 3, causal };
-        let qkv: Tensor<Cpu, 3> = tensor::<Cpu, 2>(&rng, "qkv", [14, 36]).reshape([2, 7, 36]);
-        let dctx: Tensor<Cpu, 3> = tensor::<Cpu, 2>(&rng, "dctx", [14, 12]).reshape([2, 7, 12]);
-        let (c1, p1) = composed::attention_forward_unsaved::<Cpu>(prim(qkv.clone()), spec);
-        assert!(p1.is_none(), "the unsaved attention keeps no probabilities");
-        let (c2, p2) = composed::attention_forward::<Cpu>(prim(qkv.clone()), spec);
-        close("unsaved attention forward", host::<3>(c1), host::<3>(c2));
-        let p2 = p2.expect("composed keeps probs");
-        let recomputed = composed::attention_probs::<Cpu>(prim(qkv.clone()), spec);
-        close(
-            "recomputed probs",
-            host::<4>(recomputed.clone()),
-            host::<4>(p2.clone()),
-        );
-        let d1 = Cpu::attention_backward(prim(qkv.clone()), recomputed, prim(dctx.clone()), spec);
-        let d2 = composed::attention_backward::<Cpu>(prim(qkv), p2, prim(dctx), spec);
-        close(
-            "attention backward over recomputed probs",
-            host::<3>(d1),
-            host::<3>(d2),
-        );
+        for segmented in [false, true] {
+            let spec = AttentionSpec { heads: 3, causal };
+            let seg = || segmented.then(|| segments(2, 7).into_primitive());
+            let qkv: Tensor<Cpu, 3> = tensor::<Cpu, 2>(&rng, "qkv", [14, 36]).reshape([2, 7, 36]);
+            let dctx: Tensor<Cpu, 3> = tensor::<Cpu, 2>(&rng, "dctx", [14, 12]).reshape([2, 7, 12]);
+            let (c1, l1) =
+                composed::attention_forward_unsaved::<Cpu>(prim(qkv.clone()), spec, seg());
+            assert!(l1.is_none(), "the unsaved attention gives no log-sum-exp");
+            let (c2, l2) = composed::attention_forward::<Cpu>(prim(qkv.clone()), spec, seg());
+            close(
+                "unsaved attention forward",
+                host::<3>(c1.clone()),
+                host::<3>(c2.clone()),
+            );
+            let d1 = composed::attention_backward::<Cpu>(
+                prim(qkv.clone()),
+                c1,
+                None,
+                prim(dctx.clone()),
+                spec,
+                seg(),
+            );
+            let d2 = Cpu::attention_backward(prim(qkv), c2, l2, prim(dctx), spec, seg());
+            close(
+                "attention backward recomputing the softmax",
+                host::<3>(d1),
+                host::<3>(d2),
+            );
+        }
     }
 }

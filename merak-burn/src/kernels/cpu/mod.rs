@@ -2,7 +2,7 @@
 //! `f32` slices, vectorized through [`math::simd`], tested against definitions in `f64`.
 
 pub mod adamw;
-pub mod attention;
+pub mod blockwise;
 pub mod embedding;
 pub mod gelu;
 pub mod gemm;
