@@ -8,14 +8,16 @@ use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
 use merak_bert::{BertConfig, mask_tokens};
 use merak_burn::checkpoint::{Checkpoint, FullState};
-use merak_burn::data::CausalWindows;
+use merak_burn::data::{CausalWindows, DocumentMasked};
 use merak_burn::grid::ProcessGrid;
 use merak_burn::pipeline::{PipelineModel, PipelinePlan};
 use merak_burn::plan::ParallelPlan;
 use merak_burn::session::{Part, RunOptions, train_part};
 use merak_burn::tensor_parallel::ParallelBackend;
 pub use merak_burn::train::Summary;
-use merak_burn::train::{ExistingRun, RunFile, SourceError, StopRequest, TokenSource, Windows};
+use merak_burn::train::{
+    BatchSource, ExistingRun, RunFile, SourceError, StopRequest, TokenSource, Windows,
+};
 
 use crate::config::Config;
 use crate::data::Source;
@@ -184,10 +186,18 @@ where
         global_batch: cfg.train.global_batch,
         seq: cfg.model.gpt.seq_len,
     };
-    let source = ObjectiveData {
-        windows,
-        objective,
-        seed: cfg.train.seed,
+    let source = DocumentMasked {
+        source: ObjectiveData {
+            windows,
+            objective,
+            seed: cfg.train.seed,
+        },
+        eot: data.eot(),
+    };
+    // With data.document_mask the samples carry each token's document and position in it.
+    let source: &dyn BatchSource = match cfg.data.document_mask {
+        true => &source,
+        false => &source.source,
     };
     let part = Part {
         grid,
@@ -202,7 +212,7 @@ where
     let (report, model) = train_part(
         part,
         model,
-        &source,
+        source,
         &cfg.train_settings(),
         &options,
         resume,

@@ -607,3 +607,44 @@ fn memory_json_counts_each_ranks_model_state() {
     let sgd = state(0, "state-sgd-momentum", &momentum);
     assert!(close(sgd[0][2], mib), "{sgd:?}");
 }
+
+/// Document masks (`data.document_mask`): with a small vocabulary every synthetic window holds
+/// several documents (its last id ends one). The mask changes the losses, and dp 2 × tp 2
+/// (with gradient accumulation) and pp 2 (with recomputation) train as one process does
+/// with it: same losses and final parameters.
+#[test]
+fn document_masks_change_the_losses_and_train_the_same_under_dp_tp_and_pp() {
+    let base = [
+        "--set",
+        "model.vocab_size=64",
+        "--set",
+        "train.micro_batch=2",
+    ];
+    let masked: Vec<&str> = base
+        .iter()
+        .copied()
+        .chain(["--set", "data.document_mask=true"])
+        .collect();
+    let plain = train_dir_opt(0, "docs-plain", &base, &[]);
+    let single = train_dir_opt(0, "docs-single", &masked, &[]);
+    let (a, b) = (
+        series(&read_metrics(&plain), "loss"),
+        series(&read_metrics(&single), "loss"),
+    );
+    assert!(
+        a.iter().zip(&b).all(|(x, y)| (x - y).abs() > 1e-4),
+        "the mask changes every step's loss: {a:?} vs {b:?}"
+    );
+    for (np, name, extra) in [
+        (4, "docs-dp2tp2", vec!["--dp", "2", "--tp", "2"]),
+        (
+            2,
+            "docs-pp2",
+            vec!["--pp", "2", "--set", "parallel.recompute=full"],
+        ),
+    ] {
+        let got = train_dir_opt(np, name, &masked, &extra);
+        assert_same_losses(name, &got, &single);
+        assert_same_params(name, &got, &single);
+    }
+}

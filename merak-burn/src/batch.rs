@@ -17,6 +17,12 @@ use burn::tensor::{Int, Shape, Tensor, TensorData};
 pub const TOKENS: &str = "tokens";
 /// The field of a token model's target ids, `[seq]` per sample (negative: not counted).
 pub const TARGETS: &str = "targets";
+/// The field of each token's position (within its document under a document mask), `[seq]`
+/// per sample ([`DocumentMasked`](crate::data::DocumentMasked)).
+pub const POSITIONS: &str = "positions";
+/// The field of each token's document index within its sequence, `[seq]` per sample: a token
+/// attends only to tokens of the same document ([`DocumentMasked`](crate::data::DocumentMasked)).
+pub const SEGMENTS: &str = "segments";
 
 /// The values of one field, sample after sample.
 #[derive(Clone, Debug, PartialEq)]

@@ -17,6 +17,10 @@ pub struct DataSection {
     pub val_every: usize,
     /// Global batches of held-out sequences per validation.
     pub val_batches: usize,
+    /// Document masks (GPT): a token attends only to the tokens of its own document and its
+    /// position restarts at 0 where a document starts. Documents end at the data set's
+    /// end-of-text token (synthetic data: the last vocabulary id).
+    pub document_mask: bool,
 }
 
 impl Config {
@@ -37,6 +41,15 @@ impl Config {
                     format!("`{other}` is not a known data source (known: synthetic, tokens)"),
                 );
             }
+        }
+        if self.data.document_mask && self.model.kind != "gpt" {
+            return bad(
+                "data.document_mask",
+                format!(
+                    "applies to model.kind = \"gpt\" only (this config's model.kind is \"{}\")",
+                    self.model.kind
+                ),
+            );
         }
         if self.data.val_every > 0 && self.data.val_batches == 0 {
             return bad(

@@ -119,6 +119,7 @@ impl Default for Config {
                 path: String::new(),
                 val_every: 0,
                 val_batches: 2,
+                document_mask: false,
             },
             checkpoint: CheckpointSection {
                 every: 0,

@@ -387,3 +387,15 @@ fn the_shipped_config_loads() {
     let c = load(Some(&path), &[]).unwrap();
     assert_eq!(c.model.gpt.heads, 4);
 }
+
+#[test]
+fn a_document_mask_is_refused_for_bert_naming_the_key_and_the_kind() {
+    load(None, &sets(&["data.document_mask=true"])).unwrap();
+    let e = load(None, &sets(&["model.kind=bert", "data.document_mask=true"]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`data.document_mask`") && e.contains("\"bert\""),
+        "{e}"
+    );
+}

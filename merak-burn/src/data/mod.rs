@@ -3,10 +3,12 @@
 //! same sequences. [`CausalWindows`] feeds either to the [`Trainer`](crate::train::Trainer)
 //! as next-token windows.
 
+mod documents;
 mod error;
 mod synthetic;
 mod tokens;
 
+pub use documents::{DocumentMasked, document_fields};
 pub use error::DataError;
 pub use synthetic::SyntheticData;
 pub use tokens::{GPT2_EOT, GPT2_VOCAB, Meta, TokenData, TokenFile, io};
@@ -39,6 +41,15 @@ impl Dataset {
                 d.val.token_count(),
                 d.meta.tokenizer
             ),
+        }
+    }
+
+    /// The token that ends a document: the data set's (`eot` of its meta), or for the
+    /// synthetic sequences the last id of the vocabulary (`vocab - 1`, as GPT-2's is).
+    pub fn eot(&self) -> i64 {
+        match self {
+            Dataset::Synthetic(d) => d.vocab() as i64 - 1,
+            Dataset::Tokens(d) => i64::from(d.meta.eot),
         }
     }
 

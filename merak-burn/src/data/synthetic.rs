@@ -21,6 +21,11 @@ impl SyntheticData {
         }
     }
 
+    /// The vocabulary size.
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
     /// Sequence `index` of step `step`: `len` token ids.
     pub fn sequence(&self, step: usize, index: usize, len: usize) -> Vec<i64> {
         let r = self

@@ -1,14 +1,14 @@
 //! Multi-head self-attention with the heads split across the TP group.
 
 use burn::module::Module;
-use burn::tensor::{Bool, Tensor, activation::softmax, backend::Backend};
+use burn::tensor::{Bool, Int, Tensor, activation::softmax, backend::Backend};
 
 use super::init::{TpError, check_divisible};
 use super::linear::{ColumnParallelLinear, RowParallelLinear};
 use super::ops::ParallelBackend;
 use super::overlap::TpOverlap;
 use crate::comm::Group;
-use crate::kernels::{AttentionSpec, attention};
+use crate::kernels::{AttentionSpec, attention, attention_in_segments};
 
 /// Which positions a query may attend to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -99,11 +99,27 @@ impl<B: ParallelBackend> ParallelSelfAttention<B> {
     /// `[batch, seq, d_model] -> [batch, seq, d_model]`. The attention between the two
     /// projections is one fused operation ([`crate::kernels::attention`]).
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        self.forward_in_segments(x, None)
+    }
+
+    /// [`forward`](Self::forward) where `segments` (`[batch, seq]`, when given) are segment
+    /// ids: a token attends only to the tokens of its own segment (a document packed with
+    /// others into one sequence, [`crate::data::DocumentMasked`]).
+    pub fn forward_in_segments(
+        &self,
+        x: Tensor<B, 3>,
+        segments: Option<Tensor<B, 2, Int>>,
+    ) -> Tensor<B, 3> {
         let spec = AttentionSpec {
             heads: self.local_heads,
             causal: self.mask == AttentionMask::Causal,
         };
-        self.proj.forward(attention(self.qkv.forward(x), spec))
+        let qkv = self.qkv.forward(x);
+        let ctx = match segments {
+            Some(segments) => attention_in_segments(qkv, spec, segments),
+            None => attention(qkv, spec),
+        };
+        self.proj.forward(ctx)
     }
 
     /// The same as [`ParallelSelfAttention::forward`] with the attention composed of Burn

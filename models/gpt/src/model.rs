@@ -1,6 +1,6 @@
 //! The GPT module.
 
-use merak_burn::batch::{Batch, TARGETS, TOKENS};
+use merak_burn::batch::{Batch, POSITIONS, SEGMENTS, TARGETS, TOKENS};
 use std::ops::Range;
 
 use burn::module::Module;
@@ -34,10 +34,20 @@ pub struct Block<B: Backend> {
 impl<B: ParallelBackend> Block<B> {
     /// `[batch, seq, hidden] -> [batch, seq, hidden]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let x = x.clone()
-            + self
-                .dropout
-                .forward(self.attn.forward(self.ln_1.forward(x)));
+        self.forward_in_segments(x, None)
+    }
+
+    /// [`forward`](Self::forward) with the attention kept within `segments` (`[batch, seq]`
+    /// document ids, when given).
+    pub fn forward_in_segments(
+        &self,
+        x: Tensor<B, 3>,
+        segments: Option<Tensor<B, 2, Int>>,
+    ) -> Tensor<B, 3> {
+        let attn = self
+            .attn
+            .forward_in_segments(self.ln_1.forward(x.clone()), segments);
+        let x = x + self.dropout.forward(attn);
         x.clone() + self.dropout.forward(self.mlp.forward(self.ln_2.forward(x)))
     }
 }
@@ -162,25 +172,40 @@ impl<B: ParallelBackend> Gpt<B> {
             .expect("the head unit is built with a token table")
     }
 
-    /// Units 0: `[batch, seq]` ids to the summed, dropped-out embeddings.
-    fn embed(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+    /// Units 0: `[batch, seq]` ids to the summed, dropped-out embeddings; `positions`
+    /// (`[batch, seq]`, each token's position in its document) pick the position embeddings,
+    /// `0..seq` for every sequence without them.
+    fn embed(&self, ids: Tensor<B, 2, Int>, positions: Option<Tensor<B, 2, Int>>) -> Tensor<B, 3> {
         let (Some(wte), Some(wpe)) = (&self.wte, &self.wpe) else {
             panic!("the embedding unit is not on this pipeline rank");
         };
-        // The first `seq` position embeddings, added to every sequence (broadcast).
-        let s = ids.dims()[1];
-        let pos =
-            merak_burn::precision::autocast(wpe.weight.val().narrow(0, 0, s)).unsqueeze::<3>();
+        let pos = match positions {
+            Some(positions) => merak_burn::precision::autocast(merak_burn::kernels::embedding(
+                wpe.weight.val(),
+                positions,
+                0,
+            )),
+            // The first `seq` position embeddings, added to every sequence (broadcast).
+            None => {
+                let s = ids.dims()[1];
+                merak_burn::precision::autocast(wpe.weight.val().narrow(0, 0, s)).unsqueeze::<3>()
+            }
+        };
         self.dropout.forward(wte.forward(ids) + pos)
     }
 
-    /// Blocks `first..end` (0-based block indices).
-    fn run_blocks(&self, mut x: Tensor<B, 3>, blocks: Range<usize>) -> Tensor<B, 3> {
+    /// Blocks `first..end` (0-based block indices), attending within `segments` when given.
+    fn run_blocks(
+        &self,
+        mut x: Tensor<B, 3>,
+        blocks: Range<usize>,
+        segments: Option<Tensor<B, 2, Int>>,
+    ) -> Tensor<B, 3> {
         for i in blocks {
             let block = self.blocks[i]
                 .as_ref()
                 .expect("the block is on this pipeline rank");
-            x = block.forward(x);
+            x = block.forward_in_segments(x, segments.clone());
         }
         x
     }
@@ -207,8 +232,20 @@ impl<B: ParallelBackend> Gpt<B> {
 
     /// Final hidden states, `[batch, seq] -> [batch, seq, hidden]` (a model with every unit).
     pub fn hidden(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        let x = self.embed(ids);
-        let x = self.run_blocks(x, 0..self.blocks.len());
+        self.hidden_in_documents(ids, None)
+    }
+
+    /// [`hidden`](Self::hidden) under a document mask: `documents` holds each token's
+    /// position in its document and its document id (`[batch, seq]` each,
+    /// [`merak_burn::data::document_fields`]).
+    pub fn hidden_in_documents(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        documents: Option<(Tensor<B, 2, Int>, Tensor<B, 2, Int>)>,
+    ) -> Tensor<B, 3> {
+        let (positions, segments) = documents.unzip();
+        let x = self.embed(ids, positions);
+        let x = self.run_blocks(x, 0..self.blocks.len(), segments);
         self.final_norm(x)
     }
 
@@ -221,8 +258,8 @@ impl<B: ParallelBackend> Gpt<B> {
     /// Mean next-token cross-entropy of `targets` (`[batch, seq]`; negative ids ignored),
     /// identical on every TP rank.
     pub fn loss(&self, ids: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
-        let x = self.embed(ids);
-        let x = self.run_blocks(x, 0..self.blocks.len());
+        let x = self.embed(ids, None);
+        let x = self.run_blocks(x, 0..self.blocks.len(), None);
         self.head_loss(x, targets)
     }
 }
@@ -236,12 +273,16 @@ impl<B: ParallelBackend> UnitStack<B> for Gpt<B> {
         self.hidden
     }
 
+    /// Under a document mask (the batch has [`POSITIONS`]) the positions restart per document.
     fn embed(&self, batch: &Batch<'_, B>) -> Tensor<B, 3> {
-        Gpt::embed(self, batch.int(TOKENS))
+        let positions = batch.has(POSITIONS).then(|| batch.int(POSITIONS));
+        Gpt::embed(self, batch.int(TOKENS), positions)
     }
 
-    fn layer(&self, index: usize, x: Tensor<B, 3>, _batch: &Batch<'_, B>) -> Tensor<B, 3> {
-        self.run_blocks(x, index..index + 1)
+    /// Under a document mask (the batch has [`SEGMENTS`]) a token attends within its document.
+    fn layer(&self, index: usize, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> Tensor<B, 3> {
+        let segments = batch.has(SEGMENTS).then(|| batch.int(SEGMENTS));
+        self.run_blocks(x, index..index + 1, segments)
     }
 
     /// The summed loss: the mean over the counted targets times their count.
@@ -275,5 +316,72 @@ impl<B: ParallelBackend> UnitStack<B> for Gpt<B> {
             copy_name: "head.embedding.weight".into(),
             original_name: "wte.embedding.weight".into(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::TensorData;
+    use merak_burn::backend::CpuAutodiff as B;
+    use merak_burn::comm::Group;
+    use merak_burn::data::document_fields;
+
+    fn ints(values: &[i64], device: &burn::tensor::Device<B>) -> Tensor<B, 2, Int> {
+        Tensor::from_data(TensorData::new(values.to_vec(), [1, values.len()]), device)
+    }
+
+    /// Under a document mask, the tokens of the second document of a window get the hidden
+    /// states they get alone in a window of their own (positions from 0, no earlier tokens
+    /// seen), and the first document's are those of the window cut after its end-of-text.
+    #[test]
+    fn a_document_mask_trains_each_document_as_if_alone() {
+        let cfg = crate::GptConfig {
+            dropout: 0.0,
+            ..crate::GptConfig::preset("tiny").expect("tiny")
+        };
+        let device = Default::default();
+        let gpt = Gpt::<B>::new(&cfg, 7, Group::local(), &device).expect("model");
+        let eot = cfg.vocab_size as i64 - 1;
+        let (first, second) = ([5, 9, 2, eot], [17, 3, 40, 8, 1]);
+        let window: Vec<i64> = first.iter().chain(&second).copied().collect();
+        let (positions, segments) = document_fields(&window, window.len(), eot);
+        let masked = gpt.hidden_in_documents(
+            ints(&window, &device),
+            Some((ints(&positions, &device), ints(&segments, &device))),
+        );
+        let close = |what: &str, a: Tensor<B, 3>, b: Tensor<B, 3>| {
+            let (a, b) = (
+                a.into_data().to_vec::<f32>().unwrap(),
+                b.into_data().to_vec::<f32>().unwrap(),
+            );
+            assert_eq!(a.len(), b.len());
+            let worst = a
+                .iter()
+                .zip(&b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0f32, f32::max);
+            assert!(worst < 1e-5, "{what}: largest difference {worst}");
+        };
+        let n = first.len();
+        close(
+            "the second document",
+            masked.clone().narrow(1, n, second.len()),
+            gpt.hidden(ints(&second, &device)),
+        );
+        close(
+            "the first document",
+            masked.clone().narrow(1, 0, n),
+            gpt.hidden(ints(&first, &device)),
+        );
+        // Without the mask the second document sees the first: its states differ.
+        let plain = gpt
+            .hidden(ints(&window, &device))
+            .narrow(1, n, second.len());
+        let moved = (plain - masked.narrow(1, n, second.len()))
+            .abs()
+            .max()
+            .into_scalar();
+        assert!(moved > 1e-3, "{moved}");
     }
 }
