@@ -497,13 +497,7 @@ pub fn pair_forward(
                 #[inline(always)]
                 || {
                     online_rows(sb, cols, m_, l_, a_);
-                    for (row, &a) in acc_rows.chunks_exact_mut(dv.max(1)).zip(a_.iter()) {
-                        if a != 1.0 {
-                            for x in row.iter_mut() {
-                                *x *= a;
-                            }
-                        }
-                    }
+                    rescale_rows(acc_rows, dv, a_);
                 },
             );
             matmul(
@@ -517,19 +511,48 @@ pub fn pair_forward(
                 true,
             );
         }
-        for i in 0..rows_q {
-            let l = rsum[i];
-            let row = &acc[i * dv..(i + 1) * dv];
-            let base = o.offset + (r0 + i) * o.rs;
-            let (inv, value) = if l > 0.0 {
-                (1.0 / l, rmax[i] + l.ln())
-            } else {
-                (0.0, f32::NEG_INFINITY)
-            };
-            lse[r0 + i] = value;
-            for (e, &x) in row.iter().enumerate() {
-                out[base + e * o.cs] = x * inv;
+        let rows = RowStats {
+            max: &rmax[..rows_q],
+            sum: &rsum[..rows_q],
+        };
+        write_rows(&acc[..rows_q * dv], rows, r0, out, o, &mut lse[r0..r1]);
+    }
+}
+
+/// A block of query rows' running maximum and sum of exponentials.
+#[derive(Clone, Copy)]
+struct RowStats<'a> {
+    max: &'a [f32],
+    sum: &'a [f32],
+}
+
+/// Multiplies each row of `acc` (rows of `dv` values) by its factor in `alpha`.
+#[inline(always)]
+fn rescale_rows(acc: &mut [f32], dv: usize, alpha: &[f32]) {
+    for (row, &a) in acc.chunks_exact_mut(dv.max(1)).zip(alpha) {
+        if a != 1.0 {
+            for x in row.iter_mut() {
+                *x *= a;
             }
+        }
+    }
+}
+
+/// Writes the rows `r0..` of the context (`acc` divided by each row's sum) into the view `o`
+/// of `out`, and each row's log-sum-exp into `lse`: 0 and `-inf` for a row that saw no key.
+fn write_rows(acc: &[f32], rows: RowStats, r0: usize, out: &mut [f32], o: View, lse: &mut [f32]) {
+    let dv = o.cols;
+    for (i, z) in lse.iter_mut().enumerate() {
+        let l = rows.sum[i];
+        let (inv, value) = if l > 0.0 {
+            (1.0 / l, rows.max[i] + l.ln())
+        } else {
+            (0.0, f32::NEG_INFINITY)
+        };
+        *z = value;
+        let base = o.offset + (r0 + i) * o.rs;
+        for (e, &x) in acc[i * dv..(i + 1) * dv].iter().enumerate() {
+            out[base + e * o.cs] = x * inv;
         }
     }
 }
@@ -596,17 +619,7 @@ pub fn pair_backward(
             let lse_b = &lse[r0..r1];
             simd(
                 #[inline(always)]
-                || {
-                    for (row, &z) in sb.chunks_exact_mut(cols).zip(lse_b) {
-                        if z == f32::NEG_INFINITY {
-                            row.fill(0.0);
-                        } else {
-                            for x in row.iter_mut() {
-                                *x = exp(*x - z);
-                            }
-                        }
-                    }
-                },
+                || probabilities_from_lse(sb, cols, lse_b),
             );
             let dvb = rows(grads.dv, c0, c1);
             matmul(grads.kv(), dvb, s, sv.t(), dout.buf, dob, 1.0, true);
@@ -615,19 +628,38 @@ pub fn pair_backward(
             let delta_b = &delta[r0..r1];
             simd(
                 #[inline(always)]
-                || {
-                    let rows = pb.chunks_exact(cols).zip(db.chunks_exact_mut(cols));
-                    for ((pr, gr), &c) in rows.zip(delta_b) {
-                        for (g, &p) in gr.iter_mut().zip(pr) {
-                            *g = p * (*g - c);
-                        }
-                    }
-                },
+                || score_gradients(pb, db, cols, delta_b),
             );
             let dqb = rows(grads.dq, r0, r1);
             matmul(grads.q(), dqb, dp, sv, k.buf, kb, scale, true);
             let dkb = rows(grads.dk, c0, c1);
             matmul(grads.kv(), dkb, dp, sv.t(), q.buf, qb, scale, true);
+        }
+    }
+}
+
+/// Scores (rows of `cols`) to probabilities in place, `exp(score - lse)` with each row's final
+/// log-sum-exp; a row with `lse = -inf` (it saw no key) to zeros.
+#[inline(always)]
+fn probabilities_from_lse(scores: &mut [f32], cols: usize, lse: &[f32]) {
+    for (row, &z) in scores.chunks_exact_mut(cols).zip(lse) {
+        if z == f32::NEG_INFINITY {
+            row.fill(0.0);
+        } else {
+            for x in row.iter_mut() {
+                *x = exp(*x - z);
+            }
+        }
+    }
+}
+
+/// The softmax backward pass in place over `dp` (rows of `cols`): `dS = P ∘ (dP - delta)`.
+#[inline(always)]
+fn score_gradients(p: &[f32], dp: &mut [f32], cols: usize, delta: &[f32]) {
+    let rows = p.chunks_exact(cols).zip(dp.chunks_exact_mut(cols));
+    for ((pr, gr), &c) in rows.zip(delta) {
+        for (g, &pv) in gr.iter_mut().zip(pr) {
+            *g = pv * (*g - c);
         }
     }
 }
