@@ -271,12 +271,14 @@ pub fn estimate_shape(
         3 => RecomputeMode::Full,
         _ => least_kept(plan),
     };
-    let activations = sum(&|u| u.activation_bytes(b, t, mode));
+    // The CPU attention is blockwise (no probabilities kept); for other devices leaving them
+    // out keeps this a lower bound.
+    let activations = sum(&|u| u.activation_bytes(b, t, mode, true));
     let workspace = match mode {
         RecomputeMode::None => 0.0,
         _ => units
             .iter()
-            .map(|u| u.activation_bytes(b, t, RecomputeMode::None))
+            .map(|u| u.activation_bytes(b, t, RecomputeMode::None, true))
             .fold(0.0, f64::max),
     };
     // Sharded over the shard group (hybrid sharding) or all of dp; gradients counted whole, as

@@ -524,14 +524,14 @@ impl<'a> CostModel<'a> {
             } else {
                 0.0
             },
-            activation_bytes: u.activation_bytes(b, t, mode),
+            activation_bytes: u.activation_bytes(b, t, mode, flash),
             params: u.params_per_rank(t),
             tied_params: if tied {
                 u.params_tied as f64 / t as f64
             } else {
                 0.0
             },
-            largest_activation_bytes: u.activation_bytes(b, t, RecomputeMode::None),
+            largest_activation_bytes: u.activation_bytes(b, t, RecomputeMode::None, flash),
         };
         if let Some(c) = self.calibration
             && let Some((forward_s, backward_s)) = c.unit_time_overlapped(kind, t, k, b)
@@ -1366,7 +1366,7 @@ mod tests {
         let expected = states
             + kept
             + FRAMEWORK_BYTES
-            + model.units[1].activation_bytes(1, 8, RecomputeMode::None);
+            + model.units[1].activation_bytes(1, 8, RecomputeMode::None, false);
         assert!((pred.peak_memory_bytes[0] as f64 - expected).abs() < 2.0);
         let mut z = l.clone();
         z.zero = 1;

@@ -100,9 +100,10 @@ pub struct HardwareSpec {
     #[serde(default)]
     pub tp_overlap_slowdown: f64,
     /// Whether the attention core runs as one fused kernel (flash attention: the scores never
-    /// reach device memory, so their memory-bound work costs nothing). False (the default):
-    /// the unfused softmax of Megatron-LM's 2021 runs (the `a100-80g` preset, fitted to them);
-    /// true on `h100-80g`, as Megatron-Core and torchtitan run today.
+    /// reach device memory, so their memory-bound work costs nothing, and the backward pass
+    /// keeps no probabilities). False (the default): the unfused softmax of Megatron-LM's 2021
+    /// runs (the `a100-80g` preset, fitted to them); true on `h100-80g`, as Megatron-Core and
+    /// torchtitan run today, and on `local-cpu` (merak's blockwise CPU kernel).
     #[serde(default)]
     pub flash_attention: bool,
 }
@@ -172,7 +173,8 @@ impl HardwareSpec {
                 alone_time_fraction: 0.0,
                 max_tp_overlap: 1,
                 tp_overlap_slowdown: 0.0,
-                flash_attention: false,
+                // merak's CPU attention is blockwise.
+                flash_attention: true,
             },
             _ => return None,
         };

@@ -120,10 +120,23 @@ impl UnitProfile {
         per_seq * b as f64
     }
 
-    /// Activation bytes one TP rank of `t` keeps for a micro-batch of `b` sequences under `mode`.
-    pub fn activation_bytes(&self, b: usize, t: usize, mode: RecomputeMode) -> f64 {
+    /// Activation bytes one TP rank of `t` keeps for a micro-batch of `b` sequences under `mode`;
+    /// with `flash_attention` the attention core keeps no scores or probabilities (only a
+    /// log-sum-exp per row, a few bytes a token, left out).
+    pub fn activation_bytes(
+        &self,
+        b: usize,
+        t: usize,
+        mode: RecomputeMode,
+        flash_attention: bool,
+    ) -> f64 {
         let t = t.max(1) as f64;
-        let none = self.act_replicated + self.act_split / t + self.act_attention / t;
+        let attention = if flash_attention {
+            0.0
+        } else {
+            self.act_attention
+        };
+        let none = self.act_replicated + self.act_split / t + attention / t;
         let per_seq = match mode {
             RecomputeMode::None => none,
             RecomputeMode::Selective => self.act_replicated + self.act_split / t,
@@ -860,13 +873,25 @@ mod tests {
             let none = s * b * h * (10.0 + 24.0 / tf + 5.0 * a * s / (h * tf));
             let crate_value =
                 crate::pipeline::activation_bytes_per_layer(2048, 2, 1024, 16, t, 2.0);
-            assert!(rel(block.activation_bytes(2, t, RecomputeMode::None), none) < 1e-12);
-            assert!(rel(crate_value, none) < 1e-12);
-            let sel = s * b * h * (10.0 + 24.0 / tf);
-            assert!(rel(block.activation_bytes(2, t, RecomputeMode::Selective), sel) < 1e-12);
             assert!(
                 rel(
-                    block.activation_bytes(2, t, RecomputeMode::Full),
+                    block.activation_bytes(2, t, RecomputeMode::None, false),
+                    none
+                ) < 1e-12
+            );
+            assert!(rel(crate_value, none) < 1e-12);
+            let sel = s * b * h * (10.0 + 24.0 / tf);
+            assert!(
+                rel(
+                    block.activation_bytes(2, t, RecomputeMode::Selective, false),
+                    sel
+                ) < 1e-12
+            );
+            // Flash (blockwise) attention keeps no scores: what selective recomputation keeps.
+            assert!(rel(block.activation_bytes(2, t, RecomputeMode::None, true), sel) < 1e-12);
+            assert!(
+                rel(
+                    block.activation_bytes(2, t, RecomputeMode::Full, false),
                     2.0 * s * b * h
                 ) < 1e-12
             );

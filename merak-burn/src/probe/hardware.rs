@@ -59,8 +59,8 @@ pub fn measure_with_overlap(
         // Measured where there is tensor parallelism (more than one rank).
         max_tp_overlap: overlap.as_ref().map_or(1, |_| 4),
         tp_overlap_slowdown: overlap.as_deref().map_or(0.0, super::overlap::slowdown),
-        // Burn's attention on the CPU backend is not fused.
-        flash_attention: false,
+        // merak's CPU attention is blockwise: no scores in memory, no probabilities kept.
+        flash_attention: true,
     };
     spec.validate()?;
     Ok((spec, overlap))
