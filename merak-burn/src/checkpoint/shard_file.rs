@@ -20,7 +20,7 @@ pub struct NamedTensor {
     pub values: Vec<f32>,
 }
 
-/// A named f32 tensor borrowed for writing ([`encode_refs`]).
+/// A named f32 tensor borrowed for writing ([`write_refs`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct TensorRef<'a> {
     /// Name in the file.
@@ -58,7 +58,7 @@ fn encode_refs(
     safetensors::serialize(views, metadata).map_err(|e| e.to_string())
 }
 
-/// Writes the file [`encode_refs`] encodes to `path`, streamed from the tensors' buffers (no
+/// Writes the file [`encode`] would encode to `path`, streamed from the tensors' buffers (no
 /// copy of the file in memory), and syncs it.
 pub fn write_refs(
     path: &Path,

@@ -190,10 +190,10 @@ where
     M: AutodiffModule<B>,
 {
     /// The optimizers of the parameters `shapes` (this rank's units and shard on a TP group of
-    /// `tp` ranks, [`state::param_shapes`] of its model) under `settings`, each parameter in the group `rule` gives it. The rule sees the
-    /// parameter's name and full shape, so every layout groups alike; a tied copy (`copies`:
-    /// `(copy, original)` names) is grouped by its original. A group with a negative or
-    /// non-finite value is refused, naming the parameter.
+    /// `tp` ranks, [`state::param_shapes`] of its model) under `settings`, each parameter in
+    /// the group `rule` gives it. The rule sees the parameter's name and full shape, so every
+    /// layout groups alike; a tied copy (`copies`: `(copy, original)` names) is grouped by its
+    /// original. A group with a negative or non-finite value is refused, naming the parameter.
     pub(crate) fn new(
         shapes: &[state::ParamShape],
         settings: &TrainSettings,
