@@ -320,6 +320,26 @@ proptest! {
     }
 }
 
+/// One ring rank's keys, values and segment ids.
+type KeySide = (Vec<f32>, Vec<f32>, Option<Vec<i64>>);
+
+/// The mask of `queries` against the keys at global positions `rows` (segment ids `segments`).
+fn key_mask<'a>(
+    causal: bool,
+    queries: Tokens<'a>,
+    rows: &'a [usize],
+    segments: Option<&'a [i64]>,
+) -> Mask<'a> {
+    Mask {
+        causal,
+        queries,
+        keys: Tokens {
+            positions: Positions::List(rows),
+            segments,
+        },
+    }
+}
+
 fn ring(cp: usize, chunk: usize, d: usize, causal: bool, segments: u8, seed: u64) {
     let total = 2 * cp * chunk;
     let qkv: Vec<Vec<f32>> = (0..3).map(|i| values(total * d, seed ^ (i + 11))).collect();
@@ -342,6 +362,10 @@ fn ring(cp: usize, chunk: usize, d: usize, causal: bool, segments: u8, seed: u64
         segs.as_ref()
             .map(|s| rows.iter().map(|&i| s[i]).collect::<Vec<i64>>())
     };
+    // Each rank's keys, values and segment ids, as they travel around the ring.
+    let sides: Vec<KeySide> = (owned.iter())
+        .map(|rows| (gather(&qkv[1], rows), gather(&qkv[2], rows), seg_of(rows)))
+        .collect();
     let n = 2 * chunk;
     let shape = Shape {
         batch: 1,
@@ -366,23 +390,14 @@ fn ring(cp: usize, chunk: usize, d: usize, causal: bool, segments: u8, seed: u64
         let mut out = vec![0.0f32; n * d];
         let mut lse = vec![f32::NEG_INFINITY; n];
         for step in 0..cp {
-            let rows_k = &owned[(r + step) % cp];
-            let (k, v) = (gather(&qkv[1], rows_k), gather(&qkv[2], rows_k));
-            let k_seg = seg_of(rows_k);
-            let mask = Mask {
-                causal,
-                queries,
-                keys: Tokens {
-                    positions: Positions::List(rows_k),
-                    segments: k_seg.as_deref(),
-                },
-            };
+            let (rows_k, (k, v, k_seg)) = (&owned[(r + step) % cp], &sides[(r + step) % cp]);
+            let mask = key_mask(causal, queries, rows_k, k_seg.as_deref());
             let mut part = vec![f32::NAN; n * d];
             let mut part_lse = vec![f32::NAN; n];
             pair_forward(
                 Matrix::new(&q, dense_view),
-                Matrix::new(&k, dense_view),
-                Matrix::new(&v, dense_view),
+                Matrix::new(k, dense_view),
+                Matrix::new(v, dense_view),
                 &mask,
                 shape.scale(),
                 &mut part,
@@ -400,17 +415,8 @@ fn ring(cp: usize, chunk: usize, d: usize, causal: bool, segments: u8, seed: u64
             .collect();
         let mut dq = vec![0.0f32; n * d];
         for step in 0..cp {
-            let rows_k = &owned[(r + step) % cp];
-            let (k, v) = (gather(&qkv[1], rows_k), gather(&qkv[2], rows_k));
-            let k_seg = seg_of(rows_k);
-            let mask = Mask {
-                causal,
-                queries,
-                keys: Tokens {
-                    positions: Positions::List(rows_k),
-                    segments: k_seg.as_deref(),
-                },
-            };
+            let (rows_k, (k, v, k_seg)) = (&owned[(r + step) % cp], &sides[(r + step) % cp]);
+            let mask = key_mask(causal, queries, rows_k, k_seg.as_deref());
             let mut dkv = vec![0.0f32; 2 * n * d];
             let mut grads = Grads::split(
                 &mut dq,
@@ -421,8 +427,8 @@ fn ring(cp: usize, chunk: usize, d: usize, causal: bool, segments: u8, seed: u64
             );
             pair_backward(
                 Matrix::new(&q, dense_view),
-                Matrix::new(&k, dense_view),
-                Matrix::new(&v, dense_view),
+                Matrix::new(k, dense_view),
+                Matrix::new(v, dense_view),
                 Matrix::new(&dout_r, dense_view),
                 &lse,
                 &delta,
