@@ -20,6 +20,7 @@ fn assignment() -> impl Strategy<Value = String> {
         "parallel.tp",
         "parallel.pp",
         "parallel.tp_overlap",
+        "parallel.sequence_parallel",
         "parallel.schedule",
         "parallel.stage_layers",
         "parallel.virtual_stages",

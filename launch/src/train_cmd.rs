@@ -313,7 +313,8 @@ where
     if cfg.model.kind == "bert" {
         let bert = cfg.bert();
         let mut model = merak_bert::Bert::<B>::new_units(&bert, seed, grid.tp, device, &holds)?
-            .with_tp_overlap(overlap);
+            .with_tp_overlap(overlap)
+            .with_sequence_parallel(cfg.parallel.sequence_parallel);
         if let Some(pretrained) = &job.init_from {
             model = init_from::apply(model, pretrained, grid)?;
         }
@@ -321,7 +322,8 @@ where
         return Ok(train::train(cfg, data, grid, out, device, model, &objective, spec)?.0);
     }
     let mut model = merak_gpt::Gpt::<B>::new_units(&cfg.model.gpt, seed, grid.tp, device, &holds)?
-        .with_tp_overlap(overlap);
+        .with_tp_overlap(overlap)
+        .with_sequence_parallel(cfg.parallel.sequence_parallel);
     if let Some(pretrained) = &job.init_from {
         model = init_from::apply(model, pretrained, grid)?;
     }
@@ -337,7 +339,9 @@ where
             );
         }
     } else {
-        generate::print_sample(cfg, data, grid, &model.valid(), device)?;
+        // Samples of any length: whole sequences on every TP rank.
+        let model = model.valid().with_sequence_parallel(false);
+        generate::print_sample(cfg, data, grid, &model, device)?;
     }
     Ok(summary)
 }

@@ -67,7 +67,15 @@ impl InitRng {
 
     /// `n` uniform values in `[0, 1)` for the stream `name` (dropout masks, synthetic data).
     pub fn uniform(&self, name: &str, n: usize) -> Vec<f32> {
-        let mut state = self.stream(name);
+        self.uniform_from(name, 0, n)
+    }
+
+    /// Values `skip..skip + n` of the stream [`uniform`](Self::uniform) draws for `name`,
+    /// without drawing the first `skip` (a slice of a larger draw).
+    pub fn uniform_from(&self, name: &str, skip: usize, n: usize) -> Vec<f32> {
+        let mut state = self
+            .stream(name)
+            .wrapping_add((skip as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
         (0..n)
             .map(|_| (splitmix(&mut state) >> 40) as f32 / (1u64 << 24) as f32)
             .collect()
@@ -85,6 +93,14 @@ impl InitRng {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_slice_of_a_uniform_draw_is_drawn_alone() {
+        let rng = InitRng::new(11);
+        let all = rng.uniform("d", 100);
+        assert_eq!(rng.uniform_from("d", 37, 20), all[37..57]);
+        assert_eq!(rng.uniform_from("d", 0, 100), all);
+    }
 
     #[test]
     fn normal_is_deterministic_and_has_the_right_moments() {

@@ -53,6 +53,13 @@ fn overlapped_tensor_parallel_products_equal_serial_for_tp_1_2_4() {
 }
 
 #[test]
+fn a_sequence_parallel_block_equals_one_rank_for_tp_1_2_4() {
+    for np in [1, 2, 4] {
+        assert_all_ranks_ok(np, "sequence");
+    }
+}
+
+#[test]
 fn a_communication_thread_gives_the_same_collectives_and_overlapped_layers() {
     for np in [1, 2, 4] {
         assert_all_ranks_ok(np, "thread");

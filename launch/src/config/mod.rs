@@ -90,6 +90,7 @@ impl Default for Config {
                 stage_recompute: Vec::new(),
                 memory_budget_mb: 0.0,
                 tp_overlap: 1,
+                sequence_parallel: false,
             },
             train: TrainSection {
                 steps: 200,

@@ -67,6 +67,10 @@ pub struct ParallelSection {
     /// tensor-parallel all-reduce is cut into this many chunks, each overlapped with the next
     /// chunk's matrix product; it must divide micro-batch x sequence length.
     pub tp_overlap: usize,
+    /// Sequence parallelism (needs tp > 1): between the tensor-parallel blocks (LayerNorms,
+    /// dropout, residual adds) each TP rank holds `seq_len / tp` positions of every sequence
+    /// instead of all of them; the all-reduces become reduce-scatters and all-gathers.
+    pub sequence_parallel: bool,
 }
 
 impl Config {
@@ -175,7 +179,47 @@ impl Config {
                 ),
             );
         }
-        self.validate_overlap()
+        self.validate_overlap()?;
+        self.validate_sequence_parallel()
+    }
+
+    /// `parallel.sequence_parallel`: tp > 1, and tp dividing the sequence length.
+    pub(super) fn validate_sequence_parallel(&self) -> Result<(), ConfigError> {
+        if !self.parallel.sequence_parallel {
+            return Ok(());
+        }
+        let (tp, seq) = (self.parallel.tp, self.model.gpt.seq_len);
+        if tp < 2 {
+            return bad(
+                "parallel.sequence_parallel",
+                format!(
+                    "true needs parallel.tp > 1 (it is {tp}): sequence parallelism splits the                      sequence over the tensor-parallel ranks"
+                ),
+            );
+        }
+        if !seq.is_multiple_of(tp) {
+            return bad(
+                "parallel.sequence_parallel",
+                format!(
+                    "parallel.tp = {tp} does not divide model.seq_len = {seq}: each TP rank holds \
+                     seq_len / tp positions"
+                ),
+            );
+        }
+        let chunks = self.parallel.tp_overlap;
+        if chunks > 1 && !(seq / tp).is_multiple_of(chunks) {
+            return bad(
+                "parallel.tp_overlap",
+                format!(
+                    "{chunks} chunks do not divide the {} positions a TP rank holds under \
+                     parallel.sequence_parallel (model.seq_len = {seq} / parallel.tp = {tp}): \
+                     choose a divisor of {}",
+                    seq / tp,
+                    seq / tp
+                ),
+            );
+        }
+        Ok(())
     }
 
     /// Products of the degrees fit in a `usize`: the ranks `dp x tp x pp`, the stages

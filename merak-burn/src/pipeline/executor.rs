@@ -3,7 +3,9 @@
 //! Activations travel forward and gradients backward between neighbouring stages as `f32`
 //! messages of the agreed shape `[micro_batch, seq, hidden]`. Within a stage's TP group every
 //! rank holds the same activation, so each TP rank sends only its `1/tp` slice to the matching
-//! TP rank of the next stage, which all-gathers the slices (Megatron's scatter-gather). Sends
+//! TP rank of the next stage, which all-gathers the slices (Megatron's scatter-gather). Under
+//! sequence parallelism the TP ranks hold different slices of the sequence (`seq` is then the
+//! slice's length): each sends its whole message to its counterpart. Sends
 //! are non-blocking and completed at the end of the step; receives block. A backward pass starts
 //! from an upstream gradient `g` of a stage output `y` as `(y * g).sum().backward()`, and the
 //! gradient of the stage input is read from the input marked `require_grad`.
@@ -297,6 +299,8 @@ pub struct Executor {
     rank: usize,
     trace_row: usize,
     trace: Option<Vec<TraceEvent>>,
+    /// Whether the TP ranks of a stage hold the same messages (scatter-gather applies).
+    replicated: bool,
 }
 
 fn now_s() -> f64 {
@@ -325,7 +329,16 @@ impl Executor {
             rank,
             trace_row: trace.unwrap_or(0),
             trace: trace.map(|_| Vec::new()),
+            replicated: true,
         }
+    }
+
+    /// The executor for a model whose TP ranks hold different slices of each sequence between
+    /// stages (`parts > 1`, sequence parallelism): messages travel whole, TP rank to TP rank,
+    /// without the scatter-gather of replicated activations.
+    pub fn with_sequence_parts(mut self, parts: usize) -> Self {
+        self.replicated = parts <= 1;
+        self
     }
 
     /// The plan.
@@ -368,7 +381,7 @@ impl Executor {
         tag: u16,
     ) -> Result<Box<dyn Pending>, PipelineError> {
         let t = self.tp.size();
-        let part = if t > 1 && values.len().is_multiple_of(t) {
+        let part = if self.replicated && t > 1 && values.len().is_multiple_of(t) {
             let n = values.len() / t;
             values[self.tp.rank() * n..(self.tp.rank() + 1) * n].to_vec()
         } else {
@@ -380,7 +393,7 @@ impl Executor {
     /// Receives `len` values sent by [`Executor::send`] from pipeline rank `src`.
     fn recv(&self, len: usize, src: usize, tag: u16) -> Result<Vec<f32>, PipelineError> {
         let t = self.tp.size();
-        if t > 1 && len.is_multiple_of(t) {
+        if self.replicated && t > 1 && len.is_multiple_of(t) {
             let mut part = vec![0.0; len / t];
             self.pp.comm()?.recv(&mut part, src, tag)?;
             let mut full = vec![0.0; len];

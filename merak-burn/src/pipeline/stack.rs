@@ -36,6 +36,13 @@ pub trait UnitStack<B: Backend>: Module<B> {
     /// The width of the hidden states between units.
     fn width(&self) -> usize;
 
+    /// The parts each sequence of the hidden states between units is cut into (tp under
+    /// sequence parallelism: each TP rank holds `seq / parts` positions); 1 (the default):
+    /// whole sequences.
+    fn sequence_parts(&self) -> usize {
+        1
+    }
+
     /// Unit 0: the micro-batch's inputs to `[batch, positions, hidden]`.
     fn embed(&self, batch: &Batch<'_, B>) -> Tensor<B, 3>;
 
@@ -112,6 +119,10 @@ impl<B: Backend, T: UnitStack<B>> PipelineModel<B> for T {
 
     fn hidden_size(&self) -> usize {
         self.width()
+    }
+
+    fn sequence_parts(&self) -> usize {
+        UnitStack::sequence_parts(self)
     }
 
     fn run_units(

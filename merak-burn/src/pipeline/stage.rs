@@ -58,6 +58,13 @@ pub trait PipelineModel<B: Backend>: Module<B> {
     /// The width of the hidden states that pass between stages (`[batch, seq, hidden]`).
     fn hidden_size(&self) -> usize;
 
+    /// The parts each sequence of the hidden states between stages is cut into (tp under
+    /// sequence parallelism: a message holds `seq / parts` positions); 1 (the default):
+    /// whole sequences.
+    fn sequence_parts(&self) -> usize {
+        1
+    }
+
     /// Runs units `range` (all held by this rank) on `input` (the micro-batch's data when
     /// `range.start == 0`, hidden states otherwise); every unit sees the micro-batch `batch`
     /// (the last one its targets) and the last one returns the summed loss.

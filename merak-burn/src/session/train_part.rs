@@ -65,6 +65,11 @@ where
         model = initialized_from(model, init, grid)?;
     }
     let params = model.num_params();
+    let sp = if model.sequence_parts() > 1 {
+        " sequence-parallel"
+    } else {
+        ""
+    };
     let trace = options.trace.is_some();
     let mut trainer = Trainer::new(
         grid,
@@ -85,7 +90,7 @@ where
     let l = &grid.layout;
     tracing::info!(
         params,
-        layout = %format!("dp={} tp={} pp={}", l.dp, l.tp, l.pp),
+        layout = %format!("dp={} tp={} pp={}{sp}", l.dp, l.tp, l.pp),
         "model ready in {:.2}s",
         t0.elapsed().as_secs_f64()
     );

@@ -96,6 +96,15 @@ impl<B: ParallelBackend> ParallelSelfAttention<B> {
         self.proj.set_overlap(overlap);
     }
 
+    /// Sequence parallelism on (or off): the input and the output are this rank's slice of
+    /// every sequence (`[batch, seq / tp, d_model]`); the input is all-gathered in front of the
+    /// first product and the output reduce-scattered after the second
+    /// ([`sequence`](super::sequence)).
+    pub fn set_sequence_parallel(&mut self, on: bool) {
+        self.qkv.set_sequence_parallel(on);
+        self.proj.set_sequence_parallel(on);
+    }
+
     /// `[batch, seq, d_model] -> [batch, seq, d_model]`. The attention between the two
     /// projections is one fused operation ([`crate::kernels::attention`]).
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
@@ -125,9 +134,9 @@ impl<B: ParallelBackend> ParallelSelfAttention<B> {
     /// The same as [`ParallelSelfAttention::forward`] with the attention composed of Burn
     /// operators (each differentiated by Burn): the reference the fused one is tested against.
     pub fn forward_unfused(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let [b, s, _] = x.dims();
         let (h, d) = (self.local_heads, self.head_dim);
         let qkv = self.qkv.forward(x);
+        let [b, s, _] = qkv.dims();
         let mut parts = qkv.chunk(3, 2).into_iter();
         let mut heads = || {
             parts

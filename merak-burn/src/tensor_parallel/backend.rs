@@ -19,6 +19,12 @@ pub trait ParallelBackend: Backend + crate::kernels::FusedOps {
     fn tp_gather(x: FloatTensor<Self>, dim: usize, group: Group) -> FloatTensor<Self>;
     /// This rank's chunk along `dim` forward; all-gather of the gradient backward.
     fn tp_split(x: FloatTensor<Self>, dim: usize, group: Group) -> FloatTensor<Self>;
+    /// Sequence parallelism's *g*-bar in front of a column-parallel block: all-gather along
+    /// `dim` forward; reduce-scatter (sum) of the gradient along `dim` backward.
+    fn sp_gather(x: FloatTensor<Self>, dim: usize, group: Group) -> FloatTensor<Self>;
+    /// Sequence parallelism's *g* after a row-parallel block: reduce-scatter (sum) along `dim`
+    /// forward; all-gather of the gradient along `dim` backward.
+    fn sp_scatter(x: FloatTensor<Self>, dim: usize, group: Group) -> FloatTensor<Self>;
     /// `x w` of a row-parallel layer summed over the group, the all-reduce overlapped with the
     /// products of `chunks` token chunks ([`overlap`](super::overlap)); backward as the
     /// serial layer (no communication).
@@ -31,6 +37,27 @@ pub trait ParallelBackend: Backend + crate::kernels::FusedOps {
     /// `x w` of a column-parallel layer (no communication forward); backward, the input
     /// gradient summed over the group in `chunks` token chunks, overlapped with the products.
     fn tp_column_linear(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        chunks: usize,
+        group: Group,
+    ) -> FloatTensor<Self>;
+    /// Under sequence parallelism, `x w` of a row-parallel layer (`x: [b, s, d_in / tp]`)
+    /// reduce-scattered along the sequence to this rank's slice, `[b, s / tp, d_out]`, in
+    /// `chunks` token chunks overlapped with the products
+    /// ([`sequence_overlap`](super::sequence_overlap)); backward, the output gradient
+    /// all-gathered.
+    fn sp_row_linear(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        chunks: usize,
+        group: Group,
+    ) -> FloatTensor<Self>;
+    /// Under sequence parallelism, `x w` of a column-parallel layer whose input is this rank's
+    /// slice (`[b, s / tp, d_in]`), all-gathered along the sequence first: `[b, s, d_out / tp]`;
+    /// backward, the input all-gathered again and the input gradient reduce-scattered in
+    /// `chunks` token chunks overlapped with the products.
+    fn sp_column_linear(
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,
         chunks: usize,

@@ -7,7 +7,7 @@ use burn::tensor::{Int, Tensor, backend::Backend};
 
 use super::init::{Shard, TpError};
 use super::linear::{param2, shard_of};
-use super::ops::{ParallelBackend, copy_to_tp, reduce_from_tp};
+use super::ops::{ParallelBackend, copy_to_tp, gather_from_sp, reduce_from_tp, scatter_to_sp};
 use super::sharding::padded_vocab;
 use super::sharding::{ShardKind, Split};
 use crate::comm::Group;
@@ -30,6 +30,8 @@ pub struct VocabParallelEmbedding<B: Backend> {
     local_rows: usize,
     #[module(skip)]
     group: Group,
+    #[module(skip)]
+    sequence_parallel: bool,
 }
 
 impl<B: ParallelBackend> VocabParallelEmbedding<B> {
@@ -66,7 +68,15 @@ impl<B: ParallelBackend> VocabParallelEmbedding<B> {
             vocab_start: shard.rank * local_rows,
             local_rows,
             group,
+            sequence_parallel: false,
         })
+    }
+
+    /// Sequence parallelism on (or off): the lookup's sum is reduce-scattered along the
+    /// sequence (each rank keeps its slice, [`SeqShare`](super::SeqShare)) and the head
+    /// all-gathers its input along the sequence.
+    pub fn set_sequence_parallel(&mut self, on: bool) {
+        self.sequence_parallel = on;
     }
 
     /// The real (unpadded) vocabulary size.
@@ -86,20 +96,32 @@ impl<B: ParallelBackend> VocabParallelEmbedding<B> {
 
     /// `[batch, seq]` token ids to `[batch, seq, d_model]` embeddings: each rank looks up the
     /// ids it holds (zeros for the others, one fused operation,
-    /// [`crate::kernels::embedding`]) and the TP group sums the results.
+    /// [`crate::kernels::embedding`]) and the TP group sums the results. Under sequence
+    /// parallelism the sum is reduce-scattered: `[batch, seq / tp, d_model]`, this rank's
+    /// slice of every sequence.
     pub fn forward(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
         let rows = embedding(self.embedding.weight.val(), ids, self.vocab_start);
         // The table stays f32 (its gradient is scattered into it); the rows enter the
         // compute precision here.
+        if self.sequence_parallel {
+            return autocast(scatter_to_sp(rows, 1, self.group));
+        }
         autocast(reduce_from_tp(rows, self.group))
     }
 
     /// The tied output head: `[batch, seq, d_model]` hidden states to this rank's slice of
     /// the logits, `[batch, seq, V_pad / tp]`. Use with
-    /// [`vocab_parallel_cross_entropy`](super::vocab_parallel_cross_entropy).
+    /// [`vocab_parallel_cross_entropy`](super::vocab_parallel_cross_entropy). Under sequence
+    /// parallelism `hidden` is this rank's slice, `[batch, seq / tp, d_model]`, all-gathered
+    /// along the sequence first.
     pub fn logits(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
+        let hidden = if self.sequence_parallel {
+            gather_from_sp(hidden, 1, self.group)
+        } else {
+            copy_to_tp(hidden, self.group)
+        };
         let [b, s, h] = hidden.dims();
-        let hidden = copy_to_tp(hidden, self.group).reshape([b * s, h]);
+        let hidden = hidden.reshape([b * s, h]);
         // One [b s, h] x [h, V] product (its weight gradient one product over every token).
         let logits = linear(
             hidden,

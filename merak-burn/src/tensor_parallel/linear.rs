@@ -3,11 +3,12 @@
 use crate::precision::autocast;
 use burn::module::{Module, Param};
 use burn::nn::Linear;
-use burn::tensor::{Tensor, TensorData, backend::Backend};
+use burn::tensor::{Tensor, TensorData, TensorPrimitive, backend::Backend, ops::FloatTensor};
 
 use super::init::{Shard, TpError, check_divisible};
 use super::ops::{ParallelBackend, copy_to_tp, gather_from_tp, reduce_from_tp};
 use super::overlap::{self, TpOverlap};
+use super::sequence::sp_param;
 use super::sharding::{ShardKind, Split};
 use crate::comm::Group;
 use crate::kernels::{self, FusedOps, bias_gelu};
@@ -86,6 +87,8 @@ pub struct ColumnParallelLinear<B: Backend> {
     gather_output: bool,
     #[module(skip)]
     overlap: TpOverlap,
+    #[module(skip)]
+    sequence_parallel: bool,
 }
 
 impl<B: ParallelBackend> ColumnParallelLinear<B> {
@@ -128,7 +131,15 @@ impl<B: ParallelBackend> ColumnParallelLinear<B> {
             group,
             gather_output,
             overlap: TpOverlap::default(),
+            sequence_parallel: false,
         })
+    }
+
+    /// Sequence parallelism on (or off): the input is this rank's slice of every sequence
+    /// (`[batch, seq / tp, d_input]`), all-gathered along the sequence in front of the product
+    /// (*ḡ*: its backward reduce-scatters the input gradient).
+    pub fn set_sequence_parallel(&mut self, on: bool) {
+        self.sequence_parallel = on;
     }
 
     /// Sub-pipelines the layer: the all-reduce of its input gradient is cut into `overlap`
@@ -143,8 +154,13 @@ impl<B: ParallelBackend> ColumnParallelLinear<B> {
     }
 
     /// `x A_r` with the *f* operator in front (identity forward, gradient summed over the
-    /// group backward), sub-pipelined when an overlap is set; no bias.
+    /// group backward), sub-pipelined when an overlap is set; no bias. Under sequence
+    /// parallelism *ḡ* replaces *f*.
     fn product<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        if self.sequence_parallel && self.group.size() > 1 {
+            let w = autocast(self.linear.weight.val());
+            return sequence_product(B::sp_column_linear, x, w, self.overlap, self.group);
+        }
         if !self.overlapped() {
             return linear_rows(copy_to_tp(x, self.group), &self.linear, false);
         }
@@ -156,8 +172,8 @@ impl<B: ParallelBackend> ColumnParallelLinear<B> {
 
     /// `[..., d_input] -> [..., d_output / tp]` (or `d_output` when gathering).
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let y = if self.overlapped() {
-            add_bias(self.product(x), self.linear.bias.as_ref())
+        let y = if self.overlapped() || self.sequence_parallel {
+            add_bias(self.product(x), self.linear.bias.as_ref(), None)
         } else {
             linear_rows(copy_to_tp(x, self.group), &self.linear, true)
         };
@@ -199,6 +215,8 @@ pub struct RowParallelLinear<B: Backend> {
     group: Group,
     #[module(skip)]
     overlap: TpOverlap,
+    #[module(skip)]
+    sequence_parallel: bool,
 }
 
 impl<B: ParallelBackend> RowParallelLinear<B> {
@@ -231,7 +249,15 @@ impl<B: ParallelBackend> RowParallelLinear<B> {
             bias: bias.map(|b| param1(b.to_vec(), device)),
             group,
             overlap: TpOverlap::default(),
+            sequence_parallel: false,
         })
+    }
+
+    /// Sequence parallelism on (or off): the partial products are reduce-scattered along the
+    /// sequence (*g*), each rank keeping its slice, `[batch, seq / tp, d_output]`; the bias is
+    /// added to the slice and its gradient summed over the group.
+    pub fn set_sequence_parallel(&mut self, on: bool) {
+        self.sequence_parallel = on;
     }
 
     /// Sub-pipelines the layer: its all-reduce is cut into `overlap` token chunks
@@ -240,8 +266,14 @@ impl<B: ParallelBackend> RowParallelLinear<B> {
         self.overlap = overlap;
     }
 
-    /// `[..., d_input / tp] -> [..., d_output]`.
+    /// `[..., d_input / tp] -> [..., d_output]` (`[batch, seq / tp, d_output]` under sequence
+    /// parallelism).
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        if self.sequence_parallel && self.group.size() > 1 {
+            let w = autocast(self.linear.weight.val());
+            let y = sequence_product(B::sp_row_linear, x, w, self.overlap, self.group);
+            return add_bias(y, self.bias.as_ref(), Some(self.group));
+        }
         let y = if self.overlap.is_serial() || self.group.size() == 1 {
             reduce_from_tp(linear_rows(x, &self.linear, true), self.group)
         } else {
@@ -250,19 +282,40 @@ impl<B: ParallelBackend> RowParallelLinear<B> {
                 overlap::row_linear(x, autocast(self.linear.weight.val()), chunks, self.group)
             })
         };
-        add_bias(y, self.bias.as_ref())
+        add_bias(y, self.bias.as_ref(), None)
     }
 }
 
-/// `y + b`, the bias broadcast over every leading dimension.
-fn add_bias<B: Backend, const D: usize>(
+/// `y + b`, the bias broadcast over every leading dimension; with `sequence_parallel`, the
+/// bias read through [`sp_param`] (its gradient summed over that group).
+fn add_bias<B: ParallelBackend, const D: usize>(
     y: Tensor<B, D>,
     bias: Option<&Param<Tensor<B, 1>>>,
+    sequence_parallel: Option<Group>,
 ) -> Tensor<B, D> {
     match bias {
-        Some(b) => y + autocast(b.val()).unsqueeze(),
+        Some(b) => y + autocast(sp_param(b.val(), sequence_parallel)).unsqueeze(),
         None => y,
     }
+}
+
+/// A sequence-parallel product `op` ([`ParallelBackend::sp_row_linear`] or
+/// [`ParallelBackend::sp_column_linear`]) of `x: [batch, seq, features]` and `w`, its collectives cut
+/// into the chunks of `overlap`.
+fn sequence_product<B: ParallelBackend, const D: usize>(
+    op: fn(FloatTensor<B>, FloatTensor<B>, usize, Group) -> FloatTensor<B>,
+    x: Tensor<B, D>,
+    w: Tensor<B, 2>,
+    overlap: TpOverlap,
+    group: Group,
+) -> Tensor<B, D> {
+    assert_eq!(
+        D, 3,
+        "sequence parallelism acts on [batch, seq, features] tensors"
+    );
+    let (x, w) = (x.into_primitive().tensor(), w.into_primitive().tensor());
+    let y = op(x, w, overlap.chunks(), group);
+    Tensor::from_primitive(TensorPrimitive::Float(y))
 }
 
 /// `f` applied to `x` with its leading dimensions folded into rows (`[rows, features]`), the

@@ -71,6 +71,15 @@ impl<B: ParallelBackend> ParallelMlp<B> {
         self.proj.set_overlap(overlap);
     }
 
+    /// Sequence parallelism on (or off): the input and the output are this rank's slice of
+    /// every sequence (`[batch, seq / tp, d_model]`); the input is all-gathered in front of the
+    /// first product and the output reduce-scattered after the second
+    /// ([`sequence`](super::sequence)).
+    pub fn set_sequence_parallel(&mut self, on: bool) {
+        self.fc.set_sequence_parallel(on);
+        self.proj.set_sequence_parallel(on);
+    }
+
     /// `[batch, seq, d_model] -> [batch, seq, d_model]`. The expansion's bias and the GELU
     /// are one fused operation ([`crate::kernels::bias_gelu`]).
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {

@@ -19,6 +19,8 @@ pub mod mlp;
 pub mod norm;
 pub mod ops;
 pub mod overlap;
+pub mod sequence;
+pub mod sequence_overlap;
 pub mod sharding;
 
 pub use crate::rng::InitRng;
@@ -31,10 +33,11 @@ pub use linear::{ColumnParallelLinear, RowParallelLinear, param_from_values};
 pub use mlp::{MlpWeights, ParallelMlp};
 pub use norm::LayerNorm;
 pub use ops::{
-    GradSink, ParallelBackend, copy_to_tp, gather_from_tp, reduce_from_tp, set_grad_sink,
-    split_to_tp,
+    GradSink, ParallelBackend, copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp,
+    scatter_to_sp, set_grad_sink, split_to_tp,
 };
 pub use overlap::TpOverlap;
+pub use sequence::{SeqShare, sp_param};
 pub use sharding::padded_vocab;
 pub(crate) use sharding::replace_split;
 pub use sharding::{ParamSplits, SPLIT_CONTAINER, ShardKind, Split};

@@ -6,6 +6,8 @@
 //! | [`reduce_from_tp`] (*g*) | all-reduce (sum) | identity |
 //! | [`gather_from_tp`] | all-gather along a dimension | keep this rank's chunk of the gradient |
 //! | [`split_to_tp`] | keep this rank's chunk | all-gather of the gradient |
+//! | [`gather_from_sp`] (*ḡ*, sequence parallelism) | all-gather along the sequence | reduce-scatter (sum) of the gradient |
+//! | [`scatter_to_sp`] (*g*, sequence parallelism) | reduce-scatter (sum) along the sequence | all-gather of the gradient |
 //!
 //! They are methods of the backend extension trait [`ParallelBackend`]: on a plain backend
 //! they run the forward communication; on `Autodiff<B>` they also register the backward
@@ -111,6 +113,65 @@ pub mod plain {
         B::float_cat(parts, dim)
     }
 
+    /// Reduce-scatter (sum) along `dim` of a primitive: the sum over the group, this rank's
+    /// chunk along `dim` kept.
+    pub fn reduce_scatter<B: Backend>(
+        x: FloatTensor<B>,
+        dim: usize,
+        group: Group,
+    ) -> FloatTensor<B> {
+        if group.size() == 1 {
+            return x;
+        }
+        let comm = group.comm().unwrap_or_else(|e| fatal(e));
+        let t = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(x));
+        let shape = t.shape();
+        // Rank-major: chunk r of `dim` flattened and laid after chunk r - 1.
+        let parts = split_chunks::<B>(unwrap(t), &shape, dim, group.size());
+        let flat = wrap::<B>(B::float_cat(parts, 0));
+        let out = comm
+            .reduce_scatter_tensor(flat, 0, ReduceOp::Sum)
+            .unwrap_or_else(|e| fatal(e));
+        let mut dims = shape.as_slice().to_vec();
+        dims[dim] /= group.size();
+        B::float_reshape(unwrap(out), Shape::from(dims))
+    }
+
+    /// The `n` chunks of `x` (of `shape`) along `dim`, each flattened.
+    fn split_chunks<B: Backend>(
+        x: FloatTensor<B>,
+        shape: &Shape,
+        dim: usize,
+        n: usize,
+    ) -> Vec<FloatTensor<B>> {
+        let size = shape[dim];
+        assert!(
+            size.is_multiple_of(n),
+            "sequence-parallel reduce-scatter: dimension {dim} of size {size} is not divisible by tp={n}"
+        );
+        let chunk = size / n;
+        (0..n)
+            .map(|r| {
+                let ranges = shape
+                    .as_slice()
+                    .iter()
+                    .enumerate()
+                    .map(|(d, &s)| {
+                        let range = if d == dim {
+                            r * chunk..(r + 1) * chunk
+                        } else {
+                            0..s
+                        };
+                        burn::tensor::Slice::from(range)
+                    })
+                    .collect::<Vec<_>>();
+                let part = B::float_slice(x.clone(), &ranges);
+                let n = burn::tensor::TensorMetadata::shape(&part).num_elements();
+                B::float_reshape(part, Shape::new([n]))
+            })
+            .collect()
+    }
+
     /// This rank's chunk along `dim` of a primitive.
     pub fn split<B: Backend>(x: FloatTensor<B>, dim: usize, group: Group) -> FloatTensor<B> {
         if group.size() == 1 {
@@ -173,6 +234,20 @@ macro_rules! impl_parallel_backend {
             ) -> burn::tensor::ops::FloatTensor<Self> {
                 $crate::tensor_parallel::ops::plain::split::<Self>(x, dim, group)
             }
+            fn sp_gather(
+                x: burn::tensor::ops::FloatTensor<Self>,
+                dim: usize,
+                group: $crate::comm::Group,
+            ) -> burn::tensor::ops::FloatTensor<Self> {
+                $crate::tensor_parallel::ops::plain::gather::<Self>(x, dim, group)
+            }
+            fn sp_scatter(
+                x: burn::tensor::ops::FloatTensor<Self>,
+                dim: usize,
+                group: $crate::comm::Group,
+            ) -> burn::tensor::ops::FloatTensor<Self> {
+                $crate::tensor_parallel::ops::plain::reduce_scatter::<Self>(x, dim, group)
+            }
             fn tp_row_linear(
                 x: burn::tensor::ops::FloatTensor<Self>,
                 w: burn::tensor::ops::FloatTensor<Self>,
@@ -188,6 +263,22 @@ macro_rules! impl_parallel_backend {
                 _group: $crate::comm::Group,
             ) -> burn::tensor::ops::FloatTensor<Self> {
                 <Self as $crate::kernels::FusedOps>::linear_forward(x, w, None)
+            }
+            fn sp_row_linear(
+                x: burn::tensor::ops::FloatTensor<Self>,
+                w: burn::tensor::ops::FloatTensor<Self>,
+                chunks: usize,
+                group: $crate::comm::Group,
+            ) -> burn::tensor::ops::FloatTensor<Self> {
+                $crate::tensor_parallel::sequence_overlap::row_forward::<Self>(x, w, chunks, group)
+            }
+            fn sp_column_linear(
+                x: burn::tensor::ops::FloatTensor<Self>,
+                w: burn::tensor::ops::FloatTensor<Self>,
+                _chunks: usize,
+                group: $crate::comm::Group,
+            ) -> burn::tensor::ops::FloatTensor<Self> {
+                $crate::tensor_parallel::sequence_overlap::column_forward::<Self>(x, w, group)
             }
             fn grad_hook(
                 x: burn::tensor::ops::FloatTensor<Self>,
@@ -212,6 +303,14 @@ struct GatherBackward;
 #[derive(Debug)]
 struct SplitBackward;
 #[derive(Debug)]
+struct SpGatherBackward;
+#[derive(Debug)]
+struct SpScatterBackward;
+#[derive(Debug)]
+struct SpRowLinearBackward;
+#[derive(Debug)]
+struct SpColumnLinearBackward;
+#[derive(Debug)]
 struct HookBackward;
 #[derive(Debug)]
 struct RowLinearBackward;
@@ -235,11 +334,50 @@ impl<B: ParallelBackend> Backward<B, 2> for ColumnLinearBackward {
         let w = c.retrieve_node_output::<B::FloatTensorPrimitive>(w);
         let dy = grads.consume::<B>(&ops.node);
         let out = super::overlap::column_backward::<B>(x, w, dy, chunks, group);
-        for (parent, grad) in ops.parents.into_iter().zip(out) {
-            if let (Some(node), Some(grad)) = (parent, grad) {
-                grads.register::<B>(node.id, grad);
-            }
+        register_linear::<B>(ops.parents.map(|p| p.map(|n| n.id)), out, grads);
+    }
+}
+
+/// The saved `x` (when the weight needs its gradient) and `w` of a sequence-parallel product,
+/// with its token chunks and group.
+type SpLinearState = (Option<NodeId>, NodeId, usize, Group);
+
+/// Registers `[dx, dw]` with the parents of a linear node.
+fn register_linear<B: ParallelBackend>(
+    parents: [Option<NodeId>; 2],
+    out: [Option<FloatTensor<B>>; 2],
+    grads: &mut Gradients,
+) {
+    for (parent, grad) in parents.into_iter().zip(out) {
+        if let (Some(node), Some(grad)) = (parent, grad) {
+            grads.register::<B>(node, grad);
         }
+    }
+}
+
+impl<B: ParallelBackend> Backward<B, 2> for SpRowLinearBackward {
+    type State = SpLinearState;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, c: &mut Checkpointer) {
+        let (x, w, _, group) = ops.state;
+        let x = x.map(|id| c.retrieve_node_output::<B::FloatTensorPrimitive>(id));
+        let w = c.retrieve_node_output::<B::FloatTensorPrimitive>(w);
+        let dy = grads.consume::<B>(&ops.node);
+        let out = super::sequence_overlap::row_backward::<B>(x, w, dy, group);
+        register_linear::<B>(ops.parents.map(|p| p.map(|n| n.id)), out, grads);
+    }
+}
+
+impl<B: ParallelBackend> Backward<B, 2> for SpColumnLinearBackward {
+    type State = SpLinearState;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, c: &mut Checkpointer) {
+        let (x, w, chunks, group) = ops.state;
+        let x = x.map(|id| c.retrieve_node_output::<B::FloatTensorPrimitive>(id));
+        let w = c.retrieve_node_output::<B::FloatTensorPrimitive>(w);
+        let dy = grads.consume::<B>(&ops.node);
+        let out = super::sequence_overlap::column_backward::<B>(x, w, dy, chunks, group);
+        register_linear::<B>(ops.parents.map(|p| p.map(|n| n.id)), out, grads);
     }
 }
 
@@ -288,6 +426,26 @@ impl<B: ParallelBackend> Backward<B, 1> for SplitBackward {
         let (dim, group) = ops.state;
         unary::<B, _>(ops.parents, ops.node, grads, |g| {
             B::tp_gather(g, dim, group)
+        });
+    }
+}
+
+impl<B: ParallelBackend> Backward<B, 1> for SpGatherBackward {
+    type State = (usize, Group);
+    fn backward(self, ops: Ops<(usize, Group), 1>, grads: &mut Gradients, _c: &mut Checkpointer) {
+        let (dim, group) = ops.state;
+        unary::<B, _>(ops.parents, ops.node, grads, |g| {
+            B::sp_scatter(g, dim, group)
+        });
+    }
+}
+
+impl<B: ParallelBackend> Backward<B, 1> for SpScatterBackward {
+    type State = (usize, Group);
+    fn backward(self, ops: Ops<(usize, Group), 1>, grads: &mut Gradients, _c: &mut Checkpointer) {
+        let (dim, group) = ops.state;
+        unary::<B, _>(ops.parents, ops.node, grads, |g| {
+            B::sp_gather(g, dim, group)
         });
     }
 }
@@ -341,6 +499,32 @@ impl<B: ParallelBackend, C: CheckpointStrategy> ParallelBackend for Autodiff<B, 
         }
     }
 
+    fn sp_gather(x: FloatTensor<Self>, dim: usize, group: Group) -> FloatTensor<Self> {
+        match SpGatherBackward
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                prep.finish((dim, group), B::sp_gather(x.primitive, dim, group))
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::sp_gather(x.primitive, dim, group)),
+        }
+    }
+
+    fn sp_scatter(x: FloatTensor<Self>, dim: usize, group: Group) -> FloatTensor<Self> {
+        match SpScatterBackward
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                prep.finish((dim, group), B::sp_scatter(x.primitive, dim, group))
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::sp_scatter(x.primitive, dim, group)),
+        }
+    }
+
     fn tp_row_linear(
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,
@@ -365,6 +549,30 @@ impl<B: ParallelBackend, C: CheckpointStrategy> ParallelBackend for Autodiff<B, 
         let state = |(x, w): LinearState| (x, w, chunks, group);
         linear_node::<B, C, _>(ColumnLinearBackward, x, w, state, |x, w| {
             B::tp_column_linear(x, w, chunks, group)
+        })
+    }
+
+    fn sp_row_linear(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        chunks: usize,
+        group: Group,
+    ) -> FloatTensor<Self> {
+        let state = |(x, w): LinearState| (x, w, chunks, group);
+        linear_node::<B, C, _>(SpRowLinearBackward, x, w, state, |x, w| {
+            B::sp_row_linear(x, w, chunks, group)
+        })
+    }
+
+    fn sp_column_linear(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        chunks: usize,
+        group: Group,
+    ) -> FloatTensor<Self> {
+        let state = |(x, w): LinearState| (x, w, chunks, group);
+        linear_node::<B, C, _>(SpColumnLinearBackward, x, w, state, |x, w| {
+            B::sp_column_linear(x, w, chunks, group)
         })
     }
 
@@ -436,4 +644,32 @@ pub fn split_to_tp<B: ParallelBackend, const D: usize>(
         return x;
     }
     lift(x, |p| B::tp_split(p, dim, group))
+}
+
+/// Sequence parallelism's *ḡ*: all-gather along `dim` (the sequence) forward, in rank order;
+/// reduce-scatter (sum) of the gradient along `dim` backward. In front of a column-parallel
+/// block whose input is split along the sequence (it replaces *f*).
+pub fn gather_from_sp<B: ParallelBackend, const D: usize>(
+    x: Tensor<B, D>,
+    dim: usize,
+    group: Group,
+) -> Tensor<B, D> {
+    if group.size() == 1 {
+        return x;
+    }
+    lift(x, |p| B::sp_gather(p, dim, group))
+}
+
+/// Sequence parallelism's *g*: reduce-scatter (sum) along `dim` (the sequence) forward, this
+/// rank keeping its chunk; all-gather of the gradient backward. After a row-parallel block
+/// whose output continues split along the sequence (it replaces *g*'s all-reduce).
+pub fn scatter_to_sp<B: ParallelBackend, const D: usize>(
+    x: Tensor<B, D>,
+    dim: usize,
+    group: Group,
+) -> Tensor<B, D> {
+    if group.size() == 1 {
+        return x;
+    }
+    lift(x, |p| B::sp_scatter(p, dim, group))
 }

@@ -96,38 +96,64 @@ impl TpOverlap {
 /// Communication failures inside a forward or backward pass cannot be returned through Burn's
 /// operator signatures; they are fatal for the job (the panic hook aborts it and names the
 /// rank).
-fn fatal(e: impl std::fmt::Display) -> ! {
+pub(super) fn fatal(e: impl std::fmt::Display) -> ! {
     panic!("tensor-parallel communication failed: {e}")
 }
 
-/// The all-reduces in flight, tested between chunk products so that MPI moves them.
-struct InFlight {
+/// The collectives in flight (all-reduces or reduce-scatters), tested between chunk products
+/// so that MPI moves them.
+#[derive(Default)]
+pub(super) struct InFlight {
+    /// Each collective with the shape and element type of its result.
     pending: Vec<(Box<dyn Pending>, Shape, burn::tensor::DType)>,
+}
+
+/// `x` flattened into a host buffer, with its element type.
+fn to_host<B: FusedOps>(x: FloatTensor<B>) -> (Vec<f32>, burn::tensor::DType) {
+    let (n, dtype) = (x.shape().num_elements(), x.dtype());
+    let t = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(x));
+    (
+        tensor_to_vec(t.reshape([n])).unwrap_or_else(|e| fatal(e)),
+        dtype,
+    )
 }
 
 impl InFlight {
     /// Starts the all-reduce (sum) of `x` over `group`.
-    fn start<B: FusedOps>(&mut self, x: FloatTensor<B>, comm: &dyn Communicator) {
-        let (shape, dtype) = (x.shape(), x.dtype());
-        let t = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(x));
-        let n = shape.num_elements();
-        let host = tensor_to_vec(t.reshape([n])).unwrap_or_else(|e| fatal(e));
+    pub(super) fn start<B: FusedOps>(&mut self, x: FloatTensor<B>, comm: &dyn Communicator) {
+        let shape = x.shape();
+        let (host, dtype) = to_host::<B>(x);
         let pending = comm
             .all_reduce_start(host, ReduceOp::Sum)
             .unwrap_or_else(|e| fatal(e));
         self.pending.push((pending, shape, dtype));
     }
 
-    /// Lets MPI progress every outstanding all-reduce.
-    fn progress(&mut self) {
+    /// Starts the reduce-scatter (sum) of `x`, `[group size, ...]`: this rank receives the sum
+    /// of the blocks at its index, of shape `x.shape()[1..]`.
+    pub(super) fn start_scatter<B: FusedOps>(
+        &mut self,
+        x: FloatTensor<B>,
+        comm: &dyn Communicator,
+    ) {
+        let shape = Shape::from(x.shape().as_slice()[1..].to_vec());
+        let (host, dtype) = to_host::<B>(x);
+        let pending = comm
+            .reduce_scatter_start(host, ReduceOp::Sum)
+            .unwrap_or_else(|e| fatal(e));
+        self.pending.push((pending, shape, dtype));
+    }
+
+    /// Lets MPI progress every outstanding collective.
+    pub(super) fn progress(&mut self) {
         for (p, _, _) in &mut self.pending {
             p.test().unwrap_or_else(|e| fatal(e));
         }
     }
 
-    /// Waits for every all-reduce and joins the results along the rows, on `device`, in the
+    /// Waits for every collective and joins the results along `dim`, on `device`, in the
     /// element type each chunk had (bf16 chunks travel as `f32`).
-    fn finish<B: FusedOps>(self, device: &B::Device) -> FloatTensor<B> {
+    pub(super) fn finish<B: FusedOps>(self, device: &B::Device, dim: usize) -> FloatTensor<B> {
         let parts: Vec<FloatTensor<B>> = (self.pending.into_iter())
             .map(|(p, shape, dtype)| {
                 let values = p.wait().unwrap_or_else(|e| fatal(e));
@@ -140,7 +166,7 @@ impl InFlight {
                     .tensor()
             })
             .collect();
-        B::float_cat(parts, 0)
+        B::float_cat(parts, dim)
     }
 }
 
@@ -182,15 +208,13 @@ pub fn row_forward<B: FusedOps>(
     check_chunks::<B>(&x, chunks);
     let device = B::float_device(&x);
     let comm = group.comm().unwrap_or_else(|e| fatal(e));
-    let mut flight = InFlight {
-        pending: Vec::new(),
-    };
+    let mut flight = InFlight::default();
     for i in 0..chunks {
         let y = B::linear_forward(chunk::<B>(&x, i, chunks), w.clone(), None);
         flight.progress();
         flight.start::<B>(y, comm.as_ref());
     }
-    flight.finish::<B>(&device)
+    flight.finish::<B>(&device, 0)
 }
 
 /// Backward of a column-parallel layer `y = x w` whose input is replicated over the group: the
@@ -212,9 +236,7 @@ pub fn column_backward<B: FusedOps>(
     check_chunks::<B>(&dy, chunks);
     let device = B::float_device(&dy);
     let comm = group.comm().unwrap_or_else(|e| fatal(e));
-    let mut flight = InFlight {
-        pending: Vec::new(),
-    };
+    let mut flight = InFlight::default();
     for i in 0..chunks {
         let dy_i = chunk::<B>(&dy, i, chunks);
         let [dx_i, _, _] = B::linear_backward(None, w.clone(), dy_i, [true, false, false]);
@@ -228,7 +250,7 @@ pub fn column_backward<B: FusedOps>(
         None => None,
     };
     flight.progress();
-    [Some(flight.finish::<B>(&device)), dw]
+    [Some(flight.finish::<B>(&device, 0)), dw]
 }
 
 /// `x w` of a row-parallel layer summed over `group` (`x: [tokens, d_in / tp]`), with the

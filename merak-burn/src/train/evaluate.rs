@@ -135,7 +135,7 @@ where
         let model = self.model.valid();
         let shape = [
             self.parallel.micro_batch,
-            self.settings.seq_len,
+            self.settings.seq_len / model.sequence_parts(),
             model.hidden_size(),
         ];
         Ok((model, shape))

@@ -199,7 +199,8 @@ where
         }
         let holds_embedding = pipeline.schedule.rank_of(0) == grid.coords.pp;
         let not_counted = tied.filter(|_| !holds_embedding).into_iter().collect();
-        let executor = Executor::new(pipeline, grid.pp, grid.tp, trace.then_some(grid.rank));
+        let executor = Executor::new(pipeline, grid.pp, grid.tp, trace.then_some(grid.rank))
+            .with_sequence_parts(model.sequence_parts());
         Ok(Self {
             grid,
             parallel: parallel.clone(),
@@ -413,6 +414,7 @@ where
             .transpose()?;
         lap(&mut phases.data_s);
         let [micro, seq] = [self.parallel.micro_batch, self.settings.seq_len];
+        let seq = seq / self.model.sequence_parts();
         let shape = [micro, seq, self.model.hidden_size()];
         // ZeRO-3 without resharding: this step's parameters gathered once, kept to the update.
         let kept = match &self.shards {

@@ -12,8 +12,8 @@ use merak_burn::kernels::{bias_gelu, linear};
 use merak_burn::pipeline::{TiedTable, UnitStack, param_ids};
 use merak_burn::tensor_parallel::{
     AttentionMask, AttentionWeights, InitRng, LayerNorm, MlpWeights, ParallelBackend, ParallelMlp,
-    ParallelSelfAttention, ReplicatedDropout, TpError, TpOverlap, VocabParallelEmbedding,
-    param_from_values, vocab_parallel_cross_entropy,
+    ParallelSelfAttention, ReplicatedDropout, SeqShare, TpError, TpOverlap, VocabParallelEmbedding,
+    param_from_values, sp_param, vocab_parallel_cross_entropy,
 };
 
 use crate::BertConfig;
@@ -53,16 +53,21 @@ pub struct MlmHead<B: Backend> {
     pub dense: Linear<B>,
     /// LayerNorm after the GELU.
     pub ln: LayerNorm<B>,
+    /// The TP group under sequence parallelism (the input is this rank's slice of every
+    /// sequence: the dense layer's gradients are summed over it), `None` otherwise.
+    #[module(skip)]
+    sequence_parallel: Option<Group>,
 }
 
 impl<B: ParallelBackend> MlmHead<B> {
     /// `[batch, seq, hidden] -> [batch, seq, hidden]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let [b, s, h] = x.dims();
-        let w = merak_burn::precision::autocast(self.dense.weight.val());
+        let sp = self.sequence_parallel;
+        let w = merak_burn::precision::autocast(sp_param(self.dense.weight.val(), sp));
         let y = linear(x.reshape([b * s, h]), w, None).reshape([b, s, h]);
         let y = match &self.dense.bias {
-            Some(b) => bias_gelu(y, merak_burn::precision::autocast(b.val())),
+            Some(b) => bias_gelu(y, merak_burn::precision::autocast(sp_param(b.val(), sp))),
             None => gelu(y),
         };
         self.ln.forward(y)
@@ -93,6 +98,12 @@ pub struct Bert<B: Backend> {
     pub dropout: ReplicatedDropout,
     /// Width of the hidden states (what passes between pipeline stages).
     pub hidden: usize,
+    /// The tensor-parallel group.
+    #[module(skip)]
+    tp: Group,
+    /// Whether sequence parallelism is on (`parallel.sequence_parallel`).
+    #[module(skip)]
+    sequence_parallel: bool,
 }
 
 impl<B: ParallelBackend> Bert<B> {
@@ -186,6 +197,7 @@ impl<B: ParallelBackend> Bert<B> {
                 bias: Some(Param::from_tensor(Tensor::zeros([h], device))),
             },
             ln: ln(),
+            sequence_parallel: None,
         });
         Ok(Self {
             wte,
@@ -196,6 +208,8 @@ impl<B: ParallelBackend> Bert<B> {
             decoder,
             dropout: ReplicatedDropout::new(cfg.dropout, seed),
             hidden: cfg.hidden,
+            tp,
+            sequence_parallel: false,
         })
     }
 
@@ -208,6 +222,49 @@ impl<B: ParallelBackend> Bert<B> {
             layer.mlp.set_overlap(overlap);
         }
         self
+    }
+
+    /// The same model with sequence parallelism on or off (`parallel.sequence_parallel`; no
+    /// effect at tp = 1): between the tensor-parallel blocks (the embeddings' LayerNorm, every
+    /// layer's LayerNorms, dropout and residual adds, the head's transform) each TP rank holds
+    /// positions `r seq / tp .. (r + 1) seq / tp` of every sequence
+    /// ([`merak_burn::tensor_parallel::sequence`]), which tp must divide. The hidden states of
+    /// [`hidden`](Self::hidden) and between pipeline stages are then this rank's slice.
+    pub fn with_sequence_parallel(mut self, on: bool) -> Self {
+        let on = on && self.tp.size() > 1;
+        self.sequence_parallel = on;
+        let (group, share) = self.split_region();
+        for table in [&mut self.wte, &mut self.decoder].into_iter().flatten() {
+            table.set_sequence_parallel(on);
+        }
+        for layer in self.layers.iter_mut().flatten() {
+            layer.ln_1.set_sequence_parallel(group);
+            layer.ln_2.set_sequence_parallel(group);
+            layer.attention.set_sequence_parallel(on);
+            layer.mlp.set_sequence_parallel(on);
+            layer.dropout.set_sequence_share(share);
+        }
+        for ln in [self.ln_emb.as_mut(), self.head.as_mut().map(|h| &mut h.ln)]
+            .into_iter()
+            .flatten()
+        {
+            ln.set_sequence_parallel(group);
+        }
+        if let Some(head) = &mut self.head {
+            head.sequence_parallel = group;
+        }
+        self.dropout.set_sequence_share(share);
+        self
+    }
+
+    /// Under sequence parallelism, the group whose ranks split the sequences and this rank's
+    /// part; `(None, whole)` otherwise.
+    fn split_region(&self) -> (Option<Group>, SeqShare) {
+        if self.sequence_parallel {
+            (Some(self.tp), SeqShare::of(self.tp))
+        } else {
+            (None, SeqShare::WHOLE)
+        }
     }
 
     /// The token table this rank uses for the output projection.
@@ -223,10 +280,12 @@ impl<B: ParallelBackend> Bert<B> {
         let (Some(wte), Some(wpe), Some(ln)) = (&self.wte, &self.wpe, &self.ln_emb) else {
             panic!("the embedding unit is not on this pipeline rank");
         };
-        // The first `seq` position embeddings, added to every sequence (broadcast).
-        let s = ids.dims()[1];
-        let pos =
-            merak_burn::precision::autocast(wpe.weight.val().narrow(0, 0, s)).unsqueeze::<3>();
+        // Position embeddings `start..start + len` (under sequence parallelism this rank's
+        // positions only: `wte` scatters its sum), added to every sequence (broadcast).
+        let (group, share) = self.split_region();
+        let (start, len) = share.range(ids.dims()[1]);
+        let table = sp_param(wpe.weight.val(), group);
+        let pos = merak_burn::precision::autocast(table.narrow(0, start, len)).unsqueeze::<3>();
         self.dropout.forward(ln.forward(wte.forward(ids) + pos))
     }
 
@@ -290,6 +349,10 @@ impl<B: ParallelBackend> UnitStack<B> for Bert<B> {
 
     fn width(&self) -> usize {
         self.hidden
+    }
+
+    fn sequence_parts(&self) -> usize {
+        self.split_region().1.parts
     }
 
     fn embed(&self, batch: &Batch<'_, B>) -> Tensor<B, 3> {

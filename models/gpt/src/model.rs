@@ -10,8 +10,8 @@ use merak_burn::comm::Group;
 use merak_burn::pipeline::{TiedTable, UnitStack, param_ids};
 use merak_burn::tensor_parallel::{
     AttentionMask, AttentionWeights, InitRng, LayerNorm, MlpWeights, ParallelBackend, ParallelMlp,
-    ParallelSelfAttention, ReplicatedDropout, TpError, TpOverlap, VocabParallelEmbedding,
-    param_from_values, vocab_parallel_cross_entropy,
+    ParallelSelfAttention, ReplicatedDropout, SeqShare, TpError, TpOverlap, VocabParallelEmbedding,
+    param_from_values, sp_param, vocab_parallel_cross_entropy,
 };
 
 use crate::GptConfig;
@@ -75,6 +75,12 @@ pub struct Gpt<B: Backend> {
     pub dropout: ReplicatedDropout,
     /// Width of the hidden states (what passes between pipeline stages).
     pub hidden: usize,
+    /// The tensor-parallel group.
+    #[module(skip)]
+    tp: Group,
+    /// Whether sequence parallelism is on (`parallel.sequence_parallel`).
+    #[module(skip)]
+    sequence_parallel: bool,
 }
 
 impl<B: ParallelBackend> Gpt<B> {
@@ -151,6 +157,8 @@ impl<B: ParallelBackend> Gpt<B> {
             head,
             dropout: ReplicatedDropout::new(cfg.dropout, seed),
             hidden: cfg.hidden,
+            tp,
+            sequence_parallel: false,
         })
     }
 
@@ -162,6 +170,42 @@ impl<B: ParallelBackend> Gpt<B> {
             block.mlp.set_overlap(overlap);
         }
         self
+    }
+
+    /// The same model with sequence parallelism on or off (`parallel.sequence_parallel`; no
+    /// effect at tp = 1): between the tensor-parallel blocks each TP rank holds positions
+    /// `r seq / tp .. (r + 1) seq / tp` of every sequence
+    /// ([`merak_burn::tensor_parallel::sequence`]), which tp must divide. The hidden states
+    /// of [`hidden`](Self::hidden) and between pipeline stages are then this rank's slice.
+    pub fn with_sequence_parallel(mut self, on: bool) -> Self {
+        let on = on && self.tp.size() > 1;
+        self.sequence_parallel = on;
+        let (group, share) = self.split_region();
+        for table in [&mut self.wte, &mut self.head].into_iter().flatten() {
+            table.set_sequence_parallel(on);
+        }
+        for block in self.blocks.iter_mut().flatten() {
+            block.ln_1.set_sequence_parallel(group);
+            block.ln_2.set_sequence_parallel(group);
+            block.attn.set_sequence_parallel(on);
+            block.mlp.set_sequence_parallel(on);
+            block.dropout.set_sequence_share(share);
+        }
+        if let Some(ln) = &mut self.ln_f {
+            ln.set_sequence_parallel(group);
+        }
+        self.dropout.set_sequence_share(share);
+        self
+    }
+
+    /// Under sequence parallelism, the group whose ranks split the sequences and this rank's
+    /// part; `(None, whole)` otherwise.
+    fn split_region(&self) -> (Option<Group>, SeqShare) {
+        if self.sequence_parallel {
+            (Some(self.tp), SeqShare::of(self.tp))
+        } else {
+            (None, SeqShare::WHOLE)
+        }
     }
 
     /// The token table this rank uses for the output head.
@@ -179,17 +223,18 @@ impl<B: ParallelBackend> Gpt<B> {
         let (Some(wte), Some(wpe)) = (&self.wte, &self.wpe) else {
             panic!("the embedding unit is not on this pipeline rank");
         };
+        // Under sequence parallelism this rank's positions only (`wte` scatters its sum).
+        let (group, share) = self.split_region();
+        let (start, len) = share.range(ids.dims()[1]);
+        let table = sp_param(wpe.weight.val(), group);
         let pos = match positions {
             Some(positions) => merak_burn::precision::autocast(merak_burn::kernels::embedding(
-                wpe.weight.val(),
-                positions,
+                table,
+                positions.narrow(1, start, len),
                 0,
             )),
-            // The first `seq` position embeddings, added to every sequence (broadcast).
-            None => {
-                let s = ids.dims()[1];
-                merak_burn::precision::autocast(wpe.weight.val().narrow(0, 0, s)).unsqueeze::<3>()
-            }
+            // Position embeddings `start..start + len`, added to every sequence (broadcast).
+            None => merak_burn::precision::autocast(table.narrow(0, start, len)).unsqueeze::<3>(),
         };
         self.dropout.forward(wte.forward(ids) + pos)
     }
@@ -271,6 +316,10 @@ impl<B: ParallelBackend> UnitStack<B> for Gpt<B> {
 
     fn width(&self) -> usize {
         self.hidden
+    }
+
+    fn sequence_parts(&self) -> usize {
+        self.split_region().1.parts
     }
 
     /// Under a document mask (the batch has [`POSITIONS`]) the positions restart per document.

@@ -8,7 +8,8 @@
 //! `layers` (tensor-parallel layers against tp = 1, forward and backward), `overlap` (the
 //! chunked, overlapped row- and column-parallel products and blocks against the serial ones),
 //! `thread` (`comm` and `overlap` over a `ProgressThreadComm`, MPI initialised with
-//! `MPI_THREAD_MULTIPLE`), `panic` (rank 1 panics while rank 0 waits for it).
+//! `MPI_THREAD_MULTIPLE`), `sequence` (a transformer block under sequence parallelism against
+//! one rank), `panic` (rank 1 panics while rank 0 waits for it).
 
 use std::rc::Rc;
 
@@ -22,6 +23,9 @@ use merak_burn::tensor_parallel::{
     vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_unfused,
 };
 use merak_tests::rel_err;
+
+#[path = "../worker/sequence.rs"]
+mod sequence_scenario;
 
 type B = CpuAutodiff;
 type I = Cpu;
@@ -45,6 +49,7 @@ fn main() {
         "panic" => panic_scenario(&world),
         "scatter" => scatter(Group::register(Rc::new(mpi.world()))),
         "overlap" => overlap(Group::register(Rc::new(mpi.world()))),
+        "sequence" => sequence_scenario::sequence(Group::register(Rc::new(mpi.world()))),
         other => panic!("unknown scenario {other:?}"),
     }
     println!("rank {rank}: {scenario} ok");
