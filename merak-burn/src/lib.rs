@@ -11,6 +11,8 @@
 //! - [`data`]: synthetic sequences and memory-mapped token data sets, as the trainer's windows.
 //! - [`data_parallel`]: bucketed gradient all-reduce overlapped with the backward pass, ZeRO-1.
 //! - [`tensor_parallel`]: the f/g autodiff operators and the tensor-parallel layers.
+//! - [`context_parallel`]: sequences cut across ranks (zigzag shards) and ring attention over
+//!   them, forward and backward.
 //! - [`train`]: global gradient norm and clipping, weight-decay groups, schedule, metrics.
 //! - [`pipeline`]: stages, schedules as data (validated, simulated, executed), recomputation.
 //! - [`parallelize`]: a Burn user's own model made parallel by describing it: which linear
@@ -35,6 +37,7 @@ pub mod backend;
 pub mod batch;
 pub mod checkpoint;
 pub mod comm;
+pub mod context_parallel;
 pub mod data;
 pub mod data_parallel;
 pub mod device;

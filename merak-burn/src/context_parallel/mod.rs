@@ -1,0 +1,19 @@
+//! Context parallelism: each sequence is cut across the ranks of a cp group, and attention,
+//! the one operation that mixes tokens, runs as a ring.
+//!
+//! - [`ZigZag`]: which tokens a rank holds (chunks `r` and `2 cp - 1 - r` of `2 cp`, for an
+//!   even causal load), and cutting buffers and tensors into shards and back.
+//! - [`ring_attention`]: each rank's queries against the keys and values of every rank, which
+//!   travel around the ring while the blockwise partial results merge through their
+//!   log-sum-exp; a Burn operation with its backward pass ([`ContextParallelBackend`]).
+//! - [`Ring`]: the same on host `f32` buffers with a
+//!   [`Communicator`](crate::comm::Communicator), what the operation runs on every backend
+//!   today (CUDA would want device kernels and NCCL; a later issue).
+
+mod host;
+mod ring;
+mod zigzag;
+
+pub use host::{Ring, RingError};
+pub use ring::{ContextParallelBackend, ring_attention};
+pub use zigzag::{ZigZag, ZigZagError};
