@@ -361,6 +361,7 @@ fn main() -> Result<()> {
     let dp_layout = Layout {
         dp: n,
         tp: 1,
+        cp: 1,
         pp: 1,
     };
     let worlds = if n > 1 {

@@ -37,7 +37,12 @@ pub fn resolve_config(
     resume: Option<&Resume>,
 ) -> Result<Resolved> {
     let mut sets = args.sets.clone();
-    for (key, v) in [("dp", args.dp), ("tp", args.tp), ("pp", args.pp)] {
+    for (key, v) in [
+        ("dp", args.dp),
+        ("tp", args.tp),
+        ("cp", args.cp),
+        ("pp", args.pp),
+    ] {
         if let Some(v) = v {
             sets.push(format!("parallel.{key}={v}"));
         }
@@ -95,7 +100,10 @@ fn set_key(set: &str) -> &str {
 
 /// Whether the `--set` override `set` chooses a layout degree.
 fn sets_layout(set: &str) -> bool {
-    matches!(set_key(set), "parallel.dp" | "parallel.tp" | "parallel.pp")
+    matches!(
+        set_key(set),
+        "parallel.dp" | "parallel.tp" | "parallel.cp" | "parallel.pp"
+    )
 }
 
 /// A checkpoint's stored layout that does not fit the ranks of the launch (resuming a
@@ -104,18 +112,20 @@ fn sets_layout(set: &str) -> bool {
 /// longer divides a rank's share becomes the default.
 fn fit_layout_to_launch(cfg: &mut Config, size: usize) {
     let p = &cfg.parallel;
-    if p.dp * p.tp * p.pp == size {
+    if p.dp * p.cp * p.tp * p.pp == size {
         return;
     }
     tracing::info!(
-        "the checkpoint was written under dp={} tp={} pp={}; resuming on {size} rank(s) as dp={size} \
-         (give --dp/--tp/--pp to choose)",
+        "the checkpoint was written under dp={} cp={} tp={} pp={}; resuming on {size} rank(s) as \
+         dp={size} (give --dp/--cp/--tp/--pp to choose)",
         p.dp,
+        p.cp,
         p.tp,
         p.pp
     );
     let p = &mut cfg.parallel;
-    (p.dp, p.tp, p.pp, p.virtual_stages) = (size, 1, 1, 1);
+    (p.dp, p.cp, p.tp, p.pp, p.virtual_stages) = (size, 1, 1, 1, 1);
+    p.sequence_parallel = false;
     p.stage_layers.clear();
     p.stage_recompute.clear();
     if p.schedule.uses_virtual_stages() {
@@ -136,8 +146,8 @@ fn apply_plan(
     world: Option<&MpiCommunicator>,
     size: usize,
 ) -> Result<PlanFile> {
-    if args.dp.is_some() || args.tp.is_some() || args.pp.is_some() {
-        bail!("--plan {spec} sets the layout: drop --dp, --tp and --pp");
+    if args.dp.is_some() || args.tp.is_some() || args.cp.is_some() || args.pp.is_some() {
+        bail!("--plan {spec} sets the layout: drop --dp, --tp, --cp and --pp");
     }
     let planned = |s: &String| plan_cmd::PLANNED_KEYS.contains(&set_key(s));
     if let Some(s) = args.sets.iter().find(|s| planned(s)) {

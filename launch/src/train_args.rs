@@ -14,6 +14,9 @@ pub struct TrainArgs {
     /// Tensor-parallel degree (overrides parallel.tp).
     #[arg(long)]
     pub tp: Option<usize>,
+    /// Context-parallel degree (overrides parallel.cp).
+    #[arg(long)]
+    pub cp: Option<usize>,
     /// Pipeline-parallel degree (overrides parallel.pp).
     #[arg(long)]
     pub pp: Option<usize>,

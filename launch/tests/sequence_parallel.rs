@@ -117,7 +117,7 @@ fn sequence_parallel_without_tp_or_with_an_indivisible_sequence_fails_before_tra
             2,
             "sp-seq-31",
             vec!["--tp", "2", "--set", "model.seq_len=31"],
-            "parallel.tp = 2 does not divide model.seq_len = 31",
+            "parallel.tp = 2 does not divide the 31 positions",
         ),
     ] {
         let out = out_dir(name);

@@ -1,7 +1,15 @@
-//! The process grid: `world = dp * pp * tp`, TP innermost, then DP, then PP.
+//! The process grid: `world = dp * cp * tp * pp`, TP innermost, then CP, then DP, then PP.
 //!
-//! Rank `r` has coordinates `tp = r % tp`, `dp = (r / tp) % dp`, `pp = r / (tp * dp)`, so the
-//! ranks of one TP group are neighbours (on a real cluster they share a node).
+//! Rank `r` has coordinates `tp = r % tp`, `cp = (r / tp) % cp`, `dp = (r / (tp cp)) % dp`,
+//! `pp = r / (tp cp dp)`, so the ranks of one TP group are neighbours (on a real cluster they
+//! share a node).
+//!
+//! **Context parallelism is folded into data parallelism** for everything that concerns the
+//! parameters: the `dp × cp` ranks of a stage hold the same parameters, so their gradients are
+//! summed, their optimizer state sharded (ZeRO) and their checkpoints written over one group,
+//! [`ProcessGrid::dp`], in which a rank's index is [`Coords::dp`] `= data index × cp + cp
+//! index`. Only the data differs: the `cp` ranks of one data-parallel replica read the same
+//! samples ([`ProcessGrid::data_rank`]) and each keeps its share of every sequence.
 
 use std::rc::Rc;
 
@@ -17,8 +25,17 @@ pub struct Layout {
     pub dp: usize,
     /// Tensor-parallel degree.
     pub tp: usize,
+    /// Context-parallel degree: the ranks each sequence is cut across (1 in layouts written
+    /// before it existed).
+    #[serde(default = "one")]
+    pub cp: usize,
     /// Pipeline-parallel degree (number of stages).
     pub pp: usize,
+}
+
+/// The degree of an axis a stored layout does not name.
+fn one() -> usize {
+    1
 }
 
 /// A layout that cannot run. Every message names the numbers involved.
@@ -32,12 +49,14 @@ pub enum LayoutError {
     },
     /// The product of the degrees differs from the number of processes.
     #[error(
-        "layout dp={dp} x tp={tp} x pp={pp} = {product} ranks, but the job has {world} processes \
-         (launch with mpirun -np {product}, or change the degrees)"
+        "layout dp={dp} x cp={cp} x tp={tp} x pp={pp} = {product} ranks, but the job has {world} \
+         processes (launch with mpirun -np {product}, or change the degrees)"
     )]
     WorldSize {
         /// Data-parallel degree.
         dp: usize,
+        /// Context-parallel degree.
+        cp: usize,
         /// Tensor-parallel degree.
         tp: usize,
         /// Pipeline degree.
@@ -92,17 +111,28 @@ impl Layout {
     pub const SINGLE: Layout = Layout {
         dp: 1,
         tp: 1,
+        cp: 1,
         pp: 1,
     };
 
     /// The number of ranks this layout needs.
     pub fn world_size(&self) -> usize {
-        self.dp * self.tp * self.pp
+        self.replicas() * self.tp * self.pp
+    }
+
+    /// The ranks of a stage that hold the same parameters: `dp × cp`.
+    pub fn replicas(&self) -> usize {
+        self.dp * self.cp
     }
 
     /// Checks the layout against the job size and the model, before anything is built.
     pub fn validate(&self, world: usize, model: &TransformerShape) -> Result<(), LayoutError> {
-        for (axis, v) in [("dp", self.dp), ("tp", self.tp), ("pp", self.pp)] {
+        for (axis, v) in [
+            ("dp", self.dp),
+            ("cp", self.cp),
+            ("tp", self.tp),
+            ("pp", self.pp),
+        ] {
             if v == 0 {
                 return Err(LayoutError::Zero { axis });
             }
@@ -110,6 +140,7 @@ impl Layout {
         if self.world_size() != world {
             return Err(LayoutError::WorldSize {
                 dp: self.dp,
+                cp: self.cp,
                 tp: self.tp,
                 pp: self.pp,
                 product: self.world_size(),
@@ -139,26 +170,32 @@ impl Layout {
         Ok(())
     }
 
-    /// The coordinates `(dp, pp, tp)` of a world rank.
+    /// The coordinates of a world rank.
     pub fn coords(&self, rank: usize) -> Coords {
+        let replica = (rank / self.tp) % self.replicas();
         Coords {
             tp: rank % self.tp,
-            dp: (rank / self.tp) % self.dp,
-            pp: rank / (self.tp * self.dp),
+            dp: replica,
+            cp: replica % self.cp,
+            pp: rank / (self.tp * self.replicas()),
         }
     }
 
-    /// The world rank at the given coordinates.
+    /// The world rank at the given coordinates (`c.dp` is the index among the `dp × cp`
+    /// replicas; `c.cp` is not read).
     pub fn rank_of(&self, c: Coords) -> usize {
-        c.pp * self.tp * self.dp + c.dp * self.tp + c.tp
+        c.pp * self.tp * self.replicas() + c.dp * self.tp + c.tp
     }
 }
 
 /// A rank's position on each axis.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Coords {
-    /// Index in the data-parallel group.
+    /// Index in the data-parallel group, whose `dp × cp` ranks hold the same parameters:
+    /// `data index × cp + cp index`.
     pub dp: usize,
+    /// Index in the context-parallel group (the part of every sequence this rank holds).
+    pub cp: usize,
     /// Pipeline stage.
     pub pp: usize,
     /// Index in the tensor-parallel group.
@@ -178,8 +215,12 @@ pub struct ProcessGrid {
     pub world: Group,
     /// The ranks that differ from this one only in their TP index.
     pub tp: Group,
-    /// The ranks that differ only in their DP index.
+    /// The ranks that hold the same parameters: those that differ only in their data- or
+    /// context-parallel index (`dp × cp` ranks).
     pub dp: Group,
+    /// The ranks that differ only in their context-parallel index (the parts of the same
+    /// sequences).
+    pub cp: Group,
     /// The ranks that differ only in their pipeline stage.
     pub pp: Group,
 }
@@ -204,14 +245,22 @@ impl ProcessGrid {
             rank: 0,
             coords: Coords {
                 dp: 0,
+                cp: 0,
                 pp: 0,
                 tp: 0,
             },
             world: g,
             tp: g,
             dp: g,
+            cp: g,
             pp: g,
         }
+    }
+
+    /// This rank's data-parallel replica and the number of replicas: which share of each
+    /// global batch it reads (the context-parallel ranks of a replica read the same samples).
+    pub fn data_rank(&self) -> (usize, usize) {
+        (self.coords.dp / self.layout.cp, self.layout.dp)
     }
 
     /// Splits the MPI world into per-axis groups. Call on every rank, after
@@ -235,6 +284,7 @@ impl ProcessGrid {
         if layout.world_size() != size {
             return Err(LayoutError::WorldSize {
                 dp: layout.dp,
+                cp: layout.cp,
                 tp: layout.tp,
                 pp: layout.pp,
                 product: layout.world_size(),
@@ -244,10 +294,15 @@ impl ProcessGrid {
         }
         let rank = world.rank();
         let c = layout.coords(rank);
+        let replicas = layout.replicas();
         let tp =
-            (world.split((c.pp * layout.dp + c.dp) as u32, c.tp as u32)?).named("tensor-parallel");
+            (world.split((c.pp * replicas + c.dp) as u32, c.tp as u32)?).named("tensor-parallel");
         let dp =
             (world.split((c.pp * layout.tp + c.tp) as u32, c.dp as u32)?).named("data-parallel");
+        // The cp ranks of one replica: same stage, TP index and data index.
+        let replica = c.dp / layout.cp;
+        let cp_color = (c.pp * layout.dp + replica) * layout.tp + c.tp;
+        let cp = (world.split(cp_color as u32, c.cp as u32)?).named("context-parallel");
         let pp = (world.split((c.dp * layout.tp + c.tp) as u32, c.pp as u32)?).named("pipeline");
         let wrap = |comm: MpiCommunicator| -> Group {
             if comm.size() == 1 {
@@ -262,6 +317,7 @@ impl ProcessGrid {
             coords: c,
             tp: on_transport(tp, transport, wrap)?,
             dp: on_transport(dp, transport, wrap)?,
+            cp: wrap(cp),
             world: wrap(world),
             pp: wrap(pp),
         })
@@ -306,12 +362,14 @@ mod tests {
         let l = Layout {
             dp: 2,
             tp: 2,
+            cp: 1,
             pp: 2,
         };
         assert_eq!(
             l.coords(1),
             Coords {
                 dp: 0,
+                cp: 0,
                 pp: 0,
                 tp: 1
             }
@@ -320,6 +378,7 @@ mod tests {
             l.coords(2),
             Coords {
                 dp: 1,
+                cp: 0,
                 pp: 0,
                 tp: 0
             }
@@ -328,11 +387,25 @@ mod tests {
             l.coords(4),
             Coords {
                 dp: 0,
+                cp: 0,
                 pp: 1,
                 tp: 0
             }
         );
         for r in 0..8 {
+            assert_eq!(l.rank_of(l.coords(r)), r);
+        }
+        // Context parallelism sits between TP and DP; its ranks count among the replicas.
+        let l = Layout {
+            dp: 2,
+            tp: 2,
+            cp: 2,
+            pp: 2,
+        };
+        let c = l.coords(6);
+        assert_eq!((c.tp, c.cp, c.dp, c.pp), (0, 1, 3, 0));
+        assert_eq!((c.dp / l.cp, l.coords(9).pp), (1, 1));
+        for r in 0..16 {
             assert_eq!(l.rank_of(l.coords(r)), r);
         }
     }
@@ -342,6 +415,7 @@ mod tests {
         let e = Layout {
             dp: 1,
             tp: 3,
+            cp: 1,
             pp: 1,
         }
         .validate(3, &SHAPE)
@@ -354,6 +428,7 @@ mod tests {
         let e = Layout {
             dp: 2,
             tp: 2,
+            cp: 1,
             pp: 1,
         }
         .validate(3, &SHAPE)
@@ -366,6 +441,7 @@ mod tests {
         let e = Layout {
             dp: 0,
             tp: 1,
+            cp: 1,
             pp: 1,
         }
         .validate(1, &SHAPE)
@@ -374,6 +450,7 @@ mod tests {
         let e = Layout {
             dp: 1,
             tp: 1,
+            cp: 1,
             pp: 5,
         }
         .validate(5, &SHAPE)
@@ -385,6 +462,7 @@ mod tests {
         let e = Layout {
             dp: 1,
             tp: 4,
+            cp: 1,
             pp: 1,
         }
         .validate(
@@ -401,6 +479,7 @@ mod tests {
             Layout {
                 dp: 1,
                 tp: 4,
+                cp: 1,
                 pp: 2
             }
             .validate(8, &SHAPE)

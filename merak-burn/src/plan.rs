@@ -114,6 +114,12 @@ pub struct ParallelPlan {
     pub dp: usize,
     /// Tensor-parallel degree.
     pub tp: usize,
+    /// Context-parallel degree: the ranks each sequence is cut across (ring attention over a
+    /// zigzag split); folded into data parallelism for the parameters.
+    pub cp: usize,
+    /// Sequence parallelism (tp > 1): between the tensor-parallel blocks each TP rank holds
+    /// `1 / tp` of the sequence.
+    pub sequence_parallel: bool,
     /// Pipeline ranks.
     pub pp: usize,
     /// Model stages per pipeline rank (interleaved schedule; 1 otherwise).
@@ -163,6 +169,8 @@ impl Default for ParallelPlan {
         Self {
             dp: 1,
             tp: 1,
+            cp: 1,
+            sequence_parallel: false,
             pp: 1,
             virtual_stages: 1,
             micro_batch: 1,
@@ -191,6 +199,12 @@ impl std::fmt::Display for ParallelPlan {
             "dp={} tp={} pp={} micro_batch={} schedule={} stages={:?}",
             self.dp, self.tp, self.pp, self.micro_batch, self.schedule, self.stage_units
         )?;
+        if self.cp > 1 {
+            write!(f, " cp={}", self.cp)?;
+        }
+        if self.sequence_parallel {
+            write!(f, " sequence_parallel")?;
+        }
         if self.zero > 0 {
             write!(f, " zero{}", self.zero)?;
         }
@@ -205,11 +219,12 @@ impl std::fmt::Display for ParallelPlan {
 }
 
 impl ParallelPlan {
-    /// The process layout `dp x tp x pp`.
+    /// The process layout `dp x cp x tp x pp`.
     pub fn layout(&self) -> Layout {
         Layout {
             dp: self.dp,
             tp: self.tp,
+            cp: self.cp,
             pp: self.pp,
         }
     }
@@ -239,6 +254,8 @@ impl ParallelPlan {
         Self {
             dp: l.dp,
             tp: l.tp,
+            cp: 1,
+            sequence_parallel: false,
             pp: l.pp,
             virtual_stages: l.virtual_stages,
             micro_batch: l.micro_batch,

@@ -116,6 +116,7 @@ fn valid_manifest() -> Vec<u8> {
         layout: merak_burn::grid::Layout {
             dp: 1,
             tp: 1,
+            cp: 1,
             pp: 1,
         },
         params: vec![ParamEntry {

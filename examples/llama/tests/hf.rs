@@ -833,7 +833,12 @@ fn tp_child() {
     let mpi = merak_burn::comm::MpiWorld::init().expect("MPI");
     let world = mpi.world();
     let tp = merak_burn::comm::Communicator::size(&world);
-    let layout = merak_burn::grid::Layout { dp: 1, tp, pp: 1 };
+    let layout = merak_burn::grid::Layout {
+        dp: 1,
+        tp,
+        cp: 1,
+        pp: 1,
+    };
     let grid = merak_burn::grid::ProcessGrid::from_mpi(world, layout).unwrap();
     let device = Default::default();
     for name in ["gqa", "tied"] {

@@ -76,6 +76,7 @@ impl Default for Config {
             parallel: ParallelSection {
                 dp: 1,
                 tp: 1,
+                cp: 1,
                 pp: 1,
                 zero: 0,
                 prefetch: 1,

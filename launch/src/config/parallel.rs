@@ -17,6 +17,10 @@ pub struct ParallelSection {
     pub dp: usize,
     /// Tensor-parallel degree.
     pub tp: usize,
+    /// Context-parallel degree: each sequence is cut into `2 cp` chunks, rank `i` of the group
+    /// holding chunks `i` and `2 cp - 1 - i` (zigzag), and the attention's keys and values
+    /// travel around the ring of the group. GPT and BERT; 2 cp must divide the sequence.
+    pub cp: usize,
     /// Pipeline-parallel degree.
     pub pp: usize,
     /// ZeRO stage: 0 (every DP rank keeps the whole optimizer state), 1 (each DP rank keeps
@@ -180,15 +184,38 @@ impl Config {
             );
         }
         self.validate_overlap()?;
+        self.validate_context_parallel()?;
         self.validate_sequence_parallel()
     }
 
-    /// `parallel.sequence_parallel`: tp > 1, and tp dividing the sequence length.
+    /// `parallel.cp`: at least 1, and `2 cp` dividing the sequence length (the zigzag's
+    /// chunks).
+    pub(super) fn validate_context_parallel(&self) -> Result<(), ConfigError> {
+        let (cp, seq) = (self.parallel.cp, self.model.gpt.seq_len);
+        if cp == 0 {
+            return bad("parallel.cp", "0: every degree must be at least 1".into());
+        }
+        if cp > 1 && !seq.is_multiple_of(2 * cp) {
+            return bad(
+                "parallel.cp",
+                format!(
+                    "2 x parallel.cp = {} does not divide model.seq_len = {seq}: each sequence is \
+                     cut into 2 cp chunks, rank i holding chunks i and 2 cp - 1 - i",
+                    2 * cp
+                ),
+            );
+        }
+        Ok(())
+    }
+
+    /// `parallel.sequence_parallel`: tp > 1, and tp dividing the positions a rank holds
+    /// (`seq_len / cp`).
     pub(super) fn validate_sequence_parallel(&self) -> Result<(), ConfigError> {
         if !self.parallel.sequence_parallel {
             return Ok(());
         }
-        let (tp, seq) = (self.parallel.tp, self.model.gpt.seq_len);
+        let (tp, cp) = (self.parallel.tp, self.parallel.cp.max(1));
+        let seq = self.model.gpt.seq_len / cp;
         if tp < 2 {
             return bad(
                 "parallel.sequence_parallel",
@@ -201,8 +228,10 @@ impl Config {
             return bad(
                 "parallel.sequence_parallel",
                 format!(
-                    "parallel.tp = {tp} does not divide model.seq_len = {seq}: each TP rank holds \
-                     seq_len / tp positions"
+                    "parallel.tp = {tp} does not divide the {seq} positions of a sequence a rank \
+                     holds (model.seq_len = {} / parallel.cp = {cp}): each TP rank holds 1 / tp \
+                     of them",
+                    self.model.gpt.seq_len
                 ),
             );
         }
@@ -212,8 +241,8 @@ impl Config {
                 "parallel.tp_overlap",
                 format!(
                     "{chunks} chunks do not divide the {} positions a TP rank holds under \
-                     parallel.sequence_parallel (model.seq_len = {seq} / parallel.tp = {tp}): \
-                     choose a divisor of {}",
+                     parallel.sequence_parallel (model.seq_len / parallel.cp = {seq}, / \
+                     parallel.tp = {tp}): choose a divisor of {}",
                     seq / tp,
                     seq / tp
                 ),
@@ -222,25 +251,25 @@ impl Config {
         Ok(())
     }
 
-    /// Products of the degrees fit in a `usize`: the ranks `dp x tp x pp`, the stages
+    /// Products of the degrees fit in a `usize`: the ranks `dp x cp x tp x pp`, the stages
     /// `pp x virtual_stages` and the tokens `micro_batch x seq_len`.
     pub(super) fn validate_degrees(&self) -> Result<(), ConfigError> {
         let p = &self.parallel;
         let products = [
             (
                 "parallel.dp",
-                "parallel.dp x parallel.tp x parallel.pp",
-                [p.dp, p.tp, p.pp],
+                "parallel.dp x parallel.cp x parallel.tp x parallel.pp",
+                [p.dp, p.cp, p.tp, p.pp],
             ),
             (
                 "parallel.virtual_stages",
                 "parallel.pp x parallel.virtual_stages",
-                [p.pp, self.virtual_stages(), 1],
+                [p.pp, self.virtual_stages(), 1, 1],
             ),
             (
                 "train.micro_batch",
                 "train.micro_batch x model.seq_len",
-                [self.micro_batch(), self.model.gpt.seq_len, 1],
+                [self.micro_batch(), self.model.gpt.seq_len, 1, 1],
             ),
         ];
         for (key, what, factors) in products {
@@ -315,6 +344,8 @@ impl Config {
         ParallelPlan {
             dp: p.dp,
             tp: p.tp,
+            cp: p.cp,
+            sequence_parallel: p.sequence_parallel,
             pp: p.pp,
             virtual_stages: self.virtual_stages(),
             micro_batch: self.micro_batch(),
@@ -341,6 +372,8 @@ impl Config {
         let p = &mut self.parallel;
         p.dp = plan.dp;
         p.tp = plan.tp;
+        p.cp = plan.cp;
+        p.sequence_parallel = plan.sequence_parallel;
         p.pp = plan.pp;
         p.virtual_stages = plan.virtual_stages;
         p.schedule = plan.schedule;

@@ -141,10 +141,12 @@ pub fn plan(a: &PlanArgs) -> Result<()> {
 }
 
 /// The config keys a plan sets.
-pub const PLANNED_KEYS: [&str; 12] = [
+pub const PLANNED_KEYS: [&str; 14] = [
     "train.micro_batch",
     "parallel.dp",
     "parallel.tp",
+    "parallel.cp",
+    "parallel.sequence_parallel",
     "parallel.pp",
     "parallel.virtual_stages",
     "parallel.schedule",

@@ -36,6 +36,7 @@ pub(super) fn train_step_time(
             Layout {
                 dp: ranks,
                 tp: 1,
+                cp: 1,
                 pp: 1,
             },
         )?,

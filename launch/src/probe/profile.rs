@@ -201,6 +201,7 @@ pub(super) fn profiling_grid(p: &Profiling, tp: usize) -> Result<ProcessGrid> {
                 Layout {
                     dp: p.ranks / tp,
                     tp,
+                    cp: 1,
                     pp: 1,
                 },
             )?

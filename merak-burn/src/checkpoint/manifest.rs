@@ -114,16 +114,18 @@ impl Manifest {
     }
 
     fn validate_layout(&self) -> Result<(), String> {
-        let Layout { dp, tp, pp } = self.layout;
-        for (axis, d) in [("dp", dp), ("tp", tp), ("pp", pp)] {
+        let Layout { dp, tp, cp, pp } = self.layout;
+        for (axis, d) in [("dp", dp), ("cp", cp), ("tp", tp), ("pp", pp)] {
             if !(1..=MAX_DEGREE).contains(&d) {
                 return Err(format!("layout {axis} = {d}: must be 1 to {MAX_DEGREE}"));
             }
         }
-        let world = dp.checked_mul(tp).and_then(|n| n.checked_mul(pp));
+        let world = (dp.checked_mul(cp))
+            .and_then(|n| n.checked_mul(tp))
+            .and_then(|n| n.checked_mul(pp));
         if world.is_none_or(|w| w < self.files.len()) {
             return Err(format!(
-                "{} shard files for a layout of dp = {dp} x tp = {tp} x pp = {pp} ranks",
+                "{} shard files for a layout of dp = {dp} x cp = {cp} x tp = {tp} x pp = {pp} ranks",
                 self.files.len()
             ));
         }
@@ -144,10 +146,14 @@ impl Manifest {
             if !names.insert(f.file.as_str()) {
                 return Err(format!("shard {:?} is listed twice", f.file));
             }
-            if f.tp >= self.layout.tp || f.dp >= self.layout.dp {
+            if f.tp >= self.layout.tp || f.dp >= self.layout.replicas() {
                 return Err(format!(
-                    "shard {:?} of tp rank {} and dp rank {} in a layout of tp = {} and dp = {}",
-                    f.file, f.tp, f.dp, self.layout.tp, self.layout.dp
+                    "shard {:?} of tp rank {} and dp rank {} in a layout of tp = {} and dp x cp = {}",
+                    f.file,
+                    f.tp,
+                    f.dp,
+                    self.layout.tp,
+                    self.layout.replicas()
                 ));
             }
             total = total

@@ -227,16 +227,19 @@ fn grid(world: merak_burn::comm::MpiCommunicator) {
         4 => Layout {
             dp: 2,
             tp: 2,
+            cp: 1,
             pp: 1,
         },
         8 => Layout {
             dp: 2,
             tp: 2,
+            cp: 1,
             pp: 2,
         },
         _ => Layout {
             dp: 1,
             tp: n,
+            cp: 1,
             pp: 1,
         },
     };
