@@ -81,6 +81,22 @@ impl InitRng {
             .collect()
     }
 
+    /// For each row position `p` of `rows`, values `p * width .. (p + 1) * width` of the stream
+    /// [`uniform`](Self::uniform) draws for `name`, one row after the other: the rows a rank
+    /// holds of a larger draw.
+    pub fn uniform_rows(&self, name: &str, rows: &[usize], width: usize) -> Vec<f32> {
+        let base = self.stream(name);
+        let mut out = Vec::with_capacity(rows.len() * width);
+        for &p in rows {
+            let skip = (p as u64).wrapping_mul(width as u64);
+            let mut state = base.wrapping_add(skip.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            out.extend(
+                (0..width).map(|_| (splitmix(&mut state) >> 40) as f32 / (1u64 << 24) as f32),
+            );
+        }
+        out
+    }
+
     /// `n` integers in `0..bound` for the stream `name`.
     pub fn integers(&self, name: &str, n: usize, bound: u64) -> Vec<u64> {
         let mut state = self.stream(name);
@@ -100,6 +116,9 @@ mod tests {
         let all = rng.uniform("d", 100);
         assert_eq!(rng.uniform_from("d", 37, 20), all[37..57]);
         assert_eq!(rng.uniform_from("d", 0, 100), all);
+        let rows = rng.uniform_rows("d", &[9, 2], 5);
+        assert_eq!(rows[..5], all[45..50]);
+        assert_eq!(rows[5..], all[10..15]);
     }
 
     #[test]

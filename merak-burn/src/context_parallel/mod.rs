@@ -6,14 +6,17 @@
 //! - [`ring_attention`]: each rank's queries against the keys and values of every rank, which
 //!   travel around the ring while the blockwise partial results merge through their
 //!   log-sum-exp; a Burn operation with its backward pass ([`ContextParallelBackend`]).
+//! - [`shard_samples`]: a rank's share of a micro-batch's samples, with the global positions.
 //! - [`Ring`]: the same on host `f32` buffers with a
 //!   [`Communicator`](crate::comm::Communicator), what the operation runs on every backend
 //!   today (CUDA would want device kernels and NCCL; a later issue).
 
 mod host;
 mod ring;
+mod samples;
 mod zigzag;
 
 pub use host::{Ring, RingError};
 pub use ring::{ContextParallelBackend, ring_attention};
+pub use samples::{ShardError, shard_samples};
 pub use zigzag::{ZigZag, ZigZagError};

@@ -65,7 +65,7 @@ where
         model = initialized_from(model, init, grid)?;
     }
     let params = model.num_params();
-    let sp = if model.sequence_parts() > 1 {
+    let sp = if model.sequence_parts() > grid.layout.cp {
         " sequence-parallel"
     } else {
         ""
@@ -90,7 +90,7 @@ where
     let l = &grid.layout;
     tracing::info!(
         params,
-        layout = %format!("dp={} tp={} pp={}{sp}", l.dp, l.tp, l.pp),
+        layout = %format!("dp={} cp={} tp={} pp={}{sp}", l.dp, l.cp, l.tp, l.pp),
         "model ready in {:.2}s",
         t0.elapsed().as_secs_f64()
     );

@@ -8,6 +8,7 @@ use super::linear::{ColumnParallelLinear, RowParallelLinear};
 use super::ops::ParallelBackend;
 use super::overlap::TpOverlap;
 use crate::comm::Group;
+use crate::context_parallel::ring_attention;
 use crate::kernels::{AttentionSpec, attention, attention_in_segments};
 
 /// Which positions a query may attend to.
@@ -46,6 +47,10 @@ pub struct ParallelSelfAttention<B: Backend> {
     head_dim: usize,
     #[module(skip)]
     mask: AttentionMask,
+    /// The context-parallel group whose ranks hold the other parts of each sequence (`None`:
+    /// whole sequences).
+    #[module(skip)]
+    context_parallel: Option<Group>,
 }
 
 impl<B: ParallelBackend> ParallelSelfAttention<B> {
@@ -84,7 +89,15 @@ impl<B: ParallelBackend> ParallelSelfAttention<B> {
             local_heads: heads / group.size(),
             head_dim: d_model / heads,
             mask,
+            context_parallel: None,
         })
+    }
+
+    /// Context parallelism over `group` (or, with `None`, none): this rank's sequences are its
+    /// zigzag share of every sequence ([`crate::context_parallel::ZigZag`]), and the attention
+    /// runs as a ring over the group ([`ring_attention`]).
+    pub fn set_context_parallel(&mut self, group: Option<Group>) {
+        self.context_parallel = group.filter(|g| g.size() > 1);
     }
 
     /// Sub-pipelines both projections over `overlap` token chunks: the
@@ -124,9 +137,10 @@ impl<B: ParallelBackend> ParallelSelfAttention<B> {
             causal: self.mask == AttentionMask::Causal,
         };
         let qkv = self.qkv.forward(x);
-        let ctx = match segments {
-            Some(segments) => attention_in_segments(qkv, spec, segments),
-            None => attention(qkv, spec),
+        let ctx = match (self.context_parallel, segments) {
+            (Some(cp), segments) => ring_attention(qkv, spec, segments, cp),
+            (None, Some(segments)) => attention_in_segments(qkv, spec, segments),
+            (None, None) => attention(qkv, spec),
         };
         self.proj.forward(ctx)
     }

@@ -9,8 +9,11 @@ use crate::comm::Group;
 /// A backend on which the tensor-parallel operators are defined.
 ///
 /// Implemented for `Flex` (the CPU backend, [`crate::backend::Cpu`]), `Cuda<f32>` (feature `cuda`) and `Autodiff` of any of them.
-/// Another backend gets it with [`impl_parallel_backend!`](crate::impl_parallel_backend).
-pub trait ParallelBackend: Backend + crate::kernels::FusedOps {
+/// Another backend gets it with [`impl_parallel_backend!`](crate::impl_parallel_backend) and
+/// `impl ContextParallelBackend for MyBackend {}` (context parallelism's ring attention).
+pub trait ParallelBackend:
+    Backend + crate::kernels::FusedOps + crate::context_parallel::ContextParallelBackend
+{
     /// *f*: identity forward, all-reduce of the gradient backward.
     fn tp_copy(x: FloatTensor<Self>, group: Group) -> FloatTensor<Self>;
     /// *g*: all-reduce forward, identity backward.

@@ -6,7 +6,6 @@ use std::sync::{Arc, Mutex};
 use burn::module::Module;
 use burn::tensor::{Tensor, TensorData, backend::Backend};
 
-use super::sequence::SeqShare;
 use crate::rng::InitRng;
 
 static STEP: AtomicU64 = AtomicU64::new(0);
@@ -47,9 +46,10 @@ pub struct ReplicatedDropout {
     /// (generation of the position it was last used in, calls in that position).
     #[module(skip)]
     calls: Arc<Mutex<(u64, u64)>>,
-    /// The part of every sequence its inputs hold (sequence parallelism).
+    /// The positions of every sequence its inputs' rows hold, in order (sequence and context
+    /// parallelism); `None`: the whole sequences.
     #[module(skip)]
-    share: SeqShare,
+    rows: Option<Arc<Vec<usize>>>,
 }
 
 impl ReplicatedDropout {
@@ -59,15 +59,16 @@ impl ReplicatedDropout {
             prob,
             rng: InitRng::new(seed ^ 0xD50D_50D5),
             calls: Arc::new(Mutex::new((u64::MAX, 0))),
-            share: SeqShare::WHOLE,
+            rows: None,
         }
     }
 
-    /// Under sequence parallelism: the inputs (`[batch, seq / parts, ...]`) hold part `share`
-    /// of every sequence, and each sample's mask is that slice of the mask the whole sequence
-    /// gets, so that the dropped elements do not depend on tp.
-    pub fn set_sequence_share(&mut self, share: SeqShare) {
-        self.share = share;
+    /// Under sequence or context parallelism: the inputs (`[batch, rows.len(), ...]`) hold
+    /// positions `rows` of every sequence, and each sample's mask is those rows of the mask
+    /// the whole sequence gets, so that the dropped elements do not depend on the layout.
+    /// `None`: whole sequences.
+    pub fn set_sequence_rows(&mut self, rows: Option<Vec<usize>>) {
+        self.rows = rows.map(Arc::new);
     }
 
     /// Applies dropout when training and `prob > 0`; the identity otherwise.
@@ -92,12 +93,17 @@ impl ReplicatedDropout {
         let per_sample = shape.num_elements() / samples;
         let keep = 1.0 - self.prob as f32;
         let mut mask = Vec::with_capacity(shape.num_elements());
-        let skip = self.share.index * per_sample;
         for i in 0..samples as u64 {
             let stream = format!("dropout/{step}/{}/{call}", first + i);
+            let draws = match &self.rows {
+                Some(rows) => {
+                    let width = per_sample / rows.len().max(1);
+                    self.rng.uniform_rows(&stream, rows, width)
+                }
+                None => self.rng.uniform(&stream, per_sample),
+            };
             mask.extend(
-                self.rng
-                    .uniform_from(&stream, skip, per_sample)
+                draws
                     .into_iter()
                     .map(|u| if u < keep { 1.0 / keep } else { 0.0 }),
             );

@@ -24,6 +24,7 @@ use burn::tensor::Tensor;
 
 use super::ops::{ParallelBackend, copy_to_tp};
 use crate::comm::Group;
+use crate::context_parallel::ZigZag;
 
 /// The part of every sequence a rank holds between the tensor-parallel blocks: part `index`
 /// of `parts` equal, contiguous parts.
@@ -72,5 +73,62 @@ pub fn sp_param<B: ParallelBackend, const D: usize>(
     match group {
         Some(group) => copy_to_tp(value, group),
         None => value,
+    }
+}
+
+/// Which positions of every sequence a rank's hidden states hold between the tensor-parallel
+/// blocks: its context-parallel share (the zigzag chunks of [`ZigZag`], all positions without
+/// context parallelism) and, within it, its sequence-parallel part ([`SeqShare`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeldPositions {
+    /// The sequence length.
+    seq: usize,
+    /// The context-parallel share, if any.
+    context: Option<ZigZag>,
+    /// The sequence-parallel part of the share.
+    share: SeqShare,
+}
+
+impl HeldPositions {
+    /// Every position of sequences of `seq` tokens.
+    pub fn whole(seq: usize) -> Self {
+        Self {
+            seq,
+            context: None,
+            share: SeqShare::WHOLE,
+        }
+    }
+
+    /// The same with the context-parallel share `context` (`None`: none).
+    pub fn with_context(self, context: Option<ZigZag>) -> Self {
+        Self { context, ..self }
+    }
+
+    /// The same with the sequence-parallel part `share`.
+    pub fn with_share(self, share: SeqShare) -> Self {
+        Self { share, ..self }
+    }
+
+    /// The sequence-parallel part.
+    pub fn share(&self) -> SeqShare {
+        self.share
+    }
+
+    /// The parts every sequence is cut into: cp × the sequence-parallel parts.
+    pub fn parts(&self) -> usize {
+        self.context.map_or(1, |z| z.cp()) * self.share.parts
+    }
+
+    /// The positions held, in the order of the rows (`None`: all of them, in order).
+    pub fn rows(&self) -> Option<Vec<usize>> {
+        if self.parts() == 1 {
+            return None;
+        }
+        let all = match self.context {
+            Some(z) => z.positions(),
+            None => (0..self.seq).collect(),
+        };
+        let (start, len) = self.share.range(all.len());
+        Some(all[start..start + len].to_vec())
     }
 }

@@ -152,8 +152,9 @@ where
         let micro = self.parallel.micro_batch;
         (0..local / micro)
             .map(|m| {
-                let first = b * global + self.grid.coords.dp * local + m * micro;
+                let first = b * global + self.grid.data_rank().0 * local + m * micro;
                 let samples = read_samples(micro, self.done, || data.val_samples(first, micro))?;
+                let samples = self.context_share(samples, self.done)?;
                 Ok(MicroBatch {
                     samples,
                     weight: 1.0,

@@ -15,7 +15,7 @@ pub(crate) fn shard_groups(
     grid: &ProcessGrid,
     parallel: &ParallelPlan,
 ) -> Result<(Group, Option<Group>), TrainError> {
-    let (dp, shard) = (grid.layout.dp, parallel.shard);
+    let (dp, shard) = (grid.dp.size(), parallel.shard);
     if shard == 0 || shard == dp {
         return Ok((grid.dp, None));
     }

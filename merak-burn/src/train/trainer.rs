@@ -199,8 +199,10 @@ where
         }
         let holds_embedding = pipeline.schedule.rank_of(0) == grid.coords.pp;
         let not_counted = tied.filter(|_| !holds_embedding).into_iter().collect();
+        // Only sequence parallelism splits the sequences over the TP ranks.
+        let tp_parts = model.sequence_parts() / grid.layout.cp.max(1);
         let executor = Executor::new(pipeline, grid.pp, grid.tp, trace.then_some(grid.rank))
-            .with_sequence_parts(model.sequence_parts());
+            .with_sequence_parts(tp_parts);
         Ok(Self {
             grid,
             parallel: parallel.clone(),
@@ -532,12 +534,13 @@ where
         step: usize,
     ) -> Result<Vec<MicroBatch>, TrainError> {
         let (p, global) = (&self.parallel, self.settings.global_batch);
-        let first = self.grid.coords.dp * p.local_batch(global);
+        let first = self.grid.data_rank().0 * p.local_batch(global);
         let micro = p.micro_batch;
         let mut batches: Vec<MicroBatch> = Vec::new();
         for m in 0..p.micro_batches(global) {
             let start = first + m * micro;
             let samples = read_samples(micro, step + 1, || data.train_samples(step, start, micro))?;
+            let samples = self.context_share(samples, step + 1)?;
             if let Some(b) = batches.first() {
                 (b.samples.check_same_layout(&samples, start)).map_err(|e| TrainError::Data {
                     step: step + 1,
@@ -561,6 +564,25 @@ where
         Ok(batches)
     }
 
+    /// This rank's share of every sequence of `samples` under context parallelism
+    /// ([`shard_samples`](crate::context_parallel::shard_samples)); the samples themselves
+    /// otherwise.
+    pub(crate) fn context_share(
+        &self,
+        samples: Samples,
+        step: usize,
+    ) -> Result<Samples, TrainError> {
+        let cp = self.grid.cp;
+        if cp.size() == 1 {
+            return Ok(samples);
+        }
+        let data = |source| TrainError::Data { step, source };
+        let zigzag =
+            crate::context_parallel::ZigZag::new(self.settings.seq_len, cp.size(), cp.rank())
+                .map_err(|e| data(Box::new(e)))?;
+        crate::context_parallel::shard_samples(samples, &zigzag).map_err(|e| data(Box::new(e)))
+    }
+
     /// The global batch's loss from this rank's share: summed over the pipeline (only the last
     /// stage has it) and the data-parallel replicas.
     fn sum_loss(&self, local: f64) -> Result<f64, TrainError> {
@@ -569,7 +591,7 @@ where
             self.grid.pp.comm()?.all_reduce(&mut l, ReduceOp::Sum)?;
         }
         all_reduce_if(self.grid.dp, &mut l)?;
-        Ok(if self.grid.layout.pp > 1 || self.grid.layout.dp > 1 {
+        Ok(if self.grid.layout.pp > 1 || self.grid.dp.size() > 1 {
             f64::from(l[0])
         } else {
             local

@@ -1,6 +1,6 @@
 //! The BERT module.
 
-use merak_burn::batch::{Batch, TARGETS, TOKENS};
+use merak_burn::batch::{Batch, POSITIONS, TARGETS, TOKENS};
 use std::ops::Range;
 
 use burn::module::{Module, Param};
@@ -8,12 +8,13 @@ use burn::nn::{Embedding, Linear};
 use burn::tensor::activation::gelu;
 use burn::tensor::{Int, Tensor, backend::Backend};
 use merak_burn::comm::Group;
+use merak_burn::context_parallel::{ZigZag, ZigZagError};
 use merak_burn::kernels::{bias_gelu, linear};
 use merak_burn::pipeline::{TiedTable, UnitStack, param_ids};
 use merak_burn::tensor_parallel::{
-    AttentionMask, AttentionWeights, InitRng, LayerNorm, MlpWeights, ParallelBackend, ParallelMlp,
-    ParallelSelfAttention, ReplicatedDropout, SeqShare, TpError, TpOverlap, VocabParallelEmbedding,
-    param_from_values, sp_param, vocab_parallel_cross_entropy,
+    AttentionMask, AttentionWeights, HeldPositions, InitRng, LayerNorm, MlpWeights,
+    ParallelBackend, ParallelMlp, ParallelSelfAttention, ReplicatedDropout, SeqShare, TpError,
+    TpOverlap, VocabParallelEmbedding, param_from_values, sp_param, vocab_parallel_cross_entropy,
 };
 
 use crate::BertConfig;
@@ -104,6 +105,12 @@ pub struct Bert<B: Backend> {
     /// Whether sequence parallelism is on (`parallel.sequence_parallel`).
     #[module(skip)]
     sequence_parallel: bool,
+    /// The context-parallel group, when the sequences are cut across one (`parallel.cp`).
+    #[module(skip)]
+    context_parallel: Option<Group>,
+    /// The sequence length the model is built for.
+    #[module(skip)]
+    seq_len: usize,
 }
 
 impl<B: ParallelBackend> Bert<B> {
@@ -210,6 +217,8 @@ impl<B: ParallelBackend> Bert<B> {
             hidden: cfg.hidden,
             tp,
             sequence_parallel: false,
+            context_parallel: None,
+            seq_len: cfg.seq_len,
         })
     }
 
@@ -233,7 +242,7 @@ impl<B: ParallelBackend> Bert<B> {
     pub fn with_sequence_parallel(mut self, on: bool) -> Self {
         let on = on && self.tp.size() > 1;
         self.sequence_parallel = on;
-        let (group, share) = self.split_region();
+        let (group, _) = self.split_region();
         for table in [&mut self.wte, &mut self.decoder].into_iter().flatten() {
             table.set_sequence_parallel(on);
         }
@@ -242,7 +251,6 @@ impl<B: ParallelBackend> Bert<B> {
             layer.ln_2.set_sequence_parallel(group);
             layer.attention.set_sequence_parallel(on);
             layer.mlp.set_sequence_parallel(on);
-            layer.dropout.set_sequence_share(share);
         }
         for ln in [self.ln_emb.as_mut(), self.head.as_mut().map(|h| &mut h.ln)]
             .into_iter()
@@ -253,7 +261,7 @@ impl<B: ParallelBackend> Bert<B> {
         if let Some(head) = &mut self.head {
             head.sequence_parallel = group;
         }
-        self.dropout.set_sequence_share(share);
+        self.apply_rows();
         self
     }
 
@@ -267,6 +275,42 @@ impl<B: ParallelBackend> Bert<B> {
         }
     }
 
+    /// The same model with its sequences cut across the context-parallel group `cp`
+    /// (`parallel.cp`; nothing changes for a group of one rank): this rank holds the zigzag
+    /// share of every sequence ([`ZigZag`]), its samples carry the global positions
+    /// ([`merak_burn::context_parallel::shard_samples`]), and the attention runs as a ring over
+    /// the group. Fails unless `2 cp` divides the sequence length.
+    pub fn with_context_parallel(mut self, cp: Group) -> Result<Self, ZigZagError> {
+        if cp.size() > 1 {
+            ZigZag::new(self.seq_len, cp.size(), cp.rank())?;
+        }
+        self.context_parallel = (cp.size() > 1).then_some(cp);
+        for layer in self.layers.iter_mut().flatten() {
+            layer.attention.set_context_parallel(self.context_parallel);
+        }
+        self.apply_rows();
+        Ok(self)
+    }
+
+    /// The positions of every sequence this rank's hidden states hold between the
+    /// tensor-parallel blocks.
+    fn held(&self) -> HeldPositions {
+        let zigzag = (self.context_parallel)
+            .and_then(|cp| ZigZag::new(self.seq_len, cp.size(), cp.rank()).ok());
+        HeldPositions::whole(self.seq_len)
+            .with_context(zigzag)
+            .with_share(self.split_region().1)
+    }
+
+    /// Tells every dropout which positions its inputs' rows hold.
+    fn apply_rows(&mut self) {
+        let rows = self.held().rows();
+        for layer in self.layers.iter_mut().flatten() {
+            layer.dropout.set_sequence_rows(rows.clone());
+        }
+        self.dropout.set_sequence_rows(rows);
+    }
+
     /// The token table this rank uses for the output projection.
     fn table(&self) -> &VocabParallelEmbedding<B> {
         self.decoder
@@ -276,16 +320,23 @@ impl<B: ParallelBackend> Bert<B> {
     }
 
     /// Unit 0: ids to the normalized, dropped-out embeddings.
-    fn embed(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+    fn embed(&self, ids: Tensor<B, 2, Int>, positions: Option<Tensor<B, 2, Int>>) -> Tensor<B, 3> {
         let (Some(wte), Some(wpe), Some(ln)) = (&self.wte, &self.wpe, &self.ln_emb) else {
             panic!("the embedding unit is not on this pipeline rank");
         };
-        // Position embeddings `start..start + len` (under sequence parallelism this rank's
-        // positions only: `wte` scatters its sum), added to every sequence (broadcast).
+        // Under sequence parallelism this rank's positions only (`wte` scatters its sum).
         let (group, share) = self.split_region();
         let (start, len) = share.range(ids.dims()[1]);
         let table = sp_param(wpe.weight.val(), group);
-        let pos = merak_burn::precision::autocast(table.narrow(0, start, len)).unsqueeze::<3>();
+        let pos = match positions {
+            Some(positions) => merak_burn::precision::autocast(merak_burn::kernels::embedding(
+                table,
+                positions.narrow(1, start, len),
+                0,
+            )),
+            // Position embeddings `start..start + len`, added to every sequence (broadcast).
+            None => merak_burn::precision::autocast(table.narrow(0, start, len)).unsqueeze::<3>(),
+        };
         self.dropout.forward(ln.forward(wte.forward(ids) + pos))
     }
 
@@ -319,7 +370,7 @@ impl<B: ParallelBackend> Bert<B> {
     /// Final encoder hidden states, `[batch, seq] -> [batch, seq, hidden]` (`seq` at most
     /// `seq_len`; a model with every unit).
     pub fn hidden(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        let x = self.embed(ids);
+        let x = self.embed(ids, None);
         self.run_layers(x, 0..self.layers.len())
     }
 
@@ -352,11 +403,14 @@ impl<B: ParallelBackend> UnitStack<B> for Bert<B> {
     }
 
     fn sequence_parts(&self) -> usize {
-        self.split_region().1.parts
+        self.held().parts()
     }
 
+    /// Under context parallelism (the batch has [`POSITIONS`]) the positions are the
+    /// tokens' places in their whole sequences.
     fn embed(&self, batch: &Batch<'_, B>) -> Tensor<B, 3> {
-        Bert::embed(self, batch.int(TOKENS))
+        let positions = batch.has(POSITIONS).then(|| batch.int(POSITIONS));
+        Bert::embed(self, batch.int(TOKENS), positions)
     }
 
     fn layer(&self, index: usize, x: Tensor<B, 3>, _batch: &Batch<'_, B>) -> Tensor<B, 3> {

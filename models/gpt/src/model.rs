@@ -7,11 +7,12 @@ use burn::module::Module;
 use burn::nn::Embedding;
 use burn::tensor::{Int, Tensor, backend::Backend};
 use merak_burn::comm::Group;
+use merak_burn::context_parallel::{ZigZag, ZigZagError};
 use merak_burn::pipeline::{TiedTable, UnitStack, param_ids};
 use merak_burn::tensor_parallel::{
-    AttentionMask, AttentionWeights, InitRng, LayerNorm, MlpWeights, ParallelBackend, ParallelMlp,
-    ParallelSelfAttention, ReplicatedDropout, SeqShare, TpError, TpOverlap, VocabParallelEmbedding,
-    param_from_values, sp_param, vocab_parallel_cross_entropy,
+    AttentionMask, AttentionWeights, HeldPositions, InitRng, LayerNorm, MlpWeights,
+    ParallelBackend, ParallelMlp, ParallelSelfAttention, ReplicatedDropout, SeqShare, TpError,
+    TpOverlap, VocabParallelEmbedding, param_from_values, sp_param, vocab_parallel_cross_entropy,
 };
 
 use crate::GptConfig;
@@ -81,6 +82,12 @@ pub struct Gpt<B: Backend> {
     /// Whether sequence parallelism is on (`parallel.sequence_parallel`).
     #[module(skip)]
     sequence_parallel: bool,
+    /// The context-parallel group, when the sequences are cut across one (`parallel.cp`).
+    #[module(skip)]
+    context_parallel: Option<Group>,
+    /// The sequence length the model is built for.
+    #[module(skip)]
+    seq_len: usize,
 }
 
 impl<B: ParallelBackend> Gpt<B> {
@@ -159,6 +166,8 @@ impl<B: ParallelBackend> Gpt<B> {
             hidden: cfg.hidden,
             tp,
             sequence_parallel: false,
+            context_parallel: None,
+            seq_len: cfg.seq_len,
         })
     }
 
@@ -180,7 +189,7 @@ impl<B: ParallelBackend> Gpt<B> {
     pub fn with_sequence_parallel(mut self, on: bool) -> Self {
         let on = on && self.tp.size() > 1;
         self.sequence_parallel = on;
-        let (group, share) = self.split_region();
+        let (group, _) = self.split_region();
         for table in [&mut self.wte, &mut self.head].into_iter().flatten() {
             table.set_sequence_parallel(on);
         }
@@ -189,12 +198,11 @@ impl<B: ParallelBackend> Gpt<B> {
             block.ln_2.set_sequence_parallel(group);
             block.attn.set_sequence_parallel(on);
             block.mlp.set_sequence_parallel(on);
-            block.dropout.set_sequence_share(share);
         }
         if let Some(ln) = &mut self.ln_f {
             ln.set_sequence_parallel(group);
         }
-        self.dropout.set_sequence_share(share);
+        self.apply_rows();
         self
     }
 
@@ -206,6 +214,42 @@ impl<B: ParallelBackend> Gpt<B> {
         } else {
             (None, SeqShare::WHOLE)
         }
+    }
+
+    /// The same model with its sequences cut across the context-parallel group `cp`
+    /// (`parallel.cp`; nothing changes for a group of one rank): this rank holds the zigzag
+    /// share of every sequence ([`ZigZag`]), its samples carry the global positions
+    /// ([`merak_burn::context_parallel::shard_samples`]), and the attention runs as a ring over
+    /// the group. Fails unless `2 cp` divides the sequence length.
+    pub fn with_context_parallel(mut self, cp: Group) -> Result<Self, ZigZagError> {
+        if cp.size() > 1 {
+            ZigZag::new(self.seq_len, cp.size(), cp.rank())?;
+        }
+        self.context_parallel = (cp.size() > 1).then_some(cp);
+        for block in self.blocks.iter_mut().flatten() {
+            block.attn.set_context_parallel(self.context_parallel);
+        }
+        self.apply_rows();
+        Ok(self)
+    }
+
+    /// The positions of every sequence this rank's hidden states hold between the
+    /// tensor-parallel blocks.
+    fn held(&self) -> HeldPositions {
+        let zigzag = (self.context_parallel)
+            .and_then(|cp| ZigZag::new(self.seq_len, cp.size(), cp.rank()).ok());
+        HeldPositions::whole(self.seq_len)
+            .with_context(zigzag)
+            .with_share(self.split_region().1)
+    }
+
+    /// Tells every dropout which positions its inputs' rows hold.
+    fn apply_rows(&mut self) {
+        let rows = self.held().rows();
+        for block in self.blocks.iter_mut().flatten() {
+            block.dropout.set_sequence_rows(rows.clone());
+        }
+        self.dropout.set_sequence_rows(rows);
     }
 
     /// The token table this rank uses for the output head.
@@ -319,7 +363,7 @@ impl<B: ParallelBackend> UnitStack<B> for Gpt<B> {
     }
 
     fn sequence_parts(&self) -> usize {
-        self.split_region().1.parts
+        self.held().parts()
     }
 
     /// Under a document mask (the batch has [`POSITIONS`]) the positions restart per document.

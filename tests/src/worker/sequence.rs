@@ -4,7 +4,7 @@
 use burn::tensor::{Tensor, TensorData};
 use merak_burn::comm::Group;
 use merak_burn::tensor_parallel::{
-    AttentionMask, AttentionWeights, InitRng, LayerNorm, MlpWeights, ParallelMlp,
+    AttentionMask, AttentionWeights, HeldPositions, InitRng, LayerNorm, MlpWeights, ParallelMlp,
     ParallelSelfAttention, ReplicatedDropout, SeqShare, TpOverlap, force_dropout,
     set_dropout_position,
 };
@@ -21,7 +21,7 @@ struct Block {
 }
 
 impl Block {
-    fn new(rng: &InitRng, h: usize, heads: usize, group: Group, sp: Option<TpOverlap>) -> Self {
+    fn new(rng: &InitRng, [s, h, heads]: [usize; 3], group: Group, sp: Option<TpOverlap>) -> Self {
         let dev = Default::default();
         let attn = AttentionWeights {
             qkv_weight: rng.normal("qkv", h * 3 * h, 0.3),
@@ -57,7 +57,8 @@ impl Block {
             block.ln_2.set_sequence_parallel(Some(group));
             block.attn.set_sequence_parallel(true);
             block.mlp.set_sequence_parallel(true);
-            block.dropout.set_sequence_share(SeqShare::of(group));
+            let share = HeldPositions::whole(s).with_share(SeqShare::of(group));
+            block.dropout.set_sequence_rows(share.rows());
         }
         block
     }
@@ -97,8 +98,8 @@ fn sequence_block(tp: Group, overlap: TpOverlap) {
     set_dropout_position(3, 0);
     let full = rng.normal("x", b * s * h, 1.0);
     let (start, len) = SeqShare::of(tp).range(s);
-    let serial = Block::new(&rng, h, heads, Group::local(), None);
-    let par = Block::new(&rng, h, heads, tp, Some(overlap));
+    let serial = Block::new(&rng, [s, h, heads], Group::local(), None);
+    let par = Block::new(&rng, [s, h, heads], tp, Some(overlap));
     let xs =
         Tensor::<B, 3>::from_data(TensorData::new(full.clone(), [b, s, h]), &dev).require_grad();
     let part = seq_slice(&full, [b, s, h], start, len);
