@@ -5,8 +5,10 @@
 # Prints per run the median tokens/s after the first step, the largest allocator high-water
 # mark and peak resident memory of any rank (`memory.json`), next to the activation formula of
 # DESIGN.md section 5 in fp32 (twice its 16-bit bytes) per rank: with the softmax kept,
-# s*b*h*(34 + 5*a*s/h)*2 per layer; blockwise, without the 5*a*s/h term; with TP degree TP,
-# s*b*h*(10 + 24/t) without sequence parallelism and s*b*h*34/t with it (SP=1). A run that fails
+# s*b*h*(34 + 5*a*s/h)*2 per layer; blockwise, without the 5*a*s/h term; with TP degree t,
+# s*b*h*(10 + 24/t) without sequence parallelism and s*b*h*34/t with it; with context
+# parallelism (--cp c) s/c tokens per rank. The TP and CP degrees are read from the flags
+# (--tp N, --cp N, parallel.sequence_parallel=true). A run that fails
 # (out of memory, or over TIMEOUT_S) prints its exit status.
 #
 #   bash benches/long-seq/run.sh NAME=path/to/merak [NAME=path/to/merak ...]
@@ -37,16 +39,19 @@ for s in $LENGTHS; do
     rc=$?
     tp=1
     [[ $flags =~ --tp[[:space:]]+([0-9]+) ]] && tp=${BASH_REMATCH[1]}
+    cp=1
+    [[ $flags =~ --cp[[:space:]]+([0-9]+) ]] && cp=${BASH_REMATCH[1]}
     sp=0
     [[ $flags == *sequence_parallel=true* ]] && sp=1
-    python3 - "$out" "$name" "$s" "$rc" "$tp" "$sp" <<'PY'
+    python3 - "$out" "$name" "$s" "$rc" "$tp" "$sp" "$cp" <<'PY'
 import json, statistics, sys
 out, name, s, rc = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-t, sp = int(sys.argv[5]), sys.argv[6] == "1"
+t, sp, cp = int(sys.argv[5]), sys.argv[6] == "1", int(sys.argv[7])
 b, h, a, layers = 1, 64, 4, 2
 per_token = 34 / t if sp else 10 + 24 / t
-kept = layers * s * b * h * (per_token + 5 * a * s / (h * t)) * 2 / 2**20
-block = layers * s * b * h * per_token * 2 / 2**20
+# Each rank holds s / cp tokens; the kept scores would be its queries against all keys.
+kept = layers * s / cp * b * h * (per_token + 5 * a * s / (h * t)) * 2 / 2**20
+block = layers * s / cp * b * h * per_token * 2 / 2**20
 if rc != 0:
     print(f"{name:<10} {s:>6} {'exit ' + str(rc):>10} {'-':>12} {'-':>10} {kept:>16.0f} {block:>16.0f}")
     sys.exit()

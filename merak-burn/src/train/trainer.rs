@@ -154,6 +154,7 @@ where
             });
         }
         check_zero(parallel, &pipeline)?;
+        check_context_parallel(grid.layout.cp, model.sequence_parts())?;
         let copies = model.tied_names();
         let shapes = state::param_shapes(&model);
         let optim = Optimizers::new(&shapes, &settings, grid.layout.tp, copies, &|p| p.default)?;
@@ -673,10 +674,46 @@ pub(crate) fn read_samples(
     Ok(samples)
 }
 
+/// Refuses context parallelism over `cp` ranks for a model whose hidden states are not cut
+/// across them (`parts`, [`PipelineModel::sequence_parts`], not a multiple of `cp`): its
+/// attention would see only the rank's share of each sequence.
+fn check_context_parallel(cp: usize, parts: usize) -> Result<(), TrainError> {
+    if cp <= 1 || parts.is_multiple_of(cp) {
+        return Ok(());
+    }
+    Err(crate::train::InvalidSetting {
+        key: "parallel.cp".into(),
+        value: cp.to_string(),
+        reason: "this model does not cut its sequences across context-parallel ranks (GPT and \
+                 BERT do, with_context_parallel; a model of your own cannot run with cp > 1 yet)"
+            .into(),
+    }
+    .into())
+}
+
 /// Sums `values` over `group` when it has more than one rank.
 fn all_reduce_if(group: Group, values: &mut [f32]) -> Result<(), TrainError> {
     if group.size() > 1 {
         group.comm()?.all_reduce(values, ReduceOp::Sum)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_context_parallel;
+
+    /// A model that cuts its sequences into cp (or cp x tp) parts runs context-parallel; one
+    /// that does not is refused, naming the key.
+    #[test]
+    fn context_parallelism_needs_a_model_that_cuts_its_sequences() {
+        assert!(check_context_parallel(1, 1).is_ok());
+        assert!(check_context_parallel(2, 2).is_ok());
+        assert!(check_context_parallel(2, 4).is_ok());
+        let e = check_context_parallel(2, 1).unwrap_err().to_string();
+        assert!(
+            e.contains("parallel.cp") && e.contains("does not cut"),
+            "{e}"
+        );
+    }
 }
