@@ -1,16 +1,18 @@
 //! The all-to-all attention against the attention of whole sequences, with the ranks as
 //! threads of one process whose communicator has only an all-gather (so the exchanges run
-//! through the default [`Communicator::all_to_all`]).
+//! through the default [`Communicator::all_to_all`]). The kernels run as the backends'
+//! default `ulysses_attention` does (the public function is tested across processes by the
+//! cp-worker).
 
 use std::rc::Rc;
 use std::sync::{Arc, Barrier, Mutex};
 
 use burn::tensor::TensorData;
+use burn_autodiff::checkpoint::strategy::NoCheckpointing;
 
 use super::*;
 use crate::backend::{Cpu, CpuAutodiff};
 use crate::comm::{CommError, Communicator, Pending, ReduceOp};
-use crate::context_parallel::ulysses_attention;
 use crate::kernels::{attention, attention_in_segments};
 
 /// One rank of a world of threads: an all-gather through shared slots and a barrier.
@@ -189,6 +191,38 @@ fn reference(c: Case, qkv: &[f32], dctx: &[f32]) -> (Vec<f32>, Vec<f32>) {
     (host(out.inner()), host(x.grad(&grads).expect("gradient")))
 }
 
+/// The all-to-all attention on `Autodiff<Flex>` with the default kernels (one node).
+fn tracked_attention(
+    qkv: Tensor<CpuAutodiff, 3>,
+    spec: AttentionSpec,
+    segments: Option<Tensor<CpuAutodiff, 2, Int>>,
+    g: Group,
+) -> Tensor<CpuAutodiff, 3> {
+    let kernels = (
+        forward::<Cpu> as ForwardKernel<Cpu>,
+        backward::<Cpu> as BackwardKernel<Cpu>,
+    );
+    let segments = segments.map(Tensor::into_primitive);
+    lift(tracked::<Cpu, NoCheckpointing>(
+        prim(qkv),
+        spec,
+        segments,
+        g,
+        kernels,
+    ))
+}
+
+/// The all-to-all attention's forward kernel on the plain backend.
+fn plain_attention(
+    qkv: Tensor<Cpu, 3>,
+    spec: AttentionSpec,
+    segments: Option<Tensor<Cpu, 2, Int>>,
+    g: Group,
+) -> Tensor<Cpu, 3> {
+    let segments = segments.map(Tensor::into_primitive);
+    lift(forward::<Cpu>(prim(qkv), spec, segments, g).0)
+}
+
 /// This rank's context and Q/K/V gradient through the all-to-all attention, and the plain
 /// backend's context.
 fn sharded(c: Case, g: Group, qkv: &[f32], dctx: &[f32]) -> [Vec<f32>; 3] {
@@ -204,10 +238,10 @@ fn sharded(c: Case, g: Group, qkv: &[f32], dctx: &[f32]) -> [Vec<f32>; 3] {
     };
     let x = Tensor::<CpuAutodiff, 3>::from_data(data(qkv, w), &dev).require_grad();
     let s = segs.clone().map(|s| Tensor::from_data(s, &dev));
-    let out = ulysses_attention(x.clone(), spec, s, g);
+    let out = tracked_attention(x.clone(), spec, s, g);
     let up = Tensor::from_data(data(dctx, c.heads * 8), &dev);
     let grads = (out.clone() * up).sum().backward();
-    let plain = ulysses_attention(
+    let plain = plain_attention(
         Tensor::<Cpu, 3>::from_data(data(qkv, w), &dev),
         spec,
         segs.map(|s| Tensor::from_data(s, &dev)),
