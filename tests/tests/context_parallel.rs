@@ -1,7 +1,8 @@
 //! Context parallelism across processes: `mpirun` runs the `cp-worker` binary on 1, 2, 3 and
-//! 4 ranks; each rank checks its shard of the ring attention's context and Q/K/V gradient
-//! against its shard of the single-rank attention of the whole sequences (relative error at
-//! most 1e-5; causal and bidirectional, with and without segment ids) and reports success.
+//! 4 ranks; each rank checks its shard of the ring (or the all-to-all, Ulysses) attention's
+//! context and Q/K/V gradient against its shard of the single-rank attention of the whole
+//! sequences (relative error at most 1e-5; causal and bidirectional, with and without segment
+//! ids) and reports success.
 
 use std::time::Duration;
 
@@ -26,5 +27,12 @@ fn assert_all_ranks_ok(np: usize, scenario: &str) {
 fn ring_attention_equals_the_whole_sequence_on_1_2_3_4_ranks() {
     for np in 1..=4 {
         assert_all_ranks_ok(np, "ring");
+    }
+}
+
+#[test]
+fn ulysses_attention_equals_the_whole_sequence_on_1_2_3_4_ranks() {
+    for np in 1..=4 {
+        assert_all_ranks_ok(np, "ulysses");
     }
 }

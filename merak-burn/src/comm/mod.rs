@@ -92,6 +92,26 @@ pub trait Communicator {
     fn reduce_scatter(&self, send: &[f32], recv: &mut [f32], op: ReduceOp)
     -> Result<(), CommError>;
 
+    /// Exchanges equal blocks between all ranks (`MPI_Alltoall`): `send` and `recv` hold
+    /// `size()` blocks of equal length, rank-major; block `j` of `send` goes to rank `j`, and
+    /// block `i` of `recv` is what rank `i` sent to this one. The default all-gathers every
+    /// rank's whole `send` (`size()` times the traffic, but no point-to-point ordering to get
+    /// wrong) and keeps this rank's blocks.
+    fn all_to_all(&self, send: &[f32], recv: &mut [f32]) -> Result<(), CommError> {
+        let n = self.size().max(1);
+        check_len("all_to_all", send.len(), recv.len())?;
+        check_len("all_to_all", send.len() / n * n, send.len())?;
+        let block = send.len() / n;
+        let mut all = vec![0.0; send.len() * n];
+        self.all_gather(send, &mut all)?;
+        let rank = self.rank();
+        for (src, out) in recv.chunks_exact_mut(block.max(1)).enumerate() {
+            let from = src * send.len() + rank * block;
+            out.copy_from_slice(&all[from..from + block]);
+        }
+        Ok(())
+    }
+
     /// Copies `buf` of rank `root` into `buf` of every rank.
     fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<(), CommError>;
 

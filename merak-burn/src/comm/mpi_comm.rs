@@ -319,6 +319,23 @@ impl Communicator for MpiCommunicator {
         Ok(())
     }
 
+    fn all_to_all(&self, send: &[f32], recv: &mut [f32]) -> Result<(), CommError> {
+        check_len("all_to_all", send.len(), recv.len())?;
+        check_len(
+            "all_to_all",
+            send.len() / self.size() * self.size(),
+            send.len(),
+        )?;
+        check_count("all_to_all", send.len())?;
+        if self.size() == 1 {
+            recv.copy_from_slice(send);
+            return Ok(());
+        }
+        let _watch = self.watch("all_to_all", send.len());
+        self.comm.all_to_all_into(send, recv);
+        Ok(())
+    }
+
     fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
         check_rank("broadcast", root, self.size())?;
         check_count("broadcast", buf.len())?;

@@ -168,6 +168,9 @@ impl Communicator for ProgressThreadComm {
     ) -> Result<(), CommError> {
         self.main.reduce_scatter(send, recv, op)
     }
+    fn all_to_all(&self, send: &[f32], recv: &mut [f32]) -> Result<(), CommError> {
+        self.main.all_to_all(send, recv)
+    }
     fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
         self.main.broadcast(buf, root)
     }

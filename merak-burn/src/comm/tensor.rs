@@ -35,6 +35,15 @@ pub trait TensorComm {
         op: ReduceOp,
     ) -> Result<Tensor<B, D>, CommError>;
 
+    /// All-to-all along `dim` (which the group size must divide): the `j`-th of the group
+    /// size's equal chunks of `t` along `dim` goes to rank `j`, and the result (the shape of
+    /// `t`) holds along `dim` the chunks received from ranks `0, 1, ..` in order.
+    fn all_to_all_tensor<B: Backend, const D: usize>(
+        &self,
+        t: Tensor<B, D>,
+        dim: usize,
+    ) -> Result<Tensor<B, D>, CommError>;
+
     /// Broadcast of rank `root`'s tensor; every rank passes a tensor of the same shape.
     fn broadcast_tensor<B: Backend, const D: usize>(
         &self,
@@ -140,6 +149,37 @@ impl<C: Communicator + ?Sized> TensorComm for C {
         let mut recv = vec![0.0; send.len() / n];
         self.reduce_scatter(&send, &mut recv, op)?;
         Ok(vec_to_tensor(recv, chunk_shape, &device, dtype))
+    }
+
+    fn all_to_all_tensor<B: Backend, const D: usize>(
+        &self,
+        t: Tensor<B, D>,
+        dim: usize,
+    ) -> Result<Tensor<B, D>, CommError> {
+        let n = self.size();
+        let dims = t.dims();
+        if !dims[dim].is_multiple_of(n) {
+            return Err(CommError::BufferSize {
+                op: "all_to_all_tensor (dimension not divisible by group size)",
+                expected: dims[dim].div_ceil(n) * n,
+                got: dims[dim],
+            });
+        }
+        if n == 1 || dims.contains(&0) {
+            return Ok(t);
+        }
+        let (device, dtype) = (t.device(), t.dtype());
+        // Lay the chunks out rank-major so that the block for rank j is contiguous.
+        let chunks = t.chunk(n, dim);
+        let chunk_shape = chunks[0].shape();
+        let send = tensor_to_vec(Tensor::cat(chunks, 0))?;
+        let mut recv = vec![0.0; send.len()];
+        self.all_to_all(&send, &mut recv)?;
+        let parts = recv
+            .chunks_exact((send.len() / n).max(1))
+            .map(|c| vec_to_tensor::<B, D>(c.to_vec(), chunk_shape.clone(), &device, dtype))
+            .collect::<Vec<_>>();
+        Ok(Tensor::cat(parts, dim))
     }
 
     fn broadcast_tensor<B: Backend, const D: usize>(

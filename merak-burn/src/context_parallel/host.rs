@@ -411,7 +411,10 @@ const SEGMENT_PARTS: usize = (i64::BITS / SEGMENT_BITS) as usize;
 
 /// Every rank's segment ids, by rank (one all-gather; the ids travel as `f32` pieces of 16
 /// bits each, so any `i64` arrives exactly).
-fn gather_segments(comm: &dyn Communicator, mine: &[i64]) -> Result<Vec<Vec<i64>>, CommError> {
+pub(super) fn gather_segments(
+    comm: &dyn Communicator,
+    mine: &[i64],
+) -> Result<Vec<Vec<i64>>, CommError> {
     let send: Vec<f32> = mine.iter().flat_map(|&id| encode(id)).collect();
     let mut all = vec![0.0; send.len() * comm.size()];
     comm.all_gather(&send, &mut all)?;

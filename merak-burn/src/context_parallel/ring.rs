@@ -11,6 +11,9 @@
 //! kernels and NCCL's send and receive instead (a later issue).
 //!
 //! A group of one rank is the ordinary fused attention ([`FusedOps::fused_attention`]).
+//!
+//! The trait also carries the all-to-all variant, [`ulysses_attention`] (kernels and node in
+//! [`ulysses`](super::ulysses)), with the same contract, so a layer can pick either.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
@@ -23,6 +26,7 @@ use burn_autodiff::{
 };
 
 use super::host::{Ring, RingError};
+use super::ulysses::{self, UlyssesSaved};
 use crate::comm::Group;
 use crate::comm::host::vec_to_tensor;
 use crate::kernels::cpu::blockwise::Shape;
@@ -71,6 +75,42 @@ pub trait ContextParallelBackend: FusedOps {
         }
         Self::ring_attention_forward(qkv, spec, segments, group).0
     }
+
+    /// Forward kernel of the all-to-all (Ulysses) attention (see [`ulysses_attention`]): the
+    /// context of this rank's zigzag shard (`[batch, n, heads * head_dim]`) and what the
+    /// backward pass needs, in the exchanged layout.
+    fn ulysses_attention_forward(
+        qkv: FloatTensor<Self>,
+        spec: AttentionSpec,
+        segments: Option<IntTensor<Self>>,
+        group: Group,
+    ) -> (FloatTensor<Self>, UlyssesSaved<Self>) {
+        ulysses::forward::<Self>(qkv, spec, segments, group)
+    }
+
+    /// Backward kernel of the all-to-all attention: the gradient of this rank's Q/K/V shard
+    /// from the context's gradient `dctx`. Every rank of `group` calls it together.
+    fn ulysses_attention_backward(
+        saved: UlyssesSaved<Self>,
+        dctx: FloatTensor<Self>,
+        spec: AttentionSpec,
+        group: Group,
+    ) -> FloatTensor<Self> {
+        ulysses::backward::<Self>(saved, dctx, spec, group)
+    }
+
+    /// The differentiable all-to-all attention (see [`ulysses_attention`]).
+    fn ulysses_attention(
+        qkv: FloatTensor<Self>,
+        spec: AttentionSpec,
+        segments: Option<IntTensor<Self>>,
+        group: Group,
+    ) -> FloatTensor<Self> {
+        if group.size() == 1 {
+            return Self::fused_attention(qkv, spec, segments);
+        }
+        Self::ulysses_attention_forward(qkv, spec, segments, group).0
+    }
 }
 
 impl ContextParallelBackend for burn_flex::Flex {}
@@ -103,6 +143,27 @@ pub fn ring_attention<B: ContextParallelBackend>(
 ) -> Tensor<B, 3> {
     let segments = segments.map(Tensor::into_primitive);
     lift(B::ring_attention(prim(qkv), spec, segments, group))
+}
+
+/// Context-parallel self-attention by all-to-all exchanges (DeepSpeed-Ulysses,
+/// [`ContextParallelBackend::ulysses_attention`]): the same arguments, result and contract as
+/// [`ring_attention`], so a layer can run either.
+///
+/// One all-to-all gives each of the `cp` ranks of `group` the whole sequences (every rank's
+/// zigzag shard, in token order) for `heads / cp` of its query, key and value heads; it runs
+/// the ordinary fused attention on them (with the whole sequences' segment ids, all-gathered)
+/// and a second all-to-all returns each rank its tokens' context for all heads. The backward
+/// pass runs the reverse exchanges on the gradients. `cp` must divide `spec.heads` (the heads
+/// of this TP rank; [`ulysses_heads_per_rank`](super::ulysses_heads_per_rank)): otherwise,
+/// and on a failed exchange, it panics (fatal for the job).
+pub fn ulysses_attention<B: ContextParallelBackend>(
+    qkv: Tensor<B, 3>,
+    spec: AttentionSpec,
+    segments: Option<Tensor<B, 2, Int>>,
+    group: Group,
+) -> Tensor<B, 3> {
+    let segments = segments.map(Tensor::into_primitive);
+    lift(B::ulysses_attention(prim(qkv), spec, segments, group))
 }
 
 /// A failure inside the operation: fatal for the job (the panic hook aborts it and names the
@@ -248,5 +309,21 @@ impl<B: ContextParallelBackend, C: CheckpointStrategy> ContextParallelBackend fo
                 prep.finish(B::ring_attention_forward(qkv.primitive, spec, segments, group).0)
             }
         }
+    }
+
+    fn ulysses_attention(
+        qkv: FloatTensor<Self>,
+        spec: AttentionSpec,
+        segments: Option<IntTensor<Self>>,
+        group: Group,
+    ) -> FloatTensor<Self> {
+        if group.size() == 1 {
+            return Self::fused_attention(qkv, spec, segments);
+        }
+        let kernels = (
+            B::ulysses_attention_forward as ulysses::ForwardKernel<B>,
+            B::ulysses_attention_backward as ulysses::BackwardKernel<B>,
+        );
+        ulysses::tracked::<B, C>(qkv, spec, segments, group, kernels)
     }
 }

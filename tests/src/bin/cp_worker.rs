@@ -1,22 +1,26 @@
-//! The program the context-parallel tests run under `mpirun`: `cp-worker ring`.
+//! The program the context-parallel tests run under `mpirun`: `cp-worker ring` or `cp-worker
+//! ulysses`.
 //!
 //! Every rank builds the same random batch of fused Q/K/V projections of whole sequences
 //! (fixed seed) and a random upstream gradient, takes its zigzag shard of both, runs
-//! [`ring_attention`] over the world's ranks on `Autodiff<Flex>` and backpropagates. It then
+//! [`ring_attention`] (2 heads) or [`ulysses_attention`] (4 heads, 6 on 3 ranks: the ranks
+//! must divide them) over the world's ranks on `Autodiff<Flex>` and backpropagates. It then
 //! compares its shard of the context and of the Q/K/V gradient with its shard of the
 //! single-rank [`attention`] (same backend) of the whole sequences: relative error
 //! `||ring - whole|| / ||whole||` (over the rank's shard) at most `1e-5`, causal and
 //! bidirectional, without and with segment ids (documents whose boundaries cross the chunk
 //! boundaries). The forward pass on the plain backend must give the same context. A mismatch
 //! panics (the panic hook aborts the job, so the test sees a non-zero exit); on success every
-//! rank prints `rank R: ring ok`.
+//! rank prints `rank R: SCENARIO ok`.
 
 use std::rc::Rc;
 
 use burn::tensor::{Int, Tensor, TensorData, backend::Backend};
 use merak_burn::backend::{Cpu, CpuAutodiff};
 use merak_burn::comm::{Group, MpiWorld};
-use merak_burn::context_parallel::{ZigZag, ring_attention};
+use merak_burn::context_parallel::{
+    ContextParallelBackend, ZigZag, ring_attention, ulysses_attention,
+};
 use merak_burn::kernels::{AttentionSpec, attention, attention_in_segments};
 use merak_tests::rel_err;
 
@@ -26,8 +30,8 @@ type B = CpuAutodiff;
 const TOL: f64 = 1e-5;
 /// Sequences per batch.
 const BATCH: usize = 2;
-/// Attention heads.
-const HEADS: usize = 2;
+/// Attention heads of the ring.
+const RING_HEADS: usize = 2;
 /// Features per head.
 const HEAD_DIM: usize = 16;
 
@@ -36,19 +40,54 @@ fn main() {
     let mpi = MpiWorld::init().expect("MPI initialises");
     let group = Group::register(Rc::new(mpi.world()));
     match scenario.as_str() {
-        "ring" => ring(group),
+        "ring" => every_case(group, Variant::Ring),
+        "ulysses" => every_case(group, Variant::Ulysses),
         other => panic!("unknown scenario {other:?}"),
     }
     println!("rank {}: {scenario} ok", group.rank());
 }
 
+/// The context-parallel attention under test.
+#[derive(Clone, Copy, Debug)]
+enum Variant {
+    /// [`ring_attention`].
+    Ring,
+    /// [`ulysses_attention`].
+    Ulysses,
+}
+
+impl Variant {
+    /// The heads of the test on `cp` ranks: the all-to-all needs `cp` to divide them.
+    fn heads(self, cp: usize) -> usize {
+        match self {
+            Variant::Ring => RING_HEADS,
+            Variant::Ulysses if 4 % cp == 0 => 4,
+            Variant::Ulysses => 2 * cp,
+        }
+    }
+
+    /// The attention of this rank's shard.
+    fn run<Bk: ContextParallelBackend>(
+        self,
+        qkv: Tensor<Bk, 3>,
+        spec: AttentionSpec,
+        segments: Option<Tensor<Bk, 2, Int>>,
+        group: Group,
+    ) -> Tensor<Bk, 3> {
+        match self {
+            Variant::Ring => ring_attention(qkv, spec, segments, group),
+            Variant::Ulysses => ulysses_attention(qkv, spec, segments, group),
+        }
+    }
+}
+
 /// Every case: two sequence lengths (chunks shorter and longer than the kernel's blocks),
 /// causal or not, without and with segment ids.
-fn ring(group: Group) {
+fn every_case(group: Group, variant: Variant) {
     for seq in [48, 768] {
         for causal in [true, false] {
             for segments in [false, true] {
-                check(group, seq, causal, segments);
+                check(group, variant, seq, causal, segments);
             }
         }
     }
@@ -110,7 +149,7 @@ fn reference(
     spec: AttentionSpec,
     segments: Option<Vec<i64>>,
 ) -> (Vec<f32>, Vec<f32>) {
-    let width = 3 * HEADS * HEAD_DIM;
+    let width = 3 * spec.heads * HEAD_DIM;
     let x = float::<B>(qkv, [BATCH, zz.seq(), width]).require_grad();
     let out = match segments {
         Some(s) => attention_in_segments(x.clone(), spec, int(s, [BATCH, zz.seq()])),
@@ -122,33 +161,31 @@ fn reference(
     (shard(out.inner()), shard(dx))
 }
 
-/// One case: this rank's shard through the ring against its shard of the whole.
-fn check(group: Group, seq: usize, causal: bool, with_segments: bool) {
+/// One case: this rank's shard through the variant against its shard of the whole.
+fn check(group: Group, variant: Variant, seq: usize, causal: bool, with_segments: bool) {
     let zz = ZigZag::new(seq, group.size(), group.rank()).expect("2 cp divides seq");
-    let spec = AttentionSpec {
-        heads: HEADS,
-        causal,
-    };
-    let (width, n) = (3 * HEADS * HEAD_DIM, zz.local_len());
+    let heads = variant.heads(group.size());
+    let spec = AttentionSpec { heads, causal };
+    let (width, n, ctx_width) = (3 * heads * HEAD_DIM, zz.local_len(), heads * HEAD_DIM);
     let qkv = values(BATCH * seq * width, 11 + seq as u64);
-    let dctx = values(BATCH * seq * HEADS * HEAD_DIM, 29 + seq as u64);
+    let dctx = values(BATCH * seq * ctx_width, 29 + seq as u64);
     let segments = with_segments.then(|| documents(seq));
-    let dctx_full = float::<B>(dctx.clone(), [BATCH, seq, HEADS * HEAD_DIM]);
+    let dctx_full = float::<B>(dctx.clone(), [BATCH, seq, ctx_width]);
     let (want_ctx, want_grad) = reference(&zz, qkv.clone(), dctx_full, spec, segments.clone());
 
     let local = zz.shard(&qkv, width).expect("whole sequences");
-    let local_dctx = zz.shard(&dctx, HEADS * HEAD_DIM).expect("whole sequences");
+    let local_dctx = zz.shard(&dctx, ctx_width).expect("whole sequences");
     let local_segs = segments.map(|s| zz.shard(&s, 1).expect("whole sequences"));
     let x = float::<B>(local.clone(), [BATCH, n, width]).require_grad();
     let segs = local_segs.clone().map(|s| int::<B>(s, [BATCH, n]));
-    let out = ring_attention(x.clone(), spec, segs, group);
-    let upstream = float::<B>(local_dctx, [BATCH, n, HEADS * HEAD_DIM]);
+    let out = variant.run(x.clone(), spec, segs, group);
+    let upstream = float::<B>(local_dctx, [BATCH, n, ctx_width]);
     let grads = (out.clone() * upstream).sum().backward();
     let got_grad = to_vec(x.grad(&grads).expect("Q/K/V gradient"));
     let got_ctx = to_vec(out.inner());
 
     let plain_segs = local_segs.map(|s| int::<Cpu>(s, [BATCH, n]));
-    let plain = to_vec(ring_attention(
+    let plain = to_vec(variant.run(
         float::<Cpu>(local, [BATCH, n, width]),
         spec,
         plain_segs,
@@ -156,7 +193,8 @@ fn check(group: Group, seq: usize, causal: bool, with_segments: bool) {
     ));
 
     let tag = format!(
-        "rank {} of {}: seq {seq} causal {causal} segments {with_segments}",
+        "{variant:?} rank {} of {}: seq {seq} heads {heads} causal {causal} segments \
+         {with_segments}",
         group.rank(),
         group.size()
     );

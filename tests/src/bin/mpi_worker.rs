@@ -4,7 +4,7 @@
 //! and panics on any mismatch (the panic hook aborts the job, so the test sees a non-zero exit).
 //! On success every rank prints `rank R: SCENARIO ok`.
 //!
-//! Scenarios: `comm` (every communicator operation), `grid` (sub-communicator membership),
+//! Scenarios: `comm` (every communicator operation, the all-to-all included), `grid` (sub-communicator membership),
 //! `layers` (tensor-parallel layers against tp = 1, forward and backward), `overlap` (the
 //! chunked, overlapped row- and column-parallel products and blocks against the serial ones),
 //! `thread` (`comm` and `overlap` over a `ProgressThreadComm`, MPI initialised with
@@ -109,6 +109,21 @@ fn comm(c: &dyn Communicator) {
         .unwrap();
     expect("reduce_scatter", &part, &big_sum[r * len..(r + 1) * len]);
 
+    // All-to-all: block j of rank r's send (values from data(r n + j)) arrives as block r of
+    // rank j; blocks of 3 values, and none.
+    let send: Vec<f32> = (0..n).flat_map(|j| data(r * n + j, 3)).collect();
+    let mut recv = vec![0.0; 3 * n];
+    c.all_to_all(&send, &mut recv).unwrap();
+    let want: Vec<f32> = (0..n).flat_map(|i| data(i * n + r, 3)).collect();
+    expect("all_to_all", &recv, &want);
+    c.all_to_all(&[], &mut []).unwrap();
+    assert!(
+        n == 1
+            || c.all_to_all(&vec![0.0; n + 1], &mut vec![0.0; n + 1])
+                .is_err(),
+        "all_to_all of size+1 values must be refused"
+    );
+
     let root = n - 1;
     let mut b = data(r, len);
     c.broadcast(&mut b, root).unwrap();
@@ -206,6 +221,13 @@ fn comm(c: &dyn Communicator) {
         .map(|row| full.iter().map(|v| v[row * n + r]).sum())
         .collect();
     expect("reduce_scatter_tensor", &values(rs), &want);
+    let a2a = c.all_to_all_tensor(t(data(r, 2 * n), [2, n]), 1).unwrap();
+    // Column j of rank r goes to rank j: column q of the result is rank q's column r.
+    let want: Vec<f32> = (0..2)
+        .flat_map(|row| (0..n).map(move |q| (row, q)))
+        .map(|(row, q)| full[q][row * n + r])
+        .collect();
+    expect("all_to_all_tensor", &values(a2a), &want);
     let bt = c.broadcast_tensor(t(data(r, len), [2, 5]), root).unwrap();
     expect("broadcast_tensor", &values(bt), &all[root]);
     if n > 1 {
