@@ -314,7 +314,7 @@ where
         let bert = cfg.bert();
         let mut model = merak_bert::Bert::<B>::new_units(&bert, seed, grid.tp, device, &holds)?
             .with_tp_overlap(overlap)
-            .with_context_parallel(grid.cp)?
+            .with_context_parallel(grid.cp, cfg.parallel.cp_attention)?
             .with_sequence_parallel(cfg.parallel.sequence_parallel);
         if let Some(pretrained) = &job.init_from {
             model = init_from::apply(model, pretrained, grid)?;
@@ -324,7 +324,7 @@ where
     }
     let mut model = merak_gpt::Gpt::<B>::new_units(&cfg.model.gpt, seed, grid.tp, device, &holds)?
         .with_tp_overlap(overlap)
-        .with_context_parallel(grid.cp)?
+        .with_context_parallel(grid.cp, cfg.parallel.cp_attention)?
         .with_sequence_parallel(cfg.parallel.sequence_parallel);
     if let Some(pretrained) = &job.init_from {
         model = init_from::apply(model, pretrained, grid)?;
@@ -343,7 +343,7 @@ where
     } else {
         // Samples of any length: whole sequences on every TP rank.
         let model = (model.valid().with_sequence_parallel(false))
-            .with_context_parallel(merak_burn::comm::Group::local())?;
+            .with_context_parallel(merak_burn::comm::Group::local(), Default::default())?;
         generate::print_sample(cfg, data, grid, &model, device)?;
     }
     Ok(summary)

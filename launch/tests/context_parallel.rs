@@ -79,6 +79,36 @@ fn context_parallel_composes_with_tensor_sequence_and_pipeline_parallelism() {
     }
 }
 
+/// The all-to-all (DeepSpeed-Ulysses) attention trains what the ring trains: cp 2 (2 of the 4
+/// heads per rank) and cp 2 x tp 2 (1 of a TP rank's 2 heads), with a document mask too.
+#[test]
+fn all_to_all_context_parallelism_equals_one_process() {
+    let single = out_dir("cp-a2a-single");
+    run_pp(0, &single, &DROPOUT).assert_success();
+    let a2a = ["--set", "parallel.cp_attention=all-to-all"];
+    let cases: [(usize, &str, Vec<&str>); 2] = [
+        (2, "cp2-a2a", [&["--cp", "2"][..], &a2a].concat()),
+        (
+            4,
+            "cp2-tp2-a2a",
+            [&["--cp", "2", "--tp", "2"][..], &a2a].concat(),
+        ),
+    ];
+    for (np, name, extra) in cases {
+        assert_gpt_equals(&single, np, name, &extra);
+    }
+    let masked = [
+        "--set",
+        "model.vocab_size=64",
+        "--set",
+        "data.document_mask=true",
+    ];
+    let single = out_dir("cp-a2a-docs-single");
+    run_pp(0, &single, &[&DROPOUT[..], &masked].concat()).assert_success();
+    let extra = [&masked[..], &a2a, &["--cp", "2"]].concat();
+    assert_gpt_equals(&single, 2, "cp2-a2a-docs", &extra);
+}
+
 #[test]
 fn context_parallel_keeps_documents_apart() {
     let masked = [
@@ -149,17 +179,33 @@ fn a_checkpoint_saved_at_cp_4_resumes_at_cp_1() {
 }
 
 #[test]
-fn a_context_parallel_degree_that_does_not_cut_the_sequence_fails_before_training() {
-    let out = out_dir("cp-seq-30");
-    let run = run_pp(2, &out, &["--cp", "2", "--set", "model.seq_len=30"]);
-    assert_ne!(run.code, Some(0), "{run:?}");
-    assert!(
-        run.stderr.contains("parallel.cp")
-            && run
-                .stderr
-                .contains("2 x parallel.cp = 4 does not divide model.seq_len = 30"),
-        "{}",
-        run.stderr
-    );
-    assert!(!out.join("metrics.jsonl").exists(), "trained");
+fn a_context_parallel_degree_that_does_not_fit_fails_before_training() {
+    for (np, name, extra, wants) in [
+        (
+            2,
+            "cp-seq-30",
+            vec!["--cp", "2", "--set", "model.seq_len=30"],
+            "2 x parallel.cp = 4 does not divide model.seq_len = 30",
+        ),
+        // 4 heads over tp 2: 2 heads per TP rank, which cp 4 cannot share out.
+        (
+            8,
+            "cp4-tp2-a2a",
+            vec![
+                "--cp",
+                "4",
+                "--tp",
+                "2",
+                "--set",
+                "parallel.cp_attention=all-to-all",
+            ],
+            "`parallel.cp_attention`: \"all-to-all\": all-to-all (Ulysses) context parallelism",
+        ),
+    ] {
+        let out = out_dir(name);
+        let run = run_pp(np, &out, &extra);
+        assert_ne!(run.code, Some(0), "{name}: {run:?}");
+        assert!(run.stderr.contains(wants), "{name}: {}", run.stderr);
+        assert!(!out.join("metrics.jsonl").exists(), "{name}: trained");
+    }
 }

@@ -6,6 +6,7 @@
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+use crate::context_parallel::CpAttention;
 use crate::data_parallel::ReduceScatter;
 use crate::grid::Layout;
 use crate::pipeline::{
@@ -117,6 +118,8 @@ pub struct ParallelPlan {
     /// Context-parallel degree: the ranks each sequence is cut across (ring attention over a
     /// zigzag split); folded into data parallelism for the parameters.
     pub cp: usize,
+    /// How the context-parallel attention exchanges its inputs: `ring` or `all-to-all`.
+    pub cp_attention: CpAttention,
     /// Sequence parallelism (tp > 1): between the tensor-parallel blocks each TP rank holds
     /// `1 / tp` of the sequence.
     pub sequence_parallel: bool,
@@ -170,6 +173,7 @@ impl Default for ParallelPlan {
             dp: 1,
             tp: 1,
             cp: 1,
+            cp_attention: CpAttention::Ring,
             sequence_parallel: false,
             pp: 1,
             virtual_stages: 1,
@@ -200,7 +204,7 @@ impl std::fmt::Display for ParallelPlan {
             self.dp, self.tp, self.pp, self.micro_batch, self.schedule, self.stage_units
         )?;
         if self.cp > 1 {
-            write!(f, " cp={}", self.cp)?;
+            write!(f, " cp={} ({})", self.cp, self.cp_attention)?;
         }
         if self.sequence_parallel {
             write!(f, " sequence_parallel")?;
@@ -255,6 +259,7 @@ impl ParallelPlan {
             dp: l.dp,
             tp: l.tp,
             cp: 1,
+            cp_attention: CpAttention::Ring,
             sequence_parallel: false,
             pp: l.pp,
             virtual_stages: l.virtual_stages,

@@ -77,6 +77,7 @@ impl Default for Config {
                 dp: 1,
                 tp: 1,
                 cp: 1,
+                cp_attention: merak_burn::context_parallel::CpAttention::Ring,
                 pp: 1,
                 zero: 0,
                 prefetch: 1,

@@ -1,6 +1,7 @@
 //! `[parallel]`: the layout, pipeline, recomputation, ZeRO-1 and overlap; the
 //! [`ParallelPlan`] and [`PipelinePlan`] they give.
 
+use merak_burn::context_parallel::{CpAttention, ulysses_heads_per_rank};
 use merak_burn::data_parallel::ReduceScatter;
 use merak_burn::pipeline::{PipelinePlan, Recompute, RecomputeMode, ScheduleKind};
 use merak_burn::plan::ParallelPlan;
@@ -21,6 +22,10 @@ pub struct ParallelSection {
     /// holding chunks `i` and `2 cp - 1 - i` (zigzag), and the attention's keys and values
     /// travel around the ring of the group. GPT and BERT; 2 cp must divide the sequence.
     pub cp: usize,
+    /// How the context-parallel attention sees the other ranks' tokens: "ring" (keys and values
+    /// travel around the cp ranks; any head count) or "all-to-all" (DeepSpeed-Ulysses: two
+    /// all-to-alls trade the sequence for the heads; cp must divide the heads per TP rank).
+    pub cp_attention: CpAttention,
     /// Pipeline-parallel degree.
     pub pp: usize,
     /// ZeRO stage: 0 (every DP rank keeps the whole optimizer state), 1 (each DP rank keeps
@@ -195,6 +200,18 @@ impl Config {
         if cp == 0 {
             return bad("parallel.cp", "0: every degree must be at least 1".into());
         }
+        if cp > 1 && self.parallel.cp_attention == CpAttention::AllToAll {
+            let heads = self.model.gpt.heads / self.parallel.tp.max(1);
+            if let Err(e) = ulysses_heads_per_rank(heads, cp) {
+                return bad(
+                    "parallel.cp_attention",
+                    format!(
+                        "\"all-to-all\": {e} (model.heads = {}, parallel.tp = {}); use \"ring\"",
+                        self.model.gpt.heads, self.parallel.tp
+                    ),
+                );
+            }
+        }
         if cp > 1 && !seq.is_multiple_of(2 * cp) {
             return bad(
                 "parallel.cp",
@@ -345,6 +362,7 @@ impl Config {
             dp: p.dp,
             tp: p.tp,
             cp: p.cp,
+            cp_attention: p.cp_attention,
             sequence_parallel: p.sequence_parallel,
             pp: p.pp,
             virtual_stages: self.virtual_stages(),
@@ -373,6 +391,7 @@ impl Config {
         p.dp = plan.dp;
         p.tp = plan.tp;
         p.cp = plan.cp;
+        p.cp_attention = plan.cp_attention;
         p.sequence_parallel = plan.sequence_parallel;
         p.pp = plan.pp;
         p.virtual_stages = plan.virtual_stages;

@@ -141,11 +141,12 @@ pub fn plan(a: &PlanArgs) -> Result<()> {
 }
 
 /// The config keys a plan sets.
-pub const PLANNED_KEYS: [&str; 14] = [
+pub const PLANNED_KEYS: [&str; 15] = [
     "train.micro_batch",
     "parallel.dp",
     "parallel.tp",
     "parallel.cp",
+    "parallel.cp_attention",
     "parallel.sequence_parallel",
     "parallel.pp",
     "parallel.virtual_stages",

@@ -8,7 +8,7 @@ use super::linear::{ColumnParallelLinear, RowParallelLinear};
 use super::ops::ParallelBackend;
 use super::overlap::TpOverlap;
 use crate::comm::Group;
-use crate::context_parallel::ring_attention;
+use crate::context_parallel::{CpAttention, ring_attention, ulysses_attention};
 use crate::kernels::{AttentionSpec, attention, attention_in_segments};
 
 /// Which positions a query may attend to.
@@ -47,10 +47,10 @@ pub struct ParallelSelfAttention<B: Backend> {
     head_dim: usize,
     #[module(skip)]
     mask: AttentionMask,
-    /// The context-parallel group whose ranks hold the other parts of each sequence (`None`:
-    /// whole sequences).
+    /// The context-parallel group whose ranks hold the other parts of each sequence and how
+    /// the attention exchanges them (`None`: whole sequences).
     #[module(skip)]
-    context_parallel: Option<Group>,
+    context_parallel: Option<(Group, CpAttention)>,
 }
 
 impl<B: ParallelBackend> ParallelSelfAttention<B> {
@@ -95,9 +95,10 @@ impl<B: ParallelBackend> ParallelSelfAttention<B> {
 
     /// Context parallelism over `group` (or, with `None`, none): this rank's sequences are its
     /// zigzag share of every sequence ([`crate::context_parallel::ZigZag`]), and the attention
-    /// runs as a ring over the group ([`ring_attention`]).
-    pub fn set_context_parallel(&mut self, group: Option<Group>) {
-        self.context_parallel = group.filter(|g| g.size() > 1);
+    /// runs as a ring over the group ([`ring_attention`]) or by all-to-all exchanges
+    /// ([`ulysses_attention`]; the group's size must divide this rank's heads).
+    pub fn set_context_parallel(&mut self, group: Option<Group>, exchange: CpAttention) {
+        self.context_parallel = group.filter(|g| g.size() > 1).map(|g| (g, exchange));
     }
 
     /// Sub-pipelines both projections over `overlap` token chunks: the
@@ -138,7 +139,10 @@ impl<B: ParallelBackend> ParallelSelfAttention<B> {
         };
         let qkv = self.qkv.forward(x);
         let ctx = match (self.context_parallel, segments) {
-            (Some(cp), segments) => ring_attention(qkv, spec, segments, cp),
+            (Some((cp, CpAttention::Ring)), segments) => ring_attention(qkv, spec, segments, cp),
+            (Some((cp, CpAttention::AllToAll)), segments) => {
+                ulysses_attention(qkv, spec, segments, cp)
+            }
             (None, Some(segments)) => attention_in_segments(qkv, spec, segments),
             (None, None) => attention(qkv, spec),
         };

@@ -7,7 +7,7 @@ use burn::module::Module;
 use burn::nn::Embedding;
 use burn::tensor::{Int, Tensor, backend::Backend};
 use merak_burn::comm::Group;
-use merak_burn::context_parallel::{ZigZag, ZigZagError};
+use merak_burn::context_parallel::{CpAttention, ZigZag, ZigZagError};
 use merak_burn::pipeline::{TiedTable, UnitStack, param_ids};
 use merak_burn::tensor_parallel::{
     AttentionMask, AttentionWeights, HeldPositions, InitRng, LayerNorm, MlpWeights,
@@ -220,14 +220,22 @@ impl<B: ParallelBackend> Gpt<B> {
     /// (`parallel.cp`; nothing changes for a group of one rank): this rank holds the zigzag
     /// share of every sequence ([`ZigZag`]), its samples carry the global positions
     /// ([`merak_burn::context_parallel::shard_samples`]), and the attention runs as a ring over
-    /// the group. Fails unless `2 cp` divides the sequence length.
-    pub fn with_context_parallel(mut self, cp: Group) -> Result<Self, ZigZagError> {
+    /// the group or, with [`CpAttention::AllToAll`], by all-to-all exchanges (cp must divide
+    /// the heads per TP rank; the config checks it). Fails unless `2 cp` divides the sequence
+    /// length.
+    pub fn with_context_parallel(
+        mut self,
+        cp: Group,
+        exchange: CpAttention,
+    ) -> Result<Self, ZigZagError> {
         if cp.size() > 1 {
             ZigZag::new(self.seq_len, cp.size(), cp.rank())?;
         }
         self.context_parallel = (cp.size() > 1).then_some(cp);
         for block in self.blocks.iter_mut().flatten() {
-            block.attn.set_context_parallel(self.context_parallel);
+            block
+                .attn
+                .set_context_parallel(self.context_parallel, exchange);
         }
         self.apply_rows();
         Ok(self)
