@@ -180,6 +180,8 @@ pub(crate) fn parse_layout(
         shard,
         partition,
         tp_overlap,
+        cp: 1,
+        sequence_parallel: false,
     })
 }
 
