@@ -100,6 +100,6 @@ fn local_ranks(parallel: &ParallelPlan) -> usize {
     merak_burn::launcher::Launch::from_env()
         .ok()
         .and_then(|l| l.local_size)
-        .unwrap_or(parallel.dp * parallel.tp * parallel.pp)
+        .unwrap_or(parallel.dp * parallel.cp.max(1) * parallel.tp * parallel.pp)
         .max(1)
 }
