@@ -245,6 +245,8 @@ fn main() -> Result<()> {
             shard: 0,
             partition: balanced_partition(&costs, pp)?,
             tp_overlap,
+            cp: 1,
+            sequence_parallel: false,
         };
         let prediction = cm.predict(&layout)?;
         let policy = if mode == Full {

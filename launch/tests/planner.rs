@@ -111,3 +111,65 @@ fn simulate_reproduces_a_published_megatron_row() {
     ]);
     assert_eq!(bad.code, Some(2));
 }
+
+/// Issue 31's acceptance row: a Llama-3-8B-like GPT at 32k tokens on 8 H100s (the shape
+/// without `seq=`, given by `--seq`) has context-parallel plans in its Pareto set, each with
+/// `dp x cp x tp x pp = 8`, and sequence parallelism wherever tp > 1.
+#[test]
+fn plan_at_32k_tokens_puts_context_parallelism_on_the_pareto_set() {
+    let run = merak(&[
+        "plan",
+        "--model",
+        "gpt:layers=32,hidden=4096,heads=32,vocab=128256",
+        "--seq",
+        "32768",
+        "--hardware",
+        "h100-80g",
+        "--gpus",
+        "8",
+        "--global-batch",
+        "8",
+        "--json",
+    ]);
+    run.assert_success();
+    let v: serde_json::Value = serde_json::from_str(&run.stdout).unwrap();
+    let pareto = v["pareto"].as_array().unwrap();
+    let degree = |l: &serde_json::Value, key: &str| l[key].as_u64().unwrap();
+    let mut with_cp = 0;
+    for p in pareto {
+        let l = &p["layout"];
+        let gpus: u64 = ["dp", "cp", "tp", "pp"]
+            .iter()
+            .map(|k| degree(l, k))
+            .product();
+        assert_eq!(gpus, 8, "{l}");
+        assert_eq!(
+            l["sequence_parallel"].as_bool(),
+            Some(degree(l, "tp") > 1),
+            "{l}"
+        );
+        if degree(l, "cp") > 1 {
+            with_cp += 1;
+            assert!(p["prediction"]["breakdown"]["cp_comm_s"].as_f64().unwrap() >= 0.0);
+        }
+    }
+    assert!(with_cp >= 2, "{}", run.stdout);
+    // The table names the degrees.
+    let text = merak(&[
+        "plan",
+        "--model",
+        "gpt:layers=32,hidden=4096,heads=32,vocab=128256,seq=32768",
+        "--hardware",
+        "h100-80g",
+        "--gpus",
+        "8",
+        "--global-batch",
+        "8",
+        "--pareto",
+        "--cp",
+        "1,8",
+    ]);
+    text.assert_success();
+    assert!(text.stdout.contains(" cp=8 "), "{}", text.stdout);
+    assert!(!text.stdout.contains(" cp=4 "), "{}", text.stdout);
+}

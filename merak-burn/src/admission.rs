@@ -30,7 +30,7 @@ use thiserror::Error;
 use crate::pipeline::{PipelinePlan, Recompute};
 use crate::plan::ParallelPlan;
 use crate::planner::{
-    CostModel, HardwareSpec, ModelProxy, RecomputeMode, TransformerShape, UnitProfile,
+    CostModel, HardwareSpec, ModelProxy, RankSplit, RecomputeMode, TransformerShape, UnitProfile,
 };
 
 /// What a rank's process holds on the host besides model states and activations (code,
@@ -156,8 +156,8 @@ impl fmt::Display for AdmissionError {
                 f,
                 "this run needs about {:.1} GiB per rank (model states {:.1} GiB, activations \
                  {:.1} GiB for train.micro_batch = {}) but {memory}: lower train.micro_batch or \
-                 train.global_batch, add ranks (parallel.tp, parallel.pp), or set \
-                 parallel.recompute = \"full\"",
+                 train.global_batch, add ranks (parallel.tp, parallel.cp for long sequences, \
+                 parallel.pp), or set parallel.recompute = \"full\"",
                 e.total() / GIB,
                 e.states / GIB,
                 e.activations / GIB,
@@ -170,7 +170,7 @@ impl fmt::Display for AdmissionError {
              model.seq_len = {}) needs at least {:.1} GiB per rank (model states {:.1} GiB, \
              activations {:.1} GiB for train.micro_batch = {}, runtime and bookkeeping {:.1} \
              GiB) but {memory}: lower model.layers or model.hidden (or train.micro_batch), or \
-             add ranks (parallel.tp, parallel.pp)",
+             add ranks (parallel.tp, parallel.cp for long sequences, parallel.pp)",
             m.layers,
             m.hidden,
             m.vocab,
@@ -187,7 +187,10 @@ impl fmt::Display for AdmissionError {
 /// The estimated peak of the busiest rank of `plan` (cut into `pipeline`) training `model` on
 /// `global_batch` sequences per step, with activations of `activation_bytes` bytes per element
 /// (4 for f32, 2 for bf16) and `runtime` bytes besides; `None` where the cost model cannot
-/// describe the plan.
+/// describe the plan. Context and sequence parallelism count through the plan's layout
+/// ([`ParallelPlan::planned_layout`]): a rank keeps the activations of its `s / cp` tokens
+/// (and under sequence parallelism `1 / tp` of what tensor parallelism leaves whole), and
+/// ZeRO shards over the `dp x cp` ranks that hold the same parameters.
 pub fn estimate(
     model: &TransformerShape,
     plan: &ParallelPlan,
@@ -197,7 +200,7 @@ pub fn estimate(
     runtime: f64,
 ) -> Option<MemoryEstimate> {
     let layout = plan.planned_layout(pipeline, global_batch);
-    let hw = HardwareSpec::preset("local-cpu")?.with_devices(plan.dp * plan.tp * plan.pp);
+    let hw = HardwareSpec::preset("local-cpu")?.with_devices(layout.gpus());
     let proxy = ModelProxy::from_shape(*model);
     let p = CostModel::new(&proxy, &hw).predict(&layout).ok()?;
     // The cost model counts activations of 16-bit training.
@@ -260,6 +263,11 @@ pub fn estimate_shape(
         plan.micro_batch.max(1),
         plan.pp.max(1) as f64,
     );
+    let split = RankSplit {
+        tp: t,
+        cp: plan.cp.max(1),
+        sequence_parallel: plan.sequence_parallel,
+    };
     let units = model.distinct_units();
     let counts = [1.0, model.layers as f64, 1.0];
     let sum = |f: &dyn Fn(&UnitProfile) -> f64| -> f64 {
@@ -273,22 +281,23 @@ pub fn estimate_shape(
     };
     // The CPU attention is blockwise (no probabilities kept); for other devices leaving them
     // out keeps this a lower bound.
-    let activations = sum(&|u| u.activation_bytes(b, t, mode, true));
+    let activations = sum(&|u| u.activation_bytes(b, split, mode, true));
     let workspace = match mode {
         RecomputeMode::None => 0.0,
         _ => units
             .iter()
-            .map(|u| u.activation_bytes(b, t, RecomputeMode::None, true))
+            .map(|u| u.activation_bytes(b, split, RecomputeMode::None, true))
             .fold(0.0, f64::max),
     };
-    // Sharded over the shard group (hybrid sharding) or all of dp; gradients counted whole, as
-    // with accumulation (the bound for any number of micro-batches).
+    // Sharded over the shard group (hybrid sharding) or all of dp, with their context-parallel
+    // peers; gradients counted whole, as with accumulation (the bound for any number of
+    // micro-batches).
     let shard = match plan.shard {
         0 => plan.dp,
         s => s,
     };
     let per_param = CostModel::state_bytes_per_param(
-        shard.max(1),
+        shard.max(1) * split.cp,
         plan.zero,
         2,
         plan.reduce_scatter,
@@ -382,6 +391,70 @@ mod tests {
         assert!(peak(&tp2, 8).states < 0.6 * a.states);
         // 124M parameters: 16 bytes each (f32 weights, gradients, two Adam moments).
         assert!((a.states / 124e6 - 16.0).abs() < 1.5, "{a:?}");
+    }
+
+    /// 16384 tokens of a 4 x 512 GPT in f32: about 2.5 GB of activations on one rank, 1/4 of
+    /// them on each rank of a ring of 4; the model states stay (no ZeRO).
+    #[test]
+    fn a_long_sequence_refused_at_cp_1_is_admitted_at_cp_4() {
+        let model = TransformerShape::gpt(4, 512, 8, 16384, 1000);
+        let at = |cp: usize, tp: usize, sequence_parallel: bool| {
+            let plan = ParallelPlan {
+                cp,
+                tp,
+                sequence_parallel,
+                ..ParallelPlan::default()
+            };
+            let pipeline = plan.pipeline(&model, 1).expect("pipeline");
+            let e = estimate(&model, &plan, &pipeline, 1, 4.0, 0.0).expect("estimate");
+            let bound = estimate_shape(&model, &plan, 4.0, 0.0, false);
+            assert!(bound.total() <= e.total(), "{plan:?}: {bound:?} vs {e:?}");
+            e
+        };
+        let (one, four) = (at(1, 1, false), at(4, 1, false));
+        // f32: twice the 16-bit bytes of 4 blocks (34 s h each), the embedding's mask (s h)
+        // and the head's inputs and fp32 logits (4 s h + 4 s V).
+        let (s, h, v) = (16384.0, 512.0, 1000.0);
+        let want = 2.0 * (4.0 * 34.0 * s * h + s * h + 4.0 * s * h + 4.0 * s * v);
+        assert!(
+            (one.activations / want - 1.0).abs() < 1e-12,
+            "{one:?} vs {want}"
+        );
+        assert!((one.activations / four.activations - 4.0).abs() < 1e-12);
+        assert_eq!(one.states, four.states);
+        let limit = MemoryLimit {
+            kind: MemoryKind::Host,
+            available: 1.5 * GIB,
+            ranks: 1,
+        };
+        assert!(
+            one.total() > 2.5 * GIB && four.total() < 1.0 * GIB,
+            "{one:?} {four:?}"
+        );
+        let refused = admit(one, limit.clone(), 1).expect_err("2.6 GiB > 1.5 GiB");
+        let msg = refused.to_string();
+        assert!(
+            msg.contains("needs about 2.6 GiB") && msg.contains("parallel.cp"),
+            "{msg}"
+        );
+        assert_eq!(admit(four, limit, 1), Ok(()));
+        // Sequence parallelism at tp = 2: a block keeps 34/2 instead of 10 + 24/2 of s h.
+        let (tp, sp) = (at(1, 2, false), at(1, 2, true));
+        let saved = 2.0 * (4.0 * 10.0 + 1.0 + 4.0) * s * h / 2.0;
+        assert!(((tp.activations - sp.activations) / saved - 1.0).abs() < 1e-12);
+        // ZeRO shards over the dp x cp ranks that hold the same parameters.
+        let zero = |dp, cp| {
+            let plan = ParallelPlan {
+                dp,
+                cp,
+                zero: 1,
+                ..ParallelPlan::default()
+            };
+            let pipeline = plan.pipeline(&model, 4).expect("pipeline");
+            estimate(&model, &plan, &pipeline, 4, 4.0, 0.0).expect("estimate")
+        };
+        assert_eq!(zero(1, 4).states, zero(4, 1).states);
+        assert!(zero(1, 4).states < 0.5 * four.states);
     }
 
     #[test]

@@ -258,9 +258,9 @@ impl ParallelPlan {
         Self {
             dp: l.dp,
             tp: l.tp,
-            cp: 1,
+            cp: l.cp,
             cp_attention: CpAttention::Ring,
-            sequence_parallel: false,
+            sequence_parallel: l.sequence_parallel,
             pp: l.pp,
             virtual_stages: l.virtual_stages,
             micro_batch: l.micro_batch,
@@ -314,6 +314,8 @@ impl ParallelPlan {
             shard: self.shard,
             partition,
             tp_overlap: self.tp_overlap,
+            cp: self.cp,
+            sequence_parallel: self.sequence_parallel,
         }
     }
 
@@ -549,6 +551,36 @@ mod tests {
         assert!(
             e.contains("parallel.stage_recompute has 1 entries for 2 stages"),
             "{e}"
+        );
+    }
+
+    /// A planned layout and the plan it describes carry context and sequence parallelism both
+    /// ways.
+    #[test]
+    fn planned_layouts_carry_context_and_sequence_parallelism() {
+        let model = TransformerShape::gpt(4, 64, 4, 128, 512);
+        let plan = ParallelPlan {
+            dp: 2,
+            tp: 2,
+            cp: 4,
+            sequence_parallel: true,
+            pp: 2,
+            micro_batch: 2,
+            ..ParallelPlan::default()
+        };
+        let pipeline = plan.pipeline(&model, 8).expect("pipeline");
+        let layout = plan.planned_layout(&pipeline, 8);
+        assert_eq!((layout.cp, layout.sequence_parallel), (4, true));
+        assert_eq!(
+            (layout.gpus(), layout.replicas(), layout.micro_batches),
+            (32, 8, 2)
+        );
+        let back = ParallelPlan::from_planned(&layout);
+        assert_eq!((back.dp, back.tp, back.cp, back.pp), (2, 2, 4, 2));
+        assert!(back.sequence_parallel);
+        assert!(
+            back.to_string().contains("cp=4 sequence_parallel"),
+            "{back}"
         );
     }
 

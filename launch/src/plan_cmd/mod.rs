@@ -7,7 +7,9 @@ mod tests;
 
 use anyhow::{Context, Result, bail};
 use merak_burn::planner::Calibration;
-use merak_burn::planner::{HardwareSpec, ModelProxy, Plan, Prediction, TransformerShape};
+use merak_burn::planner::{
+    HardwareSpec, ModelProxy, ModelSpecError, Plan, Prediction, TransformerShape,
+};
 
 pub use plan::{PLANNED_KEYS, PlanArgs, auto_plan, plan};
 #[cfg(test)]
@@ -21,7 +23,8 @@ pub struct Target {
     /// `gpt:layers=48,hidden=8192,heads=64,seq=2048,vocab=51200`.
     #[arg(long)]
     pub model: String,
-    /// Override the model's sequence length.
+    /// Override the model's sequence length (or give it: an inline shape may then leave out
+    /// `seq=`).
     #[arg(long)]
     pub seq: Option<usize>,
     /// Devices.
@@ -61,10 +64,8 @@ pub(super) fn resolve(
     {
         bail!("--memory-gib {g}: must be a positive number of GiB per device");
     }
-    let mut shape: TransformerShape = t
-        .model
-        .parse()
-        .with_context(|| format!("--model {:?}", t.model))?;
+    let mut shape =
+        parse_shape(&t.model, t.seq).with_context(|| format!("--model {:?}", t.model))?;
     if let Some(seq) = t.seq {
         shape.seq = seq;
     }
@@ -92,6 +93,16 @@ pub(super) fn resolve(
     Ok((shape, ModelProxy::from_shape(shape), hw, cal))
 }
 
+/// Parses `--model`; an inline shape without `seq=` takes `--seq` when it is given.
+fn parse_shape(spec: &str, seq: Option<usize>) -> Result<TransformerShape, ModelSpecError> {
+    match (spec.parse(), seq) {
+        (Err(ModelSpecError::Missing { field: "seq" }), Some(seq)) => {
+            format!("{},seq={seq}", spec.trim().trim_end_matches(',')).parse()
+        }
+        (parsed, _) => parsed,
+    }
+}
+
 pub(super) fn gib(bytes: u64) -> f64 {
     bytes as f64 / (1u64 << 30) as f64
 }
@@ -100,10 +111,8 @@ pub(super) fn gib(bytes: u64) -> f64 {
 pub(super) fn describe(p: &Plan) -> String {
     let l = &p.layout;
     format!(
-        "dp={} tp={} pp={} v={} mbs={} m={} {} recompute={} {} overlap={}",
-        l.dp,
-        l.tp,
-        l.pp,
+        "{} v={} mbs={} m={} {} recompute={} {} overlap={}",
+        degrees(l),
         l.virtual_stages,
         l.micro_batch,
         l.micro_batches,
@@ -112,6 +121,16 @@ pub(super) fn describe(p: &Plan) -> String {
         l.zero_label(),
         l.tp_overlap
     )
+}
+
+/// `dp=.. tp=.. pp=..`, with `cp=..` and `sp` (sequence parallelism) when on.
+pub(super) fn degrees(l: &merak_burn::planner::Layout) -> String {
+    let mut text = format!("dp={} tp={} pp={}", l.dp, l.tp, l.pp);
+    let sequence = l.sequence_label();
+    if !sequence.is_empty() {
+        text = format!("{text} {sequence}");
+    }
+    text
 }
 
 pub(super) fn print_prediction(p: &Prediction) {

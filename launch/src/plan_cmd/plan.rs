@@ -34,6 +34,40 @@ pub struct PlanArgs {
         default_value = "gpipe,1f1b,interleaved,shifted-critical-path,zb-h1,zb-v"
     )]
     schedules: Vec<ScheduleKind>,
+    /// Context-parallel degrees to search (comma-separated; each with 2 cp dividing the
+    /// sequence). By default every divisor of --gpus that leaves each rank at least 2048 tokens
+    /// of a sequence.
+    #[arg(long, value_delimiter = ',')]
+    cp: Vec<usize>,
+    /// Sequence parallelism with tensor parallelism: `on` wherever it applies (it never costs
+    /// time in the cost model and holds less memory), `both` (with and without: twice the
+    /// tensor-parallel layouts), `off`.
+    #[arg(long, value_enum, value_name = "MODE", default_value = "on")]
+    sequence_parallel: SequenceParallel,
+}
+
+/// What `merak plan --sequence-parallel` searches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum SequenceParallel {
+    // Plain comments: doc comments would become clap's per-value help, which switches the
+    // whole `--help` to its long layout.
+    // With sequence parallelism wherever tp > 1 divides a rank's tokens.
+    On,
+    // With and without it.
+    Both,
+    // Without it.
+    Off,
+}
+
+impl SequenceParallel {
+    /// The settings the search tries.
+    fn settings(self) -> Vec<bool> {
+        match self {
+            SequenceParallel::On => vec![true],
+            SequenceParallel::Both => vec![false, true],
+            SequenceParallel::Off => vec![false],
+        }
+    }
 }
 
 /// The search, with a progress bar on stderr when it is a terminal (shown after a second, so
@@ -81,8 +115,13 @@ pub fn plan(a: &PlanArgs) -> Result<()> {
     if a.tp_overlap.contains(&0) {
         bail!("--tp-overlap: degrees must be at least 1 (1: no overlap)");
     }
+    if a.cp.contains(&0) {
+        bail!("--cp: degrees must be at least 1 (1: no context parallelism)");
+    }
     options.tp_overlap.clone_from(&a.tp_overlap);
     options.schedules.clone_from(&a.schedules);
+    options.cp.clone_from(&a.cp);
+    options.sequence_parallel = a.sequence_parallel.settings();
     options.memory_budget_bytes = a
         .target
         .memory_gib

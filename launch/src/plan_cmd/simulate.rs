@@ -3,7 +3,7 @@
 use anyhow::{Context, Result, bail};
 use merak_burn::data_parallel::ReduceScatter;
 use merak_burn::pipeline::{ScheduleKind, balanced_partition, build_schedule};
-use merak_burn::planner::{CostModel, Layout, ModelProxy, PlanFile, RecomputeMode};
+use merak_burn::planner::{CostModel, Layout, ModelProxy, PlanFile, RankSplit, RecomputeMode};
 
 use super::*;
 
@@ -14,7 +14,8 @@ pub struct SimulateArgs {
     target: Target,
     /// The layout, e.g. `dp=32,tp=8,pp=2,v=1,mbs=4,recompute=full,schedule=1f1b,zero=0,overlap=1`
     /// (with `zero=2` or `3`, also `reduce_scatter=step` or `micro-batch`; with any zero above 0,
-    /// `shard=S` for hybrid sharding).
+    /// `shard=S` for hybrid sharding; `cp=C` for context parallelism, `sp=on` for sequence
+    /// parallelism).
     #[arg(long, required_unless_present = "plan", conflicts_with = "plan")]
     layout: Option<String>,
     /// A plan written by `merak plan --output` (instead of `--layout`).
@@ -30,9 +31,11 @@ pub struct SimulateArgs {
 pub(super) const MAX_SIMULATED_UNITS: usize = 1 << 20;
 
 /// The keys of `--layout`, in the order of its help.
-pub(super) const LAYOUT_KEYS: [&str; 11] = [
+pub(super) const LAYOUT_KEYS: [&str; 13] = [
     "dp",
     "tp",
+    "cp",
+    "sp",
     "pp",
     "v",
     "mbs",
@@ -53,8 +56,8 @@ pub(super) fn layout_pairs(text: &str) -> Result<Vec<(&'static str, &str)>> {
             .with_context(|| format!("--layout: `{part}` is not key=value"))?;
         let Some(&key) = LAYOUT_KEYS.iter().find(|&&known| known == k.trim()) else {
             bail!(
-                "--layout: unknown key `{}` (dp, tp, pp, v, mbs, schedule, recompute, zero, \
-                 reduce_scatter, shard, overlap)",
+                "--layout: unknown key `{}` (dp, tp, cp, sp, pp, v, mbs, schedule, recompute, \
+                 zero, reduce_scatter, shard, overlap)",
                 k.trim()
             );
         };
@@ -66,8 +69,8 @@ pub(super) fn layout_pairs(text: &str) -> Result<Vec<(&'static str, &str)>> {
     Ok(pairs)
 }
 
-/// The number of `--layout` key `key`: `dp`, `tp`, `pp`, `v`, `mbs`, `shard` and `overlap` at least 1,
-/// `zero` 0 to 3.
+/// The number of `--layout` key `key`: `dp`, `tp`, `cp`, `pp`, `v`, `mbs`, `shard` and
+/// `overlap` at least 1, `zero` 0 to 3.
 pub(super) fn layout_number(key: &str, val: &str) -> Result<usize> {
     let n = val
         .parse::<usize>()
@@ -88,7 +91,8 @@ pub(crate) fn parse_layout(
     gpus: usize,
     global_batch: usize,
 ) -> Result<Layout> {
-    let (mut dp, mut tp, mut pp, mut v, mut mbs) = (1, 1, 1, 1, 1);
+    let (mut dp, mut tp, mut cp, mut pp, mut v, mut mbs) = (1, 1, 1, 1, 1, 1);
+    let mut sp = false;
     let mut recompute = RecomputeMode::None;
     let mut schedule = ScheduleKind::OneFOneB;
     let mut zero = 0u8;
@@ -102,6 +106,13 @@ pub(crate) fn parse_layout(
                     "step" => ReduceScatter::Step,
                     "micro-batch" => ReduceScatter::MicroBatch,
                     other => bail!("--layout: reduce_scatter={other} (step or micro-batch)"),
+                }
+            }
+            "sp" => {
+                sp = match val {
+                    "on" => true,
+                    "off" => false,
+                    other => bail!("--layout: sp={other} (on or off)"),
                 }
             }
             "schedule" => {
@@ -122,6 +133,7 @@ pub(crate) fn parse_layout(
                 match key {
                     "dp" => dp = n,
                     "tp" => tp = n,
+                    "cp" => cp = n,
                     "pp" => pp = n,
                     "v" => v = n,
                     "mbs" => mbs = n,
@@ -132,7 +144,7 @@ pub(crate) fn parse_layout(
             }
         }
     }
-    check_layout_fits(model, [dp, tp, pp, v], gpus)?;
+    check_layout_fits(model, [dp, tp, cp, pp, v], gpus)?;
     if zero == 3 && recompute != RecomputeMode::Full {
         bail!("--layout: zero=3 recomputes every unit: give recompute=full with it");
     }
@@ -153,11 +165,12 @@ pub(crate) fn parse_layout(
             dp * mbs
         );
     }
-    if let Err(tokens) = model.splits_tokens(mbs, tp_overlap) {
-        bail!(
-            "--layout: overlap={tp_overlap} does not divide the {tokens} tokens of a micro-batch"
-        );
-    }
+    let split = RankSplit {
+        tp,
+        cp,
+        sequence_parallel: sp,
+    };
+    check_split(model, split, mbs, tp_overlap)?;
     let stages = pp * v;
     let costs: Vec<f64> = model
         .units
@@ -180,20 +193,47 @@ pub(crate) fn parse_layout(
         shard,
         partition,
         tp_overlap,
+        cp,
+        sequence_parallel: sp,
     })
 }
 
-/// The degrees `[dp, tp, pp, v]` against the devices and the model: `dp x tp x pp = gpus`,
-/// `tp` dividing the heads, at most as many stages `pp x v` as units.
+/// Context and sequence parallelism against the model's sequence, and the overlap degree
+/// against the tokens a rank holds (`mbs x seq / cp`, under sequence parallelism
+/// `seq / (cp x tp)`).
+fn check_split(model: &ModelProxy, split: RankSplit, mbs: usize, overlap: usize) -> Result<()> {
+    let RankSplit { tp, cp, .. } = split;
+    if let Err(seq) = model.splits_sequence(split) {
+        if cp > 1 && !seq.is_multiple_of(2 * cp) {
+            bail!("--layout: cp={cp}: 2 x cp must divide the sequence length {seq}");
+        }
+        bail!(
+            "--layout: sp=on needs tp > 1 dividing the {} tokens a rank holds (seq / cp); tp={tp}",
+            seq / cp
+        );
+    }
+    if let Err(tokens) = model.splits_tokens_on(mbs, overlap, split) {
+        bail!(
+            "--layout: overlap={overlap} does not divide the {tokens} tokens of a micro-batch on a rank"
+        );
+    }
+    Ok(())
+}
+
+/// The degrees `[dp, tp, cp, pp, v]` against the devices and the model:
+/// `dp x cp x tp x pp = gpus`, `tp` dividing the heads, at most as many stages `pp x v` as
+/// units.
 pub(super) fn check_layout_fits(
     model: &ModelProxy,
-    [dp, tp, pp, v]: [usize; 4],
+    [dp, tp, cp, pp, v]: [usize; 5],
     gpus: usize,
 ) -> Result<()> {
-    let product = dp.checked_mul(tp).and_then(|n| n.checked_mul(pp));
+    let product = (dp.checked_mul(cp))
+        .and_then(|n| n.checked_mul(tp))
+        .and_then(|n| n.checked_mul(pp));
     if product != Some(gpus) {
         let shown = product.map_or_else(|| "more than 2^64".into(), |n| n.to_string());
-        bail!("--layout uses dp * tp * pp = {shown} devices, --gpus is {gpus}");
+        bail!("--layout uses dp * cp * tp * pp = {shown} devices, --gpus is {gpus}");
     }
     if !model.heads.is_multiple_of(tp) {
         bail!(
@@ -253,13 +293,11 @@ pub fn simulate(a: &SimulateArgs) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{} on {} x {}: dp={} tp={} pp={} v={} mbs={} m={} {} {} overlap={}",
+        "{} on {} x {}: {} v={} mbs={} m={} {} {} overlap={}",
         model.name,
         a.target.gpus,
         a.target.hardware,
-        layout.dp,
-        layout.tp,
-        layout.pp,
+        degrees(&layout),
         layout.virtual_stages,
         layout.micro_batch,
         layout.micro_batches,

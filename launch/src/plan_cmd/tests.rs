@@ -74,3 +74,35 @@ fn every_layout_value_is_range_checked() {
     assert!(l.shard_degree() == 4 && l.reduce_scatter == ReduceScatter::MicroBatch);
     assert_eq!(l.zero_label(), "zero=2 reduce_scatter=micro-batch shard=4");
 }
+
+#[test]
+fn a_layout_with_context_and_sequence_parallelism() {
+    let long =
+        ModelProxy::parse("gpt:layers=4,hidden=256,heads=8,seq=4096,vocab=1000").expect("a shape");
+    let l = parse_layout("dp=2,tp=2,cp=2,sp=on,mbs=2,overlap=4", &long, 8, 8).expect("valid");
+    assert_eq!((l.cp, l.sequence_parallel, l.gpus()), (2, true, 8));
+    assert_eq!(l.sequence_label(), "cp=2 sp");
+    for (text, part) in [
+        ("dp=2,cp=3", "dp * cp * tp * pp = 6 devices"),
+        ("dp=1,cp=8,sp=on", "sp=on needs tp > 1"),
+        ("dp=4,tp=2,sp=yes", "sp=yes (on or off)"),
+        ("dp=4,cp=0", "cp=0 must be at least 1"),
+    ] {
+        let e = parse_layout(text, &long, 8, 8).expect_err(text).to_string();
+        assert!(e.contains(part), "{text}: {part:?} not in {e}");
+    }
+    // 2 x cp must divide the sequence; the overlap degree the positions a TP rank holds.
+    let odd =
+        ModelProxy::parse("gpt:layers=2,hidden=64,heads=4,seq=40,vocab=100").expect("a shape");
+    let e = parse_layout("dp=1,cp=8", &odd, 8, 8)
+        .expect_err("2 x 8 does not divide 40")
+        .to_string();
+    assert!(
+        e.contains("cp=8: 2 x cp must divide the sequence length 40"),
+        "{e}"
+    );
+    let e = parse_layout("dp=2,tp=4,sp=on,overlap=3", &odd, 8, 8)
+        .expect_err("10 / 3")
+        .to_string();
+    assert!(e.contains("the 10 tokens"), "{e}");
+}

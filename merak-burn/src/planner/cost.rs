@@ -18,6 +18,16 @@
 //! micro-batch's backward pass could not hide, the optimizer step (memory-bound: 28 bytes per
 //! local parameter) and, with ZeRO-1, the all-gather of the updated parameters.
 //!
+//! Context parallelism (`cp`) gives each rank `s/cp` tokens of every sequence: its compute,
+//! memory-bound work, TP all-reduces, activations and pipeline messages are `1/cp` of a whole
+//! sequence's, and its attention's keys and values travel around a ring of the `cp` ranks,
+//! each hop hidden behind the attention of one block as far as it lasts (see `ring_exposed`);
+//! for the parameters it is data parallelism (gradients all-reduced and ZeRO sharded over
+//! `dp * cp` ranks). Sequence parallelism splits what tensor parallelism leaves whole (the
+//! LayerNorms' and dropouts' activations, memory-bound work and the pipeline messages) over the
+//! `t` ranks; its reduce-scatters and all-gathers move the bytes of the all-reduces they
+//! replace, so they cost the same ([`RankSplit`]).
+//!
 //! Memory. Per pipeline rank: model states (16 bytes per parameter, `4 + 12/d` with ZeRO-1),
 //! for each of its stages the activations of one micro-batch (per the stage's
 //! [`RecomputeMode`]) times the most micro-batches that stage holds at once
@@ -33,7 +43,7 @@ use thiserror::Error;
 
 use super::calibration::{Calibration, UnitKind};
 use super::hardware::HardwareSpec;
-use super::model::{BYTES_16BIT, ModelProxy, RecomputeMode};
+use super::model::{BYTES_16BIT, ModelProxy, RankSplit, RecomputeMode, UnitProfile};
 use crate::data_parallel::ReduceScatter;
 use crate::pipeline::schedule::stage_of_chunk;
 use crate::pipeline::{
@@ -84,7 +94,8 @@ pub enum CostError {
     /// The overlap degree does not divide the tokens of a micro-batch.
     #[error(
         "tp_overlap = {overlap} does not divide the {tokens} tokens of a micro-batch \
-         (micro_batch x sequence length)"
+         (micro_batch x sequence length / cp; under sequence parallelism the sequence length \
+         / (cp x tp))"
     )]
     Overlap {
         /// The overlap degree.
@@ -92,6 +103,35 @@ pub enum CostError {
         /// Tokens per micro-batch.
         tokens: usize,
     },
+    /// Context parallelism's zigzag split does not cut the sequence.
+    #[error(
+        "cp = {cp}: 2 x cp must divide the sequence length {seq} (each rank of the ring holds \
+         two zigzag chunks)"
+    )]
+    ContextSplit {
+        /// The context-parallel degree.
+        cp: usize,
+        /// The sequence length.
+        seq: usize,
+    },
+    /// Sequence parallelism without tensor parallelism, or not dividing a rank's tokens.
+    #[error(
+        "sequence parallelism needs tp > 1 dividing the {tokens} tokens of a sequence that a \
+         rank holds (sequence length / cp); tp = {tp}"
+    )]
+    SequenceParallel {
+        /// The tensor-parallel degree.
+        tp: usize,
+        /// Tokens per sequence per rank.
+        tokens: usize,
+    },
+    /// Context or sequence parallelism for a model whose sequence length is unknown (a proxy
+    /// without a transformer shape).
+    #[error(
+        "cp > 1 and sequence parallelism need the model's sequence length; this model has no \
+         transformer shape"
+    )]
+    UnknownSequence,
     /// The schedule cannot be built.
     #[error(transparent)]
     Schedule(#[from] ScheduleError),
@@ -141,6 +181,16 @@ pub struct Layout {
     /// while chunk `i + 1` computes. 1 (the default): no overlap.
     #[serde(default = "super::one")]
     pub tp_overlap: usize,
+    /// Context-parallel degree: each sequence cut over `cp` ranks (two zigzag chunks each, the
+    /// keys and values passed around a ring), folded into data parallelism for the parameters
+    /// (gradients reduced and ZeRO sharded over `dp x cp` ranks). 1 (the default, and in plan
+    /// files of earlier versions): none.
+    #[serde(default = "super::one")]
+    pub cp: usize,
+    /// Sequence parallelism (tp > 1): between the tensor-parallel blocks each TP rank holds
+    /// `1 / tp` of the positions (false by default, and in plan files of earlier versions).
+    #[serde(default)]
+    pub sequence_parallel: bool,
 }
 
 impl Layout {
@@ -169,9 +219,39 @@ impl Layout {
         }
     }
 
-    /// Devices used: `dp * tp * pp` (saturating).
+    /// Devices used: `dp * cp * tp * pp` (saturating).
     pub fn gpus(&self) -> usize {
-        self.dp.saturating_mul(self.tp).saturating_mul(self.pp)
+        (self.dp.saturating_mul(self.cp))
+            .saturating_mul(self.tp)
+            .saturating_mul(self.pp)
+    }
+
+    /// How one micro-batch is split over its ranks: tensor, context and sequence parallelism.
+    pub fn split(&self) -> RankSplit {
+        RankSplit {
+            tp: self.tp,
+            cp: self.cp,
+            sequence_parallel: self.sequence_parallel,
+        }
+    }
+
+    /// The ranks that hold the same parameters: `dp * cp` (context parallelism is folded into
+    /// data parallelism for the gradients and ZeRO).
+    pub fn replicas(&self) -> usize {
+        self.dp.saturating_mul(self.cp.max(1))
+    }
+
+    /// `cp=C` when context parallelism is on, `sp` under sequence parallelism, joined by a space
+    /// (empty when neither): how plan listings name them.
+    pub fn sequence_label(&self) -> String {
+        let mut parts = Vec::new();
+        if self.cp > 1 {
+            parts.push(format!("cp={}", self.cp));
+        }
+        if self.sequence_parallel {
+            parts.push("sp".to_string());
+        }
+        parts.join(" ")
     }
 
     /// Sequences per step: `dp * micro_batch * micro_batches` (saturating).
@@ -239,6 +319,13 @@ pub(crate) struct UnitTerms {
     pub tp_forward_s: f64,
     /// Tensor-parallel all-reduces of the backward pass, seconds.
     pub tp_backward_s: f64,
+    /// Context parallelism's ring exchanges of the forward pass that the attention blocks do
+    /// not hide, seconds.
+    pub cp_forward_s: f64,
+    /// The ring's exchanges of the backward pass that its attention blocks do not hide.
+    pub cp_backward_s: f64,
+    /// The ring's exchanges repeated by recomputation (of the attention core), seconds.
+    pub cp_recompute_s: f64,
     /// Tensor-parallel all-reduces of the recomputed forward pass, seconds.
     pub tp_recompute_s: f64,
     /// Activation bytes kept between forward and backward.
@@ -260,6 +347,9 @@ pub(crate) struct StageTerms {
     tp_forward_s: f64,
     tp_backward_s: f64,
     tp_recompute_s: f64,
+    cp_forward_s: f64,
+    cp_backward_s: f64,
+    cp_recompute_s: f64,
     /// Activation bytes of one micro-batch.
     pub activation_bytes: f64,
     /// Parameters held, tied copies included.
@@ -279,6 +369,9 @@ impl StageTerms {
         self.tp_forward_s += unit.tp_forward_s;
         self.tp_backward_s += unit.tp_backward_s;
         self.tp_recompute_s += unit.tp_recompute_s;
+        self.cp_forward_s += unit.cp_forward_s;
+        self.cp_backward_s += unit.cp_backward_s;
+        self.cp_recompute_s += unit.cp_recompute_s;
         self.activation_bytes += unit.activation_bytes;
         self.params += unit.params;
         self.params += unit.tied_params;
@@ -288,23 +381,23 @@ impl StageTerms {
         self.largest_params = self.largest_params.max(unit.params + unit.tied_params);
     }
 
-    /// Forward pass of one micro-batch with its TP communication, seconds.
+    /// Forward pass of one micro-batch with its TP and CP communication, seconds.
     pub(crate) fn forward(&self) -> f64 {
-        self.forward_s + self.tp_forward_s
+        self.forward_s + self.tp_forward_s + self.cp_forward_s
     }
 
-    /// Backward pass of one micro-batch with its TP communication, seconds.
+    /// Backward pass of one micro-batch with its TP and CP communication, seconds.
     pub(crate) fn backward(&self) -> f64 {
-        self.backward_s + self.tp_backward_s
+        self.backward_s + self.tp_backward_s + self.cp_backward_s
     }
 
-    /// Recomputation of one micro-batch with its TP communication, seconds.
+    /// Recomputation of one micro-batch with its TP and CP communication, seconds.
     pub(crate) fn recompute(&self) -> f64 {
-        self.recompute_s + self.tp_recompute_s
+        self.recompute_s + self.tp_recompute_s + self.cp_recompute_s
     }
 
     /// The stage's time per micro-batch: forward + backward + recomputation (each with its TP
-    /// communication), what the stage planner balances.
+    /// and CP communication), what the stage planner balances.
     pub(crate) fn time(&self) -> f64 {
         self.forward() + self.backward() + self.recompute()
     }
@@ -317,6 +410,11 @@ impl StageTerms {
     /// TP communication seconds per micro-batch.
     fn tp_comm(&self) -> f64 {
         self.tp_forward_s + self.tp_backward_s + self.tp_recompute_s
+    }
+
+    /// Exposed CP ring seconds per micro-batch.
+    fn cp_comm(&self) -> f64 {
+        self.cp_forward_s + self.cp_backward_s + self.cp_recompute_s
     }
 }
 
@@ -363,6 +461,8 @@ struct Derived {
     compute_per_mb: Vec<f64>,
     /// Per pipeline rank: TP communication seconds per micro-batch.
     tp_per_mb: Vec<f64>,
+    /// Per pipeline rank: exposed CP ring seconds per micro-batch.
+    cp_per_mb: Vec<f64>,
     /// Per pipeline rank: the time after the pipeline drains (DP, optimizer, all-gather).
     tail: Vec<f64>,
     /// A lower bound of the pipeline time (see [`CostModel::estimate`]).
@@ -373,6 +473,14 @@ struct Derived {
     states: Vec<f64>,
     activations: Vec<f64>,
     workspace: Vec<f64>,
+}
+
+impl Derived {
+    /// Pipeline rank `rank`'s seconds per micro-batch: compute and the TP and CP
+    /// communication it does not hide.
+    fn busy_per_mb(&self, rank: usize) -> f64 {
+        self.compute_per_mb[rank] + self.tp_per_mb[rank] + self.cp_per_mb[rank]
+    }
 }
 
 type SimKey = Vec<u64>;
@@ -485,38 +593,79 @@ impl<'a> CostModel<'a> {
         n as f64 * (a + (k - 1) as f64 * ((a - c).max(0.0) + hidden_slowdown))
     }
 
-    /// The terms of unit `unit` for a micro-batch of `b` sequences on one of `t` tensor-parallel
-    /// ranks with the tensor-parallel overlap degree `k` under `mode`; `tied` says whether its
-    /// stage also holds the unit's tied parameters (more than one stage and not the first).
-    /// Every per-unit time of the cost model comes from here.
+    /// Exposed seconds of context parallelism's ring for one micro-batch of `b` sequences of
+    /// `u` on a rank of `split`: (forward, backward). Each rank holds the keys and values of its
+    /// `s/cp` tokens, `kv = kv_elements b / (cp t)` elements; a hop sends them to the next rank
+    /// of the group (ranks `t` apart, on the node's links when `t cp` fit in a node) while the
+    /// rank computes its queries against the block it holds, `1/cp` of its attention. Forward:
+    /// `cp - 1` hops of `kv`, each exposing what that block's compute does not hide; backward:
+    /// `cp - 1` hops of the keys and values with their gradients (`2 kv`) behind the block's
+    /// backward (twice the forward's compute), and the last hop of the gradients home, exposed
+    /// (the projections' backward waits for it).
+    fn ring_exposed(&self, u: &UnitProfile, b: usize, split: RankSplit) -> (f64, f64) {
+        let c = split.cp.max(1);
+        if c == 1 || u.kv_elements <= 0.0 {
+            return (0.0, 0.0);
+        }
+        let (t, cf) = (split.tp.max(1), c as f64);
+        let kv = u.kv_elements * b as f64 / (cf * t as f64) * self.element_bytes();
+        let (bw, lat) = self.hardware.link(t * c);
+        let hop = |bytes: f64| bytes / bw + lat;
+        let rank_attention =
+            u.attention_flops * b as f64 / (self.hardware.achievable_flops() * t as f64 * cf);
+        let block = rank_attention / cf;
+        let hops = (c - 1) as f64;
+        let forward = hops * (hop(kv) - block).max(0.0);
+        let backward = hops * (hop(2.0 * kv) - 2.0 * block).max(0.0) + hop(kv);
+        (forward, backward)
+    }
+
+    /// The terms of unit `unit` for a micro-batch of `b` sequences on one rank of `split`
+    /// (a tensor-parallel degree, or tensor, context and sequence parallelism) with the
+    /// tensor-parallel overlap degree `k` under `mode`; `tied` says whether its stage also
+    /// holds the unit's tied parameters (more than one stage and not the first). Every
+    /// per-unit time of the cost model comes from here.
+    ///
+    /// A rank of `cp` computes `1/cp` of the unit's FLOPs and memory-bound work of its `t`-th
+    /// (its `s/cp` tokens; zigzag chunks balance the causal attention) and all-reduces `1/cp`
+    /// of the bytes; sequence parallelism's reduce-scatters and all-gathers cost what the
+    /// all-reduces they replace cost (the same bytes), and its LayerNorms and dropouts work on
+    /// `1/t` of the tokens.
     pub(crate) fn unit_terms(
         &self,
         unit: usize,
         b: usize,
-        t: usize,
+        split: impl Into<RankSplit>,
         k: usize,
         mode: RecomputeMode,
         tied: bool,
     ) -> UnitTerms {
+        let split = split.into();
         let Some(u) = self.model.units.get(unit) else {
             return UnitTerms::default();
         };
-        let flops = self.hardware.achievable_flops() * t as f64;
-        let bytes = u.tp_allreduce_elements * b as f64 * self.element_bytes();
+        let (t, c) = (split.tp.max(1), split.cp.max(1) as f64);
+        let flops = self.hardware.achievable_flops() * t as f64 * c;
+        let bytes = u.tp_allreduce_elements * b as f64 / c * self.element_bytes();
         // Matrix products at the achievable FLOP/s, memory-bound operations at the sustained
         // memory bandwidth; the backward pass moves twice the forward's bytes.
         let bandwidth = self.hardware.memory_bandwidth;
         let flash = self.hardware.flash_attention;
-        let memory_s = u.forward_memory_bytes(b, t, flash) / bandwidth;
+        let memory_s = u.forward_memory_bytes(b, split, flash) / bandwidth;
         let forward_s = u.forward_flops(b) / flops + memory_s;
         let backward_s = u.backward_flops(b) / flops + 2.0 * memory_s;
-        let kind = UnitKind::of(unit, self.model.units.len());
         let tp_forward_s = self.tp_exposed(u.tp_forward_allreduces, bytes, t, forward_s, k);
+        let (cp_forward_s, cp_backward_s) = self.ring_exposed(u, b, split);
+        let recomputes_attention = match mode {
+            RecomputeMode::None => false,
+            RecomputeMode::Selective => u.selective_recompute_flops > 0.0,
+            RecomputeMode::Full => u.recomputable,
+        };
         let mut terms = UnitTerms {
             forward_s,
             backward_s,
             recompute_s: u.recompute_flops(b, mode) / flops
-                + u.recompute_memory_bytes(b, t, mode, flash) / bandwidth,
+                + u.recompute_memory_bytes(b, split, mode, flash) / bandwidth,
             tp_forward_s,
             tp_backward_s: self.tp_exposed(u.tp_backward_allreduces, bytes, t, backward_s, k),
             tp_recompute_s: if mode == RecomputeMode::Full && u.recomputable {
@@ -524,34 +673,62 @@ impl<'a> CostModel<'a> {
             } else {
                 0.0
             },
-            activation_bytes: u.activation_bytes(b, t, mode, flash),
+            cp_forward_s,
+            cp_backward_s,
+            cp_recompute_s: if recomputes_attention {
+                cp_forward_s
+            } else {
+                0.0
+            },
+            activation_bytes: u.activation_bytes(b, split, mode, flash),
             params: u.params_per_rank(t),
             tied_params: if tied {
                 u.params_tied as f64 / t as f64
             } else {
                 0.0
             },
-            largest_activation_bytes: u.activation_bytes(b, t, RecomputeMode::None, flash),
+            largest_activation_bytes: u.activation_bytes(b, split, RecomputeMode::None, flash),
         };
-        if let Some(c) = self.calibration
-            && let Some((forward_s, backward_s)) = c.unit_time_overlapped(kind, t, k, b)
-        {
-            // Measured times include the unit's TP communication; recomputation repeats the
-            // recomputed share of the forward pass; the framework's work per micro-batch grows
-            // with the parameters the pass hooks.
-            let forward_flops = u.forward_flops(b);
-            terms.recompute_s = if forward_flops > 0.0 {
-                forward_s * u.recompute_flops(b, mode) / forward_flops
-            } else {
-                0.0
-            };
-            terms.forward_s = forward_s + c.micro_batch_s_per_param * terms.params;
-            terms.backward_s = backward_s;
-            terms.tp_forward_s = 0.0;
-            terms.tp_backward_s = 0.0;
-            terms.tp_recompute_s = 0.0;
-        }
+        self.calibrate(&mut terms, unit, b, split, k, mode);
         terms
+    }
+
+    /// Replaces the compute and TP terms of `terms` (unit `unit`, micro-batch `b` on a rank of
+    /// `split`, overlap `k`, `mode`) by the calibration's measured times where it covers them.
+    /// Measured times include the unit's TP communication and were taken on whole sequences:
+    /// a rank of `cp` takes `1/cp` of them (the ring's exchanges stay modelled); recomputation
+    /// repeats the recomputed share of the forward pass; the framework's work per micro-batch
+    /// grows with the parameters the pass hooks.
+    fn calibrate(
+        &self,
+        terms: &mut UnitTerms,
+        unit: usize,
+        b: usize,
+        split: RankSplit,
+        k: usize,
+        mode: RecomputeMode,
+    ) {
+        let kind = UnitKind::of(unit, self.model.units.len());
+        let (Some(c), Some(u)) = (self.calibration, self.model.units.get(unit)) else {
+            return;
+        };
+        let Some((forward_s, backward_s)) = c.unit_time_overlapped(kind, split.tp.max(1), k, b)
+        else {
+            return;
+        };
+        let share = 1.0 / split.cp.max(1) as f64;
+        let (forward_s, backward_s) = (forward_s * share, backward_s * share);
+        let forward_flops = u.forward_flops(b);
+        terms.recompute_s = if forward_flops > 0.0 {
+            forward_s * u.recompute_flops(b, mode) / forward_flops
+        } else {
+            0.0
+        };
+        terms.forward_s = forward_s + c.micro_batch_s_per_param * terms.params;
+        terms.backward_s = backward_s;
+        terms.tp_forward_s = 0.0;
+        terms.tp_backward_s = 0.0;
+        terms.tp_recompute_s = 0.0;
     }
 
     /// Bytes of model states per parameter held: 16 (16-bit weight and gradient, fp32 master
@@ -613,6 +790,7 @@ impl<'a> CostModel<'a> {
         for (field, v) in [
             ("dp", layout.dp),
             ("tp", layout.tp),
+            ("cp", layout.cp),
             ("pp", layout.pp),
             ("virtual_stages", layout.virtual_stages),
             ("micro_batch", layout.micro_batch),
@@ -627,12 +805,7 @@ impl<'a> CostModel<'a> {
                 field: "tp_overlap",
             });
         }
-        self.model
-            .splits_tokens(layout.micro_batch, layout.tp_overlap)
-            .map_err(|tokens| CostError::Overlap {
-                overlap: layout.tp_overlap,
-                tokens,
-            })?;
+        self.check_split(layout)?;
         let stages = layout.stages();
         if layout.partition.stages() != stages || layout.partition.units() != self.model.num_units()
         {
@@ -652,19 +825,46 @@ impl<'a> CostModel<'a> {
         Ok(())
     }
 
+    /// Context and sequence parallelism cut the model's sequence, and the overlap degree the
+    /// tokens a rank holds.
+    fn check_split(&self, layout: &Layout) -> Result<(), CostError> {
+        let split = layout.split();
+        self.model.splits_sequence(split).map_err(|seq| {
+            if seq == 0 {
+                CostError::UnknownSequence
+            } else if split.cp > 1 && !seq.is_multiple_of(2 * split.cp) {
+                CostError::ContextSplit { cp: split.cp, seq }
+            } else {
+                CostError::SequenceParallel {
+                    tp: split.tp,
+                    tokens: seq / split.cp,
+                }
+            }
+        })?;
+        self.model
+            .splits_tokens_on(layout.micro_batch, layout.tp_overlap, split)
+            .map_err(|tokens| CostError::Overlap {
+                overlap: layout.tp_overlap,
+                tokens,
+            })
+    }
+
     fn derive(&self, layout: &Layout) -> Result<Derived, CostError> {
         self.check(layout)?;
         let hw = self.hardware;
+        // Context parallelism folds into data parallelism for the parameters: `d` counts the
+        // `dp * cp` ranks that hold the same parameters (ranks ordered tp, cp, dp, pp).
         let (t, b, p, v, d) = (
             layout.tp,
             layout.micro_batch,
             layout.pp,
             layout.virtual_stages,
-            layout.dp,
+            layout.replicas(),
         );
-        // Hybrid sharding: ZeRO's collectives within a copy of `s` consecutive DP ranks,
-        // spanning `s * t` devices; each chunk summed over the `d / s` copies.
-        let s = layout.shard_degree();
+        // Hybrid sharding: ZeRO's collectives within a copy of `s` consecutive DP ranks (with
+        // their context-parallel peers), spanning `s * t` devices; each chunk summed over the
+        // `d / s` copies.
+        let s = layout.shard_degree() * layout.cp.max(1);
         let stages = layout.stages();
         let mut costs = Costs::uniform(stages, 0.0, 0.0);
         let ranges = layout.partition.ranges();
@@ -676,7 +876,7 @@ impl<'a> CostModel<'a> {
                 terms[j].add(&self.unit_terms(
                     unit,
                     b,
-                    t,
+                    layout.split(),
                     layout.tp_overlap,
                     mode,
                     head_separate && j > 0,
@@ -696,8 +896,10 @@ impl<'a> CostModel<'a> {
             }
         }
         let (pp_bw, pp_lat) = hw.link(if p > 1 { 2 * d * t } else { 1 });
-        let message =
-            self.model.pp_message_bytes(b) / BYTES_16BIT * self.element_bytes() / pp_bw + pp_lat;
+        let message = self.model.pp_message_bytes_per_rank(b, layout.split()) / BYTES_16BIT
+            * self.element_bytes()
+            / pp_bw
+            + pp_lat;
         if p > 1 {
             costs.send_activation = message;
             costs.send_grad = message;
@@ -711,6 +913,7 @@ impl<'a> CostModel<'a> {
                 .collect(),
             compute_per_mb: vec![0.0; p],
             tp_per_mb: vec![0.0; p],
+            cp_per_mb: vec![0.0; p],
             tail: vec![0.0; p],
             pipeline_lb: 0.0,
             dp_exposed: vec![0.0; p],
@@ -743,6 +946,7 @@ impl<'a> CostModel<'a> {
                 last_backward += derived.costs.backward[j] + derived.costs.recompute[j];
                 derived.compute_per_mb[rank] += terms[j].compute();
                 derived.tp_per_mb[rank] += terms[j].tp_comm();
+                derived.cp_per_mb[rank] += terms[j].cp_comm();
             }
             let memory = Self::rank_memory(
                 (0..v).map(|chunk| {
@@ -820,7 +1024,7 @@ impl<'a> CostModel<'a> {
         let mut before = 0.0;
         let mut after = 0.0;
         for rank in 0..p {
-            let busy = m * (derived.compute_per_mb[rank] + derived.tp_per_mb[rank]);
+            let busy = m * derived.busy_per_mb(rank);
             let bound = before + busy + after;
             derived.pipeline_lb = derived.pipeline_lb.max(bound);
             before += derived.costs.forward[rank] + derived.costs.send_activation;
@@ -866,7 +1070,7 @@ impl<'a> CostModel<'a> {
         let m = layout.micro_batches as f64;
         let p = layout.pp;
         let work: f64 = (0..p)
-            .map(|r| m * (derived.compute_per_mb[r] + derived.tp_per_mb[r]) + derived.tail[r])
+            .map(|r| m * derived.busy_per_mb(r) + derived.tail[r])
             .sum::<f64>()
             / p as f64;
         (time * share).max(work)
@@ -976,7 +1180,7 @@ impl<'a> CostModel<'a> {
             t1 + (m - m1) as f64 * (t2 - t1) / (m2 - m1) as f64
         };
         let busy = (0..p)
-            .map(|r| m as f64 * (derived.compute_per_mb[r] + derived.tp_per_mb[r]))
+            .map(|r| m as f64 * derived.busy_per_mb(r))
             .fold(0.0, f64::max);
         let pipeline = simulated.max(derived.pipeline_lb);
         let tail = derived.tail.iter().copied().fold(0.0, f64::max);
@@ -988,10 +1192,7 @@ impl<'a> CostModel<'a> {
             .reported_flops(layout.global_batch(), layout.full_recompute());
         let worst = (0..p).max_by_key(|&r| memory[r]).unwrap_or(0);
         let busiest = (0..p)
-            .max_by(|&a, &c| {
-                (derived.compute_per_mb[a] + derived.tp_per_mb[a])
-                    .total_cmp(&(derived.compute_per_mb[c] + derived.tp_per_mb[c]))
-            })
+            .max_by(|&a, &c| derived.busy_per_mb(a).total_cmp(&derived.busy_per_mb(c)))
             .unwrap_or(0);
         let mut breakdown = BTreeMap::new();
         let mut put = |k: &str, v: f64| {
@@ -1003,6 +1204,9 @@ impl<'a> CostModel<'a> {
         }
         put("compute_s", m as f64 * derived.compute_per_mb[busiest]);
         put("tp_comm_s", m as f64 * derived.tp_per_mb[busiest]);
+        if layout.cp > 1 {
+            put("cp_comm_s", m as f64 * derived.cp_per_mb[busiest]);
+        }
         put("pp_message_s", derived.costs.send_activation);
         put("bubble_s", pipeline - busy);
         put(
@@ -1055,6 +1259,8 @@ mod tests {
             shard: 0,
             partition: balanced_partition(&costs, pp).unwrap(),
             tp_overlap: 1,
+            cp: 1,
+            sequence_parallel: false,
         }
     }
 
@@ -1112,6 +1318,159 @@ mod tests {
         l.tp_overlap = 3;
         let err = CostModel::new(&model, &hw).predict(&l).unwrap_err();
         assert!(err.to_string().contains("4096 tokens"), "{err}");
+    }
+
+    fn split(tp: usize, cp: usize, sequence_parallel: bool) -> RankSplit {
+        RankSplit {
+            tp,
+            cp,
+            sequence_parallel,
+        }
+    }
+
+    /// The ring's exchanges as `ring_exposed` states them, recomputed here from the shape:
+    /// per hop the keys and values of the rank's `s/cp` tokens (`2 b (s/cp) (h/t)` 16-bit
+    /// values) against `1/cp` of the rank's attention (`4 b s² h / (t cp)` FLOPs).
+    #[test]
+    fn a_context_parallel_layout_predicts_the_rings_exchange() {
+        let hw = HardwareSpec::preset("h100-80g").unwrap().with_devices(16);
+        let b = 2usize;
+        for seq in [1024usize, 32768] {
+            let spec = format!("gpt:layers=2,hidden=4096,heads=32,seq={seq},vocab=1000");
+            let model = ModelProxy::parse(&spec).unwrap();
+            let cm = CostModel::new(&model, &hw);
+            let (s, h) = (seq as f64, 4096.0);
+            // t cp = 2 and 8 on NVLink, 16 across nodes.
+            for (t, c) in [(1usize, 2usize), (2, 4), (4, 4)] {
+                let (tf, cf) = (t as f64, c as f64);
+                let terms = cm.unit_terms(1, b, split(t, c, false), 1, RecomputeMode::Full, false);
+                let kv = 2.0 * b as f64 * (s / cf) * (h / tf) * BYTES_16BIT;
+                let (bw, lat) = hw.link(t * c);
+                let hop = |bytes: f64| bytes / bw + lat;
+                let block = 4.0 * b as f64 * s * s * h / (hw.achievable_flops() * tf * cf) / cf;
+                let forward = (cf - 1.0) * (hop(kv) - block).max(0.0);
+                let backward = (cf - 1.0) * (hop(2.0 * kv) - 2.0 * block).max(0.0) + hop(kv);
+                assert!(
+                    (terms.cp_forward_s - forward).abs() < 1e-15,
+                    "{seq} {t} {c}"
+                );
+                assert!(
+                    (terms.cp_backward_s - backward).abs() < 1e-15,
+                    "{seq} {t} {c}"
+                );
+                // Full recomputation runs the ring again.
+                assert_eq!(terms.cp_recompute_s, terms.cp_forward_s);
+                // 1/cp of the compute of the same TP degree.
+                let whole = cm.unit_terms(1, b, t, 1, RecomputeMode::Full, true);
+                assert!((terms.forward_s * cf / whole.forward_s - 1.0).abs() < 1e-12);
+                assert!((terms.backward_s * cf / whole.backward_s - 1.0).abs() < 1e-12);
+                if seq == 1024 && t * c > hw.devices_per_node {
+                    // Short blocks across nodes: the hops are exposed.
+                    assert!(terms.cp_forward_s > 1e-4, "{}", terms.cp_forward_s);
+                }
+                if seq == 32768 && t * c <= hw.devices_per_node {
+                    // Long blocks on NVLink hide every hop but the gradients' last one.
+                    assert_eq!(terms.cp_forward_s, 0.0);
+                    assert_eq!(terms.cp_backward_s, hop(kv));
+                }
+                // The embedding and the head have no attention: no ring.
+                for unit in [0, 3] {
+                    let other =
+                        cm.unit_terms(unit, b, split(t, c, false), 1, RecomputeMode::Full, false);
+                    assert_eq!((other.cp_forward_s, other.cp_backward_s), (0.0, 0.0));
+                }
+            }
+        }
+        // The prediction shows the ring per step: the two blocks' exchanges, m micro-batches.
+        let model =
+            ModelProxy::parse("gpt:layers=2,hidden=4096,heads=32,seq=1024,vocab=1000").unwrap();
+        let cm = CostModel::new(&model, &hw);
+        let mut l = layout(&model, 2, 2, 1, 4);
+        l.cp = 4;
+        l.micro_batch = b;
+        let terms = cm.unit_terms(1, b, l.split(), 1, RecomputeMode::Full, false);
+        let ring = 4.0 * 2.0 * (terms.cp_forward_s + terms.cp_backward_s + terms.cp_recompute_s);
+        let pred = cm.predict(&l).unwrap();
+        assert!((pred.breakdown["cp_comm_s"] / ring - 1.0).abs() < 1e-12);
+        assert!(
+            !cm.predict(&layout(&model, 2, 2, 1, 4))
+                .unwrap()
+                .breakdown
+                .contains_key("cp_comm_s")
+        );
+    }
+
+    /// Each rank of a ring keeps `1/cp` of the activations, and under sequence parallelism
+    /// the part TP leaves whole is split; parameters and optimizer states are unchanged by cp,
+    /// ZeRO shards them over `dp x cp`, and the gradients are all-reduced over `dp x cp` ranks.
+    #[test]
+    fn context_and_sequence_parallelism_in_the_memory_model() {
+        let model =
+            ModelProxy::parse("gpt:layers=8,hidden=2048,heads=16,seq=16384,vocab=32000").unwrap();
+        let hw = HardwareSpec::preset("h100-80g").unwrap().with_devices(8);
+        let cm = CostModel::new(&model, &hw);
+        let mut plain = layout(&model, 1, 2, 1, 4);
+        plain.recompute = vec![RecomputeMode::None];
+        let base = cm.predict(&plain).unwrap();
+        let activations = |l: &Layout| cm.predict(l).unwrap().breakdown["activations_bytes"];
+        let states = |l: &Layout| cm.predict(l).unwrap().breakdown["model_states_bytes"];
+        for cp in [2, 4] {
+            let l = Layout {
+                cp,
+                ..plain.clone()
+            };
+            assert!((activations(&l) * cp as f64 / activations(&plain) - 1.0).abs() < 1e-12);
+            assert_eq!(states(&l), states(&plain));
+            // The compute splits over the ring's ranks.
+            let pred = cm.predict(&l).unwrap();
+            let ratio = base.breakdown["compute_s"] / pred.breakdown["compute_s"];
+            assert!((ratio / cp as f64 - 1.0).abs() < 1e-9, "{ratio}");
+        }
+        // Sequence parallelism: a block keeps 34/t instead of 10 + 24/t of s b h.
+        let sp = Layout {
+            sequence_parallel: true,
+            ..plain.clone()
+        };
+        let (s, h) = (16384.0, 2048.0);
+        let saved = 8.0 * s * h * 10.0 * (1.0 - 1.0 / 2.0);
+        let embedding_and_head = s * h * (1.0 + 4.0) * (1.0 - 1.0 / 2.0);
+        let want = activations(&plain) - saved - embedding_and_head;
+        assert!((activations(&sp) / want - 1.0).abs() < 1e-12);
+        assert!(cm.predict(&sp).unwrap().step_time_s < base.step_time_s);
+        // ZeRO over the replicas: dp = 1 x cp = 4 holds what dp = 4 holds.
+        let zero = |dp, cp| Layout {
+            dp,
+            cp,
+            zero: 1,
+            ..plain.clone()
+        };
+        assert_eq!(states(&zero(1, 4)), states(&zero(4, 1)));
+        assert!(states(&zero(1, 4)) < 0.5 * states(&plain));
+        // The gradients' all-reduce over the two replicas of dp = 1 x cp = 2 (on the node's
+        // links, behind the last backward pass): what dp = 2 pays, with half its tokens.
+        let a = cm.predict(&zero(1, 2)).unwrap();
+        let b = cm.predict(&zero(2, 1)).unwrap();
+        assert_eq!(
+            a.breakdown["zero_allgather_s"],
+            b.breakdown["zero_allgather_s"]
+        );
+        // A split the sequence refuses is an error naming it.
+        let bad = Layout {
+            cp: 3,
+            ..plain.clone()
+        };
+        let err = cm.predict(&bad).unwrap_err();
+        assert_eq!(err, CostError::ContextSplit { cp: 3, seq: 16384 });
+        let bad = Layout {
+            tp: 1,
+            sequence_parallel: true,
+            ..plain.clone()
+        };
+        let err = cm.predict(&bad).unwrap_err().to_string();
+        assert!(
+            err.contains("tp > 1") && err.contains("16384 tokens"),
+            "{err}"
+        );
     }
 
     /// A calibration of the tiny GPT with round numbers: every unit 1 ms forward and 2 ms

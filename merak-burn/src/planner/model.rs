@@ -20,7 +20,9 @@
 //! Activations follow Korthikanti et al. (2022) with 16-bit values: a block keeps
 //! `s b h (10 + 24/t + 5 a s/(h t))` bytes without recomputation, the same without the
 //! `5 a s/(h t)` attention term under selective recomputation, and its input `2 s b h` under
-//! full recomputation.
+//! full recomputation. Sequence parallelism splits the `10 s b h` that tensor parallelism
+//! leaves whole (`34/t`), context parallelism every term (`1/cp`: each rank holds `s/cp`
+//! tokens, its attention blockwise); see [`RankSplit`].
 
 use std::fmt;
 use std::str::FromStr;
@@ -32,6 +34,68 @@ use thiserror::Error;
 
 /// Bytes of one 16-bit value (activations, messages, gradients in mixed precision).
 pub const BYTES_16BIT: f64 = 2.0;
+
+/// How the ranks that run one micro-batch of a unit together split it: `tp`-way tensor
+/// parallelism (optionally with sequence parallelism) and `cp`-way context parallelism.
+///
+/// - Tensor parallelism splits the unit's weights and the work on them; what it leaves whole
+///   (LayerNorms, dropouts, residuals: `act_replicated`, `memory_replicated`) is split too
+///   under `sequence_parallel`, each TP rank holding `s/tp` positions there (Megatron's
+///   sequence parallelism: `34/t` instead of `10 + 24/t`).
+/// - Context parallelism gives each rank `s/cp` tokens of every sequence (two zigzag chunks);
+///   every per-sequence term is divided by `cp`. Its attention is a ring of blockwise passes,
+///   so with `cp > 1` no `a s²` scores are kept or moved, whatever the hardware's
+///   `flash_attention` says.
+///
+/// A plain `usize` converts to tensor parallelism alone (`RankSplit::from(t)`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RankSplit {
+    /// Tensor-parallel degree.
+    pub tp: usize,
+    /// Context-parallel degree.
+    pub cp: usize,
+    /// Sequence parallelism between the tensor-parallel blocks.
+    pub sequence_parallel: bool,
+}
+
+impl From<usize> for RankSplit {
+    /// Tensor parallelism of degree `tp` alone.
+    fn from(tp: usize) -> Self {
+        RankSplit {
+            tp,
+            cp: 1,
+            sequence_parallel: false,
+        }
+    }
+}
+
+impl RankSplit {
+    /// The tensor-parallel degree as a divisor (at least 1).
+    fn t(&self) -> f64 {
+        self.tp.max(1) as f64
+    }
+
+    /// The context-parallel degree as a divisor (at least 1).
+    fn c(&self) -> f64 {
+        self.cp.max(1) as f64
+    }
+
+    /// What divides the terms tensor parallelism leaves whole: `tp` under sequence
+    /// parallelism, else 1.
+    pub fn replicated_divisor(&self) -> f64 {
+        if self.sequence_parallel {
+            self.t()
+        } else {
+            1.0
+        }
+    }
+
+    /// Whether the attention runs blockwise: the hardware's `flash_attention`, or a ring
+    /// (`cp > 1`), which never forms the whole scores either.
+    pub fn blockwise(&self, flash_attention: bool) -> bool {
+        flash_attention || self.cp > 1
+    }
+}
 
 /// The description of one pipeline unit. FLOPs, activation bytes and all-reduce sizes are per
 /// *sequence*: a micro-batch of `b` sequences costs `b` times as much. Quantities that tensor
@@ -86,6 +150,15 @@ pub struct UnitProfile {
     /// repeated by selective recomputation.
     #[serde(default)]
     pub memory_attention: f64,
+    /// Forward FLOPs per sequence of the attention core (`4 s² h` for a transformer block,
+    /// included in [`forward_flops`](Self::forward_flops)): the compute that context
+    /// parallelism's ring exchange hides behind.
+    #[serde(default)]
+    pub attention_flops: f64,
+    /// Elements per sequence of the keys and values that context parallelism's ring passes
+    /// around (`2 s h` for a block; 0 for a unit without attention).
+    #[serde(default)]
+    pub kv_elements: f64,
 }
 
 impl UnitProfile {
@@ -120,59 +193,72 @@ impl UnitProfile {
         per_seq * b as f64
     }
 
-    /// Activation bytes one TP rank of `t` keeps for a micro-batch of `b` sequences under `mode`;
-    /// with `flash_attention` the attention core keeps no scores or probabilities (only a
-    /// log-sum-exp per row, a few bytes a token, left out).
+    /// Activation bytes one rank of `split` (a tensor-parallel degree, or a [`RankSplit`])
+    /// keeps for a micro-batch of `b` sequences under `mode`; with blockwise attention
+    /// ([`RankSplit::blockwise`]: `flash_attention`, or a context-parallel ring) the attention
+    /// core keeps no scores or probabilities (only a log-sum-exp per row, a few bytes a token,
+    /// left out).
     pub fn activation_bytes(
         &self,
         b: usize,
-        t: usize,
+        split: impl Into<RankSplit>,
         mode: RecomputeMode,
         flash_attention: bool,
     ) -> f64 {
-        let t = t.max(1) as f64;
-        let attention = if flash_attention {
+        let split = split.into();
+        let (t, r) = (split.t(), split.replicated_divisor());
+        let attention = if split.blockwise(flash_attention) {
             0.0
         } else {
             self.act_attention
         };
-        let none = self.act_replicated + self.act_split / t + attention / t;
+        let kept = self.act_replicated / r + self.act_split / t;
         let per_seq = match mode {
-            RecomputeMode::None => none,
-            RecomputeMode::Selective => self.act_replicated + self.act_split / t,
-            RecomputeMode::Full if self.recomputable => self.act_full,
-            RecomputeMode::Full => none,
+            RecomputeMode::None => kept + attention / t,
+            RecomputeMode::Selective => kept,
+            // The unit's input, split over TP under sequence parallelism.
+            RecomputeMode::Full if self.recomputable => self.act_full / r,
+            RecomputeMode::Full => kept + attention / t,
         };
-        per_seq * b as f64
+        per_seq * b as f64 / split.c()
     }
 
-    /// Bytes the forward pass's memory-bound operations move on one TP rank of `t` for a
-    /// micro-batch of `b` sequences (the backward pass moves twice as much); with
-    /// `flash_attention` the attention core's scores stay on chip.
-    pub fn forward_memory_bytes(&self, b: usize, t: usize, flash_attention: bool) -> f64 {
-        let t = t.max(1) as f64;
-        let attention = if flash_attention {
+    /// Bytes the forward pass's memory-bound operations move on one rank of `split` for a
+    /// micro-batch of `b` sequences (the backward pass moves twice as much); with blockwise
+    /// attention the attention core's scores stay on chip.
+    pub fn forward_memory_bytes(
+        &self,
+        b: usize,
+        split: impl Into<RankSplit>,
+        flash_attention: bool,
+    ) -> f64 {
+        let split = split.into();
+        let attention = if split.blockwise(flash_attention) {
             0.0
         } else {
             self.memory_attention
         };
-        (self.memory_replicated + (self.memory_split + attention) / t) * b as f64
+        let per_seq = self.memory_replicated / split.replicated_divisor()
+            + (self.memory_split + attention) / split.t();
+        per_seq * b as f64 / split.c()
     }
 
-    /// The bytes of memory-bound work that recomputation under `mode` repeats on one TP rank.
+    /// The bytes of memory-bound work that recomputation under `mode` repeats on one rank of
+    /// `split`.
     pub fn recompute_memory_bytes(
         &self,
         b: usize,
-        t: usize,
+        split: impl Into<RankSplit>,
         mode: RecomputeMode,
         flash_attention: bool,
     ) -> f64 {
+        let split = split.into();
         match mode {
             RecomputeMode::None => 0.0,
-            RecomputeMode::Selective if flash_attention => 0.0,
-            RecomputeMode::Selective => self.memory_attention / t.max(1) as f64 * b as f64,
+            RecomputeMode::Selective if split.blockwise(flash_attention) => 0.0,
+            RecomputeMode::Selective => self.memory_attention / split.t() * b as f64 / split.c(),
             RecomputeMode::Full if self.recomputable => {
-                self.forward_memory_bytes(b, t, flash_attention)
+                self.forward_memory_bytes(b, split, flash_attention)
             }
             RecomputeMode::Full => 0.0,
         }
@@ -664,6 +750,9 @@ impl TransformerShape {
             // a s² scores: written by Q Kᵀ, fused scale-mask-softmax (read, write), dropout
             // (read, write, 1-byte mask), read by the product with V: 6.5 values each.
             memory_attention: BYTES_16BIT * 6.5 * a * s * s,
+            // Q Kᵀ and the product with V.
+            attention_flops: 4.0 * s * s * h,
+            kv_elements: 2.0 * s * h,
         };
         let dense = if bert { 2.0 * s * h * h } else { 0.0 };
         let head = UnitProfile {
@@ -691,6 +780,8 @@ impl TransformerShape {
             memory_replicated: BYTES_16BIT * 2.0 * s * h,
             memory_split: 12.0 * s * v,
             memory_attention: 0.0,
+            attention_flops: 0.0,
+            kv_elements: 0.0,
         };
         [embedding, block, head]
     }
@@ -739,11 +830,32 @@ impl ModelProxy {
     /// (sub-pipelined tensor parallelism); always for a model without a transformer shape (a
     /// user's own model splits as it likes). `Err` carries the tokens per micro-batch.
     pub fn splits_tokens(&self, micro_batch: usize, chunks: usize) -> Result<(), usize> {
-        match &self.shape {
-            Some(shape) if !(micro_batch * shape.seq).is_multiple_of(chunks) => {
-                Err(micro_batch * shape.seq)
-            }
-            _ => Ok(()),
+        self.splits_tokens_on(micro_batch, chunks, RankSplit::from(1))
+    }
+
+    /// [`splits_tokens`](Self::splits_tokens) for the tokens one rank of `split` holds: the
+    /// `b s / cp` of its micro-batch, and under sequence parallelism the `s / (cp tp)`
+    /// positions of each sequence a TP rank holds (what `merak train` checks). `Err` carries
+    /// those tokens.
+    pub fn splits_tokens_on(
+        &self,
+        micro_batch: usize,
+        chunks: usize,
+        split: RankSplit,
+    ) -> Result<(), usize> {
+        let Some(shape) = &self.shape else {
+            return Ok(());
+        };
+        let per_rank = shape.seq / split.cp.max(1);
+        let tokens = if split.sequence_parallel {
+            per_rank / split.tp.max(1)
+        } else {
+            micro_batch * per_rank
+        };
+        if tokens.is_multiple_of(chunks) {
+            Ok(())
+        } else {
+            Err(tokens)
         }
     }
 
@@ -774,9 +886,36 @@ impl ModelProxy {
     }
 
     /// Bytes of one activation (or gradient) message between pipeline stages for a micro-batch
-    /// of `b` sequences (16-bit values).
+    /// of `b` sequences (16-bit values), whole.
     pub fn pp_message_bytes(&self, b: usize) -> f64 {
         self.pp_message_elements * b as f64 * BYTES_16BIT
+    }
+
+    /// Bytes one rank of `split` sends of that message: its `s/cp` tokens, and under sequence
+    /// parallelism its `1/tp` of them (the slices travel between matching TP ranks).
+    pub fn pp_message_bytes_per_rank(&self, b: usize, split: RankSplit) -> f64 {
+        self.pp_message_bytes(b) / split.c() / split.replicated_divisor()
+    }
+
+    /// The sequence length, when the proxy has a transformer shape.
+    pub fn seq(&self) -> Option<usize> {
+        self.shape.map(|shape| shape.seq)
+    }
+
+    /// Whether `split` can cut a sequence of this model: `2 cp` divides it (two zigzag chunks
+    /// per rank), and under sequence parallelism `tp > 1` divides the `s/cp` tokens a rank
+    /// holds. Always for a model without a transformer shape when `cp = 1` and sequence
+    /// parallelism is off; never with either for such a model (its length is unknown).
+    /// `Err` carries the sequence length (0 when unknown).
+    pub fn splits_sequence(&self, split: RankSplit) -> Result<(), usize> {
+        let plain = split.cp <= 1 && !split.sequence_parallel;
+        let Some(seq) = self.seq() else {
+            return if plain { Ok(()) } else { Err(0) };
+        };
+        let cp = split.cp.max(1);
+        let zigzag = cp == 1 || seq.is_multiple_of(2 * cp);
+        let sp = !split.sequence_parallel || (split.tp > 1 && (seq / cp).is_multiple_of(split.tp));
+        if zigzag && sp { Ok(()) } else { Err(seq) }
     }
 
     /// The FLOP count used to report TFLOP/s: the Megatron formula of the shape when there is
@@ -898,6 +1037,87 @@ mod tests {
         }
         assert_eq!(block.tp_comm_elements(2), 4.0 * b * s * h);
         assert_eq!(proxy.pp_message_bytes(2), 2.0 * b * s * h);
+    }
+
+    /// Megatron's sequence parallelism: `s b h 34/t` per block instead of `10 + 24/t`;
+    /// context parallelism: `1/cp` of every term, the ring keeping no scores.
+    #[test]
+    fn sequence_and_context_parallelism_divide_the_activations() {
+        let proxy =
+            ModelProxy::parse("gpt:layers=4,hidden=1024,heads=16,seq=2048,vocab=1000").unwrap();
+        let block = &proxy.units[1];
+        let (s, b, h, a) = (2048.0, 2.0, 1024.0, 16.0);
+        let split = |tp, cp, sequence_parallel| RankSplit {
+            tp,
+            cp,
+            sequence_parallel,
+        };
+        for t in [2usize, 4, 8] {
+            let tf = t as f64;
+            let sp = split(t, 1, true);
+            let none = block.activation_bytes(2, sp, RecomputeMode::None, false);
+            assert!(rel(none, s * b * h * (34.0 / tf + 5.0 * a * s / (h * tf))) < 1e-12);
+            let sel = block.activation_bytes(2, sp, RecomputeMode::Selective, false);
+            assert!(rel(sel, s * b * h * 34.0 / tf) < 1e-12);
+            // Full recomputation keeps the block's input, which sequence parallelism splits.
+            let full = block.activation_bytes(2, sp, RecomputeMode::Full, false);
+            assert!(rel(full, 2.0 * s * b * h / tf) < 1e-12);
+            for cp in [2usize, 4] {
+                let cf = cp as f64;
+                // The ring attends blockwise: no scores even without flash attention.
+                let ring =
+                    block.activation_bytes(2, split(t, cp, false), RecomputeMode::None, false);
+                assert!(
+                    rel(ring, s * b * h * (10.0 + 24.0 / tf) / cf) < 1e-12,
+                    "{t} {cp}"
+                );
+                let both =
+                    block.activation_bytes(2, split(t, cp, true), RecomputeMode::None, false);
+                assert!(rel(both, s * b * h * 34.0 / (tf * cf)) < 1e-12, "{t} {cp}");
+                // The head's fp32 logits and the embedding's mask: 1/cp too.
+                for unit in [&proxy.units[0], &proxy.units[5]] {
+                    let whole = unit.activation_bytes(2, t, RecomputeMode::None, false);
+                    let part =
+                        unit.activation_bytes(2, split(t, cp, false), RecomputeMode::None, false);
+                    assert!(rel(part, whole / cf) < 1e-12);
+                }
+                // Pipeline messages: the rank's tokens, and 1/t of them under SP.
+                let message = proxy.pp_message_bytes_per_rank(2, split(t, cp, true));
+                assert!(rel(message, 2.0 * b * s * h / (cf * tf)) < 1e-12);
+            }
+        }
+        // Sequence parallelism also splits the LayerNorms' and dropouts' memory traffic.
+        let plain = block.forward_memory_bytes(1, 4, true);
+        let sp = block.forward_memory_bytes(1, split(4, 1, true), true);
+        assert!(rel(plain - sp, 2.0 * 11.0 * s * h * (1.0 - 0.25)) < 1e-12);
+    }
+
+    #[test]
+    fn a_split_must_cut_the_sequence() {
+        let proxy = ModelProxy::parse("gpt:layers=2,hidden=64,heads=4,seq=96,vocab=100").unwrap();
+        let split = |tp, cp, sequence_parallel| RankSplit {
+            tp,
+            cp,
+            sequence_parallel,
+        };
+        // 2 cp | 96 for cp = 1, 2, 3, 4, 6, 8, 12, 16, 24, 48.
+        assert!(proxy.splits_sequence(split(1, 48, false)).is_ok());
+        assert_eq!(proxy.splits_sequence(split(1, 5, false)), Err(96));
+        assert_eq!(proxy.splits_sequence(split(1, 32, false)), Err(96));
+        // Sequence parallelism: tp > 1 dividing the 96 / cp tokens of a rank.
+        assert!(proxy.splits_sequence(split(4, 3, true)).is_ok());
+        assert_eq!(proxy.splits_sequence(split(1, 1, true)), Err(96));
+        assert_eq!(proxy.splits_sequence(split(5, 2, true)), Err(96));
+        // The overlap degree against a rank's tokens: 2 x 96 / 4 = 48 without SP, 96 / (4 x
+        // 4) = 6 positions of a TP rank with it.
+        assert_eq!(proxy.splits_tokens_on(2, 5, split(4, 4, false)), Err(48));
+        assert_eq!(proxy.splits_tokens_on(2, 4, split(4, 4, true)), Err(6));
+        assert!(proxy.splits_tokens_on(2, 3, split(4, 4, true)).is_ok());
+        // A model without a shape: neither (its sequence length is unknown).
+        let shapeless = ModelProxy::from_costs(&TransformerShape::gpt(2, 64, 4, 96, 100));
+        assert!(shapeless.splits_sequence(split(4, 1, false)).is_ok());
+        assert_eq!(shapeless.splits_sequence(split(1, 2, false)), Err(0));
+        assert_eq!(shapeless.splits_sequence(split(2, 1, true)), Err(0));
     }
 
     #[test]

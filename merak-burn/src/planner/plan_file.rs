@@ -74,7 +74,7 @@ pub struct PlanFile {
     pub model: TransformerShape,
     /// The hardware the prediction is for (a preset name or the spec's name).
     pub hardware: String,
-    /// Devices (`dp * tp * pp`).
+    /// Devices (`dp * cp * tp * pp`).
     pub gpus: usize,
     /// Sequences per step.
     pub global_batch: usize,
@@ -138,7 +138,7 @@ impl PlanFile {
             msg: format!("model: {e}"),
         })?;
         let layout = &file.plan.layout;
-        file.mismatch(path, "dp * tp * pp", layout.gpus(), file.gpus)?;
+        file.mismatch(path, "dp * cp * tp * pp", layout.gpus(), file.gpus)?;
         file.mismatch(
             path,
             "dp * micro_batch * micro_batches",
@@ -232,7 +232,7 @@ mod tests {
         bad.gpus = 8;
         bad.write(&path).unwrap();
         let err = PlanFile::read(&path).unwrap_err().to_string();
-        assert!(err.contains("dp * tp * pp = 4"), "{err}");
+        assert!(err.contains("dp * cp * tp * pp = 4"), "{err}");
         // So is one whose recomputation list does not cover its stages.
         let mut bad = file.clone();
         bad.plan.layout.recompute.push(bad.plan.layout.recompute[0]);

@@ -104,6 +104,8 @@ impl PublishedRow {
             shard: 0,
             partition: balanced_partition(&costs, self.pp)?,
             tp_overlap: 1,
+            cp: 1,
+            sequence_parallel: false,
         })
     }
 }

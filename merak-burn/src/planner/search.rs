@@ -1,13 +1,19 @@
 //! The search: the fastest 3D-parallel plan, its runner-ups and the Pareto set of (step time,
 //! peak memory per device) plans that fit a memory budget.
 //!
-//! The space: every `dp * tp * pp = gpus` with `tp` dividing the heads and within a node and
-//! `pp <= L + 2`; every micro-batch size that divides the per-replica batch (the global batch is
-//! fixed); every schedule (virtual stages for the interleaved one); the recomputation policies
-//! none, selective, full (every stage) and stage-aware; with and without ZeRO-1; every
-//! tensor-parallel overlap degree up to the hardware's `max_tp_overlap` (only with tp > 1, and
-//! dividing a micro-batch's tokens). For the uniform policies, stage boundaries come from
-//! [`balanced_partition`] of the per-unit compute.
+//! The space: every `dp * cp * tp * pp = gpus` with `tp` dividing the heads and within a node
+//! and `pp <= L + 2`; every context-parallel degree `cp` whose zigzag cuts the sequence
+//! (`2 cp` divides it) and leaves each rank at least [`SearchOptions::min_cp_tokens`] tokens of
+//! it (or those of [`SearchOptions::cp`]); sequence parallelism where `tp > 1` divides a rank's
+//! `s / cp` tokens (by default only with it: it never costs time in the cost model and saves
+//! memory, see [`SearchOptions::sequence_parallel`]); every micro-batch size that divides the
+//! per-replica batch (the global batch is fixed); every schedule (virtual stages for the
+//! interleaved one); the recomputation policies none, selective, full (every stage) and
+//! stage-aware; the ZeRO stages; every tensor-parallel overlap degree up to the hardware's
+//! `max_tp_overlap` (only with tp > 1, and dividing the tokens a rank holds). Context and
+//! sequence parallelism are searched only for a model with a transformer shape (their
+//! divisibility needs the sequence length). For the uniform policies, stage boundaries come
+//! from [`balanced_partition`] of the per-unit compute.
 //!
 //! Stage-aware recomputation with one stage per pipeline rank (every schedule but the
 //! interleaved one) is planned by the exact dynamic program of [`stage_dp`](super::stage_dp):
@@ -42,7 +48,7 @@ use thiserror::Error;
 use super::calibration::Calibration;
 use super::cost::{CostError, CostModel, Layout, Prediction};
 use super::hardware::HardwareSpec;
-use super::model::{ModelProxy, RecomputeMode};
+use super::model::{ModelProxy, RankSplit, RecomputeMode};
 use super::stage_dp::{Skeleton, StageDp, StageDpError};
 use crate::data_parallel::ReduceScatter;
 use crate::pipeline::{Partition, Recompute, ScheduleKind, balanced_partition};
@@ -85,7 +91,7 @@ pub struct SearchProgress {
 /// What to search over.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct SearchOptions {
-    /// Devices to use (`dp * tp * pp`).
+    /// Devices to use (`dp * cp * tp * pp`).
     pub gpus: usize,
     /// Sequences per step.
     pub global_batch: usize,
@@ -107,6 +113,23 @@ pub struct SearchOptions {
     /// the hardware's `max_tp_overlap`, above 1 without tensor parallelism, or not dividing a
     /// micro-batch's tokens are skipped.
     pub tp_overlap: Vec<usize>,
+    /// Context-parallel degrees to try; empty (the default): every divisor of the devices
+    /// whose ring leaves each rank at least [`min_cp_tokens`](Self::min_cp_tokens) tokens of a
+    /// sequence. Either way only degrees with `2 cp` dividing the sequence length are used.
+    pub cp: Vec<usize>,
+    /// With [`cp`](Self::cp) empty, the fewest tokens of a sequence a rank of a ring may hold
+    /// (`s / cp`), 2048 by default: below about `F / B` tokens (the achievable FLOP/s over the
+    /// link's bytes/s, 1 500 on the `h100-80g` preset's NVLink, 14 000 across its nodes) a
+    /// hop takes longer than the attention block it hides behind, and the bound keeps the
+    /// search of short sequences (2048 and below) as it was.
+    pub min_cp_tokens: usize,
+    /// Sequence parallelism to try where tp > 1 divides the tokens a rank holds (elsewhere
+    /// layouts run without it). The default, `[true]`: with it wherever it applies, since the
+    /// cost model never finds it slower (the same bytes travel, the LayerNorms and dropouts
+    /// work on `1/t` of the tokens) and it holds less memory, so a layout without it is
+    /// dominated by its twin; `[false, true]` searches both (twice the tensor-parallel
+    /// layouts), `[false]` none.
+    pub sequence_parallel: Vec<bool>,
     /// How many runner-up plans to return besides the fastest.
     pub runner_ups: usize,
 }
@@ -116,7 +139,9 @@ impl SearchOptions {
     /// but PipeDream-2BW, whose delayed update changes the training: add
     /// [`ScheduleKind::TwoBw`] to `schedules` to search it too); 2 or 4 virtual stages; every
     /// recomputation policy; ZeRO stages 0 to 3; tensor-parallel overlap 1, 2 and 4 (as
-    /// far as the hardware allows); 4 runner-ups; the hardware's memory.
+    /// far as the hardware allows); context parallelism where each rank keeps at least 2048
+    /// tokens of a sequence; sequence parallelism wherever it applies; 4 runner-ups; the
+    /// hardware's memory.
     pub fn new(gpus: usize, global_batch: usize) -> Self {
         SearchOptions {
             gpus,
@@ -131,6 +156,9 @@ impl SearchOptions {
             recompute: Recompute::ALL.to_vec(),
             zero: vec![0, 1, 2, 3],
             tp_overlap: vec![1, 2, 4],
+            cp: Vec::new(),
+            min_cp_tokens: 2048,
+            sequence_parallel: vec![true],
             runner_ups: 4,
         }
     }
@@ -179,9 +207,9 @@ pub struct SearchResult {
 pub enum SearchError {
     /// No layout satisfies the structural constraints.
     #[error(
-        "no layout for {gpus} devices and global batch {global_batch}: need dp * tp * pp = \
-         gpus with tp dividing the {heads} heads and at most {per_node} per node, pp <= {units} \
-         units and dp dividing the global batch"
+        "no layout for {gpus} devices and global batch {global_batch}: need dp * cp * tp * pp \
+         = gpus with tp dividing the {heads} heads and at most {per_node} per node, pp <= \
+         {units} units and dp dividing the global batch"
     )]
     NoLayout {
         /// Devices.
@@ -222,7 +250,7 @@ pub enum SearchError {
         "{gpus} devices with global batch {global_batch}: the search would consider {layouts} \
          layouts of a model of {units} units, the limit is {limit} (2^30 / units², at most \
          2^20): plan fewer layers or devices, or search fewer micro-batch sizes, schedules, \
-         overlap degrees or recomputation policies"
+         overlap or context-parallel degrees or recomputation policies"
     )]
     TooManyLayouts {
         /// Devices.
@@ -332,7 +360,8 @@ pub fn candidates(
 #[derive(Clone, Copy, Debug)]
 struct Slot {
     dp: usize,
-    tp: usize,
+    /// Tensor, context and sequence parallelism.
+    split: RankSplit,
     pp: usize,
     /// Micro-batch size.
     b: usize,
@@ -375,8 +404,9 @@ impl Slot {
             rs.push(ReduceScatter::MicroBatch);
         }
         let mut shards = vec![0];
-        if zero == 3 && uniform && self.dp * self.tp > self.per_node {
-            let largest = (self.per_node / self.tp.max(1)).min(self.dp - 1);
+        let tp = self.split.tp;
+        if zero == 3 && uniform && self.split.cp == 1 && self.dp * tp > self.per_node {
+            let largest = (self.per_node / tp.max(1)).min(self.dp - 1);
             let within = (2..=largest).rev().find(|&s| self.dp.is_multiple_of(s));
             shards.extend(within);
         }
@@ -386,17 +416,18 @@ impl Slot {
     }
 
     /// Whether ZeRO stage `zero` goes with this slot under `policy`: any stage above 0 needs
-    /// dp > 1, and stage 3 (every unit recomputed, one unit's backward pass at a time) full
+    /// more than one replica (`dp * cp > 1`), and stage 3 (every unit recomputed, one unit's backward pass at a time) full
     /// recomputation and a schedule that neither splits the backward pass nor keeps two
     /// weight versions.
     fn allows(&self, zero: u8, policy: Recompute) -> bool {
         let three_runs = policy == Recompute::Full
             && !self.schedule.splits_backward()
             && self.schedule != ScheduleKind::TwoBw;
+        let replicas = self.dp * self.split.cp;
         match zero {
             0 => true,
-            1 | 2 => self.dp > 1,
-            3 => self.dp > 1 && three_runs,
+            1 | 2 => replicas > 1,
+            3 => replicas > 1 && three_runs,
             _ => false,
         }
     }
@@ -405,8 +436,8 @@ impl Slot {
 /// The slots of the search space (see the [module docs](self)), in the order the layouts are
 /// generated, after checking the bounds: at most [`MAX_SEARCH_UNITS`] units and
 /// [`layout_limit`] layouts. The device count is never enumerated: tensor parallelism ranges
-/// over the divisors of the heads, pipeline parallelism over the units, so any `gpus` is
-/// answered at once.
+/// over the divisors of the heads, context parallelism over those of half the sequence,
+/// pipeline parallelism over the units, so any `gpus` is answered at once.
 fn space(
     model: &ModelProxy,
     hw: &HardwareSpec,
@@ -420,46 +451,18 @@ fn space(
         });
     }
     let gpus = options.gpus;
-    let micro_batches = distinct(&options.micro_batch_sizes, |b| b > 0);
-    let overlaps = distinct(&options.tp_overlap, |k| k == 1 || k <= hw.max_tp_overlap);
-    let schedules = distinct(&options.schedules, |_| true);
-    let virtual_stages = distinct(&options.virtual_stages, |v| v >= 2 && v <= units);
     let limit = layout_limit(units);
     let mut slots = Vec::new();
     let mut layouts = 0usize;
     for tp in divisors_up_to(gcd(gpus, model.heads), hw.devices_per_node) {
-        let rest = gpus / tp;
-        for pp in (1..=units.min(rest)).filter(|&pp| rest.is_multiple_of(pp)) {
-            let dp = rest / pp;
-            if !options.global_batch.is_multiple_of(dp) {
-                continue;
-            }
-            let per_replica = options.global_batch / dp;
-            for &b in micro_batches
-                .iter()
-                .filter(|&&b| per_replica.is_multiple_of(b))
-            {
-                let m = per_replica / b;
-                let ks = overlaps
-                    .iter()
-                    .filter(|&&k| k == 1 || (tp > 1 && model.splits_tokens(b, k).is_ok()));
-                for (&k, &schedule) in ks.flat_map(|k| schedules.iter().map(move |s| (k, s))) {
-                    for v in stage_counts(schedule, pp, m, units, &virtual_stages) {
-                        let slot = Slot {
-                            dp,
-                            tp,
-                            pp,
-                            b,
-                            m,
-                            k,
-                            schedule,
-                            v,
-                            per_node: hw.devices_per_node,
-                        };
-                        layouts = layouts.saturating_add(slot.layouts(options));
-                        if layouts <= limit {
-                            slots.push(slot);
-                        }
+        for split in splits(model, gpus / tp, tp, options) {
+            let rest = gpus / (tp * split.cp);
+            for pp in (1..=units.min(rest)).filter(|&pp| rest.is_multiple_of(pp)) {
+                let dp = rest / pp;
+                for slot in pipeline_slots(model, hw, options, dp, split, pp) {
+                    layouts = layouts.saturating_add(slot.layouts(options));
+                    if layouts <= limit {
+                        slots.push(slot);
                     }
                 }
             }
@@ -475,6 +478,91 @@ fn space(
         });
     }
     Ok(slots)
+}
+
+/// The context-parallel degrees and sequence-parallel settings to search with `tp`, `rest`
+/// devices left (`gpus / tp`): see [`SearchOptions::cp`] and
+/// [`SearchOptions::sequence_parallel`]; only `cp = 1` without sequence parallelism for a
+/// model without a transformer shape.
+fn splits(model: &ModelProxy, rest: usize, tp: usize, options: &SearchOptions) -> Vec<RankSplit> {
+    let Some(seq) = model.seq() else {
+        return vec![RankSplit::from(tp)];
+    };
+    let degrees = if options.cp.is_empty() {
+        divisors_up_to(gcd(rest, (seq / 2).max(1)), usize::MAX)
+            .into_iter()
+            .filter(|&cp| cp == 1 || seq / cp >= options.min_cp_tokens)
+            .collect()
+    } else {
+        distinct(&options.cp, |cp| {
+            cp == 1 || (cp > 0 && rest.is_multiple_of(cp))
+        })
+    };
+    let mut out = Vec::new();
+    for cp in degrees {
+        let with = |sequence_parallel| RankSplit {
+            tp,
+            cp,
+            sequence_parallel,
+        };
+        let valid = |&sp: &bool| model.splits_sequence(with(sp)).is_ok();
+        let mut settings = distinct(&options.sequence_parallel, |sp| valid(&sp));
+        if settings.is_empty() {
+            settings.push(false);
+        }
+        out.extend(
+            settings
+                .into_iter()
+                .map(with)
+                .filter(|s| valid(&s.sequence_parallel)),
+        );
+    }
+    out
+}
+
+/// The slots with `dp` replicas of `split` over `pp` pipeline ranks: every micro-batch size,
+/// overlap degree, schedule and virtual stage count that fits (none when `dp` does not divide
+/// the global batch).
+fn pipeline_slots(
+    model: &ModelProxy,
+    hw: &HardwareSpec,
+    options: &SearchOptions,
+    dp: usize,
+    split: RankSplit,
+    pp: usize,
+) -> Vec<Slot> {
+    let units = model.num_units();
+    if !options.global_batch.is_multiple_of(dp) {
+        return Vec::new();
+    }
+    let per_replica = options.global_batch / dp;
+    let overlaps = distinct(&options.tp_overlap, |k| k == 1 || k <= hw.max_tp_overlap);
+    let schedules = distinct(&options.schedules, |_| true);
+    let virtual_stages = distinct(&options.virtual_stages, |v| v >= 2 && v <= units);
+    let mut out = Vec::new();
+    for b in distinct(&options.micro_batch_sizes, |b| {
+        b > 0 && per_replica.is_multiple_of(b)
+    }) {
+        let m = per_replica / b;
+        let tokens_split = |k: usize| model.splits_tokens_on(b, k, split).is_ok();
+        let ks = (overlaps.iter()).filter(|&&k| k == 1 || (split.tp > 1 && tokens_split(k)));
+        for (&k, &schedule) in ks.flat_map(|k| schedules.iter().map(move |s| (k, s))) {
+            for v in stage_counts(schedule, pp, m, units, &virtual_stages) {
+                out.push(Slot {
+                    dp,
+                    split,
+                    pp,
+                    b,
+                    m,
+                    k,
+                    schedule,
+                    v,
+                    per_node: hw.devices_per_node,
+                });
+            }
+        }
+    }
+    out
 }
 
 /// The virtual stages of `schedule` with `pp` ranks, `m` micro-batches and `units` units:
@@ -527,12 +615,12 @@ fn generate(
         Ok::<_, SearchError>(p)
     };
     let mut out = Vec::new();
-    let mut tp = 0;
+    let mut split = None;
     for (done, slot) in slots.iter().enumerate() {
-        if slot.tp != tp {
-            // The stage planner's tables are per tensor-parallel degree: keep one degree's.
+        if split != Some(slot.split) {
+            // The stage planner's tables are per rank split: keep one split's.
             dp_planner.release_tables();
-            tp = slot.tp;
+            split = Some(slot.split);
         }
         progress(SearchProgress {
             phase: "building layouts",
@@ -581,13 +669,15 @@ fn planned(
 ) -> Result<Option<Layout>, SearchError> {
     let skeleton = Skeleton {
         dp: slot.dp,
-        tp: slot.tp,
+        tp: slot.split.tp,
         pp: slot.pp,
         micro_batch: slot.b,
         micro_batches: slot.m,
         schedule: slot.schedule,
         zero,
         tp_overlap: slot.k,
+        cp: slot.split.cp,
+        sequence_parallel: slot.split.sequence_parallel,
     };
     let Some(plan) = dp_planner.plan(&skeleton)? else {
         unplanned.push(skeleton);
@@ -629,7 +719,7 @@ fn shaped(
 ) -> Result<Option<Layout>, SearchError> {
     let uniform = |mode| Layout {
         dp: slot.dp,
-        tp: slot.tp,
+        tp: slot.split.tp,
         pp: slot.pp,
         virtual_stages: slot.v,
         micro_batch: slot.b,
@@ -641,6 +731,8 @@ fn shaped(
         shard: zero.shard,
         partition: partition.clone(),
         tp_overlap: slot.k,
+        cp: slot.split.cp,
+        sequence_parallel: slot.split.sequence_parallel,
     };
     Ok(match policy {
         Recompute::None => Some(uniform(RecomputeMode::None)),
@@ -778,11 +870,11 @@ pub fn search_with_progress(
     if feasible.is_empty() {
         // The stage planner's skeletons that no cut fits count with the least memory a cut
         // of them can reach.
-        let mut tp = 0;
+        let mut split = None;
         for skeleton in &unplanned {
-            if skeleton.tp != tp {
+            if split != Some(skeleton.split()) {
                 dp_planner.release_tables();
-                tp = skeleton.tp;
+                split = Some(skeleton.split());
             }
             smallest = smallest.min(dp_planner.min_memory(skeleton)?);
         }
@@ -995,6 +1087,141 @@ mod tests {
         assert!(all.iter().all(|c| c.layout.shard == 0));
     }
 
+    /// A Llama-3-8B-like GPT (32 x 4096, 128k vocabulary) at 32768 tokens on 8 H100s with 8
+    /// sequences per step: context parallelism makes the Pareto set (the ring hides behind
+    /// 16k-token attention blocks), every layout searched cuts the sequence into zigzag chunks
+    /// of at least 1024 tokens, and sequence parallelism is on wherever tp > 1.
+    #[test]
+    fn context_parallelism_reaches_the_pareto_set_at_32k_tokens() {
+        let model =
+            ModelProxy::parse("gpt:layers=32,hidden=4096,heads=32,seq=32768,vocab=128256").unwrap();
+        let hw = HardwareSpec::preset("h100-80g").unwrap().with_devices(8);
+        let options = SearchOptions::new(8, 8);
+        let result = search(&model, &hw, &options).unwrap();
+        let cps: Vec<usize> = result.pareto.iter().map(|p| p.layout.cp).collect();
+        assert!(cps.iter().any(|&cp| cp > 1), "{cps:?}");
+        assert!(result.best.layout.cp > 1, "{:?}", result.best.layout);
+        let cm = CostModel::new(&model, &hw);
+        let all = candidates(&cm, &options, hw.memory_bytes).unwrap();
+        let mut seen = std::collections::BTreeSet::new();
+        for l in all.iter().map(|c| &c.layout) {
+            assert_eq!(l.gpus(), 8);
+            assert!(32768 % (2 * l.cp) == 0 && 32768 / l.cp >= 2048, "{l:?}");
+            assert_eq!(l.sequence_parallel, l.tp > 1, "{l:?}");
+            seen.insert((l.tp, l.cp));
+        }
+        // Every (tp, cp) with tp cp | 8.
+        assert_eq!(seen.len(), 10, "{seen:?}");
+        // The same layout without the ring: the fastest plan's memory does not fit.
+        let flat = Layout {
+            cp: 1,
+            dp: result.best.layout.dp * result.best.layout.cp,
+            micro_batches: result.best.layout.micro_batches / result.best.layout.cp,
+            ..result.best.layout.clone()
+        };
+        let flat = cm.predict(&flat).unwrap();
+        assert!(flat.max_memory_bytes() > hw.memory_bytes, "{flat:?}");
+    }
+
+    /// Searching layouts without sequence parallelism too adds only dominated ones: the Pareto
+    /// set and the fastest plan are those of the default search.
+    #[test]
+    fn layouts_without_sequence_parallelism_are_dominated_by_their_twins() {
+        let model =
+            ModelProxy::parse("gpt:layers=8,hidden=2048,heads=16,seq=8192,vocab=32000").unwrap();
+        let hw = HardwareSpec::preset("h100-80g").unwrap().with_devices(8);
+        let options = SearchOptions::new(8, 8);
+        let both = SearchOptions {
+            sequence_parallel: vec![false, true],
+            ..options.clone()
+        };
+        let cm = CostModel::new(&model, &hw);
+        let all = candidates(&cm, &both, u64::MAX).unwrap();
+        let mut twins = 0;
+        for l in all.iter().map(|c| &c.layout).filter(|l| l.tp > 1) {
+            if l.sequence_parallel {
+                continue;
+            }
+            let twin = Layout {
+                sequence_parallel: true,
+                ..l.clone()
+            };
+            let (off, on) = (cm.predict(l).unwrap(), cm.predict(&twin).unwrap());
+            assert!(on.step_time_s <= off.step_time_s, "{l:?}");
+            assert!(on.max_memory_bytes() < off.max_memory_bytes(), "{l:?}");
+            twins += 1;
+        }
+        assert!(twins > 100, "{twins}");
+        let points = |o: &SearchOptions| -> Vec<(f64, u64)> {
+            search(&model, &hw, o)
+                .unwrap()
+                .pareto
+                .iter()
+                .map(Plan::point)
+                .collect()
+        };
+        assert_eq!(points(&both), points(&options));
+        let off = SearchOptions {
+            sequence_parallel: vec![false],
+            ..options.clone()
+        };
+        let all = candidates(&cm, &off, u64::MAX).unwrap();
+        assert!(all.iter().all(|c| !c.layout.sequence_parallel));
+    }
+
+    /// Short sequences keep the search as it was (no ring below 2048 tokens a rank), unless
+    /// degrees are given; a model without a shape gets neither context nor sequence
+    /// parallelism.
+    #[test]
+    fn context_parallel_degrees_follow_the_sequence() {
+        let (model, hw) = seven_b(8);
+        let cps = |o: &SearchOptions, m: &ModelProxy| -> Vec<usize> {
+            let cm = CostModel::new(m, &hw);
+            let mut cps: Vec<usize> = (candidates(&cm, o, u64::MAX).unwrap().iter())
+                .map(|c| c.layout.cp)
+                .collect();
+            cps.sort_unstable();
+            cps.dedup();
+            cps
+        };
+        let options = SearchOptions::new(8, 8);
+        assert_eq!(cps(&options, &model), vec![1]);
+        let given = SearchOptions {
+            cp: vec![4, 2, 3, 16],
+            ..options.clone()
+        };
+        // 3 does not divide 8 devices, 16 exceeds them; 2 and 4 cut the 2048 tokens.
+        assert_eq!(cps(&given, &model), vec![2, 4]);
+        let long =
+            ModelProxy::parse("gpt:layers=4,hidden=1024,heads=8,seq=8192,vocab=1000").unwrap();
+        assert_eq!(cps(&options, &long), vec![1, 2, 4]);
+        let low = SearchOptions {
+            min_cp_tokens: 1024,
+            ..options.clone()
+        };
+        assert_eq!(cps(&low, &long), vec![1, 2, 4, 8]);
+        let shapeless = ModelProxy::from_costs(&model.shape.unwrap());
+        let all = candidates(&CostModel::new(&shapeless, &hw), &given, u64::MAX).unwrap();
+        assert!(
+            all.iter()
+                .all(|c| c.layout.cp == 1 && !c.layout.sequence_parallel)
+        );
+    }
+
+    /// A plan file of an earlier version has neither `cp` nor `sequence_parallel`: one rank a
+    /// sequence, no sequence parallelism.
+    #[test]
+    fn a_layout_without_the_sequence_fields_reads_as_cp_1() {
+        let (model, hw, options) = small_case();
+        let layout = search(&model, &hw, &options).unwrap().best.layout;
+        let json = serde_json::to_value(&layout).unwrap();
+        let mut fields = json.as_object().unwrap().clone();
+        fields.remove("cp");
+        fields.remove("sequence_parallel");
+        let read: Layout = serde_json::from_value(fields.into()).unwrap();
+        assert_eq!((read.cp, read.sequence_parallel), (1, false));
+    }
+
     /// A plan file of an earlier version names ZeRO-1 `"zero1": true`; it reads as stage 1.
     #[test]
     fn a_layout_with_the_old_zero1_flag_reads_as_stage_one() {
@@ -1121,6 +1348,8 @@ mod tests {
                 schedule: l.schedule,
                 zero: l.zero,
                 tp_overlap: l.tp_overlap,
+                cp: l.cp,
+                sequence_parallel: l.sequence_parallel,
             };
             let plan = planner.plan(&skeleton).unwrap().unwrap();
             assert_eq!(&plan.layout, l);

@@ -48,7 +48,7 @@ use std::rc::Rc;
 use thiserror::Error;
 
 use super::cost::{ChunkMemory, CostError, CostModel, Layout, StageTerms};
-use super::model::RecomputeMode;
+use super::model::{RankSplit, RecomputeMode};
 use crate::data_parallel::ReduceScatter;
 use crate::pipeline::{PartitionError, ScheduleKind, explicit_partition};
 
@@ -72,6 +72,21 @@ pub struct Skeleton {
     pub zero: u8,
     /// Sub-pipelining degree of tensor parallelism.
     pub tp_overlap: usize,
+    /// Context-parallel degree.
+    pub cp: usize,
+    /// Sequence parallelism.
+    pub sequence_parallel: bool,
+}
+
+impl Skeleton {
+    /// How one micro-batch is split over its ranks.
+    pub fn split(&self) -> RankSplit {
+        RankSplit {
+            tp: self.tp,
+            cp: self.cp,
+            sequence_parallel: self.sequence_parallel,
+        }
+    }
 }
 
 /// The stage planner's answer for one skeleton.
@@ -113,7 +128,7 @@ pub enum StageDpError {
     Partition(#[from] PartitionError),
 }
 
-/// Per-range sums of the unit terms for one (tensor-parallel degree, micro-batch size), indexed
+/// Per-range sums of the unit terms for one (rank split, micro-batch size, overlap), indexed
 /// `i * (units + 1) + e` for the units `i..e`.
 struct Tables {
     units: usize,
@@ -128,7 +143,7 @@ struct Tables {
 }
 
 impl Tables {
-    fn new(cm: &CostModel<'_>, t: usize, b: usize, overlap: usize) -> Tables {
+    fn new(cm: &CostModel<'_>, split: RankSplit, b: usize, overlap: usize) -> Tables {
         let units = cm.model().num_units();
         let n = (units + 1) * (units + 1);
         let mut tables = Tables {
@@ -146,7 +161,7 @@ impl Tables {
                     continue;
                 }
                 let terms: Vec<_> = (0..units)
-                    .map(|u| cm.unit_terms(u, b, t, overlap, mode, tied))
+                    .map(|u| cm.unit_terms(u, b, split, overlap, mode, tied))
                     .collect();
                 for i in 0..units {
                     let mut stage = StageTerms::default();
@@ -169,10 +184,10 @@ impl Tables {
     }
 }
 
-/// Everything a plan depends on besides the budget: tensor parallelism with its overlap degree,
+/// Everything a plan depends on besides the budget: the rank split with the overlap degree,
 /// micro-batch size, stages, in-flight counts per stage and the bits of the model-state bytes
 /// per parameter.
-type PlanKey = ((usize, usize), usize, usize, Vec<usize>, u64);
+type PlanKey = ((RankSplit, usize), usize, usize, Vec<usize>, u64);
 
 /// A solved cut: stage sizes and modes with the objective.
 #[derive(Clone, Debug, PartialEq)]
@@ -335,7 +350,7 @@ impl Problem<'_> {
 pub struct StageDp<'c, 'a> {
     cm: &'c CostModel<'a>,
     budget: u64,
-    tables: HashMap<(usize, usize, usize), Rc<Tables>>,
+    tables: HashMap<(RankSplit, usize, usize), Rc<Tables>>,
     plans: HashMap<PlanKey, Option<Solution>>,
     min_memory: HashMap<PlanKey, u64>,
 }
@@ -368,6 +383,7 @@ impl<'c, 'a> StageDp<'c, 'a> {
         for (field, v) in [
             ("dp", skeleton.dp),
             ("tp", skeleton.tp),
+            ("cp", skeleton.cp),
             ("pp", skeleton.pp),
             ("micro_batch", skeleton.micro_batch),
             ("micro_batches", skeleton.micro_batches),
@@ -396,7 +412,7 @@ impl<'c, 'a> StageDp<'c, 'a> {
     fn prepare(&mut self, skeleton: &Skeleton) -> Result<(Rc<Tables>, PlanKey), StageDpError> {
         self.check(skeleton)?;
         let (t, b, p, k) = (
-            skeleton.tp,
+            skeleton.split(),
             skeleton.micro_batch,
             skeleton.pp,
             skeleton.tp_overlap,
@@ -405,7 +421,7 @@ impl<'c, 'a> StageDp<'c, 'a> {
             .cm
             .in_flight(skeleton.schedule, p, 1, skeleton.micro_batches)?;
         let state_bytes = CostModel::state_bytes_per_param(
-            skeleton.dp,
+            skeleton.dp * skeleton.cp.max(1),
             skeleton.zero,
             skeleton.micro_batches,
             ReduceScatter::Step,
@@ -466,6 +482,8 @@ impl<'c, 'a> StageDp<'c, 'a> {
                 shard: 0,
                 partition,
                 tp_overlap: skeleton.tp_overlap,
+                cp: skeleton.cp,
+                sequence_parallel: skeleton.sequence_parallel,
             },
             bottleneck_s: solution.bottleneck_s,
             total_s: solution.total_s,
@@ -528,6 +546,8 @@ mod tests {
             schedule,
             zero: u8::from(zero1),
             tp_overlap: if zero1 { 2 } else { 1 },
+            cp: 1,
+            sequence_parallel: false,
         }
     }
 
@@ -592,6 +612,8 @@ mod tests {
                     shard: 0,
                     partition: explicit_partition(&sizes, units).unwrap(),
                     tp_overlap: sk.tp_overlap,
+                    cp: sk.cp,
+                    sequence_parallel: sk.sequence_parallel,
                 };
                 let times = cm.stage_times(&layout).unwrap();
                 let est = cm.estimate(&layout).unwrap();
