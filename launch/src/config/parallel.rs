@@ -309,7 +309,9 @@ impl Config {
 
     /// `parallel.tp_overlap`: at least 1 and a divisor of the tokens of a micro-batch.
     pub(super) fn validate_overlap(&self) -> Result<(), ConfigError> {
-        let tokens = self.micro_batch().saturating_mul(self.model.gpt.seq_len);
+        // Under context parallelism a rank's micro-batch holds seq_len / cp positions a sequence.
+        let seq = self.model.gpt.seq_len / self.parallel.cp.max(1);
+        let tokens = self.micro_batch().saturating_mul(seq);
         let overlap = match TpOverlap::new(self.parallel.tp_overlap) {
             Ok(k) => k,
             Err(e) => return bad("parallel.tp_overlap", e.to_string()),
@@ -319,9 +321,11 @@ impl Config {
             Err(e) => bad(
                 "parallel.tp_overlap",
                 format!(
-                    "{e} (train.micro_batch = {} x model.seq_len = {}): choose a divisor of {tokens}",
+                    "{e} (train.micro_batch = {} x model.seq_len = {} / parallel.cp = {}): choose a \
+                     divisor of {tokens}",
                     self.micro_batch(),
-                    self.model.gpt.seq_len
+                    self.model.gpt.seq_len,
+                    self.parallel.cp.max(1)
                 ),
             ),
         }
