@@ -37,7 +37,7 @@ pub use ops::{
     scatter_to_sp, set_grad_sink, split_to_tp,
 };
 pub use overlap::TpOverlap;
-pub use sequence::{HeldPositions, SeqShare, sp_param};
+pub use sequence::{HeldPositions, SeqShare, SequenceSplit, sp_param};
 pub use sharding::padded_vocab;
 pub(crate) use sharding::replace_split;
 pub use sharding::{ParamSplits, SPLIT_CONTAINER, ShardKind, Split};

@@ -326,31 +326,39 @@ impl<B: ParallelBackend> Backward<B, 2> for RowLinearBackward {
 }
 
 impl<B: ParallelBackend> Backward<B, 2> for ColumnLinearBackward {
-    type State = (Option<NodeId>, NodeId, usize, Group);
+    type State = SpLinearState;
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, c: &mut Checkpointer) {
-        let (x, w, chunks, group) = ops.state;
-        let x = x.map(|id| c.retrieve_node_output::<B::FloatTensorPrimitive>(id));
-        let w = c.retrieve_node_output::<B::FloatTensorPrimitive>(w);
-        let dy = grads.consume::<B>(&ops.node);
-        let out = super::overlap::column_backward::<B>(x, w, dy, chunks, group);
-        register_linear::<B>(ops.parents.map(|p| p.map(|n| n.id)), out, grads);
+        chunked_linear_backward::<B>(ops, grads, c, super::overlap::column_backward::<B>);
     }
 }
 
-/// The saved `x` (when the weight needs its gradient) and `w` of a sequence-parallel product,
-/// with its token chunks and group.
+/// The saved `x` (when the weight needs its gradient) and `w` of a chunked tensor- or
+/// sequence-parallel product, with its token chunks and group.
 type SpLinearState = (Option<NodeId>, NodeId, usize, Group);
 
-/// Registers `[dx, dw]` with the parents of a linear node.
-fn register_linear<B: ParallelBackend>(
-    parents: [Option<NodeId>; 2],
-    out: [Option<FloatTensor<B>>; 2],
+/// The backward pass of a linear node that saved `(x, w, chunks, group)`: `backward(x, w, dy,
+/// chunks, group)` gives `[dx, dw]`, registered with the node's parents.
+fn chunked_linear_backward<B: ParallelBackend>(
+    ops: Ops<SpLinearState, 2>,
     grads: &mut Gradients,
+    c: &mut Checkpointer,
+    backward: impl FnOnce(
+        Option<FloatTensor<B>>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        usize,
+        Group,
+    ) -> [Option<FloatTensor<B>>; 2],
 ) {
-    for (parent, grad) in parents.into_iter().zip(out) {
+    let (x, w, chunks, group) = ops.state;
+    let x = x.map(|id| c.retrieve_node_output::<B::FloatTensorPrimitive>(id));
+    let w = c.retrieve_node_output::<B::FloatTensorPrimitive>(w);
+    let dy = grads.consume::<B>(&ops.node);
+    let out = backward(x, w, dy, chunks, group);
+    for (parent, grad) in ops.parents.into_iter().zip(out) {
         if let (Some(node), Some(grad)) = (parent, grad) {
-            grads.register::<B>(node, grad);
+            grads.register::<B>(node.id, grad);
         }
     }
 }
@@ -359,12 +367,8 @@ impl<B: ParallelBackend> Backward<B, 2> for SpRowLinearBackward {
     type State = SpLinearState;
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, c: &mut Checkpointer) {
-        let (x, w, _, group) = ops.state;
-        let x = x.map(|id| c.retrieve_node_output::<B::FloatTensorPrimitive>(id));
-        let w = c.retrieve_node_output::<B::FloatTensorPrimitive>(w);
-        let dy = grads.consume::<B>(&ops.node);
-        let out = super::sequence_overlap::row_backward::<B>(x, w, dy, group);
-        register_linear::<B>(ops.parents.map(|p| p.map(|n| n.id)), out, grads);
+        let row = |x, w, dy, _, group| super::sequence_overlap::row_backward::<B>(x, w, dy, group);
+        chunked_linear_backward::<B>(ops, grads, c, row);
     }
 }
 
@@ -372,12 +376,8 @@ impl<B: ParallelBackend> Backward<B, 2> for SpColumnLinearBackward {
     type State = SpLinearState;
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, c: &mut Checkpointer) {
-        let (x, w, chunks, group) = ops.state;
-        let x = x.map(|id| c.retrieve_node_output::<B::FloatTensorPrimitive>(id));
-        let w = c.retrieve_node_output::<B::FloatTensorPrimitive>(w);
-        let dy = grads.consume::<B>(&ops.node);
-        let out = super::sequence_overlap::column_backward::<B>(x, w, dy, chunks, group);
-        register_linear::<B>(ops.parents.map(|p| p.map(|n| n.id)), out, grads);
+        let column = super::sequence_overlap::column_backward::<B>;
+        chunked_linear_backward::<B>(ops, grads, c, column);
     }
 }
 
@@ -474,55 +474,19 @@ impl<B: ParallelBackend, C: CheckpointStrategy> ParallelBackend for Autodiff<B, 
     }
 
     fn tp_gather(x: FloatTensor<Self>, dim: usize, group: Group) -> FloatTensor<Self> {
-        match GatherBackward
-            .prepare::<C>([x.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                prep.finish((dim, group), B::tp_gather(x.primitive, dim, group))
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::tp_gather(x.primitive, dim, group)),
-        }
+        along_dim::<B, C, _>(GatherBackward, x, dim, group, B::tp_gather)
     }
 
     fn tp_split(x: FloatTensor<Self>, dim: usize, group: Group) -> FloatTensor<Self> {
-        match SplitBackward
-            .prepare::<C>([x.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                prep.finish((dim, group), B::tp_split(x.primitive, dim, group))
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::tp_split(x.primitive, dim, group)),
-        }
+        along_dim::<B, C, _>(SplitBackward, x, dim, group, B::tp_split)
     }
 
     fn sp_gather(x: FloatTensor<Self>, dim: usize, group: Group) -> FloatTensor<Self> {
-        match SpGatherBackward
-            .prepare::<C>([x.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                prep.finish((dim, group), B::sp_gather(x.primitive, dim, group))
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::sp_gather(x.primitive, dim, group)),
-        }
+        along_dim::<B, C, _>(SpGatherBackward, x, dim, group, B::sp_gather)
     }
 
     fn sp_scatter(x: FloatTensor<Self>, dim: usize, group: Group) -> FloatTensor<Self> {
-        match SpScatterBackward
-            .prepare::<C>([x.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                prep.finish((dim, group), B::sp_scatter(x.primitive, dim, group))
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::sp_scatter(x.primitive, dim, group)),
-        }
+        along_dim::<B, C, _>(SpScatterBackward, x, dim, group, B::sp_scatter)
     }
 
     fn tp_row_linear(
@@ -589,6 +553,25 @@ impl<B: ParallelBackend, C: CheckpointStrategy> ParallelBackend for Autodiff<B, 
             }
             OpsKind::UnTracked(prep) => prep.finish(x.primitive),
         }
+    }
+}
+
+/// The graph node of a communication `forward` along `dim` over `group`, whose backward pass
+/// is `op` (a gather's split, a split's gather, ...).
+fn along_dim<
+    B: ParallelBackend,
+    C: CheckpointStrategy,
+    O: Backward<B, 1, State = (usize, Group)>,
+>(
+    op: O,
+    x: FloatTensor<Autodiff<B, C>>,
+    dim: usize,
+    group: Group,
+    forward: fn(FloatTensor<B>, usize, Group) -> FloatTensor<B>,
+) -> FloatTensor<Autodiff<B, C>> {
+    match op.prepare::<C>([x.node.clone()]).compute_bound().stateful() {
+        OpsKind::Tracked(prep) => prep.finish((dim, group), forward(x.primitive, dim, group)),
+        OpsKind::UnTracked(prep) => prep.finish(forward(x.primitive, dim, group)),
     }
 }
 

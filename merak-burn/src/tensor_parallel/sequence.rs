@@ -20,11 +20,12 @@
 //! (whose chunks are cut inside the slices), so positions, dropout masks and gathers all use
 //! it and a run equals the one-process run.
 
-use burn::tensor::Tensor;
+use burn::tensor::{Int, Tensor};
 
 use super::ops::{ParallelBackend, copy_to_tp};
 use crate::comm::Group;
-use crate::context_parallel::ZigZag;
+use crate::context_parallel::{ZigZag, ZigZagError};
+use crate::kernels::embedding;
 
 /// The part of every sequence a rank holds between the tensor-parallel blocks: part `index`
 /// of `parts` equal, contiguous parts.
@@ -130,5 +131,100 @@ impl HeldPositions {
         };
         let (start, len) = self.share.range(all.len());
         Some(all[start..start + len].to_vec())
+    }
+}
+
+/// How a model's sequences are split between its tensor-parallel blocks: by the TP group under
+/// sequence parallelism, and across a context-parallel group. A model keeps one and asks it
+/// which positions its rank holds ([`held`](Self::held)) and for their position embeddings.
+#[derive(Clone, Copy, Debug)]
+pub struct SequenceSplit {
+    /// The tensor-parallel group.
+    tp: Group,
+    /// Whether sequence parallelism is on (tp > 1).
+    sequence_parallel: bool,
+    /// The context-parallel group, when it has more than one rank.
+    context_parallel: Option<Group>,
+    /// The sequence length the model is built for.
+    seq_len: usize,
+}
+
+impl SequenceSplit {
+    /// Whole sequences of `seq_len` tokens on every rank of `tp`.
+    pub fn new(tp: Group, seq_len: usize) -> Self {
+        Self {
+            tp,
+            sequence_parallel: false,
+            context_parallel: None,
+            seq_len,
+        }
+    }
+
+    /// The same with sequence parallelism on or off (no effect at tp = 1).
+    pub fn with_sequence_parallel(self, on: bool) -> Self {
+        Self {
+            sequence_parallel: on && self.tp.size() > 1,
+            ..self
+        }
+    }
+
+    /// The same with the sequences cut across `cp` (no effect for a group of one rank). Fails
+    /// unless `2 cp` divides the sequence length.
+    pub fn with_context_parallel(self, cp: Group) -> Result<Self, ZigZagError> {
+        if cp.size() > 1 {
+            ZigZag::new(self.seq_len, cp.size(), cp.rank())?;
+        }
+        Ok(Self {
+            context_parallel: (cp.size() > 1).then_some(cp),
+            ..self
+        })
+    }
+
+    /// Whether sequence parallelism is on.
+    pub fn sequence_parallel(&self) -> bool {
+        self.sequence_parallel
+    }
+
+    /// The context-parallel group, when the sequences are cut across one.
+    pub fn context_parallel(&self) -> Option<Group> {
+        self.context_parallel
+    }
+
+    /// Under sequence parallelism, the group whose ranks split the sequences and this rank's
+    /// part; `(None, whole)` otherwise.
+    pub fn region(&self) -> (Option<Group>, SeqShare) {
+        match self.sequence_parallel {
+            true => (Some(self.tp), SeqShare::of(self.tp)),
+            false => (None, SeqShare::WHOLE),
+        }
+    }
+
+    /// The positions of every sequence this rank's hidden states hold between the blocks.
+    pub fn held(&self) -> HeldPositions {
+        let zigzag = (self.context_parallel)
+            .and_then(|cp| ZigZag::new(self.seq_len, cp.size(), cp.rank()).ok());
+        HeldPositions::whole(self.seq_len)
+            .with_context(zigzag)
+            .with_share(self.region().1)
+    }
+
+    /// The position embeddings of this rank's rows of `[batch, seq]` tokens, from `table`
+    /// (`[max positions, hidden]`): rows `positions` (`[batch, seq]`, when the samples carry
+    /// them: a document mask's or context parallelism's), otherwise `0..seq` broadcast over
+    /// the batch; under sequence parallelism only this rank's part (the table read through
+    /// [`sp_param`]).
+    pub fn position_embeddings<B: ParallelBackend>(
+        &self,
+        table: Tensor<B, 2>,
+        seq: usize,
+        positions: Option<Tensor<B, 2, Int>>,
+    ) -> Tensor<B, 3> {
+        let (group, share) = self.region();
+        let (start, len) = share.range(seq);
+        let table = sp_param(table, group);
+        match positions {
+            Some(positions) => embedding(table, positions.narrow(1, start, len), 0),
+            None => table.narrow(0, start, len).unsqueeze::<3>(),
+        }
     }
 }

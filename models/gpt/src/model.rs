@@ -7,12 +7,12 @@ use burn::module::Module;
 use burn::nn::Embedding;
 use burn::tensor::{Int, Tensor, backend::Backend};
 use merak_burn::comm::Group;
-use merak_burn::context_parallel::{CpAttention, ZigZag, ZigZagError};
+use merak_burn::context_parallel::{CpAttention, ZigZagError};
 use merak_burn::pipeline::{TiedTable, UnitStack, param_ids};
 use merak_burn::tensor_parallel::{
-    AttentionMask, AttentionWeights, HeldPositions, InitRng, LayerNorm, MlpWeights,
-    ParallelBackend, ParallelMlp, ParallelSelfAttention, ReplicatedDropout, SeqShare, TpError,
-    TpOverlap, VocabParallelEmbedding, param_from_values, sp_param, vocab_parallel_cross_entropy,
+    AttentionMask, AttentionWeights, InitRng, LayerNorm, MlpWeights, ParallelBackend, ParallelMlp,
+    ParallelSelfAttention, ReplicatedDropout, SequenceSplit, TpError, TpOverlap,
+    VocabParallelEmbedding, param_from_values, vocab_parallel_cross_entropy,
 };
 
 use crate::GptConfig;
@@ -76,18 +76,10 @@ pub struct Gpt<B: Backend> {
     pub dropout: ReplicatedDropout,
     /// Width of the hidden states (what passes between pipeline stages).
     pub hidden: usize,
-    /// The tensor-parallel group.
+    /// How the sequences are split between the tensor-parallel blocks (sequence and context
+    /// parallelism).
     #[module(skip)]
-    tp: Group,
-    /// Whether sequence parallelism is on (`parallel.sequence_parallel`).
-    #[module(skip)]
-    sequence_parallel: bool,
-    /// The context-parallel group, when the sequences are cut across one (`parallel.cp`).
-    #[module(skip)]
-    context_parallel: Option<Group>,
-    /// The sequence length the model is built for.
-    #[module(skip)]
-    seq_len: usize,
+    split: SequenceSplit,
 }
 
 impl<B: ParallelBackend> Gpt<B> {
@@ -164,10 +156,7 @@ impl<B: ParallelBackend> Gpt<B> {
             head,
             dropout: ReplicatedDropout::new(cfg.dropout, seed),
             hidden: cfg.hidden,
-            tp,
-            sequence_parallel: false,
-            context_parallel: None,
-            seq_len: cfg.seq_len,
+            split: SequenceSplit::new(tp, cfg.seq_len),
         })
     }
 
@@ -187,9 +176,9 @@ impl<B: ParallelBackend> Gpt<B> {
     /// ([`merak_burn::tensor_parallel::sequence`]), which tp must divide. The hidden states
     /// of [`hidden`](Self::hidden) and between pipeline stages are then this rank's slice.
     pub fn with_sequence_parallel(mut self, on: bool) -> Self {
-        let on = on && self.tp.size() > 1;
-        self.sequence_parallel = on;
-        let (group, _) = self.split_region();
+        self.split = self.split.with_sequence_parallel(on);
+        let on = self.split.sequence_parallel();
+        let (group, _) = self.split.region();
         for table in [&mut self.wte, &mut self.head].into_iter().flatten() {
             table.set_sequence_parallel(on);
         }
@@ -206,19 +195,9 @@ impl<B: ParallelBackend> Gpt<B> {
         self
     }
 
-    /// Under sequence parallelism, the group whose ranks split the sequences and this rank's
-    /// part; `(None, whole)` otherwise.
-    fn split_region(&self) -> (Option<Group>, SeqShare) {
-        if self.sequence_parallel {
-            (Some(self.tp), SeqShare::of(self.tp))
-        } else {
-            (None, SeqShare::WHOLE)
-        }
-    }
-
     /// The same model with its sequences cut across the context-parallel group `cp`
     /// (`parallel.cp`; nothing changes for a group of one rank): this rank holds the zigzag
-    /// share of every sequence ([`ZigZag`]), its samples carry the global positions
+    /// share of every sequence ([`merak_burn::context_parallel::ZigZag`]), its samples carry the global positions
     /// ([`merak_burn::context_parallel::shard_samples`]), and the attention runs as a ring over
     /// the group or, with [`CpAttention::AllToAll`], by all-to-all exchanges (cp must divide
     /// the heads per TP rank; the config checks it). Fails unless `2 cp` divides the sequence
@@ -228,32 +207,19 @@ impl<B: ParallelBackend> Gpt<B> {
         cp: Group,
         exchange: CpAttention,
     ) -> Result<Self, ZigZagError> {
-        if cp.size() > 1 {
-            ZigZag::new(self.seq_len, cp.size(), cp.rank())?;
-        }
-        self.context_parallel = (cp.size() > 1).then_some(cp);
+        self.split = self.split.with_context_parallel(cp)?;
         for block in self.blocks.iter_mut().flatten() {
             block
                 .attn
-                .set_context_parallel(self.context_parallel, exchange);
+                .set_context_parallel(self.split.context_parallel(), exchange);
         }
         self.apply_rows();
         Ok(self)
     }
 
-    /// The positions of every sequence this rank's hidden states hold between the
-    /// tensor-parallel blocks.
-    fn held(&self) -> HeldPositions {
-        let zigzag = (self.context_parallel)
-            .and_then(|cp| ZigZag::new(self.seq_len, cp.size(), cp.rank()).ok());
-        HeldPositions::whole(self.seq_len)
-            .with_context(zigzag)
-            .with_share(self.split_region().1)
-    }
-
     /// Tells every dropout which positions its inputs' rows hold.
     fn apply_rows(&mut self) {
-        let rows = self.held().rows();
+        let rows = self.split.held().rows();
         for block in self.blocks.iter_mut().flatten() {
             block.dropout.set_sequence_rows(rows.clone());
         }
@@ -276,18 +242,9 @@ impl<B: ParallelBackend> Gpt<B> {
             panic!("the embedding unit is not on this pipeline rank");
         };
         // Under sequence parallelism this rank's positions only (`wte` scatters its sum).
-        let (group, share) = self.split_region();
-        let (start, len) = share.range(ids.dims()[1]);
-        let table = sp_param(wpe.weight.val(), group);
-        let pos = match positions {
-            Some(positions) => merak_burn::precision::autocast(merak_burn::kernels::embedding(
-                table,
-                positions.narrow(1, start, len),
-                0,
-            )),
-            // Position embeddings `start..start + len`, added to every sequence (broadcast).
-            None => merak_burn::precision::autocast(table.narrow(0, start, len)).unsqueeze::<3>(),
-        };
+        let seq = ids.dims()[1];
+        let pos = (self.split).position_embeddings(wpe.weight.val(), seq, positions);
+        let pos = merak_burn::precision::autocast(pos);
         self.dropout.forward(wte.forward(ids) + pos)
     }
 
@@ -371,7 +328,7 @@ impl<B: ParallelBackend> UnitStack<B> for Gpt<B> {
     }
 
     fn sequence_parts(&self) -> usize {
-        self.held().parts()
+        self.split.held().parts()
     }
 
     /// Under a document mask (the batch has [`POSITIONS`]) the positions restart per document.
