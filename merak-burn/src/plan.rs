@@ -579,7 +579,7 @@ mod tests {
         assert_eq!((back.dp, back.tp, back.cp, back.pp), (2, 2, 4, 2));
         assert!(back.sequence_parallel);
         assert!(
-            back.to_string().contains("cp=4 sequence_parallel"),
+            back.to_string().contains("cp=4 (ring) sequence_parallel"),
             "{back}"
         );
     }
