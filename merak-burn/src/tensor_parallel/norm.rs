@@ -10,8 +10,9 @@ use crate::comm::Group;
 use crate::kernels::layer_norm;
 
 /// LayerNorm over the last dimension with a gain and a shift, computed by the fused kernel
-/// ([`FusedOps::fused_layer_norm`]). Its parameters are named like those of Burn's `LayerNorm`
-/// (`gamma`, `beta`), so parameter paths, checkpoints and exports are the same.
+/// ([`FusedOps::fused_layer_norm`](crate::kernels::FusedOps::fused_layer_norm)). Its
+/// parameters are named like those of Burn's `LayerNorm` (`gamma`, `beta`), so parameter
+/// paths, checkpoints and exports are the same.
 #[derive(Module, Debug)]
 pub struct LayerNorm<B: Backend> {
     /// The gain, `[d]`, initialized to 1.

@@ -4,16 +4,18 @@
 //! row-parallel layer, the embeddings' sum) every TP rank holds a slice of each sequence
 //! instead of the whole of it, so those activations are divided by tp:
 //!
-//! - a column-parallel block's input is all-gathered along the sequence
-//!   ([`gather_from_sp`](super::ops::gather_from_sp), *ḡ*; its backward reduce-scatters the
-//!   gradient, replacing *f*'s all-reduce);
-//! - a row-parallel block's output is reduce-scattered along the sequence
-//!   ([`scatter_to_sp`](super::ops::scatter_to_sp), *g*; replacing its all-reduce);
+//! - a column-parallel block's input is all-gathered along the sequence (*ḡ*; its backward
+//!   reduce-scatters the gradient, replacing *f*'s all-reduce), a row-parallel block's output
+//!   reduce-scattered along it (*g*; replacing its all-reduce): inside the products'
+//!   operations ([`sequence_overlap`](super::sequence_overlap)), and as
+//!   [`gather_from_sp`](super::ops::gather_from_sp) and
+//!   [`scatter_to_sp`](super::ops::scatter_to_sp) for the embedding and the head;
 //! - a replicated parameter used between the blocks sees only this rank's tokens, so its
 //!   gradient is summed over the TP group ([`sp_param`]: *f* on the parameter's value);
-//! - dropout between the blocks draws, for each sample, the slice of the mask the whole
-//!   sequence would have ([`ReplicatedDropout`](super::ReplicatedDropout) with a
-//!   [`SeqShare`]).
+//! - dropout between the blocks draws, for each sample, the rows of the mask the whole
+//!   sequence would have that the rank holds
+//!   ([`ReplicatedDropout::set_sequence_rows`](super::ReplicatedDropout::set_sequence_rows)
+//!   with the rows of [`HeldPositions`], which also knows context parallelism's share).
 //!
 //! **Token order.** The canonical order is the sequence's own: TP rank `r` holds positions
 //! `r s / tp .. (r + 1) s / tp` of every sequence, with or without `parallel.tp_overlap`
