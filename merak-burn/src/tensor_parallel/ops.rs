@@ -124,52 +124,15 @@ pub mod plain {
             return x;
         }
         let comm = group.comm().unwrap_or_else(|e| fatal(e));
-        let t = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(x));
-        let shape = t.shape();
-        // Rank-major: chunk r of `dim` flattened and laid after chunk r - 1.
-        let parts = split_chunks::<B>(unwrap(t), &shape, dim, group.size());
-        let flat = wrap::<B>(B::float_cat(parts, 0));
+        // With `dim` first, rank r's chunk is the r-th contiguous block of the flat buffer.
+        let (t, shape) = as_rank::<B>(B::float_swap_dims(x, 0, dim));
+        let flat = t.reshape([shape.num_elements()]);
         let out = comm
             .reduce_scatter_tensor(flat, 0, ReduceOp::Sum)
             .unwrap_or_else(|e| fatal(e));
         let mut dims = shape.as_slice().to_vec();
-        dims[dim] /= group.size();
-        B::float_reshape(unwrap(out), Shape::from(dims))
-    }
-
-    /// The `n` chunks of `x` (of `shape`) along `dim`, each flattened.
-    fn split_chunks<B: Backend>(
-        x: FloatTensor<B>,
-        shape: &Shape,
-        dim: usize,
-        n: usize,
-    ) -> Vec<FloatTensor<B>> {
-        let size = shape[dim];
-        assert!(
-            size.is_multiple_of(n),
-            "sequence-parallel reduce-scatter: dimension {dim} of size {size} is not divisible by tp={n}"
-        );
-        let chunk = size / n;
-        (0..n)
-            .map(|r| {
-                let ranges = shape
-                    .as_slice()
-                    .iter()
-                    .enumerate()
-                    .map(|(d, &s)| {
-                        let range = if d == dim {
-                            r * chunk..(r + 1) * chunk
-                        } else {
-                            0..s
-                        };
-                        burn::tensor::Slice::from(range)
-                    })
-                    .collect::<Vec<_>>();
-                let part = B::float_slice(x.clone(), &ranges);
-                let n = burn::tensor::TensorMetadata::shape(&part).num_elements();
-                B::float_reshape(part, Shape::new([n]))
-            })
-            .collect()
+        dims[0] /= group.size();
+        B::float_swap_dims(B::float_reshape(unwrap(out), Shape::from(dims)), 0, dim)
     }
 
     /// This rank's chunk along `dim` of a primitive.
