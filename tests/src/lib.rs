@@ -40,6 +40,20 @@ impl Run {
             self.stderr
         );
     }
+
+    /// Panics unless the run succeeded and each of its `np` ranks printed
+    /// `rank R: {scenario} ok` (what the worker binaries print after their checks).
+    pub fn assert_all_ranks_ok(&self, np: usize, scenario: &str) {
+        self.assert_success();
+        for r in 0..np {
+            let line = format!("rank {r}: {scenario} ok");
+            assert!(
+                self.stdout.contains(&line),
+                "missing `{line}` in\n{}",
+                self.stdout
+            );
+        }
+    }
 }
 
 /// The `mpirun` command for `np` ranks: oversubscription allowed (tests run more ranks than

@@ -11,16 +11,7 @@ use merak_tests::{mpirun, run_with_deadline};
 fn assert_all_ranks_ok(np: usize, scenario: &str) {
     let mut cmd = mpirun(np);
     cmd.arg(env!("CARGO_BIN_EXE_cp-worker")).arg(scenario);
-    let run = run_with_deadline(cmd, Duration::from_secs(180));
-    run.assert_success();
-    for r in 0..np {
-        let line = format!("rank {r}: {scenario} ok");
-        assert!(
-            run.stdout.contains(&line),
-            "missing `{line}` in\n{}",
-            run.stdout
-        );
-    }
+    run_with_deadline(cmd, Duration::from_secs(180)).assert_all_ranks_ok(np, scenario);
 }
 
 #[test]

@@ -12,16 +12,7 @@ fn worker(np: usize, scenario: &str) -> Run {
 }
 
 fn assert_all_ranks_ok(np: usize, scenario: &str) {
-    let run = worker(np, scenario);
-    run.assert_success();
-    for r in 0..np {
-        let line = format!("rank {r}: {scenario} ok");
-        assert!(
-            run.stdout.contains(&line),
-            "missing `{line}` in\n{}",
-            run.stdout
-        );
-    }
+    worker(np, scenario).assert_all_ranks_ok(np, scenario);
 }
 
 #[test]
