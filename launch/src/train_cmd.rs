@@ -186,7 +186,8 @@ fn check_and_open(
     let placement = crate::transport::place(&cfg, world.as_ref())?;
     crate::admission::check(&cfg, &parallel, &pipeline, placement.device)?;
     let grid = match world {
-        Some(w) => ProcessGrid::from_mpi_with(w, parallel.layout(), placement.transport)?,
+        Some(w) => ProcessGrid::from_mpi_with(w, parallel.layout(), placement.transport)?
+            .with_expert_parallel(parallel.ep)?,
         None => ProcessGrid::single(),
     };
     let data = crate::data::open(&cfg)?;
@@ -322,10 +323,12 @@ where
         let objective = Objective::Masked(bert);
         return Ok(train::train(cfg, data, grid, out, device, model, &objective, spec)?.0);
     }
-    let mut model = merak_gpt::Gpt::<B>::new_units(&cfg.model.gpt, seed, grid.tp, device, &holds)?
-        .with_tp_overlap(overlap)
-        .with_context_parallel(grid.cp, cfg.parallel.cp_attention)?
-        .with_sequence_parallel(cfg.parallel.sequence_parallel);
+    let gpt = &cfg.model.gpt;
+    let mut model =
+        merak_gpt::Gpt::<B>::new_expert_parallel(gpt, seed, grid.tp, grid.ep, device, &holds)?
+            .with_tp_overlap(overlap)
+            .with_context_parallel(grid.cp, cfg.parallel.cp_attention)?
+            .with_sequence_parallel(cfg.parallel.sequence_parallel);
     if let Some(pretrained) = &job.init_from {
         model = init_from::apply(model, pretrained, grid)?;
     }

@@ -223,6 +223,14 @@ pub struct ProcessGrid {
     pub cp: Group,
     /// The ranks that differ only in their pipeline stage.
     pub pp: Group,
+    /// The expert-parallel group: the `ep` consecutive ranks of [`dp`](Self::dp) that split a
+    /// mixture of experts' experts and exchange tokens ([`with_expert_parallel`](Self::with_expert_parallel);
+    /// one rank until then).
+    pub ep: Group,
+    /// The ranks that hold the same experts, whose expert gradients are summed: every TP rank
+    /// and every expert-parallel group of the stage (`tp × dp × cp / ep` ranks; [`dp`](Self::dp)
+    /// until [`with_expert_parallel`](Self::with_expert_parallel)).
+    pub experts: Group,
 }
 
 /// The grid could not be built.
@@ -254,7 +262,35 @@ impl ProcessGrid {
             dp: g,
             cp: g,
             pp: g,
+            ep: g,
+            experts: g,
         }
+    }
+
+    /// The same grid with the expert groups of a mixture of experts split `ep` ways
+    /// ([`ep`](Self::ep), [`experts`](Self::experts); every rank must call it, `ep` dividing
+    /// `dp × cp`, which configurations check first). Rank `i` of [`dp`](Self::dp) is rank
+    /// `i % ep` of expert-parallel group `i / ep`.
+    pub fn with_expert_parallel(mut self, ep: usize) -> Result<Self, GridError> {
+        let (l, c) = (self.layout, self.coords);
+        let ep = ep.max(1);
+        if !l.replicas().is_multiple_of(ep) {
+            return Err(GridError::Comm(CommError::BadRank {
+                op: "expert-parallel groups (parallel.ep must divide dp x cp)",
+                rank: ep,
+                size: l.replicas(),
+            }));
+        }
+        if self.world.size() == 1 {
+            return Ok(self);
+        }
+        let world = self.world.comm()?;
+        let groups = l.replicas() / ep;
+        let color = (c.pp * l.tp + c.tp) * groups + c.dp / ep;
+        self.ep = Group::register(world.split(color, c.dp % ep)?);
+        let key = (c.dp / ep) * l.tp + c.tp;
+        self.experts = Group::register(world.split(c.pp * ep + c.dp % ep, key)?);
+        Ok(self)
     }
 
     /// This rank's data-parallel replica and the number of replicas: which share of each
@@ -311,13 +347,16 @@ impl ProcessGrid {
                 Group::register(Rc::new(comm))
             }
         };
+        let dp_group = on_transport(dp, transport, wrap)?;
         Ok(ProcessGrid {
             layout,
             rank,
             coords: c,
             tp: on_transport(tp, transport, wrap)?,
-            dp: on_transport(dp, transport, wrap)?,
+            dp: dp_group,
             cp: wrap(cp),
+            ep: Group::local(),
+            experts: dp_group,
             world: wrap(world),
             pp: wrap(pp),
         })

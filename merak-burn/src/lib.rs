@@ -45,6 +45,7 @@ pub mod grid;
 pub mod hf_files;
 pub mod kernels;
 pub mod launcher;
+pub mod moe;
 pub mod parallelize;
 pub mod pipeline;
 pub mod plan;

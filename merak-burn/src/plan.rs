@@ -123,6 +123,9 @@ pub struct ParallelPlan {
     /// Sequence parallelism (tp > 1): between the tensor-parallel blocks each TP rank holds
     /// `1 / tp` of the sequence.
     pub sequence_parallel: bool,
+    /// Expert-parallel degree (a mixture of experts): each group of `ep` data-parallel ranks
+    /// splits the experts; divides `dp × cp`.
+    pub ep: usize,
     /// Pipeline ranks.
     pub pp: usize,
     /// Model stages per pipeline rank (interleaved schedule; 1 otherwise).
@@ -175,6 +178,7 @@ impl Default for ParallelPlan {
             cp: 1,
             cp_attention: CpAttention::Ring,
             sequence_parallel: false,
+            ep: 1,
             pp: 1,
             virtual_stages: 1,
             micro_batch: 1,
@@ -261,6 +265,7 @@ impl ParallelPlan {
             cp: l.cp,
             cp_attention: CpAttention::Ring,
             sequence_parallel: l.sequence_parallel,
+            ep: 1,
             pp: l.pp,
             virtual_stages: l.virtual_stages,
             micro_batch: l.micro_batch,

@@ -78,6 +78,7 @@ impl Default for Config {
                 tp: 1,
                 cp: 1,
                 cp_attention: merak_burn::context_parallel::CpAttention::Ring,
+                ep: 1,
                 pp: 1,
                 zero: 0,
                 prefetch: 1,

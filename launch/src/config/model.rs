@@ -27,6 +27,13 @@ impl Config {
     pub(super) fn validate_model(&self) -> Result<(), ConfigError> {
         match self.model.kind.as_str() {
             "gpt" => {}
+            "bert" if self.model.gpt.moe.is_some() => {
+                return bad(
+                    "model.moe",
+                    "a mixture of experts is built for GPT models only (model.kind = \"gpt\")"
+                        .into(),
+                );
+            }
             "bert" => {
                 if let Err(e) = self.bert().validate() {
                     return bad("model", e.to_string());

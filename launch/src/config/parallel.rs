@@ -26,6 +26,10 @@ pub struct ParallelSection {
     /// travel around the cp ranks; any head count) or "all-to-all" (DeepSpeed-Ulysses: two
     /// all-to-alls trade the sequence for the heads; cp must divide the heads per TP rank).
     pub cp_attention: CpAttention,
+    /// Expert-parallel degree (a mixture of experts, `[model.moe]`): each group of `ep`
+    /// consecutive data-parallel ranks splits the experts (experts / ep each) and sends every
+    /// token to its experts' ranks with an all-to-all; ep divides dp x cp and the experts.
+    pub ep: usize,
     /// Pipeline-parallel degree.
     pub pp: usize,
     /// ZeRO stage: 0 (every DP rank keeps the whole optimizer state), 1 (each DP rank keeps
@@ -190,7 +194,56 @@ impl Config {
         }
         self.validate_overlap()?;
         self.validate_context_parallel()?;
-        self.validate_sequence_parallel()
+        self.validate_sequence_parallel()?;
+        self.validate_experts()
+    }
+
+    /// `parallel.ep` and `[model.moe]`: ep at least 1, dividing dp x cp and the experts, and
+    /// only with a mixture of experts; MoE at tp > 1 only with sequence parallelism (otherwise
+    /// every TP rank would route the same tokens).
+    pub(super) fn validate_experts(&self) -> Result<(), ConfigError> {
+        let p = &self.parallel;
+        let (ep, replicas) = (p.ep, p.dp * p.cp);
+        if ep == 0 {
+            return bad("parallel.ep", "0: every degree must be at least 1".into());
+        }
+        let Some(moe) = self
+            .model
+            .gpt
+            .moe
+            .as_ref()
+            .filter(|_| self.model.kind != "bert")
+        else {
+            if ep > 1 {
+                return bad(
+                    "parallel.ep",
+                    format!("{ep} needs a mixture of experts ([model.moe]); this model is dense"),
+                );
+            }
+            return Ok(());
+        };
+        if !replicas.is_multiple_of(ep) {
+            return bad(
+                "parallel.ep",
+                format!(
+                    "{ep} does not divide parallel.dp x parallel.cp = {} x {} = {replicas}: the                      expert-parallel groups are made of data-parallel ranks",
+                    p.dp, p.cp
+                ),
+            );
+        }
+        if let Err(e) = moe.check_ep(ep) {
+            return bad("parallel.ep", e.to_string());
+        }
+        if p.tp > 1 && !p.sequence_parallel {
+            return bad(
+                "parallel.sequence_parallel",
+                format!(
+                    "false, but a mixture of experts at parallel.tp = {} needs it: each TP rank                      routes its own part of the sequence (set parallel.sequence_parallel = true)",
+                    p.tp
+                ),
+            );
+        }
+        Ok(())
     }
 
     /// `parallel.cp`: at least 1, and `2 cp` dividing the sequence length (the zigzag's
@@ -368,6 +421,7 @@ impl Config {
             cp: p.cp,
             cp_attention: p.cp_attention,
             sequence_parallel: p.sequence_parallel,
+            ep: p.ep,
             pp: p.pp,
             virtual_stages: self.virtual_stages(),
             micro_batch: self.micro_batch(),
@@ -397,6 +451,7 @@ impl Config {
         p.cp = plan.cp;
         p.cp_attention = plan.cp_attention;
         p.sequence_parallel = plan.sequence_parallel;
+        p.ep = plan.ep;
         p.pp = plan.pp;
         p.virtual_stages = plan.virtual_stages;
         p.schedule = plan.schedule;

@@ -146,9 +146,13 @@ fn write_rank_files(
     let c = grid.coords;
     // Names first, then borrowed views of the values: no copy of the state is made.
     let mut named: Vec<(String, Vec<usize>, &[f32])> = Vec::new();
-    if c.dp == 0 {
+    // Under expert parallelism the other ranks of the first expert-parallel group write the
+    // experts they hold.
+    let experts_only = c.dp != 0 && c.dp < grid.ep.size();
+    let keep = |name: &str| c.dp == 0 || (experts_only && crate::moe::is_expert_param(name));
+    if c.dp == 0 || experts_only {
         // Under ZeRO-3 the parameters' values travel as slices.
-        let whole = state.params.iter().filter(|p| !p.values.is_empty());
+        let whole = (state.params.iter()).filter(|p| !p.values.is_empty() && keep(&p.name));
         named.extend(whole.map(|p| (format!("param/{}", p.name), p.shape.clone(), &p.values[..])));
     }
     let mut times = BTreeMap::new();
@@ -205,18 +209,22 @@ fn write_rank_files(
     }
     // Every rank of the first DP replica names its parameters (pipeline stages hold different
     // ones); rank 0 lists their union in the manifest.
-    if c.dp == 0 {
+    if c.dp == 0 || experts_only {
         let tp = grid.layout.tp;
-        let entries: Vec<ParamEntry> = state
-            .params
-            .iter()
+        let entries: Vec<ParamEntry> = (state.params.iter())
+            .filter(|p| keep(&p.name))
             .map(|p| ParamEntry {
                 name: p.name.clone(),
                 shape: p.split.full_shape(&p.shape, tp),
                 shard: p.split,
             })
             .collect();
-        let path = tmp_dir.join(format!("params-tp{:02}-pp{:02}.json", c.tp, c.pp));
+        // An expert-parallel rank's list sorts after its stage's (`~` after `.`).
+        let ep = match experts_only {
+            true => format!("~ep{:02}", c.dp),
+            false => String::new(),
+        };
+        let path = tmp_dir.join(format!("params-tp{:02}-pp{:02}{ep}.json", c.tp, c.pp));
         write_synced(&path, &serde_json::to_vec(&entries).unwrap_or_default())?;
     }
     Ok(())

@@ -112,6 +112,44 @@ pub trait Communicator {
         Ok(())
     }
 
+    /// Exchanges blocks of any length between all ranks (`MPI_Alltoallv`): `send` holds
+    /// `send_counts[j]` values for rank `j`, rank after rank, and `recv` receives
+    /// `recv_counts[i]` values from rank `i`, rank after rank (what rank `i` sends this one, so
+    /// both sides must agree on the counts, exchanged beforehand). The default pads every block
+    /// to the largest count of the group (an all-reduce of the maximum first) and runs
+    /// [`all_to_all`](Self::all_to_all).
+    fn all_to_all_v(
+        &self,
+        send: &[f32],
+        send_counts: &[usize],
+        recv: &mut [f32],
+        recv_counts: &[usize],
+    ) -> Result<(), CommError> {
+        let n = self.size().max(1);
+        check_len("all_to_all_v (send counts)", n, send_counts.len())?;
+        check_len("all_to_all_v (receive counts)", n, recv_counts.len())?;
+        check_len("all_to_all_v", send_counts.iter().sum(), send.len())?;
+        check_len("all_to_all_v", recv_counts.iter().sum(), recv.len())?;
+        let local = send_counts.iter().chain(recv_counts).copied().max();
+        let mut block = [local.unwrap_or(0) as f32];
+        self.all_reduce(&mut block, ReduceOp::Max)?;
+        let block = block[0] as usize;
+        let mut padded = vec![0.0; block * n];
+        let mut at = 0;
+        for (j, &c) in send_counts.iter().enumerate() {
+            padded[j * block..j * block + c].copy_from_slice(&send[at..at + c]);
+            at += c;
+        }
+        let mut got = vec![0.0; block * n];
+        self.all_to_all(&padded, &mut got)?;
+        let mut at = 0;
+        for (i, &c) in recv_counts.iter().enumerate() {
+            recv[at..at + c].copy_from_slice(&got[i * block..i * block + c]);
+            at += c;
+        }
+        Ok(())
+    }
+
     /// Copies `buf` of rank `root` into `buf` of every rank.
     fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<(), CommError>;
 

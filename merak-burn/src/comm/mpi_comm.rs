@@ -336,6 +336,42 @@ impl Communicator for MpiCommunicator {
         Ok(())
     }
 
+    fn all_to_all_v(
+        &self,
+        send: &[f32],
+        send_counts: &[usize],
+        recv: &mut [f32],
+        recv_counts: &[usize],
+    ) -> Result<(), CommError> {
+        let n = self.size();
+        check_len("all_to_all_v (send counts)", n, send_counts.len())?;
+        check_len("all_to_all_v (receive counts)", n, recv_counts.len())?;
+        check_len("all_to_all_v", send_counts.iter().sum(), send.len())?;
+        check_len("all_to_all_v", recv_counts.iter().sum(), recv.len())?;
+        check_count("all_to_all_v", send.len().max(recv.len()))?;
+        if n == 1 {
+            recv.copy_from_slice(send);
+            return Ok(());
+        }
+        let counts = |c: &[usize]| c.iter().map(|&x| x as c_int).collect::<Vec<_>>();
+        let displs = |c: &[c_int]| {
+            c.iter()
+                .scan(0, |at, &x| {
+                    let d = *at;
+                    *at += x;
+                    Some(d)
+                })
+                .collect::<Vec<_>>()
+        };
+        let (sc, rc) = (counts(send_counts), counts(recv_counts));
+        let (sd, rd) = (displs(&sc), displs(&rc));
+        let _watch = self.watch("all_to_all_v", send.len());
+        let sp = mpi::datatype::Partition::new(send, &sc[..], &sd[..]);
+        let mut rp = mpi::datatype::PartitionMut::new(recv, &rc[..], &rd[..]);
+        self.comm.all_to_all_varcount_into(&sp, &mut rp);
+        Ok(())
+    }
+
     fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
         check_rank("broadcast", root, self.size())?;
         check_count("broadcast", buf.len())?;

@@ -171,6 +171,15 @@ impl Communicator for ProgressThreadComm {
     fn all_to_all(&self, send: &[f32], recv: &mut [f32]) -> Result<(), CommError> {
         self.main.all_to_all(send, recv)
     }
+    fn all_to_all_v(
+        &self,
+        send: &[f32],
+        send_counts: &[usize],
+        recv: &mut [f32],
+        recv_counts: &[usize],
+    ) -> Result<(), CommError> {
+        self.main.all_to_all_v(send, send_counts, recv, recv_counts)
+    }
     fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
         self.main.broadcast(buf, root)
     }

@@ -46,6 +46,8 @@ struct Bucket {
     /// When reduce-scattering every micro-batch: this rank's chunk summed over the
     /// micro-batches whose reduce-scatter is done (empty before the first).
     acc: Vec<f32>,
+    /// Whether the bucket holds routed experts' gradients, all-reduced over the expert group.
+    expert: bool,
 }
 
 impl Bucket {
@@ -93,6 +95,9 @@ struct State {
     next_replicate: usize,
     error: Option<CommError>,
     launched_early: usize,
+    /// The ranks holding the same experts, over which the expert buckets are all-reduced
+    /// (`None`: no expert bucket, or the data-parallel group itself).
+    experts: Option<Rc<dyn Communicator>>,
 }
 
 impl State {
@@ -228,7 +233,8 @@ impl State {
             if !(all || b.waiting == 0) {
                 break;
             }
-            if self.comm.size() > 1 || self.scatter {
+            let expert = self.experts.as_ref().filter(|_| b.expert);
+            if self.comm.size() > 1 || self.scatter || expert.is_some() {
                 b.data.resize(b.end - b.start, 0.0);
                 for slot in &self.slots[b.slots.clone()] {
                     if !slot.seen {
@@ -239,17 +245,16 @@ impl State {
                     }
                 }
             }
-            let comm = if self.scatter {
-                &self.shard
-            } else {
-                &self.comm
+            let comm = match (expert, self.scatter) {
+                (Some(c), _) => c,
+                (None, true) => &self.shard,
+                (None, false) => &self.comm,
             };
             if comm.size() > 1 {
                 let started = if self.scatter {
                     comm.reduce_scatter_start(b.take_padded(comm.size()), ReduceOp::Sum)
                 } else {
-                    let data = std::mem::take(&mut b.data);
-                    self.comm.all_reduce_start(data, ReduceOp::Sum)
+                    comm.all_reduce_start(std::mem::take(&mut b.data), ReduceOp::Sum)
                 };
                 match started {
                     Ok(p) => b.pending = Some(p),
@@ -289,6 +294,25 @@ impl State {
             overlapped_buckets: self.launched_early,
             exposed_wait: t0.elapsed(),
         })
+    }
+
+    /// Marks an expert parameter seen when any rank of the expert group saw it.
+    fn share_expert_seen(&mut self) -> Result<(), CommError> {
+        let Some(comm) = self.experts.clone().filter(|c| c.size() > 1) else {
+            return Ok(());
+        };
+        let expert_slots: Vec<usize> = (self.buckets.iter())
+            .filter(|b| b.expert)
+            .flat_map(|b| b.slots.clone())
+            .collect();
+        let mut seen: Vec<f32> = (expert_slots.iter())
+            .map(|&i| f32::from(u8::from(self.slots[i].seen)))
+            .collect();
+        comm.all_reduce(&mut seen, ReduceOp::Max)?;
+        for (&i, s) in expert_slots.iter().zip(seen) {
+            self.slots[i].seen = s > 0.0;
+        }
+        Ok(())
     }
 
     fn progress(&mut self) {
@@ -482,6 +506,7 @@ impl DataParallel {
                     pending: None,
                     launched: false,
                     acc: Vec::new(),
+                    expert: false,
                 });
                 end = start;
                 members = 0;
@@ -503,6 +528,7 @@ impl DataParallel {
                 next_replicate: 0,
                 error: None,
                 launched_early: 0,
+                experts: None,
             })),
             dp,
             shard: dp,
@@ -555,6 +581,27 @@ impl DataParallel {
             s.replicate = Some(replicate.comm()?).filter(|c| c.size() > 1);
         }
         self.shard = shard;
+        Ok(self)
+    }
+
+    /// This reducer, all-reducing the buckets of the parameters `is_expert` picks (a routed
+    /// expert's, which must not share a bucket with others: give them their own group in
+    /// [`grouped`](Self::grouped)) over `experts`, the ranks holding the same experts, instead
+    /// of the data-parallel group. An expert that got a gradient on any of those ranks gets
+    /// one on all of them (zeros where it had no token), as one process would.
+    pub fn with_experts(
+        self,
+        experts: Group,
+        is_expert: &dyn Fn(ParamId) -> bool,
+    ) -> Result<Self, CommError> {
+        {
+            let mut s = self.state.borrow_mut();
+            let s = &mut *s;
+            for b in &mut s.buckets {
+                b.expert = s.slots[b.slots.clone()].iter().any(|x| is_expert(x.id));
+            }
+            s.experts = Some(experts.comm()?);
+        }
         Ok(self)
     }
 
@@ -685,6 +732,7 @@ impl DataParallel {
     ) -> Result<(GradientsParams, DpStats), CommError> {
         let mut s = self.state.borrow_mut();
         let stats = s.complete()?;
+        s.share_expert_seen()?;
         let mut builder = GradBuilder::<B> {
             state: &mut s,
             next: 0,

@@ -43,6 +43,12 @@ pub trait UnitStack<B: Backend>: Module<B> {
         1
     }
 
+    /// The mixture-of-experts layers and their routed experts ([`PipelineModel::experts`]);
+    /// `None` (the default): dense.
+    fn experts(&self) -> Option<(usize, usize)> {
+        None
+    }
+
     /// Unit 0: the micro-batch's inputs to `[batch, positions, hidden]`.
     fn embed(&self, batch: &Batch<'_, B>) -> Tensor<B, 3>;
 
@@ -123,6 +129,10 @@ impl<B: Backend, T: UnitStack<B>> PipelineModel<B> for T {
 
     fn sequence_parts(&self) -> usize {
         UnitStack::sequence_parts(self)
+    }
+
+    fn experts(&self) -> Option<(usize, usize)> {
+        UnitStack::experts(self)
     }
 
     fn run_units(

@@ -65,6 +65,13 @@ pub trait PipelineModel<B: Backend>: Module<B> {
         1
     }
 
+    /// The mixture-of-experts layers of the whole model and their routed experts
+    /// (`(layers, experts)`, the same on every rank), for the routing metrics; `None` (the
+    /// default): a dense model.
+    fn experts(&self) -> Option<(usize, usize)> {
+        None
+    }
+
     /// Runs units `range` (all held by this rank) on `input` (the micro-batch's data when
     /// `range.start == 0`, hidden states otherwise); every unit sees the micro-batch `batch`
     /// (the last one its targets) and the last one returns the summed loss.

@@ -66,6 +66,21 @@ pub trait ParallelBackend:
         chunks: usize,
         group: Group,
     ) -> FloatTensor<Self>;
+    /// Expert parallelism's exchange of `[rows, width]` rows with the ranks of `group` in
+    /// blocks of `counts` ([`crate::moe::exchange`]); backward, the reverse exchange.
+    fn ep_exchange(
+        x: FloatTensor<Self>,
+        counts: &crate::moe::ExchangeCounts,
+        group: Group,
+    ) -> FloatTensor<Self>;
+    /// Identity on `y` forward; backward, `y`'s gradient passes and the one-value `aux` gets
+    /// the gradient [`crate::moe::aux_scale`], and `record` is kept for the step's metrics
+    /// ([`crate::moe::with_aux_loss`]). A plain backend returns `y`.
+    fn moe_aux(
+        y: FloatTensor<Self>,
+        aux: FloatTensor<Self>,
+        record: crate::moe::RoutingRecord,
+    ) -> FloatTensor<Self>;
     /// Identity forward; backward, hands the gradient to the sink installed with
     /// [`set_grad_sink`](super::ops::set_grad_sink) (the data-parallel reducer's) as gradient `hook`, as soon as it is
     /// final; the input gets none.

@@ -183,6 +183,13 @@ where
             dp_buckets: o.dp.buckets,
             minor_faults: process::minor_faults().saturating_sub(faults_before),
             val_loss,
+            aux_loss: o.aux_loss,
+            expert_tokens: self.routing.as_ref().map(|r| r.expert_tokens.clone()),
+            expert_max_load: self.routing.as_ref().map(|r| r.max_load()),
+            dropped_tokens: (self.routing.as_ref())
+                .filter(|_| self.model.experts().is_some())
+                .map(|r| r.dropped)
+                .filter(|&d| d > 0),
         }
     }
 

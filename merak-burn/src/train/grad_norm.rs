@@ -29,11 +29,15 @@ pub struct GradStats {
     pub sharded_sq: f64,
     /// Sum of squares over replicated parameters.
     pub replicated_sq: f64,
+    /// Sum of squares over this rank's routed experts (the expert-parallel ranks hold
+    /// different ones; each is the same on every TP rank).
+    pub expert_sq: f64,
 }
 
 struct NormVisitor<'a, B: AutodiffBackend> {
     grads: &'a GradientsParams,
     sharded: &'a HashSet<ParamId>,
+    experts: &'a HashSet<ParamId>,
     skip: &'a HashSet<ParamId>,
     stats: GradStats,
     _b: std::marker::PhantomData<B>,
@@ -49,7 +53,9 @@ where
         }
         if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
             let sq = B::InnerBackend::sum_of_squares(g.into_primitive().tensor());
-            if self.sharded.contains(&param.id) {
+            if self.experts.contains(&param.id) {
+                self.stats.expert_sq += sq;
+            } else if self.sharded.contains(&param.id) {
                 self.stats.sharded_sq += sq;
             } else {
                 self.stats.replicated_sq += sq;
@@ -58,16 +64,27 @@ where
     }
 }
 
-/// The L2 norm of all gradients of the model across its TP shards and pipeline stages:
-/// sharded squares are summed over `tp`, replicated ones counted once, and the stages' sums
-/// added over `pp`; parameters in `skip` (a tied copy whose twin is counted on another stage)
-/// are left out. Every rank of the TP and pipeline groups gets the same value.
+/// The groups a gradient norm adds its parts over.
+#[derive(Clone, Copy, Debug)]
+pub struct NormGroups {
+    /// The tensor-parallel group: the sharded parameters' squares are summed over it.
+    pub tp: Group,
+    /// The pipeline group: the stages' sums are added over it.
+    pub pp: Group,
+    /// The expert-parallel group: the routed experts' squares are summed over it.
+    pub ep: Group,
+}
+
+/// The L2 norm of all gradients of the model across its TP shards, expert-parallel ranks and
+/// pipeline stages: sharded squares are summed over `groups.tp`, the routed experts' (in
+/// `experts`) over `groups.ep`, replicated ones counted once, and the stages' sums added over
+/// `groups.pp`; parameters in `skip` (a tied copy whose twin is counted on another stage) are
+/// left out. Every rank of those groups gets the same value.
 pub fn global_grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
     module: &M,
     grads: &GradientsParams,
-    sharded: &HashSet<ParamId>,
-    tp: Group,
-    pp: Group,
+    (sharded, experts): (&HashSet<ParamId>, &HashSet<ParamId>),
+    groups: NormGroups,
     skip: &HashSet<ParamId>,
 ) -> Result<f64, CommError>
 where
@@ -76,17 +93,29 @@ where
     let mut v = NormVisitor::<B> {
         grads,
         sharded,
+        experts,
         skip,
         stats: GradStats::default(),
         _b: std::marker::PhantomData,
     };
     module.visit(&mut v);
-    norm_of(v.stats, tp, pp)
+    norm_of(v.stats, groups)
 }
 
 /// The global norm of one rank's squared gradient norms `stats`: the sharded part summed over
-/// `tp`, the replicated part counted once, the stages' sums added over `pp`.
-pub(crate) fn norm_of(stats: GradStats, tp: Group, pp: Group) -> Result<f64, CommError> {
+/// `tp`, the experts' over `ep`, the replicated part counted once, the stages' sums added over
+/// `pp`.
+pub(crate) fn norm_of(stats: GradStats, groups: NormGroups) -> Result<f64, CommError> {
+    let NormGroups { tp, pp, ep } = groups;
+    let mut experts = [stats.expert_sq as f32];
+    if ep.size() > 1 {
+        ep.comm()?
+            .all_reduce(&mut experts, crate::comm::ReduceOp::Sum)?;
+    }
+    let stats = GradStats {
+        replicated_sq: stats.replicated_sq + f64::from(experts[0]),
+        ..stats
+    };
     let mut buf = [stats.sharded_sq as f32];
     if tp.size() > 1 {
         tp.comm()?

@@ -34,6 +34,19 @@ pub struct StepMetrics {
     /// Validation loss, on the steps where it is measured.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f64>,
+    /// Under a mixture of experts: the routers' auxiliary losses (not in `loss`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub aux_loss: Option<f64>,
+    /// Under a mixture of experts: the step's assignments to each expert, per MoE layer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expert_tokens: Option<Vec<Vec<u64>>>,
+    /// Under a mixture of experts: the most loaded expert's assignments over the mean, worst
+    /// layer (1: balanced).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expert_max_load: Option<f64>,
+    /// Under a capacity factor: the assignments dropped.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dropped_tokens: Option<u64>,
 }
 
 /// Appends one JSON object per line to `metrics.jsonl`, flushed after every record.

@@ -11,6 +11,7 @@ pub mod claim;
 mod claim_tests;
 mod error;
 mod evaluate;
+mod experts;
 mod fit;
 mod grad_norm;
 mod hybrid;
@@ -39,8 +40,9 @@ pub use claim::{Claim, ClaimError, ExistingRun, Origin, RUN_FILE, RunFolders, cl
 pub use error::InvalidSetting;
 pub use error::TrainError;
 pub use evaluate::Predictions;
+pub use experts::RoutingStats;
 pub use fit::Summary;
-pub use grad_norm::{GradStats, clip_grads, global_grad_norm, sharded_param_ids};
+pub use grad_norm::{GradStats, NormGroups, clip_grads, global_grad_norm, sharded_param_ids};
 pub use metrics::{MetricsWriter, StepMetrics};
 pub use optim::check_settings;
 pub use optim::{ParamGroup, ParamInfo};

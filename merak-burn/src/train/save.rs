@@ -33,8 +33,12 @@ where
             if grid.coords.dp < self.shard.size() {
                 slices = self.slices_to_write()?;
             }
-        } else if grid.coords.dp == 0 {
+        } else if grid.coords.dp < grid.ep.size() {
+            // The first expert-parallel group's other ranks write their experts' state.
             moments = self.optim.moments(&self.model)?;
+            if grid.coords.dp != 0 {
+                moments.retain(|(name, _)| crate::moe::is_expert_param(name));
+            }
         }
         // A tied copy is stored once, under its original's name.
         let copies: Vec<String> = self

@@ -157,8 +157,14 @@ where
         let stats = GradStats {
             sharded_sq: both[0],
             replicated_sq: both[1],
+            expert_sq: 0.0,
         };
-        Ok(norm_of(stats, self.grid.tp, self.grid.pp)?)
+        let groups = crate::train::NormGroups {
+            tp: self.grid.tp,
+            pp: self.grid.pp,
+            ep: self.grid.ep,
+        };
+        Ok(norm_of(stats, groups)?)
     }
 
     /// This data-parallel rank's slices of the optimizer state (and, under ZeRO-3, of the

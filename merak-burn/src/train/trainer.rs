@@ -19,13 +19,14 @@ use crate::pipeline::{
 };
 use crate::plan::ParallelPlan;
 use crate::tensor_parallel::{ParallelBackend, Shard};
+use crate::train::experts::{check_experts, expert_ids, gather_routing};
 use crate::train::hybrid::shard_groups;
 use crate::train::optim::Optimizers;
 use crate::train::pieces::Sliced;
 use crate::train::zero3::{self, check_zero};
 use crate::train::{
-    BatchSource, FusedAdamW, ParamGroup, ParamInfo, StateBytes, TrainError, TrainSettings,
-    check_settings, clip_grads, global_grad_norm, sharded_param_ids,
+    BatchSource, FusedAdamW, NormGroups, ParamGroup, ParamInfo, RoutingStats, StateBytes,
+    TrainError, TrainSettings, check_settings, clip_grads, global_grad_norm, sharded_param_ids,
     tied::{sum_tied_chunk, sum_tied_grads},
 };
 
@@ -66,6 +67,9 @@ pub struct StepOutcome {
     /// Global gradient norm before clipping; `None` when the step was skipped for a
     /// non-finite loss (the parameters are unchanged).
     pub grad_norm: Option<f64>,
+    /// Under a mixture of experts: the routers' auxiliary losses of the step (not in
+    /// [`loss`](Self::loss); see [`Trainer::routing`]).
+    pub aux_loss: Option<f64>,
     /// The data-parallel reduction's overlap.
     pub dp: DpStats,
     /// The time of each phase.
@@ -109,6 +113,10 @@ where
     pub(crate) shard: Group,
     pub(crate) executor: Executor,
     pub(crate) sharded: HashSet<ParamId>,
+    /// The routed experts' parameters (under a mixture of experts).
+    pub(crate) experts: HashSet<ParamId>,
+    /// The routing of the last step (under a mixture of experts).
+    pub(crate) routing: Option<RoutingStats>,
     /// The head's copy of a tied embedding, counted in the gradient norm on the embedding's
     /// rank only.
     pub(crate) not_counted: HashSet<ParamId>,
@@ -157,6 +165,13 @@ where
         check_context_parallel(grid.layout.cp, model.sequence_parts())?;
         let copies = model.tied_names();
         let shapes = state::param_shapes(&model);
+        let experts = match model.experts() {
+            Some(_) => expert_ids(&shapes),
+            None => HashSet::new(),
+        };
+        if model.experts().is_some() {
+            check_experts(grid, parallel)?;
+        }
         let optim = Optimizers::new(&shapes, &settings, grid.layout.tp, copies, &|p| p.default)?;
         let bucket_elems = (parallel.bucket_mb * (1 << 20) as f64 / 4.0) as usize;
         let tied = model.tied_embedding();
@@ -166,9 +181,14 @@ where
             .transpose()?;
         // Under ZeRO a tied copy gets a bucket of its own, so that both stages cut it alike;
         // under ZeRO-3 no bucket spans two units.
-        let group =
+        let base =
             zero3::bucket_groups(&shapes, units.as_ref(), tied.filter(|_| parallel.zero >= 1));
+        // The routed experts' buckets are their own, all-reduced over the expert group.
+        let group = |id| 2 * base(id) + usize::from(experts.contains(&id));
         let mut reducer = DataParallel::grouped(&model, grid.dp, bucket_elems, &group)?;
+        if !experts.is_empty() {
+            reducer = reducer.with_experts(grid.experts, &|id| experts.contains(&id))?;
+        }
         let (mut sliced, mut shards) = (None, None);
         let (shard, replicate) = shard_groups(grid, parallel)?;
         if parallel.zero >= 1 {
@@ -208,6 +228,8 @@ where
             grid,
             parallel: parallel.clone(),
             sharded: sharded_param_ids::<B, _>(&model),
+            experts,
+            routing: None,
             settings,
             device,
             model: if shards.is_some() {
@@ -369,6 +391,12 @@ where
         self.done
     }
 
+    /// Under a mixture of experts, the routing of the last step over the whole grid (the
+    /// same on every rank).
+    pub fn routing(&self) -> Option<&RoutingStats> {
+        self.routing.as_ref()
+    }
+
     /// The settings of the run.
     pub fn settings(&self) -> &TrainSettings {
         &self.settings
@@ -407,6 +435,8 @@ where
             clock = Instant::now();
         };
         self.reducer.begin_step();
+        let routing_groups = self.settings.global_batch / self.parallel.micro_batch.max(1);
+        crate::moe::set_aux_scale(1.0 / routing_groups.max(1) as f32);
         let batches = match self.next_batches.take() {
             Some(b) if self.in_flight.step() == Some(step) => b,
             _ => self.micro_batches(data, step)?,
@@ -460,6 +490,10 @@ where
             (Reduced::Whole(grads), dp)
         };
         let loss = self.sum_loss(report.loss)?;
+        let records = crate::moe::take_records();
+        self.routing = (self.model.experts())
+            .map(|shape| gather_routing(records, shape, self.grid.world))
+            .transpose()?;
         lap(&mut phases.reduce_s);
         self.done += 1;
         let lr = self.settings.lr_at(step);
@@ -468,6 +502,7 @@ where
             loss,
             lr,
             grad_norm: None,
+            aux_loss: self.routing.as_ref().map(|r| r.aux_loss),
             dp,
             phases,
         };
@@ -492,12 +527,16 @@ where
         let norm = match reduced {
             Reduced::Whole(mut grads) => {
                 let g = self.grid;
+                let groups = NormGroups {
+                    tp: g.tp,
+                    pp: g.pp,
+                    ep: g.ep,
+                };
                 let norm = global_grad_norm::<B, _>(
                     &self.model,
                     &grads,
-                    &self.sharded,
-                    g.tp,
-                    g.pp,
+                    (&self.sharded, &self.experts),
+                    groups,
                     &self.not_counted,
                 )?;
                 clip_grads::<B, _>(&self.model, &mut grads, norm, self.settings.grad_clip);

@@ -1,5 +1,6 @@
 //! GPT shapes and presets.
 
+use merak_burn::moe::{MoeConfig, MoeConfigError};
 use merak_burn::planner::{ModelKind, TransformerShape};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -28,6 +29,9 @@ pub struct GptConfig {
     /// residual branches are scaled by `1 / sqrt(2 * layers)`.
     #[serde(default = "default_std")]
     pub init_std: f64,
+    /// A mixture of experts in place of every block's MLP (`[model.moe]`; absent: dense).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe: Option<MoeConfig>,
 }
 
 fn default_eps() -> f64 {
@@ -39,8 +43,11 @@ fn default_std() -> f64 {
 }
 
 /// An invalid GPT shape.
-#[derive(Debug, Error, PartialEq, Eq)]
+#[derive(Debug, Error, PartialEq)]
 pub enum GptConfigError {
+    /// An invalid `[model.moe]` table.
+    #[error(transparent)]
+    Moe(#[from] MoeConfigError),
     /// A size that must be positive is zero.
     #[error("model.{0} must be at least 1")]
     Zero(&'static str),
@@ -117,6 +124,7 @@ impl GptConfig {
             dropout: 0.0,
             layer_norm_eps: 1e-5,
             init_std: 0.02,
+            moe: None,
         }
     }
 
@@ -141,6 +149,9 @@ impl GptConfig {
         }
         if !(0.0..1.0).contains(&self.dropout) {
             return Err(GptConfigError::Dropout(self.dropout.to_string()));
+        }
+        if let Some(moe) = &self.moe {
+            moe.validate()?;
         }
         if self.shape().checked_params().is_none() {
             return Err(GptConfigError::TooLarge {

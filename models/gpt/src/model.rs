@@ -8,6 +8,7 @@ use burn::nn::Embedding;
 use burn::tensor::{Int, Tensor, backend::Backend};
 use merak_burn::comm::Group;
 use merak_burn::context_parallel::{CpAttention, ZigZagError};
+use merak_burn::moe::{ExpertInit, MoeLayer, MoePlace};
 use merak_burn::pipeline::{TiedTable, UnitStack, param_ids};
 use merak_burn::tensor_parallel::{
     AttentionMask, AttentionWeights, InitRng, LayerNorm, MlpWeights, ParallelBackend, ParallelMlp,
@@ -26,8 +27,10 @@ pub struct Block<B: Backend> {
     pub attn: ParallelSelfAttention<B>,
     /// LayerNorm before the MLP.
     pub ln_2: LayerNorm<B>,
-    /// The MLP, split across TP.
-    pub mlp: ParallelMlp<B>,
+    /// The MLP, split across TP (`None` in a mixture-of-experts block).
+    pub mlp: Option<ParallelMlp<B>>,
+    /// The mixture of experts in place of the MLP (`model.moe`).
+    pub moe: Option<MoeLayer<B>>,
     /// Dropout on both residual branches.
     pub dropout: ReplicatedDropout,
 }
@@ -49,7 +52,19 @@ impl<B: ParallelBackend> Block<B> {
             .attn
             .forward_in_segments(self.ln_1.forward(x.clone()), segments);
         let x = x + self.dropout.forward(attn);
-        x.clone() + self.dropout.forward(self.mlp.forward(self.ln_2.forward(x)))
+        x.clone()
+            + self
+                .dropout
+                .forward(self.feed_forward(self.ln_2.forward(x)))
+    }
+
+    /// The MLP, or the mixture of experts.
+    fn feed_forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        match (&self.mlp, &self.moe) {
+            (Some(mlp), _) => mlp.forward(x),
+            (None, Some(moe)) => moe.forward(x),
+            (None, None) => unreachable!("a block has an MLP or a mixture of experts"),
+        }
     }
 }
 
@@ -80,6 +95,9 @@ pub struct Gpt<B: Backend> {
     /// parallelism).
     #[module(skip)]
     split: SequenceSplit,
+    /// Under a mixture of experts: the layers and the routed experts of each.
+    #[module(skip)]
+    experts: Option<(usize, usize)>,
 }
 
 impl<B: ParallelBackend> Gpt<B> {
@@ -98,6 +116,20 @@ impl<B: ParallelBackend> Gpt<B> {
         cfg: &GptConfig,
         seed: u64,
         tp: Group,
+        device: &B::Device,
+        holds: &dyn Fn(usize) -> bool,
+    ) -> Result<Self, TpError> {
+        Self::new_expert_parallel(cfg, seed, tp, Group::local(), device, holds)
+    }
+
+    /// Like [`Gpt::new_units`], with the experts of a mixture-of-experts model split over the
+    /// expert-parallel group `ep` (`parallel.ep`): this rank builds only its `experts / ep`
+    /// ([`MoeConfig::check_ep`] must pass for the group's size).
+    pub fn new_expert_parallel(
+        cfg: &GptConfig,
+        seed: u64,
+        tp: Group,
+        ep: Group,
         device: &B::Device,
         holds: &dyn Fn(usize) -> bool,
     ) -> Result<Self, TpError> {
@@ -126,11 +158,36 @@ impl<B: ParallelBackend> Gpt<B> {
                     proj_weight: rng.normal(&name("attn.c_proj.weight"), h * h, proj_std),
                     proj_bias: vec![0.0; h],
                 };
-                let mlp = MlpWeights {
-                    fc_weight: rng.normal(&name("mlp.c_fc.weight"), h * 4 * h, std),
-                    fc_bias: vec![0.0; 4 * h],
-                    proj_weight: rng.normal(&name("mlp.c_proj.weight"), 4 * h * h, proj_std),
-                    proj_bias: vec![0.0; h],
+                let (mlp, moe) = match &cfg.moe {
+                    Some(moe) => {
+                        let init = ExpertInit {
+                            rng: &rng,
+                            std,
+                            out_std: proj_std,
+                        };
+                        let place = MoePlace {
+                            ep,
+                            ..MoePlace::single(i, s)
+                        };
+                        let layer = MoeLayer::new(moe, h, &name("moe"), init, place, device);
+                        (None, Some(layer))
+                    }
+                    None => {
+                        let mlp = MlpWeights {
+                            fc_weight: rng.normal(&name("mlp.c_fc.weight"), h * 4 * h, std),
+                            fc_bias: vec![0.0; 4 * h],
+                            proj_weight: rng.normal(
+                                &name("mlp.c_proj.weight"),
+                                4 * h * h,
+                                proj_std,
+                            ),
+                            proj_bias: vec![0.0; h],
+                        };
+                        (
+                            Some(ParallelMlp::from_full(&mlp, h, 4 * h, tp, device)?),
+                            None,
+                        )
+                    }
                 };
                 Ok(Some(Block {
                     ln_1: ln(),
@@ -143,7 +200,8 @@ impl<B: ParallelBackend> Gpt<B> {
                         device,
                     )?,
                     ln_2: ln(),
-                    mlp: ParallelMlp::from_full(&mlp, h, 4 * h, tp, device)?,
+                    mlp,
+                    moe,
                     dropout: ReplicatedDropout::new(cfg.dropout, seed.wrapping_add(i as u64 + 1)),
                 }))
             })
@@ -157,6 +215,7 @@ impl<B: ParallelBackend> Gpt<B> {
             dropout: ReplicatedDropout::new(cfg.dropout, seed),
             hidden: cfg.hidden,
             split: SequenceSplit::new(tp, cfg.seq_len),
+            experts: cfg.moe.as_ref().map(|m| (cfg.layers, m.experts)),
         })
     }
 
@@ -165,7 +224,9 @@ impl<B: ParallelBackend> Gpt<B> {
     pub fn with_tp_overlap(mut self, overlap: TpOverlap) -> Self {
         for block in self.blocks.iter_mut().flatten() {
             block.attn.set_overlap(overlap);
-            block.mlp.set_overlap(overlap);
+            if let Some(mlp) = &mut block.mlp {
+                mlp.set_overlap(overlap);
+            }
         }
         self
     }
@@ -186,7 +247,9 @@ impl<B: ParallelBackend> Gpt<B> {
             block.ln_1.set_sequence_parallel(group);
             block.ln_2.set_sequence_parallel(group);
             block.attn.set_sequence_parallel(on);
-            block.mlp.set_sequence_parallel(on);
+            if let Some(mlp) = &mut block.mlp {
+                mlp.set_sequence_parallel(on);
+            }
         }
         if let Some(ln) = &mut self.ln_f {
             ln.set_sequence_parallel(group);
@@ -220,8 +283,17 @@ impl<B: ParallelBackend> Gpt<B> {
     /// Tells every dropout which positions its inputs' rows hold.
     fn apply_rows(&mut self) {
         let rows = self.split.held().rows();
+        let (sp, _) = self.split.region();
         for block in self.blocks.iter_mut().flatten() {
             block.dropout.set_sequence_rows(rows.clone());
+            if let Some(moe) = &mut block.moe {
+                moe.set_place(MoePlace {
+                    sp,
+                    cp: self.split.context_parallel(),
+                    rows: rows.clone(),
+                    ..moe.place().clone()
+                });
+            }
         }
         self.dropout.set_sequence_rows(rows);
     }
@@ -329,6 +401,10 @@ impl<B: ParallelBackend> UnitStack<B> for Gpt<B> {
 
     fn sequence_parts(&self) -> usize {
         self.split.held().parts()
+    }
+
+    fn experts(&self) -> Option<(usize, usize)> {
+        self.experts
     }
 
     /// Under a document mask (the batch has [`POSITIONS`]) the positions restart per document.

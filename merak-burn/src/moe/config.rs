@@ -1,0 +1,235 @@
+//! The settings of a mixture-of-experts feed-forward block (`[model.moe]`).
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+/// The experts' feed-forward network.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ExpertActivation {
+    /// `fc2(gelu(fc1 x + b1)) + b2` (GPT-2's MLP at the expert's width).
+    #[default]
+    Gelu,
+    /// `down(silu(gate x) * up x)`, no biases (Mixtral, DeepSeek, Llama).
+    Swiglu,
+}
+
+/// How the router turns its logits into scores.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RouterScore {
+    /// Softmax over the experts (Switch, Mixtral).
+    #[default]
+    Softmax,
+    /// A sigmoid per expert (DeepSeek-V3).
+    Sigmoid,
+}
+
+/// A mixture-of-experts feed-forward block: a router picks `top_k` of `experts` feed-forward
+/// networks per token; optional shared experts see every token.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MoeConfig {
+    /// Routed experts `E` per MoE layer.
+    pub experts: usize,
+    /// Experts each token is routed to.
+    pub top_k: usize,
+    /// The hidden width of one expert's feed-forward network.
+    pub expert_hidden: usize,
+    /// Shared experts (DeepSeek): feed-forward networks of width `expert_hidden` that every
+    /// token passes through, added to the routed experts' output.
+    #[serde(default)]
+    pub shared_experts: usize,
+    /// The experts' network.
+    #[serde(default)]
+    pub activation: ExpertActivation,
+    /// The router's scores.
+    #[serde(default)]
+    pub score: RouterScore,
+    /// Divide the top-k scores by their sum before weighting the experts' outputs.
+    #[serde(default = "yes")]
+    pub renormalize: bool,
+    /// Weight of the Switch load-balancing loss `E Σ_i f_i P_i` (0: off).
+    #[serde(default = "default_aux")]
+    pub aux_loss: f64,
+    /// Weight of the router z-loss `mean(logsumexp(logits)²)` (0: off).
+    #[serde(default)]
+    pub z_loss: f64,
+    /// Capacity factor: each expert takes at most `ceil(factor × tokens × top_k / E)` tokens of
+    /// a routing group, the later ones (by global token index) dropped. Absent: dropless.
+    #[serde(default)]
+    pub capacity_factor: Option<f64>,
+    /// The stated bound on the tokens one expert receives, as a multiple of the mean
+    /// `tokens × top_k / E` (never more than every token): the memory admission check counts
+    /// it, and a dropless run whose routing exceeds it stops naming the layer and the counts.
+    #[serde(default = "default_bound")]
+    pub max_load: f64,
+    /// DeepSeek's auxiliary-loss-free balancing: after each step every expert's selection
+    /// bias moves by this rate towards the mean load (`+rate` if it was under-loaded, `-rate`
+    /// if over-loaded), agreed over the data-parallel ranks and checkpointed (0: off).
+    #[serde(default)]
+    pub bias_update_rate: f64,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn default_aux() -> f64 {
+    0.01
+}
+
+fn default_bound() -> f64 {
+    4.0
+}
+
+/// An invalid `[model.moe]` table.
+#[derive(Debug, Error, PartialEq)]
+pub enum MoeConfigError {
+    /// A count that must be positive is zero.
+    #[error("model.moe.{0} must be at least 1")]
+    Zero(&'static str),
+    /// More experts per token than there are.
+    #[error("model.moe.top_k = {top_k} is more than model.moe.experts = {experts}")]
+    TopK {
+        /// Experts per token.
+        top_k: usize,
+        /// Experts.
+        experts: usize,
+    },
+    /// A real-valued key outside its range.
+    #[error("model.moe.{key} = {value} must be {range}")]
+    OutOfRange {
+        /// The key.
+        key: &'static str,
+        /// Its value.
+        value: f64,
+        /// The allowed range, in words.
+        range: &'static str,
+    },
+    /// The expert-parallel degree does not divide the experts.
+    #[error(
+        "parallel.ep = {ep} does not divide model.moe.experts = {experts}: each of the ep ranks \
+         holds experts / ep experts"
+    )]
+    Experts {
+        /// The expert-parallel degree.
+        ep: usize,
+        /// Experts.
+        experts: usize,
+    },
+}
+
+impl MoeConfig {
+    /// Checks the counts and weights (not the layout: [`MoeConfig::check_ep`]).
+    pub fn validate(&self) -> Result<(), MoeConfigError> {
+        for (key, v) in [
+            ("experts", self.experts),
+            ("top_k", self.top_k),
+            ("expert_hidden", self.expert_hidden),
+        ] {
+            if v == 0 {
+                return Err(MoeConfigError::Zero(key));
+            }
+        }
+        if self.top_k > self.experts {
+            return Err(MoeConfigError::TopK {
+                top_k: self.top_k,
+                experts: self.experts,
+            });
+        }
+        let finite = |key, value: f64, ok: bool, range| match ok && value.is_finite() {
+            true => Ok(()),
+            false => Err(MoeConfigError::OutOfRange { key, value, range }),
+        };
+        finite("aux_loss", self.aux_loss, self.aux_loss >= 0.0, "≥ 0")?;
+        finite("z_loss", self.z_loss, self.z_loss >= 0.0, "≥ 0")?;
+        finite("max_load", self.max_load, self.max_load >= 1.0, "≥ 1")?;
+        let rate = self.bias_update_rate;
+        finite("bias_update_rate", rate, rate >= 0.0, "≥ 0")?;
+        if let Some(f) = self.capacity_factor {
+            finite("capacity_factor", f, f > 0.0, "> 0")?;
+        }
+        Ok(())
+    }
+
+    /// Checks that `ep` divides the experts.
+    pub fn check_ep(&self, ep: usize) -> Result<(), MoeConfigError> {
+        if ep == 0 || !self.experts.is_multiple_of(ep) {
+            return Err(MoeConfigError::Experts {
+                ep,
+                experts: self.experts,
+            });
+        }
+        Ok(())
+    }
+
+    /// The most tokens one expert may take of `tokens` routed tokens: the capacity under a
+    /// capacity factor, otherwise the stated bound ([`max_load`](Self::max_load)); never more
+    /// than `tokens`.
+    pub fn expert_limit(&self, tokens: usize) -> usize {
+        let mean = tokens as f64 * self.top_k as f64 / self.experts as f64;
+        let factor = self.capacity_factor.unwrap_or(self.max_load);
+        ((factor * mean).ceil() as usize).min(tokens)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> MoeConfig {
+        toml::from_str("experts = 4\ntop_k = 2\nexpert_hidden = 32").expect("parses")
+    }
+
+    #[test]
+    fn defaults_are_dropless_softmax_with_a_switch_loss() {
+        let c = cfg();
+        assert_eq!(c.capacity_factor, None);
+        assert_eq!(
+            (c.score, c.activation),
+            (RouterScore::Softmax, ExpertActivation::Gelu)
+        );
+        assert!(c.renormalize && c.aux_loss == 0.01 && c.z_loss == 0.0);
+        assert_eq!(c.validate(), Ok(()));
+        // 10 tokens at top-2 of 4: a mean of 5 per expert, bounded at 4x but never above 10.
+        assert_eq!(c.expert_limit(10), 10);
+        let c = MoeConfig {
+            capacity_factor: Some(1.0),
+            ..cfg()
+        };
+        assert_eq!(c.expert_limit(10), 5);
+    }
+
+    #[test]
+    fn bad_values_name_the_key_and_the_numbers() {
+        let e = MoeConfig { top_k: 5, ..cfg() }.validate().unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "model.moe.top_k = 5 is more than model.moe.experts = 4"
+        );
+        let e = MoeConfig {
+            capacity_factor: Some(0.0),
+            ..cfg()
+        };
+        assert!(
+            e.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("capacity_factor = 0")
+        );
+        let e = cfg().check_ep(3).unwrap_err().to_string();
+        assert!(
+            e.contains("parallel.ep = 3") && e.contains("experts = 4"),
+            "{e}"
+        );
+        assert_eq!(
+            MoeConfig {
+                experts: 0,
+                ..cfg()
+            }
+            .validate(),
+            Err(MoeConfigError::Zero("experts"))
+        );
+    }
+}

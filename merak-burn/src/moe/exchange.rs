@@ -1,0 +1,126 @@
+//! Expert parallelism's token exchange: rows of a `[rows, width]` tensor sent to the ranks of
+//! the expert-parallel group in blocks of any size (an all-to-all with counts), as an autodiff
+//! operation whose backward pass sends the gradients back the way the rows came.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Tensor, TensorData, TensorPrimitive};
+use burn_autodiff::{
+    Autodiff,
+    checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
+    grads::Gradients,
+    ops::{Backward, Ops, OpsKind, unary},
+};
+
+use crate::comm::Group;
+use crate::tensor_parallel::ParallelBackend;
+
+/// The rows one exchange sends to, and receives from, each rank of the group (rank order).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ExchangeCounts {
+    /// Rows for rank `j`, in the order they leave.
+    pub send: Vec<usize>,
+    /// Rows from rank `i`, in the order they arrive.
+    pub recv: Vec<usize>,
+}
+
+impl ExchangeCounts {
+    /// The exchange that sends the received rows back (the combine after a dispatch, and the
+    /// backward pass of either).
+    pub fn reversed(&self) -> Self {
+        Self {
+            send: self.recv.clone(),
+            recv: self.send.clone(),
+        }
+    }
+
+    /// Rows received.
+    pub fn received(&self) -> usize {
+        self.recv.iter().sum()
+    }
+}
+
+/// A failure inside the exchange: fatal for the job (the panic hook aborts it and names the
+/// rank).
+fn fatal(e: impl std::fmt::Display) -> ! {
+    panic!("expert-parallel exchange failed: {e}")
+}
+
+/// The forward exchange on any backend, through host buffers: `x` (`[rows, width]`, rows in
+/// blocks of `counts.send`) becomes `[counts.received(), width]`.
+pub fn exchange_rows<B: Backend>(
+    x: FloatTensor<B>,
+    counts: &ExchangeCounts,
+    group: Group,
+) -> FloatTensor<B> {
+    let x = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(x));
+    let (device, dtype, width) = (x.device(), x.dtype(), x.dims()[1]);
+    let send = x
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .unwrap_or_else(|e| fatal(format!("cannot read the rows: {e:?}")));
+    let rows = counts.received();
+    let mut recv = vec![0.0; rows * width];
+    let scaled = |c: &[usize]| c.iter().map(|n| n * width).collect::<Vec<_>>();
+    let comm = group.comm().unwrap_or_else(|e| fatal(e));
+    comm.all_to_all_v(
+        &send,
+        &scaled(&counts.send),
+        &mut recv,
+        &scaled(&counts.recv),
+    )
+    .unwrap_or_else(|e| fatal(e));
+    let data = TensorData::new(recv, [rows, width]).convert_dtype(dtype);
+    Tensor::<B, 2>::from_data(data, &device)
+        .into_primitive()
+        .tensor()
+}
+
+#[derive(Debug)]
+struct ExchangeBackward;
+
+impl<B: ParallelBackend> Backward<B, 1> for ExchangeBackward {
+    type State = (ExchangeCounts, Group);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _c: &mut Checkpointer) {
+        let (counts, group) = ops.state;
+        unary::<B, _>(ops.parents, ops.node, grads, |g| {
+            B::ep_exchange(g, &counts.reversed(), group)
+        });
+    }
+}
+
+/// [`ParallelBackend::ep_exchange`] on `Autodiff<B>`: the exchange, and in the backward pass
+/// the reverse exchange of the gradient.
+pub(crate) fn autodiff_exchange<B: ParallelBackend, C: CheckpointStrategy>(
+    x: FloatTensor<Autodiff<B, C>>,
+    counts: &ExchangeCounts,
+    group: Group,
+) -> FloatTensor<Autodiff<B, C>> {
+    let out = B::ep_exchange(x.primitive, counts, group);
+    match ExchangeBackward
+        .prepare::<C>([x.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish((counts.clone(), group), out),
+        OpsKind::UnTracked(prep) => prep.finish(out),
+    }
+}
+
+/// Sends the rows of `x` (`[rows, width]`, in blocks of `counts.send` for the group's ranks in
+/// order) to their ranks; returns the rows received (`[counts.received(), width]`, in blocks of
+/// `counts.recv`). Differentiable: the gradient goes back by the reverse exchange. A group of
+/// one rank returns `x`.
+pub fn exchange<B: ParallelBackend>(
+    x: Tensor<B, 2>,
+    counts: &ExchangeCounts,
+    group: Group,
+) -> Tensor<B, 2> {
+    if group.size() == 1 {
+        return x;
+    }
+    let x = x.into_primitive().tensor();
+    Tensor::from_primitive(TensorPrimitive::Float(B::ep_exchange(x, counts, group)))
+}

@@ -1,0 +1,365 @@
+//! The mixture-of-experts feed-forward block: router, routed experts (this expert-parallel
+//! rank's share), shared experts, auxiliary losses, and the token exchange.
+
+use burn::module::{Module, Param};
+use burn::tensor::IndexingUpdateOp;
+use burn::tensor::activation::{sigmoid, softmax};
+use burn::tensor::{Int, Tensor, TensorData, backend::Backend};
+
+use super::aux::{RoutingRecord, with_aux_loss};
+use super::config::{MoeConfig, RouterScore};
+use super::dispatch::{Arrivals, Dispatch, inverse};
+use super::exchange::exchange;
+use super::expert::{Expert, ExpertInit};
+use super::routing::{capacity_keeps, loads, top_k};
+use crate::comm::{Group, ReduceOp};
+use crate::precision::{like_dtype, to_f32};
+use crate::tensor_parallel::{ParallelBackend, param_from_values, sp_param};
+
+/// Where an MoE layer runs: its index, its groups, and which positions its rows hold.
+#[derive(Clone, Debug)]
+pub struct MoePlace {
+    /// The layer's index (0-based block), for messages and metrics.
+    pub layer: usize,
+    /// The expert-parallel group: its ranks split the experts and exchange tokens.
+    pub ep: Group,
+    /// Under sequence parallelism, the TP group (its ranks hold parts of the sequences).
+    pub sp: Option<Group>,
+    /// Under context parallelism, the cp group (its ranks hold parts of the sequences).
+    pub cp: Option<Group>,
+    /// The positions of each sequence this rank's rows hold (`None`: all, in order).
+    pub rows: Option<Vec<usize>>,
+    /// The sequence length.
+    pub seq: usize,
+}
+
+impl MoePlace {
+    /// Layer `layer` on one rank holding whole sequences of `seq` tokens.
+    pub fn single(layer: usize, seq: usize) -> Self {
+        Self {
+            layer,
+            ep: Group::local(),
+            sp: None,
+            cp: None,
+            rows: None,
+            seq,
+        }
+    }
+
+    /// The groups whose ranks split a routing group's tokens.
+    fn routing_groups(&self) -> impl Iterator<Item = Group> {
+        self.sp.into_iter().chain(self.cp).filter(|g| g.size() > 1)
+    }
+}
+
+/// A failure inside the layer's forward pass: fatal for the job (the panic hook aborts it and
+/// names the rank).
+fn fatal(e: impl std::fmt::Display) -> ! {
+    panic!("mixture of experts: {e}")
+}
+
+/// The mixture-of-experts block `[batch, seq, hidden] -> [batch, seq, hidden]`.
+#[derive(Module, Debug)]
+pub struct MoeLayer<B: Backend> {
+    /// The router's projection `[hidden, experts]` (computed in f32).
+    pub router: Param<Tensor<B, 2>>,
+    /// The routed experts by global index: this expert-parallel rank's are `Some`.
+    pub experts: Vec<Option<Expert<B>>>,
+    /// The shared experts, as one network of their summed width (`None`: none).
+    pub shared: Option<Expert<B>>,
+    #[module(skip)]
+    cfg: MoeConfig,
+    #[module(skip)]
+    place: MoePlace,
+}
+
+impl<B: ParallelBackend> MoeLayer<B> {
+    /// The layer of `cfg` on `hidden`-wide tokens, named `name` (its parameters' random
+    /// streams), holding the experts of rank `place.ep.rank()` of the expert-parallel group.
+    /// [`MoeConfig::check_ep`] must have passed for the group's size.
+    pub fn new(
+        cfg: &MoeConfig,
+        hidden: usize,
+        name: &str,
+        init: ExpertInit<'_>,
+        place: MoePlace,
+        device: &B::Device,
+    ) -> Self {
+        let router = init
+            .rng
+            .normal(&format!("{name}.router"), hidden * cfg.experts, init.std);
+        let local = cfg.experts / place.ep.size().max(1);
+        let mine = place.ep.rank() * local..(place.ep.rank() + 1) * local;
+        let experts = (0..cfg.experts)
+            .map(|e| {
+                mine.contains(&e).then(|| {
+                    let name = format!("{name}.experts.{e}");
+                    Expert::new(
+                        &name,
+                        hidden,
+                        cfg.expert_hidden,
+                        cfg.activation,
+                        init,
+                        device,
+                    )
+                })
+            })
+            .collect();
+        let width = cfg.shared_experts * cfg.expert_hidden;
+        let shared = (cfg.shared_experts > 0).then(|| {
+            let name = format!("{name}.shared");
+            Expert::new(&name, hidden, width, cfg.activation, init, device)
+        });
+        Self {
+            router: param_from_values(router, [hidden, cfg.experts], device),
+            experts,
+            shared,
+            cfg: cfg.clone(),
+            place,
+        }
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &MoeConfig {
+        &self.cfg
+    }
+
+    /// Where the layer runs.
+    pub fn place(&self) -> &MoePlace {
+        &self.place
+    }
+
+    /// The same layer run at `place` (its expert-parallel group must be the one it was built
+    /// for: the experts it holds do not change).
+    pub fn set_place(&mut self, place: MoePlace) {
+        self.place = place;
+    }
+
+    /// `[batch, seq, hidden] -> [batch, seq, hidden]`: every token through its top-k experts
+    /// (weighted by its gates) and the shared experts; the auxiliary losses ride on the output
+    /// into the backward pass ([`with_aux_loss`]).
+    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [b, n, h] = x.dims();
+        let (t, k, e) = (b * n, self.cfg.top_k, self.cfg.experts);
+        let xf = x.reshape([t, h]);
+        let logits = to_f32(xf.clone()).matmul(sp_param(self.router.val(), self.place.sp));
+        let scores = match self.cfg.score {
+            RouterScore::Softmax => softmax(logits.clone(), 1),
+            RouterScore::Sigmoid => sigmoid(logits.clone()),
+        };
+        let host = host_values(scores.clone());
+        let choice = top_k(&host, None, e, k);
+        let local_loads = loads(&choice, e);
+        let group_loads = self.routing_sum(local_loads.iter().map(|&v| v as f32).collect());
+        let group_tokens = t * self.routing_size();
+        let kept = self.kept(&choice, b, n, group_tokens, &group_loads);
+        let dropped = kept.iter().filter(|&&k| !k).count();
+        let device = xf.device();
+        let choice_t = ints(choice.iter().map(|&c| c as i64).collect(), [t, k], &device);
+        let mut gates = scores.clone().gather(1, choice_t);
+        if self.cfg.renormalize {
+            gates = gates.clone() / gates.sum_dim(1);
+        }
+        let routed = self.routed(xf.clone(), gates, &choice, &kept);
+        let y = match &self.shared {
+            Some(s) => routed + s.forward(xf, self.place.sp),
+            None => routed,
+        };
+        let y = y.reshape([b, n, h]);
+        let aux = self.aux_loss(&logits, scores, &group_loads, group_tokens);
+        let record = RoutingRecord {
+            layer: self.place.layer,
+            aux_loss: f64::from(host_values(aux.clone())[0]),
+            loads: local_loads,
+            dropped,
+        };
+        with_aux_loss(y, aux, record)
+    }
+
+    /// Sums `values` over the ranks that split the routing group's tokens.
+    fn routing_sum(&self, mut values: Vec<f32>) -> Vec<f32> {
+        for g in self.place.routing_groups() {
+            let comm = g.comm().unwrap_or_else(|e| fatal(e));
+            comm.all_reduce(&mut values, ReduceOp::Sum)
+                .unwrap_or_else(|e| fatal(e));
+        }
+        values
+    }
+
+    /// Ranks that split a routing group's tokens.
+    fn routing_size(&self) -> usize {
+        self.place.routing_groups().map(|g| g.size()).product()
+    }
+
+    /// Which assignments are computed: all of them (dropless, within the stated bound), or
+    /// those the capacity keeps in global token order.
+    fn kept(
+        &self,
+        choice: &[usize],
+        batch: usize,
+        n: usize,
+        group_tokens: usize,
+        group_loads: &[f32],
+    ) -> Vec<bool> {
+        let limit = self.cfg.expert_limit(group_tokens);
+        let k = self.cfg.top_k;
+        if self.cfg.capacity_factor.is_none() {
+            if let Some((e, &load)) =
+                (group_loads.iter().enumerate()).find(|(_, l)| **l as usize > limit)
+            {
+                fatal(format!(
+                    "layer {}: expert {e} was routed {load} of the {group_tokens} tokens' \
+                     assignments of a micro-batch, more than the stated bound model.moe.max_load \
+                     = {} x the mean ({limit}); raise model.moe.max_load (the memory check counts \
+                     it) or set model.moe.capacity_factor",
+                    self.place.layer, self.cfg.max_load
+                ));
+            }
+            return vec![true; choice.len()];
+        }
+        // Each token with its global index, gathered over the routing group.
+        let mut mine = Vec::with_capacity(batch * n * (1 + k));
+        for (tok, chosen) in choice.chunks_exact(k).enumerate() {
+            let (s, r) = (tok / n, tok % n);
+            let pos = self.place.rows.as_ref().map_or(r, |rows| rows[r]);
+            mine.push(s * self.place.seq + pos);
+            mine.extend_from_slice(chosen);
+        }
+        let mut group: Vec<f32> = mine.iter().map(|&v| v as f32).collect();
+        for g in self.place.routing_groups() {
+            let comm = g.comm().unwrap_or_else(|e| fatal(e));
+            let mut all = vec![0.0; group.len() * g.size()];
+            comm.all_gather(&group, &mut all)
+                .unwrap_or_else(|e| fatal(e));
+            group = all;
+        }
+        let group: Vec<usize> = group.iter().map(|&v| v as usize).collect();
+        let keeps = capacity_keeps(&group, k, limit);
+        mine.chunks_exact(1 + k)
+            .flat_map(|t| keeps.get(&t[0]).cloned().unwrap_or_else(|| vec![false; k]))
+            .collect()
+    }
+
+    /// The routed experts' weighted outputs `[tokens, hidden]`: the kept assignments' rows sent
+    /// to their experts' ranks, computed there expert by expert, sent back and summed per
+    /// token with their gates.
+    fn routed(
+        &self,
+        xf: Tensor<B, 2>,
+        gates: Tensor<B, 2>,
+        choice: &[usize],
+        kept: &[bool],
+    ) -> Tensor<B, 2> {
+        let [t, h] = xf.dims();
+        let device = xf.device();
+        let ep = self.place.ep;
+        let d = Dispatch::new(choice, kept, self.cfg.top_k, self.cfg.experts);
+        let local = self.cfg.experts / ep.size();
+        let arrivals = self.arrivals(&d, local);
+        let counts = arrivals.counts(d.send_counts(ep.size()));
+        let rows = d.tokens.len();
+        let tokens = ints(d.tokens.clone(), [rows], &device);
+        let sent = exchange(xf.clone().select(0, tokens.clone()), &counts, ep);
+        let order = arrivals.expert_order();
+        let inv = inverse(&order);
+        let grouped = sent
+            .clone()
+            .select(0, ints(order.clone(), [order.len()], &device));
+        let first = ep.rank() * local;
+        let mut outs = Vec::new();
+        let mut at = 0;
+        for (i, &m) in arrivals.per_expert().iter().enumerate() {
+            if m == 0 {
+                continue;
+            }
+            let expert = self.experts[first + i]
+                .as_ref()
+                .unwrap_or_else(|| fatal("an expert of this rank is not built"));
+            outs.push(expert.forward(grouped.clone().narrow(0, at, m), None));
+            at += m;
+        }
+        // With no row to compute, the exchanges still run (and their backward passes): the
+        // empty rows keep the graph connected.
+        let computed = match outs.is_empty() {
+            true => grouped * 0.0,
+            false => Tensor::cat(outs, 0),
+        };
+        let back = computed.select(0, ints(inv.clone(), [inv.len()], &device));
+        let returned = exchange(back, &counts.reversed(), ep);
+        let slots = ints(d.slots, [rows], &device);
+        let g = like_dtype(
+            gates.reshape([t * self.cfg.top_k]).select(0, slots),
+            returned.dtype(),
+        );
+        let weighted = returned * g.reshape([rows, 1]);
+        let zeros = Tensor::<B, 2>::zeros([t, h], &device).cast(weighted.dtype());
+        zeros.select_assign(0, tokens, weighted, IndexingUpdateOp::Add)
+    }
+
+    /// The rows each local expert receives from each rank (the counts are exchanged first).
+    fn arrivals(&self, d: &Dispatch, local: usize) -> Arrivals {
+        let ep = self.place.ep;
+        if ep.size() == 1 {
+            return Arrivals {
+                matrix: d.per_expert.clone(),
+                local,
+            };
+        }
+        let send: Vec<f32> = d.per_expert.iter().map(|&v| v as f32).collect();
+        let mut recv = vec![0.0; send.len()];
+        let comm = ep.comm().unwrap_or_else(|e| fatal(e));
+        comm.all_to_all(&send, &mut recv)
+            .unwrap_or_else(|e| fatal(e));
+        Arrivals {
+            matrix: recv.iter().map(|&v| v as usize).collect(),
+            local,
+        }
+    }
+
+    /// This rank's part of the layer's auxiliary losses (`[1]`, f32): the Switch loss
+    /// `w E Σ_i f_i P_i` with `f_i` the group's share of assignments to expert `i` and `P_i`
+    /// its mean score, and the z-loss `w mean(logsumexp(logits)²)`, both over the routing
+    /// group; the ranks' parts add up to the group's losses.
+    fn aux_loss(
+        &self,
+        logits: &Tensor<B, 2>,
+        scores: Tensor<B, 2>,
+        group_loads: &[f32],
+        group_tokens: usize,
+    ) -> Tensor<B, 1> {
+        let device = logits.device();
+        let (e, k) = (self.cfg.experts, self.cfg.top_k);
+        let mut aux = Tensor::<B, 1>::zeros([1], &device);
+        if self.cfg.aux_loss > 0.0 {
+            let tg = group_tokens as f32;
+            let f: Vec<f32> = group_loads.iter().map(|&l| l / (tg * k as f32)).collect();
+            let f = Tensor::<B, 2>::from_data(TensorData::new(f, [e, 1]), &device);
+            let p = scores.sum_dim(0).matmul(f).reshape([1]) / tg;
+            aux = aux + p * (self.cfg.aux_loss as f32 * e as f32);
+        }
+        if self.cfg.z_loss > 0.0 {
+            let max = logits.clone().max_dim(1).detach();
+            let lse = (logits.clone() - max.clone()).exp().sum_dim(1).log() + max;
+            let z = lse.powi_scalar(2).sum().reshape([1]) / group_tokens as f32;
+            aux = aux + z * self.cfg.z_loss as f32;
+        }
+        aux
+    }
+}
+
+/// A tensor's values on the host, as f32.
+fn host_values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+    t.into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .unwrap_or_else(|e| fatal(format!("cannot read the router's scores: {e:?}")))
+}
+
+/// An integer tensor of `values`.
+fn ints<B: Backend, const D: usize>(
+    values: Vec<i64>,
+    shape: [usize; D],
+    device: &B::Device,
+) -> Tensor<B, D, Int> {
+    Tensor::from_data(TensorData::new(values, shape), device)
+}

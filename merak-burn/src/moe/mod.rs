@@ -1,0 +1,47 @@
+//! Mixture of experts with expert parallelism.
+//!
+//! A [`MoeLayer`] replaces a transformer block's MLP: a router (computed in f32) scores the
+//! `E` experts for every token and picks its top `k` (ties to the lower expert index); each
+//! token goes through its experts' feed-forward networks, weighted by their gates, and through
+//! the shared experts if any. Routing is **dropless** by default; a capacity factor drops the
+//! assignments past each expert's capacity in global token order.
+//!
+//! **Routing groups.** A micro-batch is one routing group: its tokens, split over the TP ranks
+//! (sequence parallelism) and the context-parallel ranks, are counted together for the
+//! load-balancing loss, the z-loss and the capacities (the loads are all-reduced over those
+//! groups; the capacity's drop order is all-gathered), so results do not depend on the layout.
+//! Each rank adds its part of the auxiliary losses to the backward pass at the layer
+//! ([`aux`]), weighted by the micro-batch's share of the step.
+//!
+//! **Expert parallelism** (`parallel.ep`) is folded into data parallelism: of the `dp × cp`
+//! ranks that hold a stage's dense parameters, each group of `ep` consecutive ranks splits the
+//! experts (`E / ep` each). A layer sends each kept assignment's row to the rank of its expert
+//! ([`exchange`]: an all-to-all with counts, exchanged first), computes its local experts one
+//! matrix product loop each, and sends the results back; the backward pass runs both exchanges
+//! in reverse. An expert's gradient is summed over the ranks holding the same expert (the
+//! data-parallel reducer's expert group: every TP rank, and the `dp × cp / ep` expert-parallel
+//! groups), a dense parameter's over `dp × cp` as before.
+//!
+//! Experts are not split by tensor parallelism: every TP rank holds its expert-parallel rank's
+//! experts whole and routes its own sequence slice (sequence parallelism is required at
+//! tp > 1).
+
+pub mod aux;
+pub mod config;
+pub mod dispatch;
+pub mod exchange;
+pub mod expert;
+pub mod layer;
+pub mod routing;
+
+pub use aux::{RoutingRecord, aux_scale, set_aux_scale, take_records, with_aux_loss};
+pub use config::{ExpertActivation, MoeConfig, MoeConfigError, RouterScore};
+pub use exchange::{ExchangeCounts, exchange_rows};
+pub use expert::{Expert, ExpertInit};
+pub use layer::{MoeLayer, MoePlace};
+
+/// Whether the parameter named `name` (as checkpoints name it) is a routed expert's: held by
+/// one expert-parallel rank, its gradient summed over the expert group.
+pub fn is_expert_param(name: &str) -> bool {
+    name.contains(".experts.")
+}

@@ -1,0 +1,84 @@
+//! The router's decisions, made on the host from its scores: the top-k experts of every token
+//! (ties broken by the lower expert index), the load of each expert, and, under a capacity
+//! factor, which assignments are dropped (deterministically, by global token index).
+
+use std::collections::HashMap;
+
+/// The top `k` experts of each token, best first: `scores` holds `experts` values per token
+/// (row-major); `bias`, when given, is added to the scores for the choice only (DeepSeek's
+/// balancing bias). Equal values go to the lower expert index, so every layout chooses alike.
+pub fn top_k(scores: &[f32], bias: Option<&[f32]>, experts: usize, k: usize) -> Vec<usize> {
+    let mut out = Vec::with_capacity(scores.len() / experts.max(1) * k);
+    let mut order: Vec<usize> = Vec::with_capacity(experts);
+    for row in scores.chunks_exact(experts.max(1)) {
+        let key = |e: usize| row[e] + bias.map_or(0.0, |b| b[e]);
+        order.clear();
+        order.extend(0..experts);
+        order.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
+        out.extend_from_slice(&order[..k]);
+    }
+    out
+}
+
+/// How many assignments each of `experts` experts got in `choice` (expert ids).
+pub fn loads(choice: &[usize], experts: usize) -> Vec<usize> {
+    let mut n = vec![0; experts];
+    for &e in choice {
+        n[e] += 1;
+    }
+    n
+}
+
+/// Which assignments a capacity of `capacity` tokens per expert keeps, for the tokens of a
+/// whole routing group: `group` holds each token's global index and its `k` choices (`k`
+/// experts after the index, `1 + k` values per token, any order of tokens). Tokens are served
+/// in global index order, each token's choices best first; an expert that is full drops the
+/// rest. Returns, per global token index, which of its `k` choices are kept.
+pub fn capacity_keeps(group: &[usize], k: usize, capacity: usize) -> HashMap<usize, Vec<bool>> {
+    let mut tokens: Vec<&[usize]> = group.chunks_exact(1 + k).collect();
+    tokens.sort_by_key(|t| t[0]);
+    let mut taken: HashMap<usize, usize> = HashMap::new();
+    tokens
+        .into_iter()
+        .map(|t| {
+            let keep = t[1..]
+                .iter()
+                .map(|&e| {
+                    let n = taken.entry(e).or_insert(0);
+                    *n += 1;
+                    *n <= capacity
+                })
+                .collect();
+            (t[0], keep)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_k_takes_the_best_and_breaks_ties_by_the_lower_expert() {
+        let scores = [0.1, 0.4, 0.4, 0.1, /* token 2 */ 0.7, 0.1, 0.1, 0.1];
+        assert_eq!(top_k(&scores, None, 4, 2), vec![1, 2, 0, 1]);
+        // A bias moves the choice, not the scores.
+        let bias = [0.0, 0.0, 0.0, 1.0];
+        assert_eq!(top_k(&scores, Some(&bias), 4, 2), vec![3, 1, 3, 0]);
+        assert_eq!(loads(&[1, 2, 0, 1], 4), vec![1, 2, 1, 0]);
+    }
+
+    #[test]
+    fn capacity_serves_tokens_in_global_order_whatever_order_they_come_in() {
+        // Three tokens all choosing expert 0 first, capacity 2: token 9 (the last) loses it.
+        let group = [9, 0, 1, /* */ 4, 0, 2, /* */ 7, 0, 1];
+        let keeps = capacity_keeps(&group, 2, 2);
+        assert_eq!(keeps[&4], vec![true, true]);
+        assert_eq!(keeps[&7], vec![true, true]);
+        assert_eq!(keeps[&9], vec![false, true]);
+        let mut reversed: Vec<usize> = group.chunks(3).rev().flatten().copied().collect();
+        assert_eq!(capacity_keeps(&reversed, 2, 2), keeps);
+        reversed.truncate(3);
+        assert_eq!(capacity_keeps(&reversed, 2, 2)[&7], vec![true, true]);
+    }
+}
