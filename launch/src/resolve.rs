@@ -41,6 +41,7 @@ pub fn resolve_config(
         ("dp", args.dp),
         ("tp", args.tp),
         ("cp", args.cp),
+        ("ep", args.ep),
         ("pp", args.pp),
     ] {
         if let Some(v) = v {
@@ -102,7 +103,7 @@ fn set_key(set: &str) -> &str {
 fn sets_layout(set: &str) -> bool {
     matches!(
         set_key(set),
-        "parallel.dp" | "parallel.tp" | "parallel.cp" | "parallel.pp"
+        "parallel.dp" | "parallel.tp" | "parallel.cp" | "parallel.ep" | "parallel.pp"
     )
 }
 
@@ -125,6 +126,7 @@ fn fit_layout_to_launch(cfg: &mut Config, size: usize) {
     );
     let p = &mut cfg.parallel;
     (p.dp, p.cp, p.tp, p.pp, p.virtual_stages) = (size, 1, 1, 1, 1);
+    p.ep = 1;
     p.sequence_parallel = false;
     p.stage_layers.clear();
     p.stage_recompute.clear();
@@ -146,8 +148,9 @@ fn apply_plan(
     world: Option<&MpiCommunicator>,
     size: usize,
 ) -> Result<PlanFile> {
-    if args.dp.is_some() || args.tp.is_some() || args.cp.is_some() || args.pp.is_some() {
-        bail!("--plan {spec} sets the layout: drop --dp, --tp, --cp and --pp");
+    let degrees = [args.dp, args.tp, args.cp, args.ep, args.pp];
+    if degrees.iter().any(Option::is_some) {
+        bail!("--plan {spec} sets the layout: drop --dp, --tp, --cp, --ep and --pp");
     }
     let planned = |s: &String| plan_cmd::PLANNED_KEYS.contains(&set_key(s));
     if let Some(s) = args.sets.iter().find(|s| planned(s)) {

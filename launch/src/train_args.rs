@@ -17,6 +17,9 @@ pub struct TrainArgs {
     /// Context-parallel degree (overrides parallel.cp).
     #[arg(long)]
     pub cp: Option<usize>,
+    /// Expert-parallel degree of a mixture of experts (overrides parallel.ep; divides dp x cp).
+    #[arg(long)]
+    pub ep: Option<usize>,
     /// Pipeline-parallel degree (overrides parallel.pp).
     #[arg(long)]
     pub pp: Option<usize>,

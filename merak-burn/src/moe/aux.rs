@@ -31,6 +31,9 @@ pub struct RoutingRecord {
     pub loads: Vec<usize>,
     /// Assignments dropped by the capacity.
     pub dropped: usize,
+    /// The smallest gap between a token's `k`-th and `k + 1`-th router score
+    /// ([`min_margin`](super::routing::min_margin)).
+    pub margin: f32,
 }
 
 thread_local! {

@@ -64,11 +64,6 @@ pub struct MoeConfig {
     /// it, and a dropless run whose routing exceeds it stops naming the layer and the counts.
     #[serde(default = "default_bound")]
     pub max_load: f64,
-    /// DeepSeek's auxiliary-loss-free balancing: after each step every expert's selection
-    /// bias moves by this rate towards the mean load (`+rate` if it was under-loaded, `-rate`
-    /// if over-loaded), agreed over the data-parallel ranks and checkpointed (0: off).
-    #[serde(default)]
-    pub bias_update_rate: f64,
 }
 
 fn yes() -> bool {
@@ -145,8 +140,6 @@ impl MoeConfig {
         finite("aux_loss", self.aux_loss, self.aux_loss >= 0.0, "≥ 0")?;
         finite("z_loss", self.z_loss, self.z_loss >= 0.0, "≥ 0")?;
         finite("max_load", self.max_load, self.max_load >= 1.0, "≥ 1")?;
-        let rate = self.bias_update_rate;
-        finite("bias_update_rate", rate, rate >= 0.0, "≥ 0")?;
         if let Some(f) = self.capacity_factor {
             finite("capacity_factor", f, f > 0.0, "> 0")?;
         }

@@ -11,7 +11,7 @@ use super::config::{MoeConfig, RouterScore};
 use super::dispatch::{Arrivals, Dispatch, inverse};
 use super::exchange::exchange;
 use super::expert::{Expert, ExpertInit};
-use super::routing::{capacity_keeps, loads, top_k};
+use super::routing::{capacity_keeps, loads, min_margin, top_k};
 use crate::comm::{Group, ReduceOp};
 use crate::precision::{like_dtype, to_f32};
 use crate::tensor_parallel::{ParallelBackend, param_from_values, sp_param};
@@ -172,6 +172,7 @@ impl<B: ParallelBackend> MoeLayer<B> {
             aux_loss: f64::from(host_values(aux.clone())[0]),
             loads: local_loads,
             dropped,
+            margin: min_margin(&host, e, k),
         };
         with_aux_loss(y, aux, record)
     }

@@ -20,6 +20,25 @@ pub fn top_k(scores: &[f32], bias: Option<&[f32]>, experts: usize, k: usize) -> 
     out
 }
 
+/// The smallest gap, over the tokens, between a token's `k`-th and `k + 1`-th best score
+/// (`scores`: `experts` per token): how far the routing is from a tie that rounding could flip
+/// (infinite when every expert is chosen).
+pub fn min_margin(scores: &[f32], experts: usize, k: usize) -> f32 {
+    if k >= experts {
+        return f32::INFINITY;
+    }
+    let mut row = Vec::with_capacity(experts);
+    scores
+        .chunks_exact(experts.max(1))
+        .map(|r| {
+            row.clear();
+            row.extend_from_slice(r);
+            row.sort_by(|a, b| b.total_cmp(a));
+            row[k - 1] - row[k]
+        })
+        .fold(f32::INFINITY, f32::min)
+}
+
 /// How many assignments each of `experts` experts got in `choice` (expert ids).
 pub fn loads(choice: &[usize], experts: usize) -> Vec<usize> {
     let mut n = vec![0; experts];
@@ -66,6 +85,10 @@ mod tests {
         let bias = [0.0, 0.0, 0.0, 1.0];
         assert_eq!(top_k(&scores, Some(&bias), 4, 2), vec![3, 1, 3, 0]);
         assert_eq!(loads(&[1, 2, 0, 1], 4), vec![1, 2, 1, 0]);
+        // Token 1's second and third scores tie: no margin.
+        assert_eq!(min_margin(&scores, 4, 1), 0.0);
+        assert!((min_margin(&scores[4..], 4, 1) - 0.6).abs() < 1e-6);
+        assert_eq!(min_margin(&scores, 4, 4), f32::INFINITY);
     }
 
     #[test]

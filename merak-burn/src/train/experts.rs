@@ -53,6 +53,9 @@ pub struct RoutingStats {
     pub expert_tokens: Vec<Vec<u64>>,
     /// Assignments dropped by the capacity.
     pub dropped: u64,
+    /// The smallest gap between a token's `k`-th and `k + 1`-th router score over the step
+    /// (how far its routing is from a tie that rounding could flip).
+    pub router_margin: f64,
 }
 
 impl RoutingStats {
@@ -75,20 +78,29 @@ pub(crate) fn gather_routing(
     world: Group,
 ) -> Result<RoutingStats, CommError> {
     let mut buf = vec![0.0f64; 2 + layers * experts];
-    for r in records {
+    for r in &records {
         buf[0] += r.aux_loss;
         buf[1] += r.dropped as f64;
         for (e, &n) in r.loads.iter().enumerate().take(experts) {
             buf[2 + r.layer * experts + e] += n as f64;
         }
     }
+    let margin = records
+        .iter()
+        .map(|r| r.margin)
+        .fold(f32::INFINITY, f32::min);
     let mut values: Vec<f32> = buf.iter().map(|&v| v as f32).collect();
+    // The smallest margin, as the largest of its negation (a rank without a MoE layer: -inf).
+    let mut least = [-margin.min(f32::MAX)];
     if world.size() > 1 {
-        world.comm()?.all_reduce(&mut values, ReduceOp::Sum)?;
+        let comm = world.comm()?;
+        comm.all_reduce(&mut values, ReduceOp::Sum)?;
+        comm.all_reduce(&mut least, ReduceOp::Max)?;
     }
     Ok(RoutingStats {
         aux_loss: f64::from(values[0]),
         dropped: values[1] as u64,
+        router_margin: f64::from(-least[0]),
         expert_tokens: values[2..]
             .chunks(experts.max(1))
             .map(|l| l.iter().map(|&v| v as u64).collect())

@@ -186,6 +186,7 @@ where
             aux_loss: o.aux_loss,
             expert_tokens: self.routing.as_ref().map(|r| r.expert_tokens.clone()),
             expert_max_load: self.routing.as_ref().map(|r| r.max_load()),
+            router_margin: self.routing.as_ref().map(|r| r.router_margin),
             dropped_tokens: (self.routing.as_ref())
                 .filter(|_| self.model.experts().is_some())
                 .map(|r| r.dropped)

@@ -44,6 +44,10 @@ pub struct StepMetrics {
     /// layer (1: balanced).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub expert_max_load: Option<f64>,
+    /// Under a mixture of experts: the smallest gap between a token's `k`-th and `k + 1`-th
+    /// router score (how far the routing was from a tie).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub router_margin: Option<f64>,
     /// Under a capacity factor: the assignments dropped.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dropped_tokens: Option<u64>,

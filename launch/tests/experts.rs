@@ -1,0 +1,230 @@
+//! End-to-end tests of the mixture of experts (`[model.moe]`) and expert parallelism
+//! (`parallel.ep`) under real `mpirun`: the dropless MoE GPT (shared expert, Switch and z
+//! auxiliary losses, dropout) at ep 2 and 4, ep with more data parallelism, with tensor and
+//! sequence parallelism, with pipeline parallelism and with context parallelism, and the
+//! capacity-factor mode, each train the same model as one process. Every case first checks
+//! that the routing decisions are those of one process (each step's per-expert token counts
+//! equal, with a margin between every token's k-th and k+1-th router score), then the losses
+//! and parameters at the usual tolerance. A checkpoint saved at ep = 4 resumes at ep = 1; bad
+//! settings fail before training.
+
+mod common;
+use common::*;
+
+/// The tiny GPT with 4 experts (top-2, width 32), one shared expert, both auxiliary losses
+/// and dropout.
+const MOE: [&str; 14] = [
+    "--set",
+    "model.moe.experts=4",
+    "--set",
+    "model.moe.top_k=2",
+    "--set",
+    "model.moe.expert_hidden=32",
+    "--set",
+    "model.moe.shared_experts=1",
+    "--set",
+    "model.moe.z_loss=0.001",
+    "--set",
+    "model.dropout=0.1",
+    "--set",
+    "train.seed=7",
+];
+
+/// The smallest gap between a token's k-th and k+1-th router score that the runs must keep:
+/// far above the 1e-6 differences of the reduction order, so that no layout can route a
+/// token otherwise.
+const MARGIN: f64 = 1e-5;
+
+/// Asserts that `got` routed every step's tokens to the experts as `want` did.
+fn assert_same_routing(name: &str, got: &std::path::Path, want: &std::path::Path) {
+    let (g, w) = (read_metrics(got), read_metrics(want));
+    assert_eq!(g.len(), w.len(), "{name}: steps");
+    for (a, b) in g.iter().zip(&w) {
+        let margin = b["router_margin"].as_f64().expect("router_margin logged");
+        assert!(
+            margin > MARGIN,
+            "{name}: the seed leaves a margin of {margin} only"
+        );
+        assert_eq!(
+            a["expert_tokens"], b["expert_tokens"],
+            "{name}: routing at {}",
+            a["step"]
+        );
+        assert_eq!(
+            a["dropped_tokens"], b["dropped_tokens"],
+            "{name}: drops at {}",
+            a["step"]
+        );
+        let (x, y) = (a["aux_loss"].as_f64(), b["aux_loss"].as_f64());
+        let (x, y) = (x.expect("aux_loss logged"), y.expect("aux_loss logged"));
+        assert!(((x - y) / y).abs() <= 1e-5, "{name}: aux loss {x} vs {y}");
+    }
+}
+
+/// Trains `extra` on `np` ranks into `name` and compares it with `single`: routing, losses,
+/// parameters.
+fn assert_moe_equals(single: &std::path::Path, np: usize, name: &str, extra: &[&str]) {
+    let out = out_dir(name);
+    run_pp(np, &out, &[&MOE[..], extra].concat()).assert_success();
+    assert_same_routing(name, &out, single);
+    assert_same_losses(name, &out, single);
+    assert_same_params(name, &out, single);
+}
+
+#[test]
+fn expert_parallel_moe_gpt_equals_one_process() {
+    let single = out_dir("moe-single");
+    run_pp(0, &single, &MOE).assert_success();
+    let m = read_metrics(&single);
+    assert!(
+        m[0]["aux_loss"].as_f64().is_some_and(|a| a > 0.0),
+        "{}",
+        m[0]
+    );
+    let sp = ["--set", "parallel.sequence_parallel=true"];
+    let cases: [(usize, &str, Vec<&str>); 6] = [
+        (2, "moe-ep2", vec!["--dp", "2", "--ep", "2"]),
+        (4, "moe-ep4", vec!["--dp", "4", "--ep", "4"]),
+        (4, "moe-ep2-dp4", vec!["--dp", "4", "--ep", "2"]),
+        (
+            4,
+            "moe-ep2-tp2-sp",
+            [&["--dp", "2", "--ep", "2", "--tp", "2"][..], &sp].concat(),
+        ),
+        (
+            4,
+            "moe-ep2-pp2",
+            vec!["--dp", "2", "--ep", "2", "--pp", "2"],
+        ),
+        (2, "moe-ep2-cp2", vec!["--cp", "2", "--ep", "2"]),
+    ];
+    for (np, name, extra) in cases {
+        assert_moe_equals(&single, np, name, &extra);
+    }
+}
+
+/// Under a capacity factor of 1 some assignments are dropped, the same ones (by global token
+/// index) under expert, tensor and sequence parallelism as in one process.
+#[test]
+fn capacity_drops_the_same_tokens_as_one_process() {
+    // Seed 12 keeps a margin under this routing (seed 7 leaves 1.3e-6 at some step).
+    let capacity = [
+        &MOE[..],
+        &[
+            "--set",
+            "model.moe.capacity_factor=1.0",
+            "--set",
+            "train.seed=12",
+        ],
+    ]
+    .concat();
+    let single = out_dir("moe-capacity-single");
+    run_pp(0, &single, &capacity).assert_success();
+    let dropped = read_metrics(&single)[0]["dropped_tokens"].as_u64();
+    assert!(
+        dropped.is_some_and(|d| d > 0),
+        "nothing dropped: {dropped:?}"
+    );
+    let sp = ["--set", "parallel.sequence_parallel=true", "--tp", "2"];
+    let cases: [(usize, &str, Vec<&str>); 2] = [
+        (2, "moe-capacity-ep2", vec!["--dp", "2", "--ep", "2"]),
+        (
+            4,
+            "moe-capacity-ep2-tp2",
+            [&["--dp", "2", "--ep", "2"][..], &sp].concat(),
+        ),
+    ];
+    for (np, name, extra) in cases {
+        let extra = [&capacity[MOE.len()..], &extra[..]].concat();
+        assert_moe_equals(&single, np, name, &extra);
+    }
+}
+
+/// A checkpoint written at ep = 4 (each rank writing its experts) resumes on one process,
+/// which continues as the uninterrupted one-process run does.
+#[test]
+fn a_checkpoint_saved_at_ep_4_resumes_at_ep_1() {
+    let stateful = [
+        &MOE[..],
+        &["--set", "train.steps=6", "--set", "checkpoint.every=3"],
+    ]
+    .concat();
+    let whole = out_dir("moe-resume-whole");
+    run_pp(0, &whole, &stateful).assert_success();
+    let saved = out_dir("moe-resume-ep4");
+    let ep4 = [&stateful[..], &["--dp", "4", "--ep", "4"]].concat();
+    run_pp(4, &saved, &ep4).assert_success();
+    let step3 = saved.join("checkpoints/step-00000003");
+    let resumed = read_metrics(&resumed(0, &step3, "moe-resume-ep1", &[]));
+    let want = read_metrics(&whole);
+    assert_eq!(resumed.len(), 3, "steps 4 to 6");
+    for (got, want) in resumed.iter().zip(&want[3..]) {
+        assert_eq!(got["step"], want["step"]);
+        assert_eq!(got["expert_tokens"], want["expert_tokens"]);
+        for key in ["loss", "grad_norm"] {
+            let (a, b) = (got[key].as_f64().unwrap(), want[key].as_f64().unwrap());
+            assert!(
+                ((a - b) / b).abs() <= 1e-5,
+                "step {}: {key} {a} vs {b}",
+                got["step"]
+            );
+        }
+    }
+}
+
+#[test]
+fn bad_expert_settings_fail_before_training() {
+    let moe = &MOE[..];
+    for (np, name, extra, wants) in [
+        (
+            2,
+            "moe-ep3",
+            vec!["--dp", "2", "--ep", "3"],
+            "`parallel.ep`: 3 does not divide parallel.dp x parallel.cp = 2 x 1 = 2",
+        ),
+        (
+            4,
+            "moe-ep4-of-2",
+            vec!["--dp", "4", "--ep", "4", "--set", "model.moe.experts=2"],
+            "parallel.ep = 4 does not divide model.moe.experts = 2",
+        ),
+        (
+            0,
+            "moe-topk",
+            vec!["--set", "model.moe.top_k=5"],
+            "model.moe.top_k = 5 is more than model.moe.experts = 4",
+        ),
+        (
+            0,
+            "moe-capacity-0",
+            vec!["--set", "model.moe.capacity_factor=0"],
+            "model.moe.capacity_factor = 0 must be > 0",
+        ),
+        (
+            2,
+            "moe-tp2-no-sp",
+            vec!["--tp", "2"],
+            "`parallel.sequence_parallel`: false, but a mixture of experts at parallel.tp = 2",
+        ),
+        (
+            2,
+            "moe-ep2-zero1",
+            vec!["--dp", "2", "--ep", "2", "--set", "parallel.zero=1"],
+            "ZeRO does not yet shard a mixture of experts' state",
+        ),
+    ] {
+        let out = out_dir(name);
+        let run = run_pp(np, &out, &[moe, &extra].concat());
+        assert_ne!(run.code, Some(0), "{name}: {run:?}");
+        assert!(run.stderr.contains(wants), "{name}: {}", run.stderr);
+        assert!(!out.join("metrics.jsonl").exists(), "{name}: trained");
+    }
+    // Expert parallelism needs experts.
+    let out = out_dir("moe-dense-ep2");
+    let run = run_pp(2, &out, &["--dp", "2", "--ep", "2"]);
+    assert!(
+        run.stderr.contains("needs a mixture of experts"),
+        "{}",
+        run.stderr
+    );
+}
