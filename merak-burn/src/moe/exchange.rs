@@ -40,6 +40,21 @@ impl ExchangeCounts {
     }
 }
 
+thread_local! {
+    static SECONDS: std::cell::Cell<f64> = const { std::cell::Cell::new(0.0) };
+}
+
+/// Adds `s` seconds to this thread's exchange time.
+pub(crate) fn count_seconds(s: f64) {
+    SECONDS.with(|c| c.set(c.get() + s));
+}
+
+/// The seconds this thread spent in expert-parallel exchanges (rows and counts, forward and
+/// backward) since the last call.
+pub fn take_exchange_seconds() -> f64 {
+    SECONDS.with(|c| c.replace(0.0))
+}
+
 /// A failure inside the exchange: fatal for the job (the panic hook aborts it and names the
 /// rank).
 fn fatal(e: impl std::fmt::Display) -> ! {

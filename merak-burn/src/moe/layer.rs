@@ -309,8 +309,10 @@ impl<B: ParallelBackend> MoeLayer<B> {
         let send: Vec<f32> = d.per_expert.iter().map(|&v| v as f32).collect();
         let mut recv = vec![0.0; send.len()];
         let comm = ep.comm().unwrap_or_else(|e| fatal(e));
+        let t0 = std::time::Instant::now();
         comm.all_to_all(&send, &mut recv)
             .unwrap_or_else(|e| fatal(e));
+        super::exchange::count_seconds(t0.elapsed().as_secs_f64());
         Arrivals {
             matrix: recv.iter().map(|&v| v as usize).collect(),
             local,

@@ -36,7 +36,7 @@ pub mod routing;
 
 pub use aux::{RoutingRecord, aux_scale, set_aux_scale, take_records, with_aux_loss};
 pub use config::{ExpertActivation, MoeConfig, MoeConfigError, RouterScore};
-pub use exchange::{ExchangeCounts, exchange_rows};
+pub use exchange::{ExchangeCounts, exchange_rows, take_exchange_seconds};
 pub use expert::{Expert, ExpertInit};
 pub use layer::{MoeLayer, MoePlace};
 

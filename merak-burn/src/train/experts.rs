@@ -56,6 +56,9 @@ pub struct RoutingStats {
     /// The smallest gap between a token's `k`-th and `k + 1`-th router score over the step
     /// (how far its routing is from a tie that rounding could flip).
     pub router_margin: f64,
+    /// Seconds this rank spent in the step's expert-parallel exchanges (the all-to-alls of
+    /// rows and of counts, forward and backward; waiting for other ranks included).
+    pub exchange_s: f64,
 }
 
 impl RoutingStats {
@@ -101,6 +104,7 @@ pub(crate) fn gather_routing(
         aux_loss: f64::from(values[0]),
         dropped: values[1] as u64,
         router_margin: f64::from(-least[0]),
+        exchange_s: crate::moe::take_exchange_seconds(),
         expert_tokens: values[2..]
             .chunks(experts.max(1))
             .map(|l| l.iter().map(|&v| v as u64).collect())

@@ -187,6 +187,9 @@ where
             expert_tokens: self.routing.as_ref().map(|r| r.expert_tokens.clone()),
             expert_max_load: self.routing.as_ref().map(|r| r.max_load()),
             router_margin: self.routing.as_ref().map(|r| r.router_margin),
+            moe_exchange_s: (self.routing.as_ref())
+                .filter(|_| self.grid.ep.size() > 1)
+                .map(|r| r.exchange_s),
             dropped_tokens: (self.routing.as_ref())
                 .filter(|_| self.model.experts().is_some())
                 .map(|r| r.dropped)
