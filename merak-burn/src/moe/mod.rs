@@ -45,3 +45,6 @@ pub use layer::{MoeLayer, MoePlace};
 pub fn is_expert_param(name: &str) -> bool {
     name.contains(".experts.")
 }
+
+#[cfg(test)]
+mod tests;

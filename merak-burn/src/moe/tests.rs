@@ -1,0 +1,159 @@
+//! The MoE layer against a per-token reference, its capacity drops, and its auxiliary losses'
+//! gradient against finite differences.
+
+use burn::tensor::{Tensor, TensorData};
+
+use super::*;
+use crate::backend::{Cpu, CpuAutodiff};
+use crate::rng::InitRng;
+
+fn cfg(extra: &str) -> MoeConfig {
+    let text = format!("experts = 4\ntop_k = 2\nexpert_hidden = 6\n{extra}");
+    toml::from_str(&text).expect("a MoE table")
+}
+
+fn layer<B: crate::tensor_parallel::ParallelBackend>(c: &MoeConfig) -> MoeLayer<B> {
+    let rng = InitRng::new(3);
+    let init = ExpertInit {
+        rng: &rng,
+        std: 0.5,
+        out_std: 0.5,
+    };
+    MoeLayer::new(
+        c,
+        8,
+        "moe",
+        init,
+        MoePlace::single(0, 5),
+        &Default::default(),
+    )
+}
+
+fn input<B: burn::tensor::backend::Backend>() -> Tensor<B, 3> {
+    let v = InitRng::new(9).normal("x", 2 * 5 * 8, 1.0);
+    Tensor::from_data(TensorData::new(v, [2, 5, 8]), &Default::default())
+}
+
+fn values<B: burn::tensor::backend::Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+    t.into_data()
+        .convert::<f32>()
+        .into_vec()
+        .expect("f32 values")
+}
+
+/// Token by token: the router's softmax scores, the top-k, the renormalized gates, and the
+/// weighted sum of the chosen experts (each run on that token alone) plus the shared expert.
+fn reference(
+    m: &MoeLayer<Cpu>,
+    x: Tensor<Cpu, 3>,
+    keep: &dyn Fn(usize, usize) -> bool,
+) -> Vec<f32> {
+    let c = m.config();
+    let rows = x.reshape([10, 8]);
+    let scores = values(burn::tensor::activation::softmax(
+        rows.clone().matmul(m.router.val()),
+        1,
+    ));
+    let mut out = Vec::new();
+    for t in 0..10 {
+        let row = rows.clone().narrow(0, t, 1);
+        let s = &scores[t * c.experts..(t + 1) * c.experts];
+        let mut order: Vec<usize> = (0..c.experts).collect();
+        order.sort_by(|a, b| s[*b].total_cmp(&s[*a]));
+        let chosen = &order[..c.top_k];
+        let sum: f32 = chosen.iter().map(|&e| s[e]).sum();
+        let mut y = match &m.shared {
+            Some(sh) => values(sh.forward(row.clone(), None)),
+            None => vec![0.0; 8],
+        };
+        for (j, &e) in chosen.iter().enumerate() {
+            if !keep(t, j) {
+                continue;
+            }
+            let expert = m.experts[e].as_ref().expect("every expert on one rank");
+            let ye = values(expert.forward(row.clone(), None));
+            y.iter_mut().zip(ye).for_each(|(a, b)| *a += s[e] / sum * b);
+        }
+        out.extend(y);
+    }
+    out
+}
+
+fn assert_close(what: &str, a: &[f32], b: &[f32], tol: f32) {
+    assert_eq!(a.len(), b.len());
+    let worst = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max);
+    assert!(worst <= tol, "{what}: largest difference {worst}");
+}
+
+#[test]
+fn the_layer_weighs_each_tokens_top_k_experts_by_their_gates() {
+    for extra in ["shared_experts = 1", "activation = \"swiglu\""] {
+        let m = layer::<Cpu>(&cfg(extra));
+        let got = values(m.forward(input()));
+        assert_close(extra, &got, &reference(&m, input(), &|_, _| true), 1e-5);
+    }
+}
+
+/// With a capacity of one token per expert (factor 0.2 of 10 tokens × 2 / 4), each expert
+/// keeps the first token (in sequence order) that chose it.
+#[test]
+fn a_capacity_keeps_the_first_tokens_of_each_expert() {
+    let m = layer::<Cpu>(&cfg("capacity_factor = 0.2"));
+    let got = values(m.forward(input()));
+    let scores = values(burn::tensor::activation::softmax(
+        input::<Cpu>().reshape([10, 8]).matmul(m.router.val()),
+        1,
+    ));
+    let choice = routing::top_k(&scores, None, 4, 2);
+    let mut taken = [false; 4];
+    let kept: Vec<bool> = choice
+        .iter()
+        .map(|&e| !std::mem::replace(&mut taken[e], true))
+        .collect();
+    assert!(kept.iter().any(|k| !k), "something is dropped");
+    let want = reference(&m, input(), &|t, j| kept[t * 2 + j]);
+    assert_close("capacity", &got, &want, 1e-5);
+}
+
+/// With no gradient from above, the router's gradient is the auxiliary losses' alone: it
+/// matches central differences of the recorded loss.
+#[test]
+fn the_auxiliary_losses_train_the_router() {
+    let c = cfg("aux_loss = 1.0\nz_loss = 1.0");
+    set_aux_scale(1.0);
+    let run = |m: &MoeLayer<CpuAutodiff>| {
+        let y = m.forward(input());
+        take_records();
+        (y * 0.0).sum().backward()
+    };
+    let m = layer::<CpuAutodiff>(&c);
+    let grads = run(&m);
+    let analytic = values(
+        m.router
+            .val()
+            .grad(&grads)
+            .expect("the router has a gradient"),
+    );
+    let aux_at = |i: usize, d: f32| {
+        let mut w = values(m.router.val().inner());
+        w[i] += d;
+        let mut moved = layer::<CpuAutodiff>(&c);
+        moved.router = crate::tensor_parallel::param_from_values(w, [8, 4], &Default::default());
+        run(&moved);
+        let r = take_records();
+        r.iter().map(|r| r.aux_loss).sum::<f64>()
+    };
+    for i in [0, 5, 13, 30] {
+        let eps = 1e-2;
+        let numeric = (aux_at(i, eps) - aux_at(i, -eps)) / (2.0 * f64::from(eps));
+        let a = f64::from(analytic[i]);
+        assert!(
+            (a - numeric).abs() <= 2e-3 * numeric.abs().max(1.0),
+            "router[{i}]: {a} vs {numeric}"
+        );
+    }
+}
