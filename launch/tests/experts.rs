@@ -62,13 +62,19 @@ fn assert_same_routing(name: &str, got: &std::path::Path, want: &std::path::Path
 }
 
 /// Trains `extra` on `np` ranks into `name` and compares it with `single`: routing, losses,
-/// parameters.
-fn assert_moe_equals(single: &std::path::Path, np: usize, name: &str, extra: &[&str]) {
+/// parameters. Returns the run's folder.
+fn assert_moe_equals(
+    single: &std::path::Path,
+    np: usize,
+    name: &str,
+    extra: &[&str],
+) -> std::path::PathBuf {
     let out = out_dir(name);
     run_pp(np, &out, &[&MOE[..], extra].concat()).assert_success();
     assert_same_routing(name, &out, single);
     assert_same_losses(name, &out, single);
     assert_same_params(name, &out, single);
+    out
 }
 
 #[test]
@@ -172,6 +178,43 @@ fn a_checkpoint_saved_at_ep_4_resumes_at_ep_1() {
     }
 }
 
+/// Auxiliary-loss-free balancing (DeepSeek's selection biases, moved after every step by the
+/// whole grid's loads) trains as one process at ep = 2, and the biases travel in checkpoints:
+/// the ep = 2 run's step-3 checkpoint resumed on one process routes and trains as the
+/// uninterrupted one-process run.
+#[test]
+fn balancing_biases_equal_one_process_and_resume() {
+    let biased = [
+        "--set",
+        "model.moe.bias_update_rate=0.001",
+        "--set",
+        "checkpoint.every=3",
+    ];
+    let single = out_dir("moe-bias-single");
+    run_pp(0, &single, &[&MOE[..], &biased].concat()).assert_success();
+    let ep2 = [&biased[..], &["--dp", "2", "--ep", "2"]].concat();
+    let saved = assert_moe_equals(&single, 2, "moe-bias-ep2", &ep2);
+    let step3 = saved.join("checkpoints/step-00000003");
+    let resumed = read_metrics(&resumed(0, &step3, "moe-bias-resumed", &[]));
+    let want = read_metrics(&single);
+    for (got, want) in resumed.iter().zip(&want[3..]) {
+        assert_eq!(
+            got["expert_tokens"], want["expert_tokens"],
+            "step {}",
+            got["step"]
+        );
+        let (a, b) = (
+            got["loss"].as_f64().unwrap(),
+            want["loss"].as_f64().unwrap(),
+        );
+        assert!(
+            ((a - b) / b).abs() <= 1e-5,
+            "step {}: {a} vs {b}",
+            got["step"]
+        );
+    }
+}
+
 #[test]
 fn bad_expert_settings_fail_before_training() {
     let moe = &MOE[..];
@@ -211,6 +254,17 @@ fn bad_expert_settings_fail_before_training() {
             "moe-ep2-zero1",
             vec!["--dp", "2", "--ep", "2", "--set", "parallel.zero=1"],
             "ZeRO does not yet shard a mixture of experts' state",
+        ),
+        (
+            0,
+            "moe-bias-zero1",
+            vec![
+                "--set",
+                "parallel.zero=1",
+                "--set",
+                "model.moe.bias_update_rate=0.001",
+            ],
+            "`model.moe.bias_update_rate`: 0.001 needs parallel.zero = 0 (it is 1)",
         ),
     ] {
         let out = out_dir(name);

@@ -64,6 +64,13 @@ pub struct MoeConfig {
     /// it, and a dropless run whose routing exceeds it stops naming the layer and the counts.
     #[serde(default = "default_bound")]
     pub max_load: f64,
+    /// DeepSeek's auxiliary-loss-free balancing: every expert has a selection bias, added to
+    /// its score for the top-k choice only (not to the gates), which after each step moves by
+    /// this rate towards balance (`+rate` for an expert below the mean load of the layer,
+    /// `-rate` above it), from the loads of the whole step, so every rank agrees; it is kept in
+    /// checkpoints with the parameters (0: off).
+    #[serde(default)]
+    pub bias_update_rate: f64,
 }
 
 fn yes() -> bool {
@@ -140,6 +147,8 @@ impl MoeConfig {
         finite("aux_loss", self.aux_loss, self.aux_loss >= 0.0, "≥ 0")?;
         finite("z_loss", self.z_loss, self.z_loss >= 0.0, "≥ 0")?;
         finite("max_load", self.max_load, self.max_load >= 1.0, "≥ 1")?;
+        let rate = self.bias_update_rate;
+        finite("bias_update_rate", rate, rate >= 0.0, "≥ 0")?;
         if let Some(f) = self.capacity_factor {
             finite("capacity_factor", f, f > 0.0, "> 0")?;
         }

@@ -67,6 +67,10 @@ pub struct MoeLayer<B: Backend> {
     pub experts: Vec<Option<Expert<B>>>,
     /// The shared experts, as one network of their summed width (`None`: none).
     pub shared: Option<Expert<B>>,
+    /// The experts' selection biases of auxiliary-loss-free balancing (`[experts]`; `None`
+    /// when `bias_update_rate` is 0): moved by [`balance`](Self::balance), never by a
+    /// gradient.
+    pub bias: Option<Param<Tensor<B, 1>>>,
     #[module(skip)]
     cfg: MoeConfig,
     #[module(skip)]
@@ -110,10 +114,13 @@ impl<B: ParallelBackend> MoeLayer<B> {
             let name = format!("{name}.shared");
             Expert::new(&name, hidden, width, cfg.activation, init, device)
         });
+        let bias = (cfg.bias_update_rate > 0.0)
+            .then(|| param_from_values(vec![0.0; cfg.experts], [cfg.experts], device));
         Self {
             router: param_from_values(router, [hidden, cfg.experts], device),
             experts,
             shared,
+            bias,
             cfg: cfg.clone(),
             place,
         }
@@ -147,7 +154,13 @@ impl<B: ParallelBackend> MoeLayer<B> {
             RouterScore::Softmax => softmax(logits.clone(), 1),
             RouterScore::Sigmoid => sigmoid(logits.clone()),
         };
-        let host = host_values(scores.clone());
+        // The choice sees the balancing biases; the gates do not.
+        let mut host = host_values(scores.clone());
+        if let Some(bias) = &self.bias {
+            let bias = host_values(bias.val());
+            host.chunks_exact_mut(e)
+                .for_each(|row| row.iter_mut().zip(&bias).for_each(|(s, b)| *s += b));
+        }
         let choice = top_k(&host, None, e, k);
         let local_loads = loads(&choice, e);
         let group_loads = self.routing_sum(local_loads.iter().map(|&v| v as f32).collect());
@@ -175,6 +188,31 @@ impl<B: ParallelBackend> MoeLayer<B> {
             margin: min_margin(&host, e, k),
         };
         with_aux_loss(y, aux, record)
+    }
+
+    /// Auxiliary-loss-free balancing after a step: each expert's selection bias moves by the
+    /// rate towards balance, given the step's `loads` (assignments per expert of this layer,
+    /// over the whole grid). No effect without biases.
+    pub fn balance(&mut self, loads: &[u64]) {
+        let Some(bias) = &self.bias else {
+            return;
+        };
+        let rate = self.cfg.bias_update_rate as f32;
+        let mean = loads.iter().sum::<u64>() as f32 / loads.len().max(1) as f32;
+        let toward_mean = |load: u64| match (load as f32).partial_cmp(&mean) {
+            Some(std::cmp::Ordering::Less) => rate,
+            Some(std::cmp::Ordering::Greater) => -rate,
+            _ => 0.0,
+        };
+        let moved: Vec<f32> = (host_values(bias.val()).iter().zip(loads))
+            .map(|(b, &l)| b + toward_mean(l))
+            .collect();
+        let device = bias.val().device();
+        let n = moved.len();
+        self.bias = Some(Param::initialized(
+            bias.id,
+            Tensor::from_data(TensorData::new(moved, [n]), &device),
+        ));
     }
 
     /// Sums `values` over the ranks that split the routing group's tokens.

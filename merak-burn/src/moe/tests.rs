@@ -157,3 +157,25 @@ fn the_auxiliary_losses_train_the_router() {
         );
     }
 }
+
+/// A balancing step raises the biases of the experts below the mean load and lowers the
+/// others'; the choice then sees them.
+#[test]
+fn balancing_moves_the_biases_towards_the_mean_load() {
+    let c = cfg("bias_update_rate = 0.5");
+    let route = |m: &MoeLayer<CpuAutodiff>| {
+        let y = m.forward(input());
+        take_records();
+        (y * 0.0).sum().backward();
+        take_records().remove(0).loads
+    };
+    let mut m = layer::<CpuAutodiff>(&c);
+    let before = route(&m);
+    m.balance(&[1, 5, 5, 9]);
+    let bias = values(m.bias.as_ref().expect("biases").val());
+    assert_eq!(bias, vec![0.5, 0.0, 0.0, -0.5]);
+    // A bias of 0.5 on expert 0 outweighs any gap of the softmax scores: every token chooses
+    // it now.
+    assert_ne!(before[0], 10, "{before:?}");
+    assert_eq!(route(&m)[0], 10);
+}

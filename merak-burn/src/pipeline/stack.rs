@@ -49,6 +49,12 @@ pub trait UnitStack<B: Backend>: Module<B> {
         None
     }
 
+    /// Moves the balancing biases after a step ([`PipelineModel::balance_experts`]); the
+    /// default does nothing.
+    fn balance_experts(&mut self, loads: &[Vec<u64>]) {
+        let _ = loads;
+    }
+
     /// Unit 0: the micro-batch's inputs to `[batch, positions, hidden]`.
     fn embed(&self, batch: &Batch<'_, B>) -> Tensor<B, 3>;
 
@@ -133,6 +139,10 @@ impl<B: Backend, T: UnitStack<B>> PipelineModel<B> for T {
 
     fn experts(&self) -> Option<(usize, usize)> {
         UnitStack::experts(self)
+    }
+
+    fn balance_experts(&mut self, loads: &[Vec<u64>]) {
+        UnitStack::balance_experts(self, loads)
     }
 
     fn run_units(

@@ -72,6 +72,13 @@ pub trait PipelineModel<B: Backend>: Module<B> {
         None
     }
 
+    /// After a step, moves the mixture-of-experts layers' balancing biases given the step's
+    /// `loads` (assignments per expert, per MoE layer, over the whole grid); the default does
+    /// nothing.
+    fn balance_experts(&mut self, loads: &[Vec<u64>]) {
+        let _ = loads;
+    }
+
     /// Runs units `range` (all held by this rank) on `input` (the micro-batch's data when
     /// `range.start == 0`, hidden states otherwise); every unit sees the micro-batch `batch`
     /// (the last one its targets) and the last one returns the summed loss.

@@ -547,6 +547,9 @@ where
             }
             Reduced::Chunks(chunks) => self.update_sliced(lr, chunks)?,
         };
+        if let Some(r) = &self.routing {
+            self.model.balance_experts(&r.expert_tokens);
+        }
         lap(&mut outcome.phases.optimizer_s);
         outcome.grad_norm = Some(norm);
         Ok(outcome)

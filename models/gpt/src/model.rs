@@ -407,6 +407,14 @@ impl<B: ParallelBackend> UnitStack<B> for Gpt<B> {
         self.experts
     }
 
+    fn balance_experts(&mut self, loads: &[Vec<u64>]) {
+        for (block, loads) in self.blocks.iter_mut().zip(loads) {
+            if let Some(moe) = block.as_mut().and_then(|b| b.moe.as_mut()) {
+                moe.balance(loads);
+            }
+        }
+    }
+
     /// Under a document mask (the batch has [`POSITIONS`]) the positions restart per document.
     fn embed(&self, batch: &Batch<'_, B>) -> Tensor<B, 3> {
         let positions = batch.has(POSITIONS).then(|| batch.int(POSITIONS));
