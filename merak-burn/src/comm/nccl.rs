@@ -467,6 +467,53 @@ impl Communicator for NcclCommunicator {
         Ok(())
     }
 
+    /// One `ncclSend` and one `ncclRecv` per peer with rows to exchange, in one NCCL group
+    /// (expert parallelism's token exchange), through device copies of the host buffers.
+    fn all_to_all_v(
+        &self,
+        send: &[f32],
+        send_counts: &[usize],
+        recv: &mut [f32],
+        recv_counts: &[usize],
+    ) -> Result<(), CommError> {
+        const OP: &str = "all_to_all_v";
+        check_len("all_to_all_v (send counts)", self.size, send_counts.len())?;
+        check_len("all_to_all_v (receive counts)", self.size, recv_counts.len())?;
+        check_len(OP, send_counts.iter().sum(), send.len())?;
+        check_len(OP, recv_counts.iter().sum(), recv.len())?;
+        if self.size == 1 {
+            recv.copy_from_slice(send);
+            return Ok(());
+        }
+        self.bind(OP)?;
+        let src = self.upload(OP, send)?;
+        let mut dst = self.zeros::<f32>(OP, recv.len())?;
+        let (mut at_send, mut at_recv) = (0, 0);
+        cudarc::nccl::result::group_start().map_err(nccl_err(OP))?;
+        let mut posted = Ok(());
+        for j in 0..self.size {
+            let (ns, nr) = (send_counts[j], recv_counts[j]);
+            if ns > 0 && posted.is_ok() {
+                let part = src.slice(at_send..at_send + ns);
+                posted = (self.comm.send(&part, peer(OP, j)?)).map_err(nccl_err(OP));
+            }
+            if nr > 0 && posted.is_ok() {
+                let mut part = dst.slice_mut(at_recv..at_recv + nr);
+                posted = (self.comm.recv(&mut part, peer(OP, j)?))
+                    .map(|_| ())
+                    .map_err(nccl_err(OP));
+            }
+            (at_send, at_recv) = (at_send + ns, at_recv + nr);
+        }
+        // The group ends whatever was posted, so that NCCL is left consistent.
+        cudarc::nccl::result::group_end().map_err(nccl_err(OP))?;
+        posted?;
+        if recv.is_empty() {
+            return self.sync(OP);
+        }
+        self.download(OP, &dst, recv)
+    }
+
     fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
         self.broadcast_any("broadcast", buf, root)
     }
