@@ -145,8 +145,9 @@ pub struct AdmissionError {
     /// The micro-batch the activations were counted for.
     pub micro_batch: usize,
     /// Set when the shape alone was refused ([`admit_shape`]): the estimate is then the lower
-    /// bound of [`estimate_shape`] and the message names the model's keys.
-    pub shape: Option<TransformerShape>,
+    /// bound of [`estimate_shape`] and the message names the model's keys (boxed: a shape
+    /// with its mixture of experts is large).
+    pub shape: Option<Box<TransformerShape>>,
 }
 
 impl fmt::Display for AdmissionError {
@@ -360,7 +361,7 @@ pub fn admit_shape(
     micro_batch: usize,
 ) -> Result<(), AdmissionError> {
     admit(estimate, limit, micro_batch).map_err(|e| AdmissionError {
-        shape: Some(*model),
+        shape: Some(Box::new(*model)),
         ..e
     })
 }
