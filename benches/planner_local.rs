@@ -247,6 +247,7 @@ fn main() -> Result<()> {
             tp_overlap,
             cp: 1,
             sequence_parallel: false,
+            ep: 1,
         };
         let prediction = cm.predict(&layout)?;
         let policy = if mode == Full {

@@ -224,15 +224,26 @@ fn output_file(path: &std::path::Path, flag: &str) -> Result<()> {
     Ok(merak_burn::train::writable_file(path, flag, 0)?)
 }
 
-/// `merak models`: the preset table with parameter counts.
+/// `merak models`: the preset table with parameter counts (all, and those a token uses: fewer
+/// for a mixture of experts, whose experts the last column describes).
 fn list_models() {
     println!(
-        "{:<14} {:>5} {:>7} {:>6} {:>6} {:>7} {:>6} {:>16}",
-        "preset", "kind", "layers", "heads", "hidden", "vocab", "seq", "parameters"
+        "{:<16} {:>5} {:>7} {:>6} {:>6} {:>7} {:>6} {:>16} {:>16}  experts",
+        "preset", "kind", "layers", "heads", "hidden", "vocab", "seq", "parameters", "active"
     );
     for (name, s) in merak_burn::planner::PRESETS {
-        println!(
-            "{:<14} {:>5} {:>7} {:>6} {:>6} {:>7} {:>6} {:>16}",
+        let experts = s.moe.map_or_else(String::new, |m| {
+            let mut text = format!("{} top-{} x {}", m.experts, m.top_k, m.expert_hidden);
+            if m.shared_experts > 0 {
+                text += &format!(" +{} shared", m.shared_experts);
+            }
+            if m.swiglu {
+                text += " swiglu";
+            }
+            text
+        });
+        let line = format!(
+            "{:<16} {:>5} {:>7} {:>6} {:>6} {:>7} {:>6} {:>16} {:>16}  {experts}",
             name,
             s.kind,
             s.layers,
@@ -240,8 +251,10 @@ fn list_models() {
             s.hidden,
             s.vocab,
             s.seq,
-            s.params()
+            s.params(),
+            s.active_params()
         );
+        println!("{}", line.trim_end());
     }
 }
 

@@ -577,7 +577,10 @@ fn commands_page() {
 fn models_page() {
     let mut page = header("Model presets", "`merak models`");
     page.push_str(
-        "`merak models` prints every preset with its kind and exact parameter count; \
+        "`merak models` prints every preset with its kind and exact parameter count (for a \
+         mixture of experts also the parameters a token uses, `active`, and its experts: \
+         routed, top-k, width, shared; see \
+         [Mixture of experts](../concepts/planner.md#mixture-of-experts)); \
          `model.preset` (or `--model` of `merak plan` and `merak simulate`) takes the name, and \
          other `model.*` keys override its shape. It is one table \
          (`merak_burn::planner::PRESETS`) that the planner, the GPT and the BERT crates share.\n\n",

@@ -173,3 +173,64 @@ fn plan_at_32k_tokens_puts_context_parallelism_on_the_pareto_set() {
     assert!(text.stdout.contains(" cp=8 "), "{}", text.stdout);
     assert!(!text.stdout.contains(" cp=4 "), "{}", text.stdout);
 }
+
+/// Issue 32: `merak plan` for Mixtral 8x7B on 64 H100s names its active parameters and puts
+/// expert-parallel plans on the Pareto set (`--ep` names the degrees); `merak simulate` takes
+/// `ep=8` for Megatron-Core's layout and reports the all-to-alls.
+#[test]
+fn plan_and_simulate_a_mixture_of_experts() {
+    let run = merak(&[
+        "plan",
+        "--model",
+        "mixtral-8x7b",
+        "--hardware",
+        "h100-80g",
+        "--gpus",
+        "64",
+        "--global-batch",
+        "256",
+        "--pareto",
+        "--ep",
+        "1,8",
+    ]);
+    run.assert_success();
+    assert!(
+        run.stdout.contains("(47.39B parameters, 13.57B active)"),
+        "{}",
+        run.stdout
+    );
+    assert!(run.stdout.contains(" ep=8 "), "{}", run.stdout);
+    assert!(!run.stdout.contains(" ep=4 "), "{}", run.stdout);
+    let sim = merak(&[
+        "simulate",
+        "--model",
+        "mixtral-8x7b",
+        "--hardware",
+        "h100-80g",
+        "--gpus",
+        "64",
+        "--global-batch",
+        "256",
+        "--layout",
+        "dp=16,pp=4,v=8,mbs=1,schedule=interleaved,zero=1,ep=8",
+    ]);
+    sim.assert_success();
+    assert!(sim.stdout.contains("ep_comm_s"), "{}", sim.stdout);
+    let bad = merak(&[
+        "plan",
+        "--model",
+        "moe-tiny",
+        "--gpus",
+        "8",
+        "--global-batch",
+        "8",
+        "--ep",
+        "0",
+    ]);
+    assert_eq!(bad.code, Some(2), "{bad:?}");
+    assert!(
+        bad.stderr.contains("--ep: degrees must be at least 1"),
+        "{}",
+        bad.stderr
+    );
+}

@@ -22,6 +22,13 @@
 //! let refused = admit_shape(&huge, bound, limit, plan.micro_batch).unwrap_err();
 //! assert!(refused.to_string().contains("model.layers = 100000000"));
 //! ```
+//!
+//! A mixture of experts counts each rank's `E / ep` routed experts per MoE block (whole under
+//! tensor parallelism, their states sharded over the `dp x cp / ep` ranks that hold them) and
+//! the activations of the tokens they receive at the stated bound
+//! [`EXPERT_LOAD_BOUND`](crate::planner::EXPERT_LOAD_BOUND) (`ep > 1`): an expert's capacity
+//! is `tokens x top_k / experts x EXPERT_LOAD_BOUND`, beyond which the runtime stops with an
+//! error instead of running out of memory.
 
 use std::fmt;
 
@@ -30,7 +37,8 @@ use thiserror::Error;
 use crate::pipeline::{PipelinePlan, Recompute};
 use crate::plan::ParallelPlan;
 use crate::planner::{
-    CostModel, HardwareSpec, ModelProxy, RankSplit, RecomputeMode, TransformerShape, UnitProfile,
+    CostModel, EXPERT_LOAD_BOUND, HardwareSpec, ModelProxy, RankSplit, RecomputeMode,
+    TransformerShape, UnitProfile,
 };
 
 /// What a rank's process holds on the host besides model states and activations (code,
@@ -137,8 +145,9 @@ pub struct AdmissionError {
     /// The micro-batch the activations were counted for.
     pub micro_batch: usize,
     /// Set when the shape alone was refused ([`admit_shape`]): the estimate is then the lower
-    /// bound of [`estimate_shape`] and the message names the model's keys.
-    pub shape: Option<TransformerShape>,
+    /// bound of [`estimate_shape`] and the message names the model's keys (boxed: a shape
+    /// with its mixture of experts is large).
+    pub shape: Option<Box<TransformerShape>>,
 }
 
 impl fmt::Display for AdmissionError {
@@ -202,7 +211,10 @@ pub fn estimate(
     let layout = plan.planned_layout(pipeline, global_batch);
     let hw = HardwareSpec::preset("local-cpu")?.with_devices(layout.gpus());
     let proxy = ModelProxy::from_shape(*model);
-    let p = CostModel::new(&proxy, &hw).predict(&layout).ok()?;
+    let p = CostModel::new(&proxy, &hw)
+        .with_expert_load(EXPERT_LOAD_BOUND)
+        .predict(&layout)
+        .ok()?;
     // The cost model counts activations of 16-bit training.
     let activations = p.breakdown.get("activations_bytes").copied()? * activation_bytes / 2.0;
     Some(MemoryEstimate {
@@ -263,17 +275,20 @@ pub fn estimate_shape(
         plan.micro_batch.max(1),
         plan.pp.max(1) as f64,
     );
-    let split = RankSplit {
-        tp: t,
-        cp: plan.cp.max(1),
-        sequence_parallel: plan.sequence_parallel,
-    };
-    let units = model.distinct_units();
-    let counts = [1.0, model.layers as f64, 1.0];
+    let ep = expert_parallel(plan);
+    let split = RankSplit::new(t, plan.cp.max(1), plan.sequence_parallel).with_ep(ep);
+    let units: Vec<_> = (model.counted_units().into_iter())
+        .filter(|(_, n)| *n > 0)
+        .collect();
     let sum = |f: &dyn Fn(&UnitProfile) -> f64| -> f64 {
-        units.iter().zip(counts).map(|(u, n)| n * f(u)).sum()
+        units.iter().map(|(u, n)| *n as f64 * f(u)).sum()
     };
     let params = sum(&|u| u.params_per_rank(t));
+    let experts = sum(&|u| u.params_expert as f64 / ep as f64);
+    let kept = |u: &UnitProfile, mode| {
+        u.activation_bytes(b, split, mode, true)
+            + u.expert_activation_bytes(b, split, mode, EXPERT_LOAD_BOUND)
+    };
     // ZeRO-3 recomputes every unit.
     let mode = match plan.zero {
         3 => RecomputeMode::Full,
@@ -281,12 +296,11 @@ pub fn estimate_shape(
     };
     // The CPU attention is blockwise (no probabilities kept); for other devices leaving them
     // out keeps this a lower bound.
-    let activations = sum(&|u| u.activation_bytes(b, split, mode, true));
+    let activations = sum(&|u| kept(u, mode));
     let workspace = match mode {
         RecomputeMode::None => 0.0,
-        _ => units
-            .iter()
-            .map(|u| u.activation_bytes(b, split, RecomputeMode::None, true))
+        _ => (units.iter())
+            .map(|(u, _)| kept(u, RecomputeMode::None))
             .fold(0.0, f64::max),
     };
     // Sharded over the shard group (hybrid sharding) or all of dp, with their context-parallel
@@ -296,14 +310,16 @@ pub fn estimate_shape(
         0 => plan.dp,
         s => s,
     };
-    let per_param = CostModel::state_bytes_per_param(
+    let replicas = plan.dp.max(1) * split.cp;
+    let per_param = CostModel::state_bytes(
         shard.max(1) * split.cp,
+        (replicas / ep).max(1),
         plan.zero,
         2,
         plan.reduce_scatter,
         plan.schedule,
     );
-    let states = params * per_param / p;
+    let states = (params * per_param.dense + experts * per_param.expert) / p;
     // The cost model counts activations of 16-bit training.
     let activations = activations * (activation_bytes / 2.0).min(1.0) / p - workspace;
     MemoryEstimate {
@@ -311,6 +327,12 @@ pub fn estimate_shape(
         activations: activations.max(0.0),
         runtime: runtime + if host { bookkeeping_bytes(model) } else { 0.0 },
     }
+}
+
+/// The expert-parallel degree of `plan`: 1 until the trainer's `parallel.ep` is part of the
+/// plan (the planner's [`Layout`](crate::planner::Layout) and `merak plan` have it already).
+fn expert_parallel(_plan: &ParallelPlan) -> usize {
+    1
 }
 
 /// Of the recomputation modes `plan` may give a stage, the one that keeps the fewest
@@ -339,7 +361,7 @@ pub fn admit_shape(
     micro_batch: usize,
 ) -> Result<(), AdmissionError> {
     admit(estimate, limit, micro_batch).map_err(|e| AdmissionError {
-        shape: Some(*model),
+        shape: Some(Box::new(*model)),
         ..e
     })
 }

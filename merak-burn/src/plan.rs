@@ -321,6 +321,8 @@ impl ParallelPlan {
             tp_overlap: self.tp_overlap,
             cp: self.cp,
             sequence_parallel: self.sequence_parallel,
+            // The trainer's `parallel.ep` is not part of the plan yet.
+            ep: 1,
         }
     }
 

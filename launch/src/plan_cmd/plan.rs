@@ -39,6 +39,11 @@ pub struct PlanArgs {
     /// of a sequence.
     #[arg(long, value_delimiter = ',')]
     cp: Vec<usize>,
+    /// Expert-parallel degrees to search for a mixture of experts (comma-separated; each
+    /// dividing the experts, used where it divides dp x cp). By default every divisor of the
+    /// experts whose group fits in a node (tp x ep at most the devices per node).
+    #[arg(long, value_delimiter = ',')]
+    ep: Vec<usize>,
     /// Sequence parallelism with tensor parallelism: `on` wherever it applies (it never costs
     /// time in the cost model and holds less memory), `both` (with and without: twice the
     /// tensor-parallel layouts), `off`.
@@ -118,9 +123,13 @@ pub fn plan(a: &PlanArgs) -> Result<()> {
     if a.cp.contains(&0) {
         bail!("--cp: degrees must be at least 1 (1: no context parallelism)");
     }
+    if a.ep.contains(&0) {
+        bail!("--ep: degrees must be at least 1 (1: no expert parallelism)");
+    }
     options.tp_overlap.clone_from(&a.tp_overlap);
     options.schedules.clone_from(&a.schedules);
     options.cp.clone_from(&a.cp);
+    options.ep.clone_from(&a.ep);
     options.sequence_parallel = a.sequence_parallel.settings();
     options.memory_budget_bytes = a
         .target
@@ -143,9 +152,9 @@ pub fn plan(a: &PlanArgs) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{} ({:.2}B parameters) on {} x {}, global batch {}: {} layouts considered, {} fit, {} simulated, in {secs:.2} s",
+        "{} ({}) on {} x {}, global batch {}: {} layouts considered, {} fit, {} simulated, in {secs:.2} s",
         model.name,
-        model.params() as f64 / 1e9,
+        parameters(&shape),
         a.target.gpus,
         a.target.hardware,
         a.target.global_batch,
@@ -177,6 +186,15 @@ pub fn plan(a: &PlanArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `12.34B parameters`, and for a mixture of experts `, 2.34B active` (those a token uses).
+fn parameters(shape: &merak_burn::planner::TransformerShape) -> String {
+    let all = format!("{:.2}B parameters", shape.params() as f64 / 1e9);
+    match shape.moe {
+        Some(_) => format!("{all}, {:.2}B active", shape.active_params() as f64 / 1e9),
+        None => all,
+    }
 }
 
 /// The config keys a plan sets.

@@ -15,7 +15,7 @@ pub struct SimulateArgs {
     /// The layout, e.g. `dp=32,tp=8,pp=2,v=1,mbs=4,recompute=full,schedule=1f1b,zero=0,overlap=1`
     /// (with `zero=2` or `3`, also `reduce_scatter=step` or `micro-batch`; with any zero above 0,
     /// `shard=S` for hybrid sharding; `cp=C` for context parallelism, `sp=on` for sequence
-    /// parallelism).
+    /// parallelism, `ep=E` for expert parallelism of a mixture of experts).
     #[arg(long, required_unless_present = "plan", conflicts_with = "plan")]
     layout: Option<String>,
     /// A plan written by `merak plan --output` (instead of `--layout`).
@@ -31,11 +31,12 @@ pub struct SimulateArgs {
 pub(super) const MAX_SIMULATED_UNITS: usize = 1 << 20;
 
 /// The keys of `--layout`, in the order of its help.
-pub(super) const LAYOUT_KEYS: [&str; 13] = [
+pub(super) const LAYOUT_KEYS: [&str; 14] = [
     "dp",
     "tp",
     "cp",
     "sp",
+    "ep",
     "pp",
     "v",
     "mbs",
@@ -56,8 +57,8 @@ pub(super) fn layout_pairs(text: &str) -> Result<Vec<(&'static str, &str)>> {
             .with_context(|| format!("--layout: `{part}` is not key=value"))?;
         let Some(&key) = LAYOUT_KEYS.iter().find(|&&known| known == k.trim()) else {
             bail!(
-                "--layout: unknown key `{}` (dp, tp, cp, sp, pp, v, mbs, schedule, recompute, \
-                 zero, reduce_scatter, shard, overlap)",
+                "--layout: unknown key `{}` (dp, tp, cp, sp, ep, pp, v, mbs, schedule, \
+                 recompute, zero, reduce_scatter, shard, overlap)",
                 k.trim()
             );
         };
@@ -69,7 +70,7 @@ pub(super) fn layout_pairs(text: &str) -> Result<Vec<(&'static str, &str)>> {
     Ok(pairs)
 }
 
-/// The number of `--layout` key `key`: `dp`, `tp`, `cp`, `pp`, `v`, `mbs`, `shard` and
+/// The number of `--layout` key `key`: `dp`, `tp`, `cp`, `ep`, `pp`, `v`, `mbs`, `shard` and
 /// `overlap` at least 1, `zero` 0 to 3.
 pub(super) fn layout_number(key: &str, val: &str) -> Result<usize> {
     let n = val
@@ -92,6 +93,7 @@ pub(crate) fn parse_layout(
     global_batch: usize,
 ) -> Result<Layout> {
     let (mut dp, mut tp, mut cp, mut pp, mut v, mut mbs) = (1, 1, 1, 1, 1, 1);
+    let mut ep = 1;
     let mut sp = false;
     let mut recompute = RecomputeMode::None;
     let mut schedule = ScheduleKind::OneFOneB;
@@ -134,6 +136,7 @@ pub(crate) fn parse_layout(
                     "dp" => dp = n,
                     "tp" => tp = n,
                     "cp" => cp = n,
+                    "ep" => ep = n,
                     "pp" => pp = n,
                     "v" => v = n,
                     "mbs" => mbs = n,
@@ -165,12 +168,9 @@ pub(crate) fn parse_layout(
             dp * mbs
         );
     }
-    let split = RankSplit {
-        tp,
-        cp,
-        sequence_parallel: sp,
-    };
+    let split = RankSplit::new(tp, cp, sp).with_ep(ep);
     check_split(model, split, mbs, tp_overlap)?;
+    check_experts(model, split, dp)?;
     let stages = pp * v;
     let costs: Vec<f64> = model
         .units
@@ -195,7 +195,32 @@ pub(crate) fn parse_layout(
         tp_overlap,
         cp,
         sequence_parallel: sp,
+        ep,
     })
+}
+
+/// Expert parallelism against the model and the data-parallel ranks: `ep` dividing the
+/// experts and `dp x cp`; a mixture of experts under tensor parallelism with `sp=on`.
+fn check_experts(model: &ModelProxy, split: RankSplit, dp: usize) -> Result<()> {
+    let RankSplit { tp, cp, ep, .. } = split;
+    let Some(experts) = model.experts() else {
+        if ep > 1 {
+            bail!("--layout: ep={ep} needs a mixture of experts; this model has none");
+        }
+        return Ok(());
+    };
+    if !experts.is_multiple_of(ep) || !(dp * cp).is_multiple_of(ep) {
+        bail!(
+            "--layout: ep={ep} must divide the model's {experts} experts and dp x cp = {}",
+            dp * cp
+        );
+    }
+    if tp > 1 && !split.sequence_parallel {
+        bail!(
+            "--layout: tp={tp} with a mixture of experts needs sp=on (experts are not split by tp)"
+        );
+    }
+    Ok(())
 }
 
 /// Context and sequence parallelism against the model's sequence, and the overlap degree

@@ -106,3 +106,31 @@ fn a_layout_with_context_and_sequence_parallelism() {
         .to_string();
     assert!(e.contains("the 10 tokens"), "{e}");
 }
+
+#[test]
+fn a_layout_with_expert_parallelism() {
+    let moe = ModelProxy::parse("moe-tiny").expect("a preset");
+    let l = parse_layout("dp=4,tp=2,sp=on,ep=4", &moe, 8, 8).expect("valid");
+    assert_eq!((l.ep, l.expert_replicas()), (4, 1));
+    assert_eq!(l.sequence_label(), "sp ep=4");
+    for (text, part) in [
+        (
+            "dp=8,ep=3",
+            "ep=3 must divide the model's 4 experts and dp x cp = 8",
+        ),
+        (
+            "dp=2,pp=4,ep=4",
+            "ep=4 must divide the model's 4 experts and dp x cp = 2",
+        ),
+        (
+            "dp=4,tp=2,ep=2",
+            "tp=2 with a mixture of experts needs sp=on",
+        ),
+        ("dp=8,ep=0", "ep=0 must be at least 1"),
+    ] {
+        let e = parse_layout(text, &moe, 8, 8).expect_err(text).to_string();
+        assert!(e.contains(part), "{text}: {part:?} not in {e}");
+    }
+    let e = refused("dp=8,ep=2");
+    assert!(e.contains("ep=2 needs a mixture of experts"), "{e}");
+}

@@ -42,8 +42,8 @@ pub use cost::{CostError, CostModel, Estimate, FRAMEWORK_BYTES, Layout, Predicti
 pub use hardware::{HARDWARE_PRESETS, HardwareError, HardwareSpec};
 pub use measured::{MeasuredError, MeasuredModel, MeasuredUnit};
 pub use model::{
-    LayerCosts, ModelKind, ModelProxy, ModelSpecError, PRESETS, RankSplit, RecomputeMode,
-    TransformerShape, UnitProfile,
+    EXPERT_IMBALANCE, EXPERT_LOAD_BOUND, LayerCosts, ModelKind, ModelProxy, ModelSpecError,
+    MoeShape, PRESETS, RankSplit, RecomputeMode, TransformerShape, UnitProfile,
 };
 pub use plan_file::{PLAN_FORMAT, PlanFile, PlanFileError};
 pub use reference::{MEGATRON_SC21, PublishedRow};

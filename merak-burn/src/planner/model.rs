@@ -23,6 +23,11 @@
 //! full recomputation. Sequence parallelism splits the `10 s b h` that tensor parallelism
 //! leaves whole (`34/t`), context parallelism every term (`1/cp`: each rank holds `s/cp`
 //! tokens, its attention blockwise); see [`RankSplit`].
+//!
+//! A shape with a [`MoeShape`] has mixture-of-experts blocks (see [`moe`]): their routed
+//! experts are split by expert parallelism (`RankSplit::ep`), not by tensor parallelism.
+
+mod moe;
 
 use std::fmt;
 use std::str::FromStr;
@@ -30,13 +35,15 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 
 pub use crate::pipeline::RecomputeMode;
+pub use moe::{EXPERT_IMBALANCE, EXPERT_LOAD_BOUND, MoeShape};
 use thiserror::Error;
 
 /// Bytes of one 16-bit value (activations, messages, gradients in mixed precision).
 pub const BYTES_16BIT: f64 = 2.0;
 
 /// How the ranks that run one micro-batch of a unit together split it: `tp`-way tensor
-/// parallelism (optionally with sequence parallelism) and `cp`-way context parallelism.
+/// parallelism (optionally with sequence parallelism), `cp`-way context parallelism and
+/// `ep`-way expert parallelism.
 ///
 /// - Tensor parallelism splits the unit's weights and the work on them; what it leaves whole
 ///   (LayerNorms, dropouts, residuals: `act_replicated`, `memory_replicated`) is split too
@@ -46,6 +53,9 @@ pub const BYTES_16BIT: f64 = 2.0;
 ///   every per-sequence term is divided by `cp`. Its attention is a ring of blockwise passes,
 ///   so with `cp > 1` no `a s²` scores are kept or moved, whatever the hardware's
 ///   `flash_attention` says.
+/// - Expert parallelism gives each of `ep` data-parallel ranks `1/ep` of a MoE layer's routed
+///   experts; it splits no token (every rank routes its own), only the experts' parameters,
+///   and the tokens travel to their experts and back with all-to-alls.
 ///
 /// A plain `usize` converts to tensor parallelism alone (`RankSplit::from(t)`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -56,20 +66,33 @@ pub struct RankSplit {
     pub cp: usize,
     /// Sequence parallelism between the tensor-parallel blocks.
     pub sequence_parallel: bool,
+    /// Expert-parallel degree (1: every rank holds every expert).
+    pub ep: usize,
 }
 
 impl From<usize> for RankSplit {
     /// Tensor parallelism of degree `tp` alone.
     fn from(tp: usize) -> Self {
-        RankSplit {
-            tp,
-            cp: 1,
-            sequence_parallel: false,
-        }
+        RankSplit::new(tp, 1, false)
     }
 }
 
 impl RankSplit {
+    /// Tensor, context and sequence parallelism without expert parallelism (`ep = 1`).
+    pub const fn new(tp: usize, cp: usize, sequence_parallel: bool) -> Self {
+        RankSplit {
+            tp,
+            cp,
+            sequence_parallel,
+            ep: 1,
+        }
+    }
+
+    /// The same split with expert-parallel degree `ep`.
+    pub const fn with_ep(self, ep: usize) -> Self {
+        RankSplit { ep, ..self }
+    }
+
     /// The tensor-parallel degree as a divisor (at least 1).
     fn t(&self) -> f64 {
         self.tp.max(1) as f64
@@ -106,6 +129,10 @@ pub struct UnitProfile {
     pub params_split: u64,
     /// Parameters every TP rank holds whole (LayerNorms, some biases, position table).
     pub params_replicated: u64,
+    /// Routed experts' parameters (all of them, [`MoeShape`]): expert parallelism gives each
+    /// rank `1/ep` of them, tensor parallelism does not split them.
+    #[serde(default)]
+    pub params_expert: u64,
     /// Parameters of another unit that this unit also holds when it is on a different pipeline
     /// stage (the tied output layer holds the token embedding). Split by TP; not counted in the
     /// model's parameter total.
@@ -159,15 +186,33 @@ pub struct UnitProfile {
     /// around (`2 s h` for a block; 0 for a unit without attention).
     #[serde(default)]
     pub kv_elements: f64,
+    /// Forward FLOPs per sequence of the routed experts (included in
+    /// [`forward_flops`](Self::forward_flops)): under expert parallelism the busiest rank
+    /// computes [`EXPERT_IMBALANCE`] times its share.
+    #[serde(default)]
+    pub expert_flops: f64,
+    /// Activation bytes per sequence of the routed experts with every expert equally loaded
+    /// (the tokens dispatched to them, their MLPs and outputs), kept whole by a TP rank
+    /// (divided by TP under sequence parallelism), not counted in
+    /// [`activation_bytes`](Self::activation_bytes): see
+    /// [`expert_activation_bytes`](Self::expert_activation_bytes).
+    #[serde(default)]
+    pub act_expert: f64,
+    /// Elements per sequence that each of a MoE layer's all-to-alls (dispatch, combine) moves
+    /// (`top_k s h`; 0 for a unit without routed experts).
+    #[serde(default)]
+    pub a2a_elements: f64,
 }
 
 impl UnitProfile {
-    /// All parameters of the unit (without tied copies).
+    /// All parameters of the unit (without tied copies), routed experts included.
     pub fn params(&self) -> u64 {
-        self.params_split.saturating_add(self.params_replicated)
+        self.params_split
+            .saturating_add(self.params_replicated)
+            .saturating_add(self.params_expert)
     }
 
-    /// Parameters one TP rank of `t` holds, tied copies excluded.
+    /// Parameters one TP rank of `t` holds, tied copies and routed experts excluded.
     pub fn params_per_rank(&self, t: usize) -> f64 {
         self.params_split as f64 / t.max(1) as f64 + self.params_replicated as f64
     }
@@ -221,6 +266,24 @@ impl UnitProfile {
             RecomputeMode::Full => kept + attention / t,
         };
         per_seq * b as f64 / split.c()
+    }
+
+    /// Activation bytes of the routed experts one rank of `split` keeps for a micro-batch of `b`
+    /// sequences under `mode`, with the busiest rank of an expert-parallel group receiving
+    /// `load` times its share of tokens (`ep > 1`; 1 otherwise): none under full
+    /// recomputation.
+    pub fn expert_activation_bytes(
+        &self,
+        b: usize,
+        split: RankSplit,
+        mode: RecomputeMode,
+        load: f64,
+    ) -> f64 {
+        if mode == RecomputeMode::Full && self.recomputable {
+            return 0.0;
+        }
+        let load = if split.ep > 1 { load } else { 1.0 };
+        self.act_expert * load * b as f64 / (split.c() * split.replicated_divisor())
     }
 
     /// Bytes the forward pass's memory-bound operations move on one rank of `split` for a
@@ -334,7 +397,10 @@ pub enum ModelSpecError {
         item: String,
     },
     /// A key that is not a field.
-    #[error("unknown model field `{field}` (fields: layers, hidden, heads, seq, vocab)")]
+    #[error(
+        "unknown model field `{field}` (fields: layers, hidden, heads, seq, vocab; mixture of \
+         experts: experts, top_k, expert_hidden, shared, swiglu, moe_every)"
+    )]
     UnknownField {
         /// The key.
         field: String,
@@ -371,6 +437,16 @@ pub enum ModelSpecError {
         /// The second value.
         second: String,
     },
+    /// A mixture-of-experts field out of its range.
+    #[error("model field `{field}` = {value} {rule}")]
+    Moe {
+        /// The key.
+        field: &'static str,
+        /// The value.
+        value: usize,
+        /// What it must be.
+        rule: String,
+    },
     /// A shape whose parameter count does not fit in 64 bits.
     #[error(
         "model `{shape}` has more than 2^64 parameters (12 x layers x hidden² + (vocab + seq) x \
@@ -397,6 +473,10 @@ pub struct TransformerShape {
     pub seq: usize,
     /// Vocabulary size `V`.
     pub vocab: usize,
+    /// Mixture-of-experts layers (`None`: a dense model). Absent in plan files of earlier
+    /// versions and of dense models.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe: Option<MoeShape>,
 }
 
 /// The GPT-2 BPE vocabulary plus BERT's `[MASK]` token (always the last id).
@@ -404,7 +484,10 @@ const BPE_VOCAB_WITH_MASK: usize = 50257 + 1;
 
 /// The one table of model presets (`merak models` lists it; the GPT and BERT crates build
 /// their configs from it): tiny CPU sizes, the GPT-2 family, Megatron-LM's large GPTs, and
-/// BERT's base and large shapes (on the GPT-2 BPE vocabulary plus `[MASK]`). A name may exist
+/// BERT's base and large shapes (on the GPT-2 BPE vocabulary plus `[MASK]`), and
+/// mixture-of-experts GPTs: two tiny ones for tests, Mixtral 8x7B's and DeepSeekMoE 16B's
+/// sizes (with this GPT's attention: no grouped-query attention, learned positions, a tied
+/// output layer, so their counts differ from the published 46.7B and 16.4B). A name may exist
 /// for both kinds (`tiny`, `mini`).
 pub const PRESETS: &[(&str, TransformerShape)] = &[
     ("tiny", TransformerShape::gpt(2, 64, 4, 32, 512)),
@@ -423,6 +506,24 @@ pub const PRESETS: &[(&str, TransformerShape)] = &[
     ("gpt-2.5b", TransformerShape::gpt(54, 1920, 20, 1024, 51200)),
     ("gpt-8.3b", TransformerShape::gpt(72, 3072, 32, 1024, 51200)),
     ("gpt-20b", TransformerShape::gpt(44, 6144, 64, 2048, 51200)),
+    (
+        "moe-tiny",
+        TransformerShape::gpt(2, 64, 4, 32, 512).with_moe(MoeShape::new(4, 2, 128)),
+    ),
+    (
+        "moe-tiny-shared",
+        TransformerShape::gpt(2, 64, 4, 32, 512).with_moe(MoeShape::new(8, 2, 64).with_shared(1)),
+    ),
+    (
+        "mixtral-8x7b",
+        TransformerShape::gpt(32, 4096, 32, 4096, 32000)
+            .with_moe(MoeShape::new(8, 2, 14336).with_swiglu()),
+    ),
+    (
+        "deepseek-moe-16b",
+        TransformerShape::gpt(28, 2048, 16, 4096, 102400)
+            .with_moe(MoeShape::new(64, 6, 1408).with_shared(2).with_swiglu()),
+    ),
     ("tiny", TransformerShape::bert(2, 64, 4, 32, 512)),
     (
         "mini",
@@ -448,6 +549,7 @@ impl TransformerShape {
             heads,
             seq,
             vocab,
+            moe: None,
         }
     }
 
@@ -466,6 +568,15 @@ impl TransformerShape {
             heads,
             seq,
             vocab,
+            moe: None,
+        }
+    }
+
+    /// The same shape with mixture-of-experts layers `moe`.
+    pub const fn with_moe(self, moe: MoeShape) -> Self {
+        TransformerShape {
+            moe: Some(moe),
+            ..self
         }
     }
 
@@ -515,6 +626,9 @@ impl TransformerShape {
                 heads: self.heads,
             });
         }
+        if let Some(moe) = &self.moe {
+            moe.validate(self.layers)?;
+        }
         if self.checked_params().is_none() {
             return Err(ModelSpecError::TooLarge {
                 shape: self.to_string(),
@@ -525,15 +639,29 @@ impl TransformerShape {
 
     /// The exact parameter count (saturating at `u64::MAX`; see
     /// [`checked_params`](Self::checked_params)). GPT: `12 l h² + 13 l h + (V + s) h + 2 h`;
-    /// BERT: `12 l h² + 13 l h + (V + s) h + h² + 5 h`.
+    /// BERT: `12 l h² + 13 l h + (V + s) h + h² + 5 h`; a MoE block instead of a dense one:
+    /// `4 h² + 8 h + h E + (E + S) P_e` (`P_e` the parameters of one expert,
+    /// [`MoeShape::checked_expert_params`]).
     pub fn params(&self) -> u64 {
         self.checked_params().unwrap_or(u64::MAX)
+    }
+
+    /// The parameters a token uses (saturating): those of [`params`](Self::params) with `top_k`
+    /// routed experts per MoE block instead of all of them (the same for a dense model).
+    pub fn active_params(&self) -> u64 {
+        self.counted_params(true).unwrap_or(u64::MAX)
     }
 
     /// The exact parameter count, `None` when it does not fit in a `u64`. Every per-unit count
     /// of the planner (a block's `12 h² + 13 h`, the embedding's `(V + s) h`) is at most this,
     /// so a shape that passes [`validate`](Self::validate) overflows none of them.
     pub fn checked_params(&self) -> Option<u64> {
+        self.counted_params(false)
+    }
+
+    /// The parameters of the model, with only the `top_k` routed experts of a MoE block when
+    /// `active`; `None` beyond 64 bits.
+    fn counted_params(&self, active: bool) -> Option<u64> {
         let (l, h, v, s) = (
             self.layers as u64,
             self.hidden as u64,
@@ -547,7 +675,18 @@ impl TransformerShape {
             ModelKind::Gpt => h.checked_mul(2)?,
             ModelKind::Bert => h2.checked_add(h.checked_mul(5)?)?,
         };
-        l.checked_mul(block)?.checked_add(table)?.checked_add(extra)
+        let blocks = match &self.moe {
+            None => l.checked_mul(block)?,
+            Some(moe) => {
+                let moe_layers = moe.moe_layers(self.layers) as u64;
+                let used = if active { moe.top_k } else { moe.experts };
+                let moe_blocks = moe_layers.checked_mul(moe.checked_block_params(h, used)?)?;
+                (l - moe_layers)
+                    .checked_mul(block)?
+                    .checked_add(moe_blocks)?
+            }
+        };
+        blocks.checked_add(table)?.checked_add(extra)
     }
 
     /// The Megatron-LM FLOPs of one iteration of `global_batch` sequences (DESIGN.md §5):
@@ -579,7 +718,11 @@ impl fmt::Display for TransformerShape {
             f,
             "{kind}:layers={},hidden={},heads={},seq={},vocab={}",
             self.layers, self.hidden, self.heads, self.seq, self.vocab
-        )
+        )?;
+        match &self.moe {
+            Some(moe) => f.write_str(&moe.spec_fields()),
+            None => Ok(()),
+        }
     }
 }
 
@@ -618,8 +761,8 @@ impl FromStr for TransformerShape {
                 });
             }
         };
-        let mut values: [Option<(usize, &str)>; 5] = [None; 5];
-        const NAMES: [&str; 5] = ["layers", "hidden", "heads", "seq", "vocab"];
+        let mut values: [Option<(usize, &str)>; SPEC_FIELDS.len()] = [None; SPEC_FIELDS.len()];
+        const NAMES: [&str; SPEC_FIELDS.len()] = SPEC_FIELDS;
         for item in fields.split(',').map(str::trim).filter(|i| !i.is_empty()) {
             let Some((key, value)) = item.split_once('=') else {
                 return Err(ModelSpecError::Item {
@@ -637,7 +780,7 @@ impl FromStr for TransformerShape {
                 .replace('_', "")
                 .parse::<usize>()
                 .ok()
-                .filter(|&v| v > 0)
+                .filter(|&v| v > 0 || index >= FIRST_ZERO_FIELD)
                 .ok_or_else(|| ModelSpecError::BadValue {
                     field: key.to_string(),
                     value: value.trim().to_string(),
@@ -663,11 +806,54 @@ impl FromStr for TransformerShape {
             heads: get(2)?,
             seq: get(3)?,
             vocab: get(4)?,
+            moe: None,
         };
+        let moe_given = values[5..].iter().any(Option::is_some);
+        if !moe_given {
+            shape.validate()?;
+            return Ok(shape);
+        }
+        let optional = |i: usize, default: usize| values[i].map_or(default, |(v, _)| v);
+        let swiglu = optional(9, 0);
+        if swiglu > 1 {
+            return Err(ModelSpecError::Moe {
+                field: "swiglu",
+                value: swiglu,
+                rule: "must be 0 or 1".into(),
+            });
+        }
+        let moe = MoeShape {
+            experts: get(5)?,
+            top_k: get(6)?,
+            expert_hidden: get(7)?,
+            shared_experts: optional(8, 0),
+            swiglu: swiglu == 1,
+            every: optional(10, 1),
+        };
+        let shape = shape.with_moe(moe);
         shape.validate()?;
         Ok(shape)
     }
 }
+
+/// The fields of an inline model spec: the shape's, then the mixture of experts' (`experts`,
+/// `top_k` and `expert_hidden` given together; `shared`, `swiglu` and `moe_every` optional).
+const SPEC_FIELDS: [&str; 11] = [
+    "layers",
+    "hidden",
+    "heads",
+    "seq",
+    "vocab",
+    "experts",
+    "top_k",
+    "expert_hidden",
+    "shared",
+    "swiglu",
+    "moe_every",
+];
+
+/// The first of [`SPEC_FIELDS`] that may be 0 (`shared`, `swiglu`).
+const FIRST_ZERO_FIELD: usize = 8;
 
 impl LayerCosts for TransformerShape {
     fn name(&self) -> String {
@@ -678,7 +864,16 @@ impl LayerCosts for TransformerShape {
         let [embedding, block, head] = self.distinct_units();
         let mut units = Vec::with_capacity(self.layers + 2);
         units.push(embedding);
-        units.extend(std::iter::repeat_n(block, self.layers));
+        match (&self.moe, self.moe_block()) {
+            (Some(moe), Some(moe_block)) => units.extend((0..self.layers).map(|layer| {
+                if moe.is_moe_layer(layer) {
+                    moe_block.clone()
+                } else {
+                    block.clone()
+                }
+            })),
+            _ => units.extend(std::iter::repeat_n(block, self.layers)),
+        }
         units.push(head);
         units
     }
@@ -693,10 +888,29 @@ impl LayerCosts for TransformerShape {
 }
 
 impl TransformerShape {
+    /// The profile of a MoE block of this shape (`None` for a dense model): see
+    /// [`MoeShape`]'s module.
+    pub fn moe_block(&self) -> Option<UnitProfile> {
+        (self.moe.as_ref()).map(|moe| moe.block(self.seq, self.hidden, self.heads))
+    }
+
+    /// Each distinct unit of the shape with how many times the model has it: the embedding,
+    /// the dense blocks, the MoE blocks (when there are any) and the head, in that order. Sums
+    /// over the model can be taken from these without building the per-unit list.
+    pub fn counted_units(&self) -> Vec<(UnitProfile, usize)> {
+        let [embedding, block, head] = self.distinct_units();
+        let moe_layers = self.moe.map_or(0, |moe| moe.moe_layers(self.layers));
+        let mut units = vec![(embedding, 1), (block, self.layers - moe_layers)];
+        units.extend(self.moe_block().map(|unit| (unit, moe_layers)));
+        units.push((head, 1));
+        units
+    }
+
     /// The three distinct units of the shape: the embedding, a transformer block (every block
     /// is the same) and the head. [`LayerCosts::unit_profiles`] is the embedding, `layers`
-    /// blocks and the head; sums over the model can be taken from these three without building
-    /// the per-unit list (see [`crate::admission::estimate_shape`]).
+    /// blocks and the head; sums over a dense model can be taken from these three without
+    /// building the per-unit list ([`counted_units`](Self::counted_units) adds a MoE shape's
+    /// blocks, see [`crate::admission::estimate_shape`]).
     pub fn distinct_units(&self) -> [UnitProfile; 3] {
         let (s, h, a, v) = (
             self.seq as f64,
@@ -753,6 +967,7 @@ impl TransformerShape {
             // Q Kᵀ and the product with V.
             attention_flops: 4.0 * s * s * h,
             kv_elements: 2.0 * s * h,
+            ..UnitProfile::default()
         };
         let dense = if bert { 2.0 * s * h * h } else { 0.0 };
         let head = UnitProfile {
@@ -782,6 +997,7 @@ impl TransformerShape {
             memory_attention: 0.0,
             attention_flops: 0.0,
             kv_elements: 0.0,
+            ..UnitProfile::default()
         };
         [embedding, block, head]
     }
@@ -918,12 +1134,22 @@ impl ModelProxy {
         if zigzag && sp { Ok(()) } else { Err(seq) }
     }
 
+    /// The routed experts of a MoE layer (`None` for a dense model or one without a shape).
+    pub fn experts(&self) -> Option<usize> {
+        self.shape
+            .and_then(|shape| shape.moe)
+            .map(|moe| moe.experts)
+    }
+
     /// The FLOP count used to report TFLOP/s: the Megatron formula of the shape when there is
-    /// one (full-recompute form when `full_recompute`), otherwise the proxy's own sum.
+    /// one (full-recompute form when `full_recompute`), otherwise the proxy's own sum (and for
+    /// a mixture of experts, the FLOPs of the experts a token uses).
     pub fn reported_flops(&self, global_batch: usize, full_recompute: bool) -> f64 {
         match self.shape {
-            Some(shape) => shape.megatron_flops(global_batch, full_recompute),
-            None => self.flops_per_iteration(
+            Some(shape) if shape.moe.is_none() => {
+                shape.megatron_flops(global_batch, full_recompute)
+            }
+            _ => self.flops_per_iteration(
                 global_batch,
                 if full_recompute {
                     RecomputeMode::Full
@@ -946,13 +1172,20 @@ mod tests {
     #[test]
     fn an_unknown_model_lists_each_preset_once() {
         let e = "xyz".parse::<TransformerShape>().unwrap_err().to_string();
-        assert_eq!(e.matches("tiny").count(), 1, "{e}");
+        let list = e.split(['(', ')']).nth(1).unwrap_or_default();
+        let names: Vec<&str> = list.split(", ").collect();
+        assert_eq!(names.iter().filter(|&&n| n == "tiny").count(), 1, "{e}");
+        assert!(
+            names.contains(&"moe-tiny") && names.contains(&"mixtral-8x7b"),
+            "{e}"
+        );
         assert!(e.contains("gpt2-medium") && e.contains("bert-large"), "{e}");
     }
 
     #[test]
     fn preset_params_equal_the_formula() {
-        for &(name, shape) in PRESETS.iter().filter(|p| p.1.kind == ModelKind::Gpt) {
+        let dense_gpts = PRESETS.iter().filter(|p| p.1.kind == ModelKind::Gpt);
+        for &(name, shape) in dense_gpts.filter(|p| p.1.moe.is_none()) {
             let (l, h, s, v) = (shape.layers, shape.hidden, shape.seq, shape.vocab);
             let proxy = ModelProxy::parse(name).unwrap();
             let (l, h, s, v) = (l as u64, h as u64, s as u64, v as u64);
@@ -962,6 +1195,132 @@ mod tests {
         }
         // GPT-2 small: the well-known 124M (with a 1024 position table).
         assert_eq!(ModelProxy::parse("gpt2").unwrap().params(), 124_439_808);
+    }
+
+    /// Issue 32: the mixture-of-experts presets' parameters, all of them and those a token
+    /// uses. Mixtral 8x7B publishes 46.7B and 12.9B, DeepSeekMoE 16B 16.4B and 2.8B: this GPT
+    /// has no grouped-query attention (more attention parameters), learned positions and a
+    /// tied output layer, and DeepSeekMoE's first layer is dense.
+    #[test]
+    fn moe_presets_count_all_and_active_parameters() {
+        for (name, total, active) in [
+            ("moe-tiny", 201_856, 135_552),
+            ("moe-tiny-shared", 219_520, 119_680),
+            ("mixtral-8x7b", 47_394_594_816, 13_571_727_360),
+            ("deepseek-moe-16b", 16_678_588_416, 2_629_767_168),
+        ] {
+            let shape = TransformerShape::preset(name).unwrap();
+            assert!(name.contains("moe") || name.contains("mixtral"), "{name}");
+            shape.validate().unwrap();
+            assert_eq!(
+                (shape.params(), shape.active_params()),
+                (total, active),
+                "{name}"
+            );
+            assert_eq!(ModelProxy::from_shape(shape).params(), total, "{name}");
+        }
+        // The formula, for moe-tiny: 2 (4h² + 8h + hE + E (2hf + f + h)) + (V + s) h + 2h.
+        let (h, e, f) = (64u64, 4u64, 128u64);
+        let block = 4 * h * h + 8 * h + h * e + e * (2 * h * f + f + h);
+        assert_eq!(2 * block + (512 + 32) * h + 2 * h, 201_856);
+        // A dense model uses all of its parameters.
+        let gpt2 = TransformerShape::preset("gpt2").unwrap();
+        assert_eq!(gpt2.active_params(), gpt2.params());
+    }
+
+    /// Inline MoE specs: every `moe_every` layers a MoE block, shared experts and SwiGLU
+    /// optional, the spec printed back parses to the same shape; fields out of range are
+    /// refused naming them.
+    #[test]
+    fn moe_specs_parse_and_place_their_blocks() {
+        let spec = "gpt:layers=4,hidden=64,heads=4,seq=32,vocab=100,experts=4,top_k=1,\
+                    expert_hidden=32,shared=1,swiglu=1,moe_every=2";
+        let shape: TransformerShape = spec.parse().unwrap();
+        let moe = shape.moe.unwrap();
+        assert_eq!(
+            moe,
+            MoeShape::new(4, 1, 32)
+                .with_shared(1)
+                .with_swiglu()
+                .with_every(2)
+        );
+        assert_eq!(
+            shape.to_string().parse::<TransformerShape>().unwrap(),
+            shape
+        );
+        let units = shape.unit_profiles();
+        let moe_blocks: Vec<usize> = (0..units.len())
+            .filter(|&i| units[i].params_expert > 0)
+            .collect();
+        assert_eq!(moe_blocks, vec![2, 4]);
+        // 4 routed SwiGLU experts of 3 h f each in a block; the shared one is replicated.
+        assert_eq!(units[2].params_expert, 4 * 3 * 64 * 32);
+        let counted: u64 = (shape.counted_units().iter())
+            .map(|(u, n)| u.params() * *n as u64)
+            .sum();
+        assert_eq!(counted, shape.params());
+        assert_eq!(ModelProxy::from_shape(shape).experts(), Some(4));
+        let err = |s: &str| s.parse::<TransformerShape>().unwrap_err().to_string();
+        let base = "gpt:layers=4,hidden=64,heads=4,seq=32,vocab=100";
+        assert!(
+            err(&format!("{base},experts=4,top_k=5,expert_hidden=8"))
+                .contains("`top_k` = 5 must be at most `experts` = 4")
+        );
+        assert!(err(&format!("{base},experts=4,top_k=2")).contains("`expert_hidden`"));
+        assert!(err(&format!("{base},shared=1")).contains("`experts` is missing"));
+        assert!(
+            err(&format!(
+                "{base},experts=4,top_k=2,expert_hidden=8,swiglu=2"
+            ))
+            .contains("`swiglu` = 2 must be 0 or 1")
+        );
+        assert!(
+            err(&format!(
+                "{base},experts=4,top_k=2,expert_hidden=8,moe_every=5"
+            ))
+            .contains("`moe_every` = 5 must be between 1 and `layers` = 4")
+        );
+    }
+
+    /// A MoE block's FLOPs: attention `8 s h² + 4 s² h`, router `2 s h E`, and `(k + S)`
+    /// experts' `2 M s h f` (M = 3 matrices for SwiGLU); the routed part is `expert_flops`.
+    /// Its activations: the routed experts' `k s (4h + 8f)` bytes (SwiGLU) beside the rest,
+    /// `load` times that for the busiest rank under expert parallelism, none under full
+    /// recomputation (which keeps the block's input, `2 s h`).
+    #[test]
+    fn moe_blocks_count_the_experts_a_token_uses() {
+        let shape = TransformerShape::preset("deepseek-moe-16b").unwrap();
+        let block = shape.moe_block().unwrap();
+        let (s, h, a, e, k, f, shared) = (4096.0, 2048.0, 16.0, 64.0, 6.0, 1408.0, 2.0);
+        let expert = 2.0 * 3.0 * s * h * f;
+        let forward = 8.0 * s * h * h + 4.0 * s * s * h + 2.0 * s * h * e + (k + shared) * expert;
+        assert!(rel(block.forward_flops, forward) < 1e-12);
+        assert!(rel(block.expert_flops, k * expert) < 1e-12);
+        assert_eq!(block.backward_flops, 2.0 * block.forward_flops);
+        assert_eq!(block.a2a_elements, k * s * h);
+        let whole = RankSplit::new(1, 1, false);
+        let routed = k * s * (4.0 * h + 8.0 * f);
+        let at = |split, mode, load| block.expert_activation_bytes(2, split, mode, load);
+        assert!(rel(at(whole, RecomputeMode::None, 1.5), 2.0 * routed) < 1e-12);
+        // Under expert parallelism the busiest rank receives `load` times its share; under
+        // sequence parallelism a TP rank routes its 1/tp of the positions.
+        let ep4 = RankSplit::new(4, 1, true).with_ep(4);
+        assert!(
+            rel(
+                at(ep4, RecomputeMode::Selective, 1.5),
+                2.0 * routed * 1.5 / 4.0
+            ) < 1e-12
+        );
+        assert_eq!(at(ep4, RecomputeMode::Full, 1.5), 0.0);
+        let rest = 10.0 * s * h + 4.0 * s * e + 2.0 * k * s * h + shared * s * 8.0 * f;
+        let kept = block.activation_bytes(1, whole, RecomputeMode::None, false);
+        assert!(rel(kept, rest + 8.0 * s * h + 5.0 * a * s * s) < 1e-12);
+        let full = block.activation_bytes(1, whole, RecomputeMode::Full, false);
+        assert!(rel(full, 2.0 * s * h) < 1e-12);
+        // A MoE proxy reports the FLOPs its tokens use (no Megatron formula for it).
+        let proxy = ModelProxy::from_shape(shape);
+        let reported = proxy.reported_flops(8, false);
+        assert!(rel(reported, proxy.flops_per_iteration(8, RecomputeMode::None)) < 1e-12);
     }
 
     #[test]
@@ -1047,11 +1406,7 @@ mod tests {
             ModelProxy::parse("gpt:layers=4,hidden=1024,heads=16,seq=2048,vocab=1000").unwrap();
         let block = &proxy.units[1];
         let (s, b, h, a) = (2048.0, 2.0, 1024.0, 16.0);
-        let split = |tp, cp, sequence_parallel| RankSplit {
-            tp,
-            cp,
-            sequence_parallel,
-        };
+        let split = |tp, cp, sequence_parallel| RankSplit::new(tp, cp, sequence_parallel);
         for t in [2usize, 4, 8] {
             let tf = t as f64;
             let sp = split(t, 1, true);
@@ -1095,11 +1450,7 @@ mod tests {
     #[test]
     fn a_split_must_cut_the_sequence() {
         let proxy = ModelProxy::parse("gpt:layers=2,hidden=64,heads=4,seq=96,vocab=100").unwrap();
-        let split = |tp, cp, sequence_parallel| RankSplit {
-            tp,
-            cp,
-            sequence_parallel,
-        };
+        let split = |tp, cp, sequence_parallel| RankSplit::new(tp, cp, sequence_parallel);
         // 2 cp | 96 for cp = 1, 2, 3, 4, 6, 8, 12, 16, 24, 48.
         assert!(proxy.splits_sequence(split(1, 48, false)).is_ok());
         assert_eq!(proxy.splits_sequence(split(1, 5, false)), Err(96));

@@ -106,6 +106,7 @@ impl PublishedRow {
             tp_overlap: 1,
             cp: 1,
             sequence_parallel: false,
+            ep: 1,
         })
     }
 }

@@ -12,7 +12,10 @@
 //! stage-aware; the ZeRO stages; every tensor-parallel overlap degree up to the hardware's
 //! `max_tp_overlap` (only with tp > 1, and dividing the tokens a rank holds). Context and
 //! sequence parallelism are searched only for a model with a transformer shape (their
-//! divisibility needs the sequence length). For the uniform policies, stage boundaries come
+//! divisibility needs the sequence length). For a mixture of experts, every expert-parallel
+//! degree `ep` dividing the experts with its group within a node (`tp ep <= devices per
+//! node`, or those of [`SearchOptions::ep`]) that divides `dp cp`, and tensor parallelism only
+//! with sequence parallelism; a dense model only `ep = 1`. For the uniform policies, stage boundaries come
 //! from [`balanced_partition`] of the per-unit compute.
 //!
 //! Stage-aware recomputation with one stage per pipeline rank (every schedule but the
@@ -130,6 +133,11 @@ pub struct SearchOptions {
     /// dominated by its twin; `[false, true]` searches both (twice the tensor-parallel
     /// layouts), `[false]` none.
     pub sequence_parallel: Vec<bool>,
+    /// Expert-parallel degrees to try for a mixture of experts; empty (the default): every
+    /// divisor of the experts whose group stays within a node (`tp ep <= devices per node`:
+    /// the all-to-alls on the node's links). Either way only degrees dividing `dp cp` and the
+    /// experts are used, and `ep = 1` always; a dense model is searched at `ep = 1` only.
+    pub ep: Vec<usize>,
     /// How many runner-up plans to return besides the fastest.
     pub runner_ups: usize,
 }
@@ -159,6 +167,7 @@ impl SearchOptions {
             cp: Vec::new(),
             min_cp_tokens: 2048,
             sequence_parallel: vec![true],
+            ep: Vec::new(),
             runner_ups: 4,
         }
     }
@@ -457,12 +466,17 @@ fn space(
     for tp in divisors_up_to(gcd(gpus, model.heads), hw.devices_per_node) {
         for split in splits(model, gpus / tp, tp, options) {
             let rest = gpus / (tp * split.cp);
-            for pp in (1..=units.min(rest)).filter(|&pp| rest.is_multiple_of(pp)) {
-                let dp = rest / pp;
-                for slot in pipeline_slots(model, hw, options, dp, split, pp) {
-                    layouts = layouts.saturating_add(slot.layouts(options));
-                    if layouts <= limit {
-                        slots.push(slot);
+            for split in expert_splits(model, hw, options, split) {
+                for pp in (1..=units.min(rest)).filter(|&pp| rest.is_multiple_of(pp)) {
+                    let dp = rest / pp;
+                    if !(dp * split.cp).is_multiple_of(split.ep) {
+                        continue;
+                    }
+                    for slot in pipeline_slots(model, hw, options, dp, split, pp) {
+                        layouts = layouts.saturating_add(slot.layouts(options));
+                        if layouts <= limit {
+                            slots.push(slot);
+                        }
                     }
                 }
             }
@@ -500,12 +514,10 @@ fn splits(model: &ModelProxy, rest: usize, tp: usize, options: &SearchOptions) -
     };
     let mut out = Vec::new();
     for cp in degrees {
-        let with = |sequence_parallel| RankSplit {
-            tp,
-            cp,
-            sequence_parallel,
-        };
-        let valid = |&sp: &bool| model.splits_sequence(with(sp)).is_ok();
+        let with = |sequence_parallel| RankSplit::new(tp, cp, sequence_parallel);
+        // A mixture of experts runs tensor parallelism only with sequence parallelism.
+        let experts_fit = |sp: bool| sp || tp == 1 || model.experts().is_none();
+        let valid = |&sp: &bool| model.splits_sequence(with(sp)).is_ok() && experts_fit(sp);
         let mut settings = distinct(&options.sequence_parallel, |sp| valid(&sp));
         if settings.is_empty() {
             settings.push(false);
@@ -518,6 +530,28 @@ fn splits(model: &ModelProxy, rest: usize, tp: usize, options: &SearchOptions) -
         );
     }
     out
+}
+
+/// `split` with each expert-parallel degree to search (see [`SearchOptions::ep`]): only
+/// `ep = 1` for a dense model.
+fn expert_splits(
+    model: &ModelProxy,
+    hw: &HardwareSpec,
+    options: &SearchOptions,
+    split: RankSplit,
+) -> Vec<RankSplit> {
+    let Some(experts) = model.experts() else {
+        return vec![split];
+    };
+    let mut degrees = if options.ep.is_empty() {
+        divisors_up_to(experts, hw.devices_per_node / split.tp.max(1))
+    } else {
+        distinct(&options.ep, |ep| ep > 0 && experts.is_multiple_of(ep))
+    };
+    if !degrees.contains(&1) {
+        degrees.insert(0, 1);
+    }
+    degrees.into_iter().map(|ep| split.with_ep(ep)).collect()
 }
 
 /// The slots with `dp` replicas of `split` over `pp` pipeline ranks: every micro-batch size,
@@ -678,6 +712,7 @@ fn planned(
         tp_overlap: slot.k,
         cp: slot.split.cp,
         sequence_parallel: slot.split.sequence_parallel,
+        ep: slot.split.ep,
     };
     let Some(plan) = dp_planner.plan(&skeleton)? else {
         unplanned.push(skeleton);
@@ -733,6 +768,7 @@ fn shaped(
         tp_overlap: slot.k,
         cp: slot.split.cp,
         sequence_parallel: slot.split.sequence_parallel,
+        ep: slot.split.ep,
     };
     Ok(match policy {
         Recompute::None => Some(uniform(RecomputeMode::None)),
@@ -1350,6 +1386,7 @@ mod tests {
                 tp_overlap: l.tp_overlap,
                 cp: l.cp,
                 sequence_parallel: l.sequence_parallel,
+                ep: l.ep,
             };
             let plan = planner.plan(&skeleton).unwrap().unwrap();
             assert_eq!(&plan.layout, l);
@@ -1511,5 +1548,59 @@ mod tests {
         );
         assert!(elapsed < 10.0, "took {elapsed} s");
         assert!(result.best.prediction.max_memory_bytes() <= hw.memory_bytes);
+    }
+
+    /// Issue 32: Mixtral 8x7B on 64 H100s of 80 GB (8 a node), 256 sequences of 4096 tokens.
+    /// Expert parallelism reaches the Pareto set (its plans hold the least memory) and every
+    /// plan keeps `ep` dividing `dp cp` and the 8 experts, with sequence parallelism under
+    /// tensor parallelism. The fastest plan keeps `ep = 1`: pipelining over the nodes keeps the
+    /// data-parallel gradients on NVLink, where the experts' reduction is cheap, and expert
+    /// parallelism would add the all-to-alls and the busiest rank's imbalance (see
+    /// `megatron_cores_mixtral_layout_is_faster_with_expert_parallelism` in the cost model's
+    /// tests for a layout whose data parallelism spans nodes).
+    #[test]
+    #[cfg_attr(debug_assertions, ignore = "the time limits are for release builds")]
+    fn mixtral_on_64_h100_puts_expert_parallelism_on_the_pareto_set() {
+        let model = ModelProxy::parse("mixtral-8x7b").unwrap();
+        let hw = HardwareSpec::preset("h100-80g").unwrap().with_devices(64);
+        let start = Instant::now();
+        let result = search(&model, &hw, &SearchOptions::new(64, 256)).unwrap();
+        let elapsed = start.elapsed().as_secs_f64();
+        let best = &result.best;
+        eprintln!(
+            "mixtral: {elapsed:.2} s, considered {} feasible {} predicted {}: {:?} {:.3} s",
+            result.considered,
+            result.feasible,
+            result.predicted,
+            best.layout.split(),
+            best.prediction.step_time_s
+        );
+        let with_ep = result.pareto.iter().filter(|p| p.layout.ep > 1).count();
+        assert!(with_ep >= 3, "{with_ep}");
+        let smallest = result.pareto.last().unwrap();
+        assert!(smallest.layout.ep > 1, "{:?}", smallest.layout);
+        assert!(smallest.prediction.breakdown["ep_comm_s"] > 0.0);
+        assert!(best.prediction.max_memory_bytes() <= hw.memory_bytes);
+        assert_eq!(best.layout.gpus(), 64);
+        for plan in result.pareto.iter().chain(&result.runner_ups) {
+            let l = &plan.layout;
+            assert!(l.replicas().is_multiple_of(l.ep) && 8 % l.ep == 0, "{l:?}");
+            assert!(l.tp == 1 || l.sequence_parallel, "{l:?}");
+        }
+        assert!(elapsed < 5.0, "took {elapsed} s");
+    }
+
+    /// A dense model is searched at ep = 1 whatever `SearchOptions::ep` names, so its plans
+    /// are those of a search without experts.
+    #[test]
+    fn a_dense_model_ignores_expert_parallel_degrees() {
+        let (model, hw, options) = small_case();
+        let plain = search(&model, &hw, &options).unwrap();
+        let named = SearchOptions {
+            ep: vec![1, 2, 4],
+            ..options
+        };
+        assert_eq!(search(&model, &hw, &named).unwrap(), plain);
+        assert!(plain.pareto.iter().all(|p| p.layout.ep == 1));
     }
 }

@@ -47,7 +47,7 @@ use std::rc::Rc;
 
 use thiserror::Error;
 
-use super::cost::{ChunkMemory, CostError, CostModel, Layout, StageTerms};
+use super::cost::{ChunkMemory, CostError, CostModel, Layout, StageTerms, StateBytes};
 use super::model::{RankSplit, RecomputeMode};
 use crate::data_parallel::ReduceScatter;
 use crate::pipeline::{PartitionError, ScheduleKind, explicit_partition};
@@ -76,16 +76,14 @@ pub struct Skeleton {
     pub cp: usize,
     /// Sequence parallelism.
     pub sequence_parallel: bool,
+    /// Expert-parallel degree.
+    pub ep: usize,
 }
 
 impl Skeleton {
     /// How one micro-batch is split over its ranks.
     pub fn split(&self) -> RankSplit {
-        RankSplit {
-            tp: self.tp,
-            cp: self.cp,
-            sequence_parallel: self.sequence_parallel,
-        }
+        RankSplit::new(self.tp, self.cp, self.sequence_parallel).with_ep(self.ep)
     }
 }
 
@@ -136,8 +134,10 @@ struct Tables {
     time: [Vec<f64>; 3],
     /// Per mode: activation bytes of one micro-batch.
     activation: [Vec<f64>; 3],
-    /// Without and with the tied copies: parameters held.
+    /// Without and with the tied copies: parameters held (routed experts excluded).
     params: [Vec<f64>; 2],
+    /// Routed experts' parameters held (empty for a model without experts: all 0).
+    experts: Vec<f64>,
     /// The largest unit's activation bytes without recomputation.
     largest: Vec<f64>,
 }
@@ -146,11 +146,13 @@ impl Tables {
     fn new(cm: &CostModel<'_>, split: RankSplit, b: usize, overlap: usize) -> Tables {
         let units = cm.model().num_units();
         let n = (units + 1) * (units + 1);
+        let has_experts = cm.model().units.iter().any(|u| u.params_expert > 0);
         let mut tables = Tables {
             units,
             time: std::array::from_fn(|_| vec![0.0; n]),
             activation: std::array::from_fn(|_| vec![0.0; n]),
             params: std::array::from_fn(|_| vec![0.0; n]),
+            experts: vec![0.0; if has_experts { n } else { 0 }],
             largest: vec![0.0; n],
         };
         for (k, &mode) in RecomputeMode::ALL.iter().enumerate() {
@@ -176,6 +178,9 @@ impl Tables {
                         if k == 0 {
                             tables.params[usize::from(tied)][at] = stage.params;
                         }
+                        if let Some(experts) = tables.experts.get_mut(at) {
+                            *experts = stage.expert_params;
+                        }
                     }
                 }
             }
@@ -186,8 +191,8 @@ impl Tables {
 
 /// Everything a plan depends on besides the budget: the rank split with the overlap degree,
 /// micro-batch size, stages, in-flight counts per stage and the bits of the model-state bytes
-/// per parameter.
-type PlanKey = ((RankSplit, usize), usize, usize, Vec<usize>, u64);
+/// per dense and per expert parameter.
+type PlanKey = ((RankSplit, usize), usize, usize, Vec<usize>, (u64, u64));
 
 /// A solved cut: stage sizes and modes with the objective.
 #[derive(Clone, Debug, PartialEq)]
@@ -204,7 +209,7 @@ struct Problem<'t> {
     tables: &'t Tables,
     stages: usize,
     in_flight: &'t [usize],
-    state_bytes: f64,
+    state_bytes: StateBytes,
 }
 
 impl Problem<'_> {
@@ -217,6 +222,7 @@ impl Problem<'_> {
         let tied = self.stages > 1 && s > 0;
         let chunk = ChunkMemory {
             params: self.tables.params[usize::from(tied)][at],
+            expert_params: self.tables.experts.get(at).copied().unwrap_or(0.0),
             activation_bytes: self.tables.activation[k][at],
             in_flight: self.in_flight[s],
             mode: RecomputeMode::ALL[k],
@@ -345,6 +351,14 @@ impl Problem<'_> {
     }
 }
 
+/// The model-state bytes of a [`PlanKey`]'s bits.
+fn bytes_of((dense, expert): (u64, u64)) -> StateBytes {
+    StateBytes {
+        dense: f64::from_bits(dense),
+        expert: f64::from_bits(expert),
+    }
+}
+
 /// The stage planner of one cost model and memory budget, caching its tables and answers (see
 /// the [module docs](self)).
 pub struct StageDp<'c, 'a> {
@@ -384,6 +398,7 @@ impl<'c, 'a> StageDp<'c, 'a> {
             ("dp", skeleton.dp),
             ("tp", skeleton.tp),
             ("cp", skeleton.cp),
+            ("ep", skeleton.ep),
             ("pp", skeleton.pp),
             ("micro_batch", skeleton.micro_batch),
             ("micro_batches", skeleton.micro_batches),
@@ -420,8 +435,11 @@ impl<'c, 'a> StageDp<'c, 'a> {
         let in_flight = self
             .cm
             .in_flight(skeleton.schedule, p, 1, skeleton.micro_batches)?;
-        let state_bytes = CostModel::state_bytes_per_param(
-            skeleton.dp * skeleton.cp.max(1),
+        let replicas = skeleton.dp * skeleton.cp.max(1);
+        self.cm.check_experts(t, replicas)?;
+        let state_bytes = CostModel::state_bytes(
+            replicas,
+            (replicas / skeleton.ep.max(1)).max(1),
             skeleton.zero,
             skeleton.micro_batches,
             ReduceScatter::Step,
@@ -433,7 +451,8 @@ impl<'c, 'a> StageDp<'c, 'a> {
                 .entry((t, b, k))
                 .or_insert_with(|| Rc::new(Tables::new(cm, t, b, k))),
         );
-        Ok((tables, ((t, k), b, p, in_flight, state_bytes.to_bits())))
+        let bits = (state_bytes.dense.to_bits(), state_bytes.expert.to_bits());
+        Ok((tables, ((t, k), b, p, in_flight, bits)))
     }
 
     /// The fastest cut of the model into `skeleton.pp` stages with per-stage recomputation whose
@@ -451,7 +470,7 @@ impl<'c, 'a> StageDp<'c, 'a> {
                     tables: &tables,
                     stages: skeleton.pp,
                     in_flight: &key.3,
-                    state_bytes: f64::from_bits(key.4),
+                    state_bytes: bytes_of(key.4),
                 };
                 let cap = problem.bottleneck(self.budget);
                 let solution = if cap.is_finite() {
@@ -484,6 +503,7 @@ impl<'c, 'a> StageDp<'c, 'a> {
                 tp_overlap: skeleton.tp_overlap,
                 cp: skeleton.cp,
                 sequence_parallel: skeleton.sequence_parallel,
+                ep: skeleton.ep,
             },
             bottleneck_s: solution.bottleneck_s,
             total_s: solution.total_s,
@@ -507,7 +527,7 @@ impl<'c, 'a> StageDp<'c, 'a> {
             tables: &tables,
             stages: skeleton.pp,
             in_flight: &key.3,
-            state_bytes: f64::from_bits(key.4),
+            state_bytes: bytes_of(key.4),
         };
         let memory = problem.min_memory();
         self.min_memory.insert(key, memory);
@@ -548,6 +568,7 @@ mod tests {
             tp_overlap: if zero1 { 2 } else { 1 },
             cp: 1,
             sequence_parallel: false,
+            ep: 1,
         }
     }
 
@@ -614,6 +635,7 @@ mod tests {
                     tp_overlap: sk.tp_overlap,
                     cp: sk.cp,
                     sequence_parallel: sk.sequence_parallel,
+                    ep: sk.ep,
                 };
                 let times = cm.stage_times(&layout).unwrap();
                 let est = cm.estimate(&layout).unwrap();
