@@ -275,7 +275,7 @@ pub fn estimate_shape(
         plan.micro_batch.max(1),
         plan.pp.max(1) as f64,
     );
-    let ep = expert_parallel(plan);
+    let ep = plan.ep.max(1);
     let split = RankSplit::new(t, plan.cp.max(1), plan.sequence_parallel).with_ep(ep);
     let units: Vec<_> = (model.counted_units().into_iter())
         .filter(|(_, n)| *n > 0)
@@ -327,12 +327,6 @@ pub fn estimate_shape(
         activations: activations.max(0.0),
         runtime: runtime + if host { bookkeeping_bytes(model) } else { 0.0 },
     }
-}
-
-/// The expert-parallel degree of `plan`: 1 until the trainer's `parallel.ep` is part of the
-/// plan (the planner's [`Layout`](crate::planner::Layout) and `merak plan` have it already).
-fn expert_parallel(_plan: &ParallelPlan) -> usize {
-    1
 }
 
 /// Of the recomputation modes `plan` may give a stage, the one that keeps the fewest

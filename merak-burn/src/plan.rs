@@ -213,6 +213,9 @@ impl std::fmt::Display for ParallelPlan {
         if self.sequence_parallel {
             write!(f, " sequence_parallel")?;
         }
+        if self.ep > 1 {
+            write!(f, " ep={}", self.ep)?;
+        }
         if self.zero > 0 {
             write!(f, " zero{}", self.zero)?;
         }
@@ -265,7 +268,7 @@ impl ParallelPlan {
             cp: l.cp,
             cp_attention: CpAttention::Ring,
             sequence_parallel: l.sequence_parallel,
-            ep: 1,
+            ep: l.ep,
             pp: l.pp,
             virtual_stages: l.virtual_stages,
             micro_batch: l.micro_batch,
@@ -321,8 +324,7 @@ impl ParallelPlan {
             tp_overlap: self.tp_overlap,
             cp: self.cp,
             sequence_parallel: self.sequence_parallel,
-            // The trainer's `parallel.ep` is not part of the plan yet.
-            ep: 1,
+            ep: self.ep,
         }
     }
 

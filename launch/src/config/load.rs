@@ -26,7 +26,7 @@ pub(super) fn known_keys() -> Value {
     // `[model.moe]`, absent unless set: every key of it, the optional capacity factor too.
     let moe = merak_burn::moe::MoeConfig {
         capacity_factor: Some(1.0),
-        ..toml::from_str("experts = 1\ntop_k = 1\nexpert_hidden = 1").expect("a MoE table")
+        ..merak_burn::moe::MoeConfig::new(1, 1, 1)
     };
     if let (Some(Value::Table(t)), Ok(moe)) = (known.get_mut("model"), Value::try_from(moe)) {
         t.insert("moe".into(), moe);

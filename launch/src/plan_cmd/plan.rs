@@ -198,13 +198,14 @@ fn parameters(shape: &merak_burn::planner::TransformerShape) -> String {
 }
 
 /// The config keys a plan sets.
-pub const PLANNED_KEYS: [&str; 15] = [
+pub const PLANNED_KEYS: [&str; 16] = [
     "train.micro_batch",
     "parallel.dp",
     "parallel.tp",
     "parallel.cp",
     "parallel.cp_attention",
     "parallel.sequence_parallel",
+    "parallel.ep",
     "parallel.pp",
     "parallel.virtual_stages",
     "parallel.schedule",

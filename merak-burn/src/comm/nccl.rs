@@ -478,7 +478,11 @@ impl Communicator for NcclCommunicator {
     ) -> Result<(), CommError> {
         const OP: &str = "all_to_all_v";
         check_len("all_to_all_v (send counts)", self.size, send_counts.len())?;
-        check_len("all_to_all_v (receive counts)", self.size, recv_counts.len())?;
+        check_len(
+            "all_to_all_v (receive counts)",
+            self.size,
+            recv_counts.len(),
+        )?;
         check_len(OP, send_counts.iter().sum(), send.len())?;
         check_len(OP, recv_counts.iter().sum(), recv.len())?;
         if self.size == 1 {

@@ -1,6 +1,8 @@
 //! The settings of a mixture-of-experts feed-forward block (`[model.moe]`).
 
 use serde::{Deserialize, Serialize};
+
+use crate::planner::EXPERT_LOAD_BOUND;
 use thiserror::Error;
 
 /// The experts' feed-forward network.
@@ -59,11 +61,6 @@ pub struct MoeConfig {
     /// a routing group, the later ones (by global token index) dropped. Absent: dropless.
     #[serde(default)]
     pub capacity_factor: Option<f64>,
-    /// The stated bound on the tokens one expert receives, as a multiple of the mean
-    /// `tokens × top_k / E` (never more than every token): the memory admission check counts
-    /// it, and a dropless run whose routing exceeds it stops naming the layer and the counts.
-    #[serde(default = "default_bound")]
-    pub max_load: f64,
     /// DeepSeek's auxiliary-loss-free balancing: every expert has a selection bias, added to
     /// its score for the top-k choice only (not to the gates), which after each step moves by
     /// this rate towards balance (`+rate` for an expert below the mean load of the layer,
@@ -71,6 +68,14 @@ pub struct MoeConfig {
     /// checkpoints with the parameters (0: off).
     #[serde(default)]
     pub bias_update_rate: f64,
+    /// A mixture of experts in every `every`-th block (blocks `every - 1`, `2 every - 1`,
+    /// ...; the others keep their dense MLP); 1: every block.
+    #[serde(default = "one")]
+    pub every: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 fn yes() -> bool {
@@ -79,10 +84,6 @@ fn yes() -> bool {
 
 fn default_aux() -> f64 {
     0.01
-}
-
-fn default_bound() -> f64 {
-    4.0
 }
 
 /// An invalid `[model.moe]` table.
@@ -123,12 +124,38 @@ pub enum MoeConfigError {
 }
 
 impl MoeConfig {
+    /// `experts` GELU experts of width `expert_hidden`, `top_k` per token, with every other key
+    /// at its default (softmax, renormalized gates, dropless, Switch loss 0.01, in every
+    /// block).
+    pub fn new(experts: usize, top_k: usize, expert_hidden: usize) -> Self {
+        Self {
+            experts,
+            top_k,
+            expert_hidden,
+            shared_experts: 0,
+            activation: ExpertActivation::Gelu,
+            score: RouterScore::Softmax,
+            renormalize: true,
+            aux_loss: default_aux(),
+            z_loss: 0.0,
+            capacity_factor: None,
+            bias_update_rate: 0.0,
+            every: 1,
+        }
+    }
+
+    /// Whether block `layer` (0-based) has the mixture of experts.
+    pub fn is_moe_layer(&self, layer: usize) -> bool {
+        (layer + 1).is_multiple_of(self.every.max(1))
+    }
+
     /// Checks the counts and weights (not the layout: [`MoeConfig::check_ep`]).
     pub fn validate(&self) -> Result<(), MoeConfigError> {
         for (key, v) in [
             ("experts", self.experts),
             ("top_k", self.top_k),
             ("expert_hidden", self.expert_hidden),
+            ("every", self.every),
         ] {
             if v == 0 {
                 return Err(MoeConfigError::Zero(key));
@@ -146,7 +173,6 @@ impl MoeConfig {
         };
         finite("aux_loss", self.aux_loss, self.aux_loss >= 0.0, "≥ 0")?;
         finite("z_loss", self.z_loss, self.z_loss >= 0.0, "≥ 0")?;
-        finite("max_load", self.max_load, self.max_load >= 1.0, "≥ 1")?;
         let rate = self.bias_update_rate;
         finite("bias_update_rate", rate, rate >= 0.0, "≥ 0")?;
         if let Some(f) = self.capacity_factor {
@@ -167,11 +193,12 @@ impl MoeConfig {
     }
 
     /// The most tokens one expert may take of `tokens` routed tokens: the capacity under a
-    /// capacity factor, otherwise the stated bound ([`max_load`](Self::max_load)); never more
-    /// than `tokens`.
+    /// capacity factor, otherwise the stated bound the memory check counts
+    /// ([`EXPERT_LOAD_BOUND`] times the mean `tokens × top_k / experts`, beyond which a
+    /// dropless run stops); never more than `tokens`.
     pub fn expert_limit(&self, tokens: usize) -> usize {
         let mean = tokens as f64 * self.top_k as f64 / self.experts as f64;
-        let factor = self.capacity_factor.unwrap_or(self.max_load);
+        let factor = self.capacity_factor.unwrap_or(EXPERT_LOAD_BOUND);
         ((factor * mean).ceil() as usize).min(tokens)
     }
 }
@@ -181,7 +208,14 @@ mod tests {
     use super::*;
 
     fn cfg() -> MoeConfig {
-        toml::from_str("experts = 4\ntop_k = 2\nexpert_hidden = 32").expect("parses")
+        let c: MoeConfig =
+            toml::from_str("experts = 4\ntop_k = 2\nexpert_hidden = 32").expect("parses");
+        assert_eq!(
+            c,
+            MoeConfig::new(4, 2, 32),
+            "the defaults of the table and of new"
+        );
+        c
     }
 
     #[test]
@@ -194,8 +228,10 @@ mod tests {
         );
         assert!(c.renormalize && c.aux_loss == 0.01 && c.z_loss == 0.0);
         assert_eq!(c.validate(), Ok(()));
-        // 10 tokens at top-2 of 4: a mean of 5 per expert, bounded at 4x but never above 10.
+        // 10 tokens at top-2 of 4: a mean of 5 per expert, bounded at 2x (10); 40 of 64
+        // experts: a mean of 1.25, bounded at 3.
         assert_eq!(c.expert_limit(10), 10);
+        assert_eq!(MoeConfig::new(64, 2, 8).expert_limit(40), 3);
         let c = MoeConfig {
             capacity_factor: Some(1.0),
             ..cfg()

@@ -248,10 +248,11 @@ impl<B: ParallelBackend> MoeLayer<B> {
             {
                 fatal(format!(
                     "layer {}: expert {e} was routed {load} of the {group_tokens} tokens' \
-                     assignments of a micro-batch, more than the stated bound model.moe.max_load \
-                     = {} x the mean ({limit}); raise model.moe.max_load (the memory check counts \
-                     it) or set model.moe.capacity_factor",
-                    self.place.layer, self.cfg.max_load
+                     assignments of a micro-batch, more than the stated bound of {} x their mean \
+                     ({limit}) that the memory check counts; set model.moe.capacity_factor to \
+                     drop what exceeds an expert's capacity instead",
+                    self.place.layer,
+                    crate::planner::EXPERT_LOAD_BOUND
                 ));
             }
             return vec![true; choice.len()];

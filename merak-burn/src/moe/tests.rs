@@ -179,3 +179,16 @@ fn balancing_moves_the_biases_towards_the_mean_load() {
     assert_ne!(before[0], 10, "{before:?}");
     assert_eq!(route(&m)[0], 10);
 }
+
+/// Dropless routing past the stated bound (every token to one of 8 experts: 4 times the
+/// bound's 2 x the mean) stops, naming the layer and the counts.
+#[test]
+#[should_panic(expected = "layer 0: expert 0 was routed 10 of the 10 tokens' assignments")]
+fn routing_past_the_stated_bound_stops_naming_the_counts() {
+    let mut c = cfg("bias_update_rate = 1.0");
+    c.experts = 8;
+    c.top_k = 1;
+    let mut m = layer::<Cpu>(&c);
+    m.balance(&[0, 1, 1, 1, 1, 1, 1, 1]);
+    let _ = m.forward(input());
+}

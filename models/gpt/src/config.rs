@@ -1,7 +1,7 @@
 //! GPT shapes and presets.
 
-use merak_burn::moe::{MoeConfig, MoeConfigError};
-use merak_burn::planner::{ModelKind, TransformerShape};
+use merak_burn::moe::{ExpertActivation, MoeConfig, MoeConfigError};
+use merak_burn::planner::{ModelKind, MoeShape, TransformerShape};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -124,7 +124,15 @@ impl GptConfig {
             dropout: 0.0,
             layer_norm_eps: 1e-5,
             init_std: 0.02,
-            moe: None,
+            moe: s.moe.map(|m| MoeConfig {
+                shared_experts: m.shared_experts,
+                activation: match m.swiglu {
+                    true => ExpertActivation::Swiglu,
+                    false => ExpertActivation::Gelu,
+                },
+                every: m.every,
+                ..MoeConfig::new(m.experts, m.top_k, m.expert_hidden)
+            }),
         }
     }
 
@@ -190,13 +198,24 @@ impl GptConfig {
 
     /// The planner's shape of this GPT.
     pub fn shape(&self) -> TransformerShape {
-        TransformerShape::gpt(
+        let dense = TransformerShape::gpt(
             self.layers,
             self.hidden,
             self.heads,
             self.seq_len,
             self.vocab_size,
-        )
+        );
+        match &self.moe {
+            Some(m) => dense.with_moe(MoeShape {
+                experts: m.experts,
+                top_k: m.top_k,
+                expert_hidden: m.expert_hidden,
+                shared_experts: m.shared_experts,
+                swiglu: m.activation == ExpertActivation::Swiglu,
+                every: m.every,
+            }),
+            None => dense,
+        }
     }
 
     /// The exact number of parameters (without vocabulary padding), from the shape

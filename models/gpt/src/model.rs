@@ -158,7 +158,7 @@ impl<B: ParallelBackend> Gpt<B> {
                     proj_weight: rng.normal(&name("attn.c_proj.weight"), h * h, proj_std),
                     proj_bias: vec![0.0; h],
                 };
-                let (mlp, moe) = match &cfg.moe {
+                let (mlp, moe) = match cfg.moe.as_ref().filter(|m| m.is_moe_layer(i)) {
                     Some(moe) => {
                         let init = ExpertInit {
                             rng: &rng,
@@ -471,6 +471,29 @@ mod tests {
 
     fn ints(values: &[i64], device: &burn::tensor::Device<B>) -> Tensor<B, 2, Int> {
         Tensor::from_data(TensorData::new(values.to_vec(), [1, values.len()]), device)
+    }
+
+    /// The MoE presets build the parameters the planner counts (routed and shared experts,
+    /// router), and a MoE block every second layer keeps the other's dense MLP.
+    #[test]
+    fn moe_presets_build_what_the_planner_counts() {
+        for name in ["moe-tiny", "moe-tiny-shared"] {
+            let cfg = crate::GptConfig::preset(name).expect("a preset");
+            assert!(cfg.moe.is_some(), "{name} is a mixture of experts");
+            let gpt = Gpt::<B>::new(&cfg, 1, Group::local(), &Default::default()).expect("model");
+            assert_eq!(gpt.num_params() as u64, cfg.num_params(), "{name}");
+        }
+        let mut cfg = crate::GptConfig::preset("moe-tiny").expect("a preset");
+        cfg.layers = 4;
+        if let Some(m) = cfg.moe.as_mut() {
+            m.every = 2;
+        }
+        let gpt = Gpt::<B>::new(&cfg, 1, Group::local(), &Default::default()).expect("model");
+        let kinds: Vec<bool> = (gpt.blocks.iter().flatten())
+            .map(|b| b.moe.is_some())
+            .collect();
+        assert_eq!(kinds, vec![false, true, false, true]);
+        assert_eq!(gpt.num_params() as u64, cfg.num_params());
     }
 
     /// Under a document mask, the tokens of the second document of a window get the hidden
