@@ -109,6 +109,33 @@ fn expert_parallel_moe_gpt_equals_one_process() {
     }
 }
 
+/// MoE layers in every stage of every schedule that trains as one process: the auxiliary
+/// losses enter the backward pass where their layer's stage runs it (a 4-layer model, each of
+/// the 2 pipeline ranks holding two stages under the interleaved and ZB-V schedules).
+#[test]
+fn moe_layers_train_in_every_pipeline_schedule() {
+    // Seed 12 keeps a router margin in this shape (seed 7 leaves 1.5e-7).
+    let shape = [
+        "--set",
+        "model.layers=4",
+        "--set",
+        "model.seq_len=16",
+        "--set",
+        "train.seed=12",
+    ];
+    let single = out_dir("moe-pp-single");
+    run_pp(0, &single, &[&MOE[..], &shape].concat()).assert_success();
+    for schedule in ["zb-h1", "interleaved", "zb-v", "gpipe"] {
+        let set = format!("parallel.schedule={schedule}");
+        let mut extra = vec!["--dp", "2", "--ep", "2", "--pp", "2", "--set", &set];
+        if schedule == "interleaved" {
+            extra.extend(["--set", "parallel.virtual_stages=2"]);
+        }
+        let name = format!("moe-ep2-pp2-{schedule}");
+        assert_moe_equals(&single, 4, &name, &[&shape[..], &extra].concat());
+    }
+}
+
 /// Under a capacity factor of 1 some assignments are dropped, the same ones (by global token
 /// index) under expert, tensor and sequence parallelism as in one process.
 #[test]
