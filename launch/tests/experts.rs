@@ -242,6 +242,46 @@ fn balancing_biases_equal_one_process_and_resume() {
     }
 }
 
+/// Dropless routing that sends a rank more rows than the stated bound stops the whole job with
+/// the layer and the counts: an untrained 8-expert model at ep = 4 sends one rank 2.2 times
+/// its mean share, past `model.moe.max_load = 2`.
+#[test]
+fn routing_past_the_stated_bound_stops_the_run() {
+    let out = out_dir("moe-bound");
+    let shape = [
+        "--set",
+        "model.vocab_size=8192",
+        "--set",
+        "model.layers=4",
+        "--set",
+        "model.hidden=256",
+        "--set",
+        "model.seq_len=128",
+        "--set",
+        "model.moe.experts=8",
+        "--set",
+        "model.moe.top_k=2",
+        "--set",
+        "model.moe.expert_hidden=64",
+        "--set",
+        "model.moe.max_load=2",
+        "--dp",
+        "4",
+        "--ep",
+        "4",
+    ];
+    let run = run_pp(4, &out, &shape);
+    assert_ne!(run.code, Some(0), "{run:?}");
+    assert!(!run.timed_out, "the job hung");
+    let wants = "more than the stated bound model.moe.max_load = 2 x the mean of";
+    assert!(run.stderr.contains(wants), "{}", run.stderr);
+    assert!(
+        run.stderr.contains("this expert-parallel rank received"),
+        "{}",
+        run.stderr
+    );
+}
+
 #[test]
 fn bad_expert_settings_fail_before_training() {
     let moe = &MOE[..];

@@ -25,10 +25,11 @@
 //!
 //! A mixture of experts counts each rank's `E / ep` routed experts per MoE block (whole under
 //! tensor parallelism, their states sharded over the `dp x cp / ep` ranks that hold them) and
-//! the activations of the tokens they receive at the stated bound
-//! [`EXPERT_LOAD_BOUND`](crate::planner::EXPERT_LOAD_BOUND) (`ep > 1`): an expert's capacity
-//! is `tokens x top_k / experts x EXPERT_LOAD_BOUND`, beyond which the runtime stops with an
-//! error instead of running out of memory.
+//! the activations of the rows they receive at the stated bound
+//! [`MoeShape::max_load`](crate::planner::MoeShape::max_load) (`ep > 1`; default
+//! [`EXPERT_LOAD_BOUND`](crate::planner::EXPERT_LOAD_BOUND)): a rank receives at most that
+//! many times its mean share, beyond which the runtime stops with an error instead of running
+//! out of memory.
 
 use std::fmt;
 
@@ -212,7 +213,7 @@ pub fn estimate(
     let hw = HardwareSpec::preset("local-cpu")?.with_devices(layout.gpus());
     let proxy = ModelProxy::from_shape(*model);
     let p = CostModel::new(&proxy, &hw)
-        .with_expert_load(EXPERT_LOAD_BOUND)
+        .with_expert_load(max_load(model))
         .predict(&layout)
         .ok()?;
     // The cost model counts activations of 16-bit training.
@@ -287,7 +288,7 @@ pub fn estimate_shape(
     let experts = sum(&|u| u.params_expert as f64 / ep as f64);
     let kept = |u: &UnitProfile, mode| {
         u.activation_bytes(b, split, mode, true)
-            + u.expert_activation_bytes(b, split, mode, EXPERT_LOAD_BOUND)
+            + u.expert_activation_bytes(b, split, mode, max_load(model))
     };
     // ZeRO-3 recomputes every unit.
     let mode = match plan.zero {
@@ -327,6 +328,12 @@ pub fn estimate_shape(
         activations: activations.max(0.0),
         runtime: runtime + if host { bookkeeping_bytes(model) } else { 0.0 },
     }
+}
+
+/// The stated bound on the rows an expert-parallel rank receives over its mean
+/// ([`MoeShape::max_load`](crate::planner::MoeShape::max_load)).
+fn max_load(model: &TransformerShape) -> f64 {
+    model.moe.map_or(EXPERT_LOAD_BOUND, |m| m.max_load) as f64
 }
 
 /// Of the recomputation modes `plan` may give a stage, the one that keeps the fewest

@@ -1,8 +1,6 @@
 //! The settings of a mixture-of-experts feed-forward block (`[model.moe]`).
 
 use serde::{Deserialize, Serialize};
-
-use crate::planner::EXPERT_LOAD_BOUND;
 use thiserror::Error;
 
 /// The experts' feed-forward network.
@@ -68,6 +66,13 @@ pub struct MoeConfig {
     /// checkpoints with the parameters (0: off).
     #[serde(default)]
     pub bias_update_rate: f64,
+    /// The stated bound on the token rows an expert-parallel rank receives in a micro-batch,
+    /// in multiples of the mean (the `tokens × top_k` rows each rank sends): the memory check
+    /// counts the experts' activations at it, and a dropless run whose routing exceeds it
+    /// stops naming the layer and the counts. Only `ep > 1` has a bound (at ep = 1 a rank
+    /// computes its own rows however they are routed).
+    #[serde(default = "default_max_load")]
+    pub max_load: usize,
     /// A mixture of experts in every `every`-th block (blocks `every - 1`, `2 every - 1`,
     /// ...; the others keep their dense MLP); 1: every block.
     #[serde(default = "one")]
@@ -76,6 +81,10 @@ pub struct MoeConfig {
 
 fn one() -> usize {
     1
+}
+
+fn default_max_load() -> usize {
+    crate::planner::EXPERT_LOAD_BOUND
 }
 
 fn yes() -> bool {
@@ -140,6 +149,7 @@ impl MoeConfig {
             z_loss: 0.0,
             capacity_factor: None,
             bias_update_rate: 0.0,
+            max_load: default_max_load(),
             every: 1,
         }
     }
@@ -156,6 +166,7 @@ impl MoeConfig {
             ("top_k", self.top_k),
             ("expert_hidden", self.expert_hidden),
             ("every", self.every),
+            ("max_load", self.max_load),
         ] {
             if v == 0 {
                 return Err(MoeConfigError::Zero(key));
@@ -192,13 +203,13 @@ impl MoeConfig {
         Ok(())
     }
 
-    /// The most tokens one expert may take of `tokens` routed tokens: the capacity under a
-    /// capacity factor, otherwise the stated bound the memory check counts
-    /// ([`EXPERT_LOAD_BOUND`] times the mean `tokens × top_k / experts`, beyond which a
-    /// dropless run stops); never more than `tokens`.
+    /// The most tokens one expert may take of `tokens` routed tokens under the capacity factor
+    /// (`ceil(factor × tokens × top_k / experts)`, never more than `tokens`); dropless: all.
     pub fn expert_limit(&self, tokens: usize) -> usize {
         let mean = tokens as f64 * self.top_k as f64 / self.experts as f64;
-        let factor = self.capacity_factor.unwrap_or(EXPERT_LOAD_BOUND);
+        let Some(factor) = self.capacity_factor else {
+            return tokens;
+        };
         ((factor * mean).ceil() as usize).min(tokens)
     }
 }
@@ -228,15 +239,14 @@ mod tests {
         );
         assert!(c.renormalize && c.aux_loss == 0.01 && c.z_loss == 0.0);
         assert_eq!(c.validate(), Ok(()));
-        // 10 tokens at top-2 of 4: a mean of 5 per expert, bounded at 2x (10); 40 of 64
-        // experts: a mean of 1.25, bounded at 3.
-        assert_eq!(c.expert_limit(10), 10);
-        assert_eq!(MoeConfig::new(64, 2, 8).expert_limit(40), 3);
-        let c = MoeConfig {
+        assert_eq!(c.expert_limit(10), 10, "dropless");
+        // 10 tokens at top-2 of 4: a mean of 5 per expert; 40 at top-2 of 64: 1.25, so 2.
+        let capacity = |c: MoeConfig| MoeConfig {
             capacity_factor: Some(1.0),
-            ..cfg()
+            ..c
         };
-        assert_eq!(c.expert_limit(10), 5);
+        assert_eq!(capacity(cfg()).expert_limit(10), 5);
+        assert_eq!(capacity(MoeConfig::new(64, 2, 8)).expert_limit(40), 2);
     }
 
     #[test]

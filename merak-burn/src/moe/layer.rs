@@ -165,7 +165,7 @@ impl<B: ParallelBackend> MoeLayer<B> {
         let local_loads = loads(&choice, e);
         let group_loads = self.routing_sum(local_loads.iter().map(|&v| v as f32).collect());
         let group_tokens = t * self.routing_size();
-        let kept = self.kept(&choice, b, n, group_tokens, &group_loads);
+        let kept = self.kept(&choice, b, n, group_tokens);
         let dropped = kept.iter().filter(|&&k| !k).count();
         let device = xf.device();
         let choice_t = ints(choice.iter().map(|&c| c as i64).collect(), [t, k], &device);
@@ -230,33 +230,14 @@ impl<B: ParallelBackend> MoeLayer<B> {
         self.place.routing_groups().map(|g| g.size()).product()
     }
 
-    /// Which assignments are computed: all of them (dropless, within the stated bound), or
-    /// those the capacity keeps in global token order.
-    fn kept(
-        &self,
-        choice: &[usize],
-        batch: usize,
-        n: usize,
-        group_tokens: usize,
-        group_loads: &[f32],
-    ) -> Vec<bool> {
-        let limit = self.cfg.expert_limit(group_tokens);
+    /// Which assignments are computed: all of them (dropless), or those the capacity keeps in
+    /// global token order.
+    fn kept(&self, choice: &[usize], batch: usize, n: usize, group_tokens: usize) -> Vec<bool> {
         let k = self.cfg.top_k;
-        if self.cfg.capacity_factor.is_none() {
-            if let Some((e, &load)) =
-                (group_loads.iter().enumerate()).find(|(_, l)| **l as usize > limit)
-            {
-                fatal(format!(
-                    "layer {}: expert {e} was routed {load} of the {group_tokens} tokens' \
-                     assignments of a micro-batch, more than the stated bound of {} x their mean \
-                     ({limit}) that the memory check counts; set model.moe.capacity_factor to \
-                     drop what exceeds an expert's capacity instead",
-                    self.place.layer,
-                    crate::planner::EXPERT_LOAD_BOUND
-                ));
-            }
+        let Some(_) = self.cfg.capacity_factor else {
             return vec![true; choice.len()];
-        }
+        };
+        let limit = self.cfg.expert_limit(group_tokens);
         // Each token with its global index, gathered over the routing group.
         let mut mine = Vec::with_capacity(batch * n * (1 + k));
         for (tok, chosen) in choice.chunks_exact(k).enumerate() {
@@ -296,6 +277,7 @@ impl<B: ParallelBackend> MoeLayer<B> {
         let d = Dispatch::new(choice, kept, self.cfg.top_k, self.cfg.experts);
         let local = self.cfg.experts / ep.size();
         let arrivals = self.arrivals(&d, local);
+        self.check_load(&arrivals, t);
         let counts = arrivals.counts(d.send_counts(ep.size()));
         let rows = d.tokens.len();
         let tokens = ints(d.tokens.clone(), [rows], &device);
@@ -334,6 +316,21 @@ impl<B: ParallelBackend> MoeLayer<B> {
         let weighted = returned * g.reshape([rows, 1]);
         let zeros = Tensor::<B, 2>::zeros([t, h], &device).cast(weighted.dtype());
         zeros.select_assign(0, tokens, weighted, IndexingUpdateOp::Add)
+    }
+
+    /// Under dropless expert parallelism, stops when this rank receives more rows than the
+    /// stated bound the memory check counts: `max_load` times the mean, which is
+    /// the `tokens × top_k` rows every rank sends (at ep = 1 a rank computes its own rows, however
+    /// they are routed).
+    fn check_load(&self, arrivals: &Arrivals, tokens: usize) {
+        if self.place.ep.size() == 1 || self.cfg.capacity_factor.is_some() {
+            return;
+        }
+        let received = arrivals.per_expert();
+        let mean = tokens * self.cfg.top_k;
+        if let Err(e) = within_bound(self.place.layer, &received, mean, self.cfg.max_load) {
+            fatal(e);
+        }
     }
 
     /// The rows each local expert receives from each rank (the counts are exchanged first).
@@ -387,6 +384,29 @@ impl<B: ParallelBackend> MoeLayer<B> {
         }
         aux
     }
+}
+
+/// Whether the rows an expert-parallel rank `received` for its experts in layer `layer` stay
+/// within the stated bound: `bound` (`model.moe.max_load`) times `mean`, the rows every rank
+/// sends; otherwise the message that stops the run.
+pub fn within_bound(
+    layer: usize,
+    received: &[usize],
+    mean: usize,
+    bound: usize,
+) -> Result<(), String> {
+    let total: usize = received.iter().sum();
+    let limit = bound * mean;
+    if total <= limit {
+        return Ok(());
+    }
+    Err(format!(
+        "layer {layer}: this expert-parallel rank received {total} token rows for its experts \
+         ({received:?}) in a micro-batch, more than the stated bound model.moe.max_load = \
+         {bound} x the mean of {mean} that the memory check counts; raise it (the memory check \
+         counts the raised bound), set model.moe.capacity_factor to drop what exceeds an \
+         expert's capacity, or lower parallel.ep"
+    ))
 }
 
 /// A tensor's values on the host, as f32.

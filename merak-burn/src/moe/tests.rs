@@ -180,15 +180,17 @@ fn balancing_moves_the_biases_towards_the_mean_load() {
     assert_eq!(route(&m)[0], 10);
 }
 
-/// Dropless routing past the stated bound (every token to one of 8 experts: 4 times the
-/// bound's 2 x the mean) stops, naming the layer and the counts.
+/// A rank that receives more than twice the mean rows (every rank sends 20 at top-2 of 10
+/// tokens) stops the run, naming the layer and the counts.
 #[test]
-#[should_panic(expected = "layer 0: expert 0 was routed 10 of the 10 tokens' assignments")]
 fn routing_past_the_stated_bound_stops_naming_the_counts() {
-    let mut c = cfg("bias_update_rate = 1.0");
-    c.experts = 8;
-    c.top_k = 1;
-    let mut m = layer::<Cpu>(&c);
-    m.balance(&[0, 1, 1, 1, 1, 1, 1, 1]);
-    let _ = m.forward(input());
+    assert_eq!(layer::within_bound(3, &[30, 10], 20, 2), Ok(()));
+    let e = layer::within_bound(3, &[35, 6], 20, 2).unwrap_err();
+    assert!(
+        e.starts_with(
+            "layer 3: this expert-parallel rank received 41 token rows for its experts ([35, 6])"
+        ),
+        "{e}"
+    );
+    assert!(e.contains("model.moe.max_load = 2 x the mean of 20"), "{e}");
 }

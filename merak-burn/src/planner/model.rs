@@ -829,6 +829,7 @@ impl FromStr for TransformerShape {
             shared_experts: optional(8, 0),
             swiglu: swiglu == 1,
             every: optional(10, 1),
+            max_load: super::EXPERT_LOAD_BOUND,
         };
         let shape = shape.with_moe(moe);
         shape.validate()?;

@@ -131,6 +131,7 @@ impl GptConfig {
                     false => ExpertActivation::Gelu,
                 },
                 every: m.every,
+                max_load: m.max_load,
                 ..MoeConfig::new(m.experts, m.top_k, m.expert_hidden)
             }),
         }
@@ -213,6 +214,7 @@ impl GptConfig {
                 shared_experts: m.shared_experts,
                 swiglu: m.activation == ExpertActivation::Swiglu,
                 every: m.every,
+                max_load: m.max_load,
             }),
             None => dense,
         }

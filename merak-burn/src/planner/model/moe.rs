@@ -31,13 +31,13 @@ use super::{BYTES_16BIT, ModelSpecError, UnitProfile};
 /// measurement.
 pub const EXPERT_IMBALANCE: f64 = 1.2;
 
-/// The stated bound on the tokens one expert receives, over the mean, that the admission check
-/// counts activations for (`ep > 1`): an expert's capacity is
-/// `tokens × top_k / experts × EXPERT_LOAD_BOUND`, `tokens` those of the `ep` ranks of its
-/// group, so a rank receives at most `EXPERT_LOAD_BOUND` times its mean share. Dropless
-/// routing has no bound of its own (its worst case is every token of the group choosing the
-/// same expert); the runtime stops with an error when routing exceeds this one.
-pub const EXPERT_LOAD_BOUND: f64 = 2.0;
+/// The default stated bound on the token rows an expert-parallel rank receives, over its mean
+/// share (the `tokens × top_k` rows every rank sends), that the admission check counts
+/// activations for (`ep > 1`; [`MoeShape::max_load`], `model.moe.max_load`). Dropless routing
+/// has no bound of its own (its worst case is every token of the group choosing this rank's
+/// experts, `min(ep, experts / top_k)` times the mean); the runtime stops with an error naming
+/// the layer and the counts when routing exceeds the bound.
+pub const EXPERT_LOAD_BOUND: usize = 4;
 
 /// The mixture-of-experts part of a [`TransformerShape`](super::TransformerShape).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -57,6 +57,14 @@ pub struct MoeShape {
     /// A MoE layer every `every` layers (layers `every - 1`, `2 every - 1`, ...; 1: all).
     #[serde(default = "crate::planner::one")]
     pub every: usize,
+    /// The stated bound on the rows an expert-parallel rank receives, in multiples of its mean
+    /// share ([`EXPERT_LOAD_BOUND`] unless set).
+    #[serde(default = "default_max_load")]
+    pub max_load: usize,
+}
+
+fn default_max_load() -> usize {
+    EXPERT_LOAD_BOUND
 }
 
 impl MoeShape {
@@ -70,6 +78,7 @@ impl MoeShape {
             shared_experts: 0,
             swiglu: false,
             every: 1,
+            max_load: EXPERT_LOAD_BOUND,
         }
     }
 
