@@ -27,7 +27,7 @@
 //! tensor parallelism, their states sharded over the `dp x cp / ep` ranks that hold them) and
 //! the activations of the rows they receive at the stated bound
 //! [`MoeShape::max_load`](crate::planner::MoeShape::max_load) (`ep > 1`; default
-//! [`EXPERT_LOAD_BOUND`](crate::planner::EXPERT_LOAD_BOUND)): a rank receives at most that
+//! [`crate::planner::EXPERT_LOAD_BOUND`]): a rank receives at most that
 //! many times its mean share, beyond which the runtime stops with an error instead of running
 //! out of memory.
 

@@ -13,6 +13,9 @@
 //! - [`tensor_parallel`]: the f/g autodiff operators and the tensor-parallel layers.
 //! - [`context_parallel`]: sequences cut across ranks (zigzag shards) and ring attention over
 //!   them, forward and backward.
+//! - [`moe`]: mixture-of-experts blocks (top-k routing, auxiliary losses, capacity) and
+//!   expert parallelism (experts split over data-parallel ranks, tokens exchanged by
+//!   all-to-all).
 //! - [`train`]: global gradient norm and clipping, weight-decay groups, schedule, metrics.
 //! - [`pipeline`]: stages, schedules as data (validated, simulated, executed), recomputation.
 //! - [`parallelize`]: a Burn user's own model made parallel by describing it: which linear

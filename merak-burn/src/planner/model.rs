@@ -24,7 +24,7 @@
 //! leaves whole (`34/t`), context parallelism every term (`1/cp`: each rank holds `s/cp`
 //! tokens, its attention blockwise); see [`RankSplit`].
 //!
-//! A shape with a [`MoeShape`] has mixture-of-experts blocks (see [`moe`]): their routed
+//! A shape with a [`MoeShape`] has mixture-of-experts blocks (see [`MoeShape`]): their routed
 //! experts are split by expert parallelism (`RankSplit::ep`), not by tensor parallelism.
 
 mod moe;

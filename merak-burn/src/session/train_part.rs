@@ -88,9 +88,13 @@ where
         log_resumed(checkpoint);
     }
     let l = &grid.layout;
+    let ep = match grid.ep.size() {
+        1 => String::new(),
+        n => format!(" ep={n}"),
+    };
     tracing::info!(
         params,
-        layout = %format!("dp={} cp={} tp={} pp={}{sp}", l.dp, l.cp, l.tp, l.pp),
+        layout = %format!("dp={} cp={} tp={} pp={}{sp}{ep}", l.dp, l.cp, l.tp, l.pp),
         "model ready in {:.2}s",
         t0.elapsed().as_secs_f64()
     );
