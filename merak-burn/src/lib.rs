@@ -13,6 +13,8 @@
 //! - [`tensor_parallel`]: the f/g autodiff operators and the tensor-parallel layers.
 //! - [`context_parallel`]: sequences cut across ranks (zigzag shards) and ring attention over
 //!   them, forward and backward.
+//! - [`expert_ops`]: expert parallelism's autodiff operations (the token exchange, the
+//!   auxiliary losses' injection), below the layers.
 //! - [`moe`]: mixture-of-experts blocks (top-k routing, auxiliary losses, capacity) and
 //!   expert parallelism (experts split over data-parallel ranks, tokens exchanged by
 //!   all-to-all).
@@ -44,6 +46,7 @@ pub mod context_parallel;
 pub mod data;
 pub mod data_parallel;
 pub mod device;
+pub mod expert_ops;
 pub mod grid;
 pub mod hf_files;
 pub mod kernels;

@@ -1,7 +1,7 @@
 //! The host-side bookkeeping of expert parallelism: which rows leave for which rank, and how
 //! the rows that arrive are grouped by local expert and put back.
 
-use super::exchange::ExchangeCounts;
+use crate::expert_ops::ExchangeCounts;
 
 /// The assignments of one micro-batch that leave this rank, sorted by expert (so by the rank
 /// that holds it), then by token.

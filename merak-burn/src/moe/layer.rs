@@ -6,13 +6,12 @@ use burn::tensor::IndexingUpdateOp;
 use burn::tensor::activation::{sigmoid, softmax};
 use burn::tensor::{Int, Tensor, TensorData, backend::Backend};
 
-use super::aux::{RoutingRecord, with_aux_loss};
 use super::config::{MoeConfig, RouterScore};
 use super::dispatch::{Arrivals, Dispatch, inverse};
-use super::exchange::exchange;
 use super::expert::{Expert, ExpertInit};
 use super::routing::{capacity_keeps, loads, min_margin, top_k};
 use crate::comm::{Group, ReduceOp};
+use crate::expert_ops::{RoutingRecord, exchange, with_aux_loss};
 use crate::precision::{like_dtype, to_f32};
 use crate::tensor_parallel::{ParallelBackend, param_from_values, sp_param};
 
@@ -348,7 +347,7 @@ impl<B: ParallelBackend> MoeLayer<B> {
         let t0 = std::time::Instant::now();
         comm.all_to_all(&send, &mut recv)
             .unwrap_or_else(|e| fatal(e));
-        super::exchange::count_seconds(t0.elapsed().as_secs_f64());
+        crate::expert_ops::exchange::count_seconds(t0.elapsed().as_secs_f64());
         Arrivals {
             matrix: recv.iter().map(|&v| v as usize).collect(),
             local,

@@ -11,12 +11,12 @@
 //! load-balancing loss, the z-loss and the capacities (the loads are all-reduced over those
 //! groups; the capacity's drop order is all-gathered), so results do not depend on the layout.
 //! Each rank adds its part of the auxiliary losses to the backward pass at the layer
-//! ([`aux`]), weighted by the micro-batch's share of the step.
+//! ([`crate::expert_ops::aux`]), weighted by the micro-batch's share of the step.
 //!
 //! **Expert parallelism** (`parallel.ep`) is folded into data parallelism: of the `dp × cp`
 //! ranks that hold a stage's dense parameters, each group of `ep` consecutive ranks splits the
 //! experts (`E / ep` each). A layer sends each kept assignment's row to the rank of its expert
-//! ([`exchange`]: an all-to-all with counts, exchanged first), computes its local experts one
+//! ([`crate::expert_ops::exchange()`]: an all-to-all with counts, exchanged first), computes its local experts one
 //! matrix product loop each, and sends the results back; the backward pass runs both exchanges
 //! in reverse. An expert's gradient is summed over the ranks holding the same expert (the
 //! data-parallel reducer's expert group: every TP rank, and the `dp × cp / ep` expert-parallel
@@ -26,17 +26,17 @@
 //! experts whole and routes its own sequence slice (sequence parallelism is required at
 //! tp > 1).
 
-pub mod aux;
 pub mod config;
 pub mod dispatch;
-pub mod exchange;
 pub mod expert;
 pub mod layer;
 pub mod routing;
 
-pub use aux::{RoutingRecord, aux_scale, set_aux_scale, take_records, with_aux_loss};
+pub use crate::expert_ops::{
+    ExchangeCounts, RoutingRecord, aux_scale, exchange_rows, set_aux_scale, take_exchange_seconds,
+    take_records, with_aux_loss,
+};
 pub use config::{ExpertActivation, MoeConfig, MoeConfigError, RouterScore};
-pub use exchange::{ExchangeCounts, exchange_rows, take_exchange_seconds};
 pub use expert::{Expert, ExpertInit};
 pub use layer::{MoeLayer, MoePlace};
 

@@ -10,9 +10,13 @@ use crate::comm::Group;
 ///
 /// Implemented for `Flex` (the CPU backend, [`crate::backend::Cpu`]), `Cuda<f32>` (feature `cuda`) and `Autodiff` of any of them.
 /// Another backend gets it with [`impl_parallel_backend!`](crate::impl_parallel_backend) and
-/// `impl ContextParallelBackend for MyBackend {}` (context parallelism's ring attention).
+/// `impl ContextParallelBackend for MyBackend {}` (context parallelism's ring attention) and
+/// `impl ExpertBackend for MyBackend {}` (expert parallelism's exchange).
 pub trait ParallelBackend:
-    Backend + crate::kernels::FusedOps + crate::context_parallel::ContextParallelBackend
+    Backend
+    + crate::kernels::FusedOps
+    + crate::context_parallel::ContextParallelBackend
+    + crate::expert_ops::ExpertBackend
 {
     /// *f*: identity forward, all-reduce of the gradient backward.
     fn tp_copy(x: FloatTensor<Self>, group: Group) -> FloatTensor<Self>;
@@ -65,21 +69,6 @@ pub trait ParallelBackend:
         w: FloatTensor<Self>,
         chunks: usize,
         group: Group,
-    ) -> FloatTensor<Self>;
-    /// Expert parallelism's exchange of `[rows, width]` rows with the ranks of `group` in
-    /// blocks of `counts` ([`crate::moe::exchange`]); backward, the reverse exchange.
-    fn ep_exchange(
-        x: FloatTensor<Self>,
-        counts: &crate::moe::ExchangeCounts,
-        group: Group,
-    ) -> FloatTensor<Self>;
-    /// Identity on `y` forward; backward, `y`'s gradient passes and the one-value `aux` gets
-    /// the gradient [`crate::moe::aux_scale`], and `record` is kept for the step's metrics
-    /// ([`crate::moe::with_aux_loss`]). A plain backend returns `y`.
-    fn moe_aux(
-        y: FloatTensor<Self>,
-        aux: FloatTensor<Self>,
-        record: crate::moe::RoutingRecord,
     ) -> FloatTensor<Self>;
     /// Identity forward; backward, hands the gradient to the sink installed with
     /// [`set_grad_sink`](super::ops::set_grad_sink) (the data-parallel reducer's) as gradient `hook`, as soon as it is

@@ -249,20 +249,6 @@ macro_rules! impl_parallel_backend {
             ) -> burn::tensor::ops::FloatTensor<Self> {
                 x
             }
-            fn ep_exchange(
-                x: burn::tensor::ops::FloatTensor<Self>,
-                counts: &$crate::moe::ExchangeCounts,
-                group: $crate::comm::Group,
-            ) -> burn::tensor::ops::FloatTensor<Self> {
-                $crate::moe::exchange_rows::<Self>(x, counts, group)
-            }
-            fn moe_aux(
-                y: burn::tensor::ops::FloatTensor<Self>,
-                _aux: burn::tensor::ops::FloatTensor<Self>,
-                _record: $crate::moe::RoutingRecord,
-            ) -> burn::tensor::ops::FloatTensor<Self> {
-                y
-            }
         }
     };
 }
@@ -515,22 +501,6 @@ impl<B: ParallelBackend, C: CheckpointStrategy> ParallelBackend for Autodiff<B, 
         linear_node::<B, C, _>(SpColumnLinearBackward, x, w, state, |x, w| {
             B::sp_column_linear(x, w, chunks, group)
         })
-    }
-
-    fn ep_exchange(
-        x: FloatTensor<Self>,
-        counts: &crate::moe::ExchangeCounts,
-        group: Group,
-    ) -> FloatTensor<Self> {
-        crate::moe::exchange::autodiff_exchange::<B, C>(x, counts, group)
-    }
-
-    fn moe_aux(
-        y: FloatTensor<Self>,
-        aux: FloatTensor<Self>,
-        record: crate::moe::RoutingRecord,
-    ) -> FloatTensor<Self> {
-        crate::moe::aux::autodiff_aux::<B, C>(y, aux, record)
     }
 
     fn grad_hook(x: FloatTensor<Self>, hook: usize) -> FloatTensor<Self> {

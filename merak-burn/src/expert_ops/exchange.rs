@@ -12,8 +12,8 @@ use burn_autodiff::{
     ops::{Backward, Ops, OpsKind, unary},
 };
 
+use super::ExpertBackend;
 use crate::comm::Group;
-use crate::tensor_parallel::ParallelBackend;
 
 /// The rows one exchange sends to, and receives from, each rank of the group (rank order).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -95,7 +95,7 @@ pub fn exchange_rows<B: Backend>(
 #[derive(Debug)]
 struct ExchangeBackward;
 
-impl<B: ParallelBackend> Backward<B, 1> for ExchangeBackward {
+impl<B: ExpertBackend> Backward<B, 1> for ExchangeBackward {
     type State = (ExchangeCounts, Group);
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _c: &mut Checkpointer) {
@@ -106,9 +106,9 @@ impl<B: ParallelBackend> Backward<B, 1> for ExchangeBackward {
     }
 }
 
-/// [`ParallelBackend::ep_exchange`] on `Autodiff<B>`: the exchange, and in the backward pass
+/// [`ExpertBackend::ep_exchange`] on `Autodiff<B>`: the exchange, and in the backward pass
 /// the reverse exchange of the gradient.
-pub(crate) fn autodiff_exchange<B: ParallelBackend, C: CheckpointStrategy>(
+pub(crate) fn autodiff_exchange<B: ExpertBackend, C: CheckpointStrategy>(
     x: FloatTensor<Autodiff<B, C>>,
     counts: &ExchangeCounts,
     group: Group,
@@ -128,7 +128,7 @@ pub(crate) fn autodiff_exchange<B: ParallelBackend, C: CheckpointStrategy>(
 /// order) to their ranks; returns the rows received (`[counts.received(), width]`, in blocks of
 /// `counts.recv`). Differentiable: the gradient goes back by the reverse exchange. A group of
 /// one rank returns `x`.
-pub fn exchange<B: ParallelBackend>(
+pub fn exchange<B: ExpertBackend>(
     x: Tensor<B, 2>,
     counts: &ExchangeCounts,
     group: Group,

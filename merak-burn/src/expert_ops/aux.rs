@@ -16,7 +16,7 @@ use burn_autodiff::{
     ops::{Backward, Ops, OpsKind, binary},
 };
 
-use crate::tensor_parallel::ParallelBackend;
+use super::ExpertBackend;
 
 /// What one MoE layer's routing of one micro-batch did on this rank, recorded when its
 /// backward pass runs.
@@ -32,7 +32,7 @@ pub struct RoutingRecord {
     /// Assignments dropped by the capacity.
     pub dropped: usize,
     /// The smallest gap between a token's `k`-th and `k + 1`-th router score
-    /// ([`min_margin`](super::routing::min_margin)).
+    /// ([`crate::moe::routing::min_margin`]).
     pub margin: f32,
 }
 
@@ -65,7 +65,7 @@ fn record(r: RoutingRecord) {
 #[derive(Debug)]
 struct AuxBackward;
 
-impl<B: ParallelBackend> Backward<B, 2> for AuxBackward {
+impl<B: ExpertBackend> Backward<B, 2> for AuxBackward {
     type State = (f32, RoutingRecord);
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _c: &mut Checkpointer) {
@@ -87,8 +87,8 @@ impl<B: ParallelBackend> Backward<B, 2> for AuxBackward {
     }
 }
 
-/// [`ParallelBackend::moe_aux`] on `Autodiff<B>`.
-pub(crate) fn autodiff_aux<B: ParallelBackend, C: CheckpointStrategy>(
+/// [`ExpertBackend::moe_aux`] on `Autodiff<B>`.
+pub(crate) fn autodiff_aux<B: ExpertBackend, C: CheckpointStrategy>(
     y: FloatTensor<Autodiff<B, C>>,
     aux: FloatTensor<Autodiff<B, C>>,
     record: RoutingRecord,
@@ -111,7 +111,7 @@ pub(crate) fn autodiff_aux<B: ParallelBackend, C: CheckpointStrategy>(
 /// `y`, with `aux` (a one-value tensor, this rank's part of the layer's auxiliary loss)
 /// trained at weight [`aux_scale`] and `record` kept for the metrics, both when the backward
 /// pass reaches `y`. Outside autodiff: `y`.
-pub fn with_aux_loss<B: ParallelBackend>(
+pub fn with_aux_loss<B: ExpertBackend>(
     y: Tensor<B, 3>,
     aux: Tensor<B, 1>,
     record: RoutingRecord,
