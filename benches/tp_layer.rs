@@ -213,7 +213,8 @@ fn build_block(
             device,
         )?,
         ln_2: LayerNorm::new(h, 1e-5, device),
-        mlp: ParallelMlp::from_full(mlp, h, 4 * h, group, device)?,
+        mlp: Some(ParallelMlp::from_full(mlp, h, 4 * h, group, device)?),
+        moe: None,
         dropout: ReplicatedDropout::new(0.0, args.seed),
     })
 }
@@ -306,7 +307,9 @@ fn variants(
         for ((group, comm), how) in groups {
             let mut block = build_block(args, &attn, &mlp, *group, device)?;
             block.attn.set_overlap(overlap);
-            block.mlp.set_overlap(overlap);
+            if let Some(mlp) = &mut block.mlp {
+                mlp.set_overlap(overlap);
+            }
             out.push(Variant {
                 name: format!("tp={} overlap k={k}{how}", group.size()),
                 overlap: k,
