@@ -92,6 +92,14 @@ struct Args {
     /// `fully_shard` without and with resharding after forward).
     #[arg(long, value_delimiter = ',', default_value = "0")]
     zero: Vec<u8>,
+    /// Peak learning rate of both sides (merak's default). At this rate the MoE shapes' routers
+    /// collapse within about ten steps (one or two experts take every token of a layer);
+    /// `--lr 1e-4 --min-lr 1e-5` keeps their routing near its initial balance.
+    #[arg(long, default_value_t = 3e-3)]
+    lr: f64,
+    /// Final learning rate of the cosine decay (merak's default).
+    #[arg(long, default_value_t = 3e-4)]
+    min_lr: f64,
     /// Folder for the runs' outputs.
     #[arg(long, default_value = "target/bench-vs-pytorch")]
     out: PathBuf,
@@ -171,9 +179,7 @@ const SHAPES: [Shape; 4] = [
     },
 ];
 
-/// The training hyperparameters both sides use (merak's defaults).
-const LR: &str = "3e-3";
-const MIN_LR: &str = "3e-4";
+/// The warm-up steps both sides use (merak's default).
 const WARMUP: &str = "10";
 
 /// What one run measured.
@@ -193,6 +199,9 @@ struct RunResult {
     exchange_share: Option<f64>,
     /// Each rank's parameters, MiB (merak: `memory.json`; PyTorch: the same on every rank).
     rank_param_mib: Vec<f64>,
+    /// The median over the timed steps of merak's `expert_max_load` (the most loaded expert
+    /// over the mean, worst layer).
+    max_load: Option<f64>,
 }
 
 /// One side of a comparison.
@@ -224,12 +233,15 @@ impl Variant {
     }
 }
 
+/// The programs a run starts, and the learning rates both sides use.
 struct Tools {
     merak: PathBuf,
     baseline: Option<PathBuf>,
     python: PathBuf,
     script: PathBuf,
     mpirun: bool,
+    lr: String,
+    min_lr: String,
 }
 
 fn main() -> Result<()> {
@@ -354,6 +366,8 @@ fn tools(args: &Args) -> Result<Tools> {
         python,
         script,
         mpirun,
+        lr: args.lr.to_string(),
+        min_lr: args.min_lr.to_string(),
     })
 }
 
@@ -451,8 +465,8 @@ fn run(
                 format!("model.seq_len={}", shape.seq),
                 format!("train.global_batch={}", shape.batch),
                 format!("train.steps={}", shape.steps),
-                format!("train.lr={LR}"),
-                format!("train.min_lr={MIN_LR}"),
+                format!("train.lr={}", tools.lr),
+                format!("train.min_lr={}", tools.min_lr),
                 format!("train.warmup_steps={WARMUP}"),
                 format!("parallel.dp={np}"),
                 format!("parallel.zero={zero}"),
@@ -480,7 +494,14 @@ fn run(
             ] {
                 c.arg(format!("--{k}")).arg(val.to_string());
             }
-            c.args(["--lr", LR, "--min-lr", MIN_LR, "--warmup", WARMUP]);
+            c.args([
+                "--lr",
+                &tools.lr,
+                "--min-lr",
+                &tools.min_lr,
+                "--warmup",
+                WARMUP,
+            ]);
             if let Some(m) = shape.moe {
                 for (k, val) in [
                     ("experts", m.experts),
@@ -548,6 +569,9 @@ fn parse(out: &Path, v: Variant, np: usize, warmup: usize) -> Result<RunResult> 
     let mut shares: Vec<f64> = (steps.iter().skip(warmup))
         .filter_map(|r| Some(field(r, "moe_exchange_s")? / field(r, "step_time_s")?))
         .collect();
+    let mut loads: Vec<f64> = (steps.iter().skip(warmup))
+        .filter_map(|r| field(r, "expert_max_load"))
+        .collect();
     let summary = |k: &str| records.iter().find_map(|r| field(r, k));
     let (peak_rss_mib, state_mib, rank_param_mib) = match v {
         Variant::Torch => (
@@ -577,6 +601,7 @@ fn parse(out: &Path, v: Variant, np: usize, warmup: usize) -> Result<RunResult> 
         aux_losses,
         exchange_share: (!shares.is_empty()).then(|| median(&mut shares)),
         rank_param_mib,
+        max_load: (!loads.is_empty()).then(|| median(&mut loads)),
     })
 }
 
@@ -728,6 +753,16 @@ fn moe_report(
             x.first().copied().unwrap_or(f64::NAN),
             y.first().copied().unwrap_or(f64::NAN),
             largest_difference(x, y, first)
+        );
+    }
+    let mut load: Vec<f64> = (get(Variant::Merak).into_iter().flatten())
+        .filter_map(|r| r.max_load)
+        .collect();
+    if !load.is_empty() {
+        println!(
+            "routing: the most loaded expert over the mean, worst layer, median over timed steps and repetitions: {:.2} (1: balanced; {}: every token to the same experts)",
+            median(&mut load),
+            m.experts / m.top_k
         );
     }
     let (dense, experts) = gpt_params(shape);
