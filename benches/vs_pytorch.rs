@@ -38,7 +38,7 @@
 //! bash scripts/bench-venv.sh          # PyTorch (CPU) in .venv-bench
 //! target/release/bench-vs-pytorch     # --shapes tiny,4layer --procs 1,2 --reps 3 --curve-steps 0
 //! target/release/bench-vs-pytorch --shapes 4layer --procs 1,2,4 --zero 0,2,3
-//! target/release/bench-vs-pytorch --moe    # moe-tiny and moe-4layer, 1 and 2 processes
+//! target/release/bench-vs-pytorch --moe --lr 1e-4 --min-lr 1e-5   # moe-tiny, moe-4layer
 //! ```
 
 #[path = "common.rs"]
@@ -92,9 +92,9 @@ struct Args {
     /// `fully_shard` without and with resharding after forward).
     #[arg(long, value_delimiter = ',', default_value = "0")]
     zero: Vec<u8>,
-    /// Peak learning rate of both sides (merak's default). At this rate the MoE shapes' routers
-    /// collapse within about ten steps (one or two experts take every token of a layer);
-    /// `--lr 1e-4 --min-lr 1e-5` keeps their routing near its initial balance.
+    /// Peak learning rate of both sides (merak's default). At this rate the routers of
+    /// `moe-4layer` collapse within about ten steps (one or two experts take every token of a
+    /// layer); `--lr 1e-4 --min-lr 1e-5` keeps its routing near its initial balance.
     #[arg(long, default_value_t = 3e-3)]
     lr: f64,
     /// Final learning rate of the cosine decay (merak's default).
