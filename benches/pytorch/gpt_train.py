@@ -10,14 +10,23 @@ the same tokens and the first losses agree to float rounding. The step is merak'
 two groups (matrices and embeddings decay, vectors do not), gradient clipping to a global norm,
 linear warm-up then cosine decay, fp32, one compute thread.
 
+With `--moe-experts E` every block's MLP is merak's mixture of experts (`merak_burn::moe`,
+dropless): an f32 router, softmax scores, top-k (ties to the lower expert), renormalized gates,
+GELU or SwiGLU experts and optional shared experts drawn from merak's streams
+(`h.{i}.moe.router`, `h.{i}.moe.experts.{e}.w_in`/`.w_out`, `h.{i}.moe.shared.*`), each
+expert computed in a Python loop over the tokens routed to it, as an eager implementation
+does; the Switch load-balancing and z auxiliary losses of each rank's micro-batch are added to
+its loss (DDP averages them over the ranks, as merak weights each micro-batch's by its share of
+the step), and logged as `aux_loss` (the logged `loss` is the cross-entropy).
+
 One process, or data parallel under `mpirun -np N` (DistributedDataParallel over gloo, or with
 `--fsdp 2|3` PyTorch's `fully_shard` over gloo, each block and the root a unit; each rank its
 slice of the global batch, as `merak train` splits it). Gloo has no native reduce-scatter: torch
 runs it as an all-reduce underneath, so an FSDP run measures gloo as much as FSDP.
 
 Writes one JSON object per step to `--out` (`step`, `loss`, `lr`, `grad_norm`, `step_time_s`,
-`tokens_per_s`, `minor_faults`) and a summary line with the peak resident memory (the largest
-over ranks).
+`tokens_per_s`, `minor_faults`, and `aux_loss` with MoE) and a summary line with the peak
+resident memory (the largest over ranks) and the parameters of one rank (`param_mib`).
 """
 
 import argparse
@@ -101,16 +110,97 @@ def synthetic_batch(seed: int, vocab: int, step: int, first: int, count: int, se
     return a[:, :seq].contiguous(), a[:, 1:].contiguous()
 
 
-class Block(torch.nn.Module):
-    def __init__(self, h: int, heads: int, eps: float, sdpa: bool):
+class Expert(torch.nn.Module):
+    """merak_burn::moe::Expert: GELU `fc2(gelu(fc1 x + b1)) + b2` or SwiGLU
+    `down(silu(gate x) * up x)` (no biases; the input projection's outputs are the gate's, then
+    the up projection's)."""
+
+    def __init__(self, h: int, width: int, activation: str):
         super().__init__()
-        self.heads, self.sdpa = heads, sdpa
-        self.ln_1 = torch.nn.LayerNorm(h, eps=eps)
+        self.swiglu = activation == "swiglu"
+        cols = 2 * width if self.swiglu else width
+        self.w_in = torch.nn.Linear(h, cols, bias=not self.swiglu)
+        self.w_out = torch.nn.Linear(width, h, bias=not self.swiglu)
+
+    def init_like_merak(self, draw, name, h, std, proj_std):
+        self.w_in.weight.copy_(draw(f"{name}.w_in", h, self.w_in.out_features, std).t())
+        self.w_out.weight.copy_(draw(f"{name}.w_out", self.w_out.in_features, h, proj_std).t())
+        for lin in (self.w_in, self.w_out):
+            if lin.bias is not None:
+                lin.bias.zero_()
+
+    def forward(self, x):
+        z = self.w_in(x)
+        if self.swiglu:
+            gate, up = z.chunk(2, dim=1)
+            return self.w_out(F.silu(gate) * up)
+        return self.w_out(F.gelu(z))
+
+
+class Moe(torch.nn.Module):
+    """merak_burn::moe::MoeLayer, dropless: an f32 router `x @ W` `[hidden, E]`, softmax scores,
+    each token's top k (ties to the lower expert), gates renormalized to sum 1; each expert in a
+    Python loop over the tokens routed to it (index_select, its two matmuls, index_add_); shared
+    experts (one network of their summed width) on every token. `self.aux` holds the layer's
+    Switch and z auxiliary losses of the last forward pass over its tokens."""
+
+    def __init__(self, h: int, a):
+        super().__init__()
+        self.experts_n, self.k = a.moe_experts, a.moe_top_k
+        self.aux_w, self.z_w = a.moe_aux_loss, a.moe_z_loss
+        self.renormalize = not a.moe_no_renormalize
+        self.router = torch.nn.Parameter(torch.empty(h, a.moe_experts))
+        self.experts = torch.nn.ModuleList(
+            Expert(h, a.moe_expert_hidden, a.moe_activation) for _ in range(a.moe_experts))
+        self.shared = (Expert(h, a.moe_shared * a.moe_expert_hidden, a.moe_activation)
+                       if a.moe_shared else None)
+        self.aux = None
+
+    def forward(self, x):
+        b, s, h = x.shape
+        xf = x.reshape(b * s, h)
+        logits = xf.float() @ self.router
+        scores = logits.softmax(dim=1)
+        # Stable descending sort: equal scores keep the lower expert first, as merak's top_k.
+        choice = torch.sort(scores.detach(), dim=1, descending=True, stable=True).indices[:, :self.k]
+        gates = scores.gather(1, choice)
+        if self.renormalize:
+            gates = gates / gates.sum(dim=1, keepdim=True)
+        flat, gflat = choice.reshape(-1), gates.reshape(-1, 1).to(x.dtype)
+        out = torch.zeros_like(xf)
+        for e, expert in enumerate(self.experts):
+            slots = (flat == e).nonzero().squeeze(1)
+            tokens = slots // self.k
+            y = expert(xf.index_select(0, tokens)) * gflat.index_select(0, slots)
+            out.index_add_(0, tokens, y)
+        if self.shared is not None:
+            out = out + self.shared(xf)
+        self.aux = self.aux_loss(logits, scores, flat)
+        return out.reshape(b, s, h)
+
+    def aux_loss(self, logits, scores, flat):
+        t, e = scores.shape
+        aux = scores.new_zeros(())
+        if self.aux_w > 0:
+            f = torch.bincount(flat, minlength=e).to(scores.dtype) / (t * self.k)
+            aux = aux + self.aux_w * e * (scores.mean(dim=0) * f).sum()
+        if self.z_w > 0:
+            aux = aux + self.z_w * torch.logsumexp(logits, dim=1).pow(2).mean()
+        return aux
+
+
+class Block(torch.nn.Module):
+    def __init__(self, h: int, heads: int, a):
+        super().__init__()
+        self.heads, self.sdpa = heads, a.attention == "sdpa"
+        self.ln_1 = torch.nn.LayerNorm(h, eps=a.eps)
         self.qkv = torch.nn.Linear(h, 3 * h)
         self.attn_proj = torch.nn.Linear(h, h)
-        self.ln_2 = torch.nn.LayerNorm(h, eps=eps)
-        self.fc = torch.nn.Linear(h, 4 * h)
-        self.mlp_proj = torch.nn.Linear(4 * h, h)
+        self.ln_2 = torch.nn.LayerNorm(h, eps=a.eps)
+        self.moe = Moe(h, a) if a.moe_experts else None
+        if self.moe is None:
+            self.fc = torch.nn.Linear(h, 4 * h)
+            self.mlp_proj = torch.nn.Linear(4 * h, h)
 
     def attention(self, x):
         b, s, h = x.shape
@@ -127,6 +217,8 @@ class Block(torch.nn.Module):
 
     def forward(self, x):
         x = x + self.attention(self.ln_1(x))
+        if self.moe is not None:
+            return x + self.moe(self.ln_2(x))
         return x + self.mlp_proj(F.gelu(self.fc(self.ln_2(x))))
 
 
@@ -137,7 +229,7 @@ class Gpt(torch.nn.Module):
         self.wte = torch.nn.Embedding(a.vocab, h)
         self.wpe = torch.nn.Embedding(a.seq, h)
         self.blocks = torch.nn.ModuleList(
-            Block(h, a.heads, a.eps, a.attention == "sdpa") for _ in range(a.layers)
+            Block(h, a.heads, a) for _ in range(a.layers)
         )
         self.ln_f = torch.nn.LayerNorm(h, eps=a.eps)
         self.init_like_merak(a)
@@ -160,10 +252,20 @@ class Gpt(torch.nn.Module):
         for i, blk in enumerate(self.blocks):
             linear(blk.qkv, f"h.{i}.attn.c_attn.weight", h, 3 * h, std)
             linear(blk.attn_proj, f"h.{i}.attn.c_proj.weight", h, h, proj_std)
-            linear(blk.fc, f"h.{i}.mlp.c_fc.weight", h, 4 * h, std)
-            linear(blk.mlp_proj, f"h.{i}.mlp.c_proj.weight", 4 * h, h, proj_std)
-            for lin in (blk.qkv, blk.attn_proj, blk.fc, blk.mlp_proj):
+            for lin in (blk.qkv, blk.attn_proj):
                 lin.bias.zero_()
+            if blk.moe is None:
+                linear(blk.fc, f"h.{i}.mlp.c_fc.weight", h, 4 * h, std)
+                linear(blk.mlp_proj, f"h.{i}.mlp.c_proj.weight", 4 * h, h, proj_std)
+                blk.fc.bias.zero_()
+                blk.mlp_proj.bias.zero_()
+                continue
+            moe = blk.moe
+            moe.router.copy_(draw(f"h.{i}.moe.router", h, moe.experts_n, std))
+            for e, expert in enumerate(moe.experts):
+                expert.init_like_merak(draw, f"h.{i}.moe.experts.{e}", h, std, proj_std)
+            if moe.shared is not None:
+                moe.shared.init_like_merak(draw, f"h.{i}.moe.shared", h, std, proj_std)
 
     def forward(self, ids, targets):
         s = ids.shape[1]
@@ -172,6 +274,11 @@ class Gpt(torch.nn.Module):
             x = blk(x)
         logits = self.ln_f(x) @ self.wte.weight.t()
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+    def aux_loss(self):
+        """The MoE layers' auxiliary losses of the last forward pass, summed (0 without)."""
+        terms = [blk.moe.aux for blk in self.blocks if blk.moe is not None]
+        return sum(terms) if terms else None
 
 
 def lr_at(a, step: int) -> float:
@@ -215,6 +322,19 @@ def main():
                           ("grad-clip", 1.0), ("beta1", 0.9), ("beta2", 0.95), ("adam-eps", 1e-8),
                           ("eps", 1e-5), ("init-std", 0.02)]:
         p.add_argument(f"--{name}", type=float, default=default)
+    moe = p.add_argument_group("mixture of experts (merak's model.moe; off without --moe-experts)")
+    moe.add_argument("--moe-experts", type=int, default=0,
+                     help="routed experts per block, in place of every block's MLP")
+    moe.add_argument("--moe-top-k", type=int, default=2)
+    moe.add_argument("--moe-expert-hidden", type=int, default=0,
+                     help="one expert's hidden width (default 4 x hidden)")
+    moe.add_argument("--moe-shared", type=int, default=0, help="shared experts")
+    moe.add_argument("--moe-activation", choices=["gelu", "swiglu"], default="gelu")
+    moe.add_argument("--moe-aux-loss", type=float, default=0.01,
+                     help="weight of the Switch load-balancing loss")
+    moe.add_argument("--moe-z-loss", type=float, default=0.0, help="weight of the router z-loss")
+    moe.add_argument("--moe-no-renormalize", action="store_true",
+                     help="weight the experts by their softmax scores, not renormalized")
     p.add_argument("--attention", choices=["sdpa", "math"], default="sdpa",
                    help="sdpa: F.scaled_dot_product_attention (what nanoGPT uses); math: "
                         "matmul, mask, softmax, matmul")
@@ -236,6 +356,10 @@ def main():
     a = p.parse_args()
     if a.precision == "bf16" and a.device != "cuda":
         raise SystemExit("--precision bf16 needs --device cuda")
+    if a.moe_experts and not a.moe_expert_hidden:
+        a.moe_expert_hidden = 4 * a.hidden
+    if a.moe_experts and not 0 < a.moe_top_k <= a.moe_experts:
+        raise SystemExit(f"--moe-top-k {a.moe_top_k} must be in 1..={a.moe_experts}")
 
     torch.set_num_threads(a.threads)
     torch.set_default_dtype(getattr(torch, a.dtype))
@@ -290,23 +414,30 @@ def main():
             g["lr"] = lr_at(a, step)
         with autocast:
             loss = step_model(ids, targets)
+        # The MoE layers' auxiliary losses of this rank's micro-batch (its routing group): DDP
+        # averages the gradients over the ranks, as merak weights each micro-batch's by
+        # micro_batch / global_batch.
+        aux = model.aux_loss()
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss if aux is None else loss + aux).backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         opt.step()
-        value = loss.detach()
+        value = torch.stack([loss.detach(), loss.new_zeros(()) if aux is None else aux.detach()])
         if world > 1:
             torch.distributed.all_reduce(value)
             value /= world
         sync()
         dt = time.perf_counter() - t0
         if out:
-            out.write(json.dumps({
-                "step": step + 1, "loss": value.item(), "lr": lr_at(a, step),
+            record = {
+                "step": step + 1, "loss": value[0].item(), "lr": lr_at(a, step),
                 "grad_norm": norm.item(), "step_time_s": dt, "tokens_per_s": tokens / dt,
-                "minor_faults": minor_faults() - f0}) + "\n")
+                "minor_faults": minor_faults() - f0}
+            if aux is not None:
+                record["aux_loss"] = value[1].item()
+            out.write(json.dumps(record) + "\n")
     if profiler is not None:
         write_profile(profiler, a.profile, a.device)
     peak = torch.tensor(float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024)
@@ -314,7 +445,9 @@ def main():
         torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
     if out:
         gpu = torch.cuda.max_memory_allocated() / 2**20 if a.device == "cuda" else 0.0
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
         out.write(json.dumps({"summary": True, "peak_rss_mib": peak.item(),
+                              "param_mib": params / 2**20,
                               "peak_gpu_mib": gpu, "device": a.device,
                               "precision": a.precision, "compile": a.compile,
                               "wall_s": time.perf_counter() - t_all,
