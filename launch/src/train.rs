@@ -92,7 +92,7 @@ pub struct RunSpec<'a> {
 pub const CONFIG_FILE: &str = "config.toml";
 /// The charts `merak train` may draw into its output folder at the end (loss, throughput,
 /// memory per rank, pipeline timeline: [`crate::plot`]).
-pub const CHARTS: [&str; 4] = crate::plot::FILES;
+pub const CHARTS: [&str; 5] = crate::plot::FILES;
 
 /// The names of `merak train`'s own files in its output folder (besides the trainer's): its
 /// config and every chart it may draw.

@@ -1,11 +1,13 @@
 //! The charts `merak train` draws into its output folder at the end of a run, as SVG through
 //! [plotters](https://docs.rs/plotters): the loss and the throughput per step (from
-//! `metrics.jsonl`), the peak memory per rank (from `memory.json`) and the pipeline timeline
+//! `metrics.jsonl`), a mixture of experts' balance per layer (from its `expert_tokens`), the
+//! peak memory per rank (from `memory.json`) and the pipeline timeline
 //! per rank (from the run's Chrome trace). A chart whose optional input is missing is skipped.
 //!
 //! No fonts are needed: plotters is built without its font features, estimates text extents
 //! for layout, and leaves drawing the text to whatever views the SVG (see `style.rs`).
 
+mod experts;
 mod line;
 mod loss;
 mod memory;
@@ -27,8 +29,12 @@ pub const THROUGHPUT: &str = "throughput.svg";
 pub const MEMORY: &str = "memory.svg";
 /// The pipeline timeline per rank (when the run wrote a Chrome trace).
 pub const TIMELINE: &str = "timeline.svg";
+/// The balance of a mixture of experts' routing per step (when the metrics have
+/// `expert_tokens`).
+pub const EXPERTS: &str = "experts.svg";
+
 /// Every chart [`write_charts`] may write into a run's output folder.
-pub const FILES: [&str; 4] = [LOSS, THROUGHPUT, MEMORY, TIMELINE];
+pub const FILES: [&str; 5] = [LOSS, THROUGHPUT, MEMORY, TIMELINE, EXPERTS];
 
 /// The run's metrics, one JSON object per line.
 const METRICS_FILE: &str = "metrics.jsonl";
@@ -94,7 +100,7 @@ pub struct Chart {
 /// Draws the charts of the run whose output folder is `out` into it, and returns them in the
 /// order of [`FILES`]: [`LOSS`] and [`THROUGHPUT`] from `out/metrics.jsonl` (which must
 /// exist), [`MEMORY`] from `out/memory.json` and [`TIMELINE`] from the Chrome trace at `trace`,
-/// each when that file exists. Fails on the first file that cannot be read, parsed or written.
+/// each when that file exists, and [`EXPERTS`] when the metrics have `expert_tokens`. Fails on the first file that cannot be read, parsed or written.
 pub fn write_charts(out: &Path, trace: Option<&Path>) -> Result<Vec<Chart>, PlotError> {
     let run = out.file_name().map_or_else(
         || out.display().to_string(),
@@ -124,6 +130,14 @@ pub fn write_charts(out: &Path, trace: Option<&Path>) -> Result<Vec<Chart>, Plot
             TIMELINE,
             "pipeline timeline",
             timeline::chart(&run, &spans),
+        )?);
+    }
+    if records.iter().any(|r| r.expert_tokens.is_some()) {
+        charts.push(save(
+            out,
+            EXPERTS,
+            "expert balance",
+            experts::chart(&run, &records),
         )?);
     }
     Ok(charts)

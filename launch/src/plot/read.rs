@@ -23,6 +23,9 @@ pub struct StepRecord {
     /// Tokens of the global batch per second of wall time.
     #[serde(default)]
     pub tokens_per_s: Option<f64>,
+    /// Under a mixture of experts: each MoE layer's assignments per expert.
+    #[serde(default)]
+    pub expert_tokens: Option<Vec<Vec<u64>>>,
 }
 
 /// One rank's line of `memory.json` (see `merak_burn::train::report_memory`).

@@ -53,8 +53,8 @@ const METRICS: &str = r#"{"step":1,"loss":10.5,"lr":0.001,"tokens_per_s":900.0}
 {"step":2,"loss":8.25,"tokens_per_s":1200.5}
 
 {"step":3,"loss":null,"tokens_per_s":1180.0}
-{"step":4,"loss":6.0,"val_loss":6.5,"tokens_per_s":1210.0}
-{"step":5,"loss":5.5,"tokens_per_s":1190.0}
+{"step":4,"loss":6.0,"val_loss":6.5,"tokens_per_s":1210.0,"expert_tokens":[[3,1],[2,2]]}
+{"step":5,"loss":5.5,"tokens_per_s":1190.0,"expert_tokens":[[2,2],[4,0]]}
 {"step":8,"loss":4.0,"val_loss":4.75,"tokens_per_s":1205.0}
 "#;
 
@@ -77,7 +77,7 @@ const TRACE: &str = r#"{"traceEvents":[
 ]}"#;
 
 #[test]
-fn a_full_run_folder_gets_all_four_charts() {
+fn a_full_run_folder_gets_all_five_charts() {
     let scratch = tempfile::tempdir().expect("scratch dir");
     let out = scratch.path().join("run-a");
     std::fs::create_dir(&out).expect("run folder");
@@ -158,11 +158,13 @@ fn missing_optional_inputs_skip_their_charts() {
     let absent = out.path().join("no-trace.json");
     let charts = write_charts(out.path(), Some(&absent)).expect("charts");
     let names: Vec<&str> = charts.iter().map(|c| c.what).collect();
-    assert_eq!(names, ["loss curve", "throughput"]);
+    assert_eq!(names, ["loss curve", "throughput", "expert balance"]);
     assert!(!out.path().join(MEMORY).exists() && !out.path().join(TIMELINE).exists());
-    // Without validation losses there is one loss series.
+    // Without validation losses there is one loss series; a dense model has no balance.
     write(out.path(), "metrics.jsonl", r#"{"step":1,"loss":2.0}"#);
-    let loss = read(&write_charts(out.path(), None).expect("charts")[0].path);
+    let charts = write_charts(out.path(), None).expect("charts");
+    assert_eq!(charts.len(), 2, "{charts:?}");
+    let loss = read(&charts[0].path);
     assert_eq!(count(&loss, "polyline", "stroke", PALETTE[0]), 1);
     assert!(!loss.contains("validation"));
     assert_well_formed(&loss);

@@ -86,8 +86,9 @@ pub fn exchange_rows<B: Backend>(
         &scaled(&counts.recv),
     )
     .unwrap_or_else(|e| fatal(e));
-    let data = TensorData::new(recv, [rows, width]).convert_dtype(dtype);
-    Tensor::<B, 2>::from_data(data, &device)
+    // Back in the rows' own type (bf16 activations under mixed precision).
+    Tensor::<B, 2>::from_data(TensorData::new(recv, [rows, width]), &device)
+        .cast(dtype)
         .into_primitive()
         .tensor()
 }
