@@ -295,6 +295,36 @@ fn a_rank_without_tokens_still_exchanges() {
     assert_same_params("moe-starved-ep4", &out, &single);
 }
 
+/// ZeRO at ep = 1 keeps the experts with the dense parameters, sliced over the data-parallel
+/// ranks; with 16 experts (top-1) over a rank's 64 tokens a step, some expert gets tokens on
+/// some ranks only, and the rank owning its slice must step it as one process does.
+#[test]
+fn zero_at_ep_1_steps_experts_that_other_ranks_saw() {
+    let sparse = [
+        "--set",
+        "model.moe.experts=16",
+        "--set",
+        "model.moe.top_k=1",
+        "--set",
+        "model.moe.expert_hidden=16",
+    ];
+    let single = out_dir("moe-sparse-single");
+    run_pp(0, &single, &sparse).assert_success();
+    for zero in ["1", "2"] {
+        let name = format!("moe-sparse-dp4-zero{zero}");
+        let set = format!("parallel.zero={zero}");
+        let out = out_dir(&name);
+        run_pp(
+            4,
+            &out,
+            &[&sparse[..], &["--dp", "4", "--set", &set]].concat(),
+        )
+        .assert_success();
+        assert_same_losses(&name, &out, &single);
+        assert_same_params(&name, &out, &single);
+    }
+}
+
 /// Dropless routing that sends a rank more rows than the stated bound stops the whole job with
 /// the layer and the counts: an untrained 8-expert model at ep = 4 sends one rank 2.2 times
 /// its mean share, past `model.moe.max_load = 2`.
@@ -374,6 +404,12 @@ fn bad_expert_settings_fail_before_training() {
             "moe-ep2-zero1",
             vec!["--dp", "2", "--ep", "2", "--set", "parallel.zero=1"],
             "ZeRO does not yet shard a mixture of experts' state",
+        ),
+        (
+            2,
+            "moe-zero3",
+            vec!["--dp", "2", "--set", "parallel.zero=3"],
+            "a mixture of experts trains with ZeRO-1, or ZeRO-2 reducing once per step",
         ),
         (
             0,

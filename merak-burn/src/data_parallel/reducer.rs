@@ -95,8 +95,9 @@ struct State {
     next_replicate: usize,
     error: Option<CommError>,
     launched_early: usize,
-    /// The ranks holding the same experts, over which the expert buckets are all-reduced
-    /// (`None`: no expert bucket, or the data-parallel group itself).
+    /// The ranks holding the same experts, over which the expert buckets are all-reduced, when
+    /// they are not the data-parallel group (`None`: no expert bucket, or the experts are held
+    /// like the dense parameters).
     experts: Option<Rc<dyn Communicator>>,
 }
 
@@ -296,15 +297,17 @@ impl State {
         })
     }
 
-    /// Marks an expert parameter seen when any rank of the expert group saw it.
+    /// Marks an expert parameter seen when any rank of the expert group (the data-parallel
+    /// group unless the experts are apart) saw it.
     fn share_expert_seen(&mut self) -> Result<(), CommError> {
-        let Some(comm) = self.experts.clone().filter(|c| c.size() > 1) else {
-            return Ok(());
-        };
         let expert_slots: Vec<usize> = (self.buckets.iter())
             .filter(|b| b.expert)
             .flat_map(|b| b.slots.clone())
             .collect();
+        let comm = self.experts.clone().unwrap_or_else(|| self.comm.clone());
+        if expert_slots.is_empty() || comm.size() == 1 {
+            return Ok(());
+        }
         let mut seen: Vec<f32> = (expert_slots.iter())
             .map(|&i| f32::from(u8::from(self.slots[i].seen)))
             .collect();
@@ -584,14 +587,15 @@ impl DataParallel {
         Ok(self)
     }
 
-    /// This reducer, all-reducing the buckets of the parameters `is_expert` picks (a routed
-    /// expert's, which must not share a bucket with others: give them their own group in
-    /// [`grouped`](Self::grouped)) over `experts`, the ranks holding the same experts, instead
-    /// of the data-parallel group. An expert that got a gradient on any of those ranks gets
-    /// one on all of them (zeros where it had no token), as one process would.
+    /// This reducer with the routed experts' parameters (`is_expert` picks them; they must not
+    /// share a bucket with others: give them their own group in [`grouped`](Self::grouped))
+    /// told apart: an expert that got a gradient on any rank of its group gets one on all of
+    /// them (zeros where it had no token), as one process would step it. With `apart` (the
+    /// ranks holding the same experts, when they are not the data-parallel group: expert or
+    /// tensor parallelism), their buckets are all-reduced over that group instead.
     pub fn with_experts(
         self,
-        experts: Group,
+        apart: Option<Group>,
         is_expert: &dyn Fn(ParamId) -> bool,
     ) -> Result<Self, CommError> {
         {
@@ -600,7 +604,7 @@ impl DataParallel {
             for b in &mut s.buckets {
                 b.expert = s.slots[b.slots.clone()].iter().any(|x| is_expert(x.id));
             }
-            s.experts = Some(experts.comm()?);
+            s.experts = apart.map(|g| g.comm()).transpose()?;
         }
         Ok(self)
     }
@@ -751,6 +755,7 @@ impl DataParallel {
     pub fn finish_chunks(&self) -> Result<(Vec<Vec<f32>>, DpStats), CommError> {
         let mut s = self.state.borrow_mut();
         let stats = s.complete()?;
+        s.share_expert_seen()?;
         let (size, rank, scatter) = (s.shard.size(), s.shard.rank(), s.scatter);
         let chunks: Vec<Vec<f32>> = (s.buckets.iter_mut())
             .map(|b| {

@@ -9,6 +9,7 @@ use serde::Serialize;
 
 use crate::checkpoint::state::ParamShape;
 use crate::comm::{CommError, Group, ReduceOp};
+use crate::data_parallel::ReduceScatter;
 use crate::grid::ProcessGrid;
 use crate::moe::{RoutingRecord, is_expert_param};
 use crate::plan::ParallelPlan;
@@ -22,11 +23,32 @@ pub(crate) fn expert_ids(shapes: &[ParamShape]) -> HashSet<ParamId> {
         .collect()
 }
 
-/// Refuses what does not compose with experts held apart (expert parallelism, or TP ranks
-/// that route different tokens): ZeRO's slices, which are cut over the data-parallel group.
+/// Whether the ranks holding the same experts are not the data-parallel group: expert
+/// parallelism, or TP ranks that route different tokens.
+pub(crate) fn experts_apart(grid: &ProcessGrid) -> bool {
+    grid.experts.size() != grid.dp.size() || grid.ep.size() > 1
+}
+
+/// Refuses what does not compose with experts held apart ([`experts_apart`]): ZeRO's slices,
+/// which are cut over the data-parallel group.
 pub(crate) fn check_experts(grid: &ProcessGrid, plan: &ParallelPlan) -> Result<(), TrainError> {
-    let apart = grid.experts.size() != grid.dp.size() || grid.ep.size() > 1;
-    if plan.zero == 0 || !apart {
+    // An expert may get no token in a micro-batch on some ranks: a collective started as soon
+    // as a unit's or a micro-batch's gradients are complete would then start on some ranks
+    // only.
+    let per_micro_batch = plan.zero >= 2 && plan.reduce_scatter == ReduceScatter::MicroBatch;
+    if plan.zero == 3 || per_micro_batch {
+        return Err(InvalidSetting {
+            key: "parallel.zero".into(),
+            value: plan.zero.to_string(),
+            reason: "a mixture of experts trains with ZeRO-1, or ZeRO-2 reducing once per step \
+                     (parallel.reduce_scatter = \"step\"), not yet with ZeRO-3 or per \
+                     micro-batch reductions: an expert without tokens in a micro-batch would \
+                     leave its collectives to the ranks whose tokens chose it"
+                .into(),
+        }
+        .into());
+    }
+    if plan.zero == 0 || !experts_apart(grid) {
         return Ok(());
     }
     Err(InvalidSetting {

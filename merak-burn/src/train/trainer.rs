@@ -19,7 +19,7 @@ use crate::pipeline::{
 };
 use crate::plan::ParallelPlan;
 use crate::tensor_parallel::{ParallelBackend, Shard};
-use crate::train::experts::{check_experts, expert_ids, gather_routing};
+use crate::train::experts::{check_experts, expert_ids, experts_apart, gather_routing};
 use crate::train::hybrid::shard_groups;
 use crate::train::optim::Optimizers;
 use crate::train::pieces::Sliced;
@@ -187,7 +187,8 @@ where
         let group = |id| 2 * base(id) + usize::from(experts.contains(&id));
         let mut reducer = DataParallel::grouped(&model, grid.dp, bucket_elems, &group)?;
         if !experts.is_empty() {
-            reducer = reducer.with_experts(grid.experts, &|id| experts.contains(&id))?;
+            let apart = experts_apart(grid).then_some(grid.experts);
+            reducer = reducer.with_experts(apart, &|id| experts.contains(&id))?;
         }
         let (mut sliced, mut shards) = (None, None);
         let (shard, replicate) = shard_groups(grid, parallel)?;
