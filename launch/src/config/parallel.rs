@@ -226,7 +226,8 @@ impl Config {
             return bad(
                 "parallel.ep",
                 format!(
-                    "{ep} does not divide parallel.dp x parallel.cp = {} x {} = {replicas}: the                      expert-parallel groups are made of data-parallel ranks",
+                    "{ep} does not divide parallel.dp x parallel.cp = {} x {} = {replicas}: the \
+                     expert-parallel groups are made of data-parallel ranks",
                     p.dp, p.cp
                 ),
             );
@@ -249,7 +250,8 @@ impl Config {
             return bad(
                 "parallel.sequence_parallel",
                 format!(
-                    "false, but a mixture of experts at parallel.tp = {} needs it: each TP rank                      routes its own part of the sequence (set parallel.sequence_parallel = true)",
+                    "false, but a mixture of experts at parallel.tp = {} needs it: each TP rank \
+                     routes its own part of the sequence (set parallel.sequence_parallel = true)",
                     p.tp
                 ),
             );
