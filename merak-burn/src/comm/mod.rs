@@ -126,10 +126,7 @@ pub trait Communicator {
         recv_counts: &[usize],
     ) -> Result<(), CommError> {
         let n = self.size().max(1);
-        check_len("all_to_all_v (send counts)", n, send_counts.len())?;
-        check_len("all_to_all_v (receive counts)", n, recv_counts.len())?;
-        check_len("all_to_all_v", send_counts.iter().sum(), send.len())?;
-        check_len("all_to_all_v", recv_counts.iter().sum(), recv.len())?;
+        check_counts(n, (send, send_counts), (recv, recv_counts))?;
         let local = send_counts.iter().chain(recv_counts).copied().max();
         let mut block = [local.unwrap_or(0) as f32];
         self.all_reduce(&mut block, ReduceOp::Max)?;
@@ -249,6 +246,19 @@ pub(crate) fn check_len(what: &'static str, expected: usize, got: usize) -> Resu
             got,
         })
     }
+}
+
+/// Checks an all-to-all with counts (`all_to_all_v`) over `size` ranks: one count per rank on
+/// each side, adding up to its buffer's length; shared by the implementations.
+pub(crate) fn check_counts(
+    size: usize,
+    (send, send_counts): (&[f32], &[usize]),
+    (recv, recv_counts): (&[f32], &[usize]),
+) -> Result<(), CommError> {
+    check_len("all_to_all_v (send counts)", size, send_counts.len())?;
+    check_len("all_to_all_v (receive counts)", size, recv_counts.len())?;
+    check_len("all_to_all_v", send_counts.iter().sum(), send.len())?;
+    check_len("all_to_all_v", recv_counts.iter().sum(), recv.len())
 }
 
 /// Validates a peer rank number.

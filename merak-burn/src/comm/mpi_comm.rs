@@ -9,7 +9,9 @@ use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::{Communicator as _, CommunicatorCollectives, Destination, Root, Source};
 
 use super::abort::{abort_world, report_line};
-use super::{CommError, Communicator, Pending, ReduceOp, check_len, check_rank, watchdog};
+use super::{
+    CommError, Communicator, Pending, ReduceOp, check_counts, check_len, check_rank, watchdog,
+};
 use crate::launcher::Launch;
 use std::sync::Arc;
 
@@ -344,10 +346,7 @@ impl Communicator for MpiCommunicator {
         recv_counts: &[usize],
     ) -> Result<(), CommError> {
         let n = self.size();
-        check_len("all_to_all_v (send counts)", n, send_counts.len())?;
-        check_len("all_to_all_v (receive counts)", n, recv_counts.len())?;
-        check_len("all_to_all_v", send_counts.iter().sum(), send.len())?;
-        check_len("all_to_all_v", recv_counts.iter().sum(), recv.len())?;
+        check_counts(n, (send, send_counts), (recv, recv_counts))?;
         check_count("all_to_all_v", send.len().max(recv.len()))?;
         if n == 1 {
             recv.copy_from_slice(send);

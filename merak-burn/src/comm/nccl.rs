@@ -477,14 +477,7 @@ impl Communicator for NcclCommunicator {
         recv_counts: &[usize],
     ) -> Result<(), CommError> {
         const OP: &str = "all_to_all_v";
-        check_len("all_to_all_v (send counts)", self.size, send_counts.len())?;
-        check_len(
-            "all_to_all_v (receive counts)",
-            self.size,
-            recv_counts.len(),
-        )?;
-        check_len(OP, send_counts.iter().sum(), send.len())?;
-        check_len(OP, recv_counts.iter().sum(), recv.len())?;
+        super::check_counts(self.size, (send, send_counts), (recv, recv_counts))?;
         if self.size == 1 {
             recv.copy_from_slice(send);
             return Ok(());

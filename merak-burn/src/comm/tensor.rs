@@ -44,6 +44,16 @@ pub trait TensorComm {
         dim: usize,
     ) -> Result<Tensor<B, D>, CommError>;
 
+    /// All-to-all of rows with counts: rows of `t` (`[rows, width]`) go to the ranks in
+    /// blocks of `send_rows` (rank order), and the result holds the `recv_rows` rows received
+    /// from each rank, in rank order, in `t`'s element type.
+    fn all_to_all_rows<B: Backend>(
+        &self,
+        t: Tensor<B, 2>,
+        send_rows: &[usize],
+        recv_rows: &[usize],
+    ) -> Result<Tensor<B, 2>, CommError>;
+
     /// Broadcast of rank `root`'s tensor; every rank passes a tensor of the same shape.
     fn broadcast_tensor<B: Backend, const D: usize>(
         &self,
@@ -180,6 +190,26 @@ impl<C: Communicator + ?Sized> TensorComm for C {
             .map(|c| vec_to_tensor::<B, D>(c.to_vec(), chunk_shape.clone(), &device, dtype))
             .collect::<Vec<_>>();
         Ok(Tensor::cat(parts, dim))
+    }
+
+    fn all_to_all_rows<B: Backend>(
+        &self,
+        t: Tensor<B, 2>,
+        send_rows: &[usize],
+        recv_rows: &[usize],
+    ) -> Result<Tensor<B, 2>, CommError> {
+        let (device, dtype, width) = (t.device(), t.dtype(), t.dims()[1]);
+        let values = |rows: &[usize]| rows.iter().map(|n| n * width).collect::<Vec<_>>();
+        let send = tensor_to_vec(t)?;
+        let rows: usize = recv_rows.iter().sum();
+        let mut recv = vec![0.0; rows * width];
+        self.all_to_all_v(&send, &values(send_rows), &mut recv, &values(recv_rows))?;
+        Ok(vec_to_tensor(
+            recv,
+            Shape::new([rows, width]),
+            &device,
+            dtype,
+        ))
     }
 
     fn broadcast_tensor<B: Backend, const D: usize>(

@@ -4,7 +4,7 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{Tensor, TensorPrimitive};
 use burn_autodiff::{
     Autodiff,
     checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
@@ -13,7 +13,7 @@ use burn_autodiff::{
 };
 
 use super::ExpertBackend;
-use crate::comm::Group;
+use crate::comm::{Group, TensorComm};
 
 /// The rows one exchange sends to, and receives from, each rank of the group (rank order).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -49,8 +49,8 @@ pub(crate) fn count_seconds(s: f64) {
     SECONDS.with(|c| c.set(c.get() + s));
 }
 
-/// The seconds this thread spent in expert-parallel exchanges (rows and counts, forward and
-/// backward) since the last call.
+/// The seconds this thread spent in expert-parallel exchanges (rows, with their host copies,
+/// and counts, forward and backward) since the last call.
 pub fn take_exchange_seconds() -> f64 {
     SECONDS.with(|c| c.replace(0.0))
 }
@@ -61,7 +61,7 @@ fn fatal(e: impl std::fmt::Display) -> ! {
     panic!("expert-parallel exchange failed: {e}")
 }
 
-/// The forward exchange on any backend, through host buffers: `x` (`[rows, width]`, rows in
+/// The forward exchange on any backend, through host buffers ([`TensorComm::all_to_all_rows`]): `x` (`[rows, width]`, rows in
 /// blocks of `counts.send`) becomes `[counts.received(), width]`.
 pub fn exchange_rows<B: Backend>(
     x: FloatTensor<B>,
@@ -69,28 +69,13 @@ pub fn exchange_rows<B: Backend>(
     group: Group,
 ) -> FloatTensor<B> {
     let x = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(x));
-    let (device, dtype, width) = (x.device(), x.dtype(), x.dims()[1]);
-    let send = x
-        .into_data()
-        .convert::<f32>()
-        .into_vec::<f32>()
-        .unwrap_or_else(|e| fatal(format!("cannot read the rows: {e:?}")));
-    let rows = counts.received();
-    let mut recv = vec![0.0; rows * width];
-    let scaled = |c: &[usize]| c.iter().map(|n| n * width).collect::<Vec<_>>();
     let comm = group.comm().unwrap_or_else(|e| fatal(e));
-    comm.all_to_all_v(
-        &send,
-        &scaled(&counts.send),
-        &mut recv,
-        &scaled(&counts.recv),
-    )
-    .unwrap_or_else(|e| fatal(e));
-    // Back in the rows' own type (bf16 activations under mixed precision).
-    Tensor::<B, 2>::from_data(TensorData::new(recv, [rows, width]), &device)
-        .cast(dtype)
-        .into_primitive()
-        .tensor()
+    let t0 = std::time::Instant::now();
+    let rows = comm
+        .all_to_all_rows(x, &counts.send, &counts.recv)
+        .unwrap_or_else(|e| fatal(e));
+    count_seconds(t0.elapsed().as_secs_f64());
+    rows.into_primitive().tensor()
 }
 
 #[derive(Debug)]

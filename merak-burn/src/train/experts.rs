@@ -79,7 +79,8 @@ pub struct RoutingStats {
     /// (how far its routing is from a tie that rounding could flip).
     pub router_margin: f64,
     /// Seconds this rank spent in the step's expert-parallel exchanges (the all-to-alls of
-    /// rows and of counts, forward and backward; waiting for other ranks included).
+    /// rows and of counts, forward and backward; the rows' host copies and waiting for other
+    /// ranks included).
     pub exchange_s: f64,
 }
 

@@ -49,7 +49,7 @@ pub struct StepMetrics {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub router_margin: Option<f64>,
     /// Under expert parallelism: seconds rank 0 spent in the step's token all-to-alls
-    /// (forward and backward, waiting for the other ranks included).
+    /// (forward and backward, the rows' host copies and waiting for the other ranks included).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub moe_exchange_s: Option<f64>,
     /// Under a capacity factor: the assignments dropped.
