@@ -68,6 +68,28 @@ pub fn resumed(np: usize, checkpoint: &Path, name: &str, extra: &[&str]) -> Path
     out
 }
 
+/// Asserts that the records of a `resumed` run continue `whole` (the uninterrupted run's) from
+/// its record `from` on: the same steps, each of `close` within 1e-5 relative, and each of
+/// `equal` the same value.
+pub fn assert_continues(
+    resumed: &[serde_json::Value],
+    whole: &[serde_json::Value],
+    from: usize,
+    (close, equal): (&[&str], &[&str]),
+) {
+    for (got, want) in resumed.iter().zip(&whole[from..]) {
+        let step = &got["step"];
+        assert_eq!(step, &want["step"]);
+        for key in equal {
+            assert_eq!(got[key], want[key], "step {step}: {key}");
+        }
+        for key in close {
+            let (a, b) = (got[key].as_f64().unwrap(), want[key].as_f64().unwrap());
+            assert!(((a - b) / b).abs() <= 1e-5, "step {step}: {key} {a} vs {b}");
+        }
+    }
+}
+
 /// Runs `merak train` with `config` for 5 steps on `np` ranks (without mpirun when `np == 0`)
 /// and returns the metrics.
 pub fn train_with(config: &Path, np: usize, name: &str, extra: &[&str]) -> Vec<serde_json::Value> {
