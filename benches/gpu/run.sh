@@ -19,6 +19,9 @@
 #   ranks   two ranks on the one GPU over MPI: tp=2 and pp=2 against one rank, tiny GPT, 5
 #           steps (correctness only: two ranks time-slice one GPU); and two ranks asking for
 #           NCCL on one GPU must be refused.
+#   features not in the default list: the MoE GPT (ep = 1 fp32 and bf16, ep 2, ep 2 x tp 2 with
+#           SP), sequence and context parallelism over MPI on the one GPU against one rank, and
+#           `merak probe --nccl` (its grouped send/receive is expert parallelism's exchange).
 #   profile not in the default list: GPT-2 small, merak bf16, micro-batch 16: 8 steps unprofiled
 #           (the GPU's busy share from nvidia-smi, CPU against wall seconds), then 4 steps
 #           with CubeCL's profiling log (every launch timed, so slower steps), summarised by
@@ -172,6 +175,32 @@ ranks() {
     fi
 }
 
+# The parallel features first run on a GPU with MPI between ranks sharing it (correctness
+# only), each against the one-process CUDA run of the same tiny model: the MoE GPT of
+# launch/tests/experts.rs (its seed keeps a margin between routing scores) at ep = 1
+# (fp32 and bf16), ep 2, ep 2 x tp 2 with sequence parallelism; the dense tiny GPT with
+# sequence parallelism and with context parallelism; and the NCCL self-check, whose grouped
+# send/receive is expert parallelism's token exchange (to the rank itself on one GPU).
+features() {
+    local tiny=(--config configs/gpt-tiny.toml --set train.device=cuda --set train.steps=5
+        --set train.micro_batch=2 --set checkpoint.at_end=false)
+    local moe=(--set model.moe.experts=4 --set model.moe.top_k=2 --set model.moe.expert_hidden=32
+        --set model.moe.shared_experts=1 --set model.moe.z_loss=0.001 --set model.dropout=0.1
+        --set train.seed=7)
+    local sp=(--set parallel.sequence_parallel=true)
+    local np2=(mpirun -np 2 --oversubscribe) np4=(mpirun -np 4 --oversubscribe)
+    timed nccl-check mpirun -np 1 merak probe --nccl
+    timed tiny-1 merak train "${tiny[@]}" --out "$out/tiny-1"
+    timed tiny-tp2-sp "${np2[@]}" merak train "${tiny[@]}" --tp 2 "${sp[@]}" --out "$out/tiny-tp2-sp"
+    timed tiny-cp2 "${np2[@]}" merak train "${tiny[@]}" --cp 2 --out "$out/tiny-cp2"
+    timed moe-1 merak train "${tiny[@]}" "${moe[@]}" --out "$out/moe-1"
+    timed moe-1-bf16 merak train "${tiny[@]}" "${moe[@]}" --set train.precision=bf16 \
+        --out "$out/moe-1-bf16"
+    timed moe-ep2 "${np2[@]}" merak train "${tiny[@]}" "${moe[@]}" --dp 2 --ep 2 --out "$out/moe-ep2"
+    timed moe-ep2-tp2-sp "${np4[@]}" merak train "${tiny[@]}" "${moe[@]}" --dp 2 --ep 2 --tp 2 \
+        "${sp[@]}" --out "$out/moe-ep2-tp2-sp"
+}
+
 profile() {
     local run=(--set model.preset=gpt2 --set model.seq_len=1024 --set data.kind=synthetic
         --set train.device=cuda --set train.precision=bf16 --set train.micro_batch=16
@@ -219,8 +248,9 @@ for phase in "${phases[@]}"; do
         small) compare gpt2 ;;
         medium) compare gpt2-medium ;;
         ranks) ranks ;;
+        features) features ;;
         profile) profile ;;
         report) report ;;
-        *) echo "unknown phase $phase (smoke, small, medium, ranks, profile, report)" >&2; exit 2 ;;
+        *) echo "unknown phase $phase (smoke, small, medium, ranks, features, profile, report)" >&2; exit 2 ;;
     esac
 done

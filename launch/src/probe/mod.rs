@@ -109,12 +109,14 @@ pub(super) fn nccl_check(world: Option<&MpiCommunicator>) -> Result<()> {
     if world.rank() == 0 {
         println!(
             "NCCL over {} ranks, {} elements: device all-reduce error {} (f32 and bf16), \
-             device all-gather error {}, host all-reduce error {}, inputs unchanged: {}",
+             device all-gather error {}, host all-reduce error {}, grouped all-to-all-v error {}, \
+             inputs unchanged: {}",
             check.ranks,
             check.elements,
             check.all_reduce_error,
             check.all_gather_error,
             check.host_all_reduce_error,
+            check.all_to_all_v_error,
             check.inputs_unchanged
         );
     }

@@ -392,6 +392,46 @@ impl NcclCommunicator {
             .map_err(nccl_err(op))?;
         self.download(op, &dev, buf)
     }
+
+    /// The grouped `ncclSend`/`ncclRecv` exchange of [`Communicator::all_to_all_v`], also
+    /// with one rank (sending to itself), so that the self-check can run it on one GPU.
+    /// The counts must have been checked.
+    pub(super) fn exchange_grouped(
+        &self,
+        send: &[f32],
+        send_counts: &[usize],
+        recv: &mut [f32],
+        recv_counts: &[usize],
+    ) -> Result<(), CommError> {
+        const OP: &str = "all_to_all_v";
+        self.bind(OP)?;
+        let src = self.upload(OP, send)?;
+        let mut dst = self.zeros::<f32>(OP, recv.len())?;
+        let (mut at_send, mut at_recv) = (0, 0);
+        cudarc::nccl::result::group_start().map_err(nccl_err(OP))?;
+        let mut posted = Ok(());
+        for j in 0..self.size {
+            let (ns, nr) = (send_counts[j], recv_counts[j]);
+            if ns > 0 && posted.is_ok() {
+                let part = src.slice(at_send..at_send + ns);
+                posted = (self.comm.send(&part, peer(OP, j)?)).map_err(nccl_err(OP));
+            }
+            if nr > 0 && posted.is_ok() {
+                let mut part = dst.slice_mut(at_recv..at_recv + nr);
+                posted = (self.comm.recv(&mut part, peer(OP, j)?))
+                    .map(|_| ())
+                    .map_err(nccl_err(OP));
+            }
+            (at_send, at_recv) = (at_send + ns, at_recv + nr);
+        }
+        // The group ends whatever was posted, so that NCCL is left consistent.
+        cudarc::nccl::result::group_end().map_err(nccl_err(OP))?;
+        posted?;
+        if recv.is_empty() {
+            return self.sync(OP);
+        }
+        self.download(OP, &dst, recv)
+    }
 }
 
 impl Communicator for NcclCommunicator {
@@ -476,39 +516,12 @@ impl Communicator for NcclCommunicator {
         recv: &mut [f32],
         recv_counts: &[usize],
     ) -> Result<(), CommError> {
-        const OP: &str = "all_to_all_v";
         super::check_counts(self.size, (send, send_counts), (recv, recv_counts))?;
         if self.size == 1 {
             recv.copy_from_slice(send);
             return Ok(());
         }
-        self.bind(OP)?;
-        let src = self.upload(OP, send)?;
-        let mut dst = self.zeros::<f32>(OP, recv.len())?;
-        let (mut at_send, mut at_recv) = (0, 0);
-        cudarc::nccl::result::group_start().map_err(nccl_err(OP))?;
-        let mut posted = Ok(());
-        for j in 0..self.size {
-            let (ns, nr) = (send_counts[j], recv_counts[j]);
-            if ns > 0 && posted.is_ok() {
-                let part = src.slice(at_send..at_send + ns);
-                posted = (self.comm.send(&part, peer(OP, j)?)).map_err(nccl_err(OP));
-            }
-            if nr > 0 && posted.is_ok() {
-                let mut part = dst.slice_mut(at_recv..at_recv + nr);
-                posted = (self.comm.recv(&mut part, peer(OP, j)?))
-                    .map(|_| ())
-                    .map_err(nccl_err(OP));
-            }
-            (at_send, at_recv) = (at_send + ns, at_recv + nr);
-        }
-        // The group ends whatever was posted, so that NCCL is left consistent.
-        cudarc::nccl::result::group_end().map_err(nccl_err(OP))?;
-        posted?;
-        if recv.is_empty() {
-            return self.sync(OP);
-        }
-        self.download(OP, &dst, recv)
+        self.exchange_grouped(send, send_counts, recv, recv_counts)
     }
 
     fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<(), CommError> {

@@ -201,6 +201,9 @@ pub struct NcclCheck {
     pub host_all_reduce_error: f32,
     /// Whether the inputs kept their values (the device operations never write in place).
     pub inputs_unchanged: bool,
+    /// The largest difference of the grouped send/receive exchange of expert parallelism
+    /// (uneven counts, the rank itself among the peers) from the rows sent.
+    pub all_to_all_v_error: f32,
 }
 
 impl NcclCheck {
@@ -209,6 +212,7 @@ impl NcclCheck {
         self.all_reduce_error == 0.0
             && self.all_gather_error == 0.0
             && self.host_all_reduce_error == 0.0
+            && self.all_to_all_v_error == 0.0
             && self.inputs_unchanged
     }
 }
@@ -244,6 +248,7 @@ pub fn self_check(mpi: &super::MpiCommunicator, device: usize) -> Result<NcclChe
     nccl.all_reduce(&mut host, ReduceOp::Sum)?;
     let host_all_reduce_error = max_abs_difference(&host, &sums);
     let inputs_unchanged = max_difference(input, &mine)? == 0.0;
+    let all_to_all_v_error = exchange_error(&nccl)?;
     Ok(NcclCheck {
         ranks,
         elements,
@@ -251,7 +256,26 @@ pub fn self_check(mpi: &super::MpiCommunicator, device: usize) -> Result<NcclChe
         all_gather_error,
         host_all_reduce_error,
         inputs_unchanged,
+        all_to_all_v_error,
     })
+}
+
+/// Runs the grouped exchange of [`NcclCommunicator::all_to_all_v`] (through NCCL even on one
+/// rank) with uneven counts, rank `r` sending `(r + j) % 3 + 1` values `100 r + 10 j + i` to
+/// rank `j`, and returns the largest difference from what the peers sent.
+fn exchange_error(nccl: &NcclCommunicator) -> Result<f32, CommError> {
+    let (rank, ranks) = (nccl.rank(), nccl.size());
+    let count = |from: usize, to: usize| (from + to) % 3 + 1;
+    let rows = |from: usize, to: usize| {
+        (0..count(from, to)).map(move |i| (100 * from + 10 * to + i) as f32)
+    };
+    let send: Vec<f32> = (0..ranks).flat_map(|j| rows(rank, j)).collect();
+    let want: Vec<f32> = (0..ranks).flat_map(|j| rows(j, rank)).collect();
+    let send_counts: Vec<usize> = (0..ranks).map(|j| count(rank, j)).collect();
+    let recv_counts: Vec<usize> = (0..ranks).map(|j| count(j, rank)).collect();
+    let mut got = vec![-1.0; want.len()];
+    nccl.exchange_grouped(&send, &send_counts, &mut got, &recv_counts)?;
+    Ok(max_abs_difference(&got, &want))
 }
 
 /// The largest absolute difference between `t` (read back as `f32`) and `want`.
