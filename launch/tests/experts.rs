@@ -300,6 +300,91 @@ fn zero_at_ep_1_steps_experts_that_other_ranks_saw() {
     }
 }
 
+/// ZeRO-1 and 2 with expert parallelism: the experts' buckets are cut over the ranks holding
+/// the same experts (here dp × cp / ep), the dense ones over the data-parallel group. With
+/// sparse routing (8 experts, top-1: as few as 7 of a step's 256 tokens for one expert) some
+/// expert gets tokens on some ranks of its group only. Every layout equals one process, and a
+/// ZeRO-2 checkpoint written at ep = 2 (each rank its slices of the dense parameters' and of
+/// its experts' moments) resumes on one process as the uninterrupted run goes on.
+#[test]
+fn zero_with_expert_parallelism_equals_one_process() {
+    let sparse = [
+        "--set",
+        "model.moe.experts=8",
+        "--set",
+        "model.moe.top_k=1",
+        "--set",
+        "model.moe.expert_hidden=16",
+        "--set",
+        "train.seed=12",
+        "--set",
+        "train.steps=5",
+        "--set",
+        "checkpoint.every=3",
+    ];
+    let sparse = [&MOE[..], &sparse].concat();
+    let single = out_dir("moe-zero-ep-single");
+    run_pp(0, &single, &sparse).assert_success();
+    let zero = |z: &'static str| ["--set", z];
+    let cases: [(usize, &str, Vec<&str>); 5] = [
+        (
+            2,
+            "moe-ep2-zero1",
+            [&["--dp", "2", "--ep", "2"][..], &zero("parallel.zero=1")].concat(),
+        ),
+        (
+            4,
+            "moe-ep2-dp4-zero1",
+            [&["--dp", "4", "--ep", "2"][..], &zero("parallel.zero=1")].concat(),
+        ),
+        (
+            4,
+            "moe-ep2-dp4-zero2",
+            [&["--dp", "4", "--ep", "2"][..], &zero("parallel.zero=2")].concat(),
+        ),
+        (
+            4,
+            "moe-ep2-cp2-dp2-zero2",
+            [
+                &["--dp", "2", "--cp", "2", "--ep", "2"][..],
+                &zero("parallel.zero=2"),
+            ]
+            .concat(),
+        ),
+        (
+            4,
+            "moe-ep2-pp2-zero1",
+            [
+                &["--dp", "2", "--ep", "2", "--pp", "2"][..],
+                &zero("parallel.zero=1"),
+            ]
+            .concat(),
+        ),
+    ];
+    let mut saved = None;
+    for (np, name, extra) in cases {
+        let out = out_dir(name);
+        run_pp(np, &out, &[&sparse[..], &extra].concat()).assert_success();
+        assert_same_routing(name, &out, &single);
+        assert_same_losses(name, &out, &single);
+        assert_same_params(name, &out, &single);
+        if name == "moe-ep2-dp4-zero2" {
+            saved = Some(out);
+        }
+    }
+    let step3 = saved
+        .expect("the ZeRO-2 run")
+        .join("checkpoints/step-00000003");
+    let resumed = read_metrics(&resumed(0, &step3, "moe-zero2-resumed", &[]));
+    let want = read_metrics(&single);
+    assert_continues(
+        &resumed,
+        &want,
+        3,
+        (&["loss", "grad_norm"], &["expert_tokens"]),
+    );
+}
+
 /// Dropless routing that sends a rank more rows than the stated bound stops the whole job with
 /// the layer and the counts: an untrained 8-expert model at ep = 4 sends one rank 2.2 times
 /// its mean share, past `model.moe.max_load = 2`.
@@ -375,10 +460,39 @@ fn bad_expert_settings_fail_before_training() {
             "`parallel.sequence_parallel`: false, but a mixture of experts at parallel.tp = 2",
         ),
         (
-            2,
-            "moe-ep2-zero1",
-            vec!["--dp", "2", "--ep", "2", "--set", "parallel.zero=1"],
-            "ZeRO does not yet shard a mixture of experts' state",
+            4,
+            "moe-ep2-tp2-zero1",
+            [
+                &[
+                    "--dp",
+                    "2",
+                    "--ep",
+                    "2",
+                    "--tp",
+                    "2",
+                    "--set",
+                    "parallel.zero=1",
+                ][..],
+                &["--set", "parallel.sequence_parallel=true"],
+            ]
+            .concat(),
+            "ZeRO does not yet shard a mixture of experts' state with parallel.tp > 1",
+        ),
+        (
+            4,
+            "moe-ep2-hybrid",
+            vec![
+                "--dp",
+                "4",
+                "--ep",
+                "2",
+                "--set",
+                "parallel.zero=2",
+                "--set",
+                "parallel.shard=2",
+            ],
+            "setting `parallel.shard` = 2: ZeRO does not yet shard a mixture of experts' state \
+             with hybrid sharding",
         ),
         (
             2,

@@ -9,7 +9,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
-use super::slices::{BucketChunks, RankSlices};
+use super::slices::{BucketChunks, Holders, RankSlices};
 use crate::comm::{CommError, Communicator, Group, Pending, ReduceOp};
 use crate::tensor_parallel::{ParallelBackend, set_grad_sink};
 
@@ -362,6 +362,21 @@ impl State {
         }
     }
 
+    /// Whether bucket `b` holds routed experts' gradients reduced over the expert group
+    /// (which ZeRO's chunks of it are then cut over).
+    fn apart(&self, b: usize) -> bool {
+        self.buckets[b].expert && self.experts.is_some()
+    }
+
+    /// The ranks bucket `b` is cut into chunks over: the expert group for an expert bucket
+    /// held apart, otherwise the shard group.
+    fn cut_over(&self, b: usize) -> &Rc<dyn Communicator> {
+        match &self.experts {
+            Some(e) if self.buckets[b].expert => e,
+            _ => &self.shard,
+        }
+    }
+
     /// The values of parameter slot `index` in its bucket.
     fn values(&self, index: usize) -> Option<&[f32]> {
         let slot = self.slots.get(index)?;
@@ -612,15 +627,16 @@ impl DataParallel {
     /// Which elements of the flat gradients this rank's chunks hold ([`RankSlices`]; with
     /// one rank, everything).
     pub fn slices(&self) -> RankSlices {
-        let buckets: Vec<(usize, usize)> = (self.state.borrow().buckets.iter())
-            .map(|b| (b.start, b.end))
-            .collect();
-        RankSlices::new(
-            &self.param_ranges(),
-            &buckets,
-            self.shard.size(),
-            self.shard.rank(),
-        )
+        let s = self.state.borrow();
+        let buckets: Vec<(usize, usize)> = s.buckets.iter().map(|b| (b.start, b.end)).collect();
+        let apart: Vec<bool> = (0..s.buckets.len()).map(|b| s.apart(b)).collect();
+        let holders = |c: &Rc<dyn Communicator>| Holders {
+            ranks: c.size(),
+            rank: c.rank(),
+        };
+        let dense = holders(&s.shard);
+        let experts = s.experts.as_ref().map_or(dense, holders);
+        RankSlices::with_experts(&self.param_ranges(), &buckets, dense, (experts, &apart))
     }
 
     /// Each parameter's `(offset, len)` in the flat concatenation of the gradients, in visit
@@ -756,9 +772,15 @@ impl DataParallel {
         let mut s = self.state.borrow_mut();
         let stats = s.complete()?;
         s.share_expert_seen()?;
-        let (size, rank, scatter) = (s.shard.size(), s.shard.rank(), s.scatter);
-        let chunks: Vec<Vec<f32>> = (s.buckets.iter_mut())
+        let scatter = s.scatter;
+        let holders: Vec<(usize, usize)> = (0..s.buckets.len())
             .map(|b| {
+                let c = s.cut_over(b);
+                (c.size(), c.rank())
+            })
+            .collect();
+        let chunks: Vec<Vec<f32>> = (s.buckets.iter_mut().zip(holders))
+            .map(|(b, (size, rank))| {
                 let c = BucketChunks::new(b.start, b.end, size);
                 let mut data = std::mem::take(&mut b.data);
                 if !scatter {

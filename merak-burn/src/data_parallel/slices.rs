@@ -65,12 +65,24 @@ pub struct Piece {
 /// them, in flat order.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RankSlices {
-    /// This rank.
+    /// This rank (in the data-parallel group).
     pub rank: usize,
     /// Every bucket, split over the ranks.
     pub buckets: Vec<BucketChunks>,
     /// This rank's pieces, in flat order.
     pub pieces: Vec<Piece>,
+    /// Whether each bucket is split over the ranks holding the same routed experts instead of
+    /// the data-parallel group (an expert bucket under expert parallelism).
+    pub apart: Vec<bool>,
+}
+
+/// The ranks a bucket is split over: `ranks` of them, this one being `rank`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Holders {
+    /// Ranks sharing the bucket.
+    pub ranks: usize,
+    /// This rank among them.
+    pub rank: usize,
 }
 
 impl RankSlices {
@@ -83,12 +95,29 @@ impl RankSlices {
         dp: usize,
         rank: usize,
     ) -> Self {
-        let chunks: Vec<BucketChunks> = (buckets.iter())
-            .map(|&(start, end)| BucketChunks::new(start, end, dp))
+        let dense = Holders { ranks: dp, rank };
+        Self::with_experts(params, buckets, dense, (dense, &vec![false; buckets.len()]))
+    }
+
+    /// Like [`new`](Self::new), with the buckets marked in `apart` split over `experts` (the
+    /// ranks holding the same routed experts) and the others over `dense` (the data-parallel
+    /// group).
+    pub fn with_experts(
+        params: &[(usize, usize)],
+        buckets: &[(usize, usize)],
+        dense: Holders,
+        (experts, apart): (Holders, &[bool]),
+    ) -> Self {
+        let holders = |b: usize| match apart.get(b) {
+            Some(true) => experts,
+            _ => dense,
+        };
+        let chunks: Vec<BucketChunks> = (buckets.iter().enumerate())
+            .map(|(b, &(start, end))| BucketChunks::new(start, end, holders(b).ranks))
             .collect();
         let mut pieces = Vec::new();
         for (b, c) in chunks.iter().enumerate() {
-            let mine = c.range_of(rank);
+            let mine = c.range_of(holders(b).rank);
             for (p, &(offset, len)) in params.iter().enumerate() {
                 let first = mine.start.max(offset);
                 let end = mine.end.min(offset + len);
@@ -105,7 +134,10 @@ impl RankSlices {
         }
         pieces.sort_by_key(|x| (chunks[x.bucket].start + x.chunk_offset, x.param));
         Self {
-            rank,
+            rank: dense.rank,
+            apart: (0..chunks.len())
+                .map(|b| apart.get(b) == Some(&true))
+                .collect(),
             buckets: chunks,
             pieces,
         }
@@ -206,6 +238,23 @@ mod tests {
         let r2 = RankSlices::new(&params, &buckets, 3, 2);
         assert_eq!(r2.buckets[0].range_of(2), 6..8);
         assert_eq!(r2.held(), 2);
+    }
+
+    #[test]
+    fn expert_buckets_are_cut_over_the_expert_group() {
+        // Two buckets: dense [0, 8) over 4 ranks, experts [8, 14) over 2 (this rank is dense
+        // rank 3, expert rank 1).
+        let params = [(0, 8), (8, 6)];
+        let buckets = [(8, 14), (0, 8)];
+        let dense = Holders { ranks: 4, rank: 3 };
+        let experts = Holders { ranks: 2, rank: 1 };
+        let s = RankSlices::with_experts(&params, &buckets, dense, (experts, &[true, false]));
+        assert_eq!(s.apart, vec![true, false]);
+        assert_eq!((s.buckets[0].chunk, s.buckets[1].chunk), (3, 2));
+        let held: Vec<(usize, usize, usize)> = (s.pieces.iter())
+            .map(|p| (p.param, p.param_start, p.len))
+            .collect();
+        assert_eq!(held, vec![(0, 6, 2), (1, 3, 3)]);
     }
 
     proptest! {

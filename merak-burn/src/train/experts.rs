@@ -29,8 +29,9 @@ pub(crate) fn experts_apart(grid: &ProcessGrid) -> bool {
     grid.experts.size() != grid.dp.size() || grid.ep.size() > 1
 }
 
-/// Refuses what does not compose with experts held apart ([`experts_apart`]): ZeRO's slices,
-/// which are cut over the data-parallel group.
+/// Refuses what does not compose with a mixture of experts: ZeRO-3 and per-micro-batch
+/// reductions; with the experts held apart ([`experts_apart`]), ZeRO at tp > 1 or under
+/// hybrid sharding (ZeRO-1 and 2 cut the experts' buckets over the expert group).
 pub(crate) fn check_experts(grid: &ProcessGrid, plan: &ParallelPlan) -> Result<(), TrainError> {
     // An expert may get no token in a micro-batch on some ranks: a collective started as soon
     // as a unit's or a micro-batch's gradients are complete would then start on some ranks
@@ -51,13 +52,34 @@ pub(crate) fn check_experts(grid: &ProcessGrid, plan: &ParallelPlan) -> Result<(
     if plan.zero == 0 || !experts_apart(grid) {
         return Ok(());
     }
+    // Expert buckets are cut over the expert group. At tp > 1 that group spans the TP ranks,
+    // whose checkpoint slices are kept apart; under hybrid sharding only the first shard
+    // group writes its slices.
+    let hybrid = plan.shard != 0 && plan.shard != grid.dp.size();
+    if grid.layout.tp == 1 && !hybrid {
+        return Ok(());
+    }
+    let (key, value, what, fix) = match hybrid {
+        true => (
+            "parallel.shard",
+            plan.shard,
+            "hybrid sharding",
+            "parallel.shard = 0 (the whole data-parallel group)",
+        ),
+        false => (
+            "parallel.zero",
+            usize::from(plan.zero),
+            "parallel.tp > 1",
+            "parallel.tp = 1",
+        ),
+    };
     Err(InvalidSetting {
-        key: "parallel.zero".into(),
-        value: plan.zero.to_string(),
+        key: key.into(),
+        value: value.to_string(),
         reason: format!(
-            "ZeRO does not yet shard a mixture of experts' state under parallel.ep = {} or \
-             parallel.tp = {} (the experts' gradients are summed over another group than the \
-             data-parallel one); use parallel.zero = 0, or ep = tp = 1",
+            "ZeRO does not yet shard a mixture of experts' state with {what} when the experts \
+             are held apart (parallel.ep = {}, parallel.tp = {}): their gradients are summed \
+             over another group than the data-parallel one; use {fix}, or parallel.zero = 0",
             grid.ep.size(),
             grid.layout.tp
         ),

@@ -120,17 +120,37 @@ where
         s: &Sliced<B::InnerBackend>,
         mine: Vec<Vec<f32>>,
     ) -> Result<Vec<f32>, TrainError> {
-        let all = all_gather_each(&*self.shard.comm()?, mine)?;
+        // The dense buckets' chunks over the shard group, the experts' held apart over the
+        // expert group.
+        let (mut dense, mut experts) = (Vec::new(), Vec::new());
+        for (chunk, &apart) in mine.into_iter().zip(&s.slices.apart) {
+            match apart {
+                true => experts.push(chunk),
+                false => dense.push(chunk),
+            }
+        }
+        let mut dense = all_gather_each(&*self.shard.comm()?, dense)?.into_iter();
+        let mut experts = match experts.is_empty() {
+            true => Vec::new(),
+            false => all_gather_each(&*self.grid.experts.comm()?, experts)?,
+        }
+        .into_iter();
         let total = s.ranges.iter().map(|&(o, l)| o + l).max().unwrap_or(0);
         let mut flat = vec![0.0; total];
-        for (c, all) in s.slices.buckets.iter().zip(all) {
+        for (c, &apart) in s.slices.buckets.iter().zip(&s.slices.apart) {
+            let all = match apart {
+                true => experts.next(),
+                false => dense.next(),
+            }
+            .ok_or_else(|| TrainError::Sliced("a bucket's gathered values are missing".into()))?;
             flat[c.start..c.start + c.len].copy_from_slice(&all[..c.len]);
         }
         Ok(flat)
     }
 
     /// The global gradient norm from this rank's pieces: squares summed over the
-    /// data-parallel ranks, then over tensor-parallel shards and stages as
+    /// data-parallel ranks (the routed experts' held apart over the expert group), then over
+    /// tensor-parallel shards, expert-parallel ranks and stages as
     /// [`global_grad_norm`](crate::train::global_grad_norm) does.
     fn pieces_norm(
         &self,
@@ -145,7 +165,9 @@ where
             }
             let g = &chunks[p.bucket][p.chunk_offset..p.chunk_offset + p.len];
             let sq = crate::kernels::cpu::math::sum_of_squares(g);
-            if self.sharded.contains(&id) {
+            if s.slices.apart[p.bucket] {
+                stats.expert_sq += sq;
+            } else if self.sharded.contains(&id) {
                 stats.sharded_sq += sq;
             } else {
                 stats.replicated_sq += sq;
@@ -154,10 +176,14 @@ where
         // Summed in f64, so that the norm (and the clipping) is the one of the whole
         // gradients up to the order of the additions.
         let both = sum_f64(self.shard, &[stats.sharded_sq, stats.replicated_sq])?;
+        let experts = match s.slices.apart.contains(&true) {
+            true => sum_f64(self.grid.experts, &[stats.expert_sq])?[0],
+            false => 0.0,
+        };
         let stats = GradStats {
             sharded_sq: both[0],
             replicated_sq: both[1],
-            expert_sq: 0.0,
+            expert_sq: experts,
         };
         let groups = crate::train::NormGroups {
             tp: self.grid.tp,
