@@ -235,17 +235,6 @@ impl Config {
         if let Err(e) = moe.check_ep(ep) {
             return bad("parallel.ep", e.to_string());
         }
-        if p.zero > 0 && moe.bias_update_rate > 0.0 {
-            return bad(
-                "model.moe.bias_update_rate",
-                format!(
-                    "{} needs parallel.zero = 0 (it is {}): ZeRO's optimizer would overwrite the \
-                     balancing biases with its own copy",
-                    shown(moe.bias_update_rate),
-                    p.zero
-                ),
-            );
-        }
         if p.tp > 1 && !p.sequence_parallel {
             return bad(
                 "parallel.sequence_parallel",
