@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Installs what merak-burn needs to build and run on Debian/Ubuntu, if it is missing:
 # Open MPI (library, headers, mpirun), libclang (the `mpi` crate generates its bindings with it),
-# pkg-config, procps (pgrep, used by a test) and python3 (the GPU report's test runs
-# benches/gpu/report.py). Needs a Rust toolchain (https://rustup.rs).
+# pkg-config, procps (pgrep, used by a test), python3 (the GPU report's test runs
+# benches/gpu/report.py) and Mesa's Vulkan drivers with the Vulkan loader (the `wgpu` device's
+# tests run on its software driver, llvmpipe). Needs a Rust toolchain (https://rustup.rs).
 set -euo pipefail
 
 need=()
-for pkg in libopenmpi-dev openmpi-bin libclang-dev clang pkg-config procps python3; do
+for pkg in libopenmpi-dev openmpi-bin libclang-dev clang pkg-config procps python3 mesa-vulkan-drivers libvulkan1; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then

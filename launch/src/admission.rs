@@ -41,8 +41,9 @@ pub fn check_shape(cfg: &Config, parallel: &ParallelPlan) -> Result<()> {
         HOST_RUNTIME_BYTES,
         true,
     );
-    if cfg.train.device == "cuda" {
-        // Model states and activations live on the device; `check` admits them there.
+    if cfg.train.device != "cpu" {
+        // Model states and activations live on the device; `check` admits them there (on
+        // CUDA; wgpu does not tell its free memory).
         bound = MemoryEstimate {
             states: 0.0,
             activations: 0.0,
@@ -68,6 +69,7 @@ pub fn check(
     let ranks = local_ranks(parallel);
     let (limit, runtime) = match cfg.train.device.as_str() {
         "cuda" => (device.and_then(gpu_limit), GPU_RUNTIME_BYTES),
+        "wgpu" => (None, GPU_RUNTIME_BYTES),
         _ => (MemoryLimit::host(ranks), HOST_RUNTIME_BYTES),
     };
     let Some(limit) = limit else {

@@ -252,14 +252,43 @@ fn run(job: &Job, trace: Option<&Path>, stop: &StopRequest) -> Result<bool> {
             let device = job.placement.device.map_or(0, |d| d.ordinal);
             train_model::<B>(job, out, &burn_cuda::CudaDevice::new(device), spec)?
         }
+        #[cfg(feature = "wgpu")]
+        "wgpu" => {
+            type B = burn::backend::Autodiff<merak_burn::backend::Wgpu>;
+            train_model::<B>(job, out, &wgpu_device(grid.rank)?, spec)?
+        }
         other => bail!(
-            "train.device = {other:?} is not available in this build (rebuild with --features cuda)"
+            "train.device = {other:?} is not available in this build (rebuild with --features \
+             {other})"
         ),
     };
     if grid.rank == 0 {
         print_summary(&summary, out, trace)?;
     }
     Ok(summary.stopped)
+}
+
+/// The wgpu adapter this rank trains on, after the self-test of its kernels; a warning when it
+/// is a software driver on the CPU.
+#[cfg(feature = "wgpu")]
+fn wgpu_device(rank: usize) -> Result<merak_burn::backend::WgpuDevice> {
+    use merak_burn::wgpu_device::{choose_adapter, self_test};
+    let adapter = choose_adapter()?;
+    let test = self_test(&adapter)?;
+    let worst = test.differences.iter().map(|d| d.1).fold(0.0f32, f32::max);
+    tracing::info!(
+        "rank {rank}: wgpu adapter {adapter}; self-test passed ({} checks, largest relative \
+         difference from the CPU {worst:.1e})",
+        test.differences.len()
+    );
+    if adapter.is_cpu() {
+        tracing::warn!(
+            "rank {rank}: the wgpu adapter {} is a software driver on the CPU: correct but far \
+             slower than train.device = \"cpu\"",
+            adapter.name
+        );
+    }
+    Ok(adapter.device)
 }
 
 /// Rank 0's closing lines: the summary and where each chart of the run went (drawn into `out`

@@ -20,3 +20,12 @@ pub type CpuAutodiff = Autodiff<Cpu>;
 /// The CPU training backend with Burn's balanced checkpointing (selective recomputation:
 /// matrix products are kept, memory-bound results recomputed in the backward pass).
 pub type CpuAutodiffSelective = Autodiff<Cpu, BalancedCheckpointing>;
+
+/// The wgpu GPU backend (Vulkan, Metal or DX12; WGSL kernels), without Burn's fusion and
+/// autotuning: what `train.device = "wgpu"` trains on (inside [`Autodiff`]).
+#[cfg(feature = "wgpu")]
+pub type Wgpu = burn_wgpu::Wgpu<f32, i32, u32>;
+
+/// A wgpu device: the default adapter, or one picked by kind and index.
+#[cfg(feature = "wgpu")]
+pub type WgpuDevice = burn_wgpu::WgpuDevice;

@@ -62,5 +62,7 @@ pub mod rng;
 pub mod session;
 pub mod tensor_parallel;
 pub mod train;
+#[cfg(feature = "wgpu")]
+pub mod wgpu_device;
 
 pub use session::{run, run_with_mpi};

@@ -45,7 +45,8 @@ pub struct TrainSection {
     pub sample_temperature: f64,
     /// Seed of initialization, data and dropout.
     pub seed: u64,
-    /// Device: "cpu" or "cuda" (needs the `cuda` build feature).
+    /// Device: "cpu", "cuda" (needs the `cuda` build feature) or "wgpu" (Vulkan, Metal or DX12
+    /// GPUs, and Mesa's software Vulkan driver; the `wgpu` build feature, on by default).
     pub device: String,
     /// Compute precision: "fp32", or "bf16" (bf16 compute and activations over f32 master
     /// weights, gradients, reduction, optimizer state and checkpoints).
@@ -156,10 +157,13 @@ impl Config {
                 ),
             );
         }
-        if !matches!(self.train.device.as_str(), "cpu" | "cuda") {
+        if !matches!(self.train.device.as_str(), "cpu" | "cuda" | "wgpu") {
             return bad(
                 "train.device",
-                format!("`{}` is not a device (cpu or cuda)", self.train.device),
+                format!(
+                    "`{}` is not a device (cpu, cuda or wgpu)",
+                    self.train.device
+                ),
             );
         }
         if self.train.comm == merak_burn::comm::TransportRequest::Nccl

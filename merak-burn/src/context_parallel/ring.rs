@@ -118,6 +118,9 @@ impl ContextParallelBackend for burn_flex::Flex {}
 #[cfg(feature = "cuda")]
 impl ContextParallelBackend for burn_cuda::Cuda<f32> {}
 
+#[cfg(feature = "wgpu")]
+impl ContextParallelBackend for crate::backend::Wgpu {}
+
 /// Context-parallel self-attention on this rank's zigzag shard of a fused Q/K/V projection
 /// ([`ContextParallelBackend::ring_attention`]).
 ///

@@ -47,6 +47,8 @@ pub trait ExpertBackend: Backend {
 impl ExpertBackend for burn_flex::Flex {}
 #[cfg(feature = "cuda")]
 impl ExpertBackend for burn_cuda::Cuda<f32> {}
+#[cfg(feature = "wgpu")]
+impl ExpertBackend for crate::backend::Wgpu {}
 
 impl<B: ExpertBackend, C: CheckpointStrategy> ExpertBackend for Autodiff<B, C> {
     fn ep_exchange(

@@ -370,6 +370,19 @@ impl FusedOps for burn_cuda::Cuda<f32> {
     }
 }
 
+/// On wgpu as on CUDA: Burn's attention operation, the backward pass recomputing the softmax;
+/// the other kernels compose Burn's operators (no CubeCL kernel of merak's own yet).
+#[cfg(feature = "wgpu")]
+impl FusedOps for crate::backend::Wgpu {
+    fn attention_forward(
+        qkv: FloatTensor<Self>,
+        spec: AttentionSpec,
+        segments: Option<IntTensor<Self>>,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        composed::attention_forward_unsaved::<Self>(qkv, spec, segments)
+    }
+}
+
 /// Communication failures inside a fused operation cannot be returned through Burn's operator
 /// signatures; they are fatal for the job (the panic hook aborts it and names the rank).
 pub(crate) fn fatal(what: &str, e: crate::comm::CommError) -> ! {

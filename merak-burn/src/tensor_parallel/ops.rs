@@ -256,6 +256,8 @@ macro_rules! impl_parallel_backend {
 impl_parallel_backend!(burn_flex::Flex);
 #[cfg(feature = "cuda")]
 impl_parallel_backend!(burn_cuda::Cuda<f32>);
+#[cfg(feature = "wgpu")]
+impl_parallel_backend!(crate::backend::Wgpu);
 
 #[derive(Debug)]
 struct CopyBackward;

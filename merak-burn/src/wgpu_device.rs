@@ -1,0 +1,322 @@
+//! The `wgpu` device (Vulkan, Metal or DX12): which adapter a run trains on, and the start-up
+//! self-test.
+//!
+//! CubeCL compiles its kernels when they are first used, so a driver that cannot compile or
+//! run one would otherwise fail in the middle of the first step, after the data and the model
+//! are loaded, with a panic deep inside wgpu. [`choose_adapter`] refuses a machine without an
+//! adapter, naming what to install, and [`self_test`] runs the operations of a training step
+//! (embedding, LayerNorm, linear layers, bias-GELU, causal attention, cross-entropy, and their
+//! backward passes) on tiny shapes and compares them with the CPU backend, before training.
+//! The software driver (Mesa's llvmpipe) is a CPU adapter: it runs every kernel correctly and
+//! slowly, and [`Adapter::is_cpu`] lets the caller warn about it.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use burn::backend::Autodiff;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
+use thiserror::Error;
+
+use crate::backend::{Cpu, Wgpu, WgpuDevice};
+use crate::comm::Group;
+use crate::kernels::{
+    AttentionSpec, FusedOps, attention, bias_gelu, embedding, layer_norm, linear,
+};
+use crate::tensor_parallel::{ParallelBackend, vocab_parallel_cross_entropy};
+
+/// What kind of adapter a wgpu device is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AdapterKind {
+    /// A discrete GPU.
+    Discrete,
+    /// A GPU integrated with the CPU.
+    Integrated,
+    /// A virtual GPU (a virtual machine's).
+    Virtual,
+    /// A software driver running on the CPU (Mesa's llvmpipe, SwiftShader).
+    Cpu,
+    /// An adapter wgpu cannot classify.
+    Other,
+}
+
+/// The adapter a run trains on.
+#[derive(Clone, Debug)]
+pub struct Adapter {
+    /// The adapter's name, as its driver reports it.
+    pub name: String,
+    /// Its kind.
+    pub kind: AdapterKind,
+    /// The graphics API (Vulkan, Metal, DX12).
+    pub backend: String,
+    /// The driver and its version.
+    pub driver: String,
+    /// The device to give Burn: this adapter.
+    pub device: WgpuDevice,
+}
+
+impl Adapter {
+    /// Whether the adapter is a software driver on the CPU: correct, and far slower than the
+    /// CPU backend.
+    pub fn is_cpu(&self) -> bool {
+        self.kind == AdapterKind::Cpu
+    }
+}
+
+impl std::fmt::Display for Adapter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} ({:?}, {}, driver {})",
+            self.name, self.kind, self.backend, self.driver
+        )
+    }
+}
+
+/// A failure of the wgpu device before training.
+#[derive(Clone, Debug, Error, PartialEq)]
+pub enum WgpuError {
+    /// No adapter at all.
+    #[error(
+        "train.device = \"wgpu\": no GPU adapter was found (Vulkan, Metal or DX12). Install your \
+         GPU's Vulkan driver, or Mesa's software driver to test on the CPU (Debian/Ubuntu: \
+         apt-get install mesa-vulkan-drivers libvulkan1), or train with train.device = \"cpu\""
+    )]
+    NoAdapter,
+    /// An operation of the self-test failed to compile or run, or gave wrong values.
+    #[error("train.device = \"wgpu\": the self-test of {check} failed on {adapter}: {reason}")]
+    SelfTest {
+        /// The adapter.
+        adapter: String,
+        /// The operation.
+        check: String,
+        /// What went wrong.
+        reason: String,
+    },
+}
+
+/// The adapter to train on, among those of the graphics API CubeCL uses here (Vulkan on Linux
+/// and Windows, Metal on macOS): the first discrete GPU, else the first integrated one, else
+/// the first virtual one, else a software driver on the CPU.
+pub fn choose_adapter() -> Result<Adapter, WgpuError> {
+    use burn_wgpu::graphics::{AutoGraphicsApi, GraphicsApi};
+    let instance = wgpu::Instance::default();
+    let api = wgpu::Backends::from(AutoGraphicsApi::backend());
+    let adapters = pollster_block(instance.enumerate_adapters(api));
+    let infos: Vec<wgpu::AdapterInfo> = adapters.iter().map(|a| a.get_info()).collect();
+    let preference = [
+        (wgpu::DeviceType::DiscreteGpu, AdapterKind::Discrete),
+        (wgpu::DeviceType::IntegratedGpu, AdapterKind::Integrated),
+        (wgpu::DeviceType::VirtualGpu, AdapterKind::Virtual),
+        (wgpu::DeviceType::Cpu, AdapterKind::Cpu),
+    ];
+    for (ty, kind) in preference {
+        if let Some(info) = infos.iter().find(|i| i.device_type == ty) {
+            return Ok(adapter(info, kind, device_of(kind)));
+        }
+    }
+    // Only unclassified adapters: cubecl picks among them by its default preference.
+    (infos.first())
+        .map(|info| adapter(info, AdapterKind::Other, WgpuDevice::DefaultDevice))
+        .ok_or(WgpuError::NoAdapter)
+}
+
+fn adapter(info: &wgpu::AdapterInfo, kind: AdapterKind, device: WgpuDevice) -> Adapter {
+    Adapter {
+        name: info.name.clone(),
+        kind,
+        backend: format!("{:?}", info.backend),
+        driver: format!("{} {}", info.driver, info.driver_info)
+            .trim()
+            .to_string(),
+        device,
+    }
+}
+
+/// The first adapter of `kind` (cubecl numbers the adapters of each kind from 0).
+fn device_of(kind: AdapterKind) -> WgpuDevice {
+    match kind {
+        AdapterKind::Discrete => WgpuDevice::DiscreteGpu(0),
+        AdapterKind::Integrated => WgpuDevice::IntegratedGpu(0),
+        AdapterKind::Virtual => WgpuDevice::VirtualGpu(0),
+        AdapterKind::Cpu => WgpuDevice::Cpu,
+        AdapterKind::Other => WgpuDevice::DefaultDevice,
+    }
+}
+
+/// Runs a future to completion on this thread (wgpu's adapter queries are futures that
+/// resolve at once on native platforms).
+fn pollster_block<F: std::future::Future>(future: F) -> F::Output {
+    use std::task::{Context, Poll, Waker};
+    let mut future = std::pin::pin!(future);
+    let mut cx = Context::from_waker(Waker::noop());
+    loop {
+        if let Poll::Ready(out) = future.as_mut().poll(&mut cx) {
+            return out;
+        }
+        std::thread::yield_now();
+    }
+}
+
+/// The self-test's bound on the relative difference from the CPU backend (the largest
+/// difference over the largest magnitude of each result). It catches a kernel that computes
+/// something else, not rounding: measured on llvmpipe, the loss and the gradients downstream
+/// of GELU differ by about 2e-7, those upstream of it by up to 1.7e-4 (the GELU's backward
+/// pass differs on wgpu).
+pub const SELF_TEST_TOLERANCE: f32 = 1e-3;
+
+/// What the self-test compared: each operation's largest relative difference from the CPU.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SelfTest {
+    /// `(operation, relative difference)`, in the order they ran.
+    pub differences: Vec<(String, f32)>,
+}
+
+/// Runs every operation of a training step on `adapter` (tiny shapes, forward and backward)
+/// and compares the results with the CPU backend within [`SELF_TEST_TOLERANCE`]. A kernel
+/// that fails to compile or run panics inside CubeCL: the panic is caught (and kept from the
+/// panic hook, which would end the job) and becomes the error.
+pub fn self_test(adapter: &Adapter) -> Result<SelfTest, WgpuError> {
+    let fail = |check: &str, reason: String| WgpuError::SelfTest {
+        adapter: adapter.to_string(),
+        check: check.to_string(),
+        reason,
+    };
+    let want = step_results::<Autodiff<Cpu>>(&Default::default());
+    let got = quietly(|| step_results::<Autodiff<Wgpu>>(&adapter.device))
+        .map_err(|reason| fail("the first kernels", reason))?;
+    let mut differences = Vec::new();
+    for ((name, w), (_, g)) in want.iter().zip(&got) {
+        let diff = relative_difference(g, w);
+        if diff.is_nan() || diff > SELF_TEST_TOLERANCE {
+            let reason = format!("relative difference {diff:e} from the CPU backend");
+            return Err(fail(name, reason));
+        }
+        differences.push((name.to_string(), diff));
+    }
+    Ok(SelfTest { differences })
+}
+
+/// Runs `f`, turning a panic into its message, without the panic hook (which under `mpirun`
+/// aborts the job) seeing it.
+fn quietly<T>(f: impl FnOnce() -> T) -> Result<T, String> {
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let result = catch_unwind(AssertUnwindSafe(f));
+    std::panic::set_hook(hook);
+    result.map_err(|payload| {
+        (payload.downcast_ref::<&str>().map(|s| s.to_string()))
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic without a message".into())
+    })
+}
+
+/// The largest difference of `got` from `want` over the largest magnitude of `want` (infinite
+/// for different lengths or a non-finite value).
+fn relative_difference(got: &[f32], want: &[f32]) -> f32 {
+    if got.len() != want.len() {
+        return f32::INFINITY;
+    }
+    let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+    let diff = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (g - w).abs())
+        .fold(
+            0.0f32,
+            |m, d| if d.is_nan() { f32::INFINITY } else { m.max(d) },
+        );
+    diff / scale
+}
+
+/// Fixed, varied values for a tensor of `n` elements (`k` picks the sequence).
+fn values(n: usize, k: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| (((i * 37 + k * 101) % 61) as f32 / 61.0 - 0.5) * 0.8)
+        .collect()
+}
+
+/// A tensor of `shape` filled by [`values`], tracked by autodiff.
+fn param<B: Backend, const D: usize>(
+    shape: [usize; D],
+    k: usize,
+    device: &B::Device,
+) -> Tensor<B, D> {
+    let n = shape.iter().product();
+    Tensor::<B, D>::from_data(TensorData::new(values(n, k), shape), device).require_grad()
+}
+
+/// One tiny GPT step on backend `B` (batch 2, sequence 5, width 8, 2 heads, vocabulary 11):
+/// the loss and the gradients of every input, by name.
+fn step_results<B>(device: &B::Device) -> Vec<(&'static str, Vec<f32>)>
+where
+    B: burn::tensor::backend::AutodiffBackend + ParallelBackend + FusedOps,
+    B::InnerBackend: ParallelBackend,
+{
+    let (batch, seq, width, vocab) = (2, 5, 8, 11);
+    let table = param::<B, 2>([vocab, width], 1, device);
+    let (gamma, beta) = (
+        param::<B, 1>([width], 2, device),
+        param::<B, 1>([width], 3, device),
+    );
+    let w_qkv = param::<B, 2>([width, 3 * width], 4, device);
+    let w_up = param::<B, 2>([width, 2 * width], 5, device);
+    let b_up = param::<B, 1>([2 * width], 6, device);
+    let w_down = param::<B, 2>([2 * width, vocab], 7, device);
+    let ids: Vec<i64> = (0..batch * seq)
+        .map(|i| ((i * 7 + 3) % vocab) as i64)
+        .collect();
+    let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [batch, seq]), device);
+    let targets = ids.clone().flip([1]);
+    let x = embedding(table.clone(), ids, 0);
+    let x = layer_norm(x, gamma.clone(), beta.clone(), 1e-5).reshape([batch * seq, width]);
+    let qkv = linear(x, w_qkv.clone(), None).reshape([batch, seq, 3 * width]);
+    let spec = AttentionSpec {
+        heads: 2,
+        causal: true,
+    };
+    let context = attention(qkv, spec).reshape([batch * seq, width]);
+    let hidden = bias_gelu(linear(context, w_up.clone(), None), b_up.clone());
+    let logits = linear(hidden, w_down.clone(), None).reshape([batch, seq, vocab]);
+    let losses = vocab_parallel_cross_entropy(logits, targets, 0, vocab, Group::local());
+    let loss = losses.mean();
+    let grads = loss.backward();
+    let read = |t: Tensor<B::InnerBackend, 1>| t.into_data().convert::<f32>().to_vec::<f32>();
+    let grad = |p: &Tensor<B, 2>| p.grad(&grads).map(|g| g.reshape([-1])).map(read);
+    let grad1 = |p: &Tensor<B, 1>| p.grad(&grads).map(read);
+    let mut out = vec![(
+        "the loss (forward pass)",
+        read(loss.inner()).unwrap_or_default(),
+    )];
+    for (name, g) in [
+        ("the embedding's backward pass", grad(&table)),
+        ("the attention's backward pass (Q/K/V weight)", grad(&w_qkv)),
+        ("the linear layers' backward pass", grad(&w_down)),
+        ("the bias-GELU's backward pass", grad(&w_up)),
+        ("the bias gradient", grad1(&b_up)),
+        ("the LayerNorm's backward pass (scale)", grad1(&gamma)),
+        ("the LayerNorm's backward pass (shift)", grad1(&beta)),
+    ] {
+        out.push((name, g.and_then(Result::ok).unwrap_or_default()));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relative_differences_catch_wrong_lengths_and_nans() {
+        assert_eq!(relative_difference(&[1.0, 2.0], &[1.0, 2.0]), 0.0);
+        assert!((relative_difference(&[1.0, 2.1], &[1.0, 2.0]) - 0.05).abs() < 1e-6);
+        assert!(relative_difference(&[1.0], &[1.0, 2.0]).is_infinite());
+        assert!(relative_difference(&[f32::NAN, 2.0], &[1.0, 2.0]).is_infinite());
+    }
+
+    #[test]
+    fn a_panic_becomes_its_message() {
+        let e = quietly(|| -> u8 { panic!("no kernel {}", 3) }).expect_err("panicked");
+        assert_eq!(e, "no kernel 3");
+        assert_eq!(quietly(|| 4), Ok(4));
+    }
+}
