@@ -1,24 +1,32 @@
 #!/usr/bin/env python3
 """Fixtures for the Llama example's Hugging Face import and export (examples/llama/tests/hf.rs).
 
-Builds two small LlamaForCausalLM models with random weights (nothing pretrained), saves each
-with `save_pretrained` and writes what transformers computes for a fixed batch of tokens next
-to it, in `expected.json`: the logits of every position (fp32) and a greedy continuation with
-the gap between the two best logits at each step. The Rust tests read only these files (CI has
-no PyTorch):
+Builds small LlamaForCausalLM and MixtralForCausalLM models with random weights (nothing
+pretrained), saves each with `save_pretrained` and writes what transformers computes for a
+fixed batch of tokens next to it, in `expected.json`: the logits of every position (fp32) and a
+greedy continuation with the gap between the two best logits at each step (and, for Mixtral,
+the smallest gap between a token's second and third router probability, `router_margin`: how
+far the routing is from a tie). The Rust tests read only these files (CI has no PyTorch):
 
 - `gqa/`: grouped-query attention (4 heads, 2 kv heads), untied head, Llama-3 rope scaling,
   rope_theta 500000, one `model.safetensors` in bf16 (the reference logits are computed in
   fp32 from the bf16-rounded weights, so the file holds exactly what was computed with).
 - `tied/`: one kv head, head tied to the token embedding, fp32, saved in several files with
   `model.safetensors.index.json`.
+- `mixtral/`: a MixtralForCausalLM, 4 experts of width 32 with 2 per token, grouped-query
+  attention (4 heads, 2 kv heads), rope_theta 1e6, a sliding window of 32 positions (longer
+  than the sequences computed, so the attention is the full causal one), the router's
+  auxiliary loss on (`output_router_logits`), one `model.safetensors` in bf16 with transformers'
+  per-expert tensor names (`block_sparse_moe.experts.{e}.w1/w2/w3`, as `save_pretrained`
+  writes them by default).
 
 Usage (the venv with torch and transformers):
 
-    python scripts/hf-llama-fixture.py [--out examples/llama/tests/fixtures]
-        Writes both fixtures (deterministic: seeded).
+    python scripts/hf-llama-fixture.py [--out examples/llama/tests/fixtures] [--only NAME ...]
+        Writes the fixtures (all, or those named; deterministic: seeded).
     python scripts/hf-llama-fixture.py --check DIR --expected FILE
-        Loads the model at DIR (e.g. one exported by `write_hf_llama`) with transformers and
+        Loads the model at DIR (e.g. one exported by `write_hf_llama`, Llama or Mixtral) with
+        transformers (AutoModelForCausalLM) and
         compares its logits and greedy continuation with FILE (an `expected.json`): the live
         check of an export.
 """
@@ -31,7 +39,13 @@ import sys
 
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+)
 
 NEW_TOKENS = 8
 
@@ -77,6 +91,34 @@ VARIANTS = {
         shard="24KB",
         seed=2,
     ),
+    "mixtral": dict(
+        arch="mixtral",
+        config=dict(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=64,
+            sliding_window=32,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            rope_theta=1000000.0,
+            output_router_logits=True,
+            router_aux_loss_coef=0.02,
+        ),
+        dtype=torch.bfloat16,
+        shard=None,
+        seed=3,
+    ),
+}
+
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mixtral": (MixtralConfig, MixtralForCausalLM),
 }
 
 
@@ -99,15 +141,30 @@ def randomize(model, seed):
             elif "embed_tokens" in name:
                 p.copy_(torch.randn(p.shape, generator=g))
             else:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
+                # The last dimension is the input one, also of Mixtral's stacked experts.
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+
+
+def router_margin(out, top_k):
+    """The smallest gap, over every layer and token, between a token's top_k-th and
+    top_k + 1-th router probability (`out` of a Mixtral run with `output_router_logits`)."""
+    margin = math.inf
+    for layer in out.router_logits:
+        probs = torch.softmax(layer.float(), dim=-1)
+        top = torch.topk(probs, top_k + 1, dim=-1).values
+        margin = min(margin, float((top[:, top_k - 1] - top[:, top_k]).min()))
+    return margin
 
 
 def run(model, ids):
     """fp32 logits of every position, and a greedy continuation of NEW_TOKENS tokens (no
     cache: each step runs the whole sequence) with the top-two gap of each step."""
     model.eval()
+    moe = getattr(model.config, "num_local_experts", None) is not None
+    extra = {"output_router_logits": True} if moe else {}
     with torch.no_grad():
-        logits = model(input_ids=ids, use_cache=False).logits.float()
+        out = model(input_ids=ids, use_cache=False, **extra)
+        logits = out.logits.float()
         seq = ids.clone()
         generated, gaps = [], []
         for _ in range(NEW_TOKENS):
@@ -117,7 +174,7 @@ def run(model, ids):
             generated.append(nxt.tolist())
             gaps.append((top.values[:, 0] - top.values[:, 1]).tolist())
             seq = torch.cat([seq, nxt[:, None]], dim=1)
-    return {
+    result = {
         "input_ids": ids.tolist(),
         "logits_shape": list(logits.shape),
         "logits": [float(x) for x in logits.reshape(-1).tolist()],
@@ -125,13 +182,20 @@ def run(model, ids):
         "generated": [list(t) for t in zip(*generated)],
         "gaps": [list(t) for t in zip(*gaps)],
     }
+    if moe:
+        result["router_margin"] = router_margin(out, model.config.num_experts_per_tok)
+    return result
 
 
 def build(out, name, v):
     torch.manual_seed(v["seed"])
-    cfg = LlamaConfig(**v["config"], bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config_class, model_class = ARCHS[v.get("arch", "llama")]
+    cfg = config_class(**v["config"], bos_token_id=None, eos_token_id=None, pad_token_id=None)
     cfg._attn_implementation = "eager"
-    model = LlamaForCausalLM(cfg).float()
+    if v.get("arch") == "mixtral":
+        # The experts one after another, as modeling_mixtral.py writes them.
+        cfg._experts_implementation = "eager"
+    model = model_class(cfg).float()
     randomize(model, v["seed"])
     # Round the weights (not the rotary frequency buffers, which `.to(dtype)` would round
     # too) to the dtype they are saved in, then compute in fp32 from those.
@@ -162,8 +226,10 @@ def build(out, name, v):
 def check(folder, expected_path, tol):
     with open(expected_path) as f:
         expected = json.load(f)
-    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     model.config._attn_implementation = "eager"
+    if getattr(model.config, "num_local_experts", None) is not None:
+        model.config._experts_implementation = "eager"
     got = run(model, torch.tensor(expected["input_ids"]))
     diff = max(abs(a - b) for a, b in zip(got["logits"], expected["logits"]))
     print(f"{folder}: max |logit difference| {diff:.3e}")
@@ -183,6 +249,7 @@ def main():
     p.add_argument("--check", metavar="DIR")
     p.add_argument("--expected", metavar="FILE")
     p.add_argument("--tol", type=float, default=1e-4)
+    p.add_argument("--only", nargs="+", choices=sorted(VARIANTS), help="write only these fixtures")
     a = p.parse_args()
     torch.use_deterministic_algorithms(True)
     if a.check:
@@ -190,7 +257,8 @@ def main():
             p.error("--check needs --expected")
         sys.exit(0 if check(a.check, a.expected, a.tol) else 1)
     for name, v in VARIANTS.items():
-        build(a.out, name, v)
+        if a.only is None or name in a.only:
+            build(a.out, name, v)
 
 
 if __name__ == "__main__":

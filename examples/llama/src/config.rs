@@ -1,5 +1,7 @@
-//! The shape of the decoder: sizes, attention heads, rotary frequencies, norms.
+//! The shape of the decoder: sizes, attention heads, rotary frequencies, norms, and the
+//! optional mixture of experts (Mixtral).
 
+use merak_burn::moe::{ExpertActivation, MoeConfig, RouterScore};
 use thiserror::Error;
 
 /// Llama 3's rotary frequency adjustment (transformers' `rope_type = "llama3"`): frequencies
@@ -18,6 +20,25 @@ pub struct RopeScaling {
     pub original_max_position_embeddings: usize,
 }
 
+/// Mixtral's sparse mixture of experts in place of every block's MLP: a router (no bias)
+/// scores the `experts` SwiGLU networks of width [`LlamaConfig::ffn`] with a softmax, each
+/// token goes through its `top_k` best, weighted by their scores divided by the sum of those
+/// `top_k` (transformers' `MixtralSparseMoeBlock`). Routing is dropless.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SparseMoe {
+    /// Experts per block (transformers' `num_local_experts`).
+    pub experts: usize,
+    /// Experts each token goes through (`num_experts_per_tok`).
+    pub top_k: usize,
+    /// The weight of the routers' load-balancing loss in training, as transformers'
+    /// `router_aux_loss_coef` counts it (0: none, as transformers without
+    /// `output_router_logits`). transformers computes one Switch loss over the tokens of every
+    /// block together, each token counted `top_k` times; merak-burn computes one per block
+    /// and adds them, so each block's is weighted `aux_loss * top_k / layers` (the same total
+    /// when the routers are balanced).
+    pub aux_loss: f64,
+}
+
 /// The shape of a Llama-style decoder.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LlamaConfig {
@@ -32,7 +53,7 @@ pub struct LlamaConfig {
     /// Key/value heads, a divisor of `heads` (grouped-query attention: each key/value head
     /// serves `heads / kv_heads` consecutive query heads); `heads` for multi-head attention.
     pub kv_heads: usize,
-    /// Width of the SwiGLU MLP.
+    /// Width of the SwiGLU MLP (of each expert, under a mixture of experts).
     pub ffn: usize,
     /// Longest sequence (the rotary table's length).
     pub max_seq: usize,
@@ -44,6 +65,8 @@ pub struct LlamaConfig {
     pub rms_norm_eps: f64,
     /// Project onto the vocabulary with the token embedding's table (no output layer).
     pub tie_embeddings: bool,
+    /// A mixture of experts in place of every block's MLP (Mixtral); `None`: the dense MLP.
+    pub moe: Option<SparseMoe>,
 }
 
 /// A [`LlamaConfig`] that describes no model.
@@ -66,6 +89,7 @@ impl LlamaConfig {
             rope_scaling: None,
             rms_norm_eps: 1e-5,
             tie_embeddings: false,
+            moe: None,
         }
     }
 
@@ -77,7 +101,8 @@ impl LlamaConfig {
     /// Checks that the sizes fit together: every size positive, `heads` dividing `hidden`
     /// into heads of even width, `kv_heads` dividing `heads`, positive finite rotary base and
     /// norm epsilon, and a rotary scaling whose high-frequency factor exceeds its
-    /// low-frequency one.
+    /// low-frequency one, and a mixture of experts (if any) choosing from 1 to `experts`
+    /// experts per token with a finite, non-negative load-balancing weight.
     pub fn validate(&self) -> Result<(), InvalidConfig> {
         let bad = |m: String| Err(InvalidConfig(m));
         for (name, v) in [
@@ -141,7 +166,32 @@ impl LlamaConfig {
                 return bad("rope scaling original_max_position_embeddings = 0".into());
             }
         }
+        if let Some(m) = self.moe {
+            if m.top_k == 0 || m.top_k > m.experts {
+                return bad(format!(
+                    "moe: top_k = {} must be from 1 to experts = {}",
+                    m.top_k, m.experts
+                ));
+            }
+            if !(m.aux_loss.is_finite() && m.aux_loss >= 0.0) {
+                return bad(format!("moe: aux_loss = {} must be >= 0", m.aux_loss));
+            }
+        }
         Ok(())
+    }
+
+    /// The mixture-of-experts block of every layer (`None` without [`moe`](Self::moe)):
+    /// SwiGLU experts of width `ffn`, softmax scores renormalized over the `top_k` chosen,
+    /// dropless, the load-balancing loss weighted as [`SparseMoe::aux_loss`] says, no z-loss.
+    pub fn moe_config(&self) -> Option<MoeConfig> {
+        let m = self.moe?;
+        Some(MoeConfig {
+            activation: ExpertActivation::Swiglu,
+            score: RouterScore::Softmax,
+            renormalize: true,
+            aux_loss: m.aux_loss * m.top_k as f64 / self.layers.max(1) as f64,
+            ..MoeConfig::new(m.experts, m.top_k, self.ffn)
+        })
     }
 
     /// Every parameter of the model at full size, by merak name, in module order.
@@ -157,15 +207,34 @@ impl LlamaConfig {
                 ("attn.wv.linear.weight", vec![h, kv]),
                 ("attn.wo.linear.weight", vec![q, h]),
                 ("mlp_norm.gamma", vec![h]),
-                ("mlp.w1.linear.weight", vec![h, self.ffn]),
-                ("mlp.w2.linear.weight", vec![self.ffn, h]),
-                ("mlp.w3.linear.weight", vec![h, self.ffn]),
             ];
             shapes.extend(blocks.map(|(n, s)| (format!("layers.{l}.{n}"), s)));
+            shapes.extend(
+                (self.feed_forward_shapes().into_iter())
+                    .map(|(n, s)| (format!("layers.{l}.{n}"), s)),
+            );
         }
         shapes.push(("head.norm.gamma".into(), vec![h]));
         if !self.tie_embeddings {
             shapes.push(("head.output.linear.weight".into(), vec![h, self.vocab]));
+        }
+        shapes
+    }
+
+    /// The parameters of one block's MLP or mixture of experts, by name within the block.
+    fn feed_forward_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        let (h, f) = (self.hidden, self.ffn);
+        let Some(moe) = self.moe else {
+            return vec![
+                ("mlp.w1.linear.weight".into(), vec![h, f]),
+                ("mlp.w2.linear.weight".into(), vec![f, h]),
+                ("mlp.w3.linear.weight".into(), vec![h, f]),
+            ];
+        };
+        let mut shapes = vec![("moe.router".to_string(), vec![h, moe.experts])];
+        for e in 0..moe.experts {
+            shapes.push((format!("moe.experts.{e}.w_in"), vec![h, 2 * f]));
+            shapes.push((format!("moe.experts.{e}.w_out"), vec![f, h]));
         }
         shapes
     }

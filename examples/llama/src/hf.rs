@@ -1,16 +1,23 @@
-//! Hugging Face `LlamaForCausalLM` checkpoints in and out: [`read_hf_llama`] reads a folder
-//! as `save_pretrained` writes it (`config.json`, and `model.safetensors` or the files of
-//! `model.safetensors.index.json`) into a [`LlamaConfig`] and the full-size parameters by
-//! merak name; [`write_hf_llama`] writes them back in the same form.
+//! Hugging Face `LlamaForCausalLM` and `MixtralForCausalLM` checkpoints in and out:
+//! [`read_hf_llama`] reads a folder as `save_pretrained` writes it (`config.json`, and
+//! `model.safetensors` or the files of `model.safetensors.index.json`) into a [`LlamaConfig`]
+//! and the full-size parameters by merak name; [`write_hf_llama`] writes them back in the same
+//! form. `config.json`'s `model_type` tells them apart (`"llama"` or `"mixtral"`; without one,
+//! `architectures`): a Mixtral is this decoder with [`LlamaConfig::moe`] set, its blocks'
+//! MLPs replaced by mixtures of experts.
 //!
-//! The layouts differ in two ways, converted both ways:
+//! The layouts differ in these ways, converted both ways:
 //! - torch's `nn.Linear` weight is `[out, in]`, Burn's `[in, out]`: every projection is
 //!   transposed (the token table and the norms are not);
 //! - transformers rotates the two halves of each query/key head (`rotate_half`: feature `i`
 //!   with `i + head_dim / 2`), Burn's `RotaryEncoding` interleaved pairs (`2i` with `2i + 1`):
 //!   feature `2i` of each of our query/key heads is transformers' feature `i`, feature `2i + 1`
 //!   its feature `i + head_dim / 2` (the same attention scores, since queries and keys are
-//!   permuted alike).
+//!   permuted alike);
+//! - a Mixtral expert's gate (`w1`) and up (`w3`) projections are two tensors there, the
+//!   two halves of the columns of one input projection here (`moe.experts.{e}.w_in`,
+//!   `[hidden, 2 ffn]`, the gate's first), each transposed; its down projection (`w2`) and
+//!   the router (`block_sparse_moe.gate`) are transposed.
 //!
 //! Files are untrusted: every size in a safetensors header is checked against the file's real
 //! size before anything is allocated from it, every tensor's name and shape against
@@ -25,7 +32,7 @@ use merak_burn::hf_files::{self, HfFileError};
 use serde_json::{Value, json};
 use thiserror::Error;
 
-use crate::{FullParams, InvalidConfig, LlamaConfig, RopeScaling};
+use crate::{FullParams, InvalidConfig, LlamaConfig, RopeScaling, SparseMoe};
 
 /// The model's config file.
 pub const CONFIG_FILE: &str = "config.json";
@@ -40,21 +47,27 @@ const MAX_INDEX_BYTES: u64 = 64 << 20;
 /// holds `max_seq x head_dim x 2` floats).
 pub const MAX_POSITIONS: usize = 1 << 20;
 
-/// A Hugging Face Llama read by [`read_hf_llama`].
+/// A Hugging Face Llama or Mixtral read by [`read_hf_llama`].
 #[derive(Clone, Debug)]
 pub struct HfLlama {
-    /// The model's shape from `config.json` (`max_seq` is `max_position_embeddings`; a run on
-    /// shorter sequences may lower it, it only sizes the rotary table).
+    /// The model's shape from `config.json` (`max_seq` is `max_position_embeddings`, or a
+    /// Mixtral's `sliding_window` when smaller; a run on shorter sequences may lower it, it
+    /// only sizes the rotary table).
     pub config: LlamaConfig,
     /// Every parameter at full size, by merak name, in merak's layouts.
     pub params: FullParams,
     /// What was read but not used (rotary frequency buffers, a tied head's copy of the token
-    /// table).
+    /// table, a Mixtral's router noise).
     pub notes: Vec<String>,
+    /// A Mixtral's `sliding_window`: transformers lets each position attend to the previous
+    /// `sliding_window` positions only, this model to all of them, so the two compute the same
+    /// on sequences of at most that many tokens, which [`pretrained_or`](crate::pretrained_or)
+    /// holds runs to.
+    pub sliding_window: Option<usize>,
 }
 
-/// A Hugging Face Llama folder that cannot be read, or parameters that cannot be written;
-/// every variant reading a file names it.
+/// A Hugging Face Llama or Mixtral folder that cannot be read, or parameters that cannot be
+/// written; every variant reading a file names it.
 #[derive(Debug, Error)]
 pub enum HfLlamaError {
     /// Reading or writing a file failed; not a valid safetensors file, JSON file or folder; a
@@ -96,7 +109,7 @@ pub enum HfLlamaError {
     Missing {
         /// The file that should hold it (the one the index names, or `model.safetensors`).
         path: PathBuf,
-        /// Its `LlamaForCausalLM` name.
+        /// Its `LlamaForCausalLM` (or `MixtralForCausalLM`) name.
         tensor: String,
         /// The sizes of `config.json`.
         model: String,
@@ -134,21 +147,50 @@ enum Layout {
     /// Transposed, and each head's output features permuted between half-split and
     /// interleaved rotary order (query and key projections).
     Rotary,
+    /// Transposed into the first half of the columns of an expert's input projection (a
+    /// Mixtral expert's gate projection, `w1`).
+    Gate,
+    /// Transposed into the second half of the columns of an expert's input projection (a
+    /// Mixtral expert's up projection, `w3`).
+    Up,
 }
 
-/// One tensor of `LlamaForCausalLM`.
+impl Layout {
+    /// Which half of an expert's input projection's columns the tensor fills, if it fills one.
+    fn half(self) -> Option<usize> {
+        match self {
+            Layout::Gate => Some(0),
+            Layout::Up => Some(1),
+            _ => None,
+        }
+    }
+}
+
+/// One tensor of `LlamaForCausalLM` (or `MixtralForCausalLM`).
 #[derive(Clone, Debug)]
 struct Spec {
     /// Its transformers name.
     hf: String,
-    /// Its merak name.
+    /// Its merak name (of the parameter it fills half of, for [`Layout::Gate`] and
+    /// [`Layout::Up`]).
     merak: String,
     /// Its transformers shape.
     shape: Vec<usize>,
     layout: Layout,
 }
 
-/// The tensors of a `LlamaForCausalLM` of shape `c` (without the head of a tied one), in
+impl Spec {
+    /// The shape of the merak parameter it fills.
+    fn ours(&self) -> Vec<usize> {
+        match (self.layout, &self.shape[..]) {
+            (Layout::Same, _) => self.shape.clone(),
+            (Layout::Gate | Layout::Up, &[width, hidden]) => vec![hidden, 2 * width],
+            _ => self.shape.iter().rev().copied().collect(),
+        }
+    }
+}
+
+/// The tensors of a `LlamaForCausalLM` (or `MixtralForCausalLM`) of shape `c` (without the head of a tied one), in
 /// module order.
 fn specs(c: &LlamaConfig) -> Vec<Spec> {
     let (h, hd) = (c.hidden, c.head_dim());
@@ -203,26 +245,10 @@ fn specs(c: &LlamaConfig) -> Vec<Spec> {
                 vec![h],
                 Layout::Same,
             ),
-            (
-                "mlp.gate_proj.weight",
-                "mlp.w1.linear.weight",
-                vec![c.ffn, h],
-                Layout::Transposed,
-            ),
-            (
-                "mlp.down_proj.weight",
-                "mlp.w2.linear.weight",
-                vec![h, c.ffn],
-                Layout::Transposed,
-            ),
-            (
-                "mlp.up_proj.weight",
-                "mlp.w3.linear.weight",
-                vec![c.ffn, h],
-                Layout::Transposed,
-            ),
         ];
-        for (hf, merak, shape, layout) in per_layer {
+        let per_layer =
+            per_layer.map(|(hf, merak, shape, layout)| (hf.into(), merak.into(), shape, layout));
+        for (hf, merak, shape, layout) in per_layer.into_iter().chain(feed_forward_specs(c)) {
             out.push(spec(
                 format!("model.layers.{l}.{hf}"),
                 format!("layers.{l}.{merak}"),
@@ -248,6 +274,42 @@ fn specs(c: &LlamaConfig) -> Vec<Spec> {
     out
 }
 
+/// One block's MLP (`LlamaForCausalLM`) or mixture of experts (`MixtralForCausalLM`): the
+/// transformers name and the merak name within the block, the transformers shape, the layout.
+fn feed_forward_specs(c: &LlamaConfig) -> Vec<(String, String, Vec<usize>, Layout)> {
+    let (h, f) = (c.hidden, c.ffn);
+    let Some(moe) = c.moe else {
+        let mlp = [
+            ("gate_proj", "w1", vec![f, h]),
+            ("down_proj", "w2", vec![h, f]),
+            ("up_proj", "w3", vec![f, h]),
+        ];
+        return (mlp.into_iter())
+            .map(|(theirs, ours, shape)| {
+                let (theirs, ours) = (
+                    format!("mlp.{theirs}.weight"),
+                    format!("mlp.{ours}.linear.weight"),
+                );
+                (theirs, ours, shape, Layout::Transposed)
+            })
+            .collect();
+    };
+    let router = ("block_sparse_moe.gate.weight".into(), "moe.router".into());
+    let mut out = vec![(router.0, router.1, vec![moe.experts, h], Layout::Transposed)];
+    for e in 0..moe.experts {
+        let expert = [
+            ("w1", "w_in", vec![f, h], Layout::Gate),
+            ("w2", "w_out", vec![h, f], Layout::Transposed),
+            ("w3", "w_in", vec![f, h], Layout::Up),
+        ];
+        out.extend(expert.map(|(theirs, ours, shape, layout)| {
+            let theirs = format!("block_sparse_moe.experts.{e}.{theirs}.weight");
+            (theirs, format!("moe.experts.{e}.{ours}"), shape, layout)
+        }));
+    }
+    out
+}
+
 /// The transformers output feature of our output feature `o` of a query/key projection with
 /// heads `hd` wide: within each head, our `2i` is their `i` and our `2i + 1` their
 /// `i + hd / 2`.
@@ -257,6 +319,8 @@ fn rotary_source(o: usize, hd: usize) -> usize {
 }
 
 /// Our values of a transformers tensor `[out, in]` (`hf`), for `layout`; `hd` the head width.
+/// For [`Layout::Gate`] and [`Layout::Up`], the transposed half (`[in, out]`) that
+/// [`place`] puts into its expert's input projection.
 fn to_ours(layout: Layout, shape: &[usize], hf: Vec<f32>, hd: usize) -> (Vec<usize>, Vec<f32>) {
     let [out, inp] = match (layout, shape) {
         (Layout::Same, _) | (_, [_]) => return (shape.to_vec(), hf),
@@ -277,15 +341,37 @@ fn to_ours(layout: Layout, shape: &[usize], hf: Vec<f32>, hd: usize) -> (Vec<usi
     (vec![inp, out], ours)
 }
 
-/// The transformers values (`[out, in]`) of our tensor `[in, out]`: the inverse of
-/// [`to_ours`].
+/// Puts our values `(shape, values)` of the tensor `spec` into `params`: as the parameter,
+/// or, for [`Layout::Gate`] and [`Layout::Up`] (`[hidden, ffn]`), as its half of the columns
+/// of the expert's input projection (`[hidden, 2 ffn]`).
+fn place(params: &mut FullParams, spec: &Spec, (shape, values): (Vec<usize>, Vec<f32>)) {
+    let (Some(half), &[rows, cols]) = (spec.layout.half(), &shape[..]) else {
+        params.insert(spec.merak.clone(), (shape, values));
+        return;
+    };
+    let (_, whole) = (params.entry(spec.merak.clone()))
+        .or_insert_with(|| (vec![rows, 2 * cols], vec![0.0; rows * 2 * cols]));
+    for (r, row) in values.chunks_exact(cols).enumerate() {
+        let at = r * 2 * cols + half * cols;
+        if let Some(dst) = whole.get_mut(at..at + cols) {
+            dst.copy_from_slice(row);
+        }
+    }
+}
+
+/// The transformers values (`[out, in]`) of our tensor `[in, out]` (`shape`): the inverse of
+/// [`to_ours`] (and of [`place`]: the gate's or up projection's half of an expert's input
+/// projection, for [`Layout::Gate`] and [`Layout::Up`]).
 fn to_hf(layout: Layout, shape: &[usize], ours: &[f32], hd: usize) -> Vec<f32> {
-    let [inp, out] = match (layout, shape) {
-        (Layout::Same, _) | (_, [_]) => return ours.to_vec(),
-        (_, &[inp, out]) => [inp, out],
+    // Our columns are `offset..offset + out` of rows `stride` wide.
+    let (inp, out, stride, offset) = match (layout.half(), shape) {
+        (_, [_]) => return ours.to_vec(),
+        _ if layout == Layout::Same => return ours.to_vec(),
+        (Some(half), &[inp, cols]) => (inp, cols / 2, cols, half * (cols / 2)),
+        (None, &[inp, out]) => (inp, out, out, 0),
         _ => return ours.to_vec(),
     };
-    let mut hf = vec![0.0; ours.len()];
+    let mut hf = vec![0.0; inp * out];
     for o in 0..out {
         let dst = if layout == Layout::Rotary {
             rotary_source(o, hd)
@@ -293,7 +379,7 @@ fn to_hf(layout: Layout, shape: &[usize], ours: &[f32], hd: usize) -> Vec<f32> {
             o
         };
         for i in 0..inp {
-            hf[dst * inp + i] = ours[i * out + o];
+            hf[dst * inp + i] = ours[i * stride + offset + o];
         }
     }
     hf
@@ -301,60 +387,188 @@ fn to_hf(layout: Layout, shape: &[usize], ours: &[f32], hd: usize) -> Vec<f32> {
 
 /// The sizes of `c` as `config.json` names them, for messages.
 fn describe(c: &LlamaConfig) -> String {
+    let experts = c.moe.map_or_else(String::new, |m| {
+        format!(
+            ", num_local_experts = {}, num_experts_per_tok = {}",
+            m.experts, m.top_k
+        )
+    });
     format!(
         "vocab_size = {}, hidden_size = {}, num_hidden_layers = {}, num_attention_heads = {}, \
-         num_key_value_heads = {}, intermediate_size = {}, tie_word_embeddings = {}",
+         num_key_value_heads = {}, intermediate_size = {}, tie_word_embeddings = {}{experts}",
         c.vocab, c.hidden, c.layers, c.heads, c.kv_heads, c.ffn, c.tie_embeddings
     )
 }
 
-/// Reads the `config.json` of a `LlamaForCausalLM` (`json`, read from `path`) into our config.
-/// Sizes and flags the model cannot reproduce are refused: biases (`attention_bias`,
-/// `mlp_bias`), an activation other than SiLU, a `head_dim` other than `hidden_size /
-/// num_attention_heads`, partial rotary embedding, rotary types other than the default and
-/// `llama3`. Both the `rope_theta` + `rope_scaling` keys of transformers 4 and the
-/// `rope_parameters` of transformers 5 are read.
-pub fn llama_config_from_hf(json: &Value, path: &Path) -> Result<LlamaConfig, HfLlamaError> {
-    let refuse = |key: &str, value: Option<&Value>, reason: String| HfLlamaError::Config {
-        path: path.to_path_buf(),
-        key: key.into(),
-        value: value.map_or_else(|| "absent".into(), Value::to_string),
-        reason,
-    };
-    if !json.is_object() {
-        return Err(HfFileError::format(path, "not a JSON object").into());
+/// The transformers class of a model of shape `c`.
+fn architecture(c: &LlamaConfig) -> &'static str {
+    match c.moe {
+        Some(_) => "MixtralForCausalLM",
+        None => "LlamaForCausalLM",
     }
-    let get = |key: &str| json.get(key).filter(|v| !v.is_null());
-    if let Some(v) = get("model_type")
-        && v.as_str() != Some("llama")
-    {
-        return Err(refuse(
-            "model_type",
-            Some(v),
-            "a LlamaForCausalLM has \"llama\"".into(),
-        ));
+}
+
+/// The keys of a `config.json` (`json`, read from `path`), read with errors naming the file,
+/// the key and its value.
+#[derive(Clone, Copy)]
+struct Keys<'a> {
+    json: &'a Value,
+    path: &'a Path,
+}
+
+/// Sizes at most 2^31: the model's dimensions, far above any Llama's or Mixtral's.
+const BIG: usize = 1 << 31;
+
+impl Keys<'_> {
+    /// The value of `key` (`None` when absent or null).
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.json.get(key).filter(|v| !v.is_null())
     }
-    let size = |key: &str, default: Option<usize>, max: usize| -> Result<usize, HfLlamaError> {
-        let Some(v) = get(key) else {
-            return default.ok_or_else(|| refuse(key, None, "required".into()));
+
+    /// The error refusing `value` of `key` (`None`: absent) for `reason`.
+    fn refuse(&self, key: &str, value: Option<&Value>, reason: String) -> HfLlamaError {
+        HfLlamaError::Config {
+            path: self.path.to_path_buf(),
+            key: key.into(),
+            value: value.map_or_else(|| "absent".into(), Value::to_string),
+            reason,
+        }
+    }
+
+    /// A whole number from 1 to `max`; `default` when absent (`None`: required).
+    fn size(&self, key: &str, default: Option<usize>, max: usize) -> Result<usize, HfLlamaError> {
+        let Some(v) = self.get(key) else {
+            return default.ok_or_else(|| self.refuse(key, None, "required".into()));
         };
         match v.as_u64().and_then(|n| usize::try_from(n).ok()) {
             Some(n) if n >= 1 && n <= max => Ok(n),
-            _ => Err(refuse(
+            _ => Err(self.refuse(
                 key,
                 Some(v),
                 format!("must be a whole number from 1 to {max}"),
             )),
         }
-    };
-    let flag = |key: &str, default: bool| -> Result<bool, HfLlamaError> {
-        match get(key) {
+    }
+
+    /// `true` or `false`; `default` when absent.
+    fn flag(&self, key: &str, default: bool) -> Result<bool, HfLlamaError> {
+        match self.get(key) {
             None => Ok(default),
             Some(v) => v
                 .as_bool()
-                .ok_or_else(|| refuse(key, Some(v), "must be true or false".into())),
+                .ok_or_else(|| self.refuse(key, Some(v), "must be true or false".into())),
         }
+    }
+
+    /// A finite number of at least 0; `default` when absent.
+    fn non_negative(&self, key: &str, default: f64) -> Result<f64, HfLlamaError> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(v) => match v.as_f64() {
+                Some(f) if f.is_finite() && f >= 0.0 => Ok(f),
+                _ => Err(self.refuse(key, Some(v), "must be a number of at least 0".into())),
+            },
+        }
+    }
+
+    /// Whether the file describes a `MixtralForCausalLM` (`model_type` `"mixtral"`, or, without
+    /// a `model_type`, `architectures` naming it) rather than a `LlamaForCausalLM`
+    /// (`"llama"`); another `model_type` is refused.
+    fn is_mixtral(&self) -> Result<bool, HfLlamaError> {
+        match self.get("model_type") {
+            None => Ok((self.get("architectures").and_then(Value::as_array))
+                .is_some_and(|a| a.iter().any(|v| v.as_str() == Some("MixtralForCausalLM")))),
+            Some(v) if v.as_str() == Some("llama") => Ok(false),
+            Some(v) if v.as_str() == Some("mixtral") => Ok(true),
+            Some(v) => Err(self.refuse(
+                "model_type",
+                Some(v),
+                "a LlamaForCausalLM has \"llama\", a MixtralForCausalLM \"mixtral\"".into(),
+            )),
+        }
+    }
+}
+
+/// What a `config.json` says beyond the model's shape.
+#[derive(Clone, Debug, Default)]
+struct Extras {
+    /// A Mixtral's sliding window ([`HfLlama::sliding_window`]).
+    sliding_window: Option<usize>,
+    /// Settings read but not applied.
+    notes: Vec<String>,
+}
+
+/// The mixture of experts of a `MixtralForCausalLM`'s `config.json` and what else it says:
+/// `num_local_experts` and `num_experts_per_tok` (the experts' width is
+/// `intermediate_size`), the load-balancing loss (`router_aux_loss_coef` when
+/// `output_router_logits`, as transformers trains), the sliding window; absent keys take
+/// transformers' defaults (8 experts, 2 per token, no loss, no window). Router noise
+/// (`router_jitter_noise`), which transformers applies in training only, is not applied: a
+/// note says so.
+fn mixtral_keys(keys: &Keys<'_>) -> Result<(SparseMoe, Extras), HfLlamaError> {
+    let experts = keys.size("num_local_experts", Some(8), BIG)?;
+    let top_k = keys.size("num_experts_per_tok", Some(2), BIG)?;
+    if top_k > experts {
+        return Err(keys.refuse(
+            "num_experts_per_tok",
+            keys.get("num_experts_per_tok"),
+            format!("must be at most num_local_experts = {experts}"),
+        ));
+    }
+    let coef = keys.non_negative("router_aux_loss_coef", 0.001)?;
+    let aux_loss = match keys.flag("output_router_logits", false)? {
+        true => coef,
+        false => 0.0,
     };
+    let jitter = keys.non_negative("router_jitter_noise", 0.0)?;
+    let sliding_window = match keys.get("sliding_window") {
+        None => None,
+        Some(_) => Some(keys.size("sliding_window", None, BIG)?),
+    };
+    let mut notes = Vec::new();
+    if jitter > 0.0 {
+        notes.push(format!(
+            "router_jitter_noise = {jitter} not applied: transformers multiplies the routers' \
+             inputs by noise in training only; the routing here is noiseless"
+        ));
+    }
+    let moe = SparseMoe {
+        experts,
+        top_k,
+        aux_loss,
+    };
+    Ok((
+        moe,
+        Extras {
+            sliding_window,
+            notes,
+        },
+    ))
+}
+
+/// Reads the `config.json` of a `LlamaForCausalLM` or a `MixtralForCausalLM` (`json`, read
+/// from `path`) into our config. Sizes and flags the model cannot reproduce are refused:
+/// biases (`attention_bias`, `mlp_bias`), an activation other than SiLU, a `head_dim` other
+/// than `hidden_size / num_attention_heads`, partial rotary embedding, rotary types other than
+/// the default and `llama3`. Both the `rope_theta` + `rope_scaling` keys of transformers 4 and
+/// the `rope_parameters` of transformers 5 are read. A Mixtral's keys are read as
+/// [`read_hf_llama`] says; its sliding window, if smaller than `max_position_embeddings`,
+/// becomes `max_seq`.
+pub fn llama_config_from_hf(json: &Value, path: &Path) -> Result<LlamaConfig, HfLlamaError> {
+    config_from_hf(json, path).map(|(config, _)| config)
+}
+
+/// [`llama_config_from_hf`], with what else the file says.
+fn config_from_hf(json: &Value, path: &Path) -> Result<(LlamaConfig, Extras), HfLlamaError> {
+    let keys = Keys { json, path };
+    let refuse = |key: &str, value: Option<&Value>, reason: String| keys.refuse(key, value, reason);
+    if !json.is_object() {
+        return Err(HfFileError::format(path, "not a JSON object").into());
+    }
+    let get = |key: &str| keys.get(key);
+    let mixtral = keys.is_mixtral()?;
+    let size = |key: &str, default: Option<usize>, max: usize| keys.size(key, default, max);
+    let flag = |key: &str, default: bool| keys.flag(key, default);
     let number = |key: &str, v: Option<&Value>, default: f64| -> Result<f64, HfLlamaError> {
         match v.filter(|v| !v.is_null()) {
             None => Ok(default),
@@ -364,8 +578,6 @@ pub fn llama_config_from_hf(json: &Value, path: &Path) -> Result<LlamaConfig, Hf
             },
         }
     };
-    // Sizes at most 2^31: the model's dimensions, far above any Llama's.
-    const BIG: usize = 1 << 31;
     let vocab = size("vocab_size", None, BIG)?;
     let hidden = size("hidden_size", None, BIG)?;
     let layers = size("num_hidden_layers", None, BIG)?;
@@ -439,7 +651,9 @@ pub fn llama_config_from_hf(json: &Value, path: &Path) -> Result<LlamaConfig, Hf
         return Err(refuse(section, Some(r), "must be an object".into()));
     }
     let theta_value = field("rope_theta").or_else(|| get("rope_theta"));
-    let rope_theta = number("rope_theta", theta_value, 10000.0)?;
+    // transformers' default base: 10000 for Llama, 1e6 for Mixtral.
+    let default_theta = if mixtral { 1e6 } else { 10000.0 };
+    let rope_theta = number("rope_theta", theta_value, default_theta)?;
     let partial = field("partial_rotary_factor").or_else(|| get("partial_rotary_factor"));
     if partial.is_some_and(|v| v.as_f64() != Some(1.0)) {
         return Err(refuse(
@@ -499,6 +713,10 @@ pub fn llama_config_from_hf(json: &Value, path: &Path) -> Result<LlamaConfig, Hf
             ));
         }
     };
+    let (moe, extras) = match mixtral {
+        true => mixtral_keys(&keys).map(|(moe, extras)| (Some(moe), extras))?,
+        false => (None, Extras::default()),
+    };
     let config = LlamaConfig {
         vocab,
         layers,
@@ -506,20 +724,22 @@ pub fn llama_config_from_hf(json: &Value, path: &Path) -> Result<LlamaConfig, Hf
         heads,
         kv_heads,
         ffn,
-        max_seq,
+        max_seq: extras.sliding_window.map_or(max_seq, |w| w.min(max_seq)),
         rope_theta,
         rope_scaling,
         rms_norm_eps,
         tie_embeddings,
+        moe,
     };
     config
         .validate()
         .map_err(|e| HfFileError::format(path, e.to_string()))?;
-    Ok(config)
+    Ok((config, extras))
 }
 
 /// The `config.json` of a `LlamaForCausalLM` of shape `c` (as transformers 4 writes it; 5
-/// reads it too).
+/// reads it too), or of a `MixtralForCausalLM` when `c` has a mixture of experts (without a
+/// sliding window: this model attends to every earlier position).
 pub fn hf_config_json(c: &LlamaConfig) -> Value {
     let scaling = c.rope_scaling.map(|s| {
         json!({
@@ -530,9 +750,8 @@ pub fn hf_config_json(c: &LlamaConfig) -> Value {
             "original_max_position_embeddings": s.original_max_position_embeddings,
         })
     });
-    json!({
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    let mut config = json!({
+        "architectures": [architecture(c)],
         "vocab_size": c.vocab,
         "hidden_size": c.hidden,
         "intermediate_size": c.ffn,
@@ -546,11 +765,25 @@ pub fn hf_config_json(c: &LlamaConfig) -> Value {
         "rope_scaling": scaling,
         "tie_word_embeddings": c.tie_embeddings,
         "hidden_act": "silu",
-        "attention_bias": false,
-        "mlp_bias": false,
         "attention_dropout": 0.0,
         "torch_dtype": "float32",
-    })
+    });
+    let specific = match c.moe {
+        None => json!({ "model_type": "llama", "attention_bias": false, "mlp_bias": false }),
+        Some(m) => json!({
+            "model_type": "mixtral",
+            "num_local_experts": m.experts,
+            "num_experts_per_tok": m.top_k,
+            "output_router_logits": m.aux_loss > 0.0,
+            "router_aux_loss_coef": m.aux_loss,
+            "router_jitter_noise": 0.0,
+            "sliding_window": null,
+        }),
+    };
+    if let (Some(all), Value::Object(more)) = (config.as_object_mut(), specific) {
+        all.extend(more);
+    }
+    config
 }
 
 /// Whether `name` is a plain file name (no folder, not `.` or `..`): joined to the model's
@@ -606,19 +839,49 @@ fn canonical(name: &str) -> String {
     }
 }
 
-/// Reads the Hugging Face `LlamaForCausalLM` in folder `dir`: its config and every parameter
-/// at full size by merak name, converted to merak's layouts and to f32.
+/// Why the tensor `hf` (a transformers name) is not one of a model of shape `c`.
+fn unknown_tensor(hf: &str, c: &LlamaConfig) -> String {
+    let rest = hf.strip_prefix("model.layers.");
+    let layer = (rest.and_then(|r| r.split_once('.'))).and_then(|(l, _)| l.parse::<usize>().ok());
+    let expert = (rest.and_then(|r| r.split_once(".block_sparse_moe.experts.")))
+        .and_then(|(_, e)| e.split_once('.'))
+        .and_then(|(e, _)| e.parse::<usize>().ok());
+    match (layer, expert, c.moe) {
+        (Some(l), _, _) if l >= c.layers => {
+            format!("config.json has {} layers (num_hidden_layers)", c.layers)
+        }
+        (_, Some(e), Some(m)) if e >= m.experts => {
+            format!("config.json has {} experts (num_local_experts)", m.experts)
+        }
+        _ if hf.contains(".mlp.experts.") || hf.contains(".mlp.gate.") => {
+            "transformers 5's stacked experts are not read: save the model with \
+             save_pretrained's default save_original_format = True (one tensor per expert, \
+             block_sparse_moe.experts.{e}.w1/w2/w3)"
+                .into()
+        }
+        _ => format!(
+            "not a tensor of {} (biases are not supported)",
+            architecture(c)
+        ),
+    }
+}
+
+/// Reads the Hugging Face `LlamaForCausalLM` or `MixtralForCausalLM` in folder `dir`: its
+/// config and every parameter at full size by merak name, converted to merak's layouts and to
+/// f32. A Mixtral is read as transformers' `save_pretrained` writes it by default: every
+/// expert's `w1`, `w2` and `w3` and every block's router (`block_sparse_moe.gate`), by the
+/// names and in the layouts of transformers 4.
 pub fn read_hf_llama(dir: &Path) -> Result<HfLlama, HfLlamaError> {
     let config_path = dir.join(CONFIG_FILE);
     let json = hf_files::read_json(&config_path, hf_files::MAX_CONFIG_BYTES)?;
-    let config = llama_config_from_hf(&json, &config_path)?;
+    let (config, extras) = config_from_hf(&json, &config_path)?;
     let (files, index) = weight_files(dir)?;
     let specs = specs(&config);
     let by_name: HashMap<&str, &Spec> = specs.iter().map(|s| (s.hf.as_str(), s)).collect();
     let model = describe(&config);
     let hd = config.head_dim();
     let mut params = FullParams::new();
-    let mut notes = Vec::new();
+    let mut notes = extras.notes;
     let mut found: HashMap<String, PathBuf> = HashMap::new();
     // A tied model's `lm_head.weight`, when saved: (file, values), compared with the table.
     let mut tied_head: Option<(PathBuf, Vec<f32>)> = None;
@@ -671,17 +934,7 @@ pub fn read_hf_llama(dir: &Path) -> Result<HfLlama, HfLlamaError> {
                 continue;
             }
             let Some(spec) = by_name.get(hf.as_str()) else {
-                let layer = (hf.strip_prefix("model.layers."))
-                    .and_then(|r| r.split_once('.'))
-                    .and_then(|(l, _)| l.parse::<usize>().ok());
-                let reason = match layer {
-                    Some(l) if l >= config.layers => format!(
-                        "config.json has {} layers (num_hidden_layers)",
-                        config.layers
-                    ),
-                    _ => "not a tensor of LlamaForCausalLM (biases are not supported)".into(),
-                };
-                return Err(unexpected(&name, reason));
+                return Err(unexpected(&name, unknown_tensor(&hf, &config)));
             };
             if shape != spec.shape {
                 return Err(HfLlamaError::Shape {
@@ -693,7 +946,7 @@ pub fn read_hf_llama(dir: &Path) -> Result<HfLlama, HfLlamaError> {
                 });
             }
             let values = hf_files::finite_f32(&view, path, &name)?;
-            params.insert(spec.merak.clone(), to_ours(spec.layout, &shape, values, hd));
+            place(&mut params, spec, to_ours(spec.layout, &shape, values, hd));
             found.insert(hf, path.clone());
         }
     }
@@ -745,6 +998,7 @@ pub fn read_hf_llama(dir: &Path) -> Result<HfLlama, HfLlamaError> {
         config,
         params,
         notes,
+        sliding_window: extras.sliding_window,
     })
 }
 
@@ -797,7 +1051,9 @@ fn refuse_a_model_folder(dir: &Path) -> Result<(), HfFileError> {
 
 /// Writes the model of shape `cfg` with parameters `params` (full size, by merak name, as
 /// [`read_hf_llama`] returns them or a checkpoint holds them) into folder `dir` as a
-/// `LlamaForCausalLM`: `config.json` and `model.safetensors` in f32, or, with
+/// `LlamaForCausalLM`, or a `MixtralForCausalLM` when `cfg` has a mixture of experts (its
+/// experts' tensors by transformers 4's names, as `save_pretrained` writes them):
+/// `config.json` and `model.safetensors` in f32, or, with
 /// `max_shard_bytes`, files `model-0000i-of-0000n.safetensors` of at most that many bytes of
 /// tensor data each (a larger tensor gets a file of its own) and `model.safetensors.index.json`.
 /// A `dir` that already holds a model's files (`config.json`, weights or an index) is
@@ -819,10 +1075,7 @@ pub fn write_hf_llama(
             reason: format!("missing (the model has {})", describe(cfg)),
         };
         let (shape, values) = params.get(&spec.merak).ok_or_else(missing)?;
-        let ours: Vec<usize> = match spec.layout {
-            Layout::Same => spec.shape.clone(),
-            _ => spec.shape.iter().rev().copied().collect(),
-        };
+        let ours = spec.ours();
         if *shape != ours || values.len() != ours.iter().product::<usize>() {
             return Err(HfLlamaError::Params {
                 name: spec.merak.clone(),
@@ -839,19 +1092,12 @@ pub fn write_hf_llama(
             values: to_hf(spec.layout, &ours, values, hd),
         });
     }
-    if params.len() != specs.len() {
-        let known: BTreeSet<&str> = specs.iter().map(|s| s.merak.as_str()).collect();
-        let mut extra: Vec<&String> = params
-            .keys()
-            .filter(|k| !known.contains(k.as_str()))
-            .collect();
-        extra.sort();
-        if let Some(name) = extra.first() {
-            return Err(HfLlamaError::Params {
-                name: (*name).clone(),
-                reason: format!("not a parameter of the model ({})", describe(cfg)),
-            });
-        }
+    let known: BTreeSet<&str> = specs.iter().map(|s| s.merak.as_str()).collect();
+    if let Some(name) = params.keys().filter(|k| !known.contains(k.as_str())).min() {
+        return Err(HfLlamaError::Params {
+            name: name.clone(),
+            reason: format!("not a parameter of the model ({})", describe(cfg)),
+        });
     }
     // Files of tensors, in module order: runs of `tensors`.
     let bytes = |t: &NamedTensor| 4 * t.values.len() as u64;
@@ -933,6 +1179,37 @@ mod tests {
         assert_eq!(shape, [3, 8]);
         // ours[i][o] = hf[o][i]
         assert_eq!(ours[8 + 2], hf[2 * 3 + 1]);
+    }
+
+    #[test]
+    fn an_experts_gate_and_up_fill_the_halves_of_its_input_projection() {
+        // w1 and w3 are [ffn = 2, hidden = 3]; ours is [3, 4], the gate's columns first.
+        let w1: Vec<f32> = (0..6).map(|i| i as f32).collect();
+        let w3: Vec<f32> = (0..6).map(|i| 10.0 + i as f32).collect();
+        let spec = |layout| Spec {
+            hf: String::new(),
+            merak: "w_in".into(),
+            shape: vec![2, 3],
+            layout,
+        };
+        let mut params = FullParams::new();
+        for (layout, v) in [(Layout::Up, &w3), (Layout::Gate, &w1)] {
+            place(
+                &mut params,
+                &spec(layout),
+                to_ours(layout, &[2, 3], v.clone(), 1),
+            );
+        }
+        let (shape, ours) = &params["w_in"];
+        assert_eq!(
+            (shape.clone(), spec(Layout::Up).ours()),
+            (vec![3, 4], vec![3, 4])
+        );
+        // Row i: w1[0][i], w1[1][i], w3[0][i], w3[1][i].
+        assert_eq!(ours[..4], [0.0, 3.0, 10.0, 13.0]);
+        assert_eq!(ours[8..], [2.0, 5.0, 12.0, 15.0]);
+        assert_eq!(to_hf(Layout::Gate, shape, ours, 1), w1);
+        assert_eq!(to_hf(Layout::Up, shape, ours, 1), w3);
     }
 
     #[test]

@@ -6,8 +6,12 @@
 //! what a Burn user writes anyway; its linear layers are `merak_burn::parallelize::Linear` (a
 //! `burn::nn::Linear` inside, built with Burn's `LinearConfig`).
 //!
-//! [`hf`] reads and writes Hugging Face `LlamaForCausalLM` checkpoints as the model's
-//! full-size parameters ([`FullParams`]), which a run of any layout cuts for its ranks.
+//! With [`LlamaConfig::moe`] every block's MLP is merak-burn's mixture-of-experts layer
+//! (`merak_burn::moe::MoeLayer`): the decoder is a Mixtral.
+//!
+//! [`hf`] reads and writes Hugging Face `LlamaForCausalLM` and `MixtralForCausalLM`
+//! checkpoints as the model's full-size parameters ([`FullParams`]), which a run of any layout
+//! cuts for its ranks.
 
 mod config;
 mod data;
@@ -18,7 +22,7 @@ mod pretrained;
 mod tp;
 mod units;
 
-pub use config::{InvalidConfig, LlamaConfig, RopeScaling};
+pub use config::{InvalidConfig, LlamaConfig, RopeScaling, SparseMoe};
 pub use data::Counting;
 pub use hf::{HfLlama, HfLlamaError, read_hf_llama, write_hf_llama};
 pub use model::{Attention, Block, Embed, Head, Llama, Mlp};

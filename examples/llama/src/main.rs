@@ -58,7 +58,8 @@ struct Args {
     /// Continue from this checkpoint, under any layout.
     #[arg(long)]
     resume: Option<PathBuf>,
-    /// Start from this Hugging Face LlamaForCausalLM folder (its shape and weights).
+    /// Start from this Hugging Face LlamaForCausalLM or MixtralForCausalLM folder (its shape
+    /// and weights).
     #[arg(long)]
     init_from: Option<PathBuf>,
 }

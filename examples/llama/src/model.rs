@@ -1,5 +1,6 @@
 //! The model: nothing in it knows about parallelism but the type of its linear layers (and
-//! which key/value heads a rank's query heads use, when tensor parallelism shares them).
+//! which key/value heads a rank's query heads use, when tensor parallelism shares them). A
+//! Mixtral's blocks hold merak-burn's mixture-of-experts layer in place of the MLP.
 
 use burn::module::{Module, Param};
 use burn::nn::attention::generate_autoregressive_mask;
@@ -10,9 +11,11 @@ use burn::nn::{
 };
 use burn::tensor::activation::{silu, softmax};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{Distribution, Int, Tensor, TensorData};
 use merak_burn::batch::{Batch, TARGETS, TOKENS};
+use merak_burn::moe::{ExpertInit, MoeLayer, MoePlace};
 use merak_burn::parallelize::{EmbedUnit, HeadUnit, LayerUnit, Linear};
+use merak_burn::rng::InitRng;
 use merak_burn::tensor_parallel::ParallelBackend;
 
 use crate::config::LlamaConfig;
@@ -69,10 +72,15 @@ pub struct Block<B: Backend> {
     pub attn_norm: RmsNorm<B>,
     /// Attention.
     pub attn: Attention<B>,
-    /// Norm before the MLP.
+    /// Norm before the MLP (or the mixture of experts).
     pub mlp_norm: RmsNorm<B>,
-    /// MLP.
-    pub mlp: Mlp<B>,
+    /// MLP (`None` in a mixture-of-experts block).
+    pub mlp: Option<Mlp<B>>,
+    /// The mixture of experts in place of the MLP ([`LlamaConfig::moe`]): its router is
+    /// `moe.router` (`[hidden, experts]`), expert `e`'s gate and up projections are the
+    /// columns of `moe.experts.{e}.w_in` (`[hidden, 2 ffn]`, the gate's first), its down
+    /// projection `moe.experts.{e}.w_out` (`[ffn, hidden]`).
+    pub moe: Option<MoeLayer<B>>,
 }
 
 /// Final norm, output projection and the next-token loss.
@@ -142,20 +150,54 @@ impl<B: Backend> Embed<B> {
     }
 }
 
-impl<B: Backend> Block<B> {
-    /// A decoder block of shape `c` with its own rotary table (`max_seq x head_dim x 2`
-    /// floats: keep `max_seq` to the sequences trained on).
+/// A seed drawn from the backend's random generator (48 bits), so that what is drawn from it
+/// follows the generator's seed as Burn's own initializers do.
+fn drawn_seed<B: Backend>(device: &B::Device) -> u64 {
+    let draws = Tensor::<B, 1>::random([2], Distribution::Uniform(0.0, 1.0), device);
+    let values = draws.into_data().convert::<f32>().into_vec::<f32>();
+    (values.unwrap_or_default().iter()).fold(0, |seed, &v| (seed << 24) ^ (v * 16_777_216.0) as u64)
+}
+
+/// The mixture of experts of block `layer` of `c` (`None` without [`LlamaConfig::moe`]),
+/// every expert on this rank (no expert parallelism). Its parameters are drawn with the
+/// standard deviations of Burn's initializer of a linear layer (uniform in
+/// `±1 / sqrt(fan_in)`) from a seed drawn from the backend's generator.
+fn experts<B: ParallelBackend>(
+    c: &LlamaConfig,
+    layer: usize,
+    device: &B::Device,
+) -> Option<MoeLayer<B>> {
+    let moe = c.moe_config()?;
+    let rng = InitRng::new(drawn_seed::<B>(device));
+    let std_of = |fan_in: usize| (3.0 * fan_in as f32).sqrt().recip();
+    let init = ExpertInit {
+        rng: &rng,
+        std: std_of(c.hidden),
+        out_std: std_of(c.ffn),
+    };
+    let place = MoePlace::single(layer, c.max_seq);
+    Some(MoeLayer::new(&moe, c.hidden, "moe", init, place, device))
+}
+
+impl<B: ParallelBackend> Block<B> {
+    /// Block `layer` (0-based) of a decoder of shape `c`, with its own rotary table
+    /// (`max_seq x head_dim x 2` floats: keep `max_seq` to the sequences trained on).
     ///
     /// # Panics
     ///
     /// If `c` is not valid ([`LlamaConfig::validate`]).
-    pub fn new(c: &LlamaConfig, device: &B::Device) -> Self {
+    pub fn new(c: &LlamaConfig, layer: usize, device: &B::Device) -> Self {
         check(c);
-        Self::with_rope(c, rotary(c, device), device)
+        Self::with_rope(c, layer, rotary(c, device), device)
     }
 
-    /// A decoder block of shape `c` using `rope`.
-    fn with_rope(c: &LlamaConfig, rope: RotaryEncoding<B>, device: &B::Device) -> Self {
+    /// Block `layer` of a decoder of shape `c` using `rope`.
+    fn with_rope(
+        c: &LlamaConfig,
+        layer: usize,
+        rope: RotaryEncoding<B>,
+        device: &B::Device,
+    ) -> Self {
         let head_dim = c.head_dim();
         let kv = c.kv_heads * head_dim;
         Self {
@@ -171,11 +213,12 @@ impl<B: Backend> Block<B> {
                 kv_heads: c.kv_heads,
             },
             mlp_norm: norm(c, device),
-            mlp: Mlp {
+            mlp: c.moe.is_none().then(|| Mlp {
                 w1: linear(c.hidden, c.ffn, device),
                 w2: linear(c.ffn, c.hidden, device),
                 w3: linear(c.hidden, c.ffn, device),
-            },
+            }),
+            moe: experts(c, layer, device),
         }
     }
 }
@@ -190,7 +233,7 @@ impl<B: Backend> Head<B> {
     }
 }
 
-impl<B: Backend> Llama<B> {
+impl<B: ParallelBackend> Llama<B> {
     /// A decoder of shape `c` initialized by Burn's default initializers from the backend's
     /// random generator (seed it with `B::seed` first for the same weights on every rank).
     /// Its blocks share one rotary table.
@@ -204,7 +247,7 @@ impl<B: Backend> Llama<B> {
         Self {
             embed: Embed::new(c, device),
             blocks: (0..c.layers)
-                .map(|_| Block::with_rope(c, rope.clone(), device))
+                .map(|l| Block::with_rope(c, l, rope.clone(), device))
                 .collect(),
             head: Head::new(c, device),
         }
@@ -289,15 +332,43 @@ impl<B: ParallelBackend> LayerUnit<B> for Block<B> {
 }
 
 impl<B: ParallelBackend> Block<B> {
-    /// `[batch, seq, hidden]` through the block (attention, then the SwiGLU MLP).
+    /// `[batch, seq, hidden]` through the block (attention, then the SwiGLU MLP or the
+    /// mixture of experts).
     pub fn apply(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let x = x.clone() + self.attn.forward(self.attn_norm.forward(x));
         let h = self.mlp_norm.forward(x.clone());
-        let m = &self.mlp;
-        x + m
-            .w2
-            .forward(silu(m.w1.forward(h.clone())) * m.w3.forward(h))
+        x + self.feed_forward(h)
     }
+
+    /// The SwiGLU MLP, or the mixture of experts.
+    fn feed_forward(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {
+        match (&self.mlp, &self.moe) {
+            (Some(m), _) => {
+                m.w2.forward(silu(m.w1.forward(h.clone())) * m.w3.forward(h))
+            }
+            (None, Some(moe)) => {
+                let y = moe.forward(h);
+                let zero = every_expert_times_zero(moe).cast(y.dtype());
+                y + zero.reshape([1, 1, 1])
+            }
+            (None, None) => unreachable!("a block has an MLP or a mixture of experts"),
+        }
+    }
+}
+
+/// Zero, computed from every expert's parameters, so that each of them gets a gradient (zero
+/// when no token chose it) in every step. A model that `merak_burn::run` trains declares no
+/// experts to the trainer, whose data-parallel reduction gives a parameter its summed
+/// gradient only on the ranks where it got one: an expert chosen by the tokens of some
+/// data-parallel ranks only would be updated on those only. With this zero every rank updates
+/// every expert, as one process does (an expert no token chose gets a zero gradient, which
+/// the optimizer applies like any other).
+fn every_expert_times_zero<B: ParallelBackend>(moe: &MoeLayer<B>) -> Tensor<B, 1> {
+    let device = moe.router.val().device();
+    (moe.experts.iter().flatten())
+        .map(|e| e.w_in.val().sum() + e.w_out.val().sum())
+        .fold(Tensor::zeros([1], &device), |acc, s| acc + s)
+        * 0.0
 }
 
 impl<B: ParallelBackend> Head<B> {

@@ -7,14 +7,14 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 use merak_burn::checkpoint::state;
-use merak_burn::tensor_parallel::SPLIT_CONTAINER;
+use merak_burn::tensor_parallel::{ParallelBackend, SPLIT_CONTAINER};
 use thiserror::Error;
 
 pub use merak_burn::session::FullParams;
 
 use crate::{InvalidConfig, Llama, LlamaConfig};
 
-impl<B: Backend> Llama<B> {
+impl<B: ParallelBackend> Llama<B> {
     /// A decoder of shape `c` holding `params` (full size, by merak name, e.g. from
     /// [`read_hf_llama`](crate::read_hf_llama) or a checkpoint).
     pub fn from_full_params(
@@ -25,7 +25,9 @@ impl<B: Backend> Llama<B> {
         c.validate().map_err(ParamsError::Config)?;
         Self::new(c, device).load_full_params(params)
     }
+}
 
+impl<B: Backend> Llama<B> {
     /// This model with its parameters replaced by `params` (full size, by merak name): every
     /// parameter must be there with its shape, and nothing else.
     pub fn load_full_params(self, params: &FullParams) -> Result<Self, ParamsError> {

@@ -1,4 +1,5 @@
-//! Runs that start from, or end as, Hugging Face `LlamaForCausalLM` checkpoints.
+//! Runs that start from, or end as, Hugging Face `LlamaForCausalLM` (or `MixtralForCausalLM`)
+//! checkpoints.
 
 use std::path::Path;
 
@@ -7,12 +8,14 @@ use merak_burn::session::{FullParams, InitWeights};
 
 use crate::LlamaConfig;
 use crate::hf::{
-    HfLlamaError, hf_config_json, llama_config_from_hf, read_hf_llama, write_hf_llama,
+    CONFIG_FILE, HfLlamaError, hf_config_json, llama_config_from_hf, read_hf_llama, write_hf_llama,
 };
 
 /// The model of a run on sequences of `seq` tokens and the weights it starts from: the
 /// Hugging Face checkpoint in `init_from` (its shape, the rotary table cut to `seq`), or
-/// `fresh` with its own initialization.
+/// `fresh` with its own initialization. A Mixtral with a sliding window shorter than `seq` is
+/// refused: it would attend further back than transformers does
+/// ([`HfLlama::sliding_window`](crate::HfLlama::sliding_window)).
 pub fn pretrained_or(
     init_from: Option<&Path>,
     seq: usize,
@@ -22,6 +25,18 @@ pub fn pretrained_or(
         return Ok((fresh, None));
     };
     let hf = read_hf_llama(dir)?;
+    if let Some(window) = hf.sliding_window.filter(|&w| seq > w) {
+        return Err(HfLlamaError::Config {
+            path: dir.join(CONFIG_FILE),
+            key: "sliding_window".into(),
+            value: window.to_string(),
+            reason: format!(
+                "sequences of {seq} tokens are longer than the window: transformers attends to \
+                 the last {window} positions only, this model to every earlier one (train on \
+                 at most {window} tokens)"
+            ),
+        });
+    }
     let cfg = LlamaConfig {
         max_seq: seq.max(1),
         ..hf.config
@@ -45,7 +60,7 @@ pub enum ExportError {
     /// The checkpoint cannot be read.
     #[error(transparent)]
     Checkpoint(#[from] merak_burn::checkpoint::CheckpointError),
-    /// Its manifest has no Llama config (it was not written by `llama-train`).
+    /// Its manifest has no Llama (or Mixtral) config (it was not written by `llama-train`).
     #[error("{}: the manifest has no `config` of a Llama model (not a llama-train checkpoint)", path.display())]
     NoConfig {
         /// The checkpoint.
@@ -57,7 +72,8 @@ pub enum ExportError {
 }
 
 /// Writes the checkpoint at `checkpoint` (of any layout) into folder `dir` as a Hugging Face
-/// `LlamaForCausalLM` ([`write_hf_llama`]); returns the files written.
+/// `LlamaForCausalLM`, or `MixtralForCausalLM` ([`write_hf_llama`]); returns the files
+/// written.
 pub fn export_checkpoint(
     checkpoint: &Path,
     dir: &Path,

@@ -50,9 +50,16 @@ pub enum TpLayoutError {
 /// are [`TpStyle::KvHeads`]: split by column when the degree divides `kv_heads`, shared when it
 /// is a multiple of `kv_heads` (whole on every rank, each rank using the key/value head of its
 /// query heads, the gradients summed over the group). Checkpoints hold full-size tensors
-/// either way. [`tp_plan_for`] checks a degree first.
+/// either way. A mixture of experts ([`LlamaConfig::moe`]) is not split: every TP rank holds
+/// the router and the experts whole and routes every token (the inputs of the block's
+/// feed-forward part are the same on every TP rank), so the plan has no MLP rules.
+/// [`tp_plan_for`] checks a degree first.
 pub fn tp_plan_of(c: &LlamaConfig) -> TpPlan {
     let mut plan = tp_plan();
+    if c.moe.is_some() {
+        plan.rules
+            .retain(|(pattern, _)| !pattern.starts_with("mlp."));
+    }
     if c.kv_heads != c.heads {
         for (pattern, style) in &mut plan.rules {
             if pattern == "attn.wk" || pattern == "attn.wv" {

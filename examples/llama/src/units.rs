@@ -24,8 +24,8 @@ impl<B: ParallelBackend> UnitModel<B> for LlamaConfig {
         Embed::new(self, device)
     }
 
-    fn layer(&self, _index: usize, device: &B::Device) -> Block<B> {
-        Block::new(self, device)
+    fn layer(&self, index: usize, device: &B::Device) -> Block<B> {
+        Block::new(self, index, device)
     }
 
     fn head(&self, device: &B::Device) -> Head<B> {

@@ -1,8 +1,9 @@
-//! Hugging Face `LlamaForCausalLM` in and out: the logits and greedy continuation of the
-//! imported fixtures equal what transformers computed (scripts/hf-llama-fixture.py), an export
-//! reads back as it was written, damaged and hostile folders are refused naming the file and
-//! the tensor (never a panic), and grouped-query attention under tensor parallelism (tp
-//! dividing kv_heads, and tp a multiple of kv_heads) equals one process.
+//! Hugging Face `LlamaForCausalLM` and `MixtralForCausalLM` in and out: the logits and greedy
+//! continuation of the imported fixtures equal what transformers computed
+//! (scripts/hf-llama-fixture.py), an export reads back as it was written, damaged and hostile
+//! folders are refused naming the file and the tensor (never a panic), and grouped-query
+//! attention (and a mixture of experts) under tensor parallelism (tp dividing kv_heads, and tp
+//! a multiple of kv_heads) equals one process.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -16,7 +17,8 @@ use merak_burn::hf_files::{tensor_views, to_f32};
 use merak_burn::tensor_parallel::{ParamSplits, SPLIT_CONTAINER, Shard, ShardKind};
 use merak_example_llama::hf::{hf_config_json, llama_config_from_hf};
 use merak_example_llama::{
-    FullParams, Llama, LlamaConfig, TpLayoutError, read_hf_llama, tp_plan_for, write_hf_llama,
+    FullParams, HfLlama, Llama, LlamaConfig, SparseMoe, TpLayoutError, pretrained_or,
+    read_hf_llama, tp_plan_for, write_hf_llama,
 };
 use serde_json::Value;
 
@@ -88,6 +90,16 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
+/// The largest difference between the logits of the model `hf` and those transformers
+/// computed (`want`).
+fn logits_diff(name: &str, hf: &HfLlama, want: &Expected) -> f32 {
+    let device = Default::default();
+    let model = Llama::<Cpu>::from_full_params(&hf.config, &hf.params, &device).unwrap();
+    let logits = model.logits(tokens(&want.ids, &device));
+    assert_eq!(logits.dims().to_vec(), want.shape, "{name}");
+    max_abs_diff(&values(logits), &want.logits)
+}
+
 /// The imported fixture `name` computes transformers' logits (within [`TOL`]) and greedy
 /// continuation (the same tokens up to a step whose two best logits were within [`TOL`]).
 fn assert_matches_transformers(name: &str) -> LlamaConfig {
@@ -95,9 +107,7 @@ fn assert_matches_transformers(name: &str) -> LlamaConfig {
     let want = expected(name);
     let device = Default::default();
     let model = Llama::<Cpu>::from_full_params(&hf.config, &hf.params, &device).unwrap();
-    let logits = model.logits(tokens(&want.ids, &device));
-    assert_eq!(logits.dims().to_vec(), want.shape, "{name}");
-    let diff = max_abs_diff(&values(logits), &want.logits);
+    let diff = logits_diff(name, &hf, &want);
     assert!(diff <= TOL, "{name}: logits differ by {diff:.3e}");
     eprintln!("{name}: the logits differ from transformers' by at most {diff:.3e}");
     let got = values::<Cpu, 2>(model.greedy(tokens(&want.ids, &device), 8).float());
@@ -136,6 +146,62 @@ fn a_tied_model_in_several_files_with_one_kv_head_equals_transformers() {
     let cfg = assert_matches_transformers("tied");
     assert_eq!((cfg.heads, cfg.kv_heads, cfg.tie_embeddings), (4, 1, true));
     assert_eq!(cfg.rms_norm_eps, 1e-6);
+}
+
+/// A MixtralForCausalLM: 4 experts, 2 per token, grouped-query attention, a sliding window of
+/// 32 positions (longer than the sequences: full causal attention).
+#[test]
+fn a_mixtral_with_4_experts_equals_transformers() {
+    let cfg = assert_matches_transformers("mixtral");
+    let moe = SparseMoe {
+        experts: 4,
+        top_k: 2,
+        aux_loss: 0.02,
+    };
+    assert_eq!((cfg.moe, cfg.ffn, cfg.kv_heads), (Some(moe), 32, 2));
+    assert_eq!((cfg.rope_theta, cfg.rope_scaling), (1e6, None));
+    // max_position_embeddings is 64: the window bounds the sequences.
+    assert_eq!(cfg.max_seq, 32);
+    let hf = read_hf_llama(&fixture("mixtral")).unwrap();
+    assert_eq!(hf.sliding_window, Some(32));
+    let margin = serde_json::from_slice::<Value>(
+        &std::fs::read(fixture("mixtral").join("expected.json")).unwrap(),
+    )
+    .unwrap()["router_margin"]
+        .as_f64()
+        .unwrap();
+    eprintln!("mixtral: the routing is {margin:.2e} from a tie in transformers' computation");
+    assert!(
+        margin > 1e-4,
+        "the fixture's routing is near a tie: {margin}"
+    );
+}
+
+/// The test above can fail: with each expert's gate and up projections swapped (`w1` read as
+/// `w3`), the logits are far from transformers'.
+#[test]
+fn a_mixtral_with_gate_and_up_swapped_differs_from_transformers() {
+    let _cleanup = Cleanup;
+    let dir = copy_of("mixtral", "mixtral-swapped");
+    let mut t = tensors_of(&fixture("mixtral").join("model.safetensors"));
+    for (name, _, _) in &mut t {
+        let swapped = match name.strip_suffix(".w1.weight") {
+            Some(stem) => format!("{stem}.w3.weight"),
+            None => match name.strip_suffix(".w3.weight") {
+                Some(stem) => format!("{stem}.w1.weight"),
+                None => continue,
+            },
+        };
+        *name = swapped;
+    }
+    write_tensors(&dir.join("model.safetensors"), &t, "F32");
+    let hf = read_hf_llama(&dir).unwrap();
+    let diff = logits_diff("swapped", &hf, &expected("mixtral"));
+    eprintln!("mixtral with w1 and w3 swapped: the logits differ by {diff:.3e}");
+    assert!(
+        diff > 100.0 * TOL,
+        "swapped: the logits differ by only {diff:.3e}"
+    );
 }
 
 thread_local! {
@@ -198,7 +264,7 @@ fn write_tensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)], dtype:
 #[test]
 fn an_export_reads_back_as_written_in_one_file_and_in_several() {
     let _cleanup = Cleanup;
-    for name in ["gqa", "tied"] {
+    for name in ["gqa", "tied", "mixtral"] {
         let hf = read_hf_llama(&fixture(name)).unwrap();
         for shard in [None, Some(20_000)] {
             let dir = folder(&format!("export-{name}-{shard:?}"));
@@ -251,14 +317,34 @@ fn an_export_reads_back_as_written_in_one_file_and_in_several() {
     }
 }
 
+/// A dense model and a mixture of experts.
 #[test]
 fn a_model_built_from_params_gives_them_back_and_exports_them() {
-    let _cleanup = Cleanup;
-    let cfg = LlamaConfig {
+    let dense = LlamaConfig {
         kv_heads: 2,
         tie_embeddings: true,
         ..LlamaConfig::tiny()
     };
+    let moe = SparseMoe {
+        experts: 4,
+        top_k: 2,
+        aux_loss: 0.0,
+    };
+    built_model_round_trips(dense, "dense");
+    built_model_round_trips(
+        LlamaConfig {
+            moe: Some(moe),
+            ..dense
+        },
+        "moe",
+    );
+}
+
+/// A model of shape `cfg` gives its parameters by the names [`LlamaConfig::param_shapes`]
+/// lists, exports them, reads them back and computes the same logits; parameters that do not
+/// fit are named.
+fn built_model_round_trips(cfg: LlamaConfig, name: &str) {
+    let _cleanup = Cleanup;
     let device = Default::default();
     Cpu::seed(&device, 3);
     let model = Llama::<Cpu>::new(&cfg, &device);
@@ -272,7 +358,7 @@ fn a_model_built_from_params_gives_them_back_and_exports_them() {
     for (n, shape) in cfg.param_shapes() {
         assert_eq!(params[&n].0, shape, "{n}");
     }
-    let dir = folder("from-params");
+    let dir = folder(&format!("from-params-{name}"));
     write_hf_llama(&dir, &cfg, &params, None).unwrap();
     let back = read_hf_llama(&dir).unwrap();
     assert_eq!(back.params, params);
@@ -591,6 +677,164 @@ fn damaged_tensors_are_refused_naming_the_file_and_the_tensor() {
     }
 }
 
+/// A Mixtral whose tensors do not fit its `config.json` (an expert's tensor missing or of
+/// another shape, a router of another expert count, an expert too many, transformers 5's
+/// stacked experts): each refused naming the file and the tensor.
+#[test]
+fn a_mixtral_with_missing_or_misshaped_experts_is_refused() {
+    let _cleanup = Cleanup;
+    let original = tensors_of(&fixture("mixtral").join("model.safetensors"));
+    let with = |name: &str, edit: &dyn Fn(&mut Tensors)| {
+        let dir = copy_of("mixtral", name);
+        let mut t = original.clone();
+        edit(&mut t);
+        write_tensors(&dir.join("model.safetensors"), &t, "F32");
+        refusal(&dir)
+    };
+    let find = |t: &Tensors, n: &str| t.iter().position(|x| x.0 == n).unwrap();
+    let w3 = "model.layers.1.block_sparse_moe.experts.2.w3.weight";
+    let e = with("mixtral-missing", &|t| t.retain(|x| x.0 != w3));
+    assert!(
+        e.contains("model.safetensors")
+            && e.contains(w3)
+            && e.contains("missing")
+            && e.contains("num_local_experts = 4"),
+        "{e}"
+    );
+    let e = with("mixtral-shape", &|t| {
+        let k = find(t, w3);
+        t[k].1 = vec![64, 32];
+    });
+    assert!(
+        e.contains("model.safetensors")
+            && e.contains(w3)
+            && e.contains("[64, 32]")
+            && e.contains("[32, 64]"),
+        "{e}"
+    );
+    let gate = "model.layers.0.block_sparse_moe.gate.weight";
+    let e = with("mixtral-router", &|t| {
+        let k = find(t, gate);
+        t[k].1 = vec![3, 64];
+        t[k].2.truncate(3 * 64);
+    });
+    assert!(
+        e.contains(gate) && e.contains("[3, 64]") && e.contains("[4, 64]"),
+        "{e}"
+    );
+    let fifth = "model.layers.0.block_sparse_moe.experts.4.w1.weight";
+    let e = with("mixtral-fifth", &|t| {
+        t.push((fifth.into(), vec![32, 64], vec![0.5; 32 * 64]))
+    });
+    assert!(
+        e.contains(fifth) && e.contains("config.json has 4 experts (num_local_experts)"),
+        "{e}"
+    );
+    let stacked = "model.layers.0.mlp.experts.gate_up_proj";
+    let e = with("mixtral-stacked", &|t| {
+        t.push((stacked.into(), vec![4, 64, 64], vec![0.5; 4 * 64 * 64]))
+    });
+    assert!(
+        e.contains(stacked) && e.contains("save_original_format"),
+        "{e}"
+    );
+    // A config of fewer or more experts than the file holds.
+    for (experts, named) in [(3, "config.json has 3 experts"), (5, "[5, 64]")] {
+        let dir = copy_of("mixtral", "mixtral-experts");
+        edit_config(&dir, |v| v["num_local_experts"] = experts.into());
+        let e = refusal(&dir);
+        assert!(
+            e.contains("model.safetensors") && e.contains(named),
+            "{experts}: {e}"
+        );
+    }
+}
+
+/// Mixtral's keys: values the model cannot take are refused naming the key; router noise is
+/// noted, not applied; without a `model_type`, `architectures` decides; the sliding window
+/// bounds the sequences of a run; what we write reads back.
+#[test]
+fn mixtral_config_values_are_read_or_refused_naming_the_key() {
+    let _cleanup = Cleanup;
+    let cases: Vec<(&str, ConfigEdit, &str)> = vec![
+        (
+            "num_experts_per_tok",
+            Box::new(|v| v["num_experts_per_tok"] = 5.into()),
+            "at most num_local_experts = 4",
+        ),
+        (
+            "num_local_experts",
+            Box::new(|v| v["num_local_experts"] = 0.into()),
+            "whole number",
+        ),
+        (
+            "router_aux_loss_coef",
+            Box::new(|v| v["router_aux_loss_coef"] = (-1.0).into()),
+            "at least 0",
+        ),
+        (
+            "sliding_window",
+            Box::new(|v| v["sliding_window"] = 0.into()),
+            "whole number",
+        ),
+        (
+            "output_router_logits",
+            Box::new(|v| v["output_router_logits"] = "yes".into()),
+            "true or false",
+        ),
+        (
+            "model_type",
+            Box::new(|v| v["model_type"] = "mistral".into()),
+            "\"mixtral\"",
+        ),
+    ];
+    for (key, edit, why) in cases {
+        let dir = copy_of("mixtral", "mixtral-bad-config");
+        edit_config(&dir, |v| edit(v));
+        let e = refusal(&dir);
+        assert!(
+            e.contains("config.json") && e.contains(&format!("`{key}`")) && e.contains(why),
+            "{key}: {e}"
+        );
+    }
+    let want = read_hf_llama(&fixture("mixtral")).unwrap();
+    let dir = copy_of("mixtral", "mixtral-config");
+    edit_config(&dir, |v| {
+        v["router_jitter_noise"] = 0.1.into();
+        v["output_router_logits"] = false.into();
+        v["sliding_window"] = Value::Null;
+        v.as_object_mut().unwrap().remove("model_type");
+    });
+    let hf = read_hf_llama(&dir).unwrap();
+    assert!(
+        hf.notes.iter().any(|n| n.contains("router_jitter_noise")),
+        "{:?}",
+        hf.notes
+    );
+    let moe = hf.config.moe.expect("a Mixtral by its architectures");
+    assert_eq!((moe.experts, moe.top_k, moe.aux_loss), (4, 2, 0.0));
+    assert_eq!((hf.config.max_seq, hf.sliding_window), (64, None));
+    assert_eq!(hf.params, want.params);
+
+    // A run on sequences longer than the window is refused, naming it.
+    let fresh = LlamaConfig::tiny();
+    let e = pretrained_or(Some(&fixture("mixtral")), 40, fresh)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("config.json") && e.contains("`sliding_window` = 32") && e.contains("40"),
+        "{e}"
+    );
+    let (cfg, init) = pretrained_or(Some(&fixture("mixtral")), 32, fresh).unwrap();
+    assert_eq!((cfg.max_seq, cfg.moe), (32, want.config.moe));
+    assert!(init.is_some());
+    // What we write reads back.
+    assert_eq!(
+        llama_config_from_hf(&hf_config_json(&want.config), Path::new("x")).unwrap(),
+        want.config
+    );
+}
+
 #[test]
 fn index_problems_are_refused_naming_the_index_or_the_file() {
     let _cleanup = Cleanup;
@@ -757,14 +1001,15 @@ fn run_tp_children(np: usize) {
     );
 }
 
-/// tp = 2: the gqa fixture (2 kv heads) splits its kv heads by column, the tied one (1 kv
-/// head) shares it; the logits equal transformers', the gradients one process's.
+/// tp = 2: the gqa and mixtral fixtures (2 kv heads) split their kv heads by column, the tied
+/// one (1 kv head) shares it; the mixtral's experts are whole on every rank; the logits equal
+/// transformers', the gradients one process's.
 #[test]
 fn grouped_query_attention_at_tp_2_equals_one_process() {
     run_tp_children(2);
 }
 
-/// tp = 4: both fixtures share their kv heads (2 and 1) over the ranks.
+/// tp = 4: every fixture shares its kv heads (2 or 1) over the ranks.
 #[test]
 fn kv_heads_shared_by_4_tp_ranks_equal_one_process() {
     run_tp_children(4);
@@ -806,6 +1051,33 @@ fn grads_of<M: Module<CpuAutodiff>>(
     v.out
 }
 
+/// Every expert of a mixture of experts gets a gradient, zero when no token chose it (so
+/// that every data-parallel rank updates every expert): one token routed to 1 of 8 experts.
+#[test]
+fn every_expert_gets_a_gradient_even_without_tokens() {
+    let moe = SparseMoe {
+        experts: 8,
+        top_k: 1,
+        aux_loss: 0.0,
+    };
+    let cfg = LlamaConfig {
+        layers: 1,
+        moe: Some(moe),
+        ..LlamaConfig::tiny()
+    };
+    let device = Default::default();
+    CpuAutodiff::seed(&device, 5);
+    let model = Llama::<CpuAutodiff>::new(&cfg, &device);
+    let grads = loss(&model, &[vec![1, 2]]).backward();
+    // Panics on a parameter without a gradient.
+    let grads = grads_of(&model, &grads);
+    let zero = |v: &[f32]| v.iter().all(|&x| x == 0.0);
+    let experts: Vec<_> = grads.iter().filter(|g| g.0.contains(".experts.")).collect();
+    assert_eq!(experts.len(), 2 * 8);
+    let unused = experts.iter().filter(|g| zero(&g.2)).count();
+    assert_eq!(unused, 2 * 7, "the 7 experts no token chose");
+}
+
 /// The loss of `model` on `ids`: cross-entropy against the next token.
 fn loss(model: &Llama<CpuAutodiff>, ids: &[Vec<i64>]) -> Tensor<CpuAutodiff, 1> {
     let device = Default::default();
@@ -841,7 +1113,7 @@ fn tp_child() {
     };
     let grid = merak_burn::grid::ProcessGrid::from_mpi(world, layout).unwrap();
     let device = Default::default();
-    for name in ["gqa", "tied"] {
+    for name in ["gqa", "tied", "mixtral"] {
         let hf = read_hf_llama(&fixture(name)).unwrap();
         let plan = tp_plan_for(&hf.config, tp).unwrap();
         let want = expected(name);

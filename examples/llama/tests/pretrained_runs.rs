@@ -1,5 +1,6 @@
-//! Runs that start from a Hugging Face `LlamaForCausalLM` (the committed fixtures, made by
-//! `scripts/hf-llama-fixture.py`) under any layout, and checkpoints exported back.
+//! Runs that start from a Hugging Face `LlamaForCausalLM` or `MixtralForCausalLM` (the
+//! committed fixtures, made by `scripts/hf-llama-fixture.py`) under any layout, and
+//! checkpoints exported back.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -114,25 +115,54 @@ fn assert_close(name: &str, got: &(Vec<f64>, FullState), want: &(Vec<f64>, FullS
 /// the pretrained model's.
 #[test]
 fn a_pretrained_llama_trains_under_every_layout_as_one_process() {
-    let gqa = fixture("gqa");
-    let dir = scratch("layouts");
-    let want = train_from(&gqa, 1, &dir.join("single"), &[]);
-    let first = pretrained_loss(&gqa);
+    assert_layouts_equal_one_process(
+        "gqa",
+        &[
+            (2, "tp2", &["--tp", "2"]),
+            (4, "tp4", &["--tp", "4"]),
+            (2, "pp2", &["--pp", "2"]),
+            (4, "dp2pp2", &["--dp", "2", "--pp", "2"]),
+        ],
+    );
+}
+
+/// The Mixtral fixture (4 experts, 2 per token, the routers' load-balancing loss on) trained
+/// from its pretrained weights under dp=2 (the experts' gradients summed over the ranks),
+/// tp=2 (every rank holds the experts whole), pp=2 and dp=2 x pp=2 equals one process, with
+/// finite losses; the first step's loss is the pretrained model's.
+#[test]
+fn a_pretrained_mixtral_trains_under_every_layout_as_one_process() {
+    let losses = assert_layouts_equal_one_process(
+        "mixtral",
+        &[
+            (2, "dp2", &["--dp", "2"]),
+            (2, "tp2", &["--tp", "2"]),
+            (2, "pp2", &["--pp", "2"]),
+            (4, "dp2pp2", &["--dp", "2", "--pp", "2"]),
+        ],
+    );
+    assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
+}
+
+/// `llama-train --init-from <fixture name>` under each of `layouts` (ranks, name, arguments)
+/// equals one process; the first step's loss is the pretrained model's. Returns the one
+/// process's losses.
+fn assert_layouts_equal_one_process(name: &str, layouts: &[(usize, &str, &[&str])]) -> Vec<f64> {
+    let pretrained = fixture(name);
+    let dir = scratch(&format!("layouts-{name}"));
+    let want = train_from(&pretrained, 1, &dir.join("single"), &[]);
+    let first = pretrained_loss(&pretrained);
     assert!(
         (want.0[0] - first).abs() <= TOL * first,
-        "step 1's loss {} is the pretrained model's {first}",
+        "{name}: step 1's loss {} is the pretrained model's {first}",
         want.0[0]
     );
-    for (np, name, args) in [
-        (2, "tp2", vec!["--tp", "2"]),
-        (4, "tp4", vec!["--tp", "4"]),
-        (2, "pp2", vec!["--pp", "2"]),
-        (4, "dp2pp2", vec!["--dp", "2", "--pp", "2"]),
-    ] {
-        let got = train_from(&gqa, np, &dir.join(name), &args);
-        assert_close(name, &got, &want);
+    for &(np, layout, args) in layouts {
+        let got = train_from(&pretrained, np, &dir.join(layout), args);
+        assert_close(&format!("{name} {layout}"), &got, &want);
     }
     let _ = std::fs::remove_dir_all(&dir);
+    want.0
 }
 
 /// A checkpoint of a tp=2 run from the tied multi-file fixture, exported by `llama-export`,

@@ -1,11 +1,12 @@
 //! `llama-export`: writes a `llama-train` checkpoint (of any layout) as a Hugging Face
-//! `LlamaForCausalLM` folder (`config.json` and safetensors), which transformers loads.
+//! `LlamaForCausalLM` (or `MixtralForCausalLM`) folder (`config.json` and safetensors), which
+//! transformers loads.
 
 use std::path::PathBuf;
 
 use clap::Parser;
 
-/// Export a llama-train checkpoint as a Hugging Face LlamaForCausalLM.
+/// Export a llama-train checkpoint as a Hugging Face LlamaForCausalLM (or MixtralForCausalLM).
 #[derive(Parser, Debug)]
 struct Args {
     /// The checkpoint: a `step-*` folder or a run's `checkpoints/` folder (its newest).
