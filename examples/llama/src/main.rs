@@ -9,7 +9,7 @@ use merak_burn::pipeline::ScheduleKind;
 use merak_burn::plan::ParallelPlan;
 use merak_burn::session::{AutoPlan, PlanChoice, RunOptions};
 use merak_burn::train::TrainSettings;
-use merak_example_llama::{Counting, LlamaConfig, manifest_extra, pretrained_or};
+use merak_example_llama::{Counting, LlamaConfig, SparseMoe, manifest_extra, pretrained_or};
 
 /// Train the Llama-style example under a dp x tp x pp layout.
 #[derive(Parser, Debug)]
@@ -49,6 +49,12 @@ struct Args {
     /// Tie the output projection to the token embedding.
     #[arg(long)]
     tie_embeddings: bool,
+    /// A Mixtral-style mixture of this many experts in every block instead of the MLP (0: none).
+    #[arg(long, default_value_t = 0)]
+    experts: usize,
+    /// Experts each token goes through (with --experts).
+    #[arg(long, default_value_t = 2)]
+    top_k: usize,
     /// Output folder (default: a new `runs/<UTC date-time>`).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -66,8 +72,14 @@ struct Args {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    let moe = (args.experts > 0).then_some(SparseMoe {
+        experts: args.experts,
+        top_k: args.top_k,
+        aux_loss: 0.0,
+    });
     let tiny = LlamaConfig {
         tie_embeddings: args.tie_embeddings,
+        moe,
         ..LlamaConfig::tiny()
     };
     let (cfg, init) = pretrained_or(args.init_from.as_deref(), args.seq, tiny)?;

@@ -346,29 +346,10 @@ impl<B: ParallelBackend> Block<B> {
             (Some(m), _) => {
                 m.w2.forward(silu(m.w1.forward(h.clone())) * m.w3.forward(h))
             }
-            (None, Some(moe)) => {
-                let y = moe.forward(h);
-                let zero = every_expert_times_zero(moe).cast(y.dtype());
-                y + zero.reshape([1, 1, 1])
-            }
+            (None, Some(moe)) => moe.forward(h),
             (None, None) => unreachable!("a block has an MLP or a mixture of experts"),
         }
     }
-}
-
-/// Zero, computed from every expert's parameters, so that each of them gets a gradient (zero
-/// when no token chose it) in every step. A model that `merak_burn::run` trains declares no
-/// experts to the trainer, whose data-parallel reduction gives a parameter its summed
-/// gradient only on the ranks where it got one: an expert chosen by the tokens of some
-/// data-parallel ranks only would be updated on those only. With this zero every rank updates
-/// every expert, as one process does (an expert no token chose gets a zero gradient, which
-/// the optimizer applies like any other).
-fn every_expert_times_zero<B: ParallelBackend>(moe: &MoeLayer<B>) -> Tensor<B, 1> {
-    let device = moe.router.val().device();
-    (moe.experts.iter().flatten())
-        .map(|e| e.w_in.val().sum() + e.w_out.val().sum())
-        .fold(Tensor::zeros([1], &device), |acc, s| acc + s)
-        * 0.0
 }
 
 impl<B: ParallelBackend> Head<B> {

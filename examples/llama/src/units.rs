@@ -39,4 +39,8 @@ impl<B: ParallelBackend> UnitModel<B> for LlamaConfig {
     fn tie_embeddings(&self) -> bool {
         self.tie_embeddings
     }
+
+    fn experts(&self) -> Option<(usize, usize)> {
+        self.moe.map(|m| (self.layers, m.experts))
+    }
 }

@@ -111,6 +111,10 @@ pub struct Units<B: Backend, E: Module<B>, L: Module<B>, H: Module<B>> {
     /// Width of the hidden states between units.
     #[module(skip)]
     hidden: usize,
+    /// `(MoE layers, experts per layer)` when the blocks hold mixtures of experts
+    /// ([`with_experts`](Self::with_experts)).
+    #[module(skip)]
+    experts: Option<(usize, usize)>,
     #[module(skip)]
     backend: PhantomData<B>,
 }
@@ -150,8 +154,18 @@ where
             tied: false,
             table_name: "",
             hidden,
+            experts: None,
             backend: PhantomData,
         }
+    }
+
+    /// These units, declared to hold `experts` = `(MoE layers, experts per layer)`
+    /// ([`crate::moe::MoeLayer`]s whose routed experts' parameters are named `….experts.…`):
+    /// the trainer then sums each expert's gradient as one process would, whichever ranks'
+    /// tokens chose it, and logs the routing.
+    pub fn with_experts(mut self, experts: Option<(usize, usize)>) -> Self {
+        self.experts = experts;
+        self
     }
 
     /// Ties the head to the embedding's token table ([`EmbedUnit::table`]): the head computes
@@ -185,6 +199,7 @@ where
                 .collect(),
             head: self.head.filter(|_| holds(last)),
             hidden: self.hidden,
+            experts: self.experts,
             backend: PhantomData,
         }
     }
@@ -326,6 +341,10 @@ where
 {
     fn layer_count(&self) -> usize {
         self.layers.len()
+    }
+
+    fn experts(&self) -> Option<(usize, usize)> {
+        self.experts
     }
 
     fn width(&self) -> usize {

@@ -65,6 +65,16 @@ pub trait UnitModel<B: Backend> {
     fn tie_embeddings(&self) -> bool {
         false
     }
+
+    /// `(MoE layers, experts per layer)` when the blocks hold mixtures of experts
+    /// ([`crate::moe::MoeLayer`], expert parallelism 1): declared here, the trainer gives an
+    /// expert that the tokens of only some data-parallel ranks chose its summed gradient on
+    /// every rank, as one process steps it, and logs the routing (`aux_loss`,
+    /// `expert_tokens`). The balancing biases (`bias_update_rate`) are not moved for such a
+    /// model yet.
+    fn experts(&self) -> Option<(usize, usize)> {
+        None
+    }
 }
 
 /// The units of model `M` on backend `B`, as a rank holds them.
@@ -109,7 +119,7 @@ where
         seeded(last);
         crate::parallelize::initialized(model.head(device))
     });
-    let units = Units::from_parts(embed, layers, head, dims.hidden);
+    let units = Units::from_parts(embed, layers, head, dims.hidden).with_experts(model.experts());
     let units = if tied { units.tied()? } else { units };
     Ok(units.retain(holds))
 }
