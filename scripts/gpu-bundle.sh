@@ -98,6 +98,9 @@ copy_deps "$out/bin/merak"
 copy_deps "$out/bin/mpirun"
 copy_deps "$out/bin/orted"
 for lib in "$out/lib"/*; do copy_deps "$lib"; done
+# The Vulkan loader (train.device = "wgpu"), which wgpu opens at run time: ldd does not list it.
+vulkan=$(ldconfig -p | awk '/libvulkan\.so\.1 .*x86-64/{print $NF; exit}')
+[ -n "$vulkan" ] && cp -L "$vulkan" "$out/lib/libvulkan.so.1"
 
 # The binary travels compressed (a quarter of its size).
 gzip -9 "$out/bin/merak"
