@@ -115,11 +115,16 @@ pub trait ContextParallelBackend: FusedOps {
 
 impl ContextParallelBackend for burn_flex::Flex {}
 
-#[cfg(feature = "cuda")]
-impl ContextParallelBackend for burn_cuda::Cuda<f32> {}
-
-#[cfg(feature = "wgpu")]
-impl ContextParallelBackend for crate::backend::Wgpu {}
+/// Every CubeCL backend (CUDA, wgpu), with the composed attention of its [`FusedOps`].
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+impl<R, F, I, BT> ContextParallelBackend for burn_cubecl::CubeBackend<R, F, I, BT>
+where
+    R: burn_cubecl::CubeRuntime,
+    F: burn_cubecl::FloatElement,
+    I: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+{
+}
 
 /// Context-parallel self-attention on this rank's zigzag shard of a fused Q/K/V projection
 /// ([`ContextParallelBackend::ring_attention`]).

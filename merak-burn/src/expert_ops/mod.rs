@@ -45,10 +45,16 @@ pub trait ExpertBackend: Backend {
 }
 
 impl ExpertBackend for burn_flex::Flex {}
-#[cfg(feature = "cuda")]
-impl ExpertBackend for burn_cuda::Cuda<f32> {}
-#[cfg(feature = "wgpu")]
-impl ExpertBackend for crate::backend::Wgpu {}
+/// Every CubeCL backend (CUDA, wgpu): the exchanges through host buffers.
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+impl<R, F, I, BT> ExpertBackend for burn_cubecl::CubeBackend<R, F, I, BT>
+where
+    R: burn_cubecl::CubeRuntime,
+    F: burn_cubecl::FloatElement,
+    I: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+{
+}
 
 impl<B: ExpertBackend, C: CheckpointStrategy> ExpertBackend for Autodiff<B, C> {
     fn ep_exchange(

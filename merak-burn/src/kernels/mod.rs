@@ -355,25 +355,18 @@ pub fn attention_in_segments<B: FusedOps>(
     ))
 }
 
-/// On CUDA the attention is Burn's attention operation (flash attention where the autotuner
-/// finds it faster), which gives no log-sum-exp: the backward pass recomputes the softmax
-/// ([`composed::attention_backward`] without `lse`). The other kernels compose Burn's
-/// operators.
-#[cfg(feature = "cuda")]
-impl FusedOps for burn_cuda::Cuda<f32> {
-    fn attention_forward(
-        qkv: FloatTensor<Self>,
-        spec: AttentionSpec,
-        segments: Option<IntTensor<Self>>,
-    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
-        composed::attention_forward_unsaved::<Self>(qkv, spec, segments)
-    }
-}
-
-/// On wgpu as on CUDA: Burn's attention operation, the backward pass recomputing the softmax;
-/// the other kernels compose Burn's operators (no CubeCL kernel of merak's own yet).
-#[cfg(feature = "wgpu")]
-impl FusedOps for crate::backend::Wgpu {
+/// On every CubeCL backend (CUDA, wgpu) the attention is Burn's attention operation (flash
+/// attention where the autotuner finds it faster), which gives no log-sum-exp: the backward
+/// pass recomputes the softmax ([`composed::attention_backward`] without `lse`). The other
+/// kernels compose Burn's operators (no CubeCL kernel of merak's own yet).
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+impl<R, F, I, BT> FusedOps for burn_cubecl::CubeBackend<R, F, I, BT>
+where
+    R: burn_cubecl::CubeRuntime,
+    F: burn_cubecl::FloatElement,
+    I: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+{
     fn attention_forward(
         qkv: FloatTensor<Self>,
         spec: AttentionSpec,
