@@ -101,7 +101,7 @@ pub fn choose_adapter() -> Result<Adapter, WgpuError> {
     use burn_wgpu::graphics::{AutoGraphicsApi, GraphicsApi};
     let instance = wgpu::Instance::default();
     let api = wgpu::Backends::from(AutoGraphicsApi::backend());
-    let adapters = pollster_block(instance.enumerate_adapters(api));
+    let adapters = burn_cubecl::cubecl::future::block_on(instance.enumerate_adapters(api));
     let infos: Vec<wgpu::AdapterInfo> = adapters.iter().map(|a| a.get_info()).collect();
     let preference = [
         (wgpu::DeviceType::DiscreteGpu, AdapterKind::Discrete),
@@ -140,20 +140,6 @@ fn device_of(kind: AdapterKind) -> WgpuDevice {
         AdapterKind::Virtual => WgpuDevice::VirtualGpu(0),
         AdapterKind::Cpu => WgpuDevice::Cpu,
         AdapterKind::Other => WgpuDevice::DefaultDevice,
-    }
-}
-
-/// Runs a future to completion on this thread (wgpu's adapter queries are futures that
-/// resolve at once on native platforms).
-fn pollster_block<F: std::future::Future>(future: F) -> F::Output {
-    use std::task::{Context, Poll, Waker};
-    let mut future = std::pin::pin!(future);
-    let mut cx = Context::from_waker(Waker::noop());
-    loop {
-        if let Poll::Ready(out) = future.as_mut().poll(&mut cx) {
-            return out;
-        }
-        std::thread::yield_now();
     }
 }
 
