@@ -5,24 +5,10 @@
 //! equals it to 6e-8, as the reduction is f32), also with ZeRO-2 and ZeRO-3 at dp = 2. And `train.comm`: NCCL asked for on the CPU
 //! is refused before training on every rank, naming the key.
 
-use std::path::Path;
-
 mod common;
 use common::*;
 
 const BF16: [&str; 2] = ["--set", "train.precision=bf16"];
-
-fn series_of(dir: &Path, key: &str) -> Vec<f32> {
-    series(&read_metrics(dir), key)
-}
-
-fn max_relative(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs() / y.abs().max(1e-6))
-        .fold(0.0, f32::max)
-}
 
 #[test]
 fn bf16_follows_fp32_over_50_steps() {

@@ -27,17 +27,6 @@ fn run_wgpu(np: usize, out: &std::path::Path, extra: &[&str]) -> merak_tests::Ru
     merak_tests::run_with_deadline(cmd, std::time::Duration::from_secs(600))
 }
 
-/// The largest relative difference between two runs' losses, step by step.
-fn loss_difference(a: &std::path::Path, b: &std::path::Path) -> f32 {
-    let (x, y) = (read_metrics(a), read_metrics(b));
-    let (x, y) = (series(&x, "loss"), series(&y, "loss"));
-    assert_eq!(x.len(), y.len());
-    x.iter()
-        .zip(&y)
-        .map(|(p, q)| ((p - q) / q).abs())
-        .fold(0.0, f32::max)
-}
-
 /// One wgpu process against the CPU backend, then dp 2, tp 2 with `tp_overlap = 2`, and pp 2
 /// on wgpu against the one wgpu process.
 #[test]
@@ -60,7 +49,7 @@ fn wgpu_trains_as_the_cpu_and_its_layouts_equal_one_process() {
     let cpu = out_dir("wgpu-cpu-reference");
     run_pp(0, &cpu, &[]).assert_success();
     // Measured on llvmpipe: 3.8e-8 after 5 steps (f32 kernels summing in another order).
-    let diff = loss_difference(&single, &cpu);
+    let diff = max_relative(&series_of(&single, "loss"), &series_of(&cpu, "loss"));
     assert!(diff < 1e-4, "wgpu against the CPU: {diff:e}");
     for (np, name, extra) in [
         (2, "wgpu-dp2", vec!["--dp", "2"]),

@@ -144,6 +144,20 @@ pub fn series(m: &[serde_json::Value], key: &str) -> Vec<f32> {
         .collect()
 }
 
+/// The series `key` of the run in `dir` (its `metrics.jsonl`).
+pub fn series_of(dir: &Path, key: &str) -> Vec<f32> {
+    series(&read_metrics(dir), key)
+}
+
+/// The largest relative difference of `a` from `b`, element by element (equal lengths).
+pub fn max_relative(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / y.abs().max(1e-6))
+        .fold(0.0, f32::max)
+}
+
 pub fn assert_same_run(name: &str, got: &[serde_json::Value], want: &[serde_json::Value]) {
     assert_eq!(got.len(), 5, "{name}: five steps");
     assert_eq!(got.len(), want.len());
