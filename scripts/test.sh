@@ -8,7 +8,19 @@ source scripts/deps.sh
 export RAYON_NUM_THREADS=1
 
 cargo fmt --all -- --check
-cargo clippy --release --workspace --all-targets -- -D warnings
+# The lints and the CUDA check write only metadata, into a folder of their own: with
+# MERAK_LEAN_DISK=1 (CI) it is removed before the test build, so the disk never holds both (a
+# CI machine once ran out of space holding both).
+target=${CARGO_TARGET_DIR:-target}
+check_dir=$target/check
+CARGO_TARGET_DIR=$check_dir cargo clippy --release --workspace --all-targets -- -D warnings
 # The CUDA backend and NCCL communicator must compile without CUDA installed.
-cargo check --release -p merak-launch --features cuda
+CARGO_TARGET_DIR=$check_dir cargo check --release -p merak-launch --features cuda
+if [ "${MERAK_LEAN_DISK:-0}" = 1 ]; then
+    du -sh "$check_dir" || true
+    rm -rf "$check_dir"
+fi
 cargo test --release --workspace
+if [ "${MERAK_LEAN_DISK:-0}" = 1 ]; then
+    du -sh "$target" || true
+fi
