@@ -9,7 +9,8 @@ use burn::tensor::{Bool, Int, Shape, Tensor};
 use super::{AttentionSpec, NormStats, VocabShard, fatal, lift, prim};
 use crate::comm::{Group, ReduceOp, TensorComm};
 
-fn all_reduce<B: Backend, const D: usize>(
+/// `x` all-reduced over `group` (the identity on one rank).
+pub(crate) fn all_reduce<B: Backend, const D: usize>(
     x: Tensor<B, D>,
     op: ReduceOp,
     group: Group,

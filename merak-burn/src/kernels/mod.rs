@@ -8,8 +8,9 @@
 //! - On `Autodiff<B>` the operation records one graph node whose backward pass calls `B`'s
 //!   backward kernel, instead of the dozen nodes (and intermediate tensors) of the composition.
 //! - The kernels' default implementations compose Burn's own operators ([`composed`]), so
-//!   every backend (CUDA included) has them; the CPU backend (burn-flex) overrides them with
-//!   vectorized single-pass kernels on its buffers ([`cpu`]).
+//!   every backend has them; the CPU backend (burn-flex) overrides them with vectorized
+//!   single-pass kernels on its buffers ([`cpu`]), and the CubeCL backends (CUDA, wgpu) with
+//!   CubeCL kernels (`cube`, with the `cuda` or `wgpu` feature).
 //!
 //! The fused operations:
 //!
@@ -32,6 +33,8 @@ pub mod deferred;
 pub(crate) use autodiff::{LinearState, linear_backward, linear_node};
 pub mod composed;
 pub mod cpu;
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+pub mod cube;
 mod flex;
 #[cfg(test)]
 mod tests;
@@ -353,27 +356,6 @@ pub fn attention_in_segments<B: FusedOps>(
         spec,
         Some(segments.into_primitive()),
     ))
-}
-
-/// On every CubeCL backend (CUDA, wgpu) the attention is Burn's attention operation (flash
-/// attention where the autotuner finds it faster), which gives no log-sum-exp: the backward
-/// pass recomputes the softmax ([`composed::attention_backward`] without `lse`). The other
-/// kernels compose Burn's operators (no CubeCL kernel of merak's own yet).
-#[cfg(any(feature = "cuda", feature = "wgpu"))]
-impl<R, F, I, BT> FusedOps for burn_cubecl::CubeBackend<R, F, I, BT>
-where
-    R: burn_cubecl::CubeRuntime,
-    F: burn_cubecl::FloatElement,
-    I: burn_cubecl::IntElement,
-    BT: burn_cubecl::BoolElement,
-{
-    fn attention_forward(
-        qkv: FloatTensor<Self>,
-        spec: AttentionSpec,
-        segments: Option<IntTensor<Self>>,
-    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
-        composed::attention_forward_unsaved::<Self>(qkv, spec, segments)
-    }
 }
 
 /// Communication failures inside a fused operation cannot be returned through Burn's operator

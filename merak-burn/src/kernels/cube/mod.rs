@@ -1,0 +1,277 @@
+//! merak's fused operations as CubeCL kernels, for every CubeCL backend (CUDA, wgpu):
+//! [`FusedOps`] on `burn_cubecl::CubeBackend`.
+//!
+//! | operation | kernels |
+//! | --- | --- |
+//! | bias-GELU ([`pointwise`]) | one thread per element; the bias gradient by column sums |
+//! | LayerNorm ([`rows`]) | a cube per row (mean, variance, output); backward a cube per row for `dx`, a thread per column for `dgamma` and `dbeta` |
+//! | cross-entropy ([`xent`]) | a cube per row for the maximum, then for the sum of exponentials and the target logit (the tensor-parallel all-reduces between them), one cube for the mean; the gradient one thread per logit |
+//! | embedding ([`gather`]) | one thread per output element; backward a thread per column |
+//! | AdamW ([`pointwise`]) | one thread per element, the new parameter and moments |
+//! | sum of squares ([`squares`]) | a cube per chunk in `f32`, the chunks added on the host in `f64` |
+//!
+//! Reductions never use float atomics (core WGSL has none): a row is reduced by a tree in
+//! shared memory, a column by one thread, so results are the same on every run. Kernels read
+//! and write the tensors' own float type and compute in `f32`. The attention stays Burn's
+//! attention operation (flash attention where CubeCL's autotuner picks it; no log-sum-exp).
+
+pub mod gather;
+pub mod pointwise;
+pub mod rows;
+pub mod squares;
+pub mod xent;
+
+use burn::tensor::DType;
+use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::{Int, Tensor};
+use burn_cubecl::cubecl::prelude::{CubeCount, CubeDim};
+use burn_cubecl::cubecl::{calculate_cube_count_elemwise, client::ComputeClient};
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+
+use super::{AdamWStep, AdamWTensors, AttentionSpec, FusedOps, NormStats, VocabShard};
+use super::{composed, lift, prim};
+use crate::comm::{Group, ReduceOp};
+
+/// Threads per cube of the row and chunk reductions (a power of two).
+pub const BLOCK: u32 = 256;
+
+/// Where a kernel runs: its cubes and their threads.
+pub(crate) struct Launch {
+    count: CubeCount,
+    dim: CubeDim,
+}
+
+impl Launch {
+    /// One thread per element of `n`.
+    fn elements<R: CubeRuntime>(client: &ComputeClient<R>, n: usize) -> Self {
+        let dim = CubeDim::new_1d(BLOCK);
+        let count = calculate_cube_count_elemwise(client, n.max(1), dim);
+        Self { count, dim }
+    }
+
+    /// One thread per element of `x`.
+    fn elementwise<R: CubeRuntime>(x: &CubeTensor<R>) -> Self {
+        Self::elements(&x.client, x.meta.shape().num_elements())
+    }
+
+    /// One cube of [`BLOCK`] threads per row (`CUBE_POS`), over two dimensions past 65,535
+    /// rows.
+    fn per_row(rows: usize) -> Self {
+        let x = rows.clamp(1, 65_535);
+        let y = rows.div_ceil(x).max(1);
+        Self {
+            count: CubeCount::Static(x as u32, y as u32, 1),
+            dim: CubeDim::new_1d(BLOCK),
+        }
+    }
+}
+
+/// `x` with a contiguous row-major layout (no copy when it has one).
+fn contiguous<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
+    burn_cubecl::kernel::into_contiguous(x)
+}
+
+/// An uninitialized tensor of `x`'s shape, type and device.
+fn empty_like<R: CubeRuntime>(x: &CubeTensor<R>) -> CubeTensor<R> {
+    let shape = x.meta.shape().clone();
+    burn_cubecl::ops::numeric::empty_device_dtype(
+        x.client.clone(),
+        x.device.clone(),
+        shape,
+        x.dtype,
+    )
+}
+
+/// An uninitialized tensor of `x`'s type and device.
+fn empty<R: CubeRuntime, const D: usize>(x: &CubeTensor<R>, dims: [usize; D]) -> CubeTensor<R> {
+    empty_typed(x, dims, x.dtype)
+}
+
+/// An uninitialized tensor on `x`'s device.
+fn empty_typed<R: CubeRuntime, const D: usize>(
+    x: &CubeTensor<R>,
+    dims: [usize; D],
+    dtype: DType,
+) -> CubeTensor<R> {
+    burn_cubecl::ops::numeric::empty_device_dtype(
+        x.client.clone(),
+        x.device.clone(),
+        dims.into(),
+        dtype,
+    )
+}
+
+/// The environment variable that names the kernels to replace by Burn's composed operators
+/// (comma-separated: `gelu`, `norm`, `xent`, `embedding`, `adamw`, `squares`, or `all`; set
+/// and empty: none), instead of the default ([`COMPOSED_ON_CUDA`] on CUDA, none elsewhere): for
+/// measuring the fused kernels against the composition, and for telling which kernel a driver
+/// fails on.
+pub const COMPOSED_KERNELS_VAR: &str = "MERAK_COMPOSED_KERNELS";
+
+/// The kernels that failed on CUDA (an H100, 2026-11-26: the cross-entropy's reached an illegal
+/// address, AdamW's first update came out wrong) while passing against the CPU on wgpu: CUDA
+/// runs them composed until the cause is found.
+pub const COMPOSED_ON_CUDA: [&str; 2] = ["xent", "adamw"];
+
+/// Whether the kernel `name` runs composed on `x`'s runtime: as [`COMPOSED_KERNELS_VAR`] says
+/// where it is set, else as [`COMPOSED_ON_CUDA`] says on CUDA.
+fn composed_kernel<R: CubeRuntime>(name: &str, x: &CubeTensor<R>) -> bool {
+    static NAMES: std::sync::OnceLock<Option<Vec<String>>> = std::sync::OnceLock::new();
+    let names = NAMES.get_or_init(|| {
+        let list = std::env::var(COMPOSED_KERNELS_VAR).ok()?;
+        Some(list.split(',').map(|s| s.trim().to_lowercase()).collect())
+    });
+    match names {
+        Some(names) => names.iter().any(|k| k == name || k == "all"),
+        None => R::name(&x.client) == "cuda" && COMPOSED_ON_CUDA.contains(&name),
+    }
+}
+
+impl<R, F, I, BT> FusedOps for CubeBackend<R, F, I, BT>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    fn gather_forward(
+        table: FloatTensor<Self>,
+        ids: IntTensor<Self>,
+        start: usize,
+    ) -> FloatTensor<Self> {
+        if composed_kernel("embedding", &table) {
+            return composed::gather_forward::<Self>(table, ids, start);
+        }
+        gather::forward(table, ids, start)
+    }
+
+    fn gather_backward(
+        ids: IntTensor<Self>,
+        dy: FloatTensor<Self>,
+        rows: usize,
+        start: usize,
+    ) -> FloatTensor<Self> {
+        if composed_kernel("embedding", &dy) {
+            return composed::gather_backward::<Self>(ids, dy, rows, start);
+        }
+        gather::backward(ids, dy, rows, start)
+    }
+
+    fn adamw_step(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        moments: Option<(FloatTensor<Self>, FloatTensor<Self>)>,
+        step: AdamWStep,
+    ) -> AdamWTensors<Self> {
+        if composed_kernel("adamw", &param) {
+            return composed::adamw_step::<Self>(param, grad, moments, step);
+        }
+        let [p, m, v] = pointwise::adamw_step(param, grad, moments, step);
+        (p, m, v)
+    }
+
+    fn sum_of_squares(x: FloatTensor<Self>) -> f64 {
+        if composed_kernel("squares", &x) {
+            return composed::sum_of_squares::<Self>(x);
+        }
+        let chunks = composed::to_host::<Self>(squares::chunk_sums(x));
+        chunks.iter().map(|&s| f64::from(s)).sum()
+    }
+
+    fn cross_entropy_forward(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        shard: VocabShard,
+        group: Group,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        if composed_kernel("xent", &logits) {
+            return composed::cross_entropy_forward::<Self>(logits, targets, shard, group);
+        }
+        let all_reduce = |t: CubeTensor<R>, is_max: bool| {
+            let op = if is_max { ReduceOp::Max } else { ReduceOp::Sum };
+            prim(composed::all_reduce(lift::<Self, 1>(t), op, group))
+        };
+        let shard = xent::Shard {
+            start: shard.start,
+            valid: shard.valid,
+            all_reduce: &all_reduce,
+        };
+        xent::forward(logits, targets, shard)
+    }
+
+    fn cross_entropy_backward(
+        logits: FloatTensor<Self>,
+        stats: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        shard: VocabShard,
+        grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        if composed_kernel("xent", &logits) {
+            return composed::cross_entropy_backward::<Self>(logits, stats, targets, shard, grad);
+        }
+        let count = Tensor::<Self, 1, Int>::from_primitive(targets.clone())
+            .greater_equal_elem(0)
+            .float()
+            .sum()
+            .clamp_min(1.0);
+        let scale = prim(lift::<Self, 1>(grad) / count);
+        xent::backward(logits, stats, targets, scale, shard.start, shard.valid)
+    }
+
+    fn layer_norm_forward(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, NormStats<Self>) {
+        if composed_kernel("norm", &x) {
+            return composed::layer_norm_forward::<Self>(x, gamma, beta, eps);
+        }
+        rows::layer_norm_forward(x, gamma, beta, eps)
+    }
+
+    fn layer_norm_backward(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        stats: NormStats<Self>,
+        dy: FloatTensor<Self>,
+    ) -> [FloatTensor<Self>; 3] {
+        if composed_kernel("norm", &x) {
+            return composed::layer_norm_backward::<Self>(x, gamma, stats, dy);
+        }
+        rows::layer_norm_backward(x, gamma, stats, dy)
+    }
+
+    fn bias_gelu_forward(x: FloatTensor<Self>, bias: FloatTensor<Self>) -> FloatTensor<Self> {
+        if composed_kernel("gelu", &x) {
+            return composed::bias_gelu_forward::<Self>(x, bias);
+        }
+        pointwise::bias_gelu_forward(x, bias)
+    }
+
+    fn bias_gelu_backward(
+        x: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> [FloatTensor<Self>; 2] {
+        if composed_kernel("gelu", &x) {
+            return composed::bias_gelu_backward::<Self>(x, bias, dy);
+        }
+        pointwise::bias_gelu_backward(x, bias, dy)
+    }
+
+    /// Burn's attention operation (flash attention where the autotuner finds it faster),
+    /// which gives no log-sum-exp: the backward pass recomputes the softmax
+    /// ([`composed::attention_backward`] without `lse`).
+    fn attention_forward(
+        qkv: FloatTensor<Self>,
+        spec: AttentionSpec,
+        segments: Option<IntTensor<Self>>,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        composed::attention_forward_unsaved::<Self>(qkv, spec, segments)
+    }
+}
+
+#[cfg(all(test, feature = "wgpu"))]
+mod tests;

@@ -1,0 +1,224 @@
+//! Each CubeCL kernel on wgpu (Mesa's llvmpipe in CI) against the CPU backend's kernel on the
+//! same inputs: values and gradients, on random values and ragged shapes (one row, one column,
+//! widths that are not multiples of a cube, more rows than threads), at [`TOLERANCE`].
+
+use burn::tensor::ops::FloatTensorOps;
+use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::{Int, Shape, Tensor, TensorData};
+
+use crate::backend::{Cpu, Wgpu, WgpuDevice};
+use crate::comm::Group;
+use crate::kernels::{AdamWStep, FusedOps, VocabShard, lift, prim};
+use crate::rng::InitRng;
+
+/// The bound on the relative difference (the norm of the difference over the norm of the CPU's
+/// result) of every kernel's result from the CPU's.
+const TOLERANCE: f64 = 1e-5;
+
+/// `(rows, d)`: ragged on purpose.
+const SHAPES: [(usize, usize); 6] = [(1, 1), (3, 5), (7, 33), (64, 257), (5, 1000), (300, 24)];
+
+/// wgpu's default adapter (llvmpipe where Mesa's software driver is the only one).
+fn device() -> WgpuDevice {
+    WgpuDevice::DefaultDevice
+}
+
+/// Random values for `shape` on both backends.
+fn pair(rng: &InitRng, name: &str, shape: &[usize]) -> (FloatTensor<Wgpu>, FloatTensor<Cpu>) {
+    let n = shape.iter().product();
+    let data = TensorData::new(rng.normal(name, n, 1.0), [n]);
+    let gpu = prim(Tensor::<Wgpu, 1>::from_data(data.clone(), &device()));
+    let cpu = prim(Tensor::<Cpu, 1>::from_data(data, &Default::default()));
+    let shape = Shape::from(shape.to_vec());
+    (
+        Wgpu::float_reshape(gpu, shape.clone()),
+        Cpu::float_reshape(cpu, shape),
+    )
+}
+
+/// The same integers on both backends.
+fn ints(values: &[i64]) -> (IntTensor<Wgpu>, IntTensor<Cpu>) {
+    let data = TensorData::new(values.to_vec(), [values.len()]);
+    (
+        Tensor::<Wgpu, 1, Int>::from_data(data.clone(), &device()).into_primitive(),
+        Tensor::<Cpu, 1, Int>::from_data(data, &Default::default()).into_primitive(),
+    )
+}
+
+fn host_gpu(x: FloatTensor<Wgpu>) -> Vec<f32> {
+    lift::<Wgpu, 1>(x)
+        .into_data()
+        .convert::<f32>()
+        .to_vec()
+        .expect("f32 values")
+}
+
+fn host_cpu(x: FloatTensor<Cpu>) -> Vec<f32> {
+    lift::<Cpu, 1>(x)
+        .into_data()
+        .convert::<f32>()
+        .to_vec()
+        .expect("f32 values")
+}
+
+/// Asserts that the GPU's result is within [`TOLERANCE`] of the CPU's.
+fn same(what: &str, gpu: FloatTensor<Wgpu>, cpu: FloatTensor<Cpu>) {
+    let (g, c) = (host_gpu(gpu), host_cpu(cpu));
+    assert_eq!(g.len(), c.len(), "{what}: lengths");
+    let diff: f64 = g
+        .iter()
+        .zip(&c)
+        .map(|(a, b)| f64::from(a - b).powi(2))
+        .sum();
+    let norm: f64 = c.iter().map(|b| f64::from(*b).powi(2)).sum();
+    let rel = (diff / norm.max(1e-30)).sqrt();
+    assert!(
+        rel <= TOLERANCE,
+        "{what}: relative difference {rel:e} from the CPU"
+    );
+}
+
+#[test]
+fn bias_gelu_equals_the_cpu_kernel() {
+    let rng = InitRng::new(1);
+    for (rows, d) in SHAPES {
+        let tag = format!("bias-GELU [{rows}, {d}]");
+        let (x, xc) = pair(&rng, &format!("x{tag}"), &[rows, d]);
+        let (b, bc) = pair(&rng, &format!("b{tag}"), &[d]);
+        let (dy, dyc) = pair(&rng, &format!("dy{tag}"), &[rows, d]);
+        same(
+            &format!("{tag} forward"),
+            Wgpu::bias_gelu_forward(x.clone(), b.clone()),
+            Cpu::bias_gelu_forward(xc.clone(), bc.clone()),
+        );
+        let [dx, db] = Wgpu::bias_gelu_backward(x, b, dy);
+        let [dxc, dbc] = Cpu::bias_gelu_backward(xc, bc, dyc);
+        same(&format!("{tag} dx"), dx, dxc);
+        same(&format!("{tag} dbias"), db, dbc);
+    }
+}
+
+#[test]
+fn layer_norm_equals_the_cpu_kernel() {
+    let rng = InitRng::new(2);
+    for (rows, d) in SHAPES {
+        let tag = format!("LayerNorm [{rows}, {d}]");
+        let (x, xc) = pair(&rng, &format!("x{tag}"), &[rows, d]);
+        let (g, gc) = pair(&rng, &format!("g{tag}"), &[d]);
+        let (b, bc) = pair(&rng, &format!("b{tag}"), &[d]);
+        let (dy, dyc) = pair(&rng, &format!("dy{tag}"), &[rows, d]);
+        let (y, stats) = Wgpu::layer_norm_forward(x.clone(), g.clone(), b, 1e-5);
+        let (yc, statsc) = Cpu::layer_norm_forward(xc.clone(), gc.clone(), bc, 1e-5);
+        same(&format!("{tag} forward"), y, yc);
+        same(&format!("{tag} mean"), stats.0.clone(), statsc.0.clone());
+        same(&format!("{tag} 1 / std"), stats.1.clone(), statsc.1.clone());
+        let grads = Wgpu::layer_norm_backward(x, g, stats, dy);
+        let gradsc = Cpu::layer_norm_backward(xc, gc, statsc, dyc);
+        for (name, (a, c)) in ["dx", "dgamma", "dbeta"]
+            .iter()
+            .zip(grads.into_iter().zip(gradsc))
+        {
+            same(&format!("{tag} {name}"), a, c);
+        }
+    }
+}
+
+#[test]
+fn embedding_equals_the_cpu_kernel() {
+    let rng = InitRng::new(3);
+    // A shard of rows 5..5 + rows of a larger table: ids below, inside and above it.
+    for (rows, d) in SHAPES {
+        let tag = format!("embedding [{rows}, {d}]");
+        let (table, tablec) = pair(&rng, &format!("t{tag}"), &[rows, d]);
+        let n = 2 * rows + 3;
+        let ids: Vec<i64> = rng
+            .integers(&format!("i{tag}"), n, (rows + 10) as u64)
+            .into_iter()
+            .map(|i| i as i64)
+            .collect();
+        let (ids, idsc) = ints(&ids);
+        same(
+            &format!("{tag} forward"),
+            Wgpu::gather_forward(table, ids.clone(), 5),
+            Cpu::gather_forward(tablec, idsc.clone(), 5),
+        );
+        let (dy, dyc) = pair(&rng, &format!("dy{tag}"), &[n, d]);
+        same(
+            &format!("{tag} backward"),
+            Wgpu::gather_backward(ids, dy, rows, 5),
+            Cpu::gather_backward(idsc, dyc, rows, 5),
+        );
+    }
+}
+
+#[test]
+fn cross_entropy_equals_the_cpu_kernel() {
+    let rng = InitRng::new(4);
+    // Shards of a vocabulary from column 7, with and without padding columns; targets below,
+    // inside and above the shard, and ignored ones (-1).
+    for (rows, cols) in [(1, 3), (9, 40), (33, 700), (300, 5)] {
+        for valid in [cols, cols - cols / 3] {
+            let tag = format!("cross-entropy [{rows}, {cols}], {valid} valid");
+            let (logits, logitsc) = pair(&rng, &format!("l{tag}"), &[rows, cols]);
+            let targets: Vec<i64> = rng
+                .integers(&format!("t{tag}"), rows, (cols + 12) as u64)
+                .into_iter()
+                .map(|t| t as i64 - 1)
+                .collect();
+            let (t, tc) = ints(&targets);
+            let shard = VocabShard { start: 7, valid };
+            let (loss, stats) =
+                Wgpu::cross_entropy_forward(logits.clone(), t.clone(), shard, Group::local());
+            let (lossc, statsc) =
+                Cpu::cross_entropy_forward(logitsc.clone(), tc.clone(), shard, Group::local());
+            same(&format!("{tag} loss"), loss, lossc);
+            same(&format!("{tag} statistics"), stats.clone(), statsc.clone());
+            let (g, gc) = pair(&rng, &format!("g{tag}"), &[1]);
+            same(
+                &format!("{tag} backward"),
+                Wgpu::cross_entropy_backward(logits, stats, t, shard, g),
+                Cpu::cross_entropy_backward(logitsc, statsc, tc, shard, gc),
+            );
+        }
+    }
+}
+
+#[test]
+fn adamw_equals_the_cpu_kernel() {
+    let rng = InitRng::new(5);
+    for n in [1, 255, 257, 10_000] {
+        let (p, pc) = pair(&rng, &format!("p{n}"), &[n]);
+        let (g, gc) = pair(&rng, &format!("g{n}"), &[n]);
+        let mut step = AdamWStep {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            time: 1,
+        };
+        let (p, m, v) = Wgpu::adamw_step(p, g.clone(), None, step);
+        let (pc, mc, vc) = Cpu::adamw_step(pc, gc.clone(), None, step);
+        step.time = 2;
+        let (p, m, v) = Wgpu::adamw_step(p, g, Some((m, v)), step);
+        let (pc, mc, vc) = Cpu::adamw_step(pc, gc, Some((mc, vc)), step);
+        same(&format!("AdamW [{n}] parameter"), p, pc);
+        same(&format!("AdamW [{n}] first moment"), m, mc);
+        same(&format!("AdamW [{n}] second moment"), v, vc);
+    }
+}
+
+#[test]
+fn sum_of_squares_equals_the_cpu_kernel() {
+    let rng = InitRng::new(6);
+    // Chunks of 4,096 elements: one, a ragged last chunk, many.
+    for n in [1, 4_095, 4_097, 100_003] {
+        let (x, xc) = pair(&rng, &format!("x{n}"), &[n]);
+        let (gpu, cpu) = (Wgpu::sum_of_squares(x), Cpu::sum_of_squares(xc));
+        let rel = (gpu - cpu).abs() / cpu;
+        assert!(
+            rel <= TOLERANCE,
+            "sum of squares [{n}]: {gpu} against {cpu}"
+        );
+    }
+}
