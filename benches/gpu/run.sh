@@ -27,6 +27,12 @@
 #           with CubeCL's profiling log (every launch timed, so slower steps), summarised by
 #           benches/gpu/kernel_profile.py into RESULTS/kernel-profile.md; and PyTorch eager
 #           bf16's last two of 6 steps under torch.profiler (RESULTS/torch-profile.txt).
+#   kernels not in the default list: merak's CubeCL kernels on CUDA: the tiny GPT with one fused
+#           kernel at a time (MERAK_COMPOSED_KERNELS names the others), then all of them, on the
+#           CPU and on CUDA fp32 and bf16 (5 steps; losses compared afterwards), and GPT-2 small
+#           bf16 at micro-batch 16 fused, composed and in PyTorch eager bf16 (8 steps, 2 warm-up).
+#           KERNELS_ONLY (default: every kernel) lists the kernels tried one at a time;
+#           KERNELS_TORCH=0 leaves out PyTorch.
 #   report  benches/gpu/report.py: tokens/s, MFU, peak GPU memory, the 2-rank loss differences.
 #
 # Environment: RESULTS (the results folder, default runs/gpu), STEPS (default 8; the first two are warm-up),
@@ -232,6 +238,37 @@ profile() {
     save
 }
 
+kernels() {
+    local names=(gelu norm xent embedding adamw squares) k others
+    local tiny=(--config configs/gpt-tiny.toml --set train.steps=5 --set checkpoint.at_end=false)
+    # One fused kernel at a time (the others composed), so a kernel the driver rejects is named;
+    # the later runs keep the default (on CUDA, the kernels that failed there run composed).
+    local only=(${KERNELS_ONLY:-${names[*]}})
+    for k in "${only[@]}"; do
+        others=$(printf '%s\n' "${names[@]}" | grep -vx "$k" | paste -sd, -)
+        MERAK_COMPOSED_KERNELS=$others CUDA_LAUNCH_BLOCKING=1 timed "kernels-only-$k" merak train \
+            "${tiny[@]}" --set train.device=cuda --out "$out/kernels-only-$k"
+    done
+    timed kernels-tiny-cpu merak train "${tiny[@]}" --set train.device=cpu --out "$out/kernels-tiny-cpu"
+    timed kernels-tiny-cuda merak train "${tiny[@]}" --set train.device=cuda \
+        --out "$out/kernels-tiny-cuda"
+    timed kernels-tiny-cuda-bf16 merak train "${tiny[@]}" --set train.device=cuda \
+        --set train.precision=bf16 --out "$out/kernels-tiny-cuda-bf16"
+    # GPT-2 small, bf16, micro-batch 16: the fused kernels against Burn's composed operators
+    # (MERAK_COMPOSED_KERNELS=all) and PyTorch eager, side by side.
+    local gpt=(--set model.preset=gpt2 --set model.seq_len=1024 --set data.kind=synthetic
+        --set train.device=cuda --set train.precision=bf16 --set train.micro_batch=16
+        --set train.global_batch=16 --set train.steps=8 --set train.warmup_steps=2
+        --set checkpoint.at_end=false)
+    timed kernels-gpt2-fused merak train "${gpt[@]}" --out "$out/kernels-gpt2-fused"
+    MERAK_COMPOSED_KERNELS=all timed kernels-gpt2-composed merak train "${gpt[@]}" \
+        --out "$out/kernels-gpt2-composed"
+    [ "${KERNELS_TORCH:-1}" = 1 ] && timed kernels-torch-gpt2 "$python" benches/pytorch/gpt_train.py \
+        --device cuda --precision bf16 --vocab 50257 --layers 12 --hidden 768 --heads 12 \
+        --seq 1024 --batch 16 --steps 8 --warmup 2 --threads 8 --out "$out/kernels-torch-gpt2.jsonl"
+    save
+}
+
 report() {
     local peak=()
     [ -n "${PEAK_TFLOPS:-}" ] && peak=(--peak-tflops "$PEAK_TFLOPS")
@@ -250,7 +287,8 @@ for phase in "${phases[@]}"; do
         ranks) ranks ;;
         features) features ;;
         profile) profile ;;
+        kernels) kernels ;;
         report) report ;;
-        *) echo "unknown phase $phase (smoke, small, medium, ranks, features, profile, report)" >&2; exit 2 ;;
+        *) echo "unknown phase $phase (smoke, small, medium, ranks, features, profile, kernels, report)" >&2; exit 2 ;;
     esac
 done
