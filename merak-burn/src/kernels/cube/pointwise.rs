@@ -126,7 +126,6 @@ fn adamw_kernel<F: Float>(
     keep: f32,
     lr: f32,
     eps: f32,
-    #[comptime] first: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let i = ABSOLUTE_POS;
@@ -134,12 +133,8 @@ fn adamw_kernel<F: Float>(
         terminate!();
     }
     let g = f32::cast_from(grad[i]);
-    let mut m = g * (1.0 - beta1);
-    let mut v = (g * g) * (1.0 - beta2);
-    if !first {
-        m += f32::cast_from(m_in[i]) * beta1;
-        v += f32::cast_from(v_in[i]) * beta2;
-    }
+    let m = f32::cast_from(m_in[i]) * beta1 + g * (1.0 - beta1);
+    let v = f32::cast_from(v_in[i]) * beta2 + (g * g) * (1.0 - beta2);
     m_out[i] = F::cast_from(m);
     v_out[i] = F::cast_from(v);
     let delta = (m / correction1) / (f32::sqrt(v / correction2) + eps);
@@ -154,10 +149,20 @@ pub fn adamw_step<R: CubeRuntime>(
     step: AdamWStep,
 ) -> [CubeTensor<R>; 3] {
     let (param, grad) = (contiguous(param), contiguous(grad));
-    let first = moments.is_none();
+    // The first update's moments are zeros (`0 b + x = x`: the same numbers as starting from
+    // the gradient), in buffers of their own: no buffer is bound twice to one launch.
+    let zeros = || {
+        let shape = param.meta.shape().clone();
+        burn_cubecl::ops::numeric::zeros_client(
+            param.client.clone(),
+            param.device.clone(),
+            shape,
+            param.dtype,
+        )
+    };
     let (m, v) = match moments {
         Some((m, v)) => (contiguous(m), contiguous(v)),
-        None => (grad.clone(), grad.clone()),
+        None => (zeros(), zeros()),
     };
     let outs = [empty_like(&param), empty_like(&param), empty_like(&param)];
     let [b1, b2, c1, c2, keep, lr, eps] = scalars(step);
@@ -181,7 +186,6 @@ pub fn adamw_step<R: CubeRuntime>(
         keep,
         lr,
         eps,
-        first,
         param.dtype.into(),
     );
     outs
