@@ -180,7 +180,18 @@ fn slurm_missing() -> Option<String> {
             ));
         }
     }
-    let plugins = Command::new("srun").arg("--mpi=list").output().ok()?;
+    // srun reads a configuration even to list its plugins: a minimal one of its own (where no
+    // /etc/slurm/slurm.conf exists, srun would look for a controller in DNS and fail).
+    let conf = tempfile::tempdir().ok()?;
+    let conf_file = conf.path().join("slurm.conf");
+    let minimal = "ClusterName=probe\nSlurmctldHost=localhost\nNodeName=localhost CPUs=1\n\
+                   PartitionName=p Nodes=localhost\n";
+    std::fs::write(&conf_file, minimal).ok()?;
+    let plugins = Command::new("srun")
+        .arg("--mpi=list")
+        .env("SLURM_CONF", &conf_file)
+        .output()
+        .ok()?;
     let text = String::from_utf8_lossy(&plugins.stdout) + String::from_utf8_lossy(&plugins.stderr);
     (!text.contains("pmix")).then(|| format!("srun has no PMIx plugin: {text}"))
 }
