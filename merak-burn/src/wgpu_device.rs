@@ -6,7 +6,8 @@
 //! are loaded, with a panic deep inside wgpu. [`choose_adapter`] refuses a machine without an
 //! adapter, naming what to install, and [`self_test`] runs the operations of a training step
 //! (embedding, LayerNorm, linear layers, bias-GELU, causal attention, cross-entropy, and their
-//! backward passes; the AdamW step and the sum of squares of the gradient norm) on tiny shapes and compares them with the CPU backend, before training.
+//! backward passes; the AdamW step and the sum of squares of the gradient norm) on tiny shapes
+//! and compares them with the CPU backend, before training.
 //! The software driver (Mesa's llvmpipe) is a CPU adapter: it runs every kernel correctly and
 //! slowly, and [`Adapter::is_cpu`] lets the caller warn about it.
 
