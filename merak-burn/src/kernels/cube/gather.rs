@@ -14,14 +14,16 @@ fn gather_forward_kernel<F: Float, I: Int>(
     ids: &Tensor<I>,
     out: &mut Tensor<F>,
     start: i32,
+    n: u32,
+    rows: u32,
+    d: u32,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
     let i = ABSOLUTE_POS;
-    if i >= out.len() {
+    let (rows, d) = (rows as usize, d as usize);
+    if i >= n as usize * d {
         terminate!();
     }
-    let d = out.len() / ids.len();
-    let rows = table.len() / d;
     let local = i32::cast_from(ids[i / d]) - start;
     let mut v = F::new(0.0);
     if local >= 0 && local < rows as i32 {
@@ -36,15 +38,16 @@ fn gather_backward_kernel<F: Float, I: Int>(
     dy: &Tensor<F>,
     grad: &mut Tensor<F>,
     start: i32,
+    n: u32,
+    rows: u32,
+    d: u32,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
     let c = ABSOLUTE_POS;
-    let n = ids.len();
-    let d = dy.len() / n;
+    let (n, rows, d) = (n as usize, rows as usize, d as usize);
     if c >= d {
         terminate!();
     }
-    let rows = grad.len() / d;
     for r in 0..rows {
         grad[r * d + c] = F::new(0.0);
     }
@@ -76,6 +79,9 @@ pub fn forward<R: CubeRuntime>(
         ids.clone().into_tensor_arg(),
         out.clone().into_tensor_arg(),
         start as i32,
+        n as u32,
+        table.meta.shape()[0] as u32,
+        d as u32,
         [table.dtype.into(), ids.dtype.into()],
     );
     out
@@ -100,6 +106,9 @@ pub fn backward<R: CubeRuntime>(
         dy.clone().into_tensor_arg(),
         grad.clone().into_tensor_arg(),
         start as i32,
+        ids.meta.shape()[0] as u32,
+        rows as u32,
+        d as u32,
         [dy.dtype.into(), ids.dtype.into()],
     );
     grad

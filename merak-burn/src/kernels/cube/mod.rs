@@ -67,6 +67,14 @@ impl Launch {
     }
 }
 
+/// The number of elements of `x`, for a kernel's bounds. Kernels take their sizes as
+/// arguments and never from a buffer's `len()`: on CUDA the cross-entropy and AdamW kernels,
+/// which did, failed (an illegal address, a corrupted update) where wgpu was right; a buffer's
+/// length there may be its allocation's, not the tensor's.
+fn elements<R: CubeRuntime>(x: &CubeTensor<R>) -> u32 {
+    x.meta.shape().num_elements() as u32
+}
+
 /// `x` with a contiguous row-major layout (no copy when it has one).
 fn contiguous<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
     burn_cubecl::kernel::into_contiguous(x)

@@ -8,7 +8,7 @@ use burn_cubecl::cubecl;
 use burn_cubecl::cubecl::prelude::*;
 use burn_cubecl::tensor::CubeTensor;
 
-use super::{Launch, contiguous, empty_like};
+use super::{Launch, contiguous, elements, empty_like};
 use crate::kernels::AdamWStep;
 
 /// The standard normal CDF and density at `x`, through `erfc` by the Chebyshev fit of
@@ -42,13 +42,15 @@ fn bias_gelu_forward_kernel<F: Float>(
     x: &Tensor<F>,
     bias: &Tensor<F>,
     y: &mut Tensor<F>,
+    n: u32,
+    d: u32,
     #[define(F)] _dtype: StorageType,
 ) {
     let i = ABSOLUTE_POS;
-    if i >= y.len() {
+    if i >= n as usize {
         terminate!();
     }
-    let z = f32::cast_from(x[i]) + f32::cast_from(bias[i % bias.len()]);
+    let z = f32::cast_from(x[i]) + f32::cast_from(bias[i % d as usize]);
     let (cdf, _pdf) = normal_cdf_pdf(z);
     y[i] = F::cast_from(z * cdf);
 }
@@ -59,13 +61,15 @@ fn bias_gelu_backward_kernel<F: Float>(
     bias: &Tensor<F>,
     dy: &Tensor<F>,
     dx: &mut Tensor<F>,
+    n: u32,
+    d: u32,
     #[define(F)] _dtype: StorageType,
 ) {
     let i = ABSOLUTE_POS;
-    if i >= dx.len() {
+    if i >= n as usize {
         terminate!();
     }
-    let z = f32::cast_from(x[i]) + f32::cast_from(bias[i % bias.len()]);
+    let z = f32::cast_from(x[i]) + f32::cast_from(bias[i % d as usize]);
     let (cdf, pdf) = normal_cdf_pdf(z);
     dx[i] = F::cast_from(f32::cast_from(dy[i]) * (cdf + z * pdf));
 }
@@ -80,8 +84,10 @@ pub fn bias_gelu_forward<R: CubeRuntime>(x: CubeTensor<R>, bias: CubeTensor<R>) 
         launch.count,
         launch.dim,
         x.clone().into_tensor_arg(),
-        bias.into_tensor_arg(),
+        bias.clone().into_tensor_arg(),
         y.clone().into_tensor_arg(),
+        elements(&x),
+        elements(&bias),
         x.dtype.into(),
     );
     y
@@ -104,6 +110,8 @@ pub fn bias_gelu_backward<R: CubeRuntime>(
         bias.clone().into_tensor_arg(),
         dy.into_tensor_arg(),
         dx.clone().into_tensor_arg(),
+        elements(&x),
+        elements(&bias),
         x.dtype.into(),
     );
     let dbias = super::rows::column_sums(&dx, bias.meta.shape()[0]);
@@ -126,10 +134,11 @@ fn adamw_kernel<F: Float>(
     keep: f32,
     lr: f32,
     eps: f32,
+    n: u32,
     #[define(F)] _dtype: StorageType,
 ) {
     let i = ABSOLUTE_POS;
-    if i >= out.len() {
+    if i >= n as usize {
         terminate!();
     }
     let g = f32::cast_from(grad[i]);
@@ -186,6 +195,7 @@ pub fn adamw_step<R: CubeRuntime>(
         keep,
         lr,
         eps,
+        elements(&param),
         param.dtype.into(),
     );
     outs

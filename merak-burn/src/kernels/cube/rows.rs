@@ -11,7 +11,7 @@ use burn_cubecl::cubecl;
 use burn_cubecl::cubecl::prelude::*;
 use burn_cubecl::tensor::CubeTensor;
 
-use super::{BLOCK, Launch, contiguous, empty, empty_like};
+use super::{BLOCK, Launch, contiguous, elements, empty, empty_like};
 
 /// The sum of `value` over the cube's threads, every thread getting it (`partial` holds
 /// [`BLOCK`] values; a power of two).
@@ -36,14 +36,15 @@ pub(super) fn cube_sum(partial: &mut SharedMemory<f32>, value: f32, #[comptime] 
 fn column_sums_kernel<F: Float>(
     x: &Tensor<F>,
     out: &mut Tensor<F>,
+    rows: u32,
+    d: u32,
     #[define(F)] _dtype: StorageType,
 ) {
     let c = ABSOLUTE_POS;
-    let d = out.len();
+    let (rows, d) = (rows as usize, d as usize);
     if c >= d {
         terminate!();
     }
-    let rows = x.len() / d;
     let mut s = 0.0f32;
     for r in 0..rows {
         s += f32::cast_from(x[r * d + c]);
@@ -61,6 +62,8 @@ pub fn column_sums<R: CubeRuntime>(x: &CubeTensor<R>, d: usize) -> CubeTensor<R>
         launch.dim,
         x.clone().into_tensor_arg(),
         out.clone().into_tensor_arg(),
+        elements(x) / d.max(1) as u32,
+        d as u32,
         x.dtype.into(),
     );
     out
@@ -75,13 +78,15 @@ fn layer_norm_forward_kernel<F: Float>(
     mean_out: &mut Tensor<F>,
     rstd_out: &mut Tensor<F>,
     eps: f32,
+    rows: u32,
+    d: u32,
     #[comptime] block: u32,
     #[define(F)] _dtype: StorageType,
 ) {
-    let d = gamma.len();
+    let d = d as usize;
     // Cubes past the last row redo it (the same values): no thread leaves before a barrier,
     // which WGSL requires to be reached by the whole workgroup.
-    let row = min(CUBE_POS, mean_out.len() - 1);
+    let row = min(CUBE_POS, rows as usize - 1);
     let base = row * d;
     let mut partial = SharedMemory::<f32>::new(comptime!(block as usize));
     let mut s = 0.0f32;
@@ -135,6 +140,8 @@ pub fn layer_norm_forward<R: CubeRuntime>(
         mean.clone().into_tensor_arg(),
         rstd.clone().into_tensor_arg(),
         eps as f32,
+        rows as u32,
+        d as u32,
         BLOCK,
         x.dtype.into(),
     );
@@ -149,13 +156,15 @@ fn layer_norm_backward_kernel<F: Float>(
     rstd: &Tensor<F>,
     dy: &Tensor<F>,
     dx: &mut Tensor<F>,
+    rows: u32,
+    d: u32,
     #[comptime] block: u32,
     #[define(F)] _dtype: StorageType,
 ) {
-    let d = gamma.len();
+    let d = d as usize;
     // Cubes past the last row redo it (the same values): no thread leaves before a barrier,
     // which WGSL requires to be reached by the whole workgroup.
-    let row = min(CUBE_POS, mean.len() - 1);
+    let row = min(CUBE_POS, rows as usize - 1);
     let base = row * d;
     let (mu, r) = (f32::cast_from(mean[row]), f32::cast_from(rstd[row]));
     let mut partial = SharedMemory::<f32>::new(comptime!(block as usize));
@@ -189,16 +198,18 @@ fn layer_norm_params_kernel<F: Float>(
     dy: &Tensor<F>,
     dgamma: &mut Tensor<F>,
     dbeta: &mut Tensor<F>,
+    rows: u32,
+    d: u32,
     #[define(F)] _dtype: StorageType,
 ) {
     let c = ABSOLUTE_POS;
-    let d = dgamma.len();
+    let d = d as usize;
     if c >= d {
         terminate!();
     }
     let mut sg = 0.0f32;
     let mut sb = 0.0f32;
-    for r in 0..mean.len() {
+    for r in 0..rows as usize {
         let g = f32::cast_from(dy[r * d + c]);
         let xhat =
             (f32::cast_from(x[r * d + c]) - f32::cast_from(mean[r])) * f32::cast_from(rstd[r]);
@@ -232,6 +243,8 @@ pub fn layer_norm_backward<R: CubeRuntime>(
         rstd.clone().into_tensor_arg(),
         dy.clone().into_tensor_arg(),
         dx.clone().into_tensor_arg(),
+        rows as u32,
+        d as u32,
         BLOCK,
         x.dtype.into(),
     );
@@ -247,6 +260,8 @@ pub fn layer_norm_backward<R: CubeRuntime>(
         dy.into_tensor_arg(),
         dgamma.clone().into_tensor_arg(),
         dbeta.clone().into_tensor_arg(),
+        rows as u32,
+        d as u32,
         x.dtype.into(),
     );
     [dx, dgamma, dbeta]

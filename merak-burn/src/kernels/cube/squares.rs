@@ -19,14 +19,16 @@ const PER_THREAD: usize = 16;
 fn chunk_squares_kernel<F: Float>(
     x: &Tensor<F>,
     out: &mut Tensor<f32>,
+    n: u32,
+    chunks: u32,
     #[comptime] block: u32,
     #[define(F)] _dtype: StorageType,
 ) {
     // Cubes past the last row redo it (the same values): no thread leaves before a barrier,
     // which WGSL requires to be reached by the whole workgroup.
-    let chunk = min(CUBE_POS, out.len() - 1);
+    let chunk = min(CUBE_POS, chunks as usize - 1);
     let size = comptime!(block as usize * PER_THREAD);
-    let end = min((chunk + 1) * size, x.len());
+    let end = min((chunk + 1) * size, n as usize);
     let mut partial = SharedMemory::<f32>::new(comptime!(block as usize));
     let mut s = 0.0f32;
     let mut i = chunk * size + UNIT_POS_X as usize;
@@ -55,6 +57,8 @@ pub fn chunk_sums<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
         launch.dim,
         x.clone().into_tensor_arg(),
         out.clone().into_tensor_arg(),
+        n as u32,
+        chunks as u32,
         BLOCK,
         x.dtype.into(),
     );

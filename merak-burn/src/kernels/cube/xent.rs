@@ -18,15 +18,16 @@ use super::{BLOCK, Launch, contiguous, empty, empty_like};
 fn row_max_kernel<F: Float>(
     logits: &Tensor<F>,
     out: &mut Tensor<F>,
+    n: u32,
+    cols: u32,
     valid: u32,
     #[comptime] block: u32,
     #[define(F)] _dtype: StorageType,
 ) {
-    let n = out.len();
+    let (n, cols) = (n as usize, cols as usize);
     // Cubes past the last row redo it (the same values): no thread leaves before a barrier,
     // which WGSL requires to be reached by the whole workgroup.
     let row = min(CUBE_POS, n - 1);
-    let cols = logits.len() / n;
     let mut partial = SharedMemory::<f32>::new(comptime!(block as usize));
     // Below every logit: the maximum of a shard that holds only padding.
     let mut m = f32::new(-3.0e38);
@@ -61,16 +62,17 @@ fn row_sums_kernel<F: Float, I: Int>(
     maxes: &Tensor<F>,
     targets: &Tensor<I>,
     sums: &mut Tensor<F>,
+    n: u32,
+    cols: u32,
     valid: u32,
     start: i32,
     #[comptime] block: u32,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
-    let n = maxes.len();
+    let (n, cols) = (n as usize, cols as usize);
     // Cubes past the last row redo it (the same values): no thread leaves before a barrier,
     // which WGSL requires to be reached by the whole workgroup.
     let row = min(CUBE_POS, n - 1);
-    let cols = logits.len() / n;
     let m = f32::cast_from(maxes[row]);
     let mut partial = SharedMemory::<f32>::new(comptime!(block as usize));
     let mut s = 0.0f32;
@@ -100,10 +102,11 @@ fn mean_loss_kernel<F: Float, I: Int>(
     targets: &Tensor<I>,
     loss: &mut Tensor<F>,
     stats: &mut Tensor<F>,
+    n: u32,
     #[comptime] block: u32,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
-    let n = maxes.len();
+    let n = n as usize;
     let mut partial = SharedMemory::<f32>::new(comptime!(block as usize));
     let mut total = 0.0f32;
     let mut count = 0.0f32;
@@ -149,6 +152,7 @@ pub fn forward<R: CubeRuntime>(
 ) -> (CubeTensor<R>, CubeTensor<R>) {
     let (logits, targets) = (contiguous(logits), contiguous(targets));
     let n = targets.meta.shape()[0];
+    let cols = logits.meta.shape().num_elements() / n.max(1);
     let maxes = empty(&logits, [n]);
     let launch = Launch::per_row(n);
     row_max_kernel::launch::<R>(
@@ -157,6 +161,8 @@ pub fn forward<R: CubeRuntime>(
         launch.dim,
         logits.clone().into_tensor_arg(),
         maxes.clone().into_tensor_arg(),
+        n as u32,
+        cols as u32,
         shard.valid as u32,
         BLOCK,
         logits.dtype.into(),
@@ -172,6 +178,8 @@ pub fn forward<R: CubeRuntime>(
         maxes.clone().into_tensor_arg(),
         targets.clone().into_tensor_arg(),
         sums.clone().into_tensor_arg(),
+        n as u32,
+        cols as u32,
         shard.valid as u32,
         shard.start as i32,
         BLOCK,
@@ -188,6 +196,7 @@ pub fn forward<R: CubeRuntime>(
         targets.into_tensor_arg(),
         loss.clone().into_tensor_arg(),
         stats.clone().into_tensor_arg(),
+        n as u32,
         BLOCK,
         dtypes,
     );
@@ -201,15 +210,17 @@ fn gradient_kernel<F: Float, I: Int>(
     targets: &Tensor<I>,
     scale: &Tensor<F>,
     dx: &mut Tensor<F>,
+    n: u32,
+    cols: u32,
     valid: u32,
     start: i32,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
     let i = ABSOLUTE_POS;
-    if i >= dx.len() {
+    let cols = cols as usize;
+    if i >= n as usize * cols {
         terminate!();
     }
-    let cols = dx.len() / targets.len();
     let (row, c) = (i / cols, i % cols);
     let target = i32::cast_from(targets[row]);
     let mut g = 0.0f32;
@@ -237,6 +248,8 @@ pub fn backward<R: CubeRuntime>(
 ) -> CubeTensor<R> {
     let (logits, stats, targets) = (contiguous(logits), contiguous(stats), contiguous(targets));
     let dx = empty_like(&logits);
+    let n = targets.meta.shape()[0];
+    let cols = logits.meta.shape().num_elements() / n.max(1);
     let launch = Launch::elementwise(&dx);
     let dtypes = [logits.dtype.into(), targets.dtype.into()];
     gradient_kernel::launch::<R>(
@@ -248,6 +261,8 @@ pub fn backward<R: CubeRuntime>(
         targets.into_tensor_arg(),
         contiguous(scale).into_tensor_arg(),
         dx.clone().into_tensor_arg(),
+        n as u32,
+        cols as u32,
         valid as u32,
         start as i32,
         dtypes,
