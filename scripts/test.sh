@@ -18,7 +18,8 @@ CARGO_TARGET_DIR=$check_dir cargo clippy --release --workspace --all-targets -- 
 CARGO_TARGET_DIR=$check_dir cargo check --release -p merak-launch --features cuda
 if [ "${MERAK_LEAN_DISK:-0}" = 1 ]; then
     du -sh "$check_dir" || true
-    rm -rf "$check_dir"
+    # Only a folder cargo made (it tags its target folders).
+    if [ -f "$check_dir/CACHEDIR.TAG" ]; then rm -rf "$check_dir"; fi
 fi
 cargo test --release --workspace
 if [ "${MERAK_LEAN_DISK:-0}" = 1 ]; then

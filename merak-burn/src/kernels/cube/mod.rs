@@ -117,6 +117,17 @@ fn empty_typed<R: CubeRuntime, const D: usize>(
 /// fails on.
 pub const COMPOSED_KERNELS_VAR: &str = "MERAK_COMPOSED_KERNELS";
 
+/// The names [`COMPOSED_KERNELS_VAR`] knows.
+const KERNEL_NAMES: [&str; 7] = [
+    "gelu",
+    "norm",
+    "xent",
+    "embedding",
+    "adamw",
+    "squares",
+    "all",
+];
+
 /// The kernels that failed on CUDA (an H100, 2026-11-26: the cross-entropy's reached an illegal
 /// address, AdamW's first update came out wrong) while passing against the CPU on wgpu: CUDA
 /// runs them composed until the cause is found.
@@ -128,7 +139,17 @@ fn composed_kernel<R: CubeRuntime>(name: &str, x: &CubeTensor<R>) -> bool {
     static NAMES: std::sync::OnceLock<Option<Vec<String>>> = std::sync::OnceLock::new();
     let names = NAMES.get_or_init(|| {
         let list = std::env::var(COMPOSED_KERNELS_VAR).ok()?;
-        Some(list.split(',').map(|s| s.trim().to_lowercase()).collect())
+        let names: Vec<String> = list.split(',').map(|s| s.trim().to_lowercase()).collect();
+        for unknown in names
+            .iter()
+            .filter(|k| !k.is_empty() && !KERNEL_NAMES.contains(&k.as_str()))
+        {
+            tracing::warn!(
+                "{COMPOSED_KERNELS_VAR}: unknown kernel \"{unknown}\" ignored (known: {})",
+                KERNEL_NAMES.join(", ")
+            );
+        }
+        Some(names)
     });
     match names {
         Some(names) => names.iter().any(|k| k == name || k == "all"),

@@ -144,6 +144,15 @@ pub struct Shard<'a, R: CubeRuntime> {
     pub all_reduce: &'a dyn Fn(CubeTensor<R>, bool) -> CubeTensor<R>,
 }
 
+/// The rows (one per target) and the columns of the logits.
+fn rows_and_columns<R: CubeRuntime>(
+    logits: &CubeTensor<R>,
+    targets: &CubeTensor<R>,
+) -> (usize, usize) {
+    let n = targets.meta.shape()[0];
+    (n, logits.meta.shape().num_elements() / n.max(1))
+}
+
 /// The mean cross-entropy (`[1]`) and each row's softmax statistics (`[rows, 2]`).
 pub fn forward<R: CubeRuntime>(
     logits: CubeTensor<R>,
@@ -151,8 +160,7 @@ pub fn forward<R: CubeRuntime>(
     shard: Shard<'_, R>,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
     let (logits, targets) = (contiguous(logits), contiguous(targets));
-    let n = targets.meta.shape()[0];
-    let cols = logits.meta.shape().num_elements() / n.max(1);
+    let (n, cols) = rows_and_columns(&logits, &targets);
     let maxes = empty(&logits, [n]);
     let launch = Launch::per_row(n);
     row_max_kernel::launch::<R>(
@@ -248,8 +256,7 @@ pub fn backward<R: CubeRuntime>(
 ) -> CubeTensor<R> {
     let (logits, stats, targets) = (contiguous(logits), contiguous(stats), contiguous(targets));
     let dx = empty_like(&logits);
-    let n = targets.meta.shape()[0];
-    let cols = logits.meta.shape().num_elements() / n.max(1);
+    let (n, cols) = rows_and_columns(&logits, &targets);
     let launch = Launch::elementwise(&dx);
     let dtypes = [logits.dtype.into(), targets.dtype.into()];
     gradient_kernel::launch::<R>(
