@@ -277,7 +277,9 @@ fn a_rank_without_tokens_still_exchanges() {
 
 /// ZeRO at ep = 1 keeps the experts with the dense parameters, sliced over the data-parallel
 /// ranks; with 16 experts (top-1) over a rank's 64 tokens a step, some expert gets tokens on
-/// some ranks only, and the rank owning its slice must step it as one process does.
+/// some ranks only, and the rank owning its slice must step it as one process does. Under
+/// ZeRO-2 and 3 reducing every micro-batch, an expert bucket is reduce-scattered once a step
+/// on every rank, whichever micro-batches gave it gradients.
 #[test]
 fn zero_at_ep_1_steps_experts_that_other_ranks_saw() {
     let sparse = [
@@ -287,17 +289,29 @@ fn zero_at_ep_1_steps_experts_that_other_ranks_saw() {
         "model.moe.top_k=1",
         "--set",
         "model.moe.expert_hidden=16",
+        // Two micro-batches a step on each of 4 ranks (a micro-batch is a routing group).
+        "--set",
+        "train.micro_batch=1",
     ];
     let single = out_dir("moe-sparse-single");
     run_pp(0, &single, &sparse).assert_success();
-    for zero in ["1", "2"] {
-        let name = format!("moe-sparse-dp4-zero{zero}");
+    let each = ["--set", "parallel.reduce_scatter=\"micro-batch\""];
+    for (zero, each) in [
+        (1, None),
+        (2, None),
+        (2, Some(each)),
+        (3, None),
+        (3, Some(each)),
+    ] {
+        let suffix = if each.is_some() { "-each" } else { "" };
+        let name = format!("moe-sparse-dp4-zero{zero}{suffix}");
         let set = format!("parallel.zero={zero}");
+        let each = each.as_ref().map_or(&[][..], |e| &e[..]);
         let out = out_dir(&name);
         run_pp(
             4,
             &out,
-            &[&sparse[..], &["--dp", "4", "--set", &set]].concat(),
+            &[&sparse[..], &["--dp", "4", "--set", &set], each].concat(),
         )
         .assert_success();
         assert_same_losses(&name, &out, &single);
@@ -305,8 +319,9 @@ fn zero_at_ep_1_steps_experts_that_other_ranks_saw() {
     }
 }
 
-/// ZeRO-1 and 2 with expert parallelism: the experts' buckets are cut over the ranks holding
-/// the same experts (here dp × cp / ep), the dense ones over the data-parallel group. With
+/// ZeRO-1 and 2 (reducing once a step, or every micro-batch) with expert parallelism: the
+/// experts' buckets are cut over the ranks holding the same experts (here dp × cp / ep), the
+/// dense ones over the data-parallel group. With
 /// sparse routing (8 experts, top-1: as few as 7 of a step's 256 tokens for one expert) some
 /// expert gets tokens on some ranks of its group only. Every layout equals one process, and a
 /// ZeRO-2 checkpoint written at ep = 2 (each rank its slices of the dense parameters' and of
@@ -331,7 +346,8 @@ fn zero_with_expert_parallelism_equals_one_process() {
     let single = out_dir("moe-zero-ep-single");
     run_pp(0, &single, &sparse).assert_success();
     let zero = |z: &'static str| ["--set", z];
-    let cases: [(usize, &str, Vec<&str>); 5] = [
+    let each = ["--set", "parallel.reduce_scatter=\"micro-batch\""];
+    let cases: [(usize, &str, Vec<&str>); 6] = [
         (
             2,
             "moe-ep2-zero1",
@@ -346,6 +362,16 @@ fn zero_with_expert_parallelism_equals_one_process() {
             4,
             "moe-ep2-dp4-zero2",
             [&["--dp", "4", "--ep", "2"][..], &zero("parallel.zero=2")].concat(),
+        ),
+        (
+            4,
+            "moe-ep2-dp4-zero2-each",
+            [
+                &["--dp", "4", "--ep", "2"][..],
+                &zero("parallel.zero=2"),
+                &each,
+            ]
+            .concat(),
         ),
         (
             4,
@@ -501,9 +527,10 @@ fn bad_expert_settings_fail_before_training() {
         ),
         (
             2,
-            "moe-zero3",
-            vec!["--dp", "2", "--set", "parallel.zero=3"],
-            "a mixture of experts trains with ZeRO-1, or ZeRO-2 reducing once per step",
+            "moe-ep2-zero3",
+            vec!["--dp", "2", "--ep", "2", "--set", "parallel.zero=3"],
+            "ZeRO does not yet shard a mixture of experts' state with ZeRO-3 when the experts \
+             are held apart (parallel.ep = 2, parallel.tp = 1)",
         ),
     ] {
         let out = out_dir(name);

@@ -129,7 +129,10 @@ impl State {
         }
         slot.seen = true;
         let b = slot.bucket;
-        if self.each {
+        if self.each && self.buckets[b].expert {
+            // An expert may get no token in a micro-batch on some ranks: its bucket adds up
+            // whole and is reduce-scattered once, at the end of the step, on every rank.
+        } else if self.each {
             self.buckets[b].waiting = self.buckets[b].waiting.saturating_sub(1);
             if self.buckets[b].waiting == 0 {
                 self.scatter_now(b, false);
@@ -206,7 +209,9 @@ impl State {
     /// all-reduces the sums over the copies; each bucket's buffer then holds its chunk.
     fn complete_each(&mut self) -> Result<(), CommError> {
         for b in 0..self.buckets.len() {
-            if !self.buckets[b].data.is_empty() {
+            if self.buckets[b].expert {
+                self.scatter_whole(b);
+            } else if !self.buckets[b].data.is_empty() {
                 self.scatter_now(b, true);
             }
         }
@@ -214,8 +219,9 @@ impl State {
             self.settle(b, true);
         }
         let copies = self.replicate.clone();
-        let size = self.shard.size();
-        for bucket in &mut self.buckets {
+        for b in 0..self.buckets.len() {
+            let size = self.cut_over(b).size();
+            let bucket = &mut self.buckets[b];
             let mut chunk = std::mem::take(&mut bucket.acc);
             chunk.resize(BucketChunks::new(bucket.start, bucket.end, size).chunk, 0.0);
             match &copies {
@@ -226,26 +232,53 @@ impl State {
         Ok(())
     }
 
+    /// Reduce-scattering every micro-batch, at the end of the step: starts the reduce-scatter
+    /// of expert bucket `b`, which added up whole through the step (zeros where this rank saw
+    /// no gradient), over the ranks it is cut over.
+    fn scatter_whole(&mut self, b: usize) {
+        self.zero_unseen(b);
+        let comm = self.cut_over(b).clone();
+        let bucket = &mut self.buckets[b];
+        let data = bucket.take_padded(comm.size());
+        if comm.size() == 1 {
+            add_into(&mut bucket.acc, data);
+            return;
+        }
+        match comm.reduce_scatter_start(data, ReduceOp::Sum) {
+            Ok(p) => bucket.pending = Some(p),
+            Err(e) => self.error = Some(e),
+        }
+        self.in_flight.push_back(b);
+    }
+
+    /// Gives bucket `b` its whole buffer, zeros where a parameter got no gradient this step.
+    fn zero_unseen(&mut self, b: usize) {
+        let b = &mut self.buckets[b];
+        b.data.resize(b.end - b.start, 0.0);
+        for slot in &self.slots[b.slots.clone()] {
+            if !slot.seen {
+                let at = slot.offset - b.start;
+                if let Some(dst) = b.data.get_mut(at..at + slot.len) {
+                    dst.fill(0.0);
+                }
+            }
+        }
+    }
+
     /// Starts the buckets that are complete, in order; with `all`, starts every remaining one.
     /// A bucket's parameters that got no gradient this step count as zeros.
     fn launch_ready(&mut self, all: bool) {
         while self.next_launch < self.buckets.len() {
-            let b = &mut self.buckets[self.next_launch];
-            if !(all || b.waiting == 0) {
+            let at = self.next_launch;
+            if !(all || self.buckets[at].waiting == 0) {
                 break;
             }
-            let expert = self.experts.as_ref().filter(|_| b.expert);
-            if self.comm.size() > 1 || self.scatter || expert.is_some() {
-                b.data.resize(b.end - b.start, 0.0);
-                for slot in &self.slots[b.slots.clone()] {
-                    if !slot.seen {
-                        let at = slot.offset - b.start;
-                        if let Some(dst) = b.data.get_mut(at..at + slot.len) {
-                            dst.fill(0.0);
-                        }
-                    }
-                }
+            let expert = self.experts.is_some() && self.buckets[at].expert;
+            if self.comm.size() > 1 || self.scatter || expert {
+                self.zero_unseen(at);
             }
+            let b = &mut self.buckets[at];
+            let expert = self.experts.as_ref().filter(|_| b.expert);
             let comm = match (expert, self.scatter) {
                 (Some(c), _) => c,
                 (None, true) => &self.shard,
@@ -565,7 +598,10 @@ impl DataParallel {
     /// [`reduce_scattering_over`](Self::reduce_scattering_over)) every micro-batch: a bucket's
     /// reduce-scatter starts as soon as each micro-batch's backward pass completes it, and the
     /// chunks are summed, so no whole bucket outlives its micro-batch (one reduce-scatter per
-    /// micro-batch instead of one per step).
+    /// micro-batch instead of one per step). Routed experts' buckets
+    /// ([`with_experts`](Self::with_experts)) are the exception: an expert may get no token in
+    /// a micro-batch on some ranks, so they add up whole and are reduce-scattered once, at the
+    /// end of the step.
     pub fn each_micro_batch(self) -> Self {
         let mut s = self.state.borrow_mut();
         s.scatter = true;
@@ -666,7 +702,7 @@ impl DataParallel {
         let s = self.state.borrow();
         let size = s.shard.size();
         (s.buckets.iter())
-            .map(|b| match s.each {
+            .map(|b| match s.each && !b.expert {
                 true => BucketChunks::new(b.start, b.end, size).chunk,
                 false => b.end - b.start,
             })

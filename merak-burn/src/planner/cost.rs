@@ -1022,7 +1022,10 @@ impl<'a> CostModel<'a> {
     }
 
     /// Model-state bytes per dense and per expert parameter of a layout whose dense states are
-    /// sharded over `shard` ranks and its experts' over `expert_replicas`.
+    /// sharded over `shard` ranks and its experts' over `expert_replicas`. The experts'
+    /// gradients add up whole through the step even when the dense ones are reduce-scattered
+    /// every micro-batch (an expert's bucket is reduce-scattered once, at the end of the step:
+    /// an expert may get no token in a micro-batch on some ranks).
     pub(crate) fn state_bytes(
         shard: usize,
         expert_replicas: usize,
@@ -1031,10 +1034,10 @@ impl<'a> CostModel<'a> {
         reduce_scatter: ReduceScatter,
         schedule: ScheduleKind,
     ) -> StateBytes {
-        let per = |d| Self::state_bytes_per_param(d, zero, micro_batches, reduce_scatter, schedule);
+        let per = |d, rs| Self::state_bytes_per_param(d, zero, micro_batches, rs, schedule);
         StateBytes {
-            dense: per(shard),
-            expert: per(expert_replicas),
+            dense: per(shard, reduce_scatter),
+            expert: per(expert_replicas, ReduceScatter::Step),
         }
     }
 
@@ -2077,6 +2080,18 @@ mod tests {
                 previous = got;
             }
         }
+        // ZeRO-2 reducing every micro-batch: the dense gradients are chunks, the experts' add
+        // up whole through the step.
+        let mut l = layout(&model, 8, 2, 1, 4);
+        (l.ep, l.zero, l.sequence_parallel) = (2, 2, true);
+        l.reduce_scatter = ReduceScatter::MicroBatch;
+        let per =
+            |d: usize, rs| CostModel::state_bytes_per_param(d, 2, 4, rs, ScheduleKind::OneFOneB);
+        let states =
+            dense * per(8, ReduceScatter::MicroBatch) + experts / 2.0 * per(4, ReduceScatter::Step);
+        let got = cm.predict(&l).unwrap().breakdown["model_states_bytes"];
+        assert!((got - states).abs() < 1e-3 * states, "{got} {states}");
+        assert!(per(4, ReduceScatter::Step) > per(4, ReduceScatter::MicroBatch));
         // Layouts expert parallelism cannot take are refused naming the numbers.
         let mut l = layout(&model, 8, 1, 1, 1);
         l.ep = 3;

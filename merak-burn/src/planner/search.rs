@@ -15,8 +15,9 @@
 //! divisibility needs the sequence length). For a mixture of experts, every expert-parallel
 //! degree `ep` dividing the experts with its group within a node (`tp ep <= devices per
 //! node`, or those of [`SearchOptions::ep`]) that divides `dp cp`, and tensor parallelism only
-//! with sequence parallelism; a dense model only `ep = 1`. For the uniform policies, stage boundaries come
-//! from [`balanced_partition`] of the per-unit compute.
+//! with sequence parallelism, and only the ZeRO settings the trainer runs with its experts
+//! ([`ExpertZeroLimit`]); a dense model only `ep = 1`. For the uniform policies, stage
+//! boundaries come from [`balanced_partition`] of the per-unit compute.
 //!
 //! Stage-aware recomputation with one stage per pipeline rank (every schedule but the
 //! interleaved one) is planned by the exact dynamic program of [`stage_dp`](super::stage_dp):
@@ -53,7 +54,7 @@ use super::cost::{CostError, CostModel, Layout, Prediction};
 use super::hardware::HardwareSpec;
 use super::model::{ModelProxy, RankSplit, RecomputeMode};
 use super::stage_dp::{Skeleton, StageDp, StageDpError};
-use crate::data_parallel::ReduceScatter;
+use crate::data_parallel::{ExpertZeroLimit, ReduceScatter};
 use crate::pipeline::{Partition, Recompute, ScheduleKind, balanced_partition};
 
 /// The most units (layers + the embedding + the head) a search plans: the stage planner
@@ -383,6 +384,8 @@ struct Slot {
     v: usize,
     /// Devices per node (hybrid sharding keeps a copy's shards within one).
     per_node: usize,
+    /// Whether the model is a mixture of experts (ZeRO then meets [`ExpertZeroLimit`]).
+    moe: bool,
 }
 
 impl Slot {
@@ -419,16 +422,28 @@ impl Slot {
             let within = (2..=largest).rev().find(|&s| self.dp.is_multiple_of(s));
             shards.extend(within);
         }
+        shards.retain(|&s| self.experts_allow(zero, s != 0));
         (rs.iter())
             .flat_map(|&rs| shards.iter().map(move |&shard| Zeroed { zero, rs, shard }))
             .collect()
     }
 
+    /// Whether ZeRO stage `zero` (`hybrid`: with a shard group smaller than dp) shards this
+    /// slot's experts, if any: the trainer's rule ([`ExpertZeroLimit`]).
+    fn experts_allow(&self, zero: u8, hybrid: bool) -> bool {
+        let (tp, ep) = (self.split.tp, self.split.ep);
+        !self.moe || ExpertZeroLimit::of(zero, ep > 1 || tp > 1, tp, hybrid).is_none()
+    }
+
     /// Whether ZeRO stage `zero` goes with this slot under `policy`: any stage above 0 needs
-    /// more than one replica (`dp * cp > 1`), and stage 3 (every unit recomputed, one unit's backward pass at a time) full
-    /// recomputation and a schedule that neither splits the backward pass nor keeps two
-    /// weight versions.
+    /// more than one replica (`dp * cp > 1`), and stage 3 (every unit recomputed, one unit's
+    /// backward pass at a time) full recomputation and a schedule that neither splits the
+    /// backward pass nor keeps two weight versions; a mixture of experts' stage must shard its
+    /// experts ([`experts_allow`](Self::experts_allow)).
     fn allows(&self, zero: u8, policy: Recompute) -> bool {
+        if !self.experts_allow(zero, false) {
+            return false;
+        }
         let three_runs = policy == Recompute::Full
             && !self.schedule.splits_backward()
             && self.schedule != ScheduleKind::TwoBw;
@@ -592,6 +607,7 @@ fn pipeline_slots(
                     schedule,
                     v,
                     per_node: hw.devices_per_node,
+                    moe: model.experts().is_some(),
                 });
             }
         }
@@ -1553,7 +1569,7 @@ mod tests {
     /// Issue 32: Mixtral 8x7B on 64 H100s of 80 GB (8 a node), 256 sequences of 4096 tokens.
     /// Expert parallelism reaches the Pareto set (its plans hold the least memory) and every
     /// plan keeps `ep` dividing `dp cp` and the 8 experts, with sequence parallelism under
-    /// tensor parallelism. The fastest plan keeps `ep = 1`: pipelining over the nodes keeps the
+    /// tensor parallelism and a ZeRO setting the trainer runs with experts. The fastest plan keeps `ep = 1`: pipelining over the nodes keeps the
     /// data-parallel gradients on NVLink, where the experts' reduction is cheap, and expert
     /// parallelism would add the all-to-alls and the busiest rank's imbalance (see
     /// `megatron_cores_mixtral_layout_is_faster_with_expert_parallelism` in the cost model's
@@ -1582,10 +1598,14 @@ mod tests {
         assert!(smallest.prediction.breakdown["ep_comm_s"] > 0.0);
         assert!(best.prediction.max_memory_bytes() <= hw.memory_bytes);
         assert_eq!(best.layout.gpus(), 64);
-        for plan in result.pareto.iter().chain(&result.runner_ups) {
+        for plan in result.pareto.iter().chain(&result.runner_ups).chain([best]) {
             let l = &plan.layout;
             assert!(l.replicas().is_multiple_of(l.ep) && 8 % l.ep == 0, "{l:?}");
             assert!(l.tp == 1 || l.sequence_parallel, "{l:?}");
+            // Only what the trainer runs: ZeRO shards the experts of every plan.
+            let (apart, hybrid) = (l.ep > 1 || l.tp > 1, l.shard_degree() < l.dp);
+            let limit = ExpertZeroLimit::of(l.zero, apart, l.tp, hybrid);
+            assert_eq!(limit, None, "{l:?}");
         }
         assert!(elapsed < 5.0, "took {elapsed} s");
     }

@@ -9,7 +9,7 @@ use serde::Serialize;
 
 use crate::checkpoint::state::ParamShape;
 use crate::comm::{CommError, Group, ReduceOp};
-use crate::data_parallel::ReduceScatter;
+use crate::data_parallel::ExpertZeroLimit;
 use crate::grid::ProcessGrid;
 use crate::moe::{RoutingRecord, is_expert_param};
 use crate::plan::ParallelPlan;
@@ -29,59 +29,29 @@ pub(crate) fn experts_apart(grid: &ProcessGrid) -> bool {
     grid.experts.size() != grid.dp.size() || grid.ep.size() > 1
 }
 
-/// Refuses what does not compose with a mixture of experts: ZeRO-3 and per-micro-batch
-/// reductions; with the experts held apart ([`experts_apart`]), ZeRO at tp > 1 or under
-/// hybrid sharding (ZeRO-1 and 2 cut the experts' buckets over the expert group).
+/// Refuses what ZeRO does not yet do with a mixture of experts' state ([`ExpertZeroLimit`]):
+/// with the experts held apart ([`experts_apart`]), ZeRO at tp > 1, under hybrid sharding,
+/// or ZeRO-3.
 pub(crate) fn check_experts(grid: &ProcessGrid, plan: &ParallelPlan) -> Result<(), TrainError> {
-    // An expert may get no token in a micro-batch on some ranks: a collective started as soon
-    // as a unit's or a micro-batch's gradients are complete would then start on some ranks
-    // only.
-    let per_micro_batch = plan.zero >= 2 && plan.reduce_scatter == ReduceScatter::MicroBatch;
-    if plan.zero == 3 || per_micro_batch {
-        return Err(InvalidSetting {
-            key: "parallel.zero".into(),
-            value: plan.zero.to_string(),
-            reason: "a mixture of experts trains with ZeRO-1, or ZeRO-2 reducing once per step \
-                     (parallel.reduce_scatter = \"step\"), not yet with ZeRO-3 or per \
-                     micro-batch reductions: an expert without tokens in a micro-batch would \
-                     leave its collectives to the ranks whose tokens chose it"
-                .into(),
-        }
-        .into());
-    }
-    if plan.zero == 0 || !experts_apart(grid) {
-        return Ok(());
-    }
-    // Expert buckets are cut over the expert group. At tp > 1 that group spans the TP ranks,
-    // whose checkpoint slices are kept apart; under hybrid sharding only the first shard
-    // group writes its slices.
     let hybrid = plan.shard != 0 && plan.shard != grid.dp.size();
-    if grid.layout.tp == 1 && !hybrid {
+    let tp = grid.layout.tp;
+    let Some(limit) = ExpertZeroLimit::of(plan.zero, experts_apart(grid), tp, hybrid) else {
         return Ok(());
-    }
-    let (key, value, what, fix) = match hybrid {
-        true => (
-            "parallel.shard",
-            plan.shard,
-            "hybrid sharding",
-            "parallel.shard = 0 (the whole data-parallel group)",
-        ),
-        false => (
-            "parallel.zero",
-            usize::from(plan.zero),
-            "parallel.tp > 1",
-            "parallel.tp = 1",
-        ),
+    };
+    let value = match limit {
+        ExpertZeroLimit::Hybrid => plan.shard,
+        _ => usize::from(plan.zero),
     };
     Err(InvalidSetting {
-        key: key.into(),
+        key: limit.key().into(),
         value: value.to_string(),
         reason: format!(
-            "ZeRO does not yet shard a mixture of experts' state with {what} when the experts \
-             are held apart (parallel.ep = {}, parallel.tp = {}): their gradients are summed \
-             over another group than the data-parallel one; use {fix}, or parallel.zero = 0",
+            "ZeRO does not yet shard a mixture of experts' state with {} when the experts are \
+             held apart (parallel.ep = {}, parallel.tp = {tp}): their gradients are summed \
+             over another group than the data-parallel one; use {}, or parallel.zero = 0",
+            limit.what(),
             grid.ep.size(),
-            grid.layout.tp
+            limit.fix()
         ),
     }
     .into())
