@@ -319,13 +319,14 @@ fn zero_at_ep_1_steps_experts_that_other_ranks_saw() {
     }
 }
 
-/// ZeRO-1 and 2 (reducing once a step, or every micro-batch) with expert parallelism: the
-/// experts' buckets are cut over the ranks holding the same experts (here dp × cp / ep), the
-/// dense ones over the data-parallel group. With
+/// ZeRO-1 and 2 (reducing once a step, or every micro-batch) with expert or tensor
+/// parallelism: the experts' buckets are cut over the ranks holding the same experts (dp × cp
+/// / ep and their TP peers), the dense ones over the data-parallel group. With
 /// sparse routing (8 experts, top-1: as few as 7 of a step's 256 tokens for one expert) some
-/// expert gets tokens on some ranks of its group only. Every layout equals one process, and a
-/// ZeRO-2 checkpoint written at ep = 2 (each rank its slices of the dense parameters' and of
-/// its experts' moments) resumes on one process as the uninterrupted run goes on.
+/// expert gets tokens on some ranks of its group only. Every layout equals one process, and
+/// checkpoints written under ZeRO-2 at ep = 2 and ZeRO-1 at ep2 × tp2 (each rank its slices of
+/// the dense parameters' and of its experts' moments; at tp 2 an expert's slices come from
+/// both TP ranks) resume on one process as the uninterrupted run goes on.
 #[test]
 fn zero_with_expert_parallelism_equals_one_process() {
     let sparse = [
@@ -347,7 +348,8 @@ fn zero_with_expert_parallelism_equals_one_process() {
     run_pp(0, &single, &sparse).assert_success();
     let zero = |z: &'static str| ["--set", z];
     let each = ["--set", "parallel.reduce_scatter=\"micro-batch\""];
-    let cases: [(usize, &str, Vec<&str>); 6] = [
+    let tp2 = ["--tp", "2", "--set", "parallel.sequence_parallel=true"];
+    let cases: [(usize, &str, Vec<&str>); 8] = [
         (
             2,
             "moe-ep2-zero1",
@@ -384,6 +386,21 @@ fn zero_with_expert_parallelism_equals_one_process() {
         ),
         (
             4,
+            "moe-ep2-tp2-zero1",
+            [
+                &["--dp", "2", "--ep", "2"][..],
+                &tp2,
+                &zero("parallel.zero=1"),
+            ]
+            .concat(),
+        ),
+        (
+            4,
+            "moe-tp2-dp2-zero2-each",
+            [&["--dp", "2"][..], &tp2, &zero("parallel.zero=2"), &each].concat(),
+        ),
+        (
+            4,
             "moe-ep2-pp2-zero1",
             [
                 &["--dp", "2", "--ep", "2", "--pp", "2"][..],
@@ -392,28 +409,29 @@ fn zero_with_expert_parallelism_equals_one_process() {
             .concat(),
         ),
     ];
-    let mut saved = None;
+    let mut saved = Vec::new();
     for (np, name, extra) in cases {
         let out = out_dir(name);
         run_pp(np, &out, &[&sparse[..], &extra].concat()).assert_success();
         assert_same_routing(name, &out, &single);
         assert_same_losses(name, &out, &single);
         assert_same_params(name, &out, &single);
-        if name == "moe-ep2-dp4-zero2" {
-            saved = Some(out);
+        if ["moe-ep2-dp4-zero2", "moe-ep2-tp2-zero1"].contains(&name) {
+            saved.push(out);
         }
     }
-    let step3 = saved
-        .expect("the ZeRO-2 run")
-        .join("checkpoints/step-00000003");
-    let resumed = read_metrics(&resumed(0, &step3, "moe-zero2-resumed", &[]));
     let want = read_metrics(&single);
-    assert_continues(
-        &resumed,
-        &want,
-        3,
-        (&["loss", "grad_norm"], &["expert_tokens"]),
-    );
+    for (i, run) in saved.iter().enumerate() {
+        let step3 = run.join("checkpoints/step-00000003");
+        let name = format!("moe-zero-resumed-{i}");
+        let resumed = read_metrics(&resumed(0, &step3, &name, &[]));
+        assert_continues(
+            &resumed,
+            &want,
+            3,
+            (&["loss", "grad_norm"], &["expert_tokens"]),
+        );
+    }
 }
 
 /// Dropless routing that sends a rank more rows than the stated bound stops the whole job with
@@ -489,25 +507,6 @@ fn bad_expert_settings_fail_before_training() {
             "moe-tp2-no-sp",
             vec!["--tp", "2"],
             "`parallel.sequence_parallel`: false, but a mixture of experts at parallel.tp = 2",
-        ),
-        (
-            4,
-            "moe-ep2-tp2-zero1",
-            [
-                &[
-                    "--dp",
-                    "2",
-                    "--ep",
-                    "2",
-                    "--tp",
-                    "2",
-                    "--set",
-                    "parallel.zero=1",
-                ][..],
-                &["--set", "parallel.sequence_parallel=true"],
-            ]
-            .concat(),
-            "ZeRO does not yet shard a mixture of experts' state with parallel.tp > 1",
         ),
         (
             4,

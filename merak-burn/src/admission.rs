@@ -312,9 +312,10 @@ pub fn estimate_shape(
         s => s,
     };
     let replicas = plan.dp.max(1) * split.cp;
+    // The experts' state is cut over the ranks holding the same experts, TP peers included.
     let per_param = CostModel::state_bytes(
         shard.max(1) * split.cp,
-        (replicas / ep).max(1),
+        (replicas / ep).max(1) * split.tp.max(1),
         plan.zero,
         2,
         plan.reduce_scatter,

@@ -11,7 +11,7 @@ use super::{
     CheckpointError, LATEST, MANIFEST, MAX_STEP, Manifest, Moments, ParamEntry, SLICE_MARK,
     plain_name, read_regular, sha256_hex, shard_file,
 };
-use crate::tensor_parallel::Shard;
+use crate::tensor_parallel::{Shard, ShardKind};
 
 /// A checkpoint on disk whose manifest has been read.
 #[derive(Clone, Debug)]
@@ -118,7 +118,7 @@ impl Checkpoint {
                     check_finite(&t.name, &t.values)?;
                     let at =
                         slice_start(start, t.values.len(), want.as_ref().ok(), &t.name, &path)?;
-                    let key = (kind.to_string(), name.to_string(), f.tp);
+                    let key = (kind.to_string(), name.to_string(), slice_tp(entry, f.tp));
                     slices.entry(key).or_default().push((at, t.values));
                     continue;
                 }
@@ -251,7 +251,12 @@ fn merge(
         "m1" => "the first moment",
         _ => "the second moment",
     };
-    let parts = (0..tp)
+    // A replicated parameter is whole on every TP rank: rank 0's copy is the parameter.
+    let ranks = match p.shard {
+        ShardKind::Replicated => 1,
+        _ => tp,
+    };
+    let parts = (0..ranks)
         .map(|r| {
             pieces
                 .remove(&(kind.to_string(), p.name.clone(), r))
@@ -262,6 +267,16 @@ fn merge(
         })
         .collect::<Result<Vec<_>, _>>()?;
     Ok(p.shard.merge(&parts, &p.shape))
+}
+
+/// The TP rank whose piece of parameter `entry` a ZeRO slice written by TP rank `tp` belongs
+/// to: its own, but a routed expert's (whole on every TP rank) slices are cut over the ranks
+/// holding the same experts, TP ranks included, so they join into one piece (rank 0's).
+fn slice_tp(entry: &ParamEntry, tp: usize) -> usize {
+    match entry.shard == ShardKind::Replicated && crate::moe::is_expert_param(&entry.name) {
+        true => 0,
+        false => tp,
+    }
 }
 
 /// The first element of a slice written `start` (the text after [`SLICE_MARK`]) of `len`

@@ -3,9 +3,10 @@
 //!
 //! ZeRO at `ep = tp = 1` keeps the routed experts with the dense parameters. When the experts
 //! are held apart (expert parallelism, or tensor-parallel ranks routing different tokens), ZeRO-1
-//! and 2 cut the experts' buckets over the ranks holding the same experts; at tp > 1 that group
-//! spans the TP ranks, whose checkpoint slices are kept apart; under hybrid sharding only the
-//! first shard group writes its slices; ZeRO-3 would have to gather them over the expert group.
+//! and 2 cut the experts' buckets over the ranks holding the same experts (TP ranks included;
+//! a checkpoint joins an expert's slices over them). Under hybrid sharding only the first shard
+//! group writes its slices, and ZeRO-3 would have to gather the experts over the expert group:
+//! both are refused.
 
 /// A ZeRO setting that does not yet shard a mixture of experts' state held apart.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -14,23 +15,19 @@ pub enum ExpertZeroLimit {
     Hybrid,
     /// ZeRO-3.
     Zero3,
-    /// ZeRO-1 or 2 at tp > 1.
-    TensorParallel,
 }
 
 impl ExpertZeroLimit {
     /// The limit `zero` meets, if any: `apart` when the experts are held apart from the
     /// data-parallel group (`ep > 1` or `tp > 1` on more than one rank), `hybrid` under hybrid
     /// sharding.
-    pub fn of(zero: u8, apart: bool, tp: usize, hybrid: bool) -> Option<Self> {
+    pub fn of(zero: u8, apart: bool, hybrid: bool) -> Option<Self> {
         if zero == 0 || !apart {
             None
         } else if hybrid {
             Some(Self::Hybrid)
         } else if zero == 3 {
             Some(Self::Zero3)
-        } else if tp > 1 {
-            Some(Self::TensorParallel)
         } else {
             None
         }
@@ -40,7 +37,7 @@ impl ExpertZeroLimit {
     pub fn key(self) -> &'static str {
         match self {
             Self::Hybrid => "parallel.shard",
-            Self::Zero3 | Self::TensorParallel => "parallel.zero",
+            Self::Zero3 => "parallel.zero",
         }
     }
 
@@ -49,7 +46,6 @@ impl ExpertZeroLimit {
         match self {
             Self::Hybrid => "hybrid sharding",
             Self::Zero3 => "ZeRO-3",
-            Self::TensorParallel => "parallel.tp > 1",
         }
     }
 
@@ -58,7 +54,6 @@ impl ExpertZeroLimit {
         match self {
             Self::Hybrid => "parallel.shard = 0 (the whole data-parallel group)",
             Self::Zero3 => "parallel.zero = 1 or 2",
-            Self::TensorParallel => "parallel.tp = 1",
         }
     }
 }
@@ -70,11 +65,10 @@ mod tests {
     #[test]
     fn only_experts_held_apart_meet_a_limit() {
         use ExpertZeroLimit as L;
-        assert_eq!(L::of(3, false, 1, true), None);
-        assert_eq!(L::of(0, true, 2, true), None);
-        assert_eq!(L::of(2, true, 1, false), None);
-        assert_eq!(L::of(2, true, 1, true), Some(L::Hybrid));
-        assert_eq!(L::of(3, true, 1, false), Some(L::Zero3));
-        assert_eq!(L::of(1, true, 2, false), Some(L::TensorParallel));
+        assert_eq!(L::of(3, false, true), None);
+        assert_eq!(L::of(0, true, true), None);
+        assert_eq!(L::of(2, true, false), None);
+        assert_eq!(L::of(2, true, true), Some(L::Hybrid));
+        assert_eq!(L::of(3, true, false), Some(L::Zero3));
     }
 }

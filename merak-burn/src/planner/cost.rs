@@ -1022,7 +1022,8 @@ impl<'a> CostModel<'a> {
     }
 
     /// Model-state bytes per dense and per expert parameter of a layout whose dense states are
-    /// sharded over `shard` ranks and its experts' over `expert_replicas`. The experts'
+    /// sharded over `shard` ranks and its experts' over `expert_replicas` (the ranks holding
+    /// the same experts, TP peers included). The experts'
     /// gradients add up whole through the step even when the dense ones are reduce-scattered
     /// every micro-batch (an expert's bucket is reduce-scattered once, at the end of the step:
     /// an expert may get no token in a micro-batch on some ranks).
@@ -1122,9 +1123,12 @@ impl<'a> CostModel<'a> {
             costs,
         };
         let dp_span = d * t;
+        // ZeRO cuts the experts' state over the ranks holding the same experts, TP ranks
+        // included (a TP rank holds its experts whole).
+        let expert_shard = de * t;
         let state_bytes = Self::state_bytes(
             s,
-            de,
+            expert_shard,
             layout.zero,
             layout.micro_batches,
             layout.reduce_scatter,
@@ -1175,7 +1179,7 @@ impl<'a> CostModel<'a> {
             let grad_bytes = rank_params * self.element_bytes();
             let experts = memory.expert_params;
             let (expert_reduce, expert_gather) =
-                self.expert_exchange(experts * self.element_bytes(), layout, de);
+                self.expert_exchange(experts * self.element_bytes(), layout, expert_shard);
             let (exposed, allgather, local_params) = if layout.zero >= 1 {
                 // Reduce-scatter (half a ring all-reduce) overlaps the backward pass; the
                 // all-gather of the updated 16-bit parameters does not.
@@ -1201,7 +1205,7 @@ impl<'a> CostModel<'a> {
                     } else {
                         expert_gather
                     },
-                    rank_params / s as f64 + experts / de as f64,
+                    rank_params / s as f64 + experts / expert_shard as f64,
                 )
             } else {
                 let full = self.allreduce(grad_bytes, d, dp_span) + expert_reduce;
@@ -1248,17 +1252,17 @@ impl<'a> CostModel<'a> {
 
     /// Seconds of the routed experts' gradient reduction and of the all-gather of their
     /// updated values (ZeRO stages 1 and 2) on a rank of `layout` holding `bytes` of their
-    /// gradients, with `de` ranks holding the same experts: the gradients are summed over
-    /// those `de` ranks and their `tp` peers (which route other positions to the same
-    /// experts), a ring all-reduce over `de x tp` ranks spanning the `dp x cp x tp` devices
-    /// of the data-parallel group (its reduce-scatter half under ZeRO); the all-gather half
-    /// over the `de` ranks. Overlapped with the backward pass like the dense gradients'.
-    fn expert_exchange(&self, bytes: f64, layout: &Layout, de: usize) -> (f64, f64) {
-        let (t, span) = (layout.tp, layout.replicas() * layout.tp);
-        let reduce = self.expert_allreduce(bytes, de * t, span);
+    /// gradients, with `holders` ranks holding the same experts (`dp cp / ep` and their `tp`
+    /// peers, which route other positions to the same experts): a ring all-reduce over them,
+    /// spanning the `dp x cp x tp` devices of the data-parallel group (its reduce-scatter half
+    /// under ZeRO, whose chunks are cut over the same ranks; the all-gather half after the
+    /// update). Overlapped with the backward pass like the dense gradients'.
+    fn expert_exchange(&self, bytes: f64, layout: &Layout, holders: usize) -> (f64, f64) {
+        let span = layout.replicas() * layout.tp;
+        let reduce = self.expert_allreduce(bytes, holders, span);
         match layout.zero {
             0 => (reduce, 0.0),
-            1 | 2 => (reduce / 2.0, self.expert_allreduce(bytes, de, span) / 2.0),
+            1 | 2 => (reduce / 2.0, reduce / 2.0),
             _ => (reduce / 2.0, 0.0),
         }
     }
@@ -2042,8 +2046,8 @@ mod tests {
     }
 
     /// Memory per rank against ep: a rank holds `E/ep` routed experts (whole under tensor
-    /// parallelism), their states sharded over the `dp/ep` ranks that hold them under ZeRO;
-    /// the dense parameters as before.
+    /// parallelism), their states sharded under ZeRO over the `dp/ep` ranks that hold them
+    /// and their TP peers; the dense parameters as before.
     #[test]
     fn a_rank_holds_its_share_of_the_experts() {
         let model = moe_model();
@@ -2070,7 +2074,8 @@ mod tests {
                         ScheduleKind::OneFOneB,
                     )
                 };
-                let states = dense * per(8) + experts / ep as f64 * per(8 / ep);
+                // The experts' states are cut over the dp / ep ranks and their 2 TP peers.
+                let states = dense * per(8) + experts / ep as f64 * per(2 * 8 / ep);
                 let got = p.breakdown["model_states_bytes"];
                 assert!(
                     (got - states).abs() < 1e-3 * states.max(1.0),
@@ -2088,10 +2093,10 @@ mod tests {
         let per =
             |d: usize, rs| CostModel::state_bytes_per_param(d, 2, 4, rs, ScheduleKind::OneFOneB);
         let states =
-            dense * per(8, ReduceScatter::MicroBatch) + experts / 2.0 * per(4, ReduceScatter::Step);
+            dense * per(8, ReduceScatter::MicroBatch) + experts / 2.0 * per(8, ReduceScatter::Step);
         let got = cm.predict(&l).unwrap().breakdown["model_states_bytes"];
         assert!((got - states).abs() < 1e-3 * states, "{got} {states}");
-        assert!(per(4, ReduceScatter::Step) > per(4, ReduceScatter::MicroBatch));
+        assert!(per(8, ReduceScatter::Step) > per(8, ReduceScatter::MicroBatch));
         // Layouts expert parallelism cannot take are refused naming the numbers.
         let mut l = layout(&model, 8, 1, 1, 1);
         l.ep = 3;

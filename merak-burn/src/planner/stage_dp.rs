@@ -439,7 +439,7 @@ impl<'c, 'a> StageDp<'c, 'a> {
         self.cm.check_experts(t, replicas)?;
         let state_bytes = CostModel::state_bytes(
             replicas,
-            (replicas / skeleton.ep.max(1)).max(1),
+            (replicas / skeleton.ep.max(1)).max(1) * t.tp.max(1),
             skeleton.zero,
             skeleton.micro_batches,
             ReduceScatter::Step,

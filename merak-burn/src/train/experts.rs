@@ -30,25 +30,25 @@ pub(crate) fn experts_apart(grid: &ProcessGrid) -> bool {
 }
 
 /// Refuses what ZeRO does not yet do with a mixture of experts' state ([`ExpertZeroLimit`]):
-/// with the experts held apart ([`experts_apart`]), ZeRO at tp > 1, under hybrid sharding,
-/// or ZeRO-3.
+/// with the experts held apart ([`experts_apart`]), hybrid sharding or ZeRO-3.
 pub(crate) fn check_experts(grid: &ProcessGrid, plan: &ParallelPlan) -> Result<(), TrainError> {
     let hybrid = plan.shard != 0 && plan.shard != grid.dp.size();
     let tp = grid.layout.tp;
-    let Some(limit) = ExpertZeroLimit::of(plan.zero, experts_apart(grid), tp, hybrid) else {
+    let Some(limit) = ExpertZeroLimit::of(plan.zero, experts_apart(grid), hybrid) else {
         return Ok(());
     };
     let value = match limit {
         ExpertZeroLimit::Hybrid => plan.shard,
-        _ => usize::from(plan.zero),
+        ExpertZeroLimit::Zero3 => usize::from(plan.zero),
     };
     Err(InvalidSetting {
         key: limit.key().into(),
         value: value.to_string(),
         reason: format!(
             "ZeRO does not yet shard a mixture of experts' state with {} when the experts are \
-             held apart (parallel.ep = {}, parallel.tp = {tp}): their gradients are summed \
-             over another group than the data-parallel one; use {}, or parallel.zero = 0",
+             held apart (parallel.ep = {}, parallel.tp = {tp}): their state is cut over the \
+             ranks holding the same experts, not the data-parallel group; use {}, or \
+             parallel.zero = 0",
             limit.what(),
             grid.ep.size(),
             limit.fix()
