@@ -319,12 +319,13 @@ fn zero_at_ep_1_steps_experts_that_other_ranks_saw() {
     }
 }
 
-/// ZeRO-1 and 2 (reducing once a step, or every micro-batch) with expert or tensor
+/// ZeRO-1, 2 and 3 (reducing once a step, or every micro-batch) with expert or tensor
 /// parallelism: the experts' buckets are cut over the ranks holding the same experts (dp × cp
-/// / ep and their TP peers), the dense ones over the data-parallel group. With
+/// / ep and their TP peers), the dense ones over the data-parallel group; ZeRO-3 gathers each
+/// over its own group. With
 /// sparse routing (8 experts, top-1: as few as 7 of a step's 256 tokens for one expert) some
 /// expert gets tokens on some ranks of its group only. Every layout equals one process, and
-/// checkpoints written under ZeRO-2 at ep = 2 and ZeRO-1 at ep2 × tp2 (each rank its slices of
+/// checkpoints written under ZeRO-2 and 3 at ep = 2 and ZeRO-1 at ep2 × tp2 (each rank its slices of
 /// the dense parameters' and of its experts' moments; at tp 2 an expert's slices come from
 /// both TP ranks) resume on one process as the uninterrupted run goes on.
 #[test]
@@ -349,7 +350,7 @@ fn zero_with_expert_parallelism_equals_one_process() {
     let zero = |z: &'static str| ["--set", z];
     let each = ["--set", "parallel.reduce_scatter=\"micro-batch\""];
     let tp2 = ["--tp", "2", "--set", "parallel.sequence_parallel=true"];
-    let cases: [(usize, &str, Vec<&str>); 8] = [
+    let cases: [(usize, &str, Vec<&str>); 10] = [
         (
             2,
             "moe-ep2-zero1",
@@ -385,6 +386,21 @@ fn zero_with_expert_parallelism_equals_one_process() {
             .concat(),
         ),
         (
+            2,
+            "moe-ep2-zero3",
+            [&["--dp", "2", "--ep", "2"][..], &zero("parallel.zero=3")].concat(),
+        ),
+        (
+            4,
+            "moe-ep2-dp4-zero3-each",
+            [
+                &["--dp", "4", "--ep", "2"][..],
+                &zero("parallel.zero=3"),
+                &each,
+            ]
+            .concat(),
+        ),
+        (
             4,
             "moe-ep2-tp2-zero1",
             [
@@ -416,7 +432,7 @@ fn zero_with_expert_parallelism_equals_one_process() {
         assert_same_routing(name, &out, &single);
         assert_same_losses(name, &out, &single);
         assert_same_params(name, &out, &single);
-        if ["moe-ep2-dp4-zero2", "moe-ep2-tp2-zero1"].contains(&name) {
+        if ["moe-ep2-dp4-zero2", "moe-ep2-zero3", "moe-ep2-tp2-zero1"].contains(&name) {
             saved.push(out);
         }
     }
@@ -525,11 +541,20 @@ fn bad_expert_settings_fail_before_training() {
              with hybrid sharding",
         ),
         (
-            2,
-            "moe-ep2-zero3",
-            vec!["--dp", "2", "--ep", "2", "--set", "parallel.zero=3"],
-            "ZeRO does not yet shard a mixture of experts' state with ZeRO-3 when the experts \
-             are held apart (parallel.ep = 2, parallel.tp = 1)",
+            4,
+            "moe-tp2-zero3",
+            vec![
+                "--dp",
+                "2",
+                "--tp",
+                "2",
+                "--set",
+                "parallel.sequence_parallel=true",
+                "--set",
+                "parallel.zero=3",
+            ],
+            "ZeRO does not yet shard a mixture of experts' state with ZeRO-3 at parallel.tp > 1 \
+             when the experts are held apart (parallel.ep = 1, parallel.tp = 2)",
         ),
     ] {
         let out = out_dir(name);

@@ -29,6 +29,9 @@ type Gathers = Vec<(usize, Box<dyn Pending>)>;
 /// A rank's shards of the parameters under ZeRO-3 (see the module docs).
 pub struct Shards {
     comm: Rc<dyn Communicator>,
+    /// The ranks holding the same routed experts, over which the buckets of experts held apart
+    /// ([`RankSlices::apart`]) are cut (`None`: every bucket over `comm`).
+    experts: Option<Rc<dyn Communicator>>,
     slices: RankSlices,
     /// Each parameter's `(offset, len)` in the flat concatenation, in visit order.
     ranges: Vec<(usize, usize)>,
@@ -78,6 +81,7 @@ impl Shards {
             .collect();
         Self {
             comm,
+            experts: None,
             slices,
             ranges,
             shapes,
@@ -86,6 +90,21 @@ impl Shards {
             units,
             prefetch,
             queue: RefCell::new(Queue::default()),
+        }
+    }
+
+    /// These shards with the buckets of routed experts held apart ([`RankSlices::apart`])
+    /// gathered over `experts`, the ranks holding the same experts, over which they are cut.
+    pub fn with_experts(mut self, experts: Rc<dyn Communicator>) -> Self {
+        self.experts = Some(experts);
+        self
+    }
+
+    /// The ranks bucket `b` is cut over and gathered from.
+    fn comm_of(&self, b: usize) -> &dyn Communicator {
+        match &self.experts {
+            Some(e) if self.slices.apart.get(b).copied().unwrap_or(false) => &**e,
+            _ => &*self.comm,
         }
     }
 
@@ -160,7 +179,12 @@ impl Shards {
     /// Every parameter's values, gathered from every rank's chunks (every rank must call it):
     /// the whole model (the trained model, a parameter-group rule's view, a resume).
     pub fn gathered_all(&self) -> Result<Vec<ParamValues>, CommError> {
-        let full = all_gather_each(&*self.comm, self.own.clone())?;
+        let pending = (self.own.iter().enumerate())
+            .map(|(b, c)| self.comm_of(b).all_gather_start(c.clone()))
+            .collect::<Result<Vec<_>, _>>()?;
+        let full = (pending.into_iter())
+            .map(|p| p.wait())
+            .collect::<Result<Vec<_>, _>>()?;
         Ok((0..self.ranges.len())
             .map(|p| (p, self.param_values(p, &full[self.bucket_of[p]])))
             .collect())
@@ -174,7 +198,7 @@ impl Shards {
         buckets.sort_unstable();
         buckets.dedup();
         (buckets.into_iter())
-            .map(|b| Ok((b, self.comm.all_gather_start(self.own[b].clone())?)))
+            .map(|b| Ok((b, self.comm_of(b).all_gather_start(self.own[b].clone())?)))
             .collect()
     }
 

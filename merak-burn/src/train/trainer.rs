@@ -207,7 +207,7 @@ where
                     // Unit by unit, a tied table's gradient comes from each unit reading it.
                     zero3::set_uses(&reducer, &shapes, &units);
                 }
-                shards = Some(zero3::shards(
+                let mut cut = zero3::shards(
                     &model,
                     shard,
                     slices.clone(),
@@ -215,7 +215,11 @@ where
                     &shapes,
                     units,
                     parallel.prefetch,
-                )?);
+                )?;
+                if !experts.is_empty() && experts_apart(grid) {
+                    cut = cut.with_experts(grid.experts.comm()?);
+                }
+                shards = Some(cut);
             }
             sliced = Some(Sliced::new(slices, ranges, shapes));
         }
