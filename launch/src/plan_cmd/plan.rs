@@ -40,8 +40,9 @@ pub struct PlanArgs {
     #[arg(long, value_delimiter = ',')]
     cp: Vec<usize>,
     /// Expert-parallel degrees to search for a mixture of experts (comma-separated; each
-    /// dividing the experts, used where it divides dp x cp). By default every divisor of the
-    /// experts whose group fits in a node (tp x ep at most the devices per node).
+    /// dividing the experts, used where it divides dp x cp): only these (add 1 to compare with
+    /// no expert parallelism). By default every divisor of the experts whose group fits in a
+    /// node (tp x ep at most the devices per node), 1 included.
     #[arg(long, value_delimiter = ',')]
     ep: Vec<usize>,
     /// Sequence parallelism with tensor parallelism: `on` wherever it applies (it never costs

@@ -273,8 +273,8 @@ impl State {
             if !(all || self.buckets[at].waiting == 0) {
                 break;
             }
-            let expert = self.experts.is_some() && self.buckets[at].expert;
-            if self.comm.size() > 1 || self.scatter || expert {
+            let apart = self.experts.is_some() && self.buckets[at].expert;
+            if self.comm.size() > 1 || self.scatter || apart {
                 self.zero_unseen(at);
             }
             let b = &mut self.buckets[at];

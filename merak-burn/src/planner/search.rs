@@ -136,8 +136,9 @@ pub struct SearchOptions {
     pub sequence_parallel: Vec<bool>,
     /// Expert-parallel degrees to try for a mixture of experts; empty (the default): every
     /// divisor of the experts whose group stays within a node (`tp ep <= devices per node`:
-    /// the all-to-alls on the node's links). Either way only degrees dividing `dp cp` and the
-    /// experts are used, and `ep = 1` always; a dense model is searched at `ep = 1` only.
+    /// the all-to-alls on the node's links, `ep = 1` among them); named, only those (name 1 to
+    /// compare with no expert parallelism). Either way only degrees dividing `dp cp` and the
+    /// experts are used; a dense model is searched at `ep = 1` only.
     pub ep: Vec<usize>,
     /// How many runner-up plans to return besides the fastest.
     pub runner_ups: usize,
@@ -558,14 +559,11 @@ fn expert_splits(
     let Some(experts) = model.experts() else {
         return vec![split];
     };
-    let mut degrees = if options.ep.is_empty() {
+    let degrees = if options.ep.is_empty() {
         divisors_up_to(experts, hw.devices_per_node / split.tp.max(1))
     } else {
         distinct(&options.ep, |ep| ep > 0 && experts.is_multiple_of(ep))
     };
-    if !degrees.contains(&1) {
-        degrees.insert(0, 1);
-    }
     degrees.into_iter().map(|ep| split.with_ep(ep)).collect()
 }
 
@@ -1608,6 +1606,16 @@ mod tests {
             assert_eq!(limit, None, "{l:?}");
         }
         assert!(elapsed < 5.0, "took {elapsed} s");
+        // Named, the degrees are the only ones searched: Mixtral's best plan at ep = 8.
+        let options = SearchOptions {
+            ep: vec![8],
+            ..SearchOptions::new(64, 256)
+        };
+        let at_8 = search(&model, &hw, &options).unwrap();
+        assert!(at_8.pareto.iter().all(|p| p.layout.ep == 8));
+        assert_eq!(at_8.best.layout.ep, 8, "{:?}", at_8.best.layout);
+        let slower = at_8.best.prediction.step_time_s / best.prediction.step_time_s;
+        assert!((1.0..1.5).contains(&slower), "{slower}");
     }
 
     /// A dense model is searched at ep = 1 whatever `SearchOptions::ep` names, so its plans
