@@ -350,7 +350,7 @@ fn zero_with_expert_parallelism_equals_one_process() {
     let zero = |z: &'static str| ["--set", z];
     let each = ["--set", "parallel.reduce_scatter=\"micro-batch\""];
     let tp2 = ["--tp", "2", "--set", "parallel.sequence_parallel=true"];
-    let cases: [(usize, &str, Vec<&str>); 10] = [
+    let cases: [(usize, &str, Vec<&str>); 11] = [
         (
             2,
             "moe-ep2-zero1",
@@ -397,6 +397,16 @@ fn zero_with_expert_parallelism_equals_one_process() {
                 &["--dp", "4", "--ep", "2"][..],
                 &zero("parallel.zero=3"),
                 &each,
+            ]
+            .concat(),
+        ),
+        (
+            4,
+            "moe-ep2-tp2-zero3",
+            [
+                &["--dp", "2", "--ep", "2"][..],
+                &tp2,
+                &zero("parallel.zero=3"),
             ]
             .concat(),
         ),
@@ -539,22 +549,6 @@ fn bad_expert_settings_fail_before_training() {
             ],
             "setting `parallel.shard` = 2: ZeRO does not yet shard a mixture of experts' state \
              with hybrid sharding",
-        ),
-        (
-            4,
-            "moe-tp2-zero3",
-            vec![
-                "--dp",
-                "2",
-                "--tp",
-                "2",
-                "--set",
-                "parallel.sequence_parallel=true",
-                "--set",
-                "parallel.zero=3",
-            ],
-            "ZeRO does not yet shard a mixture of experts' state with ZeRO-3 at parallel.tp > 1 \
-             when the experts are held apart (parallel.ep = 1, parallel.tp = 2)",
         ),
     ] {
         let out = out_dir(name);

@@ -95,6 +95,9 @@ struct State {
     next_replicate: usize,
     error: Option<CommError>,
     launched_early: usize,
+    /// Whether expert buckets start only at the end of the step, reducing once per step
+    /// ([`DataParallel::experts_at_end`]).
+    experts_at_end: bool,
     /// The ranks holding the same experts, over which the expert buckets are all-reduced, when
     /// they are not the data-parallel group (`None`: no expert bucket, or the experts are held
     /// like the dense parameters).
@@ -138,7 +141,12 @@ impl State {
                 self.scatter_now(b, false);
             }
         } else if self.reduce_now {
-            self.buckets[b].waiting = self.buckets[b].waiting.saturating_sub(1);
+            // With other collectives on the same ranks during the backward pass (ZeRO-3's
+            // gathers), an expert bucket, complete on some ranks only, must not start early
+            // there: it waits for the end of the step, and the buckets after it with it.
+            if !(self.experts_at_end && self.buckets[b].expert) {
+                self.buckets[b].waiting = self.buckets[b].waiting.saturating_sub(1);
+            }
             self.launch_ready(false);
         }
         self.progress();
@@ -579,6 +587,7 @@ impl DataParallel {
                 next_replicate: 0,
                 error: None,
                 launched_early: 0,
+                experts_at_end: false,
                 experts: None,
             })),
             dp,
@@ -658,6 +667,16 @@ impl DataParallel {
             s.experts = apart.map(|g| g.comm()).transpose()?;
         }
         Ok(self)
+    }
+
+    /// This reducer with the routed experts' buckets started only at the end of a step that
+    /// reduces once (and the buckets after them in order): needed when other collectives run
+    /// on the same ranks during the backward pass (ZeRO-3's gathers), since an expert bucket
+    /// is complete early on the ranks whose tokens chose all its experts only, and would start
+    /// there between collectives the other ranks start in another order.
+    pub fn experts_at_end(self) -> Self {
+        self.state.borrow_mut().experts_at_end = true;
+        self
     }
 
     /// Which elements of the flat gradients this rank's chunks hold ([`RankSlices`]; with

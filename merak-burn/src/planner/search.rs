@@ -432,8 +432,8 @@ impl Slot {
     /// Whether ZeRO stage `zero` (`hybrid`: with a shard group smaller than dp) shards this
     /// slot's experts, if any: the trainer's rule ([`ExpertZeroLimit`]).
     fn experts_allow(&self, zero: u8, hybrid: bool) -> bool {
-        let (tp, ep) = (self.split.tp, self.split.ep);
-        !self.moe || ExpertZeroLimit::of(zero, ep > 1 || tp > 1, tp, hybrid).is_none()
+        let apart = self.split.ep > 1 || self.split.tp > 1;
+        !self.moe || ExpertZeroLimit::of(zero, apart, hybrid).is_none()
     }
 
     /// Whether ZeRO stage `zero` goes with this slot under `policy`: any stage above 0 needs
@@ -1602,7 +1602,7 @@ mod tests {
             assert!(l.tp == 1 || l.sequence_parallel, "{l:?}");
             // Only what the trainer runs: ZeRO shards the experts of every plan.
             let (apart, hybrid) = (l.ep > 1 || l.tp > 1, l.shard_degree() < l.dp);
-            let limit = ExpertZeroLimit::of(l.zero, apart, l.tp, hybrid);
+            let limit = ExpertZeroLimit::of(l.zero, apart, hybrid);
             assert_eq!(limit, None, "{l:?}");
         }
         assert!(elapsed < 5.0, "took {elapsed} s");

@@ -30,16 +30,15 @@ pub(crate) fn experts_apart(grid: &ProcessGrid) -> bool {
 }
 
 /// Refuses what ZeRO does not yet do with a mixture of experts' state ([`ExpertZeroLimit`]):
-/// with the experts held apart ([`experts_apart`]), hybrid sharding or ZeRO-3 at tp > 1.
+/// hybrid sharding with the experts held apart ([`experts_apart`]).
 pub(crate) fn check_experts(grid: &ProcessGrid, plan: &ParallelPlan) -> Result<(), TrainError> {
     let hybrid = plan.shard != 0 && plan.shard != grid.dp.size();
     let tp = grid.layout.tp;
-    let Some(limit) = ExpertZeroLimit::of(plan.zero, experts_apart(grid), tp, hybrid) else {
+    let Some(limit) = ExpertZeroLimit::of(plan.zero, experts_apart(grid), hybrid) else {
         return Ok(());
     };
     let value = match limit {
         ExpertZeroLimit::Hybrid => plan.shard,
-        ExpertZeroLimit::Zero3 => usize::from(plan.zero),
     };
     Err(InvalidSetting {
         key: limit.key().into(),

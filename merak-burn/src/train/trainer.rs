@@ -206,6 +206,8 @@ where
                 if parallel.reshard_after_forward {
                     // Unit by unit, a tied table's gradient comes from each unit reading it.
                     zero3::set_uses(&reducer, &shapes, &units);
+                    // The backward pass gathers units on the ranks that reduce the buckets.
+                    reducer = reducer.experts_at_end();
                 }
                 let mut cut = zero3::shards(
                     &model,
