@@ -24,7 +24,7 @@ pub mod gather;
 mod reducer;
 pub mod slices;
 
-pub use expert_limits::ExpertZeroLimit;
+pub use expert_limits::zero_shards_experts;
 pub use gather::{Shards, all_gather_each, emptied};
 pub use reducer::{DataParallel, DpStats};
 

@@ -16,7 +16,7 @@
 //! degree `ep` dividing the experts with its group within a node (`tp ep <= devices per
 //! node`, or those of [`SearchOptions::ep`]) that divides `dp cp`, and tensor parallelism only
 //! with sequence parallelism, and only the ZeRO settings the trainer runs with its experts
-//! ([`ExpertZeroLimit`]); a dense model only `ep = 1`. For the uniform policies, stage
+//! ([`zero_shards_experts`]); a dense model only `ep = 1`. For the uniform policies, stage
 //! boundaries come from [`balanced_partition`] of the per-unit compute.
 //!
 //! Stage-aware recomputation with one stage per pipeline rank (every schedule but the
@@ -54,7 +54,7 @@ use super::cost::{CostError, CostModel, Layout, Prediction};
 use super::hardware::HardwareSpec;
 use super::model::{ModelProxy, RankSplit, RecomputeMode};
 use super::stage_dp::{Skeleton, StageDp, StageDpError};
-use crate::data_parallel::{ExpertZeroLimit, ReduceScatter};
+use crate::data_parallel::{ReduceScatter, zero_shards_experts};
 use crate::pipeline::{Partition, Recompute, ScheduleKind, balanced_partition};
 
 /// The most units (layers + the embedding + the head) a search plans: the stage planner
@@ -385,7 +385,7 @@ struct Slot {
     v: usize,
     /// Devices per node (hybrid sharding keeps a copy's shards within one).
     per_node: usize,
-    /// Whether the model is a mixture of experts (ZeRO then meets [`ExpertZeroLimit`]).
+    /// Whether the model is a mixture of experts (whose ZeRO obeys [`zero_shards_experts`]).
     moe: bool,
 }
 
@@ -430,21 +430,18 @@ impl Slot {
     }
 
     /// Whether ZeRO stage `zero` (`hybrid`: with a shard group smaller than dp) shards this
-    /// slot's experts, if any: the trainer's rule ([`ExpertZeroLimit`]).
+    /// slot's experts, if any: the trainer's rule ([`zero_shards_experts`]).
     fn experts_allow(&self, zero: u8, hybrid: bool) -> bool {
         let apart = self.split.ep > 1 || self.split.tp > 1;
-        !self.moe || ExpertZeroLimit::of(zero, apart, hybrid).is_none()
+        !self.moe || zero_shards_experts(zero, apart, hybrid)
     }
 
     /// Whether ZeRO stage `zero` goes with this slot under `policy`: any stage above 0 needs
     /// more than one replica (`dp * cp > 1`), and stage 3 (every unit recomputed, one unit's
     /// backward pass at a time) full recomputation and a schedule that neither splits the
-    /// backward pass nor keeps two weight versions; a mixture of experts' stage must shard its
-    /// experts ([`experts_allow`](Self::experts_allow)).
+    /// backward pass nor keeps two weight versions. (A mixture of experts only limits hybrid
+    /// sharding: see [`variants`](Self::variants).)
     fn allows(&self, zero: u8, policy: Recompute) -> bool {
-        if !self.experts_allow(zero, false) {
-            return false;
-        }
         let three_runs = policy == Recompute::Full
             && !self.schedule.splits_backward()
             && self.schedule != ScheduleKind::TwoBw;
@@ -1567,8 +1564,8 @@ mod tests {
     /// Issue 32: Mixtral 8x7B on 64 H100s of 80 GB (8 a node), 256 sequences of 4096 tokens.
     /// Expert parallelism reaches the Pareto set (its plans hold the least memory) and every
     /// plan keeps `ep` dividing `dp cp` and the 8 experts, with sequence parallelism under
-    /// tensor parallelism and a ZeRO setting the trainer runs with experts. The fastest plan keeps `ep = 1`: pipelining over the nodes keeps the
-    /// data-parallel gradients on NVLink, where the experts' reduction is cheap, and expert
+    /// tensor parallelism and a ZeRO setting the trainer runs with experts. The fastest plan
+    /// keeps `ep = 1`: pipelining over the nodes keeps the data-parallel gradients on NVLink, where the experts' reduction is cheap, and expert
     /// parallelism would add the all-to-alls and the busiest rank's imbalance (see
     /// `megatron_cores_mixtral_layout_is_faster_with_expert_parallelism` in the cost model's
     /// tests for a layout whose data parallelism spans nodes).
@@ -1602,8 +1599,7 @@ mod tests {
             assert!(l.tp == 1 || l.sequence_parallel, "{l:?}");
             // Only what the trainer runs: ZeRO shards the experts of every plan.
             let (apart, hybrid) = (l.ep > 1 || l.tp > 1, l.shard_degree() < l.dp);
-            let limit = ExpertZeroLimit::of(l.zero, apart, hybrid);
-            assert_eq!(limit, None, "{l:?}");
+            assert!(zero_shards_experts(l.zero, apart, hybrid), "{l:?}");
         }
         assert!(elapsed < 5.0, "took {elapsed} s");
         // Named, the degrees are the only ones searched: Mixtral's best plan at ep = 8.

@@ -9,7 +9,7 @@ use serde::Serialize;
 
 use crate::checkpoint::state::ParamShape;
 use crate::comm::{CommError, Group, ReduceOp};
-use crate::data_parallel::ExpertZeroLimit;
+use crate::data_parallel::zero_shards_experts;
 use crate::grid::ProcessGrid;
 use crate::moe::{RoutingRecord, is_expert_param};
 use crate::plan::ParallelPlan;
@@ -29,28 +29,23 @@ pub(crate) fn experts_apart(grid: &ProcessGrid) -> bool {
     grid.experts.size() != grid.dp.size() || grid.ep.size() > 1
 }
 
-/// Refuses what ZeRO does not yet do with a mixture of experts' state ([`ExpertZeroLimit`]):
-/// hybrid sharding with the experts held apart ([`experts_apart`]).
+/// Refuses what ZeRO does not yet do with a mixture of experts' state
+/// ([`zero_shards_experts`]): hybrid sharding with the experts held apart ([`experts_apart`]).
 pub(crate) fn check_experts(grid: &ProcessGrid, plan: &ParallelPlan) -> Result<(), TrainError> {
     let hybrid = plan.shard != 0 && plan.shard != grid.dp.size();
-    let tp = grid.layout.tp;
-    let Some(limit) = ExpertZeroLimit::of(plan.zero, experts_apart(grid), hybrid) else {
+    if zero_shards_experts(plan.zero, experts_apart(grid), hybrid) {
         return Ok(());
-    };
-    let value = match limit {
-        ExpertZeroLimit::Hybrid => plan.shard,
-    };
+    }
     Err(InvalidSetting {
-        key: limit.key().into(),
-        value: value.to_string(),
+        key: "parallel.shard".into(),
+        value: plan.shard.to_string(),
         reason: format!(
-            "ZeRO does not yet shard a mixture of experts' state with {} when the experts are \
-             held apart (parallel.ep = {}, parallel.tp = {tp}): their state is cut over the \
-             ranks holding the same experts, not the data-parallel group; use {}, or \
-             parallel.zero = 0",
-            limit.what(),
+            "ZeRO does not yet shard a mixture of experts' state with hybrid sharding when the \
+             experts are held apart (parallel.ep = {}, parallel.tp = {}): their state is cut \
+             over the ranks holding the same experts, not the data-parallel group; use \
+             parallel.shard = 0 (the whole data-parallel group), or parallel.zero = 0",
             grid.ep.size(),
-            limit.fix()
+            grid.layout.tp
         ),
     }
     .into())
