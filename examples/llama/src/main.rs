@@ -23,6 +23,10 @@ struct Args {
     /// Pipeline-parallel degree.
     #[arg(long, default_value_t = 1)]
     pp: usize,
+    /// Expert-parallel degree (with --experts): each group of this many data-parallel ranks
+    /// splits the experts; divides --dp and --experts.
+    #[arg(long, default_value_t = 1)]
+    ep: usize,
     /// Let the planner choose the layout, micro-batch, schedule and stages for the ranks
     /// launched, from the units timed on this backend (instead of --dp/--tp/--pp,
     /// --micro-batch and --schedule).
@@ -97,6 +101,7 @@ fn main() -> anyhow::Result<()> {
             dp: args.dp,
             tp: args.tp,
             pp: args.pp,
+            ep: args.ep,
             micro_batch: args.micro_batch,
             schedule: args.schedule,
             ..ParallelPlan::default()

@@ -16,6 +16,7 @@ use merak_burn::batch::{Batch, TARGETS, TOKENS};
 use merak_burn::moe::{ExpertInit, MoeLayer, MoePlace};
 use merak_burn::parallelize::{EmbedUnit, HeadUnit, LayerUnit, Linear};
 use merak_burn::rng::InitRng;
+use merak_burn::session::UnitPlace;
 use merak_burn::tensor_parallel::ParallelBackend;
 
 use crate::config::LlamaConfig;
@@ -158,13 +159,13 @@ fn drawn_seed<B: Backend>(device: &B::Device) -> u64 {
     (values.unwrap_or_default().iter()).fold(0, |seed, &v| (seed << 24) ^ (v * 16_777_216.0) as u64)
 }
 
-/// The mixture of experts of block `layer` of `c` (`None` without [`LlamaConfig::moe`]),
-/// every expert on this rank (no expert parallelism). Its parameters are drawn with the
+/// The mixture of experts of a block of `c` at `place` (`None` without [`LlamaConfig::moe`]):
+/// the routed experts of its expert-parallel rank. Its parameters are drawn with the
 /// standard deviations of Burn's initializer of a linear layer (uniform in
 /// `±1 / sqrt(fan_in)`) from a seed drawn from the backend's generator.
 fn experts<B: ParallelBackend>(
     c: &LlamaConfig,
-    layer: usize,
+    place: MoePlace,
     device: &B::Device,
 ) -> Option<MoeLayer<B>> {
     let moe = c.moe_config()?;
@@ -175,7 +176,6 @@ fn experts<B: ParallelBackend>(
         std: std_of(c.hidden),
         out_std: std_of(c.ffn),
     };
-    let place = MoePlace::single(layer, c.max_seq);
     Some(MoeLayer::new(&moe, c.hidden, "moe", init, place, device))
 }
 
@@ -187,15 +187,26 @@ impl<B: ParallelBackend> Block<B> {
     ///
     /// If `c` is not valid ([`LlamaConfig::validate`]).
     pub fn new(c: &LlamaConfig, layer: usize, device: &B::Device) -> Self {
-        check(c);
-        Self::with_rope(c, layer, rotary(c, device), device)
+        Self::on(c, layer, &UnitPlace::single(), device)
     }
 
-    /// Block `layer` of a decoder of shape `c` using `rope`.
+    /// Block `layer` of a decoder of shape `c` for a rank at `place`: under expert
+    /// parallelism its mixture of experts holds that rank's share of the routed experts.
+    ///
+    /// # Panics
+    ///
+    /// If `c` is not valid ([`LlamaConfig::validate`]).
+    pub fn on(c: &LlamaConfig, layer: usize, place: &UnitPlace, device: &B::Device) -> Self {
+        check(c);
+        Self::with_rope(c, layer, rotary(c, device), place, device)
+    }
+
+    /// Block `layer` of a decoder of shape `c` at `place`, using `rope`.
     fn with_rope(
         c: &LlamaConfig,
         layer: usize,
         rope: RotaryEncoding<B>,
+        place: &UnitPlace,
         device: &B::Device,
     ) -> Self {
         let head_dim = c.head_dim();
@@ -218,7 +229,7 @@ impl<B: ParallelBackend> Block<B> {
                 w2: linear(c.ffn, c.hidden, device),
                 w3: linear(c.hidden, c.ffn, device),
             }),
-            moe: experts(c, layer, device),
+            moe: experts(c, place.moe(layer, c.max_seq), device),
         }
     }
 }
@@ -247,7 +258,7 @@ impl<B: ParallelBackend> Llama<B> {
         Self {
             embed: Embed::new(c, device),
             blocks: (0..c.layers)
-                .map(|l| Block::with_rope(c, l, rope.clone(), device))
+                .map(|l| Block::with_rope(c, l, rope.clone(), &UnitPlace::single(), device))
                 .collect(),
             head: Head::new(c, device),
         }

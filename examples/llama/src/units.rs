@@ -1,7 +1,7 @@
 //! The decoder described to `merak_burn::run` unit by unit.
 
 use merak_burn::parallelize::TpPlan;
-use merak_burn::session::{ModelDims, UnitModel};
+use merak_burn::session::{ModelDims, UnitModel, UnitPlace};
 use merak_burn::tensor_parallel::ParallelBackend;
 
 use crate::{Block, Embed, Head, LlamaConfig, tp_plan_of};
@@ -26,6 +26,10 @@ impl<B: ParallelBackend> UnitModel<B> for LlamaConfig {
 
     fn layer(&self, index: usize, device: &B::Device) -> Block<B> {
         Block::new(self, index, device)
+    }
+
+    fn layer_on(&self, index: usize, place: &UnitPlace, device: &B::Device) -> Block<B> {
+        Block::on(self, index, place, device)
     }
 
     fn head(&self, device: &B::Device) -> Head<B> {

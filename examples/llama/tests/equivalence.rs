@@ -93,9 +93,10 @@ fn a_tied_embedding_across_the_pipeline_equals_one_process() {
 }
 
 /// A mixture of 16 experts (top-2) in every block, declared to the trainer
-/// (`UnitModel::experts`): dp=4, tp=2 (experts whole on every TP rank) and pp=2 equal one
-/// process. (Here every expert gets tokens on every rank in every step; the case of an expert
-/// chosen on some ranks only is tested on the GPT, through the same trainer.)
+/// (`UnitModel::experts`), without expert parallelism: dp=4, tp=2 (experts whole on every TP
+/// rank) and pp=2 equal one process. (Here every expert gets tokens on every rank in every
+/// step; the case of an expert chosen on some ranks only is tested on the GPT, through the
+/// same trainer.)
 #[test]
 fn a_mixture_of_experts_equals_one_process() {
     // Seed 10 keeps every token's second router score 1.9e-5 above its third: no tie that
@@ -181,6 +182,50 @@ fn the_checkpoint_of_a_3d_run_has_every_parameter_at_full_size() {
         size("head.output.linear.weight"),
         Some(cfg.hidden * cfg.vocab)
     );
+}
+
+/// Expert parallelism for a model trained through `merak_burn::run`: its blocks are built
+/// with the rank's expert-parallel group (`UnitModel::layer_on`), each holding its share of
+/// the 16 experts. dp=2 ep=2, dp=4 ep=4, dp=4 ep=2 and dp=2 ep=2 pp=2 equal one process, each
+/// timing its token exchanges (`moe_exchange_s`, written only under ep > 1), and the ep=4
+/// run's step-3 checkpoint resumes on one process where the uninterrupted run goes on.
+#[test]
+fn expert_parallelism_equals_one_process_and_resumes_on_one() {
+    let moe = ["--experts", "16", "--top-k", "2", "--seed", "10"];
+    let single = train(1, "ep-single", &moe);
+    let dir = std::env::temp_dir().join(format!("merak-llama-ep-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    for (np, name, args) in [
+        (2, "ep2", vec!["--dp", "2", "--ep", "2"]),
+        (
+            4,
+            "ep4",
+            vec!["--dp", "4", "--ep", "4", "--checkpoint-every", "3"],
+        ),
+        (4, "dp4-ep2", vec!["--dp", "4", "--ep", "2"]),
+        (4, "ep2-pp2", vec!["--dp", "2", "--ep", "2", "--pp", "2"]),
+    ] {
+        let args: Vec<&str> = moe.iter().copied().chain(args).collect();
+        let out = dir.join(name);
+        let (losses, state, stdout) = train_into(np, &out, &args);
+        assert_equal(name, &(losses, state, Held::parse(&stdout)), &single);
+        let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).expect("metrics");
+        let exchanged = metrics
+            .lines()
+            .filter(|l| l.contains("\"moe_exchange_s\":"))
+            .count();
+        assert_eq!(
+            exchanged, 6,
+            "{name}: every step times its exchanges:\n{metrics}"
+        );
+    }
+    let step3 = dir.join("ep4/checkpoints/step-00000003");
+    let step3 = step3.to_str().expect("a UTF-8 path");
+    let resume: Vec<&str> = moe.iter().copied().chain(["--resume", step3]).collect();
+    let (losses, state, stdout) = train_into(1, &dir.join("resumed"), &resume);
+    let want = (single.0[3..].to_vec(), single.1.clone(), single.2);
+    assert_equal("resumed", &(losses, state, Held::parse(&stdout)), &want);
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A one-process run checkpointed at step 3 and resumed under tp=2 x pp=2 ends where the

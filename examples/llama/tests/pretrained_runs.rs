@@ -128,7 +128,8 @@ fn a_pretrained_llama_trains_under_every_layout_as_one_process() {
 
 /// The Mixtral fixture (4 experts, 2 per token, the routers' load-balancing loss on) trained
 /// from its pretrained weights under dp=2 (the experts' gradients summed over the ranks),
-/// tp=2 (every rank holds the experts whole), pp=2 and dp=2 x pp=2 equals one process, with
+/// tp=2 (every rank holds the experts whole), pp=2, dp=2 x pp=2 and ep=2 (each rank imports
+/// and trains two of the experts) equals one process, with
 /// finite losses; the first step's loss is the pretrained model's.
 #[test]
 fn a_pretrained_mixtral_trains_under_every_layout_as_one_process() {
@@ -139,6 +140,7 @@ fn a_pretrained_mixtral_trains_under_every_layout_as_one_process() {
             (2, "tp2", &["--tp", "2"]),
             (2, "pp2", &["--pp", "2"]),
             (4, "dp2pp2", &["--dp", "2", "--pp", "2"]),
+            (2, "ep2", &["--dp", "2", "--ep", "2"]),
         ],
     );
     assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");

@@ -79,6 +79,15 @@ pub enum RunError {
         /// What is wrong.
         error: CheckpointError,
     },
+    /// Expert parallelism the model cannot take: no declared experts, an expert count `ep`
+    /// does not divide, tensor parallelism beside it, or blocks holding every routed expert.
+    #[error("parallel.ep = {ep}: {reason}")]
+    ExpertParallel {
+        /// The expert-parallel degree asked for.
+        ep: usize,
+        /// What is wrong.
+        reason: String,
+    },
     /// The signal handlers could not be installed.
     #[error("installing the signal handlers: {0}")]
     Signals(std::io::Error),

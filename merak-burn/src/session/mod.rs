@@ -28,13 +28,16 @@
 
 mod choose;
 mod error;
+mod experts;
 mod model;
 mod options;
 mod train_part;
 
 pub use choose::{AutoPlan, PlanChoice};
 pub use error::RunError;
-pub use model::{ModelDims, UnitModel, UnitsOf, build_units, sample_units, unit_seed};
+pub use model::{
+    ModelDims, UnitModel, UnitPlace, UnitsOf, build_units, build_units_on, sample_units, unit_seed,
+};
 pub use options::{FullParams, InitWeights, ParamGroups, RunOptions};
 pub use train_part::{Part, train_part};
 
@@ -43,7 +46,7 @@ use std::path::PathBuf;
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
 
-use crate::checkpoint::{Checkpoint, FullState};
+use crate::checkpoint::{Checkpoint, FullState, state};
 use crate::comm::{Communicator, MpiWorld, launched_by_mpirun, watchdog};
 use crate::grid::ProcessGrid;
 use crate::parallelize::shard_module;
@@ -144,6 +147,7 @@ where
     let device = B::Device::default();
     let chosen = choose::choose_plan(model, plan, settings, data, comm, &device)?;
     let (plan, costs) = (chosen.plan, chosen.costs);
+    experts::check_plan(model.experts(), &plan)?;
     // The messages between stages are as wide as the first unit's output.
     let settings = &settings.clone().with_seq_len(chosen.positions);
     let resume = options.resume.as_deref().map(open_resume).transpose()?;
@@ -154,6 +158,10 @@ where
         Some(w) => ProcessGrid::from_mpi(w, plan.layout())?,
         None if ranks == 1 => ProcessGrid::single(),
         None => return Err(RunError::NotLaunched { ranks }),
+    };
+    let grid = match plan.ep > 1 {
+        true => grid.with_expert_parallel(plan.ep)?,
+        false => grid,
     };
     if ranks > 1 && options.comm_timeout_s > 0.0 {
         watchdog::arm(
@@ -169,7 +177,11 @@ where
     };
     let me = grid.coords.pp;
     let holds = |u: usize| pipeline.schedule.rank_of(pipeline.partition.stage_of(u)) == me;
-    let units = build_units(model, settings.seed, &device, holds)?;
+    let place = UnitPlace { experts: grid.ep };
+    let units = build_units_on(model, settings.seed, &device, holds, &place)?;
+    if let (Some((_, count)), 2..) = (model.experts(), grid.ep.size()) {
+        experts::check_split(&state::param_shapes(&units), count, grid.ep.size())?;
+    }
     let units = shard_module(units, &model.tp_plan(), grid.tp)?;
     let part = Part {
         grid: &grid,

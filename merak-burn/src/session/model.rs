@@ -2,6 +2,8 @@
 
 use burn::tensor::backend::Backend;
 
+use crate::comm::Group;
+use crate::moe::MoePlace;
 use crate::parallelize::{EmbedUnit, HeadUnit, LayerUnit, NoTokenTable, TpPlan, Units};
 use crate::planner::TransformerShape;
 use crate::rng::splitmix64;
@@ -53,6 +55,17 @@ pub trait UnitModel<B: Backend> {
     /// Builds block `index` (0-based).
     fn layer(&self, index: usize, device: &B::Device) -> Self::Layer;
 
+    /// Builds block `index` (0-based) for a rank at `place`: a model whose blocks hold
+    /// mixtures of experts builds each [`MoeLayer`](crate::moe::MoeLayer) with
+    /// [`UnitPlace::moe`], so that under expert parallelism it holds only its share of the
+    /// routed experts. The library builds blocks with this; the default ignores `place` and
+    /// calls [`layer`](Self::layer), which is all a dense model needs (a run with
+    /// `parallel.ep > 1` refuses blocks that hold every routed expert).
+    fn layer_on(&self, index: usize, place: &UnitPlace, device: &B::Device) -> Self::Layer {
+        let _ = place;
+        self.layer(index, device)
+    }
+
     /// Builds the last unit.
     fn head(&self, device: &B::Device) -> Self::Head;
 
@@ -77,6 +90,33 @@ pub trait UnitModel<B: Backend> {
     }
 }
 
+/// What the library tells a block's constructor about the rank that builds it
+/// ([`UnitModel::layer_on`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UnitPlace {
+    /// The expert-parallel group: its ranks split each mixture of experts' routed experts and
+    /// exchange tokens (one rank without expert parallelism).
+    pub experts: Group,
+}
+
+impl UnitPlace {
+    /// One rank: every routed expert on it.
+    pub fn single() -> Self {
+        Self {
+            experts: Group::local(),
+        }
+    }
+
+    /// The place of the mixture of experts in block `layer` (0-based) of a model trained on
+    /// sequences of at most `seq` tokens: this rank's expert-parallel group, whole sequences.
+    pub fn moe(&self, layer: usize, seq: usize) -> MoePlace {
+        MoePlace {
+            ep: self.experts,
+            ..MoePlace::single(layer, seq)
+        }
+    }
+}
+
 /// The units of model `M` on backend `B`, as a rank holds them.
 pub type UnitsOf<B, M> =
     Units<B, <M as UnitModel<B>>::Embed, <M as UnitModel<B>>::Layer, <M as UnitModel<B>>::Head>;
@@ -86,14 +126,30 @@ pub fn unit_seed(seed: u64, unit: usize) -> u64 {
     splitmix64(seed ^ splitmix64(unit as u64 + 1))
 }
 
-/// The units of `model` for which `holds(unit)` is true, each built from its own seed. A tied
-/// head needs the token table's name and, on the last stage, a copy of the table: the first
-/// unit is then built on every rank and dropped where it is not held.
+/// The units of `model` for which `holds(unit)` is true, each built from its own seed, on one
+/// rank ([`UnitPlace::single`]: [`build_units_on`] at another place). A tied head needs the
+/// token table's name and, on the last stage, a copy of the table: the first unit is then
+/// built on every rank and dropped where it is not held.
 pub fn build_units<B, M>(
     model: &M,
     seed: u64,
     device: &B::Device,
     holds: impl Fn(usize) -> bool,
+) -> Result<UnitsOf<B, M>, NoTokenTable>
+where
+    B: Backend,
+    M: UnitModel<B>,
+{
+    build_units_on(model, seed, device, holds, &UnitPlace::single())
+}
+
+/// [`build_units`] on a rank at `place` (its blocks built by [`UnitModel::layer_on`]).
+pub fn build_units_on<B, M>(
+    model: &M,
+    seed: u64,
+    device: &B::Device,
+    holds: impl Fn(usize) -> bool,
+    place: &UnitPlace,
 ) -> Result<UnitsOf<B, M>, NoTokenTable>
 where
     B: Backend,
@@ -111,7 +167,7 @@ where
         .map(|i| {
             holds(i + 1).then(|| {
                 seeded(i + 1);
-                crate::parallelize::initialized(model.layer(i, device))
+                crate::parallelize::initialized(model.layer_on(i, place, device))
             })
         })
         .collect();
