@@ -77,6 +77,10 @@ fn assert_moe_equals(
     out
 }
 
+/// Expert parallelism with a shared expert, both auxiliary losses and dropout: every layout
+/// routes, loses and steps as one process. The shared expert runs while the tokens travel
+/// (`model.moe.shared_overlap`, on by default; under ep2 x tp2 its sequence-parallel
+/// collectives run beside the exchange in flight) and, in one case, before them.
 #[test]
 fn expert_parallel_moe_gpt_equals_one_process() {
     let single = out_dir("moe-single");
@@ -88,8 +92,20 @@ fn expert_parallel_moe_gpt_equals_one_process() {
         m[0]
     );
     let sp = ["--set", "parallel.sequence_parallel=true"];
-    let cases: [(usize, &str, Vec<&str>); 6] = [
+    let cases: [(usize, &str, Vec<&str>); 7] = [
         (2, "moe-ep2", vec!["--dp", "2", "--ep", "2"]),
+        (
+            2,
+            "moe-ep2-shared-first",
+            vec![
+                "--dp",
+                "2",
+                "--ep",
+                "2",
+                "--set",
+                "model.moe.shared_overlap=false",
+            ],
+        ),
         (4, "moe-ep4", vec!["--dp", "4", "--ep", "4"]),
         (4, "moe-ep2-dp4", vec!["--dp", "4", "--ep", "2"]),
         (

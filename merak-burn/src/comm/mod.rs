@@ -30,7 +30,7 @@ pub use group::Group;
 pub use local::LocalCommunicator;
 pub use mpi_comm::{MpiCommunicator, MpiWorld, PendingMpi, launched_by_mpirun};
 pub use progress_thread::ProgressThreadComm;
-pub use tensor::TensorComm;
+pub use tensor::{RowsInFlight, TensorComm};
 pub use transport::{Transport, TransportRequest};
 
 /// The reduction applied by all-reduce and reduce-scatter.
@@ -219,6 +219,21 @@ pub trait Communicator {
     fn all_gather_start(&self, send: Vec<f32>) -> Result<Box<dyn Pending>, CommError> {
         let mut recv = vec![0.0; send.len() * self.size()];
         self.all_gather(&send, &mut recv)?;
+        Ok(Box::new(Done(recv)))
+    }
+
+    /// Starts a non-blocking exchange of blocks of any length
+    /// ([`all_to_all_v`](Self::all_to_all_v)): [`Pending::wait`] returns the `recv_counts`
+    /// values received from each rank, rank after rank. The default runs
+    /// [`all_to_all_v`](Self::all_to_all_v) at once.
+    fn all_to_all_v_start(
+        &self,
+        send: Vec<f32>,
+        send_counts: &[usize],
+        recv_counts: &[usize],
+    ) -> Result<Box<dyn Pending>, CommError> {
+        let mut recv = vec![0.0; recv_counts.iter().sum()];
+        self.all_to_all_v(&send, send_counts, &mut recv, recv_counts)?;
         Ok(Box::new(Done(recv)))
     }
 }

@@ -352,18 +352,7 @@ impl Communicator for MpiCommunicator {
             recv.copy_from_slice(send);
             return Ok(());
         }
-        let counts = |c: &[usize]| c.iter().map(|&x| x as c_int).collect::<Vec<_>>();
-        let displs = |c: &[c_int]| {
-            c.iter()
-                .scan(0, |at, &x| {
-                    let d = *at;
-                    *at += x;
-                    Some(d)
-                })
-                .collect::<Vec<_>>()
-        };
-        let (sc, rc) = (counts(send_counts), counts(recv_counts));
-        let (sd, rd) = (displs(&sc), displs(&rc));
+        let [sc, sd, rc, rd] = counts_and_displacements(send_counts, recv_counts);
         let _watch = self.watch("all_to_all_v", send.len());
         let sp = mpi::datatype::Partition::new(send, &sc[..], &sd[..]);
         let mut rp = mpi::datatype::PartitionMut::new(recv, &rc[..], &rd[..]);
@@ -521,6 +510,63 @@ impl Communicator for MpiCommunicator {
         };
         self.started(pending, "MPI_Iallgather", code)
     }
+
+    fn all_to_all_v_start(
+        &self,
+        send: Vec<f32>,
+        send_counts: &[usize],
+        recv_counts: &[usize],
+    ) -> Result<Box<dyn Pending>, CommError> {
+        let n = self.size();
+        let total = recv_counts.iter().sum();
+        let mut pending = self.pending("all_to_all_v (non-blocking)", send, total, ReduceOp::Sum);
+        let checked = check_counts(
+            n,
+            (&pending.send, send_counts),
+            (&pending.recv, recv_counts),
+        )
+        .and_then(|_| check_count("all_to_all_v_start", pending.send.len().max(total)));
+        if let Err(e) = checked {
+            pending.request.complete = true;
+            return Err(e);
+        }
+        pending.counts = counts_and_displacements(send_counts, recv_counts);
+        let [sc, sd, rc, rd] = &pending.counts;
+        // SAFETY: as in `all_reduce_start`; the counts and displacements are owned by
+        // `pending` too, on the heap, and unchanged until the request completes.
+        let code = unsafe {
+            mpi::ffi::MPI_Ialltoallv(
+                pending.send.as_ptr().cast(),
+                sc.as_ptr(),
+                sd.as_ptr(),
+                mpi::ffi::RSMPI_FLOAT,
+                pending.recv.as_mut_ptr().cast(),
+                rc.as_ptr(),
+                rd.as_ptr(),
+                mpi::ffi::RSMPI_FLOAT,
+                self.comm.as_raw(),
+                &mut pending.request.raw,
+            )
+        };
+        self.started(pending, "MPI_Ialltoallv", code)
+    }
+}
+
+/// MPI's counts and displacements of an exchange with counts: those sent, then received.
+fn counts_and_displacements(send_counts: &[usize], recv_counts: &[usize]) -> [Vec<c_int>; 4] {
+    let counts = |c: &[usize]| c.iter().map(|&x| x as c_int).collect::<Vec<_>>();
+    let displs = |c: &[c_int]| {
+        c.iter()
+            .scan(0, |at, &x| {
+                let d = *at;
+                *at += x;
+                Some(d)
+            })
+            .collect::<Vec<_>>()
+    };
+    let (sc, rc) = (counts(send_counts), counts(recv_counts));
+    let (sd, rd) = (displs(&sc), displs(&rc));
+    [sc, sd, rc, rd]
 }
 
 impl MpiCommunicator {
@@ -535,6 +581,7 @@ impl MpiCommunicator {
     ) -> PendingMpi {
         PendingMpi {
             recv: self.buffer(recv_len),
+            counts: Default::default(),
             request: Request::new(what, send.len(), self),
             send,
             pool: self.pool.clone(),
@@ -651,10 +698,12 @@ impl Drop for PendingMpiSend {
 }
 
 /// A non-blocking MPI collective (`MPI_Iallreduce`, `MPI_Ireduce_scatter_block`,
-/// `MPI_Iallgather`) that owns its buffers.
+/// `MPI_Iallgather`, `MPI_Ialltoallv`) that owns its buffers.
 pub struct PendingMpi {
     send: Vec<f32>,
     recv: Vec<f32>,
+    /// An exchange's counts and displacements (sent, then received), kept until it completes.
+    counts: [Vec<c_int>; 4],
     request: Request,
     divide_by: Option<f32>,
     pool: BufferPool,

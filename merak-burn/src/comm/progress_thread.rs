@@ -180,6 +180,14 @@ impl Communicator for ProgressThreadComm {
     ) -> Result<(), CommError> {
         self.main.all_to_all_v(send, send_counts, recv, recv_counts)
     }
+    fn all_to_all_v_start(
+        &self,
+        send: Vec<f32>,
+        send_counts: &[usize],
+        recv_counts: &[usize],
+    ) -> Result<Box<dyn Pending>, CommError> {
+        self.main.all_to_all_v_start(send, send_counts, recv_counts)
+    }
     fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
         self.main.broadcast(buf, root)
     }

@@ -10,6 +10,36 @@ use burn::tensor::{DType, Shape, Tensor, backend::Backend};
 use super::host::{tensor_to_vec, vec_to_tensor};
 use super::{CommError, Communicator, ReduceOp};
 
+/// Rows on their way ([`TensorComm::all_to_all_rows_start`]).
+pub struct RowsInFlight<B: Backend> {
+    pending: Box<dyn super::Pending>,
+    shape: Shape,
+    device: B::Device,
+    dtype: DType,
+}
+
+impl<B: Backend> RowsInFlight<B> {
+    /// Lets the library move the exchange on; `true` once it is complete.
+    ///
+    /// # Errors
+    ///
+    /// The communicator's, when the exchange failed.
+    pub fn test(&mut self) -> Result<bool, CommError> {
+        self.pending.test()
+    }
+
+    /// Waits for the exchange: the rows received (`[rows, width]`, in the sent tensor's
+    /// element type).
+    ///
+    /// # Errors
+    ///
+    /// The communicator's, when the exchange failed.
+    pub fn finish(self) -> Result<Tensor<B, 2>, CommError> {
+        let recv = self.pending.wait()?;
+        Ok(vec_to_tensor(recv, self.shape, &self.device, self.dtype))
+    }
+}
+
 /// Communication on Burn tensors, available on every [`Communicator`].
 pub trait TensorComm {
     /// All-reduce of a tensor (same shape on every rank).
@@ -53,6 +83,15 @@ pub trait TensorComm {
         send_rows: &[usize],
         recv_rows: &[usize],
     ) -> Result<Tensor<B, 2>, CommError>;
+
+    /// Starts [`all_to_all_rows`](Self::all_to_all_rows) without waiting for it (the rows of
+    /// `t` are read at once): [`RowsInFlight::finish`] waits and returns the rows received.
+    fn all_to_all_rows_start<B: Backend>(
+        &self,
+        t: Tensor<B, 2>,
+        send_rows: &[usize],
+        recv_rows: &[usize],
+    ) -> Result<RowsInFlight<B>, CommError>;
 
     /// Broadcast of rank `root`'s tensor; every rank passes a tensor of the same shape.
     fn broadcast_tensor<B: Backend, const D: usize>(
@@ -210,6 +249,24 @@ impl<C: Communicator + ?Sized> TensorComm for C {
             &device,
             dtype,
         ))
+    }
+
+    fn all_to_all_rows_start<B: Backend>(
+        &self,
+        t: Tensor<B, 2>,
+        send_rows: &[usize],
+        recv_rows: &[usize],
+    ) -> Result<RowsInFlight<B>, CommError> {
+        let (device, dtype, width) = (t.device(), t.dtype(), t.dims()[1]);
+        let values = |rows: &[usize]| rows.iter().map(|n| n * width).collect::<Vec<_>>();
+        let send = tensor_to_vec(t)?;
+        let pending = self.all_to_all_v_start(send, &values(send_rows), &values(recv_rows))?;
+        Ok(RowsInFlight {
+            pending,
+            shape: Shape::new([recv_rows.iter().sum(), width]),
+            device,
+            dtype,
+        })
     }
 
     fn broadcast_tensor<B: Backend, const D: usize>(

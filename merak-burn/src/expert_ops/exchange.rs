@@ -61,19 +61,28 @@ fn fatal(e: impl std::fmt::Display) -> ! {
     panic!("expert-parallel exchange failed: {e}")
 }
 
-/// The forward exchange on any backend, through host buffers ([`TensorComm::all_to_all_rows`]): `x` (`[rows, width]`, rows in
-/// blocks of `counts.send`) becomes `[counts.received(), width]`.
+/// The forward exchange on any backend, through host buffers
+/// ([`TensorComm::all_to_all_rows_start`]): `x` (`[rows, width]`, rows in blocks of
+/// `counts.send`) becomes `[counts.received(), width]`; `during` runs while the rows are on
+/// their way (the time it takes is not counted as the exchange's).
 pub fn exchange_rows<B: Backend>(
     x: FloatTensor<B>,
     counts: &ExchangeCounts,
     group: Group,
+    during: &mut dyn FnMut(),
 ) -> FloatTensor<B> {
     let x = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(x));
     let comm = group.comm().unwrap_or_else(|e| fatal(e));
     let t0 = std::time::Instant::now();
-    let rows = comm
-        .all_to_all_rows(x, &counts.send, &counts.recv)
+    let mut flight = comm
+        .all_to_all_rows_start(x, &counts.send, &counts.recv)
         .unwrap_or_else(|e| fatal(e));
+    // One call into the library posts what it can before the compute in between.
+    flight.test().unwrap_or_else(|e| fatal(e));
+    count_seconds(t0.elapsed().as_secs_f64());
+    during();
+    let t0 = std::time::Instant::now();
+    let rows = flight.finish().unwrap_or_else(|e| fatal(e));
     count_seconds(t0.elapsed().as_secs_f64());
     rows.into_primitive().tensor()
 }
@@ -87,19 +96,20 @@ impl<B: ExpertBackend> Backward<B, 1> for ExchangeBackward {
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _c: &mut Checkpointer) {
         let (counts, group) = ops.state;
         unary::<B, _>(ops.parents, ops.node, grads, |g| {
-            B::ep_exchange(g, &counts.reversed(), group)
+            B::ep_exchange(g, &counts.reversed(), group, &mut || {})
         });
     }
 }
 
-/// [`ExpertBackend::ep_exchange`] on `Autodiff<B>`: the exchange, and in the backward pass
-/// the reverse exchange of the gradient.
+/// [`ExpertBackend::ep_exchange`] on `Autodiff<B>`: the exchange (with `during` run while
+/// the rows travel), and in the backward pass the reverse exchange of the gradient.
 pub(crate) fn autodiff_exchange<B: ExpertBackend, C: CheckpointStrategy>(
     x: FloatTensor<Autodiff<B, C>>,
     counts: &ExchangeCounts,
     group: Group,
+    during: &mut dyn FnMut(),
 ) -> FloatTensor<Autodiff<B, C>> {
-    let out = B::ep_exchange(x.primitive, counts, group);
+    let out = B::ep_exchange(x.primitive, counts, group, during);
     match ExchangeBackward
         .prepare::<C>([x.node.clone()])
         .compute_bound()
@@ -119,9 +129,25 @@ pub fn exchange<B: ExpertBackend>(
     counts: &ExchangeCounts,
     group: Group,
 ) -> Tensor<B, 2> {
+    exchange_around(x, counts, group, || ()).0
+}
+
+/// [`exchange`], computing `during` while the rows travel (forward; the backward pass's
+/// exchange waits): returns the rows received and what `during` returned. A group of one rank
+/// runs `during` and returns `x`.
+pub fn exchange_around<B: ExpertBackend, T>(
+    x: Tensor<B, 2>,
+    counts: &ExchangeCounts,
+    group: Group,
+    during: impl FnOnce() -> T,
+) -> (Tensor<B, 2>, T) {
     if group.size() == 1 {
-        return x;
+        return (x, during());
     }
+    let (mut during, mut out) = (Some(during), None);
+    let mut run = || out = during.take().map(|f| f());
     let x = x.into_primitive().tensor();
-    Tensor::from_primitive(TensorPrimitive::Float(B::ep_exchange(x, counts, group)))
+    let rows = B::ep_exchange(x, counts, group, &mut run);
+    let out = out.unwrap_or_else(|| fatal("the work beside the exchange did not run"));
+    (Tensor::from_primitive(TensorPrimitive::Float(rows)), out)
 }

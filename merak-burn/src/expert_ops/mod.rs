@@ -15,20 +15,24 @@ use burn_autodiff::{Autodiff, checkpoint::strategy::CheckpointStrategy};
 use crate::comm::Group;
 
 pub use aux::{RoutingRecord, aux_scale, set_aux_scale, take_records, with_aux_loss};
-pub use exchange::{ExchangeCounts, exchange, exchange_rows, take_exchange_seconds};
+pub use exchange::{
+    ExchangeCounts, exchange, exchange_around, exchange_rows, take_exchange_seconds,
+};
 
 /// A backend on which expert parallelism's operations are defined. The defaults run the
 /// forward operation (through host buffers), so `impl ExpertBackend for MyBackend {}` is
 /// enough; `Autodiff<B>` adds the backward passes.
 pub trait ExpertBackend: Backend {
     /// The exchange of `[rows, width]` rows with the ranks of `group` in blocks of `counts`
-    /// ([`exchange`](exchange::exchange)); backward (under autodiff), the reverse exchange.
+    /// ([`exchange`](exchange::exchange)), running `during` while the rows travel; backward
+    /// (under autodiff), the reverse exchange.
     fn ep_exchange(
         x: FloatTensor<Self>,
         counts: &ExchangeCounts,
         group: Group,
+        during: &mut dyn FnMut(),
     ) -> FloatTensor<Self> {
-        exchange_rows::<Self>(x, counts, group)
+        exchange_rows::<Self>(x, counts, group, during)
     }
 
     /// Identity on `y` forward; backward (under autodiff), `y`'s gradient passes, the one-value
@@ -61,8 +65,9 @@ impl<B: ExpertBackend, C: CheckpointStrategy> ExpertBackend for Autodiff<B, C> {
         x: FloatTensor<Self>,
         counts: &ExchangeCounts,
         group: Group,
+        during: &mut dyn FnMut(),
     ) -> FloatTensor<Self> {
-        exchange::autodiff_exchange::<B, C>(x, counts, group)
+        exchange::autodiff_exchange::<B, C>(x, counts, group, during)
     }
 
     fn moe_aux(

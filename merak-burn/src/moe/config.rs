@@ -77,6 +77,10 @@ pub struct MoeConfig {
     /// ...; the others keep their dense MLP); 1: every block.
     #[serde(default = "one")]
     pub every: usize,
+    /// Under expert parallelism, compute the shared experts while the routed tokens travel to
+    /// their experts' ranks (the forward pass's dispatch), instead of before it.
+    #[serde(default = "yes")]
+    pub shared_overlap: bool,
 }
 
 fn one() -> usize {
@@ -151,6 +155,7 @@ impl MoeConfig {
             bias_update_rate: 0.0,
             max_load: default_max_load(),
             every: 1,
+            shared_overlap: true,
         }
     }
 

@@ -11,7 +11,7 @@ use super::dispatch::{Arrivals, Dispatch, inverse};
 use super::expert::{Expert, ExpertInit};
 use super::routing::{capacity_keeps, loads, min_margin, top_k};
 use crate::comm::{Group, ReduceOp};
-use crate::expert_ops::{RoutingRecord, exchange, with_aux_loss};
+use crate::expert_ops::{RoutingRecord, exchange, exchange_around, with_aux_loss};
 use crate::precision::{like_dtype, to_f32};
 use crate::tensor_parallel::{ParallelBackend, param_from_values, sp_param};
 
@@ -172,9 +172,9 @@ impl<B: ParallelBackend> MoeLayer<B> {
         if self.cfg.renormalize {
             gates = gates.clone() / gates.sum_dim(1);
         }
-        let routed = self.routed(xf.clone(), gates, &choice, &kept);
-        let y = match &self.shared {
-            Some(s) => routed + s.forward(xf, self.place.sp),
+        let (routed, shared) = self.routed(xf, gates, &choice, &kept);
+        let y = match shared {
+            Some(s) => routed + s,
             None => routed,
         };
         let y = y.reshape([b, n, h]);
@@ -262,14 +262,15 @@ impl<B: ParallelBackend> MoeLayer<B> {
 
     /// The routed experts' weighted outputs `[tokens, hidden]`: the kept assignments' rows sent
     /// to their experts' ranks, computed there expert by expert, sent back and summed per
-    /// token with their gates.
+    /// token with their gates; and the shared experts' outputs, computed while the rows travel
+    /// ([`MoeConfig::shared_overlap`]) or before.
     fn routed(
         &self,
         xf: Tensor<B, 2>,
         gates: Tensor<B, 2>,
         choice: &[usize],
         kept: &[bool],
-    ) -> Tensor<B, 2> {
+    ) -> (Tensor<B, 2>, Option<Tensor<B, 2>>) {
         let [t, h] = xf.dims();
         let device = xf.device();
         let ep = self.place.ep;
@@ -280,7 +281,15 @@ impl<B: ParallelBackend> MoeLayer<B> {
         let counts = arrivals.counts(d.send_counts(ep.size()));
         let rows = d.tokens.len();
         let tokens = ints(d.tokens.clone(), [rows], &device);
-        let sent = exchange(xf.clone().select(0, tokens.clone()), &counts, ep);
+        let shared = || (self.shared.as_ref()).map(|s| s.forward(xf.clone(), self.place.sp));
+        let rows_out = xf.clone().select(0, tokens.clone());
+        let (sent, shared) = match self.cfg.shared_overlap {
+            true => exchange_around(rows_out, &counts, ep, shared),
+            false => {
+                let shared = shared();
+                (exchange(rows_out, &counts, ep), shared)
+            }
+        };
         let order = arrivals.expert_order();
         let inv = inverse(&order);
         let grouped = sent
@@ -314,7 +323,8 @@ impl<B: ParallelBackend> MoeLayer<B> {
         );
         let weighted = returned * g.reshape([rows, 1]);
         let zeros = Tensor::<B, 2>::zeros([t, h], &device).cast(weighted.dtype());
-        zeros.select_assign(0, tokens, weighted, IndexingUpdateOp::Add)
+        let routed = zeros.select_assign(0, tokens, weighted, IndexingUpdateOp::Add);
+        (routed, shared)
     }
 
     /// Under dropless expert parallelism, stops when this rank receives more rows than the

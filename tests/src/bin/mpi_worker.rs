@@ -77,6 +77,32 @@ fn expect(name: &str, got: &[f32], want: &[f32]) {
     }
 }
 
+/// Blocks of ragged sizes, empty ones among them: rank `r` sends `(r + 2 j) % 3` values of
+/// `data(r n + j)` to rank `j`, blocking and non-blocking; counts that do not add up are refused.
+fn all_to_all_v(c: &dyn Communicator) {
+    let (r, n) = (c.rank(), c.size());
+    let size = |from: usize, to: usize| (from + 2 * to) % 3;
+    let send_counts: Vec<usize> = (0..n).map(|j| size(r, j)).collect();
+    let recv_counts: Vec<usize> = (0..n).map(|i| size(i, r)).collect();
+    let send: Vec<f32> = (0..n).flat_map(|j| data(r * n + j, size(r, j))).collect();
+    let want: Vec<f32> = (0..n).flat_map(|i| data(i * n + r, size(i, r))).collect();
+    let mut recv = vec![0.0; want.len()];
+    c.all_to_all_v(&send, &send_counts, &mut recv, &recv_counts)
+        .unwrap();
+    expect("all_to_all_v", &recv, &want);
+    let mut flight = c
+        .all_to_all_v_start(send.clone(), &send_counts, &recv_counts)
+        .unwrap();
+    flight.test().unwrap();
+    expect("all_to_all_v_start", &flight.wait().unwrap(), &want);
+    let mut short = send_counts.clone();
+    short[0] += 1;
+    assert!(
+        c.all_to_all_v_start(send, &short, &recv_counts).is_err(),
+        "counts above the values sent must be refused"
+    );
+}
+
 fn comm(c: &dyn Communicator) {
     let (r, n) = (c.rank(), c.size());
     let len = 10;
@@ -123,6 +149,7 @@ fn comm(c: &dyn Communicator) {
                 .is_err(),
         "all_to_all of size+1 values must be refused"
     );
+    all_to_all_v(c);
 
     let root = n - 1;
     let mut b = data(r, len);
