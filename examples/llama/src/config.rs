@@ -37,6 +37,10 @@ pub struct SparseMoe {
     /// and adds them, so each block's is weighted `aux_loss * top_k / layers` (the same total
     /// when the routers are balanced).
     pub aux_loss: f64,
+    /// DeepSeek's auxiliary-loss-free balancing, which Mixtral does not have (0: off, as
+    /// imported): each expert's selection bias moves by this rate towards balance after every
+    /// step ([`MoeConfig::bias_update_rate`]).
+    pub bias_update_rate: f64,
 }
 
 /// The shape of a Llama-style decoder.
@@ -190,6 +194,7 @@ impl LlamaConfig {
             score: RouterScore::Softmax,
             renormalize: true,
             aux_loss: m.aux_loss * m.top_k as f64 / self.layers.max(1) as f64,
+            bias_update_rate: m.bias_update_rate,
             ..MoeConfig::new(m.experts, m.top_k, self.ffn)
         })
     }

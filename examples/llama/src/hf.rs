@@ -536,6 +536,7 @@ fn mixtral_keys(keys: &Keys<'_>) -> Result<(SparseMoe, Extras), HfLlamaError> {
         experts,
         top_k,
         aux_loss,
+        bias_update_rate: 0.0,
     };
     Ok((
         moe,

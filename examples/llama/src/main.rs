@@ -59,6 +59,10 @@ struct Args {
     /// Experts each token goes through (with --experts).
     #[arg(long, default_value_t = 2)]
     top_k: usize,
+    /// DeepSeek's auxiliary-loss-free balancing of the experts (with --experts): the rate at
+    /// which each expert's selection bias moves towards balance after a step (0: off).
+    #[arg(long, default_value_t = 0.0)]
+    bias_update_rate: f64,
     /// Output folder (default: a new `runs/<UTC date-time>`).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -80,6 +84,7 @@ fn main() -> anyhow::Result<()> {
         experts: args.experts,
         top_k: args.top_k,
         aux_loss: 0.0,
+        bias_update_rate: args.bias_update_rate,
     });
     let tiny = LlamaConfig {
         tie_embeddings: args.tie_embeddings,

@@ -340,6 +340,12 @@ impl<B: ParallelBackend> LayerUnit<B> for Block<B> {
     fn forward(&self, x: Tensor<B, 3>, _batch: &Batch<'_, B>) -> Tensor<B, 3> {
         self.apply(x)
     }
+
+    fn balance_experts(&mut self, loads: &[u64]) {
+        if let Some(moe) = &mut self.moe {
+            moe.balance(loads);
+        }
+    }
 }
 
 impl<B: ParallelBackend> Block<B> {

@@ -66,6 +66,20 @@ pub enum ExportError {
         /// The checkpoint.
         path: std::path::PathBuf,
     },
+    /// The experts were balanced by selection biases (`llama-train --bias-update-rate`),
+    /// which a `MixtralForCausalLM` has no place for.
+    #[error(
+        "{}: `{name}` holds the experts' selection biases (llama-train --bias-update-rate), \
+         which MixtralForCausalLM has no place for: without them the exported model would \
+         route its tokens otherwise; nothing was written",
+        path.display()
+    )]
+    SelectionBiases {
+        /// The checkpoint.
+        path: std::path::PathBuf,
+        /// The first parameter of biases.
+        name: String,
+    },
     /// The config or a parameter does not fit, or writing failed.
     #[error(transparent)]
     Hf(#[from] HfLlamaError),
@@ -89,5 +103,16 @@ pub fn export_checkpoint(
     let params: FullParams = (cfg.param_shapes().into_iter())
         .filter_map(|(name, shape)| state.params.remove(&name).map(|v| (name, (shape, v))))
         .collect();
+    let mut biased: Vec<&String> = (state.params.iter())
+        .filter(|(name, v)| name.ends_with("moe.bias") && v.iter().any(|&b| b != 0.0))
+        .map(|(name, _)| name)
+        .collect();
+    biased.sort();
+    if let Some(name) = biased.first() {
+        return Err(ExportError::SelectionBiases {
+            path: opened.dir.clone(),
+            name: (*name).clone(),
+        });
+    }
     Ok(write_hf_llama(dir, &cfg, &params, max_shard_bytes)?)
 }

@@ -228,6 +228,46 @@ fn expert_parallelism_equals_one_process_and_resumes_on_one() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// DeepSeek's auxiliary-loss-free balancing in a model trained through `merak_burn::run`
+/// (`LayerUnit::balance_experts` moves each block's selection biases after a step by the whole
+/// grid's loads): dp=2 ep=2, pp=2 (whose units are timed first, a pass whose routing is not
+/// the first step's) and dp=4 route every step's tokens as one process does and train alike,
+/// and the biases, parameters of the checkpoint, have moved.
+#[test]
+fn balancing_biases_of_a_unit_model_equal_one_process() {
+    let biased = ["--experts", "16", "--top-k", "2", "--seed", "10"];
+    let biased: Vec<&str> = biased
+        .into_iter()
+        .chain(["--bias-update-rate", "0.01"])
+        .collect();
+    let dir = std::env::temp_dir().join(format!("merak-llama-bias-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let routing = |name: &str| -> Vec<serde_json::Value> {
+        let text = std::fs::read_to_string(dir.join(name).join("metrics.jsonl")).expect("metrics");
+        (text
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()))
+        .filter_map(|m| m.get("expert_tokens").cloned())
+        .collect()
+    };
+    let (losses, state, stdout) = train_into(1, &dir.join("single"), &biased);
+    let single = (losses, state, Held::parse(&stdout));
+    let bias = &single.1.params["layers.0.moe.bias"];
+    assert!(bias.iter().any(|&b| b != 0.0), "the biases moved: {bias:?}");
+    assert_eq!(routing("single").len(), 6, "every step logs its routing");
+    for (np, name, args) in [
+        (2, "ep2", vec!["--dp", "2", "--ep", "2"]),
+        (2, "pp2", vec!["--pp", "2"]),
+        (4, "dp4", vec!["--dp", "4"]),
+    ] {
+        let args: Vec<&str> = biased.iter().copied().chain(args).collect();
+        let (losses, state, stdout) = train_into(np, &dir.join(name), &args);
+        assert_eq!(routing(name), routing("single"), "{name}: routing");
+        assert_equal(name, &(losses, state, Held::parse(&stdout)), &single);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A one-process run checkpointed at step 3 and resumed under tp=2 x pp=2 ends where the
 /// uninterrupted run ends: the same losses of steps 4 to 6, parameters and held-out results.
 #[test]
@@ -257,4 +297,30 @@ fn a_layout_without_its_ranks_is_refused_before_anything_is_written() {
     assert_eq!(run.code, Some(1), "{}", run.stderr);
     assert!(run.stderr.contains("mpirun -np 4"), "{}", run.stderr);
     assert!(!out.exists(), "{} was made", out.display());
+}
+
+/// A checkpoint whose experts moved selection biases (`--bias-update-rate`) is not exported as
+/// a MixtralForCausalLM, which has no place for them: a non-zero exit naming the biases,
+/// and nothing written.
+#[test]
+fn a_checkpoint_with_selection_biases_is_not_exported() {
+    let dir = std::env::temp_dir().join(format!("merak-llama-bias-export-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let args = [
+        "--experts",
+        "4",
+        "--bias-update-rate",
+        "0.01",
+        "--steps",
+        "5",
+    ];
+    train_into(1, &dir.join("run"), &args);
+    let hf = dir.join("hf");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_llama-export"));
+    cmd.arg(dir.join("run/checkpoints")).arg(&hf);
+    let run = run_with_deadline(cmd, Duration::from_secs(60));
+    assert_eq!(run.code, Some(1), "{}", run.stderr);
+    assert!(run.stderr.contains("selection biases"), "{}", run.stderr);
+    assert!(!hf.exists(), "{} was made", hf.display());
+    let _ = std::fs::remove_dir_all(&dir);
 }

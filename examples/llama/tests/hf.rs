@@ -157,6 +157,7 @@ fn a_mixtral_with_4_experts_equals_transformers() {
         experts: 4,
         top_k: 2,
         aux_loss: 0.02,
+        bias_update_rate: 0.0,
     };
     assert_eq!((cfg.moe, cfg.ffn, cfg.kv_heads), (Some(moe), 32, 2));
     assert_eq!((cfg.rope_theta, cfg.rope_scaling), (1e6, None));
@@ -329,6 +330,7 @@ fn a_model_built_from_params_gives_them_back_and_exports_them() {
         experts: 4,
         top_k: 2,
         aux_loss: 0.0,
+        bias_update_rate: 0.0,
     };
     built_model_round_trips(dense, "dense");
     built_model_round_trips(

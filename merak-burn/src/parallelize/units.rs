@@ -32,6 +32,14 @@ pub trait LayerUnit<B: Backend>: Module<B> + ModuleDisplay {
     /// micro-batch's fields, for side inputs every block needs (an attention mask, position
     /// or segment ids).
     fn forward(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> Tensor<B, 3>;
+
+    /// Moves the balancing biases of the block's mixture of experts after a step, given its
+    /// `loads` (assignments per expert over the whole step, the same on every rank): a block
+    /// holding a [`MoeLayer`](crate::moe::MoeLayer) calls its
+    /// [`balance`](crate::moe::MoeLayer::balance). The default does nothing (a dense block).
+    fn balance_experts(&mut self, loads: &[u64]) {
+        let _ = loads;
+    }
 }
 
 /// The last pipeline unit: hidden states and the micro-batch's targets to the loss.
@@ -345,6 +353,14 @@ where
 
     fn experts(&self) -> Option<(usize, usize)> {
         self.experts
+    }
+
+    fn balance_experts(&mut self, loads: &[Vec<u64>]) {
+        for (layer, loads) in self.layers.iter_mut().zip(loads) {
+            if let Some(layer) = layer {
+                layer.balance_experts(loads);
+            }
+        }
     }
 
     fn width(&self) -> usize {

@@ -83,8 +83,8 @@ pub trait UnitModel<B: Backend> {
     /// ([`crate::moe::MoeLayer`], expert parallelism 1): declared here, the trainer gives an
     /// expert that the tokens of only some data-parallel ranks chose its summed gradient on
     /// every rank, as one process steps it, and logs the routing (`aux_loss`,
-    /// `expert_tokens`). The balancing biases (`bias_update_rate`) are not moved for such a
-    /// model yet.
+    /// `expert_tokens`). Its blocks move their balancing biases (`bias_update_rate`) in
+    /// [`LayerUnit::balance_experts`](crate::parallelize::LayerUnit::balance_experts).
     fn experts(&self) -> Option<(usize, usize)> {
         None
     }

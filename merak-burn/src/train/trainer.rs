@@ -171,6 +171,10 @@ where
         };
         if model.experts().is_some() {
             check_experts(grid, parallel)?;
+            // The routing of passes run before training (the units timed to cut a pipeline)
+            // is not the first step's.
+            drop(crate::moe::take_records());
+            crate::moe::take_exchange_seconds();
         }
         let optim = Optimizers::new(&shapes, &settings, grid.layout.tp, copies, &|p| p.default)?;
         let bucket_elems = (parallel.bucket_mb * (1 << 20) as f64 / 4.0) as usize;
