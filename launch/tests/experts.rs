@@ -335,15 +335,17 @@ fn zero_at_ep_1_steps_experts_that_other_ranks_saw() {
     }
 }
 
-/// ZeRO-1, 2 and 3 (reducing once a step, or every micro-batch) with expert or tensor
-/// parallelism: the experts' buckets are cut over the ranks holding the same experts (dp × cp
-/// / ep and their TP peers), the dense ones over the data-parallel group; ZeRO-3 gathers each
-/// over its own group. With
+/// ZeRO-1, 2 and 3 (reducing once a step, or every micro-batch; over the whole data-parallel
+/// group, or hybrid: shard groups of 2 of the 4 ranks) with expert or tensor parallelism: the
+/// experts' buckets are cut over the ranks holding the same experts (dp × cp / ep and their TP
+/// peers, across shard groups, with no all-reduce over the copies), the dense ones over the
+/// data-parallel or shard group; ZeRO-3 gathers each over its own group. With
 /// sparse routing (8 experts, top-1: as few as 7 of a step's 256 tokens for one expert) some
 /// expert gets tokens on some ranks of its group only. Every layout equals one process, and
-/// checkpoints written under ZeRO-2 and 3 at ep = 2 and ZeRO-1 at ep2 × tp2 (each rank its slices of
-/// the dense parameters' and of its experts' moments; at tp 2 an expert's slices come from
-/// both TP ranks) resume on one process as the uninterrupted run goes on.
+/// checkpoints written under ZeRO-2 and 3 at ep = 2, ZeRO-1 at ep2 × tp2 and hybrid ZeRO-1, 2
+/// and 3 (each rank its slices of the dense parameters' and of its experts' moments; at tp 2
+/// an expert's slices come from both TP ranks, under hybrid sharding from both shard groups)
+/// resume on one process as the uninterrupted run goes on.
 #[test]
 fn zero_with_expert_parallelism_equals_one_process() {
     let sparse = [
@@ -366,7 +368,8 @@ fn zero_with_expert_parallelism_equals_one_process() {
     let zero = |z: &'static str| ["--set", z];
     let each = ["--set", "parallel.reduce_scatter=\"micro-batch\""];
     let tp2 = ["--tp", "2", "--set", "parallel.sequence_parallel=true"];
-    let cases: [(usize, &str, Vec<&str>); 11] = [
+    let hybrid = ["--set", "parallel.shard=2"];
+    let cases: [(usize, &str, Vec<&str>); 15] = [
         (
             2,
             "moe-ep2-zero1",
@@ -443,6 +446,47 @@ fn zero_with_expert_parallelism_equals_one_process() {
         ),
         (
             4,
+            "moe-ep2-dp4-hybrid-zero1",
+            [
+                &["--dp", "4", "--ep", "2"][..],
+                &zero("parallel.zero=1"),
+                &hybrid,
+            ]
+            .concat(),
+        ),
+        (
+            4,
+            "moe-ep2-dp4-hybrid-zero2",
+            [
+                &["--dp", "4", "--ep", "2"][..],
+                &zero("parallel.zero=2"),
+                &hybrid,
+            ]
+            .concat(),
+        ),
+        (
+            4,
+            "moe-ep2-dp4-hybrid-zero2-each",
+            [
+                &["--dp", "4", "--ep", "2"][..],
+                &zero("parallel.zero=2"),
+                &hybrid,
+                &each,
+            ]
+            .concat(),
+        ),
+        (
+            4,
+            "moe-ep2-dp4-hybrid-zero3",
+            [
+                &["--dp", "4", "--ep", "2"][..],
+                &zero("parallel.zero=3"),
+                &hybrid,
+            ]
+            .concat(),
+        ),
+        (
+            4,
             "moe-ep2-pp2-zero1",
             [
                 &["--dp", "2", "--ep", "2", "--pp", "2"][..],
@@ -458,7 +502,8 @@ fn zero_with_expert_parallelism_equals_one_process() {
         assert_same_routing(name, &out, &single);
         assert_same_losses(name, &out, &single);
         assert_same_params(name, &out, &single);
-        if ["moe-ep2-dp4-zero2", "moe-ep2-zero3", "moe-ep2-tp2-zero1"].contains(&name) {
+        let resumes = ["moe-ep2-dp4-zero2", "moe-ep2-zero3", "moe-ep2-tp2-zero1"];
+        if resumes.contains(&name) || name.contains("hybrid-zero") && !name.ends_with("each") {
             saved.push(out);
         }
     }
@@ -466,7 +511,9 @@ fn zero_with_expert_parallelism_equals_one_process() {
     for (i, run) in saved.iter().enumerate() {
         let step3 = run.join("checkpoints/step-00000003");
         let name = format!("moe-zero-resumed-{i}");
-        let resumed = read_metrics(&resumed(0, &step3, &name, &[]));
+        // A shard group of 2 does not divide one process's dp = 1.
+        let whole = ["--set", "parallel.shard=0"];
+        let resumed = read_metrics(&resumed(0, &step3, &name, &whole));
         assert_continues(
             &resumed,
             &want,
@@ -549,22 +596,6 @@ fn bad_expert_settings_fail_before_training() {
             "moe-tp2-no-sp",
             vec!["--tp", "2"],
             "`parallel.sequence_parallel`: false, but a mixture of experts at parallel.tp = 2",
-        ),
-        (
-            4,
-            "moe-ep2-hybrid",
-            vec![
-                "--dp",
-                "4",
-                "--ep",
-                "2",
-                "--set",
-                "parallel.zero=2",
-                "--set",
-                "parallel.shard=2",
-            ],
-            "setting `parallel.shard` = 2: ZeRO does not yet shard a mixture of experts' state \
-             with hybrid sharding",
         ),
     ] {
         let out = out_dir(name);

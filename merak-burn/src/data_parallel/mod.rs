@@ -19,12 +19,10 @@
 //! micro-batch's backward pass completes a bucket (every rank reaches the same gradient of the
 //! same backward pass, so the collectives still start in the same order).
 
-mod expert_limits;
 pub mod gather;
 mod reducer;
 pub mod slices;
 
-pub use expert_limits::zero_shards_experts;
 pub use gather::{Shards, all_gather_each, emptied};
 pub use reducer::{DataParallel, DpStats};
 

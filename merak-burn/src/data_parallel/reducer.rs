@@ -232,7 +232,10 @@ impl State {
             let bucket = &mut self.buckets[b];
             let mut chunk = std::mem::take(&mut bucket.acc);
             chunk.resize(BucketChunks::new(bucket.start, bucket.end, size).chunk, 0.0);
-            match &copies {
+            match copies
+                .as_ref()
+                .filter(|_| !(bucket.expert && self.experts.is_some()))
+            {
                 Some(c) => bucket.pending = Some(c.all_reduce_start(chunk, ReduceOp::Sum)?),
                 None => bucket.data = chunk,
             }
@@ -385,6 +388,12 @@ impl State {
             return;
         };
         while self.next_replicate < self.next_launch {
+            // An expert bucket held apart is reduce-scattered over every rank holding its
+            // experts, the other copies included: its chunk is complete.
+            if self.apart(self.next_replicate) {
+                self.next_replicate += 1;
+                continue;
+            }
             let b = &mut self.buckets[self.next_replicate];
             let done = |p: &mut Box<dyn Pending>| matches!(p.test(), Ok(true) | Err(_));
             if !wait && b.pending.as_mut().is_some_and(|p| !done(p)) {

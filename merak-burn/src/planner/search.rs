@@ -15,8 +15,7 @@
 //! divisibility needs the sequence length). For a mixture of experts, every expert-parallel
 //! degree `ep` dividing the experts with its group within a node (`tp ep <= devices per
 //! node`, or those of [`SearchOptions::ep`]) that divides `dp cp`, and tensor parallelism only
-//! with sequence parallelism, and only the ZeRO settings the trainer runs with its experts
-//! ([`zero_shards_experts`]); a dense model only `ep = 1`. For the uniform policies, stage
+//! with sequence parallelism; a dense model only `ep = 1`. For the uniform policies, stage
 //! boundaries come from [`balanced_partition`] of the per-unit compute.
 //!
 //! Stage-aware recomputation with one stage per pipeline rank (every schedule but the
@@ -54,7 +53,7 @@ use super::cost::{CostError, CostModel, Layout, Prediction};
 use super::hardware::HardwareSpec;
 use super::model::{ModelProxy, RankSplit, RecomputeMode};
 use super::stage_dp::{Skeleton, StageDp, StageDpError};
-use crate::data_parallel::{ReduceScatter, zero_shards_experts};
+use crate::data_parallel::ReduceScatter;
 use crate::pipeline::{Partition, Recompute, ScheduleKind, balanced_partition};
 
 /// The most units (layers + the embedding + the head) a search plans: the stage planner
@@ -385,8 +384,6 @@ struct Slot {
     v: usize,
     /// Devices per node (hybrid sharding keeps a copy's shards within one).
     per_node: usize,
-    /// Whether the model is a mixture of experts (whose ZeRO obeys [`zero_shards_experts`]).
-    moe: bool,
 }
 
 impl Slot {
@@ -423,17 +420,9 @@ impl Slot {
             let within = (2..=largest).rev().find(|&s| self.dp.is_multiple_of(s));
             shards.extend(within);
         }
-        shards.retain(|&s| self.experts_allow(zero, s != 0));
         (rs.iter())
             .flat_map(|&rs| shards.iter().map(move |&shard| Zeroed { zero, rs, shard }))
             .collect()
-    }
-
-    /// Whether ZeRO stage `zero` (`hybrid`: with a shard group smaller than dp) shards this
-    /// slot's experts, if any: the trainer's rule ([`zero_shards_experts`]).
-    fn experts_allow(&self, zero: u8, hybrid: bool) -> bool {
-        let apart = self.split.ep > 1 || self.split.tp > 1;
-        !self.moe || zero_shards_experts(zero, apart, hybrid)
     }
 
     /// Whether ZeRO stage `zero` goes with this slot under `policy`: any stage above 0 needs
@@ -602,7 +591,6 @@ fn pipeline_slots(
                     schedule,
                     v,
                     per_node: hw.devices_per_node,
-                    moe: model.experts().is_some(),
                 });
             }
         }
@@ -1597,9 +1585,6 @@ mod tests {
             let l = &plan.layout;
             assert!(l.replicas().is_multiple_of(l.ep) && 8 % l.ep == 0, "{l:?}");
             assert!(l.tp == 1 || l.sequence_parallel, "{l:?}");
-            // Only what the trainer runs: ZeRO shards the experts of every plan.
-            let (apart, hybrid) = (l.ep > 1 || l.tp > 1, l.shard_degree() < l.dp);
-            assert!(zero_shards_experts(l.zero, apart, hybrid), "{l:?}");
         }
         assert!(elapsed < 5.0, "took {elapsed} s");
         // Named, the degrees are the only ones searched: Mixtral's best plan at ep = 8.

@@ -1,6 +1,6 @@
 //! The trainer's side of a mixture of experts: which parameters are routed experts' (their
-//! gradients summed over the expert group, their squares over the expert-parallel group), what
-//! composes with expert parallelism, and the step's routing statistics over the grid.
+//! gradients summed over the expert group, their squares over the expert-parallel group), and
+//! the step's routing statistics over the grid.
 
 use std::collections::HashSet;
 
@@ -9,11 +9,8 @@ use serde::Serialize;
 
 use crate::checkpoint::state::ParamShape;
 use crate::comm::{CommError, Group, ReduceOp};
-use crate::data_parallel::zero_shards_experts;
 use crate::grid::ProcessGrid;
 use crate::moe::{RoutingRecord, is_expert_param};
-use crate::plan::ParallelPlan;
-use crate::train::{InvalidSetting, TrainError};
 
 /// The routed experts' parameters among `shapes`.
 pub(crate) fn expert_ids(shapes: &[ParamShape]) -> HashSet<ParamId> {
@@ -27,28 +24,6 @@ pub(crate) fn expert_ids(shapes: &[ParamShape]) -> HashSet<ParamId> {
 /// parallelism, or TP ranks that route different tokens.
 pub(crate) fn experts_apart(grid: &ProcessGrid) -> bool {
     grid.experts.size() != grid.dp.size() || grid.ep.size() > 1
-}
-
-/// Refuses what ZeRO does not yet do with a mixture of experts' state
-/// ([`zero_shards_experts`]): hybrid sharding with the experts held apart ([`experts_apart`]).
-pub(crate) fn check_experts(grid: &ProcessGrid, plan: &ParallelPlan) -> Result<(), TrainError> {
-    let hybrid = plan.shard != 0 && plan.shard != grid.dp.size();
-    if zero_shards_experts(plan.zero, experts_apart(grid), hybrid) {
-        return Ok(());
-    }
-    Err(InvalidSetting {
-        key: "parallel.shard".into(),
-        value: plan.shard.to_string(),
-        reason: format!(
-            "ZeRO does not yet shard a mixture of experts' state with hybrid sharding when the \
-             experts are held apart (parallel.ep = {}, parallel.tp = {}): their state is cut \
-             over the ranks holding the same experts, not the data-parallel group; use \
-             parallel.shard = 0 (the whole data-parallel group), or parallel.zero = 0",
-            grid.ep.size(),
-            grid.layout.tp
-        ),
-    }
-    .into())
 }
 
 /// The routing of one step over the whole grid: what one process would log.

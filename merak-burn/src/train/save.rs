@@ -9,6 +9,7 @@ use burn::tensor::backend::AutodiffBackend;
 use crate::checkpoint::{self, RankState, state};
 use crate::pipeline::PipelineModel;
 use crate::tensor_parallel::ParallelBackend;
+use crate::train::experts::experts_apart;
 use crate::train::{CheckpointPolicy, TrainError, Trainer};
 
 impl<B, M> Trainer<'_, B, M>
@@ -30,8 +31,15 @@ where
         let mut moments = Vec::new();
         let mut slices = Vec::new();
         if self.sliced.is_some() {
-            if grid.coords.dp < self.shard.size() {
+            // Under hybrid sharding the other copies hold the same dense slices, but the
+            // slices of experts held apart are cut over every rank holding those experts.
+            let first_copy = grid.coords.dp < self.shard.size();
+            let apart = !self.experts.is_empty() && experts_apart(grid);
+            if first_copy || apart {
                 slices = self.slices_to_write()?;
+            }
+            if !first_copy {
+                slices.retain(|s| crate::moe::is_expert_param(&s.name));
             }
         } else if grid.coords.dp < grid.ep.size() {
             // The first expert-parallel group's other ranks write their experts' state.

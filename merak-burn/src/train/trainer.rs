@@ -19,7 +19,7 @@ use crate::pipeline::{
 };
 use crate::plan::ParallelPlan;
 use crate::tensor_parallel::{ParallelBackend, Shard};
-use crate::train::experts::{check_experts, expert_ids, experts_apart, gather_routing};
+use crate::train::experts::{expert_ids, experts_apart, gather_routing};
 use crate::train::hybrid::shard_groups;
 use crate::train::optim::Optimizers;
 use crate::train::pieces::Sliced;
@@ -170,7 +170,6 @@ where
             None => HashSet::new(),
         };
         if model.experts().is_some() {
-            check_experts(grid, parallel)?;
             // The routing of passes run before training (the units timed to cut a pipeline)
             // is not the first step's.
             drop(crate::moe::take_records());
