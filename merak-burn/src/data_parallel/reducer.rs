@@ -228,14 +228,12 @@ impl State {
         }
         let copies = self.replicate.clone();
         for b in 0..self.buckets.len() {
-            let size = self.cut_over(b).size();
+            let (size, apart) = (self.cut_over(b).size(), self.apart(b));
             let bucket = &mut self.buckets[b];
             let mut chunk = std::mem::take(&mut bucket.acc);
             chunk.resize(BucketChunks::new(bucket.start, bucket.end, size).chunk, 0.0);
-            match copies
-                .as_ref()
-                .filter(|_| !(bucket.expert && self.experts.is_some()))
-            {
+            // An expert bucket held apart was reduce-scattered over every copy already.
+            match copies.as_ref().filter(|_| !apart) {
                 Some(c) => bucket.pending = Some(c.all_reduce_start(chunk, ReduceOp::Sum)?),
                 None => bucket.data = chunk,
             }
