@@ -110,7 +110,8 @@ fn sets_layout(set: &str) -> bool {
 /// A checkpoint's stored layout that does not fit the ranks of the launch (resuming a
 /// dp=2 x tp=2 run on one process, with no degree given): the launch wins, as plain data
 /// parallelism over its ranks, without the stored pipeline's stages; a micro-batch that no
-/// longer divides a rank's share becomes the default.
+/// longer divides a rank's share becomes the default, and a hybrid shard group that no longer
+/// divides dp the whole data-parallel group.
 fn fit_layout_to_launch(cfg: &mut Config, size: usize) {
     let p = &cfg.parallel;
     if p.dp * p.cp * p.tp * p.pp == size {
@@ -127,6 +128,9 @@ fn fit_layout_to_launch(cfg: &mut Config, size: usize) {
     let p = &mut cfg.parallel;
     (p.dp, p.cp, p.tp, p.pp, p.virtual_stages) = (size, 1, 1, 1, 1);
     p.ep = 1;
+    if p.shard != 0 && !size.is_multiple_of(p.shard) {
+        p.shard = 0;
+    }
     p.sequence_parallel = false;
     p.stage_layers.clear();
     p.stage_recompute.clear();
