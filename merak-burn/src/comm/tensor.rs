@@ -237,18 +237,8 @@ impl<C: Communicator + ?Sized> TensorComm for C {
         send_rows: &[usize],
         recv_rows: &[usize],
     ) -> Result<Tensor<B, 2>, CommError> {
-        let (device, dtype, width) = (t.device(), t.dtype(), t.dims()[1]);
-        let values = |rows: &[usize]| rows.iter().map(|n| n * width).collect::<Vec<_>>();
-        let send = tensor_to_vec(t)?;
-        let rows: usize = recv_rows.iter().sum();
-        let mut recv = vec![0.0; rows * width];
-        self.all_to_all_v(&send, &values(send_rows), &mut recv, &values(recv_rows))?;
-        Ok(vec_to_tensor(
-            recv,
-            Shape::new([rows, width]),
-            &device,
-            dtype,
-        ))
+        self.all_to_all_rows_start(t, send_rows, recv_rows)?
+            .finish()
     }
 
     fn all_to_all_rows_start<B: Backend>(
