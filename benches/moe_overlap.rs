@@ -3,9 +3,9 @@
 //! travel (`model.moe.shared_overlap = true`, the default) against before them (`false`, the
 //! previous behaviour), side by side in one run.
 //!
-//! Both variants are `merak train`'s step (the library's `Trainer::step`) on the same fixed
-//! random tokens from the same weights, each with its own grid, model and optimizer state;
-//! their first losses must agree. Trials alternate (the order rotates every trial); a trial's
+//! Both variants are `merak train`'s step (the library's `Trainer::step`) on `merak train`'s
+//! synthetic data (`data.kind = "synthetic"`, each step its own sequences) from the same
+//! weights, each with its own grid, model and optimizer state; their first losses must agree. Trials alternate (the order rotates every trial); a trial's
 //! time is the slowest rank's, and the medians over trials are reported with the median of
 //! the paired ratios and rank 0's seconds per step in the token exchanges (the time spent
 //! waiting for the rows, not the shared expert's compute).
@@ -28,11 +28,12 @@ use anyhow::{Result, bail};
 use clap::Parser;
 use merak_burn::backend::{CpuAutodiff, CpuDevice};
 use merak_burn::comm::{Communicator, MpiCommunicator, MpiWorld, ReduceOp};
+use merak_burn::data::{CausalWindows, Dataset, SyntheticData};
 use merak_burn::grid::{Layout, ProcessGrid};
 use merak_burn::moe::MoeConfig;
 use merak_burn::pipeline::{PipelinePlan, ScheduleKind, build_schedule, explicit_partition};
 use merak_burn::plan::ParallelPlan;
-use merak_burn::train::{SourceError, TokenSource, TrainSettings, Trainer, Windows};
+use merak_burn::train::{TrainSettings, Trainer};
 use merak_gpt::{Gpt, GptConfig};
 
 type B = CpuAutodiff;
@@ -70,52 +71,9 @@ struct Args {
     /// Untimed steps of each variant before the trials.
     #[arg(long, default_value_t = 2)]
     warmup: usize,
-    /// Seed of the weights and the token ids.
+    /// Seed of the weights and the data.
     #[arg(long, default_value_t = 1234)]
     seed: u64,
-}
-
-/// The fixed global batch as a data source: every step reads the same pseudo-random windows.
-struct Fixed {
-    ids: Vec<i64>,
-    seq: usize,
-}
-
-impl Fixed {
-    /// `rows` windows of `seq + 1` tokens below `vocab` (splitmix64 of `seed`).
-    fn random(rows: usize, seq: usize, vocab: usize, seed: u64) -> Self {
-        let mut state = seed;
-        let ids = (0..rows * (seq + 1))
-            .map(|_| {
-                state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-                let mut z = state;
-                z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-                z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-                ((z ^ (z >> 31)) % vocab as u64) as i64
-            })
-            .collect();
-        Self { ids, seq }
-    }
-}
-
-impl TokenSource for Fixed {
-    fn train_windows(
-        &self,
-        _step: usize,
-        first: usize,
-        count: usize,
-    ) -> Result<Windows, SourceError> {
-        let (mut inputs, mut targets) = (Vec::new(), Vec::new());
-        for w in self.ids.chunks_exact(self.seq + 1).skip(first).take(count) {
-            inputs.extend_from_slice(&w[..self.seq]);
-            targets.extend_from_slice(&w[1..]);
-        }
-        Ok(Windows { inputs, targets })
-    }
-
-    fn val_windows(&self, first: usize, count: usize) -> Result<Windows, SourceError> {
-        self.train_windows(0, first, count)
-    }
 }
 
 /// The model of `args` with the shared expert overlapped or not.
@@ -171,7 +129,7 @@ fn trainer<'g>(
 fn trial(
     control: &MpiCommunicator,
     t: &mut Trainer<'_, B, Gpt<B>>,
-    data: &Fixed,
+    data: &CausalWindows<'_>,
     steps: usize,
 ) -> Result<(f64, f64)> {
     control.barrier()?;
@@ -209,7 +167,12 @@ fn main() -> Result<()> {
         "shared expert before it",
     ];
     let cfgs = [config(&args, true), config(&args, false)];
-    let data = Fixed::random(args.batch, args.seq, 8192, args.seed);
+    let data = Dataset::Synthetic(SyntheticData::new(args.seed, 8192));
+    let data = CausalWindows {
+        data: &data,
+        global_batch: args.batch,
+        seq: args.seq,
+    };
     let mut trainers = vec![
         trainer(&cfgs[0], &args, &grids[0], &device)?,
         trainer(&cfgs[1], &args, &grids[1], &device)?,
