@@ -2,6 +2,8 @@
 # Builds `merak` with CUDA and gathers, into one folder, what a GPU machine without Rust and
 # without Open MPI needs to run it under mpirun:
 #   bin/merak.gz        the binary, stripped and compressed (env.sh unpacks it to bin/merak)
+#   bin/merak-kernel-tests.gz  with KERNEL_TESTS=1: merak-burn's unit tests built for CUDA (the
+#                       CubeCL kernels against the CPU's, benches/gpu/run.sh kernels runs them)
 #   bin/mpirun, orted   Open MPI's launcher
 #   lib/                the shared libraries merak and Open MPI load, except the C runtime
 #                       (glibc, libgcc_s) and the NVIDIA driver's (libcuda comes with the driver;
@@ -13,6 +15,7 @@
 #
 # Usage: scripts/gpu-bundle.sh [OUT]      (default: gpu-bundle, ignored by git)
 #        FEATURES=cuda-autotune scripts/gpu-bundle.sh   (CubeCL autotune on: slow first steps)
+#        KERNEL_TESTS=1 scripts/gpu-bundle.sh           (also the kernel tests: 3 more minutes)
 # The folder must stay under 64 MiB to travel to the GPU machine; the script fails above it.
 # Run it on x86-64 Debian/Ubuntu with Open MPI installed (scripts/deps.sh).
 set -euo pipefail
@@ -46,6 +49,16 @@ rm -rf "$out"
 mkdir -p "$out/bin" "$out/lib"
 cp "$target/release/merak" "$out/bin/merak"
 strip "$out/bin/merak"
+if [ "${KERNEL_TESTS:-0}" = 1 ]; then
+    tests=$(cargo test --release -p merak-burn --features cuda --lib --no-run --message-format=json |
+        python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["lib"]:
+        print(m["executable"])')
+    strip -o "$out/bin/merak-kernel-tests" "$tests"
+    gzip -9 "$out/bin/merak-kernel-tests"
+fi
 cp "$(readlink -f "$(command -v orterun)")" "$out/bin/mpirun"
 cp "$(readlink -f "$(command -v orted)")" "$out/bin/orted"
 
@@ -125,6 +138,10 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 if [ ! -x "$here/bin/merak" ]; then
     gzip -dc "$here/bin/merak.gz" >"$here/bin/merak.partial" && chmod +x "$here/bin/merak.partial" &&
         mv "$here/bin/merak.partial" "$here/bin/merak"
+fi
+if [ -f "$here/bin/merak-kernel-tests.gz" ] && [ ! -x "$here/bin/merak-kernel-tests" ]; then
+    gzip -dc "$here/bin/merak-kernel-tests.gz" >"$here/bin/merak-kernel-tests" &&
+        chmod +x "$here/bin/merak-kernel-tests"
 fi
 export PATH="$here/bin:$PATH"
 export OPAL_PREFIX="$here/ompi" OPAL_SYSCONFDIR="$here/ompi/etc" PMIX_INSTALL_PREFIX="$here/pmix"

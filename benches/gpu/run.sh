@@ -31,6 +31,8 @@
 #           kernel at a time (MERAK_COMPOSED_KERNELS names the others), then all of them, on the
 #           CPU and on CUDA fp32 and bf16 (5 steps; losses compared afterwards), and GPT-2 small
 #           bf16 at micro-batch 16 fused, composed and in PyTorch eager bf16 (8 steps, 2 warm-up).
+#           First, where the bundle has them (KERNEL_TESTS=1 scripts/gpu-bundle.sh), the kernels'
+#           unit tests on CUDA against the CPU's (RESULTS/kernel-tests.log).
 #           KERNELS_ONLY (default: every kernel) lists the kernels tried one at a time;
 #           KERNELS_TORCH=0 leaves out PyTorch.
 #   report  benches/gpu/report.py: tokens/s, MFU, peak GPU memory, the 2-rank loss differences.
@@ -244,6 +246,9 @@ kernels() {
     # One fused kernel at a time (the others composed), so a kernel the driver rejects is named;
     # the later runs keep the default (on CUDA, the kernels that failed there run composed).
     local only=(${KERNELS_ONLY:-${names[*]}})
+    if command -v merak-kernel-tests >/dev/null; then
+        timed kernel-tests merak-kernel-tests kernels::cube --test-threads=1
+    fi
     for k in "${only[@]}"; do
         others=$(printf '%s\n' "${names[@]}" | grep -vx "$k" | paste -sd, -)
         MERAK_COMPOSED_KERNELS=$others CUDA_LAUNCH_BLOCKING=1 timed "kernels-only-$k" merak train \

@@ -250,7 +250,7 @@ fn run(job: &Job, trace: Option<&Path>, stop: &StopRequest) -> Result<bool> {
         "cuda" => {
             type B = burn::backend::Autodiff<burn_cuda::Cuda<f32>>;
             let device = job.placement.device.map_or(0, |d| d.ordinal);
-            train_model::<B>(job, out, &burn_cuda::CudaDevice::new(device), spec)?
+            train_model::<B>(job, out, &cuda_device(grid.rank, device)?, spec)?
         }
         #[cfg(feature = "wgpu")]
         "wgpu" => {
@@ -289,6 +289,22 @@ fn wgpu_device(rank: usize) -> Result<merak_burn::backend::WgpuDevice> {
         );
     }
     Ok(adapter.device)
+}
+
+/// CUDA device `ordinal`, after the self-test of its kernels (compiled by NVRTC on first use).
+#[cfg(feature = "cuda")]
+fn cuda_device(rank: usize, ordinal: usize) -> Result<burn_cuda::CudaDevice> {
+    use merak_burn::self_test::{CUDA_SELF_TEST_TOLERANCE, self_test};
+    let device = burn_cuda::CudaDevice::new(ordinal);
+    let test = self_test::<burn_cuda::Cuda<f32>>(&device, CUDA_SELF_TEST_TOLERANCE)
+        .map_err(|e| anyhow::anyhow!("train.device = \"cuda\" (GPU {ordinal}): {e}"))?;
+    let worst = test.differences.iter().map(|d| d.1).fold(0.0f32, f32::max);
+    tracing::info!(
+        "rank {rank}: CUDA GPU {ordinal}; self-test passed ({} checks, largest relative \
+         difference from the CPU {worst:.1e})",
+        test.differences.len()
+    );
+    Ok(device)
 }
 
 /// Rank 0's closing lines: the summary and where each chart of the run went (drawn into `out`

@@ -59,6 +59,8 @@ pub mod planner;
 pub mod precision;
 pub mod probe;
 pub mod rng;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+pub mod self_test;
 pub mod session;
 pub mod tensor_parallel;
 pub mod train;

@@ -5,25 +5,15 @@
 //! run one would otherwise fail in the middle of the first step, after the data and the model
 //! are loaded, with a panic deep inside wgpu. [`choose_adapter`] refuses a machine without an
 //! adapter, naming what to install, and [`self_test`] runs the operations of a training step
-//! (embedding, LayerNorm, linear layers, bias-GELU, causal attention, cross-entropy, and their
-//! backward passes; the AdamW step and the sum of squares of the gradient norm) on tiny shapes
-//! and compares them with the CPU backend, before training.
+//! on tiny shapes and compares them with the CPU backend, before training
+//! ([`crate::self_test`], shared with CUDA).
 //! The software driver (Mesa's llvmpipe) is a CPU adapter: it runs every kernel correctly and
 //! slowly, and [`Adapter::is_cpu`] lets the caller warn about it.
 
-use std::panic::{AssertUnwindSafe, catch_unwind};
-
-use burn::backend::Autodiff;
-use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
 use thiserror::Error;
 
-use crate::backend::{Cpu, Wgpu, WgpuDevice};
-use crate::comm::Group;
-use crate::kernels::{
-    AdamWStep, AttentionSpec, FusedOps, attention, bias_gelu, embedding, layer_norm, linear,
-};
-use crate::tensor_parallel::{ParallelBackend, vocab_parallel_cross_entropy};
+use crate::backend::{Wgpu, WgpuDevice};
+pub use crate::self_test::{SELF_TEST_TOLERANCE, SelfTest};
 
 /// What kind of adapter a wgpu device is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -144,203 +134,14 @@ fn device_of(kind: AdapterKind) -> WgpuDevice {
     }
 }
 
-/// The self-test's bound on the relative difference from the CPU backend (the largest
-/// difference over the largest magnitude of each result). It catches a kernel that computes
-/// something else, not rounding: measured on llvmpipe, every result is within 8.5e-7 of the
-/// CPU's; other drivers round differently (fused multiply-adds, their own `exp`).
-pub const SELF_TEST_TOLERANCE: f32 = 1e-3;
-
-/// What the self-test compared: each operation's largest relative difference from the CPU.
-#[derive(Clone, Debug, PartialEq)]
-pub struct SelfTest {
-    /// `(operation, relative difference)`, in the order they ran.
-    pub differences: Vec<(String, f32)>,
-}
-
-/// Runs every operation of a training step on `adapter` (tiny shapes, forward and backward)
-/// and compares the results with the CPU backend within [`SELF_TEST_TOLERANCE`]. A kernel
-/// that fails to compile or run panics inside CubeCL: the panic is caught (and kept from the
-/// panic hook, which would end the job) and becomes the error.
+/// Runs [`crate::self_test::self_test`] on `adapter`: every operation of a training step against
+/// the CPU backend, before training.
 pub fn self_test(adapter: &Adapter) -> Result<SelfTest, WgpuError> {
-    let fail = |check: &str, reason: String| WgpuError::SelfTest {
-        adapter: adapter.to_string(),
-        check: check.to_string(),
-        reason,
-    };
-    let results = |device: &_| {
-        let mut r = step_results::<Autodiff<Wgpu>>(device);
-        r.extend(optimizer_results::<Wgpu>(device));
-        r
-    };
-    let mut want = step_results::<Autodiff<Cpu>>(&Default::default());
-    want.extend(optimizer_results::<Cpu>(&Default::default()));
-    let got =
-        quietly(|| results(&adapter.device)).map_err(|reason| fail("the first kernels", reason))?;
-    let mut differences = Vec::new();
-    for ((name, w), (_, g)) in want.iter().zip(&got) {
-        let diff = relative_difference(g, w);
-        if diff.is_nan() || diff > SELF_TEST_TOLERANCE {
-            let reason = format!("relative difference {diff:e} from the CPU backend");
-            return Err(fail(name, reason));
+    crate::self_test::self_test::<Wgpu>(&adapter.device, SELF_TEST_TOLERANCE).map_err(|f| {
+        WgpuError::SelfTest {
+            adapter: adapter.to_string(),
+            check: f.check,
+            reason: f.reason,
         }
-        differences.push((name.to_string(), diff));
-    }
-    Ok(SelfTest { differences })
-}
-
-/// Runs `f`, turning a panic into its message, without the panic hook (which under `mpirun`
-/// aborts the job) seeing it.
-fn quietly<T>(f: impl FnOnce() -> T) -> Result<T, String> {
-    let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
-    let result = catch_unwind(AssertUnwindSafe(f));
-    std::panic::set_hook(hook);
-    result.map_err(|payload| {
-        (payload.downcast_ref::<&str>().map(|s| s.to_string()))
-            .or_else(|| payload.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "a panic without a message".into())
     })
-}
-
-/// The largest difference of `got` from `want` over the largest magnitude of `want` (infinite
-/// for different lengths or a non-finite value).
-fn relative_difference(got: &[f32], want: &[f32]) -> f32 {
-    if got.len() != want.len() {
-        return f32::INFINITY;
-    }
-    let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-    let diff = got
-        .iter()
-        .zip(want)
-        .map(|(g, w)| (g - w).abs())
-        .fold(
-            0.0f32,
-            |m, d| if d.is_nan() { f32::INFINITY } else { m.max(d) },
-        );
-    diff / scale
-}
-
-/// Fixed, varied values for a tensor of `n` elements (`k` picks the sequence).
-fn values(n: usize, k: usize) -> Vec<f32> {
-    (0..n)
-        .map(|i| (((i * 37 + k * 101) % 61) as f32 / 61.0 - 0.5) * 0.8)
-        .collect()
-}
-
-/// A tensor of `shape` filled by [`values`], tracked by autodiff.
-fn param<B: Backend, const D: usize>(
-    shape: [usize; D],
-    k: usize,
-    device: &B::Device,
-) -> Tensor<B, D> {
-    let n = shape.iter().product();
-    Tensor::<B, D>::from_data(TensorData::new(values(n, k), shape), device).require_grad()
-}
-
-/// One tiny GPT step on backend `B` (batch 2, sequence 5, width 8, 2 heads, vocabulary 11):
-/// the loss and the gradients of every input, by name.
-fn step_results<B>(device: &B::Device) -> Vec<(&'static str, Vec<f32>)>
-where
-    B: burn::tensor::backend::AutodiffBackend + ParallelBackend + FusedOps,
-    B::InnerBackend: ParallelBackend,
-{
-    let (batch, seq, width, vocab) = (2, 5, 8, 11);
-    let table = param::<B, 2>([vocab, width], 1, device);
-    let (gamma, beta) = (
-        param::<B, 1>([width], 2, device),
-        param::<B, 1>([width], 3, device),
-    );
-    let w_qkv = param::<B, 2>([width, 3 * width], 4, device);
-    let w_up = param::<B, 2>([width, 2 * width], 5, device);
-    let b_up = param::<B, 1>([2 * width], 6, device);
-    let w_down = param::<B, 2>([2 * width, vocab], 7, device);
-    let ids: Vec<i64> = (0..batch * seq)
-        .map(|i| ((i * 7 + 3) % vocab) as i64)
-        .collect();
-    let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [batch, seq]), device);
-    let targets = ids.clone().flip([1]);
-    let x = embedding(table.clone(), ids, 0);
-    let x = layer_norm(x, gamma.clone(), beta.clone(), 1e-5).reshape([batch * seq, width]);
-    let qkv = linear(x, w_qkv.clone(), None).reshape([batch, seq, 3 * width]);
-    let spec = AttentionSpec {
-        heads: 2,
-        causal: true,
-    };
-    let context = attention(qkv, spec).reshape([batch * seq, width]);
-    let hidden = bias_gelu(linear(context, w_up.clone(), None), b_up.clone());
-    let logits = linear(hidden, w_down.clone(), None).reshape([batch, seq, vocab]);
-    let losses = vocab_parallel_cross_entropy(logits, targets, 0, vocab, Group::local());
-    let loss = losses.mean();
-    let grads = loss.backward();
-    let read = |t: Tensor<B::InnerBackend, 1>| t.into_data().convert::<f32>().to_vec::<f32>();
-    let grad = |p: &Tensor<B, 2>| p.grad(&grads).map(|g| g.reshape([-1])).map(read);
-    let grad1 = |p: &Tensor<B, 1>| p.grad(&grads).map(read);
-    let mut out = vec![(
-        "the loss (forward pass)",
-        read(loss.inner()).unwrap_or_default(),
-    )];
-    for (name, g) in [
-        ("the embedding's backward pass", grad(&table)),
-        ("the attention's backward pass (Q/K/V weight)", grad(&w_qkv)),
-        ("the linear layers' backward pass", grad(&w_down)),
-        ("the bias-GELU's backward pass", grad(&w_up)),
-        ("the bias gradient", grad1(&b_up)),
-        ("the LayerNorm's backward pass (scale)", grad1(&gamma)),
-        ("the LayerNorm's backward pass (shift)", grad1(&beta)),
-    ] {
-        out.push((name, g.and_then(Result::ok).unwrap_or_default()));
-    }
-    out
-}
-
-/// Two AdamW updates of a ragged vector (the second with moments) and the sum of squares of
-/// the result, on backend `B`: the optimizer's kernels.
-fn optimizer_results<B: FusedOps>(device: &B::Device) -> Vec<(&'static str, Vec<f32>)> {
-    let n = 300;
-    let tensor = |k| {
-        let t = Tensor::<B, 1>::from_data(TensorData::new(values(n, k), [n]), device);
-        t.into_primitive().tensor()
-    };
-    let mut step = AdamWStep {
-        lr: 0.1,
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.1,
-        time: 1,
-    };
-    let (p, m, v) = B::adamw_step(tensor(8), tensor(9), None, step);
-    step.time = 2;
-    let (p, _, _) = B::adamw_step(p, tensor(10), Some((m, v)), step);
-    let squares = B::sum_of_squares(p.clone()) as f32;
-    let p = Tensor::<B, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(p));
-    let p = p
-        .into_data()
-        .convert::<f32>()
-        .to_vec::<f32>()
-        .unwrap_or_default();
-    vec![
-        ("the AdamW step", p),
-        ("the sum of squares (gradient norm)", vec![squares]),
-    ]
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn relative_differences_catch_wrong_lengths_and_nans() {
-        assert_eq!(relative_difference(&[1.0, 2.0], &[1.0, 2.0]), 0.0);
-        assert!((relative_difference(&[1.0, 2.1], &[1.0, 2.0]) - 0.05).abs() < 1e-6);
-        assert!(relative_difference(&[1.0], &[1.0, 2.0]).is_infinite());
-        assert!(relative_difference(&[f32::NAN, 2.0], &[1.0, 2.0]).is_infinite());
-    }
-
-    #[test]
-    fn a_panic_becomes_its_message() {
-        let e = quietly(|| -> u8 { panic!("no kernel {}", 3) }).expect_err("panicked");
-        assert_eq!(e, "no kernel 3");
-        assert_eq!(quietly(|| 4), Ok(4));
-    }
 }

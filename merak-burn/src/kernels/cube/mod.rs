@@ -9,12 +9,15 @@
 //! | embedding ([`gather`]) | one thread per output element; backward a thread per column |
 //! | AdamW ([`pointwise`]) | one thread per element, the new parameter and moments |
 //! | sum of squares ([`squares`]) | a cube per chunk in `f32`, the chunks added on the host in `f64` |
+//! | attention forward ([`attention`]) | a cube per 64 queries of one (sequence, head), keys and values in shared-memory tiles, an online softmax per query; its log-sum-exp for the backward pass (Burn's composed operators) |
 //!
 //! Reductions never use float atomics (core WGSL has none): a row is reduced by a tree in
 //! shared memory, a column by one thread, so results are the same on every run. Kernels read
-//! and write the tensors' own float type and compute in `f32`. The attention stays Burn's
-//! attention operation (flash attention where CubeCL's autotuner picks it; no log-sum-exp).
+//! and write the tensors' own float type and compute in `f32`. The attention kernel runs in
+//! f32 without segments; bf16 and packed documents take Burn's attention operation (flash
+//! attention where CubeCL's autotuner picks it; no log-sum-exp).
 
+pub mod attention;
 pub mod gather;
 pub mod pointwise;
 pub mod rows;
@@ -23,7 +26,7 @@ pub mod xent;
 
 use burn::tensor::DType;
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{Int, Tensor};
+use burn::tensor::{Int, Shape, Tensor};
 use burn_cubecl::cubecl::prelude::{CubeCount, CubeDim};
 use burn_cubecl::cubecl::{calculate_cube_count_elemwise, client::ComputeClient};
 use burn_cubecl::tensor::CubeTensor;
@@ -68,9 +71,7 @@ impl Launch {
 }
 
 /// The number of elements of `x`, for a kernel's bounds. Kernels take their sizes as
-/// arguments and never from a buffer's `len()`: on CUDA the cross-entropy and AdamW kernels,
-/// which did, failed (an illegal address, a corrupted update) where wgpu was right; a buffer's
-/// length there may be its allocation's, not the tensor's.
+/// arguments, never from a buffer's `len()` (a buffer's length may be its allocation's).
 fn elements<R: CubeRuntime>(x: &CubeTensor<R>) -> u32 {
     x.meta.shape().num_elements() as u32
 }
@@ -80,45 +81,59 @@ fn contiguous<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
     burn_cubecl::kernel::into_contiguous(x)
 }
 
-/// An uninitialized tensor of `x`'s shape, type and device.
+/// An uninitialized contiguous tensor of `x`'s shape, type and device.
 fn empty_like<R: CubeRuntime>(x: &CubeTensor<R>) -> CubeTensor<R> {
-    let shape = x.meta.shape().clone();
-    burn_cubecl::ops::numeric::empty_device_dtype(
+    empty_shaped(x, x.meta.shape().clone(), x.dtype)
+}
+
+/// An uninitialized tensor on `x`'s device, contiguous row-major as every kernel here indexes
+/// it. Not Burn's `empty_device_dtype`: on CUDA that pitches the rows of a tensor of two or more
+/// dimensions (each row padded to an alignment), so a kernel's `out[row * cols + c]` landed
+/// in the padding; wgpu does not pitch, which hid it on llvmpipe.
+fn empty_shaped<R: CubeRuntime>(x: &CubeTensor<R>, shape: Shape, dtype: DType) -> CubeTensor<R> {
+    burn_cubecl::ops::numeric::empty_device_contiguous_dtype(
         x.client.clone(),
         x.device.clone(),
         shape,
-        x.dtype,
+        dtype,
     )
 }
 
-/// An uninitialized tensor of `x`'s type and device.
+/// Zeros of `x`'s shape, type and device, contiguous (Burn's zeros are pitched on CUDA, as
+/// [`empty_shaped`] says).
+fn zeros_like<R: CubeRuntime>(x: &CubeTensor<R>) -> CubeTensor<R> {
+    let zeros = burn_cubecl::ops::numeric::zeros_client(
+        x.client.clone(),
+        x.device.clone(),
+        x.meta.shape().clone(),
+        x.dtype,
+    );
+    contiguous(zeros)
+}
+
+/// An uninitialized contiguous tensor of `x`'s type and device.
 fn empty<R: CubeRuntime, const D: usize>(x: &CubeTensor<R>, dims: [usize; D]) -> CubeTensor<R> {
     empty_typed(x, dims, x.dtype)
 }
 
-/// An uninitialized tensor on `x`'s device.
+/// An uninitialized contiguous tensor on `x`'s device.
 fn empty_typed<R: CubeRuntime, const D: usize>(
     x: &CubeTensor<R>,
     dims: [usize; D],
     dtype: DType,
 ) -> CubeTensor<R> {
-    burn_cubecl::ops::numeric::empty_device_dtype(
-        x.client.clone(),
-        x.device.clone(),
-        dims.into(),
-        dtype,
-    )
+    empty_shaped(x, dims.into(), dtype)
 }
 
 /// The environment variable that names the kernels to replace by Burn's composed operators
-/// (comma-separated: `gelu`, `norm`, `xent`, `embedding`, `adamw`, `squares`, or `all`; set
-/// and empty: none), instead of the default ([`COMPOSED_ON_CUDA`] on CUDA, none elsewhere): for
-/// measuring the fused kernels against the composition, and for telling which kernel a driver
-/// fails on.
+/// (comma-separated: `attention`, `gelu`, `norm`, `xent`, `embedding`, `adamw`, `squares`, or
+/// `all`; unset or empty: none): for measuring the fused kernels against the composition, and
+/// for telling which kernel a driver fails on.
 pub const COMPOSED_KERNELS_VAR: &str = "MERAK_COMPOSED_KERNELS";
 
 /// The names [`COMPOSED_KERNELS_VAR`] knows.
-const KERNEL_NAMES: [&str; 7] = [
+const KERNEL_NAMES: [&str; 8] = [
+    "attention",
     "gelu",
     "norm",
     "xent",
@@ -128,17 +143,11 @@ const KERNEL_NAMES: [&str; 7] = [
     "all",
 ];
 
-/// The kernels that failed on CUDA (an H100, 2026-11-26: the cross-entropy's reached an illegal
-/// address, AdamW's first update came out wrong) while passing against the CPU on wgpu: CUDA
-/// runs them composed until the cause is found.
-pub const COMPOSED_ON_CUDA: [&str; 2] = ["xent", "adamw"];
-
-/// Whether the kernel `name` runs composed on `x`'s runtime: as [`COMPOSED_KERNELS_VAR`] says
-/// where it is set, else as [`COMPOSED_ON_CUDA`] says on CUDA.
-fn composed_kernel<R: CubeRuntime>(name: &str, x: &CubeTensor<R>) -> bool {
-    static NAMES: std::sync::OnceLock<Option<Vec<String>>> = std::sync::OnceLock::new();
+/// Whether the kernel `name` runs composed, as [`COMPOSED_KERNELS_VAR`] says.
+fn composed_kernel(name: &str) -> bool {
+    static NAMES: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
     let names = NAMES.get_or_init(|| {
-        let list = std::env::var(COMPOSED_KERNELS_VAR).ok()?;
+        let list = std::env::var(COMPOSED_KERNELS_VAR).unwrap_or_default();
         let names: Vec<String> = list.split(',').map(|s| s.trim().to_lowercase()).collect();
         for unknown in names
             .iter()
@@ -149,12 +158,9 @@ fn composed_kernel<R: CubeRuntime>(name: &str, x: &CubeTensor<R>) -> bool {
                 KERNEL_NAMES.join(", ")
             );
         }
-        Some(names)
+        names
     });
-    match names {
-        Some(names) => names.iter().any(|k| k == name || k == "all"),
-        None => R::name(&x.client) == "cuda" && COMPOSED_ON_CUDA.contains(&name),
-    }
+    names.iter().any(|k| k == name || k == "all")
 }
 
 impl<R, F, I, BT> FusedOps for CubeBackend<R, F, I, BT>
@@ -169,7 +175,7 @@ where
         ids: IntTensor<Self>,
         start: usize,
     ) -> FloatTensor<Self> {
-        if composed_kernel("embedding", &table) {
+        if composed_kernel("embedding") {
             return composed::gather_forward::<Self>(table, ids, start);
         }
         gather::forward(table, ids, start)
@@ -181,7 +187,7 @@ where
         rows: usize,
         start: usize,
     ) -> FloatTensor<Self> {
-        if composed_kernel("embedding", &dy) {
+        if composed_kernel("embedding") {
             return composed::gather_backward::<Self>(ids, dy, rows, start);
         }
         gather::backward(ids, dy, rows, start)
@@ -193,7 +199,7 @@ where
         moments: Option<(FloatTensor<Self>, FloatTensor<Self>)>,
         step: AdamWStep,
     ) -> AdamWTensors<Self> {
-        if composed_kernel("adamw", &param) {
+        if composed_kernel("adamw") {
             return composed::adamw_step::<Self>(param, grad, moments, step);
         }
         let [p, m, v] = pointwise::adamw_step(param, grad, moments, step);
@@ -201,7 +207,7 @@ where
     }
 
     fn sum_of_squares(x: FloatTensor<Self>) -> f64 {
-        if composed_kernel("squares", &x) {
+        if composed_kernel("squares") {
             return composed::sum_of_squares::<Self>(x);
         }
         let chunks = composed::to_host::<Self>(squares::chunk_sums(x));
@@ -214,7 +220,7 @@ where
         shard: VocabShard,
         group: Group,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        if composed_kernel("xent", &logits) {
+        if composed_kernel("xent") {
             return composed::cross_entropy_forward::<Self>(logits, targets, shard, group);
         }
         let all_reduce = |t: CubeTensor<R>, is_max: bool| {
@@ -236,7 +242,7 @@ where
         shard: VocabShard,
         grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        if composed_kernel("xent", &logits) {
+        if composed_kernel("xent") {
             return composed::cross_entropy_backward::<Self>(logits, stats, targets, shard, grad);
         }
         let count = Tensor::<Self, 1, Int>::from_primitive(targets.clone())
@@ -254,7 +260,7 @@ where
         beta: FloatTensor<Self>,
         eps: f64,
     ) -> (FloatTensor<Self>, NormStats<Self>) {
-        if composed_kernel("norm", &x) {
+        if composed_kernel("norm") {
             return composed::layer_norm_forward::<Self>(x, gamma, beta, eps);
         }
         rows::layer_norm_forward(x, gamma, beta, eps)
@@ -266,14 +272,14 @@ where
         stats: NormStats<Self>,
         dy: FloatTensor<Self>,
     ) -> [FloatTensor<Self>; 3] {
-        if composed_kernel("norm", &x) {
+        if composed_kernel("norm") {
             return composed::layer_norm_backward::<Self>(x, gamma, stats, dy);
         }
         rows::layer_norm_backward(x, gamma, stats, dy)
     }
 
     fn bias_gelu_forward(x: FloatTensor<Self>, bias: FloatTensor<Self>) -> FloatTensor<Self> {
-        if composed_kernel("gelu", &x) {
+        if composed_kernel("gelu") {
             return composed::bias_gelu_forward::<Self>(x, bias);
         }
         pointwise::bias_gelu_forward(x, bias)
@@ -284,23 +290,28 @@ where
         bias: FloatTensor<Self>,
         dy: FloatTensor<Self>,
     ) -> [FloatTensor<Self>; 2] {
-        if composed_kernel("gelu", &x) {
+        if composed_kernel("gelu") {
             return composed::bias_gelu_backward::<Self>(x, bias, dy);
         }
         pointwise::bias_gelu_backward(x, bias, dy)
     }
 
-    /// Burn's attention operation (flash attention where the autotuner finds it faster),
-    /// which gives no log-sum-exp: the backward pass recomputes the softmax
-    /// ([`composed::attention_backward`] without `lse`).
+    /// The blockwise kernel with each query's log-sum-exp ([`attention`]) in f32 without
+    /// segments; else Burn's attention operation (flash attention where the autotuner finds it
+    /// faster), which gives no log-sum-exp, so the backward pass recomputes the softmax. A bf16
+    /// log-sum-exp would lose the probabilities' precision in the backward pass.
     fn attention_forward(
         qkv: FloatTensor<Self>,
         spec: AttentionSpec,
         segments: Option<IntTensor<Self>>,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
-        composed::attention_forward_unsaved::<Self>(qkv, spec, segments)
+        if composed_kernel("attention") || segments.is_some() || qkv.dtype != DType::F32 {
+            return composed::attention_forward_unsaved::<Self>(qkv, spec, segments);
+        }
+        let (ctx, lse) = attention::forward(qkv, spec);
+        (ctx, Some(lse))
     }
 }
 
-#[cfg(all(test, feature = "wgpu"))]
+#[cfg(all(test, any(feature = "wgpu", feature = "cuda")))]
 mod tests;

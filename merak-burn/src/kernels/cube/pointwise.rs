@@ -8,7 +8,7 @@ use burn_cubecl::cubecl;
 use burn_cubecl::cubecl::prelude::*;
 use burn_cubecl::tensor::CubeTensor;
 
-use super::{Launch, contiguous, elements, empty_like};
+use super::{Launch, contiguous, elements, empty_like, zeros_like};
 use crate::kernels::AdamWStep;
 
 /// The standard normal CDF and density at `x`, through `erfc` by the Chebyshev fit of
@@ -160,18 +160,9 @@ pub fn adamw_step<R: CubeRuntime>(
     let (param, grad) = (contiguous(param), contiguous(grad));
     // The first update's moments are zeros (`0 b + x = x`: the same numbers as starting from
     // the gradient), in buffers of their own: no buffer is bound twice to one launch.
-    let zeros = || {
-        let shape = param.meta.shape().clone();
-        burn_cubecl::ops::numeric::zeros_client(
-            param.client.clone(),
-            param.device.clone(),
-            shape,
-            param.dtype,
-        )
-    };
     let (m, v) = match moments {
         Some((m, v)) => (contiguous(m), contiguous(v)),
-        None => (zeros(), zeros()),
+        None => (zeros_like(&param), zeros_like(&param)),
     };
     let outs = [empty_like(&param), empty_like(&param), empty_like(&param)];
     let [b1, b2, c1, c2, keep, lr, eps] = scalars(step);

@@ -3,8 +3,7 @@
 //! between them, on the host), one cube for the mean loss, and one thread per logit for the
 //! gradient.
 //!
-//! Scalar arguments are `u32` and `i32`, never `usize`: a `usize` scalar reached the kernel
-//! wrong on CUDA (cubecl 0.10; an illegal address on the H100), while it was right on wgpu.
+//! Scalar arguments are `u32` and `i32`: the sizes of a 32-bit index space.
 
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::cubecl;
@@ -44,8 +43,14 @@ fn row_max_kernel<F: Float>(
     sync_cube();
     for level in 0..comptime!(block.trailing_zeros()) {
         let stride = (comptime!(block / 2) >> level) as usize;
-        if t < stride && partial[t + stride] > partial[t] {
-            partial[t] = partial[t + stride];
+        // Two `if`s, not `&&`: CubeCL evaluates both sides of `&&`, so the threads past
+        // `stride` would read past the shared memory (an illegal address on CUDA; Vulkan's
+        // robust access clamps it).
+        if t < stride {
+            let other = partial[t + stride];
+            if other > partial[t] {
+                partial[t] = other;
+            }
         }
         sync_cube();
     }
