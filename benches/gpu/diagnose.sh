@@ -4,8 +4,8 @@
 #
 #   bash benches/gpu/diagnose.sh KERNEL...      # e.g. xent adamw
 #
-# For each kernel (gelu, norm, xent, embedding, adamw, squares) it trains the tiny GPT on CUDA
-# with only that kernel fused (MERAK_COMPOSED_KERNELS names the others):
+# For each kernel (attention, gelu, norm, xent, embedding, adamw, squares) it trains the tiny
+# GPT on CUDA with only that kernel fused (MERAK_COMPOSED_KERNELS names the others):
 #   KERNEL-source.log     CubeCL's compilation log: the generated CUDA source of every kernel
 #                         (CUBECL_DEBUG_LOG; no PTX cache, so every kernel is compiled)
 #   KERNEL-memcheck.log   compute-sanitizer's memcheck: out-of-bounds and misaligned accesses,
@@ -27,7 +27,7 @@ out=${RESULTS:-runs/gpu-diagnose}
 limit=${RUN_LIMIT_S:-120}
 steps=${STEPS:-2}
 sanitizer=${SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
-names=(gelu norm xent embedding adamw squares)
+names=(attention gelu norm xent embedding adamw squares)
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 if [ -e cubecl.toml ]; then

@@ -241,10 +241,10 @@ profile() {
 }
 
 kernels() {
-    local names=(gelu norm xent embedding adamw squares) k others
+    local names=(attention gelu norm xent embedding adamw squares) k others
     local tiny=(--config configs/gpt-tiny.toml --set train.steps=5 --set checkpoint.at_end=false)
     # One fused kernel at a time (the others composed), so a kernel the driver rejects is named;
-    # the later runs keep the default (on CUDA, the kernels that failed there run composed).
+    # the later runs keep the default (every kernel fused).
     local only=(${KERNELS_ONLY:-${names[*]}})
     if command -v merak-kernel-tests >/dev/null; then
         timed kernel-tests merak-kernel-tests kernels::cube --test-threads=1

@@ -42,7 +42,11 @@ fn assert_rows(text: &str, rows: &[&str]) {
 
 #[test]
 fn the_gpu_scripts_parse() {
-    for script in ["benches/gpu/run.sh", "scripts/gpu-bundle.sh"] {
+    for script in [
+        "benches/gpu/run.sh",
+        "benches/gpu/diagnose.sh",
+        "scripts/gpu-bundle.sh",
+    ] {
         let out = Command::new("bash")
             .arg("-n")
             .arg(root().join(script))
