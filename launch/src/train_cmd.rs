@@ -274,12 +274,10 @@ fn run(job: &Job, trace: Option<&Path>, stop: &StopRequest) -> Result<bool> {
 fn wgpu_device(rank: usize) -> Result<merak_burn::backend::WgpuDevice> {
     use merak_burn::wgpu_device::{choose_adapter, self_test};
     let adapter = choose_adapter()?;
-    let test = self_test(&adapter)?;
-    let worst = test.differences.iter().map(|d| d.1).fold(0.0f32, f32::max);
-    tracing::info!(
-        "rank {rank}: wgpu adapter {adapter}; self-test passed ({} checks, largest relative \
-         difference from the CPU {worst:.1e})",
-        test.differences.len()
+    log_self_test(
+        rank,
+        &format!("wgpu adapter {adapter}"),
+        &self_test(&adapter)?,
     );
     if adapter.is_cpu() {
         tracing::warn!(
@@ -298,13 +296,19 @@ fn cuda_device(rank: usize, ordinal: usize) -> Result<burn_cuda::CudaDevice> {
     let device = burn_cuda::CudaDevice::new(ordinal);
     let test = self_test::<burn_cuda::Cuda<f32>>(&device, CUDA_SELF_TEST_TOLERANCE)
         .map_err(|e| anyhow::anyhow!("train.device = \"cuda\" (GPU {ordinal}): {e}"))?;
-    let worst = test.differences.iter().map(|d| d.1).fold(0.0f32, f32::max);
-    tracing::info!(
-        "rank {rank}: CUDA GPU {ordinal}; self-test passed ({} checks, largest relative \
-         difference from the CPU {worst:.1e})",
-        test.differences.len()
-    );
+    log_self_test(rank, &format!("CUDA GPU {ordinal}"), &test);
     Ok(device)
+}
+
+/// Logs a passed self-test of the GPU `device`.
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+fn log_self_test(rank: usize, device: &str, test: &merak_burn::self_test::SelfTest) {
+    tracing::info!(
+        "rank {rank}: {device}; self-test passed ({} checks, largest relative difference from \
+         the CPU {:.1e})",
+        test.differences.len(),
+        test.largest_difference()
+    );
 }
 
 /// Rank 0's closing lines: the summary and where each chart of the run went (drawn into `out`

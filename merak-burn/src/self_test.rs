@@ -40,6 +40,13 @@ pub struct SelfTest {
     pub differences: Vec<(String, f32)>,
 }
 
+impl SelfTest {
+    /// The largest relative difference from the CPU over every operation.
+    pub fn largest_difference(&self) -> f32 {
+        self.differences.iter().map(|d| d.1).fold(0.0, f32::max)
+    }
+}
+
 /// An operation of the self-test that failed to compile or run, or gave wrong values.
 #[derive(Clone, Debug, Error, PartialEq)]
 #[error("the self-test of {check} failed: {reason}")]

@@ -5,6 +5,7 @@
 //! load a tile of keys and values into shared memory together, then each thread folds the tile
 //! into its online softmax (running maximum, running sum, context rescaled when the maximum
 //! grows). No `[seq, seq]` scores exist anywhere; a causal cube stops at its last query's key.
+//! With segment ids (documents packed into one sequence), a key of another segment is skipped.
 //! The log-sum-exp lets the backward pass rebuild the probabilities as `exp(scores - lse)`
 //! instead of a softmax.
 
@@ -13,19 +14,23 @@ use burn_cubecl::cubecl;
 use burn_cubecl::cubecl::prelude::*;
 use burn_cubecl::tensor::CubeTensor;
 
+use burn::tensor::DType;
+
 use super::{contiguous, empty_typed};
 use crate::kernels::AttentionSpec;
 
 /// Queries per cube (threads).
 pub const QUERIES: u32 = 64;
 
-/// Key (and value) elements per shared-memory tile: 2 × 2,048 `f32` is 16 KiB, the least
-/// workgroup memory WebGPU guarantees.
+/// Shared memory per tile, in 4-byte words over 2: a tile of `TILE_ELEMS / (head_dim + 1)`
+/// keys holds their keys, values and segment ids in under 2 × 2,048 words (16 KiB, the least
+/// workgroup memory WebGPU guarantees).
 const TILE_ELEMS: usize = 2048;
 
 #[cube(launch)]
-fn attention_forward_kernel<F: Float>(
+fn attention_forward_kernel<F: Float, I: Int>(
     qkv: &Tensor<F>,
+    segments: &Tensor<I>,
     ctx: &mut Tensor<F>,
     lse: &mut Tensor<F>,
     seq: u32,
@@ -34,7 +39,8 @@ fn attention_forward_kernel<F: Float>(
     #[comptime] head_dim: usize,
     #[comptime] tile: usize,
     #[comptime] causal: bool,
-    #[define(F)] _dtype: StorageType,
+    #[comptime] segmented: bool,
+    #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
     let (s, h) = (seq as usize, heads as usize);
     let width = 3 * h * head_dim;
@@ -53,6 +59,11 @@ fn attention_forward_kernel<F: Float>(
     }
     let mut keys = SharedMemory::<f32>::new(comptime!(tile * head_dim));
     let mut values = SharedMemory::<f32>::new(comptime!(tile * head_dim));
+    let mut key_segments = SharedMemory::<i32>::new(tile);
+    let mut mine = 0i32;
+    if segmented {
+        mine = i32::cast_from(segments[rows + i]);
+    }
     // Below every score: the first key replaces it (exp of the difference is 0).
     let mut m = f32::new(-3.0e38);
     let mut l = 0.0f32;
@@ -70,6 +81,13 @@ fn attention_forward_kernel<F: Float>(
             values[at] = f32::cast_from(qkv[(rows + j) * width + 2 * h * head_dim + column]);
             at += comptime!(QUERIES as usize);
         }
+        if segmented {
+            let mut r = UNIT_POS_X as usize;
+            while r < tile {
+                key_segments[r] = i32::cast_from(segments[rows + min(start + r, s - 1)]);
+                r += comptime!(QUERIES as usize);
+            }
+        }
         sync_cube();
         let mut limit = min(start + tile, s);
         if causal {
@@ -77,23 +95,29 @@ fn attention_forward_kernel<F: Float>(
         }
         let mut j = start;
         while j < limit {
-            let row = (j - start) * head_dim;
-            let mut score = 0.0f32;
-            for e in 0..head_dim {
-                score += q[e] * keys[row + e];
+            let mut visible = true;
+            if segmented {
+                visible = key_segments[j - start] == mine;
             }
-            if score > m {
-                let shrink = f32::exp(m - score);
-                l *= shrink;
+            if visible {
+                let row = (j - start) * head_dim;
+                let mut score = 0.0f32;
                 for e in 0..head_dim {
-                    acc[e] *= shrink;
+                    score += q[e] * keys[row + e];
                 }
-                m = score;
-            }
-            let p = f32::exp(score - m);
-            l += p;
-            for e in 0..head_dim {
-                acc[e] += p * values[row + e];
+                if score > m {
+                    let shrink = f32::exp(m - score);
+                    l *= shrink;
+                    for e in 0..head_dim {
+                        acc[e] *= shrink;
+                    }
+                    m = score;
+                }
+                let p = f32::exp(score - m);
+                l += p;
+                for e in 0..head_dim {
+                    acc[e] += p * values[row + e];
+                }
             }
             j += 1;
         }
@@ -110,10 +134,12 @@ fn attention_forward_kernel<F: Float>(
 
 /// The context `[batch, seq, heads * head_dim]` and each query's log-sum-exp of its scaled
 /// scores `[batch, heads, seq]`, of self-attention on `qkv` (`[batch, seq, 3 * heads *
-/// head_dim]`: every query head, then the keys, then the values).
+/// head_dim]`: every query head, then the keys, then the values), a token attending only to
+/// tokens of its own segment where `segments` (`[batch, seq]`) are given.
 pub fn forward<R: CubeRuntime>(
     qkv: CubeTensor<R>,
     spec: AttentionSpec,
+    segments: Option<CubeTensor<R>>,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
     let qkv = contiguous(qkv);
     let dims = qkv.meta.shape().clone();
@@ -125,21 +151,28 @@ pub fn forward<R: CubeRuntime>(
     if b * s * d == 0 {
         return (ctx, lse);
     }
+    let segmented = segments.is_some();
+    // Without segments the kernel reads none: one unused id stands in for them.
+    let segments = segments
+        .map(contiguous)
+        .unwrap_or_else(|| empty_typed(&qkv, [1], DType::I32));
     let count = CubeCount::Static(s.div_ceil(QUERIES as usize) as u32, (b * h) as u32, 1);
     attention_forward_kernel::launch::<R>(
         &qkv.client,
         count,
         CubeDim::new_1d(QUERIES),
         qkv.clone().into_tensor_arg(),
+        segments.clone().into_tensor_arg(),
         ctx.clone().into_tensor_arg(),
         lse.clone().into_tensor_arg(),
         s as u32,
         h as u32,
         (1.0 / (d as f64).sqrt()) as f32,
         d,
-        (TILE_ELEMS / d).max(1),
+        (TILE_ELEMS / (d + 1)).max(1),
         spec.causal,
-        qkv.dtype.into(),
+        segmented,
+        [qkv.dtype.into(), segments.dtype.into()],
     );
     (ctx, lse)
 }

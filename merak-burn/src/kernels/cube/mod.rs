@@ -9,13 +9,13 @@
 //! | embedding ([`gather`]) | one thread per output element; backward a thread per column |
 //! | AdamW ([`pointwise`]) | one thread per element, the new parameter and moments |
 //! | sum of squares ([`squares`]) | a cube per chunk in `f32`, the chunks added on the host in `f64` |
-//! | attention forward ([`attention`]) | a cube per 64 queries of one (sequence, head), keys and values in shared-memory tiles, an online softmax per query; its log-sum-exp for the backward pass (Burn's composed operators) |
+//! | attention forward ([`attention`]) | a cube per 64 queries of one (sequence, head), keys, values and segment ids in shared-memory tiles, an online softmax per query; its log-sum-exp for the backward pass (Burn's composed operators) |
 //!
 //! Reductions never use float atomics (core WGSL has none): a row is reduced by a tree in
 //! shared memory, a column by one thread, so results are the same on every run. Kernels read
 //! and write the tensors' own float type and compute in `f32`. The attention kernel runs in
-//! f32 without segments; bf16 and packed documents take Burn's attention operation (flash
-//! attention where CubeCL's autotuner picks it; no log-sum-exp).
+//! f32; bf16 takes Burn's attention operation (flash attention where CubeCL's autotuner picks
+//! it; no log-sum-exp).
 
 pub mod attention;
 pub mod gather;
@@ -296,19 +296,19 @@ where
         pointwise::bias_gelu_backward(x, bias, dy)
     }
 
-    /// The blockwise kernel with each query's log-sum-exp ([`attention`]) in f32 without
-    /// segments; else Burn's attention operation (flash attention where the autotuner finds it
-    /// faster), which gives no log-sum-exp, so the backward pass recomputes the softmax. A bf16
-    /// log-sum-exp would lose the probabilities' precision in the backward pass.
+    /// The blockwise kernel with each query's log-sum-exp ([`attention`]) in f32; else Burn's
+    /// attention operation (flash attention where the autotuner finds it faster), which gives
+    /// no log-sum-exp, so the backward pass recomputes the softmax. A bf16 log-sum-exp would
+    /// lose the probabilities' precision in the backward pass.
     fn attention_forward(
         qkv: FloatTensor<Self>,
         spec: AttentionSpec,
         segments: Option<IntTensor<Self>>,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
-        if composed_kernel("attention") || segments.is_some() || qkv.dtype != DType::F32 {
+        if composed_kernel("attention") || qkv.dtype != DType::F32 {
             return composed::attention_forward_unsaved::<Self>(qkv, spec, segments);
         }
-        let (ctx, lse) = attention::forward(qkv, spec);
+        let (ctx, lse) = attention::forward(qkv, spec, segments);
         (ctx, Some(lse))
     }
 }

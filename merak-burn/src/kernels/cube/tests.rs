@@ -4,8 +4,8 @@
 //! shapes (one row, one column, widths that are not multiples of a cube, more rows than
 //! threads), at [`TOLERANCE`].
 
-use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::ops::{FloatTensorOps, IntTensorOps};
 use burn::tensor::{Int, Shape, Tensor, TensorData};
 
 use crate::backend::Cpu;
@@ -271,28 +271,42 @@ fn sum_of_squares_equals_the_cpu_kernel() {
 fn attention_equals_the_cpu_kernel() {
     let rng = InitRng::new(7);
     // (batch, seq, heads, head_dim): one query, a ragged cube of queries, several cubes and
-    // several key tiles (2,048 / 16 = 128 keys a tile), a wide head (32 keys a tile).
-    for (b, s, h, d) in [
+    // several key tiles (2,048 / 17 = 120 keys a tile), a wide head (31 keys a tile).
+    let shapes = [
         (1, 1, 1, 4),
         (2, 5, 2, 8),
         (1, 70, 3, 16),
         (2, 300, 1, 16),
         (1, 65, 2, 64),
-    ] {
-        for causal in [true, false] {
-            let tag = format!("attention [{b}, {s}, {h}, {d}] causal {causal}");
+    ];
+    for (b, s, h, d) in shapes {
+        for (causal, packed) in [(true, false), (false, false), (true, true), (false, true)] {
+            let tag = format!("attention [{b}, {s}, {h}, {d}] causal {causal} packed {packed}");
             let spec = AttentionSpec { heads: h, causal };
+            // Packed documents: segment ids that grow along each sequence, ragged lengths.
+            let ids: Vec<i64> = (0..b * s)
+                .map(|t| ((t % s) / 7 + (t % s) / 23) as i64)
+                .collect();
+            let segments = packed.then(|| {
+                let (g, c) = ints(&ids);
+                let shape = Shape::from(vec![b, s]);
+                (
+                    Gpu::int_reshape(g, shape.clone()),
+                    Cpu::int_reshape(c, shape),
+                )
+            });
+            let (seg, segc) = segments.unzip();
             let (qkv, qkvc) = pair(&rng, &format!("qkv{tag}"), &[b, s, 3 * h * d]);
-            let (ctx, lse) = Gpu::attention_forward(qkv.clone(), spec, None);
-            let (ctxc, lsec) = Cpu::attention_forward(qkvc.clone(), spec, None);
+            let (ctx, lse) = Gpu::attention_forward(qkv.clone(), spec, seg.clone());
+            let (ctxc, lsec) = Cpu::attention_forward(qkvc.clone(), spec, segc.clone());
             let (lse, lsec) = (lse.expect("the kernel's lse"), lsec.expect("the CPU's lse"));
             same(&format!("{tag} context"), ctx.clone(), ctxc.clone());
             same(&format!("{tag} log-sum-exp"), lse.clone(), lsec.clone());
             let (dctx, dctxc) = pair(&rng, &format!("dctx{tag}"), &[b, s, h * d]);
             within(
                 &format!("{tag} backward"),
-                Gpu::attention_backward(qkv, ctx, Some(lse), dctx, spec, None),
-                Cpu::attention_backward(qkvc, ctxc, Some(lsec), dctxc, spec, None),
+                Gpu::attention_backward(qkv, ctx, Some(lse), dctx, spec, seg),
+                Cpu::attention_backward(qkvc, ctxc, Some(lsec), dctxc, spec, segc),
                 0.0,
                 PRODUCTS_TOLERANCE,
             );
