@@ -22,9 +22,9 @@ use crate::kernels::AttentionSpec;
 /// Queries per cube (threads).
 pub const QUERIES: u32 = 64;
 
-/// Shared memory per tile, in 4-byte words over 2: a tile of `TILE_ELEMS / (head_dim + 1)`
-/// keys holds their keys, values and segment ids in under 2 × 2,048 words (16 KiB, the least
-/// workgroup memory WebGPU guarantees).
+/// Half a tile's shared memory, in 4-byte words. A tile of `TILE_ELEMS / (head_dim + 1)` keys
+/// holds their keys and values (`head_dim` words each) and segment ids (one word each): under
+/// 2 × 2,048 words, 16 KiB, the least workgroup memory WebGPU guarantees.
 const TILE_ELEMS: usize = 2048;
 
 #[cube(launch)]
