@@ -28,13 +28,25 @@ fn run_wgpu(np: usize, out: &std::path::Path, extra: &[&str]) -> merak_tests::Ru
     merak_tests::run_with_deadline(cmd, std::time::Duration::from_secs(600))
 }
 
-/// One wgpu process against the CPU backend, then dp 2, tp 2 with `tp_overlap = 2`, and pp 2
-/// on wgpu against the one wgpu process.
+/// Trains one wgpu process and the CPU backend alike (`extra` added to both) into
+/// `name` and `name-cpu-reference`, and asserts that their losses agree within 1e-4 (the f32
+/// kernels sum in another order). Returns the wgpu run and its folder.
+fn wgpu_against_cpu(name: &str, extra: &[&str]) -> (merak_tests::Run, std::path::PathBuf) {
+    let wgpu = out_dir(name);
+    let run = run_wgpu(0, &wgpu, extra);
+    run.assert_success();
+    let cpu = out_dir(&format!("{name}-cpu-reference"));
+    run_pp(0, &cpu, extra).assert_success();
+    let diff = max_relative(&series_of(&wgpu, "loss"), &series_of(&cpu, "loss"));
+    assert!(diff < 1e-4, "{name}: wgpu against the CPU: {diff:e}");
+    (run, wgpu)
+}
+
+/// One wgpu process against the CPU backend (measured on llvmpipe: 3.8e-8 after 5 steps), then
+/// dp 2, tp 2 with `tp_overlap = 2`, and pp 2 on wgpu against the one wgpu process.
 #[test]
 fn wgpu_trains_as_the_cpu_and_its_layouts_equal_one_process() {
-    let single = out_dir("wgpu-single");
-    let run = run_wgpu(0, &single, &[]);
-    run.assert_success();
+    let (run, single) = wgpu_against_cpu("wgpu-single", &[]);
     assert!(
         run.stderr.contains("self-test passed") || run.stdout.contains("self-test passed"),
         "no self-test: {}",
@@ -47,11 +59,6 @@ fn wgpu_trains_as_the_cpu_and_its_layouts_equal_one_process() {
             run.stderr
         );
     }
-    let cpu = out_dir("wgpu-cpu-reference");
-    run_pp(0, &cpu, &[]).assert_success();
-    // Measured on llvmpipe: 3.8e-8 after 5 steps (f32 kernels summing in another order).
-    let diff = max_relative(&series_of(&single, "loss"), &series_of(&cpu, "loss"));
-    assert!(diff < 1e-4, "wgpu against the CPU: {diff:e}");
     for (np, name, extra) in [
         (2, "wgpu-dp2", vec!["--dp", "2"]),
         (
@@ -79,16 +86,8 @@ fn wgpu_document_masks_train_as_the_cpu() {
         "--set",
         "data.document_mask=true",
     ];
-    let wgpu = out_dir("wgpu-docs");
-    run_wgpu(0, &wgpu, &masked).assert_success();
-    let cpu = out_dir("wgpu-docs-cpu-reference");
-    run_pp(0, &cpu, &masked).assert_success();
     // Measured on llvmpipe: 5.8e-8 after 5 steps.
-    let diff = max_relative(&series_of(&wgpu, "loss"), &series_of(&cpu, "loss"));
-    assert!(
-        diff < 1e-4,
-        "wgpu against the CPU with document masks: {diff:e}"
-    );
+    wgpu_against_cpu("wgpu-docs", &masked);
 }
 
 /// Without a Vulkan driver (the loader pointed at none) the run stops before training, naming
