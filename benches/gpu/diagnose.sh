@@ -13,16 +13,11 @@
 #   KERNEL-initcheck.log  compute-sanitizer's initcheck: reads of memory never written
 #   KERNEL-racecheck.log  compute-sanitizer's racecheck: shared-memory races
 # into RESULTS (default runs/gpu-diagnose). TOOLS (default "memcheck initcheck racecheck") names
-# the sanitizer's tools to run (set and empty: none, only the source). Each run trains STEPS (default 2) steps under RUN_LIMIT_S (default
-# 120) seconds.
+# the sanitizer's tools to run (set and empty: none, only the source). Each run trains STEPS
+# (default 2) steps under RUN_LIMIT_S (default 120) seconds.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-if [ ! -f gpu-bundle/env.sh ]; then
-    echo "benches/gpu/diagnose.sh: gpu-bundle/ is missing: run scripts/gpu-bundle.sh first" >&2
-    exit 2
-fi
-# shellcheck disable=SC1091
-source gpu-bundle/env.sh
+# shellcheck source=benches/gpu/bundle.sh
+source "$(dirname "$0")/bundle.sh"
 out=${RESULTS:-runs/gpu-diagnose}
 limit=${RUN_LIMIT_S:-120}
 steps=${STEPS:-2}

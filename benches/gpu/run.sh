@@ -42,13 +42,8 @@
 # after every run, so a killed command still brings back what finished), PEAK_TFLOPS (default:
 # from the device's name, see report.py).
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-if [ ! -f gpu-bundle/env.sh ]; then
-    echo "benches/gpu/run.sh: gpu-bundle/ is missing: run scripts/gpu-bundle.sh first" >&2
-    exit 2
-fi
-# shellcheck disable=SC1091
-source gpu-bundle/env.sh
+# shellcheck source=benches/gpu/bundle.sh
+source "$(dirname "$0")/bundle.sh"
 out=${RESULTS:-runs/gpu}
 steps=${STEPS:-8}
 limit=${RUN_LIMIT_S:-150}

@@ -45,6 +45,7 @@ fn the_gpu_scripts_parse() {
     for script in [
         "benches/gpu/run.sh",
         "benches/gpu/diagnose.sh",
+        "benches/gpu/bundle.sh",
         "scripts/gpu-bundle.sh",
     ] {
         let out = Command::new("bash")
