@@ -92,7 +92,7 @@ fn expert_parallel_moe_gpt_equals_one_process() {
         m[0]
     );
     let sp = ["--set", "parallel.sequence_parallel=true"];
-    let cases: [(usize, &str, Vec<&str>); 7] = [
+    let cases: [(usize, &str, Vec<&str>); 8] = [
         (2, "moe-ep2", vec!["--dp", "2", "--ep", "2"]),
         (
             2,
@@ -108,6 +108,20 @@ fn expert_parallel_moe_gpt_equals_one_process() {
         ),
         (4, "moe-ep4", vec!["--dp", "4", "--ep", "4"]),
         (4, "moe-ep2-dp4", vec!["--dp", "4", "--ep", "2"]),
+        // Gradients left as the backend's tensors: the expert buckets summed over their group
+        // after the backward pass, an expert without tokens here getting zeros.
+        (
+            4,
+            "moe-ep2-dp4-device-grads",
+            vec![
+                "--dp",
+                "4",
+                "--ep",
+                "2",
+                "--set",
+                "parallel.gradient_buffers=device",
+            ],
+        ),
         (
             4,
             "moe-ep2-tp2-sp",

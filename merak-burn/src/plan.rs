@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::context_parallel::CpAttention;
-use crate::data_parallel::ReduceScatter;
+use crate::data_parallel::{GradientBuffers, ReduceScatter};
 use crate::grid::Layout;
 use crate::pipeline::{
     PartitionError, PipelinePlan, Recompute, RecomputeMode, ScheduleError, ScheduleKind,
@@ -167,6 +167,9 @@ pub struct ParallelPlan {
     /// the rank's parameters once per step and keeps them until the update, so nothing is
     /// recomputed (ZeRO-2's parameter memory during the step, sharded between steps).
     pub reshard_after_forward: bool,
+    /// Where the data-parallel reducer keeps a step's gradients: in host memory, on the
+    /// device, or (`auto`) on the device where that saves copies.
+    pub gradient_buffers: GradientBuffers,
 }
 
 impl Default for ParallelPlan {
@@ -194,6 +197,7 @@ impl Default for ParallelPlan {
             shard: 0,
             reduce_scatter: ReduceScatter::Step,
             reshard_after_forward: true,
+            gradient_buffers: GradientBuffers::Auto,
         }
     }
 }
@@ -284,6 +288,7 @@ impl ParallelPlan {
             shard: l.shard,
             reduce_scatter: l.reduce_scatter,
             reshard_after_forward: true,
+            gradient_buffers: GradientBuffers::Auto,
         }
     }
 

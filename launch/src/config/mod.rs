@@ -13,7 +13,7 @@ mod train;
 #[cfg(test)]
 mod tests;
 
-use merak_burn::data_parallel::ReduceScatter;
+use merak_burn::data_parallel::{GradientBuffers, ReduceScatter};
 use merak_burn::pipeline::{Recompute, ScheduleKind};
 use merak_gpt::GptConfig;
 use serde::{Deserialize, Serialize};
@@ -86,6 +86,7 @@ impl Default for Config {
                 reduce_scatter: ReduceScatter::Step,
                 reshard_after_forward: true,
                 bucket_mb: 1.0,
+                gradient_buffers: GradientBuffers::Auto,
                 schedule: ScheduleKind::OneFOneB,
                 virtual_stages: 1,
                 stage_layers: Vec::new(),

@@ -2,7 +2,7 @@
 //! [`ParallelPlan`] and [`PipelinePlan`] they give.
 
 use merak_burn::context_parallel::{CpAttention, ulysses_heads_per_rank};
-use merak_burn::data_parallel::ReduceScatter;
+use merak_burn::data_parallel::{GradientBuffers, ReduceScatter};
 use merak_burn::pipeline::{PipelinePlan, Recompute, RecomputeMode, ScheduleKind};
 use merak_burn::plan::ParallelPlan;
 use merak_burn::tensor_parallel::TpOverlap;
@@ -59,6 +59,12 @@ pub struct ParallelSection {
     /// Size of a data-parallel gradient bucket in MiB; a bucket's all-reduce starts as soon as
     /// all its gradients are final.
     pub bucket_mb: f64,
+    /// Where the gradients wait for their all-reduce: "host" (copied to host memory as the
+    /// backward pass finishes each, buckets all-reduced during the backward pass), "device"
+    /// (left in GPU memory and all-reduced there after the backward pass; zero = 0 only) or
+    /// "auto" (device on a GPU whose data-parallel ranks are one or talk NCCL, with zero = 0;
+    /// host otherwise).
+    pub gradient_buffers: GradientBuffers,
     /// Pipeline schedule: "gpipe", "1f1b", "interleaved", "shifted-critical-path", "2bw",
     /// "zb-h1" or "zb-v".
     pub schedule: ScheduleKind,
@@ -122,6 +128,16 @@ impl Config {
                 format!(
                     "\"micro-batch\" needs parallel.zero = 2 or 3 (it is {}): stages 0 and 1 \
                      reduce whole gradients",
+                    self.parallel.zero
+                ),
+            );
+        }
+        if self.parallel.gradient_buffers == GradientBuffers::Device && self.parallel.zero != 0 {
+            return bad(
+                "parallel.gradient_buffers",
+                format!(
+                    "\"device\" needs parallel.zero = 0 (it is {}): ZeRO's reducers keep their \
+                     slices in host memory",
                     self.parallel.zero
                 ),
             );
@@ -439,6 +455,7 @@ impl Config {
             shard: p.shard,
             reduce_scatter: p.reduce_scatter,
             reshard_after_forward: p.reshard_after_forward,
+            gradient_buffers: p.gradient_buffers,
         }
     }
 

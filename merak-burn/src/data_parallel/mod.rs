@@ -14,6 +14,11 @@
 //! [`DataParallel::finish`] waits for what is left and returns the averaged gradients.
 //! Buckets start strictly in order, so every rank issues the collectives in the same order.
 //!
+//! On a GPU the gradients can stay in device memory instead ([`GradientBuffers`],
+//! [`DataParallel::on_device`]): each parameter's gradient is summed over the micro-batches on
+//! the device, and after the backward pass each bucket is concatenated there and all-reduced
+//! (device to device under NCCL); with one data-parallel rank nothing is copied at all.
+//!
 //! Under ZeRO-2 and 3 with several micro-batches, [`ReduceScatter`] says when the buckets are
 //! reduce-scattered: once per step (the default), or every micro-batch, as soon as that
 //! micro-batch's backward pass completes a bucket (every rank reaches the same gradient of the
@@ -25,6 +30,8 @@ pub mod slices;
 
 pub use gather::{Shards, all_gather_each, emptied};
 pub use reducer::{DataParallel, DpStats};
+
+use crate::comm::Communicator;
 
 use serde::{Deserialize, Serialize};
 
@@ -47,6 +54,46 @@ impl std::fmt::Display for ReduceScatter {
         f.write_str(match self {
             Self::Step => "step",
             Self::MicroBatch => "micro-batch",
+        })
+    }
+}
+
+/// Where the data-parallel reducer keeps a step's gradients (`parallel.gradient_buffers`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum GradientBuffers {
+    /// `device` where it saves copies: a GPU backend, ZeRO off, and a data-parallel group of
+    /// one rank or over NCCL; `host` otherwise (the CPU backend, MPI between GPUs, ZeRO).
+    #[default]
+    Auto,
+    /// In host memory: each gradient copied there as the backward pass finishes it, into
+    /// buckets whose all-reduce starts during the backward pass.
+    Host,
+    /// In device memory: each gradient summed over the micro-batches where it was computed,
+    /// every bucket all-reduced after the backward pass (device to device under NCCL, through
+    /// host memory under MPI); ZeRO stage 0 only.
+    Device,
+}
+
+impl GradientBuffers {
+    /// Whether the gradients stay on the device: for `auto`, on a backend whose tensors are not
+    /// in host memory (`host_memory` false), ZeRO off, and a data-parallel group `dp` of one
+    /// rank or over NCCL.
+    pub fn on_device(self, host_memory: bool, zero: u8, dp: &dyn Communicator) -> bool {
+        match self {
+            Self::Auto => !host_memory && zero == 0 && (dp.size() == 1 || dp.kind() == "nccl"),
+            Self::Host => false,
+            Self::Device => zero == 0,
+        }
+    }
+}
+
+impl std::fmt::Display for GradientBuffers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Auto => "auto",
+            Self::Host => "host",
+            Self::Device => "device",
         })
     }
 }

@@ -1,5 +1,6 @@
 //! The bucketed gradient reducer behind [`DataParallel`].
 
+use std::any::Any;
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
@@ -7,11 +8,12 @@ use std::time::{Duration, Instant};
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
 use super::slices::{BucketChunks, Holders, RankSlices};
-use crate::comm::{CommError, Communicator, Group, Pending, ReduceOp};
-use crate::tensor_parallel::{ParallelBackend, set_grad_sink};
+use crate::comm::{CommError, Communicator, Group, Pending, ReduceOp, TensorComm};
+use crate::tensor_parallel::{GradSink, HookedGrad, ParallelBackend, set_grad_sink};
 
 /// One parameter's place in the gradient buffers (an offset in the concatenation of all
 /// parameters, in visit order; each bucket holds a contiguous range of it).
@@ -102,6 +104,14 @@ struct State {
     /// they are not the data-parallel group (`None`: no expert bucket, or the experts are held
     /// like the dense parameters).
     experts: Option<Rc<dyn Communicator>>,
+    /// Whether the buckets are all-reduced whole but read as chunks
+    /// ([`DataParallel::sliced_over`]).
+    sliced: bool,
+    /// Whether the gradients stay the backend's tensors ([`DataParallel::on_device`]).
+    device: bool,
+    /// On the device: each parameter's gradient summed over the step's micro-batches so far
+    /// (a boxed `FloatTensor` of the inner backend), by visit order.
+    held: Vec<Option<Box<dyn Any>>>,
 }
 
 impl State {
@@ -425,6 +435,89 @@ impl State {
         }
     }
 
+    /// Whether this step's gradients stay on the device: asked for, and the buckets all-reduced
+    /// whole and read whole.
+    fn on_device(&self) -> bool {
+        self.device && !self.scatter && !self.sliced
+    }
+
+    /// On the device: adds gradient `grad` (a boxed `FloatTensor<IB>`) of parameter `index` to
+    /// what the parameter holds this step.
+    fn hold<IB: Backend>(&mut self, index: usize, grad: Box<dyn Any>) {
+        let (Some(slot), Some(held)) = (self.slots.get_mut(index), self.held.get_mut(index)) else {
+            return;
+        };
+        let Ok(grad) = grad.downcast::<FloatTensor<IB>>() else {
+            return;
+        };
+        let before = held
+            .take()
+            .and_then(|h| h.downcast::<FloatTensor<IB>>().ok());
+        let sum = match before {
+            Some(before) if slot.seen => IB::float_add(*before, *grad),
+            _ => *grad,
+        };
+        *held = Some(Box::new(sum));
+        slot.seen = true;
+    }
+
+    /// On the device, after the step's backward passes: sums each bucket over the ranks that
+    /// hold its parameters (the expert group for an expert bucket held apart), the bucket's
+    /// gradients concatenated on `device` (zeros for a parameter that got none here) and
+    /// all-reduced as one tensor (device to device under NCCL), then cut back.
+    fn reduce_held<IB: Backend>(&mut self, device: &IB::Device) -> Result<(), CommError> {
+        for b in 0..self.buckets.len() {
+            let comm = self.cut_over_whole(b).clone();
+            if comm.size() == 1 {
+                continue;
+            }
+            let slots = self.buckets[b].slots.clone();
+            let parts: Vec<Tensor<IB, 1>> = slots
+                .clone()
+                .map(|i| self.held_flat::<IB>(i, device))
+                .collect();
+            let sum = comm.all_reduce_tensor(Tensor::cat(parts, 0), ReduceOp::Sum)?;
+            let mut at = 0;
+            for i in slots {
+                let len = self.slots[i].len;
+                let part = sum.clone().slice(at..at + len).into_primitive().tensor();
+                self.held[i] = Some(Box::new(part));
+                at += len;
+            }
+        }
+        Ok(())
+    }
+
+    /// Parameter `index`'s held gradient flattened, in `f32` (zeros when it has none).
+    fn held_flat<IB: Backend>(&mut self, index: usize, device: &IB::Device) -> Tensor<IB, 1> {
+        let len = self.slots[index].len;
+        match self.take_held::<IB>(index) {
+            Some(t) => {
+                crate::precision::to_f32(Tensor::<IB, 1>::from_primitive(TensorPrimitive::Float(t)))
+                    .reshape([len])
+            }
+            None => Tensor::zeros([len], device),
+        }
+    }
+
+    /// Takes parameter `index`'s held gradient, if it has one this step.
+    fn take_held<IB: Backend>(&mut self, index: usize) -> Option<FloatTensor<IB>> {
+        let held = self.held.get_mut(index)?.take()?;
+        let seen = self.slots[index].seen;
+        (held.downcast::<FloatTensor<IB>>().ok())
+            .filter(|_| seen)
+            .map(|t| *t)
+    }
+
+    /// The ranks bucket `b` is all-reduced over when reduced whole: the expert group for an
+    /// expert bucket held apart, the data-parallel group otherwise.
+    fn cut_over_whole(&self, b: usize) -> &Rc<dyn Communicator> {
+        match &self.experts {
+            Some(e) if self.buckets[b].expert => e,
+            _ => &self.comm,
+        }
+    }
+
     /// The values of parameter slot `index` in its bucket.
     fn values(&self, index: usize) -> Option<&[f32]> {
         let slot = self.slots.get(index)?;
@@ -579,6 +672,7 @@ impl DataParallel {
             }
         }
         debug_assert!(start == 0 || slots.is_empty());
+        let held = slots.iter().map(|_| None).collect();
         Ok(Self {
             state: Rc::new(RefCell::new(State {
                 slots,
@@ -596,6 +690,9 @@ impl DataParallel {
                 launched_early: 0,
                 experts_at_end: false,
                 experts: None,
+                sliced: false,
+                device: false,
+                held,
             })),
             dp,
             shard: dp,
@@ -630,7 +727,10 @@ impl DataParallel {
     /// with [`finish_chunks`](Self::finish_chunks) (ZeRO-1 on slices; hybrid when `shard` is
     /// smaller than the data-parallel group).
     pub fn sliced_over(mut self, shard: Group) -> Result<Self, CommError> {
-        self.state.borrow_mut().shard = shard.comm()?;
+        let mut s = self.state.borrow_mut();
+        s.shard = shard.comm()?;
+        s.sliced = true;
+        drop(s);
         self.shard = shard;
         Ok(self)
     }
@@ -684,6 +784,25 @@ impl DataParallel {
     pub fn experts_at_end(self) -> Self {
         self.state.borrow_mut().experts_at_end = true;
         self
+    }
+
+    /// This reducer keeping the gradients where the backend computed them (on a GPU, in device
+    /// memory: no copy to the host and back). Each parameter's gradient is summed over the
+    /// micro-batches on the device; after the step's backward passes, [`finish`](Self::finish)
+    /// concatenates each bucket on the device and all-reduces it there (device to device under
+    /// NCCL, through host memory under MPI), so no bucket starts during the backward pass. With
+    /// one data-parallel rank nothing is copied at all. Only for a reducer that all-reduces
+    /// whole buckets and is read with `finish`: a [reduce-scattering](Self::reduce_scattering)
+    /// or [sliced](Self::sliced_over) one (ZeRO) keeps its buckets in host memory.
+    pub fn on_device(self) -> Self {
+        self.state.borrow_mut().device = true;
+        self
+    }
+
+    /// Whether this step's gradients stay on the device ([`on_device`](Self::on_device), and
+    /// neither reduce-scattering nor sliced).
+    pub fn keeps_gradients_on_device(&self) -> bool {
+        self.state.borrow().on_device()
     }
 
     /// Which elements of the flat gradients this rank's chunks hold ([`RankSlices`]; with
@@ -745,6 +864,7 @@ impl DataParallel {
         let mut s = self.state.borrow_mut();
         let s = &mut *s;
         s.slots.iter_mut().for_each(|x| x.seen = false);
+        s.held.iter_mut().for_each(|h| *h = None);
         for b in &mut s.buckets {
             b.waiting = b.uses(&s.slots);
             b.pending = None;
@@ -795,9 +915,15 @@ impl DataParallel {
         model: M,
     ) -> M {
         let state = self.state.clone();
-        set_grad_sink(Some(Rc::new(move |hook, grad| {
-            state.borrow_mut().on_grad(hook, grad)
-        })));
+        let on_device = state.borrow().on_device();
+        let deliver = move |hook, grad| match grad {
+            HookedGrad::Host(values) => state.borrow_mut().on_grad(hook, values),
+            HookedGrad::Device(t) => state.borrow_mut().hold::<B::InnerBackend>(hook, t),
+        };
+        set_grad_sink(Some(GradSink {
+            on_device,
+            deliver: Rc::new(deliver),
+        }));
         model.map(&mut FreshLeaves).map(&mut HookMapper { next: 0 })
     }
 
@@ -813,6 +939,9 @@ impl DataParallel {
         model: &M,
     ) -> Result<(GradientsParams, DpStats), CommError> {
         let mut s = self.state.borrow_mut();
+        if s.on_device() {
+            return finish_on_device::<B, M>(&mut s, model);
+        }
         let stats = s.complete()?;
         s.share_expert_seen()?;
         let mut builder = GradBuilder::<B> {
@@ -857,6 +986,70 @@ impl DataParallel {
             })
             .collect();
         Ok((chunks, stats))
+    }
+}
+
+/// [`DataParallel::finish`] on the device: the held gradients summed over the ranks, as
+/// Burn's `GradientsParams` for `model`.
+fn finish_on_device<B: AutodiffBackend, M: AutodiffModule<B>>(
+    s: &mut State,
+    model: &M,
+) -> Result<(GradientsParams, DpStats), CommError> {
+    let t0 = Instant::now();
+    set_grad_sink(None);
+    s.share_expert_seen()?;
+    let mut first = FirstDevice::<B>(None);
+    model.visit(&mut first);
+    if let Some(device) = first.0 {
+        s.reduce_held::<B::InnerBackend>(&device)?;
+    }
+    let stats = DpStats {
+        buckets: s.buckets.len(),
+        overlapped_buckets: 0,
+        exposed_wait: t0.elapsed(),
+    };
+    let mut builder = HeldGradBuilder::<B> {
+        state: s,
+        next: 0,
+        grads: GradientsParams::new(),
+        _b: std::marker::PhantomData,
+    };
+    model.visit(&mut builder);
+    Ok((builder.grads, stats))
+}
+
+/// The device of a module's first float parameter.
+struct FirstDevice<B: Backend>(Option<B::Device>);
+
+impl<B: Backend> ModuleVisitor<B> for FirstDevice<B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if self.0.is_none() {
+            self.0 = Some(param.val().device());
+        }
+    }
+}
+
+/// Registers each parameter's held gradient (on the device) with its id, in its shape, `f32`.
+struct HeldGradBuilder<'a, B: AutodiffBackend> {
+    state: &'a mut State,
+    next: usize,
+    grads: GradientsParams,
+    _b: std::marker::PhantomData<B>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for HeldGradBuilder<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let index = self.next;
+        self.next += 1;
+        let Some(held) = self.state.take_held::<B::InnerBackend>(index) else {
+            return;
+        };
+        let g = Tensor::<B::InnerBackend, D>::from_primitive(TensorPrimitive::Float(held));
+        if g.shape().num_elements() != self.state.slots[index].len {
+            return;
+        }
+        let g = crate::precision::to_f32(g.reshape(param.val().dims()));
+        self.grads.register(param.id, g);
     }
 }
 

@@ -85,11 +85,13 @@ pub(crate) fn linear_backward<B: FusedOps, const N: usize>(
         (Some(node), Some(x)) => super::deferred::defer_for(node.id).map(|hook| {
             let empty = empty_like::<B>(&dy);
             let (x, w, g) = (x.clone(), w.clone(), dy.clone());
-            let compute = move || {
+            let job = move || {
                 let [_, dw, _] = B::linear_backward(Some(x), w, g, [false, true, false]);
-                dw.map_or_else(Vec::new, B::into_host_vec)
+                if let Some(dw) = dw {
+                    super::grad_sink::hand_over::<B>(hook, dw);
+                }
             };
-            super::deferred::push(hook, Box::new(compute));
+            super::deferred::push(Box::new(job));
             (node.id, empty)
         }),
         _ => None,
@@ -257,6 +259,10 @@ impl<B: FusedOps> Backward<B, 1> for Attention {
 }
 
 impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
+    fn host_memory() -> bool {
+        B::host_memory()
+    }
+
     fn fused_cross_entropy(
         logits: FloatTensor<Self>,
         targets: IntTensor<Self>,

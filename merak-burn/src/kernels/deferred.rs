@@ -10,8 +10,8 @@
 //!   computes only the input and bias gradients. It keeps its input and output gradient in a
 //!   job for that key, and hands the hook an empty gradient, which the hook ignores.
 //! - [`run`] for the key (the schedule's `BackwardWeight`) computes the weight gradients of
-//!   the jobs, in the order the backward made them, and delivers each to its hook as the
-//!   backward would have. Running it right after the backward gives the unsplit backward's
+//!   the jobs, in the order the backward made them, and hands each to the gradient sink
+//!   ([`super::grad_sink`]) as the hook's backward would have. Running it right after the backward gives the unsplit backward's
 //!   values and per-parameter order of accumulation, bit for bit.
 //!
 //! Only weights used by one operation are deferred (a hook feeding a linear product directly);
@@ -25,11 +25,8 @@ use burn_autodiff::NodeId;
 /// A backward pass's key: `(micro-batch, global stage)`.
 pub type Key = (usize, usize);
 
-/// One deferred weight gradient: the hook it goes to and how to compute it.
-struct Job {
-    hook: usize,
-    compute: Box<dyn FnOnce() -> Vec<f32>>,
-}
+/// One deferred weight gradient: computes it and hands it to its hook's sink.
+type Job = Box<dyn FnOnce()>;
 
 #[derive(Default)]
 struct State {
@@ -83,12 +80,13 @@ pub(crate) fn defer_for(weight: NodeId) -> Option<usize> {
     })
 }
 
-/// Keeps the computation of hook `hook`'s gradient for the open backward pass.
-pub(crate) fn push(hook: usize, compute: Box<dyn FnOnce() -> Vec<f32>>) {
+/// Keeps a deferred weight gradient's job (which computes it and hands it over) for the open
+/// backward pass.
+pub(crate) fn push(job: Job) {
     STATE.with(|s| {
         let mut s = s.borrow_mut();
         if let Some(key) = s.open {
-            s.jobs.entry(key).or_default().push(Job { hook, compute });
+            s.jobs.entry(key).or_default().push(job);
         }
     });
 }
@@ -109,13 +107,14 @@ impl Drop for OpenBackward {
     }
 }
 
-/// Computes the deferred weight gradients of `key` and hands each, as `(hook, gradient)`, to
-/// `deliver`, in the order they were deferred. Returns how many there were.
-pub fn run(key: Key, mut deliver: impl FnMut(usize, Vec<f32>)) -> usize {
+/// Computes the deferred weight gradients of `key` and hands each to the gradient sink
+/// installed on this thread ([`super::grad_sink`]), in the order they were deferred. Returns
+/// how many there were.
+pub fn run(key: Key) -> usize {
     let jobs = STATE.with(|s| s.borrow_mut().jobs.remove(&key).unwrap_or_default());
     let n = jobs.len();
     for job in jobs {
-        deliver(job.hook, (job.compute)());
+        job();
     }
     n
 }

@@ -30,6 +30,7 @@
 
 mod autodiff;
 pub mod deferred;
+pub mod grad_sink;
 pub(crate) use autodiff::{LinearState, linear_backward, linear_node};
 pub mod composed;
 pub mod cpu;
@@ -104,6 +105,13 @@ pub trait FusedOps: Backend {
         start: usize,
     ) -> FloatTensor<Self> {
         Self::gather_forward(table, ids, start)
+    }
+
+    /// Whether this backend's tensors live in host memory (the CPU backend): the data-parallel
+    /// reducer's host buckets then copy nothing a device-side reducer would save
+    /// ([`GradientBuffers::Auto`](crate::data_parallel::GradientBuffers::Auto)).
+    fn host_memory() -> bool {
+        false
     }
 
     /// The values of `x` in row-major order as a host vector: on the CPU the tensor's own

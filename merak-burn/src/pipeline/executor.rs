@@ -34,7 +34,6 @@ use crate::comm::{CommError, Group, Pending};
 use crate::data_parallel::{DataParallel, Shards};
 use crate::kernels::deferred;
 use crate::precision::autocast;
-use crate::tensor_parallel::ops::deliver_grad;
 use crate::tensor_parallel::{ParallelBackend, force_dropout, set_dropout_position};
 
 mod gathered;
@@ -792,7 +791,7 @@ impl Executor {
                 }
                 Action::BackwardWeight { mb, stage } => {
                     reducer.set_last_micro_batch(final_weight.get(&stage) == Some(&mb));
-                    deferred::run((mb, stage), deliver_grad);
+                    deferred::run((mb, stage));
                     report.compute_s += t0.elapsed().as_secs_f64();
                     self.record("weight", format!("W{mb} s{stage} t{step}"), start);
                 }

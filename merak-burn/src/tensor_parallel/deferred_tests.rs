@@ -8,7 +8,7 @@ use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
 use crate::backend::{CpuAutodiff, CpuDevice};
 use crate::kernels::deferred::{enable, open, pending, run};
-use crate::tensor_parallel::{ParallelBackend, set_grad_sink};
+use crate::tensor_parallel::{GradSink, ParallelBackend, set_grad_sink};
 
 type B = CpuAutodiff;
 type Deliveries = Vec<(usize, Vec<f32>)>;
@@ -27,7 +27,7 @@ fn backward(split: bool) -> (Deliveries, Vec<f32>, usize) {
     enable(split);
     let got: Delivered = Rc::default();
     let sink = got.clone();
-    set_grad_sink(Some(Rc::new(move |hook, grad| {
+    set_grad_sink(Some(GradSink::host(move |hook, grad| {
         sink.borrow_mut().push((hook, grad))
     })));
     let (x, w) = (tensor(5, 4, 0.1), tensor(4, 3, 0.7));
@@ -42,7 +42,7 @@ fn backward(split: bool) -> (Deliveries, Vec<f32>, usize) {
     };
     let dx = x.grad(&grads).unwrap().into_data().to_vec::<f32>().unwrap();
     let before_w = got.borrow().len();
-    run((0, 1), |hook, grad| got.borrow_mut().push((hook, grad)));
+    run((0, 1));
     set_grad_sink(None);
     enable(false);
     let delivered = got.borrow().clone();

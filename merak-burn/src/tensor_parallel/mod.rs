@@ -33,8 +33,8 @@ pub use linear::{ColumnParallelLinear, RowParallelLinear, param_from_values};
 pub use mlp::{MlpWeights, ParallelMlp};
 pub use norm::LayerNorm;
 pub use ops::{
-    GradSink, ParallelBackend, copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp,
-    scatter_to_sp, set_grad_sink, split_to_tp,
+    GradSink, HookedGrad, ParallelBackend, copy_to_tp, gather_from_sp, gather_from_tp,
+    reduce_from_tp, scatter_to_sp, set_grad_sink, split_to_tp,
 };
 pub use overlap::TpOverlap;
 pub use sequence::{HeldPositions, SeqShare, SequenceSplit, sp_param};

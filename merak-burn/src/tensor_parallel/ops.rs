@@ -21,34 +21,12 @@ use burn_autodiff::{
     ops::{Backward, Ops, OpsKind, unary},
 };
 
-use std::cell::RefCell;
-use std::rc::Rc;
-
 use crate::comm::{Group, ReduceOp, TensorComm};
 use crate::kernels::{LinearState, linear_backward, linear_node};
 
 pub use super::backend::ParallelBackend;
 
-/// Where [`ParallelBackend::grad_hook`] hands its gradients: `(hook, values)`. The layer that
-/// hooks the tensors (the data-parallel reducer) installs it; this layer never calls up.
-pub type GradSink = Rc<dyn Fn(usize, Vec<f32>)>;
-
-thread_local! {
-    static GRAD_SINK: RefCell<Option<GradSink>> = const { RefCell::new(None) };
-}
-
-/// Installs (or, with `None`, removes) this thread's gradient sink.
-pub fn set_grad_sink(sink: Option<GradSink>) {
-    GRAD_SINK.with(|s| *s.borrow_mut() = sink);
-}
-
-/// Hands gradient `hook` to the installed sink (dropped when none is installed).
-pub(crate) fn deliver_grad(hook: usize, grad: Vec<f32>) {
-    let sink = GRAD_SINK.with(|s| s.borrow().clone());
-    if let Some(sink) = sink {
-        sink(hook, grad);
-    }
-}
+pub use crate::kernels::grad_sink::{GradSink, HookedGrad, set_grad_sink};
 
 /// Forward-only implementations on a plain backend, shared by
 /// [`impl_parallel_backend!`](crate::impl_parallel_backend).
@@ -350,15 +328,12 @@ impl<B: ParallelBackend> Backward<B, 1> for HookBackward {
     type State = usize;
     /// Hands the gradient to the reducer, which owns it from here: the parameter leaf behind
     /// the hook (a fresh leaf of one forward pass) gets no gradient of its own, so the buffer
-    /// moves to the reducer without a copy.
+    /// moves to the reducer without a copy. An empty gradient is a split backward's
+    /// placeholder: its W pass delivers this one (`kernels::deferred`).
     fn backward(self, ops: Ops<usize, 1>, grads: &mut Gradients, _c: &mut Checkpointer) {
-        let g = B::into_host_vec(grads.consume::<B>(&ops.node));
+        let g = grads.consume::<B>(&ops.node);
         crate::kernels::deferred::forget_hook(ops.node.id);
-        // An empty gradient: a split backward's W pass delivers this one
-        // (`kernels::deferred`).
-        if !g.is_empty() {
-            deliver_grad(ops.state, g);
-        }
+        crate::kernels::grad_sink::hand_over::<B>(ops.state, g);
     }
 }
 

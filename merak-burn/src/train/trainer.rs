@@ -193,6 +193,17 @@ where
             let apart = experts_apart(grid).then_some(grid.experts);
             reducer = reducer.with_experts(apart, &|id| experts.contains(&id))?;
         }
+        let buffers = parallel.gradient_buffers;
+        if buffers.on_device(B::host_memory(), parallel.zero, &*grid.dp.comm()?) {
+            reducer = reducer.on_device();
+        }
+        tracing::debug!(
+            "gradient buffers ({buffers}): {}",
+            match reducer.keeps_gradients_on_device() {
+                true => "device",
+                false => "host",
+            }
+        );
         let (mut sliced, mut shards) = (None, None);
         let (shard, replicate) = shard_groups(grid, parallel)?;
         if parallel.zero >= 1 {

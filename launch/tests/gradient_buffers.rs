@@ -1,0 +1,57 @@
+//! `parallel.gradient_buffers = "device"`: gradients kept as the backend's tensors (summed over
+//! the micro-batches there, each bucket all-reduced as one tensor after the backward pass)
+//! train as the host buckets do. On the CPU both are host memory, so this checks the device
+//! path's bookkeeping under every way a gradient reaches the reducer: micro-batches adding up,
+//! data and tensor parallelism, a tied embedding summed over pipeline stages, and zero-bubble's
+//! weight gradients delivered after the backward pass.
+
+mod common;
+use common::*;
+
+/// The device path on top of `extra`.
+fn device(extra: &[&'static str]) -> Vec<&'static str> {
+    [&["--set", "parallel.gradient_buffers=device"][..], extra].concat()
+}
+
+#[test]
+fn device_gradient_buffers_train_as_one_process_with_host_buckets() {
+    let single = out_dir("gb-host-single");
+    run_pp(0, &single, &[]).assert_success();
+    // One process: the same sums in the same order, so the same bits.
+    let one = out_dir("gb-device-single");
+    run_pp(0, &one, &device(&[])).assert_success();
+    assert_eq!(
+        series_of(&one, "loss"),
+        series_of(&single, "loss"),
+        "one process, device buffers"
+    );
+    assert_same_params("one process, device buffers", &one, &single);
+    for (np, name, extra) in [
+        (2, "gb-device-dp2", vec!["--dp", "2"]),
+        (2, "gb-device-tp2", vec!["--tp", "2"]),
+        // A tied embedding summed over the stages, and W passes delivering weight gradients
+        // after the backward pass, under data parallelism.
+        (
+            4,
+            "gb-device-dp2-pp2-zb",
+            vec!["--dp", "2", "--pp", "2", "--set", "parallel.schedule=zb-h1"],
+        ),
+    ] {
+        let out = out_dir(name);
+        run_pp(np, &out, &device(&extra)).assert_success();
+        assert_same_losses(name, &out, &single);
+        assert_same_params(name, &out, &single);
+    }
+}
+
+#[test]
+fn device_gradient_buffers_under_zero_are_refused_naming_the_key() {
+    let out = out_dir("gb-device-zero1");
+    let run = run_pp(0, &out, &device(&["--set", "parallel.zero=1"]));
+    assert_ne!(run.code, Some(0), "{run:?}");
+    assert!(
+        run.stderr.contains("parallel.gradient_buffers") && run.stderr.contains("zero = 0"),
+        "{}",
+        run.stderr
+    );
+}
