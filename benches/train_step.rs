@@ -43,6 +43,7 @@ use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use clap::Parser;
 use merak_burn::backend::{CpuAutodiff, CpuDevice};
 use merak_burn::comm::{Communicator, Group, MpiCommunicator, MpiWorld, ReduceOp};
+use merak_burn::data_parallel::GradientBuffers;
 use merak_burn::grid::{Layout, ProcessGrid};
 use merak_burn::pipeline::{PipelinePlan, ScheduleKind, build_schedule, explicit_partition};
 use merak_burn::plan::ParallelPlan;
@@ -273,6 +274,7 @@ fn merak_variant<'g>(
     batch: Batch,
     device: &CpuDevice,
     bucket_mb: f64,
+    gradient_buffers: GradientBuffers,
 ) -> Result<Box<dyn Stepper + 'g>> {
     let model = Model::new(cfg, args.seed, grid.tp, device)?;
     let units = cfg.layers + 2;
@@ -304,6 +306,7 @@ fn merak_variant<'g>(
         dp: grid.layout.dp,
         micro_batch: batch.rows / grid.layout.dp,
         bucket_mb,
+        gradient_buffers,
         ..ParallelPlan::default()
     };
     Ok(Box::new(Merak {
@@ -373,13 +376,30 @@ fn main() -> Result<()> {
         Vec::new()
     };
     let all_rows = || data.rows(0, args.batch);
-    let dp1 = merak_variant(&cfg, &args, &single, all_rows(), &device, args.bucket_mb)?;
+    let host = GradientBuffers::Host;
+    let dp1 = merak_variant(
+        &cfg,
+        &args,
+        &single,
+        all_rows(),
+        &device,
+        args.bucket_mb,
+        host,
+    )?;
     let mut variants: Vec<(String, Box<dyn Stepper>)> = vec![
         (format!("plain Burn (1 rank, batch {})", args.batch), plain),
         (format!("merak dp=1 (local, batch {})", args.batch), dp1),
     ];
     if let [world, small_world] = worlds.as_slice() {
-        let dpn = merak_variant(&cfg, &args, world, all_rows(), &device, args.bucket_mb)?;
+        let dpn = merak_variant(
+            &cfg,
+            &args,
+            world,
+            all_rows(),
+            &device,
+            args.bucket_mb,
+            host,
+        )?;
         variants.push((format!("merak dp={n} (world, {local_rows}/rank)"), dpn));
         // The same with small buckets, whose all-reduces start during the backward pass.
         let small = merak_variant(
@@ -389,12 +409,25 @@ fn main() -> Result<()> {
             all_rows(),
             &device,
             args.small_bucket_mb,
+            host,
         )?;
         variants.push((
             format!("merak dp={n} buckets {} MiB", args.small_bucket_mb),
             small,
         ));
     }
+    // Last: dp=1 with the gradients left as the backend's tensors (no host buckets).
+    let device_grads = GradientBuffers::Device;
+    let on_device = merak_variant(
+        &cfg,
+        &args,
+        &single,
+        all_rows(),
+        &device,
+        args.bucket_mb,
+        device_grads,
+    )?;
+    variants.push(("merak dp=1 gradients as tensors".into(), on_device));
 
     // First step of every variant from the same weights and data: the losses agree, and the
     // dp=1 and dp=N gradient norms agree.
@@ -423,7 +456,7 @@ fn main() -> Result<()> {
             trial_times[i] = trial(&control, variants[i].1.as_mut(), args.steps)?;
         }
         ratio_merak.push(trial_times[1] / trial_times[0]);
-        if k > 2 {
+        if k > 3 {
             ratio_dp.push(trial_times[1] / trial_times[2]);
         }
         for (all, one) in times.iter_mut().zip(trial_times) {
@@ -456,16 +489,17 @@ fn main() -> Result<()> {
             .filter_map(|(_, g)| g.map(|g| format!("{g:.6}")))
             .collect();
         println!(
-            "# check, first step: loss {} (plain, merak dp=1{}), grad norm {} (merak dp=1{})",
+            "# check, first step: loss {} (plain, merak dp=1{}, as tensors), grad norm {} \
+             (merak dp=1{}, as tensors)",
             losses.join(" / "),
-            if k > 2 {
-                format!(", dp={n}")
+            if k > 3 {
+                format!(", dp={n}, small buckets")
             } else {
                 String::new()
             },
             norms.join(" / "),
-            if k > 2 {
-                format!(", dp={n}")
+            if k > 3 {
+                format!(", dp={n}, small buckets")
             } else {
                 String::new()
             },
@@ -500,7 +534,7 @@ fn main() -> Result<()> {
             median(&mut ratio_merak),
             med[1] / med[0]
         );
-        if k > 2 {
+        if k > 3 {
             println!(
                 "tokens/s dp={n} / dp=1: {:.3} (median of paired trials; ratio of medians \
                  {:.3}); ideal {n}",
@@ -508,13 +542,18 @@ fn main() -> Result<()> {
                 med[1] / med[2]
             );
         }
-        if k > 3 {
+        if k > 4 {
             println!(
                 "step time dp={n}, small buckets / one bucket: {:.3} (ratio of medians; below 1: \
                  overlapping the all-reduce with the backward pass pays)",
                 med[3] / med[2]
             );
         }
+        println!(
+            "step time dp=1, gradients as tensors / host buckets: {:.3} (ratio of medians; \
+             parallel.gradient_buffers = \"device\" against \"host\")",
+            med[k - 1] / med[1]
+        );
     }
     Ok(())
 }

@@ -1,9 +1,9 @@
 //! `parallel.gradient_buffers = "device"`: gradients kept as the backend's tensors (summed over
 //! the micro-batches there, each bucket all-reduced as one tensor after the backward pass)
-//! train as the host buckets do. On the CPU both are host memory, so this checks the device
-//! path's bookkeeping under every way a gradient reaches the reducer: micro-batches adding up,
-//! data and tensor parallelism, a tied embedding summed over pipeline stages, and zero-bubble's
-//! weight gradients delivered after the backward pass.
+//! train as the host buckets do, under every way a gradient reaches the reducer: micro-batches
+//! adding up, data and tensor parallelism, a tied embedding summed over pipeline stages, and
+//! zero-bubble's weight gradients delivered after the backward pass. On the CPU both are host
+//! memory; on a GPU the same code keeps them in device memory.
 
 mod common;
 use common::*;
@@ -16,7 +16,7 @@ fn device(extra: &[&'static str]) -> Vec<&'static str> {
 #[test]
 fn device_gradient_buffers_train_as_one_process_with_host_buckets() {
     let single = out_dir("gb-host-single");
-    run_pp(0, &single, &[]).assert_success();
+    run_pp(0, &single, &["--set", "parallel.gradient_buffers=host"]).assert_success();
     // One process: the same sums in the same order, so the same bits.
     let one = out_dir("gb-device-single");
     run_pp(0, &one, &device(&[])).assert_success();

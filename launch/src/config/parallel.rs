@@ -61,9 +61,9 @@ pub struct ParallelSection {
     pub bucket_mb: f64,
     /// Where the gradients wait for their all-reduce: "host" (copied to host memory as the
     /// backward pass finishes each, buckets all-reduced during the backward pass), "device"
-    /// (left in GPU memory and all-reduced there after the backward pass; zero = 0 only) or
-    /// "auto" (device on a GPU whose data-parallel ranks are one or talk NCCL, with zero = 0;
-    /// host otherwise).
+    /// (left where they were computed, in GPU memory on a GPU, and all-reduced after the
+    /// backward pass; zero = 0 only) or "auto" (device when the data-parallel ranks are one or
+    /// talk NCCL and zero = 0; host otherwise).
     pub gradient_buffers: GradientBuffers,
     /// Pipeline schedule: "gpipe", "1f1b", "interleaved", "shifted-critical-path", "2bw",
     /// "zb-h1" or "zb-v".

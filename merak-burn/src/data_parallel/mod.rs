@@ -14,10 +14,12 @@
 //! [`DataParallel::finish`] waits for what is left and returns the averaged gradients.
 //! Buckets start strictly in order, so every rank issues the collectives in the same order.
 //!
-//! On a GPU the gradients can stay in device memory instead ([`GradientBuffers`],
-//! [`DataParallel::on_device`]): each parameter's gradient is summed over the micro-batches on
-//! the device, and after the backward pass each bucket is concatenated there and all-reduced
-//! (device to device under NCCL); with one data-parallel rank nothing is copied at all.
+//! The gradients can instead stay where the backend computed them ([`GradientBuffers`],
+//! [`DataParallel::on_device`]; on a GPU, in device memory): each parameter's gradient is
+//! summed over the micro-batches there, and after the backward pass each bucket is
+//! concatenated and all-reduced as one tensor (device to device under NCCL); with one
+//! data-parallel rank nothing is copied at all. This is the default at one data-parallel rank
+//! and under NCCL.
 //!
 //! Under ZeRO-2 and 3 with several micro-batches, [`ReduceScatter`] says when the buckets are
 //! reduce-scattered: once per step (the default), or every micro-batch, as soon as that
@@ -62,26 +64,26 @@ impl std::fmt::Display for ReduceScatter {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum GradientBuffers {
-    /// `device` where it saves copies: a GPU backend, ZeRO off, and a data-parallel group of
-    /// one rank or over NCCL; `host` otherwise (the CPU backend, MPI between GPUs, ZeRO).
+    /// `device` where no host bucket's overlap pays for its copies: ZeRO off and a
+    /// data-parallel group of one rank or over NCCL; `host` otherwise (MPI between ranks, ZeRO).
     #[default]
     Auto,
     /// In host memory: each gradient copied there as the backward pass finishes it, into
     /// buckets whose all-reduce starts during the backward pass.
     Host,
-    /// In device memory: each gradient summed over the micro-batches where it was computed,
-    /// every bucket all-reduced after the backward pass (device to device under NCCL, through
-    /// host memory under MPI); ZeRO stage 0 only.
+    /// Where the backend computed them (GPU memory; on the CPU backend, its own tensors): each
+    /// gradient summed over the micro-batches there, every bucket all-reduced after the
+    /// backward pass (device to device under NCCL, through host memory under MPI); ZeRO stage
+    /// 0 only.
     Device,
 }
 
 impl GradientBuffers {
-    /// Whether the gradients stay on the device: for `auto`, on a backend whose tensors are not
-    /// in host memory (`host_memory` false), ZeRO off, and a data-parallel group `dp` of one
-    /// rank or over NCCL.
-    pub fn on_device(self, host_memory: bool, zero: u8, dp: &dyn Communicator) -> bool {
+    /// Whether the gradients stay the backend's tensors, under ZeRO stage `zero` with the
+    /// data-parallel group `dp` (for `auto`: ZeRO off, and `dp` one rank or over NCCL).
+    pub fn on_device(self, zero: u8, dp: &dyn Communicator) -> bool {
         match self {
-            Self::Auto => !host_memory && zero == 0 && (dp.size() == 1 || dp.kind() == "nccl"),
+            Self::Auto => zero == 0 && (dp.size() == 1 || dp.kind() == "nccl"),
             Self::Host => false,
             Self::Device => zero == 0,
         }

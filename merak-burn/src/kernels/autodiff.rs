@@ -259,10 +259,6 @@ impl<B: FusedOps> Backward<B, 1> for Attention {
 }
 
 impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
-    fn host_memory() -> bool {
-        B::host_memory()
-    }
-
     fn fused_cross_entropy(
         logits: FloatTensor<Self>,
         targets: IntTensor<Self>,

@@ -85,10 +85,6 @@ fn owned(t: FlexTensor) -> FlexTensor {
 }
 
 impl FusedOps for Flex {
-    fn host_memory() -> bool {
-        true
-    }
-
     fn gather_forward(table: FlexTensor, ids: FlexTensor, start: usize) -> FlexTensor {
         if !is_f32(&table) {
             return composed::gather_forward::<Flex>(table, ids, start);

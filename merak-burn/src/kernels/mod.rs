@@ -107,13 +107,6 @@ pub trait FusedOps: Backend {
         Self::gather_forward(table, ids, start)
     }
 
-    /// Whether this backend's tensors live in host memory (the CPU backend): the data-parallel
-    /// reducer's host buckets then copy nothing a device-side reducer would save
-    /// ([`GradientBuffers::Auto`](crate::data_parallel::GradientBuffers::Auto)).
-    fn host_memory() -> bool {
-        false
-    }
-
     /// The values of `x` in row-major order as a host vector: on the CPU the tensor's own
     /// buffer when nothing else holds it (no copy), a copy otherwise.
     fn into_host_vec(x: FloatTensor<Self>) -> Vec<f32> {

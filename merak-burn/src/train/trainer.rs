@@ -194,7 +194,7 @@ where
             reducer = reducer.with_experts(apart, &|id| experts.contains(&id))?;
         }
         let buffers = parallel.gradient_buffers;
-        if buffers.on_device(B::host_memory(), parallel.zero, &*grid.dp.comm()?) {
+        if buffers.on_device(parallel.zero, &*grid.dp.comm()?) {
             reducer = reducer.on_device();
         }
         tracing::debug!(
