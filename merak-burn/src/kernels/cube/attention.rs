@@ -25,7 +25,7 @@ pub const QUERIES: u32 = 64;
 /// Half a tile's shared memory, in 4-byte words. A tile of `TILE_ELEMS / (head_dim + 1)` keys
 /// holds their keys and values (`head_dim` words each) and segment ids (one word each): under
 /// 2 × 2,048 words, 16 KiB, the least workgroup memory WebGPU guarantees.
-const TILE_ELEMS: usize = 2048;
+pub(super) const TILE_ELEMS: usize = 2048;
 
 #[cube(launch)]
 fn attention_forward_kernel<F: Float, I: Int>(

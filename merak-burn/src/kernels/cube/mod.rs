@@ -9,7 +9,8 @@
 //! | embedding ([`gather`]) | one thread per output element; backward a thread per column |
 //! | AdamW ([`pointwise`]) | one thread per element, the new parameter and moments |
 //! | sum of squares ([`squares`]) | a cube per chunk in `f32`, the chunks added on the host in `f64` |
-//! | attention forward ([`attention`]) | a cube per 64 queries of one (sequence, head), keys, values and segment ids in shared-memory tiles, an online softmax per query; its log-sum-exp for the backward pass (Burn's composed operators) |
+//! | attention forward ([`attention`]) | a cube per 64 queries of one (sequence, head), keys, values and segment ids in shared-memory tiles, an online softmax per query; its log-sum-exp for the backward pass |
+//! | attention backward ([`attention_backward`]) | the probabilities rebuilt from the log-sum-exp: a cube per 64 queries for their gradients (keys and values in tiles), a cube per 64 keys for theirs and the values' (queries, their gradients and statistics in tiles) |
 //!
 //! Reductions never use float atomics (core WGSL has none): a row is reduced by a tree in
 //! shared memory, a column by one thread, so results are the same on every run. Kernels read
@@ -18,6 +19,7 @@
 //! it; no log-sum-exp).
 
 pub mod attention;
+pub mod attention_backward;
 pub mod gather;
 pub mod pointwise;
 pub mod rows;
@@ -310,6 +312,24 @@ where
         }
         let (ctx, lse) = attention::forward(qkv, spec, segments);
         (ctx, Some(lse))
+    }
+
+    /// The blockwise backward kernels ([`attention_backward`]) from the forward kernel's
+    /// log-sum-exp; else (bf16, or no log-sum-exp) Burn's composed operators.
+    fn attention_backward(
+        qkv: FloatTensor<Self>,
+        ctx: FloatTensor<Self>,
+        lse: Option<FloatTensor<Self>>,
+        dctx: FloatTensor<Self>,
+        spec: AttentionSpec,
+        segments: Option<IntTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        match lse {
+            Some(lse) if !composed_kernel("attention") && qkv.dtype == DType::F32 => {
+                attention_backward::backward(qkv, ctx, lse, dctx, spec, segments)
+            }
+            lse => composed::attention_backward::<Self>(qkv, ctx, lse, dctx, spec, segments),
+        }
     }
 }
 
