@@ -21,11 +21,8 @@ use burn_cubecl::tensor::CubeTensor;
 use burn::tensor::DType;
 
 use super::attention::{QUERIES, TILE_ELEMS};
-use super::{contiguous, empty_typed};
+use super::{Launch, contiguous, empty_typed};
 use crate::kernels::AttentionSpec;
-
-/// Threads per cube of the `Δ` kernel.
-const DELTA_THREADS: u32 = 256;
 
 /// `delta[(b, head), i] = Σ_e dctx · ctx` over query `i`'s head row.
 #[cube(launch)]
@@ -295,11 +292,11 @@ pub fn backward<R: CubeRuntime>(
         return dqkv;
     }
     let delta = empty_typed(&qkv, [b, h, s], qkv.dtype);
-    let rows = (b * h * s) as u32;
+    let launch = Launch::elements(&qkv.client, b * h * s);
     delta_kernel::launch::<R>(
         &qkv.client,
-        CubeCount::Static(rows.div_ceil(DELTA_THREADS), 1, 1),
-        CubeDim::new_1d(DELTA_THREADS),
+        launch.count,
+        launch.dim,
         ctx.into_tensor_arg(),
         dctx.clone().into_tensor_arg(),
         delta.clone().into_tensor_arg(),

@@ -3,8 +3,8 @@
 //!
 //! | operation | kernels |
 //! | --- | --- |
-//! | bias-GELU ([`pointwise`]) | one thread per element; the bias gradient by column sums |
-//! | LayerNorm ([`rows`]) | a cube per row (mean, variance, output); backward a cube per row for `dx`, a thread per column for `dgamma` and `dbeta` |
+//! | bias-GELU ([`pointwise`]) | one thread per element; the bias gradient by column sums ([`columns`]) |
+//! | LayerNorm ([`rows`]) | a cube per row (mean, variance, output); backward a cube per row for `dx`; `dgamma` and `dbeta` by two-pass column sums ([`columns`]: a cube per block of columns and chunk of 64 rows, then a thread per column over the chunks) |
 //! | cross-entropy ([`xent`]) | a cube per row for the maximum, then for the sum of exponentials and the target logit (the tensor-parallel all-reduces between them), one cube for the mean; the gradient one thread per logit |
 //! | embedding ([`gather`]) | one thread per output element; backward a thread per column |
 //! | AdamW ([`pointwise`]) | one thread per element, the new parameter and moments |
@@ -13,13 +13,15 @@
 //! | attention backward ([`attention_backward`]) | the probabilities rebuilt from the log-sum-exp: a cube per 64 queries for their gradients (keys and values in tiles), a cube per 64 keys for theirs and the values' (queries, their gradients and statistics in tiles) |
 //!
 //! Reductions never use float atomics (core WGSL has none): a row is reduced by a tree in
-//! shared memory, a column by one thread, so results are the same on every run. Kernels read
+//! shared memory, a column by chunks of rows then over the chunks (the embedding's gradient
+//! still by one thread per column), so results are the same on every run. Kernels read
 //! and write the tensors' own float type and compute in `f32`. The attention kernel runs in
 //! f32; bf16 takes Burn's attention operation (flash attention where CubeCL's autotuner picks
 //! it; no log-sum-exp).
 
 pub mod attention;
 pub mod attention_backward;
+pub mod columns;
 pub mod gather;
 pub mod pointwise;
 pub mod rows;

@@ -114,7 +114,7 @@ pub fn bias_gelu_backward<R: CubeRuntime>(
         elements(&bias),
         x.dtype.into(),
     );
-    let dbias = super::rows::column_sums(&dx, bias.meta.shape()[0]);
+    let dbias = super::columns::column_sums(&dx, bias.meta.shape()[0]);
     [dx, dbias]
 }
 

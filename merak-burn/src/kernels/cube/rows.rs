@@ -1,17 +1,16 @@
-//! Kernels over the rows or columns of a `[rows, d]` matrix: column sums, LayerNorm and the
-//! vocabulary-parallel cross-entropy.
+//! Kernels over the rows of a `[rows, d]` matrix: LayerNorm (its scale and shift gradients are
+//! column reductions, in [`super::columns`]) and the vocabulary-parallel cross-entropy.
 //!
 //! A row is reduced by one cube of [`BLOCK`] threads: each thread sums a strided share of the
-//! row, then a tree in shared memory adds the shares in a fixed order. A column is reduced by
-//! one thread walking down the rows. No float atomics (core WGSL has none), and every sum has
-//! the same order on every run.
+//! row, then a tree in shared memory adds the shares in a fixed order. No float atomics (core
+//! WGSL has none), and every sum has the same order on every run.
 
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::cubecl;
 use burn_cubecl::cubecl::prelude::*;
 use burn_cubecl::tensor::CubeTensor;
 
-use super::{BLOCK, Launch, contiguous, elements, empty, empty_like};
+use super::{BLOCK, Launch, contiguous, empty, empty_like};
 
 /// The sum of `value` over the cube's threads, every thread getting it (`partial` holds
 /// [`BLOCK`] values; a power of two).
@@ -30,43 +29,6 @@ pub(super) fn cube_sum(partial: &mut SharedMemory<f32>, value: f32, #[comptime] 
     let total = partial[0];
     sync_cube();
     total
-}
-
-#[cube(launch)]
-fn column_sums_kernel<F: Float>(
-    x: &Tensor<F>,
-    out: &mut Tensor<F>,
-    rows: u32,
-    d: u32,
-    #[define(F)] _dtype: StorageType,
-) {
-    let c = ABSOLUTE_POS;
-    let (rows, d) = (rows as usize, d as usize);
-    if c >= d {
-        terminate!();
-    }
-    let mut s = 0.0f32;
-    for r in 0..rows {
-        s += f32::cast_from(x[r * d + c]);
-    }
-    out[c] = F::cast_from(s);
-}
-
-/// The sums of the columns of `x` seen as `[len / d, d]`: `[d]`.
-pub fn column_sums<R: CubeRuntime>(x: &CubeTensor<R>, d: usize) -> CubeTensor<R> {
-    let out = empty(x, [d]);
-    let launch = Launch::elementwise(&out);
-    column_sums_kernel::launch::<R>(
-        &x.client,
-        launch.count,
-        launch.dim,
-        x.clone().into_tensor_arg(),
-        out.clone().into_tensor_arg(),
-        elements(x) / d.max(1) as u32,
-        d as u32,
-        x.dtype.into(),
-    );
-    out
 }
 
 #[cube(launch)]
@@ -188,38 +150,6 @@ fn layer_norm_backward_kernel<F: Float>(
     }
 }
 
-/// `sum over rows of dy * xhat` (gamma's gradient) and of `dy` (beta's), one thread per
-/// column.
-#[cube(launch)]
-fn layer_norm_params_kernel<F: Float>(
-    x: &Tensor<F>,
-    mean: &Tensor<F>,
-    rstd: &Tensor<F>,
-    dy: &Tensor<F>,
-    dgamma: &mut Tensor<F>,
-    dbeta: &mut Tensor<F>,
-    rows: u32,
-    d: u32,
-    #[define(F)] _dtype: StorageType,
-) {
-    let c = ABSOLUTE_POS;
-    let d = d as usize;
-    if c >= d {
-        terminate!();
-    }
-    let mut sg = 0.0f32;
-    let mut sb = 0.0f32;
-    for r in 0..rows as usize {
-        let g = f32::cast_from(dy[r * d + c]);
-        let xhat =
-            (f32::cast_from(x[r * d + c]) - f32::cast_from(mean[r])) * f32::cast_from(rstd[r]);
-        sg += g * xhat;
-        sb += g;
-    }
-    dgamma[c] = F::cast_from(sg);
-    dbeta[c] = F::cast_from(sb);
-}
-
 /// LayerNorm's backward pass: the gradients of `x`, `gamma` and `beta`.
 pub fn layer_norm_backward<R: CubeRuntime>(
     x: CubeTensor<R>,
@@ -248,21 +178,6 @@ pub fn layer_norm_backward<R: CubeRuntime>(
         BLOCK,
         x.dtype.into(),
     );
-    let (dgamma, dbeta) = (empty(&x, [d]), empty(&x, [d]));
-    let launch = Launch::elementwise(&dgamma);
-    layer_norm_params_kernel::launch::<R>(
-        &x.client,
-        launch.count,
-        launch.dim,
-        x.clone().into_tensor_arg(),
-        mean.into_tensor_arg(),
-        rstd.into_tensor_arg(),
-        dy.into_tensor_arg(),
-        dgamma.clone().into_tensor_arg(),
-        dbeta.clone().into_tensor_arg(),
-        rows as u32,
-        d as u32,
-        x.dtype.into(),
-    );
+    let [dgamma, dbeta] = super::columns::layer_norm_params(&x, (mean, rstd), dy, d);
     [dx, dgamma, dbeta]
 }
