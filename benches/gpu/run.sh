@@ -35,6 +35,10 @@
 #           unit tests on CUDA against the CPU's (RESULTS/kernel-tests.log).
 #           KERNELS_ONLY (default: every kernel) lists the kernels tried one at a time;
 #           KERNELS_TORCH=0 leaves out PyTorch.
+#   changes not in the default list: GPT-2 small at micro-batch 16, 8 steps each: fp32 with the
+#           attention kernels and with Burn's composed attention (MERAK_COMPOSED_KERNELS), and
+#           bf16 with the gradients on the device (the default) and in host buckets
+#           (parallel.gradient_buffers = "host").
 #   report  benches/gpu/report.py: tokens/s, MFU, peak GPU memory, the 2-rank loss differences.
 #
 # Environment: RESULTS (the results folder, default runs/gpu), STEPS (default 8; the first two are warm-up),
@@ -269,6 +273,23 @@ kernels() {
     save
 }
 
+# The changes since the last GPU run, each beside what it replaces (GPT-2 small, micro-batch 16):
+# the attention kernels (f32 only) against Burn's composed attention, and the gradients kept on
+# the device (the default at one rank) against host buckets.
+changes() {
+    local gpt=(--set model.preset=gpt2 --set model.seq_len=1024 --set data.kind=synthetic
+        --set train.device=cuda --set train.micro_batch=16 --set train.global_batch=16
+        --set train.steps=8 --set train.warmup_steps=2 --set checkpoint.at_end=false)
+    timed changes-gpt2-f32 merak train "${gpt[@]}" --out "$out/changes-gpt2-f32"
+    MERAK_COMPOSED_KERNELS=attention timed changes-gpt2-f32-attention-composed merak train \
+        "${gpt[@]}" --out "$out/changes-gpt2-f32-attention-composed"
+    timed changes-gpt2-bf16 merak train "${gpt[@]}" --set train.precision=bf16 \
+        --out "$out/changes-gpt2-bf16"
+    timed changes-gpt2-bf16-host-grads merak train "${gpt[@]}" --set train.precision=bf16 \
+        --set parallel.gradient_buffers=host --out "$out/changes-gpt2-bf16-host-grads"
+    save
+}
+
 report() {
     local peak=()
     [ -n "${PEAK_TFLOPS:-}" ] && peak=(--peak-tflops "$PEAK_TFLOPS")
@@ -288,7 +309,8 @@ for phase in "${phases[@]}"; do
         features) features ;;
         profile) profile ;;
         kernels) kernels ;;
+        changes) changes ;;
         report) report ;;
-        *) echo "unknown phase $phase (smoke, small, medium, ranks, features, profile, kernels, report)" >&2; exit 2 ;;
+        *) echo "unknown phase $phase (smoke, small, medium, ranks, features, profile, kernels, changes, report)" >&2; exit 2 ;;
     esac
 done
