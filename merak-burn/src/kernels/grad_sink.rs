@@ -6,7 +6,7 @@
 //! own tensor, left where it is (on the GPU: no copy; [`HookedGrad::Device`]). The hook of
 //! [`ParallelBackend::grad_hook`](crate::tensor_parallel::ParallelBackend::grad_hook) and the
 //! split backward's deferred weight gradients ([`super::deferred`]) both hand over through
-//! [`hand_over`].
+//! `hand_over`.
 
 use std::any::Any;
 use std::cell::RefCell;

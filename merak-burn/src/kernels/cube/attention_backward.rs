@@ -2,12 +2,12 @@
 //! no `[seq, seq]` probabilities, no float atomics.
 //!
 //! With `p = exp(q·k · scale − lse)` rebuilt from the forward pass's log-sum-exp and
-//! `Δ_i = Σ_e dctx_ie · ctx_ie` (one small kernel, [`delta_kernel`]), each visible (query `i`,
+//! `Δ_i = Σ_e dctx_ie · ctx_ie` (one small kernel, `delta_kernel`), each visible (query `i`,
 //! key `j`) pair gives `ds = p (dctx_i·v_j − Δ_i)`, and
 //! - `dq_i = scale · Σ_j ds k_j`: one thread per query, walking the keys and values in
-//!   shared-memory tiles, as the forward kernel does ([`query_grads_kernel`]);
+//!   shared-memory tiles, as the forward kernel does (`query_grads_kernel`);
 //! - `dk_j = scale · Σ_i ds q_i` and `dv_j = Σ_i p dctx_i`: one thread per key, walking the
-//!   queries, their context gradients, log-sum-exps and `Δ` in tiles ([`key_grads_kernel`]).
+//!   queries, their context gradients, log-sum-exps and `Δ` in tiles (`key_grads_kernel`).
 //!
 //! Each thread owns the rows it writes, so the sums run in a fixed order: deterministic. A
 //! causal key cube starts at its first key's query; a causal query cube stops at its last

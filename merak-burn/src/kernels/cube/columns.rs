@@ -4,7 +4,7 @@
 //! 1. a cube of [`BLOCK`] threads per block of columns and chunk of rows: each thread sums its
 //!    column over the chunk's rows (neighbouring threads read neighbouring columns of a row:
 //!    coalesced), into an `f32` partial `[chunks, d]`;
-//! 2. one thread per column adds the chunks' partials in order ([`chunk_totals_kernel`]).
+//! 2. one thread per column adds the chunks' partials in order (`chunk_totals_kernel`).
 //!
 //! One thread per column over every row (the first version) ran `d` threads for the whole
 //! reduction: 768 threads on a GPU that holds over 100,000. Both passes sum in a fixed order,
