@@ -278,10 +278,58 @@ pub(super) fn deserialize_named(v: Value) -> Result<Config, ConfigError> {
             .span()
             .and_then(|span| key_at(&text, span.start))
             .unwrap_or_else(|| "(config)".into());
-        ConfigError::BadValue {
-            key,
-            msg: e.message().to_string(),
+        let missing = (e.message().strip_prefix("missing field `"))
+            .and_then(|rest| rest.split_once('`'))
+            .and_then(|(field, _)| missing_key(&v, &known_keys(), &key, field));
+        match missing {
+            // A key without a default, in a table set only in part (`[model.moe]`).
+            Some((table, field)) => ConfigError::BadValue {
+                key: format!("{table}.{field}"),
+                msg: format!("is missing: [{table}] has no default for it"),
+            },
+            None => ConfigError::BadValue {
+                key,
+                msg: e.message().to_string(),
+            },
         }
+    })
+}
+
+/// The table at or under dotted path `section` of `config` that lacks key `field` while the
+/// known keys there include it: `(table's path, field)`. Serde names the outer section of a
+/// missing key (`model` for `model.moe.top_k`, the GPT keys being flattened into it).
+fn missing_key(
+    config: &Value,
+    known: &Value,
+    section: &str,
+    field: &str,
+) -> Option<(String, String)> {
+    let at = |v: &'_ Value| -> Option<Value> {
+        let mut cur = v;
+        for part in section.split('.').filter(|p| !p.is_empty()) {
+            cur = cur.get(part)?;
+        }
+        Some(cur.clone())
+    };
+    let (here, known_here) = (at(config)?, at(known)?);
+    find_missing(&here, &known_here, section, field)
+}
+
+fn find_missing(
+    config: &Value,
+    known: &Value,
+    path: &str,
+    field: &str,
+) -> Option<(String, String)> {
+    let (Value::Table(c), Value::Table(k)) = (config, known) else {
+        return None;
+    };
+    if k.contains_key(field) && !c.contains_key(field) {
+        return Some((path.to_string(), field.to_string()));
+    }
+    c.iter().find_map(|(name, sub)| {
+        let sub_known = k.get(name)?;
+        find_missing(sub, sub_known, &format!("{path}.{name}"), field)
     })
 }
 

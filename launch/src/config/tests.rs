@@ -399,3 +399,32 @@ fn a_document_mask_is_refused_for_bert_naming_the_key_and_the_kind() {
         "{e}"
     );
 }
+
+#[test]
+fn a_moe_table_set_in_part_names_the_missing_key() {
+    let e = load(None, &sets(&["model.moe.experts=4", "model.moe.top_k=2"]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("model.moe.expert_hidden") && e.contains("no default"),
+        "{e}"
+    );
+    let e = load(
+        None,
+        &sets(&["model.moe.experts=4", "model.moe.expert_hidden=8"]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("model.moe.top_k"), "{e}");
+    assert!(
+        load(
+            None,
+            &sets(&[
+                "model.moe.experts=4",
+                "model.moe.top_k=2",
+                "model.moe.expert_hidden=8"
+            ])
+        )
+        .is_ok()
+    );
+}
