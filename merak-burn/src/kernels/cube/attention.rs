@@ -73,21 +73,21 @@ fn attention_forward_kernel<F: Float, I: Int>(
     }
     let mut start = 0usize;
     while start < end {
-        let mut at = UNIT_POS_X as usize;
-        while at < comptime!(tile * head_dim) {
-            let j = min(start + at / head_dim, s - 1);
-            let column = head * head_dim + at % head_dim;
-            keys[at] = f32::cast_from(qkv[(rows + j) * width + h * head_dim + column]);
-            values[at] = f32::cast_from(qkv[(rows + j) * width + 2 * h * head_dim + column]);
-            at += comptime!(QUERIES as usize);
-        }
-        if segmented {
-            let mut r = UNIT_POS_X as usize;
-            while r < tile {
-                key_segments[r] = i32::cast_from(segments[rows + min(start + r, s - 1)]);
-                r += comptime!(QUERIES as usize);
-            }
-        }
+        load_keys(
+            qkv,
+            segments,
+            &mut keys,
+            &mut values,
+            &mut key_segments,
+            rows,
+            start,
+            s,
+            head,
+            h,
+            head_dim,
+            tile,
+            segmented,
+        );
         sync_cube();
         let mut limit = min(start + tile, s);
         if causal {
@@ -129,6 +129,45 @@ fn attention_forward_kernel<F: Float, I: Int>(
             ctx[(rows + i) * h * head_dim + head * head_dim + e] = F::cast_from(acc[e] / l);
         }
         lse[pair * s + i] = F::cast_from(m + f32::ln(l));
+    }
+}
+
+/// Loads the tile of keys `start..start + tile` of sequence `rows / s`, head `head` (of `h`),
+/// into `keys` and `values` (`tile × head_dim` each) and, `segmented`, their segment ids: each
+/// thread of the cube a strided share. Past the last key, the last key again. The caller waits
+/// for the whole cube (`sync_cube`) before reading it.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn load_keys<F: Float, I: Int>(
+    qkv: &Tensor<F>,
+    segments: &Tensor<I>,
+    keys: &mut SharedMemory<f32>,
+    values: &mut SharedMemory<f32>,
+    key_segments: &mut SharedMemory<i32>,
+    rows: usize,
+    start: usize,
+    s: usize,
+    head: usize,
+    h: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] tile: usize,
+    #[comptime] segmented: bool,
+) {
+    let width = 3 * h * head_dim;
+    let mut at = UNIT_POS_X as usize;
+    while at < comptime!(tile * head_dim) {
+        let j = min(start + at / head_dim, s - 1);
+        let column = head * head_dim + at % head_dim;
+        keys[at] = f32::cast_from(qkv[(rows + j) * width + h * head_dim + column]);
+        values[at] = f32::cast_from(qkv[(rows + j) * width + 2 * h * head_dim + column]);
+        at += comptime!(QUERIES as usize);
+    }
+    if segmented {
+        let mut r = UNIT_POS_X as usize;
+        while r < tile {
+            key_segments[r] = i32::cast_from(segments[rows + min(start + r, s - 1)]);
+            r += comptime!(QUERIES as usize);
+        }
     }
 }
 

@@ -5,9 +5,12 @@
 //! `Δ_i = Σ_e dctx_ie · ctx_ie` (one small kernel, `delta_kernel`), each visible (query `i`,
 //! key `j`) pair gives `ds = p (dctx_i·v_j − Δ_i)`, and
 //! - `dq_i = scale · Σ_j ds k_j`: one thread per query, walking the keys and values in
-//!   shared-memory tiles, as the forward kernel does (`query_grads_kernel`);
+//!   shared-memory tiles, as the forward kernel does;
 //! - `dk_j = scale · Σ_i ds q_i` and `dv_j = Σ_i p dctx_i`: one thread per key, walking the
-//!   queries, their context gradients, log-sum-exps and `Δ` in tiles (`key_grads_kernel`).
+//!   queries, their context gradients, log-sum-exps and `Δ` in tiles.
+//!
+//! One kernel (`grads_kernel`) does both, launched twice: its `per_key` flag, known when it is
+//! compiled, picks the side.
 //!
 //! Each thread owns the rows it writes, so the sums run in a fixed order: deterministic. A
 //! causal key cube starts at its first key's query; a causal query cube stops at its last
@@ -20,7 +23,7 @@ use burn_cubecl::tensor::CubeTensor;
 
 use burn::tensor::DType;
 
-use super::attention::{QUERIES, TILE_ELEMS};
+use super::attention::{QUERIES, TILE_ELEMS, load_keys};
 use super::{Launch, contiguous, empty_typed};
 use crate::kernels::AttentionSpec;
 
@@ -49,10 +52,11 @@ fn delta_kernel<F: Float>(
     }
 }
 
-/// The query gradients `dq` of one cube of [`QUERIES`] queries of one (sequence, head),
-/// written into `dqkv`'s query columns.
+/// The gradients of one cube of [`QUERIES`] rows of one (sequence, head): with `per_key`, of
+/// keys (`dk`, `dv`, walking tiles of queries), else of queries (`dq`, walking tiles of keys
+/// and values), written into their columns of `dqkv`.
 #[cube(launch)]
-fn query_grads_kernel<F: Float, I: Int>(
+fn grads_kernel<F: Float, I: Int>(
     qkv: &Tensor<F>,
     dctx: &Tensor<F>,
     lse: &Tensor<F>,
@@ -66,6 +70,7 @@ fn query_grads_kernel<F: Float, I: Int>(
     #[comptime] tile: usize,
     #[comptime] causal: bool,
     #[comptime] segmented: bool,
+    #[comptime] per_key: bool,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
     let (s, h) = (seq as usize, heads as usize);
@@ -74,194 +79,147 @@ fn query_grads_kernel<F: Float, I: Int>(
     let (b, head) = (pair / h, pair % h);
     let first = CUBE_POS_X as usize * comptime!(QUERIES as usize);
     let wanted = first + UNIT_POS_X as usize;
-    // Threads past the last query redo it: every thread reaches every barrier.
-    let i = min(wanted, s - 1);
+    // Threads past the last row redo it: every thread reaches every barrier.
+    let own = min(wanted, s - 1);
     let rows = b * s;
-    let mut q = Array::<f32>::new(head_dim);
-    let mut g = Array::<f32>::new(head_dim);
-    let mut dq = Array::<f32>::new(head_dim);
+    // The own row's two vectors (q · scale and dctx, or k and v) and two sums (dq, or dk and
+    // dv).
+    let mut x = Array::<f32>::new(head_dim);
+    let mut y = Array::<f32>::new(head_dim);
+    let mut sx = Array::<f32>::new(head_dim);
+    let mut sy = Array::<f32>::new(head_dim);
     for e in 0..head_dim {
-        q[e] = f32::cast_from(qkv[(rows + i) * width + head * head_dim + e]) * scale;
-        g[e] = f32::cast_from(dctx[(rows + i) * hd + head * head_dim + e]);
-        dq[e] = 0.0;
+        let column = head * head_dim + e;
+        if per_key {
+            x[e] = f32::cast_from(qkv[(rows + own) * width + hd + column]);
+            y[e] = f32::cast_from(qkv[(rows + own) * width + 2 * hd + column]);
+        } else {
+            x[e] = f32::cast_from(qkv[(rows + own) * width + column]) * scale;
+            y[e] = f32::cast_from(dctx[(rows + own) * hd + column]);
+        }
+        sx[e] = 0.0;
+        sy[e] = 0.0;
     }
-    let (lse, delta) = (
-        f32::cast_from(lse[pair * s + i]),
-        f32::cast_from(delta[pair * s + i]),
-    );
-    let mut keys = SharedMemory::<f32>::new(comptime!(tile * head_dim));
-    let mut values = SharedMemory::<f32>::new(comptime!(tile * head_dim));
-    let mut key_segments = SharedMemory::<i32>::new(tile);
+    // The tile: keys and values, or queries (· scale) and their context gradients; then per
+    // row its segment id and, for queries, the log-sum-exp and Δ.
+    let mut ta = SharedMemory::<f32>::new(comptime!(tile * head_dim));
+    let mut tb = SharedMemory::<f32>::new(comptime!(tile * head_dim));
+    let mut tile_segments = SharedMemory::<i32>::new(tile);
+    let mut tile_lse = SharedMemory::<f32>::new(tile);
+    let mut tile_delta = SharedMemory::<f32>::new(tile);
     let mut mine = 0i32;
     if segmented {
-        mine = i32::cast_from(segments[rows + i]);
+        mine = i32::cast_from(segments[rows + own]);
     }
+    let mut own_lse = 0.0f32;
+    let mut own_delta = 0.0f32;
+    if !per_key {
+        own_lse = f32::cast_from(lse[pair * s + own]);
+        own_delta = f32::cast_from(delta[pair * s + own]);
+    }
+    // Causal: a key is seen by its own query and later ones, a query sees keys up to itself.
+    let mut start = 0usize;
     let mut end = s;
-    if causal {
-        end = min(first + comptime!(QUERIES as usize), s);
-    }
-    let mut start = 0usize;
-    while start < end {
-        let mut at = UNIT_POS_X as usize;
-        while at < comptime!(tile * head_dim) {
-            let j = min(start + at / head_dim, s - 1);
-            let column = head * head_dim + at % head_dim;
-            keys[at] = f32::cast_from(qkv[(rows + j) * width + hd + column]);
-            values[at] = f32::cast_from(qkv[(rows + j) * width + 2 * hd + column]);
-            at += comptime!(QUERIES as usize);
-        }
-        if segmented {
-            let mut r = UNIT_POS_X as usize;
-            while r < tile {
-                key_segments[r] = i32::cast_from(segments[rows + min(start + r, s - 1)]);
-                r += comptime!(QUERIES as usize);
-            }
-        }
-        sync_cube();
-        let mut limit = min(start + tile, s);
-        if causal {
-            limit = min(limit, i + 1);
-        }
-        let mut j = start;
-        while j < limit {
-            let mut visible = true;
-            if segmented {
-                visible = key_segments[j - start] == mine;
-            }
-            if visible {
-                let row = (j - start) * head_dim;
-                let mut score = 0.0f32;
-                let mut dp = 0.0f32;
-                for e in 0..head_dim {
-                    score += q[e] * keys[row + e];
-                    dp += g[e] * values[row + e];
-                }
-                let ds = f32::exp(score - lse) * (dp - delta);
-                for e in 0..head_dim {
-                    dq[e] += ds * keys[row + e];
-                }
-            }
-            j += 1;
-        }
-        sync_cube();
-        start += tile;
-    }
-    if wanted < s {
-        for e in 0..head_dim {
-            dqkv[(rows + i) * width + head * head_dim + e] = F::cast_from(dq[e] * scale);
-        }
-    }
-}
-
-/// The key and value gradients `dk`, `dv` of one cube of [`QUERIES`] keys of one (sequence,
-/// head), written into `dqkv`'s key and value columns.
-#[cube(launch)]
-fn key_grads_kernel<F: Float, I: Int>(
-    qkv: &Tensor<F>,
-    dctx: &Tensor<F>,
-    lse: &Tensor<F>,
-    delta: &Tensor<F>,
-    segments: &Tensor<I>,
-    dqkv: &mut Tensor<F>,
-    seq: u32,
-    heads: u32,
-    scale: f32,
-    #[comptime] head_dim: usize,
-    #[comptime] tile: usize,
-    #[comptime] causal: bool,
-    #[comptime] segmented: bool,
-    #[define(F, I)] _dtypes: [StorageType; 2],
-) {
-    let (s, h) = (seq as usize, heads as usize);
-    let (width, hd) = (3 * h * head_dim, h * head_dim);
-    let pair = CUBE_POS_Y as usize;
-    let (b, head) = (pair / h, pair % h);
-    let first = CUBE_POS_X as usize * comptime!(QUERIES as usize);
-    let wanted = first + UNIT_POS_X as usize;
-    // Threads past the last key redo it: every thread reaches every barrier.
-    let j = min(wanted, s - 1);
-    let rows = b * s;
-    let mut k = Array::<f32>::new(head_dim);
-    let mut v = Array::<f32>::new(head_dim);
-    let mut dk = Array::<f32>::new(head_dim);
-    let mut dv = Array::<f32>::new(head_dim);
-    for e in 0..head_dim {
-        k[e] = f32::cast_from(qkv[(rows + j) * width + hd + head * head_dim + e]);
-        v[e] = f32::cast_from(qkv[(rows + j) * width + 2 * hd + head * head_dim + e]);
-        dk[e] = 0.0;
-        dv[e] = 0.0;
-    }
-    // Each query's scaled row and context gradient, then its log-sum-exp, Δ and segment.
-    let mut queries = SharedMemory::<f32>::new(comptime!(tile * head_dim));
-    let mut grads = SharedMemory::<f32>::new(comptime!(tile * head_dim));
-    let mut query_lse = SharedMemory::<f32>::new(tile);
-    let mut query_delta = SharedMemory::<f32>::new(tile);
-    let mut query_segments = SharedMemory::<i32>::new(tile);
-    let mut mine = 0i32;
-    if segmented {
-        mine = i32::cast_from(segments[rows + j]);
-    }
-    // A causal key is seen by its own query and the later ones only.
-    let mut start = 0usize;
-    if causal {
+    if causal && per_key {
         start = first;
     }
-    while start < s {
-        let mut at = UNIT_POS_X as usize;
-        while at < comptime!(tile * head_dim) {
-            let i = min(start + at / head_dim, s - 1);
-            let column = head * head_dim + at % head_dim;
-            queries[at] = f32::cast_from(qkv[(rows + i) * width + column]) * scale;
-            grads[at] = f32::cast_from(dctx[(rows + i) * hd + column]);
-            at += comptime!(QUERIES as usize);
-        }
-        let mut r = UNIT_POS_X as usize;
-        while r < tile {
-            let i = min(start + r, s - 1);
-            query_lse[r] = f32::cast_from(lse[pair * s + i]);
-            query_delta[r] = f32::cast_from(delta[pair * s + i]);
-            if segmented {
-                query_segments[r] = i32::cast_from(segments[rows + i]);
+    if causal && !per_key {
+        end = min(first + comptime!(QUERIES as usize), s);
+    }
+    while start < end {
+        if per_key {
+            let mut at = UNIT_POS_X as usize;
+            while at < comptime!(tile * head_dim) {
+                let i = min(start + at / head_dim, s - 1);
+                let column = head * head_dim + at % head_dim;
+                ta[at] = f32::cast_from(qkv[(rows + i) * width + column]) * scale;
+                tb[at] = f32::cast_from(dctx[(rows + i) * hd + column]);
+                at += comptime!(QUERIES as usize);
             }
-            r += comptime!(QUERIES as usize);
+            let mut r = UNIT_POS_X as usize;
+            while r < tile {
+                let i = min(start + r, s - 1);
+                tile_lse[r] = f32::cast_from(lse[pair * s + i]);
+                tile_delta[r] = f32::cast_from(delta[pair * s + i]);
+                if segmented {
+                    tile_segments[r] = i32::cast_from(segments[rows + i]);
+                }
+                r += comptime!(QUERIES as usize);
+            }
+        } else {
+            load_keys(
+                qkv,
+                segments,
+                &mut ta,
+                &mut tb,
+                &mut tile_segments,
+                rows,
+                start,
+                s,
+                head,
+                h,
+                head_dim,
+                tile,
+                segmented,
+            );
         }
         sync_cube();
-        let limit = min(start + tile, s);
-        let mut i = start;
-        if causal && j > start {
-            i = j;
+        let mut from = start;
+        let mut limit = min(start + tile, s);
+        if causal && per_key && own > start {
+            from = own;
         }
-        while i < limit {
+        if causal && !per_key {
+            limit = min(limit, own + 1);
+        }
+        let mut t = from;
+        while t < limit {
             let mut visible = true;
             if segmented {
-                visible = query_segments[i - start] == mine;
+                visible = tile_segments[t - start] == mine;
             }
             if visible {
-                let row = (i - start) * head_dim;
+                let row = (t - start) * head_dim;
+                // score = q · k (scaled), dp = dctx · v, whichever side the thread holds.
                 let mut score = 0.0f32;
                 let mut dp = 0.0f32;
                 for e in 0..head_dim {
-                    score += queries[row + e] * k[e];
-                    dp += grads[row + e] * v[e];
+                    score += x[e] * ta[row + e];
+                    if per_key {
+                        dp += tb[row + e] * y[e];
+                    } else {
+                        dp += y[e] * tb[row + e];
+                    }
                 }
-                let p = f32::exp(score - query_lse[i - start]);
-                let ds = p * (dp - query_delta[i - start]);
-                // `queries` holds q · scale: ds q scale, as dk wants.
-                for e in 0..head_dim {
-                    dv[e] += p * grads[row + e];
-                    dk[e] += ds * queries[row + e];
+                if per_key {
+                    let p = f32::exp(score - tile_lse[t - start]);
+                    let ds = p * (dp - tile_delta[t - start]);
+                    // The tile holds q · scale: ds q scale, as dk wants.
+                    for e in 0..head_dim {
+                        sx[e] += ds * ta[row + e];
+                        sy[e] += p * tb[row + e];
+                    }
+                } else {
+                    let ds = f32::exp(score - own_lse) * (dp - own_delta);
+                    for e in 0..head_dim {
+                        sx[e] += ds * ta[row + e];
+                    }
                 }
             }
-            i += 1;
+            t += 1;
         }
         sync_cube();
         start += tile;
     }
     if wanted < s {
         for e in 0..head_dim {
-            let column = head * head_dim + e;
-            dqkv[(rows + j) * width + hd + column] = F::cast_from(dk[e]);
-            dqkv[(rows + j) * width + 2 * hd + column] = F::cast_from(dv[e]);
+            let at = (rows + own) * width + head * head_dim + e;
+            if per_key {
+                dqkv[at + hd] = F::cast_from(sx[e]);
+                dqkv[at + 2 * hd] = F::cast_from(sy[e]);
+            } else {
+                dqkv[at] = F::cast_from(sx[e] * scale);
+            }
         }
     }
 }
@@ -313,43 +271,29 @@ pub fn backward<R: CubeRuntime>(
     let count = CubeCount::Static(s.div_ceil(QUERIES as usize) as u32, (b * h) as u32, 1);
     let scale = (1.0 / (d as f64).sqrt()) as f32;
     let dtypes = [qkv.dtype.into(), segments.dtype.into()];
-    query_grads_kernel::launch::<R>(
-        &qkv.client,
-        count.clone(),
-        CubeDim::new_1d(QUERIES),
-        qkv.clone().into_tensor_arg(),
-        dctx.clone().into_tensor_arg(),
-        lse.clone().into_tensor_arg(),
-        delta.clone().into_tensor_arg(),
-        segments.clone().into_tensor_arg(),
-        dqkv.clone().into_tensor_arg(),
-        s as u32,
-        h as u32,
-        scale,
-        d,
-        (TILE_ELEMS / (d + 1)).max(1),
-        spec.causal,
-        segmented,
-        dtypes,
-    );
-    key_grads_kernel::launch::<R>(
-        &qkv.client,
-        count,
-        CubeDim::new_1d(QUERIES),
-        qkv.clone().into_tensor_arg(),
-        dctx.into_tensor_arg(),
-        lse.into_tensor_arg(),
-        delta.into_tensor_arg(),
-        segments.into_tensor_arg(),
-        dqkv.clone().into_tensor_arg(),
-        s as u32,
-        h as u32,
-        scale,
-        d,
-        (TILE_ELEMS / (d + 2)).max(1),
-        spec.causal,
-        segmented,
-        dtypes,
-    );
+    for per_key in [false, true] {
+        grads_kernel::launch::<R>(
+            &qkv.client,
+            count.clone(),
+            CubeDim::new_1d(QUERIES),
+            qkv.clone().into_tensor_arg(),
+            dctx.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            delta.clone().into_tensor_arg(),
+            segments.clone().into_tensor_arg(),
+            dqkv.clone().into_tensor_arg(),
+            s as u32,
+            h as u32,
+            scale,
+            d,
+            // Two rows of d words and three more (a segment id, a log-sum-exp, Δ) per tile
+            // row: under 2 × TILE_ELEMS words.
+            (TILE_ELEMS / (d + 2)).max(1),
+            spec.causal,
+            segmented,
+            per_key,
+            dtypes,
+        );
+    }
     dqkv
 }
