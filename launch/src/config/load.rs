@@ -315,6 +315,7 @@ fn missing_key(
     find_missing(&here, &known_here, section, field)
 }
 
+/// [`missing_key`] within `config` (at dotted path `path`), depth first.
 fn find_missing(
     config: &Value,
     known: &Value,

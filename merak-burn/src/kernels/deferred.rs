@@ -11,8 +11,9 @@
 //!   job for that key, and hands the hook an empty gradient, which the hook ignores.
 //! - [`run`] for the key (the schedule's `BackwardWeight`) computes the weight gradients of
 //!   the jobs, in the order the backward made them, and hands each to the gradient sink
-//!   ([`super::grad_sink`]) as the hook's backward would have. Running it right after the backward gives the unsplit backward's
-//!   values and per-parameter order of accumulation, bit for bit.
+//!   ([`super::grad_sink`]) as the hook's backward would have. Running it right after the
+//!   backward gives the unsplit backward's values and per-parameter order of accumulation, bit
+//!   for bit.
 //!
 //! Only weights used by one operation are deferred (a hook feeding a linear product directly);
 //! a tied output head reaches its table through a transpose and keeps its gradient in B.
