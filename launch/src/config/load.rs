@@ -304,15 +304,12 @@ fn missing_key(
     section: &str,
     field: &str,
 ) -> Option<(String, String)> {
-    let at = |v: &'_ Value| -> Option<Value> {
-        let mut cur = v;
-        for part in section.split('.').filter(|p| !p.is_empty()) {
-            cur = cur.get(part)?;
-        }
-        Some(cur.clone())
+    let at = |v| {
+        (section.split('.'))
+            .filter(|p| !p.is_empty())
+            .try_fold(v, |cur: &Value, part| cur.get(part))
     };
-    let (here, known_here) = (at(config)?, at(known)?);
-    find_missing(&here, &known_here, section, field)
+    find_missing(at(config)?, at(known)?, section, field)
 }
 
 /// [`missing_key`] within `config` (at dotted path `path`), depth first.

@@ -296,13 +296,12 @@ impl State {
             if self.comm.size() > 1 || self.scatter || apart {
                 self.zero_unseen(at);
             }
+            let comm = match self.scatter {
+                true => self.cut_over(at),
+                false => self.cut_over_whole(at),
+            }
+            .clone();
             let b = &mut self.buckets[at];
-            let expert = self.experts.as_ref().filter(|_| b.expert);
-            let comm = match (expert, self.scatter) {
-                (Some(c), _) => c,
-                (None, true) => &self.shard,
-                (None, false) => &self.comm,
-            };
             if comm.size() > 1 {
                 let started = if self.scatter {
                     comm.reduce_scatter_start(b.take_padded(comm.size()), ReduceOp::Sum)
@@ -507,6 +506,26 @@ impl State {
         (held.downcast::<FloatTensor<IB>>().ok())
             .filter(|_| seen)
             .map(|t| *t)
+    }
+
+    /// On the device, [`complete`](Self::complete)'s counterpart: detaches the gradient hooks
+    /// and sums the held gradients over the ranks (zeros created on `device` for parameters
+    /// without one); the step's statistics, all of its communication counted as exposed.
+    fn complete_held<IB: Backend>(
+        &mut self,
+        device: Option<&IB::Device>,
+    ) -> Result<DpStats, CommError> {
+        let t0 = Instant::now();
+        set_grad_sink(None);
+        self.share_expert_seen()?;
+        if let Some(device) = device {
+            self.reduce_held::<IB>(device)?;
+        }
+        Ok(DpStats {
+            buckets: self.buckets.len(),
+            overlapped_buckets: 0,
+            exposed_wait: t0.elapsed(),
+        })
     }
 
     /// The ranks bucket `b` is all-reduced over when reduced whole: the expert group for an
@@ -939,11 +958,13 @@ impl DataParallel {
         model: &M,
     ) -> Result<(GradientsParams, DpStats), CommError> {
         let mut s = self.state.borrow_mut();
-        if s.on_device() {
-            return finish_on_device::<B, M>(&mut s, model);
-        }
-        let stats = s.complete()?;
-        s.share_expert_seen()?;
+        let stats = if s.on_device() {
+            s.complete_held::<B::InnerBackend>(model.devices().first())?
+        } else {
+            let stats = s.complete()?;
+            s.share_expert_seen()?;
+            stats
+        };
         let mut builder = GradBuilder::<B> {
             state: &mut s,
             next: 0,
@@ -989,70 +1010,8 @@ impl DataParallel {
     }
 }
 
-/// [`DataParallel::finish`] on the device: the held gradients summed over the ranks, as
-/// Burn's `GradientsParams` for `model`.
-fn finish_on_device<B: AutodiffBackend, M: AutodiffModule<B>>(
-    s: &mut State,
-    model: &M,
-) -> Result<(GradientsParams, DpStats), CommError> {
-    let t0 = Instant::now();
-    set_grad_sink(None);
-    s.share_expert_seen()?;
-    let mut first = FirstDevice::<B>(None);
-    model.visit(&mut first);
-    if let Some(device) = first.0 {
-        s.reduce_held::<B::InnerBackend>(&device)?;
-    }
-    let stats = DpStats {
-        buckets: s.buckets.len(),
-        overlapped_buckets: 0,
-        exposed_wait: t0.elapsed(),
-    };
-    let mut builder = HeldGradBuilder::<B> {
-        state: s,
-        next: 0,
-        grads: GradientsParams::new(),
-        _b: std::marker::PhantomData,
-    };
-    model.visit(&mut builder);
-    Ok((builder.grads, stats))
-}
-
-/// The device of a module's first float parameter.
-struct FirstDevice<B: Backend>(Option<B::Device>);
-
-impl<B: Backend> ModuleVisitor<B> for FirstDevice<B> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if self.0.is_none() {
-            self.0 = Some(param.val().device());
-        }
-    }
-}
-
-/// Registers each parameter's held gradient (on the device) with its id, in its shape, `f32`.
-struct HeldGradBuilder<'a, B: AutodiffBackend> {
-    state: &'a mut State,
-    next: usize,
-    grads: GradientsParams,
-    _b: std::marker::PhantomData<B>,
-}
-
-impl<B: AutodiffBackend> ModuleVisitor<B> for HeldGradBuilder<'_, B> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        let index = self.next;
-        self.next += 1;
-        let Some(held) = self.state.take_held::<B::InnerBackend>(index) else {
-            return;
-        };
-        let g = Tensor::<B::InnerBackend, D>::from_primitive(TensorPrimitive::Float(held));
-        if g.shape().num_elements() != self.state.slots[index].len {
-            return;
-        }
-        let g = crate::precision::to_f32(g.reshape(param.val().dims()));
-        self.grads.register(param.id, g);
-    }
-}
-
+/// Registers the step's gradient of each parameter that got one (in host buckets, or held on
+/// the device) with its id, in its shape.
 struct GradBuilder<'a, B: AutodiffBackend> {
     state: &'a mut State,
     next: usize,
@@ -1064,6 +1023,10 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for GradBuilder<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let index = self.next;
         self.next += 1;
+        if self.state.on_device() {
+            self.register_held(index, param);
+            return;
+        }
         let Some(slot) = self.state.slots.get(index) else {
             return;
         };
@@ -1086,6 +1049,21 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for GradBuilder<'_, B> {
         let shape = slot.shape.clone();
         let device = param.val().device();
         let g = Tensor::<B::InnerBackend, D>::from_data(TensorData::new(values, shape), &device);
+        self.grads.register(param.id, g);
+    }
+}
+
+impl<B: AutodiffBackend> GradBuilder<'_, B> {
+    /// Registers parameter `index`'s gradient held on the device, in `param`'s shape, `f32`.
+    fn register_held<const D: usize>(&mut self, index: usize, param: &Param<Tensor<B, D>>) {
+        let Some(held) = self.state.take_held::<B::InnerBackend>(index) else {
+            return;
+        };
+        let g = Tensor::<B::InnerBackend, D>::from_primitive(TensorPrimitive::Float(held));
+        if g.shape().num_elements() != self.state.slots[index].len {
+            return;
+        }
+        let g = crate::precision::to_f32(g.reshape(param.val().dims()));
         self.grads.register(param.id, g);
     }
 }
