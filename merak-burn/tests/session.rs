@@ -224,6 +224,7 @@ fn units_that_do_not_fit_together_are_refused_before_anything_is_written() {
     run(&fits, &out, ParallelPlan::default()).expect("trains");
     assert!(out.join("metrics.jsonl").exists() && out.join("checkpoints/latest").exists());
     param_groups_of_the_options_reach_the_optimizer(dir.path());
+    a_head_without_metrics_reports_its_held_out_loss(dir.path());
     a_rank_that_builds_some_units_gets_the_weights_one_process_gets();
     a_tied_head_alone_on_its_rank_holds_a_copy_of_the_first_units_table();
     a_user_model_is_profiled_unit_by_unit();
@@ -274,6 +275,34 @@ fn param_groups_of_the_options_reach_the_optimizer(dir: &std::path::Path) {
         let frozen = p.name.starts_with("layers.");
         assert_eq!(after == &p.values, frozen, "{}: frozen {frozen}", p.name);
     }
+}
+
+/// A head with neither metrics nor predictions (the test model's): its held-out loss is
+/// reported as `[summed loss, loss terms]`, and predictions asked of it are refused before the
+/// first step (they used to be refused only after the last one).
+fn a_head_without_metrics_reports_its_held_out_loss(dir: &std::path::Path) {
+    let plan = PlanChoice::Given(ParallelPlan {
+        micro_batch: 1,
+        ..ParallelPlan::default()
+    });
+    let out = dir.join("held-out");
+    let mut options = RunOptions::default().with_out(&out);
+    options.eval_batches = 2;
+    let report =
+        merak_burn::run::<CpuAutodiff, _>(&fits(false), &plan, &Data, &settings(), &options)
+            .expect("trains and evaluates");
+    let metrics = report.metrics.expect("evaluated");
+    // 2 global batches of 2 windows of 4 tokens: 16 loss terms.
+    assert_eq!(metrics.len(), 2, "{metrics:?}");
+    assert_eq!(metrics[1], 16.0, "{metrics:?}");
+    assert!(metrics[0].is_finite() && metrics[0] > 0.0, "{metrics:?}");
+    let out = dir.join("no-predictions");
+    let mut options = RunOptions::default().with_out(&out);
+    options.predict_batches = 1;
+    let err = merak_burn::run::<CpuAutodiff, _>(&fits(false), &plan, &Data, &settings(), &options)
+        .expect_err("a head that predicts nothing");
+    assert!(err.to_string().contains("HeadUnit::predict"), "{err}");
+    assert!(!out.exists(), "refused after training: {}", out.display());
 }
 
 /// The parameters of `model` by checkpoint name.

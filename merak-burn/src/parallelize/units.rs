@@ -63,15 +63,18 @@ pub trait HeadUnit<B: Backend>: Module<B> + ModuleDisplay {
     /// Sums of evaluation metrics of `x` against the targets over the micro-batch, `[k]` (for
     /// example `[summed loss, correct predictions, counted targets]`): the evaluation pass
     /// sums them over micro-batches and ranks. `table` is the token table of a tied head.
-    /// `None` (the default): the head has no metrics.
+    /// The default is `[summed loss, loss terms]` from [`loss`](Self::loss) and
+    /// [`Batch::loss_terms`]: the held-out loss is their quotient. `None`: the head has no
+    /// metrics.
     fn metrics(
         &self,
         x: Tensor<B, 3>,
         batch: &Batch<'_, B>,
         table: Option<Tensor<B, 2>>,
     ) -> Option<Tensor<B, 1>> {
-        let _ = (x, batch, table);
-        None
+        let loss = self.loss(x, batch, table);
+        let terms = Tensor::<B, 1>::from_floats([batch.loss_terms() as f32], &loss.device());
+        Some(Tensor::cat(vec![loss.cast(terms.dtype()), terms], 0))
     }
 
     /// One row of outputs per sample, `[batch, k]` (for example class scores, or the logits

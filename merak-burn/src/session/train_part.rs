@@ -98,6 +98,11 @@ where
         "model ready in {:.2}s",
         t0.elapsed().as_secs_f64()
     );
+    if options.predict_batches > 0 {
+        // A head that predicts nothing is refused before the first step, not after the last:
+        // one held-out batch through the model.
+        trainer.predict(data, 1)?;
+    }
     let summary = trainer.fit(data, &run_output(options, &out, stop), &mut |_| {})?;
     let evaluates = |batches: usize| batches > 0 && !summary.stopped;
     let metrics = evaluates(options.eval_batches)
