@@ -294,6 +294,20 @@ fn report(result: Result<()>) -> ExitCode {
 
 /// Logs to stderr with the rank in every line.
 fn init_logging(rank: usize) {
+    init_subscriber();
+    // Every line carries the rank through this span, which stays entered for the whole run.
+    let span = tracing::info_span!("rank", r = rank);
+    std::mem::forget(span.entered());
+}
+
+/// Logging for `merak train --np`'s launcher: its lines carry `launcher` instead of a rank.
+fn init_launcher_logging() {
+    init_subscriber();
+    std::mem::forget(tracing::info_span!("launcher").entered());
+}
+
+/// The log subscriber: `RUST_LOG` or `info`, to stderr, colours only on a terminal.
+fn init_subscriber() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let _ = tracing_subscriber::fmt()
@@ -303,7 +317,4 @@ fn init_logging(rank: usize) {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .try_init();
-    // Every line carries the rank through this span, which stays entered for the whole run.
-    let span = tracing::info_span!("rank", r = rank);
-    std::mem::forget(span.entered());
 }

@@ -2,9 +2,10 @@
 //! `--set` overrides, a plan (`--plan FILE|auto`), checked against the job before anything is
 //! built.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
+use merak_burn::checkpoint::Checkpoint;
 use merak_burn::comm::MpiCommunicator;
 use merak_burn::pipeline::PipelinePlan;
 use merak_burn::plan::ParallelPlan;
@@ -34,8 +35,44 @@ pub fn resolve_config(
     args: &TrainArgs,
     world: Option<&MpiCommunicator>,
     size: usize,
-    resume: Option<&Resume>,
+    resume: Option<&Checkpoint>,
 ) -> Result<Resolved> {
+    let mut cfg = load_config(args, size, resume)?;
+    let plan_file = match args.plan.as_deref() {
+        Some(spec) => Some(apply_plan(args, spec, &mut cfg, world, size)?),
+        None => None,
+    };
+    if let Some(r) = resume {
+        let text = checkpoint_config(r)?;
+        let saved = config::load_text(Some((&text, "the checkpoint")), &[])?;
+        check_resumable(&cfg, &saved)?;
+        // Another optimizer than the checkpoint's is a config error (exit 2), found here.
+        let optimizer = cfg.train_settings().optimizer;
+        optimizer
+            .check_checkpoint(&r.manifest)
+            .map_err(|e| anyhow::anyhow!("--resume: {e}"))?;
+    }
+    let (parallel, shape) = (cfg.parallel_plan(), cfg.shape()?);
+    parallel.layout().validate(size, &shape)?;
+    // Before anything per layer is built (model.layers = 100000000 is refused at once).
+    crate::admission::check_shape(&cfg, &parallel)?;
+    // Built here, so that a bad schedule stops every rank at once.
+    let pipeline = parallel.pipeline(&shape, cfg.train.global_batch)?;
+    // What the trainer would refuse before building anything, refused before any folder.
+    merak_burn::train::check_plan(&parallel, &pipeline, &cfg.train_settings(), parallel.dp)?;
+    Ok(Resolved {
+        cfg,
+        plan_file,
+        parallel,
+        pipeline,
+    })
+}
+
+/// The config of a job before its plan: the file (or, resuming without --config, the
+/// checkpoint's, fitted to the `size` ranks of the launch), the command line's degrees and
+/// `--set` overrides. Enough to know the folders the job writes (`merak train --np` locks
+/// them before it starts the ranks).
+pub fn load_config(args: &TrainArgs, size: usize, resume: Option<&Checkpoint>) -> Result<Config> {
     let mut sets = args.sets.clone();
     for (key, v) in [
         ("dp", args.dp),
@@ -48,50 +85,22 @@ pub fn resolve_config(
             sets.push(format!("parallel.{key}={v}"));
         }
     }
-    let mut cfg = match (resume, &args.config) {
-        (Some(r), None) => {
-            let text = checkpoint_config(r)?;
-            let origin = r.checkpoint.dir.join("manifest.json");
-            let mut cfg = config::load_text(Some((&text, &origin.display().to_string())), &sets)?;
-            // The checkpoint folder stored in the checkpoint is history: a resumed run writes
-            // under its --out, or where this command line says.
-            if !sets.iter().any(|s| set_key(s) == "checkpoint.dir") {
-                cfg.checkpoint.dir.clear();
-            }
-            if args.plan.is_none() && !sets.iter().any(|s| sets_layout(s)) {
-                fit_layout_to_launch(&mut cfg, size);
-                cfg.validate()?;
-            }
-            cfg
-        }
-        _ => config::load(args.config.as_deref(), &sets)?,
+    let Some(r) = resume.filter(|_| args.config.is_none()) else {
+        return Ok(config::load(args.config.as_deref(), &sets)?);
     };
-    let plan_file = match args.plan.as_deref() {
-        Some(spec) => Some(apply_plan(args, spec, &mut cfg, world, size)?),
-        None => None,
-    };
-    if let Some(r) = resume {
-        let text = checkpoint_config(r)?;
-        let saved = config::load_text(Some((&text, "the checkpoint")), &[])?;
-        check_resumable(&cfg, &saved)?;
-        // Another optimizer than the checkpoint's is a config error (exit 2), found here.
-        let optimizer = cfg.train_settings().optimizer;
-        optimizer
-            .check_checkpoint(&r.checkpoint.manifest)
-            .map_err(|e| anyhow::anyhow!("--resume: {e}"))?;
+    let text = checkpoint_config(r)?;
+    let origin = r.dir.join("manifest.json");
+    let mut cfg = config::load_text(Some((&text, &origin.display().to_string())), &sets)?;
+    // The checkpoint folder stored in the checkpoint is history: a resumed run writes under
+    // its --out, or where this command line says.
+    if !sets.iter().any(|s| set_key(s) == "checkpoint.dir") {
+        cfg.checkpoint.dir.clear();
     }
-    let (parallel, shape) = (cfg.parallel_plan(), cfg.shape()?);
-    parallel.layout().validate(size, &shape)?;
-    // Before anything per layer is built (model.layers = 100000000 is refused at once).
-    crate::admission::check_shape(&cfg, &parallel)?;
-    // Built here, so that a bad schedule stops every rank at once.
-    let pipeline = parallel.pipeline(&shape, cfg.train.global_batch)?;
-    Ok(Resolved {
-        cfg,
-        plan_file,
-        parallel,
-        pipeline,
-    })
+    if args.plan.is_none() && !sets.iter().any(|s| sets_layout(s)) {
+        fit_layout_to_launch(&mut cfg, size);
+        cfg.validate()?;
+    }
+    Ok(cfg)
 }
 
 /// The key of the `--set` override `set` (`key=value`).
@@ -175,17 +184,15 @@ fn apply_plan(
     Ok(file)
 }
 
-/// Opens and verifies the checkpoint to resume from.
-pub fn open_resume(path: &Path) -> Result<Resume> {
-    let checkpoint = merak_burn::checkpoint::Checkpoint::open(path)?;
+/// Reads and verifies every tensor of the opened `checkpoint` to resume from.
+pub fn read_resume(checkpoint: Checkpoint) -> Result<Resume> {
     let state = checkpoint.read_full()?;
     Ok(Resume { checkpoint, state })
 }
 
 /// The config stored in a checkpoint's manifest.
-fn checkpoint_config(r: &Resume) -> Result<String> {
-    r.checkpoint
-        .manifest
+fn checkpoint_config(r: &Checkpoint) -> Result<String> {
+    r.manifest
         .extra
         .get("config")
         .and_then(serde_json::Value::as_str)
@@ -193,7 +200,7 @@ fn checkpoint_config(r: &Resume) -> Result<String> {
         .ok_or_else(|| {
             anyhow::anyhow!(
                 "{}: the manifest holds no config (not written by merak train)",
-                r.checkpoint.dir.display()
+                r.dir.display()
             )
         })
 }

@@ -29,7 +29,8 @@ pub struct TrainArgs {
     /// Output folder: metrics.jsonl, the resolved config, the run record (run.json) and, by
     /// default, the checkpoints. Default: a new folder runs/<date>-<time> (UTC), or with
     /// --resume the folder of the run the checkpoint belongs to. A folder that holds another
-    /// run is refused (see --replace).
+    /// run is refused (see --replace), and so is one whose run is still going (its run.lock
+    /// names the holder).
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// Replace the run that the output or checkpoint folder holds: remove that run's files
@@ -66,7 +67,10 @@ pub struct TrainArgs {
     #[arg(long, requires = "plan")]
     pub calibration: Option<PathBuf>,
     /// Start this many ranks on this machine (runs `mpirun -np N` with the flags a local run
-    /// needs and passes every other argument through); not under mpirun.
+    /// needs and passes every other argument through); not under mpirun. At most what this
+    /// machine can start (32 ranks per core, its open-files limit, its available memory).
+    /// This launcher holds the run folder's lock until the job ends; if it dies, mpirun and
+    /// the ranks end too.
     #[arg(long, value_name = "N")]
     pub np: Option<usize>,
 }

@@ -7,17 +7,19 @@ use std::process::ExitCode;
 use anyhow::{Result, bail};
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
+use merak_burn::checkpoint::Checkpoint;
 use merak_burn::comm::{Communicator, MpiCommunicator, MpiWorld, launched_by_mpirun};
 use merak_burn::grid::ProcessGrid;
 use merak_burn::pipeline::PipelinePlan;
 use merak_burn::plan::ParallelPlan;
 use merak_burn::tensor_parallel::{ParallelBackend, TpOverlap};
-use merak_burn::train::{ExistingRun, Origin, RunFolders, StopRequest, stop_on_signals};
+use merak_burn::train::run_folder::{missing_folders, output_folder, remove_if_empty};
+use merak_burn::train::{ExistingRun, Origin, RunFolders, RunLocks, StopRequest, stop_on_signals};
 
 use crate::config::Config;
 use crate::data::Source;
 use crate::describe::describe;
-use crate::resolve::{Resolved, open_resume, resolve_config};
+use crate::resolve::{Resolved, read_resume, resolve_config};
 use crate::train::{self, Objective, Resume, RunSpec, Summary};
 pub use crate::train_args::TrainArgs;
 use crate::{generate, init_from, init_logging, plot, spawn};
@@ -45,12 +47,15 @@ struct Job {
     resume: Option<Resume>,
     /// Pretrained weights to start from (`--init-from`), read and checked.
     init_from: Option<init_from::Pretrained>,
+    /// The locks of the output and checkpoint folders (rank 0's; joined under a launcher),
+    /// released when the job is dropped.
+    _locks: RunLocks,
 }
 
 /// `merak train`: under mpirun every rank runs this; `--np N` outside mpirun starts the ranks.
 pub fn run_train(args: TrainArgs) -> ExitCode {
     if let Some(np) = args.np {
-        return spawn::launch(np);
+        return spawn::launch(np, &args);
     }
     if launched_by_mpirun() && std::env::var_os("RAYON_NUM_THREADS").is_none() {
         // One compute thread per rank: ranks share the machine's cores.
@@ -93,7 +98,10 @@ pub fn run_train(args: TrainArgs) -> ExitCode {
         eprintln!("error: installing the signal handlers: {e}");
         return ExitCode::from(1);
     }
-    match (run(&job, args.trace.as_deref(), &stop), mpi) {
+    let ran = run(&job, args.trace.as_deref(), &stop);
+    // The run folders' locks go before the process does (an abort skips destructors).
+    drop(job);
+    match (ran, mpi) {
         (Ok(false), _) => ExitCode::SUCCESS,
         (Ok(true), _) => ExitCode::from(STOPPED),
         (Err(e), Some(mpi)) if size > 1 => mpi.abort(1, &describe(&e)),
@@ -108,24 +116,43 @@ pub fn run_train(args: TrainArgs) -> ExitCode {
 /// that is, resume).
 pub const STOPPED: u8 = 75;
 
-/// Reads and checks everything before anything is built: the checkpoint to resume, the
-/// config and plan, the output folders, the grid, the data set. A run refused here leaves no
-/// folder it made behind.
+/// Reads and checks everything before anything is built: the config and plan (with the
+/// checkpoint's manifest when resuming), the output folders, locked by rank 0 before anything
+/// in them is read or written (the checkpoint's tensors are read after), the grid, the data
+/// set. A run refused here leaves no folder it made behind.
 fn prepare(args: &TrainArgs, world: Option<MpiCommunicator>, size: usize) -> Result<Job> {
-    let resume = args.resume.as_deref().map(open_resume).transpose()?;
-    let resolved = resolve_config(args, world.as_ref(), size, resume.as_ref())?;
-    let out = merak_burn::train::run_folder::output_folder(
+    let checkpoint = args.resume.as_deref().map(Checkpoint::open).transpose()?;
+    let resolved = resolve_config(args, world.as_ref(), size, checkpoint.as_ref())?;
+    let out = output_folder(
         args.out.as_deref(),
-        resume.as_ref().map(|r| &r.checkpoint),
+        checkpoint.as_ref(),
         world.as_ref().map(|w| w as &dyn Communicator),
     )?;
     let root = train::checkpoint_root(&resolved.cfg, &out);
-    let made = merak_burn::train::run_folder::missing_folders(&[&out, &root]);
-    let job = check_and_open(args, world, resume, resolved, out, &root);
+    let made = missing_folders(&[&out, &root]);
+    let job = lock_folders(world.as_ref(), &out, &root).and_then(|locks| {
+        let resume = checkpoint.map(read_resume).transpose()?;
+        let folders = (out, root.as_path());
+        check_and_open(args, world, resume, resolved, folders, locks)
+    });
     if job.is_err() {
-        merak_burn::train::run_folder::remove_if_empty(&made);
+        // The locks went with the refused job: what is left of the folders it made is empty.
+        remove_if_empty(&made);
     }
     job
+}
+
+/// Rank 0 locks the output and checkpoint folders (joining its launcher's locks under
+/// `merak train --np`); every rank gets the outcome.
+fn lock_folders(world: Option<&MpiCommunicator>, out: &Path, root: &Path) -> Result<RunLocks> {
+    // A file where a folder goes is named as such before a lock is made in it.
+    merak_burn::train::not_a_file(out, "output folder (--out)")?;
+    merak_burn::train::not_a_file(root, "checkpoint folder (checkpoint.dir)")?;
+    let folders = [out, root];
+    Ok(match world {
+        Some(w) => RunLocks::on_rank_zero(w, &folders)?,
+        None => RunLocks::acquire(&folders)?,
+    })
 }
 
 /// [`prepare`] once the config and the output folder are known.
@@ -134,8 +161,8 @@ fn check_and_open(
     world: Option<MpiCommunicator>,
     resume: Option<Resume>,
     resolved: Resolved,
-    out: PathBuf,
-    root: &Path,
+    (out, root): (PathBuf, &Path),
+    locks: RunLocks,
 ) -> Result<Job> {
     let Resolved {
         cfg,
@@ -149,9 +176,6 @@ fn check_and_open(
         (_, true) => ExistingRun::Branch,
         _ => ExistingRun::Refuse,
     };
-    // A file where a folder goes is named as such before the lineage reads the folders.
-    merak_burn::train::not_a_file(&out, "output folder (--out)")?;
-    merak_burn::train::not_a_file(root, "checkpoint folder (checkpoint.dir)")?;
     // Read-only here (every rank, before anything is built); `Trainer::fit` claims for real.
     let own = train::own_file_names();
     let origin = resume.as_ref().map(|r| Origin::of(&r.checkpoint));
@@ -191,9 +215,8 @@ fn check_and_open(
         None => ProcessGrid::single(),
     };
     let data = crate::data::open(&cfg)?;
-    // Last: the only check that makes folders, so that a run refused by any other check
-    // makes none (ranks that made them would otherwise remove them under ranks still
-    // checking them, and those would report the missing folder instead of the refusal).
+    // Last: besides rank 0's locks, the only check that makes folders (rank 0 removes what
+    // is left empty of the folders a refused run made).
     check_outputs(args, &out, root, rank)?;
     if rank == 0 {
         tracing::info!("data: {}", data.describe());
@@ -209,6 +232,7 @@ fn check_and_open(
         data,
         resume,
         init_from,
+        _locks: locks,
     })
 }
 

@@ -826,8 +826,10 @@ const EXIT_STATUSES: [(u8, &str); 8] = [
     (
         2,
         "`merak train`: bad input, found before training (a config key, layout, data set, \
-         checkpoint, path or flag, named in the message); the other commands: any error, their \
-         input being checked before any work",
+         checkpoint, path or flag, named in the message), a run folder another running run \
+         holds (its `run.lock` and holder named), or `--np` beyond what this machine can start \
+         (cores, open files, memory named); the other commands: any error, their input being \
+         checked before any work",
     ),
     (
         75,
@@ -840,7 +842,8 @@ const EXIT_STATUSES: [(u8, &str); 8] = [
     ),
     (
         130,
-        "a second stop signal ended `merak train` at once; `merak prepare-data` stopped by \
+        "a second stop signal ended `merak train` at once, or `merak train --np`'s job was \
+         still running `train.comm_timeout_s` after the first; `merak prepare-data` stopped by \
          SIGINT (128 + 2)",
     ),
     (143, "`merak prepare-data` stopped by SIGTERM (128 + 15)"),

@@ -263,13 +263,15 @@ fn leftovers(dir: &Path) -> Vec<PathBuf> {
 
 #[test]
 fn a_disk_that_takes_no_more_bytes_is_named_at_start_and_leaves_no_empty_files() {
-    // Not a byte: the output folder's write probe fails before anything is built.
+    // Not a byte: the run folder's lock, its first write, fails before anything is built.
     let out = out_dir("lineage-full-disk");
     let run = train_with_file_limit(&out, 0);
     assert_eq!(run.code, Some(2), "{run:?}");
     assert!(
-        run.stderr.contains("cannot write in the output folder")
-            && run.stderr.contains(&out.display().to_string()),
+        run.stderr.contains("cannot lock the run folder")
+            && run
+                .stderr
+                .contains(&out.join("run.lock").display().to_string()),
         "{}",
         run.stderr
     );
@@ -277,7 +279,7 @@ fn a_disk_that_takes_no_more_bytes_is_named_at_start_and_leaves_no_empty_files()
         !out.exists(),
         "the refused run removes the empty folder it made"
     );
-    // A byte, not a run record: the file that fails is named, and none is left behind empty.
+    // A byte, not a lock record: the file that fails is named, and nothing is left behind.
     let out = out_dir("lineage-nearly-full-disk");
     let run = train_with_file_limit(&out, 1);
     assert_ne!(run.code, Some(0), "{run:?}");
@@ -287,8 +289,8 @@ fn a_disk_that_takes_no_more_bytes_is_named_at_start_and_leaves_no_empty_files()
         run.stderr
     );
     assert!(!run.stderr.contains("panicked"), "{}", run.stderr);
-    assert!(leftovers(&out).is_empty(), "{:?}", leftovers(&out));
-    assert!(!out.join("config.toml").exists());
+    // The lock record does not fit either: the refused run removes its folder again.
+    assert!(!out.exists(), "{:?}", leftovers(&out));
     // Room for the run's small files but not for a checkpoint: the save fails naming the
     // shard, and its partial folder is removed again (the space is free).
     let out = out_dir("lineage-full-disk-at-save");

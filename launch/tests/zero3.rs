@@ -281,16 +281,13 @@ fn zero3_refuses_split_backward_and_two_version_schedules_before_training() {
             &["--pp", "2", "--set", &set, "--set", "parallel.zero=3"],
         );
         let run = run_with_deadline(cmd, Duration::from_secs(120));
-        assert!(
-            run.code.is_some_and(|c| c != 0),
-            "{schedule}: {}",
-            run.stderr
-        );
+        // Bad input, before training (exit status 2), and no folder left behind.
+        assert_eq!(run.code, Some(2), "{schedule}: {}", run.stderr);
         assert!(
             run.stderr.contains("parallel.zero") && run.stderr.contains(schedule),
             "{schedule}: {}",
             run.stderr
         );
-        assert!(!out.join("metrics.jsonl").exists(), "{schedule}: trained");
+        assert!(!out.exists(), "{schedule}: left {}", out.display());
     }
 }

@@ -1,50 +1,127 @@
-//! `merak train --np N` outside mpirun: starts the N ranks itself, the way torchrun does.
+//! `merak train --np N` outside mpirun: starts the N ranks itself, the way torchrun does,
+//! after checking that this machine can start them, and holding the run folders' locks for
+//! the whole job.
+
+mod capacity;
+mod signals;
 
 use std::ffi::OsString;
 use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
-use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
-use signal_hook::iterator::Signals;
+use merak_burn::checkpoint::Checkpoint;
+use merak_burn::train::run_folder::{missing_folders, output_folder, remove_if_empty};
+use merak_burn::train::run_lock::LOCK_TOKEN_ENV;
+use merak_burn::train::{RunLocks, not_a_file};
 
-/// `--np np`: refused under mpirun or srun (they set the ranks) and for 0 ranks; otherwise
-/// the ranks are started with [`relaunch`].
-pub fn launch(np: usize) -> ExitCode {
+use crate::describe::describe;
+use crate::train_args::TrainArgs;
+pub use capacity::Machine;
+
+/// `--np np`: refused under mpirun or srun (they set the ranks), for 0 ranks and for more
+/// than this machine can start ([`Machine::check`]); otherwise the run's folders are locked
+/// (this launcher holds the locks until the job ends, and its ranks join them) and the ranks
+/// are started with [`relaunch`].
+pub fn launch(np: usize, args: &TrainArgs) -> ExitCode {
+    if let Err(e) = check_np(np) {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
+    crate::init_launcher_logging();
+    let job = match Job::prepare(args, np) {
+        Ok(job) => job,
+        Err(e) => {
+            eprintln!("error: {}", describe(&e));
+            return ExitCode::from(2);
+        }
+    };
+    let made = missing_folders(&[&job.out, &job.root]);
+    let locks = match RunLocks::acquire(&[&job.out, &job.root]) {
+        Ok(locks) => locks,
+        Err(e) => {
+            eprintln!("error: {e}");
+            remove_if_empty(&made);
+            return ExitCode::from(2);
+        }
+    };
+    let token = locks.token().unwrap_or_default().to_string();
+    let code = relaunch(np, &job, &token);
+    drop(locks);
+    // A job refused by its ranks leaves no folder it made (nor one this launcher made).
+    remove_if_empty(&made);
+    code
+}
+
+/// `--np np` outside mpirun and srun, at least one rank, and no more than this machine can
+/// start.
+fn check_np(np: usize) -> Result<(), String> {
     if merak_burn::comm::launched_by_mpirun() {
         let srun = merak_burn::launcher::Launch::from_env()
             .is_ok_and(|l| l.kind == merak_burn::launcher::LauncherKind::Slurm);
-        if srun {
-            eprintln!(
-                "error: --np {np} starts mpirun itself: drop --np under srun (srun -n sets the ranks)"
-            );
-        } else {
-            eprintln!(
-                "error: --np {np} starts mpirun itself: drop --np under mpirun (mpirun -np sets the ranks)"
-            );
-        }
-        return ExitCode::from(2);
+        return Err(match srun {
+            true => format!(
+                "--np {np} starts mpirun itself: drop --np under srun (srun -n sets the ranks)"
+            ),
+            false => format!(
+                "--np {np} starts mpirun itself: drop --np under mpirun (mpirun -np sets the ranks)"
+            ),
+        });
     }
     if np == 0 {
-        eprintln!("error: --np 0: at least one rank is needed");
-        return ExitCode::from(2);
+        return Err("--np 0: at least one rank is needed".into());
     }
-    relaunch(np)
+    Machine::here().check(np).map_err(|e| e.to_string())
+}
+
+/// What the launcher knows of the job before it starts the ranks.
+struct Job {
+    /// The output folder.
+    out: PathBuf,
+    /// The checkpoint folder.
+    root: PathBuf,
+    /// Whether the launcher chose the output folder (no `--out`): the ranks get it as `--out`.
+    chose_out: bool,
+    /// How long the ranks may take to stop after the first stop signal
+    /// (`train.comm_timeout_s`).
+    stop_grace: Duration,
+}
+
+impl Job {
+    /// Reads the config (with the checkpoint's manifest when resuming) far enough to know the
+    /// folders the job writes; bad input here is what the ranks would refuse too.
+    fn prepare(args: &TrainArgs, np: usize) -> anyhow::Result<Self> {
+        let checkpoint = args.resume.as_deref().map(Checkpoint::open).transpose()?;
+        let cfg = crate::resolve::load_config(args, np, checkpoint.as_ref())?;
+        let out = output_folder(args.out.as_deref(), checkpoint.as_ref(), None)?;
+        let root = crate::train::checkpoint_root(&cfg, &out);
+        not_a_file(&out, "output folder (--out)")?;
+        not_a_file(&root, "checkpoint folder (checkpoint.dir)")?;
+        Ok(Self {
+            chose_out: args.out.is_none(),
+            out,
+            root,
+            stop_grace: merak_burn::comm::watchdog::saturating_duration(cfg.train.comm_timeout_s),
+        })
+    }
 }
 
 /// Runs this program again as `np` ranks under `mpirun`, with every argument but `--np`
-/// passed through, and exits with mpirun's status. Oversubscription is allowed (a laptop has
-/// fewer cores than ranks), cores are not bound (each rank runs one compute thread), and
-/// running as root is allowed (containers).
+/// passed through (and `--out` when the launcher chose the folder), and exits with mpirun's
+/// status. Oversubscription is allowed (a laptop has fewer cores than ranks), cores are not
+/// bound (each rank runs one compute thread), and running as root is allowed (containers).
+/// The ranks get the lock's `token` ([`LOCK_TOKEN_ENV`]) and join this launcher's locks.
 ///
 /// Preemption works through it: mpirun runs in a process group of its own (a terminal's
 /// Ctrl-C reaches only this launcher), and the first SIGTERM, SIGINT or SIGUSR1 this launcher
 /// gets is passed to mpirun as SIGUSR1, which Open MPI forwards to every rank: the ranks
 /// finish their step, checkpoint and exit 75, and so does this launcher. (Open MPI answers a
-/// SIGTERM of its own by killing the ranks a second later, and exits 1.) A second signal
-/// passes SIGTERM, which ends the ranks at once, and exits 130.
-pub fn relaunch(np: usize) -> ExitCode {
+/// SIGTERM of its own by killing the ranks a second later, and exits 1.) A second signal, or
+/// ranks still running `train.comm_timeout_s` after the first, passes SIGTERM, which ends the
+/// ranks at once, and exits 130. When this launcher dies, mpirun gets SIGTERM from the kernel
+/// (never left behind).
+fn relaunch(np: usize, job: &Job, token: &str) -> ExitCode {
     let exe = match std::env::current_exe() {
         Ok(p) => p,
         Err(e) => {
@@ -52,23 +129,14 @@ pub fn relaunch(np: usize) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let args = without_np(std::env::args_os().skip(1));
-    let mut cmd = Command::new("mpirun");
-    cmd.args([
-        "--oversubscribe",
-        "--bind-to",
-        "none",
-        "-np",
-        &np.to_string(),
-    ])
-    .arg(exe)
-    .args(args)
-    .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-    .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
-    .process_group(0);
+    let mut args = without_np(std::env::args_os().skip(1));
+    if job.chose_out {
+        args.extend([OsString::from("--out"), job.out.clone().into_os_string()]);
+    }
+    let mut cmd = mpirun_command(np, &exe, &args);
+    cmd.env(LOCK_TOKEN_ENV, token);
     // Registered before mpirun starts, so no signal is missed.
-    let signals = match Signals::new([SIGTERM, SIGINT, SIGUSR1]) {
+    let signals = match signals::Forwarder::register() {
         Ok(s) => s,
         Err(e) => {
             eprintln!("error: --np {np}: installing the signal handlers: {e}");
@@ -84,11 +152,10 @@ pub fn relaunch(np: usize) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let forwarded = forward_signals(signals, child.id());
+    let forwarded = signals.forward(child.id(), job.stop_grace);
     let status = child.wait();
-    let aborted = forwarded.load(Ordering::SeqCst) > 1;
     match status {
-        Ok(_) if aborted => ExitCode::from(130),
+        Ok(_) if forwarded.aborted() => ExitCode::from(130),
         Ok(status) => ExitCode::from(status.code().unwrap_or(1).clamp(0, 255) as u8),
         Err(e) => {
             eprintln!("error: --np {np}: waiting for mpirun: {e}");
@@ -97,27 +164,39 @@ pub fn relaunch(np: usize) -> ExitCode {
     }
 }
 
-/// Passes the signals this launcher gets to mpirun (process `pid`) on a thread of their own:
-/// the first as SIGUSR1 (checkpoint and stop), the next ones as SIGTERM (stop at once).
-/// Returns the count of signals passed.
-fn forward_signals(mut signals: Signals, pid: u32) -> Arc<AtomicUsize> {
-    let count = Arc::new(AtomicUsize::new(0));
-    let seen = count.clone();
-    std::thread::spawn(move || {
-        for signal in signals.forever() {
-            let n = seen.fetch_add(1, Ordering::SeqCst) + 1;
-            let (to, what) = if n == 1 {
-                (SIGUSR1, "checkpointing and stopping after the current step")
-            } else {
-                (SIGTERM, "stopping at once")
-            };
-            eprintln!("merak: signal {signal}: {what} (signal {to} to mpirun)");
-            // SAFETY: kill(2) on the pid of our own child, which we have not waited for yet
-            // (the main thread reaps it only after it exits).
-            unsafe { libc::kill(pid as libc::pid_t, to) };
-        }
-    });
-    count
+/// `mpirun -np np exe args` with the flags a local run needs, in a process group of its own,
+/// and ended by the kernel (SIGTERM) when this launcher dies.
+fn mpirun_command(np: usize, exe: &Path, args: &[OsString]) -> Command {
+    let mut cmd = Command::new("mpirun");
+    cmd.args([
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        "-np",
+        &np.to_string(),
+    ])
+    .arg(exe)
+    .args(args)
+    .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    .process_group(0);
+    // SAFETY: prctl and getppid are async-signal-safe, as pre_exec requires; nothing is
+    // allocated.
+    let parent = std::process::id() as libc::pid_t;
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The launcher died before the request took effect: end at once.
+            if libc::getppid() != parent {
+                return Err(std::io::Error::other("the launcher has ended"));
+            }
+            Ok(())
+        });
+    }
+    cmd
 }
 
 /// `args` without `--np N` / `--np=N`.

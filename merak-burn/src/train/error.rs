@@ -69,6 +69,9 @@ pub enum TrainError {
     /// The run may not write into its folders (they hold another run, or later checkpoints).
     #[error(transparent)]
     Claim(#[from] super::ClaimError),
+    /// Another run holds one of the run's folders ([`run_lock`](mod@super::run_lock)).
+    #[error(transparent)]
+    Lock(#[from] super::LockError),
     /// A caller's file of [`RunOutput::files`](super::RunOutput::files) is not a plain name.
     #[error(
         "run file {0:?}: give a file name without folders (it is written into the output folder)"

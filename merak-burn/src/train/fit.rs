@@ -67,7 +67,8 @@ where
         on_step: &mut dyn FnMut(&StepMetrics),
     ) -> Result<Summary, TrainError> {
         let t0 = Instant::now();
-        self.start(out)?;
+        // Held until the run returns.
+        let _locks = self.start(out)?;
         // Building, sharding and resuming are done: their high-water mark.
         let startup_alloc = process::alloc_peak_bytes();
         let (start, steps) = (self.done, self.settings.steps);

@@ -89,10 +89,23 @@ fn new_folder_name(parent: &Path) -> String {
         .unwrap_or(stamp)
 }
 
-/// `YYYYMMDD-HHMMSS` of a Unix time (the proleptic Gregorian calendar, UTC).
+/// `YYYYMMDD-HHMMSS` of a Unix time (UTC).
 fn utc_stamp(secs: u64) -> String {
+    let [year, month, day, h, m, s] = civil_utc(secs);
+    format!("{year:04}{month:02}{day:02}-{h:02}{m:02}{s:02}")
+}
+
+/// `YYYY-MM-DD HH:MM:SS UTC` of a Unix time: when a run took its folder's lock, in messages.
+pub fn utc_time(secs: u64) -> String {
+    let [year, month, day, h, m, s] = civil_utc(secs);
+    format!("{year:04}-{month:02}-{day:02} {h:02}:{m:02}:{s:02} UTC")
+}
+
+/// Year, month, day, hour, minute and second of a Unix time (the proleptic Gregorian
+/// calendar, UTC).
+fn civil_utc(secs: u64) -> [i64; 6] {
     let days = (secs / 86_400) as i64;
-    let rest = secs % 86_400;
+    let rest = (secs % 86_400) as i64;
     // Days to a civil date (H. Hinnant's algorithm).
     let z = days + 719_468;
     let era = z.div_euclid(146_097);
@@ -103,12 +116,7 @@ fn utc_stamp(secs: u64) -> String {
     let day = doy - (153 * mp + 2) / 5 + 1;
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
     let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}{month:02}{day:02}-{:02}{:02}{:02}",
-        rest / 3600,
-        rest / 60 % 60,
-        rest % 60
-    )
+    [year, month, day, rest / 3600, rest / 60 % 60, rest % 60]
 }
 
 #[cfg(test)]
@@ -122,6 +130,7 @@ mod tests {
         assert_eq!(utc_stamp(1_795_635_930), "20261125-194530");
         // 2024-02-29 23:59:59 UTC (a leap day).
         assert_eq!(utc_stamp(1_709_251_199), "20240229-235959");
+        assert_eq!(utc_time(1_795_635_930), "2026-11-25 19:45:30 UTC");
     }
 
     #[test]

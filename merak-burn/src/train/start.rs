@@ -1,6 +1,6 @@
-//! What [`Trainer::fit`] does before its first step: every path it will write is checked, the
-//! run's folders are claimed for its lineage ([`claim`](mod@super::claim)), and the caller's files
-//! are written.
+//! What [`Trainer::fit`] does before its first step: the run's folders are locked
+//! ([`run_lock`](mod@super::run_lock)), every path it will write is checked, the folders are
+//! claimed for its lineage ([`claim`](mod@super::claim)), and the caller's files are written.
 
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
@@ -8,7 +8,7 @@ use burn::tensor::backend::AutodiffBackend;
 use crate::checkpoint::{RunId, plain_name, write_file_atomically};
 use crate::pipeline::PipelineModel;
 use crate::tensor_parallel::ParallelBackend;
-use crate::train::{RunOutput, TrainError, Trainer, claim};
+use crate::train::{RunLocks, RunOutput, TrainError, Trainer, claim};
 
 /// The most bytes of a run id (ids are at most 64 characters).
 const ID_BYTES: usize = 64;
@@ -20,17 +20,27 @@ where
     M: PipelineModel<B> + AutodiffModule<B>,
     M::InnerModule: PipelineModel<B::InnerBackend>,
 {
-    /// Checks `out`'s paths on every rank, claims its folders (every rank checks, rank 0
-    /// changes what the claim asks and writes the caller's files) and agrees on the lineage.
-    pub(crate) fn start(&mut self, out: &RunOutput) -> Result<(), TrainError> {
+    /// Locks `out`'s folders (rank 0 holds the locks it returns, or joins those its process
+    /// or launcher holds), checks its paths on every rank, claims its folders (every rank
+    /// checks, rank 0 changes what the claim asks and writes the caller's files) and agrees
+    /// on the lineage.
+    pub(crate) fn start(&mut self, out: &RunOutput) -> Result<RunLocks, TrainError> {
         let rank = self.grid.rank;
+        let world = self.grid.world.comm()?;
+        // A file where a folder goes is named as such before a lock is made in it.
+        super::not_a_file(&out.dir, "output folder")?;
+        if let Some(c) = &out.checkpoints {
+            super::not_a_file(&c.dir, "checkpoint folder")?;
+        }
+        let mut folders = vec![out.dir.as_path()];
+        folders.extend(out.checkpoints.as_ref().map(|c| c.dir.as_path()));
+        let locks = RunLocks::on_rank_zero(world.as_ref(), &folders)?;
         out.check(rank)?;
         if let Some(f) = out.files.iter().find(|f| !plain_name(&f.name)) {
             return Err(TrainError::BadRunFile(f.name.clone()));
         }
         let own = out.own_files();
         let claim = claim::claim(out.folders(&own), self.origin.as_ref(), out.existing)?;
-        let world = self.grid.world.comm()?;
         // Every rank has checked before rank 0 changes anything.
         world.barrier()?;
         if rank == 0 {
@@ -45,6 +55,6 @@ where
         }
         let text = world.broadcast_text(claim.run.as_str(), ID_BYTES, 0)?;
         self.run = Some(RunId::try_from(text).unwrap_or(claim.run));
-        Ok(())
+        Ok(locks)
     }
 }

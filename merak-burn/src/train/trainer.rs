@@ -19,14 +19,15 @@ use crate::pipeline::{
 };
 use crate::plan::ParallelPlan;
 use crate::tensor_parallel::{ParallelBackend, Shard};
+use crate::train::check_plan;
 use crate::train::experts::{expert_ids, experts_apart, gather_routing};
 use crate::train::hybrid::shard_groups;
 use crate::train::optim::Optimizers;
 use crate::train::pieces::Sliced;
-use crate::train::zero3::{self, check_zero};
+use crate::train::zero3;
 use crate::train::{
     BatchSource, FusedAdamW, NormGroups, ParamGroup, ParamInfo, RoutingStats, StateBytes,
-    TrainError, TrainSettings, check_settings, clip_grads, global_grad_norm, sharded_param_ids,
+    TrainError, TrainSettings, clip_grads, global_grad_norm, sharded_param_ids,
     tied::{sum_tied_chunk, sum_tied_grads},
 };
 
@@ -139,7 +140,8 @@ where
 {
     /// A trainer for `model` (this rank's units and shard, built for `grid` and `pipeline`,
     /// the pipeline plan of `parallel`) at step 0; `trace` records every action for a Chrome
-    /// trace. Out-of-range settings ([`check_settings`]) are refused before anything is built.
+    /// trace. Out-of-range settings and plans ([`check_plan`]) are refused before anything is
+    /// built.
     /// The parameters are in the default groups (see
     /// [`with_param_groups`](Self::with_param_groups)).
     pub fn new(
@@ -151,17 +153,7 @@ where
         device: B::Device,
         trace: bool,
     ) -> Result<Self, TrainError> {
-        check_settings(&settings)?;
-        let dp = grid.layout.dp;
-        let micro = parallel.micro_batch;
-        if micro == 0 || !settings.global_batch.is_multiple_of(dp * micro) {
-            return Err(TrainError::Batch {
-                global_batch: settings.global_batch,
-                dp,
-                micro_batch: micro,
-            });
-        }
-        check_zero(parallel, &pipeline)?;
+        check_plan(parallel, &pipeline, &settings, grid.layout.dp)?;
         check_context_parallel(grid.layout.cp, model.sequence_parts())?;
         let copies = model.tied_names();
         let shapes = state::param_shapes(&model);

@@ -24,7 +24,7 @@ pub(crate) type UnitParams = HashMap<usize, Vec<usize>>;
 
 /// Refuses a ZeRO stage that does not exist, and ZeRO-3 with a schedule it does not run
 /// (two weight versions; a split backward pass unless the parameters stay gathered).
-pub(crate) fn check_zero(
+pub(super) fn check_zero(
     parallel: &ParallelPlan,
     pipeline: &PipelinePlan,
 ) -> Result<(), TrainError> {
