@@ -5,6 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
+use merak_burn::checkpoint::Checkpoint;
 use merak_burn::comm::MpiCommunicator;
 use merak_burn::pipeline::PipelinePlan;
 use merak_burn::plan::ParallelPlan;
@@ -86,6 +87,11 @@ pub fn resolve_config(
     crate::admission::check_shape(&cfg, &parallel)?;
     // Built here, so that a bad schedule stops every rank at once.
     let pipeline = parallel.pipeline(&shape, cfg.train.global_batch)?;
+    if let Some(r) = resume {
+        // The checkpoint's tensors against the model this config builds, before any folder.
+        crate::model_params::check_checkpoint(&cfg, &r.checkpoint)
+            .with_context(|| format!("--resume {}", r.checkpoint.dir.display()))?;
+    }
     Ok(Resolved {
         cfg,
         plan_file,
@@ -177,23 +183,32 @@ fn apply_plan(
 
 /// Opens and verifies the checkpoint to resume from.
 pub fn open_resume(path: &Path) -> Result<Resume> {
-    let checkpoint = merak_burn::checkpoint::Checkpoint::open(path)?;
+    let checkpoint = Checkpoint::open(path)?;
     let state = checkpoint.read_full()?;
     Ok(Resume { checkpoint, state })
 }
 
 /// The config stored in a checkpoint's manifest.
 fn checkpoint_config(r: &Resume) -> Result<String> {
-    r.checkpoint
-        .manifest
+    Ok(stored_config(&r.checkpoint)?.to_string())
+}
+
+/// The keys `merak train` writes into a manifest's `extra`, besides the trainer's own.
+pub const EXTRA_KEYS: [&str; 1] = ["config"];
+
+/// The training config (TOML) stored in the manifest of a checkpoint `merak train` wrote;
+/// a key of `extra` that neither `merak train` nor the trainer writes is refused, naming it.
+pub fn stored_config(ck: &Checkpoint) -> Result<&str> {
+    ck.manifest
+        .check_extra(&ck.dir.join(merak_burn::checkpoint::MANIFEST), &EXTRA_KEYS)?;
+    ck.manifest
         .extra
         .get("config")
         .and_then(serde_json::Value::as_str)
-        .map(str::to_string)
         .ok_or_else(|| {
             anyhow::anyhow!(
                 "{}: the manifest holds no config (not written by merak train)",
-                r.checkpoint.dir.display()
+                ck.dir.display()
             )
         })
 }
