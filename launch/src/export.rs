@@ -47,17 +47,7 @@ pub struct ExportArgs {
 
 /// The training config stored in a checkpoint.
 fn config_of(ck: &Checkpoint) -> Result<Config> {
-    let text = ck
-        .manifest
-        .extra
-        .get("config")
-        .and_then(serde_json::Value::as_str)
-        .with_context(|| {
-            format!(
-                "{}: the manifest holds no config (not written by merak train)",
-                ck.dir.display()
-            )
-        })?;
+    let text = crate::resolve::stored_config(ck)?;
     Ok(config::load_text(
         Some((text, "the checkpoint's config")),
         &[],
@@ -78,14 +68,16 @@ pub(crate) fn gpt_of(ck: &Checkpoint) -> Result<Config> {
 }
 
 /// Writes the checkpoint as one Hugging Face safetensors file plus `config.json`: GPT-2 for a
-/// GPT, `BertForMaskedLM` for a BERT.
+/// GPT, `BertForMaskedLM` for a BERT. Everything is read and checked before the output
+/// folders are made, so a refused export leaves nothing behind.
 pub fn export(args: &ExportArgs) -> Result<()> {
-    crate::output_file(&args.output, "--output")?;
+    not_a_folder(&args.output, "--output")?;
     if let Some(path) = &args.logits_out {
-        crate::output_file(path, "--logits-out")?;
+        not_a_folder(path, "--logits-out")?;
     }
     let ck = Checkpoint::open(&args.checkpoint)?;
     let cfg = config_of(&ck)?;
+    refuse_experts(&ck, &cfg)?;
     let ids = match &args.logits_out {
         Some(_) => Some(logits_ids(args.logits_ids.as_deref(), &cfg)?),
         None => None,
@@ -103,8 +95,13 @@ pub fn export(args: &ExportArgs) -> Result<()> {
         ),
     };
     let bytes = hf_files::encode(&tensors).map_err(anyhow::Error::msg)?;
+    let logits = match ids {
+        Some(ids) => Some(checkpoint_logits(&ck, &cfg, &ids)?),
+        None => None,
+    };
+    // Everything is checked: only now is anything made.
+    crate::output_file(&args.output, "--output")?;
     let folder = hf_files::folder_of(&args.output);
-    std::fs::create_dir_all(folder).with_context(|| format!("creating {}", folder.display()))?;
     write_file_atomically(&args.output, &bytes)?;
     write_file_atomically(
         &folder.join("config.json"),
@@ -117,28 +114,59 @@ pub fn export(args: &ExportArgs) -> Result<()> {
         ck.manifest.step,
         folder.join("config.json").display()
     );
-    if let (Some(path), Some(ids)) = (&args.logits_out, ids) {
-        let seed = cfg.train.seed;
-        let (logits, vocab) = match cfg.model.kind.as_str() {
-            "bert" => {
-                let b = cfg.bert();
-                (
-                    load_bert(&ck, &b, seed)?.logits(ids_tensor(&ids)),
-                    b.vocab_size,
-                )
-            }
-            _ => {
-                let g = &cfg.model.gpt;
-                (
-                    load_gpt(&ck, g, seed)?.logits(ids_tensor(&ids)),
-                    g.vocab_size,
-                )
-            }
-        };
-        write_logits(logits, &ids, vocab, path)?;
-        println!("wrote {} (logits of {} ids)", path.display(), ids.len());
+    if let (Some(path), Some((json, n))) = (&args.logits_out, logits) {
+        crate::output_file(path, "--logits-out")?;
+        write_file_atomically(path, &json)?;
+        println!("wrote {} (logits of {n} ids)", path.display());
     }
     Ok(())
+}
+
+/// Refuses a folder where the file of `flag` goes, before any work (nothing is made here:
+/// the file's folder is made once everything is checked).
+pub(crate) fn not_a_folder(path: &Path, flag: &str) -> Result<()> {
+    if path.is_dir() {
+        return Err(merak_burn::train::OutputError::IsAFolder {
+            what: flag.to_string(),
+            path: path.to_path_buf(),
+        }
+        .into());
+    }
+    Ok(())
+}
+
+/// Refuses a mixture-of-experts GPT (`model.moe`): GPT-2's format has dense MLPs only.
+fn refuse_experts(ck: &Checkpoint, cfg: &Config) -> Result<()> {
+    match (&cfg.model.gpt.moe, cfg.model.kind.as_str()) {
+        (Some(moe), "gpt") => bail!(
+            "{}: the model is a mixture of experts (model.moe: {} experts, top-{}), and GPT-2's \
+             format (GPT2LMHeadModel) has dense MLPs only, so it has no GPT-2 form; the \
+             checkpoint still serves `merak generate` and `merak train --resume`",
+            ck.dir.display(),
+            moe.experts,
+            moe.top_k
+        ),
+        _ => Ok(()),
+    }
+}
+
+/// The checkpoint's logits for `ids` as `--logits-out` JSON, and the number of ids.
+fn checkpoint_logits(ck: &Checkpoint, cfg: &Config, ids: &[i64]) -> Result<(Vec<u8>, usize)> {
+    let seed = cfg.train.seed;
+    let (logits, vocab) = match cfg.model.kind.as_str() {
+        "bert" => {
+            let b = cfg.bert();
+            (
+                load_bert(ck, &b, seed)?.logits(ids_tensor(ids)),
+                b.vocab_size,
+            )
+        }
+        _ => {
+            let g = &cfg.model.gpt;
+            (load_gpt(ck, g, seed)?.logits(ids_tensor(ids)), g.vocab_size)
+        }
+    };
+    Ok((logits_json(logits, ids, vocab)?, ids.len()))
 }
 
 /// The ids of `--logits-out`: `given`, checked against the model, or 16 fixed ones.
@@ -266,14 +294,13 @@ fn load<M: burn::module::Module<Cpu>>(ck: &Checkpoint, model: M) -> Result<M> {
     Ok(state::assign_params(model, params)?)
 }
 
-/// Writes `logits` (`[1, ids, V_pad]` of a one-process model) of every position of `ids`,
-/// the first `vocab` columns.
-pub(crate) fn write_logits(
+/// `logits` (`[1, ids, V_pad]` of a one-process model) of every position of `ids`, the first
+/// `vocab` columns, as `--logits-out` JSON (`{"ids", "shape", "logits"}`).
+pub(crate) fn logits_json(
     logits: burn::tensor::Tensor<Cpu, 3>,
     ids: &[i64],
     vocab: usize,
-    path: &Path,
-) -> Result<()> {
+) -> Result<Vec<u8>> {
     let n = ids.len();
     let values = logits
         .narrow(2, 0, vocab)
@@ -281,6 +308,5 @@ pub(crate) fn write_logits(
         .into_vec::<f32>()
         .map_err(|e| anyhow::anyhow!("{e:?}"))?;
     let json = serde_json::json!({ "ids": ids, "shape": [n, vocab], "logits": values });
-    write_file_atomically(path, &serde_json::to_vec(&json)?)?;
-    Ok(())
+    Ok(serde_json::to_vec(&json)?)
 }

@@ -3,10 +3,10 @@
 use std::path::PathBuf;
 
 use anyhow::{Result, bail};
-use merak_burn::checkpoint::Checkpoint;
+use merak_burn::checkpoint::{Checkpoint, write_file_atomically};
 use merak_burn::grid::ProcessGrid;
 
-use crate::export::{gpt_of, ids_tensor, load_gpt, write_logits};
+use crate::export::{gpt_of, ids_tensor, load_gpt, logits_json, not_a_folder};
 use crate::generate::{self, Sampling};
 use crate::prepare_data::GPT2_VOCAB;
 
@@ -51,7 +51,7 @@ pub struct GenerateArgs {
 /// Continues a prompt with a checkpoint and prints the result.
 pub fn generate(args: &GenerateArgs) -> Result<()> {
     if let Some(path) = &args.logits_out {
-        crate::output_file(path, "--logits-out")?;
+        not_a_folder(path, "--logits-out")?;
     }
     let ck = Checkpoint::open(&args.checkpoint)?;
     let cfg = gpt_of(&ck)?;
@@ -88,7 +88,10 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
     let grid = ProcessGrid::single();
     if let Some(path) = &args.logits_out {
         let ids = &prompt[..prompt.len().min(g.seq_len)];
-        write_logits(model.logits(ids_tensor(ids)), ids, g.vocab_size, path)?;
+        let json = logits_json(model.logits(ids_tensor(ids)), ids, g.vocab_size)?;
+        // Made only now that the checkpoint is loaded: a refused command leaves no folder.
+        crate::output_file(path, "--logits-out")?;
+        write_file_atomically(path, &json)?;
     }
     let sampling = Sampling {
         temperature: args.temperature,

@@ -49,6 +49,8 @@ pub fn open(path: &Path, cfg: &Config, log: bool) -> Result<Pretrained> {
             path.display()
         ),
     };
+    // The weights against the model this config builds, before any folder is made.
+    crate::model_params::check_pretrained(cfg, &params).with_context(context)?;
     if log {
         for note in &notes {
             tracing::warn!("--init-from: {note}");

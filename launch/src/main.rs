@@ -9,6 +9,7 @@ mod export;
 mod generate;
 mod generate_cmd;
 mod init_from;
+mod model_params;
 #[cfg(test)]
 mod parsers_never_panic;
 mod plan_cmd;

@@ -60,6 +60,11 @@ pub fn resolve_config(
     let pipeline = parallel.pipeline(&shape, cfg.train.global_batch)?;
     // What the trainer would refuse before building anything, refused before any folder.
     merak_burn::train::check_plan(&parallel, &pipeline, &cfg.train_settings(), parallel.dp)?;
+    if let Some(r) = resume {
+        // The checkpoint's tensors against the model this config builds, before any folder.
+        crate::model_params::check_checkpoint(&cfg, r)
+            .with_context(|| format!("--resume {}", r.dir.display()))?;
+    }
     Ok(Resolved {
         cfg,
         plan_file,
@@ -192,15 +197,25 @@ pub fn read_resume(checkpoint: Checkpoint) -> Result<Resume> {
 
 /// The config stored in a checkpoint's manifest.
 fn checkpoint_config(r: &Checkpoint) -> Result<String> {
-    r.manifest
+    Ok(stored_config(r)?.to_string())
+}
+
+/// The keys `merak train` writes into a manifest's `extra`, besides the trainer's own.
+pub const EXTRA_KEYS: [&str; 1] = ["config"];
+
+/// The training config (TOML) stored in the manifest of a checkpoint `merak train` wrote;
+/// a key of `extra` that neither `merak train` nor the trainer writes is refused, naming it.
+pub fn stored_config(ck: &Checkpoint) -> Result<&str> {
+    ck.manifest
+        .check_extra(&ck.dir.join(merak_burn::checkpoint::MANIFEST), &EXTRA_KEYS)?;
+    ck.manifest
         .extra
         .get("config")
         .and_then(serde_json::Value::as_str)
-        .map(str::to_string)
         .ok_or_else(|| {
             anyhow::anyhow!(
                 "{}: the manifest holds no config (not written by merak train)",
-                r.dir.display()
+                ck.dir.display()
             )
         })
 }

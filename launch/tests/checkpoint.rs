@@ -134,27 +134,54 @@ fn shard_of(dir: &Path) -> PathBuf {
 /// Sets the first value of the first parameter of the checkpoint `dir` to NaN, and its
 /// manifest's size and checksum to match (a checkpoint written by a run that diverged).
 fn poison_first_param(dir: &Path) {
+    rewrite_shard(dir, |tensors| {
+        let t = tensors
+            .iter_mut()
+            .find(|t| t.name.starts_with("param/"))
+            .unwrap();
+        t.values[0] = f32::NAN;
+    });
+}
+
+/// Rewrites the shard of the one-rank checkpoint `dir` with `edit`, and its manifest's size
+/// and checksum to match (a shard altered on purpose).
+fn rewrite_shard(dir: &Path, edit: impl FnOnce(&mut Vec<shard_file::NamedTensor>)) {
     use sha2::{Digest, Sha256};
     let path = shard_of(dir);
     let bytes = std::fs::read(&path).unwrap();
     let (mut tensors, meta) = shard_file::decode(&bytes, &path).unwrap();
-    let t = tensors
-        .iter_mut()
-        .find(|t| t.name.starts_with("param/"))
-        .unwrap();
-    t.values[0] = f32::NAN;
+    edit(&mut tensors);
     let bytes = shard_file::encode(&tensors, meta).unwrap();
     std::fs::write(&path, &bytes).unwrap();
     let sum: String = Sha256::digest(&bytes)
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect();
+    edit_manifest(dir, |m| {
+        m["files"][0]["bytes"] = bytes.len().into();
+        m["files"][0]["sha256"] = sum.into();
+    });
+}
+
+/// Edits the manifest of the checkpoint `dir` with `edit`.
+fn edit_manifest(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
     let manifest_path = dir.join("manifest.json");
     let mut m: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&manifest_path).unwrap()).unwrap();
-    m["files"][0]["bytes"] = bytes.len().into();
-    m["files"][0]["sha256"] = sum.into();
+    edit(&mut m);
     std::fs::write(&manifest_path, m.to_string()).unwrap();
+}
+
+/// Replaces, in the config stored in the manifest of `dir`, each `(from, to)` text.
+fn edit_stored_config(dir: &Path, changes: &[(&str, &str)]) {
+    edit_manifest(dir, |m| {
+        let mut config = m["extra"]["config"].as_str().unwrap().to_string();
+        for (from, to) in changes {
+            assert!(config.contains(from), "{from} in {config}");
+            config = config.replace(from, to);
+        }
+        m["extra"]["config"] = config.into();
+    });
 }
 
 /// Resumes from a damaged checkpoint and returns stderr; the run must fail before training.
@@ -256,14 +283,133 @@ fn damaged_checkpoints_are_named_before_training() {
         .arg(&nan)
         .arg("--output")
         .arg(root.join("ckpt-nan-export/model.safetensors"));
-    let x = run_with_deadline(cmd, Duration::from_secs(60));
-    assert_eq!(x.code, Some(2), "{x:?}");
-    assert!(x.stderr.contains("NaN"), "{x:?}");
-    assert!(!root.join("ckpt-nan-export/model.safetensors").exists());
+    let e = refused_leaving_nothing(cmd, &root.join("ckpt-nan-export"));
+    assert!(e.contains("NaN"), "{e}");
+
+    // A key merak does not write, in the manifest or in `extra`: named with the file.
+    for (name, key, path) in [
+        ("ckpt-unknown-key", "bogus", "/layout"),
+        ("ckpt-unknown-extra", "zzz", "/extra"),
+    ] {
+        let dir = root.join(name);
+        copy_dir(&good, &dir);
+        edit_manifest(&dir, |m| {
+            m.pointer_mut(path).unwrap()[key] = 1.into();
+        });
+        let e = resume_fails(&dir, &format!("{name}-run"));
+        let shown = format!("{}.{key}`", &path[1..]);
+        assert!(e.contains(&shown) && e.contains("manifest.json"), "{e}");
+    }
+
+    // A negative second moment: the file, the tensor, the index and the value.
+    let negative = root.join("ckpt-negative");
+    copy_dir(&good, &negative);
+    rewrite_shard(&negative, |t| {
+        let m2 = t.iter_mut().find(|t| t.name == "m2/ln_f.gamma").unwrap();
+        m2.values[5] = -0.5;
+    });
+    let e = resume_fails(&negative, "ckpt-negative-run");
+    let file = shard_of(&negative);
+    assert!(
+        e.contains(&format!(
+            "{}: tensor m2/ln_f.gamma holds -0.5 at index 5",
+            file.display()
+        )),
+        "{e}"
+    );
 
     // The undamaged one still resumes.
     let out = out_dir("ckpt-good-run");
     run_resume(0, &good, &out, &["--set", "train.steps=3"]).assert_success();
+}
+
+/// A mixture of experts with shared experts and balancing biases in every block.
+const MOE_EXTRA: [&str; 10] = [
+    "--set",
+    "model.moe.experts=4",
+    "--set",
+    "model.moe.top_k=2",
+    "--set",
+    "model.moe.expert_hidden=16",
+    "--set",
+    "model.moe.shared_experts=1",
+    "--set",
+    "model.moe.bias_update_rate=0.01",
+];
+
+/// Runs `cmd`, which must be refused with exit 2 without making `made` (a folder it would
+/// write); returns stderr.
+fn refused_leaving_nothing(cmd: Command, made: &Path) -> String {
+    let _ = std::fs::remove_dir_all(made);
+    let run = run_with_deadline(cmd, Duration::from_secs(120));
+    assert_eq!(run.code, Some(2), "{run:?}");
+    assert!(!made.exists(), "a refused command left {}", made.display());
+    run.stderr
+}
+
+#[test]
+fn a_checkpoint_its_model_cannot_take_is_refused_before_any_folder() {
+    let moe = out_dir("ckpt-moe-extra");
+    run_train(0, &moe, 2, &MOE_EXTRA).assert_success();
+    let step = moe.join("checkpoints/step-00000002");
+    let root = Path::new(env!("CARGO_TARGET_TMPDIR"));
+
+    // Its stored config edited to have no shared experts and no balancing biases: the
+    // tensors of both are named and counted, with the keys, not dropped.
+    let edited = root.join("ckpt-moe-edited");
+    copy_dir(&step, &edited);
+    let without = [
+        ("shared_experts = 1", "shared_experts = 0"),
+        ("bias_update_rate = 0.01", "bias_update_rate = 0.0"),
+    ];
+    edit_stored_config(&edited, &without);
+    let out = root.join("ckpt-moe-edited-run");
+    let mut cmd = resume_cmd(0, &edited, &out);
+    cmd.args(["--set", "train.steps=3"]);
+    let e = refused_leaving_nothing(cmd, &out);
+    assert!(
+        e.contains("holds 10 parameter(s) the model lacks (blocks.0.moe.shared.w_in")
+            && e.contains("model.moe.bias_update_rate, model.moe.shared_experts"),
+        "{e}"
+    );
+
+    // A stored model shape the files disagree with: the tensor and both shapes.
+    let narrow = root.join("ckpt-moe-narrow");
+    copy_dir(&step, &narrow);
+    edit_stored_config(&narrow, &[("hidden = 64", "hidden = 32")]);
+    let out = root.join("ckpt-moe-narrow-run");
+    let mut cmd = resume_cmd(0, &narrow, &out);
+    cmd.args(["--set", "train.steps=3"]);
+    let e = refused_leaving_nothing(cmd, &out);
+    assert!(
+        e.contains(
+            "wte.embedding.weight: shape [512, 64] in the checkpoint, [512, 32] in the model"
+        ) && e.contains("model.hidden = 32"),
+        "{e}"
+    );
+
+    // A mixture of experts has no GPT-2 form: said before the output folder is made.
+    let folder = root.join("ckpt-moe-export");
+    let mut cmd = Command::new(MERAK);
+    cmd.arg("export")
+        .arg("--checkpoint")
+        .arg(&step)
+        .arg("--output")
+        .arg(folder.join("model.safetensors"));
+    let e = refused_leaving_nothing(cmd, &folder);
+    assert!(
+        e.contains("mixture of experts (model.moe") && e.contains("no GPT-2 form"),
+        "{e}"
+    );
+    // Nor does `generate --logits-out` make its folder for a checkpoint it refuses.
+    let folder = root.join("ckpt-moe-logits");
+    let mut cmd = Command::new(MERAK);
+    cmd.args(["generate", "--prompt-ids", "1,2", "--checkpoint"])
+        .arg(&narrow)
+        .arg("--logits-out")
+        .arg(folder.join("logits.json"));
+    let e = refused_leaving_nothing(cmd, &folder);
+    assert!(e.contains("wte.embedding.weight"), "{e}");
 }
 
 #[test]

@@ -13,6 +13,16 @@ use merak_tests::{Run, WEIGHTS_HELD, assert_close, rel_err, run_with_deadline};
 mod common;
 use common::*;
 
+/// A mixture of experts in every block of the tiny GPT.
+const MOE: [&str; 6] = [
+    "--set",
+    "model.moe.experts=4",
+    "--set",
+    "model.moe.top_k=2",
+    "--set",
+    "model.moe.expert_hidden=16",
+];
+
 /// An odd vocabulary, so that tp = 2 pads the token table.
 const VOCAB: [&str; 2] = ["--set", "model.vocab_size=509"];
 
@@ -229,6 +239,20 @@ fn a_bad_file_is_refused_on_every_rank_before_training() {
             && e.contains("model.hidden = 32"),
         "{e}"
     );
+    // Dense GPT-2 weights into a mixture of experts: exit 2 before any folder is made,
+    // naming model.moe and what the file lacks.
+    let out = out_dir("init-bad-moe");
+    let mut args = vec!["--init-from", file.to_str().unwrap()];
+    args.extend(MOE);
+    let run = train_run(0, &out, &args);
+    assert_eq!(run.code, Some(2), "{run:?}");
+    assert!(
+        run.stderr.contains("model.moe: 4 experts in blocks 0, 1")
+            && run.stderr.contains("no router and no experts"),
+        "{}",
+        run.stderr
+    );
+    assert!(!out.exists(), "a refused run left {}", out.display());
     // A file that is not there.
     let e = refused(0, &root.join("none.safetensors"), "init-bad-none", &[]);
     assert!(e.contains("none.safetensors"), "{e}");

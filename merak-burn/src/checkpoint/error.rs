@@ -77,6 +77,15 @@ pub enum CheckpointError {
         /// What differs.
         reason: String,
     },
+    /// The checkpoint holds parameters the model lacks, or lacks parameters the model has
+    /// (each list names a few and counts them all).
+    #[error("{}", unmatched(extra, missing))]
+    Unmatched {
+        /// The checkpoint's parameters that the model does not have.
+        extra: Vec<String>,
+        /// The model's parameters that the checkpoint does not hold.
+        missing: Vec<String>,
+    },
     /// A checkpoint root holds no complete checkpoint.
     #[error("{root}: no checkpoint yet: {reason}")]
     NoCheckpoint {
@@ -87,15 +96,37 @@ pub enum CheckpointError {
     },
     /// A parameter or optimizer moment holds a NaN or an infinity.
     #[error(
-        "tensor {name} holds {value} at index {index}: the checkpoint is not usable (written by a run that diverged?)"
+        "{}: tensor {name} holds {value} at index {index}: the checkpoint is not usable (written by a run that diverged?)",
+        file.display()
     )]
     NonFinite {
+        /// The shard file holding the tensor.
+        file: PathBuf,
         /// The tensor's name in the shard (`param/...`, `m1/...`, `m2/...`).
         name: String,
         /// The position of the first such value.
         index: usize,
         /// The value.
         value: f32,
+    },
+    /// An optimizer state that no run can reach: a negative value in a tensor that sums or
+    /// averages squares (Adam's second moment, AdaGrad's and RMSprop's squared gradients).
+    #[error(
+        "{}: tensor {name} holds {value} at index {index}: {reason}, so the checkpoint is not usable (altered or damaged?)",
+        file.display()
+    )]
+    Impossible {
+        /// The shard file holding the tensor (the checkpoint's folder when the tensor is put
+        /// together from several files).
+        file: PathBuf,
+        /// The tensor's name in the shard (`m1/...`, `m2/...`).
+        name: String,
+        /// The position of the first such value in the tensor as stored.
+        index: usize,
+        /// The value.
+        value: f32,
+        /// Why no run writes it.
+        reason: String,
     },
     /// A test's crash point was reached ([`fault::inject_error`](super::fault::inject_error)).
     #[error("injected failure at {point}")]
@@ -106,6 +137,38 @@ pub enum CheckpointError {
     /// A collective operation failed while saving.
     #[error(transparent)]
     Comm(#[from] CommError),
+}
+
+/// At most this many names are listed in a message; the rest are counted.
+const LISTED: usize = 4;
+
+/// `names` for a message: the first few and how many more (`a, b, c, d and 6 more`).
+pub fn few_names(names: &[String]) -> String {
+    let shown = names[..names.len().min(LISTED)].join(", ");
+    match names.len().saturating_sub(LISTED) {
+        0 => shown,
+        more => format!("{shown} and {more} more"),
+    }
+}
+
+/// The message of [`CheckpointError::Unmatched`].
+fn unmatched(extra: &[String], missing: &[String]) -> String {
+    let mut parts = Vec::new();
+    if !extra.is_empty() {
+        parts.push(format!(
+            "the checkpoint holds {} parameter(s) the model lacks ({})",
+            extra.len(),
+            few_names(extra)
+        ));
+    }
+    if !missing.is_empty() {
+        parts.push(format!(
+            "the model has {} parameter(s) the checkpoint lacks ({})",
+            missing.len(),
+            few_names(missing)
+        ));
+    }
+    format!("{}: a different model?", parts.join("; "))
 }
 
 impl CheckpointError {

@@ -28,6 +28,8 @@ mod error;
 pub mod fault;
 mod manifest;
 mod read;
+#[cfg(test)]
+mod read_tests;
 pub mod root;
 mod run_id;
 pub mod shard_file;
@@ -39,8 +41,10 @@ use std::path::Path;
 
 use sha2::{Digest, Sha256};
 
-pub use error::CheckpointError;
-pub use manifest::{FORMAT, FileEntry, MAX_DEGREE, MAX_STEP, Manifest, ParamEntry};
+pub use error::{CheckpointError, few_names};
+pub use manifest::{
+    FORMAT, FileEntry, MAX_DEGREE, MAX_STEP, Manifest, ParamEntry, TRAINER_EXTRA_KEYS, check_model,
+};
 pub use read::{Checkpoint, FullState, LocalPieces, cut_full_params};
 pub use run_id::RunId;
 pub use shard_file::{NamedTensor, TensorRef};

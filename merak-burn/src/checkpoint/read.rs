@@ -5,11 +5,11 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-use super::root::{list, read_manifest};
+use super::root::{list, read_checked_manifest};
 use super::state::ParamShape;
 use super::{
-    CheckpointError, LATEST, MANIFEST, MAX_STEP, Manifest, Moments, ParamEntry, SLICE_MARK,
-    plain_name, read_regular, sha256_hex, shard_file,
+    CheckpointError, LATEST, MANIFEST, Manifest, Moments, ParamEntry, SLICE_MARK, plain_name,
+    read_regular, sha256_hex, shard_file,
 };
 use crate::tensor_parallel::{Shard, ShardKind};
 
@@ -46,7 +46,7 @@ impl Checkpoint {
             resolve_root(path)?
         };
         let manifest_path = dir.join(MANIFEST);
-        let manifest = read_manifest(&dir)?;
+        let manifest = read_checked_manifest(&dir)?;
         manifest.validate(&manifest_path)?;
         let ckpt = Checkpoint { dir, manifest };
         // Cheap checks first, so a damaged checkpoint is reported before anything is built.
@@ -72,73 +72,30 @@ impl Checkpoint {
     }
 
     /// Reads and verifies every shard and puts every tensor back together at full size.
-    /// Every piece must have the size its parameter's shape and split give, and every value
-    /// must be finite (a checkpoint of a diverged run is refused, naming the tensor).
+    /// Every tensor must be one the manifest lists (`param/`, `m1/` or `m2/` of a listed
+    /// parameter) with the shape its parameter's shape and split give, every value must be
+    /// finite (a checkpoint of a diverged run is refused, naming the file and the tensor), and
+    /// the optimizer state must be one a run can reach ([`StateRules`], [`check_centered`]).
     pub fn read_full(&self) -> Result<FullState, CheckpointError> {
         let m = &self.manifest;
-        let entries: HashMap<&str, &ParamEntry> =
-            m.params.iter().map(|p| (p.name.as_str(), p)).collect();
-        let mut pieces = Pieces::new();
-        let mut slices = Slices::new();
-        let mut times: HashMap<String, usize> = HashMap::new();
+        let mut read = ReadPieces::new(m);
         for f in &m.files {
             let path = self.dir.join(&f.file);
             let bytes = self.read_shard(f)?;
             let (tensors, meta) = shard_file::decode(&bytes, &path)?;
-            if let Some(t) = meta.get("adamw_time") {
-                let t: BTreeMap<String, usize> =
-                    serde_json::from_str(t).map_err(|e| CheckpointError::Corrupt {
-                        file: path.clone(),
-                        reason: format!("adamw_time: {e}"),
-                    })?;
-                if let Some((name, t)) = t.iter().find(|(_, t)| **t > MAX_STEP) {
-                    return Err(CheckpointError::Corrupt {
-                        file: path,
-                        reason: format!("adamw_time of {name} is {t}, beyond any run"),
-                    });
-                }
-                times.extend(t);
-            }
+            read.add_counts(&meta, &path)?;
             for t in tensors {
-                let Some((kind, name)) = t.name.split_once('/') else {
-                    continue;
-                };
-                let (name, start) = match name.split_once(SLICE_MARK) {
-                    Some((name, start)) => (name, Some(start)),
-                    None => (name, None),
-                };
-                let Some(entry) = entries.get(name) else {
-                    continue;
-                };
-                if !matches!(kind, "param" | "m1" | "m2") {
-                    continue;
-                }
-                let want = entry.shard.piece_len(&entry.shape, m.layout.tp);
-                if let Some(start) = start {
-                    check_finite(&t.name, &t.values)?;
-                    let at =
-                        slice_start(start, t.values.len(), want.as_ref().ok(), &t.name, &path)?;
-                    let key = (kind.to_string(), name.to_string(), slice_tp(entry, f.tp));
-                    slices.entry(key).or_default().push((at, t.values));
-                    continue;
-                }
-                if want.as_ref().ok() != Some(&t.values.len()) {
-                    return Err(CheckpointError::Corrupt {
-                        file: path,
-                        reason: format!(
-                            "tensor {}: {} values, its shape {:?} split over tp = {} gives {:?}",
-                            t.name,
-                            t.values.len(),
-                            entry.shape,
-                            m.layout.tp,
-                            want
-                        ),
-                    });
-                }
-                check_finite(&t.name, &t.values)?;
-                pieces.insert((kind.to_string(), name.to_string(), f.tp), t.values);
+                read.add(t, f.tp, &path)?;
             }
         }
+        let ReadPieces {
+            mut pieces,
+            slices,
+            times,
+            entries,
+            rules,
+            ..
+        } = read;
         for ((kind, name, tp), parts) in slices {
             let len = (entries.get(name.as_str()))
                 .and_then(|e| e.shard.piece_len(&e.shape, m.layout.tp).ok())
@@ -157,13 +114,14 @@ impl Checkpoint {
                 .any(|r| pieces.contains_key(&("m1".to_string(), p.name.clone(), r)));
             if has_moments {
                 let moments = Moments {
-                    time: times.get(&p.name).copied().unwrap_or(0),
+                    time: rules.count_of(&p.name, &times)?,
                     m1: merge(&mut pieces, p, "m1", m.layout.tp)?,
                     m2: merge(&mut pieces, p, "m2", m.layout.tp)?,
                 };
                 full.moments.insert(p.name.clone(), moments);
             }
         }
+        check_centered(&full, m, &self.dir)?;
         Ok(full)
     }
 
@@ -332,10 +290,288 @@ fn join_slices(mut parts: Vec<(usize, Vec<f32>)>, len: usize) -> Result<Vec<f32>
     Ok(values)
 }
 
-/// Fails naming the tensor and the first value that is NaN or infinite.
-fn check_finite(name: &str, values: &[f32]) -> Result<(), CheckpointError> {
+/// The tensors of a checkpoint's shards as they are read: whole pieces, ZeRO slices and the
+/// optimizer's step counts, with what the manifest says they must be.
+struct ReadPieces<'m> {
+    pieces: Pieces,
+    slices: Slices,
+    times: HashMap<String, usize>,
+    /// The manifest's parameters by name.
+    entries: HashMap<&'m str, &'m ParamEntry>,
+    /// The tp degree the checkpoint was written at.
+    degree: usize,
+    /// What its optimizer state must satisfy.
+    rules: StateRules,
+}
+
+impl<'m> ReadPieces<'m> {
+    /// Nothing read yet of the checkpoint whose manifest is `m`.
+    fn new(m: &'m Manifest) -> Self {
+        ReadPieces {
+            pieces: Pieces::new(),
+            slices: Slices::new(),
+            times: HashMap::new(),
+            entries: m.params.iter().map(|p| (p.name.as_str(), p)).collect(),
+            degree: m.layout.tp,
+            rules: StateRules::of(m),
+        }
+    }
+
+    /// Takes tensor `t` of the shard `file` written by tp rank `tp`. A tensor that is not one
+    /// merak writes, whose shape or size disagrees with its parameter's, or whose values no
+    /// run writes ([`StateRules::check_values`]) is refused naming the file and the tensor.
+    fn add(
+        &mut self,
+        t: shard_file::NamedTensor,
+        tp: usize,
+        file: &Path,
+    ) -> Result<(), CheckpointError> {
+        let (degree, corrupt) = (self.degree, |reason: String| CheckpointError::Corrupt {
+            file: file.to_path_buf(),
+            reason: format!("tensor {}: {reason}", t.name),
+        });
+        let (kind, rest) = t.name.split_once('/').unwrap_or(("", &t.name));
+        let (name, start) = match rest.split_once(SLICE_MARK) {
+            Some((name, start)) => (name, Some(start)),
+            None => (rest, None),
+        };
+        let entry = match (kind, self.entries.get(name)) {
+            ("param" | "m1" | "m2", Some(entry)) => *entry,
+            ("param" | "m1" | "m2", None) => {
+                return Err(corrupt(format!("the manifest lists no parameter {name}")));
+            }
+            _ => {
+                return Err(corrupt(
+                    "not a tensor merak writes (param/, m1/ or m2/ and a parameter's name)".into(),
+                ));
+            }
+        };
+        self.rules.check_values(&t.name, kind, &t.values, file)?;
+        let want = entry.shard.piece_len(&entry.shape, degree);
+        if let Some(start) = start {
+            if t.shape != [t.values.len()] {
+                return Err(corrupt(format!(
+                    "shape {:?}; a slice is a list of values",
+                    t.shape
+                )));
+            }
+            let at = slice_start(start, t.values.len(), want.as_ref().ok(), &t.name, file)?;
+            let key = (kind.to_string(), name.to_string(), slice_tp(entry, tp));
+            self.slices.entry(key).or_default().push((at, t.values));
+            return Ok(());
+        }
+        if want.as_ref().ok() != Some(&t.values.len()) {
+            return Err(corrupt(format!(
+                "{} values, its shape {:?} split over tp = {degree} gives {want:?}",
+                t.values.len(),
+                entry.shape,
+            )));
+        }
+        let full = entry.shard.full_shape(&t.shape, degree);
+        if full != entry.shape {
+            return Err(corrupt(format!(
+                "shape {:?} (a full shape of {full:?} over tp = {degree}), the manifest says {:?}",
+                t.shape, entry.shape
+            )));
+        }
+        let key = (kind.to_string(), name.to_string(), tp);
+        self.pieces.insert(key, t.values);
+        Ok(())
+    }
+
+    /// Takes the optimizer's step counts that the metadata `meta` of the shard `file` holds
+    /// (see [`StateRules::step_counts`]).
+    fn add_counts(
+        &mut self,
+        meta: &HashMap<String, String>,
+        file: &Path,
+    ) -> Result<(), CheckpointError> {
+        let counts = self.rules.step_counts(meta, &self.entries, file)?;
+        self.times.extend(counts);
+        Ok(())
+    }
+}
+
+/// The shard metadata key holding the optimizer's step count of each parameter.
+const STEP_COUNTS: &str = "adamw_time";
+
+/// What each kind of optimizer state (`extra.optimizer.state`) must satisfy: the tensors
+/// that sum or average squares are never negative.
+pub(super) const NON_NEGATIVE_STATE: [&str; 3] = [
+    "second moment",
+    "sum of squared gradients",
+    "squared-gradient average",
+];
+
+/// The optimizers that count their steps per parameter (a parameter with state has taken at
+/// least one; Adam's bias correction divides by zero at none).
+pub(super) const COUNTING_OPTIMIZERS: [&str; 3] = ["adamw", "adam", "adagrad"];
+
+/// What a checkpoint's optimizer state must satisfy, from its manifest: the optimizer that
+/// wrote it, what each of its two state tensors holds, and the checkpoint's step.
+struct StateRules {
+    /// The optimizer (`extra.optimizer.kind`; AdamW when absent).
+    kind: String,
+    /// What `m1` and `m2` hold (`extra.optimizer.state`).
+    slots: Vec<String>,
+    /// The checkpoint's step.
+    step: usize,
+}
+
+impl StateRules {
+    /// The rules of the checkpoint whose manifest is `m`.
+    fn of(m: &Manifest) -> Self {
+        let (kind, slots) = m.stored_optimizer();
+        StateRules {
+            kind,
+            slots,
+            step: m.step,
+        }
+    }
+
+    /// The step count of the parameter `name` among `times` (the shards'); a parameter with
+    /// state but no count is refused for an optimizer that counts ([`COUNTING_OPTIMIZERS`]).
+    fn count_of(
+        &self,
+        name: &str,
+        times: &HashMap<String, usize>,
+    ) -> Result<usize, CheckpointError> {
+        match times.get(name) {
+            Some(t) => Ok(*t),
+            None if COUNTING_OPTIMIZERS.contains(&self.kind.as_str()) => {
+                Err(CheckpointError::Mismatch {
+                    name: name.to_string(),
+                    reason: format!(
+                        "its {} state has no step count ({STEP_COUNTS}) in any shard",
+                        self.kind
+                    ),
+                })
+            }
+            None => Ok(0),
+        }
+    }
+
+    /// Refuses, naming the tensor `name` (of kind `kind`: `param`, `m1` or `m2`) of the shard
+    /// `file`, the first index and its value: a value that is NaN or infinite, or a negative
+    /// one where the optimizer keeps squares ([`NON_NEGATIVE_STATE`]).
+    fn check_values(
+        &self,
+        name: &str,
+        kind: &str,
+        values: &[f32],
+        file: &Path,
+    ) -> Result<(), CheckpointError> {
+        check_finite(name, values, file)?;
+        let slot = match kind {
+            "m1" => self.slots.first(),
+            "m2" => self.slots.get(1),
+            _ => None,
+        };
+        let Some(slot) = slot.filter(|s| NON_NEGATIVE_STATE.contains(&s.as_str())) else {
+            return Ok(());
+        };
+        match values.iter().position(|v| *v < 0.0) {
+            Some(index) => Err(CheckpointError::Impossible {
+                file: file.to_path_buf(),
+                name: name.to_string(),
+                index,
+                value: values[index],
+                reason: format!("a {slot} of {} cannot be negative", self.kind),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// The optimizer's step counts by parameter that a shard's metadata (`meta`, of the shard
+    /// `file`) holds. Refused naming the file: another metadata key, a parameter the manifest
+    /// (`entries`) does not list, a count that is not a whole number, one beyond the
+    /// checkpoint's step, and 0 for an optimizer that counts steps ([`COUNTING_OPTIMIZERS`]:
+    /// a count is written only with the state of a parameter that has stepped).
+    fn step_counts(
+        &self,
+        meta: &HashMap<String, String>,
+        entries: &HashMap<&str, &ParamEntry>,
+        file: &Path,
+    ) -> Result<BTreeMap<String, usize>, CheckpointError> {
+        let corrupt = |reason: String| CheckpointError::Corrupt {
+            file: file.to_path_buf(),
+            reason,
+        };
+        if let Some(key) = meta.keys().find(|k| *k != STEP_COUNTS) {
+            return Err(corrupt(format!(
+                "unknown metadata key {key:?}: merak writes only {STEP_COUNTS:?}"
+            )));
+        }
+        let Some(text) = meta.get(STEP_COUNTS) else {
+            return Ok(BTreeMap::new());
+        };
+        let counts: BTreeMap<String, serde_json::Value> =
+            serde_json::from_str(text).map_err(|e| corrupt(format!("{STEP_COUNTS}: {e}")))?;
+        let counting = COUNTING_OPTIMIZERS.contains(&self.kind.as_str());
+        let mut out = BTreeMap::new();
+        for (name, count) in counts {
+            if !entries.contains_key(name.as_str()) {
+                return Err(corrupt(format!(
+                    "{STEP_COUNTS} names {name}, a parameter the manifest does not list"
+                )));
+            }
+            let why = match count.as_u64().map(|t| (t, usize::try_from(t))) {
+                Some((0, _)) if counting => format!(
+                    "{} writes a count only once the parameter has stepped",
+                    self.kind
+                ),
+                Some((_, Ok(t))) if t <= self.step => {
+                    out.insert(name, t);
+                    continue;
+                }
+                Some(_) => format!("beyond the checkpoint's step {}", self.step),
+                None => "not a whole number".into(),
+            };
+            return Err(corrupt(format!(
+                "{STEP_COUNTS} of {name} is {count}: {why}"
+            )));
+        }
+        Ok(out)
+    }
+}
+
+/// Refuses centered RMSprop state (`full`, of the checkpoint in `dir` whose manifest is `m`)
+/// that no run reaches: its squared-gradient average (`m1`) is at least the square of its
+/// gradient average (`m2`), up to rounding, as the square root of their difference needs.
+fn check_centered(full: &FullState, m: &Manifest, dir: &Path) -> Result<(), CheckpointError> {
+    let (kind, slots) = m.stored_optimizer();
+    let centered = ["squared-gradient average", "gradient average"];
+    if !slots.iter().map(String::as_str).eq(centered) {
+        return Ok(());
+    }
+    let mut names: Vec<&String> = full.moments.keys().collect();
+    names.sort();
+    for name in names {
+        let state = &full.moments[name];
+        let below =
+            |(sq, avg): (&f32, &f32)| f64::from(*sq) < f64::from(*avg).powi(2) * (1.0 - 1e-5);
+        if let Some(index) = state.m1.iter().zip(&state.m2).position(below) {
+            return Err(CheckpointError::Impossible {
+                file: dir.to_path_buf(),
+                name: format!("m1/{name}"),
+                index,
+                value: state.m1[index],
+                reason: format!(
+                    "a squared-gradient average of {kind} below the square of its gradient \
+                     average ({})",
+                    state.m2[index]
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Fails naming the shard `file`, the tensor and the first value that is NaN or infinite.
+fn check_finite(name: &str, values: &[f32], file: &Path) -> Result<(), CheckpointError> {
     match values.iter().position(|v| !v.is_finite()) {
         Some(index) => Err(CheckpointError::NonFinite {
+            file: file.to_path_buf(),
             name: name.to_string(),
             index,
             value: values[index],
@@ -374,6 +610,40 @@ impl FullState {
     }
 }
 
+impl Checkpoint {
+    /// Checks that the ranks of `world`, which together hold the whole model, hold every
+    /// parameter of the checkpoint: `shapes` are this rank's parameters and `copies` its
+    /// tied `(copy, original)` names (a copy counts as its original). A checkpoint parameter
+    /// that no rank holds would be dropped silently ([`FullState::cut_for`] loads what a rank
+    /// holds, and a pipeline rank holds only its stages); every rank of `world` must call it,
+    /// and all fail alike, naming a few such parameters and counting them.
+    pub fn check_held(
+        &self,
+        shapes: &[ParamShape],
+        copies: &[(String, String)],
+        world: &dyn crate::comm::Communicator,
+    ) -> Result<(), CheckpointError> {
+        let held: std::collections::HashSet<&str> =
+            shapes.iter().map(|p| source_of(&p.name, copies)).collect();
+        let params = &self.manifest.params;
+        let mut flags: Vec<f32> = (params.iter())
+            .map(|p| f32::from(u8::from(held.contains(p.name.as_str()))))
+            .collect();
+        world.all_reduce(&mut flags, crate::comm::ReduceOp::Max)?;
+        let extra: Vec<String> = (params.iter().zip(&flags))
+            .filter(|(_, held)| **held == 0.0)
+            .map(|(p, _)| p.name.clone())
+            .collect();
+        match extra.is_empty() {
+            true => Ok(()),
+            false => Err(CheckpointError::Unmatched {
+                extra,
+                missing: Vec::new(),
+            }),
+        }
+    }
+}
+
 /// The original of `name` when it is a tied copy (`copies` lists `(copy, original)`).
 fn source_of<'a>(name: &'a str, copies: &'a [(String, String)]) -> &'a str {
     copies
@@ -392,6 +662,18 @@ fn cut_pieces<'a>(
     shard: Shard,
     copies: &[(String, String)],
 ) -> Result<LocalPieces, CheckpointError> {
+    let mut missing: Vec<String> = (shapes.iter())
+        .map(|p| source_of(&p.name, copies))
+        .filter(|name| !entries.contains_key(name))
+        .map(str::to_string)
+        .collect();
+    missing.dedup();
+    if !missing.is_empty() {
+        return Err(CheckpointError::Unmatched {
+            extra: Vec::new(),
+            missing,
+        });
+    }
     let mut params = HashMap::new();
     let mut local_moments = HashMap::new();
     for ParamShape {
@@ -403,12 +685,9 @@ fn cut_pieces<'a>(
     {
         let kind = *kind;
         let source = source_of(name, copies);
-        let entry = entries
-            .get(source)
-            .ok_or_else(|| CheckpointError::Mismatch {
-                name: name.clone(),
-                reason: "the model has it, the checkpoint does not (a different model?)".into(),
-            })?;
+        let Some(entry) = entries.get(source) else {
+            continue;
+        };
         let full_shape = kind.full_shape(local, shard.size);
         if full_shape != entry.shape {
             return Err(CheckpointError::Mismatch {

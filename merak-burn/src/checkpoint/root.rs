@@ -79,7 +79,9 @@ impl RootListing {
     }
 }
 
-/// Reads a manifest without checking its shards.
+/// Reads a manifest without checking its shards, for its step and lineage: a key this
+/// version does not write is passed over here (a listing still sees the checkpoint, and
+/// opening it names the key: [`read_checked_manifest`]).
 pub(crate) fn read_manifest(dir: &Path) -> Result<Manifest, CheckpointError> {
     let path = dir.join(MANIFEST);
     let text = read_regular(&path, MAX_MANIFEST_BYTES)?;
@@ -87,6 +89,14 @@ pub(crate) fn read_manifest(dir: &Path) -> Result<Manifest, CheckpointError> {
         path,
         reason: e.to_string(),
     })
+}
+
+/// Reads a manifest to act on it: any key merak does not write is refused, naming it
+/// ([`Manifest::parse`]).
+pub(crate) fn read_checked_manifest(dir: &Path) -> Result<Manifest, CheckpointError> {
+    let path = dir.join(MANIFEST);
+    let text = read_regular(&path, MAX_MANIFEST_BYTES)?;
+    Manifest::parse(&text, &path)
 }
 
 /// The step a checkpoint folder's name gives (`step-00000012` is 12).

@@ -112,9 +112,11 @@ pub fn decode(
         file: file.to_path_buf(),
         reason,
     };
-    let (_, header) = SafeTensors::read_metadata(bytes).map_err(|e| corrupt(e.to_string()))?;
+    // The safetensors reader's errors do not name the tensor: find it in the header.
+    let refuse = |e: SafeTensorError| corrupt(bad_tensor(bytes).unwrap_or_else(|| e.to_string()));
+    let (_, header) = SafeTensors::read_metadata(bytes).map_err(refuse)?;
     let metadata = header.metadata().clone().unwrap_or_default();
-    let st = SafeTensors::deserialize(bytes).map_err(|e| corrupt(e.to_string()))?;
+    let st = SafeTensors::deserialize(bytes).map_err(refuse)?;
     let mut out = Vec::new();
     for (name, view) in st.tensors() {
         if view.dtype() != Dtype::F32 {
@@ -136,6 +138,44 @@ pub fn decode(
     }
     out.sort_by(|a, b| a.name.cmp(&b.name));
     Ok((out, metadata))
+}
+
+/// The first tensor of the safetensors file `bytes` whose header entry is not an F32 tensor
+/// of its shape's size, and why; `None` when the header cannot be read as a list of tensors
+/// or every entry is fine (the file is then wrong in another way).
+fn bad_tensor(bytes: &[u8]) -> Option<String> {
+    let len = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
+    let end = usize::try_from(len).ok()?.checked_add(8)?;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(bytes.get(8..end)?).ok()?;
+    let mut names: Vec<&String> = header.keys().filter(|k| *k != "__metadata__").collect();
+    names.sort();
+    names.into_iter().find_map(|name| {
+        let info = &header[name];
+        let dtype = info["dtype"].as_str().unwrap_or("(none)");
+        if dtype != "F32" {
+            return Some(format!("tensor {name} is {dtype}, expected F32"));
+        }
+        let shape: Option<Vec<u64>> = (info["shape"].as_array())
+            .and_then(|dims| dims.iter().map(serde_json::Value::as_u64).collect());
+        let offsets: Option<Vec<u64>> = (info["data_offsets"].as_array())
+            .and_then(|o| o.iter().map(serde_json::Value::as_u64).collect());
+        let (Some(shape), Some([start, stop])) = (shape, offsets.as_deref()) else {
+            return Some(format!(
+                "tensor {name}: its shape or data offsets are not lists of whole numbers"
+            ));
+        };
+        let need = (shape.iter()).try_fold(4u64, |n, &d| n.checked_mul(d));
+        let span = stop.checked_sub(*start);
+        if need.is_some() && need == span {
+            return None;
+        }
+        let need = need.map_or_else(|| "more than 2^64".into(), |n| n.to_string());
+        Some(format!(
+            "tensor {name}: shape {shape:?} of F32 needs {need} bytes, its data offsets \
+             {start}..{stop} do not hold that"
+        ))
+    })
 }
 
 #[cfg(test)]
@@ -163,6 +203,32 @@ mod tests {
         assert_eq!(back, vec![t[1].clone(), t[0].clone()]);
         let err = decode(&bytes[..bytes.len() - 4], Path::new("x")).unwrap_err();
         assert!(matches!(err, CheckpointError::Corrupt { .. }), "{err}");
+    }
+
+    #[test]
+    fn a_tensor_of_another_dtype_is_named() {
+        let t = [NamedTensor {
+            name: "m2/blocks.0.ln_1.gamma".into(),
+            shape: vec![2, 3],
+            values: vec![0.5; 6],
+        }];
+        let bytes = encode(&t, HashMap::new()).unwrap();
+        let text = String::from_utf8_lossy(&bytes).into_owned();
+        // F16 of the same bytes (the sizes disagree), I32 (they agree) and no such dtype.
+        for dtype in ["F16", "I32", "F17"] {
+            let edited = text.replacen("\"F32\"", &format!("\"{dtype}\""), 1);
+            assert_eq!(edited.len(), text.len());
+            let e = decode(edited.as_bytes(), Path::new("shard.safetensors"))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("shard.safetensors")
+                    && e.contains(&format!(
+                        "tensor m2/blocks.0.ln_1.gamma is {dtype}, expected F32"
+                    )),
+                "{dtype}: {e}"
+            );
+        }
     }
 
     #[test]

@@ -216,7 +216,7 @@ impl OptimizerSettings {
         &self,
         manifest: &crate::checkpoint::Manifest,
     ) -> Result<(), crate::train::TrainError> {
-        let (kind, slots) = checkpoint_optimizer(&manifest.extra);
+        let (kind, slots) = manifest.stored_optimizer();
         let ours = self.state_slots();
         let nothing_kept = slots.iter().all(|s| s == "-");
         if kind != self.kind.name() || (slots != ours && !nothing_kept) {
@@ -232,27 +232,6 @@ impl OptimizerSettings {
     pub fn manifest_entry(&self) -> serde_json::Value {
         serde_json::json!({ "kind": self.kind.name(), "state": self.state_slots() })
     }
-}
-
-/// The optimizer kind and state slots of a checkpoint's manifest `extra` (written by
-/// [`OptimizerSettings::manifest_entry`]); a checkpoint without them was written by AdamW.
-fn checkpoint_optimizer(extra: &serde_json::Value) -> (String, Vec<String>) {
-    let entry = extra.get("optimizer");
-    let kind = entry
-        .and_then(|o| o.get("kind"))
-        .and_then(serde_json::Value::as_str)
-        .unwrap_or("adamw")
-        .to_string();
-    let state = entry
-        .and_then(|o| o.get("state"))
-        .and_then(serde_json::Value::as_array)
-        .map(|a| {
-            a.iter()
-                .map(|v| v.as_str().unwrap_or("?").to_string())
-                .collect()
-        })
-        .unwrap_or_else(|| vec!["first moment".into(), "second moment".into()]);
-    (kind, state)
 }
 
 /// `kind` and what it keeps, for messages: "`sgd` (momentum buffer)".

@@ -300,7 +300,8 @@ where
     /// Continues from `checkpoint` (its tensors at full size in `state`): this rank's pieces
     /// of the parameters and of the optimizer state it keeps, cut for this run's layout, and
     /// the checkpoint's step. A checkpoint of another optimizer (or of the same one keeping
-    /// other state) is refused, naming both.
+    /// other state) is refused, naming both, and so is one holding parameters that no rank's
+    /// model has. Every rank of the grid must call it.
     pub fn resume(&mut self, checkpoint: &Checkpoint, state: &FullState) -> Result<(), TrainError> {
         let step = checkpoint.manifest.step;
         if step >= self.settings.steps {
@@ -320,6 +321,8 @@ where
             size: self.grid.layout.tp,
         };
         let copies = self.model.tied_names();
+        // Every rank together: a checkpoint parameter no rank holds is refused, not dropped.
+        checkpoint.check_held(&shapes, &copies, &*self.grid.world.comm()?)?;
         let (params, moments) = state.cut_for(&checkpoint.manifest, &shapes, shard, &copies)?;
         match self.shards.as_mut() {
             Some(shards) => {

@@ -89,6 +89,22 @@ pub enum HfImportError {
         /// The model's sizes.
         model: String,
     },
+    /// The model has a mixture of experts (`[model.moe]`), which a GPT-2 file has no tensors
+    /// for.
+    #[error(
+        "{}: the model is a mixture of experts (model.moe: {experts} experts in blocks {blocks}), \
+         but GPT-2's format has dense MLPs only: the file holds no router and no experts for \
+         those blocks; --init-from loads GPT-2 weights into a dense GPT (without [model.moe])",
+        path.display()
+    )]
+    MixtureOfExperts {
+        /// The file.
+        path: PathBuf,
+        /// Routed experts per mixture-of-experts block (`model.moe.experts`).
+        experts: usize,
+        /// The blocks with experts, listed.
+        blocks: String,
+    },
     /// A tensor the model cannot take.
     #[error("{}: tensor {tensor}: {reason}", path.display())]
     Unexpected {
@@ -112,6 +128,7 @@ fn describe(cfg: &GptConfig) -> String {
 /// Reads the GPT-2 safetensors file at `path` (and the `config.json` in its folder, when there
 /// is one) and checks it against `cfg`: the full-size parameters of the model, by merak name.
 pub fn read_hf_gpt2(path: &Path, cfg: &GptConfig) -> Result<HfGpt2Weights, HfImportError> {
+    refuse_experts(path, cfg)?;
     let mut notes = Vec::new();
     let config_path = hf_files::folder_of(path).join("config.json");
     match hf_files::read_config(&config_path)? {
@@ -125,6 +142,26 @@ pub fn read_hf_gpt2(path: &Path, cfg: &GptConfig) -> Result<HfGpt2Weights, HfImp
     let bytes = hf_files::read_weights(path)?;
     let params = decode_hf_gpt2(&bytes, path, cfg, &mut notes)?;
     Ok(HfGpt2Weights { params, notes })
+}
+
+/// Refuses a model with a mixture of experts (`cfg.moe`): a GPT-2 file (`path`) has none.
+fn refuse_experts(path: &Path, cfg: &GptConfig) -> Result<(), HfImportError> {
+    let Some(moe) = &cfg.moe else {
+        return Ok(());
+    };
+    let blocks: Vec<String> = (0..cfg.layers)
+        .filter(|&i| moe.is_moe_layer(i))
+        .map(|i| i.to_string())
+        .collect();
+    let mut listed = blocks[..blocks.len().min(6)].join(", ");
+    if blocks.len() > 6 {
+        listed += &format!(", ... ({} blocks)", blocks.len());
+    }
+    Err(HfImportError::MixtureOfExperts {
+        path: path.to_path_buf(),
+        experts: moe.experts,
+        blocks: listed,
+    })
 }
 
 /// A `config.json` value as an integer; absent keys take `GPT2Config`'s defaults.
@@ -281,6 +318,7 @@ pub fn decode_hf_gpt2(
         tensor: tensor.into(),
         reason,
     };
+    refuse_experts(path, cfg)?;
     let expected = hf_gpt2_shapes(cfg);
     let mut found: HashMap<String, (String, TensorView<'_>)> = HashMap::new();
     let mut lm_head = None;
@@ -454,6 +492,23 @@ mod tests {
         std::fs::remove_file(dir.join("config.json")).unwrap();
         let w = read_hf_gpt2(&path, &cfg).unwrap();
         assert!(w.notes[0].contains("no config.json"), "{:?}", w.notes);
+    }
+
+    #[test]
+    fn a_model_with_experts_is_refused_naming_model_moe_and_its_blocks() {
+        let dense = tiny();
+        let dir = folder("moe");
+        let path = write(&dir, &tensors(&dense), "F32");
+        let mut cfg = tiny();
+        let moe = serde_json::json!({"experts": 4, "top_k": 2, "expert_hidden": 8, "every": 2});
+        cfg.moe = Some(serde_json::from_value(moe).unwrap());
+        let e = read_hf_gpt2(&path, &cfg).unwrap_err().to_string();
+        assert!(
+            e.contains("model.safetensors")
+                && e.contains("model.moe: 4 experts in blocks 1)")
+                && e.contains("no router"),
+            "{e}"
+        );
     }
 
     #[test]
