@@ -221,15 +221,14 @@ fn optimizer_state_no_run_reaches_is_named_with_its_index_and_value() {
         .expect("sgd reads");
 }
 
+/// An alteration of a shard's tensors and metadata.
+type ShardEdit = Box<dyn Fn(&mut Vec<NamedTensor>, &mut HashMap<String, String>)>;
+
 #[test]
 fn shard_tensors_and_metadata_the_manifest_does_not_describe_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     let named = |t: &NamedTensor| t.name.clone();
-    let cases: [(
-        &str,
-        Box<dyn Fn(&mut Vec<NamedTensor>, &mut HashMap<String, String>)>,
-        &str,
-    ); 5] = [
+    let cases: [(&str, ShardEdit, &str); 5] = [
         (
             "unknown parameter",
             Box::new(move |t, _| {
