@@ -428,3 +428,84 @@ fn a_moe_table_set_in_part_names_the_missing_key() {
         .is_ok()
     );
 }
+
+/// Every key of `known_keys` (the optional and `[model.moe]` ones too) with a value of another
+/// type: the key `--set` or a file gives it, and the value.
+fn wrong_types() -> Vec<(String, String)> {
+    let mut keys = Vec::new();
+    let mut stack = vec![(String::new(), known_keys())];
+    while let Some((path, v)) = stack.pop() {
+        match v {
+            Value::Table(t) => stack.extend(t.into_iter().map(|(k, v)| (join_key(&path, &k), v))),
+            Value::String(_) => keys.push((path, "true".to_string())),
+            _ => keys.push((path, "\"x\"".to_string())),
+        }
+    }
+    keys
+}
+
+#[test]
+fn a_wrong_type_names_the_whole_key_and_the_type_expected_by_set_and_in_a_file() {
+    for (set, want) in [
+        (
+            "model.hidden=\"x\"",
+            "`model.hidden`: invalid type: string \"x\", expected usize",
+        ),
+        (
+            "model.moe.top_k=true",
+            "`model.moe.top_k`: invalid type: boolean `true`, expected usize",
+        ),
+        (
+            "model.moe.score=3",
+            "`model.moe.score`: invalid type: integer `3`, expected `softmax` or `sigmoid`",
+        ),
+        (
+            "parallel.schedule=3",
+            "`parallel.schedule`: invalid type: integer `3`, expected one of `gpipe`",
+        ),
+        (
+            "parallel.stage_recompute=[1]",
+            "`parallel.stage_recompute`: invalid entry in array `[1]`, expected one of `none`",
+        ),
+        (
+            "train.precision=[1]",
+            "`train.precision`: invalid type: array `[1]`, expected `fp32` or `bf16`",
+        ),
+        (
+            "train.cuda_device=\"x\"",
+            "`train.cuda_device`: invalid type: string \"x\", expected a device number or a list",
+        ),
+    ] {
+        let e = load(None, &sets(&["model.preset=moe-tiny", set]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(want), "{set}: {e}");
+    }
+    let keys = wrong_types();
+    assert!(keys.len() > 60, "{}", keys.len());
+    for (key, bad) in keys {
+        let e = load(
+            None,
+            &[format!("model.preset=moe-tiny"), format!("{key}={bad}")],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains(&format!("config key `{key}`: ")) && e.contains("expected"),
+            "{key}: {e}"
+        );
+        let preset = match key.as_str() {
+            "model.preset" => "",
+            _ => "model.preset = \"moe-tiny\"\n",
+        };
+        let file = format!("{preset}{key} = {bad}\n");
+        let e = load_text(Some((&file, "f.toml")), &[])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with(&format!("config file f.toml: config key `{key}`: "))
+                && e.contains("expected"),
+            "{key}: {e}"
+        );
+    }
+}
