@@ -144,7 +144,25 @@ impl Config {
         self.validate_train()?;
         self.validate_optimizer()?;
         self.validate_batch()?;
-        self.validate_parallel()
+        self.validate_parallel()?;
+        self.validate_checkpoint()
+    }
+
+    /// `[checkpoint]`: saves that select no step are refused (a period longer than the run
+    /// without the save at the end).
+    fn validate_checkpoint(&self) -> Result<(), ConfigError> {
+        let (every, steps) = (self.checkpoint.every, self.train.steps);
+        if every > steps && !self.checkpoint.at_end {
+            return bad(
+                "checkpoint.every",
+                format!(
+                    "{every} is more than train.steps = {steps} and checkpoint.at_end = false: \
+                     no checkpoint would be saved (set checkpoint.at_end = true, or \
+                     checkpoint.every = 0 to save none)"
+                ),
+            );
+        }
+        Ok(())
     }
 }
 

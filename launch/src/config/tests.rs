@@ -509,3 +509,60 @@ fn a_wrong_type_names_the_whole_key_and_the_type_expected_by_set_and_in_a_file()
         );
     }
 }
+
+#[test]
+fn settings_that_select_nothing_are_refused_naming_the_keys() {
+    let moe = ["model.preset=moe-tiny", "model.layers=2"];
+    let refused = |extra: &[&str]| {
+        let mut s = sets(&moe);
+        s.extend(sets(extra));
+        load(None, &s).unwrap_err().to_string()
+    };
+    let e = refused(&["model.moe.every=3"]);
+    assert!(
+        e.contains("`model.moe.every`")
+            && e.contains("model.moe.every = 3 is more than model.layers = 2"),
+        "{e}"
+    );
+    // The experts are 4, top-2: a factor of 2 already holds every token.
+    let e = refused(&["model.moe.capacity_factor=2.5"]);
+    assert!(
+        e.contains("`model.moe.capacity_factor`")
+            && e.contains("2.5 is more than model.moe.experts / model.moe.top_k = 4 / 2"),
+        "{e}"
+    );
+    let e = load(
+        None,
+        &sets(&[
+            "train.steps=5",
+            "checkpoint.every=6",
+            "checkpoint.at_end=false",
+        ]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("`checkpoint.every`") && e.contains("6 is more than train.steps = 5"),
+        "{e}"
+    );
+    for ok in [&["model.moe.every=2"][..], &["model.moe.capacity_factor=2"]] {
+        let mut s = sets(&moe);
+        s.extend(sets(ok));
+        load(None, &s).unwrap_or_else(|e| panic!("{ok:?}: {e}"));
+    }
+    for ok in [
+        &["train.steps=5", "checkpoint.every=6"][..],
+        &[
+            "train.steps=5",
+            "checkpoint.every=5",
+            "checkpoint.at_end=false",
+        ],
+        &[
+            "train.steps=5",
+            "checkpoint.every=0",
+            "checkpoint.at_end=false",
+        ],
+    ] {
+        load(None, &sets(ok)).unwrap_or_else(|e| panic!("{ok:?}: {e}"));
+    }
+}

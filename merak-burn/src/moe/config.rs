@@ -123,6 +123,21 @@ pub enum MoeConfigError {
         /// The allowed range, in words.
         range: &'static str,
     },
+    /// A capacity factor so large that an expert's capacity holds every token: none is ever
+    /// dropped.
+    #[error(
+        "model.moe.capacity_factor = {factor} is more than model.moe.experts / model.moe.top_k \
+         = {experts} / {top_k}: an expert's capacity would hold every token of its routing \
+         group, so none is ever dropped; leave it unset for dropless routing"
+    )]
+    Capacity {
+        /// The capacity factor.
+        factor: f64,
+        /// Experts.
+        experts: usize,
+        /// Experts per token.
+        top_k: usize,
+    },
     /// The expert-parallel degree does not divide the experts.
     #[error(
         "parallel.ep = {ep} does not divide model.moe.experts = {experts}: each of the ep ranks \
@@ -134,6 +149,20 @@ pub enum MoeConfigError {
         /// Experts.
         experts: usize,
     },
+}
+
+impl MoeConfigError {
+    /// The config key the error refuses (`model.moe.top_k`, `parallel.ep`).
+    pub fn key(&self) -> String {
+        let field = match self {
+            MoeConfigError::Zero(name) => name,
+            MoeConfigError::TopK { .. } => "top_k",
+            MoeConfigError::OutOfRange { key, .. } => key,
+            MoeConfigError::Capacity { .. } => "capacity_factor",
+            MoeConfigError::Experts { .. } => return "parallel.ep".into(),
+        };
+        format!("model.moe.{field}")
+    }
 }
 
 impl MoeConfig {
@@ -193,6 +222,13 @@ impl MoeConfig {
         finite("bias_update_rate", rate, rate >= 0.0, "≥ 0")?;
         if let Some(f) = self.capacity_factor {
             finite("capacity_factor", f, f > 0.0, "> 0")?;
+            if f * self.top_k as f64 > self.experts as f64 {
+                return Err(MoeConfigError::Capacity {
+                    factor: f,
+                    experts: self.experts,
+                    top_k: self.top_k,
+                });
+            }
         }
         Ok(())
     }

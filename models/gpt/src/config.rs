@@ -87,6 +87,19 @@ pub enum GptConfigError {
         /// The allowed range, in words.
         range: &'static str,
     },
+    /// A mixture of experts every `every`-th block of a model with fewer blocks: none would
+    /// have it.
+    #[error(
+        "model.moe.every = {every} is more than model.layers = {layers}: no block would have \
+         the mixture of experts (it replaces the MLP of blocks every - 1, 2 every - 1, ...); \
+         lower model.moe.every or leave out [model.moe] for a dense model"
+    )]
+    MoeEvery {
+        /// `model.moe.every`.
+        every: usize,
+        /// `model.layers`.
+        layers: usize,
+    },
     /// An unknown preset name.
     #[error("unknown GPT preset {name:?}; known presets: {known}")]
     UnknownPreset {
@@ -95,6 +108,23 @@ pub enum GptConfigError {
         /// The known names.
         known: String,
     },
+}
+
+impl GptConfigError {
+    /// The config key the error refuses (`model.hidden`, `model.moe.every`).
+    pub fn key(&self) -> String {
+        let field = match self {
+            GptConfigError::Moe(e) => return e.key(),
+            GptConfigError::Zero(name) => name,
+            GptConfigError::HeadDim { .. } => "hidden",
+            GptConfigError::Dropout(_) => "dropout",
+            GptConfigError::TooLarge { .. } => "layers",
+            GptConfigError::OutOfRange { key, .. } => key,
+            GptConfigError::MoeEvery { .. } => "moe.every",
+            GptConfigError::UnknownPreset { .. } => "preset",
+        };
+        format!("model.{field}")
+    }
 }
 
 /// The names of the GPT presets (the shapes of [`merak_burn::planner::PRESETS`]).
@@ -161,6 +191,12 @@ impl GptConfig {
         }
         if let Some(moe) = &self.moe {
             moe.validate()?;
+            if moe.every > self.layers {
+                return Err(GptConfigError::MoeEvery {
+                    every: moe.every,
+                    layers: self.layers,
+                });
+            }
         }
         if self.shape().checked_params().is_none() {
             return Err(GptConfigError::TooLarge {
