@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
-use merak_burn::comm::MpiCommunicator;
+use merak_burn::comm::{Communicator, MpiCommunicator};
 use merak_burn::pipeline::PipelinePlan;
 use merak_burn::plan::ParallelPlan;
 use merak_burn::planner::PlanFile;
@@ -86,6 +86,9 @@ pub fn resolve_config(
     crate::admission::check_shape(&cfg, &parallel)?;
     // Built here, so that a bad schedule stops every rank at once.
     let pipeline = parallel.pipeline(&shape, cfg.train.global_batch)?;
+    if world.is_none_or(|w| w.rank() == 0) {
+        cfg.warn_idle_settings();
+    }
     Ok(Resolved {
         cfg,
         plan_file,

@@ -327,7 +327,7 @@ pub(super) fn deserialize_named(v: Value) -> Result<Config, ConfigError> {
 }
 
 /// The value at dotted path `key` of `v` (`""`: `v`).
-fn value_at<'a>(v: &'a Value, key: &str) -> Option<&'a Value> {
+pub(super) fn value_at<'a>(v: &'a Value, key: &str) -> Option<&'a Value> {
     (key.split('.'))
         .filter(|p| !p.is_empty())
         .try_fold(v, |cur, part| cur.get(part))

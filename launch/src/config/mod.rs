@@ -3,8 +3,10 @@
 //! Every key has a default, so a config file only states what differs. Unknown keys and bad
 //! values are errors that name the key.
 
+mod bounds;
 mod data;
 mod error;
+mod idle;
 mod load;
 mod model;
 mod parallel;
@@ -139,6 +141,7 @@ impl Default for Config {
 impl Config {
     /// Checks values that types alone do not constrain.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.validate_bounds()?;
         self.validate_model()?;
         self.validate_data()?;
         self.validate_train()?;
@@ -166,14 +169,7 @@ impl Config {
     }
 }
 
-/// `x` as written in a message: plainly, or in scientific notation when large (`1e300`).
-pub(crate) fn shown(x: f64) -> String {
-    if x.abs() < 1e15 {
-        x.to_string()
-    } else {
-        format!("{x:e}")
-    }
-}
+pub(crate) use merak_burn::bounds::shown;
 
 /// The largest `train.comm_timeout_s`: a year, in seconds.
 pub const MAX_COMM_TIMEOUT_S: f64 = 365.0 * 24.0 * 3600.0;
