@@ -79,10 +79,10 @@ pub fn catch_failure<T>(f: impl FnOnce() -> T) -> Result<T, RankFailure> {
         t.push(me);
     }
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
-    if let Ok(mut t) = CATCHING.lock() {
-        if let Some(at) = t.iter().position(|&id| id == me) {
-            t.swap_remove(at);
-        }
+    if let Ok(mut t) = CATCHING.lock()
+        && let Some(at) = t.iter().position(|&id| id == me)
+    {
+        t.swap_remove(at);
     }
     match result {
         Ok(v) => Ok(v),

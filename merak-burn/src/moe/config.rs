@@ -244,14 +244,14 @@ impl MoeConfig {
         if let Some(e) = out_of_bounds(self, &Self::REAL_KEYS, "model.moe.") {
             return Err(e.into());
         }
-        if let Some(f) = self.capacity_factor {
-            if f * self.top_k as f64 > self.experts as f64 {
-                return Err(MoeConfigError::Capacity {
-                    factor: f,
-                    experts: self.experts,
-                    top_k: self.top_k,
-                });
-            }
+        if let Some(f) = self.capacity_factor
+            && f * self.top_k as f64 > self.experts as f64
+        {
+            return Err(MoeConfigError::Capacity {
+                factor: f,
+                experts: self.experts,
+                top_k: self.top_k,
+            });
         }
         Ok(())
     }
