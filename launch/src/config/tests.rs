@@ -474,7 +474,7 @@ fn a_wrong_type_names_the_whole_key_and_the_type_expected_by_set_and_in_a_file()
     for (key, bad) in keys {
         let e = load(
             None,
-            &[format!("model.preset=moe-tiny"), format!("{key}={bad}")],
+            &["model.preset=moe-tiny".to_string(), format!("{key}={bad}")],
         )
         .unwrap_err()
         .to_string();
