@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use merak_burn::checkpoint::Checkpoint;
-use merak_burn::comm::MpiCommunicator;
+use merak_burn::comm::{Communicator, MpiCommunicator};
 use merak_burn::pipeline::PipelinePlan;
 use merak_burn::plan::ParallelPlan;
 use merak_burn::planner::PlanFile;
@@ -60,6 +60,9 @@ pub fn resolve_config(
     let pipeline = parallel.pipeline(&shape, cfg.train.global_batch)?;
     // What the trainer would refuse before building anything, refused before any folder.
     merak_burn::train::check_plan(&parallel, &pipeline, &cfg.train_settings(), parallel.dp)?;
+    if world.is_none_or(|w| w.rank() == 0) {
+        cfg.warn_idle_settings();
+    }
     if let Some(r) = resume {
         // The checkpoint's tensors against the model this config builds, before any folder.
         crate::model_params::check_checkpoint(&cfg, r)
@@ -220,32 +223,137 @@ pub fn stored_config(ck: &Checkpoint) -> Result<&str> {
         })
 }
 
-/// Checks that a run can continue a checkpoint: same model, batch and seed (the data position
-/// and the random streams depend on them).
-fn check_resumable(cfg: &Config, saved: &Config) -> Result<()> {
-    let pairs = [
-        (
-            "model",
-            format!("{:?}", (&saved.model.kind, &saved.model.gpt)),
-            format!("{:?}", (&cfg.model.kind, &cfg.model.gpt)),
-        ),
-        (
-            "train.global_batch",
-            saved.train.global_batch.to_string(),
-            cfg.train.global_batch.to_string(),
-        ),
-        (
-            "train.seed",
-            saved.train.seed.to_string(),
-            cfg.train.seed.to_string(),
-        ),
-    ];
-    for (key, a, b) in pairs {
-        if a != b {
-            bail!(
-                "--resume: `{key}` is {a} in the checkpoint but {b} in this run; a resumed run must keep it"
-            );
+/// The `[model]` keys a resumed run may change: they change neither the parameters nor the
+/// function the model computes. `model.moe.max_load` bounds the rows an expert-parallel rank
+/// receives (memory, the advice when routing exceeds it); `model.moe.shared_overlap` says when
+/// the shared experts run, not what they compute; `model.moe.aux_loss` and `model.moe.z_loss`
+/// weigh the auxiliary losses, hyperparameters of training like `train.weight_decay` (which a
+/// resume may change too); `model.preset` is a name (the shape it gives is compared key by
+/// key). Every other key stays: it shapes the parameters (`hidden`, `layers`, `moe.experts`,
+/// a balancing bias with `moe.bias_update_rate`), the function (`dropout`, `layer_norm_eps`,
+/// the routing: `top_k`, `score`, `renormalize`, `capacity_factor`, `bias_update_rate`) or how
+/// the parameters were made (`init_std`), and BERT's objective (`mask_token_id`).
+pub const RESUME_MAY_CHANGE: [&str; 5] = [
+    "model.preset",
+    "model.moe.max_load",
+    "model.moe.shared_overlap",
+    "model.moe.aux_loss",
+    "model.moe.z_loss",
+];
+
+/// The keys of `cfg` that a resumed run must keep, as (dotted key, value as TOML writes it):
+/// the model's but [`RESUME_MAY_CHANGE`] (and `model.mask_token_id` outside BERT, which
+/// does not read it), the batch and the seed (the data position and the random streams
+/// depend on them).
+fn kept_on_resume(cfg: &Config) -> Vec<(String, String)> {
+    fn leaves(v: &toml::Value, path: String, out: &mut Vec<(String, String)>) {
+        match v {
+            toml::Value::Table(t) if !t.is_empty() => {
+                t.iter()
+                    .for_each(|(k, v)| leaves(v, format!("{path}.{k}"), out));
+            }
+            other => out.push((path, other.to_string())),
         }
     }
-    Ok(())
+    let mut out = Vec::new();
+    if let Ok(model) = toml::Value::try_from(&cfg.model) {
+        leaves(&model, "model".into(), &mut out);
+    }
+    out.retain(|(k, _)| {
+        !RESUME_MAY_CHANGE.contains(&k.as_str())
+            && (k != "model.mask_token_id" || cfg.model.kind == "bert")
+    });
+    out.push((
+        "train.global_batch".into(),
+        cfg.train.global_batch.to_string(),
+    ));
+    out.push(("train.seed".into(), cfg.train.seed.to_string()));
+    out
+}
+
+/// Checks that a run can continue a checkpoint: the keys it must keep ([`kept_on_resume`])
+/// are the checkpoint's; the error names each that differs, with both values.
+fn check_resumable(cfg: &Config, saved: &Config) -> Result<()> {
+    let moe = |c: &Config| match c.model.gpt.moe {
+        Some(_) => "set",
+        None => "unset (a dense model)",
+    };
+    if moe(cfg) != moe(saved) {
+        bail!(
+            "--resume: [model.moe] is {} in the checkpoint but {} in this run; a resumed run \
+             must keep it",
+            moe(saved),
+            moe(cfg)
+        );
+    }
+    let (ours, theirs) = (kept_on_resume(cfg), kept_on_resume(saved));
+    let value = |keys: &[(String, String)], key: &str| {
+        (keys.iter())
+            .find(|(k, _)| k == key)
+            .map_or_else(|| "unset".to_string(), |(_, v)| v.clone())
+    };
+    let mut seen = std::collections::BTreeSet::new();
+    let changed: Vec<String> = (theirs.iter().chain(&ours))
+        .map(|(k, _)| k.as_str())
+        .filter(|k| seen.insert(*k))
+        .filter_map(|key| {
+            let (a, b) = (value(&theirs, key), value(&ours, key));
+            (a != b).then(|| format!("{key} is {a} in the checkpoint but {b} in this run"))
+        })
+        .collect();
+    match changed.len() {
+        0 => Ok(()),
+        1 => bail!("--resume: {}; a resumed run must keep it", changed[0]),
+        _ => bail!(
+            "--resume: {}; a resumed run must keep them",
+            changed.join(", ")
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The default config with `sets` applied.
+    fn cfg(sets: &[&str]) -> Config {
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        config::load(None, &sets).unwrap()
+    }
+
+    #[test]
+    fn a_resume_names_each_changed_key_with_both_values_and_accepts_the_others() {
+        const MOE: &str = "model.preset=moe-tiny";
+        let saved = cfg(&[MOE]);
+        let e = check_resumable(&cfg(&[MOE, "model.moe.experts=8"]), &saved)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "--resume: model.moe.experts is 4 in the checkpoint but 8 in this run; a resumed \
+             run must keep it"
+        );
+        let changed = cfg(&[MOE, "model.hidden=128", "train.seed=7"]);
+        let e = check_resumable(&changed, &saved).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "--resume: model.hidden is 64 in the checkpoint but 128 in this run, train.seed is \
+             1234 in the checkpoint but 7 in this run; a resumed run must keep them"
+        );
+        let e = check_resumable(&cfg(&[]), &saved).unwrap_err().to_string();
+        assert!(
+            e.contains("[model.moe] is set in the checkpoint but unset"),
+            "{e}"
+        );
+        // What changes neither the parameters nor the function: the advice of a failed rank
+        // (raise model.moe.max_load) among them.
+        let may = [
+            MOE,
+            "model.moe.max_load=9",
+            "model.moe.shared_overlap=false",
+            "model.moe.aux_loss=0.5",
+            "model.moe.z_loss=0.001",
+        ];
+        check_resumable(&cfg(&may), &saved).unwrap();
+    }
 }

@@ -209,15 +209,14 @@ where
     let options = run_options(cfg, out, &spec)?;
     let resume = spec.resume.map(|r| (&r.checkpoint, &r.state));
     let stop = Some(spec.stop.clone());
-    let (report, model) = train_part(
-        part,
-        model,
-        source,
-        &cfg.train_settings(),
-        &options,
-        resume,
-        stop,
-    )?;
+    let settings = cfg.train_settings();
+    // A failure the forward pass raises (an expert-parallel rank receiving more rows than
+    // model.moe.max_load allows) is an error of the run; under MPI the panic hook has already
+    // ended the job as a failed rank.
+    let trained = merak_burn::comm::catch_failure(|| {
+        train_part(part, model, source, &settings, &options, resume, stop)
+    })?;
+    let (report, model) = trained?;
     Ok((report.summary, model))
 }
 

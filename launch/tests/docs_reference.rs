@@ -212,12 +212,14 @@ fn escape_html_outside_code(s: &str) -> String {
     out
 }
 
-/// A field of a struct: its name, type, doc lines and whether serde flattens it.
+/// A field of a struct: its name, type, doc lines, whether serde flattens it and whether
+/// serde has a default for it.
 struct Field {
     name: String,
     ty: String,
     doc: Vec<String>,
     flatten: bool,
+    defaulted: bool,
 }
 
 /// A struct's fields.
@@ -242,7 +244,7 @@ fn structs(source: &str) -> BTreeMap<String, Struct> {
         {
             let name = ident(name).to_string();
             let mut fields = Vec::new();
-            let (mut fdoc, mut flatten) = (Vec::new(), false);
+            let (mut fdoc, mut flatten, mut defaulted) = (Vec::new(), false, false);
             let mut depth = 1;
             i += 1;
             while i < lines.len() && depth > 0 {
@@ -253,6 +255,7 @@ fn structs(source: &str) -> BTreeMap<String, Struct> {
                         fdoc.push(d.to_string());
                     } else if ft.starts_with("#[") {
                         flatten |= ft.contains("flatten");
+                        defaulted |= ft.contains("default");
                     } else if let Some((lhs, ty)) = ft.split_once(':') {
                         let fname = ident(lhs.trim_start_matches("pub ").trim());
                         if !fname.is_empty() {
@@ -261,6 +264,7 @@ fn structs(source: &str) -> BTreeMap<String, Struct> {
                                 ty: ty.trim().trim_end_matches(',').trim().to_string(),
                                 doc: std::mem::take(&mut fdoc),
                                 flatten: std::mem::take(&mut flatten),
+                                defaulted: std::mem::take(&mut defaulted),
                             });
                         }
                     }
@@ -687,7 +691,7 @@ fn config_sections() -> Vec<Section> {
                 }
             }
         }
-        for f in fields {
+        for f in &fields {
             let key = format!("{}.{}", section.name, f.name);
             assert!(!f.doc.is_empty(), "config key {key} has no doc comment");
             let default = table.get(&f.name).map(toml_literal);
@@ -707,9 +711,54 @@ fn config_sections() -> Vec<Section> {
                 out.files
             );
         }
+        let tables = optional_tables(&types, &section.name, &fields);
         sections.push(out);
+        sections.extend(tables);
     }
     sections
+}
+
+/// The tables of `section` that are absent unless set (`[model.moe]`, a field
+/// `Option<MoeConfig>`), each with its keys: the default of a key that has one, from the type's
+/// own constructor; "required" where serde has none.
+fn optional_tables(
+    types: &BTreeMap<String, Vec<(String, &'static str, Struct)>>,
+    section: &str,
+    fields: &[&Field],
+) -> Vec<Section> {
+    let mut out = Vec::new();
+    for f in fields {
+        let Some(inner) =
+            f.ty.strip_prefix("Option<")
+                .and_then(|t| t.strip_suffix('>'))
+        else {
+            continue;
+        };
+        let defaults = match inner {
+            "MoeConfig" => toml::Value::try_from(merak_burn::moe::MoeConfig::new(1, 1, 1)),
+            _ => continue,
+        }
+        .expect("the table serializes");
+        let (file, st) = find_struct(types, inner);
+        let name = format!("{section}.{}", f.name);
+        let keys = (st.fields.iter())
+            .map(|k| {
+                let default = match (k.defaulted, defaults.get(&k.name)) {
+                    (true, Some(v)) => Some(toml_literal(v)),
+                    _ if k.ty.starts_with("Option<") => None,
+                    _ => Some("required".to_string()),
+                };
+                (format!("{name}.{}", k.name), default, k.doc.clone())
+            })
+            .collect();
+        out.push(Section {
+            name,
+            doc: f.doc.clone(),
+            keys,
+            files: BTreeSet::from([file.to_string()]),
+        });
+    }
+    out
 }
 
 /// A default value as TOML writes it.
@@ -741,7 +790,11 @@ fn config_page() {
             files.join(", ")
         );
         for (key, default, doc) in section.keys {
-            let default = default.map_or_else(|| "unset".to_string(), |d| code_span(&d));
+            let default = match default.as_deref() {
+                None => "unset".to_string(),
+                Some("required") => "required".to_string(),
+                Some(d) => code_span(d),
+            };
             let _ = writeln!(
                 page,
                 "| `{key}` | {} | {} |",
@@ -820,7 +873,8 @@ const EXIT_STATUSES: [(u8, &str); 8] = [
     (0, "done"),
     (
         1,
-        "failed during training (the cause on stderr), or could not install its signal handlers; \
+        "failed during training (the cause on stderr; under MPI `merak: rank R failed: ...`, \
+         e.g. routing past `model.moe.max_load`), or could not install its signal handlers; \
          `merak train --np` also when waiting for mpirun failed",
     ),
     (

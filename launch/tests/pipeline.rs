@@ -410,11 +410,6 @@ fn bad_pipeline_configs_are_named() {
         ),
         (
             2,
-            vec!["--pp", "2", "--set", "parallel.virtual_stages=2"],
-            "parallel.virtual_stages",
-        ),
-        (
-            2,
             vec!["--pp", "2", "--set", "parallel.schedule=zigzag"],
             "parallel.schedule",
         ),

@@ -89,7 +89,10 @@ impl LocalRank {
 /// The devices a configuration asks for (`train.cuda_device`): one device for every rank of a
 /// node, or a list indexed by local rank. Without it, local rank `r` uses device `r`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "expected a device number or a list of device numbers"
+)]
 pub enum DeviceRequest {
     /// Every rank of the node uses this device.
     Same(usize),

@@ -40,6 +40,7 @@
 pub mod admission;
 pub mod backend;
 pub mod batch;
+pub mod bounds;
 pub mod checkpoint;
 pub mod comm;
 pub mod context_parallel;

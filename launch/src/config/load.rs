@@ -12,24 +12,18 @@ pub(super) fn default_value() -> Value {
     Value::try_from(Config::default()).expect("the default config serializes")
 }
 
-/// Keys without a default value (absent unless set), as (section, key).
-pub(super) const OPTIONAL_KEYS: [(&str, &str); 1] = [("train", "cuda_device")];
-
-/// Every key a config may set: the defaults' and the optional ones.
+/// Every key a config may set, each holding a value of its type: the defaults', those of
+/// `[model.moe]` (absent unless set, its optional capacity factor too) and `train.cuda_device`
+/// (absent unless set). Keys are checked against it, and type errors located by probing it.
 pub(super) fn known_keys() -> Value {
     let mut known = default_value();
-    for (section, key) in OPTIONAL_KEYS {
-        if let Some(Value::Table(t)) = known.get_mut(section) {
-            t.insert(key.into(), Value::Boolean(true));
-        }
-    }
-    // `[model.moe]`, absent unless set: every key of it, the optional capacity factor too.
+    set_key(&mut known, "train.cuda_device", Value::Integer(0));
     let moe = merak_burn::moe::MoeConfig {
         capacity_factor: Some(1.0),
         ..merak_burn::moe::MoeConfig::new(1, 1, 1)
     };
-    if let (Some(Value::Table(t)), Ok(moe)) = (known.get_mut("model"), Value::try_from(moe)) {
-        t.insert("moe".into(), moe);
+    if let Ok(moe) = Value::try_from(moe) {
+        set_key(&mut known, "model.moe", moe);
     }
     known
 }
@@ -55,11 +49,7 @@ pub(super) fn check_keys(user: &Value, known: &Value, prefix: &str) -> Result<()
         _ => return Ok(()),
     };
     for (name, v) in u {
-        let key = if prefix.is_empty() {
-            name.clone()
-        } else {
-            format!("{prefix}.{name}")
-        };
+        let key = join_key(prefix, name);
         match k.get(name) {
             Some(kv) => check_keys(v, kv, &key)?,
             None => {
@@ -88,24 +78,27 @@ pub(super) const NON_FINITE_ALLOWED: [&str; 0] = [];
 /// infinite, naming its key (`key[i]` inside an array), unless [`NON_FINITE_ALLOWED`] lists
 /// the key.
 pub(super) fn check_finite(value: &Value, prefix: &str) -> Result<(), ConfigError> {
-    let child = |name: &str| {
-        if prefix.is_empty() {
-            name.to_string()
-        } else {
-            format!("{prefix}.{name}")
-        }
-    };
     match value {
         Value::Float(x) if !x.is_finite() && !NON_FINITE_ALLOWED.contains(&prefix) => bad(
             prefix,
             format!("{x} is not a finite number (nan, inf and values beyond 1.8e308 are refused)"),
         ),
-        Value::Table(t) => t.iter().try_for_each(|(k, v)| check_finite(v, &child(k))),
+        Value::Table(t) => t
+            .iter()
+            .try_for_each(|(k, v)| check_finite(v, &join_key(prefix, k))),
         Value::Array(a) => a
             .iter()
             .enumerate()
             .try_for_each(|(i, v)| check_finite(v, &format!("{prefix}[{i}]"))),
         _ => Ok(()),
+    }
+}
+
+/// The dotted key of `name` under `prefix` (`""`: the top level).
+pub(super) fn join_key(prefix: &str, name: &str) -> String {
+    match prefix {
+        "" => name.to_string(),
+        _ => format!("{prefix}.{name}"),
     }
 }
 
@@ -175,10 +168,12 @@ pub fn load(path: Option<&Path>, sets: &[String]) -> Result<Config, ConfigError>
 /// Like [`load`], from the text of a config (`(text, where it came from)`).
 pub fn load_text(file: Option<(&str, &str)>, sets: &[String]) -> Result<Config, ConfigError> {
     let known = known_keys();
-    let mut user = match file {
-        Some((text, shown)) => read_file(text, shown, &known)?,
-        None => Value::Table(Default::default()),
+    let from_file = match file {
+        Some((text, shown)) => Some((read_file(text, shown, &known)?, shown)),
+        None => None,
     };
+    let mut user =
+        (from_file.as_ref()).map_or_else(|| Value::Table(Default::default()), |f| f.0.clone());
     apply_sets(&mut user, sets, &known)?;
     // Base: the defaults, then the model preset if one is named, then the user's keys.
     let mut merged = default_value();
@@ -188,10 +183,31 @@ pub fn load_text(file: Option<(&str, &str)>, sets: &[String]) -> Result<Config, 
         merge(&mut merged, Value::Table(model));
     }
     merge(&mut merged, user);
-    check_finite(&merged, "")?;
-    let cfg: Config = deserialize_named(merged)?;
-    cfg.validate()?;
-    Ok(cfg)
+    let checked = check_finite(&merged, "")
+        .and_then(|()| deserialize_named(merged))
+        .and_then(|cfg| cfg.validate().map(|()| cfg));
+    checked.map_err(|e| match &from_file {
+        Some((file, shown)) => name_file(e, file, shown, sets),
+        None => e,
+    })
+}
+
+/// `e` naming the config file `shown` when the key it refuses holds a value set there (in
+/// `file`), not by a `--set` override.
+fn name_file(e: ConfigError, file: &Value, shown: &str, sets: &[String]) -> ConfigError {
+    let ConfigError::BadValue { key, .. } = &e else {
+        return e;
+    };
+    let overridden = sets
+        .iter()
+        .any(|s| s.split_once('=').is_some_and(|(k, _)| k.trim() == key));
+    match value_at(file, key) {
+        Some(v) if !v.is_table() && !overridden => ConfigError::InFile {
+            path: shown.to_string(),
+            source: Box::new(e),
+        },
+        _ => e,
+    }
 }
 
 /// The keys of a config file's `text` (from `shown`), checked against `known` and for
@@ -266,33 +282,122 @@ pub(super) fn preset_shape(user: &Value) -> Result<Option<Value>, ConfigError> {
     Ok(Some(shape))
 }
 
-/// Deserializes section by section so that a type error names its key.
-pub(super) fn deserialize_named(v: Value) -> Result<Config, ConfigError> {
-    let text = toml::to_string(&v).map_err(|e| ConfigError::BadValue {
-        key: "(config)".into(),
-        msg: e.to_string(),
-    })?;
+/// `v` as a config; otherwise serde's message and the dotted key its span points at (`None`:
+/// no span).
+fn parse_config(v: &Value) -> Result<Config, (String, Option<String>)> {
+    let text = toml::to_string(v).map_err(|e| (e.to_string(), None))?;
     toml::from_str(&text).map_err(|e: toml::de::Error| {
-        // Point at the key: the span of the error is inside the offending line.
-        let key = e
-            .span()
-            .and_then(|span| key_at(&text, span.start))
-            .unwrap_or_else(|| "(config)".into());
-        let missing = (e.message().strip_prefix("missing field `"))
-            .and_then(|rest| rest.split_once('`'))
-            .and_then(|(field, _)| missing_key(&v, &known_keys(), &key, field));
-        match missing {
-            // A key without a default, in a table set only in part (`[model.moe]`).
-            Some((table, field)) => ConfigError::BadValue {
-                key: format!("{table}.{field}"),
-                msg: format!("is missing: [{table}] has no default for it"),
-            },
-            None => ConfigError::BadValue {
-                key,
-                msg: e.message().to_string(),
-            },
-        }
+        let key = e.span().and_then(|span| key_at(&text, span.start));
+        (e.message().to_string(), key)
     })
+}
+
+/// Deserializes a merged config so that a type error names its whole key and the type it
+/// expects.
+pub(super) fn deserialize_named(v: Value) -> Result<Config, ConfigError> {
+    let (msg, key) = match parse_config(&v) {
+        Ok(cfg) => return Ok(cfg),
+        Err(e) => e,
+    };
+    let key = key.unwrap_or_default();
+    let missing = (msg.strip_prefix("missing field `"))
+        .and_then(|rest| rest.split_once('`'))
+        .and_then(|(field, _)| missing_key(&v, &known_keys(), &key, field));
+    if let Some((table, field)) = missing {
+        // A key without a default, in a table set only in part (`[model.moe]`).
+        return Err(ConfigError::BadValue {
+            key: format!("{table}.{field}"),
+            msg: format!("is missing: [{table}] has no default for it"),
+        });
+    }
+    // Serde names only the section of a key inside the GPT keys flattened into [model]
+    // (`model` for `model.hidden` and `model.moe.top_k`): find the key whose value alone
+    // is refused.
+    let (key, msg) = match value_at(&v, &key) {
+        Some(Value::Table(_)) | None => failing_leaf(&v, &key).unwrap_or((key, msg)),
+        Some(_) => (key, msg),
+    };
+    let msg = value_at(&v, &key).map_or(msg.clone(), |value| with_expected(&key, value, msg));
+    let key = if key.is_empty() {
+        "(config)".into()
+    } else {
+        key
+    };
+    Err(ConfigError::BadValue { key, msg })
+}
+
+/// The value at dotted path `key` of `v` (`""`: `v`).
+pub(super) fn value_at<'a>(v: &'a Value, key: &str) -> Option<&'a Value> {
+    (key.split('.'))
+        .filter(|p| !p.is_empty())
+        .try_fold(v, |cur, part| cur.get(part))
+}
+
+/// The first key at or under dotted path `section` of `config` whose value, set alone in an
+/// otherwise valid config ([`known_keys`]), does not deserialize: the key and serde's message.
+fn failing_leaf(config: &Value, section: &str) -> Option<(String, String)> {
+    let base = known_keys();
+    let mut leaves = Vec::new();
+    collect_leaves(value_at(config, section)?, section, &mut leaves);
+    leaves.into_iter().find_map(|(key, value)| {
+        let mut probe = base.clone();
+        set_key(&mut probe, &key, value.clone());
+        let (msg, _) = parse_config(&probe).err()?;
+        Some((key, msg))
+    })
+}
+
+/// Every value of `v` (at dotted path `path`) that is not a table, with its dotted key.
+fn collect_leaves<'a>(v: &'a Value, path: &str, out: &mut Vec<(String, &'a Value)>) {
+    match v {
+        Value::Table(t) => t
+            .iter()
+            .for_each(|(name, sub)| collect_leaves(sub, &join_key(path, name), out)),
+        leaf => out.push((path.to_string(), leaf)),
+    }
+}
+
+/// Serde's message `msg` for `value` at `key`, with the type the key expects where the
+/// message lacks it: for a named choice TOML says only "wanted string or table" (`schedule =
+/// 3`) and serde "expected string or map" inside [model]; the choices are read from the
+/// message of a probe that sets a string there (or strings in the value's shape).
+fn with_expected(key: &str, value: &Value, msg: String) -> String {
+    let wants_array = value_at(&known_keys(), key).is_some_and(Value::is_array);
+    let shown = match value {
+        Value::String(s) => format!("invalid type: string {s:?}"),
+        Value::Array(_) if wants_array => format!("invalid entry in array `{value}`"),
+        other => format!("invalid type: {} `{other}`", other.type_str()),
+    };
+    if msg.starts_with("expected") {
+        return format!("{shown}, {msg}");
+    }
+    if !(msg.contains("wanted string or table") || msg.contains("expected string or map")) {
+        return msg;
+    }
+    let expected = [as_strings(value), Value::String("?".into())]
+        .into_iter()
+        .find_map(|probe_value| {
+            let mut probe = known_keys();
+            set_key(&mut probe, key, probe_value);
+            let (m, _) = parse_config(&probe).err()?;
+            let at = m.find("expected")?;
+            (!m.contains("string or map")).then(|| m[at..].to_string())
+        });
+    match expected {
+        Some(expected) => format!("{shown}, {expected}"),
+        None => msg,
+    }
+}
+
+/// `v` with every value that is not a table or an array replaced by the string `"?"`.
+fn as_strings(v: &Value) -> Value {
+    match v {
+        Value::Array(a) => Value::Array(a.iter().map(as_strings).collect()),
+        Value::Table(t) => {
+            Value::Table(t.iter().map(|(k, v)| (k.clone(), as_strings(v))).collect())
+        }
+        _ => Value::String("?".into()),
+    }
 }
 
 /// The table at or under dotted path `section` of `config` that lacks key `field` while the
@@ -304,12 +409,12 @@ fn missing_key(
     section: &str,
     field: &str,
 ) -> Option<(String, String)> {
-    let at = |v| {
-        (section.split('.'))
-            .filter(|p| !p.is_empty())
-            .try_fold(v, |cur: &Value, part| cur.get(part))
-    };
-    find_missing(at(config)?, at(known)?, section, field)
+    find_missing(
+        value_at(config, section)?,
+        value_at(known, section)?,
+        section,
+        field,
+    )
 }
 
 /// [`missing_key`] within `config` (at dotted path `path`), depth first.
@@ -327,7 +432,7 @@ fn find_missing(
     }
     c.iter().find_map(|(name, sub)| {
         let sub_known = k.get(name)?;
-        find_missing(sub, sub_known, &format!("{path}.{name}"), field)
+        find_missing(sub, sub_known, &join_key(path, name), field)
     })
 }
 

@@ -3,8 +3,10 @@
 //! Every key has a default, so a config file only states what differs. Unknown keys and bad
 //! values are errors that name the key.
 
+mod bounds;
 mod data;
 mod error;
+mod idle;
 mod load;
 mod model;
 mod parallel;
@@ -139,23 +141,35 @@ impl Default for Config {
 impl Config {
     /// Checks values that types alone do not constrain.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.validate_bounds()?;
         self.validate_model()?;
         self.validate_data()?;
         self.validate_train()?;
         self.validate_optimizer()?;
         self.validate_batch()?;
-        self.validate_parallel()
+        self.validate_parallel()?;
+        self.validate_checkpoint()
+    }
+
+    /// `[checkpoint]`: saves that select no step are refused (a period longer than the run
+    /// without the save at the end).
+    fn validate_checkpoint(&self) -> Result<(), ConfigError> {
+        let (every, steps) = (self.checkpoint.every, self.train.steps);
+        if every > steps && !self.checkpoint.at_end {
+            return bad(
+                "checkpoint.every",
+                format!(
+                    "{every} is more than train.steps = {steps} and checkpoint.at_end = false: \
+                     no checkpoint would be saved (set checkpoint.at_end = true, or \
+                     checkpoint.every = 0 to save none)"
+                ),
+            );
+        }
+        Ok(())
     }
 }
 
-/// `x` as written in a message: plainly, or in scientific notation when large (`1e300`).
-pub(crate) fn shown(x: f64) -> String {
-    if x.abs() < 1e15 {
-        x.to_string()
-    } else {
-        format!("{x:e}")
-    }
-}
+pub(crate) use merak_burn::bounds::shown;
 
 /// The largest `train.comm_timeout_s`: a year, in seconds.
 pub const MAX_COMM_TIMEOUT_S: f64 = 365.0 * 24.0 * 3600.0;

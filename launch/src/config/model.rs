@@ -47,7 +47,7 @@ impl Config {
             }
         }
         if let Err(e) = self.model.gpt.validate() {
-            return bad("model", e.to_string());
+            return bad(&e.key(), e.to_string());
         }
         Ok(())
     }

@@ -8,7 +8,7 @@ use merak_burn::plan::ParallelPlan;
 use merak_burn::tensor_parallel::TpOverlap;
 use serde::{Deserialize, Serialize};
 
-use super::{Config, ConfigError, bad, shown};
+use super::{Config, ConfigError, bad};
 
 /// `[parallel]`: the layout.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -57,7 +57,8 @@ pub struct ParallelSection {
     /// gradient is summed over them after the reduce-scatter.
     pub shard: usize,
     /// Size of a data-parallel gradient bucket in MiB; a bucket's all-reduce starts as soon as
-    /// all its gradients are final.
+    /// all its gradients are final. In (0, 4096]: PyTorch uses 25; an MPI message counts at
+    /// most 2^31 - 1 elements (8 GiB of f32), and a bucket of GiBs overlaps nothing.
     pub bucket_mb: f64,
     /// Where the gradients wait for their all-reduce: "host" (copied to host memory as the
     /// backward pass finishes each, buckets all-reduced during the backward pass), "device"
@@ -80,7 +81,7 @@ pub struct ParallelSection {
     /// whose stages include a selective one runs all of them with selective recomputation.
     pub stage_recompute: Vec<RecomputeMode>,
     /// Stage-aware recomputation: activation memory per stage in MiB; 0: what the last stage
-    /// needs without recomputation.
+    /// needs without recomputation. In [0, 1048576] (1 TiB, beyond every device's memory).
     pub memory_budget_mb: f64,
     /// Sub-pipelined tensor parallelism: token chunks per micro-batch (1: none). Each
     /// tensor-parallel all-reduce is cut into this many chunks, each overlapped with the next
@@ -104,51 +105,12 @@ impl Config {
                 ),
             );
         }
+        // Hybrid sharding groups ZeRO's ranks; without ZeRO it is idle (config/idle.rs).
         let (dp, shard) = (self.parallel.dp, self.parallel.shard);
-        if shard != 0 && shard != dp {
-            if !dp.is_multiple_of(shard) {
-                return bad(
-                    "parallel.shard",
-                    format!("{shard} must divide parallel.dp = {dp}"),
-                );
-            }
-            if self.parallel.zero == 0 {
-                return bad(
-                    "parallel.shard",
-                    format!(
-                        "{shard} (hybrid sharding) needs parallel.zero = 1, 2 or 3 (it is {})",
-                        self.parallel.zero
-                    ),
-                );
-            }
-        }
-        if self.parallel.reduce_scatter == ReduceScatter::MicroBatch && self.parallel.zero < 2 {
+        if shard != 0 && self.parallel.zero != 0 && !dp.is_multiple_of(shard) {
             return bad(
-                "parallel.reduce_scatter",
-                format!(
-                    "\"micro-batch\" needs parallel.zero = 2 or 3 (it is {}): stages 0 and 1 \
-                     reduce whole gradients",
-                    self.parallel.zero
-                ),
-            );
-        }
-        if self.parallel.gradient_buffers == GradientBuffers::Device && self.parallel.zero != 0 {
-            return bad(
-                "parallel.gradient_buffers",
-                format!(
-                    "\"device\" needs parallel.zero = 0 (it is {}): ZeRO's reducers keep their \
-                     slices in host memory",
-                    self.parallel.zero
-                ),
-            );
-        }
-        if !self.parallel.reshard_after_forward && self.parallel.zero != 3 {
-            return bad(
-                "parallel.reshard_after_forward",
-                format!(
-                    "false needs parallel.zero = 3 (it is {}): only ZeRO-3 shards the parameters",
-                    self.parallel.zero
-                ),
+                "parallel.shard",
+                format!("{shard} must divide parallel.dp = {dp}"),
             );
         }
         if self.parallel.prefetch > 8 {
@@ -175,36 +137,6 @@ impl Config {
                     self.parallel.stage_recompute.len(),
                     self.parallel.pp,
                     self.parallel.virtual_stages
-                ),
-            );
-        }
-        let (v, schedule) = (self.parallel.virtual_stages, self.parallel.schedule);
-        if schedule == ScheduleKind::ZbV && v > 2 {
-            return bad(
-                "parallel.virtual_stages",
-                format!("{v}: parallel.schedule = \"zb-v\" runs two stages per rank"),
-            );
-        }
-        if v > 1 && !schedule.uses_virtual_stages() {
-            return bad(
-                "parallel.virtual_stages",
-                format!(
-                    "{v} needs parallel.schedule = \"interleaved\" or \"zb-v\" (it is \"{schedule}\")"
-                ),
-            );
-        }
-        if !(self.parallel.memory_budget_mb >= 0.0 && self.parallel.memory_budget_mb.is_finite()) {
-            return bad(
-                "parallel.memory_budget_mb",
-                format!("{} must be >= 0", shown(self.parallel.memory_budget_mb)),
-            );
-        }
-        if !(self.parallel.bucket_mb > 0.0 && self.parallel.bucket_mb.is_finite()) {
-            return bad(
-                "parallel.bucket_mb",
-                format!(
-                    "{} must be a positive number",
-                    shown(self.parallel.bucket_mb)
                 ),
             );
         }
@@ -299,19 +231,12 @@ impl Config {
     /// `parallel.sequence_parallel`: tp > 1, and tp dividing the positions a rank holds
     /// (`seq_len / cp`).
     pub(super) fn validate_sequence_parallel(&self) -> Result<(), ConfigError> {
-        if !self.parallel.sequence_parallel {
+        // At tp = 1 the setting is idle (config/idle.rs).
+        if !self.parallel.sequence_parallel || self.parallel.tp < 2 {
             return Ok(());
         }
         let (tp, cp) = (self.parallel.tp, self.parallel.cp.max(1));
         let seq = self.model.gpt.seq_len / cp;
-        if tp < 2 {
-            return bad(
-                "parallel.sequence_parallel",
-                format!(
-                    "true needs parallel.tp > 1 (it is {tp}): sequence parallelism splits the                      sequence over the tensor-parallel ranks"
-                ),
-            );
-        }
         if !seq.is_multiple_of(tp) {
             return bad(
                 "parallel.sequence_parallel",
@@ -387,6 +312,10 @@ impl Config {
             Ok(k) => k,
             Err(e) => return bad("parallel.tp_overlap", e.to_string()),
         };
+        // At tp = 1 no product is cut into chunks: the setting is idle (config/idle.rs).
+        if self.parallel.tp == 1 {
+            return Ok(());
+        }
         match overlap.check_tokens(tokens) {
             Ok(()) => Ok(()),
             Err(e) => bad(
@@ -422,39 +351,49 @@ impl Config {
             .pipeline(&shape, self.train.global_batch)?)
     }
 
-    /// Stages per pipeline rank: `parallel.virtual_stages`, and always 2 under ZB-V.
+    /// Stages per pipeline rank: `parallel.virtual_stages` under the interleaved schedule,
+    /// always 2 under ZB-V, 1 under the others (where the key is idle: config/idle.rs).
     pub fn virtual_stages(&self) -> usize {
         match self.parallel.schedule {
             ScheduleKind::ZbV => 2,
-            _ => self.parallel.virtual_stages,
+            s if s.uses_virtual_stages() => self.parallel.virtual_stages,
+            _ => 1,
         }
     }
 
-    /// The run's parallel plan: `[parallel]` with the micro-batch size resolved.
+    /// The run's parallel plan: `[parallel]` with the micro-batch size resolved, and the keys
+    /// that are idle in this layout (config/idle.rs) at the values that take effect.
     pub fn parallel_plan(&self) -> ParallelPlan {
         let p = &self.parallel;
+        let zero = p.zero;
         ParallelPlan {
             dp: p.dp,
             tp: p.tp,
             cp: p.cp,
             cp_attention: p.cp_attention,
-            sequence_parallel: p.sequence_parallel,
+            sequence_parallel: p.sequence_parallel && p.tp > 1,
             ep: p.ep,
             pp: p.pp,
             virtual_stages: self.virtual_stages(),
             micro_batch: self.micro_batch(),
             schedule: p.schedule,
-            stage_units: p.stage_layers.clone(),
+            stage_units: match self.stages() {
+                1 => Vec::new(),
+                _ => p.stage_layers.clone(),
+            },
             recompute: p.recompute,
             stage_recompute: p.stage_recompute.clone(),
             memory_budget_mb: p.memory_budget_mb,
             zero: p.zero,
             bucket_mb: p.bucket_mb,
-            tp_overlap: p.tp_overlap,
+            tp_overlap: if p.tp == 1 { 1 } else { p.tp_overlap },
             prefetch: p.prefetch,
-            shard: p.shard,
-            reduce_scatter: p.reduce_scatter,
-            reshard_after_forward: p.reshard_after_forward,
+            shard: if zero == 0 { 0 } else { p.shard },
+            reduce_scatter: match zero {
+                2 | 3 => p.reduce_scatter,
+                _ => ReduceScatter::Step,
+            },
+            reshard_after_forward: p.reshard_after_forward || zero != 3,
             gradient_buffers: p.gradient_buffers,
         }
     }

@@ -1,3 +1,4 @@
+use super::idle::IDLE;
 use super::load::*;
 use super::*;
 use toml::Value;
@@ -34,7 +35,7 @@ fn overrides_apply_and_unknown_keys_are_named() {
 }
 
 #[test]
-fn cuda_devices_are_a_number_or_a_list_and_only_for_cuda() {
+fn cuda_devices_are_a_number_or_a_list() {
     use merak_burn::device::DeviceRequest;
     let c = load(None, &sets(&["train.device=cuda", "train.cuda_device=1"])).unwrap();
     assert_eq!(c.train.cuda_device, Some(DeviceRequest::Same(1)));
@@ -48,10 +49,8 @@ fn cuda_devices_are_a_number_or_a_list_and_only_for_cuda() {
         Some(DeviceRequest::PerLocalRank(vec![1, 0]))
     );
     assert_eq!(load(None, &[]).unwrap().train.cuda_device, None);
-    let e = load(None, &sets(&["train.cuda_device=1"]))
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("train.cuda_device") && e.contains("cpu"), "{e}");
+    // Idle on another device (warned, config/idle.rs).
+    load(None, &sets(&["train.cuda_device=1"])).unwrap();
     let e = load(None, &sets(&["train.device=cuda", "train.cuda_device=-1"]))
         .unwrap_err()
         .to_string();
@@ -246,21 +245,6 @@ fn zero_stages_prefetch_reduce_scatter_and_hybrid_sharding_are_checked_and_named
     );
     let e = refused(&["parallel.dp=4", "parallel.zero=3", "parallel.shard=3"]);
     assert!(e.contains("parallel.shard") && e.contains("divide"), "{e}");
-    let e = refused(&["parallel.dp=4", "parallel.zero=0", "parallel.shard=2"]);
-    assert!(
-        e.contains("parallel.shard") && e.contains("zero = 1, 2 or 3"),
-        "{e}"
-    );
-    let e = refused(&["parallel.zero=1", "parallel.reduce_scatter=micro-batch"]);
-    assert!(
-        e.contains("parallel.reduce_scatter") && e.contains("zero = 2 or 3") && e.contains("is 1"),
-        "{e}"
-    );
-    let e = refused(&["parallel.zero=2", "parallel.reshard_after_forward=false"]);
-    assert!(
-        e.contains("parallel.reshard_after_forward") && e.contains("zero = 3 (it is 2)"),
-        "{e}"
-    );
     let e = refused(&["parallel.zero=2", "parallel.reduce_scatter=always"]);
     assert!(
         e.contains("reduce_scatter") && e.contains("micro-batch"),
@@ -276,6 +260,10 @@ fn zero_stages_prefetch_reduce_scatter_and_hybrid_sharding_are_checked_and_named
         &["parallel.dp=4", "parallel.zero=1", "parallel.shard=2"],
         &["parallel.dp=4", "parallel.zero=3", "parallel.shard=1"],
         &["parallel.dp=4", "parallel.zero=0", "parallel.shard=4"],
+        // Idle at these stages: accepted (warned, config/idle.rs).
+        &["parallel.dp=4", "parallel.zero=0", "parallel.shard=3"],
+        &["parallel.zero=1", "parallel.reduce_scatter=micro-batch"],
+        &["parallel.zero=2", "parallel.reshard_after_forward=false"],
     ] {
         load(None, &sets(ok)).unwrap_or_else(|e| panic!("{ok:?}: {e}"));
     }
@@ -427,4 +415,385 @@ fn a_moe_table_set_in_part_names_the_missing_key() {
         )
         .is_ok()
     );
+}
+
+/// Every key of `known_keys` (the optional and `[model.moe]` ones too) with a value of another
+/// type: the key `--set` or a file gives it, and the value.
+fn wrong_types() -> Vec<(String, String)> {
+    let mut keys = Vec::new();
+    let mut stack = vec![(String::new(), known_keys())];
+    while let Some((path, v)) = stack.pop() {
+        match v {
+            Value::Table(t) => stack.extend(t.into_iter().map(|(k, v)| (join_key(&path, &k), v))),
+            Value::String(_) => keys.push((path, "true".to_string())),
+            _ => keys.push((path, "\"x\"".to_string())),
+        }
+    }
+    keys
+}
+
+#[test]
+fn a_wrong_type_names_the_whole_key_and_the_type_expected_by_set_and_in_a_file() {
+    for (set, want) in [
+        (
+            "model.hidden=\"x\"",
+            "`model.hidden`: invalid type: string \"x\", expected usize",
+        ),
+        (
+            "model.moe.top_k=true",
+            "`model.moe.top_k`: invalid type: boolean `true`, expected usize",
+        ),
+        (
+            "model.moe.score=3",
+            "`model.moe.score`: invalid type: integer `3`, expected `softmax` or `sigmoid`",
+        ),
+        (
+            "parallel.schedule=3",
+            "`parallel.schedule`: invalid type: integer `3`, expected one of `gpipe`",
+        ),
+        (
+            "parallel.stage_recompute=[1]",
+            "`parallel.stage_recompute`: invalid entry in array `[1]`, expected one of `none`",
+        ),
+        (
+            "train.precision=[1]",
+            "`train.precision`: invalid type: array `[1]`, expected `fp32` or `bf16`",
+        ),
+        (
+            "train.cuda_device=\"x\"",
+            "`train.cuda_device`: invalid type: string \"x\", expected a device number or a list",
+        ),
+    ] {
+        let e = load(None, &sets(&["model.preset=moe-tiny", set]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(want), "{set}: {e}");
+    }
+    let keys = wrong_types();
+    assert!(keys.len() > 60, "{}", keys.len());
+    for (key, bad) in keys {
+        let e = load(
+            None,
+            &["model.preset=moe-tiny".to_string(), format!("{key}={bad}")],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains(&format!("config key `{key}`: ")) && e.contains("expected"),
+            "{key}: {e}"
+        );
+        let preset = match key.as_str() {
+            "model.preset" => "",
+            _ => "model.preset = \"moe-tiny\"\n",
+        };
+        let file = format!("{preset}{key} = {bad}\n");
+        let e = load_text(Some((&file, "f.toml")), &[])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with(&format!("config file f.toml: config key `{key}`: "))
+                && e.contains("expected"),
+            "{key}: {e}"
+        );
+    }
+}
+
+#[test]
+fn settings_that_select_nothing_are_refused_naming_the_keys() {
+    let moe = ["model.preset=moe-tiny", "model.layers=2"];
+    let refused = |extra: &[&str]| {
+        let mut s = sets(&moe);
+        s.extend(sets(extra));
+        load(None, &s).unwrap_err().to_string()
+    };
+    let e = refused(&["model.moe.every=3"]);
+    assert!(
+        e.contains("`model.moe.every`")
+            && e.contains("model.moe.every = 3 is more than model.layers = 2"),
+        "{e}"
+    );
+    // The experts are 4, top-2: a factor of 2 already holds every token.
+    let e = refused(&["model.moe.capacity_factor=2.5"]);
+    assert!(
+        e.contains("`model.moe.capacity_factor`")
+            && e.contains("2.5 is more than model.moe.experts / model.moe.top_k = 4 / 2"),
+        "{e}"
+    );
+    let e = load(
+        None,
+        &sets(&[
+            "train.steps=5",
+            "checkpoint.every=6",
+            "checkpoint.at_end=false",
+        ]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("`checkpoint.every`") && e.contains("6 is more than train.steps = 5"),
+        "{e}"
+    );
+    for ok in [&["model.moe.every=2"][..], &["model.moe.capacity_factor=2"]] {
+        let mut s = sets(&moe);
+        s.extend(sets(ok));
+        load(None, &s).unwrap_or_else(|e| panic!("{ok:?}: {e}"));
+    }
+    for ok in [
+        &["train.steps=5", "checkpoint.every=6"][..],
+        &[
+            "train.steps=5",
+            "checkpoint.every=5",
+            "checkpoint.at_end=false",
+        ],
+        &[
+            "train.steps=5",
+            "checkpoint.every=0",
+            "checkpoint.at_end=false",
+        ],
+    ] {
+        load(None, &sets(ok)).unwrap_or_else(|e| panic!("{ok:?}: {e}"));
+    }
+}
+
+/// A config with every real-valued key set: a mixture of experts with a capacity factor.
+fn every_real_key() -> Config {
+    load(
+        None,
+        &sets(&["model.preset=moe-tiny", "model.moe.capacity_factor=1"]),
+    )
+    .unwrap()
+}
+
+#[test]
+fn every_real_valued_key_has_bounds_and_its_doc_states_them() {
+    let cfg = every_real_key();
+    let real = cfg.real_keys();
+    let mut floats = Vec::new();
+    let mut stack = vec![(String::new(), known_keys())];
+    while let Some((path, v)) = stack.pop() {
+        match v {
+            Value::Table(t) => stack.extend(t.into_iter().map(|(k, v)| (join_key(&path, &k), v))),
+            Value::Float(_) => floats.push(path),
+            _ => {}
+        }
+    }
+    assert!(floats.len() >= 20, "{floats:?}");
+    for key in &floats {
+        assert!(
+            real.iter().any(|(k, v, _)| k == key && v.is_some()),
+            "{key} is real-valued but has no bounds (Config::real_keys)"
+        );
+    }
+    // The configuration reference (generated from the keys' doc comments) states each range.
+    let page = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/src/reference/config.md"),
+    )
+    .unwrap();
+    for (key, _, bounds) in &real {
+        let row = (page.lines())
+            .find(|l| l.starts_with(&format!("| `{key}` |")))
+            .unwrap_or_else(|| panic!("{key}: no row in the configuration reference"));
+        assert!(
+            row.contains(&bounds.to_string()),
+            "{key}: its doc comment does not state {bounds}: {row}"
+        );
+    }
+}
+
+#[test]
+fn an_absurd_real_value_is_refused_naming_the_key_the_value_and_the_range() {
+    let e = load(
+        None,
+        &sets(&["model.preset=moe-tiny", "model.moe.aux_loss=1e30"]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert_eq!(e, "config key `model.moe.aux_loss`: 1e30 must be in [0, 1]");
+    for (key, _, bounds) in every_real_key().real_keys() {
+        let mut outside = Vec::new();
+        if bounds.high.is_finite() {
+            outside.push(bounds.high * 2.0 + 1.0);
+        }
+        outside.push(match (bounds.low_open, bounds.low) {
+            (true, low) => low,
+            (false, 0.0) => -1.0,
+            (false, low) => low / 10.0,
+        });
+        for v in outside {
+            let shown = shown(v);
+            let set = [
+                "model.preset=moe-tiny".to_string(),
+                "model.moe.capacity_factor=1".to_string(),
+                format!("{key}={v:e}"),
+            ];
+            let e = load(None, &set).unwrap_err().to_string();
+            let want = format!("config key `{key}`: {shown} must be in {bounds}");
+            assert_eq!(e, want, "{key} = {v}");
+            let mut file = format!("{key} = {v:e}\n");
+            if key != "model.moe.capacity_factor" {
+                file.push_str("model.moe.capacity_factor = 1.0\n");
+            }
+            let e = match load_text(Some((&file, "f.toml")), &set[..1]) {
+                Ok(_) => panic!("{key} = {v:e} in a file is accepted"),
+                Err(e) => e.to_string(),
+            };
+            assert_eq!(e, format!("config file f.toml: {want}"), "{key} = {v}");
+        }
+    }
+}
+
+#[test]
+fn settings_idle_in_the_layout_are_listed_with_the_reason_and_only_there() {
+    const MOE: &str = "model.preset=moe-tiny";
+    const EP2: [&str; 2] = ["parallel.dp=2", "parallel.ep=2"];
+    // (key, settings where a value other than its default is idle, settings where it acts)
+    let cases: Vec<(&str, Vec<&str>, Vec<&str>)> = vec![
+        (
+            "parallel.prefetch",
+            vec!["parallel.prefetch=2"],
+            vec!["parallel.zero=3"],
+        ),
+        (
+            "parallel.reshard_after_forward",
+            vec!["parallel.reshard_after_forward=false", "parallel.zero=2"],
+            vec!["parallel.zero=3"],
+        ),
+        (
+            "parallel.reduce_scatter",
+            vec!["parallel.reduce_scatter=micro-batch", "parallel.zero=1"],
+            vec!["parallel.zero=2"],
+        ),
+        (
+            "parallel.shard",
+            vec!["parallel.dp=4", "parallel.shard=2"],
+            vec!["parallel.zero=1"],
+        ),
+        (
+            "parallel.gradient_buffers",
+            vec!["parallel.gradient_buffers=device", "parallel.zero=1"],
+            vec!["parallel.zero=0"],
+        ),
+        (
+            "parallel.cp_attention",
+            vec!["parallel.cp_attention=all-to-all"],
+            vec!["parallel.cp=2"],
+        ),
+        (
+            "parallel.sequence_parallel",
+            vec!["parallel.sequence_parallel=true"],
+            vec!["parallel.tp=2"],
+        ),
+        (
+            "parallel.tp_overlap",
+            vec!["parallel.tp_overlap=2"],
+            vec!["parallel.tp=2"],
+        ),
+        (
+            "parallel.virtual_stages",
+            vec!["parallel.virtual_stages=2", "parallel.pp=2"],
+            vec!["parallel.schedule=interleaved"],
+        ),
+        (
+            "parallel.stage_layers",
+            vec!["parallel.stage_layers=[2, 2]"],
+            vec!["parallel.pp=2"],
+        ),
+        (
+            "parallel.memory_budget_mb",
+            vec!["parallel.memory_budget_mb=100"],
+            vec!["parallel.recompute=stage-aware"],
+        ),
+        (
+            "parallel.recompute",
+            vec![
+                "parallel.recompute=full",
+                "parallel.stage_recompute=[\"none\"]",
+            ],
+            vec!["parallel.stage_recompute=[]"],
+        ),
+        (
+            "model.moe.max_load",
+            vec![MOE, "model.moe.max_load=8"],
+            EP2.to_vec(),
+        ),
+        (
+            "model.moe.shared_overlap",
+            vec![
+                MOE,
+                "model.moe.shared_overlap=false",
+                "model.moe.shared_experts=1",
+            ],
+            EP2.to_vec(),
+        ),
+        (
+            "model.mask_token_id",
+            vec!["model.mask_token_id=5"],
+            vec!["model.kind=bert"],
+        ),
+        ("train.comm", vec!["train.comm=mpi"], vec!["parallel.dp=2"]),
+        (
+            "train.comm_timeout_s",
+            vec!["train.comm_timeout_s=5"],
+            vec!["parallel.dp=2"],
+        ),
+        (
+            "train.cuda_device",
+            vec!["train.cuda_device=1"],
+            vec!["train.device=cuda"],
+        ),
+        (
+            "train.sample_temperature",
+            vec!["train.sample_temperature=0.5"],
+            vec!["train.sample_tokens=4"],
+        ),
+        (
+            "train.sample_tokens",
+            vec!["train.sample_tokens=4", "parallel.pp=2"],
+            vec!["parallel.pp=1"],
+        ),
+        (
+            "train.min_lr",
+            vec!["train.min_lr=0", "optimizer.schedule=constant"],
+            vec!["optimizer.schedule=linear"],
+        ),
+        (
+            "data.val_batches",
+            vec!["data.val_batches=3"],
+            vec!["data.val_every=5"],
+        ),
+        (
+            "data.path",
+            vec!["data.path=somewhere"],
+            vec!["data.kind=tokens"],
+        ),
+    ];
+    let mut keys: Vec<&str> = cases.iter().map(|c| c.0).collect();
+    keys.sort_unstable();
+    let mut table: Vec<&str> = IDLE.iter().map(|i| i.key).collect();
+    table.sort_unstable();
+    assert_eq!(keys, table, "a case for every key of IDLE");
+    let idle = |s: &[&str]| {
+        load(None, &sets(s))
+            .unwrap_or_else(|e| panic!("{s:?}: {e}"))
+            .idle_settings()
+    };
+    assert_eq!(idle(&[]), vec![], "the defaults");
+    assert_eq!(idle(&[MOE]), vec![], "the defaults of [model.moe]");
+    for (key, idle_here, acting) in cases {
+        let listed = idle(&idle_here);
+        let found: Vec<_> = listed.iter().filter(|s| s.key == key).collect();
+        assert_eq!(found.len(), 1, "{key} under {idle_here:?}: {listed:?}");
+        let line = found[0].to_string();
+        assert!(
+            line.starts_with(&format!("{key} = "))
+                && line.contains("has no effect in this layout ("),
+            "{line}"
+        );
+        let both = [idle_here.clone(), acting.clone()].concat();
+        let listed = idle(&both);
+        assert!(
+            listed.iter().all(|s| s.key != key),
+            "{key} under {both:?}: {listed:?}"
+        );
+    }
 }

@@ -4,7 +4,7 @@
 use merak_burn::train::TrainSettings;
 use serde::{Deserialize, Serialize};
 
-use super::{Config, ConfigError, MAX_COMM_TIMEOUT_S, bad, shown};
+use super::{Config, ConfigError, bad, shown};
 
 /// `[train]`: optimization.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -18,30 +18,36 @@ pub struct TrainSection {
     /// (`global_batch / dp`) without a pipeline and 1 with one (pp > 1). Gradients are accumulated over the micro-batches, so every
     /// layout trains on the same global batch.
     pub micro_batch: usize,
-    /// Peak learning rate.
+    /// Peak learning rate, in (0, 10]: Adam's rates stay below 0.01, and SGD's, scaled
+    /// linearly with batches of 8k sequences, near 3.
     pub lr: f64,
     /// Final learning rate of the schedule's decay (`optimizer.schedule`: cosine, linear or
-    /// WSD; unused by constant).
+    /// WSD; unused by constant), in [0, 10] and at most `train.lr`.
     pub min_lr: f64,
     /// Linear warm-up steps.
     pub warmup_steps: usize,
     /// Weight decay: decoupled for AdamW, L2 (added to the gradient) for the other
-    /// optimizers; norms and biases get none by default.
+    /// optimizers; norms and biases get none by default. In [0, 1]: language models use 0.1
+    /// (AdamW), L2 1e-4; at 1 AdamW already shrinks the weights by `lr` a step.
     pub weight_decay: f64,
-    /// Beta 1 of AdamW and Adam.
+    /// Beta 1 of AdamW and Adam, in [0, 1) (at 1 the first moment never moves).
     pub beta1: f64,
-    /// Beta 2 of AdamW and Adam.
+    /// Beta 2 of AdamW and Adam, in [0, 1) (at 1 the second moment never moves).
     pub beta2: f64,
-    /// Epsilon of AdamW, Adam, AdaGrad and RMSProp.
+    /// Epsilon of AdamW, Adam, AdaGrad and RMSProp, in [1e-30, 1]: 1e-8 to 1e-10 are used;
+    /// the optimizers' f32 arithmetic rounds values below about 1e-38 to 0 (no epsilon at
+    /// all), and at 1 epsilon outweighs any gradient's root mean square.
     pub eps: f64,
-    /// Clip gradients to this global norm (0 disables clipping).
+    /// Clip gradients to this global norm (0 disables clipping), in [0, 1000000]: 1 is usual,
+    /// and a norm beyond a million is a diverged run, not one to clip.
     pub grad_clip: f64,
     /// On a NaN or infinite loss, skip the step (true) instead of stopping (false).
     pub skip_nonfinite: bool,
     /// GPT: after training, continue a held-out prompt by this many tokens and print it
     /// (0: no sample).
     pub sample_tokens: usize,
-    /// Temperature of that sample's top-40 sampling (seeded by train.seed); 0 is greedy.
+    /// Temperature of that sample's top-40 sampling (seeded by train.seed); 0 is greedy. In
+    /// [0, 10]: at 10 the top 40 are already drawn almost uniformly.
     pub sample_temperature: f64,
     /// Seed of initialization, data and dropout.
     pub seed: u64,
@@ -61,7 +67,7 @@ pub struct TrainSection {
     pub cuda_device: Option<merak_burn::device::DeviceRequest>,
     /// A rank blocked in one communication call longer than this many seconds (plus the
     /// message's time at 100 MB/s) names the call and its peers and aborts the job; 0: wait
-    /// forever.
+    /// forever. In [0, 31536000] (a year).
     pub comm_timeout_s: f64,
 }
 
@@ -98,56 +104,17 @@ impl Config {
         if self.train.global_batch == 0 {
             return bad("train.global_batch", "must be at least 1".into());
         }
-        if !(self.train.lr > 0.0 && self.train.lr.is_finite()) {
-            return bad(
-                "train.lr",
-                format!("{} must be a positive number", shown(self.train.lr)),
-            );
-        }
-        if self.train.min_lr < 0.0 || self.train.min_lr > self.train.lr {
+        if self.train.min_lr > self.train.lr {
             return bad(
                 "train.min_lr",
                 format!(
                     "{} must be in [0, train.lr = {}]",
-                    self.train.min_lr, self.train.lr
+                    shown(self.train.min_lr),
+                    shown(self.train.lr)
                 ),
             );
         }
-        for (key, b) in [
-            ("train.beta1", self.train.beta1),
-            ("train.beta2", self.train.beta2),
-        ] {
-            if !(0.0..1.0).contains(&b) {
-                return bad(key, format!("{b} must be in [0, 1)"));
-            }
-        }
         let t = &self.train;
-        for (key, v, ok, range) in [
-            ("train.grad_clip", t.grad_clip, t.grad_clip >= 0.0, ">= 0"),
-            (
-                "train.weight_decay",
-                t.weight_decay,
-                t.weight_decay >= 0.0,
-                ">= 0",
-            ),
-            ("train.eps", t.eps, t.eps > 0.0, "> 0"),
-            (
-                "train.comm_timeout_s",
-                t.comm_timeout_s,
-                (0.0..=MAX_COMM_TIMEOUT_S).contains(&t.comm_timeout_s),
-                "in [0, 31536000] (a year; 0: no limit)",
-            ),
-            (
-                "train.sample_temperature",
-                t.sample_temperature,
-                t.sample_temperature >= 0.0,
-                ">= 0 (0: greedy)",
-            ),
-        ] {
-            if !(ok && v.is_finite()) {
-                return bad(key, format!("{} must be a finite number {range}", shown(v)));
-            }
-        }
         if t.sample_tokens > self.model.gpt.seq_len {
             return bad(
                 "train.sample_tokens",
@@ -174,15 +141,6 @@ impl Config {
                 format!(
                     "is \"nccl\", but train.device = \"{}\" (NCCL moves GPU memory; use \"mpi\" \
                      or \"auto\")",
-                    self.train.device
-                ),
-            );
-        }
-        if self.train.cuda_device.is_some() && self.train.device != "cuda" {
-            return bad(
-                "train.cuda_device",
-                format!(
-                    "is set, but train.device = \"{}\" (it chooses CUDA devices)",
                     self.train.device
                 ),
             );

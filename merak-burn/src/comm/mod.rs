@@ -24,7 +24,7 @@ pub(crate) mod tensor;
 pub mod transport;
 pub mod watchdog;
 
-pub use abort::report_line;
+pub use abort::{RankFailure, catch_failure, fail, failure_of, report_line};
 pub use error::CommError;
 pub use group::Group;
 pub use local::LocalCommunicator;

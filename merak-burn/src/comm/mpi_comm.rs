@@ -48,7 +48,9 @@ fn check_world(launch: &Launch, universe: &Universe) -> Result<(), CommError> {
 /// The MPI environment of this process: initialises MPI once and finalises it when dropped.
 ///
 /// Creating it also installs a panic hook that reports the failing rank and aborts the whole
-/// MPI job, so that no other rank is left waiting for a message that will never come.
+/// MPI job, so that no other rank is left waiting for a message that will never come: a
+/// [`RankFailure`](super::RankFailure) as `merak: rank R failed: ...` with exit status 1, any
+/// other panic as `merak: rank R panicked: ...` with 101.
 pub struct MpiWorld {
     /// Finalises MPI when dropped (after `Drop for MpiWorld` has freed the registered groups).
     universe: Universe,
@@ -111,6 +113,11 @@ impl Drop for MpiWorld {
 fn install_abort_on_panic(rank: usize) {
     let default = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
+        // A failure raised where no `Result` can carry it (`fail`): a failed rank, not a panic.
+        if let Some(failure) = super::failure_of(info.payload()) {
+            report_line(&format!("merak: rank {rank} failed: {failure}"));
+            abort_world(1);
+        }
         let msg = info
             .payload()
             .downcast_ref::<&str>()

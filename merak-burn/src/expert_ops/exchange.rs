@@ -55,10 +55,10 @@ pub fn take_exchange_seconds() -> f64 {
     SECONDS.with(|c| c.replace(0.0))
 }
 
-/// A failure inside the exchange: fatal for the job (the panic hook aborts it and names the
-/// rank).
-fn fatal(e: impl std::fmt::Display) -> ! {
-    panic!("expert-parallel exchange failed: {e}")
+/// A failed exchange: the job ends as a failed rank ([`crate::comm::fail`]: `merak: rank R
+/// failed: ...`, exit status 1), not as a panic.
+fn failed(e: impl std::fmt::Display) -> ! {
+    crate::comm::fail(format!("expert-parallel exchange failed: {e}"))
 }
 
 /// The forward exchange on any backend, through host buffers
@@ -72,17 +72,17 @@ pub fn exchange_rows<B: Backend>(
     during: &mut dyn FnMut(),
 ) -> FloatTensor<B> {
     let x = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(x));
-    let comm = group.comm().unwrap_or_else(|e| fatal(e));
+    let comm = group.comm().unwrap_or_else(|e| failed(e));
     let t0 = std::time::Instant::now();
     let mut flight = comm
         .all_to_all_rows_start(x, &counts.send, &counts.recv)
-        .unwrap_or_else(|e| fatal(e));
+        .unwrap_or_else(|e| failed(e));
     // One call into the library posts what it can before the compute in between.
-    flight.test().unwrap_or_else(|e| fatal(e));
+    flight.test().unwrap_or_else(|e| failed(e));
     count_seconds(t0.elapsed().as_secs_f64());
     during();
     let t0 = std::time::Instant::now();
-    let rows = flight.finish().unwrap_or_else(|e| fatal(e));
+    let rows = flight.finish().unwrap_or_else(|e| failed(e));
     count_seconds(t0.elapsed().as_secs_f64());
     rows.into_primitive().tensor()
 }
@@ -148,6 +148,6 @@ pub fn exchange_around<B: ExpertBackend, T>(
     let mut run = || out = during.take().map(|f| f());
     let x = x.into_primitive().tensor();
     let rows = B::ep_exchange(x, counts, group, &mut run);
-    let out = out.unwrap_or_else(|| fatal("the work beside the exchange did not run"));
+    let out = out.unwrap_or_else(|| panic!("the work beside the exchange did not run"));
     (Tensor::from_primitive(TensorPrimitive::Float(rows)), out)
 }

@@ -3,6 +3,8 @@
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+use crate::bounds::{Bounds, OutOfBounds, RealKey, out_of_bounds};
+
 /// The experts' feed-forward network.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -49,28 +51,37 @@ pub struct MoeConfig {
     /// Divide the top-k scores by their sum before weighting the experts' outputs.
     #[serde(default = "yes")]
     pub renormalize: bool,
-    /// Weight of the Switch load-balancing loss `E Σ_i f_i P_i` (0: off).
+    /// Weight of the Switch load-balancing loss `E Σ_i f_i P_i` (0: off), in [0, 1]: Switch
+    /// and ST-MoE use 0.01 and DeepSeek 0.001-0.003; at 1 the balancing term (1 for a balanced
+    /// router, up to E) already outweighs the language-modelling loss it serves.
     #[serde(default = "default_aux")]
     pub aux_loss: f64,
-    /// Weight of the router z-loss `mean(logsumexp(logits)²)` (0: off).
+    /// Weight of the router z-loss `mean(logsumexp(logits)²)` (0: off), in [0, 1]: ST-MoE
+    /// uses 0.001; above 1 the penalty on the logits' size outweighs the language-modelling
+    /// loss.
     #[serde(default)]
     pub z_loss: f64,
     /// Capacity factor: each expert takes at most `ceil(factor × tokens × top_k / E)` tokens of
-    /// a routing group, the later ones (by global token index) dropped. Absent: dropless.
+    /// a routing group, the later ones (by global token index) dropped. Absent: dropless. In
+    /// (0, inf) and at most `experts / top_k`, where an expert's capacity already holds every
+    /// token (typical: 1 to 2).
     #[serde(default)]
     pub capacity_factor: Option<f64>,
     /// DeepSeek's auxiliary-loss-free balancing: every expert has a selection bias, added to
     /// its score for the top-k choice only (not to the gates), which after each step moves by
     /// this rate towards balance (`+rate` for an expert below the mean load of the layer,
     /// `-rate` above it), from the loads of the whole step, so every rank agrees; it is kept in
-    /// checkpoints with the parameters (0: off).
+    /// checkpoints with the parameters (0: off). In [0, 1]: DeepSeek-V3 uses 0.001, and the
+    /// scores lie in [0, 1], so a rate of 1 already moves a bias across their whole range in
+    /// one step.
     #[serde(default)]
     pub bias_update_rate: f64,
     /// The stated bound on the token rows an expert-parallel rank receives in a micro-batch,
     /// in multiples of the mean (the `tokens × top_k` rows each rank sends): the memory check
     /// counts the experts' activations at it, and a dropless run whose routing exceeds it
-    /// stops naming the layer and the counts. Only `ep > 1` has a bound (at ep = 1 a rank
-    /// computes its own rows however they are routed).
+    /// fails (exit status 1) naming the layer and the counts. Only `ep > 1` has a bound (at
+    /// ep = 1 a rank computes its own rows however they are routed). A bound on memory, not
+    /// part of the model: a resumed run may change it.
     #[serde(default = "default_max_load")]
     pub max_load: usize,
     /// A mixture of experts in every `every`-th block (blocks `every - 1`, `2 every - 1`,
@@ -113,15 +124,23 @@ pub enum MoeConfigError {
         /// Experts.
         experts: usize,
     },
-    /// A real-valued key outside its range.
-    #[error("model.moe.{key} = {value} must be {range}")]
-    OutOfRange {
-        /// The key.
-        key: &'static str,
-        /// Its value.
-        value: f64,
-        /// The allowed range, in words.
-        range: &'static str,
+    /// A real-valued key outside its bounds ([`MoeConfig::REAL_KEYS`]).
+    #[error(transparent)]
+    OutOfRange(#[from] OutOfBounds),
+    /// A capacity factor so large that an expert's capacity holds every token: none is ever
+    /// dropped.
+    #[error(
+        "model.moe.capacity_factor = {factor} is more than model.moe.experts / model.moe.top_k \
+         = {experts} / {top_k}: an expert's capacity would hold every token of its routing \
+         group, so none is ever dropped; leave it unset for dropless routing"
+    )]
+    Capacity {
+        /// The capacity factor.
+        factor: f64,
+        /// Experts.
+        experts: usize,
+        /// Experts per token.
+        top_k: usize,
     },
     /// The expert-parallel degree does not divide the experts.
     #[error(
@@ -136,7 +155,46 @@ pub enum MoeConfigError {
     },
 }
 
+impl MoeConfigError {
+    /// The config key the error refuses (`model.moe.top_k`, `parallel.ep`).
+    pub fn key(&self) -> String {
+        let field = match self {
+            MoeConfigError::Zero(name) => name,
+            MoeConfigError::TopK { .. } => "top_k",
+            MoeConfigError::OutOfRange(e) => return e.key.clone(),
+            MoeConfigError::Capacity { .. } => "capacity_factor",
+            MoeConfigError::Experts { .. } => return "parallel.ep".into(),
+        };
+        format!("model.moe.{field}")
+    }
+}
+
 impl MoeConfig {
+    /// The real-valued keys and their bounds (the reasons are in the fields' docs); the
+    /// capacity factor is also at most `experts / top_k` ([`MoeConfigError::Capacity`]).
+    pub const REAL_KEYS: [RealKey<MoeConfig>; 4] = [
+        RealKey {
+            key: "aux_loss",
+            get: |c| Some(c.aux_loss),
+            bounds: Bounds::closed(0.0, 1.0),
+        },
+        RealKey {
+            key: "z_loss",
+            get: |c| Some(c.z_loss),
+            bounds: Bounds::closed(0.0, 1.0),
+        },
+        RealKey {
+            key: "bias_update_rate",
+            get: |c| Some(c.bias_update_rate),
+            bounds: Bounds::closed(0.0, 1.0),
+        },
+        RealKey {
+            key: "capacity_factor",
+            get: |c| c.capacity_factor,
+            bounds: Bounds::above(0.0, f64::INFINITY),
+        },
+    ];
+
     /// `experts` GELU experts of width `expert_hidden`, `top_k` per token, with every other key
     /// at its default (softmax, renormalized gates, dropless, Switch loss 0.01, in every
     /// block).
@@ -183,16 +241,17 @@ impl MoeConfig {
                 experts: self.experts,
             });
         }
-        let finite = |key, value: f64, ok: bool, range| match ok && value.is_finite() {
-            true => Ok(()),
-            false => Err(MoeConfigError::OutOfRange { key, value, range }),
-        };
-        finite("aux_loss", self.aux_loss, self.aux_loss >= 0.0, "≥ 0")?;
-        finite("z_loss", self.z_loss, self.z_loss >= 0.0, "≥ 0")?;
-        let rate = self.bias_update_rate;
-        finite("bias_update_rate", rate, rate >= 0.0, "≥ 0")?;
-        if let Some(f) = self.capacity_factor {
-            finite("capacity_factor", f, f > 0.0, "> 0")?;
+        if let Some(e) = out_of_bounds(self, &Self::REAL_KEYS, "model.moe.") {
+            return Err(e.into());
+        }
+        if let Some(f) = self.capacity_factor
+            && f * self.top_k as f64 > self.experts as f64
+        {
+            return Err(MoeConfigError::Capacity {
+                factor: f,
+                experts: self.experts,
+                top_k: self.top_k,
+            });
         }
         Ok(())
     }
@@ -270,6 +329,14 @@ mod tests {
                 .unwrap_err()
                 .to_string()
                 .contains("capacity_factor = 0")
+        );
+        let e = MoeConfig {
+            aux_loss: 1e30,
+            ..cfg()
+        };
+        assert_eq!(
+            e.validate().unwrap_err().to_string(),
+            "model.moe.aux_loss = 1e30 must be in [0, 1]"
         );
         let e = cfg().check_ep(3).unwrap_err().to_string();
         assert!(

@@ -51,8 +51,14 @@ impl MoePlace {
     }
 }
 
-/// A failure inside the layer's forward pass: fatal for the job (the panic hook aborts it and
-/// names the rank).
+/// A failure of this rank inside the layer's forward pass (routing past the stated bound, a
+/// failed exchange): the job ends as a failed rank ([`crate::comm::fail`]: `merak: rank R
+/// failed: ...`, exit status 1), not as a panic.
+fn failed(e: impl std::fmt::Display) -> ! {
+    crate::comm::fail(format!("mixture of experts: {e}"))
+}
+
+/// A broken invariant of the layer (a bug, not an input): a panic.
 fn fatal(e: impl std::fmt::Display) -> ! {
     panic!("mixture of experts: {e}")
 }
@@ -217,9 +223,9 @@ impl<B: ParallelBackend> MoeLayer<B> {
     /// Sums `values` over the ranks that split the routing group's tokens.
     fn routing_sum(&self, mut values: Vec<f32>) -> Vec<f32> {
         for g in self.place.routing_groups() {
-            let comm = g.comm().unwrap_or_else(|e| fatal(e));
+            let comm = g.comm().unwrap_or_else(|e| failed(e));
             comm.all_reduce(&mut values, ReduceOp::Sum)
-                .unwrap_or_else(|e| fatal(e));
+                .unwrap_or_else(|e| failed(e));
         }
         values
     }
@@ -247,10 +253,10 @@ impl<B: ParallelBackend> MoeLayer<B> {
         }
         let mut group: Vec<f32> = mine.iter().map(|&v| v as f32).collect();
         for g in self.place.routing_groups() {
-            let comm = g.comm().unwrap_or_else(|e| fatal(e));
+            let comm = g.comm().unwrap_or_else(|e| failed(e));
             let mut all = vec![0.0; group.len() * g.size()];
             comm.all_gather(&group, &mut all)
-                .unwrap_or_else(|e| fatal(e));
+                .unwrap_or_else(|e| failed(e));
             group = all;
         }
         let group: Vec<usize> = group.iter().map(|&v| v as usize).collect();
@@ -338,7 +344,7 @@ impl<B: ParallelBackend> MoeLayer<B> {
         let received = arrivals.per_expert();
         let mean = tokens * self.cfg.top_k;
         if let Err(e) = within_bound(self.place.layer, &received, mean, self.cfg.max_load) {
-            fatal(e);
+            failed(e);
         }
     }
 
@@ -353,10 +359,10 @@ impl<B: ParallelBackend> MoeLayer<B> {
         }
         let send: Vec<f32> = d.per_expert.iter().map(|&v| v as f32).collect();
         let mut recv = vec![0.0; send.len()];
-        let comm = ep.comm().unwrap_or_else(|e| fatal(e));
+        let comm = ep.comm().unwrap_or_else(|e| failed(e));
         let t0 = std::time::Instant::now();
         comm.all_to_all(&send, &mut recv)
-            .unwrap_or_else(|e| fatal(e));
+            .unwrap_or_else(|e| failed(e));
         crate::expert_ops::exchange::count_seconds(t0.elapsed().as_secs_f64());
         Arrivals {
             matrix: recv.iter().map(|&v| v as usize).collect(),
@@ -405,16 +411,18 @@ pub fn within_bound(
     bound: usize,
 ) -> Result<(), String> {
     let total: usize = received.iter().sum();
-    let limit = bound * mean;
+    let limit = bound.saturating_mul(mean);
     if total <= limit {
         return Ok(());
     }
+    let needed = total.div_ceil(mean.max(1));
     Err(format!(
         "layer {layer}: this expert-parallel rank received {total} token rows for its experts \
          ({received:?}) in a micro-batch, more than the stated bound model.moe.max_load = \
-         {bound} x the mean of {mean} that the memory check counts; raise it (the memory check \
-         counts the raised bound), set model.moe.capacity_factor to drop what exceeds an \
-         expert's capacity, or lower parallel.ep"
+         {bound} x the mean of {mean} that the memory check counts; raise it to {needed} or \
+         more (a resume may: --set model.moe.max_load={needed}; the memory check counts the \
+         raised bound), set model.moe.capacity_factor to drop what exceeds an expert's \
+         capacity, or lower parallel.ep"
     ))
 }
 

@@ -193,4 +193,9 @@ fn routing_past_the_stated_bound_stops_naming_the_counts() {
         "{e}"
     );
     assert!(e.contains("model.moe.max_load = 2 x the mean of 20"), "{e}");
+    // The advice names the bound that would have held (41 rows: 3 x 20).
+    assert!(
+        e.contains("raise it to 3 or more (a resume may: --set model.moe.max_load=3;"),
+        "{e}"
+    );
 }

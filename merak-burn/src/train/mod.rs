@@ -46,7 +46,7 @@ pub use experts::RoutingStats;
 pub use fit::Summary;
 pub use grad_norm::{GradStats, NormGroups, clip_grads, global_grad_norm, sharded_param_ids};
 pub use metrics::{MetricsWriter, StepMetrics};
-pub use optim::check_settings;
+pub use optim::{OPTIMIZER_REAL_KEYS, TRAIN_REAL_KEYS, check_settings};
 pub use optim::{ParamGroup, ParamInfo};
 pub use optim::{RmsPropStep, Slots, StateSlots};
 pub use optimizer_settings::{OptimizerKind, OptimizerSettings};

@@ -105,17 +105,19 @@ impl std::fmt::Display for OptimizerKind {
 pub struct OptimizerSettings {
     /// Which optimizer: "adamw" (default), "adam", "sgd", "adagrad" or "rmsprop".
     pub kind: OptimizerKind,
-    /// SGD and RMSProp: momentum factor in [0, 1); 0: none.
+    /// SGD and RMSProp: momentum factor in [0, 1) (at 1 the velocity never forgets); 0: none.
     pub momentum: f64,
     /// SGD: dampening of the momentum, in [0, 1].
     pub dampening: f64,
     /// SGD: Nesterov momentum (needs momentum > 0 and dampening = 0).
     pub nesterov: bool,
-    /// RMSProp: smoothing constant of the squared-gradient average, in [0, 1).
+    /// RMSProp: smoothing constant of the squared-gradient average, in [0, 1) (at 1 the
+    /// average never moves from 0).
     pub alpha: f64,
     /// RMSProp: divide by the gradient's estimated variance (not with momentum).
     pub centered: bool,
-    /// AdaGrad: the learning rate of its t-th step is `lr / (1 + (t - 1) lr_decay)`; >= 0.
+    /// AdaGrad: the learning rate of its t-th step is `lr / (1 + (t - 1) lr_decay)`; in
+    /// [0, 1]: at 1 the rate already falls as `lr / t`.
     pub lr_decay: f64,
     /// The shape of the learning rate after the warm-up: "cosine" (default), "constant",
     /// "linear" or "wsd".

@@ -1,5 +1,6 @@
 //! BERT shapes and presets.
 
+use merak_burn::bounds::{Bounds, OutOfBounds, RealKey, out_of_bounds};
 use merak_burn::planner::{ModelKind, TransformerShape};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -22,13 +23,16 @@ pub struct BertConfig {
     pub hidden: usize,
     /// Maximum sequence length (size of the position table).
     pub seq_len: usize,
-    /// Dropout probability on the embeddings and on each residual branch (0 disables it).
+    /// Dropout probability on the embeddings and on each residual branch (0 disables it), in
+    /// [0, 1): at 1 every activation would be dropped.
     #[serde(default)]
     pub dropout: f64,
-    /// LayerNorm epsilon (BERT: 1e-12).
+    /// LayerNorm epsilon (BERT: 1e-12), in (0, 1]: it only keeps the LayerNorm of a constant
+    /// row finite; above 1 it would outweigh the variance of rows of unit variance.
     #[serde(default = "default_eps")]
     pub layer_norm_eps: f64,
-    /// Standard deviation of the normal initialization of every weight matrix (BERT: 0.02).
+    /// Standard deviation of the normal initialization of every weight matrix (BERT: 0.02), in
+    /// (0, 1]: at 1 the attention's softmax is already saturated.
     #[serde(default = "default_std")]
     pub init_std: f64,
     /// The id of the `[MASK]` token, below `vocab_size` (with the GPT-2 BPE: 50,257, the id
@@ -45,7 +49,7 @@ fn default_std() -> f64 {
 }
 
 /// An invalid BERT shape.
-#[derive(Debug, Error, PartialEq, Eq)]
+#[derive(Debug, Error, PartialEq)]
 pub enum BertConfigError {
     /// A size that must be positive is zero.
     #[error("model.{0} must be at least 1")]
@@ -58,9 +62,9 @@ pub enum BertConfigError {
         /// Head count.
         heads: usize,
     },
-    /// A dropout probability outside `[0, 1)`.
-    #[error("model.dropout = {0} must be in [0, 1)")]
-    Dropout(String),
+    /// A real-valued key outside its bounds ([`BertConfig::REAL_KEYS`]).
+    #[error(transparent)]
+    OutOfRange(#[from] OutOfBounds),
     /// A shape whose parameter count does not fit in 64 bits.
     #[error(
         "model.layers = {layers}, model.hidden = {hidden}, model.vocab_size = {vocab} and \
@@ -98,6 +102,25 @@ pub enum BertConfigError {
 }
 
 impl BertConfig {
+    /// The real-valued keys and their bounds (the reasons are in the fields' docs).
+    pub const REAL_KEYS: [RealKey<BertConfig>; 3] = [
+        RealKey {
+            key: "dropout",
+            get: |c| Some(c.dropout),
+            bounds: Bounds::below(0.0, 1.0),
+        },
+        RealKey {
+            key: "layer_norm_eps",
+            get: |c| Some(c.layer_norm_eps),
+            bounds: Bounds::above(0.0, 1.0),
+        },
+        RealKey {
+            key: "init_std",
+            get: |c| Some(c.init_std),
+            bounds: Bounds::above(0.0, 1.0),
+        },
+    ];
+
     /// A BERT preset by name (see [`merak_burn::planner::PRESETS`]), without dropout.
     pub fn preset(name: &str) -> Result<BertConfig, BertConfigError> {
         TransformerShape::preset_of(ModelKind::Bert, name)
@@ -143,8 +166,8 @@ impl BertConfig {
                 heads: self.heads,
             });
         }
-        if !(0.0..1.0).contains(&self.dropout) {
-            return Err(BertConfigError::Dropout(self.dropout.to_string()));
+        if let Some(e) = out_of_bounds(self, &Self::REAL_KEYS, "model.") {
+            return Err(e.into());
         }
         if self.shape().checked_params().is_none() {
             return Err(BertConfigError::TooLarge {
@@ -207,6 +230,22 @@ mod tests {
             BertConfig::preset("bert-large").unwrap().num_params(),
             355_351_552
         );
+    }
+
+    #[test]
+    fn an_absurd_real_value_is_refused_naming_the_key_the_value_and_the_range() {
+        for (set, want) in [
+            (
+                (|c: &mut BertConfig| c.layer_norm_eps = 1e30) as fn(&mut BertConfig),
+                "model.layer_norm_eps = 1e30 must be in (0, 1]",
+            ),
+            (|c| c.init_std = 0.0, "model.init_std = 0 must be in (0, 1]"),
+            (|c| c.dropout = 1.0, "model.dropout = 1 must be in [0, 1)"),
+        ] {
+            let mut c = BertConfig::preset("tiny").unwrap();
+            set(&mut c);
+            assert_eq!(c.validate().unwrap_err().to_string(), want);
+        }
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! GPT shapes and presets.
 
+use merak_burn::bounds::{Bounds, OutOfBounds, RealKey, out_of_bounds};
 use merak_burn::moe::{ExpertActivation, MoeConfig, MoeConfigError};
 use merak_burn::planner::{ModelKind, MoeShape, TransformerShape};
 use serde::{Deserialize, Serialize};
@@ -19,14 +20,18 @@ pub struct GptConfig {
     pub hidden: usize,
     /// Maximum sequence length (size of the position table).
     pub seq_len: usize,
-    /// Dropout probability on the embeddings and on each residual branch (0 disables it).
+    /// Dropout probability on the embeddings and on each residual branch (0 disables it), in
+    /// [0, 1): at 1 every activation would be dropped.
     #[serde(default)]
     pub dropout: f64,
-    /// LayerNorm epsilon.
+    /// LayerNorm epsilon, in (0, 1]: it only keeps the LayerNorm of a constant row finite
+    /// (GPT-2: 1e-5, BERT: 1e-12); above 1 it would outweigh the variance of rows of unit
+    /// variance.
     #[serde(default = "default_eps")]
     pub layer_norm_eps: f64,
-    /// Standard deviation of the normal initialization (GPT-2: 0.02). Output projections of
-    /// residual branches are scaled by `1 / sqrt(2 * layers)`.
+    /// Standard deviation of the normal initialization (GPT-2: 0.02), in (0, 1]: at 1 the
+    /// attention's softmax is already saturated. Output projections of residual branches are
+    /// scaled by `1 / sqrt(2 * layers)`.
     #[serde(default = "default_std")]
     pub init_std: f64,
     /// A mixture of experts in place of every block's MLP (`[model.moe]`; absent: dense).
@@ -59,9 +64,6 @@ pub enum GptConfigError {
         /// Head count.
         heads: usize,
     },
-    /// A dropout probability outside `[0, 1)`.
-    #[error("model.dropout = {0} must be in [0, 1)")]
-    Dropout(String),
     /// A shape whose parameter count does not fit in 64 bits.
     #[error(
         "model.layers = {layers}, model.hidden = {hidden}, model.vocab_size = {vocab} and \
@@ -77,15 +79,21 @@ pub enum GptConfigError {
         /// Sequence length.
         seq: usize,
     },
-    /// A real-valued key outside its range.
-    #[error("model.{key} = {value} must be {range}")]
-    OutOfRange {
-        /// The key.
-        key: &'static str,
-        /// Its value, as written.
-        value: String,
-        /// The allowed range, in words.
-        range: &'static str,
+    /// A real-valued key outside its bounds ([`GptConfig::REAL_KEYS`]).
+    #[error(transparent)]
+    OutOfRange(#[from] OutOfBounds),
+    /// A mixture of experts every `every`-th block of a model with fewer blocks: none would
+    /// have it.
+    #[error(
+        "model.moe.every = {every} is more than model.layers = {layers}: no block would have \
+         the mixture of experts (it replaces the MLP of blocks every - 1, 2 every - 1, ...); \
+         lower model.moe.every or leave out [model.moe] for a dense model"
+    )]
+    MoeEvery {
+        /// `model.moe.every`.
+        every: usize,
+        /// `model.layers`.
+        layers: usize,
     },
     /// An unknown preset name.
     #[error("unknown GPT preset {name:?}; known presets: {known}")]
@@ -97,12 +105,47 @@ pub enum GptConfigError {
     },
 }
 
+impl GptConfigError {
+    /// The config key the error refuses (`model.hidden`, `model.moe.every`).
+    pub fn key(&self) -> String {
+        let field = match self {
+            GptConfigError::Moe(e) => return e.key(),
+            GptConfigError::Zero(name) => name,
+            GptConfigError::HeadDim { .. } => "hidden",
+            GptConfigError::TooLarge { .. } => "layers",
+            GptConfigError::OutOfRange(e) => return e.key.clone(),
+            GptConfigError::MoeEvery { .. } => "moe.every",
+            GptConfigError::UnknownPreset { .. } => "preset",
+        };
+        format!("model.{field}")
+    }
+}
+
 /// The names of the GPT presets (the shapes of [`merak_burn::planner::PRESETS`]).
 pub fn preset_names() -> String {
     TransformerShape::preset_names(ModelKind::Gpt)
 }
 
 impl GptConfig {
+    /// The real-valued keys and their bounds (the reasons are in the fields' docs).
+    pub const REAL_KEYS: [RealKey<GptConfig>; 3] = [
+        RealKey {
+            key: "dropout",
+            get: |c| Some(c.dropout),
+            bounds: Bounds::below(0.0, 1.0),
+        },
+        RealKey {
+            key: "layer_norm_eps",
+            get: |c| Some(c.layer_norm_eps),
+            bounds: Bounds::above(0.0, 1.0),
+        },
+        RealKey {
+            key: "init_std",
+            get: |c| Some(c.init_std),
+            bounds: Bounds::above(0.0, 1.0),
+        },
+    ];
+
     /// A GPT preset by name (see [`merak_burn::planner::PRESETS`]), without dropout.
     pub fn preset(name: &str) -> Result<GptConfig, GptConfigError> {
         TransformerShape::preset_of(ModelKind::Gpt, name)
@@ -156,11 +199,17 @@ impl GptConfig {
                 heads: self.heads,
             });
         }
-        if !(0.0..1.0).contains(&self.dropout) {
-            return Err(GptConfigError::Dropout(self.dropout.to_string()));
+        if let Some(e) = out_of_bounds(self, &Self::REAL_KEYS, "model.") {
+            return Err(e.into());
         }
         if let Some(moe) = &self.moe {
             moe.validate()?;
+            if moe.every > self.layers {
+                return Err(GptConfigError::MoeEvery {
+                    every: moe.every,
+                    layers: self.layers,
+                });
+            }
         }
         if self.shape().checked_params().is_none() {
             return Err(GptConfigError::TooLarge {
@@ -169,30 +218,6 @@ impl GptConfig {
                 vocab: self.vocab_size,
                 seq: self.seq_len,
             });
-        }
-        // A standard deviation of 1 already saturates a GPT's softmax; the epsilon only keeps a
-        // LayerNorm of a constant row finite.
-        for (key, value, ok, range) in [
-            (
-                "init_std",
-                self.init_std,
-                self.init_std > 0.0 && self.init_std <= 1.0,
-                "in (0, 1]",
-            ),
-            (
-                "layer_norm_eps",
-                self.layer_norm_eps,
-                self.layer_norm_eps > 0.0 && self.layer_norm_eps <= 1.0,
-                "in (0, 1]",
-            ),
-        ] {
-            if !ok {
-                return Err(GptConfigError::OutOfRange {
-                    key,
-                    value: value.to_string(),
-                    range,
-                });
-            }
         }
         Ok(())
     }
@@ -287,5 +312,13 @@ mod tests {
                 .to_string()
                 .contains("tiny")
         );
+        let mut c = GptConfig::preset("tiny").unwrap();
+        c.layer_norm_eps = 1e30;
+        let e = c.validate().unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "model.layer_norm_eps = 1e30 must be in (0, 1]"
+        );
+        assert_eq!(e.key(), "model.layer_norm_eps");
     }
 }

@@ -29,6 +29,7 @@ pub use crate::checkpoint::{Slots, StateSlots};
 pub(crate) use groups::Optimizers;
 pub use slots::RmsPropStep;
 
+use crate::bounds::{Bounds, OutOfBounds, RealKey, out_of_bounds, shown};
 use crate::train::optimizer_settings::{OptimizerKind, OptimizerSettings};
 use crate::train::{InvalidSetting, LrScheduleKind, TrainSettings};
 
@@ -90,38 +91,88 @@ fn refuse(key: &str, value: impl std::fmt::Display, reason: impl Into<String>) -
 /// The error names the key (a field of [`TrainSettings`], `optimizer.*` for
 /// [`OptimizerSettings`]) and its value. [`Trainer::new`](crate::train::Trainer::new) calls it.
 pub fn check_settings(s: &TrainSettings) -> Result<(), InvalidSetting> {
-    let finite = |key: &str, v: f64, ok: bool, range: &str| {
-        if ok && v.is_finite() {
-            Ok(())
-        } else {
-            Err(refuse(key, v, format!("must be a finite number {range}")))
-        }
-    };
-    finite("lr", s.lr, s.lr > 0.0, "> 0")?;
-    finite(
-        "min_lr",
-        s.min_lr,
-        (0.0..=s.lr).contains(&s.min_lr),
-        &format!("in [0, lr = {}]", s.lr),
-    )?;
-    finite(
-        "weight_decay",
-        s.weight_decay,
-        s.weight_decay >= 0.0,
-        ">= 0",
-    )?;
-    finite("eps", s.eps, s.eps > 0.0, "> 0")?;
-    finite(
-        "grad_clip",
-        s.grad_clip,
-        s.grad_clip >= 0.0,
-        ">= 0 (0: no clipping)",
-    )?;
-    for (key, b) in [("beta1", s.beta1), ("beta2", s.beta2)] {
-        finite(key, b, (0.0..1.0).contains(&b), "in [0, 1)")?;
+    if let Some(e) = out_of_bounds(s, &TRAIN_REAL_KEYS, "") {
+        return Err(out_of(e));
+    }
+    if s.min_lr > s.lr {
+        return Err(refuse(
+            "min_lr",
+            shown(s.min_lr),
+            format!("must be in [0, lr = {}]", shown(s.lr)),
+        ));
     }
     check_kind(&s.optimizer)?;
     check_schedule(s)
+}
+
+/// The real-valued keys of [`TrainSettings`] and their bounds; `min_lr` is also at most `lr`.
+/// `merak train`'s `[train]` keys give the reasons.
+pub const TRAIN_REAL_KEYS: [RealKey<TrainSettings>; 7] = [
+    RealKey {
+        key: "lr",
+        get: |s| Some(s.lr),
+        bounds: Bounds::above(0.0, 10.0),
+    },
+    RealKey {
+        key: "min_lr",
+        get: |s| Some(s.min_lr),
+        bounds: Bounds::closed(0.0, 10.0),
+    },
+    RealKey {
+        key: "weight_decay",
+        get: |s| Some(s.weight_decay),
+        bounds: Bounds::closed(0.0, 1.0),
+    },
+    RealKey {
+        key: "beta1",
+        get: |s| Some(s.beta1),
+        bounds: Bounds::below(0.0, 1.0),
+    },
+    RealKey {
+        key: "beta2",
+        get: |s| Some(s.beta2),
+        bounds: Bounds::below(0.0, 1.0),
+    },
+    RealKey {
+        key: "eps",
+        get: |s| Some(s.eps),
+        bounds: Bounds::closed(1e-30, 1.0),
+    },
+    RealKey {
+        key: "grad_clip",
+        get: |s| Some(s.grad_clip),
+        bounds: Bounds::closed(0.0, 1e6),
+    },
+];
+
+/// The real-valued keys of [`OptimizerSettings`] and their bounds (the reasons are in the
+/// fields' docs).
+pub const OPTIMIZER_REAL_KEYS: [RealKey<OptimizerSettings>; 4] = [
+    RealKey {
+        key: "momentum",
+        get: |o| Some(o.momentum),
+        bounds: Bounds::below(0.0, 1.0),
+    },
+    RealKey {
+        key: "dampening",
+        get: |o| Some(o.dampening),
+        bounds: Bounds::closed(0.0, 1.0),
+    },
+    RealKey {
+        key: "alpha",
+        get: |o| Some(o.alpha),
+        bounds: Bounds::below(0.0, 1.0),
+    },
+    RealKey {
+        key: "lr_decay",
+        get: |o| Some(o.lr_decay),
+        bounds: Bounds::closed(0.0, 1.0),
+    },
+];
+
+/// The [`InvalidSetting`] of a key outside its bounds.
+fn out_of(e: OutOfBounds) -> InvalidSetting {
+    refuse(&e.key, e.value, format!("must be in {}", e.bounds))
 }
 
 /// The kind's own hyperparameters, and none set for a kind that does not use it.
@@ -181,37 +232,9 @@ fn check_kind(o: &OptimizerSettings) -> Result<(), InvalidSetting> {
             ));
         }
     }
-    let unit = |key: &str, v: f64, ok: bool, range: &str| {
-        if ok && v.is_finite() {
-            Ok(())
-        } else {
-            Err(refuse(key, v, format!("must be in {range}")))
-        }
-    };
-    unit(
-        "optimizer.momentum",
-        o.momentum,
-        (0.0..1.0).contains(&o.momentum),
-        "[0, 1)",
-    )?;
-    unit(
-        "optimizer.dampening",
-        o.dampening,
-        (0.0..=1.0).contains(&o.dampening),
-        "[0, 1]",
-    )?;
-    unit(
-        "optimizer.alpha",
-        o.alpha,
-        (0.0..1.0).contains(&o.alpha),
-        "[0, 1)",
-    )?;
-    unit(
-        "optimizer.lr_decay",
-        o.lr_decay,
-        o.lr_decay >= 0.0,
-        "[0, inf) (finite)",
-    )?;
+    if let Some(e) = out_of_bounds(o, &OPTIMIZER_REAL_KEYS, "optimizer.") {
+        return Err(out_of(e));
+    }
     if o.nesterov && (o.momentum <= 0.0 || o.dampening != 0.0) {
         return Err(refuse(
             "optimizer.nesterov",

@@ -363,6 +363,10 @@ fn out_of_range_settings_are_refused_naming_the_key() {
     let cases: Vec<(TrainSettings, &str, &str)> = vec![
         (base.clone().with_lr(-1e-3), "lr", "-0.001"),
         (base.clone().with_lr(f64::NAN), "lr", "NaN"),
+        (base.clone().with_lr(1e30), "lr", "1e30"),
+        (base.clone().with_eps(1e-31), "eps", "1e-31"),
+        (base.clone().with_grad_clip(1e7), "grad_clip", "10000000"),
+        (base.clone().with_weight_decay(2.0), "weight_decay", "2"),
         (base.clone().with_min_lr(1.0), "min_lr", "1"),
         (base.clone().with_beta1(1.0), "beta1", "1"),
         (base.clone().with_beta2(-0.1), "beta2", "-0.1"),
