@@ -127,7 +127,18 @@ fn plans_that_do_not_fit_the_job_are_refused() {
     overlapped["plan"]["layout"]["tp_overlap"] = 3.into();
     std::fs::write(&path, serde_json::to_vec(&overlapped).unwrap()).unwrap();
     let (run, _) = train_plan(4, "plan-overlapped", &path, &[]);
-    assert_refused(&run, "tp_overlap = 3 does not divide");
+    assert_refused(
+        &run,
+        "plan.layout.tp_overlap = 3: does not divide the 16 tokens",
+    );
+
+    // Issue 50: a ZeRO stage that does not exist, named as the plan file's field.
+    let mut zero = plan.clone();
+    zero["plan"]["layout"]["zero"] = 7.into();
+    std::fs::write(&path, serde_json::to_vec(&zero).unwrap()).unwrap();
+    let (run, out) = train_plan(4, "plan-zero-7", &path, &[]);
+    assert_refused(&run, "plan.layout.zero = 7: not a supported ZeRO stage");
+    assert!(!out.exists(), "a refused run left {}", out.display());
 
     // A partition with a hole.
     let mut broken = plan.clone();

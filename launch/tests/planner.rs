@@ -234,3 +234,98 @@ fn plan_and_simulate_a_mixture_of_experts() {
         bad.stderr
     );
 }
+
+/// Asserts that `run` was refused with exit status 2 and `text` in its error.
+fn assert_refused(run: &merak_tests::Run, text: &str) {
+    assert_eq!(run.code, Some(2), "{run:?}");
+    assert!(
+        run.stderr.contains(text),
+        "wanted `{text}` in:\n{}",
+        run.stderr
+    );
+}
+
+/// Issue 50: `merak plan --ep` on a dense model was ignored and `--cp 3`/`--ep 3` failed
+/// without naming their flag; a flag that cannot apply is refused, naming it and the numbers,
+/// and the folder `--output` would have been written into is not left behind.
+#[test]
+fn plan_flags_that_cannot_apply_are_refused_naming_them() {
+    let folder = merak_tests::fresh_folder("plan-refused-flags");
+    let output = folder.join("new/plan.json");
+    let output = output.to_str().unwrap();
+    for (args, text) in [
+        (
+            &["--model", "gpt2", "--gpus", "4", "--ep", "2"][..],
+            "--ep 2: --model \"gpt2\" is dense (no model.moe)",
+        ),
+        (
+            &["--model", "moe-tiny", "--gpus", "4", "--ep", "3"],
+            "--ep 3 does not divide the 4 experts (model.moe.experts) of --model \"moe-tiny\"",
+        ),
+        (
+            &["--model", "gpt2", "--gpus", "4", "--cp", "3"],
+            "--cp 3 does not divide --gpus 4",
+        ),
+        (
+            &["--model", "gpt2", "--gpus", "1", "--tp-overlap", "2"],
+            "--tp-overlap 2: sub-pipelining splits tensor parallelism's all-reduces",
+        ),
+        (
+            &["--model", "gpt2", "--gpus", "4", "--memory-gib", "0.01"],
+            "--model \"gpt2\" on --gpus 4 with --global-batch 8 and --memory-gib 0.01: no plan \
+             fits",
+        ),
+    ] {
+        let mut all = vec!["plan", "--global-batch", "8", "--output", output];
+        all.extend_from_slice(args);
+        assert_refused(&merak(&all), text);
+        assert!(!folder.join("new").exists(), "{args:?} left its folder");
+    }
+}
+
+/// Issue 50: `merak simulate --plan` took a layout with `zero: 7` and dropped a shard group
+/// that divides nothing; every field is checked naming it, and an unknown one is refused.
+#[test]
+fn simulate_refuses_a_plan_file_with_a_bad_field_naming_it() {
+    let folder = merak_tests::fresh_folder("simulate-bad-plan");
+    let path = folder.join("plan.json");
+    let job = [
+        "--model",
+        "tiny",
+        "--gpus",
+        "4",
+        "--hardware",
+        "local-cpu",
+        "--global-batch",
+        "8",
+    ];
+    let mut plan_args = vec!["plan", "--output", path.to_str().unwrap()];
+    plan_args.extend_from_slice(&job);
+    merak(&plan_args).assert_success();
+    let plan: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).expect("a plan");
+    let dp = plan["plan"]["layout"]["dp"].as_u64().unwrap();
+    let mut simulate_args = vec!["simulate", "--plan", path.to_str().unwrap()];
+    simulate_args.extend_from_slice(&job);
+    merak(&simulate_args).assert_success();
+    let bad_shard = format!(
+        "plan.layout.shard = {}: must divide plan.layout.dp = {dp}",
+        dp + 1
+    );
+    for (key, value, text) in [
+        (
+            "zero",
+            7.into(),
+            "plan.layout.zero = 7: not a supported ZeRO stage (0, 1, 2 or 3)",
+        ),
+        ("shard", (dp + 1).into(), bad_shard.as_str()),
+        ("speed", 1.into(), "plan.layout: unknown field `speed`"),
+    ] {
+        let mut bad = plan.clone();
+        bad["plan"]["layout"][key] = value;
+        std::fs::write(&path, serde_json::to_vec_pretty(&bad).unwrap()).unwrap();
+        let run = merak(&simulate_args);
+        assert_refused(&run, text);
+        assert!(run.stderr.contains("plan.json"), "{}", run.stderr);
+    }
+}

@@ -1,5 +1,6 @@
 //! `merak plan` and `merak simulate`: the planner on the command line (pure computation, no MPI).
 
+mod flags;
 mod plan;
 mod simulate;
 #[cfg(test)]
@@ -64,14 +65,24 @@ pub(super) fn resolve(
     {
         bail!("--memory-gib {g}: must be a positive number of GiB per device");
     }
-    let mut shape =
-        parse_shape(&t.model, t.seq).with_context(|| format!("--model {:?}", t.model))?;
+    if t.gpus == 0 {
+        bail!("--gpus 0: must be at least 1");
+    }
+    if t.global_batch == 0 {
+        bail!("--global-batch 0: must be at least 1 sequence per step");
+    }
+    if t.seq == Some(0) {
+        bail!("--seq 0: must be at least 1 token");
+    }
+    let named = || match t.seq {
+        Some(seq) => format!("--model {:?} with --seq {seq}", t.model),
+        None => format!("--model {:?}", t.model),
+    };
+    let mut shape = parse_shape(&t.model, t.seq).with_context(named)?;
     if let Some(seq) = t.seq {
         shape.seq = seq;
     }
-    shape
-        .validate()
-        .with_context(|| format!("--model {:?}", t.model))?;
+    shape.validate().with_context(named)?;
     let units = shape.layers.saturating_add(2);
     if units > max_units {
         bail!(
@@ -82,15 +93,41 @@ pub(super) fn resolve(
     let hw = HardwareSpec::load(&t.hardware)
         .with_context(|| format!("--hardware {:?}", t.hardware))?
         .with_devices(t.gpus);
-    if t.gpus == 0 || t.global_batch == 0 {
-        bail!("--gpus and --global-batch must be at least 1");
-    }
     let cal = t
         .calibration
         .as_deref()
         .map(|path| Calibration::read(path, &shape))
         .transpose()?;
     Ok((shape, ModelProxy::from_shape(shape), hw, cal))
+}
+
+/// Checks that the file of `flag` (when given) can be written, which makes its missing
+/// folders, then runs `command`; when the command fails, the folders the check made are
+/// removed again (those still empty), so that a refused command leaves nothing behind.
+pub(super) fn with_output(
+    path: Option<&std::path::Path>,
+    flag: &str,
+    command: impl FnOnce() -> Result<()>,
+) -> Result<()> {
+    let Some(path) = path else {
+        return command();
+    };
+    // The missing folders above the file, deepest first.
+    let missing: Vec<std::path::PathBuf> = path
+        .ancestors()
+        .skip(1)
+        .filter(|dir| !dir.as_os_str().is_empty())
+        .take_while(|dir| !dir.exists())
+        .map(std::path::Path::to_path_buf)
+        .collect();
+    let result = crate::output_file(path, flag).and_then(|()| command());
+    if result.is_err() {
+        for dir in &missing {
+            // Only an empty folder goes: anything written there since is kept.
+            let _ = std::fs::remove_dir(dir);
+        }
+    }
+    result
 }
 
 /// Parses `--model`; an inline shape without `seq=` takes `--seq` when it is given.

@@ -8,6 +8,10 @@ use merak_burn::planner::{
     SearchResult, search_calibrated, search_with_progress,
 };
 
+use super::flags::{
+    Job, check_context_parallel, check_expert_parallel, check_overlaps, check_schedules,
+    check_sequence_parallel,
+};
 use super::*;
 
 /// Arguments of `merak plan`.
@@ -22,39 +26,35 @@ pub struct PlanArgs {
     #[arg(long)]
     output: Option<std::path::PathBuf>,
     /// Sub-pipelining degrees of tensor parallelism to search (comma-separated), within the
-    /// hardware's `max_tp_overlap`.
-    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
-    tp_overlap: Vec<usize>,
-    /// Pipeline schedules to search (comma-separated). By default every schedule that trains
-    /// like one process; add `2bw` to search PipeDream-2BW, whose delayed update changes the
-    /// training.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "gpipe,1f1b,interleaved,shifted-critical-path,zb-h1,zb-v"
-    )]
-    schedules: Vec<ScheduleKind>,
-    /// Context-parallel degrees to search (comma-separated; each with 2 cp dividing the
-    /// sequence). By default every divisor of --gpus that leaves each rank at least 2048 tokens
-    /// of a sequence.
+    /// hardware's `max_tp_overlap`. Default: 1,2,4 (those the hardware allows)
+    #[arg(long, value_delimiter = ',')]
+    tp_overlap: Option<Vec<usize>>,
+    /// Pipeline schedules to search (comma-separated). Default: every schedule that trains like
+    /// one process (gpipe,1f1b,interleaved,shifted-critical-path,zb-h1,zb-v); add `2bw` to
+    /// search PipeDream-2BW, whose delayed update changes the training
+    #[arg(long, value_delimiter = ',')]
+    schedules: Option<Vec<ScheduleKind>>,
+    /// Context-parallel degrees to search (comma-separated; each dividing --gpus, with 2 cp
+    /// dividing the sequence). By default every divisor of --gpus that leaves each rank at
+    /// least 2048 tokens of a sequence.
     #[arg(long, value_delimiter = ',')]
     cp: Vec<usize>,
     /// Expert-parallel degrees to search for a mixture of experts (comma-separated; each
-    /// dividing the experts, used where it divides dp x cp): only these (add 1 to compare with
-    /// no expert parallelism). By default every divisor of the experts whose group fits in a
-    /// node (tp x ep at most the devices per node), 1 included.
+    /// dividing the experts and --gpus, used where it divides dp x cp): only these (add 1 to
+    /// compare with no expert parallelism). By default every divisor of the experts whose group
+    /// fits in a node (tp x ep at most the devices per node), 1 included.
     #[arg(long, value_delimiter = ',')]
     ep: Vec<usize>,
-    /// Sequence parallelism with tensor parallelism: `on` wherever it applies (it never costs
-    /// time in the cost model and holds less memory), `both` (with and without: twice the
-    /// tensor-parallel layouts), `off`.
-    #[arg(long, value_enum, value_name = "MODE", default_value = "on")]
-    sequence_parallel: SequenceParallel,
+    /// Sequence parallelism with tensor parallelism: `on` wherever it applies (the default: it
+    /// never costs time in the cost model and holds less memory), `both` (with and without:
+    /// twice the tensor-parallel layouts), `off`.
+    #[arg(long, value_enum, value_name = "MODE")]
+    sequence_parallel: Option<SequenceParallel>,
 }
 
 /// What `merak plan --sequence-parallel` searches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-enum SequenceParallel {
+pub(super) enum SequenceParallel {
     // Plain comments: doc comments would become clap's per-value help, which switches the
     // whole `--help` to its long layout.
     // With sequence parallelism wherever tp > 1 divides a rank's tokens.
@@ -66,6 +66,15 @@ enum SequenceParallel {
 }
 
 impl SequenceParallel {
+    /// The flag's value naming this mode.
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            SequenceParallel::On => "on",
+            SequenceParallel::Both => "both",
+            SequenceParallel::Off => "off",
+        }
+    }
+
     /// The settings the search tries.
     fn settings(self) -> Vec<bool> {
         match self {
@@ -113,31 +122,44 @@ pub(super) fn search_shown(
 
 /// `merak plan`: the fastest plan, the runner-ups and optionally the Pareto set.
 pub fn plan(a: &PlanArgs) -> Result<()> {
-    if let Some(path) = &a.output {
-        crate::output_file(path, "--output")?;
-    }
+    with_output(a.output.as_deref(), "--output", || search_and_print(a))
+}
+
+/// `merak plan` once `--output` is known to be writable.
+fn search_and_print(a: &PlanArgs) -> Result<()> {
     let (shape, model, hw, cal) = resolve(&a.target, MAX_SEARCH_UNITS)?;
+    let job = Job {
+        shape: &shape,
+        hw: &hw,
+        gpus: a.target.gpus,
+        model: &a.target.model,
+        hardware: &a.target.hardware,
+        seq_flag: a.target.seq.is_some(),
+    };
     let mut options = SearchOptions::new(a.target.gpus, a.target.global_batch);
-    if a.tp_overlap.contains(&0) {
-        bail!("--tp-overlap: degrees must be at least 1 (1: no overlap)");
+    check_context_parallel(&a.cp, &job)?;
+    check_expert_parallel(&a.ep, &job)?;
+    if let Some(overlaps) = &a.tp_overlap {
+        check_overlaps(overlaps, &job)?;
+        options.tp_overlap.clone_from(overlaps);
     }
-    if a.cp.contains(&0) {
-        bail!("--cp: degrees must be at least 1 (1: no context parallelism)");
+    if let Some(schedules) = &a.schedules {
+        check_schedules(schedules, &job)?;
+        options.schedules.clone_from(schedules);
     }
-    if a.ep.contains(&0) {
-        bail!("--ep: degrees must be at least 1 (1: no expert parallelism)");
+    if let Some(mode) = a.sequence_parallel {
+        check_sequence_parallel(mode, &job)?;
+        options.sequence_parallel = mode.settings();
     }
-    options.tp_overlap.clone_from(&a.tp_overlap);
-    options.schedules.clone_from(&a.schedules);
     options.cp.clone_from(&a.cp);
     options.ep.clone_from(&a.ep);
-    options.sequence_parallel = a.sequence_parallel.settings();
     options.memory_budget_bytes = a
         .target
         .memory_gib
         .map(|g| (g * (1u64 << 30) as f64) as u64);
     let t0 = std::time::Instant::now();
-    let result = search_shown(&model, &hw, cal.as_ref(), &options)?;
+    let result =
+        search_shown(&model, &hw, cal.as_ref(), &options).with_context(|| searched(a, &hw))?;
     let secs = t0.elapsed().as_secs_f64();
     if let Some(path) = &a.output {
         PlanFile::new(
@@ -152,10 +174,23 @@ pub fn plan(a: &PlanArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&result)?);
         return Ok(());
     }
+    print_plans(a, &model, &shape, &result, secs);
+    Ok(())
+}
+
+/// The tables of `merak plan`: the job, the best plan with its prediction, the runner-ups and
+/// with `--pareto` the Pareto set.
+fn print_plans(
+    a: &PlanArgs,
+    model: &ModelProxy,
+    shape: &merak_burn::planner::TransformerShape,
+    result: &SearchResult,
+    secs: f64,
+) {
     println!(
         "{} ({}) on {} x {}, global batch {}: {} layouts considered, {} fit, {} simulated, in {secs:.2} s",
         model.name,
-        parameters(&shape),
+        parameters(shape),
         a.target.gpus,
         a.target.hardware,
         a.target.global_batch,
@@ -186,7 +221,47 @@ pub fn plan(a: &PlanArgs) -> Result<()> {
             );
         }
     }
-    Ok(())
+}
+
+/// The job and the flags that narrowed the search, for a search's error: `--model "gpt2" on
+/// --gpus 8 with --global-batch 16 and --memory-gib 4, searching only --cp 2`.
+fn searched(a: &PlanArgs, hw: &HardwareSpec) -> String {
+    let t = &a.target;
+    let memory = match t.memory_gib {
+        Some(g) => format!("--memory-gib {g}"),
+        None => format!(
+            "the {:.1} GiB per device of --hardware {}",
+            gib(hw.memory_bytes),
+            t.hardware
+        ),
+    };
+    let mut text = format!(
+        "--model {:?} on --gpus {} with --global-batch {} and {memory}",
+        t.model, t.gpus, t.global_batch
+    );
+    let list = |values: &[String]| values.join(",");
+    let numbers = |values: &[usize]| list(&values.iter().map(usize::to_string).collect::<Vec<_>>());
+    let mut narrowed = Vec::new();
+    if !a.cp.is_empty() {
+        narrowed.push(format!("--cp {}", numbers(&a.cp)));
+    }
+    if !a.ep.is_empty() {
+        narrowed.push(format!("--ep {}", numbers(&a.ep)));
+    }
+    if let Some(k) = &a.tp_overlap {
+        narrowed.push(format!("--tp-overlap {}", numbers(k)));
+    }
+    if let Some(s) = &a.schedules {
+        let names: Vec<String> = s.iter().map(ToString::to_string).collect();
+        narrowed.push(format!("--schedules {}", list(&names)));
+    }
+    if let Some(mode) = a.sequence_parallel {
+        narrowed.push(format!("--sequence-parallel {}", mode.name()));
+    }
+    if !narrowed.is_empty() {
+        text += &format!(", searching only {}", narrowed.join(" "));
+    }
+    text
 }
 
 /// `12.34B parameters`, and for a mixture of experts `, 2.34B active` (those a token uses).

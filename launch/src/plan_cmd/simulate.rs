@@ -3,7 +3,7 @@
 use anyhow::{Context, Result, bail};
 use merak_burn::data_parallel::ReduceScatter;
 use merak_burn::pipeline::{ScheduleKind, balanced_partition, build_schedule};
-use merak_burn::planner::{CostModel, Layout, ModelProxy, PlanFile, RankSplit, RecomputeMode};
+use merak_burn::planner::{CostModel, Layout, ModelProxy, PlanFile, RecomputeMode};
 
 use super::*;
 
@@ -27,8 +27,8 @@ pub struct SimulateArgs {
 }
 
 /// The most units (layers + embedding + head) `merak simulate` costs: one layout, but the
-/// model proxy takes about 140 bytes per unit.
-pub(super) const MAX_SIMULATED_UNITS: usize = 1 << 20;
+/// model proxy takes about 140 bytes per unit (a plan file's bound).
+pub(super) const MAX_SIMULATED_UNITS: usize = merak_burn::planner::MAX_PLAN_UNITS;
 
 /// The keys of `--layout`, in the order of its help.
 pub(super) const LAYOUT_KEYS: [&str; 14] = [
@@ -148,29 +148,12 @@ pub(crate) fn parse_layout(
         }
     }
     check_layout_fits(model, [dp, tp, cp, pp, v], gpus)?;
-    if zero == 3 && recompute != RecomputeMode::Full {
-        bail!("--layout: zero=3 recomputes every unit: give recompute=full with it");
+    let Some(sequences) = dp.checked_mul(mbs) else {
+        bail!("--layout: dp * mbs = {dp} x {mbs} overflows");
+    };
+    if !global_batch.is_multiple_of(sequences) {
+        bail!("--layout: dp * mbs = {sequences} does not divide --global-batch {global_batch}");
     }
-    if shard != 0 && shard != dp {
-        if !dp.is_multiple_of(shard) {
-            bail!("--layout: shard={shard} must divide dp={dp}");
-        }
-        if zero == 0 {
-            bail!("--layout: shard={shard} (hybrid sharding) needs zero=1, 2 or 3");
-        }
-    }
-    if reduce_scatter == ReduceScatter::MicroBatch && zero < 2 {
-        bail!("--layout: reduce_scatter=micro-batch needs zero=2 or zero=3 (it is {zero})");
-    }
-    if !global_batch.is_multiple_of(dp * mbs) {
-        bail!(
-            "--layout: dp * mbs = {} does not divide --global-batch {global_batch}",
-            dp * mbs
-        );
-    }
-    let split = RankSplit::new(tp, cp, sp).with_ep(ep);
-    check_split(model, split, mbs, tp_overlap)?;
-    check_experts(model, split, dp)?;
     let stages = pp * v;
     let costs: Vec<f64> = model
         .units
@@ -179,13 +162,13 @@ pub(crate) fn parse_layout(
         .collect();
     let partition = balanced_partition(&costs, stages)
         .with_context(|| format!("--layout: pp = {pp} x v = {v} stages"))?;
-    Ok(Layout {
+    let layout = Layout {
         dp,
         tp,
         pp,
         virtual_stages: v,
         micro_batch: mbs,
-        micro_batches: global_batch / (dp * mbs),
+        micro_batches: global_batch / sequences,
         schedule,
         recompute: vec![recompute; stages],
         zero,
@@ -196,53 +179,30 @@ pub(crate) fn parse_layout(
         cp,
         sequence_parallel: sp,
         ep,
-    })
-}
-
-/// Expert parallelism against the model and the data-parallel ranks: `ep` dividing the
-/// experts and `dp x cp`; a mixture of experts under tensor parallelism with `sp=on`.
-fn check_experts(model: &ModelProxy, split: RankSplit, dp: usize) -> Result<()> {
-    let RankSplit { tp, cp, ep, .. } = split;
-    let Some(experts) = model.experts() else {
-        if ep > 1 {
-            bail!("--layout: ep={ep} needs a mixture of experts; this model has none");
-        }
-        return Ok(());
     };
-    if !experts.is_multiple_of(ep) || !(dp * cp).is_multiple_of(ep) {
-        bail!(
-            "--layout: ep={ep} must divide the model's {experts} experts and dp x cp = {}",
-            dp * cp
-        );
+    if let Err(mut e) = layout.check_fields(model, &layout_key) {
+        if e.key == "sp" {
+            // As `--layout` spells it.
+            e.value = if sp { "on" } else { "off" }.into();
+        }
+        bail!("--layout: {e}");
     }
-    if tp > 1 && !split.sequence_parallel {
-        bail!(
-            "--layout: tp={tp} with a mixture of experts needs sp=on (experts are not split by tp)"
-        );
-    }
-    Ok(())
+    Ok(layout)
 }
 
-/// Context and sequence parallelism against the model's sequence, and the overlap degree
-/// against the tokens a rank holds (`mbs x seq / cp`, under sequence parallelism
-/// `seq / (cp x tp)`).
-fn check_split(model: &ModelProxy, split: RankSplit, mbs: usize, overlap: usize) -> Result<()> {
-    let RankSplit { tp, cp, .. } = split;
-    if let Err(seq) = model.splits_sequence(split) {
-        if cp > 1 && !seq.is_multiple_of(2 * cp) {
-            bail!("--layout: cp={cp}: 2 x cp must divide the sequence length {seq}");
-        }
-        bail!(
-            "--layout: sp=on needs tp > 1 dividing the {} tokens a rank holds (seq / cp); tp={tp}",
-            seq / cp
-        );
+/// The `--layout` key of a [`Layout`] field (`micro_batches`, which `--layout` derives, as
+/// the number it is).
+fn layout_key(field: &'static str) -> String {
+    match field {
+        "virtual_stages" => "v",
+        "micro_batch" => "mbs",
+        "micro_batches" => "m (--global-batch / (dp x mbs))",
+        "tp_overlap" => "overlap",
+        "sequence_parallel" => "sp",
+        "partition" => "the stages",
+        other => other,
     }
-    if let Err(tokens) = model.splits_tokens_on(mbs, overlap, split) {
-        bail!(
-            "--layout: overlap={overlap} does not divide the {tokens} tokens of a micro-batch on a rank"
-        );
-    }
-    Ok(())
+    .to_string()
 }
 
 /// The degrees `[dp, tp, cp, pp, v]` against the devices and the model:
@@ -275,9 +235,11 @@ pub(super) fn check_layout_fits(
 
 /// `merak simulate`: the predicted time breakdown and memory of one layout.
 pub fn simulate(a: &SimulateArgs) -> Result<()> {
-    if let Some(path) = &a.trace {
-        crate::output_file(path, "--trace")?;
-    }
+    with_output(a.trace.as_deref(), "--trace", || simulate_checked(a))
+}
+
+/// `merak simulate` once `--trace` is known to be writable.
+fn simulate_checked(a: &SimulateArgs) -> Result<()> {
     let (shape, model, hw, cal) = resolve(&a.target, MAX_SIMULATED_UNITS)?;
     let layout = match (&a.layout, &a.plan) {
         (Some(text), _) => parse_layout(text, &model, a.target.gpus, a.target.global_batch)?,
@@ -312,8 +274,19 @@ pub fn simulate(a: &SimulateArgs) -> Result<()> {
             println!("trace of one predicted step: {}", path.display());
         }
     }
+    // --memory-gib, or the device's memory: what the prediction must fit.
+    let budget = a
+        .target
+        .memory_gib
+        .map_or(hw.memory_bytes, |g| (g * (1u64 << 30) as f64) as u64);
+    let fits = prediction.max_memory_bytes() <= budget;
     if a.target.json {
-        let json = serde_json::json!({ "layout": layout, "prediction": prediction });
+        let json = serde_json::json!({
+            "layout": layout,
+            "prediction": prediction,
+            "memory_budget_bytes": budget,
+            "fits": fits,
+        });
         println!("{}", serde_json::to_string_pretty(&json)?);
         return Ok(());
     }
@@ -331,11 +304,7 @@ pub fn simulate(a: &SimulateArgs) -> Result<()> {
         layout.tp_overlap
     );
     print_prediction(&prediction);
-    let budget = a
-        .target
-        .memory_gib
-        .map_or(hw.memory_bytes, |g| (g * (1u64 << 30) as f64) as u64);
-    if prediction.max_memory_bytes() > budget {
+    if !fits {
         println!(
             "  does NOT fit: {:.1} GiB needed, {:.1} GiB per device",
             gib(prediction.max_memory_bytes()),

@@ -99,6 +99,7 @@ pub struct Partition {
 
 /// A partition as read from JSON, before it is checked.
 #[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 struct RawPartition {
     ranges: Vec<Range<usize>>,
 }

@@ -45,6 +45,7 @@ impl UnitKind {
 
 /// One measurement: a unit kind at a tensor-parallel degree and micro-batch size.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct UnitTiming {
     /// Which unit.
     pub unit: UnitKind,
@@ -99,6 +100,7 @@ pub enum CalibrationError {
 
 /// Measured unit times and per-step costs of one model on one machine and launch size.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Calibration {
     /// [`CALIBRATION_FORMAT`].
     pub format: String,
@@ -217,7 +219,8 @@ impl Calibration {
             path: path.to_path_buf(),
             source,
         })?;
-        let cal: Calibration = serde_json::from_slice(&text).map_err(|e| parse(e.to_string()))?;
+        let cal: Calibration = serde_json::from_slice(&text)
+            .map_err(|e| parse(super::json_path::describe(&text, &e)))?;
         if cal.format != CALIBRATION_FORMAT {
             return Err(parse(format!(
                 "format {:?}, expected {CALIBRATION_FORMAT:?}",

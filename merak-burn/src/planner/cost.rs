@@ -177,6 +177,7 @@ pub enum CostError {
 
 /// A 3D-parallel training layout: everything the cost model needs to predict it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Layout {
     /// Data-parallel degree.
     pub dp: usize,
@@ -320,6 +321,7 @@ impl Layout {
 
 /// What the cost model predicts for a layout.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Prediction {
     /// Seconds per training step.
     pub step_time_s: f64,

@@ -13,6 +13,8 @@
 //!   memory) under a memory budget.
 //! - [`stage_dp`]: stage boundaries and per-stage recomputation under a memory budget, an
 //!   exact dynamic program over the units ([`StageDp`]).
+//! - [`layout_check`]: the checks of a layout given from outside the search (a plan file,
+//!   `merak simulate --layout`), each naming its field ([`LayoutFieldError`]).
 //! - [`plan_file`]: a saved plan with the job it was made for ([`PlanFile`]).
 //! - [`reference`](mod@reference): published Megatron-LM throughput (DESIGN.md §6) that the cost
 //!   model reproduces.
@@ -30,6 +32,8 @@
 pub mod calibration;
 pub mod cost;
 pub mod hardware;
+mod json_path;
+pub mod layout_check;
 pub mod measured;
 pub mod model;
 pub mod plan_file;
@@ -40,12 +44,13 @@ pub mod stage_dp;
 pub use calibration::{CALIBRATION_FORMAT, Calibration, CalibrationError, UnitKind, UnitTiming};
 pub use cost::{CostError, CostModel, Estimate, FRAMEWORK_BYTES, Layout, Prediction};
 pub use hardware::{HARDWARE_PRESETS, HardwareError, HardwareSpec};
+pub use layout_check::{FieldNames, LayoutFieldError};
 pub use measured::{MeasuredError, MeasuredModel, MeasuredUnit};
 pub use model::{
     EXPERT_IMBALANCE, EXPERT_LOAD_BOUND, LayerCosts, ModelKind, ModelProxy, ModelSpecError,
     MoeShape, PRESETS, RankSplit, RecomputeMode, TransformerShape, UnitProfile,
 };
-pub use plan_file::{PLAN_FORMAT, PlanFile, PlanFileError};
+pub use plan_file::{MAX_PLAN_UNITS, PLAN_FORMAT, PlanFile, PlanFileError};
 pub use reference::{MEGATRON_SC21, PublishedRow};
 pub use search::{
     MAX_SEARCH_LAYOUTS, MAX_SEARCH_UNITS, MAX_SEARCH_WORK, Plan, SearchError, SearchOptions,
@@ -60,18 +65,25 @@ pub(crate) fn one() -> usize {
 }
 
 /// Reads a layout's ZeRO stage: a number, or the `true`/`false` of `zero1` in plan files of
-/// earlier versions (stage 1 or 0).
+/// earlier versions (stage 1 or 0). A value that is neither, or a number beyond a `u8`, is
+/// refused here; stages 4 to 255 by [`Layout::check_fields`], which names the field.
 pub(crate) fn zero_stage<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u8, D::Error> {
-    #[derive(serde::Deserialize)]
-    #[serde(untagged)]
-    enum Stage {
-        Flag(bool),
-        Number(u8),
+    /// Reads the stage where it stands (an error there names the field's place in the file).
+    struct Stage;
+    impl serde::de::Visitor<'_> for Stage {
+        type Value = u8;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a ZeRO stage (0, 1, 2 or 3)")
+        }
+        fn visit_bool<E: serde::de::Error>(self, on: bool) -> Result<u8, E> {
+            Ok(u8::from(on))
+        }
+        fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<u8, E> {
+            u8::try_from(n)
+                .map_err(|_| E::custom(format!("{n} is not a supported ZeRO stage (0, 1, 2 or 3)")))
+        }
     }
-    Ok(match serde::Deserialize::deserialize(d)? {
-        Stage::Flag(on) => u8::from(on),
-        Stage::Number(n) => n,
-    })
+    d.deserialize_any(Stage)
 }
 
 /// Writes `bytes` to `path` atomically: into `path.partial`, then renamed over `path`, so a

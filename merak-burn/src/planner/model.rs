@@ -460,6 +460,7 @@ pub enum ModelSpecError {
 
 /// The shape of a GPT or BERT model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct TransformerShape {
     /// GPT or BERT.
     pub kind: ModelKind,

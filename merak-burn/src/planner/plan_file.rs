@@ -9,11 +9,17 @@ use thiserror::Error;
 
 use super::cost::{CostError, CostModel};
 use super::hardware::HardwareSpec;
+use super::layout_check::LayoutFieldError;
 use super::model::{ModelProxy, TransformerShape};
 use super::search::Plan;
 
 /// The format tag written into every plan file.
 pub const PLAN_FORMAT: &str = "merak-plan/1";
+
+/// The most units (layers + embedding + head) of a plan file's model: its model proxy, built
+/// to check the layout, takes about 140 bytes per unit (`merak plan` writes plans of at most
+/// [`MAX_SEARCH_UNITS`](super::MAX_SEARCH_UNITS) units; a plan written by hand may cover more).
+pub const MAX_PLAN_UNITS: usize = 1 << 20;
 
 /// A plan file that cannot be read or does not fit the job. Every message names the file and
 /// the numbers.
@@ -55,6 +61,26 @@ pub enum PlanFileError {
         /// The job's value.
         job: String,
     },
+    /// A field of the layout out of range, or inconsistent with another or with the plan's
+    /// model (named `plan.layout.<field>`).
+    #[error("plan file {path}: {source}")]
+    Field {
+        /// The file.
+        path: PathBuf,
+        /// The field and why.
+        source: LayoutFieldError,
+    },
+    /// The stored prediction's step time or throughput is negative (named
+    /// `plan.prediction.<field>`).
+    #[error("plan file {path}: plan.prediction.{field} = {value}: must be a finite number >= 0")]
+    Prediction {
+        /// The file.
+        path: PathBuf,
+        /// The field.
+        field: &'static str,
+        /// Its value.
+        value: f64,
+    },
     /// The layout is inconsistent with its own model (stages, units, recomputation list).
     #[error("plan file {path}: {source}")]
     Layout {
@@ -65,8 +91,9 @@ pub enum PlanFileError {
     },
 }
 
-/// A plan with what it was made for.
+/// A plan with what it was made for. Every field is read (an unknown one is refused).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct PlanFile {
     /// [`PLAN_FORMAT`].
     pub format: String,
@@ -111,9 +138,11 @@ impl PlanFile {
         })
     }
 
-    /// Reads and checks a plan file: the format, and that the layout is consistent with its
-    /// own model (degrees, partition over `layers + 2` units, one recomputation mode per
-    /// stage, devices and global batch).
+    /// Reads and checks a plan file: every field known (an unknown one is refused), the
+    /// format, every field of the layout as `merak train` checks the `parallel.*` key it sets
+    /// ([`Layout::check_fields`](super::Layout::check_fields), against the plan's own model),
+    /// the prediction's step time and throughput not negative, and the devices and global
+    /// batch the layout gives those stated.
     ///
     /// # Errors
     ///
@@ -125,7 +154,7 @@ impl PlanFile {
         })?;
         let file: PlanFile = serde_json::from_slice(&text).map_err(|e| PlanFileError::Parse {
             path: path.to_path_buf(),
-            msg: e.to_string(),
+            msg: super::json_path::describe(&text, &e),
         })?;
         if file.format != PLAN_FORMAT {
             return Err(PlanFileError::Format {
@@ -137,7 +166,26 @@ impl PlanFile {
             path: path.to_path_buf(),
             msg: format!("model: {e}"),
         })?;
+        let units = file.model.layers.saturating_add(2);
+        if units > MAX_PLAN_UNITS {
+            return Err(PlanFileError::Parse {
+                path: path.to_path_buf(),
+                msg: format!(
+                    "model.layers = {}: {units} units (layers + embedding + head), more than \
+                     the {MAX_PLAN_UNITS} a plan file may cover",
+                    file.model.layers
+                ),
+            });
+        }
         let layout = &file.plan.layout;
+        let model = ModelProxy::from_shape(file.model);
+        layout
+            .check_fields(&model, &|field| format!("plan.layout.{field}"))
+            .map_err(|source| PlanFileError::Field {
+                path: path.to_path_buf(),
+                source,
+            })?;
+        file.check_prediction(path)?;
         file.mismatch(path, "dp * cp * tp * pp", layout.gpus(), file.gpus)?;
         file.mismatch(
             path,
@@ -145,8 +193,7 @@ impl PlanFile {
             layout.global_batch(),
             file.global_batch,
         )?;
-        // The cost model's own checks: partition over the model's units, recomputation list.
-        let model = ModelProxy::from_shape(file.model);
+        // The cost model's own checks (a backstop: the fields were checked above).
         let hardware = HardwareSpec::preset("local-cpu")
             .unwrap_or_else(|| unreachable!("the local-cpu preset exists"));
         CostModel::new(&model, &hardware)
@@ -156,6 +203,25 @@ impl PlanFile {
                 source,
             })?;
         Ok(file)
+    }
+
+    /// The stored prediction's step time and throughput (what `merak train --plan` reports):
+    /// not negative (JSON holds no infinity or NaN).
+    fn check_prediction(&self, path: &Path) -> Result<(), PlanFileError> {
+        let p = &self.plan.prediction;
+        for (field, value) in [
+            ("step_time_s", p.step_time_s),
+            ("tflops_per_gpu", p.tflops_per_gpu),
+        ] {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(PlanFileError::Prediction {
+                    path: path.to_path_buf(),
+                    field,
+                    value,
+                });
+            }
+        }
+        Ok(())
     }
 
     fn mismatch<T: PartialEq + ToString>(
@@ -239,7 +305,7 @@ mod tests {
         bad.write(&path).unwrap();
         assert!(matches!(
             PlanFile::read(&path),
-            Err(PlanFileError::Layout { .. })
+            Err(PlanFileError::Field { .. })
         ));
         std::fs::write(&path, b"{\"format\": 1}").unwrap();
         assert!(matches!(
@@ -247,5 +313,193 @@ mod tests {
             Err(PlanFileError::Parse { .. })
         ));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A plan file of the tiny shape on 4 devices (dp 2 x tp 2, one stage, ZeRO-1), edited by
+    /// `edit` and read back: the error's text.
+    fn refused(edit: impl FnOnce(&mut serde_json::Value)) -> String {
+        let mut plan = serde_json::to_value(plan_file()).unwrap();
+        plan["plan"]["layout"] = serde_json::json!({
+            "dp": 2, "tp": 2, "pp": 1, "virtual_stages": 1, "micro_batch": 2,
+            "micro_batches": 4, "schedule": "1f1b", "recompute": ["full"], "zero": 1,
+            "reduce_scatter": "step", "shard": 0,
+            "partition": {"ranges": [{"start": 0, "end": 6}]},
+            "tp_overlap": 1, "cp": 1, "sequence_parallel": true, "ep": 1
+        });
+        let dir = std::env::temp_dir().join(format!(
+            "merak-plan-fields-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("plan.json");
+        std::fs::write(&path, serde_json::to_vec_pretty(&plan).unwrap()).unwrap();
+        PlanFile::read(&path).expect("the base plan is valid");
+        edit(&mut plan);
+        std::fs::write(&path, serde_json::to_vec_pretty(&plan).unwrap()).unwrap();
+        let e = PlanFile::read(&path).expect_err("refused").to_string();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(e.starts_with("plan file "), "{e}");
+        e
+    }
+
+    /// Issue 50: every field of a plan file's layout is range-checked as `merak train` checks
+    /// the `parallel.*` key it sets, naming the field (a ZeRO stage 7 and a shard group that
+    /// divides nothing were taken and dropped).
+    #[test]
+    fn every_layout_field_is_checked_naming_it() {
+        let cases: Vec<(&str, Box<dyn FnOnce(&mut serde_json::Value)>)> = vec![
+            (
+                "plan.layout.zero = 7: not a supported ZeRO stage (0, 1, 2 or 3)",
+                Box::new(|l| l["zero"] = 7.into()),
+            ),
+            (
+                "plan.layout.zero: 300 is not a supported ZeRO stage",
+                Box::new(|l| l["zero"] = 300.into()),
+            ),
+            (
+                "plan.layout.shard = 3: must divide plan.layout.dp = 2",
+                Box::new(|l| l["shard"] = 3.into()),
+            ),
+            (
+                "plan.layout.shard = 1: hybrid sharding needs plan.layout.zero = 1, 2 or 3",
+                Box::new(|l| {
+                    l["shard"] = 1.into();
+                    l["zero"] = 0.into();
+                }),
+            ),
+            (
+                "plan.layout.reduce_scatter = micro-batch: needs plan.layout.zero = 2 or 3 (it is 1)",
+                Box::new(|l| l["reduce_scatter"] = "micro-batch".into()),
+            ),
+            (
+                "plan.layout.micro_batch = 0: must be at least 1",
+                Box::new(|l| l["micro_batch"] = 0.into()),
+            ),
+            (
+                "plan.layout.micro_batch = 576460752303423488: plan.layout.micro_batch x the \
+                 sequence length 64 overflows",
+                Box::new(|l| l["micro_batch"] = (1u64 << 59).into()),
+            ),
+            (
+                "plan.layout.tp = 3: does not divide the model's 4 heads",
+                Box::new(|l| l["tp"] = 3.into()),
+            ),
+            (
+                "plan.layout.dp x plan.layout.cp x plan.layout.tp x plan.layout.pp overflows",
+                Box::new(|l| l["dp"] = (1u64 << 63).into()),
+            ),
+            (
+                "plan.layout.virtual_stages = 2: 2 stages per rank need plan.layout.schedule = \
+                 \"interleaved\" or \"zb-v\" (it is \"1f1b\")",
+                Box::new(|l| l["virtual_stages"] = 2.into()),
+            ),
+            (
+                "plan.layout.virtual_stages = 1: plan.layout.schedule = \"zb-v\" runs 2 stages",
+                Box::new(|l| l["schedule"] = "zb-v".into()),
+            ),
+            (
+                "plan.layout.recompute = [\"none\"]: plan.layout.zero = 3 recomputes every unit",
+                Box::new(|l| {
+                    l["zero"] = 3.into();
+                    l["recompute"] = serde_json::json!(["none"]);
+                }),
+            ),
+            (
+                "plan.layout.schedule = zb-h1: plan.layout.zero = 3 runs a unit's whole backward",
+                Box::new(|l| {
+                    l["zero"] = 3.into();
+                    l["schedule"] = "zb-h1".into();
+                }),
+            ),
+            (
+                "plan.layout.recompute = [\"full\", \"full\"]: 2 entries for plan.layout.pp x \
+                 plan.layout.virtual_stages = 1 stages",
+                Box::new(|l| l["recompute"] = serde_json::json!(["full", "full"])),
+            ),
+            (
+                "plan.layout.partition = [1, 5]: 2 stages over 6 units",
+                Box::new(|l| {
+                    l["partition"] = serde_json::json!({"ranges": [
+                        {"start": 0, "end": 1}, {"start": 1, "end": 6}]});
+                }),
+            ),
+            (
+                "plan.layout.cp = 3: 2 x plan.layout.cp = 6 does not divide the model's sequence \
+                 length 64",
+                Box::new(|l| l["cp"] = 3.into()),
+            ),
+            (
+                "plan.layout.sequence_parallel = true: needs plan.layout.tp > 1 (it is 1)",
+                Box::new(|l| l["tp"] = 1.into()),
+            ),
+            (
+                "plan.layout.tp_overlap = 2: splits the tensor-parallel blocks' all-reduces; it \
+                 needs plan.layout.tp > 1 (it is 1)",
+                Box::new(|l| {
+                    l["tp"] = 1.into();
+                    l["sequence_parallel"] = false.into();
+                    l["tp_overlap"] = 2.into();
+                }),
+            ),
+            (
+                "plan.layout.tp_overlap = 3: does not divide the 32 tokens",
+                Box::new(|l| l["tp_overlap"] = 3.into()),
+            ),
+            (
+                "plan.layout.ep = 2: needs a mixture of experts; this model is dense",
+                Box::new(|l| l["ep"] = 2.into()),
+            ),
+        ];
+        for (want, edit) in cases {
+            let e = refused(|plan| edit(&mut plan["plan"]["layout"]));
+            assert!(e.contains(want), "wanted `{want}` in: {e}");
+        }
+    }
+
+    /// Issue 50: nothing in a plan file is dropped silently (an unknown field anywhere is
+    /// refused), a value of the wrong type names its field, and the stored prediction is not
+    /// negative.
+    #[test]
+    fn unknown_fields_and_wrong_types_are_refused_naming_them() {
+        for (want, edit) in [
+            (
+                "plan.layout: unknown field `speed`",
+                Box::new(|p: &mut serde_json::Value| p["plan"]["layout"]["speed"] = 1.into())
+                    as Box<dyn FnOnce(&mut serde_json::Value)>,
+            ),
+            (
+                ": unknown field `comment`",
+                Box::new(|p| p["comment"] = "x".into()),
+            ),
+            (
+                "model: unknown field `depth`",
+                Box::new(|p| p["model"]["depth"] = 3.into()),
+            ),
+            (
+                "plan.prediction: unknown field `cost`",
+                Box::new(|p| p["plan"]["prediction"]["cost"] = 3.into()),
+            ),
+            (
+                "plan.layout.partition.ranges[0]: unknown field `x`",
+                Box::new(|p| p["plan"]["layout"]["partition"]["ranges"][0]["x"] = 3.into()),
+            ),
+            (
+                "plan.layout.dp: invalid type: string \"two\", expected usize",
+                Box::new(|p| p["plan"]["layout"]["dp"] = "two".into()),
+            ),
+            (
+                "model.layers = 1000000000: 1000000002 units (layers + embedding + head), more \
+                 than the 1048576 a plan file may cover",
+                Box::new(|p| p["model"]["layers"] = 1_000_000_000.into()),
+            ),
+            (
+                "plan.prediction.step_time_s = -1: must be a finite number >= 0",
+                Box::new(|p| p["plan"]["prediction"]["step_time_s"] = (-1.0).into()),
+            ),
+        ] {
+            let e = refused(edit);
+            assert!(e.contains(want), "wanted `{want}` in: {e}");
+        }
     }
 }

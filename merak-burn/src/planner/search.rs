@@ -176,6 +176,7 @@ impl SearchOptions {
 
 /// One plan: a layout, the recomputation policy that produced it and its prediction.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Plan {
     /// The layout.
     pub layout: Layout,

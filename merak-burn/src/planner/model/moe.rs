@@ -41,6 +41,7 @@ pub const EXPERT_LOAD_BOUND: usize = 4;
 
 /// The mixture-of-experts part of a [`TransformerShape`](super::TransformerShape).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct MoeShape {
     /// Routed experts `E` of a MoE layer.
     pub experts: usize,
