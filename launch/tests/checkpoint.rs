@@ -256,7 +256,13 @@ fn damaged_checkpoints_are_named_before_training() {
         &["--set", "model.hidden=32", "--set", "train.steps=4"],
     );
     assert_ne!(run.code, Some(0), "{run:?}");
-    assert!(run.stderr.contains("`model`"), "{}", run.stderr);
+    assert_eq!(run.code, Some(2), "{run:?}");
+    assert!(
+        run.stderr
+            .contains("model.hidden is 64 in the checkpoint but 32 in this run"),
+        "{}",
+        run.stderr
+    );
 
     // A checkpoint of a run that diverged: NaN weights are refused by every command that
     // loads them, naming the tensor (generate printed token ids and exited 0 before).
