@@ -315,6 +315,9 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// An edit of a plan file's JSON.
+    type Edit = Box<dyn FnOnce(&mut serde_json::Value)>;
+
     /// A plan file of the tiny shape on 4 devices (dp 2 x tp 2, one stage, ZeRO-1), edited by
     /// `edit` and read back: the error's text.
     fn refused(edit: impl FnOnce(&mut serde_json::Value)) -> String {
@@ -348,7 +351,7 @@ mod tests {
     /// divides nothing were taken and dropped).
     #[test]
     fn every_layout_field_is_checked_naming_it() {
-        let cases: Vec<(&str, Box<dyn FnOnce(&mut serde_json::Value)>)> = vec![
+        let cases: Vec<(&str, Edit)> = vec![
             (
                 "plan.layout.zero = 7: not a supported ZeRO stage (0, 1, 2 or 3)",
                 Box::new(|l| l["zero"] = 7.into()),
@@ -466,7 +469,7 @@ mod tests {
             (
                 "plan.layout: unknown field `speed`",
                 Box::new(|p: &mut serde_json::Value| p["plan"]["layout"]["speed"] = 1.into())
-                    as Box<dyn FnOnce(&mut serde_json::Value)>,
+                    as Edit,
             ),
             (
                 ": unknown field `comment`",
