@@ -6,8 +6,6 @@ use anyhow::{Result, bail};
 use merak_burn::pipeline::ScheduleKind;
 use merak_burn::planner::{HardwareSpec, TransformerShape};
 
-use super::plan::SequenceParallel;
-
 /// What the flags are checked against.
 pub(super) struct Job<'a> {
     /// The model's shape (`--model`, with `--seq`).
@@ -212,4 +210,37 @@ pub(super) fn check_schedules(schedules: &[ScheduleKind], job: &Job<'_>) -> Resu
         );
     }
     Ok(())
+}
+
+/// What `merak plan --sequence-parallel` searches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(super) enum SequenceParallel {
+    // Plain comments: doc comments would become clap's per-value help, which switches the
+    // whole `--help` to its long layout.
+    // With sequence parallelism wherever tp > 1 divides a rank's tokens.
+    On,
+    // With and without it.
+    Both,
+    // Without it.
+    Off,
+}
+
+impl SequenceParallel {
+    /// The flag's value naming this mode.
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            SequenceParallel::On => "on",
+            SequenceParallel::Both => "both",
+            SequenceParallel::Off => "off",
+        }
+    }
+
+    /// The settings the search tries.
+    pub(super) fn settings(self) -> Vec<bool> {
+        match self {
+            SequenceParallel::On => vec![true],
+            SequenceParallel::Both => vec![false, true],
+            SequenceParallel::Off => vec![false],
+        }
+    }
 }

@@ -9,8 +9,8 @@ use merak_burn::planner::{
 };
 
 use super::flags::{
-    Job, check_context_parallel, check_expert_parallel, check_overlaps, check_schedules,
-    check_sequence_parallel,
+    Job, SequenceParallel, check_context_parallel, check_expert_parallel, check_overlaps,
+    check_schedules, check_sequence_parallel,
 };
 use super::*;
 
@@ -50,39 +50,6 @@ pub struct PlanArgs {
     /// twice the tensor-parallel layouts), `off`.
     #[arg(long, value_enum, value_name = "MODE")]
     sequence_parallel: Option<SequenceParallel>,
-}
-
-/// What `merak plan --sequence-parallel` searches.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub(super) enum SequenceParallel {
-    // Plain comments: doc comments would become clap's per-value help, which switches the
-    // whole `--help` to its long layout.
-    // With sequence parallelism wherever tp > 1 divides a rank's tokens.
-    On,
-    // With and without it.
-    Both,
-    // Without it.
-    Off,
-}
-
-impl SequenceParallel {
-    /// The flag's value naming this mode.
-    pub(super) fn name(self) -> &'static str {
-        match self {
-            SequenceParallel::On => "on",
-            SequenceParallel::Both => "both",
-            SequenceParallel::Off => "off",
-        }
-    }
-
-    /// The settings the search tries.
-    fn settings(self) -> Vec<bool> {
-        match self {
-            SequenceParallel::On => vec![true],
-            SequenceParallel::Both => vec![false, true],
-            SequenceParallel::Off => vec![false],
-        }
-    }
 }
 
 /// The search, with a progress bar on stderr when it is a terminal (shown after a second, so

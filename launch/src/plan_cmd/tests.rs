@@ -180,7 +180,6 @@ fn a_layout_is_checked_as_a_plan_file_is() {
 
 mod flags {
     use super::super::flags::*;
-    use super::super::plan::SequenceParallel;
     use merak_burn::pipeline::ScheduleKind;
     use merak_burn::planner::{HardwareSpec, TransformerShape};
 

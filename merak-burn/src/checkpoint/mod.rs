@@ -29,6 +29,8 @@ pub mod fault;
 mod manifest;
 mod read;
 #[cfg(test)]
+pub(crate) use read::{COUNTING_OPTIMIZERS, NON_NEGATIVE_STATE};
+#[cfg(test)]
 mod read_tests;
 pub mod root;
 mod run_id;

@@ -397,7 +397,7 @@ const STEP_COUNTS: &str = "adamw_time";
 
 /// What each kind of optimizer state (`extra.optimizer.state`) must satisfy: the tensors
 /// that sum or average squares are never negative.
-pub(super) const NON_NEGATIVE_STATE: [&str; 3] = [
+pub(crate) const NON_NEGATIVE_STATE: [&str; 3] = [
     "second moment",
     "sum of squared gradients",
     "squared-gradient average",
@@ -405,7 +405,7 @@ pub(super) const NON_NEGATIVE_STATE: [&str; 3] = [
 
 /// The optimizers that count their steps per parameter (a parameter with state has taken at
 /// least one; Adam's bias correction divides by zero at none).
-pub(super) const COUNTING_OPTIMIZERS: [&str; 3] = ["adamw", "adam", "adagrad"];
+pub(crate) const COUNTING_OPTIMIZERS: [&str; 3] = ["adamw", "adam", "adagrad"];
 
 /// What a checkpoint's optimizer state must satisfy, from its manifest: the optimizer that
 /// wrote it, what each of its two state tensors holds, and the checkpoint's step.

@@ -324,39 +324,3 @@ fn parameters_on_one_side_only_are_listed_and_counted() {
     );
     c.check_held(&more, &[], &world).expect("all held");
 }
-
-#[test]
-fn the_state_checks_know_every_optimizer_s_state() {
-    use super::read::{COUNTING_OPTIMIZERS, NON_NEGATIVE_STATE};
-    use crate::train::{OptimizerKind, OptimizerSettings};
-    // Every state an optimizer keeps is either checked as non-negative or may have either
-    // sign; a new optimizer (or state) must be placed in one of them.
-    let signed = ["first moment", "momentum buffer", "gradient average", "-"];
-    let kinds = [
-        OptimizerKind::AdamW,
-        OptimizerKind::Adam,
-        OptimizerKind::Sgd,
-        OptimizerKind::AdaGrad,
-        OptimizerKind::RmsProp,
-    ];
-    for kind in kinds {
-        for (momentum, centered) in [(0.0, false), (0.9, false), (0.0, true)] {
-            let s = OptimizerSettings {
-                momentum,
-                centered,
-                ..OptimizerSettings::default().with_kind(kind)
-            };
-            for slot in s.state_slots() {
-                assert!(
-                    NON_NEGATIVE_STATE.contains(&slot) || signed.contains(&slot),
-                    "{kind:?}: {slot}"
-                );
-            }
-        }
-    }
-    assert!(
-        COUNTING_OPTIMIZERS
-            .iter()
-            .all(|k| kinds.iter().any(|o| o.name() == *k))
-    );
-}

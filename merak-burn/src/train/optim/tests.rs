@@ -460,3 +460,41 @@ fn kinds_are_named_and_the_ones_not_offered_say_why() {
     let s: OptimizerSettings = serde_json::from_str(r#"{"kind": "sgd", "momentum": 0.5}"#).unwrap();
     assert_eq!(s, OptimizerSettings::sgd(0.5, 0.0, false));
 }
+
+/// The checkpoint reader's state checks ([`crate::checkpoint`]) place every state each
+/// optimizer keeps.
+#[test]
+fn the_state_checks_know_every_optimizer_s_state() {
+    use crate::checkpoint::{COUNTING_OPTIMIZERS, NON_NEGATIVE_STATE};
+    use crate::train::{OptimizerKind, OptimizerSettings};
+    // Every state an optimizer keeps is either checked as non-negative or may have either
+    // sign; a new optimizer (or state) must be placed in one of them.
+    let signed = ["first moment", "momentum buffer", "gradient average", "-"];
+    let kinds = [
+        OptimizerKind::AdamW,
+        OptimizerKind::Adam,
+        OptimizerKind::Sgd,
+        OptimizerKind::AdaGrad,
+        OptimizerKind::RmsProp,
+    ];
+    for kind in kinds {
+        for (momentum, centered) in [(0.0, false), (0.9, false), (0.0, true)] {
+            let s = OptimizerSettings {
+                momentum,
+                centered,
+                ..OptimizerSettings::default().with_kind(kind)
+            };
+            for slot in s.state_slots() {
+                assert!(
+                    NON_NEGATIVE_STATE.contains(&slot) || signed.contains(&slot),
+                    "{kind:?}: {slot}"
+                );
+            }
+        }
+    }
+    assert!(
+        COUNTING_OPTIMIZERS
+            .iter()
+            .all(|k| kinds.iter().any(|o| o.name() == *k))
+    );
+}
