@@ -39,6 +39,10 @@
 #           attention kernels and with Burn's composed attention (MERAK_COMPOSED_KERNELS), and
 #           bf16 with the gradients on the device (the default) and in host buckets
 #           (parallel.gradient_buffers = "host").
+#   torch-small  not in the default list: PyTorch eager bf16 on GPT-2 small, micro-batch 16.
+#   tune    not in the default list: CubeCL's autotuner once (build with FEATURES=cuda-autotune,
+#           its binary as gpu-bundle/bin/merak-autotune.gz), its cache under RESULTS/autotune,
+#           then the tuned step with the cache warm.
 #   report  benches/gpu/report.py: tokens/s, MFU, peak GPU memory, the 2-rank loss differences.
 #
 # Environment: RESULTS (the results folder, default runs/gpu), STEPS (default 8; the first two are warm-up),
@@ -290,6 +294,41 @@ changes() {
     save
 }
 
+# PyTorch eager bf16 on GPT-2 small at micro-batch 16 (the ratio's reference in the same run).
+torch_small() {
+    timed torch-gpt2-eager-bf16 "$python" benches/pytorch/gpt_train.py --device cuda \
+        --precision bf16 --vocab 50257 --layers 12 --hidden 768 --heads 12 --seq 1024 --batch 16 \
+        --steps "$steps" --warmup 2 --threads 8 --out "$out/torch-gpt2-eager-bf16.jsonl"
+}
+
+# CubeCL's autotuner once, with the build that has it (gpu-bundle/bin/merak-autotune.gz, from
+# FEATURES=cuda-autotune scripts/gpu-bundle.sh, copied beside merak.gz): GPT-2 small, bf16,
+# micro-batch 16, 3 steps at the `minimal` level with the tuning cache written under
+# RESULTS/autotune (saved every 30 s, so a run cut short still brings back what it tuned), then
+# 8 steps with that cache warm. TUNE_LIMIT_S (default 400) bounds the tuning run.
+tune() {
+    local bin=/tmp/merak-autotune saver
+    if [ ! -f gpu-bundle/bin/merak-autotune.gz ] || [ -z "$own_config" ]; then
+        echo "tune: needs gpu-bundle/bin/merak-autotune.gz and no cubecl.toml of the repository's"
+        return 1
+    fi
+    gzip -dc gpu-bundle/bin/merak-autotune.gz >"$bin" && chmod +x "$bin" || return 1
+    printf "$cache_config"'[autotune]\nlevel = "minimal"\ncache = { file = "%s" }\n' \
+        "$out/autotune" >cubecl.toml
+    local gpt=(--set model.preset=gpt2 --set model.seq_len=1024 --set data.kind=synthetic
+        --set train.device=cuda --set train.precision=bf16 --set train.micro_batch=16
+        --set train.global_batch=16 --set train.warmup_steps=2 --set checkpoint.at_end=false)
+    (while sleep 30; do save; done) &
+    saver=$!
+    limit=${TUNE_LIMIT_S:-400} timed tune-gpt2-bf16 "$bin" train "${gpt[@]}" --set train.steps=3 \
+        --out "$out/tune-gpt2-bf16"
+    kill "$saver" 2>/dev/null
+    timed tuned-gpt2-bf16 "$bin" train "${gpt[@]}" --set train.steps="$steps" \
+        --out "$out/tuned-gpt2-bf16"
+    printf "$cache_config" >cubecl.toml
+    save
+}
+
 report() {
     local peak=()
     [ -n "${PEAK_TFLOPS:-}" ] && peak=(--peak-tflops "$PEAK_TFLOPS")
@@ -310,7 +349,9 @@ for phase in "${phases[@]}"; do
         profile) profile ;;
         kernels) kernels ;;
         changes) changes ;;
+        torch-small) torch_small ;;
+        tune) tune ;;
         report) report ;;
-        *) echo "unknown phase $phase (smoke, small, medium, ranks, features, profile, kernels, changes, report)" >&2; exit 2 ;;
+        *) echo "unknown phase $phase (smoke, small, medium, ranks, features, profile, kernels, changes, torch-small, tune, report)" >&2; exit 2 ;;
     esac
 done
