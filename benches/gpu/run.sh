@@ -35,10 +35,9 @@
 #           unit tests on CUDA against the CPU's (RESULTS/kernel-tests.log).
 #           KERNELS_ONLY (default: every kernel) lists the kernels tried one at a time;
 #           KERNELS_TORCH=0 leaves out PyTorch.
-#   changes not in the default list: GPT-2 small at micro-batch 16, 8 steps each: fp32 with the
-#           attention kernels and with Burn's composed attention (MERAK_COMPOSED_KERNELS), and
-#           bf16 with the gradients on the device (the default) and in host buckets
-#           (parallel.gradient_buffers = "host").
+#   changes not in the default list: GPT-2 small and medium, bf16, micro-batch 16: the linear
+#           layers' products on the kernel table's choice (the default) and on CubeCL's default
+#           kernel (MERAK_COMPOSED_KERNELS=matmul).
 #   torch-small  not in the default list: PyTorch eager bf16 on GPT-2 small, micro-batch 16.
 #   tune    not in the default list: CubeCL's autotuner once (build with FEATURES=cuda-autotune,
 #           its binary as gpu-bundle/bin/merak-autotune.gz), its cache under RESULTS/autotune,
@@ -277,20 +276,20 @@ kernels() {
     save
 }
 
-# The changes since the last GPU run, each beside what it replaces (GPT-2 small, micro-batch 16):
-# the attention kernels (f32 only) against Burn's composed attention, and the gradients kept on
-# the device (the default at one rank) against host buckets.
+# The changes since the last GPU run, each beside what it replaces: GPT-2 small and medium,
+# bf16, micro-batch 16, with the linear layers' products on the kernel table's choice (the
+# default) and on CubeCL's default kernel (MERAK_COMPOSED_KERNELS=matmul).
 changes() {
-    local gpt=(--set model.preset=gpt2 --set model.seq_len=1024 --set data.kind=synthetic
-        --set train.device=cuda --set train.micro_batch=16 --set train.global_batch=16
-        --set train.steps=8 --set train.warmup_steps=2 --set checkpoint.at_end=false)
-    timed changes-gpt2-f32 merak train "${gpt[@]}" --out "$out/changes-gpt2-f32"
-    MERAK_COMPOSED_KERNELS=attention timed changes-gpt2-f32-attention-composed merak train \
-        "${gpt[@]}" --out "$out/changes-gpt2-f32-attention-composed"
-    timed changes-gpt2-bf16 merak train "${gpt[@]}" --set train.precision=bf16 \
-        --out "$out/changes-gpt2-bf16"
-    timed changes-gpt2-bf16-host-grads merak train "${gpt[@]}" --set train.precision=bf16 \
-        --set parallel.gradient_buffers=host --out "$out/changes-gpt2-bf16-host-grads"
+    local model
+    for model in gpt2 gpt2-medium; do
+        local gpt=(--set model.preset=$model --set model.seq_len=1024 --set data.kind=synthetic
+            --set train.device=cuda --set train.precision=bf16 --set train.micro_batch=16
+            --set train.global_batch=16 --set train.steps="$steps" --set train.warmup_steps=2
+            --set checkpoint.at_end=false)
+        timed "changes-$model-bf16" merak train "${gpt[@]}" --out "$out/changes-$model-bf16"
+        MERAK_COMPOSED_KERNELS=matmul timed "changes-$model-bf16-default-matmul" merak train \
+            "${gpt[@]}" --out "$out/changes-$model-bf16-default-matmul"
+    done
     save
 }
 

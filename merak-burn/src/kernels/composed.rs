@@ -336,7 +336,18 @@ pub fn linear_forward<B: Backend>(
     w: FloatTensor<B>,
     bias: Option<FloatTensor<B>>,
 ) -> FloatTensor<B> {
-    let y = lift::<B, 2>(x).matmul(lift::<B, 2>(w));
+    linear_forward_with::<B>(x, w, bias, B::float_matmul)
+}
+
+/// The linear forward with the matrix product `product` (Burn's `matmul` in
+/// [`linear_forward`], a chosen kernel on CubeCL backends).
+pub fn linear_forward_with<B: Backend>(
+    x: FloatTensor<B>,
+    w: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+    product: impl Fn(FloatTensor<B>, FloatTensor<B>) -> FloatTensor<B>,
+) -> FloatTensor<B> {
+    let y = lift::<B, 2>(product(x, w));
     match bias {
         Some(b) => prim(y + lift::<B, 1>(b).unsqueeze::<2>()),
         None => prim(y),
@@ -350,12 +361,23 @@ pub fn linear_backward<B: Backend>(
     dy: FloatTensor<B>,
     want: [bool; 3],
 ) -> [Option<FloatTensor<B>>; 3] {
-    let dy = lift::<B, 2>(dy);
-    let dx = want[0].then(|| prim(dy.clone().matmul(lift::<B, 2>(w).transpose())));
+    linear_backward_with::<B>(x, w, dy, want, B::float_matmul)
+}
+
+/// The linear backward with the matrix product `product` (see [`linear_forward_with`]).
+pub fn linear_backward_with<B: Backend>(
+    x: Option<FloatTensor<B>>,
+    w: FloatTensor<B>,
+    dy: FloatTensor<B>,
+    want: [bool; 3],
+    product: impl Fn(FloatTensor<B>, FloatTensor<B>) -> FloatTensor<B>,
+) -> [Option<FloatTensor<B>>; 3] {
+    let dx = want[0].then(|| product(dy.clone(), B::float_transpose(w)));
     let dw = x
         .filter(|_| want[1])
-        .map(|x| prim(lift::<B, 2>(x).transpose().matmul(dy.clone())));
+        .map(|x| product(B::float_transpose(x), dy.clone()));
     let db = want[2].then(|| {
+        let dy = lift::<B, 2>(dy);
         let d = dy.dims()[1];
         prim(dy.sum_dim(0).reshape([d]))
     });

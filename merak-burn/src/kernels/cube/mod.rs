@@ -23,6 +23,7 @@ pub mod attention;
 pub mod attention_backward;
 pub mod columns;
 pub mod gather;
+pub mod matmul;
 pub mod pointwise;
 pub mod rows;
 pub mod squares;
@@ -130,13 +131,14 @@ fn empty_typed<R: CubeRuntime, const D: usize>(
 }
 
 /// The environment variable that names the kernels to replace by Burn's composed operators
-/// (comma-separated: `attention`, `gelu`, `norm`, `xent`, `embedding`, `adamw`, `squares`, or
-/// `all`; unset or empty: none): for measuring the fused kernels against the composition, and
-/// for telling which kernel a driver fails on.
+/// (comma-separated: `attention`, `gelu`, `norm`, `xent`, `embedding`, `adamw`, `squares`,
+/// `matmul` (CubeCL's default product kernel instead of [`matmul`]'s table), or `all`; unset or
+/// empty: none): for measuring the fused kernels against the composition, and for telling which
+/// kernel a driver fails on.
 pub const COMPOSED_KERNELS_VAR: &str = "MERAK_COMPOSED_KERNELS";
 
 /// The names [`COMPOSED_KERNELS_VAR`] knows.
-const KERNEL_NAMES: [&str; 8] = [
+const KERNEL_NAMES: [&str; 9] = [
     "attention",
     "gelu",
     "norm",
@@ -144,6 +146,7 @@ const KERNEL_NAMES: [&str; 8] = [
     "embedding",
     "adamw",
     "squares",
+    "matmul",
     "all",
 ];
 
@@ -256,6 +259,32 @@ where
             .clamp_min(1.0);
         let scale = prim(lift::<Self, 1>(grad) / count);
         xent::backward(logits, stats, targets, scale, shard.start, shard.valid)
+    }
+
+    /// The product with the kernel of [`matmul`]'s table.
+    fn linear_forward(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        if composed_kernel("matmul") {
+            return composed::linear_forward::<Self>(x, w, bias);
+        }
+        composed::linear_forward_with::<Self>(x, w, bias, |a, b| matmul::product(a, b, None))
+    }
+
+    /// The two products with the kernel of [`matmul`]'s table.
+    fn linear_backward(
+        x: Option<FloatTensor<Self>>,
+        w: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        want: [bool; 3],
+    ) -> [Option<FloatTensor<Self>>; 3] {
+        if composed_kernel("matmul") {
+            return composed::linear_backward::<Self>(x, w, dy, want);
+        }
+        let product = |a, b| matmul::product(a, b, None);
+        composed::linear_backward_with::<Self>(x, w, dy, want, product)
     }
 
     fn layer_norm_forward(

@@ -307,3 +307,96 @@ fn attention_equals_the_cpu_kernel() {
         }
     }
 }
+
+/// The product table's classes, without a device: a TMA kernel only for f16 and bf16 products
+/// whose every dimension reaches `TMA_MIN_DIM` on a device with TMA.
+#[test]
+fn the_product_table_chooses_by_class() {
+    use super::matmul::{MatmulKernel, Product, TMA_MIN_DIM, choose};
+    use burn::tensor::DType;
+    let big = TMA_MIN_DIM * 16;
+    let at = |m, n, k, dtype, tma| {
+        choose(Product {
+            m,
+            n,
+            k,
+            dtype,
+            tma,
+        })
+    };
+    let tma = MatmulKernel::SpecializedTma;
+    // GPT-2's products: aligned, and the vocabulary's 50,257 (unaligned rows: CubeCL refuses
+    // the kernel itself where it cannot run them, and the default runs).
+    assert_eq!(at(16_384, 2_304, 768, DType::BF16, true), tma);
+    assert_eq!(at(16_384, 50_257, 768, DType::BF16, true), tma);
+    assert_eq!(at(big, big, TMA_MIN_DIM, DType::F16, true), tma);
+    for (m, n, k, dtype, device_tma) in [
+        (big, big, big, DType::F32, true),
+        (big, big, big, DType::BF16, false),
+        (big, big, TMA_MIN_DIM - 1, DType::BF16, true),
+        (1, big, big, DType::BF16, true),
+        (1, 1, 1, DType::F32, false),
+    ] {
+        assert_eq!(
+            at(m, n, k, dtype, device_tma),
+            MatmulKernel::Default,
+            "[{m}, {k}] x [{k}, {n}] {dtype:?}, TMA {device_tma}"
+        );
+    }
+}
+
+/// Products through the table, and through a forced TMA choice (which falls back to CubeCL's
+/// default where the device has no TMA, as llvmpipe), equal the CPU's on aligned, unaligned,
+/// transposed, tiny and batched operands; the linear layer's forward and backward through the
+/// table equal the CPU's kernels, with a transposed weight as a tied head has.
+#[test]
+fn products_equal_the_cpu() {
+    use super::matmul::{MatmulKernel, product};
+    let rng = InitRng::new(9);
+    let cases: [(&[usize], &[usize], bool); 5] = [
+        (&[128, 64], &[64, 256], false),
+        (&[7, 33], &[33, 5], false),
+        (&[65, 70], &[129, 70], true),
+        (&[1, 1], &[1, 1], false),
+        (&[3, 17, 9], &[3, 9, 66], false),
+    ];
+    for (a, b, transposed) in cases {
+        let tag = format!("{a:?} x {b:?}{}", if transposed { "^T" } else { "" });
+        let (x, xc) = pair(&rng, &format!("a{tag}"), a);
+        let (y, yc) = pair(&rng, &format!("b{tag}"), b);
+        let (y, yc) = match transposed {
+            true => (Gpu::float_transpose(y), Cpu::float_transpose(yc)),
+            false => (y, yc),
+        };
+        let want = || Cpu::float_matmul(xc.clone(), yc.clone());
+        for force in [None, Some(MatmulKernel::SpecializedTma)] {
+            let got = product(x.clone(), y.clone(), force);
+            within(
+                &format!("{tag} {force:?}"),
+                got,
+                want(),
+                0.0,
+                PRODUCTS_TOLERANCE,
+            );
+        }
+    }
+    for (rows, d) in [(7, 33), (64, 257)] {
+        let tag = format!("linear [{rows}, {d}]");
+        let (x, xc) = pair(&rng, &format!("x{tag}"), &[rows, d]);
+        let (w, wc) = pair(&rng, &format!("w{tag}"), &[96, d]);
+        let (w, wc) = (Gpu::float_transpose(w), Cpu::float_transpose(wc));
+        let (b, bc) = pair(&rng, &format!("b{tag}"), &[96]);
+        let (dy, dyc) = pair(&rng, &format!("dy{tag}"), &[rows, 96]);
+        let (y, yc) = (
+            Gpu::linear_forward(x.clone(), w.clone(), Some(b)),
+            Cpu::linear_forward(xc.clone(), wc.clone(), Some(bc)),
+        );
+        within(&format!("{tag} forward"), y, yc, 0.0, PRODUCTS_TOLERANCE);
+        let grads = Gpu::linear_backward(Some(x), w, dy, [true; 3]);
+        let want = Cpu::linear_backward(Some(xc), wc, dyc, [true; 3]);
+        for ((name, g), c) in ["dx", "dw", "dbias"].iter().zip(grads).zip(want) {
+            let (g, c) = (g.expect("asked for"), c.expect("asked for"));
+            within(&format!("{tag} {name}"), g, c, 0.0, PRODUCTS_TOLERANCE);
+        }
+    }
+}
