@@ -1,8 +1,9 @@
 """Summarises benches/gpu/run.sh's runs as Markdown: tokens/s, MFU and peak GPU memory of merak
 and PyTorch per model, and the two-rank loss differences.
 
-MFU is the model's FLOPs per token without recomputation (DESIGN.md section 5:
-72 l h^2 (1 + s/(6h) + V/(12 l h)) per sequence of s tokens) times the tokens per second, over
+MFU is the model's FLOPs per token without recomputation (Megatron-LM's count, Narayanan et al.
+SC'21: 72 l h^2 (1 + s/(6h) + V/(12 l h)) per token of sequences of s tokens; the book's
+docs/src/contributing/architecture.md, "FLOPs and MFU") times the tokens per second, over
 the GPU's dense bf16 peak (--peak-tflops, else derived from the device's name: H100 SXM and H200
 989, H100 NVL and H200 NVL 835, H100 PCIe 756 TFLOP/s; fp32 runs are measured against the bf16 peak too).
 """

@@ -3,8 +3,9 @@
 # hidden 64, 4 heads), one sequence per step, 4 steps, at each length in LENGTHS, for each
 # `NAME=binary` or `NAME=binary:merak train flags` given (run under `mpirun -np NP` when NP > 1).
 # Prints per run the median tokens/s after the first step, the largest allocator high-water
-# mark and peak resident memory of any rank (`memory.json`), next to the activation formula of
-# DESIGN.md section 5 in fp32 (twice its 16-bit bytes) per rank: with the softmax kept,
+# mark and peak resident memory of any rank (`memory.json`), next to the planner's activation
+# formula (Korthikanti et al. 2022; docs/src/contributing/architecture.md, "Activation memory")
+# in fp32 (twice its 16-bit bytes) per rank: with the softmax kept,
 # s*b*h*(34 + 5*a*s/h)*2 per layer; blockwise, without the 5*a*s/h term; with TP degree t,
 # s*b*h*(10 + 24/t) without sequence parallelism and s*b*h*34/t with it; with context
 # parallelism (--cp c) s/c tokens per rank. The TP and CP degrees are read from the flags

@@ -251,7 +251,7 @@ fn two_bw_overlap_in_3d_with_dropout_and_validation_equals_one_process_two_bw() 
     }
 }
 
-/// A small data set prepared from real text (the README, the design notes of this repository).
+/// A small data set prepared from real text (this repository's README, four times over).
 fn real_text(name: &str) -> PathBuf {
     let raw = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}.txt"));
     let readme = Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md");

@@ -1,4 +1,5 @@
-//! Pipeline parallelism (DESIGN.md §3): layers cut into contiguous stages, schedules as data.
+//! Pipeline parallelism: layers cut into contiguous stages, schedules as data (how a step runs
+//! through them: `docs/src/contributing/architecture.md`).
 //!
 //! A schedule is, for every pipeline rank, an ordered list of [`Action`]s. The same lists drive
 //! the executor (which runs them with real point-to-point messages) and the simulator (which

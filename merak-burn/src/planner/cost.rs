@@ -325,8 +325,9 @@ impl Layout {
 pub struct Prediction {
     /// Seconds per training step.
     pub step_time_s: f64,
-    /// TFLOP/s per device, with DESIGN.md §5's FLOP count (the full-recompute formula when every
-    /// stage recomputes fully).
+    /// TFLOP/s per device, with the Megatron-LM FLOP count of `ModelProxy::reported_flops` (the
+    /// full-recompute formula when every stage recomputes fully; see "FLOPs and MFU" in
+    /// `docs/src/contributing/architecture.md`).
     pub tflops_per_gpu: f64,
     /// Peak memory of each pipeline rank, bytes.
     pub peak_memory_bytes: Vec<u64>,

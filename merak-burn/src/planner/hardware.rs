@@ -1,4 +1,4 @@
-//! The hardware a plan runs on: devices, memory, compute and links (DESIGN.md §3, "Planner").
+//! The hardware a plan runs on: devices, memory, compute and links, as the cost model reads them.
 //!
 //! A [`HardwareSpec`] is read from a TOML file (every key below, `name` optional) or taken from
 //! a preset: `a100-80g`, `h100-80g`, `local-cpu`.

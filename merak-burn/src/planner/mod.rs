@@ -1,5 +1,5 @@
-//! The planner (DESIGN.md §3): pure computation, no MPI and no tensors, so a laptop can plan a
-//! thousand-GPU cluster.
+//! The planner: pure computation, no MPI and no tensors, so a laptop can plan a thousand-GPU
+//! cluster.
 //!
 //! - [`model`]: the model proxy, one [`UnitProfile`] per pipeline unit ([`LayerCosts`] lets a
 //!   user's own model describe itself).
@@ -16,8 +16,8 @@
 //! - [`layout_check`]: the checks of a layout given from outside the search (a plan file,
 //!   `merak simulate --layout`), each naming its field ([`LayoutFieldError`]).
 //! - [`plan_file`]: a saved plan with the job it was made for ([`PlanFile`]).
-//! - [`reference`](mod@reference): published Megatron-LM throughput (DESIGN.md §6) that the cost
-//!   model reproduces.
+//! - [`reference`](mod@reference): published Megatron-LM throughput (Narayanan et al., SC'21)
+//!   that the cost model reproduces.
 //!
 //! ```
 //! use merak_burn::planner::{HardwareSpec, ModelProxy, SearchOptions, search};

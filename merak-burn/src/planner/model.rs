@@ -1,5 +1,5 @@
 //! The model proxy: a per-unit description of a transformer that the cost model reads instead
-//! of the model itself (DESIGN.md §3, "Planner").
+//! of the model itself.
 //!
 //! Units follow [`pipeline::partition`](crate::pipeline::partition): unit 0 is the embedding,
 //! units `1..=L` are the transformer blocks and unit `L + 1` is the head. Every unit is described
@@ -10,12 +10,14 @@
 //! or an inline spec such as `gpt:layers=48,hidden=8192,heads=64,seq=2048,vocab=51200`), or from
 //! any [`LayerCosts`] implementation, so that a Burn user's own model can be planned too.
 //!
-//! FLOPs follow the Megatron-LM count (DESIGN.md §5): a multiply-add is 2 FLOPs, only the GEMMs
-//! count, the backward pass costs twice the forward pass. For a GPT block
+//! FLOPs follow the Megatron-LM count (Narayanan et al., SC'21): a multiply-add is 2 FLOPs, only
+//! the GEMMs count, the backward pass costs twice the forward pass. For a GPT block
 //! `forward = 24 s h² + 4 s² h` per sequence; for the head `2 s h V`; the embedding is a lookup
 //! (0 FLOPs). Summed over units and a global batch `B` this is exactly
 //! `72 B s l h² (1 + s/(6h) + V/(12 l h))`, and with full recomputation of the blocks (the head
-//! is not recomputed) `96 B s l h² (1 + s/(6h) + V/(16 l h))`.
+//! is not recomputed) `96 B s l h² (1 + s/(6h) + V/(16 l h))`. The book's architecture page
+//! (`docs/src/contributing/architecture.md`) gives these formulas, MFU and the activation
+//! memory below for a reader of the benchmarks.
 //!
 //! Activations follow Korthikanti et al. (2022) with 16-bit values: a block keeps
 //! `s b h (10 + 24/t + 5 a s/(h t))` bytes without recomputation, the same without the
@@ -690,7 +692,7 @@ impl TransformerShape {
         blocks.checked_add(table)?.checked_add(extra)
     }
 
-    /// The Megatron-LM FLOPs of one iteration of `global_batch` sequences (DESIGN.md §5):
+    /// The Megatron-LM FLOPs of one iteration of `global_batch` sequences (Narayanan et al.):
     /// `96 B s l h² (1 + s/(6h) + V/(16 l h))` with full recomputation, otherwise
     /// `72 B s l h² (1 + s/(6h) + V/(12 l h))`.
     pub fn megatron_flops(&self, global_batch: usize, full_recompute: bool) -> f64 {

@@ -1,5 +1,6 @@
 //! Published throughput the cost model is checked against: Megatron-LM (Narayanan et al.,
-//! SC'21), A100-80GB, vocabulary 51,200, sequence 2048, fp16, full recomputation (DESIGN.md §6).
+//! SC'21, Table 1), A100-80GB, vocabulary 51,200, sequence 2048, fp16, full recomputation; the
+//! book lists the rows in `docs/src/contributing/architecture.md`.
 
 use serde::Serialize;
 
@@ -31,7 +32,7 @@ pub struct PublishedRow {
     pub tflops_per_gpu: f64,
 }
 
-/// The five rows of DESIGN.md §6.
+/// The paper's five GPT rows from 1.7B to 39.1B parameters.
 pub const MEGATRON_SC21: [PublishedRow; 5] = [
     row("1.7B", 2304, 24, 24, 1, 1, 512, 32, 137.0),
     row("3.6B", 3072, 30, 32, 2, 1, 512, 64, 138.0),

@@ -1,4 +1,4 @@
-//! Megatron-style tensor parallelism (DESIGN.md §3).
+//! Megatron-style tensor parallelism (`docs/src/concepts/tensor-parallel.md`).
 //!
 //! Column-parallel layers hold a slice of the output features, row-parallel layers a slice of
 //! the input features followed by an all-reduce. Every shard is cut from the full-size
