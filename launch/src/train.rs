@@ -1,19 +1,17 @@
 //! `merak train` on the library's trainer: the config mapped onto [`TrainSettings`], the data
 //! set seen through the model's objective (causal or masked), checkpoints to resume.
 
+use merak_burn::pipeline::{TrainBackend, TrainModel};
 use std::path::Path;
 
 use anyhow::Result;
-use burn::module::AutodiffModule;
-use burn::tensor::backend::AutodiffBackend;
 use merak_bert::{BertConfig, mask_tokens};
 use merak_burn::checkpoint::{Checkpoint, FullState};
 use merak_burn::data::{CausalWindows, DocumentMasked};
 use merak_burn::grid::ProcessGrid;
-use merak_burn::pipeline::{PipelineModel, PipelinePlan};
+use merak_burn::pipeline::PipelinePlan;
 use merak_burn::plan::ParallelPlan;
 use merak_burn::session::{Part, RunOptions, train_part};
-use merak_burn::tensor_parallel::ParallelBackend;
 pub use merak_burn::train::Summary;
 use merak_burn::train::{
     BatchSource, ExistingRun, RunFile, SourceError, StopRequest, TokenSource, Windows,
@@ -176,10 +174,8 @@ pub fn train<B, M>(
     spec: RunSpec<'_>,
 ) -> Result<(Summary, M)>
 where
-    B: AutodiffBackend + ParallelBackend,
-    B::InnerBackend: ParallelBackend,
-    M: PipelineModel<B> + AutodiffModule<B>,
-    M::InnerModule: PipelineModel<B::InnerBackend>,
+    B: TrainBackend,
+    M: TrainModel<B>,
 {
     let windows = CausalWindows {
         data,

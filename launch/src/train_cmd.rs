@@ -6,13 +6,12 @@ use std::process::ExitCode;
 
 use anyhow::{Result, bail};
 use burn::module::AutodiffModule;
-use burn::tensor::backend::AutodiffBackend;
 use merak_burn::checkpoint::Checkpoint;
 use merak_burn::comm::{Communicator, MpiCommunicator, MpiWorld, launched_by_mpirun};
 use merak_burn::grid::ProcessGrid;
 use merak_burn::pipeline::PipelinePlan;
 use merak_burn::plan::ParallelPlan;
-use merak_burn::tensor_parallel::{ParallelBackend, TpOverlap};
+use merak_burn::tensor_parallel::TpOverlap;
 use merak_burn::train::run_folder::{missing_folders, output_folder, remove_if_empty};
 use merak_burn::train::{ExistingRun, Origin, RunFolders, RunLocks, StopRequest, stop_on_signals};
 
@@ -375,8 +374,7 @@ fn print_summary(summary: &Summary, out: &Path, trace: Option<&Path>) -> Result<
 /// Builds the model of the job (this rank's pipeline stages and TP shard) and trains it.
 fn train_model<B>(job: &Job, out: &Path, device: &B::Device, spec: RunSpec<'_>) -> Result<Summary>
 where
-    B: AutodiffBackend + ParallelBackend,
-    B::InnerBackend: ParallelBackend,
+    B: merak_burn::pipeline::TrainBackend,
 {
     let (cfg, grid, data) = (&job.cfg, &job.grid, &job.data);
     let seed = cfg.train.seed;

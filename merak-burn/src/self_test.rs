@@ -145,8 +145,7 @@ fn param<B: Backend, const D: usize>(
 /// the loss and the gradients of every input, by name.
 fn step_results<B>(device: &B::Device) -> Vec<(&'static str, Vec<f32>)>
 where
-    B: burn::tensor::backend::AutodiffBackend + ParallelBackend + FusedOps,
-    B::InnerBackend: ParallelBackend,
+    B: crate::pipeline::TrainBackend + FusedOps,
 {
     let (batch, seq, width, vocab) = (2, 5, 8, 11);
     let table = param::<B, 2>([vocab, width], 1, device);

@@ -15,6 +15,7 @@
 //! at the schedule's `Recompute` action or at the start of the `Backward`. Dropout masks are keyed
 //! by step and sample, so the recomputed forward pass equals the first one.
 
+use super::stage::{TrainBackend, TrainModel};
 use std::collections::HashMap;
 use std::ops::Range;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -432,10 +433,8 @@ impl Executor {
         in_flight: &mut InFlight<B>,
     ) -> Result<StepReport, PipelineError>
     where
-        B: AutodiffBackend + ParallelBackend,
-        B::InnerBackend: ParallelBackend,
-        M: PipelineModel<B> + AutodiffModule<B>,
-        M::InnerModule: PipelineModel<B::InnerBackend>,
+        B: TrainBackend,
+        M: TrainModel<B>,
     {
         let step = work.step;
         let m = work.batches.len();

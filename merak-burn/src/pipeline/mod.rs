@@ -41,7 +41,9 @@ pub use recompute::{
 pub use schedule::{Action, Schedule, ScheduleError, ScheduleKind, build_schedule};
 pub use simulate::{Simulation, simulate, steady_step_time};
 pub use stack::{TiedTable, UnitStack, param_ids};
-pub use stage::{EvalOutput, Evaluate, PipelineModel, StageInput, StageOutput};
+pub use stage::{
+    EvalOutput, Evaluate, PipelineModel, StageInput, StageOutput, TrainBackend, TrainModel,
+};
 pub use timing::{Costs, TimedAction};
 pub use trace::{TraceEvent, chrome_trace, write_chrome_trace};
 pub use validate::{ValidationError, validate};

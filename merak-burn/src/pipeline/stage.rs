@@ -2,11 +2,12 @@
 
 use std::ops::Range;
 
-use burn::module::{Module, ParamId};
+use burn::module::{AutodiffModule, Module, ParamId};
 use burn::tensor::Tensor;
-use burn::tensor::backend::Backend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 
 use crate::batch::Batch;
+use crate::tensor_parallel::ParallelBackend;
 
 /// The input of a stage: the micro-batch's fields for the stage holding the first unit, hidden
 /// states otherwise.
@@ -120,4 +121,31 @@ pub trait PipelineModel<B: Backend>: Module<B> {
     /// Parameters that are copies of others, as `(copy, original)` names (the head's copy of a
     /// tied embedding): checkpoints store the original only and load it into both.
     fn tied_names(&self) -> Vec<(String, String)>;
+}
+
+/// The backend every training entry point asks for: an autodiff backend with the parallel
+/// operations, on the outside and on its inner backend (evaluation and the ZeRO copies run
+/// there). Implemented for every backend that has both; it names the bound once.
+pub trait TrainBackend: AutodiffBackend<InnerBackend: ParallelBackend> + ParallelBackend {}
+
+impl<B> TrainBackend for B
+where
+    B: AutodiffBackend + ParallelBackend,
+    B::InnerBackend: ParallelBackend,
+{
+}
+
+/// A model the trainer runs on `B`: a [`PipelineModel`] with autodiff whose inner module (the
+/// model without autodiff, for evaluation) is one too. Implemented for every such model.
+pub trait TrainModel<B: TrainBackend>:
+    PipelineModel<B> + AutodiffModule<B, InnerModule: PipelineModel<B::InnerBackend>>
+{
+}
+
+impl<B, M> TrainModel<B> for M
+where
+    B: TrainBackend,
+    M: PipelineModel<B> + AutodiffModule<B>,
+    M::InnerModule: PipelineModel<B::InnerBackend>,
+{
 }

@@ -41,18 +41,14 @@ pub use model::{
 pub use options::{FullParams, InitWeights, ParamGroups, RunOptions};
 pub use train_part::{Part, train_part};
 
+use crate::pipeline::{TrainBackend, TrainModel};
 use std::path::PathBuf;
-
-use burn::module::AutodiffModule;
-use burn::tensor::backend::AutodiffBackend;
 
 use crate::checkpoint::{Checkpoint, FullState, state};
 use crate::comm::{Communicator, MpiWorld, launched_by_mpirun, watchdog};
 use crate::grid::ProcessGrid;
 use crate::parallelize::shard_module;
-use crate::pipeline::PipelineModel;
 use crate::plan::ParallelPlan;
-use crate::tensor_parallel::ParallelBackend;
 use crate::train::{
     BatchSource, Predictions, StopRequest, Summary, TrainSettings, run_folder, stop_on_signals,
 };
@@ -86,11 +82,9 @@ pub fn run<B, M>(
     options: &RunOptions,
 ) -> Result<RunReport, RunError>
 where
-    B: AutodiffBackend + ParallelBackend,
-    B::InnerBackend: ParallelBackend,
+    B: TrainBackend,
     M: UnitModel<B>,
-    UnitsOf<B, M>: PipelineModel<B> + AutodiffModule<B>,
-    <UnitsOf<B, M> as AutodiffModule<B>>::InnerModule: PipelineModel<B::InnerBackend>,
+    UnitsOf<B, M>: TrainModel<B>,
 {
     let mpi = if launched_by_mpirun() {
         Some(MpiWorld::init()?)
@@ -112,11 +106,9 @@ pub fn run_with_mpi<B, M>(
     options: &RunOptions,
 ) -> Result<RunReport, RunError>
 where
-    B: AutodiffBackend + ParallelBackend,
-    B::InnerBackend: ParallelBackend,
+    B: TrainBackend,
     M: UnitModel<B>,
-    UnitsOf<B, M>: PipelineModel<B> + AutodiffModule<B>,
-    <UnitsOf<B, M> as AutodiffModule<B>>::InnerModule: PipelineModel<B::InnerBackend>,
+    UnitsOf<B, M>: TrainModel<B>,
 {
     let result = run_on(model, plan, data, settings, options, mpi);
     match (result, mpi) {
@@ -135,11 +127,9 @@ fn run_on<B, M>(
     mpi: Option<&MpiWorld>,
 ) -> Result<RunReport, RunError>
 where
-    B: AutodiffBackend + ParallelBackend,
-    B::InnerBackend: ParallelBackend,
+    B: TrainBackend,
     M: UnitModel<B>,
-    UnitsOf<B, M>: PipelineModel<B> + AutodiffModule<B>,
-    <UnitsOf<B, M> as AutodiffModule<B>>::InnerModule: PipelineModel<B::InnerBackend>,
+    UnitsOf<B, M>: TrainModel<B>,
 {
     let stop = stop_request(options)?;
     let world = mpi.map(MpiWorld::world);

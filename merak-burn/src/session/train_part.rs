@@ -2,18 +2,18 @@
 //! their model's part themselves (`merak train`'s GPT and BERT): start from pretrained weights
 //! or a checkpoint, train, evaluate.
 
+use crate::pipeline::{TrainBackend, TrainModel};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use burn::module::AutodiffModule;
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::Backend;
 
 use super::{InitWeights, RunError, RunOptions, RunReport};
 use crate::checkpoint::{Checkpoint, FullState, cut_full_params, state};
 use crate::grid::ProcessGrid;
 use crate::pipeline::{PipelineModel, PipelinePlan};
 use crate::plan::ParallelPlan;
-use crate::tensor_parallel::{ParallelBackend, Shard};
+use crate::tensor_parallel::Shard;
 use crate::train::{BatchSource, CheckpointPolicy, RunOutput, StopRequest, TrainSettings, Trainer};
 
 /// Where a rank's part of a model trains: its place in the process grid, the plan, the
@@ -48,10 +48,8 @@ pub fn train_part<B, M>(
     stop: Option<StopRequest>,
 ) -> Result<(RunReport, M), RunError>
 where
-    B: AutodiffBackend + ParallelBackend,
-    B::InnerBackend: ParallelBackend,
-    M: PipelineModel<B> + AutodiffModule<B>,
-    M::InnerModule: PipelineModel<B::InnerBackend>,
+    B: TrainBackend,
+    M: TrainModel<B>,
 {
     let t0 = Instant::now();
     let Part {

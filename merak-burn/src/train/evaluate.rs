@@ -1,12 +1,10 @@
 //! Evaluation and prediction under any layout: held-out samples through the pipeline without
 //! gradients, the head's metric sums or per-sample outputs gathered on every rank.
 
-use burn::module::AutodiffModule;
-use burn::tensor::backend::AutodiffBackend;
+use crate::pipeline::{TrainBackend, TrainModel};
 
 use crate::comm::{Group, ReduceOp};
 use crate::pipeline::{EvalValues, Evaluate, MicroBatch, PipelineError, PipelineModel};
-use crate::tensor_parallel::ParallelBackend;
 use crate::train::read_samples;
 use crate::train::{BatchSource, TrainError, Trainer};
 
@@ -46,10 +44,8 @@ type Values = EvalValues;
 
 impl<B, M> Trainer<'_, B, M>
 where
-    B: AutodiffBackend + ParallelBackend,
-    B::InnerBackend: ParallelBackend,
-    M: PipelineModel<B> + AutodiffModule<B>,
-    M::InnerModule: PipelineModel<B::InnerBackend>,
+    B: TrainBackend,
+    M: TrainModel<B>,
 {
     /// The sums of the head's metrics ([`HeadUnit::metrics`](crate::parallelize::HeadUnit::metrics))
     /// over `batches` global batches of held-out samples, the same on every rank and for every

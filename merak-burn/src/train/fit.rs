@@ -1,12 +1,8 @@
 //! The whole run: steps, validation, metrics, progress and checkpoints.
 
+use crate::pipeline::{TrainBackend, TrainModel};
 use std::time::Instant;
 
-use burn::module::AutodiffModule;
-use burn::tensor::backend::AutodiffBackend;
-
-use crate::pipeline::PipelineModel;
-use crate::tensor_parallel::ParallelBackend;
 use crate::train::progress::Progress;
 use crate::train::report::{report_memory, write_trace};
 use crate::train::{
@@ -48,10 +44,8 @@ impl std::fmt::Display for Summary {
 
 impl<B, M> Trainer<'_, B, M>
 where
-    B: AutodiffBackend + ParallelBackend,
-    B::InnerBackend: ParallelBackend,
-    M: PipelineModel<B> + AutodiffModule<B>,
-    M::InnerModule: PipelineModel<B::InnerBackend>,
+    B: TrainBackend,
+    M: TrainModel<B>,
 {
     /// Runs the remaining steps on `data`. Rank 0 writes `metrics.jsonl` (appending after a
     /// resumed checkpoint's step) and shows progress; `on_step` sees every step's metrics on

@@ -1,23 +1,17 @@
 //! Saving a trainer's state as a sharded checkpoint.
 
+use crate::pipeline::{TrainBackend, TrainModel};
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use burn::module::AutodiffModule;
-use burn::tensor::backend::AutodiffBackend;
-
 use crate::checkpoint::{self, RankState, state};
-use crate::pipeline::PipelineModel;
-use crate::tensor_parallel::ParallelBackend;
 use crate::train::experts::experts_apart;
 use crate::train::{CheckpointPolicy, TrainError, Trainer};
 
 impl<B, M> Trainer<'_, B, M>
 where
-    B: AutodiffBackend + ParallelBackend,
-    B::InnerBackend: ParallelBackend,
-    M: PipelineModel<B> + AutodiffModule<B>,
-    M::InnerModule: PipelineModel<B::InnerBackend>,
+    B: TrainBackend,
+    M: TrainModel<B>,
 {
     /// Writes a checkpoint of the steps done so far under `policy.dir` (every rank of the grid
     /// must call it), keeping the newest `policy.keep`; returns its folder. The manifest holds

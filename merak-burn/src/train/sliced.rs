@@ -5,6 +5,7 @@
 //! state is gathered into whole tensors only when a checkpoint is written, so checkpoints stay
 //! layout-free and resume under any stage and layout.
 
+use crate::pipeline::{TrainBackend, TrainModel};
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
@@ -12,17 +13,14 @@ use burn::tensor::{Tensor, TensorData};
 use super::pieces::{Sliced, flat, values_of};
 use crate::checkpoint::TensorSlice;
 use crate::data_parallel::all_gather_each;
-use crate::pipeline::{PipelineModel, ScheduleKind};
-use crate::tensor_parallel::ParallelBackend;
+use crate::pipeline::ScheduleKind;
 use crate::train::grad_norm::norm_of;
 use crate::train::{GradStats, TrainError, Trainer};
 
 impl<B, M> Trainer<'_, B, M>
 where
-    B: AutodiffBackend + ParallelBackend,
-    B::InnerBackend: ParallelBackend,
-    M: PipelineModel<B> + AutodiffModule<B>,
-    M::InnerModule: PipelineModel<B::InnerBackend>,
+    B: TrainBackend,
+    M: TrainModel<B>,
 {
     /// ZeRO-2's update from this rank's reduce-scattered gradient `chunks` at `lr`: the global
     /// gradient norm over every rank's pieces, clipping, each piece stepped by its group's

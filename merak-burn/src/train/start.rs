@@ -2,12 +2,9 @@
 //! ([`run_lock`](mod@super::run_lock)), every path it will write is checked, the folders are
 //! claimed for its lineage ([`claim`](mod@super::claim)), and the caller's files are written.
 
-use burn::module::AutodiffModule;
-use burn::tensor::backend::AutodiffBackend;
+use crate::pipeline::{TrainBackend, TrainModel};
 
 use crate::checkpoint::{RunId, plain_name, write_file_atomically};
-use crate::pipeline::PipelineModel;
-use crate::tensor_parallel::ParallelBackend;
 use crate::train::{RunLocks, RunOutput, TrainError, Trainer, claim};
 
 /// The most bytes of a run id (ids are at most 64 characters).
@@ -15,10 +12,8 @@ const ID_BYTES: usize = 64;
 
 impl<B, M> Trainer<'_, B, M>
 where
-    B: AutodiffBackend + ParallelBackend,
-    B::InnerBackend: ParallelBackend,
-    M: PipelineModel<B> + AutodiffModule<B>,
-    M::InnerModule: PipelineModel<B::InnerBackend>,
+    B: TrainBackend,
+    M: TrainModel<B>,
 {
     /// Locks `out`'s folders (rank 0 holds the locks it returns, or joins those its process
     /// or launcher holds), checks its paths on every rank, claims its folders (every rank

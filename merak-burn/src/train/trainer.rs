@@ -2,23 +2,21 @@
 //! executor, data-parallel gradient reduction, the tied embedding, the loss, clipping, the
 //! optimizer's parameter groups and ZeRO. Every layout runs this one step.
 
+use crate::pipeline::{TrainBackend, TrainModel};
 use std::collections::HashSet;
 use std::time::Instant;
 
-use burn::module::{AutodiffModule, ParamId};
+use burn::module::ParamId;
 use burn::optim::adaptor::OptimizerAdaptor;
-use burn::tensor::backend::AutodiffBackend;
 
 use crate::batch::Samples;
 use crate::checkpoint::{Checkpoint, FullState, state};
 use crate::comm::{Group, ReduceOp};
 use crate::data_parallel::{DataParallel, DpStats, ReduceScatter, Shards, emptied};
 use crate::grid::ProcessGrid;
-use crate::pipeline::{
-    Executor, InFlight, MicroBatch, PipelineModel, PipelinePlan, ScheduleKind, StepWork,
-};
+use crate::pipeline::{Executor, InFlight, MicroBatch, PipelinePlan, ScheduleKind, StepWork};
 use crate::plan::ParallelPlan;
-use crate::tensor_parallel::{ParallelBackend, Shard};
+use crate::tensor_parallel::Shard;
 use crate::train::check_plan;
 use crate::train::experts::{expert_ids, experts_apart, gather_routing};
 use crate::train::hybrid::shard_groups;
@@ -82,10 +80,8 @@ pub struct StepOutcome {
 /// and calls [`step`](Self::step) (or [`fit`](Self::fit)) the same number of times.
 pub struct Trainer<'g, B, M>
 where
-    B: AutodiffBackend + ParallelBackend,
-    B::InnerBackend: ParallelBackend,
-    M: PipelineModel<B> + AutodiffModule<B>,
-    M::InnerModule: PipelineModel<B::InnerBackend>,
+    B: TrainBackend,
+    M: TrainModel<B>,
 {
     pub(crate) grid: &'g ProcessGrid,
     /// How the batch is split and the optimizer state sharded.
@@ -133,10 +129,8 @@ where
 
 impl<'g, B, M> Trainer<'g, B, M>
 where
-    B: AutodiffBackend + ParallelBackend,
-    B::InnerBackend: ParallelBackend,
-    M: PipelineModel<B> + AutodiffModule<B>,
-    M::InnerModule: PipelineModel<B::InnerBackend>,
+    B: TrainBackend,
+    M: TrainModel<B>,
 {
     /// A trainer for `model` (this rank's units and shard, built for `grid` and `pipeline`,
     /// the pipeline plan of `parallel`) at step 0; `trace` records every action for a Chrome
