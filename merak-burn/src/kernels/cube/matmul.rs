@@ -15,7 +15,8 @@
 //! A chosen kernel that cannot run on the operands (CubeCL refuses it before launching)
 //! falls back to the default, so the table can only choose among kernels that run; the
 //! fallback is logged once. `MERAK_COMPOSED_KERNELS=matmul` turns the table off (every product
-//! takes CubeCL's default), to measure it.
+//! takes CubeCL's default), to measure it. A build with `cuda-autotune` leaves the choice to the
+//! autotuner, which times the TMA kernels among the others.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -37,7 +38,7 @@ pub const TMA_MIN_DIM: usize = 64;
 /// The kernel a product takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MatmulKernel {
-    /// CubeCL's default (burn-cubecl's `MatmulStrategy::Cube`).
+    /// burn-cubecl's default: its one kernel, or its autotuner in a build with `cuda-autotune`.
     Default,
     /// The warp-specialised TMA kernel with `mma` tiles (`Strategy::SpecializedTmaMma`).
     SpecializedTma,
@@ -80,13 +81,19 @@ pub fn product<R: CubeRuntime>(
 ) -> CubeTensor<R> {
     let dtype = lhs.dtype;
     let out = init_matmul_output(&lhs, &rhs, dtype);
-    let kernel = force.unwrap_or_else(|| choose(describe(&lhs, &rhs)));
+    let table = || match cfg!(feature = "cuda-autotune") {
+        // The autotuner measures every kernel, the TMA ones among them: it decides.
+        true => MatmulKernel::Default,
+        false => choose(describe(&lhs, &rhs)),
+    };
+    let kernel = force.unwrap_or_else(table);
     if kernel == MatmulKernel::SpecializedTma
         && launch_specialized_tma(lhs.clone(), rhs.clone(), out.clone()).is_ok()
     {
         return out;
     }
-    match burn_cubecl::kernel::matmul::matmul(lhs, rhs, Some(out), MatmulStrategy::Cube, dtype) {
+    let default = MatmulStrategy::default();
+    match burn_cubecl::kernel::matmul::matmul(lhs, rhs, Some(out), default, dtype) {
         Ok(out) => out,
         // burn-cubecl's own float_matmul unwraps this result: its default kernel runs on
         // every float type and layout Burn hands it.
