@@ -1,7 +1,6 @@
 //! `merak train` on the library's trainer: the config mapped onto [`TrainSettings`], the data
 //! set seen through the model's objective (causal or masked), checkpoints to resume.
 
-use merak_burn::pipeline::{TrainBackend, TrainModel};
 use std::path::Path;
 
 use anyhow::Result;
@@ -10,6 +9,7 @@ use merak_burn::checkpoint::{Checkpoint, FullState};
 use merak_burn::data::{CausalWindows, DocumentMasked};
 use merak_burn::grid::ProcessGrid;
 use merak_burn::pipeline::PipelinePlan;
+use merak_burn::pipeline::{TrainBackend, TrainModel};
 use merak_burn::plan::ParallelPlan;
 use merak_burn::session::{Part, RunOptions, train_part};
 pub use merak_burn::train::Summary;

@@ -15,7 +15,6 @@
 //! at the schedule's `Recompute` action or at the start of the `Backward`. Dropout masks are keyed
 //! by step and sample, so the recomputed forward pass equals the first one.
 
-use super::stage::{TrainBackend, TrainModel};
 use std::collections::HashMap;
 use std::ops::Range;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -28,6 +27,7 @@ use thiserror::Error;
 use super::partition::Partition;
 use super::schedule::{Action, Schedule, ScheduleKind};
 use super::stage::{EvalOutput, Evaluate, PipelineModel, StageInput, StageOutput};
+use super::stage::{TrainBackend, TrainModel};
 use super::trace::TraceEvent;
 use super::two_bw;
 use crate::batch::{Batch, Samples};

@@ -41,13 +41,13 @@ pub use model::{
 pub use options::{FullParams, InitWeights, ParamGroups, RunOptions};
 pub use train_part::{Part, train_part};
 
-use crate::pipeline::{TrainBackend, TrainModel};
 use std::path::PathBuf;
 
 use crate::checkpoint::{Checkpoint, FullState, state};
 use crate::comm::{Communicator, MpiWorld, launched_by_mpirun, watchdog};
 use crate::grid::ProcessGrid;
 use crate::parallelize::shard_module;
+use crate::pipeline::{TrainBackend, TrainModel};
 use crate::plan::ParallelPlan;
 use crate::train::{
     BatchSource, Predictions, StopRequest, Summary, TrainSettings, run_folder, stop_on_signals,

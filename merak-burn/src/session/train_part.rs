@@ -2,7 +2,6 @@
 //! their model's part themselves (`merak train`'s GPT and BERT): start from pretrained weights
 //! or a checkpoint, train, evaluate.
 
-use crate::pipeline::{TrainBackend, TrainModel};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -12,6 +11,7 @@ use super::{InitWeights, RunError, RunOptions, RunReport};
 use crate::checkpoint::{Checkpoint, FullState, cut_full_params, state};
 use crate::grid::ProcessGrid;
 use crate::pipeline::{PipelineModel, PipelinePlan};
+use crate::pipeline::{TrainBackend, TrainModel};
 use crate::plan::ParallelPlan;
 use crate::tensor_parallel::Shard;
 use crate::train::{BatchSource, CheckpointPolicy, RunOutput, StopRequest, TrainSettings, Trainer};
@@ -62,12 +62,7 @@ where
     if let Some(init) = &options.init {
         model = initialized_from(model, init, grid)?;
     }
-    let params = model.num_params();
-    let sp = if model.sequence_parts() > grid.layout.cp {
-        " sequence-parallel"
-    } else {
-        ""
-    };
+    let (params, sp) = (model.num_params(), model.sequence_parts() > grid.layout.cp);
     let trace = options.trace.is_some();
     let mut trainer = Trainer::new(
         grid,
@@ -85,17 +80,7 @@ where
         trainer.resume(checkpoint, state)?;
         log_resumed(checkpoint);
     }
-    let l = &grid.layout;
-    let ep = match grid.ep.size() {
-        1 => String::new(),
-        n => format!(" ep={n}"),
-    };
-    tracing::info!(
-        params,
-        layout = %format!("dp={} cp={} tp={} pp={}{sp}{ep}", l.dp, l.cp, l.tp, l.pp),
-        "model ready in {:.2}s",
-        t0.elapsed().as_secs_f64()
-    );
+    log_ready(grid, params, sp, t0);
     if options.predict_batches > 0 {
         // A head that predicts nothing is refused before the first step, not after the last:
         // one held-out batch through the model.
@@ -118,6 +103,26 @@ where
         predictions,
     };
     Ok((report, trainer.into_model()?))
+}
+
+/// Logs the model's size and this rank's layout once its trainer is built.
+fn log_ready(grid: &ProcessGrid, params: usize, sequence_parallel: bool, t0: Instant) {
+    let l = &grid.layout;
+    let sp = if sequence_parallel {
+        " sequence-parallel"
+    } else {
+        ""
+    };
+    let ep = match grid.ep.size() {
+        1 => String::new(),
+        n => format!(" ep={n}"),
+    };
+    tracing::info!(
+        params,
+        layout = %format!("dp={} cp={} tp={} pp={}{sp}{ep}", l.dp, l.cp, l.tp, l.pp),
+        "model ready in {:.2}s",
+        t0.elapsed().as_secs_f64()
+    );
 }
 
 /// Logs the checkpoint a run continues from.

@@ -1,10 +1,9 @@
 //! Evaluation and prediction under any layout: held-out samples through the pipeline without
 //! gradients, the head's metric sums or per-sample outputs gathered on every rank.
 
-use crate::pipeline::{TrainBackend, TrainModel};
-
 use crate::comm::{Group, ReduceOp};
 use crate::pipeline::{EvalValues, Evaluate, MicroBatch, PipelineError, PipelineModel};
+use crate::pipeline::{TrainBackend, TrainModel};
 use crate::train::read_samples;
 use crate::train::{BatchSource, TrainError, Trainer};
 

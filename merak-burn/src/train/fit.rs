@@ -1,8 +1,8 @@
 //! The whole run: steps, validation, metrics, progress and checkpoints.
 
-use crate::pipeline::{TrainBackend, TrainModel};
 use std::time::Instant;
 
+use crate::pipeline::{TrainBackend, TrainModel};
 use crate::train::progress::Progress;
 use crate::train::report::{report_memory, write_trace};
 use crate::train::{

@@ -1,10 +1,10 @@
 //! Saving a trainer's state as a sharded checkpoint.
 
-use crate::pipeline::{TrainBackend, TrainModel};
 use std::collections::HashMap;
 use std::path::PathBuf;
 
 use crate::checkpoint::{self, RankState, state};
+use crate::pipeline::{TrainBackend, TrainModel};
 use crate::train::experts::experts_apart;
 use crate::train::{CheckpointPolicy, TrainError, Trainer};
 

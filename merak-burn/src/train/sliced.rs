@@ -5,7 +5,6 @@
 //! state is gathered into whole tensors only when a checkpoint is written, so checkpoints stay
 //! layout-free and resume under any stage and layout.
 
-use crate::pipeline::{TrainBackend, TrainModel};
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
@@ -14,6 +13,7 @@ use super::pieces::{Sliced, flat, values_of};
 use crate::checkpoint::TensorSlice;
 use crate::data_parallel::all_gather_each;
 use crate::pipeline::ScheduleKind;
+use crate::pipeline::{TrainBackend, TrainModel};
 use crate::train::grad_norm::norm_of;
 use crate::train::{GradStats, TrainError, Trainer};
 

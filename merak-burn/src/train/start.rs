@@ -2,9 +2,8 @@
 //! ([`run_lock`](mod@super::run_lock)), every path it will write is checked, the folders are
 //! claimed for its lineage ([`claim`](mod@super::claim)), and the caller's files are written.
 
-use crate::pipeline::{TrainBackend, TrainModel};
-
 use crate::checkpoint::{RunId, plain_name, write_file_atomically};
+use crate::pipeline::{TrainBackend, TrainModel};
 use crate::train::{RunLocks, RunOutput, TrainError, Trainer, claim};
 
 /// The most bytes of a run id (ids are at most 64 characters).

@@ -2,7 +2,6 @@
 //! executor, data-parallel gradient reduction, the tied embedding, the loss, clipping, the
 //! optimizer's parameter groups and ZeRO. Every layout runs this one step.
 
-use crate::pipeline::{TrainBackend, TrainModel};
 use std::collections::HashSet;
 use std::time::Instant;
 
@@ -15,6 +14,7 @@ use crate::comm::{Group, ReduceOp};
 use crate::data_parallel::{DataParallel, DpStats, ReduceScatter, Shards, emptied};
 use crate::grid::ProcessGrid;
 use crate::pipeline::{Executor, InFlight, MicroBatch, PipelinePlan, ScheduleKind, StepWork};
+use crate::pipeline::{TrainBackend, TrainModel};
 use crate::plan::ParallelPlan;
 use crate::tensor_parallel::Shard;
 use crate::train::check_plan;
