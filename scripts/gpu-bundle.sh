@@ -96,7 +96,9 @@ done
 
 # PMIx (external to Debian's Open MPI): its plugins under OUT/pmix/lib/pmix, found through the
 # library Open MPI's PMIx plugin loads.
-pmix_lib=$(find "$out/ompi" -name 'mca_pmix_ext*.so' -exec ldd {} \; | awk '/libpmix\.so/{print $3; exit}')
+# (awk reads to the end: an early `exit` would end the writer with SIGPIPE, which pipefail
+# turns into a failed assignment and set -e into a silent stop.)
+pmix_lib=$(find "$out/ompi" -name 'mca_pmix_ext*.so' -exec ldd {} \; | awk '/libpmix\.so/ && !f {f = $3} END {print f}')
 if [ -n "$pmix_lib" ]; then
     pmix_prefix=$(dirname "$(dirname "$(readlink -f "$pmix_lib")")")
     if [ -d "$pmix_prefix/lib/pmix" ]; then
@@ -112,7 +114,7 @@ copy_deps "$out/bin/mpirun"
 copy_deps "$out/bin/orted"
 for lib in "$out/lib"/*; do copy_deps "$lib"; done
 # The Vulkan loader (train.device = "wgpu"), which wgpu opens at run time: ldd does not list it.
-vulkan=$(ldconfig -p | awk '/libvulkan\.so\.1 .*x86-64/{print $NF; exit}')
+vulkan=$(ldconfig -p | awk '/libvulkan\.so\.1 .*x86-64/ && !f {f = $NF} END {print f}')
 [ -n "$vulkan" ] && cp -L "$vulkan" "$out/lib/libvulkan.so.1"
 
 # The binary travels compressed (a quarter of its size).
