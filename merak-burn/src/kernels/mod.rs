@@ -132,6 +132,12 @@ pub trait FusedOps: Backend {
         composed::sum_of_squares::<Self>(x)
     }
 
+    /// [`FusedOps::sum_of_squares`] of each tensor, in order, with the same result for each; a
+    /// GPU backend reads the device once for all of them (the gradient norm's one read).
+    fn sums_of_squares(xs: Vec<FloatTensor<Self>>) -> Vec<f64> {
+        xs.into_iter().map(Self::sum_of_squares).collect()
+    }
+
     /// Forward kernel of the linear layer `x w (+ bias)`: `x` is `[rows, d_in]`, `w`
     /// `[d_in, d_out]` (it may be a transposed view, as for a tied output head).
     fn linear_forward(

@@ -8,6 +8,7 @@ use std::collections::HashSet;
 
 use burn::module::{AutodiffModule, Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, backend::AutodiffBackend};
 
 use crate::comm::{CommError, Group};
@@ -34,13 +35,23 @@ pub struct GradStats {
     pub expert_sq: f64,
 }
 
+/// Which part of [`GradStats`] a gradient's squares add to.
+#[derive(Clone, Copy)]
+enum Part {
+    Sharded,
+    Replicated,
+    Expert,
+}
+
+/// Gathers each counted gradient with its part; the squares are summed afterwards in one call
+/// ([`FusedOps::sums_of_squares`]: on a GPU, one read of the device for all of them).
 struct NormVisitor<'a, B: AutodiffBackend> {
     grads: &'a GradientsParams,
     sharded: &'a HashSet<ParamId>,
     experts: &'a HashSet<ParamId>,
     skip: &'a HashSet<ParamId>,
-    stats: GradStats,
-    _b: std::marker::PhantomData<B>,
+    parts: Vec<Part>,
+    tensors: Vec<FloatTensor<B::InnerBackend>>,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for NormVisitor<'_, B>
@@ -52,15 +63,35 @@ where
             return;
         }
         if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
-            let sq = B::InnerBackend::sum_of_squares(g.into_primitive().tensor());
-            if self.experts.contains(&param.id) {
-                self.stats.expert_sq += sq;
+            let part = if self.experts.contains(&param.id) {
+                Part::Expert
             } else if self.sharded.contains(&param.id) {
-                self.stats.sharded_sq += sq;
+                Part::Sharded
             } else {
-                self.stats.replicated_sq += sq;
+                Part::Replicated
+            };
+            self.parts.push(part);
+            self.tensors.push(g.into_primitive().tensor());
+        }
+    }
+}
+
+impl<B: AutodiffBackend> NormVisitor<'_, B>
+where
+    B::InnerBackend: FusedOps,
+{
+    /// The squares of the gathered gradients, added to their parts in the order visited.
+    fn stats(self) -> GradStats {
+        let mut stats = GradStats::default();
+        let sums = B::InnerBackend::sums_of_squares(self.tensors);
+        for (part, sq) in self.parts.into_iter().zip(sums) {
+            match part {
+                Part::Expert => stats.expert_sq += sq,
+                Part::Sharded => stats.sharded_sq += sq,
+                Part::Replicated => stats.replicated_sq += sq,
             }
         }
+        stats
     }
 }
 
@@ -95,11 +126,11 @@ where
         sharded,
         experts,
         skip,
-        stats: GradStats::default(),
-        _b: std::marker::PhantomData,
+        parts: Vec::new(),
+        tensors: Vec::new(),
     };
     module.visit(&mut v);
-    norm_of(v.stats, groups)
+    norm_of(v.stats(), groups)
 }
 
 /// The global norm of one rank's squared gradient norms `stats`: the sharded part summed over

@@ -221,6 +221,28 @@ where
         chunks.iter().map(|&s| f64::from(s)).sum()
     }
 
+    /// Each tensor's chunk sums on the device, gathered into one tensor and read at once, then
+    /// each tensor's chunks added in `f64` in order as [`FusedOps::sum_of_squares`] adds them.
+    fn sums_of_squares(xs: Vec<FloatTensor<Self>>) -> Vec<f64> {
+        if composed_kernel("squares") || xs.is_empty() {
+            return xs.into_iter().map(Self::sum_of_squares).collect();
+        }
+        let chunks: Vec<CubeTensor<R>> = xs.into_iter().map(squares::chunk_sums).collect();
+        let counts: Vec<usize> = chunks.iter().map(|c| c.meta.shape()[0]).collect();
+        let all = composed::to_host::<Self>(
+            <Self as burn::tensor::ops::FloatTensorOps<Self>>::float_cat(chunks, 0),
+        );
+        let mut rest = all.as_slice();
+        counts
+            .into_iter()
+            .map(|n| {
+                let (these, tail) = rest.split_at(n);
+                rest = tail;
+                these.iter().map(|&s| f64::from(s)).sum()
+            })
+            .collect()
+    }
+
     fn cross_entropy_forward(
         logits: FloatTensor<Self>,
         targets: IntTensor<Self>,

@@ -400,3 +400,18 @@ fn products_equal_the_cpu() {
         }
     }
 }
+
+/// The gradient norm's batched sums (one read of the device for all tensors) equal each
+/// tensor's own sum exactly, in order, over tensors of one, several and ragged chunks.
+#[test]
+fn sums_of_squares_equal_each_sum() {
+    let rng = InitRng::new(10);
+    let sizes = [1, 4_097, 7, 100_003, 4_096];
+    let tensors: Vec<FloatTensor<Gpu>> = sizes
+        .iter()
+        .map(|&n| pair(&rng, &format!("g{n}"), &[n]).0)
+        .collect();
+    let each: Vec<f64> = tensors.iter().cloned().map(Gpu::sum_of_squares).collect();
+    assert_eq!(Gpu::sums_of_squares(tensors), each);
+    assert!(Gpu::sums_of_squares(Vec::new()).is_empty());
+}
