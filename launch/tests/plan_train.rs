@@ -41,16 +41,6 @@ fn train_plan(np: usize, name: &str, plan: &Path, extra: &[&str]) -> (merak_test
     (run_with_deadline(cmd, Duration::from_secs(300)), out)
 }
 
-/// Asserts that `run` failed before training with a message containing `text`.
-fn assert_refused(run: &merak_tests::Run, text: &str) {
-    assert_eq!(run.code, Some(2), "{}", run.stderr);
-    assert!(
-        run.stderr.contains(text),
-        "wanted `{text}` in:\n{}",
-        run.stderr
-    );
-}
-
 #[test]
 fn saved_plans_train_like_one_process() {
     let dir = out_dir("plan-files");

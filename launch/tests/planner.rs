@@ -5,6 +5,9 @@ use std::time::Duration;
 
 use merak_tests::run_with_deadline;
 
+mod common;
+use common::assert_refused;
+
 const MERAK: &str = env!("CARGO_BIN_EXE_merak");
 
 fn merak(args: &[&str]) -> merak_tests::Run {
@@ -232,16 +235,6 @@ fn plan_and_simulate_a_mixture_of_experts() {
         bad.stderr.contains("--ep: degrees must be at least 1"),
         "{}",
         bad.stderr
-    );
-}
-
-/// Asserts that `run` was refused with exit status 2 and `text` in its error.
-fn assert_refused(run: &merak_tests::Run, text: &str) {
-    assert_eq!(run.code, Some(2), "{run:?}");
-    assert!(
-        run.stderr.contains(text),
-        "wanted `{text}` in:\n{}",
-        run.stderr
     );
 }
 

@@ -88,10 +88,7 @@ fn smallest_factor(n: usize) -> Option<usize> {
 
 /// `--cp`: each degree at least 1, dividing `--gpus`, with `2 cp` dividing the sequence.
 pub(super) fn check_context_parallel(degrees: &[usize], job: &Job<'_>) -> Result<()> {
-    for &cp in degrees {
-        if cp == 0 {
-            bail!("--cp: degrees must be at least 1 (1: no context parallelism)");
-        }
+    each_degree(degrees, "--cp", "no context parallelism", |cp| {
         if !job.gpus.is_multiple_of(cp) {
             bail!(
                 "--cp {cp} does not divide --gpus {} (dp x cp x tp x pp = the devices)",
@@ -99,12 +96,31 @@ pub(super) fn check_context_parallel(degrees: &[usize], job: &Job<'_>) -> Result
             );
         }
         let chunks = cp.saturating_mul(2);
-        if cp > 1 && !job.shape.seq.is_multiple_of(chunks) {
+        if !job.shape.seq.is_multiple_of(chunks) {
             bail!(
                 "--cp {cp}: 2 x cp = {chunks} does not divide {} (each rank of the ring holds \
                  two zigzag chunks of a sequence)",
                 job.seq_text()
             );
+        }
+        Ok(())
+    })
+}
+
+/// Refuses a degree of 0 for `flag` (`one` says what 1 means), and checks every degree above 1
+/// with `check`; 1 (the axis unused) always passes.
+fn each_degree(
+    degrees: &[usize],
+    flag: &str,
+    one: &str,
+    mut check: impl FnMut(usize) -> Result<()>,
+) -> Result<()> {
+    for &degree in degrees {
+        if degree == 0 {
+            bail!("{flag}: degrees must be at least 1 (1: {one})");
+        }
+        if degree > 1 {
+            check(degree)?;
         }
     }
     Ok(())
@@ -113,13 +129,7 @@ pub(super) fn check_context_parallel(degrees: &[usize], job: &Job<'_>) -> Result
 /// `--ep`: each degree at least 1; above 1 only for a mixture of experts, dividing its
 /// experts and `--gpus`.
 pub(super) fn check_expert_parallel(degrees: &[usize], job: &Job<'_>) -> Result<()> {
-    for &ep in degrees {
-        if ep == 0 {
-            bail!("--ep: degrees must be at least 1 (1: no expert parallelism)");
-        }
-        if ep == 1 {
-            continue;
-        }
+    each_degree(degrees, "--ep", "no expert parallelism", |ep| {
         let Some(moe) = &job.shape.moe else {
             bail!(
                 "--ep {ep}: --model {:?} is dense (no model.moe): an expert-parallel degree \
@@ -141,20 +151,14 @@ pub(super) fn check_expert_parallel(degrees: &[usize], job: &Job<'_>) -> Result<
                 job.gpus
             );
         }
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 /// `--tp-overlap`: each degree at least 1; above 1 within the hardware's `max_tp_overlap`
 /// and only where tensor parallelism fits.
 pub(super) fn check_overlaps(degrees: &[usize], job: &Job<'_>) -> Result<()> {
-    for &k in degrees {
-        if k == 0 {
-            bail!("--tp-overlap: degrees must be at least 1 (1: no overlap)");
-        }
-        if k == 1 {
-            continue;
-        }
+    each_degree(degrees, "--tp-overlap", "no overlap", |k| {
         let max = job.hw.max_tp_overlap;
         if k > max {
             bail!(
@@ -168,8 +172,8 @@ pub(super) fn check_overlaps(degrees: &[usize], job: &Job<'_>) -> Result<()> {
                  no tp > 1 fits: {why}"
             );
         }
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 /// `--sequence-parallel on` or `both`: only where tensor parallelism fits.

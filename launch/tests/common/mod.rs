@@ -280,3 +280,13 @@ pub fn assert_same_params(name: &str, a: &Path, b: &Path) {
 pub fn assert_same_losses(name: &str, got: &Path, want: &Path) {
     assert_same_run(name, &read_metrics(got), &read_metrics(want));
 }
+
+/// Asserts that `run` was refused before training (exit status 2) with `text` in its error.
+pub fn assert_refused(run: &Run, text: &str) {
+    assert_eq!(run.code, Some(2), "{run:?}");
+    assert!(
+        run.stderr.contains(text),
+        "wanted `{text}` in:\n{}",
+        run.stderr
+    );
+}
