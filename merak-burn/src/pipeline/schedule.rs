@@ -535,6 +535,64 @@ pub fn build_schedule(
     virtual_stages: usize,
     recompute: &[bool],
 ) -> Result<Schedule, ScheduleError> {
+    check_shape(kind, ranks, micro_batches, virtual_stages, recompute)?;
+    let stages = ranks * virtual_stages;
+    let explicit_recompute: &[bool] = if kind == ScheduleKind::ShiftedCriticalPath {
+        recompute
+    } else {
+        &[]
+    };
+    let v_orders = if kind.v_shaped() {
+        super::zero_bubble::zb_v_orders(ranks, micro_batches).ok_or(ScheduleError::NoOrder {
+            ranks,
+            micro_batches,
+        })?
+    } else {
+        Vec::new()
+    };
+    let rank_of = |stage| rank_of_stage(kind, ranks, stage);
+    let actions = (0..ranks)
+        .map(|rank| {
+            let order = match kind {
+                ScheduleKind::GPipe => gpipe_order(micro_batches, rank),
+                ScheduleKind::OneFOneB
+                | ScheduleKind::ShiftedCriticalPath
+                | ScheduleKind::TwoBw => one_f_one_b_order(ranks, micro_batches, rank),
+                ScheduleKind::Interleaved => {
+                    interleaved_order(ranks, micro_batches, virtual_stages, rank)
+                }
+                ScheduleKind::ZbH1 => zb_h1_order(ranks, micro_batches, rank),
+                ScheduleKind::ZbV => v_orders[rank].clone(),
+            };
+            let mut list = Vec::with_capacity(order.len() * 3 + 1);
+            for op in order {
+                expand_op(op, &rank_of, stages, explicit_recompute, &mut list);
+            }
+            list.push(Action::OptimizerStep);
+            list
+        })
+        .collect();
+
+    Ok(Schedule {
+        kind,
+        ranks,
+        micro_batches,
+        virtual_stages,
+        recompute: recompute.to_vec(),
+        actions,
+    })
+}
+
+/// The sizes [`build_schedule`] accepts for `kind`: at least one rank and micro-batch, the
+/// virtual stages the kind needs, at most [`MAX_STAGE_MICRO_BATCHES`] cells, one recompute
+/// flag per stage.
+fn check_shape(
+    kind: ScheduleKind,
+    ranks: usize,
+    micro_batches: usize,
+    virtual_stages: usize,
+    recompute: &[bool],
+) -> Result<(), ScheduleError> {
     if ranks == 0 {
         return Err(ScheduleError::ZeroRanks);
     }
@@ -581,51 +639,7 @@ pub fn build_schedule(
             virtual_stages,
         });
     }
-
-    let explicit_recompute: &[bool] = if kind == ScheduleKind::ShiftedCriticalPath {
-        recompute
-    } else {
-        &[]
-    };
-    let v_orders = if kind.v_shaped() {
-        super::zero_bubble::zb_v_orders(ranks, micro_batches).ok_or(ScheduleError::NoOrder {
-            ranks,
-            micro_batches,
-        })?
-    } else {
-        Vec::new()
-    };
-    let rank_of = |stage| rank_of_stage(kind, ranks, stage);
-    let actions = (0..ranks)
-        .map(|rank| {
-            let order = match kind {
-                ScheduleKind::GPipe => gpipe_order(micro_batches, rank),
-                ScheduleKind::OneFOneB
-                | ScheduleKind::ShiftedCriticalPath
-                | ScheduleKind::TwoBw => one_f_one_b_order(ranks, micro_batches, rank),
-                ScheduleKind::Interleaved => {
-                    interleaved_order(ranks, micro_batches, virtual_stages, rank)
-                }
-                ScheduleKind::ZbH1 => zb_h1_order(ranks, micro_batches, rank),
-                ScheduleKind::ZbV => v_orders[rank].clone(),
-            };
-            let mut list = Vec::with_capacity(order.len() * 3 + 1);
-            for op in order {
-                expand_op(op, &rank_of, stages, explicit_recompute, &mut list);
-            }
-            list.push(Action::OptimizerStep);
-            list
-        })
-        .collect();
-
-    Ok(Schedule {
-        kind,
-        ranks,
-        micro_batches,
-        virtual_stages,
-        recompute: recompute.to_vec(),
-        actions,
-    })
+    Ok(())
 }
 
 /// GPipe's compute order on `rank` (one stage per rank): all forwards, then all backwards in

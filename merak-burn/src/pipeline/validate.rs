@@ -259,6 +259,28 @@ fn unexpected_reason(s: &Schedule, action: Action) -> Option<String> {
 
 /// Pass 1: completeness.
 fn check_complete(s: &Schedule) -> Result<(), ValidationError> {
+    check_shape(s)?;
+    // Position of every action in its rank's list.
+    let mut seen: HashMap<Action, usize> = HashMap::new();
+    for (rank, list) in s.actions.iter().enumerate() {
+        for (position, &action) in list.iter().enumerate() {
+            check_action(s, rank, position, action, list.len(), &mut seen)?;
+        }
+        // `seen` holds one OptimizerStep per rank at most: reset it for the next rank.
+        if seen.remove(&Action::OptimizerStep).is_none() {
+            return Err(ValidationError::Missing {
+                rank,
+                action: Action::OptimizerStep,
+            });
+        }
+    }
+    check_all_present(s, &seen)?;
+    check_recompute_order(s, &seen)
+}
+
+/// The schedule's sizes: at least one rank, micro-batch and stage per rank, one action list
+/// per rank and one recompute flag per stage.
+fn check_shape(s: &Schedule) -> Result<(), ValidationError> {
     if s.ranks == 0 || s.micro_batches == 0 || s.virtual_stages == 0 {
         return Err(ValidationError::Malformed {
             what: format!(
@@ -281,78 +303,83 @@ fn check_complete(s: &Schedule) -> Result<(), ValidationError> {
             ),
         });
     }
+    Ok(())
+}
 
-    // Position of every action, by (rank, index).
-    let mut seen: HashMap<Action, usize> = HashMap::new();
-    for (rank, list) in s.actions.iter().enumerate() {
-        for (position, &action) in list.iter().enumerate() {
-            let (Some(mb), Some(stage)) = (action.micro_batch(), action.stage()) else {
-                // The optimizer step.
-                if seen.contains_key(&action) {
-                    return Err(ValidationError::Duplicate { rank, action });
-                }
-                if position + 1 != list.len() {
-                    return Err(ValidationError::OptimizerStepMisplaced {
-                        rank,
-                        position,
-                        len: list.len(),
-                    });
-                }
-                seen.insert(action, position);
-                continue;
-            };
-            if mb >= s.micro_batches || stage >= stages {
-                return Err(ValidationError::OutOfRange {
-                    rank,
-                    action,
-                    micro_batches: s.micro_batches,
-                    stages,
-                });
-            }
-            if let Some(reason) = unexpected_reason(s, action) {
-                return Err(ValidationError::UnexpectedMessage {
-                    rank,
-                    action,
-                    reason,
-                });
-            }
-            if matches!(action, Action::BackwardWeight { .. }) && !s.kind.splits_backward() {
-                return Err(ValidationError::Unsplit {
-                    rank,
-                    action,
-                    kind: s.kind,
-                });
-            }
-            if matches!(action, Action::Recompute { .. }) && !s.recompute[stage] {
-                return Err(ValidationError::RecomputeMisplaced {
-                    rank,
-                    action,
-                    reason: format!("stage {stage} does not recompute"),
-                });
-            }
-            let expected = s.rank_of(stage);
-            if rank != expected {
-                return Err(ValidationError::WrongRank {
-                    rank,
-                    action,
-                    expected,
-                });
-            }
-            if seen.insert(action, position).is_some() {
-                return Err(ValidationError::Duplicate { rank, action });
-            }
+/// One action at `position` of `rank`'s list of `len`: in range, on its stage's rank, allowed
+/// by the schedule's kind, not seen before (noted in `seen`); the optimizer step last.
+fn check_action(
+    s: &Schedule,
+    rank: usize,
+    position: usize,
+    action: Action,
+    len: usize,
+    seen: &mut HashMap<Action, usize>,
+) -> Result<(), ValidationError> {
+    let (Some(mb), Some(stage)) = (action.micro_batch(), action.stage()) else {
+        // The optimizer step.
+        if seen.contains_key(&action) {
+            return Err(ValidationError::Duplicate { rank, action });
         }
-        // `seen` holds one OptimizerStep per rank at most: reset it for the next rank.
-        if seen.remove(&Action::OptimizerStep).is_none() {
-            return Err(ValidationError::Missing {
+        if position + 1 != len {
+            return Err(ValidationError::OptimizerStepMisplaced {
                 rank,
-                action: Action::OptimizerStep,
+                position,
+                len,
             });
         }
+        seen.insert(action, position);
+        return Ok(());
+    };
+    let stages = s.stages();
+    if mb >= s.micro_batches || stage >= stages {
+        return Err(ValidationError::OutOfRange {
+            rank,
+            action,
+            micro_batches: s.micro_batches,
+            stages,
+        });
     }
+    if let Some(reason) = unexpected_reason(s, action) {
+        return Err(ValidationError::UnexpectedMessage {
+            rank,
+            action,
+            reason,
+        });
+    }
+    if matches!(action, Action::BackwardWeight { .. }) && !s.kind.splits_backward() {
+        return Err(ValidationError::Unsplit {
+            rank,
+            action,
+            kind: s.kind,
+        });
+    }
+    if matches!(action, Action::Recompute { .. }) && !s.recompute[stage] {
+        return Err(ValidationError::RecomputeMisplaced {
+            rank,
+            action,
+            reason: format!("stage {stage} does not recompute"),
+        });
+    }
+    let expected = s.rank_of(stage);
+    if rank != expected {
+        return Err(ValidationError::WrongRank {
+            rank,
+            action,
+            expected,
+        });
+    }
+    if seen.insert(action, position).is_some() {
+        return Err(ValidationError::Duplicate { rank, action });
+    }
+    Ok(())
+}
 
+/// Every (micro-batch, stage) has its forward and backward pass (and W pass when the backward
+/// is split), and every message the stages' placement needs is sent and received.
+fn check_all_present(s: &Schedule, seen: &HashMap<Action, usize>) -> Result<(), ValidationError> {
     for mb in 0..s.micro_batches {
-        for stage in 0..stages {
+        for stage in 0..s.stages() {
             let rank = s.rank_of(stage);
             for action in [
                 Action::Forward { mb, stage },
@@ -373,8 +400,15 @@ fn check_complete(s: &Schedule) -> Result<(), ValidationError> {
             return Err(ValidationError::Missing { rank, action });
         }
     }
+    Ok(())
+}
 
-    // Recompute between its forward and its backward (same rank, checked above).
+/// Every recomputation between its forward and its backward pass (on the same rank: checked
+/// with each action).
+fn check_recompute_order(
+    s: &Schedule,
+    seen: &HashMap<Action, usize>,
+) -> Result<(), ValidationError> {
     for (rank, list) in s.actions.iter().enumerate() {
         for (position, &action) in list.iter().enumerate() {
             if let Action::Recompute { mb, stage } = action {
@@ -441,6 +475,13 @@ pub(crate) fn execute(
     lists: &[Vec<(usize, Action)>],
     costs: Option<&Costs>,
 ) -> Result<Vec<Vec<TimedAction>>, ValidationError> {
+    let setting = Setting {
+        kind,
+        ranks,
+        stages,
+        recompute,
+        costs,
+    };
     let mut machine = Machine::default();
     let mut next = vec![0usize; lists.len()];
     let mut free = vec![0.0f64; lists.len()];
@@ -450,16 +491,7 @@ pub(crate) fn execute(
         let mut progressed = false;
         for (rank, list) in lists.iter().enumerate() {
             while let Some(&(step, action)) = list.get(next[rank]) {
-                let outcome = machine.try_run(
-                    (kind, ranks),
-                    stages,
-                    recompute,
-                    costs,
-                    rank,
-                    step,
-                    action,
-                    free[rank],
-                );
+                let outcome = machine.try_run(&setting, rank, step, action, free[rank]);
                 match outcome {
                     Outcome::Ran(start, end) => {
                         timed[rank].push(TimedAction {
@@ -497,172 +529,234 @@ pub(crate) fn execute(
     }
 }
 
+/// What every action of one run of the machine shares: the schedule's shape and the costs.
+struct Setting<'a> {
+    kind: ScheduleKind,
+    ranks: usize,
+    stages: usize,
+    recompute: &'a [bool],
+    costs: Option<&'a Costs>,
+}
+
+impl Setting<'_> {
+    /// Whether two stages are on one rank (they hand over without a message).
+    fn same_rank(&self, a: usize, b: usize) -> bool {
+        rank_of_stage(self.kind, self.ranks, a) == rank_of_stage(self.kind, self.ranks, b)
+    }
+
+    /// The cost of `stage` in the list `pick` chooses (0 without costs).
+    fn cost(&self, pick: fn(&Costs) -> &Vec<f64>, stage: usize) -> f64 {
+        (self.costs.map(pick))
+            .and_then(|v| v.get(stage))
+            .copied()
+            .unwrap_or(0.0)
+    }
+
+    /// The share of a backward pass a split backward's W pays (B pays the rest).
+    fn weight_share(&self) -> f64 {
+        self.costs.map_or(0.0, |c| c.weight_share)
+    }
+}
+
+/// The outcome of an action that needs `action` to have run earlier on `rank`.
+fn earlier(action: Action, rank: usize) -> Outcome {
+    Outcome::NotReady(format!("{action} earlier on rank {rank}"))
+}
+
 impl Machine {
-    #[allow(clippy::too_many_arguments)]
+    /// Tries `action` of `step` on `rank`, which is free from `free`.
     fn try_run(
         &mut self,
-        (kind, ranks): (ScheduleKind, usize),
-        stages: usize,
-        recompute: &[bool],
-        costs: Option<&Costs>,
+        set: &Setting<'_>,
         rank: usize,
         step: usize,
         action: Action,
         free: f64,
     ) -> Outcome {
-        // Whether the neighbouring stage is on this rank (hands over without a message).
-        let same_rank =
-            |a: usize, b: usize| rank_of_stage(kind, ranks, a) == rank_of_stage(kind, ranks, b);
-        let split = kind.splits_backward();
-        let cost = |v: Option<&Vec<f64>>, stage: usize| {
-            v.and_then(|v| v.get(stage)).copied().unwrap_or(0.0)
-        };
-        // A split backward's B pays the input-gradient share, its W the rest.
-        let share = costs.map_or(0.0, |c| c.weight_share);
-        let b_share = if split { 1.0 - share } else { 1.0 };
         let compute = |duration: f64| Outcome::Ran(free, free + duration);
         match action {
-            Action::Forward { mb, stage } => {
-                let key = (step, mb, stage);
-                let local = stage > 0 && same_rank(stage - 1, stage);
-                let input = stage == 0
-                    || if local {
-                        self.forward.contains(&(step, mb, stage - 1))
-                    } else {
-                        self.activation_in.contains(&key)
-                    };
-                if !input {
-                    return Outcome::NotReady(if local {
-                        format!(
-                            "{} earlier on rank {rank}",
-                            Action::Forward {
-                                mb,
-                                stage: stage - 1
-                            }
-                        )
-                    } else {
-                        format!(
-                            "{} earlier on rank {rank}",
-                            Action::RecvActivation { mb, stage }
-                        )
-                    });
-                }
-                self.forward.insert(key);
-                compute(cost(costs.map(|c| &c.forward), stage))
-            }
+            Action::Forward { mb, stage } => match self.forward(set, rank, step, mb, stage) {
+                Ok(()) => compute(set.cost(|c| &c.forward, stage)),
+                Err(outcome) => outcome,
+            },
             Action::Recompute { mb, stage } => {
-                let key = (step, mb, stage);
-                if !self.forward.contains(&key) {
-                    return Outcome::NotReady(format!(
-                        "{} earlier on rank {rank}",
-                        Action::Forward { mb, stage }
-                    ));
+                if !self.forward.contains(&(step, mb, stage)) {
+                    return earlier(Action::Forward { mb, stage }, rank);
                 }
-                self.recomputed.insert(key);
-                compute(cost(costs.map(|c| &c.recompute), stage))
+                self.recomputed.insert((step, mb, stage));
+                compute(set.cost(|c| &c.recompute, stage))
             }
-            Action::Backward { mb, stage } => {
-                let key = (step, mb, stage);
-                if !self.forward.contains(&key) {
-                    return Outcome::NotReady(format!(
-                        "{} earlier on rank {rank}",
-                        Action::Forward { mb, stage }
-                    ));
-                }
-                let local = stage + 1 < stages && same_rank(stage + 1, stage);
-                let grad = stage + 1 >= stages
-                    || if local {
-                        self.backward.contains(&(step, mb, stage + 1))
-                    } else {
-                        self.grad_in.contains(&key)
-                    };
-                if !grad {
-                    return Outcome::NotReady(if local {
-                        format!(
-                            "{} earlier on rank {rank}",
-                            Action::Backward {
-                                mb,
-                                stage: stage + 1
-                            }
-                        )
-                    } else {
-                        format!("{} earlier on rank {rank}", Action::RecvGrad { mb, stage })
-                    });
-                }
-                self.backward.insert(key);
-                let mut duration = cost(costs.map(|c| &c.backward), stage) * b_share;
-                if recompute.get(stage).copied().unwrap_or(false) && !self.recomputed.contains(&key)
-                {
-                    duration += cost(costs.map(|c| &c.recompute), stage);
-                }
-                compute(duration)
-            }
+            Action::Backward { mb, stage } => match self.backward(set, rank, step, mb, stage) {
+                Ok(duration) => compute(duration),
+                Err(outcome) => outcome,
+            },
             Action::BackwardWeight { mb, stage } => {
-                let key = (step, mb, stage);
-                if !self.backward.contains(&key) {
-                    return Outcome::NotReady(format!(
-                        "{} earlier on rank {rank}",
-                        Action::Backward { mb, stage }
-                    ));
+                if !self.backward.contains(&(step, mb, stage)) {
+                    return earlier(Action::Backward { mb, stage }, rank);
                 }
-                self.weight.insert(key);
-                compute(cost(costs.map(|c| &c.backward), stage) * share)
+                self.weight.insert((step, mb, stage));
+                compute(set.cost(|c| &c.backward, stage) * set.weight_share())
             }
             Action::SendActivation { mb, stage } => {
-                let key = (step, mb, stage);
-                if !self.forward.contains(&key) {
-                    return Outcome::NotReady(format!(
-                        "{} earlier on rank {rank}",
-                        Action::Forward { mb, stage }
-                    ));
+                if !self.forward.contains(&(step, mb, stage)) {
+                    return earlier(Action::Forward { mb, stage }, rank);
                 }
-                self.activation_sent.insert(key, free);
+                self.activation_sent.insert((step, mb, stage), free);
                 Outcome::Ran(free, free)
             }
             Action::SendGrad { mb, stage } => {
-                let key = (step, mb, stage);
-                if !self.backward.contains(&key) {
-                    return Outcome::NotReady(format!(
-                        "{} earlier on rank {rank}",
-                        Action::Backward { mb, stage }
-                    ));
+                if !self.backward.contains(&(step, mb, stage)) {
+                    return earlier(Action::Backward { mb, stage }, rank);
                 }
-                self.grad_sent.insert(key, free);
+                self.grad_sent.insert((step, mb, stage), free);
                 Outcome::Ran(free, free)
             }
             Action::RecvActivation { mb, stage } => {
-                let Some(sender) = stage.checked_sub(1) else {
-                    return Outcome::NotReady("a previous stage (stage 0 has none)".to_string());
-                };
-                let Some(&sent) = self.activation_sent.get(&(step, mb, sender)) else {
-                    return Outcome::Blocked;
-                };
-                self.activation_in.insert((step, mb, stage));
-                let transfer = costs.map_or(0.0, |c| c.send_activation);
-                Outcome::Ran(free.max(sent), free.max(sent + transfer))
+                self.recv_activation(set, step, mb, stage, free)
             }
-            Action::RecvGrad { mb, stage } => {
-                if stage + 1 >= stages {
-                    return Outcome::NotReady(format!("a next stage (stage {stage} is the last)"));
-                }
-                let Some(&sent) = self.grad_sent.get(&(step, mb, stage + 1)) else {
-                    return Outcome::Blocked;
-                };
-                self.grad_in.insert((step, mb, stage));
-                let transfer = costs.map_or(0.0, |c| c.send_grad);
-                Outcome::Ran(free.max(sent), free.max(sent + transfer))
-            }
-            Action::OptimizerStep => {
-                let (ranks_in, latest) = self.arrived.entry(step).or_default();
-                ranks_in.insert(rank);
-                *latest = latest.max(free);
-                if ranks_in.len() < ranks {
-                    return Outcome::Blocked;
-                }
-                let start = *latest;
-                Outcome::Ran(start, start + costs.map_or(0.0, |c| c.optimizer))
-            }
+            Action::RecvGrad { mb, stage } => self.recv_grad(set, step, mb, stage, free),
+            Action::OptimizerStep => self.optimizer_step(set, rank, step, free),
         }
+    }
+
+    /// A forward pass, once its input is there: the data (stage 0), the previous stage's
+    /// forward on this rank, or the received activation.
+    fn forward(
+        &mut self,
+        set: &Setting<'_>,
+        rank: usize,
+        step: usize,
+        mb: usize,
+        stage: usize,
+    ) -> Result<(), Outcome> {
+        let local = stage > 0 && set.same_rank(stage - 1, stage);
+        let input = stage == 0
+            || if local {
+                self.forward.contains(&(step, mb, stage - 1))
+            } else {
+                self.activation_in.contains(&(step, mb, stage))
+            };
+        if !input {
+            return Err(if local {
+                earlier(
+                    Action::Forward {
+                        mb,
+                        stage: stage - 1,
+                    },
+                    rank,
+                )
+            } else {
+                earlier(Action::RecvActivation { mb, stage }, rank)
+            });
+        }
+        self.forward.insert((step, mb, stage));
+        Ok(())
+    }
+
+    /// A backward pass, once its forward ran and its output gradient is there (the last stage
+    /// needs none); returns its duration (with the recomputation no `Recompute` did).
+    fn backward(
+        &mut self,
+        set: &Setting<'_>,
+        rank: usize,
+        step: usize,
+        mb: usize,
+        stage: usize,
+    ) -> Result<f64, Outcome> {
+        let key = (step, mb, stage);
+        if !self.forward.contains(&key) {
+            return Err(earlier(Action::Forward { mb, stage }, rank));
+        }
+        let local = stage + 1 < set.stages && set.same_rank(stage + 1, stage);
+        let grad = stage + 1 >= set.stages
+            || if local {
+                self.backward.contains(&(step, mb, stage + 1))
+            } else {
+                self.grad_in.contains(&key)
+            };
+        if !grad {
+            return Err(if local {
+                earlier(
+                    Action::Backward {
+                        mb,
+                        stage: stage + 1,
+                    },
+                    rank,
+                )
+            } else {
+                earlier(Action::RecvGrad { mb, stage }, rank)
+            });
+        }
+        self.backward.insert(key);
+        // A split backward's B pays the input-gradient share, its W the rest.
+        let b_share = if set.kind.splits_backward() {
+            1.0 - set.weight_share()
+        } else {
+            1.0
+        };
+        let mut duration = set.cost(|c| &c.backward, stage) * b_share;
+        if set.recompute.get(stage).copied().unwrap_or(false) && !self.recomputed.contains(&key) {
+            duration += set.cost(|c| &c.recompute, stage);
+        }
+        Ok(duration)
+    }
+
+    /// Receives the activation of (`mb`, `stage`) once the previous stage has sent it.
+    fn recv_activation(
+        &mut self,
+        set: &Setting<'_>,
+        step: usize,
+        mb: usize,
+        stage: usize,
+        free: f64,
+    ) -> Outcome {
+        let Some(sender) = stage.checked_sub(1) else {
+            return Outcome::NotReady("a previous stage (stage 0 has none)".to_string());
+        };
+        let Some(&sent) = self.activation_sent.get(&(step, mb, sender)) else {
+            return Outcome::Blocked;
+        };
+        self.activation_in.insert((step, mb, stage));
+        let transfer = set.costs.map_or(0.0, |c| c.send_activation);
+        Outcome::Ran(free.max(sent), free.max(sent + transfer))
+    }
+
+    /// Receives the gradient of (`mb`, `stage`)'s output once the next stage has sent it.
+    fn recv_grad(
+        &mut self,
+        set: &Setting<'_>,
+        step: usize,
+        mb: usize,
+        stage: usize,
+        free: f64,
+    ) -> Outcome {
+        if stage + 1 >= set.stages {
+            return Outcome::NotReady(format!("a next stage (stage {stage} is the last)"));
+        }
+        let Some(&sent) = self.grad_sent.get(&(step, mb, stage + 1)) else {
+            return Outcome::Blocked;
+        };
+        self.grad_in.insert((step, mb, stage));
+        let transfer = set.costs.map_or(0.0, |c| c.send_grad);
+        Outcome::Ran(free.max(sent), free.max(sent + transfer))
+    }
+
+    /// The optimizer step: a barrier over all ranks (the global gradient norm).
+    fn optimizer_step(
+        &mut self,
+        set: &Setting<'_>,
+        rank: usize,
+        step: usize,
+        free: f64,
+    ) -> Outcome {
+        let (ranks_in, latest) = self.arrived.entry(step).or_default();
+        ranks_in.insert(rank);
+        *latest = latest.max(free);
+        if ranks_in.len() < set.ranks {
+            return Outcome::Blocked;
+        }
+        let start = *latest;
+        Outcome::Ran(start, start + set.costs.map_or(0.0, |c| c.optimizer))
     }
 }
 
