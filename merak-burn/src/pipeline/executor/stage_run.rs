@@ -6,8 +6,8 @@
 
 use std::ops::Range;
 
-use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{ElementConversion, Tensor};
+use burn::tensor::Tensor;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 
 use super::{PipelineError, read};
 use crate::batch::Batch;
@@ -47,12 +47,19 @@ impl<B: AutodiffBackend> Held<B> {
 }
 
 /// What a stage's forward pass hands on: its hidden states (to the next stage), or, on the
-/// last stage, the micro-batch's weighted loss.
-pub(super) enum Produced {
+/// last stage, the micro-batch's weighted loss, left on the device.
+pub(super) enum Produced<C: Backend> {
     /// The output activation, as sent.
     Hidden(Vec<f32>),
-    /// The weighted loss.
-    Loss(f64),
+    /// The loss: the micro-batch's weighted loss is `value * factor` (the factor is applied in
+    /// `f64` once read: the weight of a loss computed without a graph, 1 for one weighted on
+    /// the device).
+    Loss {
+        /// The loss, one element.
+        value: Tensor<C, 1>,
+        /// Its factor.
+        factor: f64,
+    },
 }
 
 /// One (micro-batch, stage) of a step: what its passes run on.
@@ -83,7 +90,7 @@ impl<B: TrainBackend, M: TrainModel<B>> StageRun<'_, B, M> {
     pub(super) fn forward(
         &self,
         input: StageInput<B::InnerBackend>,
-    ) -> Result<(Produced, Held<B>), PipelineError> {
+    ) -> Result<(Produced<B::InnerBackend>, Held<B>), PipelineError> {
         set_dropout_position(self.step as u64, self.batch.first_sample as u64);
         if let Some(shards) = self.shards {
             self.forward_gathered(shards, input)
@@ -99,7 +106,7 @@ impl<B: TrainBackend, M: TrainModel<B>> StageRun<'_, B, M> {
         &self,
         shards: &Shards,
         input: StageInput<B::InnerBackend>,
-    ) -> Result<(Produced, Held<B>), PipelineError> {
+    ) -> Result<(Produced<B::InnerBackend>, Held<B>), PipelineError> {
         let mut held = Held::new(input.clone());
         let (out, inputs) = gathered::forward_units(
             &self.model.valid(),
@@ -119,7 +126,7 @@ impl<B: TrainBackend, M: TrainModel<B>> StageRun<'_, B, M> {
     fn forward_plain(
         &self,
         input: StageInput<B::InnerBackend>,
-    ) -> Result<(Produced, Held<B>), PipelineError> {
+    ) -> Result<(Produced<B::InnerBackend>, Held<B>), PipelineError> {
         let mut held = Held::new(input.clone());
         let input = match input {
             StageInput::Data => StageInput::Data,
@@ -140,7 +147,7 @@ impl<B: TrainBackend, M: TrainModel<B>> StageRun<'_, B, M> {
     fn forward_recomputing(
         &self,
         input: StageInput<B::InnerBackend>,
-    ) -> Result<(Produced, Held<B>), PipelineError> {
+    ) -> Result<(Produced<B::InnerBackend>, Held<B>), PipelineError> {
         let mut held = Held::new(input.clone());
         let units = self.units.clone();
         let first = units.start..units.start + self.recomputed;
@@ -246,12 +253,16 @@ impl<B: TrainBackend, M: TrainModel<B>> StageRun<'_, B, M> {
         }
     }
 
-    /// What a pass without a graph hands on, its loss weighted here (in `f64`).
-    fn unweighted(&self, out: StageOutput<B::InnerBackend>) -> Result<Produced, PipelineError> {
+    /// What a pass without a graph hands on, its loss to be weighted once read (in `f64`).
+    fn unweighted(
+        &self,
+        out: StageOutput<B::InnerBackend>,
+    ) -> Result<Produced<B::InnerBackend>, PipelineError> {
         Ok(match out {
-            StageOutput::Loss(l) => Produced::Loss(
-                f64::from(l.into_scalar().elem::<f32>()) * f64::from(self.batch.weight),
-            ),
+            StageOutput::Loss(value) => Produced::Loss {
+                value,
+                factor: f64::from(self.batch.weight),
+            },
             StageOutput::Hidden(x) => Produced::Hidden(read(x)?),
         })
     }
@@ -262,10 +273,15 @@ impl<B: TrainBackend, M: TrainModel<B>> StageRun<'_, B, M> {
     }
 }
 
-/// What a pass with its graph hands on (its loss already weighted).
-fn produced<B: AutodiffBackend>(out: &StageOutput<B>) -> Result<Produced, PipelineError> {
+/// What a pass with its graph hands on (its loss already weighted, without its graph).
+fn produced<B: AutodiffBackend>(
+    out: &StageOutput<B>,
+) -> Result<Produced<B::InnerBackend>, PipelineError> {
     Ok(match out {
         StageOutput::Hidden(x) => Produced::Hidden(read(x.clone().inner())?),
-        StageOutput::Loss(l) => Produced::Loss(f64::from(l.clone().into_scalar().elem::<f32>())),
+        StageOutput::Loss(l) => Produced::Loss {
+            value: l.clone().inner(),
+            factor: 1.0,
+        },
     })
 }

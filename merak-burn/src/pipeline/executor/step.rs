@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
 
 use super::stage_run::{Held, Produced, StageRun};
 use super::work::{InFlight, Key, StepWork, next_step_part};
@@ -38,8 +39,12 @@ struct StepState<B: TrainBackend> {
     pending: Vec<Box<dyn Pending>>,
     /// Sends of the next step's forwards that ran ahead (2BW), completed in the next call.
     pending_next: Vec<Box<dyn Pending>>,
-    /// The loss of this step's micro-batches and of the next step's that ran ahead.
-    losses: [f64; 2],
+    /// The loss of the next step's micro-batches that ran ahead in the previous call (read).
+    carried_loss: f64,
+    /// The losses of the forward passes that produced one, in their order, left on the device
+    /// until the step ends (one read for all): whether the micro-batch is the next step's,
+    /// the loss, and its factor.
+    losses: Vec<(bool, Tensor<B::InnerBackend, 1>, f64)>,
     report: StepReport,
 }
 
@@ -92,7 +97,8 @@ impl<'a, B: TrainBackend, M: TrainModel<B>> StepRun<'a, B, M> {
             mail: HashMap::new(),
             pending: std::mem::take(&mut in_flight.pending),
             pending_next: Vec::new(),
-            losses: [std::mem::take(&mut in_flight.loss), 0.0],
+            carried_loss: std::mem::take(&mut in_flight.loss),
+            losses: Vec::new(),
             report: StepReport::default(),
         };
         Self {
@@ -148,8 +154,9 @@ impl<'a, B: TrainBackend, M: TrainModel<B>> StepRun<'a, B, M> {
         in_flight.step = overlap.then_some(self.work.step + 1);
         in_flight.held = next_step_part(state.held, self.work.batches.len());
         in_flight.pending = state.pending_next;
-        state.report.loss = state.losses[0];
-        in_flight.loss = state.losses[1];
+        let [loss, next_loss] = sum_losses(state.carried_loss, state.losses)?;
+        state.report.loss = loss;
+        in_flight.loss = next_loss;
         let undone = deferred::pending();
         deferred::enable(false);
         if undone > 0 {
@@ -183,7 +190,10 @@ impl<'a, B: TrainBackend, M: TrainModel<B>> StepRun<'a, B, M> {
         let (its_step, its_mb) = (run.step, run.mb_in_step);
         let (produced, held) = run.forward(input)?;
         match produced {
-            Produced::Loss(loss) => self.state.losses[usize::from(self.work.is_next(mb))] += loss,
+            Produced::Loss { value, factor } => {
+                let next = self.work.is_next(mb);
+                self.state.losses.push((next, value, factor));
+            }
             Produced::Hidden(v) => {
                 let last = self.exec.plan.schedule.stages() - 1;
                 if stage < last && self.exec.plan.schedule.rank_of(stage + 1) == self.exec.rank {
@@ -408,6 +418,27 @@ impl<'a, B: TrainBackend, M: TrainModel<B>> StepRun<'a, B, M> {
         }
         self.exec.record(category, name, clock.start);
     }
+}
+
+/// The loss of this step's micro-batches (after `carried`, what ran ahead in the previous call)
+/// and of the next step's, from one read of all `losses`: each value times its factor, added in
+/// `f64` in the order the forward passes ran.
+fn sum_losses<C: Backend>(
+    carried: f64,
+    losses: Vec<(bool, Tensor<C, 1>, f64)>,
+) -> Result<[f64; 2], PipelineError> {
+    let mut sums = [carried, 0.0];
+    if losses.is_empty() {
+        return Ok(sums);
+    }
+    let (keys, values): (Vec<(bool, f64)>, Vec<Tensor<C, 1>>) = (losses.into_iter())
+        .map(|(next, value, factor)| ((next, factor), value.reshape([1])))
+        .unzip();
+    let read_back = read(Tensor::cat(values, 0))?;
+    for ((next, factor), v) in keys.into_iter().zip(read_back) {
+        sums[usize::from(next)] += f64::from(v) * factor;
+    }
+    Ok(sums)
 }
 
 fn missing(rank: usize, action: Action, what: &'static str) -> PipelineError {
