@@ -11,7 +11,8 @@ use burn::optim::adaptor::OptimizerAdaptor;
 use crate::batch::Samples;
 use crate::checkpoint::{Checkpoint, FullState, state};
 use crate::comm::{Group, ReduceOp};
-use crate::data_parallel::{DataParallel, DpStats, ReduceScatter, Shards, emptied};
+use crate::data_parallel::emptied;
+use crate::data_parallel::{Collective, DataParallel, DpStats, ReduceScatter, Sharding, Shards};
 use crate::grid::ProcessGrid;
 use crate::pipeline::{Executor, InFlight, MicroBatch, PipelinePlan, ScheduleKind, StepWork};
 use crate::pipeline::{TrainBackend, TrainModel};
@@ -180,34 +181,25 @@ where
             reducer = reducer.with_experts(apart, &|id| experts.contains(&id))?;
         }
         let buffers = parallel.gradient_buffers;
-        if buffers.on_device(parallel.zero, &*grid.dp.comm()?) {
-            reducer = reducer.on_device();
-        }
+        let on_device = buffers.on_device(parallel.zero, &*grid.dp.comm()?);
         tracing::debug!(
             "gradient buffers ({buffers}): {}",
-            match reducer.keeps_gradients_on_device() {
+            match on_device {
                 true => "device",
                 false => "host",
             }
         );
         let (mut sliced, mut shards) = (None, None);
         let (shard, replicate) = shard_groups(grid, parallel)?;
+        let collective = collective_of(parallel, on_device);
+        let sharding = Sharding { shard, replicate };
+        reducer = reducer.with_collective(collective, sharding)?;
         if parallel.zero >= 1 {
-            reducer = match (parallel.zero, replicate) {
-                (1, _) => reducer.sliced_over(shard)?,
-                (_, Some(r)) => reducer.reduce_scattering_over(shard, r)?,
-                (_, None) => reducer.reduce_scattering(),
-            };
-            if parallel.zero >= 2 && parallel.reduce_scatter == ReduceScatter::MicroBatch {
-                reducer = reducer.each_micro_batch();
-            }
             let (slices, ranges) = (reducer.slices(), reducer.param_ranges());
             if let Some(units) = units {
                 if parallel.reshard_after_forward {
                     // Unit by unit, a tied table's gradient comes from each unit reading it.
                     zero3::set_uses(&reducer, &shapes, &units);
-                    // The backward pass gathers units on the ranks that reduce the buckets.
-                    reducer = reducer.experts_at_end();
                 }
                 let mut cut = zero3::shards(
                     &model,
@@ -741,6 +733,21 @@ fn check_context_parallel(cp: usize, parts: usize) -> Result<(), TrainError> {
             .into(),
     }
     .into())
+}
+
+/// What the data-parallel reducer does at a bucket under `parallel`'s ZeRO stage, its
+/// gradients kept on the device when `on_device` (ZeRO off only).
+fn collective_of(parallel: &ParallelPlan, on_device: bool) -> Collective {
+    let each = parallel.reduce_scatter == ReduceScatter::MicroBatch;
+    match parallel.zero {
+        0 if on_device => Collective::AllReduceOnDevice,
+        0 => Collective::AllReduce,
+        1 => Collective::AllReduceChunked,
+        _ if each => Collective::ReduceScatterEach,
+        // The backward pass gathers units on the ranks that reduce the buckets.
+        3 if parallel.reshard_after_forward => Collective::ReduceScatterExpertsLast,
+        _ => Collective::ReduceScatter,
+    }
 }
 
 /// Sums `values` over `group` when it has more than one rank.
