@@ -15,7 +15,7 @@
 //! Buckets start strictly in order, so every rank issues the collectives in the same order.
 //!
 //! The gradients can instead stay where the backend computed them ([`GradientBuffers`],
-//! [`DataParallel::on_device`]; on a GPU, in device memory): each parameter's gradient is
+//! [`Collective::AllReduceOnDevice`]; on a GPU, in device memory): each parameter's gradient is
 //! summed over the micro-batches there, and after the backward pass each bucket is
 //! concatenated and all-reduced as one tensor (device to device under NCCL); with one
 //! data-parallel rank nothing is copied at all. This is the default at one data-parallel rank
@@ -26,10 +26,12 @@
 //! micro-batch's backward pass completes a bucket (every rank reaches the same gradient of the
 //! same backward pass, so the collectives still start in the same order).
 
+mod collective;
 pub mod gather;
 mod reducer;
 pub mod slices;
 
+pub use collective::{Collective, Sharding};
 pub use gather::{Shards, all_gather_each, emptied};
 pub use reducer::{DataParallel, DpStats};
 

@@ -11,6 +11,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
+use super::collective::{Collective, Sharding};
 use super::slices::{BucketChunks, Holders, RankSlices};
 use crate::comm::{CommError, Communicator, Group, Pending, ReduceOp, TensorComm};
 use crate::tensor_parallel::{GradSink, HookedGrad, ParallelBackend, set_grad_sink};
@@ -75,13 +76,8 @@ struct State {
     buckets: Vec<Bucket>,
     next_launch: usize,
     reduce_now: bool,
-    /// Reduce-scatter the buckets (each rank gets its chunk, [`RankSlices`]) instead of
-    /// all-reducing them.
-    scatter: bool,
-    /// Reduce-scatter each bucket as soon as a micro-batch completes it, every micro-batch,
-    /// summing the chunks (less gradient memory, one reduce-scatter per micro-batch), instead
-    /// of accumulating whole buckets until the last micro-batch.
-    each: bool,
+    /// What the reducer does with a bucket ([`Collective`]).
+    collective: Collective,
     /// Reduce-scattering every micro-batch: the buckets whose reduce-scatter may still run,
     /// oldest first.
     in_flight: std::collections::VecDeque<usize>,
@@ -97,18 +93,10 @@ struct State {
     next_replicate: usize,
     error: Option<CommError>,
     launched_early: usize,
-    /// Whether expert buckets start only at the end of the step, reducing once per step
-    /// ([`DataParallel::experts_at_end`]).
-    experts_at_end: bool,
     /// The ranks holding the same experts, over which the expert buckets are all-reduced, when
     /// they are not the data-parallel group (`None`: no expert bucket, or the experts are held
     /// like the dense parameters).
     experts: Option<Rc<dyn Communicator>>,
-    /// Whether the buckets are all-reduced whole but read as chunks
-    /// ([`DataParallel::sliced_over`]).
-    sliced: bool,
-    /// Whether the gradients stay the backend's tensors ([`DataParallel::on_device`]).
-    device: bool,
     /// On the device: each parameter's gradient summed over the step's micro-batches so far
     /// (a boxed `FloatTensor` of the inner backend), by visit order.
     held: Vec<Option<Box<dyn Any>>>,
@@ -142,10 +130,11 @@ impl State {
         }
         slot.seen = true;
         let b = slot.bucket;
-        if self.each && self.buckets[b].expert {
+        let each = self.collective == Collective::ReduceScatterEach;
+        if each && self.buckets[b].expert {
             // An expert may get no token in a micro-batch on some ranks: its bucket adds up
             // whole and is reduce-scattered once, at the end of the step, on every rank.
-        } else if self.each {
+        } else if each {
             self.buckets[b].waiting = self.buckets[b].waiting.saturating_sub(1);
             if self.buckets[b].waiting == 0 {
                 self.scatter_now(b, false);
@@ -154,7 +143,8 @@ impl State {
             // With other collectives on the same ranks during the backward pass (ZeRO-3's
             // gathers), an expert bucket, complete on some ranks only, must not start early
             // there: it waits for the end of the step, and the buckets after it with it.
-            if !(self.experts_at_end && self.buckets[b].expert) {
+            let at_end = self.collective == Collective::ReduceScatterExpertsLast;
+            if !(at_end && self.buckets[b].expert) {
                 self.buckets[b].waiting = self.buckets[b].waiting.saturating_sub(1);
             }
             self.launch_ready(false);
@@ -293,17 +283,18 @@ impl State {
                 break;
             }
             let apart = self.experts.is_some() && self.buckets[at].expert;
-            if self.comm.size() > 1 || self.scatter || apart {
+            let scatter = self.collective.scatters();
+            if self.comm.size() > 1 || scatter || apart {
                 self.zero_unseen(at);
             }
-            let comm = match self.scatter {
+            let comm = match scatter {
                 true => self.cut_over(at),
                 false => self.cut_over_whole(at),
             }
             .clone();
             let b = &mut self.buckets[at];
             if comm.size() > 1 {
-                let started = if self.scatter {
+                let started = if scatter {
                     comm.reduce_scatter_start(b.take_padded(comm.size()), ReduceOp::Sum)
                 } else {
                     comm.all_reduce_start(std::mem::take(&mut b.data), ReduceOp::Sum)
@@ -327,7 +318,7 @@ impl State {
     fn complete(&mut self) -> Result<DpStats, CommError> {
         let t0 = Instant::now();
         set_grad_sink(None);
-        if self.each {
+        if self.collective == Collective::ReduceScatterEach {
             self.complete_each()?;
         } else {
             self.launch_ready(true);
@@ -370,7 +361,7 @@ impl State {
     }
 
     fn progress(&mut self) {
-        if self.each {
+        if self.collective == Collective::ReduceScatterEach {
             let in_flight: Vec<usize> = self.in_flight.iter().copied().collect();
             for b in in_flight {
                 self.settle(b, false);
@@ -434,10 +425,9 @@ impl State {
         }
     }
 
-    /// Whether this step's gradients stay on the device: asked for, and the buckets all-reduced
-    /// whole and read whole.
+    /// Whether this step's gradients stay on the device ([`Collective::AllReduceOnDevice`]).
     fn on_device(&self) -> bool {
-        self.device && !self.scatter && !self.sliced
+        self.collective == Collective::AllReduceOnDevice
     }
 
     /// On the device: adds gradient `grad` (a boxed `FloatTensor<IB>`) of parameter `index` to
@@ -698,8 +688,7 @@ impl DataParallel {
                 buckets,
                 next_launch: 0,
                 reduce_now: false,
-                scatter: false,
-                each: false,
+                collective: Collective::AllReduce,
                 in_flight: std::collections::VecDeque::new(),
                 comm: dp.comm()?,
                 shard: dp.comm()?,
@@ -707,10 +696,7 @@ impl DataParallel {
                 next_replicate: 0,
                 error: None,
                 launched_early: 0,
-                experts_at_end: false,
                 experts: None,
-                sliced: false,
-                device: false,
                 held,
             })),
             dp,
@@ -718,59 +704,33 @@ impl DataParallel {
         })
     }
 
-    /// This reducer, reduce-scattering its buckets instead of all-reducing them: each rank
-    /// receives only its chunk of every bucket ([`RankSlices`]), read with
-    /// [`finish_chunks`](Self::finish_chunks) (ZeRO-2).
-    pub fn reduce_scattering(self) -> Self {
-        self.state.borrow_mut().scatter = true;
-        self
-    }
-
-    /// This reducer, reduce-scattering (see [`reduce_scattering`](Self::reduce_scattering) and
-    /// [`reduce_scattering_over`](Self::reduce_scattering_over)) every micro-batch: a bucket's
-    /// reduce-scatter starts as soon as each micro-batch's backward pass completes it, and the
-    /// chunks are summed, so no whole bucket outlives its micro-batch (one reduce-scatter per
-    /// micro-batch instead of one per step). Routed experts' buckets
-    /// ([`with_experts`](Self::with_experts)) are the exception: an expert may get no token in
-    /// a micro-batch on some ranks, so they add up whole and are reduce-scattered once, at the
-    /// end of the step.
-    pub fn each_micro_batch(self) -> Self {
-        let mut s = self.state.borrow_mut();
-        s.scatter = true;
-        s.each = true;
-        drop(s);
-        self
-    }
-
-    /// This reducer, all-reducing its buckets whole, read as the chunks of `shard`'s ranks
-    /// with [`finish_chunks`](Self::finish_chunks) (ZeRO-1 on slices; hybrid when `shard` is
-    /// smaller than the data-parallel group).
-    pub fn sliced_over(mut self, shard: Group) -> Result<Self, CommError> {
-        let mut s = self.state.borrow_mut();
-        s.shard = shard.comm()?;
-        s.sliced = true;
-        drop(s);
-        self.shard = shard;
-        Ok(self)
-    }
-
-    /// Like [`reduce_scattering`](Self::reduce_scattering), under hybrid sharding: each bucket
-    /// is reduce-scattered over `shard` (this rank's shard group, whose ranks hold the chunks
-    /// of one replica), then each chunk all-reduced over `replicate` (the ranks holding the
-    /// same chunk in the other replicas).
-    pub fn reduce_scattering_over(
+    /// This reducer doing `collective` at each bucket, its chunks (when it reads chunks,
+    /// [`Collective::reads_chunks`]) cut over the ranks of `sharding` (see [`Sharding`]).
+    /// A reducer that reads chunks is read with [`finish_chunks`](Self::finish_chunks), the
+    /// others with [`finish`](Self::finish).
+    pub fn with_collective(
         mut self,
-        shard: Group,
-        replicate: Group,
+        collective: Collective,
+        sharding: Sharding,
     ) -> Result<Self, CommError> {
         {
             let mut s = self.state.borrow_mut();
-            s.scatter = true;
-            s.shard = shard.comm()?;
-            s.replicate = Some(replicate.comm()?).filter(|c| c.size() > 1);
+            s.collective = collective;
+            s.shard = sharding.shard.comm()?;
+            // The copies sum the chunks after a reduce-scatter; all-reducing whole buckets
+            // sums over every data-parallel rank already.
+            s.replicate = match (collective.scatters(), sharding.replicate) {
+                (true, Some(r)) => Some(r.comm()?).filter(|c| c.size() > 1),
+                _ => None,
+            };
         }
-        self.shard = shard;
+        self.shard = sharding.shard;
         Ok(self)
+    }
+
+    /// What this reducer does at each bucket.
+    pub fn collective(&self) -> Collective {
+        self.state.borrow().collective
     }
 
     /// This reducer with the routed experts' parameters (`is_expert` picks them; they must not
@@ -793,35 +753,6 @@ impl DataParallel {
             s.experts = apart.map(|g| g.comm()).transpose()?;
         }
         Ok(self)
-    }
-
-    /// This reducer with the routed experts' buckets started only at the end of a step that
-    /// reduces once (and the buckets after them in order): needed when other collectives run
-    /// on the same ranks during the backward pass (ZeRO-3's gathers), since an expert bucket
-    /// is complete early on the ranks whose tokens chose all its experts only, and would start
-    /// there between collectives the other ranks start in another order.
-    pub fn experts_at_end(self) -> Self {
-        self.state.borrow_mut().experts_at_end = true;
-        self
-    }
-
-    /// This reducer keeping the gradients where the backend computed them (on a GPU, in device
-    /// memory: no copy to the host and back). Each parameter's gradient is summed over the
-    /// micro-batches on the device; after the step's backward passes, [`finish`](Self::finish)
-    /// concatenates each bucket on the device and all-reduces it there (device to device under
-    /// NCCL, through host memory under MPI), so no bucket starts during the backward pass. With
-    /// one data-parallel rank nothing is copied at all. Only for a reducer that all-reduces
-    /// whole buckets and is read with `finish`: a [reduce-scattering](Self::reduce_scattering)
-    /// or [sliced](Self::sliced_over) one (ZeRO) keeps its buckets in host memory.
-    pub fn on_device(self) -> Self {
-        self.state.borrow_mut().device = true;
-        self
-    }
-
-    /// Whether this step's gradients stay on the device ([`on_device`](Self::on_device), and
-    /// neither reduce-scattering nor sliced).
-    pub fn keeps_gradients_on_device(&self) -> bool {
-        self.state.borrow().on_device()
     }
 
     /// Which elements of the flat gradients this rank's chunks hold ([`RankSlices`]; with
@@ -860,16 +791,18 @@ impl DataParallel {
 
     /// Gradient values this rank's buckets hold during a step: every parameter's when the
     /// micro-batches add up in whole buckets; when reduce-scattering
-    /// [every micro-batch](Self::each_micro_batch), this rank's chunks (each bucket then lives
+    /// [every micro-batch](Collective::ReduceScatterEach), this rank's chunks (each bucket then lives
     /// only from its first gradient to its reduce-scatter, within one backward pass).
     pub fn gradient_elements(&self) -> usize {
         let s = self.state.borrow();
         let size = s.shard.size();
         (s.buckets.iter())
-            .map(|b| match s.each && !b.expert {
-                true => BucketChunks::new(b.start, b.end, size).chunk,
-                false => b.end - b.start,
-            })
+            .map(
+                |b| match s.collective == Collective::ReduceScatterEach && !b.expert {
+                    true => BucketChunks::new(b.start, b.end, size).chunk,
+                    false => b.end - b.start,
+                },
+            )
             .sum()
     }
 
@@ -893,7 +826,7 @@ impl DataParallel {
             // every bucket gets a buffer at its first gradient (what it held is a chunk now),
             // so buffers live from then to their reduce-scatter; all-reducing buckets keep
             // theirs from step to step.
-            if s.scatter || b.slots.len() == 1 {
+            if s.collective.scatters() || b.slots.len() == 1 {
                 b.data = Vec::new();
             }
         }
@@ -951,7 +884,7 @@ impl DataParallel {
     /// `model` (the unhooked module). Weight each micro-batch's loss by its share of the global
     /// batch (for example `1 / (dp * micro_batches)`, or its share of the target tokens) so that
     /// the sum is the gradient of the global mean loss. A reducer that
-    /// [reduce-scatters](Self::reduce_scattering) is read with
+    /// [reads chunks](Collective::reads_chunks) is read with
     /// [`finish_chunks`](Self::finish_chunks) instead.
     pub fn finish<B: AutodiffBackend, M: AutodiffModule<B>>(
         &self,
@@ -975,8 +908,8 @@ impl DataParallel {
         Ok((builder.grads, stats))
     }
 
-    /// Waits for the reduce-scatters (or all-reduces, under
-    /// [`sliced_over`](Self::sliced_over)) and returns this rank's chunk of every bucket (summed over the micro-batches and the DP
+    /// Waits for the reduce-scatters (or all-reduces, under [`Collective::AllReduceChunked`])
+    /// and returns this rank's chunk of every bucket (summed over the micro-batches and the DP
     /// ranks; `chunk` values each, zeros past the bucket's end), in bucket order. Under
     /// hybrid sharding each chunk is also all-reduced over the copies, started as soon as its
     /// reduce-scatter is done.
@@ -984,7 +917,7 @@ impl DataParallel {
         let mut s = self.state.borrow_mut();
         let stats = s.complete()?;
         s.share_expert_seen()?;
-        let scatter = s.scatter;
+        let scatter = s.collective.scatters();
         let holders: Vec<(usize, usize)> = (0..s.buckets.len())
             .map(|b| {
                 let c = s.cut_over(b);

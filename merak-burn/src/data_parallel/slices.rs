@@ -9,7 +9,7 @@
 //! an interleaving copy before each reduce-scatter). A chunk may cover the end of one
 //! parameter and the start of the next: the rank then holds a [`Piece`] of each, and every
 //! optimizer rule merak trains with is element-wise, so updating pieces equals updating whole
-//! tensors (`train::pieces` tests this for every optimizer).
+//! tensors (`train::sync::chunks` tests this for every optimizer).
 
 use std::ops::Range;
 

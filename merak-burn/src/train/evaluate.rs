@@ -98,7 +98,7 @@ where
             let micro = self.val_micro_batches(data, b)?;
             let values = self.executor.forward_eval(
                 &model,
-                self.shards.as_ref(),
+                self.sync.shards(),
                 &micro,
                 shape,
                 &self.device,

@@ -121,6 +121,23 @@ pub fn global_grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
 where
     B::InnerBackend: FusedOps,
 {
+    norm_of(
+        local_squares::<B, _>(module, grads, (sharded, experts), skip),
+        groups,
+    )
+}
+
+/// This rank's squared gradient norms by part (see [`global_grad_norm`]), before any sum over
+/// the ranks.
+pub(crate) fn local_squares<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: &M,
+    grads: &GradientsParams,
+    (sharded, experts): (&HashSet<ParamId>, &HashSet<ParamId>),
+    skip: &HashSet<ParamId>,
+) -> GradStats
+where
+    B::InnerBackend: FusedOps,
+{
     let mut v = NormVisitor::<B> {
         grads,
         sharded,
@@ -130,7 +147,7 @@ where
         tensors: Vec::new(),
     };
     module.visit(&mut v);
-    norm_of(v.stats(), groups)
+    v.stats()
 }
 
 /// The global norm of one rank's squared gradient norms `stats`: the sharded part summed over
@@ -187,11 +204,20 @@ pub fn clip_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
         return 1.0;
     }
     let scale = max_norm / (norm + 1e-6);
+    scale_grads::<B, _>(module, grads, scale as f32);
+    scale
+}
+
+/// Multiplies every gradient of `module`'s parameters in `grads` by `scale`.
+pub(crate) fn scale_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: &M,
+    grads: &mut GradientsParams,
+    scale: f32,
+) {
     let mut v = ScaleVisitor::<B> {
         grads,
-        scale: scale as f32,
+        scale,
         _b: std::marker::PhantomData,
     };
     module.visit(&mut v);
-    scale
 }

@@ -1,11 +1,9 @@
 //! Saving a trainer's state as a sharded checkpoint.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 
-use crate::checkpoint::{self, RankState, state};
+use crate::checkpoint;
 use crate::pipeline::{TrainBackend, TrainModel};
-use crate::train::experts::experts_apart;
 use crate::train::{CheckpointPolicy, TrainError, Trainer};
 
 impl<B, M> Trainer<'_, B, M>
@@ -20,28 +18,10 @@ where
     pub fn save_checkpoint(&self, policy: &CheckpointPolicy) -> Result<PathBuf, TrainError> {
         let step = self.done;
         let grid = self.grid;
-        // Without ZeRO every DP replica holds the same state: the first one writes it. Under
-        // ZeRO every DP rank of the first copy writes its slices.
-        let mut moments = Vec::new();
-        let mut slices = Vec::new();
-        if self.sliced.is_some() {
-            // Under hybrid sharding the other copies hold the same dense slices, but the
-            // slices of experts held apart are cut over every rank holding those experts.
-            let first_copy = grid.coords.dp < self.shard.size();
-            let apart = !self.experts.is_empty() && experts_apart(grid);
-            if first_copy || apart {
-                slices = self.slices_to_write()?;
-            }
-            if !first_copy {
-                slices.retain(|s| crate::moe::is_expert_param(&s.name));
-            }
-        } else if grid.coords.dp < grid.ep.size() {
-            // The first expert-parallel group's other ranks write their experts' state.
-            moments = self.optim.moments(&self.model)?;
-            if grid.coords.dp != 0 {
-                moments.retain(|(name, _)| crate::moe::is_expert_param(name));
-            }
-        }
+        // What this rank writes: without ZeRO the first data-parallel copy's whole state,
+        // under ZeRO every rank of the first copy its chunks.
+        let mut rank_state =
+            (self.sync).rank_state(&self.model, &self.optim, &self.norm.experts)?;
         // A tied copy is stored once, under its original's name.
         let copies: Vec<String> = self
             .model
@@ -49,28 +29,11 @@ where
             .into_iter()
             .map(|(c, _)| c)
             .collect();
-        moments.retain(|(name, _)| !copies.contains(name));
-        slices.retain(|s| !copies.contains(&s.name));
-        let mut params = state::local_params(&self.model)?;
-        params.retain(|p| !copies.contains(&p.name));
-        if let Some(s) = self.sliced.as_ref().filter(|_| self.shards.is_some()) {
-            // ZeRO-3: the model's parameters are empty; their values travel as slices.
-            let shapes: HashMap<&str, &[usize]> = (s.params.iter())
-                .map(|p| (p.name.as_str(), p.shape.as_slice()))
-                .collect();
-            for p in &mut params {
-                p.shape = shapes
-                    .get(p.name.as_str())
-                    .map(|s| s.to_vec())
-                    .unwrap_or_default();
-                p.values.clear();
-            }
-        }
-        let rank_state = RankState {
-            params,
-            moments,
-            slices,
-        };
+        rank_state
+            .moments
+            .retain(|(name, _)| !copies.contains(name));
+        rank_state.slices.retain(|s| !copies.contains(&s.name));
+        rank_state.params.retain(|p| !copies.contains(&p.name));
         let mut extra = serde_json::json!({
             "data": {
                 "samples_consumed": step.saturating_mul(self.settings.global_batch),

@@ -5,36 +5,25 @@
 use std::collections::HashSet;
 use std::time::Instant;
 
-use burn::module::ParamId;
 use burn::optim::adaptor::OptimizerAdaptor;
 
 use crate::batch::Samples;
 use crate::checkpoint::{Checkpoint, FullState, state};
 use crate::comm::{Group, ReduceOp};
-use crate::data_parallel::{DataParallel, DpStats, ReduceScatter, Shards, emptied};
+use crate::data_parallel::{DpStats, emptied};
 use crate::grid::ProcessGrid;
 use crate::pipeline::{Executor, InFlight, MicroBatch, PipelinePlan, ScheduleKind, StepWork};
 use crate::pipeline::{TrainBackend, TrainModel};
 use crate::plan::ParallelPlan;
 use crate::tensor_parallel::Shard;
 use crate::train::check_plan;
-use crate::train::experts::{expert_ids, experts_apart, gather_routing};
-use crate::train::hybrid::shard_groups;
+use crate::train::experts::{expert_ids, gather_routing};
 use crate::train::optim::Optimizers;
-use crate::train::pieces::Sliced;
-use crate::train::zero3;
+use crate::train::sync::{self, GradSync, NormParts};
 use crate::train::{
     BatchSource, FusedAdamW, NormGroups, ParamGroup, ParamInfo, RoutingStats, StateBytes,
-    TrainError, TrainSettings, clip_grads, global_grad_norm, sharded_param_ids,
-    tied::{sum_tied_chunk, sum_tied_grads},
+    TrainError, TrainSettings, sharded_param_ids,
 };
-
-/// A step's gradients after the data-parallel reduction: whole (all-reduced), or this rank's
-/// chunk of every bucket (ZeRO-2's reduce-scatter).
-enum Reduced {
-    Whole(burn::optim::GradientsParams),
-    Chunks(Vec<Vec<f32>>),
-}
 
 /// Burn's optimizer adaptor around [`FusedAdamW`] for the model `M`.
 pub type AdamW<M, B> = OptimizerAdaptor<FusedAdamW, M, B>;
@@ -99,25 +88,13 @@ where
     /// The optimizer of each parameter group (by default: matrices with weight decay,
     /// vectors without).
     pub(crate) optim: Optimizers<M, B>,
-    pub(crate) reducer: DataParallel,
-    /// Under ZeRO-1, 2 and 3: this rank's pieces of the parameters and their optimizer state.
-    pub(crate) sliced: Option<Sliced<B::InnerBackend>>,
-    /// Under ZeRO-3: this rank's shards of the parameter values (`model` then holds empty
-    /// parameters).
-    pub(crate) shards: Option<Shards>,
-    /// The data-parallel ranks that share the slices of ZeRO (`grid.dp` unless
-    /// hybrid sharding).
-    pub(crate) shard: Group,
+    /// What the data-parallel ranks do with the step's gradients (ZeRO's kinds among them).
+    pub(crate) sync: Box<dyn GradSync<B, M> + 'g>,
     pub(crate) executor: Executor,
-    pub(crate) sharded: HashSet<ParamId>,
-    /// The routed experts' parameters (under a mixture of experts).
-    pub(crate) experts: HashSet<ParamId>,
+    /// Which gradients the norm adds where.
+    pub(crate) norm: NormParts,
     /// The routing of the last step (under a mixture of experts).
     pub(crate) routing: Option<RoutingStats>,
-    /// The head's copy of a tied embedding, counted in the gradient norm on the embedding's
-    /// rank only.
-    pub(crate) not_counted: HashSet<ParamId>,
-    tied: Option<ParamId>,
     /// Steps done (the 0-based index of the next one).
     pub(crate) done: usize,
     pub(crate) max_in_flight: usize,
@@ -162,99 +139,49 @@ where
             crate::moe::take_exchange_seconds();
         }
         let optim = Optimizers::new(&shapes, &settings, grid.layout.tp, copies, &|p| p.default)?;
-        let bucket_elems = (parallel.bucket_mb * (1 << 20) as f64 / 4.0) as usize;
-        let tied = model.tied_embedding();
-        let me = grid.coords.pp;
-        let units = (parallel.zero == 3)
-            .then(|| zero3::unit_params(&model, &pipeline, me, &shapes))
-            .transpose()?;
-        // Under ZeRO a tied copy gets a bucket of its own, so that both stages cut it alike;
-        // under ZeRO-3 no bucket spans two units.
-        let base =
-            zero3::bucket_groups(&shapes, units.as_ref(), tied.filter(|_| parallel.zero >= 1));
-        // The routed experts' buckets are their own, all-reduced over the expert group.
-        let group = |id| 2 * base(id) + usize::from(experts.contains(&id));
-        let mut reducer = DataParallel::grouped(&model, grid.dp, bucket_elems, &group)?;
-        if !experts.is_empty() {
-            let apart = experts_apart(grid).then_some(grid.experts);
-            reducer = reducer.with_experts(apart, &|id| experts.contains(&id))?;
-        }
-        let buffers = parallel.gradient_buffers;
-        if buffers.on_device(parallel.zero, &*grid.dp.comm()?) {
-            reducer = reducer.on_device();
-        }
-        tracing::debug!(
-            "gradient buffers ({buffers}): {}",
-            match reducer.keeps_gradients_on_device() {
-                true => "device",
-                false => "host",
-            }
-        );
-        let (mut sliced, mut shards) = (None, None);
-        let (shard, replicate) = shard_groups(grid, parallel)?;
-        if parallel.zero >= 1 {
-            reducer = match (parallel.zero, replicate) {
-                (1, _) => reducer.sliced_over(shard)?,
-                (_, Some(r)) => reducer.reduce_scattering_over(shard, r)?,
-                (_, None) => reducer.reduce_scattering(),
-            };
-            if parallel.zero >= 2 && parallel.reduce_scatter == ReduceScatter::MicroBatch {
-                reducer = reducer.each_micro_batch();
-            }
-            let (slices, ranges) = (reducer.slices(), reducer.param_ranges());
-            if let Some(units) = units {
-                if parallel.reshard_after_forward {
-                    // Unit by unit, a tied table's gradient comes from each unit reading it.
-                    zero3::set_uses(&reducer, &shapes, &units);
-                    // The backward pass gathers units on the ranks that reduce the buckets.
-                    reducer = reducer.experts_at_end();
-                }
-                let mut cut = zero3::shards(
-                    &model,
-                    shard,
-                    slices.clone(),
-                    ranges.clone(),
-                    &shapes,
-                    units,
-                    parallel.prefetch,
-                )?;
-                if !experts.is_empty() && experts_apart(grid) {
-                    cut = cut.with_experts(grid.experts.comm()?);
-                }
-                shards = Some(cut);
-            }
-            sliced = Some(Sliced::new(slices, ranges, shapes));
-        }
+        let sync = sync::build(
+            grid,
+            parallel,
+            &pipeline,
+            &model,
+            (&shapes[..], &experts),
+            &device,
+        )?;
         let holds_embedding = pipeline.schedule.rank_of(0) == grid.coords.pp;
-        let not_counted = tied.filter(|_| !holds_embedding).into_iter().collect();
+        let tied = model.tied_embedding();
+        let norm = NormParts {
+            sharded: sharded_param_ids::<B, _>(&model),
+            experts,
+            not_counted: tied.filter(|_| !holds_embedding).into_iter().collect(),
+            groups: NormGroups {
+                tp: grid.tp,
+                pp: grid.pp,
+                ep: grid.ep,
+            },
+        };
         // Only sequence parallelism splits the sequences over the TP ranks.
         let tp_parts = model.sequence_parts() / grid.layout.cp.max(1);
         let executor = Executor::new(pipeline, grid.pp, grid.tp, trace.then_some(grid.rank))
             .with_sequence_parts(tp_parts);
+        // Under ZeRO-3 this rank keeps only its shards of the values.
+        let model = match sync.shards() {
+            Some(_) => emptied(model),
+            None => model,
+        };
         Ok(Self {
             grid,
             parallel: parallel.clone(),
-            sharded: sharded_param_ids::<B, _>(&model),
-            experts,
-            routing: None,
             settings,
             device,
-            model: if shards.is_some() {
-                emptied(model)
-            } else {
-                model
-            },
+            model,
             stale: None,
             in_flight: InFlight::default(),
             next_batches: None,
             optim,
-            reducer,
-            sliced,
-            shards,
-            shard,
+            sync,
             executor,
-            not_counted,
-            tied,
+            norm,
+            routing: None,
             done: 0,
             max_in_flight: 0,
             origin: None,
@@ -318,17 +245,8 @@ where
         // Every rank together: a checkpoint parameter no rank holds is refused, not dropped.
         checkpoint.check_held(&shapes, &copies, &*self.grid.world.comm()?)?;
         let (params, moments) = state.cut_for(&checkpoint.manifest, &shapes, shard, &copies)?;
-        match self.shards.as_mut() {
-            Some(shards) => {
-                let own = zero3::chunks_by_name(shards.slices(), &shapes, params)?;
-                shards.set_own(own);
-            }
-            None => self.model = state::assign_params(self.model.clone(), params)?,
-        }
-        match self.sliced.as_mut() {
-            Some(sliced) => sliced.load(&moments, &self.device),
-            None => self.optim.load(&self.model, &moments),
-        }
+        let model = self.model.clone();
+        self.model = (self.sync).resume(model, &shapes, params, &moments, &mut self.optim)?;
         self.done = step;
         self.origin = Some(super::Origin::of(checkpoint));
         Ok(())
@@ -346,23 +264,15 @@ where
     /// ZeRO-3 its shards of the parameters.
     pub fn state_bytes(&self) -> StateBytes {
         let shapes = self.param_shapes();
-        let elements = |keep: &dyn Fn(ParamId) -> bool| -> u64 {
-            (shapes.iter().filter(|p| keep(p.id)))
-                .map(|p| p.shape.iter().product::<usize>() as u64)
-                .sum()
-        };
-        let stepped = match &self.sliced {
-            Some(s) => s.slices.held() as u64,
-            None => elements(&|_| true),
-        };
+        let all: u64 = (shapes.iter())
+            .map(|p| p.shape.iter().product::<usize>() as u64)
+            .sum();
+        let stepped = self.sync.stepped_elements().unwrap_or(all);
         let versions = 1 + u64::from(self.stale.is_some());
-        let params = match &self.shards {
-            Some(s) => s.stored_elements() as u64,
-            None => versions * elements(&|_| true),
-        };
+        let params = self.sync.stored_params().unwrap_or(versions * all);
         StateBytes {
             params: 4 * params,
-            grads: 4 * self.reducer.gradient_elements() as u64,
+            grads: 4 * self.sync.reducer().gradient_elements() as u64,
             optimizer: 4 * stepped * self.settings.optimizer.state_tensors() as u64,
         }
     }
@@ -370,10 +280,7 @@ where
     /// Every parameter's name, id and full local shape (this rank's units and tensor-parallel
     /// shard), in visit order; under ZeRO-3 as the shards know them (the model's are empty).
     fn param_shapes(&self) -> Vec<state::ParamShape> {
-        match &self.sliced {
-            Some(s) => s.params.clone(),
-            None => state::param_shapes(&self.model),
-        }
+        self.sync.param_shapes(&self.model)
     }
 
     /// The model as trained so far; under ZeRO-3 its parameters are empty (this rank keeps
@@ -385,10 +292,7 @@ where
     /// The model as trained so far with every parameter's values; under ZeRO-3 gathered from
     /// every data-parallel rank's shards (every rank of the group must call it).
     pub fn gathered_model(&self) -> Result<M, TrainError> {
-        match &self.shards {
-            Some(s) => Ok(s.fill(self.model.clone(), s.gathered_all()?)),
-            None => Ok(self.model.clone()),
-        }
+        self.sync.gathered_model(&self.model)
     }
 
     /// The trained model with every parameter's values ([`gathered_model`](Self::gathered_model)).
@@ -444,62 +348,15 @@ where
             *slot += clock.elapsed().as_secs_f64();
             clock = Instant::now();
         };
-        self.reducer.begin_step();
+        self.sync.begin_step();
         let routing_groups = self.settings.global_batch / self.parallel.micro_batch.max(1);
         crate::moe::set_aux_scale(1.0 / routing_groups.max(1) as f32);
-        let batches = match self.next_batches.take() {
-            Some(b) if self.in_flight.step() == Some(step) => b,
-            _ => self.micro_batches(data, step)?,
-        };
-        let overlap = next_follows && self.overlaps_steps() && step + 1 < self.settings.steps;
-        let next = overlap
-            .then(|| self.micro_batches(data, step + 1))
-            .transpose()?;
+        let (batches, next) = self.step_batches(data, step, next_follows)?;
         lap(&mut phases.data_s);
-        let [micro, seq] = [self.parallel.micro_batch, self.settings.seq_len];
-        let seq = seq / self.model.sequence_parts();
-        let shape = [micro, seq, self.model.hidden_size()];
-        // ZeRO-3 without resharding: this step's parameters gathered once, kept to the update.
-        let kept = match &self.shards {
-            Some(_) if !self.parallel.reshard_after_forward => Some(self.gathered_model()?),
-            _ => None,
-        };
-        let work = StepWork {
-            model: (kept.as_ref())
-                .or(self.stale.as_ref())
-                .unwrap_or(&self.model),
-            batches: &batches,
-            step,
-            // The next step's forwards run on the weights it uses: the current ones, which
-            // become the stale version at this step's update.
-            next: next.as_deref().map(|b| (&self.model, b)),
-            shards: self.shards.as_ref().filter(|_| kept.is_none()),
-        };
-        let report = self.executor.run_step(
-            work,
-            &self.reducer,
-            shape,
-            &self.device,
-            &mut self.in_flight,
-        )?;
-        // The gathered parameters go before the update builds the new values.
-        drop(kept);
-        self.next_batches = next;
-        self.max_in_flight = self.max_in_flight.max(report.max_in_flight);
+        let local_loss = self.run_passes(&batches, next, step)?;
         lap(&mut phases.forward_backward_s);
-        let (reduced, dp) = if self.sliced.is_some() {
-            let (mut chunks, dp) = self.reducer.finish_chunks()?;
-            let tied = (self.tied).and_then(|id| self.reducer.bucket_of(id));
-            if let Some(chunk) = tied.and_then(|b| chunks.get_mut(b)) {
-                sum_tied_chunk(chunk, self.grid)?;
-            }
-            (Reduced::Chunks(chunks), dp)
-        } else {
-            let (mut grads, dp) = self.reducer.finish::<B, _>(&self.model)?;
-            sum_tied_grads::<B>(&mut grads, self.grid, self.tied, &self.device)?;
-            (Reduced::Whole(grads), dp)
-        };
-        let loss = self.sum_loss(report.loss)?;
+        let dp = self.sync.finish(&self.model)?;
+        let loss = self.sum_loss(local_loss)?;
         let records = crate::moe::take_records();
         self.routing = (self.model.experts())
             .map(|shape| gather_routing(records, shape, self.grid.world))
@@ -517,64 +374,100 @@ where
             phases,
         };
         if !loss.is_finite() {
-            if !self.settings.skip_nonfinite {
-                return Err(TrainError::NonFiniteLoss {
-                    step: step + 1,
-                    loss,
-                });
-            }
-            tracing::warn!(
-                "the loss is {loss} at step {}: step skipped, parameters unchanged",
-                step + 1
-            );
-            // Under 2BW a skipped step still moves the weight versions on (as a zero update):
-            // the next step's forwards may already run on the current weights.
-            if self.executor.plan().schedule.kind == ScheduleKind::TwoBw {
-                self.stale = Some(self.model.clone());
-            }
-            return Ok(outcome);
+            return self.skipped(outcome);
         }
-        let norm = match reduced {
-            Reduced::Whole(mut grads) => {
-                let g = self.grid;
-                let groups = NormGroups {
-                    tp: g.tp,
-                    pp: g.pp,
-                    ep: g.ep,
-                };
-                let norm = global_grad_norm::<B, _>(
-                    &self.model,
-                    &grads,
-                    (&self.sharded, &self.experts),
-                    groups,
-                    &self.not_counted,
-                )?;
-                clip_grads::<B, _>(&self.model, &mut grads, norm, self.settings.grad_clip);
-                let groups = self.optim.split(&self.model, grads);
-                lap(&mut outcome.phases.clip_s);
-                self.update(lr, groups)?;
-                norm
-            }
-            Reduced::Chunks(chunks) => self.update_sliced(lr, chunks)?,
-        };
+        // One norm and one clipping for every kind of data parallelism.
+        let norm = self.sync.grad_norm(&self.model, &self.norm)?;
+        self.sync.clip(&self.model, norm, self.settings.grad_clip);
+        lap(&mut outcome.phases.clip_s);
+        self.update(lr)?;
         if let Some(r) = &self.routing {
             self.model.balance_experts(&r.expert_tokens);
         }
         lap(&mut outcome.phases.optimizer_s);
-        outcome.grad_norm = Some(norm);
+        outcome.grad_norm = Some(norm.to_f64());
         Ok(outcome)
     }
 
-    /// The parameter groups' optimizer steps.
-    fn update(
+    /// The micro-batches of step `step` (read ahead during the last step under 2BW's overlap),
+    /// and with `next_follows` where the schedule overlaps steps, the next step's.
+    #[allow(clippy::type_complexity)]
+    fn step_batches(
         &mut self,
-        lr: f64,
-        groups: Vec<burn::optim::GradientsParams>,
-    ) -> Result<(), TrainError> {
+        data: &dyn BatchSource,
+        step: usize,
+        next_follows: bool,
+    ) -> Result<(Vec<MicroBatch>, Option<Vec<MicroBatch>>), TrainError> {
+        let batches = match self.next_batches.take() {
+            Some(b) if self.in_flight.step() == Some(step) => b,
+            _ => self.micro_batches(data, step)?,
+        };
+        let overlap = next_follows && self.overlaps_steps() && step + 1 < self.settings.steps;
+        let next = overlap
+            .then(|| self.micro_batches(data, step + 1))
+            .transpose()?;
+        Ok((batches, next))
+    }
+
+    /// The step's forward and backward passes through the executor, the gradients hooked into
+    /// the reducer (and with `next`, the next step's first forwards); this rank's share of the
+    /// loss.
+    fn run_passes(
+        &mut self,
+        batches: &[MicroBatch],
+        next: Option<Vec<MicroBatch>>,
+        step: usize,
+    ) -> Result<f64, TrainError> {
+        let [micro, seq] = [self.parallel.micro_batch, self.settings.seq_len];
+        let seq = seq / self.model.sequence_parts();
+        let shape = [micro, seq, self.model.hidden_size()];
+        // ZeRO-3 without resharding: this step's parameters gathered once, kept to the update.
+        let kept = self.sync.step_model(&self.model)?;
+        let work = StepWork {
+            model: (kept.as_ref())
+                .or(self.stale.as_ref())
+                .unwrap_or(&self.model),
+            batches,
+            step,
+            // The next step's forwards run on the weights it uses: the current ones, which
+            // become the stale version at this step's update.
+            next: next.as_deref().map(|b| (&self.model, b)),
+            shards: self.sync.shards().filter(|_| kept.is_none()),
+        };
+        let reducer = self.sync.reducer();
+        let report =
+            (self.executor).run_step(work, reducer, shape, &self.device, &mut self.in_flight)?;
+        // The gathered parameters go before the update builds the new values.
+        drop(kept);
+        self.next_batches = next;
+        self.max_in_flight = self.max_in_flight.max(report.max_in_flight);
+        Ok(report.loss)
+    }
+
+    /// A step whose loss is not finite: an error, or with `train.skip_nonfinite` the
+    /// parameters left unchanged.
+    fn skipped(&mut self, outcome: StepOutcome) -> Result<StepOutcome, TrainError> {
+        let (step, loss) = (outcome.step, outcome.loss);
+        if !self.settings.skip_nonfinite {
+            return Err(TrainError::NonFiniteLoss { step, loss });
+        }
+        tracing::warn!("the loss is {loss} at step {step}: step skipped, parameters unchanged");
+        // Under 2BW a skipped step still moves the weight versions on (as a zero update):
+        // the next step's forwards may already run on the current weights.
         if self.executor.plan().schedule.kind == ScheduleKind::TwoBw {
             self.stale = Some(self.model.clone());
         }
-        self.model = self.optim.step(lr, self.model.clone(), groups);
+        Ok(outcome)
+    }
+
+    /// The optimizer's step at `lr` on the step's clipped gradients (under 2BW, the current
+    /// weights kept as the next step's version first).
+    fn update(&mut self, lr: f64) -> Result<(), TrainError> {
+        if self.executor.plan().schedule.kind == ScheduleKind::TwoBw {
+            self.stale = Some(self.model.clone());
+        }
+        let model = self.model.clone();
+        self.model = self.sync.apply(model, lr, &mut self.optim)?;
         Ok(())
     }
 
@@ -681,7 +574,7 @@ where
                 .sum::<f32>();
             acc[0] += self.executor.forward_only(
                 &model,
-                self.shards.as_ref(),
+                self.sync.shards(),
                 &batches,
                 shape,
                 &self.device,

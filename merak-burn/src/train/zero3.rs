@@ -1,7 +1,8 @@
 //! Setting up ZeRO-3 (`parallel.zero = 3`): which parameters each unit reads, buckets that
 //! never span two units, and this rank's shards of the values ([`Shards`]). The step itself
-//! runs in the pipeline executor (units gathered one at a time) and in `train::sliced` (each
-//! rank steps its pieces and keeps the new values as its shards).
+//! runs in the pipeline executor (units gathered one at a time) and in
+//! `train::sync::sharded_params` (each rank steps its pieces and keeps the new values as its
+//! shards).
 
 use std::collections::HashMap;
 
@@ -9,7 +10,7 @@ use burn::module::{AutodiffModule, ParamId};
 use burn::tensor::backend::AutodiffBackend;
 
 use super::error::InvalidSetting;
-use super::sliced::for_each_param;
+use super::sync::for_each_param;
 use crate::checkpoint::CheckpointError;
 use crate::checkpoint::state::ParamShape;
 use crate::comm::Group;

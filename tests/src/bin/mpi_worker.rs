@@ -332,7 +332,7 @@ fn grid(world: merak_burn::comm::MpiCommunicator) {
 /// reducer gives every rank, and zeros in the padding past each bucket.
 fn scatter(dp: Group) {
     use burn::module::{Module, ModuleVisitor, Param};
-    use merak_burn::data_parallel::DataParallel;
+    use merak_burn::data_parallel::{Collective, DataParallel, Sharding};
     let dev = Default::default();
     let r = dp.rank();
     let w = MlpWeights {
@@ -347,7 +347,8 @@ fn scatter(dp: Group) {
     let all = DataParallel::new(&mlp, dp, 300).unwrap();
     let rs = DataParallel::new(&mlp, dp, 300)
         .unwrap()
-        .reduce_scattering();
+        .with_collective(Collective::ReduceScatter, Sharding::over(dp))
+        .unwrap();
     let run = |reducer: &DataParallel| {
         reducer.begin_step();
         reducer.set_last_micro_batch(true);
@@ -384,7 +385,7 @@ fn scatter(dp: Group) {
     // ZeRO-1 on slices: the all-reduced buckets, cut into the same chunks.
     let sliced = DataParallel::new(&mlp, dp, 300)
         .unwrap()
-        .sliced_over(dp)
+        .with_collective(Collective::AllReduceChunked, Sharding::over(dp))
         .unwrap();
     run(&sliced);
     let (same, _) = sliced.finish_chunks().unwrap();
@@ -397,7 +398,13 @@ fn scatter(dp: Group) {
         let copies = Group::register(comm.split(r % 2, r / 2).unwrap());
         let hybrid = DataParallel::new(&mlp, dp, 300)
             .unwrap()
-            .reduce_scattering_over(shard, copies)
+            .with_collective(
+                Collective::ReduceScatter,
+                Sharding {
+                    shard,
+                    replicate: Some(copies),
+                },
+            )
             .unwrap();
         run(&hybrid);
         let (chunks, _) = hybrid.finish_chunks().unwrap();

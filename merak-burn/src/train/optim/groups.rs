@@ -114,7 +114,7 @@ where
     /// One step of a piece of a parameter (ZeRO-2's slices): its values and gradient flat,
     /// its state from the last step as slots; returns the new values and state. Every
     /// optimizer merak trains with is element-wise, so this equals the piece of the whole
-    /// tensor's step (`train::pieces` tests it). `name` (the parameter's) names a
+    /// tensor's step (`train::sync::chunks` tests it). `name` (the parameter's) names a
     /// state that cannot be kept as slots.
     pub(crate) fn step_piece(
         &self,
