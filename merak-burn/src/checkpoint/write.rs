@@ -181,6 +181,25 @@ fn write_rank_files(
         }
         times.insert(name.clone(), m.time);
     }
+    write_shard(tmp_dir, &named, &times, grid)?;
+    // Every rank of the first DP replica names its parameters (pipeline stages hold different
+    // ones); rank 0 lists their union in the manifest.
+    if c.dp == 0 || experts_only {
+        write_param_list(tmp_dir, state, grid, experts_only, keep)?;
+    }
+    Ok(())
+}
+
+/// Writes this rank's shard file of the `named` values (`name`, shape, values) with the
+/// optimizer's step count of each parameter, and its entry (size and hash) beside it; nothing
+/// when the rank holds nothing to write.
+fn write_shard(
+    tmp_dir: &Path,
+    named: &[(String, Vec<usize>, &[f32])],
+    times: &BTreeMap<String, usize>,
+    grid: &ProcessGrid,
+) -> Result<(), CheckpointError> {
+    let c = grid.coords;
     let tensors: Vec<TensorRef<'_>> = (named.iter())
         .map(|(name, shape, values)| TensorRef {
             name,
@@ -188,46 +207,55 @@ fn write_rank_files(
             values,
         })
         .collect();
-    if !tensors.is_empty() {
-        let file = shard_file_name(c.tp, c.dp, c.pp);
-        let meta = HashMap::from([(
-            "adamw_time".to_string(),
-            serde_json::to_string(&times).unwrap_or_default(),
-        )]);
-        let path = tmp_dir.join(&file);
-        shard_file::write_refs(&path, &tensors, meta)?;
-        let (bytes, sha256) = sha256_file(&path)?;
-        let entry = FileEntry {
-            file: file.clone(),
-            bytes,
-            sha256,
-            tp: c.tp,
-            dp: c.dp,
-        };
-        let sum = tmp_dir.join(format!("{file}.entry.json"));
-        write_synced(&sum, &serde_json::to_vec(&entry).unwrap_or_default())?;
+    if tensors.is_empty() {
+        return Ok(());
     }
-    // Every rank of the first DP replica names its parameters (pipeline stages hold different
-    // ones); rank 0 lists their union in the manifest.
-    if c.dp == 0 || experts_only {
-        let tp = grid.layout.tp;
-        let entries: Vec<ParamEntry> = (state.params.iter())
-            .filter(|p| keep(&p.name))
-            .map(|p| ParamEntry {
-                name: p.name.clone(),
-                shape: p.split.full_shape(&p.shape, tp),
-                shard: p.split,
-            })
-            .collect();
-        // An expert-parallel rank's list sorts after its stage's (`~` after `.`).
-        let ep = match experts_only {
-            true => format!("~ep{:02}", c.dp),
-            false => String::new(),
-        };
-        let path = tmp_dir.join(format!("params-tp{:02}-pp{:02}{ep}.json", c.tp, c.pp));
-        write_synced(&path, &serde_json::to_vec(&entries).unwrap_or_default())?;
-    }
-    Ok(())
+    let file = shard_file_name(c.tp, c.dp, c.pp);
+    let meta = HashMap::from([(
+        "adamw_time".to_string(),
+        serde_json::to_string(times).unwrap_or_default(),
+    )]);
+    let path = tmp_dir.join(&file);
+    shard_file::write_refs(&path, &tensors, meta)?;
+    let (bytes, sha256) = sha256_file(&path)?;
+    let entry = FileEntry {
+        file: file.clone(),
+        bytes,
+        sha256,
+        tp: c.tp,
+        dp: c.dp,
+    };
+    let sum = tmp_dir.join(format!("{file}.entry.json"));
+    write_synced(&sum, &serde_json::to_vec(&entry).unwrap_or_default())
+}
+
+/// Writes the list of the parameters this rank names (those `keep` accepts: all of its stage's
+/// on the first DP replica, its experts on the other ranks of the first expert-parallel
+/// group, `experts_only`) with their full shapes and splits.
+fn write_param_list(
+    tmp_dir: &Path,
+    state: &RankState,
+    grid: &ProcessGrid,
+    experts_only: bool,
+    keep: impl Fn(&str) -> bool,
+) -> Result<(), CheckpointError> {
+    let c = grid.coords;
+    let tp = grid.layout.tp;
+    let entries: Vec<ParamEntry> = (state.params.iter())
+        .filter(|p| keep(&p.name))
+        .map(|p| ParamEntry {
+            name: p.name.clone(),
+            shape: p.split.full_shape(&p.shape, tp),
+            shard: p.split,
+        })
+        .collect();
+    // An expert-parallel rank's list sorts after its stage's (`~` after `.`).
+    let ep = match experts_only {
+        true => format!("~ep{:02}", c.dp),
+        false => String::new(),
+    };
+    let path = tmp_dir.join(format!("params-tp{:02}-pp{:02}{ep}.json", c.tp, c.pp));
+    write_synced(&path, &serde_json::to_vec(&entries).unwrap_or_default())
 }
 
 /// Rank 0: the manifest of the files every rank wrote into `tmp_dir` (their entry and

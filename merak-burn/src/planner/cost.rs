@@ -565,7 +565,56 @@ struct Derived {
     workspace: Vec<f64>,
 }
 
+/// A pipeline rank's data-parallel work after its pipeline drains
+/// ([`CostModel::data_parallel_tail`]).
+struct DataParallelTail {
+    /// Seconds of gradient reduction the backward pass does not hide.
+    exposed: f64,
+    /// Seconds of the all-gather of the updated values.
+    allgather: f64,
+    /// Parameters the rank's optimizer steps.
+    local_params: f64,
+}
+
 impl Derived {
+    /// Zeros for `p` pipeline ranks, with the schedule's `costs` and `layout`'s recomputation.
+    fn new(p: usize, costs: Costs, layout: &Layout) -> Self {
+        Self {
+            schedule_recompute: (layout.recompute.iter())
+                .map(|&mode| mode == RecomputeMode::Full)
+                .collect(),
+            compute_per_mb: vec![0.0; p],
+            tp_per_mb: vec![0.0; p],
+            cp_per_mb: vec![0.0; p],
+            ep_per_mb: vec![0.0; p],
+            tail: vec![0.0; p],
+            pipeline_lb: 0.0,
+            dp_exposed: vec![0.0; p],
+            optimizer: vec![0.0; p],
+            allgather: vec![0.0; p],
+            states: vec![0.0; p],
+            activations: vec![0.0; p],
+            workspace: vec![0.0; p],
+            costs,
+        }
+    }
+
+    /// A lower bound of the pipeline time with `m` micro-batches: rank r cannot start before
+    /// micro-batch 0 has gone forward through stages 0..r, and cannot be done before its last
+    /// backward has gone back through them (every schedule drains at the end of a step in the
+    /// executor, see pipeline_time); in between it works m times its per-micro-batch time.
+    fn pipeline_lower_bound(&self, m: f64) -> f64 {
+        let mut bound = 0.0f64;
+        let mut before = 0.0;
+        let mut after = 0.0;
+        for rank in 0..self.compute_per_mb.len() {
+            bound = bound.max(before + m * self.busy_per_mb(rank) + after);
+            before += self.costs.forward[rank] + self.costs.send_activation;
+            after += self.costs.backward[rank] + self.costs.send_grad;
+        }
+        bound
+    }
+
     /// Pipeline rank `rank`'s seconds per micro-batch: compute and the TP, CP and EP
     /// communication it does not hide.
     fn busy_per_mb(&self, rank: usize) -> f64 {
@@ -1047,20 +1096,41 @@ impl<'a> CostModel<'a> {
 
     fn derive(&self, layout: &Layout) -> Result<Derived, CostError> {
         self.check(layout)?;
-        let hw = self.hardware;
+        let p = layout.pp;
+        let (terms, mut costs) = self.stage_terms(layout);
+        if p > 1 {
+            let message = self.pp_message_time(layout);
+            costs.send_activation = message;
+            costs.send_grad = message;
+        }
+        let in_flight = self.in_flight(
+            layout.schedule,
+            p,
+            layout.virtual_stages,
+            layout.micro_batches,
+        )?;
+        let mut derived = Derived::new(p, costs, layout);
+        for rank in 0..p {
+            self.derive_rank(layout, rank, &terms, &in_flight, &mut derived);
+        }
+        derived.pipeline_lb = derived.pipeline_lower_bound(layout.micro_batches as f64);
+        Ok(derived)
+    }
+
+    /// Hybrid sharding: ZeRO's collectives within a copy of this many consecutive DP ranks
+    /// (with their context-parallel peers), spanning `s * tp` devices; each chunk summed over
+    /// the `replicas / s` copies.
+    fn shard_ranks(layout: &Layout) -> usize {
+        layout.shard_degree() * layout.cp.max(1)
+    }
+
+    /// Each stage's terms (its units' compute, communication and memory) and the schedule's
+    /// costs of its passes, ZeRO-3's gathers included.
+    fn stage_terms(&self, layout: &Layout) -> (Vec<StageTerms>, Costs) {
         // Context parallelism folds into data parallelism for the parameters: `d` counts the
         // `dp * cp` ranks that hold the same parameters (ranks ordered tp, cp, dp, pp).
-        let (t, b, p, v, d) = (
-            layout.tp,
-            layout.micro_batch,
-            layout.pp,
-            layout.virtual_stages,
-            layout.replicas(),
-        );
-        // Hybrid sharding: ZeRO's collectives within a copy of `s` consecutive DP ranks (with
-        // their context-parallel peers), spanning `s * t` devices; each chunk summed over the
-        // `d / s` copies.
-        let s = layout.shard_degree() * layout.cp.max(1);
+        let (t, d) = (layout.tp, layout.replicas());
+        let s = Self::shard_ranks(layout);
         // The ranks that hold the same routed experts.
         let de = layout.expert_replicas();
         let stages = layout.stages();
@@ -1073,7 +1143,7 @@ impl<'a> CostModel<'a> {
             for unit in range.clone() {
                 terms[j].add(&self.unit_terms(
                     unit,
-                    b,
+                    layout.micro_batch,
                     layout.split(),
                     layout.tp_overlap,
                     mode,
@@ -1095,48 +1165,115 @@ impl<'a> CostModel<'a> {
                 costs.backward[j] += (gather - costs.backward[j] - costs.recompute[j]).max(0.0);
             }
         }
-        let (pp_bw, pp_lat) = hw.link(if p > 1 { 2 * d * t } else { 1 });
-        let message = self.model.pp_message_bytes_per_rank(b, layout.split()) / BYTES_16BIT
+        (terms, costs)
+    }
+
+    /// Seconds of one pipeline message (an activation or its gradient) between two stages.
+    fn pp_message_time(&self, layout: &Layout) -> f64 {
+        let (pp_bw, pp_lat) = self.hardware.link(2 * layout.replicas() * layout.tp);
+        self.model
+            .pp_message_bytes_per_rank(layout.micro_batch, layout.split())
+            / BYTES_16BIT
             * self.element_bytes()
             / pp_bw
-            + pp_lat;
-        if p > 1 {
-            costs.send_activation = message;
-            costs.send_grad = message;
+            + pp_lat
+    }
+
+    /// Pipeline rank `rank`'s share of `derived`: its per-micro-batch compute and
+    /// communication over its chunks, its memory, and its tail after the pipeline drains.
+    fn derive_rank(
+        &self,
+        layout: &Layout,
+        rank: usize,
+        terms: &[StageTerms],
+        in_flight: &[usize],
+        derived: &mut Derived,
+    ) {
+        let (p, v) = (layout.pp, layout.virtual_stages);
+        let stage = |chunk| stage_of_chunk(layout.schedule, p, rank, chunk);
+        let mut last_backward = 0.0;
+        for chunk in 0..v {
+            let j = stage(chunk);
+            last_backward += derived.costs.backward[j] + derived.costs.recompute[j];
+            derived.compute_per_mb[rank] += terms[j].compute();
+            derived.tp_per_mb[rank] += terms[j].tp_comm();
+            derived.cp_per_mb[rank] += terms[j].cp_comm();
+            derived.ep_per_mb[rank] += terms[j].ep_comm();
         }
-        let in_flight = self.in_flight(layout.schedule, p, v, layout.micro_batches)?;
-        let mut derived = Derived {
-            schedule_recompute: layout
-                .recompute
-                .iter()
-                .map(|&mode| mode == RecomputeMode::Full)
-                .collect(),
-            compute_per_mb: vec![0.0; p],
-            tp_per_mb: vec![0.0; p],
-            cp_per_mb: vec![0.0; p],
-            ep_per_mb: vec![0.0; p],
-            tail: vec![0.0; p],
-            pipeline_lb: 0.0,
-            dp_exposed: vec![0.0; p],
-            optimizer: vec![0.0; p],
-            allgather: vec![0.0; p],
-            states: vec![0.0; p],
-            activations: vec![0.0; p],
-            workspace: vec![0.0; p],
-            costs,
+        let mut memory = Self::rank_memory(
+            (0..v).map(|chunk| {
+                let j = stage(chunk);
+                ChunkMemory {
+                    params: terms[j].params,
+                    expert_params: terms[j].expert_params,
+                    activation_bytes: terms[j].activation_bytes,
+                    in_flight: in_flight[j],
+                    mode: layout.recompute[j],
+                    largest_activation_bytes: terms[j].largest_activation_bytes,
+                }
+            }),
+            self.layout_state_bytes(layout),
+        );
+        if layout.zero == 3 {
+            // The unit running and the one gathered ahead, whole.
+            let largest = (0..v)
+                .map(|chunk| terms[stage(chunk)].largest_params)
+                .fold(0.0, f64::max);
+            memory.workspace += 2.0 * largest * self.element_bytes();
+        }
+        let tail = self.data_parallel_tail(layout, &memory, last_backward);
+        let optimizer = match self.calibration {
+            Some(c) => tail.local_params * c.optimizer_s_per_param + c.step_overhead_s,
+            None => tail.local_params * OPTIMIZER_BYTES_PER_PARAM / self.hardware.memory_bandwidth,
         };
-        let dp_span = d * t;
+        derived.dp_exposed[rank] = tail.exposed;
+        derived.allgather[rank] = tail.allgather;
+        derived.optimizer[rank] = optimizer;
+        derived.tail[rank] = tail.exposed + tail.allgather + optimizer;
+        derived.states[rank] = memory.states;
+        derived.activations[rank] = memory.activations;
+        derived.workspace[rank] = memory.workspace;
+    }
+
+    /// Bytes of model states per parameter under `layout` (dense and routed experts).
+    fn layout_state_bytes(&self, layout: &Layout) -> StateBytes {
         // ZeRO cuts the experts' state over the ranks holding the same experts, TP ranks
         // included (a TP rank holds its experts whole).
-        let expert_shard = de * t;
-        let state_bytes = Self::state_bytes(
-            s,
-            expert_shard,
+        Self::state_bytes(
+            Self::shard_ranks(layout),
+            layout.expert_replicas() * layout.tp,
             layout.zero,
             layout.micro_batches,
             layout.reduce_scatter,
             layout.schedule,
-        );
+        )
+    }
+
+    /// A pipeline rank's data-parallel work after its last backward pass (which lasted
+    /// `last_backward` and hides what it can): the exposed gradient reduction, the all-gather
+    /// of ZeRO's updated values, and the parameters its optimizer steps.
+    fn data_parallel_tail(
+        &self,
+        layout: &Layout,
+        memory: &RankMemory,
+        last_backward: f64,
+    ) -> DataParallelTail {
+        let (t, d) = (layout.tp, layout.replicas());
+        let s = Self::shard_ranks(layout);
+        let expert_shard = layout.expert_replicas() * t;
+        let rank_params = memory.params;
+        let grad_bytes = rank_params * self.element_bytes();
+        let experts = memory.expert_params;
+        let (expert_reduce, expert_gather) =
+            self.expert_exchange(experts * self.element_bytes(), layout, expert_shard);
+        if layout.zero == 0 {
+            let full = self.allreduce(grad_bytes, d, d * t) + expert_reduce;
+            return DataParallelTail {
+                exposed: (full - last_backward).max(0.0),
+                allgather: 0.0,
+                local_params: rank_params + experts,
+            };
+        }
         // Reduce-scattered every micro-batch: m collectives, each hidden behind its
         // micro-batch's backward pass as far as it goes.
         let scatters = if layout.zero >= 2 && layout.reduce_scatter == ReduceScatter::MicroBatch {
@@ -1144,103 +1281,32 @@ impl<'a> CostModel<'a> {
         } else {
             1.0
         };
-        for rank in 0..p {
-            let mut last_backward = 0.0;
-            for chunk in 0..v {
-                let j = stage_of_chunk(layout.schedule, p, rank, chunk);
-                last_backward += derived.costs.backward[j] + derived.costs.recompute[j];
-                derived.compute_per_mb[rank] += terms[j].compute();
-                derived.tp_per_mb[rank] += terms[j].tp_comm();
-                derived.cp_per_mb[rank] += terms[j].cp_comm();
-                derived.ep_per_mb[rank] += terms[j].ep_comm();
+        // Reduce-scatter (half a ring all-reduce) overlaps the backward pass; the all-gather
+        // of the updated 16-bit parameters does not.
+        let half = self.allreduce(grad_bytes, s, s * t) / 2.0;
+        // Under hybrid sharding each chunk is all-reduced over the copies.
+        let copies = self.allreduce(grad_bytes / s as f64, d / s, d * t);
+        let exchange = match self.calibration {
+            // Measured at dp = the calibration's ranks; scaled by the ring's (d-1)/d.
+            Some(c) if c.ranks > 1 => {
+                let at = |n: usize| (n - 1) as f64 / n as f64;
+                c.zero1_s_per_param * rank_params * at(s) / at(c.ranks)
             }
-            let memory = Self::rank_memory(
-                (0..v).map(|chunk| {
-                    let j = stage_of_chunk(layout.schedule, p, rank, chunk);
-                    ChunkMemory {
-                        params: terms[j].params,
-                        expert_params: terms[j].expert_params,
-                        activation_bytes: terms[j].activation_bytes,
-                        in_flight: in_flight[j],
-                        mode: layout.recompute[j],
-                        largest_activation_bytes: terms[j].largest_activation_bytes,
-                    }
-                }),
-                state_bytes,
-            );
-            let mut memory = memory;
-            if layout.zero == 3 {
-                // The unit running and the one gathered ahead, whole.
-                let largest = (0..v)
-                    .map(|chunk| {
-                        terms[stage_of_chunk(layout.schedule, p, rank, chunk)].largest_params
-                    })
-                    .fold(0.0, f64::max);
-                memory.workspace += 2.0 * largest * self.element_bytes();
-            }
-            let rank_params = memory.params;
-            let grad_bytes = rank_params * self.element_bytes();
-            let experts = memory.expert_params;
-            let (expert_reduce, expert_gather) =
-                self.expert_exchange(experts * self.element_bytes(), layout, expert_shard);
-            let (exposed, allgather, local_params) = if layout.zero >= 1 {
-                // Reduce-scatter (half a ring all-reduce) overlaps the backward pass; the
-                // all-gather of the updated 16-bit parameters does not.
-                let half = self.allreduce(grad_bytes, s, s * t) / 2.0;
-                // Under hybrid sharding each chunk is all-reduced over the copies.
-                let copies = self.allreduce(grad_bytes / s as f64, d / s, dp_span);
-                let exchange = match self.calibration {
-                    // Measured at dp = the calibration's ranks; scaled by the ring's (d-1)/d.
-                    Some(c) if c.ranks > 1 => {
-                        let at = |n: usize| (n - 1) as f64 / n as f64;
-                        c.zero1_s_per_param * rank_params * at(s) / at(c.ranks)
-                    }
-                    _ => half,
-                };
-                (
-                    // The copies' all-reduce starts as each chunk is reduced, during the
-                    // backward pass; m reduce-scatters expose m times what one does.
-                    (half + copies + expert_reduce - last_backward).max(0.0)
-                        + (scatters - 1.0) * (half - last_backward).max(0.0),
-                    // ZeRO-3 keeps its slices: no all-gather after the update.
-                    if s > 1 && layout.zero < 3 {
-                        exchange + expert_gather
-                    } else {
-                        expert_gather
-                    },
-                    rank_params / s as f64 + experts / expert_shard as f64,
-                )
+            _ => half,
+        };
+        DataParallelTail {
+            // The copies' all-reduce starts as each chunk is reduced, during the backward
+            // pass; m reduce-scatters expose m times what one does.
+            exposed: (half + copies + expert_reduce - last_backward).max(0.0)
+                + (scatters - 1.0) * (half - last_backward).max(0.0),
+            // ZeRO-3 keeps its slices: no all-gather after the update.
+            allgather: if s > 1 && layout.zero < 3 {
+                exchange + expert_gather
             } else {
-                let full = self.allreduce(grad_bytes, d, dp_span) + expert_reduce;
-                ((full - last_backward).max(0.0), 0.0, rank_params + experts)
-            };
-            let optimizer = match self.calibration {
-                Some(c) => local_params * c.optimizer_s_per_param + c.step_overhead_s,
-                None => local_params * OPTIMIZER_BYTES_PER_PARAM / hw.memory_bandwidth,
-            };
-            derived.dp_exposed[rank] = exposed;
-            derived.allgather[rank] = allgather;
-            derived.optimizer[rank] = optimizer;
-            derived.tail[rank] = exposed + allgather + optimizer;
-            derived.states[rank] = memory.states;
-            derived.activations[rank] = memory.activations;
-            derived.workspace[rank] = memory.workspace;
+                expert_gather
+            },
+            local_params: rank_params / s as f64 + experts / expert_shard as f64,
         }
-        // Rank r cannot start before micro-batch 0 has gone forward through stages 0..r, and
-        // cannot be done before its last backward has gone back through them (every schedule
-        // drains at the end of a step in the executor, see pipeline_time); in between it works
-        // m times its per-micro-batch time.
-        let m = layout.micro_batches as f64;
-        let mut before = 0.0;
-        let mut after = 0.0;
-        for rank in 0..p {
-            let busy = m * derived.busy_per_mb(rank);
-            let bound = before + busy + after;
-            derived.pipeline_lb = derived.pipeline_lb.max(bound);
-            before += derived.costs.forward[rank] + derived.costs.send_activation;
-            after += derived.costs.backward[rank] + derived.costs.send_grad;
-        }
-        Ok(derived)
     }
 
     /// A ring all-reduce of `bytes` of routed experts' values over `n` ranks spanning `span`

@@ -764,39 +764,8 @@ impl FromStr for TransformerShape {
                 });
             }
         };
-        let mut values: [Option<(usize, &str)>; SPEC_FIELDS.len()] = [None; SPEC_FIELDS.len()];
+        let values = spec_values(fields)?;
         const NAMES: [&str; SPEC_FIELDS.len()] = SPEC_FIELDS;
-        for item in fields.split(',').map(str::trim).filter(|i| !i.is_empty()) {
-            let Some((key, value)) = item.split_once('=') else {
-                return Err(ModelSpecError::Item {
-                    item: item.to_string(),
-                });
-            };
-            let key = key.trim();
-            let Some(index) = NAMES.iter().position(|n| *n == key) else {
-                return Err(ModelSpecError::UnknownField {
-                    field: key.to_string(),
-                });
-            };
-            let parsed = value
-                .trim()
-                .replace('_', "")
-                .parse::<usize>()
-                .ok()
-                .filter(|&v| v > 0 || index >= FIRST_ZERO_FIELD)
-                .ok_or_else(|| ModelSpecError::BadValue {
-                    field: key.to_string(),
-                    value: value.trim().to_string(),
-                })?;
-            if let Some((_, first)) = values[index] {
-                return Err(ModelSpecError::Duplicate {
-                    field: key.to_string(),
-                    first: first.trim().to_string(),
-                    second: value.trim().to_string(),
-                });
-            }
-            values[index] = Some((parsed, value));
-        }
         let get = |i: usize| {
             values[i]
                 .map(|(v, _)| v)
@@ -838,6 +807,45 @@ impl FromStr for TransformerShape {
         shape.validate()?;
         Ok(shape)
     }
+}
+
+/// The values of an inline spec's `key=value` items, by their place in [`SPEC_FIELDS`], each
+/// with its text; refused: an item without `=`, an unknown or repeated field, a value that is
+/// not a count (0 only for the optional fields).
+fn spec_values(fields: &str) -> Result<[Option<(usize, &str)>; SPEC_FIELDS.len()], ModelSpecError> {
+    let mut values: [Option<(usize, &str)>; SPEC_FIELDS.len()] = [None; SPEC_FIELDS.len()];
+    for item in fields.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let Some((key, value)) = item.split_once('=') else {
+            return Err(ModelSpecError::Item {
+                item: item.to_string(),
+            });
+        };
+        let key = key.trim();
+        let Some(index) = SPEC_FIELDS.iter().position(|n| *n == key) else {
+            return Err(ModelSpecError::UnknownField {
+                field: key.to_string(),
+            });
+        };
+        let parsed = value
+            .trim()
+            .replace('_', "")
+            .parse::<usize>()
+            .ok()
+            .filter(|&v| v > 0 || index >= FIRST_ZERO_FIELD)
+            .ok_or_else(|| ModelSpecError::BadValue {
+                field: key.to_string(),
+                value: value.trim().to_string(),
+            })?;
+        if let Some((_, first)) = values[index] {
+            return Err(ModelSpecError::Duplicate {
+                field: key.to_string(),
+                first: first.trim().to_string(),
+                second: value.trim().to_string(),
+            });
+        }
+        values[index] = Some((parsed, value));
+    }
+    Ok(values)
 }
 
 /// The fields of an inline model spec: the shape's, then the mixture of experts' (`experts`,
@@ -910,24 +918,48 @@ impl TransformerShape {
         units
     }
 
+    /// The shape's sizes as the profiles use them (counts saturating: a shape that passed
+    /// `validate` has no product near the limit, and one that did not must not panic here).
+    fn dims(&self) -> Dims {
+        let hu = self.hidden as u64;
+        Dims {
+            s: self.seq as f64,
+            h: self.hidden as f64,
+            a: self.heads as f64,
+            v: self.vocab as f64,
+            hu,
+            su: self.seq as u64,
+            vu: self.vocab as u64,
+            hu2: hu.saturating_mul(hu),
+            bert: self.kind == ModelKind::Bert,
+        }
+    }
+
     /// The three distinct units of the shape: the embedding, a transformer block (every block
     /// is the same) and the head. [`LayerCosts::unit_profiles`] is the embedding, `layers`
     /// blocks and the head; sums over a dense model can be taken from these three without
     /// building the per-unit list ([`counted_units`](Self::counted_units) adds a MoE shape's
     /// blocks, see [`crate::admission::estimate_shape`]).
     pub fn distinct_units(&self) -> [UnitProfile; 3] {
-        let (s, h, a, v) = (
-            self.seq as f64,
-            self.hidden as f64,
-            self.heads as f64,
-            self.vocab as f64,
-        );
-        // Saturating: a shape that passed `validate` has no product near the limit (its
-        // parameter count fits), and one that did not must not panic here.
-        let (hu, su, vu) = (self.hidden as u64, self.seq as u64, self.vocab as u64);
-        let hu2 = hu.saturating_mul(hu);
-        let bert = self.kind == ModelKind::Bert;
-        let embedding = UnitProfile {
+        [
+            self.embedding_profile(),
+            self.block_profile(),
+            self.head_profile(),
+        ]
+    }
+
+    /// The embedding unit: the token table (split by TP) and the positions.
+    fn embedding_profile(&self) -> UnitProfile {
+        let Dims {
+            s,
+            h,
+            hu,
+            su,
+            vu,
+            bert,
+            ..
+        } = self.dims();
+        UnitProfile {
             params_split: vu.saturating_mul(hu),
             params_replicated: su.saturating_mul(hu).saturating_add(if bert {
                 hu.saturating_mul(2)
@@ -942,8 +974,15 @@ impl TransformerShape {
             // Position add and dropout: read two, write one 16-bit value, a 1-byte mask.
             memory_replicated: 7.0 * s * h,
             ..UnitProfile::default()
-        };
-        let block = UnitProfile {
+        }
+    }
+
+    /// A transformer block (attention and MLP).
+    fn block_profile(&self) -> UnitProfile {
+        let Dims {
+            s, h, a, hu, hu2, ..
+        } = self.dims();
+        UnitProfile {
             // QKV (3h² + 3h), attention output weight, MLP (8h² + 4h bias of the first layer).
             params_split: hu2.saturating_mul(12).saturating_add(hu.saturating_mul(7)),
             // Attention-output and second MLP biases, two LayerNorms.
@@ -972,9 +1011,23 @@ impl TransformerShape {
             attention_flops: 4.0 * s * s * h,
             kv_elements: 2.0 * s * h,
             ..UnitProfile::default()
-        };
+        }
+    }
+
+    /// The head: the final LayerNorm (BERT: its transform) and the output layer over the tied table.
+    fn head_profile(&self) -> UnitProfile {
+        let Dims {
+            s,
+            h,
+            v,
+            hu,
+            vu,
+            hu2,
+            bert,
+            ..
+        } = self.dims();
         let dense = if bert { 2.0 * s * h * h } else { 0.0 };
-        let head = UnitProfile {
+        UnitProfile {
             params_split: 0,
             params_replicated: if bert {
                 hu2.saturating_add(hu.saturating_mul(3))
@@ -1002,9 +1055,23 @@ impl TransformerShape {
             attention_flops: 0.0,
             kv_elements: 0.0,
             ..UnitProfile::default()
-        };
-        [embedding, block, head]
+        }
     }
+}
+
+/// A shape's sizes ([`TransformerShape::dims`]): sequence, hidden, heads and vocabulary as
+/// `f64`, hidden, sequence and vocabulary as counts, the hidden size squared, and whether the
+/// model is a BERT.
+struct Dims {
+    s: f64,
+    h: f64,
+    a: f64,
+    v: f64,
+    hu: u64,
+    su: u64,
+    vu: u64,
+    hu2: u64,
+    bert: bool,
 }
 
 /// The planner's view of a model: one [`UnitProfile`] per pipeline unit.

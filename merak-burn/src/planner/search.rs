@@ -888,6 +888,46 @@ pub fn search_with_progress(
         return Err(no_layout(model, hardware, options));
     }
     let considered = all.len();
+    let (feasible, smallest) = estimate_all(&cm, all, budget, progress)?;
+    if feasible.is_empty() {
+        let smallest = least_memory(&mut dp_planner, &unplanned, smallest)?;
+        return Err(SearchError::DoesNotFit {
+            budget_bytes: budget,
+            smallest_bytes: smallest,
+        });
+    }
+    let feasible_count = feasible.len();
+    let ranked = rank(&cm, feasible, options.runner_ups + 1, progress)?;
+    let mut top = ranked.top.into_iter();
+    let Some(best) = top.next() else {
+        return Err(SearchError::DoesNotFit {
+            budget_bytes: budget,
+            smallest_bytes: smallest,
+        });
+    };
+    Ok(SearchResult {
+        best,
+        runner_ups: top.collect(),
+        pareto: ranked.pareto,
+        considered,
+        feasible: feasible_count,
+        predicted: ranked.predicted,
+    })
+}
+
+/// A candidate that fits with its estimate: the lower bound of its step time and its peak
+/// memory, bytes.
+type Feasible = (f64, u64, Candidate);
+
+/// The candidates that fit in `budget` with their estimates, ordered by time bound then
+/// memory, and the least peak memory of all.
+fn estimate_all(
+    cm: &CostModel<'_>,
+    all: Vec<Candidate>,
+    budget: u64,
+    progress: &mut dyn FnMut(SearchProgress),
+) -> Result<(Vec<Feasible>, u64), SearchError> {
+    let considered = all.len();
     let mut smallest = u64::MAX;
     let mut feasible = Vec::new();
     for (done, c) in all.into_iter().enumerate() {
@@ -903,25 +943,45 @@ pub fn search_with_progress(
             feasible.push((est.time_lower_bound_s, mem, c));
         }
     }
-    if feasible.is_empty() {
-        // The stage planner's skeletons that no cut fits count with the least memory a cut
-        // of them can reach.
-        let mut split = None;
-        for skeleton in &unplanned {
-            if split != Some(skeleton.split()) {
-                dp_planner.release_tables();
-                split = Some(skeleton.split());
-            }
-            smallest = smallest.min(dp_planner.min_memory(skeleton)?);
-        }
-        return Err(SearchError::DoesNotFit {
-            budget_bytes: budget,
-            smallest_bytes: smallest,
-        });
-    }
-    let feasible_count = feasible.len();
     feasible.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
-    let keep = options.runner_ups + 1;
+    Ok((feasible, smallest))
+}
+
+/// The least memory of `smallest` and of what a cut of the stage planner's `unplanned`
+/// skeletons (none of whose cuts fits) can reach.
+fn least_memory(
+    dp_planner: &mut StageDp<'_, '_>,
+    unplanned: &[Skeleton],
+    mut smallest: u64,
+) -> Result<u64, SearchError> {
+    let mut split = None;
+    for skeleton in unplanned {
+        if split != Some(skeleton.split()) {
+            dp_planner.release_tables();
+            split = Some(skeleton.split());
+        }
+        smallest = smallest.min(dp_planner.min_memory(skeleton)?);
+    }
+    Ok(smallest)
+}
+
+/// The simulated best plans: the fastest `keep` and the Pareto front of time and memory.
+struct Ranked {
+    top: Vec<Plan>,
+    pareto: Vec<Plan>,
+    /// How many candidates were simulated.
+    predicted: usize,
+}
+
+/// Simulates the `feasible` candidates (in order of their time bound) that could still enter
+/// the fastest `keep` or the Pareto front, and keeps those that do.
+fn rank(
+    cm: &CostModel<'_>,
+    feasible: Vec<Feasible>,
+    keep: usize,
+    progress: &mut dyn FnMut(SearchProgress),
+) -> Result<Ranked, SearchError> {
+    let total = feasible.len();
     let mut top: Vec<Plan> = Vec::new();
     let mut front: Vec<(f64, u64)> = Vec::new();
     let mut pareto: Vec<Plan> = Vec::new();
@@ -930,7 +990,7 @@ pub fn search_with_progress(
         progress(SearchProgress {
             phase: "simulating",
             done,
-            total: feasible_count,
+            total,
         });
         let top_full = top.len() >= keep;
         let kth = top
@@ -968,19 +1028,9 @@ pub fn search_with_progress(
         }
     }
     pareto.sort_by(|a, b| a.point().0.total_cmp(&b.point().0));
-    let mut top = top.into_iter();
-    let Some(best) = top.next() else {
-        return Err(SearchError::DoesNotFit {
-            budget_bytes: budget,
-            smallest_bytes: smallest,
-        });
-    };
-    Ok(SearchResult {
-        best,
-        runner_ups: top.collect(),
+    Ok(Ranked {
+        top,
         pareto,
-        considered,
-        feasible: feasible_count,
         predicted,
     })
 }
