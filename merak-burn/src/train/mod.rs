@@ -34,6 +34,7 @@ mod stop;
 mod sync;
 mod tied;
 mod trainer;
+mod versions;
 mod zero3;
 
 pub use adamw::FusedAdamW;

@@ -12,7 +12,7 @@ use crate::checkpoint::{Checkpoint, FullState, state};
 use crate::comm::{Group, ReduceOp};
 use crate::data_parallel::{DpStats, emptied};
 use crate::grid::ProcessGrid;
-use crate::pipeline::{Executor, InFlight, MicroBatch, PipelinePlan, ScheduleKind, StepWork};
+use crate::pipeline::{Executor, MicroBatch, PipelinePlan, ScheduleKind, StepWork};
 use crate::pipeline::{TrainBackend, TrainModel};
 use crate::plan::ParallelPlan;
 use crate::tensor_parallel::Shard;
@@ -20,10 +20,14 @@ use crate::train::check_plan;
 use crate::train::experts::{expert_ids, gather_routing};
 use crate::train::optim::Optimizers;
 use crate::train::sync::{self, GradSync, NormParts};
+use crate::train::versions::WeightVersions;
 use crate::train::{
     BatchSource, FusedAdamW, NormGroups, ParamGroup, ParamInfo, RoutingStats, StateBytes,
     TrainError, TrainSettings, sharded_param_ids,
 };
+
+/// A step's micro-batches, and the next step's when its first forwards run during this one.
+type StepBatches = (Vec<MicroBatch>, Option<Vec<MicroBatch>>);
 
 /// Burn's optimizer adaptor around [`FusedAdamW`] for the model `M`.
 pub type AdamW<M, B> = OptimizerAdaptor<FusedAdamW, M, B>;
@@ -78,13 +82,9 @@ where
     pub(crate) settings: TrainSettings,
     pub(crate) device: B::Device,
     pub(crate) model: M,
-    /// PipeDream-2BW: the weights from before the previous update, on which the next step's
-    /// gradients are computed (V_t = V_{t-1} - lr * grad(V_{t-2})).
-    pub(crate) stale: Option<M>,
-    /// PipeDream-2BW's overlap: the forwards of the next step that ran ahead, and its
-    /// micro-batches.
-    pub(crate) in_flight: InFlight<B>,
-    next_batches: Option<Vec<MicroBatch>>,
+    /// PipeDream-2BW's previous weight version, on which the passes run, and the next step's
+    /// forwards that ran ahead (`model` holds the current weights).
+    pub(crate) versions: WeightVersions<B, M>,
     /// The optimizer of each parameter group (by default: matrices with weight decay,
     /// vectors without).
     pub(crate) optim: Optimizers<M, B>,
@@ -161,6 +161,7 @@ where
         };
         // Only sequence parallelism splits the sequences over the TP ranks.
         let tp_parts = model.sequence_parts() / grid.layout.cp.max(1);
+        let two_versions = pipeline.schedule.kind == ScheduleKind::TwoBw;
         let executor = Executor::new(pipeline, grid.pp, grid.tp, trace.then_some(grid.rank))
             .with_sequence_parts(tp_parts);
         // Under ZeRO-3 this rank keeps only its shards of the values.
@@ -174,9 +175,7 @@ where
             settings,
             device,
             model,
-            stale: None,
-            in_flight: InFlight::default(),
-            next_batches: None,
+            versions: WeightVersions::new(two_versions),
             optim,
             sync,
             executor,
@@ -268,8 +267,7 @@ where
             .map(|p| p.shape.iter().product::<usize>() as u64)
             .sum();
         let stepped = self.sync.stepped_elements().unwrap_or(all);
-        let versions = 1 + u64::from(self.stale.is_some());
-        let params = self.sync.stored_params().unwrap_or(versions * all);
+        let params = (self.sync.stored_params()).unwrap_or(self.versions.count() * all);
         StateBytes {
             params: 4 * params,
             grads: 4 * self.sync.reducer().gradient_elements() as u64,
@@ -391,16 +389,15 @@ where
 
     /// The micro-batches of step `step` (read ahead during the last step under 2BW's overlap),
     /// and with `next_follows` where the schedule overlaps steps, the next step's.
-    #[allow(clippy::type_complexity)]
     fn step_batches(
         &mut self,
         data: &dyn BatchSource,
         step: usize,
         next_follows: bool,
-    ) -> Result<(Vec<MicroBatch>, Option<Vec<MicroBatch>>), TrainError> {
-        let batches = match self.next_batches.take() {
-            Some(b) if self.in_flight.step() == Some(step) => b,
-            _ => self.micro_batches(data, step)?,
+    ) -> Result<StepBatches, TrainError> {
+        let batches = match self.versions.batches_ahead(step) {
+            Some(b) => b,
+            None => self.micro_batches(data, step)?,
         };
         let overlap = next_follows && self.overlaps_steps() && step + 1 < self.settings.steps;
         let next = overlap
@@ -425,7 +422,7 @@ where
         let kept = self.sync.step_model(&self.model)?;
         let work = StepWork {
             model: (kept.as_ref())
-                .or(self.stale.as_ref())
+                .or(self.versions.stale.as_ref())
                 .unwrap_or(&self.model),
             batches,
             step,
@@ -435,11 +432,11 @@ where
             shards: self.sync.shards().filter(|_| kept.is_none()),
         };
         let reducer = self.sync.reducer();
-        let report =
-            (self.executor).run_step(work, reducer, shape, &self.device, &mut self.in_flight)?;
+        let in_flight = &mut self.versions.in_flight;
+        let report = (self.executor).run_step(work, reducer, shape, &self.device, in_flight)?;
         // The gathered parameters go before the update builds the new values.
         drop(kept);
-        self.next_batches = next;
+        self.versions.set_batches_ahead(next);
         self.max_in_flight = self.max_in_flight.max(report.max_in_flight);
         Ok(report.loss)
     }
@@ -454,18 +451,14 @@ where
         tracing::warn!("the loss is {loss} at step {step}: step skipped, parameters unchanged");
         // Under 2BW a skipped step still moves the weight versions on (as a zero update):
         // the next step's forwards may already run on the current weights.
-        if self.executor.plan().schedule.kind == ScheduleKind::TwoBw {
-            self.stale = Some(self.model.clone());
-        }
+        self.versions.advance(&self.model);
         Ok(outcome)
     }
 
     /// The optimizer's step at `lr` on the step's clipped gradients (under 2BW, the current
     /// weights kept as the next step's version first).
     fn update(&mut self, lr: f64) -> Result<(), TrainError> {
-        if self.executor.plan().schedule.kind == ScheduleKind::TwoBw {
-            self.stale = Some(self.model.clone());
-        }
+        self.versions.advance(&self.model);
         let model = self.model.clone();
         self.model = self.sync.apply(model, lr, &mut self.optim)?;
         Ok(())
