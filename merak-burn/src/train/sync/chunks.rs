@@ -141,6 +141,13 @@ impl<'g, B: TrainBackend> Chunks<'g, B> {
         })
     }
 
+    /// Starts a step: clears the reducer's buffers and drops the last step's chunks (kept
+    /// when that step was skipped).
+    pub fn begin_step(&mut self) {
+        self.grads = Vec::new();
+        self.reducer.begin_step();
+    }
+
     /// Scales the step's chunks by `scale`.
     pub fn scale(&mut self, scale: f32) {
         self.grads.iter_mut().flatten().for_each(|g| *g *= scale);
@@ -157,6 +164,8 @@ impl<'g, B: TrainBackend> Chunks<'g, B> {
         optim: &Optimizers<M, B>,
     ) -> Result<Vec<Vec<f32>>, TrainError> {
         let seen = self.reducer.seen();
+        // The step's chunks go with the update, not through the next step's passes.
+        let grads = std::mem::take(&mut self.grads);
         let mut mine: Vec<Vec<f32>> = (self.slices.buckets.iter())
             .map(|c| vec![0.0; c.chunk])
             .collect();
@@ -174,7 +183,7 @@ impl<'g, B: TrainBackend> Chunks<'g, B> {
                 dst.copy_from_slice(current);
                 continue;
             };
-            let grad = &self.grads[p.bucket][p.chunk_offset..p.chunk_offset + p.len];
+            let grad = &grads[p.bucket][p.chunk_offset..p.chunk_offset + p.len];
             let device = &self.device;
             let step = optim.step_piece(
                 &param.name,

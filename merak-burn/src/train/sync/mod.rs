@@ -92,7 +92,7 @@ pub(crate) trait GradSync<B: TrainBackend, M: TrainModel<B>> {
         None
     }
 
-    /// Starts a step: clears the reducer's buffers.
+    /// Starts a step: clears the reducer's buffers (and the gradients a skipped step left).
     fn begin_step(&mut self) {
         self.reducer().begin_step();
     }

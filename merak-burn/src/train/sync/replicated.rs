@@ -53,6 +53,12 @@ impl<B: TrainBackend, M: TrainModel<B>> GradSync<B, M> for Replicated<'_, B> {
         &self.reducer
     }
 
+    fn begin_step(&mut self) {
+        // The last step's gradients, kept when that step was skipped.
+        self.grads = GradientsParams::new();
+        self.reducer.begin_step();
+    }
+
     fn finish(&mut self, model: &M) -> Result<DpStats, TrainError> {
         let (mut grads, dp) = self.reducer.finish::<B, _>(model)?;
         sum_tied_grads::<B>(&mut grads, self.grid, self.tied, &self.device)?;

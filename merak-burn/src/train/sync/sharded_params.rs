@@ -57,6 +57,10 @@ impl<B: TrainBackend, M: TrainModel<B>> GradSync<B, M> for ShardedParams<'_, B> 
         }
     }
 
+    fn begin_step(&mut self) {
+        self.chunks.begin_step();
+    }
+
     fn finish(&mut self, _model: &M) -> Result<DpStats, TrainError> {
         self.chunks.finish()
     }

@@ -34,6 +34,10 @@ impl<B: TrainBackend, M: TrainModel<B>> GradSync<B, M> for ShardedState<'_, B> {
         &self.chunks.reducer
     }
 
+    fn begin_step(&mut self) {
+        self.chunks.begin_step();
+    }
+
     fn finish(&mut self, _model: &M) -> Result<DpStats, TrainError> {
         self.chunks.finish()
     }
