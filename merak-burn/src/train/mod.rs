@@ -19,6 +19,7 @@ mod metrics;
 mod optim;
 mod optimizer_settings;
 mod outputs;
+mod param_values;
 mod plan_check;
 pub mod process;
 mod progress;

@@ -10,7 +10,7 @@ use burn::module::{AutodiffModule, ParamId};
 use burn::tensor::backend::AutodiffBackend;
 
 use super::error::InvalidSetting;
-use super::sync::for_each_param;
+use super::param_values::for_each_param;
 use crate::checkpoint::CheckpointError;
 use crate::checkpoint::state::ParamShape;
 use crate::comm::Group;

@@ -8,7 +8,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::module::{AutodiffModule, ModuleMapper, Param, ParamId};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
 
@@ -21,6 +21,7 @@ use crate::grid::ProcessGrid;
 use crate::pipeline::{TrainBackend, TrainModel};
 use crate::train::experts::experts_apart;
 use crate::train::optim::Optimizers;
+use crate::train::param_values::for_each_param;
 use crate::train::tied::sum_tied_chunk;
 use crate::train::{GradStats, TrainError};
 
@@ -329,37 +330,6 @@ pub(super) fn read_params<B: AutodiffBackend, M: AutodiffModule<B>>(
     let mut all = Vec::new();
     for_each_param(model, &mut |_, v| all.push(v))?;
     Ok(all)
-}
-
-/// Reads the parameters to the host one at a time, handing each (its visit-order index and
-/// values) to `take` before the next is read.
-pub(crate) fn for_each_param<B: AutodiffBackend, M: AutodiffModule<B>>(
-    model: &M,
-    take: &mut dyn FnMut(usize, Vec<f32>),
-) -> Result<(), TrainError> {
-    struct Read<'a> {
-        take: &'a mut dyn FnMut(usize, Vec<f32>),
-        next: usize,
-        error: Option<TrainError>,
-    }
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Read<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let data = param.val().inner().into_data().convert::<f32>();
-            let values = data.into_vec::<f32>().unwrap_or_else(|e| {
-                (self.error).get_or_insert(TrainError::Sliced(format!("{e:?}")));
-                Vec::new()
-            });
-            (self.take)(self.next, values);
-            self.next += 1;
-        }
-    }
-    let mut read = Read {
-        take,
-        next: 0,
-        error: None,
-    };
-    model.visit(&mut read);
-    read.error.map_or(Ok(()), Err)
 }
 
 /// Sets every float parameter (visit order) to its range of `flat`, keeping its id.

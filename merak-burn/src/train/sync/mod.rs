@@ -39,7 +39,6 @@ use crate::train::optim::Optimizers;
 use crate::train::{GradStats, NormGroups, TrainError};
 
 pub(crate) use build::build;
-pub(crate) use chunks::for_each_param;
 pub(crate) use replicated::Replicated;
 pub(crate) use sharded_params::ShardedParams;
 pub(crate) use sharded_state::ShardedState;
