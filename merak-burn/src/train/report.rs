@@ -16,7 +16,7 @@ pub struct StateBytes {
     pub params: u64,
     /// Its gradient buckets.
     pub grads: u64,
-    /// The optimizer state of the parameters it steps (all of them, or its ZeRO slices), once
+    /// The optimizer state of the parameters it steps (all of them, or its ZeRO pieces), once
     /// each has stepped.
     pub optimizer: u64,
 }
@@ -55,17 +55,12 @@ pub fn report_memory(
     if grid.rank != 0 {
         return Ok(());
     }
-    let stages_of = |pp: usize| -> Vec<usize> {
-        (0..plan.schedule.stages())
-            .filter(|&s| plan.schedule.rank_of(s) == pp)
-            .collect()
-    };
     let ranks: Vec<serde_json::Value> = all
         .chunks(FIELDS)
         .enumerate()
         .map(|(rank, v)| {
             let pp = grid.layout.coords(rank).pp;
-            let stages = stages_of(pp);
+            let stages = stages_of(plan, pp);
             let recompute: Vec<usize> = stages.iter().map(|&s| plan.recompute_units[s]).collect();
             serde_json::json!({
                 "rank": rank,
@@ -90,26 +85,38 @@ pub fn report_memory(
     let bytes = serde_json::to_vec_pretty(&json).unwrap_or_default();
     std::fs::write(&path, bytes).map_err(TrainError::io(&path))?;
     if grid.layout.pp > 1 {
-        for (rank, v) in all.chunks(FIELDS).enumerate() {
-            let stages: Vec<String> = stages_of(grid.layout.coords(rank).pp)
-                .into_iter()
-                .map(|s| {
-                    format!(
-                        "{s} (units {:?}, recompute {})",
-                        plan.partition.range(s),
-                        plan.recompute_units[s]
-                    )
-                })
-                .collect();
-            tracing::info!(
-                "rank {rank}: stages {}: peak memory {:.1} MiB, at most {} micro-batches in flight",
-                stages.join(", "),
-                v[0],
-                v[1]
-            );
-        }
+        log_stage_memory(grid, plan, &all);
     }
     Ok(())
+}
+
+/// The stages that pipeline rank `pp` runs.
+fn stages_of(plan: &PipelinePlan, pp: usize) -> Vec<usize> {
+    (0..plan.schedule.stages())
+        .filter(|&s| plan.schedule.rank_of(s) == pp)
+        .collect()
+}
+
+/// Logs each rank's stages and peak memory (`all`: every rank's [`FIELDS`] values).
+fn log_stage_memory(grid: &ProcessGrid, plan: &PipelinePlan, all: &[f32]) {
+    for (rank, v) in all.chunks(FIELDS).enumerate() {
+        let stages: Vec<String> = stages_of(plan, grid.layout.coords(rank).pp)
+            .into_iter()
+            .map(|s| {
+                format!(
+                    "{s} (units {:?}, recompute {})",
+                    plan.partition.range(s),
+                    plan.recompute_units[s]
+                )
+            })
+            .collect();
+        tracing::info!(
+            "rank {rank}: stages {}: peak memory {:.1} MiB, at most {} micro-batches in flight",
+            stages.join(", "),
+            v[0],
+            v[1]
+        );
+    }
 }
 
 /// The gaps between a rank's recorded actions, as "idle" spans (waiting for the pipeline,

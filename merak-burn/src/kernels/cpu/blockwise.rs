@@ -473,16 +473,7 @@ pub fn pair_forward(
             }
             let cols = ks.end - ks.start;
             let sv = View::new(0, rows_q, cols, cols, 1);
-            matmul(
-                s,
-                sv,
-                q.buf,
-                qv,
-                k.buf,
-                k.rows(ks.start, ks.end).t(),
-                scale,
-                false,
-            );
+            block_scores(s, sv, (q, qv), k, ks, scale);
             let sb = &mut s[..rows_q * cols];
             if cover == Cover::Partial {
                 mask.apply(sb, qs, ks);
@@ -517,6 +508,29 @@ pub fn pair_forward(
         };
         write_rows(&acc[..rows_q * dv], rows, r0, out, o, &mut lse[r0..r1]);
     }
+}
+
+/// The scaled scores of a block of query rows (`q`'s `qv`) against the keys `ks`, into `s`
+/// at `sv`.
+#[inline(always)]
+fn block_scores(
+    s: &mut [f32],
+    sv: View,
+    (q, qv): (Matrix<'_>, View),
+    k: Matrix<'_>,
+    ks: &Span,
+    scale: f32,
+) {
+    matmul(
+        s,
+        sv,
+        q.buf,
+        qv,
+        k.buf,
+        k.rows(ks.start, ks.end).t(),
+        scale,
+        false,
+    );
 }
 
 /// A block of query rows' running maximum and sum of exponentials.

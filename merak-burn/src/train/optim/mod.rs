@@ -177,6 +177,12 @@ fn out_of(e: OutOfBounds) -> InvalidSetting {
 
 /// The kind's own hyperparameters, and none set for a kind that does not use it.
 fn check_kind(o: &OptimizerSettings) -> Result<(), InvalidSetting> {
+    check_unused(o)?;
+    check_combinations(o)
+}
+
+/// No hyperparameter set that the kind does not use.
+fn check_unused(o: &OptimizerSettings) -> Result<(), InvalidSetting> {
     use OptimizerKind::*;
     let d = OptimizerSettings::default();
     let kind = o.kind;
@@ -232,6 +238,13 @@ fn check_kind(o: &OptimizerSettings) -> Result<(), InvalidSetting> {
             ));
         }
     }
+    Ok(())
+}
+
+/// The hyperparameters within bounds, and no combination the optimizer cannot run.
+fn check_combinations(o: &OptimizerSettings) -> Result<(), InvalidSetting> {
+    use OptimizerKind::*;
+    let kind = o.kind;
     if let Some(e) = out_of_bounds(o, &OPTIMIZER_REAL_KEYS, "optimizer.") {
         return Err(out_of(e));
     }
