@@ -31,8 +31,8 @@ use merak_burn::comm::{Communicator, MpiCommunicator, MpiWorld, ReduceOp};
 use merak_burn::data::{CausalWindows, Dataset, SyntheticData};
 use merak_burn::grid::{Layout, ProcessGrid};
 use merak_burn::moe::MoeConfig;
+use merak_burn::parallel_plan::ParallelPlan;
 use merak_burn::pipeline::{PipelinePlan, ScheduleKind, build_schedule, explicit_partition};
-use merak_burn::plan::ParallelPlan;
 use merak_burn::train::{TrainSettings, Trainer};
 use merak_gpt::{Gpt, GptConfig};
 

@@ -45,8 +45,8 @@ use merak_burn::backend::{CpuAutodiff, CpuDevice};
 use merak_burn::comm::{Communicator, Group, MpiCommunicator, MpiWorld, ReduceOp};
 use merak_burn::data_parallel::GradientBuffers;
 use merak_burn::grid::{Layout, ProcessGrid};
+use merak_burn::parallel_plan::ParallelPlan;
 use merak_burn::pipeline::{PipelinePlan, ScheduleKind, build_schedule, explicit_partition};
-use merak_burn::plan::ParallelPlan;
 use merak_burn::train::{SourceError, TokenSource, TrainSettings, Trainer, Windows};
 use merak_gpt::{Gpt, GptConfig};
 

@@ -9,8 +9,8 @@ use merak_burn::admission::{
     estimate, estimate_shape,
 };
 use merak_burn::device::DeviceChoice;
+use merak_burn::parallel_plan::ParallelPlan;
 use merak_burn::pipeline::PipelinePlan;
-use merak_burn::plan::ParallelPlan;
 
 use crate::config::Config;
 
@@ -99,7 +99,7 @@ fn gpu_limit(_choice: DeviceChoice) -> Option<MemoryLimit> {
 
 /// Ranks of the job on this machine (Open MPI says; otherwise all of them).
 fn local_ranks(parallel: &ParallelPlan) -> usize {
-    merak_burn::launcher::Launch::from_env()
+    merak_burn::rank_env::Launch::from_env()
         .ok()
         .and_then(|l| l.local_size)
         .unwrap_or(parallel.layout().world_size())

@@ -7,8 +7,8 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use merak_burn::checkpoint::Checkpoint;
 use merak_burn::comm::{Communicator, MpiCommunicator};
+use merak_burn::parallel_plan::ParallelPlan;
 use merak_burn::pipeline::PipelinePlan;
-use merak_burn::plan::ParallelPlan;
 use merak_burn::planner::PlanFile;
 
 use crate::config::{self, Config};

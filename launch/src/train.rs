@@ -7,11 +7,11 @@ use anyhow::Result;
 use merak_bert::{BertConfig, mask_tokens};
 use merak_burn::checkpoint::{Checkpoint, FullState};
 use merak_burn::data::{CausalWindows, DocumentMasked};
+use merak_burn::entry::{Part, RunOptions, train_part};
 use merak_burn::grid::ProcessGrid;
+use merak_burn::parallel_plan::ParallelPlan;
 use merak_burn::pipeline::PipelinePlan;
 use merak_burn::pipeline::{TrainBackend, TrainModel};
-use merak_burn::plan::ParallelPlan;
-use merak_burn::session::{Part, RunOptions, train_part};
 pub use merak_burn::train::Summary;
 use merak_burn::train::{
     BatchSource, ExistingRun, RunFile, SourceError, StopRequest, TokenSource, Windows,
@@ -160,7 +160,7 @@ impl TokenSource for ObjectiveData<'_> {
 
 /// Trains `model` (this rank's stages and TP shard) on this rank's part of the grid (from the
 /// state of `spec.resume` when given) through the library's
-/// [`train_part`](merak_burn::session::train_part), the step `merak_burn::run` ends in;
+/// [`train_part`](merak_burn::entry::train_part), the step `merak_burn::run` ends in;
 /// rank 0 writes `out/metrics.jsonl`; checkpoints follow `[checkpoint]`.
 #[allow(clippy::too_many_arguments)]
 pub fn train<B, M>(

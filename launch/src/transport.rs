@@ -68,10 +68,10 @@ fn situation(device: Option<DeviceChoice>, world_size: usize) -> RankSituation {
 }
 
 /// Every rank logs its place as its launcher describes it (`mpirun` or `srun`; see
-/// [`merak_burn::launcher::Launch`]): its local rank, which picks its GPU, and its node.
+/// [`merak_burn::rank_env::Launch`]): its local rank, which picks its GPU, and its node.
 fn log_launch(rank: usize) {
     // MPI started, so the environment was read once already and adds up.
-    let Ok(launch) = merak_burn::launcher::Launch::from_env() else {
+    let Ok(launch) = merak_burn::rank_env::Launch::from_env() else {
         return;
     };
     let (local_rank, local_size) = launch.local();

@@ -12,7 +12,7 @@
 //!
 //! ```
 //! use merak_burn::admission::{HOST_RUNTIME_BYTES, MemoryKind, MemoryLimit, admit_shape, estimate_shape};
-//! use merak_burn::plan::ParallelPlan;
+//! use merak_burn::parallel_plan::ParallelPlan;
 //! use merak_burn::planner::TransformerShape;
 //!
 //! let huge = TransformerShape::gpt(100_000_000, 64, 4, 32, 512);
@@ -35,8 +35,8 @@ use std::fmt;
 
 use thiserror::Error;
 
+use crate::parallel_plan::ParallelPlan;
 use crate::pipeline::{PipelinePlan, Recompute};
-use crate::plan::ParallelPlan;
 use crate::planner::{
     CostModel, EXPERT_LOAD_BOUND, HardwareSpec, ModelProxy, RankSplit, RecomputeMode,
     TransformerShape, UnitProfile,

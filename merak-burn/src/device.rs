@@ -54,9 +54,9 @@ pub enum DeviceError {
         /// Devices on the node.
         devices: usize,
     },
-    /// The launcher's environment does not add up (see [`crate::launcher`]).
+    /// The launcher's environment does not add up (see [`crate::rank_env`]).
     #[error(transparent)]
-    Launcher(#[from] crate::launcher::LauncherError),
+    Launcher(#[from] crate::rank_env::LauncherError),
     /// The CUDA driver could not be asked.
     #[error("counting the CUDA devices: {0}")]
     Driver(String),
@@ -73,7 +73,7 @@ pub struct LocalRank {
 
 impl LocalRank {
     /// From the environment `mpirun` (Open MPI or MPICH) or `srun` gives each process (see
-    /// [`Launch`](crate::launcher::Launch)); a process started without a launcher is alone on its
+    /// [`Launch`](crate::rank_env::Launch)); a process started without a launcher is alone on its
     /// node.
     pub fn from_env() -> Result<Self, DeviceError> {
         Self::from_vars(|name| std::env::var(name).ok())
@@ -81,7 +81,7 @@ impl LocalRank {
 
     /// Like [`from_env`](Self::from_env), reading variables through `get`.
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Self, DeviceError> {
-        let (rank, size) = crate::launcher::Launch::from_vars(get)?.local();
+        let (rank, size) = crate::rank_env::Launch::from_vars(get)?.local();
         Ok(LocalRank { rank, size })
     }
 }

@@ -5,7 +5,7 @@
 //! - [`batch`]: samples of any shape as named fields, and a micro-batch of them as tensors.
 //! - [`comm`]: the [`Communicator`](comm::Communicator) trait with MPI, NCCL and one-process
 //!   implementations.
-//! - [`launcher`]: the launcher's environment (mpirun, srun, PMIx): rank, local rank, node.
+//! - [`rank_env`]: the launcher's environment (mpirun, srun, PMIx): rank, local rank, node.
 //! - [`kernels`]: fused operations (cross-entropy, ...) with vectorized CPU kernels.
 //! - [`grid`]: the process grid `world = dp * pp * tp` and its per-axis communicators.
 //! - [`data`]: synthetic sequences and memory-mapped token data sets, as the trainer's windows.
@@ -22,7 +22,7 @@
 //! - [`pipeline`]: stages, schedules as data (validated, simulated, executed), recomputation.
 //! - [`parallelize`]: a Burn user's own model made parallel by describing it: which linear
 //!   layers tensor parallelism splits, which sub-modules are the pipeline units.
-//! - [`plan`]: [`ParallelPlan`](plan::ParallelPlan), the one typed plan of a run (layout,
+//! - [`parallel_plan`]: [`ParallelPlan`](parallel_plan::ParallelPlan), the one typed plan of a run (layout,
 //!   stages, schedule, recomputation, micro-batching, ZeRO-1, overlap).
 //! - [`planner`]: model proxy, hardware spec, cost model and search of 3D-parallel plans.
 //! - [`admission`]: the memory admission check: a run whose ranks' estimated peak does not
@@ -32,7 +32,7 @@
 //! - [`probe`]: the machine measured for the planner (matrix products, memory, MPI, the
 //!   tensor-parallel overlap), under `mpirun`.
 //! - [`rng`]: deterministic randomness keyed by seed, name and global index.
-//! - [`session`]: [`run`], the one call that trains a model described as units under any
+//! - [`entry`]: [`run`], the one call that trains a model described as units under any
 //!   layout (detecting `mpirun`, planning, building each rank's units, training, checkpoints).
 
 #![warn(missing_docs)]
@@ -47,25 +47,25 @@ pub mod context_parallel;
 pub mod data;
 pub mod data_parallel;
 pub mod device;
+pub mod entry;
 pub mod expert_ops;
 pub mod grid;
 pub mod hf_files;
 pub mod kernels;
-pub mod launcher;
 pub mod moe;
+pub mod parallel_plan;
 pub mod parallelize;
 pub mod pipeline;
-pub mod plan;
 pub mod planner;
 pub mod precision;
 pub mod probe;
+pub mod rank_env;
 pub mod rng;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 pub mod self_test;
-pub mod session;
 pub mod tensor_parallel;
 pub mod train;
 #[cfg(feature = "wgpu")]
 pub mod wgpu_device;
 
-pub use session::{run, run_with_mpi};
+pub use entry::{run, run_with_mpi};

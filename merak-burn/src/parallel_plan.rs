@@ -145,7 +145,7 @@ pub struct ParallelPlan {
     /// needs without recomputation.
     pub memory_budget_mb: f64,
     /// The ZeRO stage over the data-parallel ranks: 0 none; 1 the optimizer state sharded by
-    /// slices (the gradients all-reduced, each rank stepping its slices, the new parameters
+    /// chunks (the gradients all-reduced, each rank stepping its chunks, the new parameters
     /// all-gathered); 2 the gradients too (reduce-scattered); 3 the parameters too (each
     /// unit's gathered just before it runs).
     pub zero: u8,

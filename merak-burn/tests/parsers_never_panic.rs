@@ -157,7 +157,7 @@ fn real_checkpoint(dir: &Path) -> String {
                 m2: vec![0.25; 12],
             },
         )],
-        slices: Vec::new(),
+        pieces: Vec::new(),
     };
     let grid = merak_burn::grid::ProcessGrid::single();
     let step = save(

@@ -1,4 +1,4 @@
-//! The one-call API (`merak_burn::session`): every rank builds its units with the weights one
+//! The one-call API (`merak_burn::entry`): every rank builds its units with the weights one
 //! process gets; `merak_burn::run` refuses a model whose units do not fit together before
 //! anything trains or is written, naming the unit and the shapes, trains one that fits, and
 //! hands the parameter groups of its options to the optimizer. Burn's random generator is
@@ -12,12 +12,12 @@ use burn::tensor::backend::Backend;
 use merak_burn::backend::{CpuAutodiff, CpuAutodiff as Cpu, CpuDevice};
 use merak_burn::batch::{Batch, Samples, TOKENS};
 use merak_burn::checkpoint::state;
-use merak_burn::parallelize::{EmbedUnit, HeadUnit, LayerUnit, Linear, TpPlan, TpStyle};
-use merak_burn::pipeline::PipelineModel;
-use merak_burn::plan::ParallelPlan;
-use merak_burn::session::{
+use merak_burn::entry::{
     ModelDims, PlanChoice, RunError, RunOptions, UnitModel, build_units, unit_seed,
 };
+use merak_burn::parallel_plan::ParallelPlan;
+use merak_burn::parallelize::{EmbedUnit, HeadUnit, LayerUnit, Linear, TpPlan, TpStyle};
+use merak_burn::pipeline::PipelineModel;
 use merak_burn::tensor_parallel::ParallelBackend;
 use merak_burn::train::{BatchSource, SourceError, TokenSource, TrainSettings, Windows};
 

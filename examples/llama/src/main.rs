@@ -5,9 +5,9 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use merak_burn::backend::CpuAutodiff;
+use merak_burn::entry::{AutoPlan, PlanChoice, RunOptions};
+use merak_burn::parallel_plan::ParallelPlan;
 use merak_burn::pipeline::ScheduleKind;
-use merak_burn::plan::ParallelPlan;
-use merak_burn::session::{AutoPlan, PlanChoice, RunOptions};
 use merak_burn::train::TrainSettings;
 use merak_example_llama::{Counting, LlamaConfig, SparseMoe, manifest_extra, pretrained_or};
 

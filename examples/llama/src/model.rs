@@ -13,10 +13,10 @@ use burn::tensor::activation::{silu, softmax};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Int, Tensor, TensorData};
 use merak_burn::batch::{Batch, TARGETS, TOKENS};
+use merak_burn::entry::UnitPlace;
 use merak_burn::moe::{ExpertInit, MoeLayer, MoePlace};
 use merak_burn::parallelize::{EmbedUnit, HeadUnit, LayerUnit, Linear};
 use merak_burn::rng::InitRng;
-use merak_burn::session::UnitPlace;
 use merak_burn::tensor_parallel::ParallelBackend;
 
 use crate::config::LlamaConfig;

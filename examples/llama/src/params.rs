@@ -10,7 +10,7 @@ use merak_burn::checkpoint::state;
 use merak_burn::tensor_parallel::{ParallelBackend, SPLIT_CONTAINER};
 use thiserror::Error;
 
-pub use merak_burn::session::FullParams;
+pub use merak_burn::entry::FullParams;
 
 use crate::{InvalidConfig, Llama, LlamaConfig};
 

@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use merak_burn::checkpoint::Checkpoint;
-use merak_burn::session::{FullParams, InitWeights};
+use merak_burn::entry::{FullParams, InitWeights};
 
 use crate::LlamaConfig;
 use crate::hf::{

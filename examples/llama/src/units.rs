@@ -1,7 +1,7 @@
 //! The decoder described to `merak_burn::run` unit by unit.
 
+use merak_burn::entry::{ModelDims, UnitModel, UnitPlace};
 use merak_burn::parallelize::TpPlan;
-use merak_burn::session::{ModelDims, UnitModel, UnitPlace};
 use merak_burn::tensor_parallel::ParallelBackend;
 
 use crate::{Block, Embed, Head, LlamaConfig, tp_plan_of};

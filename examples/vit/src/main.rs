@@ -6,9 +6,9 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use merak_burn::backend::CpuAutodiff;
+use merak_burn::entry::{AutoPlan, PlanChoice, RunOptions};
+use merak_burn::parallel_plan::ParallelPlan;
 use merak_burn::pipeline::ScheduleKind;
-use merak_burn::plan::ParallelPlan;
-use merak_burn::session::{AutoPlan, PlanChoice, RunOptions};
 use merak_example_vit::{Digits, DigitsSource, VitConfig, default_digits_path, report, settings};
 
 /// Train the vision transformer on the digits under a dp x tp x pp layout.

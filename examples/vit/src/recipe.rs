@@ -3,7 +3,7 @@
 
 use std::fmt::Write;
 
-use merak_burn::session::RunReport;
+use merak_burn::entry::RunReport;
 use merak_burn::train::TrainSettings;
 
 use crate::DigitsSource;

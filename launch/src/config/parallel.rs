@@ -3,8 +3,8 @@
 
 use merak_burn::context_parallel::{CpAttention, ulysses_heads_per_rank};
 use merak_burn::data_parallel::{GradientBuffers, ReduceScatter};
+use merak_burn::parallel_plan::ParallelPlan;
 use merak_burn::pipeline::{PipelinePlan, Recompute, RecomputeMode, ScheduleKind};
-use merak_burn::plan::ParallelPlan;
 use merak_burn::tensor_parallel::TpOverlap;
 use serde::{Deserialize, Serialize};
 
@@ -33,11 +33,11 @@ pub struct ParallelSection {
     /// Pipeline-parallel degree.
     pub pp: usize,
     /// ZeRO stage: 0 (every DP rank keeps the whole optimizer state), 1 (each DP rank keeps
-    /// and updates the state of its slice of every gradient bucket, then the new values are
+    /// and updates the state of its chunk of every gradient bucket, then the new values are
     /// all-gathered), 2
-    /// (the gradients are reduce-scattered too: each DP rank keeps its slice of every gradient
-    /// bucket and the optimizer state of that slice, and the new values are all-gathered) or 3
-    /// (the parameters are sharded too: each DP rank stores only its slices, and a unit's
+    /// (the gradients are reduce-scattered too: each DP rank keeps its chunk of every gradient
+    /// bucket and the optimizer state of that chunk, and the new values are all-gathered) or 3
+    /// (the parameters are sharded too: each DP rank stores only its chunks, and a unit's
     /// parameters are all-gathered just before it runs, forward and again backward).
     pub zero: u8,
     /// Under ZeRO-3: units whose parameters are gathered ahead of the one running (0: none).
@@ -52,8 +52,8 @@ pub struct ParallelSection {
     /// parameters gathered once per step and kept until the update: nothing recomputed, the
     /// whole parameters held during the step).
     pub reshard_after_forward: bool,
-    /// Hybrid sharding under ZeRO: the data-parallel ranks that share one copy's slices (a
-    /// divisor of dp; 0: all dp ranks); the dp / shard groups hold copies, and each slice's
+    /// Hybrid sharding under ZeRO: the data-parallel ranks that share one copy's chunks (a
+    /// divisor of dp; 0: all dp ranks); the dp / shard groups hold copies, and each chunk's
     /// gradient is summed over them after the reduce-scatter.
     pub shard: usize,
     /// Size of a data-parallel gradient bucket in MiB; a bucket's all-reduce starts as soon as

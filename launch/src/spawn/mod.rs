@@ -58,8 +58,8 @@ pub fn launch(np: usize, args: &TrainArgs) -> ExitCode {
 /// start.
 fn check_np(np: usize) -> Result<(), String> {
     if merak_burn::comm::launched_by_mpirun() {
-        let srun = merak_burn::launcher::Launch::from_env()
-            .is_ok_and(|l| l.kind == merak_burn::launcher::LauncherKind::Slurm);
+        let srun = merak_burn::rank_env::Launch::from_env()
+            .is_ok_and(|l| l.kind == merak_burn::rank_env::LauncherKind::Slurm);
         return Err(match srun {
             true => format!(
                 "--np {np} starts mpirun itself: drop --np under srun (srun -n sets the ranks)"

@@ -33,7 +33,7 @@ fn state_of(step: usize) -> RankState {
                 m2: vec![v; 2],
             },
         )],
-        slices: Vec::new(),
+        pieces: Vec::new(),
     }
 }
 

@@ -76,9 +76,9 @@ pub const MAX_MANIFEST_BYTES: u64 = 1 << 30;
 /// `run.json`).
 pub const MAX_SMALL_FILE_BYTES: u64 = 1 << 16;
 
-/// Between a tensor's name and its first element in the name of a ZeRO slice
-/// ([`TensorSlice`]): `m1/h.0.attn.weight@4096`.
-pub(crate) const SLICE_MARK: &str = "@";
+/// Between a tensor's name and its first element in the name of a ZeRO piece
+/// ([`TensorPiece`]): `m1/h.0.attn.weight@4096`.
+pub(crate) const PIECE_MARK: &str = "@";
 
 /// Reads `path`, which must be a regular file (a symbolic link to one is fine) of at most
 /// `limit` bytes: a FIFO or a device would block or never end, and a huge file would fill
@@ -106,21 +106,21 @@ pub fn read_regular(path: &Path, limit: u64) -> Result<Vec<u8>, CheckpointError>
 /// What a rank contributes to a checkpoint.
 pub struct RankState {
     /// This rank's parameter shards (written by the first DP replica only; under ZeRO-3 their
-    /// values are empty and `slices` holds this rank's pieces).
+    /// values are empty and `pieces` holds this rank's pieces).
     pub params: Vec<LocalParam>,
     /// This rank's optimizer moments of whole tensors, by parameter name.
     pub moments: state::NamedMoments,
-    /// Under ZeRO: this data-parallel rank's slices of the parameters (ZeRO-3) and of their
-    /// moments, which every DP rank of the first copy writes (the checkpoint's DP-slice split).
-    pub slices: Vec<TensorSlice>,
+    /// Under ZeRO: this data-parallel rank's pieces of the parameters (ZeRO-3) and of their
+    /// moments, which every DP rank of the first copy writes (the checkpoint's DP-piece split).
+    pub pieces: Vec<TensorPiece>,
 }
 
-/// A data-parallel rank's slice of one tensor of a checkpoint: elements
+/// A data-parallel rank's piece of one tensor of a checkpoint: elements
 /// `start..start + values.len()` of a parameter's (`kind` "param"), first moment's ("m1") or
-/// second moment's ("m2") row-major values on this tensor-parallel rank. Slices of all DP
+/// second moment's ("m2") row-major values on this tensor-parallel rank. Pieces of all DP
 /// ranks together cover each tensor exactly once; reading a checkpoint puts them together.
 #[derive(Clone, Debug, PartialEq)]
-pub struct TensorSlice {
+pub struct TensorPiece {
     /// "param", "m1" or "m2".
     pub kind: &'static str,
     /// The parameter's name.

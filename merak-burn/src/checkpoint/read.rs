@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use super::root::{list, read_checked_manifest};
 use super::state::ParamShape;
 use super::{
-    CheckpointError, LATEST, MANIFEST, Manifest, Moments, ParamEntry, SLICE_MARK, plain_name,
+    CheckpointError, LATEST, MANIFEST, Manifest, Moments, PIECE_MARK, ParamEntry, plain_name,
     read_regular, sha256_hex, shard_file,
 };
 use crate::tensor_parallel::{Shard, ShardKind};
@@ -90,17 +90,17 @@ impl Checkpoint {
         }
         let ReadPieces {
             mut pieces,
-            slices,
+            zero_pieces,
             times,
             entries,
             rules,
             ..
         } = read;
-        for ((kind, name, tp), parts) in slices {
+        for ((kind, name, tp), parts) in zero_pieces {
             let len = (entries.get(name.as_str()))
                 .and_then(|e| e.shard.piece_len(&e.shape, m.layout.tp).ok())
                 .unwrap_or(0);
-            let values = join_slices(parts, len).map_err(|reason| CheckpointError::Mismatch {
+            let values = join_pieces(parts, len).map_err(|reason| CheckpointError::Mismatch {
                 name: name.clone(),
                 reason: format!("{kind} of tp rank {tp}: {reason}"),
             })?;
@@ -194,8 +194,8 @@ fn resolve_root(root: &Path) -> Result<PathBuf, CheckpointError> {
 /// Tensor pieces by (kind: param, m1 or m2; parameter name; tp rank).
 type Pieces = HashMap<(String, String, usize), Vec<f32>>;
 
-/// ZeRO slices of the tensor pieces, as `(first element, values)` (keyed as [`Pieces`]).
-type Slices = HashMap<(String, String, usize), Vec<(usize, Vec<f32>)>>;
+/// ZeRO pieces of the tensors, as `(first element, values)` (keyed as [`Pieces`]).
+type ZeroPieces = HashMap<(String, String, usize), Vec<(usize, Vec<f32>)>>;
 
 /// Takes the `tp` pieces of `kind` of parameter `p` out of `pieces` and puts them together.
 fn merge(
@@ -227,19 +227,19 @@ fn merge(
     Ok(p.shard.merge(&parts, &p.shape))
 }
 
-/// The TP rank whose piece of parameter `entry` a ZeRO slice written by TP rank `tp` belongs
-/// to: its own, but a routed expert's (whole on every TP rank) slices are cut over the ranks
+/// The TP rank whose piece of parameter `entry` a ZeRO piece written by TP rank `tp` belongs
+/// to: its own, but a routed expert's (whole on every TP rank) pieces are cut over the ranks
 /// holding the same experts, TP ranks included, so they join into one piece (rank 0's).
-fn slice_tp(entry: &ParamEntry, tp: usize) -> usize {
+fn piece_tp(entry: &ParamEntry, tp: usize) -> usize {
     match entry.shard == ShardKind::Replicated && crate::moe::is_expert_param(&entry.name) {
         true => 0,
         false => tp,
     }
 }
 
-/// The first element of a slice written `start` (the text after [`SLICE_MARK`]) of `len`
+/// The first element of a ZeRO piece written `start` (the text after [`PIECE_MARK`]) of `len`
 /// values, in a tensor of `whole` values; fails naming the tensor and the file.
-fn slice_start(
+fn piece_start(
     start: &str,
     len: usize,
     whole: Option<&usize>,
@@ -248,7 +248,7 @@ fn slice_start(
 ) -> Result<usize, CheckpointError> {
     let corrupt = |reason: String| CheckpointError::Corrupt {
         file: file.to_path_buf(),
-        reason: format!("slice {tensor}: {reason}"),
+        reason: format!("ZeRO piece {tensor}: {reason}"),
     };
     let at: usize = start
         .parse()
@@ -264,7 +264,7 @@ fn slice_start(
 
 /// The `len` values that `parts` (`(first element, values)`, from every data-parallel rank)
 /// cover exactly once; says where they leave a gap or overlap.
-fn join_slices(mut parts: Vec<(usize, Vec<f32>)>, len: usize) -> Result<Vec<f32>, String> {
+fn join_pieces(mut parts: Vec<(usize, Vec<f32>)>, len: usize) -> Result<Vec<f32>, String> {
     parts.sort_by_key(|(at, _)| *at);
     let mut values = Vec::with_capacity(len);
     for (at, part) in parts {
@@ -275,7 +275,7 @@ fn join_slices(mut parts: Vec<(usize, Vec<f32>)>, len: usize) -> Result<Vec<f32>
                 "leave a gap"
             };
             return Err(format!(
-                "the slices {what} at element {}",
+                "the ZeRO pieces {what} at element {}",
                 values.len().min(at)
             ));
         }
@@ -283,18 +283,18 @@ fn join_slices(mut parts: Vec<(usize, Vec<f32>)>, len: usize) -> Result<Vec<f32>
     }
     if values.len() != len {
         return Err(format!(
-            "the slices end at element {} of {len}",
+            "the ZeRO pieces end at element {} of {len}",
             values.len()
         ));
     }
     Ok(values)
 }
 
-/// The tensors of a checkpoint's shards as they are read: whole pieces, ZeRO slices and the
+/// The tensors of a checkpoint's shards as they are read: whole pieces, ZeRO pieces and the
 /// optimizer's step counts, with what the manifest says they must be.
 struct ReadPieces<'m> {
     pieces: Pieces,
-    slices: Slices,
+    zero_pieces: ZeroPieces,
     times: HashMap<String, usize>,
     /// The manifest's parameters by name.
     entries: HashMap<&'m str, &'m ParamEntry>,
@@ -309,7 +309,7 @@ impl<'m> ReadPieces<'m> {
     fn new(m: &'m Manifest) -> Self {
         ReadPieces {
             pieces: Pieces::new(),
-            slices: Slices::new(),
+            zero_pieces: ZeroPieces::new(),
             times: HashMap::new(),
             entries: m.params.iter().map(|p| (p.name.as_str(), p)).collect(),
             degree: m.layout.tp,
@@ -331,7 +331,7 @@ impl<'m> ReadPieces<'m> {
             reason: format!("tensor {}: {reason}", t.name),
         });
         let (kind, rest) = t.name.split_once('/').unwrap_or(("", &t.name));
-        let (name, start) = match rest.split_once(SLICE_MARK) {
+        let (name, start) = match rest.split_once(PIECE_MARK) {
             Some((name, start)) => (name, Some(start)),
             None => (rest, None),
         };
@@ -351,13 +351,16 @@ impl<'m> ReadPieces<'m> {
         if let Some(start) = start {
             if t.shape != [t.values.len()] {
                 return Err(corrupt(format!(
-                    "shape {:?}; a slice is a list of values",
+                    "shape {:?}; a ZeRO piece is a list of values",
                     t.shape
                 )));
             }
-            let at = slice_start(start, t.values.len(), want.as_ref().ok(), &t.name, file)?;
-            let key = (kind.to_string(), name.to_string(), slice_tp(entry, tp));
-            self.slices.entry(key).or_default().push((at, t.values));
+            let at = piece_start(start, t.values.len(), want.as_ref().ok(), &t.name, file)?;
+            let key = (kind.to_string(), name.to_string(), piece_tp(entry, tp));
+            self.zero_pieces
+                .entry(key)
+                .or_default()
+                .push((at, t.values));
             return Ok(());
         }
         if want.as_ref().ok() != Some(&t.values.len()) {
@@ -766,24 +769,24 @@ pub fn cut_full_params(
 }
 
 #[cfg(test)]
-mod slice_tests {
+mod piece_tests {
     use burn::module::ParamId;
 
     use super::*;
-    use crate::checkpoint::{LocalParam, RankState, RunId, TensorSlice, save};
+    use crate::checkpoint::{LocalParam, RankState, RunId, TensorPiece, save};
     use crate::grid::ProcessGrid;
     use crate::tensor_parallel::ShardKind;
 
-    /// A checkpoint of one parameter `w` of 6 values written as slices starting at `starts`
+    /// A checkpoint of one parameter `w` of 6 values written as ZeRO pieces starting at `starts`
     /// (each to the next, the last to the end), for the parameter (values `0..6`) and both
     /// moments; returns what reading it gives.
     fn read_back(starts: &[usize], len: usize) -> Result<FullState, CheckpointError> {
         let dir = tempfile::tempdir().expect("temp dir");
-        let mut slices = Vec::new();
+        let mut pieces = Vec::new();
         for (i, &start) in starts.iter().enumerate() {
             let end = starts.get(i + 1).copied().unwrap_or(len);
             for kind in ["param", "m1", "m2"] {
-                slices.push(TensorSlice {
+                pieces.push(TensorPiece {
                     kind,
                     name: "w".into(),
                     start,
@@ -801,7 +804,7 @@ mod slice_tests {
                 values: Vec::new(),
             }],
             moments: Vec::new(),
-            slices,
+            pieces,
         };
         let grid = ProcessGrid::single();
         let step = save(
@@ -818,7 +821,7 @@ mod slice_tests {
     }
 
     #[test]
-    fn slices_are_put_together_and_gaps_overlaps_and_overruns_are_named() {
+    fn pieces_are_put_together_and_gaps_overlaps_and_overruns_are_named() {
         let full = read_back(&[0, 2, 5], 6).expect("read");
         let want: Vec<f32> = (0..6).map(|v| v as f32).collect();
         assert_eq!(full.params["w"], want);
@@ -834,10 +837,10 @@ mod slice_tests {
         );
         let e = read_back(&[0, 4], 7).expect_err("past the end").to_string();
         assert!(e.contains("w@4") && e.contains("past"), "{e}");
-        // A rank's slice missing in the middle.
-        let e = join_slices(vec![(0, vec![0.0; 2]), (3, vec![0.0; 3])], 6).expect_err("gap");
+        // A rank's piece missing in the middle.
+        let e = join_pieces(vec![(0, vec![0.0; 2]), (3, vec![0.0; 3])], 6).expect_err("gap");
         assert!(e.contains("gap at element 2"), "{e}");
-        let e = join_slices(vec![(0, vec![0.0; 3]), (2, vec![0.0; 4])], 6).expect_err("overlap");
+        let e = join_pieces(vec![(0, vec![0.0; 3]), (2, vec![0.0; 4])], 6).expect_err("overlap");
         assert!(e.contains("overlap at element 2"), "{e}");
     }
 }

@@ -25,7 +25,7 @@ fn saved(dir: &Path, step: usize, moments: Moments, optimizer: serde_json::Value
     let state = RankState {
         params: vec![param("w", vec![2, 3]), param("v", vec![4])],
         moments: vec![("w".into(), moments)],
-        slices: Vec::new(),
+        pieces: Vec::new(),
     };
     let extra = serde_json::json!({ "config": "x", "optimizer": optimizer });
     save(

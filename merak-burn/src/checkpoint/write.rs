@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 
 use super::root::{prune, remove_unfinished, sync_dir};
 use super::{
-    CheckpointError, FORMAT, FileEntry, LATEST, MANIFEST, Manifest, ParamEntry, RankState, RunId,
-    SLICE_MARK, TensorRef, fault, sha256_file, shard_file, step_dir_name,
+    CheckpointError, FORMAT, FileEntry, LATEST, MANIFEST, Manifest, PIECE_MARK, ParamEntry,
+    RankState, RunId, TensorRef, fault, sha256_file, shard_file, step_dir_name,
 };
 use crate::grid::ProcessGrid;
 
@@ -156,8 +156,8 @@ fn write_rank_files(
         named.extend(whole.map(|p| (format!("param/{}", p.name), p.shape.clone(), &p.values[..])));
     }
     let mut times = BTreeMap::new();
-    for s in &state.slices {
-        let name = format!("{}/{}{SLICE_MARK}{}", s.kind, s.name, s.start);
+    for s in &state.pieces {
+        let name = format!("{}/{}{PIECE_MARK}{}", s.kind, s.name, s.start);
         named.push((name, vec![s.values.len()], &s.values[..]));
         if s.kind != "param" {
             times.insert(s.name.clone(), s.time);

@@ -40,7 +40,7 @@ pub enum CommError {
     MpiInit,
     /// The launcher's environment does not add up, or MPI's world disagrees with it.
     #[error(transparent)]
-    Launcher(#[from] crate::launcher::LauncherError),
+    Launcher(#[from] crate::rank_env::LauncherError),
     /// The MPI library returned an error code.
     #[error("{op}: MPI error code {code}")]
     Mpi {

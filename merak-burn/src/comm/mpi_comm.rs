@@ -12,7 +12,7 @@ use super::abort::{abort_world, report_line};
 use super::{
     CommError, Communicator, Pending, ReduceOp, check_counts, check_len, check_rank, watchdog,
 };
-use crate::launcher::Launch;
+use crate::rank_env::Launch;
 use std::sync::Arc;
 
 /// The largest element count one MPI call can describe (MPI counts are C `int`).

@@ -1,4 +1,4 @@
-//! Sharding by slices (ZeRO): which elements of the gradients, parameters and optimizer state
+//! Sharding by chunks (ZeRO): which elements of the gradients, parameters and optimizer state
 //! each data-parallel rank holds.
 //!
 //! The reducer lays every gradient out in one flat, visit-order concatenation and cuts it into
@@ -64,7 +64,7 @@ pub struct Piece {
 /// What one data-parallel rank holds: its chunk of every bucket and the parameter pieces in
 /// them, in flat order.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RankSlices {
+pub struct RankChunks {
     /// This rank (in the data-parallel group).
     pub rank: usize,
     /// Every bucket, split over the ranks.
@@ -85,8 +85,8 @@ pub struct Holders {
     pub rank: usize,
 }
 
-impl RankSlices {
-    /// The slices of rank `rank` of `dp`, for parameters at `params` (`(offset, len)` in the
+impl RankChunks {
+    /// The chunks and pieces of rank `rank` of `dp`, for parameters at `params` (`(offset, len)` in the
     /// flat concatenation, in visit order) and buckets at `buckets` (`(start, end)`, any
     /// order; together they cover the parameters).
     pub fn new(
@@ -206,7 +206,7 @@ mod tests {
     fn a_chunk_spanning_two_parameters_holds_a_piece_of_each() {
         // Parameters of 5 and 3 elements in one bucket of 8, over 3 ranks: chunks of 3.
         let (params, buckets) = layout(&[5, 3], 100);
-        let r1 = RankSlices::new(&params, &buckets, 3, 1);
+        let r1 = RankChunks::new(&params, &buckets, 3, 1);
         assert_eq!(
             r1.buckets,
             vec![BucketChunks {
@@ -235,7 +235,7 @@ mod tests {
             ]
         );
         // The last rank's chunk is cut short by the padding.
-        let r2 = RankSlices::new(&params, &buckets, 3, 2);
+        let r2 = RankChunks::new(&params, &buckets, 3, 2);
         assert_eq!(r2.buckets[0].range_of(2), 6..8);
         assert_eq!(r2.held(), 2);
     }
@@ -248,7 +248,7 @@ mod tests {
         let buckets = [(8, 14), (0, 8)];
         let dense = Holders { ranks: 4, rank: 3 };
         let experts = Holders { ranks: 2, rank: 1 };
-        let s = RankSlices::with_experts(&params, &buckets, dense, (experts, &[true, false]));
+        let s = RankChunks::with_experts(&params, &buckets, dense, (experts, &[true, false]));
         assert_eq!(s.apart, vec![true, false]);
         assert_eq!((s.buckets[0].chunk, s.buckets[1].chunk), (3, 2));
         let held: Vec<(usize, usize, usize)> = (s.pieces.iter())
@@ -271,7 +271,7 @@ mod tests {
             let total: usize = lens.iter().sum();
             let mut owner = vec![usize::MAX; total];
             for rank in 0..dp {
-                let s = RankSlices::new(&params, &buckets, dp, rank);
+                let s = RankChunks::new(&params, &buckets, dp, rank);
                 for p in &s.pieces {
                     let c = s.buckets[p.bucket];
                     let chunk = c.range_of(rank);
@@ -304,7 +304,7 @@ mod tests {
             let total: usize = lens.iter().sum();
             let flat: Vec<f32> = (0..total).map(|i| i as f32 + 1.0).collect();
             for rank in 0..dp {
-                let s = RankSlices::new(&params, &buckets, dp, rank);
+                let s = RankChunks::new(&params, &buckets, dp, rank);
                 let mut chunks = s.zero_chunks();
                 for (p, &(offset, len)) in params.iter().enumerate() {
                     s.write_param(&mut chunks, p, &flat[offset..offset + len]);

@@ -17,7 +17,7 @@ use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
-use super::slices::RankSlices;
+use super::chunks::RankChunks;
 use crate::comm::{CommError, Communicator, Pending};
 
 /// The values of one parameter, by its index in visit order.
@@ -30,9 +30,9 @@ type Gathers = Vec<(usize, Box<dyn Pending>)>;
 pub struct Shards {
     comm: Rc<dyn Communicator>,
     /// The ranks holding the same routed experts, over which the buckets of experts held apart
-    /// ([`RankSlices::apart`]) are cut (`None`: every bucket over `comm`).
+    /// ([`RankChunks::apart`]) are cut (`None`: every bucket over `comm`).
     experts: Option<Rc<dyn Communicator>>,
-    slices: RankSlices,
+    rank_chunks: RankChunks,
     /// Each parameter's `(offset, len)` in the flat concatenation, in visit order.
     ranges: Vec<(usize, usize)>,
     /// Each parameter's shape, in visit order.
@@ -59,13 +59,13 @@ struct Queue {
 }
 
 impl Shards {
-    /// The shards of rank `slices.rank` for parameters at `ranges` of shapes `shapes`, `own`
-    /// its chunk of every bucket's values ([`RankSlices::zero_chunks`] filled by
-    /// [`RankSlices::write_param`]), each unit reading the parameters `units` lists;
+    /// The shards of rank `rank_chunks.rank` for parameters at `ranges` of shapes `shapes`, `own`
+    /// its chunk of every bucket's values ([`RankChunks::zero_chunks`] filled by
+    /// [`RankChunks::write_param`]), each unit reading the parameters `units` lists;
     /// `prefetch` units gathered ahead.
     pub fn new(
         comm: Rc<dyn Communicator>,
-        slices: RankSlices,
+        rank_chunks: RankChunks,
         ranges: Vec<(usize, usize)>,
         shapes: Vec<Vec<usize>>,
         own: Vec<Vec<f32>>,
@@ -74,7 +74,7 @@ impl Shards {
     ) -> Self {
         let bucket_of = (ranges.iter())
             .map(|&(offset, _)| {
-                (slices.buckets.iter())
+                (rank_chunks.buckets.iter())
                     .position(|c| (c.start..c.start + c.len.max(1)).contains(&offset))
                     .unwrap_or(0)
             })
@@ -82,7 +82,7 @@ impl Shards {
         Self {
             comm,
             experts: None,
-            slices,
+            rank_chunks,
             ranges,
             shapes,
             bucket_of,
@@ -93,7 +93,7 @@ impl Shards {
         }
     }
 
-    /// These shards with the buckets of routed experts held apart ([`RankSlices::apart`])
+    /// These shards with the buckets of routed experts held apart ([`RankChunks::apart`])
     /// gathered over `experts`, the ranks holding the same experts, over which they are cut.
     pub fn with_experts(mut self, experts: Rc<dyn Communicator>) -> Self {
         self.experts = Some(experts);
@@ -103,14 +103,14 @@ impl Shards {
     /// The ranks bucket `b` is cut over and gathered from.
     fn comm_of(&self, b: usize) -> &dyn Communicator {
         match &self.experts {
-            Some(e) if self.slices.apart.get(b).copied().unwrap_or(false) => &**e,
+            Some(e) if self.rank_chunks.apart.get(b).copied().unwrap_or(false) => &**e,
             _ => &*self.comm,
         }
     }
 
     /// How this rank's chunks are cut.
-    pub fn slices(&self) -> &RankSlices {
-        &self.slices
+    pub fn rank_chunks(&self) -> &RankChunks {
+        &self.rank_chunks
     }
 
     /// This rank's chunk of every bucket's values.
@@ -205,7 +205,7 @@ impl Shards {
     /// Parameter `p`'s values in its bucket's gathered chunks `all` (rank after rank).
     fn param_values(&self, p: usize, all: &[f32]) -> Vec<f32> {
         let (offset, len) = self.ranges[p];
-        let at = offset - self.slices.buckets[self.bucket_of[p]].start;
+        let at = offset - self.rank_chunks.buckets[self.bucket_of[p]].start;
         all.get(at..at + len)
             .map(<[f32]>::to_vec)
             .unwrap_or_default()

@@ -1,6 +1,6 @@
 //! Data parallelism: gradients averaged over the DP group in buckets that start their
 //! all-reduce as soon as they are final, overlapping the rest of the backward pass; gradient
-//! accumulation over micro-batches; ZeRO's slices and ZeRO-3's parameter shards.
+//! accumulation over micro-batches; ZeRO's chunks and ZeRO-3's parameter shards.
 //!
 //! How it works: [`DataParallel::hooked`] wraps every parameter of a model in a gradient hook
 //! (an identity autodiff operation). When the backward pass reaches a parameter, its hook takes
@@ -26,10 +26,10 @@
 //! micro-batch's backward pass completes a bucket (every rank reaches the same gradient of the
 //! same backward pass, so the collectives still start in the same order).
 
+pub mod chunks;
 mod collective;
 pub mod gather;
 mod reducer;
-pub mod slices;
 
 pub use collective::{Collective, Sharding};
 pub use gather::{Shards, all_gather_each, emptied};

@@ -11,8 +11,8 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
+use super::chunks::{BucketChunks, Holders, RankChunks};
 use super::collective::{Collective, Sharding};
-use super::slices::{BucketChunks, Holders, RankSlices};
 use crate::comm::{CommError, Communicator, Group, Pending, ReduceOp, TensorComm};
 use crate::tensor_parallel::{GradSink, HookedGrad, ParallelBackend, set_grad_sink};
 
@@ -755,9 +755,9 @@ impl DataParallel {
         Ok(self)
     }
 
-    /// Which elements of the flat gradients this rank's chunks hold ([`RankSlices`]; with
+    /// Which elements of the flat gradients this rank's chunks hold ([`RankChunks`]; with
     /// one rank, everything).
-    pub fn slices(&self) -> RankSlices {
+    pub fn rank_chunks(&self) -> RankChunks {
         let s = self.state.borrow();
         let buckets: Vec<(usize, usize)> = s.buckets.iter().map(|b| (b.start, b.end)).collect();
         let apart: Vec<bool> = (0..s.buckets.len()).map(|b| s.apart(b)).collect();
@@ -767,7 +767,7 @@ impl DataParallel {
         };
         let dense = holders(&s.shard);
         let experts = s.experts.as_ref().map_or(dense, holders);
-        RankSlices::with_experts(&self.param_ranges(), &buckets, dense, (experts, &apart))
+        RankChunks::with_experts(&self.param_ranges(), &buckets, dense, (experts, &apart))
     }
 
     /// Each parameter's `(offset, len)` in the flat concatenation of the gradients, in visit

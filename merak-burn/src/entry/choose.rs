@@ -6,11 +6,11 @@ use burn::tensor::backend::AutodiffBackend;
 use super::{RunError, UnitModel, UnitsOf, sample_units};
 use crate::batch::{Batch, Samples};
 use crate::comm::{Communicator, Group};
+use crate::parallel_plan::ParallelPlan;
 use crate::parallelize::EmbedUnit;
 use crate::parallelize::shard_module;
 use crate::pipeline::Recompute;
 use crate::pipeline::UnitStack;
-use crate::plan::ParallelPlan;
 use crate::planner::{
     HardwareSpec, MeasuredModel, MeasuredUnit, ModelProxy, SearchOptions, search,
 };

@@ -5,8 +5,8 @@ use thiserror::Error;
 use crate::checkpoint::CheckpointError;
 use crate::comm::CommError;
 use crate::grid::GridError;
+use crate::parallel_plan::PlanError;
 use crate::parallelize::{NoTokenTable, TpPlanError};
-use crate::plan::PlanError;
 use crate::planner::{HardwareError, MeasuredError, SearchError};
 use crate::train::{SourceError, TrainError};
 

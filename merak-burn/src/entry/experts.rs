@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::RunError;
 use crate::checkpoint::state::ParamShape;
-use crate::plan::ParallelPlan;
+use crate::parallel_plan::ParallelPlan;
 
 /// Refuses expert parallelism (`plan.ep > 1`) that a unit model cannot take: a model that
 /// declares no experts (`experts`: [`UnitModel::experts`](super::UnitModel::experts)), an

@@ -46,9 +46,9 @@ use std::path::PathBuf;
 use crate::checkpoint::{Checkpoint, FullState, state};
 use crate::comm::{Communicator, MpiWorld, launched_by_mpirun, watchdog};
 use crate::grid::ProcessGrid;
+use crate::parallel_plan::ParallelPlan;
 use crate::parallelize::shard_module;
 use crate::pipeline::{TrainBackend, TrainModel};
-use crate::plan::ParallelPlan;
 use crate::train::{
     BatchSource, Predictions, StopRequest, Summary, TrainSettings, run_folder, stop_on_signals,
 };

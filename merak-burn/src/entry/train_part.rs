@@ -10,9 +10,9 @@ use burn::tensor::backend::Backend;
 use super::{InitWeights, RunError, RunOptions, RunReport};
 use crate::checkpoint::{Checkpoint, FullState, cut_full_params, state};
 use crate::grid::ProcessGrid;
+use crate::parallel_plan::ParallelPlan;
 use crate::pipeline::{PipelineModel, PipelinePlan};
 use crate::pipeline::{TrainBackend, TrainModel};
-use crate::plan::ParallelPlan;
 use crate::tensor_parallel::Shard;
 use crate::train::{BatchSource, CheckpointPolicy, RunOutput, StopRequest, TrainSettings, Trainer};
 

@@ -17,7 +17,7 @@
 //!   [`Trainer`](crate::train::Trainer) runs it under any dp x tp x pp layout.
 //! - **How the units cost**, for the partition: [`Units::unit_costs`] times them on the
 //!   backend that trains, and
-//!   [`ParallelPlan::pipeline_with_costs`](crate::plan::ParallelPlan::pipeline_with_costs)
+//!   [`ParallelPlan::pipeline_with_costs`](crate::parallel_plan::ParallelPlan::pipeline_with_costs)
 //!   cuts the stages by those times. For the planner, [`Units::measure`] also counts each
 //!   unit's parameters and split layers, and
 //!   [`MeasuredModel`](crate::planner::MeasuredModel) makes them a model proxy that

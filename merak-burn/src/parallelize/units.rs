@@ -50,7 +50,7 @@ pub trait HeadUnit<B: Backend>: Module<B> + ModuleDisplay {
     /// hidden]`, the targets are fields of `batch` (for a token model its
     /// [`TARGETS`](crate::batch::TARGETS), negative ids not counted). `table` is the first
     /// unit's token table (`[vocab, hidden]`) when the model declares its head tied to it
-    /// ([`UnitModel::tie_embeddings`](crate::session::UnitModel::tie_embeddings),
+    /// ([`UnitModel::tie_embeddings`](crate::entry::UnitModel::tie_embeddings),
     /// [`Units::tied`]), `None` otherwise: a tied head projects with it instead of a weight of
     /// its own.
     fn loss(
@@ -150,7 +150,7 @@ where
     /// `1..=L` `layers`, unit `L + 1` `head`), with hidden states `hidden` wide. Parameters not
     /// yet initialized are initialized here, in module order; to get the same weights on every
     /// layout, build and initialize each unit from its own seed first, as
-    /// [`build_units`](crate::session::build_units) does.
+    /// [`build_units`](crate::entry::build_units) does.
     pub fn from_parts(
         embed: Option<E>,
         layers: Vec<Option<L>>,

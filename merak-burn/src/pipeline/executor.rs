@@ -42,7 +42,7 @@ mod step;
 mod work;
 
 use step::StepRun;
-pub use work::{InFlight, StepWork};
+pub use work::{RanAhead, StepWork};
 
 /// A failure while running a pipeline step.
 #[derive(Debug, Error)]
@@ -175,6 +175,8 @@ pub struct Executor {
     trace: Option<Vec<TraceEvent>>,
     /// Whether the TP ranks of a stage hold the same messages (scatter-gather applies).
     replicated: bool,
+    /// The most micro-batches this rank has held at once in any step so far.
+    peak_in_flight: usize,
 }
 
 fn now_s() -> f64 {
@@ -210,6 +212,7 @@ impl Executor {
             trace_row: trace.unwrap_or(0),
             trace: trace.map(|_| Vec::new()),
             replicated: true,
+            peak_in_flight: 0,
         }
     }
 
@@ -224,6 +227,12 @@ impl Executor {
     /// The plan.
     pub fn plan(&self) -> &PipelinePlan {
         &self.plan
+    }
+
+    /// The most micro-batches this rank has held at once (forwards whose backward had not
+    /// run) in any step so far.
+    pub fn max_in_flight(&self) -> usize {
+        self.peak_in_flight
     }
 
     /// The recorded actions (with `trace`), wall-clock seconds since the Unix epoch.
@@ -299,20 +308,20 @@ impl Executor {
     /// the gradients (`reducer.begin_step()` before, `reducer.finish()` after).
     ///
     /// Under 2BW with `work.next`, the next step's first forwards run during this step's last
-    /// backwards and stay in `in_flight` for the next call, which must be that step's.
+    /// backwards and stay in `ran_ahead` for the next call, which must be that step's.
     pub fn run_step<B, M>(
         &mut self,
         work: StepWork<'_, M>,
         reducer: &DataParallel,
         shape: [usize; 3],
         device: &B::Device,
-        in_flight: &mut InFlight<B>,
+        ran_ahead: &mut RanAhead<B>,
     ) -> Result<StepReport, PipelineError>
     where
         B: TrainBackend,
         M: TrainModel<B>,
     {
-        let carried_in = self.carried_in(work.step, in_flight)?;
+        let carried_in = self.carried_in(work.step, ran_ahead)?;
         let overlap = self.plan.schedule.kind == ScheduleKind::TwoBw && work.next.is_some();
         let actions = self.step_actions(carried_in, overlap);
         if let Some(shards) = work.shards {
@@ -324,13 +333,15 @@ impl Executor {
             shards.begin(gathered::gather_order(passes))?;
         }
         deferred::enable(self.plan.schedule.kind.splits_backward());
-        let mut run = StepRun::new(self, work, reducer, shape, device, &actions, in_flight);
+        let mut run = StepRun::new(self, work, reducer, shape, device, &actions, ran_ahead);
         for action in actions {
             if !run.act(action)? {
                 break;
             }
         }
-        run.finish(in_flight, overlap)
+        let report = run.finish(ran_ahead, overlap)?;
+        self.peak_in_flight = self.peak_in_flight.max(report.max_in_flight);
+        Ok(report)
     }
 
     /// Whether the forwards of `step` ran ahead in the previous call (2BW); fails when those
@@ -338,9 +349,9 @@ impl Executor {
     fn carried_in<B: AutodiffBackend>(
         &self,
         step: usize,
-        in_flight: &InFlight<B>,
+        ran_ahead: &RanAhead<B>,
     ) -> Result<bool, PipelineError> {
-        match in_flight.step {
+        match ran_ahead.step {
             None => Ok(false),
             Some(carried) if carried == step => Ok(true),
             Some(carried) => Err(PipelineError::OutOfStep {

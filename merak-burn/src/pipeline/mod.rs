@@ -29,7 +29,7 @@ mod zero_bubble;
 mod zero_bubble_tests;
 
 pub use executor::{
-    EvalValues, Executor, InFlight, MicroBatch, PipelineError, PipelinePlan, StepReport, StepWork,
+    EvalValues, Executor, MicroBatch, PipelineError, PipelinePlan, RanAhead, StepReport, StepWork,
 };
 pub use partition::{
     Partition, PartitionError, balanced_partition, explicit_partition, unit_costs_gpt,

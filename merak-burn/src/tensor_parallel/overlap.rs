@@ -103,7 +103,7 @@ pub(super) fn fatal(e: impl std::fmt::Display) -> ! {
 /// The collectives in flight (all-reduces or reduce-scatters), tested between chunk products
 /// so that MPI moves them.
 #[derive(Default)]
-pub(super) struct InFlight {
+pub(super) struct RanAhead {
     /// Each collective with the shape and element type of its result.
     pending: Vec<(Box<dyn Pending>, Shape, burn::tensor::DType)>,
 }
@@ -118,7 +118,7 @@ fn to_host<B: FusedOps>(x: FloatTensor<B>) -> (Vec<f32>, burn::tensor::DType) {
     )
 }
 
-impl InFlight {
+impl RanAhead {
     /// Starts the all-reduce (sum) of `x` over `group`.
     pub(super) fn start<B: FusedOps>(&mut self, x: FloatTensor<B>, comm: &dyn Communicator) {
         let shape = x.shape();
@@ -208,7 +208,7 @@ pub fn row_forward<B: FusedOps>(
     check_chunks::<B>(&x, chunks);
     let device = B::float_device(&x);
     let comm = group.comm().unwrap_or_else(|e| fatal(e));
-    let mut flight = InFlight::default();
+    let mut flight = RanAhead::default();
     for i in 0..chunks {
         let y = B::linear_forward(chunk::<B>(&x, i, chunks), w.clone(), None);
         flight.progress();
@@ -236,7 +236,7 @@ pub fn column_backward<B: FusedOps>(
     check_chunks::<B>(&dy, chunks);
     let device = B::float_device(&dy);
     let comm = group.comm().unwrap_or_else(|e| fatal(e));
-    let mut flight = InFlight::default();
+    let mut flight = RanAhead::default();
     for i in 0..chunks {
         let dy_i = chunk::<B>(&dy, i, chunks);
         let [dx_i, _, _] = B::linear_backward(None, w.clone(), dy_i, [true, false, false]);

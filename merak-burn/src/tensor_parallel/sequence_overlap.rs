@@ -22,7 +22,7 @@ use burn::tensor::{Shape, TensorMetadata};
 
 use burn::tensor::{Tensor, TensorPrimitive};
 
-use super::overlap::{InFlight, fatal};
+use super::overlap::{RanAhead, fatal};
 use crate::comm::{Group, TensorComm};
 use crate::kernels::FusedOps;
 
@@ -96,7 +96,7 @@ pub fn row_forward<B: FusedOps>(
     }
     let chunks = chunks_for(s, tp, chunks);
     let comm = group.comm().unwrap_or_else(|e| fatal(e));
-    let mut flight = InFlight::default();
+    let mut flight = RanAhead::default();
     for c in 0..chunks {
         let y = B::linear_forward(chunk_rows::<B>(&x, c, chunks, tp), w.clone(), None);
         flight.progress();
@@ -158,7 +158,7 @@ pub fn column_backward<B: FusedOps>(
     let full = x.map(|x| gather_seq::<B>(x, group));
     let chunks = chunks_for(s, tp, chunks);
     let comm = group.comm().unwrap_or_else(|e| fatal(e));
-    let mut flight = InFlight::default();
+    let mut flight = RanAhead::default();
     for c in 0..chunks {
         let dy_c = chunk_rows::<B>(&dy, c, chunks, tp);
         let [dx_c, _, _] = B::linear_backward(None, w.clone(), dy_c, [true, false, false]);

@@ -56,6 +56,23 @@ pub struct Origin {
     pub dir: PathBuf,
 }
 
+/// A run's place in its lineage: the checkpoint it resumed and the lineage it writes.
+#[derive(Clone, Debug, Default)]
+pub struct Lineage {
+    /// The checkpoint this run resumed, if any.
+    pub origin: Option<Origin>,
+    /// The lineage this run writes, once its folders are claimed.
+    pub run: Option<RunId>,
+}
+
+impl Lineage {
+    /// The lineage a checkpoint saved now belongs to: the claimed one, else the resumed
+    /// checkpoint's (`None` before either is known).
+    pub fn written(&self) -> Option<RunId> {
+        (self.run.clone()).or_else(|| self.origin.as_ref().and_then(|o| o.run.clone()))
+    }
+}
+
 impl Origin {
     /// The origin of an opened checkpoint.
     pub fn of(checkpoint: &Checkpoint) -> Self {

@@ -21,7 +21,7 @@ fn checkpoint_of(root: &Path, run: &RunId, step: usize) -> PathBuf {
             values: vec![step as f32],
         }],
         moments: Vec::new(),
-        slices: Vec::new(),
+        pieces: Vec::new(),
     };
     let grid = ProcessGrid::single();
     checkpoint::save(root, run, step, 0, &state, serde_json::Value::Null, &grid).expect("saved")

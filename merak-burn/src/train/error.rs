@@ -60,9 +60,9 @@ pub enum TrainError {
     /// The tied embedding has no gradient on a rank that holds one of its copies.
     #[error("the tied embedding has no gradient")]
     TiedGradient,
-    /// ZeRO's update on slices failed reading a tensor's values.
+    /// ZeRO failed reading or putting together a tensor's values (its chunks and pieces).
     #[error("ZeRO: {0}")]
-    Sliced(String),
+    ZeroValues(String),
     /// ZeRO-3 cannot shard this model: what is missing.
     #[error("parallel.zero = 3: {0}")]
     Zero3(String),

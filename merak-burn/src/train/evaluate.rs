@@ -118,7 +118,7 @@ where
     /// overlap).
     pub(crate) fn held_out_model(&self) -> Result<(M::InnerModule, [usize; 3]), TrainError> {
         crate::precision::set_precision(self.settings.precision);
-        if let Some(step) = self.versions.in_flight.step() {
+        if let Some(step) = self.versions.ran_ahead.step() {
             let rank = self.grid.coords.pp;
             return Err(PipelineError::AheadInFlight {
                 rank,

@@ -114,17 +114,7 @@ where
             }
         }
         progress.finish();
-        report_memory(
-            self.grid,
-            self.executor.plan(),
-            self.max_in_flight,
-            self.state_bytes(),
-            startup_alloc,
-            &out.dir,
-        )?;
-        if let Some(path) = &out.trace {
-            write_trace(path, self.executor.take_trace(), self.grid)?;
-        }
+        self.write_reports(out, startup_alloc)?;
         Ok(Summary {
             steps: self.done,
             final_loss,
@@ -134,6 +124,27 @@ where
             skipped,
             stopped,
         })
+    }
+
+    /// Writes `memory.json` (with `startup_alloc`, the allocation peak before the first step)
+    /// and the trace when `out.trace` asks for one.
+    fn write_reports(
+        &mut self,
+        out: &RunOutput,
+        startup_alloc: Option<u64>,
+    ) -> Result<(), TrainError> {
+        report_memory(
+            self.grid,
+            self.executor.plan(),
+            self.executor.max_in_flight(),
+            self.state_bytes(),
+            startup_alloc,
+            &out.dir,
+        )?;
+        if let Some(path) = &out.trace {
+            write_trace(path, self.executor.take_trace(), self.grid)?;
+        }
+        Ok(())
     }
 
     /// Rank 0's metrics file at `path`: a new one, or the old one cut after step `start` on

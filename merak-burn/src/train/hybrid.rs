@@ -5,7 +5,7 @@
 
 use crate::comm::Group;
 use crate::grid::ProcessGrid;
-use crate::plan::ParallelPlan;
+use crate::parallel_plan::ParallelPlan;
 use crate::train::{InvalidSetting, TrainError};
 
 /// This rank's shard group and replicate group: `(dp, None)` without hybrid sharding

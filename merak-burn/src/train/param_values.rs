@@ -1,4 +1,4 @@
-//! A model's parameter values read to the host one parameter at a time (ZeRO's slices and
+//! A model's parameter values read to the host one parameter at a time (ZeRO's chunks and
 //! shards are cut from them).
 
 use burn::module::{AutodiffModule, ModuleVisitor, Param};
@@ -22,7 +22,7 @@ pub(crate) fn for_each_param<B: AutodiffBackend, M: AutodiffModule<B>>(
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             let data = param.val().inner().into_data().convert::<f32>();
             let values = data.into_vec::<f32>().unwrap_or_else(|e| {
-                (self.error).get_or_insert(TrainError::Sliced(format!("{e:?}")));
+                (self.error).get_or_insert(TrainError::ZeroValues(format!("{e:?}")));
                 Vec::new()
             });
             (self.take)(self.next, values);

@@ -4,8 +4,8 @@
 
 use super::zero3::check_zero;
 use super::{TrainError, TrainSettings, check_settings};
+use crate::parallel_plan::ParallelPlan;
 use crate::pipeline::PipelinePlan;
-use crate::plan::ParallelPlan;
 
 /// Refuses out-of-range optimizer and schedule settings ([`check_settings`]), a global batch
 /// that `dp` ranks and the micro-batch do not split, a ZeRO stage that does not exist, and

@@ -1,7 +1,7 @@
 //! A run's output folder when none is given: the folder of the run a resumed checkpoint
 //! belongs to, or a new folder `runs/<UTC date>-<time>` that no earlier run used (`merak
 //! train` without `--out`, and [`merak_burn::run`](crate::run) without
-//! [`RunOptions::out`](crate::session::RunOptions::out)).
+//! [`RunOptions::out`](crate::entry::RunOptions::out)).
 
 use std::path::{Path, PathBuf};
 

@@ -32,7 +32,7 @@ where
         rank_state
             .moments
             .retain(|(name, _)| !copies.contains(name));
-        rank_state.slices.retain(|s| !copies.contains(&s.name));
+        rank_state.pieces.retain(|s| !copies.contains(&s.name));
         rank_state.params.retain(|p| !copies.contains(&p.name));
         let mut extra = serde_json::json!({
             "data": {
@@ -53,9 +53,7 @@ where
             all.insert("optimizer".into(), self.settings.optimizer.manifest_entry());
         }
         // Outside `fit` (which claims the folders first) the lineage is the resumed one, or new.
-        let run = (self.run.clone())
-            .or_else(|| self.origin.as_ref().and_then(|o| o.run.clone()))
-            .unwrap_or_default();
+        let run = self.lineage.written().unwrap_or_default();
         Ok(checkpoint::save(
             &policy.dir,
             &run,

@@ -9,7 +9,7 @@ use crate::train::LrSchedule;
 
 /// The settings of a [`Trainer`](crate::train::Trainer): optimization, batch, validation. How
 /// the batch is split (micro-batches, data-parallel ranks) is the
-/// [`ParallelPlan`](crate::plan::ParallelPlan)'s: every layout given the same settings trains
+/// [`ParallelPlan`](crate::parallel_plan::ParallelPlan)'s: every layout given the same settings trains
 /// on the same global batch.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TrainSettings {

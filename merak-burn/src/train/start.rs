@@ -34,7 +34,11 @@ where
             return Err(TrainError::BadRunFile(f.name.clone()));
         }
         let own = out.own_files();
-        let claim = claim::claim(out.folders(&own), self.origin.as_ref(), out.existing)?;
+        let claim = claim::claim(
+            out.folders(&own),
+            self.lineage.origin.as_ref(),
+            out.existing,
+        )?;
         // Every rank has checked before rank 0 changes anything.
         world.barrier()?;
         if rank == 0 {
@@ -48,7 +52,7 @@ where
             }
         }
         let text = world.broadcast_text(claim.run.as_str(), ID_BYTES, 0)?;
-        self.run = Some(RunId::try_from(text).unwrap_or(claim.run));
+        self.lineage.run = Some(RunId::try_from(text).unwrap_or(claim.run));
         Ok(locks)
     }
 }

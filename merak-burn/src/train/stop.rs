@@ -34,7 +34,7 @@ impl StopRequest {
 /// SIGTERM, SIGINT and SIGUSR1 ask the run to stop after the current step (every rank agrees
 /// on the step, then checkpoints): `stop` is requested. A second signal ends the process at
 /// once with status 130. Installing handlers is the program's choice: `merak train` does,
-/// [`merak_burn::run`](crate::run) does when [`RunOptions::signals`](crate::session::RunOptions)
+/// [`merak_burn::run`](crate::run) does when [`RunOptions::signals`](crate::entry::RunOptions)
 /// asks.
 pub fn stop_on_signals(stop: &StopRequest) -> std::io::Result<()> {
     use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};

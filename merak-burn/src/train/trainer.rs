@@ -12,9 +12,9 @@ use crate::checkpoint::{Checkpoint, FullState, state};
 use crate::comm::{Group, ReduceOp};
 use crate::data_parallel::{DpStats, emptied};
 use crate::grid::ProcessGrid;
+use crate::parallel_plan::ParallelPlan;
 use crate::pipeline::{Executor, MicroBatch, PipelinePlan, ScheduleKind, StepWork};
 use crate::pipeline::{TrainBackend, TrainModel};
-use crate::plan::ParallelPlan;
 use crate::tensor_parallel::Shard;
 use crate::train::check_plan;
 use crate::train::experts::{expert_ids, gather_routing};
@@ -97,11 +97,8 @@ where
     pub(crate) routing: Option<RoutingStats>,
     /// Steps done (the 0-based index of the next one).
     pub(crate) done: usize,
-    pub(crate) max_in_flight: usize,
-    /// The checkpoint this run resumed, if any.
-    pub(crate) origin: Option<super::Origin>,
-    /// The lineage this run writes, once [`fit`](Self::fit) has claimed its folders.
-    pub(crate) run: Option<crate::checkpoint::RunId>,
+    /// The checkpoint this run resumed and the lineage it writes.
+    pub(crate) lineage: super::claim::Lineage,
 }
 
 impl<'g, B, M> Trainer<'g, B, M>
@@ -182,9 +179,7 @@ where
             norm,
             routing: None,
             done: 0,
-            max_in_flight: 0,
-            origin: None,
-            run: None,
+            lineage: Default::default(),
         })
     }
 
@@ -207,7 +202,7 @@ where
         mut self,
         rule: impl Fn(&ParamInfo<'_>) -> ParamGroup,
     ) -> Result<Self, TrainError> {
-        if self.done > 0 || self.origin.is_some() {
+        if self.done > 0 || self.lineage.origin.is_some() {
             return Err(TrainError::GroupsTooLate);
         }
         let (tp, copies) = (self.grid.layout.tp, self.model.tied_names());
@@ -247,19 +242,19 @@ where
         let model = self.model.clone();
         self.model = (self.sync).resume(model, &shapes, params, &moments, &mut self.optim)?;
         self.done = step;
-        self.origin = Some(super::Origin::of(checkpoint));
+        self.lineage.origin = Some(super::Origin::of(checkpoint));
         Ok(())
     }
 
     /// The lineage this run writes its checkpoints under: known once [`fit`](Self::fit) has
     /// claimed the run's folders (the resumed checkpoint's, or a new one).
     pub fn run_id(&self) -> Option<&crate::checkpoint::RunId> {
-        self.run.as_ref()
+        self.lineage.run.as_ref()
     }
 
     /// The bytes of model state this rank holds ([`StateBytes`]): its parameters (and
     /// PipeDream-2BW's previous version), its gradient buckets, and the optimizer state of the
-    /// parameters it steps (all of them, or its ZeRO slices) once each has stepped; under
+    /// parameters it steps (all of them, or its ZeRO pieces) once each has stepped; under
     /// ZeRO-3 its shards of the parameters.
     pub fn state_bytes(&self) -> StateBytes {
         let shapes = self.param_shapes();
@@ -432,12 +427,11 @@ where
             shards: self.sync.shards().filter(|_| kept.is_none()),
         };
         let reducer = self.sync.reducer();
-        let in_flight = &mut self.versions.in_flight;
-        let report = (self.executor).run_step(work, reducer, shape, &self.device, in_flight)?;
+        let ran_ahead = &mut self.versions.ran_ahead;
+        let report = (self.executor).run_step(work, reducer, shape, &self.device, ran_ahead)?;
         // The gathered parameters go before the update builds the new values.
         drop(kept);
         self.versions.set_batches_ahead(next);
-        self.max_in_flight = self.max_in_flight.max(report.max_in_flight);
         Ok(report.loss)
     }
 

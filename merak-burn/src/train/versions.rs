@@ -2,7 +2,7 @@
 //! update, on which a step's passes run, and the next step's forwards that ran ahead during
 //! the last one.
 
-use crate::pipeline::{InFlight, MicroBatch, TrainBackend};
+use crate::pipeline::{MicroBatch, RanAhead, TrainBackend};
 
 /// The weight versions a step's passes run on. Under PipeDream-2BW a step's gradients are
 /// computed on the weights from before the previous update (V_t = V_{t-1} - lr *
@@ -14,7 +14,7 @@ pub(crate) struct WeightVersions<B: TrainBackend, M> {
     /// The weights from before the previous update (under 2BW, once a step has updated).
     pub stale: Option<M>,
     /// The forwards of the next step that ran ahead during the last one.
-    pub in_flight: InFlight<B>,
+    pub ran_ahead: RanAhead<B>,
     /// The micro-batches of those forwards' step.
     next_batches: Option<Vec<MicroBatch>>,
 }
@@ -25,7 +25,7 @@ impl<B: TrainBackend, M: Clone> WeightVersions<B, M> {
         Self {
             two,
             stale: None,
-            in_flight: InFlight::default(),
+            ran_ahead: RanAhead::default(),
             next_batches: None,
         }
     }
@@ -47,7 +47,7 @@ impl<B: TrainBackend, M: Clone> WeightVersions<B, M> {
     /// The micro-batches of step `step` when its first forwards ran ahead during the last step.
     pub fn batches_ahead(&mut self, step: usize) -> Option<Vec<MicroBatch>> {
         match self.next_batches.take() {
-            Some(b) if self.in_flight.step() == Some(step) => Some(b),
+            Some(b) if self.ran_ahead.step() == Some(step) => Some(b),
             _ => None,
         }
     }

@@ -14,10 +14,10 @@ use super::param_values::for_each_param;
 use crate::checkpoint::CheckpointError;
 use crate::checkpoint::state::ParamShape;
 use crate::comm::Group;
-use crate::data_parallel::slices::RankSlices;
+use crate::data_parallel::chunks::RankChunks;
 use crate::data_parallel::{DataParallel, Shards};
+use crate::parallel_plan::ParallelPlan;
 use crate::pipeline::{PipelineModel, PipelinePlan, ScheduleKind};
-use crate::plan::ParallelPlan;
 use crate::train::TrainError;
 
 /// The parameters (visit-order indices) each unit reads, by unit.
@@ -137,7 +137,7 @@ pub(crate) fn set_uses(reducer: &DataParallel, shapes: &[ParamShape], units: &Un
 pub(crate) fn shards<B, M>(
     model: &M,
     shard: Group,
-    slices: RankSlices,
+    rank_chunks: RankChunks,
     ranges: Vec<(usize, usize)>,
     shapes: &[ParamShape],
     units: UnitParams,
@@ -147,36 +147,42 @@ where
     B: AutodiffBackend,
     M: AutodiffModule<B>,
 {
-    let own = own_chunks(model, &slices)?;
+    let own = own_chunks(model, &rank_chunks)?;
     let shapes = shapes.iter().map(|p| p.shape.clone()).collect();
     let comm = shard.comm()?;
     Ok(Shards::new(
-        comm, slices, ranges, shapes, own, units, prefetch,
+        comm,
+        rank_chunks,
+        ranges,
+        shapes,
+        own,
+        units,
+        prefetch,
     ))
 }
 
-/// This rank's chunks (as `slices` cuts them) of `model`'s values, read one parameter at a
+/// This rank's chunks (as `rank_chunks` cuts them) of `model`'s values, read one parameter at a
 /// time.
-fn own_chunks<B, M>(model: &M, slices: &RankSlices) -> Result<Vec<Vec<f32>>, TrainError>
+fn own_chunks<B, M>(model: &M, rank_chunks: &RankChunks) -> Result<Vec<Vec<f32>>, TrainError>
 where
     B: AutodiffBackend,
     M: AutodiffModule<B>,
 {
-    let mut own = slices.zero_chunks();
-    for_each_param(model, &mut |i, v| slices.write_param(&mut own, i, &v))?;
+    let mut own = rank_chunks.zero_chunks();
+    for_each_param(model, &mut |i, v| rank_chunks.write_param(&mut own, i, &v))?;
     Ok(own)
 }
 
-/// This rank's chunks (as `slices` cuts them) of the parameters `params` (`shapes` in visit
+/// This rank's chunks (as `rank_chunks` cuts them) of the parameters `params` (`shapes` in visit
 /// order: every parameter's name and shape; `params`: values by name, a checkpoint's cut for
 /// this rank's tensor-parallel shard), with no model built. A parameter missing from
 /// `params`, of another size, or a value for no parameter is refused, naming it.
 pub(crate) fn chunks_by_name(
-    slices: &RankSlices,
+    rank_chunks: &RankChunks,
     shapes: &[ParamShape],
     mut params: HashMap<String, Vec<f32>>,
 ) -> Result<Vec<Vec<f32>>, CheckpointError> {
-    let mut own = slices.zero_chunks();
+    let mut own = rank_chunks.zero_chunks();
     for (i, p) in shapes.iter().enumerate() {
         let mismatch = |reason: String| CheckpointError::Mismatch {
             name: p.name.clone(),
@@ -192,7 +198,7 @@ pub(crate) fn chunks_by_name(
                 p.shape
             )));
         }
-        slices.write_param(&mut own, i, &values);
+        rank_chunks.write_param(&mut own, i, &values);
     }
     match params.keys().min() {
         Some(name) => Err(CheckpointError::Mismatch {

@@ -43,7 +43,7 @@ use crate::hf::{
     WORD_EMBEDDINGS, describe, hf_bert_shapes, specs, to_ours,
 };
 
-pub use merak_burn::session::FullParams;
+pub use merak_burn::entry::FullParams;
 
 /// The pretrained weights of a `BertForMaskedLM` safetensors file, checked against a model
 /// config.

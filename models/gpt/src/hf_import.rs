@@ -28,7 +28,7 @@ use thiserror::Error;
 use crate::GptConfig;
 use crate::hf::{hf_gpt2_shapes, merak_gpt_name};
 
-pub use merak_burn::session::FullParams;
+pub use merak_burn::entry::FullParams;
 
 /// The pretrained weights of a GPT-2 safetensors file, checked against a model config.
 #[derive(Clone, Debug)]

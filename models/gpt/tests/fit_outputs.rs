@@ -4,7 +4,7 @@
 use merak_burn::backend::{CpuAutodiff, CpuDevice};
 use merak_burn::data::{CausalWindows, Dataset, SyntheticData};
 use merak_burn::grid::ProcessGrid;
-use merak_burn::plan::ParallelPlan;
+use merak_burn::parallel_plan::ParallelPlan;
 use merak_burn::train::{
     CheckpointPolicy, OutputError, RunOutput, TrainError, TrainSettings, Trainer,
 };

@@ -371,7 +371,13 @@ fn scatter(dp: Group) {
     let mut flat = Flat(&grads, Vec::new(), Vec::new());
     mlp.visit(&mut flat);
     assert_eq!(chunks.len(), stats.buckets);
-    let held = pieces_match("reduce-scattered", &chunks, &rs.slices(), &flat.1, &flat.2);
+    let held = pieces_match(
+        "reduce-scattered",
+        &chunks,
+        &rs.rank_chunks(),
+        &flat.1,
+        &flat.2,
+    );
     let mut total = [held as f32];
     dp.comm()
         .unwrap()
@@ -389,7 +395,7 @@ fn scatter(dp: Group) {
         .unwrap();
     run(&sliced);
     let (same, _) = sliced.finish_chunks().unwrap();
-    pieces_match("ZeRO-1 sliced", &same, &rs.slices(), &flat.1, &flat.2);
+    pieces_match("ZeRO-1 sliced", &same, &rs.rank_chunks(), &flat.1, &flat.2);
     // Hybrid sharding at dp = 4: two copies of two ranks each; the chunks of the shard
     // group, summed over the copies.
     if dp.size() == 4 {
@@ -408,9 +414,9 @@ fn scatter(dp: Group) {
             .unwrap();
         run(&hybrid);
         let (chunks, _) = hybrid.finish_chunks().unwrap();
-        let slices = hybrid.slices();
-        assert_eq!(slices.rank, r % 2);
-        pieces_match("hybrid", &chunks, &slices, &flat.1, &flat.2);
+        let rank_chunks = hybrid.rank_chunks();
+        assert_eq!(rank_chunks.rank, r % 2);
+        pieces_match("hybrid", &chunks, &rank_chunks, &flat.1, &flat.2);
     }
 }
 
@@ -420,15 +426,19 @@ fn scatter(dp: Group) {
 fn pieces_match(
     name: &str,
     chunks: &[Vec<f32>],
-    slices: &merak_burn::data_parallel::slices::RankSlices,
+    rank_chunks: &merak_burn::data_parallel::chunks::RankChunks,
     flat: &[f32],
     offsets: &[usize],
 ) -> usize {
     let mut held = 0;
     for (b, chunk) in chunks.iter().enumerate() {
-        assert_eq!(chunk.len(), slices.buckets[b].chunk, "{name}: bucket {b}");
+        assert_eq!(
+            chunk.len(),
+            rank_chunks.buckets[b].chunk,
+            "{name}: bucket {b}"
+        );
         let mut covered = vec![false; chunk.len()];
-        for p in slices.pieces.iter().filter(|p| p.bucket == b) {
+        for p in rank_chunks.pieces.iter().filter(|p| p.bucket == b) {
             let at = offsets[p.param] + p.param_start;
             let got = chunk[p.chunk_offset..p.chunk_offset + p.len].to_vec();
             check(name, got, flat[at..at + p.len].to_vec());

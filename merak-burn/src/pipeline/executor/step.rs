@@ -8,7 +8,7 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
 use super::stage_run::{Held, Produced, StageRun};
-use super::work::{InFlight, Key, StepWork, next_step_part};
+use super::work::{Key, RanAhead, StepWork, next_step_part};
 use super::{Executor, PipelineError, StepReport, hidden, now_s, read};
 use crate::comm::Pending;
 use crate::data_parallel::DataParallel;
@@ -80,7 +80,7 @@ pub(super) struct StepRun<'a, B: TrainBackend, M> {
 }
 
 impl<'a, B: TrainBackend, M: TrainModel<B>> StepRun<'a, B, M> {
-    /// A step over `actions`, resuming the forwards in `in_flight`.
+    /// A step over `actions`, resuming the forwards in `ran_ahead`.
     pub(super) fn new(
         exec: &'a mut Executor,
         work: StepWork<'a, M>,
@@ -88,16 +88,16 @@ impl<'a, B: TrainBackend, M: TrainModel<B>> StepRun<'a, B, M> {
         shape: [usize; 3],
         device: &'a B::Device,
         actions: &[Action],
-        in_flight: &mut InFlight<B>,
+        ran_ahead: &mut RanAhead<B>,
     ) -> Self {
         let final_backward = exec.final_backwards(actions);
         let split = exec.plan.schedule.kind.splits_backward();
         let state = StepState {
-            held: std::mem::take(&mut in_flight.held),
+            held: std::mem::take(&mut ran_ahead.held),
             mail: HashMap::new(),
-            pending: std::mem::take(&mut in_flight.pending),
+            pending: std::mem::take(&mut ran_ahead.pending),
             pending_next: Vec::new(),
-            carried_loss: std::mem::take(&mut in_flight.loss),
+            carried_loss: std::mem::take(&mut ran_ahead.loss),
             losses: Vec::new(),
             report: StepReport::default(),
         };
@@ -127,12 +127,14 @@ impl<'a, B: TrainBackend, M: TrainModel<B>> StepRun<'a, B, M> {
             Action::Recompute { mb, stage } => self.recompute(action, mb, stage, clock)?,
             Action::Backward { mb, stage } => self.backward(action, mb, stage, clock)?,
             Action::SendActivation { mb, stage } => {
-                self.send_activation(action, mb, stage, clock)?
+                self.send(Mailbox::ActivationOut, (action, mb, stage), clock)?
             }
             Action::RecvActivation { mb, stage } => {
                 self.recv(Mailbox::ActivationIn, mb, stage, clock)?
             }
-            Action::SendGrad { mb, stage } => self.send_grad(action, mb, stage, clock)?,
+            Action::SendGrad { mb, stage } => {
+                self.send(Mailbox::GradOut, (action, mb, stage), clock)?
+            }
             Action::RecvGrad { mb, stage } => self.recv(Mailbox::GradIn, mb, stage, clock)?,
             Action::BackwardWeight { mb, stage } => self.backward_weight(mb, stage, clock),
             Action::OptimizerStep => return Ok(false),
@@ -140,23 +142,23 @@ impl<'a, B: TrainBackend, M: TrainModel<B>> StepRun<'a, B, M> {
         Ok(true)
     }
 
-    /// Completes the step's sends, keeps what ran ahead in `in_flight` (`overlap`: the next
+    /// Completes the step's sends, keeps what ran ahead in `ran_ahead` (`overlap`: the next
     /// step's forwards did) and reports; fails when a split backward left weight gradients.
     pub(super) fn finish(
         self,
-        in_flight: &mut InFlight<B>,
+        ran_ahead: &mut RanAhead<B>,
         overlap: bool,
     ) -> Result<StepReport, PipelineError> {
         let mut state = self.state;
         for p in state.pending {
             p.wait()?;
         }
-        in_flight.step = overlap.then_some(self.work.step + 1);
-        in_flight.held = next_step_part(state.held, self.work.batches.len());
-        in_flight.pending = state.pending_next;
+        ran_ahead.step = overlap.then_some(self.work.step + 1);
+        ran_ahead.held = next_step_part(state.held, self.work.batches.len());
+        ran_ahead.pending = state.pending_next;
         let [loss, next_loss] = sum_losses(state.carried_loss, state.losses)?;
         state.report.loss = loss;
-        in_flight.loss = next_loss;
+        ran_ahead.loss = next_loss;
         let undone = deferred::pending();
         deferred::enable(false);
         if undone > 0 {
@@ -282,49 +284,32 @@ impl<'a, B: TrainBackend, M: TrainModel<B>> StepRun<'a, B, M> {
         Ok(())
     }
 
-    fn send_activation(
+    /// Sends the message value of (`mb`, `stage`) from `mailbox` (an activation to the next
+    /// stage or a gradient to the previous one); a send of the next step's forwards (2BW)
+    /// completes with that step.
+    fn send(
         &mut self,
-        action: Action,
-        mb: usize,
-        stage: usize,
+        mailbox: Mailbox,
+        (action, mb, stage): (Action, usize, usize),
         clock: Clock,
     ) -> Result<(), PipelineError> {
-        let v = self.take(
-            Mailbox::ActivationOut,
-            (mb, stage),
-            action,
-            "its forward output",
-        )?;
-        let dest = self.exec.plan.schedule.rank_of(stage + 1);
-        let stages = self.exec.plan.schedule.stages();
-        let sent = self
-            .exec
-            .send(v, dest, self.work.tag(mb, stage + 1, stages, 0))?;
+        let (to, kind, what, label) = match mailbox {
+            Mailbox::ActivationOut => (stage + 1, 0, "its forward output", "send act"),
+            _ => (stage - 1, 1, "its input gradient", "send grad"),
+        };
+        let v = self.take(mailbox, (mb, stage), action, what)?;
+        let schedule = &self.exec.plan.schedule;
+        let (dest, tag) = (
+            schedule.rank_of(to),
+            self.work.tag(mb, to, schedule.stages(), kind),
+        );
+        let sent = self.exec.send(v, dest, tag)?;
         if self.work.is_next(mb) {
             self.state.pending_next.push(sent);
         } else {
             self.state.pending.push(sent);
         }
-        let name = self.work.message_name("send act", mb, stage);
-        self.done(clock, Spent::Neither, "send", name);
-        Ok(())
-    }
-
-    fn send_grad(
-        &mut self,
-        action: Action,
-        mb: usize,
-        stage: usize,
-        clock: Clock,
-    ) -> Result<(), PipelineError> {
-        let v = self.take(Mailbox::GradOut, (mb, stage), action, "its input gradient")?;
-        let dest = self.exec.plan.schedule.rank_of(stage - 1);
-        let stages = self.exec.plan.schedule.stages();
-        let sent = self
-            .exec
-            .send(v, dest, self.work.tag(mb, stage - 1, stages, 1))?;
-        self.state.pending.push(sent);
-        let name = self.work.message_name("send grad", mb, stage);
+        let name = self.work.message_name(label, mb, stage);
         self.done(clock, Spent::Neither, "send", name);
         Ok(())
     }

@@ -93,7 +93,7 @@ impl<'a, M> StepWork<'a, M> {
 /// The forward passes (and messages) of a step that ran ahead during the previous step, kept
 /// between two calls of [`Executor::run_step`](super::Executor::run_step) (PipeDream-2BW
 /// without a flush). Empty for every other schedule.
-pub struct InFlight<B: AutodiffBackend> {
+pub struct RanAhead<B: AutodiffBackend> {
     /// The 0-based step whose forwards ran ahead.
     pub(super) step: Option<usize>,
     /// Their graphs (a received activation is used, an output sent, right away: no message
@@ -104,7 +104,7 @@ pub struct InFlight<B: AutodiffBackend> {
     pub(super) loss: f64,
 }
 
-impl<B: AutodiffBackend> Default for InFlight<B> {
+impl<B: AutodiffBackend> Default for RanAhead<B> {
     fn default() -> Self {
         Self {
             step: None,
@@ -115,7 +115,7 @@ impl<B: AutodiffBackend> Default for InFlight<B> {
     }
 }
 
-impl<B: AutodiffBackend> InFlight<B> {
+impl<B: AutodiffBackend> RanAhead<B> {
     /// Whether some step's forwards ran ahead.
     pub fn is_empty(&self) -> bool {
         self.step.is_none()

@@ -111,7 +111,7 @@ where
         each_kind!(self, o => o.step(lr, model, grads))
     }
 
-    /// One step of a piece of a parameter (ZeRO-2's slices): its values and gradient flat,
+    /// One step of a piece of a parameter (ZeRO-1 and 2): its values and gradient flat,
     /// its state from the last step as slots; returns the new values and state. Every
     /// optimizer merak trains with is element-wise, so this equals the piece of the whole
     /// tensor's step (`train::sync::chunks` tests it). `name` (the parameter's) names a

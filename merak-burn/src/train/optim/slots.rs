@@ -1,7 +1,7 @@
 //! The optimizer state of one parameter as checkpoints store it: a step count and two tensors
 //! of the parameter's shape (`m1`, `m2`; the AdamW moments, and the same two places for the
 //! other optimizers), so that every optimizer's state is cut and merged across layouts and
-//! ZeRO slices by the one checkpoint format.
+//! ZeRO pieces by the one checkpoint format.
 
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::momentum::MomentumState;

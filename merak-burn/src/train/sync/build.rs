@@ -9,8 +9,8 @@ use crate::checkpoint::state::ParamShape;
 use crate::comm::Group;
 use crate::data_parallel::{Collective, DataParallel, ReduceScatter, Sharding};
 use crate::grid::ProcessGrid;
+use crate::parallel_plan::ParallelPlan;
 use crate::pipeline::{PipelinePlan, TrainBackend, TrainModel};
-use crate::plan::ParallelPlan;
 use crate::train::TrainError;
 use crate::train::experts::experts_apart;
 use crate::train::hybrid::shard_groups;
@@ -57,11 +57,11 @@ where
         // Unit by unit, a tied table's gradient comes from each unit reading it.
         zero3::set_uses(&reducer, shapes, &units);
     }
-    let (slices, ranges) = (reducer.slices(), reducer.param_ranges());
+    let (rank_chunks, ranges) = (reducer.rank_chunks(), reducer.param_ranges());
     let mut shards = zero3::shards(
         model,
         shard,
-        slices,
+        rank_chunks,
         ranges,
         shapes,
         units,

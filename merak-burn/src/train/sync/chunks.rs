@@ -13,9 +13,9 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
 
 use crate::checkpoint::state::ParamShape;
-use crate::checkpoint::{Moments, Slots, TensorSlice};
+use crate::checkpoint::{Moments, Slots, TensorPiece};
 use crate::comm::Group;
-use crate::data_parallel::slices::RankSlices;
+use crate::data_parallel::chunks::RankChunks;
 use crate::data_parallel::{DataParallel, DpStats, all_gather_each};
 use crate::grid::ProcessGrid;
 use crate::pipeline::{TrainBackend, TrainModel};
@@ -39,12 +39,12 @@ pub(crate) struct Chunks<'g, B: TrainBackend> {
     pub tied: Option<ParamId>,
     pub device: B::Device,
     /// This rank's pieces of the flat gradients.
-    pub slices: RankSlices,
+    pub rank_chunks: RankChunks,
     /// Each parameter's `(offset, len)` in the flat gradients, in visit order.
     pub ranges: Vec<(usize, usize)>,
     /// Each parameter's name, id and shape, in visit order.
     pub params: Vec<ParamShape>,
-    /// The optimizer state of each piece (in `slices.pieces` order), once it has stepped.
+    /// The optimizer state of each piece (in `rank_chunks.pieces` order), once it has stepped.
     pub states: Vec<Option<Slots<B::InnerBackend, 1>>>,
     /// The step's gradients: this rank's chunk of every bucket (after
     /// [`finish`](Self::finish)).
@@ -62,15 +62,15 @@ impl<'g, B: TrainBackend> Chunks<'g, B> {
         device: B::Device,
         params: Vec<ParamShape>,
     ) -> Self {
-        let (slices, ranges) = (reducer.slices(), reducer.param_ranges());
-        let states = (0..slices.pieces.len()).map(|_| None).collect();
+        let (rank_chunks, ranges) = (reducer.rank_chunks(), reducer.param_ranges());
+        let states = (0..rank_chunks.pieces.len()).map(|_| None).collect();
         Self {
             reducer,
             grid,
             shard,
             tied,
             device,
-            slices,
+            rank_chunks,
             ranges,
             params,
             states,
@@ -81,7 +81,7 @@ impl<'g, B: TrainBackend> Chunks<'g, B> {
     /// The pieces' state from whole-tensor `moments` (by name; a checkpoint's, cut for this
     /// rank's tensor-parallel shard).
     pub fn load(&mut self, moments: &HashMap<String, Moments>) {
-        for (k, p) in self.slices.pieces.iter().enumerate() {
+        for (k, p) in self.rank_chunks.pieces.iter().enumerate() {
             let Some(m) = moments.get(&self.params[p.param].name) else {
                 continue;
             };
@@ -113,14 +113,14 @@ impl<'g, B: TrainBackend> Chunks<'g, B> {
     /// ranks (the routed experts' held apart over the expert group).
     pub fn squares(&self, parts: &NormParts) -> Result<GradStats, TrainError> {
         let mut stats = GradStats::default();
-        for p in &self.slices.pieces {
+        for p in &self.rank_chunks.pieces {
             let id = self.params[p.param].id;
             if parts.not_counted.contains(&id) {
                 continue;
             }
             let g = &self.grads[p.bucket][p.chunk_offset..p.chunk_offset + p.len];
             let sq = crate::kernels::cpu::math::sum_of_squares(g);
-            if self.slices.apart[p.bucket] {
+            if self.rank_chunks.apart[p.bucket] {
                 stats.expert_sq += sq;
             } else if parts.sharded.contains(&id) {
                 stats.sharded_sq += sq;
@@ -131,7 +131,7 @@ impl<'g, B: TrainBackend> Chunks<'g, B> {
         // Summed in f64, so that the norm (and the clipping) is the one of the whole
         // gradients up to the order of the additions.
         let both = sum_f64(self.shard, &[stats.sharded_sq, stats.replicated_sq])?;
-        let experts = match self.slices.apart.contains(&true) {
+        let experts = match self.rank_chunks.apart.contains(&true) {
             true => sum_f64(self.grid.experts, &[stats.expert_sq])?[0],
             false => 0.0,
         };
@@ -167,10 +167,10 @@ impl<'g, B: TrainBackend> Chunks<'g, B> {
         let seen = self.reducer.seen();
         // The step's chunks go with the update, not through the next step's passes.
         let grads = std::mem::take(&mut self.grads);
-        let mut mine: Vec<Vec<f32>> = (self.slices.buckets.iter())
+        let mut mine: Vec<Vec<f32>> = (self.rank_chunks.buckets.iter())
             .map(|c| vec![0.0; c.chunk])
             .collect();
-        for (k, p) in self.slices.pieces.iter().enumerate() {
+        for (k, p) in self.rank_chunks.pieces.iter().enumerate() {
             let current = match chunked {
                 true => &values[p.bucket][p.chunk_offset..p.chunk_offset + p.len],
                 false => &values[p.param][p.param_start..p.param_start + p.len],
@@ -220,7 +220,7 @@ impl<'g, B: TrainBackend> Chunks<'g, B> {
         // The dense buckets' chunks over the shard group, the experts' held apart over the
         // expert group.
         let (mut dense, mut experts) = (Vec::new(), Vec::new());
-        for (chunk, &apart) in mine.into_iter().zip(&self.slices.apart) {
+        for (chunk, &apart) in mine.into_iter().zip(&self.rank_chunks.apart) {
             match apart {
                 true => experts.push(chunk),
                 false => dense.push(chunk),
@@ -234,12 +234,14 @@ impl<'g, B: TrainBackend> Chunks<'g, B> {
         .into_iter();
         let total = self.ranges.iter().map(|&(o, l)| o + l).max().unwrap_or(0);
         let mut flat = vec![0.0; total];
-        for (c, &apart) in self.slices.buckets.iter().zip(&self.slices.apart) {
+        for (c, &apart) in self.rank_chunks.buckets.iter().zip(&self.rank_chunks.apart) {
             let all = match apart {
                 true => experts.next(),
                 false => dense.next(),
             }
-            .ok_or_else(|| TrainError::Sliced("a bucket's gathered values are missing".into()))?;
+            .ok_or_else(|| {
+                TrainError::ZeroValues("a bucket's gathered values are missing".into())
+            })?;
             flat[c.start..c.start + c.len].copy_from_slice(&all[..c.len]);
         }
         Ok(flat)
@@ -250,20 +252,20 @@ impl<'g, B: TrainBackend> Chunks<'g, B> {
     /// moment of zeros for an optimizer that keeps one tensor). Every rank of the first copy
     /// writes its chunks; under hybrid sharding the other copies hold the same dense chunks,
     /// but the chunks of experts held apart are cut over every rank holding those experts.
-    pub fn slices_to_write(
+    pub fn pieces_to_write(
         &self,
         own: Option<&[Vec<f32>]>,
         experts: &HashSet<ParamId>,
-    ) -> Result<Vec<TensorSlice>, TrainError> {
+    ) -> Result<Vec<TensorPiece>, TrainError> {
         let first_copy = self.grid.coords.dp < self.shard.size();
         let apart = !experts.is_empty() && experts_apart(self.grid);
         if !(first_copy || apart) {
             return Ok(Vec::new());
         }
         let mut out = Vec::new();
-        for (p, state) in self.slices.pieces.iter().zip(&self.states) {
+        for (p, state) in self.rank_chunks.pieces.iter().zip(&self.states) {
             let name = &self.params[p.param].name;
-            let slice = |kind, values, time| TensorSlice {
+            let piece = |kind, values, time| TensorPiece {
                 kind,
                 name: name.clone(),
                 start: p.param_start,
@@ -272,15 +274,15 @@ impl<'g, B: TrainBackend> Chunks<'g, B> {
             };
             if let Some(own) = own {
                 let own = &own[p.bucket][p.chunk_offset..p.chunk_offset + p.len];
-                out.push(slice("param", own.to_vec(), 0));
+                out.push(piece("param", own.to_vec(), 0));
             }
             let Some(st) = state else { continue };
             let m2 = match &st.m2 {
                 Some(x) => values_of(x.clone())?,
                 None => vec![0.0; p.len],
             };
-            out.push(slice("m1", values_of(st.m1.clone())?, st.time));
-            out.push(slice("m2", m2, st.time));
+            out.push(piece("m1", values_of(st.m1.clone())?, st.time));
+            out.push(piece("m2", m2, st.time));
         }
         if !first_copy {
             out.retain(|s| crate::moe::is_expert_param(&s.name));
@@ -320,7 +322,7 @@ fn flat<B: Backend>(values: &[f32], device: &B::Device) -> Tensor<B, 1> {
 /// The values of a flat tensor.
 fn values_of<B: Backend>(t: Tensor<B, 1>) -> Result<Vec<f32>, TrainError> {
     (t.into_data().convert::<f32>().into_vec::<f32>())
-        .map_err(|e| TrainError::Sliced(format!("{e:?}")))
+        .map_err(|e| TrainError::ZeroValues(format!("{e:?}")))
 }
 
 /// Every parameter's values (visit order), read to the host.

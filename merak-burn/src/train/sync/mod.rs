@@ -19,7 +19,7 @@
 //! [`apply`](GradSync::apply).
 //!
 //! Names: ZeRO cuts each gradient bucket into one *chunk* per rank of the shard group; a
-//! parameter's part of a chunk is a *piece* ([`RankSlices`](crate::data_parallel::slices::RankSlices)).
+//! parameter's part of a chunk is a *piece* ([`RankChunks`](crate::data_parallel::chunks::RankChunks)).
 
 mod build;
 mod chunks;

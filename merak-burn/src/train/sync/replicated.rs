@@ -122,7 +122,7 @@ impl<B: TrainBackend, M: TrainModel<B>> GradSync<B, M> for Replicated<'_, B> {
         Ok(RankState {
             params: state::local_params(model)?,
             moments,
-            slices: Vec::new(),
+            pieces: Vec::new(),
         })
     }
 }

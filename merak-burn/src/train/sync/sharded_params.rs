@@ -98,7 +98,7 @@ impl<B: TrainBackend, M: TrainModel<B>> GradSync<B, M> for ShardedParams<'_, B> 
         _optim: &mut Optimizers<M, B>,
     ) -> Result<M, TrainError> {
         // The checkpoint's values go straight into this rank's chunks: no gathered model.
-        let own = chunks_by_name(self.shards.slices(), shapes, params)?;
+        let own = chunks_by_name(self.shards.rank_chunks(), shapes, params)?;
         self.shards.set_own(own);
         self.chunks.load(moments);
         Ok(model)
@@ -110,8 +110,8 @@ impl<B: TrainBackend, M: TrainModel<B>> GradSync<B, M> for ShardedParams<'_, B> 
         _optim: &Optimizers<M, B>,
         experts: &HashSet<ParamId>,
     ) -> Result<RankState, TrainError> {
-        let slices = (self.chunks).slices_to_write(Some(self.shards.own()), experts)?;
-        // The model's parameters are empty; their values travel as slices.
+        let pieces = (self.chunks).pieces_to_write(Some(self.shards.own()), experts)?;
+        // The model's parameters are empty; their values travel as pieces.
         let shapes: HashMap<&str, &[usize]> = (self.chunks.params.iter())
             .map(|p| (p.name.as_str(), p.shape.as_slice()))
             .collect();
@@ -126,7 +126,7 @@ impl<B: TrainBackend, M: TrainModel<B>> GradSync<B, M> for ShardedParams<'_, B> 
         Ok(RankState {
             params,
             moments: Vec::new(),
-            slices,
+            pieces,
         })
     }
 
@@ -135,6 +135,6 @@ impl<B: TrainBackend, M: TrainModel<B>> GradSync<B, M> for ShardedParams<'_, B> 
     }
 
     fn stepped_elements(&self) -> Option<u64> {
-        Some(self.chunks.slices.held() as u64)
+        Some(self.chunks.rank_chunks.held() as u64)
     }
 }

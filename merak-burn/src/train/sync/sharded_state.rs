@@ -81,13 +81,13 @@ impl<B: TrainBackend, M: TrainModel<B>> GradSync<B, M> for ShardedState<'_, B> {
         experts: &HashSet<ParamId>,
     ) -> Result<RankState, TrainError> {
         Ok(RankState {
-            slices: self.chunks.slices_to_write(None, experts)?,
+            pieces: self.chunks.pieces_to_write(None, experts)?,
             params: state::local_params(model)?,
             moments: Vec::new(),
         })
     }
 
     fn stepped_elements(&self) -> Option<u64> {
-        Some(self.chunks.slices.held() as u64)
+        Some(self.chunks.rank_chunks.held() as u64)
     }
 }
