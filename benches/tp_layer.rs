@@ -36,6 +36,7 @@ use anyhow::{Result, bail};
 use burn::tensor::{ElementConversion, Tensor, TensorData, backend::AutodiffBackend};
 use clap::Parser;
 use merak_burn::backend::{Cpu, CpuAutodiff, CpuDevice};
+use merak_burn::batch::DropoutPosition;
 use merak_burn::comm::{
     CommError, Communicator, Group, MpiCommunicator, MpiWorld, Pending, ProgressThreadComm,
     ReduceOp,
@@ -221,7 +222,7 @@ fn build_block(
 
 /// One training step of the layer: forward, scalar loss, backward.
 fn step(block: &Block<B>, x: &Tensor<B, 3>) -> (Tensor<B, 3>, <B as AutodiffBackend>::Gradients) {
-    let y = block.forward(x.clone());
+    let y = block.forward(x.clone(), &DropoutPosition::default());
     let grads = y.clone().sum().backward();
     (y, grads)
 }

@@ -268,12 +268,30 @@ fn kind_error(name: &str, f: &Field, asked: String) -> BatchError {
     }
 }
 
+/// Where a forward pass stands in training, which keys its dropout masks: the step, the global
+/// index of the micro-batch's first sample, and whether dropout is on even without autodiff.
+/// The masks depend neither on the layout (dp, micro-batching) nor on history: a resumed run
+/// and a recomputed forward pass draw the same ones
+/// ([`ReplicatedDropout`](crate::tensor_parallel::ReplicatedDropout)).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DropoutPosition {
+    /// The 0-based training step.
+    pub step: u64,
+    /// The global index of the micro-batch's first sample in the step.
+    pub first_sample: u64,
+    /// Dropout on also on a backend without autodiff: a forward pass run without its graph
+    /// and recomputed with it later must drop the same elements both times. Off by default
+    /// (then dropout is on exactly when the backend records gradients).
+    pub forced: bool,
+}
+
 /// A micro-batch's [`Samples`] as tensors on a device, each made when a unit asks for it:
-/// `[batch, ..shape]` for a field of `shape` per sample.
+/// `[batch, ..shape]` for a field of `shape` per sample, and the pass's [`DropoutPosition`].
 #[derive(Clone, Debug)]
 pub struct Batch<'a, B: Backend> {
     samples: &'a Samples,
     device: B::Device,
+    dropout: DropoutPosition,
 }
 
 impl<'a, B: Backend> Batch<'a, B> {
@@ -282,7 +300,20 @@ impl<'a, B: Backend> Batch<'a, B> {
         Self {
             samples,
             device: device.clone(),
+            dropout: DropoutPosition::default(),
         }
+    }
+
+    /// The batch of a training pass at `position` (the executor's; without it, step 0 and
+    /// sample 0).
+    pub fn at(mut self, position: DropoutPosition) -> Self {
+        self.dropout = position;
+        self
+    }
+
+    /// Where the pass stands, for the dropout layers of the units.
+    pub fn dropout(&self) -> &DropoutPosition {
+        &self.dropout
     }
 
     /// Samples in the micro-batch.

@@ -29,7 +29,7 @@ use super::stage::{EvalOutput, Evaluate, PipelineModel, StageInput, StageOutput}
 use super::stage::{TrainBackend, TrainModel};
 use super::trace::TraceEvent;
 use super::two_bw;
-use crate::batch::{Batch, Samples};
+use crate::batch::{Batch, DropoutPosition, Samples};
 use crate::comm::{CommError, Group, Pending};
 use crate::data_parallel::{DataParallel, Shards};
 use crate::kernels::deferred;
@@ -133,6 +133,17 @@ pub struct MicroBatch {
     pub weight: f32,
     /// Global index of its first sample in the step (keys the dropout masks).
     pub first_sample: usize,
+}
+
+impl MicroBatch {
+    /// Where a training pass of it in 0-based step `step` stands: what keys its dropout masks.
+    pub fn dropout_position(&self, step: usize) -> DropoutPosition {
+        DropoutPosition {
+            step: step as u64,
+            first_sample: self.first_sample as u64,
+            forced: false,
+        }
+    }
 }
 
 /// What the last unit returned for one micro-batch in an evaluation pass

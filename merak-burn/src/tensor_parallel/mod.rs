@@ -26,7 +26,7 @@ pub mod sharding;
 pub use crate::rng::InitRng;
 pub use attention::{AttentionMask, AttentionWeights, ParallelSelfAttention};
 pub use cross_entropy::{vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_unfused};
-pub use dropout::{ReplicatedDropout, force_dropout, set_dropout_position};
+pub use dropout::ReplicatedDropout;
 pub use embedding::VocabParallelEmbedding;
 pub use init::{Shard, TpError};
 pub use linear::{ColumnParallelLinear, RowParallelLinear, param_from_values};

@@ -1,6 +1,6 @@
 //! The BERT module.
 
-use merak_burn::batch::{Batch, POSITIONS, TARGETS, TOKENS};
+use merak_burn::batch::{Batch, DropoutPosition, POSITIONS, TARGETS, TOKENS};
 use std::ops::Range;
 
 use burn::module::{Module, Param};
@@ -36,13 +36,15 @@ pub struct EncoderLayer<B: Backend> {
 }
 
 impl<B: ParallelBackend> EncoderLayer<B> {
-    /// `[batch, seq, hidden] -> [batch, seq, hidden]`.
-    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let x = self
-            .ln_1
-            .forward(x.clone() + self.dropout.forward(self.attention.forward(x)));
-        self.ln_2
-            .forward(x.clone() + self.dropout.forward(self.mlp.forward(x)))
+    /// `[batch, seq, hidden] -> [batch, seq, hidden]`, its dropout masks those of the pass at
+    /// `at`.
+    pub fn forward(&self, x: Tensor<B, 3>, at: &DropoutPosition) -> Tensor<B, 3> {
+        let attention = self
+            .dropout
+            .forward(self.attention.forward(x.clone()), at, 0);
+        let x = self.ln_1.forward(x + attention);
+        let mlp = self.dropout.forward(self.mlp.forward(x.clone()), at, 1);
+        self.ln_2.forward(x + mlp)
     }
 }
 
@@ -293,8 +295,13 @@ impl<B: ParallelBackend> Bert<B> {
             .expect("the head unit is built with a token table")
     }
 
-    /// Unit 0: ids to the normalized, dropped-out embeddings.
-    fn embed(&self, ids: Tensor<B, 2, Int>, positions: Option<Tensor<B, 2, Int>>) -> Tensor<B, 3> {
+    /// Unit 0: ids to the normalized, dropped-out embeddings (the masks of the pass at `at`).
+    fn embed(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        positions: Option<Tensor<B, 2, Int>>,
+        at: &DropoutPosition,
+    ) -> Tensor<B, 3> {
         let (Some(wte), Some(wpe), Some(ln)) = (&self.wte, &self.wpe, &self.ln_emb) else {
             panic!("the embedding unit is not on this pipeline rank");
         };
@@ -302,16 +309,22 @@ impl<B: ParallelBackend> Bert<B> {
         let seq = ids.dims()[1];
         let pos = (self.split).position_embeddings(wpe.weight.val(), seq, positions);
         let pos = merak_burn::precision::autocast(pos);
-        self.dropout.forward(ln.forward(wte.forward(ids) + pos))
+        self.dropout
+            .forward(ln.forward(wte.forward(ids) + pos), at, 0)
     }
 
     /// Encoder layers `layers` (0-based).
-    fn run_layers(&self, mut x: Tensor<B, 3>, layers: Range<usize>) -> Tensor<B, 3> {
+    fn run_layers(
+        &self,
+        mut x: Tensor<B, 3>,
+        layers: Range<usize>,
+        at: &DropoutPosition,
+    ) -> Tensor<B, 3> {
         for i in layers {
             x = self.layers[i]
                 .as_ref()
                 .expect("the layer is on this pipeline rank")
-                .forward(x);
+                .forward(x, at);
         }
         x
     }
@@ -333,10 +346,12 @@ impl<B: ParallelBackend> Bert<B> {
     }
 
     /// Final encoder hidden states, `[batch, seq] -> [batch, seq, hidden]` (`seq` at most
-    /// `seq_len`; a model with every unit).
+    /// `seq_len`; a model with every unit; the dropout masks, when training, those of step 0's
+    /// first samples).
     pub fn hidden(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        let x = self.embed(ids, None);
-        self.run_layers(x, 0..self.layers.len())
+        let at = DropoutPosition::default();
+        let x = self.embed(ids, None, &at);
+        self.run_layers(x, 0..self.layers.len(), &at)
     }
 
     /// This rank's slice of the MLM logits, `[batch, seq, V_pad / tp]` (columns from
@@ -375,11 +390,11 @@ impl<B: ParallelBackend> UnitStack<B> for Bert<B> {
     /// tokens' places in their whole sequences.
     fn embed(&self, batch: &Batch<'_, B>) -> Tensor<B, 3> {
         let positions = batch.has(POSITIONS).then(|| batch.int(POSITIONS));
-        Bert::embed(self, batch.int(TOKENS), positions)
+        Bert::embed(self, batch.int(TOKENS), positions, batch.dropout())
     }
 
-    fn layer(&self, index: usize, x: Tensor<B, 3>, _batch: &Batch<'_, B>) -> Tensor<B, 3> {
-        self.run_layers(x, index..index + 1)
+    fn layer(&self, index: usize, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> Tensor<B, 3> {
+        self.run_layers(x, index..index + 1, batch.dropout())
     }
 
     /// The summed loss: the mean over the counted targets times their count.

@@ -1,6 +1,6 @@
 //! The GPT module.
 
-use merak_burn::batch::{Batch, POSITIONS, SEGMENTS, TARGETS, TOKENS};
+use merak_burn::batch::{Batch, DropoutPosition, POSITIONS, SEGMENTS, TARGETS, TOKENS};
 use std::ops::Range;
 
 use burn::module::Module;
@@ -36,9 +36,10 @@ pub struct Block<B: Backend> {
 }
 
 impl<B: ParallelBackend> Block<B> {
-    /// `[batch, seq, hidden] -> [batch, seq, hidden]`.
-    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        self.forward_in_segments(x, None)
+    /// `[batch, seq, hidden] -> [batch, seq, hidden]`, its dropout masks those of the pass at
+    /// `at`.
+    pub fn forward(&self, x: Tensor<B, 3>, at: &DropoutPosition) -> Tensor<B, 3> {
+        self.forward_in_segments(x, None, at)
     }
 
     /// [`forward`](Self::forward) with the attention kept within `segments` (`[batch, seq]`
@@ -47,15 +48,14 @@ impl<B: ParallelBackend> Block<B> {
         &self,
         x: Tensor<B, 3>,
         segments: Option<Tensor<B, 2, Int>>,
+        at: &DropoutPosition,
     ) -> Tensor<B, 3> {
         let attn = self
             .attn
             .forward_in_segments(self.ln_1.forward(x.clone()), segments);
-        let x = x + self.dropout.forward(attn);
-        x.clone()
-            + self
-                .dropout
-                .forward(self.feed_forward(self.ln_2.forward(x)))
+        let x = x + self.dropout.forward(attn, at, 0);
+        let mlp = self.feed_forward(self.ln_2.forward(x.clone()));
+        x + self.dropout.forward(mlp, at, 1)
     }
 
     /// The MLP, or the mixture of experts.
@@ -306,10 +306,15 @@ impl<B: ParallelBackend> Gpt<B> {
             .expect("the head unit is built with a token table")
     }
 
-    /// Units 0: `[batch, seq]` ids to the summed, dropped-out embeddings; `positions`
-    /// (`[batch, seq]`, each token's position in its document) pick the position embeddings,
-    /// `0..seq` for every sequence without them.
-    fn embed(&self, ids: Tensor<B, 2, Int>, positions: Option<Tensor<B, 2, Int>>) -> Tensor<B, 3> {
+    /// Units 0: `[batch, seq]` ids to the summed, dropped-out embeddings (the masks of the
+    /// pass at `at`); `positions` (`[batch, seq]`, each token's position in its document) pick
+    /// the position embeddings, `0..seq` for every sequence without them.
+    fn embed(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        positions: Option<Tensor<B, 2, Int>>,
+        at: &DropoutPosition,
+    ) -> Tensor<B, 3> {
         let (Some(wte), Some(wpe)) = (&self.wte, &self.wpe) else {
             panic!("the embedding unit is not on this pipeline rank");
         };
@@ -317,7 +322,7 @@ impl<B: ParallelBackend> Gpt<B> {
         let seq = ids.dims()[1];
         let pos = (self.split).position_embeddings(wpe.weight.val(), seq, positions);
         let pos = merak_burn::precision::autocast(pos);
-        self.dropout.forward(wte.forward(ids) + pos)
+        self.dropout.forward(wte.forward(ids) + pos, at, 0)
     }
 
     /// Blocks `first..end` (0-based block indices), attending within `segments` when given.
@@ -326,12 +331,13 @@ impl<B: ParallelBackend> Gpt<B> {
         mut x: Tensor<B, 3>,
         blocks: Range<usize>,
         segments: Option<Tensor<B, 2, Int>>,
+        at: &DropoutPosition,
     ) -> Tensor<B, 3> {
         for i in blocks {
             let block = self.blocks[i]
                 .as_ref()
                 .expect("the block is on this pipeline rank");
-            x = block.forward_in_segments(x, segments.clone());
+            x = block.forward_in_segments(x, segments.clone(), at);
         }
         x
     }
@@ -356,7 +362,8 @@ impl<B: ParallelBackend> Gpt<B> {
         )
     }
 
-    /// Final hidden states, `[batch, seq] -> [batch, seq, hidden]` (a model with every unit).
+    /// Final hidden states, `[batch, seq] -> [batch, seq, hidden]` (a model with every unit;
+    /// the dropout masks, when training, those of step 0's first samples).
     pub fn hidden(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
         self.hidden_in_documents(ids, None)
     }
@@ -370,8 +377,9 @@ impl<B: ParallelBackend> Gpt<B> {
         documents: Option<(Tensor<B, 2, Int>, Tensor<B, 2, Int>)>,
     ) -> Tensor<B, 3> {
         let (positions, segments) = documents.unzip();
-        let x = self.embed(ids, positions);
-        let x = self.run_blocks(x, 0..self.blocks.len(), segments);
+        let at = DropoutPosition::default();
+        let x = self.embed(ids, positions, &at);
+        let x = self.run_blocks(x, 0..self.blocks.len(), segments, &at);
         self.final_norm(x)
     }
 
@@ -382,10 +390,11 @@ impl<B: ParallelBackend> Gpt<B> {
     }
 
     /// Mean next-token cross-entropy of `targets` (`[batch, seq]`; negative ids ignored),
-    /// identical on every TP rank.
+    /// identical on every TP rank (dropout as in [`hidden`](Self::hidden)).
     pub fn loss(&self, ids: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
-        let x = self.embed(ids, None);
-        let x = self.run_blocks(x, 0..self.blocks.len(), None);
+        let at = DropoutPosition::default();
+        let x = self.embed(ids, None, &at);
+        let x = self.run_blocks(x, 0..self.blocks.len(), None, &at);
         self.head_loss(x, targets)
     }
 }
@@ -418,13 +427,13 @@ impl<B: ParallelBackend> UnitStack<B> for Gpt<B> {
     /// Under a document mask (the batch has [`POSITIONS`]) the positions restart per document.
     fn embed(&self, batch: &Batch<'_, B>) -> Tensor<B, 3> {
         let positions = batch.has(POSITIONS).then(|| batch.int(POSITIONS));
-        Gpt::embed(self, batch.int(TOKENS), positions)
+        Gpt::embed(self, batch.int(TOKENS), positions, batch.dropout())
     }
 
     /// Under a document mask (the batch has [`SEGMENTS`]) a token attends within its document.
     fn layer(&self, index: usize, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> Tensor<B, 3> {
         let segments = batch.has(SEGMENTS).then(|| batch.int(SEGMENTS));
-        self.run_blocks(x, index..index + 1, segments)
+        self.run_blocks(x, index..index + 1, segments, batch.dropout())
     }
 
     /// The summed loss: the mean over the counted targets times their count.

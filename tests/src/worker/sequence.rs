@@ -2,11 +2,11 @@
 //! against the same block on one rank, forward and backward.
 
 use burn::tensor::{Tensor, TensorData};
+use merak_burn::batch::DropoutPosition;
 use merak_burn::comm::Group;
 use merak_burn::tensor_parallel::{
     AttentionMask, AttentionWeights, HeldPositions, InitRng, LayerNorm, MlpWeights, ParallelMlp,
-    ParallelSelfAttention, ReplicatedDropout, SeqShare, TpOverlap, force_dropout,
-    set_dropout_position,
+    ParallelSelfAttention, ReplicatedDropout, SeqShare, TpOverlap,
 };
 
 use super::{B, check, to_vec};
@@ -63,12 +63,11 @@ impl Block {
         block
     }
 
-    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let x = x.clone()
-            + self
-                .dropout
-                .forward(self.attn.forward(self.ln_1.forward(x)));
-        x.clone() + self.dropout.forward(self.mlp.forward(self.ln_2.forward(x)))
+    fn forward(&self, x: Tensor<B, 3>, at: &DropoutPosition) -> Tensor<B, 3> {
+        let attn = self.attn.forward(self.ln_1.forward(x.clone()));
+        let x = x + self.dropout.forward(attn, at, 0);
+        let mlp = self.mlp.forward(self.ln_2.forward(x.clone()));
+        x + self.dropout.forward(mlp, at, 1)
     }
 }
 
@@ -94,8 +93,11 @@ fn sequence_block(tp: Group, overlap: TpOverlap) {
     let rng = InitRng::new(5);
     let (b, s, h, heads) = (2, 8, 8, 4);
     let dev = Default::default();
-    force_dropout(true);
-    set_dropout_position(3, 0);
+    let at = DropoutPosition {
+        step: 3,
+        first_sample: 0,
+        forced: true,
+    };
     let full = rng.normal("x", b * s * h, 1.0);
     let (start, len) = SeqShare::of(tp).range(s);
     let serial = Block::new(&rng, [s, h, heads], Group::local(), None);
@@ -105,10 +107,8 @@ fn sequence_block(tp: Group, overlap: TpOverlap) {
     let part = seq_slice(&full, [b, s, h], start, len);
     let xp = Tensor::<B, 3>::from_data(TensorData::new(part, [b, len, h]), &dev).require_grad();
     let upstream = rng.normal("dy", b * s * h, 1.0);
-    set_dropout_position(3, 0);
-    let ys = serial.forward(xs.clone());
-    set_dropout_position(3, 0);
-    let yp = par.forward(xp.clone());
+    let ys = serial.forward(xs.clone(), &at);
+    let yp = par.forward(xp.clone(), &at);
     assert_eq!(
         yp.dims(),
         [b, len, h],
@@ -147,5 +147,4 @@ fn sequence_block(tp: Group, overlap: TpOverlap) {
         to_vec(bias(&par).grad(&gp).unwrap()),
         to_vec(bias(&serial).grad(&gs).unwrap()),
     );
-    force_dropout(false);
 }

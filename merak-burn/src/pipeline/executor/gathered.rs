@@ -17,10 +17,10 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
 use super::{MicroBatch, PipelineError};
-use crate::batch::Batch;
+use crate::batch::{Batch, DropoutPosition};
 use crate::data_parallel::{DataParallel, Shards};
 use crate::pipeline::stage::{PipelineModel, StageInput, StageOutput};
-use crate::tensor_parallel::{ParallelBackend, force_dropout, set_dropout_position};
+use crate::tensor_parallel::ParallelBackend;
 
 /// The order in which a step gathers units: each forward pass's units in order, each backward
 /// pass's in reverse, as the rank's actions run them (`passes`: `(stage's units, backward)`).
@@ -52,26 +52,25 @@ where
     M: PipelineModel<B> + Clone,
 {
     // Dropout draws its masks now as it will when the unit is recomputed with its graph.
-    force_dropout(true);
-    let result = (|| {
-        let mut inputs = Vec::with_capacity(units.len());
-        let mut x = input;
-        for u in units {
-            let unit = shards.fill(model.clone(), shards.gathered(u)?);
-            set_dropout_position(step as u64, batch.first_sample as u64);
-            inputs.push(x.clone());
-            match unit.run_units(u..u + 1, x, &Batch::new(&batch.samples, device)) {
-                StageOutput::Hidden(h) => x = StageInput::Hidden(h),
-                loss => return Ok((loss, inputs)),
-            }
+    let at = DropoutPosition {
+        forced: true,
+        ..batch.dropout_position(step)
+    };
+    let samples = Batch::new(&batch.samples, device).at(at);
+    let mut inputs = Vec::with_capacity(units.len());
+    let mut x = input;
+    for u in units {
+        let unit = shards.fill(model.clone(), shards.gathered(u)?);
+        inputs.push(x.clone());
+        match unit.run_units(u..u + 1, x, &samples) {
+            StageOutput::Hidden(h) => x = StageInput::Hidden(h),
+            loss => return Ok((loss, inputs)),
         }
-        match x {
-            StageInput::Hidden(h) => Ok((StageOutput::Hidden(h), inputs)),
-            StageInput::Data => Err(PipelineError::Tensor("a stage without units".into())),
-        }
-    })();
-    force_dropout(false);
-    result
+    }
+    match x {
+        StageInput::Hidden(h) => Ok((StageOutput::Hidden(h), inputs)),
+        StageInput::Data => Err(PipelineError::Tensor("a stage without units".into())),
+    }
 }
 
 /// Runs `units` of `model` on `input` without a graph, the last unit by `last` (given the
@@ -132,7 +131,6 @@ where
     let mut g = upstream;
     for (u, input) in units.zip(inputs).rev() {
         let unit = reducer.hooked(shards.fill(model.clone(), shards.gathered(u)?));
-        set_dropout_position(step as u64, batch.first_sample as u64);
         let (input, leaf) = match input {
             StageInput::Data => (StageInput::Data, None),
             StageInput::Hidden(x) => {
@@ -140,7 +138,8 @@ where
                 (StageInput::Hidden(leaf.clone()), Some(leaf))
             }
         };
-        let out = unit.run_units(u..u + 1, input, &Batch::new(&batch.samples, device));
+        let samples = Batch::new(&batch.samples, device).at(batch.dropout_position(step));
+        let out = unit.run_units(u..u + 1, input, &samples);
         let grads = match (out, g.take()) {
             (StageOutput::Loss(l), _) => (l * batch.weight).backward(),
             (StageOutput::Hidden(y), Some(g)) => (y * g).sum().backward(),

@@ -10,12 +10,11 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
 use super::{PipelineError, read};
-use crate::batch::Batch;
+use crate::batch::{Batch, DropoutPosition};
 use crate::data_parallel::{DataParallel, Shards};
 use crate::pipeline::executor::{MicroBatch, gathered};
 use crate::pipeline::schedule::Action;
 use crate::pipeline::stage::{PipelineModel, StageInput, StageOutput, TrainBackend, TrainModel};
-use crate::tensor_parallel::{force_dropout, set_dropout_position};
 
 /// What the forward pass of one (micro-batch, stage) keeps for its backward pass.
 pub(crate) struct Held<B: AutodiffBackend> {
@@ -91,7 +90,6 @@ impl<B: TrainBackend, M: TrainModel<B>> StageRun<'_, B, M> {
         &self,
         input: StageInput<B::InnerBackend>,
     ) -> Result<(Produced<B::InnerBackend>, Held<B>), PipelineError> {
-        set_dropout_position(self.step as u64, self.batch.first_sample as u64);
         if let Some(shards) = self.shards {
             self.forward_gathered(shards, input)
         } else if self.recomputed == 0 {
@@ -151,9 +149,12 @@ impl<B: TrainBackend, M: TrainModel<B>> StageRun<'_, B, M> {
         let mut held = Held::new(input.clone());
         let units = self.units.clone();
         let first = units.start..units.start + self.recomputed;
-        force_dropout(true);
-        let tmp = self.model.valid().run_units(first, input, &self.samples());
-        force_dropout(false);
+        // Dropout draws its masks now as the recomputation will with its graph.
+        let batch = self.samples().at(DropoutPosition {
+            forced: true,
+            ..self.dropout_position()
+        });
+        let tmp = self.model.valid().run_units(first, input, &batch);
         let x = match tmp {
             StageOutput::Hidden(x) if self.recomputed < units.len() => x,
             out => return Ok((self.unweighted(out)?, held)),
@@ -169,7 +170,6 @@ impl<B: TrainBackend, M: TrainModel<B>> StageRun<'_, B, M> {
 
     /// Reruns the recomputed first units with their graph.
     pub(super) fn recompute(&self, held: &mut Held<B>) {
-        set_dropout_position(self.step as u64, self.batch.first_sample as u64);
         let input = match &held.input {
             StageInput::Data => StageInput::Data,
             StageInput::Hidden(x) => {
@@ -267,9 +267,14 @@ impl<B: TrainBackend, M: TrainModel<B>> StageRun<'_, B, M> {
         })
     }
 
-    /// The micro-batch's samples as tensors on the device.
+    /// The micro-batch's samples as tensors on the device, at the pass's dropout position.
     fn samples<C: burn::tensor::backend::Backend<Device = B::Device>>(&self) -> Batch<'_, C> {
-        Batch::new(&self.batch.samples, self.device)
+        Batch::new(&self.batch.samples, self.device).at(self.dropout_position())
+    }
+
+    /// The step and the micro-batch's first sample: what keys the pass's dropout masks.
+    fn dropout_position(&self) -> DropoutPosition {
+        self.batch.dropout_position(self.step)
     }
 }
 
