@@ -193,8 +193,7 @@ impl Spec {
 /// The tensors of a `LlamaForCausalLM` (or `MixtralForCausalLM`) of shape `c` (without the head of a tied one), in
 /// module order.
 fn specs(c: &LlamaConfig) -> Vec<Spec> {
-    let (h, hd) = (c.hidden, c.head_dim());
-    let (q, kv) = (c.heads * hd, c.kv_heads * hd);
+    let h = c.hidden;
     let spec = |hf: String, merak: String, shape: Vec<usize>, layout| Spec {
         hf,
         merak,
@@ -208,46 +207,8 @@ fn specs(c: &LlamaConfig) -> Vec<Spec> {
         Layout::Same,
     )];
     for l in 0..c.layers {
-        let per_layer = [
-            (
-                "input_layernorm.weight",
-                "attn_norm.gamma",
-                vec![h],
-                Layout::Same,
-            ),
-            (
-                "self_attn.q_proj.weight",
-                "attn.wq.linear.weight",
-                vec![q, h],
-                Layout::Rotary,
-            ),
-            (
-                "self_attn.k_proj.weight",
-                "attn.wk.linear.weight",
-                vec![kv, h],
-                Layout::Rotary,
-            ),
-            (
-                "self_attn.v_proj.weight",
-                "attn.wv.linear.weight",
-                vec![kv, h],
-                Layout::Transposed,
-            ),
-            (
-                "self_attn.o_proj.weight",
-                "attn.wo.linear.weight",
-                vec![h, q],
-                Layout::Transposed,
-            ),
-            (
-                "post_attention_layernorm.weight",
-                "mlp_norm.gamma",
-                vec![h],
-                Layout::Same,
-            ),
-        ];
-        let per_layer =
-            per_layer.map(|(hf, merak, shape, layout)| (hf.into(), merak.into(), shape, layout));
+        let per_layer = attention_specs(c)
+            .map(|(hf, merak, shape, layout)| (hf.into(), merak.into(), shape, layout));
         for (hf, merak, shape, layout) in per_layer.into_iter().chain(feed_forward_specs(c)) {
             out.push(spec(
                 format!("model.layers.{l}.{hf}"),
@@ -272,6 +233,51 @@ fn specs(c: &LlamaConfig) -> Vec<Spec> {
         ));
     }
     out
+}
+
+/// One block's attention and norm tensors: the transformers name and the merak name within
+/// the block, the transformers shape, the layout.
+fn attention_specs(c: &LlamaConfig) -> [(&'static str, &'static str, Vec<usize>, Layout); 6] {
+    let (h, hd) = (c.hidden, c.head_dim());
+    let (q, kv) = (c.heads * hd, c.kv_heads * hd);
+    [
+        (
+            "input_layernorm.weight",
+            "attn_norm.gamma",
+            vec![h],
+            Layout::Same,
+        ),
+        (
+            "self_attn.q_proj.weight",
+            "attn.wq.linear.weight",
+            vec![q, h],
+            Layout::Rotary,
+        ),
+        (
+            "self_attn.k_proj.weight",
+            "attn.wk.linear.weight",
+            vec![kv, h],
+            Layout::Rotary,
+        ),
+        (
+            "self_attn.v_proj.weight",
+            "attn.wv.linear.weight",
+            vec![kv, h],
+            Layout::Transposed,
+        ),
+        (
+            "self_attn.o_proj.weight",
+            "attn.wo.linear.weight",
+            vec![h, q],
+            Layout::Transposed,
+        ),
+        (
+            "post_attention_layernorm.weight",
+            "mlp_norm.gamma",
+            vec![h],
+            Layout::Same,
+        ),
+    ]
 }
 
 /// One block's MLP (`LlamaForCausalLM`) or mixture of experts (`MixtralForCausalLM`): the
@@ -471,6 +477,22 @@ impl Keys<'_> {
         }
     }
 
+    /// A finite number above 0, `value` of `key` (`None` or null: `default`).
+    fn positive(
+        &self,
+        key: &str,
+        value: Option<&Value>,
+        default: f64,
+    ) -> Result<f64, HfLlamaError> {
+        match value.filter(|v| !v.is_null()) {
+            None => Ok(default),
+            Some(x) => match x.as_f64() {
+                Some(f) if f.is_finite() && f > 0.0 => Ok(f),
+                _ => Err(self.refuse(key, Some(x), "must be a positive number".into())),
+            },
+        }
+    }
+
     /// Whether the file describes a `MixtralForCausalLM` (`model_type` `"mixtral"`, or, without
     /// a `model_type`, `architectures` naming it) rather than a `LlamaForCausalLM`
     /// (`"llama"`); another `model_type` is refused.
@@ -562,23 +584,11 @@ pub fn llama_config_from_hf(json: &Value, path: &Path) -> Result<LlamaConfig, Hf
 /// [`llama_config_from_hf`], with what else the file says.
 fn config_from_hf(json: &Value, path: &Path) -> Result<(LlamaConfig, Extras), HfLlamaError> {
     let keys = Keys { json, path };
-    let refuse = |key: &str, value: Option<&Value>, reason: String| keys.refuse(key, value, reason);
     if !json.is_object() {
         return Err(HfFileError::format(path, "not a JSON object").into());
     }
-    let get = |key: &str| keys.get(key);
     let mixtral = keys.is_mixtral()?;
     let size = |key: &str, default: Option<usize>, max: usize| keys.size(key, default, max);
-    let flag = |key: &str, default: bool| keys.flag(key, default);
-    let number = |key: &str, v: Option<&Value>, default: f64| -> Result<f64, HfLlamaError> {
-        match v.filter(|v| !v.is_null()) {
-            None => Ok(default),
-            Some(x) => match x.as_f64() {
-                Some(f) if f.is_finite() && f > 0.0 => Ok(f),
-                _ => Err(refuse(key, Some(x), "must be a positive number".into())),
-            },
-        }
-    };
     let vocab = size("vocab_size", None, BIG)?;
     let hidden = size("hidden_size", None, BIG)?;
     let layers = size("num_hidden_layers", None, BIG)?;
@@ -586,134 +596,11 @@ fn config_from_hf(json: &Value, path: &Path) -> Result<(LlamaConfig, Extras), Hf
     let ffn = size("intermediate_size", None, BIG)?;
     let kv_heads = size("num_key_value_heads", Some(heads), BIG)?;
     let max_seq = size("max_position_embeddings", Some(2048), MAX_POSITIONS)?;
-    if !hidden.is_multiple_of(heads) {
-        return Err(refuse(
-            "num_attention_heads",
-            get("num_attention_heads"),
-            format!("must divide hidden_size = {hidden}"),
-        ));
-    }
-    let head_dim = hidden / heads;
-    if let Some(v) = get("head_dim")
-        && v.as_u64() != Some(head_dim as u64)
-    {
-        return Err(refuse(
-            "head_dim",
-            Some(v),
-            format!("the model's heads are hidden_size / num_attention_heads = {head_dim} wide"),
-        ));
-    }
-    if !head_dim.is_multiple_of(2) {
-        return Err(refuse(
-            "hidden_size",
-            get("hidden_size"),
-            format!("heads of {head_dim} features: rotary position embedding needs an even width"),
-        ));
-    }
-    if !heads.is_multiple_of(kv_heads) {
-        return Err(refuse(
-            "num_key_value_heads",
-            get("num_key_value_heads"),
-            format!("must divide num_attention_heads = {heads}"),
-        ));
-    }
-    for key in ["attention_bias", "mlp_bias"] {
-        if flag(key, false)? {
-            return Err(refuse(
-                key,
-                get(key),
-                "the model's projections have no biases".into(),
-            ));
-        }
-    }
-    if let Some(v) = get("hidden_act")
-        && v.as_str() != Some("silu")
-    {
-        return Err(refuse(
-            "hidden_act",
-            Some(v),
-            "the model's MLP is SwiGLU (\"silu\")".into(),
-        ));
-    }
-    let tie_embeddings = flag("tie_word_embeddings", false)?;
-    let rms_norm_eps = number("rms_norm_eps", get("rms_norm_eps"), 1e-6)?;
-    // transformers 5 keeps the rotary settings in `rope_parameters`, 4 in `rope_theta` and
-    // `rope_scaling`.
-    let (section, rope) = match (get("rope_parameters"), get("rope_scaling")) {
-        (Some(p), _) => ("rope_parameters", Some(p)),
-        (None, Some(s)) => ("rope_scaling", Some(s)),
-        (None, None) => ("rope_scaling", None),
-    };
-    let field = |name: &str| rope.and_then(|r| r.get(name)).filter(|v| !v.is_null());
-    let key = |name: &str| format!("{section}.{name}");
-    if let Some(r) = rope
-        && !r.is_object()
-    {
-        return Err(refuse(section, Some(r), "must be an object".into()));
-    }
-    let theta_value = field("rope_theta").or_else(|| get("rope_theta"));
-    // transformers' default base: 10000 for Llama, 1e6 for Mixtral.
-    let default_theta = if mixtral { 1e6 } else { 10000.0 };
-    let rope_theta = number("rope_theta", theta_value, default_theta)?;
-    let partial = field("partial_rotary_factor").or_else(|| get("partial_rotary_factor"));
-    if partial.is_some_and(|v| v.as_f64() != Some(1.0)) {
-        return Err(refuse(
-            "partial_rotary_factor",
-            partial,
-            "the model rotates whole heads (1.0)".into(),
-        ));
-    }
-    let kind_value = field("rope_type").or_else(|| field("type"));
-    let kind = match kind_value {
-        None => "default",
-        Some(v) => v
-            .as_str()
-            .ok_or_else(|| refuse(&key("rope_type"), Some(v), "must be a string".into()))?,
-    };
-    let rope_scaling = match kind {
-        "default" => None,
-        "llama3" => {
-            let factor = |name: &str| -> Result<f64, HfLlamaError> {
-                match field(name) {
-                    None => Err(refuse(&key(name), None, "required by llama3".into())),
-                    v => number(&key(name), v, 0.0),
-                }
-            };
-            let scaling = RopeScaling {
-                factor: factor("factor")?,
-                low_freq_factor: factor("low_freq_factor")?,
-                high_freq_factor: factor("high_freq_factor")?,
-                original_max_position_embeddings: match field("original_max_position_embeddings") {
-                    None => max_seq,
-                    Some(v) => match v.as_u64().and_then(|n| usize::try_from(n).ok()) {
-                        Some(n) if n >= 1 => n,
-                        _ => {
-                            return Err(refuse(
-                                &key("original_max_position_embeddings"),
-                                Some(v),
-                                "must be a positive whole number".into(),
-                            ));
-                        }
-                    },
-                },
-            };
-            if scaling.high_freq_factor <= scaling.low_freq_factor {
-                return Err(refuse(
-                    &key("high_freq_factor"),
-                    field("high_freq_factor"),
-                    format!("must exceed low_freq_factor = {}", scaling.low_freq_factor),
-                ));
-            }
-            Some(scaling)
-        }
-        other => {
-            return Err(refuse(
-                &key("rope_type"),
-                kind_value,
-                format!("rotary type {other:?}: the default and \"llama3\" are supported"),
-            ));
-        }
-    };
+    check_heads(&keys, hidden, heads, kv_heads)?;
+    refuse_biases_and_other_activations(&keys)?;
+    let tie_embeddings = keys.flag("tie_word_embeddings", false)?;
+    let rms_norm_eps = keys.positive("rms_norm_eps", keys.get("rms_norm_eps"), 1e-6)?;
+    let (rope_theta, rope_scaling) = rope_settings(&keys, mixtral, max_seq)?;
     let (moe, extras) = match mixtral {
         true => mixtral_keys(&keys).map(|(moe, extras)| (Some(moe), extras))?,
         false => (None, Extras::default()),
@@ -736,6 +623,192 @@ fn config_from_hf(json: &Value, path: &Path) -> Result<(LlamaConfig, Extras), Hf
         .validate()
         .map_err(|e| HfFileError::format(path, e.to_string()))?;
     Ok((config, extras))
+}
+
+/// Checks the heads of a `config.json`: `num_attention_heads` divides `hidden_size`,
+/// `head_dim` (if given) is their quotient and even (rotary embedding), and
+/// `num_key_value_heads` divides `num_attention_heads`.
+fn check_heads(
+    keys: &Keys<'_>,
+    hidden: usize,
+    heads: usize,
+    kv_heads: usize,
+) -> Result<(), HfLlamaError> {
+    if !hidden.is_multiple_of(heads) {
+        return Err(keys.refuse(
+            "num_attention_heads",
+            keys.get("num_attention_heads"),
+            format!("must divide hidden_size = {hidden}"),
+        ));
+    }
+    let head_dim = hidden / heads;
+    if let Some(v) = keys.get("head_dim")
+        && v.as_u64() != Some(head_dim as u64)
+    {
+        return Err(keys.refuse(
+            "head_dim",
+            Some(v),
+            format!("the model's heads are hidden_size / num_attention_heads = {head_dim} wide"),
+        ));
+    }
+    if !head_dim.is_multiple_of(2) {
+        return Err(keys.refuse(
+            "hidden_size",
+            keys.get("hidden_size"),
+            format!("heads of {head_dim} features: rotary position embedding needs an even width"),
+        ));
+    }
+    if !heads.is_multiple_of(kv_heads) {
+        return Err(keys.refuse(
+            "num_key_value_heads",
+            keys.get("num_key_value_heads"),
+            format!("must divide num_attention_heads = {heads}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses what the model's projections and MLP lack: biases (`attention_bias`, `mlp_bias`)
+/// and an activation other than SiLU (`hidden_act`).
+fn refuse_biases_and_other_activations(keys: &Keys<'_>) -> Result<(), HfLlamaError> {
+    for key in ["attention_bias", "mlp_bias"] {
+        if keys.flag(key, false)? {
+            return Err(keys.refuse(
+                key,
+                keys.get(key),
+                "the model's projections have no biases".into(),
+            ));
+        }
+    }
+    if let Some(v) = keys.get("hidden_act")
+        && v.as_str() != Some("silu")
+    {
+        return Err(keys.refuse(
+            "hidden_act",
+            Some(v),
+            "the model's MLP is SwiGLU (\"silu\")".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// The section of a `config.json` that holds the rotary settings: `rope_parameters`
+/// (transformers 5) or `rope_scaling` (transformers 4), and its value when present.
+struct RopeSection<'a> {
+    /// The section's key.
+    name: &'static str,
+    /// Its value (`None` when absent or null).
+    value: Option<&'a Value>,
+}
+
+impl<'a> RopeSection<'a> {
+    /// The value of `name` in the section (`None` when absent or null).
+    fn field(&self, name: &str) -> Option<&'a Value> {
+        self.value
+            .and_then(|r| r.get(name))
+            .filter(|v| !v.is_null())
+    }
+
+    /// The full key of `name` in the section, for messages.
+    fn key(&self, name: &str) -> String {
+        format!("{}.{name}", self.name)
+    }
+}
+
+/// The rotary base and scaling of a `config.json` (a `model.max_seq` of `max_seq` is the
+/// default original length of `llama3` scaling): partial rotation and rotary types other than
+/// the default and `llama3` are refused.
+fn rope_settings(
+    keys: &Keys<'_>,
+    mixtral: bool,
+    max_seq: usize,
+) -> Result<(f64, Option<RopeScaling>), HfLlamaError> {
+    let get = |key: &str| keys.get(key);
+    // transformers 5 keeps the rotary settings in `rope_parameters`, 4 in `rope_theta` and
+    // `rope_scaling`.
+    let (name, value) = match (get("rope_parameters"), get("rope_scaling")) {
+        (Some(p), _) => ("rope_parameters", Some(p)),
+        (None, Some(s)) => ("rope_scaling", Some(s)),
+        (None, None) => ("rope_scaling", None),
+    };
+    let rope = RopeSection { name, value };
+    if let Some(r) = rope.value
+        && !r.is_object()
+    {
+        return Err(keys.refuse(rope.name, Some(r), "must be an object".into()));
+    }
+    let theta_value = rope.field("rope_theta").or_else(|| get("rope_theta"));
+    // transformers' default base: 10000 for Llama, 1e6 for Mixtral.
+    let default_theta = if mixtral { 1e6 } else { 10000.0 };
+    let rope_theta = keys.positive("rope_theta", theta_value, default_theta)?;
+    let partial = (rope.field("partial_rotary_factor")).or_else(|| get("partial_rotary_factor"));
+    if partial.is_some_and(|v| v.as_f64() != Some(1.0)) {
+        return Err(keys.refuse(
+            "partial_rotary_factor",
+            partial,
+            "the model rotates whole heads (1.0)".into(),
+        ));
+    }
+    let kind_value = rope.field("rope_type").or_else(|| rope.field("type"));
+    let kind = match kind_value {
+        None => "default",
+        Some(v) => v.as_str().ok_or_else(|| {
+            keys.refuse(&rope.key("rope_type"), Some(v), "must be a string".into())
+        })?,
+    };
+    let rope_scaling = match kind {
+        "default" => None,
+        "llama3" => Some(llama3_scaling(keys, &rope, max_seq)?),
+        other => {
+            return Err(keys.refuse(
+                &rope.key("rope_type"),
+                kind_value,
+                format!("rotary type {other:?}: the default and \"llama3\" are supported"),
+            ));
+        }
+    };
+    Ok((rope_theta, rope_scaling))
+}
+
+/// The `llama3` rotary scaling of the section `rope` (its original length `max_seq` when
+/// absent): the factors are required and positive, the high one above the low one.
+fn llama3_scaling(
+    keys: &Keys<'_>,
+    rope: &RopeSection<'_>,
+    max_seq: usize,
+) -> Result<RopeScaling, HfLlamaError> {
+    let factor = |name: &str| -> Result<f64, HfLlamaError> {
+        match rope.field(name) {
+            None => Err(keys.refuse(&rope.key(name), None, "required by llama3".into())),
+            v => keys.positive(&rope.key(name), v, 0.0),
+        }
+    };
+    let scaling = RopeScaling {
+        factor: factor("factor")?,
+        low_freq_factor: factor("low_freq_factor")?,
+        high_freq_factor: factor("high_freq_factor")?,
+        original_max_position_embeddings: match rope.field("original_max_position_embeddings") {
+            None => max_seq,
+            Some(v) => match v.as_u64().and_then(|n| usize::try_from(n).ok()) {
+                Some(n) if n >= 1 => n,
+                _ => {
+                    return Err(keys.refuse(
+                        &rope.key("original_max_position_embeddings"),
+                        Some(v),
+                        "must be a positive whole number".into(),
+                    ));
+                }
+            },
+        },
+    };
+    if scaling.high_freq_factor <= scaling.low_freq_factor {
+        return Err(keys.refuse(
+            &rope.key("high_freq_factor"),
+            rope.field("high_freq_factor"),
+            format!("must exceed low_freq_factor = {}", scaling.low_freq_factor),
+        ));
+    }
+    Ok(scaling)
 }
 
 /// The `config.json` of a `LlamaForCausalLM` of shape `c` (as transformers 4 writes it; 5
@@ -867,6 +940,161 @@ fn unknown_tensor(hf: &str, c: &LlamaConfig) -> String {
     }
 }
 
+/// What the weight files of a model gave so far.
+#[derive(Default)]
+struct Loaded {
+    /// The parameters read, by merak name.
+    params: FullParams,
+    /// The file of every tensor read, by transformers name.
+    found: HashMap<String, PathBuf>,
+    /// A tied model's `lm_head.weight`, when saved: (file, values), compared with the table.
+    tied_head: Option<(PathBuf, Vec<f32>)>,
+    /// The rotary frequency buffers skipped.
+    buffers: usize,
+}
+
+/// What a model's weight files must hold: the model's tensors by transformers name, and its
+/// sizes for messages.
+struct Expected<'a> {
+    /// The model's config.
+    config: &'a LlamaConfig,
+    /// Its tensors, by transformers name.
+    by_name: HashMap<&'a str, &'a Spec>,
+    /// Its sizes ([`describe`]).
+    model: String,
+}
+
+/// Refuses tensor `name` of the weight file `path` of folder `dir` when `index` (if the model
+/// has one) does not list it in that file.
+fn check_listed(
+    name: &str,
+    path: &Path,
+    dir: &Path,
+    index: Option<&Index>,
+) -> Result<(), HfLlamaError> {
+    let Some((index_path, map)) = index else {
+        return Ok(());
+    };
+    let listed = map.get(name).map(|f| dir.join(f));
+    if listed.as_deref() == Some(path) {
+        return Ok(());
+    }
+    let reason = match listed {
+        Some(other) => format!("{} puts it in {}", index_path.display(), other.display()),
+        None => format!("not listed in {}", index_path.display()),
+    };
+    Err(HfLlamaError::Unexpected {
+        path: path.to_path_buf(),
+        tensor: name.into(),
+        reason,
+    })
+}
+
+/// Reads the weight file `path` of folder `dir` (listed in `index`, if the model has one)
+/// into `loaded`, refusing a tensor that is unlisted, held twice, unknown or misshapen.
+fn read_weight_file(
+    path: &Path,
+    dir: &Path,
+    index: Option<&Index>,
+    expected: &Expected<'_>,
+    loaded: &mut Loaded,
+) -> Result<(), HfLlamaError> {
+    let config = expected.config;
+    let bytes = hf_files::read_weights(path)?;
+    let unexpected = |tensor: &str, reason: String| HfLlamaError::Unexpected {
+        path: path.to_path_buf(),
+        tensor: tensor.into(),
+        reason,
+    };
+    let misshapen =
+        |name: String, file: Vec<usize>, expected_shape: Vec<usize>| HfLlamaError::Shape {
+            path: path.to_path_buf(),
+            tensor: name,
+            file,
+            expected: expected_shape,
+            model: expected.model.clone(),
+        };
+    let hd = config.head_dim();
+    for (name, view) in hf_files::tensor_views(&bytes, path)? {
+        let hf = canonical(&name);
+        if hf.ends_with("rotary_emb.inv_freq") {
+            loaded.buffers += 1;
+            continue;
+        }
+        check_listed(&name, path, dir, index)?;
+        if let Some(first) = loaded.found.get(&hf) {
+            return Err(unexpected(
+                &name,
+                format!("{} holds it too: the same tensor twice", first.display()),
+            ));
+        }
+        let shape = view.shape().to_vec();
+        if hf == "lm_head.weight" && config.tie_embeddings {
+            let want = vec![config.vocab, config.hidden];
+            if shape != want {
+                return Err(misshapen(name, shape, want));
+            }
+            let values = hf_files::finite_f32(&view, path, &name)?;
+            loaded.tied_head = Some((path.to_path_buf(), values));
+            loaded.found.insert(hf, path.to_path_buf());
+            continue;
+        }
+        let Some(spec) = expected.by_name.get(hf.as_str()) else {
+            return Err(unexpected(&name, unknown_tensor(&hf, config)));
+        };
+        if shape != spec.shape {
+            return Err(misshapen(name, shape, spec.shape.clone()));
+        }
+        let values = hf_files::finite_f32(&view, path, &name)?;
+        place(
+            &mut loaded.params,
+            spec,
+            to_ours(spec.layout, &shape, values, hd),
+        );
+        loaded.found.insert(hf, path.to_path_buf());
+    }
+    Ok(())
+}
+
+/// Refuses weight files (`files` of folder `dir`, listed in `index` if the model has one)
+/// that lack a tensor of the model (`specs`, sizes `model`) or one the index lists.
+fn check_complete(
+    specs: &[Spec],
+    found: &HashMap<String, PathBuf>,
+    dir: &Path,
+    files: &[PathBuf],
+    index: Option<&Index>,
+    model: &str,
+) -> Result<(), HfLlamaError> {
+    let file_of = |hf: &str| match index {
+        Some((index_path, map)) => map
+            .get(hf)
+            .map_or_else(|| index_path.clone(), |f| dir.join(f)),
+        None => files[0].clone(),
+    };
+    for spec in specs {
+        if !found.contains_key(&spec.hf) {
+            return Err(HfLlamaError::Missing {
+                path: file_of(&spec.hf),
+                tensor: spec.hf.clone(),
+                model: model.into(),
+            });
+        }
+    }
+    if let Some((_, map)) = index
+        && let Some((tensor, file)) = map
+            .iter()
+            .find(|(t, _)| !found.contains_key(&canonical(t)) && !t.ends_with("inv_freq"))
+    {
+        return Err(HfLlamaError::Missing {
+            path: dir.join(file),
+            tensor: tensor.clone(),
+            model: format!("{INDEX_FILE} lists it there"),
+        });
+    }
+    Ok(())
+}
+
 /// Reads the Hugging Face `LlamaForCausalLM` or `MixtralForCausalLM` in folder `dir`: its
 /// config and every parameter at full size by merak name, converted to merak's layouts and to
 /// f32. A Mixtral is read as transformers' `save_pretrained` writes it by default: every
@@ -878,110 +1106,28 @@ pub fn read_hf_llama(dir: &Path) -> Result<HfLlama, HfLlamaError> {
     let (config, extras) = config_from_hf(&json, &config_path)?;
     let (files, index) = weight_files(dir)?;
     let specs = specs(&config);
-    let by_name: HashMap<&str, &Spec> = specs.iter().map(|s| (s.hf.as_str(), s)).collect();
-    let model = describe(&config);
-    let hd = config.head_dim();
-    let mut params = FullParams::new();
+    let expected = Expected {
+        config: &config,
+        by_name: specs.iter().map(|s| (s.hf.as_str(), s)).collect(),
+        model: describe(&config),
+    };
     let mut notes = extras.notes;
-    let mut found: HashMap<String, PathBuf> = HashMap::new();
-    // A tied model's `lm_head.weight`, when saved: (file, values), compared with the table.
-    let mut tied_head: Option<(PathBuf, Vec<f32>)> = None;
-    let mut buffers = 0;
+    let mut loaded = Loaded::default();
     for path in &files {
-        let bytes = hf_files::read_weights(path)?;
-        let unexpected = |tensor: &str, reason: String| HfLlamaError::Unexpected {
-            path: path.clone(),
-            tensor: tensor.into(),
-            reason,
-        };
-        for (name, view) in hf_files::tensor_views(&bytes, path)? {
-            let hf = canonical(&name);
-            if hf.ends_with("rotary_emb.inv_freq") {
-                buffers += 1;
-                continue;
-            }
-            if let Some((index_path, map)) = &index {
-                let listed = map.get(&name).map(|f| dir.join(f));
-                if listed.as_ref() != Some(path) {
-                    let reason = match listed {
-                        Some(other) => {
-                            format!("{} puts it in {}", index_path.display(), other.display())
-                        }
-                        None => format!("not listed in {}", index_path.display()),
-                    };
-                    return Err(unexpected(&name, reason));
-                }
-            }
-            if let Some(first) = found.get(&hf) {
-                return Err(unexpected(
-                    &name,
-                    format!("{} holds it too: the same tensor twice", first.display()),
-                ));
-            }
-            let shape = view.shape().to_vec();
-            if hf == "lm_head.weight" && config.tie_embeddings {
-                let want = vec![config.vocab, config.hidden];
-                if shape != want {
-                    return Err(HfLlamaError::Shape {
-                        path: path.clone(),
-                        tensor: name,
-                        file: shape,
-                        expected: want,
-                        model: model.clone(),
-                    });
-                }
-                tied_head = Some((path.clone(), hf_files::finite_f32(&view, path, &name)?));
-                found.insert(hf, path.clone());
-                continue;
-            }
-            let Some(spec) = by_name.get(hf.as_str()) else {
-                return Err(unexpected(&name, unknown_tensor(&hf, &config)));
-            };
-            if shape != spec.shape {
-                return Err(HfLlamaError::Shape {
-                    path: path.clone(),
-                    tensor: name,
-                    file: shape,
-                    expected: spec.shape.clone(),
-                    model: model.clone(),
-                });
-            }
-            let values = hf_files::finite_f32(&view, path, &name)?;
-            place(&mut params, spec, to_ours(spec.layout, &shape, values, hd));
-            found.insert(hf, path.clone());
-        }
+        read_weight_file(path, dir, index.as_ref(), &expected, &mut loaded)?;
     }
+    let Loaded {
+        params,
+        found,
+        tied_head,
+        buffers,
+    } = loaded;
     if buffers > 0 {
         notes.push(format!(
             "{buffers} rotary frequency buffers (rotary_emb.inv_freq) skipped: the model computes its own"
         ));
     }
-    let file_of = |hf: &str| match &index {
-        Some((index_path, map)) => map
-            .get(hf)
-            .map_or_else(|| index_path.clone(), |f| dir.join(f)),
-        None => files[0].clone(),
-    };
-    for spec in &specs {
-        if !found.contains_key(&spec.hf) {
-            return Err(HfLlamaError::Missing {
-                path: file_of(&spec.hf),
-                tensor: spec.hf.clone(),
-                model: model.clone(),
-            });
-        }
-    }
-    if let Some((_, map)) = &index
-        && let Some((tensor, file)) = map
-            .iter()
-            .find(|(t, _)| !found.contains_key(&canonical(t)) && !t.ends_with("inv_freq"))
-    {
-        return Err(HfLlamaError::Missing {
-            path: dir.join(file),
-            tensor: tensor.clone(),
-            model: format!("{INDEX_FILE} lists it there"),
-        });
-    }
+    check_complete(&specs, &found, dir, &files, index.as_ref(), &expected.model)?;
     if let Some((path, head)) = tied_head {
         let table = &params["embed.tokens.weight"].1;
         if head != *table {
@@ -1050,23 +1196,10 @@ fn refuse_a_model_folder(dir: &Path) -> Result<(), HfFileError> {
     }
 }
 
-/// Writes the model of shape `cfg` with parameters `params` (full size, by merak name, as
-/// [`read_hf_llama`] returns them or a checkpoint holds them) into folder `dir` as a
-/// `LlamaForCausalLM`, or a `MixtralForCausalLM` when `cfg` has a mixture of experts (its
-/// experts' tensors by transformers 4's names, as `save_pretrained` writes them):
-/// `config.json` and `model.safetensors` in f32, or, with
-/// `max_shard_bytes`, files `model-0000i-of-0000n.safetensors` of at most that many bytes of
-/// tensor data each (a larger tensor gets a file of its own) and `model.safetensors.index.json`.
-/// A `dir` that already holds a model's files (`config.json`, weights or an index) is
-/// refused, naming the file, before anything is written: an export never overwrites or
-/// removes files it did not write. Returns the files written.
-pub fn write_hf_llama(
-    dir: &Path,
-    cfg: &LlamaConfig,
-    params: &FullParams,
-    max_shard_bytes: Option<u64>,
-) -> Result<Vec<PathBuf>, HfLlamaError> {
-    cfg.validate()?;
+/// The transformers tensors of the model of shape `cfg` from its parameters `params` (full
+/// size, by merak name), in module order; a missing, misshapen or unknown parameter is
+/// refused.
+fn hf_tensors(cfg: &LlamaConfig, params: &FullParams) -> Result<Vec<NamedTensor>, HfLlamaError> {
     let specs = specs(cfg);
     let hd = cfg.head_dim();
     let mut tensors: Vec<NamedTensor> = Vec::with_capacity(specs.len());
@@ -1100,12 +1233,24 @@ pub fn write_hf_llama(
             reason: format!("not a parameter of the model ({})", describe(cfg)),
         });
     }
-    // Files of tensors, in module order: runs of `tensors`.
-    let bytes = |t: &NamedTensor| 4 * t.values.len() as u64;
+    Ok(tensors)
+}
+
+/// The bytes of tensor `t` in a file (f32).
+fn tensor_bytes(t: &NamedTensor) -> u64 {
+    4 * t.values.len() as u64
+}
+
+/// The files of `tensors`, in module order: runs of at most `max_shard_bytes` of tensor data
+/// (a larger tensor alone), or one run of all without a limit.
+fn shard_groups(
+    tensors: &[NamedTensor],
+    max_shard_bytes: Option<u64>,
+) -> Vec<std::ops::Range<usize>> {
     let mut groups: Vec<std::ops::Range<usize>> = Vec::new();
     let mut bytes_in_last = 0u64;
     for (i, t) in tensors.iter().enumerate() {
-        let n = bytes(t);
+        let n = tensor_bytes(t);
         match (groups.last_mut(), max_shard_bytes) {
             (Some(last), Some(max)) if bytes_in_last.saturating_add(n) <= max => {
                 last.end = i + 1;
@@ -1118,6 +1263,28 @@ pub fn write_hf_llama(
             }
         }
     }
+    groups
+}
+
+/// Writes the model of shape `cfg` with parameters `params` (full size, by merak name, as
+/// [`read_hf_llama`] returns them or a checkpoint holds them) into folder `dir` as a
+/// `LlamaForCausalLM`, or a `MixtralForCausalLM` when `cfg` has a mixture of experts (its
+/// experts' tensors by transformers 4's names, as `save_pretrained` writes them):
+/// `config.json` and `model.safetensors` in f32, or, with
+/// `max_shard_bytes`, files `model-0000i-of-0000n.safetensors` of at most that many bytes of
+/// tensor data each (a larger tensor gets a file of its own) and `model.safetensors.index.json`.
+/// A `dir` that already holds a model's files (`config.json`, weights or an index) is
+/// refused, naming the file, before anything is written: an export never overwrites or
+/// removes files it did not write. Returns the files written.
+pub fn write_hf_llama(
+    dir: &Path,
+    cfg: &LlamaConfig,
+    params: &FullParams,
+    max_shard_bytes: Option<u64>,
+) -> Result<Vec<PathBuf>, HfLlamaError> {
+    cfg.validate()?;
+    let tensors = hf_tensors(cfg, params)?;
+    let groups = shard_groups(&tensors, max_shard_bytes);
     refuse_a_model_folder(dir)?;
     std::fs::create_dir_all(dir).map_err(HfFileError::io(dir))?;
     let sharded = max_shard_bytes.is_some();
@@ -1139,7 +1306,7 @@ pub fn write_hf_llama(
         written.push(path);
     }
     if sharded {
-        let total: u64 = tensors.iter().map(bytes).sum();
+        let total: u64 = tensors.iter().map(tensor_bytes).sum();
         let index = json!({ "metadata": { "total_size": total }, "weight_map": weight_map });
         let path = dir.join(INDEX_FILE);
         let text = serde_json::to_vec_pretty(&index)

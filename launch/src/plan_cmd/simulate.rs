@@ -84,46 +84,68 @@ pub(super) fn layout_number(key: &str, val: &str) -> Result<usize> {
     }
 }
 
-/// Parses `key=value,...` into a layout of `model` for `global_batch` sequences on `gpus`
-/// devices; every value is range-checked, as `merak train` checks `parallel.*`.
-pub(crate) fn parse_layout(
-    text: &str,
-    model: &ModelProxy,
-    gpus: usize,
-    global_batch: usize,
-) -> Result<Layout> {
-    let (mut dp, mut tp, mut cp, mut pp, mut v, mut mbs) = (1, 1, 1, 1, 1, 1);
-    let mut ep = 1;
-    let mut sp = false;
-    let mut recompute = RecomputeMode::None;
-    let mut schedule = ScheduleKind::OneFOneB;
-    let mut zero = 0u8;
-    let mut tp_overlap = 1;
-    let mut reduce_scatter = ReduceScatter::Step;
-    let mut shard = 0;
+/// The values `--layout` text gives (the keys not given at their defaults), before they are
+/// checked against the model and the devices.
+struct LayoutValues {
+    dp: usize,
+    tp: usize,
+    cp: usize,
+    pp: usize,
+    v: usize,
+    mbs: usize,
+    ep: usize,
+    sp: bool,
+    recompute: RecomputeMode,
+    schedule: ScheduleKind,
+    zero: u8,
+    tp_overlap: usize,
+    reduce_scatter: ReduceScatter,
+    shard: usize,
+}
+
+/// Reads the `key=value,...` pairs of `--layout` text, refusing a value out of its key's
+/// range or set; absent keys take their defaults (1, off, no recomputation, 1F1B, ZeRO 0,
+/// `reduce_scatter=step`, `shard=0`).
+fn layout_values(text: &str) -> Result<LayoutValues> {
+    let mut l = LayoutValues {
+        dp: 1,
+        tp: 1,
+        cp: 1,
+        pp: 1,
+        v: 1,
+        mbs: 1,
+        ep: 1,
+        sp: false,
+        recompute: RecomputeMode::None,
+        schedule: ScheduleKind::OneFOneB,
+        zero: 0,
+        tp_overlap: 1,
+        reduce_scatter: ReduceScatter::Step,
+        shard: 0,
+    };
     for (key, val) in layout_pairs(text)? {
         match key {
             "reduce_scatter" => {
-                reduce_scatter = match val {
+                l.reduce_scatter = match val {
                     "step" => ReduceScatter::Step,
                     "micro-batch" => ReduceScatter::MicroBatch,
                     other => bail!("--layout: reduce_scatter={other} (step or micro-batch)"),
                 }
             }
             "sp" => {
-                sp = match val {
+                l.sp = match val {
                     "on" => true,
                     "off" => false,
                     other => bail!("--layout: sp={other} (on or off)"),
                 }
             }
             "schedule" => {
-                schedule = val
+                l.schedule = val
                     .parse()
                     .with_context(|| format!("--layout: schedule={val}"))?
             }
             "recompute" => {
-                recompute = match val {
+                l.recompute = match val {
                     "none" => RecomputeMode::None,
                     "selective" => RecomputeMode::Selective,
                     "full" => RecomputeMode::Full,
@@ -133,20 +155,47 @@ pub(crate) fn parse_layout(
             _ => {
                 let n = layout_number(key, val)?;
                 match key {
-                    "dp" => dp = n,
-                    "tp" => tp = n,
-                    "cp" => cp = n,
-                    "ep" => ep = n,
-                    "pp" => pp = n,
-                    "v" => v = n,
-                    "mbs" => mbs = n,
-                    "zero" => zero = n as u8,
-                    "shard" => shard = n,
-                    _ => tp_overlap = n,
+                    "dp" => l.dp = n,
+                    "tp" => l.tp = n,
+                    "cp" => l.cp = n,
+                    "ep" => l.ep = n,
+                    "pp" => l.pp = n,
+                    "v" => l.v = n,
+                    "mbs" => l.mbs = n,
+                    "zero" => l.zero = n as u8,
+                    "shard" => l.shard = n,
+                    _ => l.tp_overlap = n,
                 }
             }
         }
     }
+    Ok(l)
+}
+
+/// Parses `key=value,...` into a layout of `model` for `global_batch` sequences on `gpus`
+/// devices; every value is range-checked, as `merak train` checks `parallel.*`.
+pub(crate) fn parse_layout(
+    text: &str,
+    model: &ModelProxy,
+    gpus: usize,
+    global_batch: usize,
+) -> Result<Layout> {
+    let LayoutValues {
+        dp,
+        tp,
+        cp,
+        pp,
+        v,
+        mbs,
+        ep,
+        sp,
+        recompute,
+        schedule,
+        zero,
+        tp_overlap,
+        reduce_scatter,
+        shard,
+    } = layout_values(text)?;
     check_layout_fits(model, [dp, tp, cp, pp, v], gpus)?;
     let Some(sequences) = dp.checked_mul(mbs) else {
         bail!("--layout: dp * mbs = {dp} x {mbs} overflows");

@@ -45,6 +45,54 @@ pub fn categories(spans: &[Span]) -> Vec<(String, RGBColor)> {
     known.chain(others).collect()
 }
 
+/// The actions of `spans` (not idle) in order of their start, the latest `MAX_SPANS` of them,
+/// and how many there are in all.
+fn latest_actions(spans: &[Span]) -> (Vec<&Span>, usize) {
+    let mut actions: Vec<&Span> = spans.iter().filter(|s| s.category != IDLE).collect();
+    actions.sort_by(|a, b| a.start_us.total_cmp(&b.start_us));
+    let all = actions.len();
+    actions.drain(..all.saturating_sub(MAX_SPANS));
+    (actions, all)
+}
+
+/// The time axis of a timeline: from the first span's start, in ms (s for 2 s and more).
+struct TimeAxis {
+    /// The time of the axis' origin, in µs.
+    t0: f64,
+    /// The time the axis covers, in µs.
+    span_us: f64,
+    /// The axis' unit per µs.
+    scale: f64,
+    /// The axis' unit.
+    unit: &'static str,
+}
+
+impl TimeAxis {
+    /// The axis from the first start to the last end of `shown` (0 to 1 µs without spans).
+    fn of(shown: &[&Span]) -> Self {
+        let t0 = shown
+            .iter()
+            .map(|s| s.start_us)
+            .fold(f64::INFINITY, f64::min);
+        let t1 = shown
+            .iter()
+            .map(|s| s.start_us + s.dur_us)
+            .fold(f64::NEG_INFINITY, f64::max);
+        let (t0, span_us) = if t0 < t1 { (t0, t1 - t0) } else { (0.0, 1.0) };
+        let (scale, unit) = if span_us < 2e6 {
+            (1e-3, "ms")
+        } else {
+            (1e-6, "s")
+        };
+        Self {
+            t0,
+            span_us,
+            scale,
+            unit,
+        }
+    }
+}
+
 /// The timeline of `spans` (titled after `run`): one row per rank (rank 0 on top), one
 /// rectangle per action from its start to its end coloured by category, a legend row of the
 /// categories, time from the first span in ms (s for timelines of 2 s and more). Idle spans
@@ -57,27 +105,16 @@ pub fn chart(run: &str, spans: &[Span]) -> Result<String, DrawError> {
         .collect::<BTreeSet<_>>()
         .into_iter()
         .collect();
-    let mut actions: Vec<&Span> = spans.iter().filter(|s| s.category != IDLE).collect();
-    actions.sort_by(|a, b| a.start_us.total_cmp(&b.start_us));
-    let all = actions.len();
-    let actions = &actions[all.saturating_sub(MAX_SPANS)..];
+    let (actions, all) = latest_actions(spans);
     let kept =
         |s: &&Span| all <= MAX_SPANS || actions.first().is_some_and(|a| s.start_us >= a.start_us);
     let shown: Vec<&Span> = spans.iter().filter(kept).collect();
-    let t0 = shown
-        .iter()
-        .map(|s| s.start_us)
-        .fold(f64::INFINITY, f64::min);
-    let t1 = shown
-        .iter()
-        .map(|s| s.start_us + s.dur_us)
-        .fold(f64::NEG_INFINITY, f64::max);
-    let (t0, span_us) = if t0 < t1 { (t0, t1 - t0) } else { (0.0, 1.0) };
-    let (scale, unit) = if span_us < 2e6 {
-        (1e-3, "ms")
-    } else {
-        (1e-6, "s")
-    };
+    let TimeAxis {
+        t0,
+        span_us,
+        scale,
+        unit,
+    } = TimeAxis::of(&shown);
     let at = |t: f64| (t - t0) * scale;
     let mut title = format!("Pipeline timeline ({run})");
     if all > MAX_SPANS {

@@ -98,152 +98,181 @@ pub struct Spec {
     pub layout: Layout,
 }
 
-/// Every merak parameter of a BERT of shape `cfg` (every unit, without the head's tied copy
-/// of the token table) with its `BertForMaskedLM` tensors.
-pub fn specs(cfg: &BertConfig) -> Vec<Spec> {
-    let (h, v, s) = (cfg.hidden, cfg.vocab_size, cfg.seq_len);
-    let one = |ours: &str, hf: &str, shape: Vec<usize>, layout: Layout| {
-        let hf_shape = match layout {
-            Layout::Transpose => vec![shape[1], shape[0]],
-            _ => shape.clone(),
-        };
-        Spec {
-            ours: ours.into(),
-            shape,
-            hf: vec![(hf.into(), hf_shape)],
-            layout,
-        }
+/// The spec of a merak parameter made of one `BertForMaskedLM` tensor (of the transposed
+/// shape when `layout` is [`Layout::Transpose`]).
+fn single(ours: &str, hf: &str, shape: Vec<usize>, layout: Layout) -> Spec {
+    let hf_shape = match layout {
+        Layout::Transpose => vec![shape[1], shape[0]],
+        _ => shape.clone(),
     };
-    let mut out = vec![
-        one(
+    Spec {
+        ours: ours.into(),
+        shape,
+        hf: vec![(hf.into(), hf_shape)],
+        layout,
+    }
+}
+
+/// The specs of the embeddings: the word and position tables and their LayerNorm.
+fn embedding_specs(cfg: &BertConfig) -> Vec<Spec> {
+    let (h, v, s) = (cfg.hidden, cfg.vocab_size, cfg.seq_len);
+    vec![
+        single(
             "wte.embedding.weight",
             WORD_EMBEDDINGS,
             vec![v, h],
             Layout::Copy,
         ),
-        one("wpe.weight", POSITION_EMBEDDINGS, vec![s, h], Layout::Copy),
-        one(
+        single("wpe.weight", POSITION_EMBEDDINGS, vec![s, h], Layout::Copy),
+        single(
             "ln_emb.gamma",
             "bert.embeddings.LayerNorm.weight",
             vec![h],
             Layout::Copy,
         ),
-        one(
+        single(
             "ln_emb.beta",
             "bert.embeddings.LayerNorm.bias",
             vec![h],
             Layout::Copy,
         ),
-    ];
-    for i in 0..cfg.layers {
-        let o = |p: &str| format!("layers.{i}.{p}");
-        let t = |p: &str| format!("bert.encoder.layer.{i}.{p}");
-        let qkv = |what: &str| -> Vec<(String, Vec<usize>)> {
-            ["query", "key", "value"]
-                .iter()
-                .map(|part| {
-                    let shape = if what == "weight" {
-                        vec![h, h]
-                    } else {
-                        vec![h]
-                    };
-                    (t(&format!("attention.self.{part}.{what}")), shape)
-                })
-                .collect()
-        };
-        out.push(Spec {
+    ]
+}
+
+/// The parameters of an encoder layer of hidden size `h` made of one tensor each: `(merak
+/// name, name in the layer of BertForMaskedLM, merak's shape, layout)`.
+fn layer_tensors(h: usize) -> [(&'static str, &'static str, Vec<usize>, Layout); 10] {
+    [
+        (
+            "attention.proj.linear.weight",
+            "attention.output.dense.weight",
+            vec![h, h],
+            Layout::Transpose,
+        ),
+        (
+            "attention.proj.bias",
+            "attention.output.dense.bias",
+            vec![h],
+            Layout::Copy,
+        ),
+        (
+            "ln_1.gamma",
+            "attention.output.LayerNorm.weight",
+            vec![h],
+            Layout::Copy,
+        ),
+        (
+            "ln_1.beta",
+            "attention.output.LayerNorm.bias",
+            vec![h],
+            Layout::Copy,
+        ),
+        (
+            "mlp.fc.linear.weight",
+            "intermediate.dense.weight",
+            vec![h, 4 * h],
+            Layout::Transpose,
+        ),
+        (
+            "mlp.fc.linear.bias",
+            "intermediate.dense.bias",
+            vec![4 * h],
+            Layout::Copy,
+        ),
+        (
+            "mlp.proj.linear.weight",
+            "output.dense.weight",
+            vec![4 * h, h],
+            Layout::Transpose,
+        ),
+        ("mlp.proj.bias", "output.dense.bias", vec![h], Layout::Copy),
+        (
+            "ln_2.gamma",
+            "output.LayerNorm.weight",
+            vec![h],
+            Layout::Copy,
+        ),
+        ("ln_2.beta", "output.LayerNorm.bias", vec![h], Layout::Copy),
+    ]
+}
+
+/// The specs of encoder layer `i`: the fused Q/K/V projection, then [`layer_tensors`].
+fn layer_specs(cfg: &BertConfig, i: usize) -> Vec<Spec> {
+    let h = cfg.hidden;
+    let o = |p: &str| format!("layers.{i}.{p}");
+    let t = |p: &str| format!("bert.encoder.layer.{i}.{p}");
+    let qkv = |what: &str| -> Vec<(String, Vec<usize>)> {
+        ["query", "key", "value"]
+            .iter()
+            .map(|part| {
+                let shape = if what == "weight" {
+                    vec![h, h]
+                } else {
+                    vec![h]
+                };
+                (t(&format!("attention.self.{part}.{what}")), shape)
+            })
+            .collect()
+    };
+    let mut out = vec![
+        Spec {
             ours: o("attention.qkv.linear.weight"),
             shape: vec![h, 3 * h],
             hf: qkv("weight"),
             layout: Layout::StackTranspose,
-        });
-        out.push(Spec {
+        },
+        Spec {
             ours: o("attention.qkv.linear.bias"),
             shape: vec![3 * h],
             hf: qkv("bias"),
             layout: Layout::Concat,
-        });
-        for (ours, hf, shape, layout) in [
-            (
-                "attention.proj.linear.weight",
-                "attention.output.dense.weight",
-                vec![h, h],
-                Layout::Transpose,
-            ),
-            (
-                "attention.proj.bias",
-                "attention.output.dense.bias",
-                vec![h],
-                Layout::Copy,
-            ),
-            (
-                "ln_1.gamma",
-                "attention.output.LayerNorm.weight",
-                vec![h],
-                Layout::Copy,
-            ),
-            (
-                "ln_1.beta",
-                "attention.output.LayerNorm.bias",
-                vec![h],
-                Layout::Copy,
-            ),
-            (
-                "mlp.fc.linear.weight",
-                "intermediate.dense.weight",
-                vec![h, 4 * h],
-                Layout::Transpose,
-            ),
-            (
-                "mlp.fc.linear.bias",
-                "intermediate.dense.bias",
-                vec![4 * h],
-                Layout::Copy,
-            ),
-            (
-                "mlp.proj.linear.weight",
-                "output.dense.weight",
-                vec![4 * h, h],
-                Layout::Transpose,
-            ),
-            ("mlp.proj.bias", "output.dense.bias", vec![h], Layout::Copy),
-            (
-                "ln_2.gamma",
-                "output.LayerNorm.weight",
-                vec![h],
-                Layout::Copy,
-            ),
-            ("ln_2.beta", "output.LayerNorm.bias", vec![h], Layout::Copy),
-        ] {
-            out.push(one(&o(ours), &t(hf), shape, layout));
-        }
+        },
+    ];
+    for (ours, hf, shape, layout) in layer_tensors(h) {
+        out.push(single(&o(ours), &t(hf), shape, layout));
     }
-    out.extend([
-        one(
+    out
+}
+
+/// The specs of the MLM head's transform (its decoder is the tied word table).
+fn head_specs(cfg: &BertConfig) -> [Spec; 4] {
+    let h = cfg.hidden;
+    [
+        single(
             "head.dense.weight",
             "cls.predictions.transform.dense.weight",
             vec![h, h],
             Layout::Transpose,
         ),
-        one(
+        single(
             "head.dense.bias",
             "cls.predictions.transform.dense.bias",
             vec![h],
             Layout::Copy,
         ),
-        one(
+        single(
             "head.ln.gamma",
             "cls.predictions.transform.LayerNorm.weight",
             vec![h],
             Layout::Copy,
         ),
-        one(
+        single(
             "head.ln.beta",
             "cls.predictions.transform.LayerNorm.bias",
             vec![h],
             Layout::Copy,
         ),
-    ]);
+    ]
+}
+
+/// Every merak parameter of a BERT of shape `cfg` (every unit, without the head's tied copy
+/// of the token table) with its `BertForMaskedLM` tensors.
+pub fn specs(cfg: &BertConfig) -> Vec<Spec> {
+    let mut out = embedding_specs(cfg);
+    for i in 0..cfg.layers {
+        out.extend(layer_specs(cfg, i));
+    }
+    out.extend(head_specs(cfg));
     out
 }
 

@@ -150,50 +150,61 @@ pub fn read_hf_bert(path: &Path, cfg: &BertConfig) -> Result<HfBertWeights, HfBe
     Ok(HfBertWeights { params, notes })
 }
 
-/// Checks a `BertForMaskedLM` `config.json` (at `path`, for messages) against `cfg`: sizes
-/// that shape the model must agree (the vocabulary may be smaller and the positions more, see
-/// the module documentation), and so must the computation (activation, LayerNorm epsilon,
-/// position embedding type, encoder only). Absent keys take `BertConfig`'s defaults.
-pub fn check_hf_bert_config(
-    json: &serde_json::Value,
-    path: &Path,
-    cfg: &BertConfig,
-) -> Result<HfBertFileConfig, HfBertImportError> {
-    let mismatch = |key: &str, file: String, model: String| HfBertImportError::Config {
-        path: path.to_path_buf(),
-        key: key.into(),
-        file,
-        model,
-    };
-    let shown = |key: &str, default: &str| {
-        json.get(key)
-            .map_or_else(|| format!("{default} (the default)"), |v| v.to_string())
-    };
-    if !json.is_object() {
-        return Err(HfFileError::format(path, "not a JSON object").into());
+/// A `config.json` being checked (at `path`, for messages): its values with `BertConfig`'s
+/// defaults for absent or null keys, and the refusal naming a key.
+struct ConfigJson<'a> {
+    /// The parsed file.
+    json: &'a serde_json::Value,
+    /// The file, for messages.
+    path: &'a Path,
+}
+
+impl ConfigJson<'_> {
+    /// The refusal of `key`: the file's value (or `default`, said to be the default) against
+    /// what the `model` needs.
+    fn refuse(&self, key: &str, default: &str, model: String) -> HfBertImportError {
+        let file = self
+            .json
+            .get(key)
+            .map_or_else(|| format!("{default} (the default)"), |v| v.to_string());
+        HfBertImportError::Config {
+            path: self.path.to_path_buf(),
+            key: key.into(),
+            file,
+            model,
+        }
     }
-    let text = |key: &str, default: &'static str| -> Option<String> {
-        match json.get(key) {
+
+    /// `key` as a string, `default` when absent or null, `None` when not a string.
+    fn text(&self, key: &str, default: &'static str) -> Option<String> {
+        match self.json.get(key) {
             None | Some(serde_json::Value::Null) => Some(default.into()),
             Some(v) => v.as_str().map(str::to_string),
         }
-    };
-    if text("model_type", "bert").as_deref() != Some("bert") {
-        return Err(mismatch(
-            "model_type",
-            shown("model_type", "\"bert\""),
-            "\"bert\" (merak's BERT loads BertForMaskedLM files)".into(),
-        ));
     }
-    let int = |key: &str, default: u64| -> Option<u64> {
-        match json.get(key) {
+
+    /// `key` as an unsigned integer, `default` when absent or null, `None` when not one.
+    fn int(&self, key: &str, default: u64) -> Option<u64> {
+        match self.json.get(key) {
             None | Some(serde_json::Value::Null) => Some(default),
             Some(v) => v.as_u64(),
         }
-    };
+    }
+
+    /// `key` as a boolean, `default` when absent or null, `None` when not one.
+    fn flag(&self, key: &str, default: bool) -> Option<bool> {
+        match self.json.get(key) {
+            None | Some(serde_json::Value::Null) => Some(default),
+            Some(v) => v.as_bool(),
+        }
+    }
+}
+
+/// The sizes `config.json` must agree on: `(key, BertConfig's default, what the model needs,
+/// its setting, how they may differ)`.
+fn size_checks(cfg: &BertConfig) -> [(&'static str, u64, u64, &'static str, Ordering); 6] {
     let h = cfg.hidden as u64;
-    // (key, BertConfig's default, what the model needs, its setting, how they may differ)
-    let checks = [
+    [
         ("hidden_size", 768, h, "model.hidden", Ordering::Equal),
         (
             "num_hidden_layers",
@@ -230,10 +241,18 @@ pub fn check_hf_bert_config(
             "model.seq_len",
             Ordering::Greater,
         ),
-    ];
+    ]
+}
+
+/// Checks the sizes of [`size_checks`] in order, refusing the first that does not fit: the
+/// file's values, by key.
+fn check_sizes(
+    c: &ConfigJson<'_>,
+    cfg: &BertConfig,
+) -> Result<HashMap<&'static str, u64>, HfBertImportError> {
     let mut values = HashMap::new();
-    for (key, default, model, setting, may) in checks {
-        let file = int(key, default);
+    for (key, default, model, setting, may) in size_checks(cfg) {
+        let file = c.int(key, default);
         if let Some(f) = file
             && (f == model || f.cmp(&model) == may)
             && (f > 0)
@@ -247,66 +266,94 @@ pub fn check_hf_bert_config(
             Ordering::Equal => "",
         };
         let eq = if setting.ends_with('=') { " " } else { " = " };
-        return Err(mismatch(
+        return Err(c.refuse(
             key,
-            shown(key, &default.to_string()),
+            &default.to_string(),
             format!("{setting}{eq}{model}{bound}"),
         ));
     }
-    let type_vocab = match int("type_vocab_size", 2) {
-        Some(t) if t >= 1 => t,
-        _ => {
-            return Err(mismatch(
-                "type_vocab_size",
-                shown("type_vocab_size", "2"),
-                "a token type table of at least 1 row (merak uses token type 0)".into(),
-            ));
-        }
-    };
-    let act = text("hidden_act", "gelu");
+    Ok(values)
+}
+
+/// Checks that `config.json` computes what merak's BERT computes: the exact GELU, the
+/// model's LayerNorm epsilon, absolute positions, a bidirectional encoder without
+/// cross-attention.
+fn check_computation(c: &ConfigJson<'_>, cfg: &BertConfig) -> Result<(), HfBertImportError> {
+    let act = c.text("hidden_act", "gelu");
     if !matches!(act.as_deref(), Some("gelu" | "gelu_python")) {
-        return Err(mismatch(
+        return Err(c.refuse(
             "hidden_act",
-            shown("hidden_act", "\"gelu\""),
+            "\"gelu\"",
             "the exact (erf) GELU, \"gelu\" (merak's BERT has no other activation)".into(),
         ));
     }
-    let eps = match json.get("layer_norm_eps") {
+    let eps = match c.json.get("layer_norm_eps") {
         None | Some(serde_json::Value::Null) => Some(1e-12),
         Some(v) => v.as_f64(),
     };
     let want = cfg.layer_norm_eps;
     if eps.is_none_or(|e| !(e.is_finite() && (e - want).abs() <= 1e-6 * want.abs())) {
-        return Err(mismatch(
+        return Err(c.refuse(
             "layer_norm_eps",
-            shown("layer_norm_eps", "1e-12"),
+            "1e-12",
             format!("model.layer_norm_eps = {want:e} (set it to the file's value)"),
         ));
     }
-    if text("position_embedding_type", "absolute").as_deref() != Some("absolute") {
-        return Err(mismatch(
+    if c.text("position_embedding_type", "absolute").as_deref() != Some("absolute") {
+        return Err(c.refuse(
             "position_embedding_type",
-            shown("position_embedding_type", "\"absolute\""),
+            "\"absolute\"",
             "learned absolute positions (\"absolute\")".into(),
         ));
     }
-    let flag = |key: &str, default: bool| match json.get(key) {
-        None | Some(serde_json::Value::Null) => Some(default),
-        Some(v) => v.as_bool(),
-    };
     for key in ["is_decoder", "add_cross_attention"] {
-        if flag(key, false) != Some(false) {
-            return Err(mismatch(
+        if c.flag(key, false) != Some(false) {
+            return Err(c.refuse(
                 key,
-                shown(key, "false"),
+                "false",
                 "a bidirectional encoder without cross-attention (false)".into(),
             ));
         }
     }
-    let Some(tied) = flag("tie_word_embeddings", true) else {
-        return Err(mismatch(
+    Ok(())
+}
+
+/// Checks a `BertForMaskedLM` `config.json` (at `path`, for messages) against `cfg`: sizes
+/// that shape the model must agree (the vocabulary may be smaller and the positions more, see
+/// the module documentation), and so must the computation (activation, LayerNorm epsilon,
+/// position embedding type, encoder only). Absent keys take `BertConfig`'s defaults.
+pub fn check_hf_bert_config(
+    json: &serde_json::Value,
+    path: &Path,
+    cfg: &BertConfig,
+) -> Result<HfBertFileConfig, HfBertImportError> {
+    if !json.is_object() {
+        return Err(HfFileError::format(path, "not a JSON object").into());
+    }
+    let c = ConfigJson { json, path };
+    if c.text("model_type", "bert").as_deref() != Some("bert") {
+        return Err(c.refuse(
+            "model_type",
+            "\"bert\"",
+            "\"bert\" (merak's BERT loads BertForMaskedLM files)".into(),
+        ));
+    }
+    let values = check_sizes(&c, cfg)?;
+    let type_vocab = match c.int("type_vocab_size", 2) {
+        Some(t) if t >= 1 => t,
+        _ => {
+            return Err(c.refuse(
+                "type_vocab_size",
+                "2",
+                "a token type table of at least 1 row (merak uses token type 0)".into(),
+            ));
+        }
+    };
+    check_computation(&c, cfg)?;
+    let Some(tied) = c.flag("tie_word_embeddings", true) else {
+        return Err(c.refuse(
             "tie_word_embeddings",
-            shown("tie_word_embeddings", "true"),
+            "true",
             "a decoder tied to the word embeddings (true)".into(),
         ));
     };
@@ -346,36 +393,29 @@ fn layer_of(name: &str) -> Option<usize> {
     rest.split_once('.')?.0.parse().ok()
 }
 
-/// Decodes a `BertForMaskedLM` safetensors file (`bytes`, read from `path`) whose
-/// `config.json` said `file`, and checks every tensor against `cfg`; differences that are
-/// bridged are added to `notes`.
-pub fn decode_hf_bert(
-    bytes: &[u8],
-    path: &Path,
-    cfg: &BertConfig,
-    file: &HfBertFileConfig,
-    notes: &mut Vec<String>,
-) -> Result<FullParams, HfBertImportError> {
-    let unexpected = |tensor: &str, reason: String| HfBertImportError::Unexpected {
+/// The refusal of tensor `tensor` of the file at `path`, for `reason`.
+fn unexpected(path: &Path, tensor: &str, reason: String) -> HfBertImportError {
+    HfBertImportError::Unexpected {
         path: path.to_path_buf(),
         tensor: tensor.into(),
         reason,
-    };
-    // The file's shapes: the model's, with the vocabulary and positions config.json gives.
-    let file_shape = BertConfig {
-        vocab_size: file.vocab,
-        seq_len: file.positions,
-        ..cfg.clone()
-    };
-    let expected = hf_bert_shapes(&file_shape, file.type_vocab);
-    let model = format!(
-        "{}; config.json: vocab_size = {}, max_position_embeddings = {}, type_vocab_size = {}",
-        describe(cfg),
-        file.vocab,
-        file.positions,
-        file.type_vocab
-    );
-    let mut found: HashMap<String, (String, TensorView<'_>)> = HashMap::new();
+    }
+}
+
+/// The tensors of a file by canonical name: `(name in the file, view)`.
+type Found<'a> = HashMap<String, (String, TensorView<'a>)>;
+
+/// Collects the tensors of the file (`bytes`, read from `path`) by canonical name, refusing
+/// an unknown tensor (not in `expected` nor the decoder) or one held twice; transformers'
+/// buffers are ignored, and a pooler or next-sentence head is skipped with a note.
+fn collect_tensors<'a>(
+    bytes: &'a [u8],
+    path: &Path,
+    cfg: &BertConfig,
+    expected: &[(String, Vec<usize>)],
+    notes: &mut Vec<String>,
+) -> Result<Found<'a>, HfBertImportError> {
+    let mut found: Found<'a> = HashMap::new();
     let mut skipped = Vec::new();
     for (name, view) in hf_files::tensor_views(bytes, path)? {
         let canonical = canonical(&name);
@@ -399,10 +439,11 @@ pub fn decode_hf_bert(
                 ),
                 None => "not a tensor of BertForMaskedLM".into(),
             };
-            return Err(unexpected(&name, reason));
+            return Err(unexpected(path, &name, reason));
         }
         if let Some((first, _)) = found.insert(canonical, (name.clone(), view)) {
             return Err(unexpected(
+                path,
                 &name,
                 format!("the file also holds {first}: the same tensor twice"),
             ));
@@ -415,10 +456,19 @@ pub fn decode_hf_bert(
             skipped.join(", ")
         ));
     }
+    Ok(found)
+}
 
-    // Every tensor of the file, checked and as f32, by canonical name.
+/// Every `expected` tensor of the file, checked (present, of its shape, finite) and as f32,
+/// by canonical name; `model` describes the model's sizes for messages.
+fn checked_tensors<'e>(
+    found: &Found<'_>,
+    expected: &'e [(String, Vec<usize>)],
+    path: &Path,
+    model: &str,
+) -> Result<HashMap<&'e str, Vec<f32>>, HfBertImportError> {
     let mut hf: HashMap<&str, Vec<f32>> = HashMap::new();
-    for (canonical, want) in &expected {
+    for (canonical, want) in expected {
         let Some((name, view)) = found.get(canonical) else {
             return Err(HfBertImportError::Missing {
                 tensor: canonical.clone(),
@@ -432,12 +482,24 @@ pub fn decode_hf_bert(
                 tensor: name.clone(),
                 file: view.shape().to_vec(),
                 expected: want.clone(),
-                model: model.clone(),
+                model: model.into(),
             });
         }
         hf.insert(canonical.as_str(), hf_files::finite_f32(view, path, name)?);
     }
+    Ok(hf)
+}
 
+/// Checks what merak's head lacks: the decoder (when the file holds one, or must because
+/// `config.json` unties it) must be the word table, and the output biases all zeros.
+fn check_head(
+    found: &Found<'_>,
+    hf: &HashMap<&str, Vec<f32>>,
+    path: &Path,
+    cfg: &BertConfig,
+    file: &HfBertFileConfig,
+    model: &str,
+) -> Result<(), HfBertImportError> {
     // The tied decoder: the word table itself.
     match found.get(DECODER_WEIGHT) {
         Some((name, view)) => {
@@ -446,6 +508,7 @@ pub fn decode_hf_bert(
                 && hf_files::finite_f32(view, path, name)? == *table;
             if !same {
                 return Err(unexpected(
+                    path,
                     name,
                     "differs from bert.embeddings.word_embeddings.weight: merak's decoder is \
                      tied to the word embeddings, so an untied decoder cannot be loaded"
@@ -474,7 +537,7 @@ pub fn decode_hf_bert(
                 tensor: name.clone(),
                 file: view.shape().to_vec(),
                 expected: vec![file.vocab],
-                model: model.clone(),
+                model: model.into(),
             });
         }
         biases.push((name.clone(), hf_files::finite_f32(view, path, name)?));
@@ -482,6 +545,7 @@ pub fn decode_hf_bert(
     for (name, values) in &biases {
         if let Some((index, value)) = values.iter().enumerate().find(|(_, v)| **v != 0.0) {
             return Err(unexpected(
+                path,
                 name,
                 format!(
                     "holds {value} at index {index}, not 0: merak's BERT has no output bias (its \
@@ -491,7 +555,19 @@ pub fn decode_hf_bert(
             ));
         }
     }
+    Ok(())
+}
 
+/// The model's position table: the file's first `model.seq_len` rows with token type 0 (the
+/// only segment merak's BERT sees) added, with notes on the token types and on the tables
+/// whose size differs from the model's.
+fn fold_positions(
+    hf: &HashMap<&str, Vec<f32>>,
+    path: &Path,
+    cfg: &BertConfig,
+    file: &HfBertFileConfig,
+    notes: &mut Vec<String>,
+) -> Vec<f32> {
     let (h, v, s) = (cfg.hidden, cfg.vocab_size, cfg.seq_len);
     // Token type 0, the only segment merak's BERT sees, joins the position embeddings.
     let types = &hf[TOKEN_TYPE_EMBEDDINGS];
@@ -531,7 +607,13 @@ pub fn decode_hf_bert(
             file.positions
         ));
     }
+    positions
+}
 
+/// merak's parameters from the checked tensors `hf`: the word table padded to
+/// `model.vocab_size` rows, `positions` as the position table, the rest laid out by [`specs`].
+fn assemble(cfg: &BertConfig, hf: &HashMap<&str, Vec<f32>>, positions: Vec<f32>) -> FullParams {
+    let (h, v) = (cfg.hidden, cfg.vocab_size);
     let mut params = FullParams::new();
     for spec in specs(cfg) {
         let values = match spec.ours.as_str() {
@@ -552,7 +634,38 @@ pub fn decode_hf_bert(
         };
         params.insert(spec.ours, (spec.shape, values));
     }
-    Ok(params)
+    params
+}
+
+/// Decodes a `BertForMaskedLM` safetensors file (`bytes`, read from `path`) whose
+/// `config.json` said `file`, and checks every tensor against `cfg`; differences that are
+/// bridged are added to `notes`.
+pub fn decode_hf_bert(
+    bytes: &[u8],
+    path: &Path,
+    cfg: &BertConfig,
+    file: &HfBertFileConfig,
+    notes: &mut Vec<String>,
+) -> Result<FullParams, HfBertImportError> {
+    // The file's shapes: the model's, with the vocabulary and positions config.json gives.
+    let file_shape = BertConfig {
+        vocab_size: file.vocab,
+        seq_len: file.positions,
+        ..cfg.clone()
+    };
+    let expected = hf_bert_shapes(&file_shape, file.type_vocab);
+    let model = format!(
+        "{}; config.json: vocab_size = {}, max_position_embeddings = {}, type_vocab_size = {}",
+        describe(cfg),
+        file.vocab,
+        file.positions,
+        file.type_vocab
+    );
+    let found = collect_tensors(bytes, path, cfg, &expected, notes)?;
+    let hf = checked_tensors(&found, &expected, path, &model)?;
+    check_head(&found, &hf, path, cfg, file, &model)?;
+    let positions = fold_positions(&hf, path, cfg, file, notes);
+    Ok(assemble(cfg, &hf, positions))
 }
 
 #[cfg(test)]

@@ -36,6 +36,48 @@ pub struct EncoderLayer<B: Backend> {
 }
 
 impl<B: ParallelBackend> EncoderLayer<B> {
+    /// Encoder layer `i` of a BERT of shape `cfg`, this TP rank's shard, initialized from
+    /// `rng` (weights N(0, `init_std`²), zero biases) with its dropout seeded from `seed`.
+    fn init(
+        cfg: &BertConfig,
+        rng: &InitRng,
+        i: usize,
+        seed: u64,
+        tp: Group,
+        device: &B::Device,
+    ) -> Result<Self, TpError> {
+        let h = cfg.hidden;
+        let std = cfg.init_std as f32;
+        let ln = || LayerNorm::new(h, cfg.layer_norm_eps, device);
+        let name = |p: &str| format!("bert.layer.{i}.{p}");
+        let attn = AttentionWeights {
+            qkv_weight: rng.normal(&name("attention.qkv.weight"), h * 3 * h, std),
+            qkv_bias: vec![0.0; 3 * h],
+            proj_weight: rng.normal(&name("attention.output.weight"), h * h, std),
+            proj_bias: vec![0.0; h],
+        };
+        let mlp = MlpWeights {
+            fc_weight: rng.normal(&name("intermediate.weight"), h * 4 * h, std),
+            fc_bias: vec![0.0; 4 * h],
+            proj_weight: rng.normal(&name("output.weight"), 4 * h * h, std),
+            proj_bias: vec![0.0; h],
+        };
+        Ok(Self {
+            attention: ParallelSelfAttention::from_full(
+                &attn,
+                h,
+                cfg.heads,
+                AttentionMask::Bidirectional,
+                tp,
+                device,
+            )?,
+            ln_1: ln(),
+            mlp: ParallelMlp::from_full(&mlp, h, 4 * h, tp, device)?,
+            ln_2: ln(),
+            dropout: ReplicatedDropout::new(cfg.dropout, seed.wrapping_add(i as u64 + 1)),
+        })
+    }
+
     /// `[batch, seq, hidden] -> [batch, seq, hidden]`, its dropout masks those of the pass at
     /// `at`.
     pub fn forward(&self, x: Tensor<B, 3>, at: &DropoutPosition) -> Tensor<B, 3> {
@@ -63,6 +105,25 @@ pub struct MlmHead<B: Backend> {
 }
 
 impl<B: ParallelBackend> MlmHead<B> {
+    /// The MLM transform of a BERT of shape `cfg` (replicated), its dense weight initialized
+    /// from `rng` (N(0, `init_std`²)), zero bias, unit LayerNorm gain.
+    fn init(cfg: &BertConfig, rng: &InitRng, device: &B::Device) -> Self {
+        let h = cfg.hidden;
+        let std = cfg.init_std as f32;
+        Self {
+            dense: Linear {
+                weight: param_from_values(
+                    rng.normal("cls.predictions.transform.dense.weight", h * h, std),
+                    [h, h],
+                    device,
+                ),
+                bias: Some(Param::from_tensor(Tensor::zeros([h], device))),
+            },
+            ln: LayerNorm::new(h, cfg.layer_norm_eps, device),
+            sequence_parallel: None,
+        }
+    }
+
     /// `[batch, seq, hidden] -> [batch, seq, hidden]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let [b, s, h] = x.dims();
@@ -156,50 +217,12 @@ impl<B: ParallelBackend> Bert<B> {
         });
         let layers = (0..cfg.layers)
             .map(|i| {
-                if !holds(i + 1) {
-                    return Ok(None);
-                }
-                let name = |p: &str| format!("bert.layer.{i}.{p}");
-                let attn = AttentionWeights {
-                    qkv_weight: rng.normal(&name("attention.qkv.weight"), h * 3 * h, std),
-                    qkv_bias: vec![0.0; 3 * h],
-                    proj_weight: rng.normal(&name("attention.output.weight"), h * h, std),
-                    proj_bias: vec![0.0; h],
-                };
-                let mlp = MlpWeights {
-                    fc_weight: rng.normal(&name("intermediate.weight"), h * 4 * h, std),
-                    fc_bias: vec![0.0; 4 * h],
-                    proj_weight: rng.normal(&name("output.weight"), 4 * h * h, std),
-                    proj_bias: vec![0.0; h],
-                };
-                Ok(Some(EncoderLayer {
-                    attention: ParallelSelfAttention::from_full(
-                        &attn,
-                        h,
-                        cfg.heads,
-                        AttentionMask::Bidirectional,
-                        tp,
-                        device,
-                    )?,
-                    ln_1: ln(),
-                    mlp: ParallelMlp::from_full(&mlp, h, 4 * h, tp, device)?,
-                    ln_2: ln(),
-                    dropout: ReplicatedDropout::new(cfg.dropout, seed.wrapping_add(i as u64 + 1)),
-                }))
+                holds(i + 1)
+                    .then(|| EncoderLayer::init(cfg, &rng, i, seed, tp, device))
+                    .transpose()
             })
             .collect::<Result<Vec<_>, TpError>>()?;
-        let head = holds(head_unit).then(|| MlmHead {
-            dense: Linear {
-                weight: param_from_values(
-                    rng.normal("cls.predictions.transform.dense.weight", h * h, std),
-                    [h, h],
-                    device,
-                ),
-                bias: Some(Param::from_tensor(Tensor::zeros([h], device))),
-            },
-            ln: ln(),
-            sequence_parallel: None,
-        });
+        let head = holds(head_unit).then(|| MlmHead::init(cfg, &rng, device));
         Ok(Self {
             wte,
             wpe,

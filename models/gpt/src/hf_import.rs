@@ -172,34 +172,28 @@ fn int_of(json: &serde_json::Value, key: &str, default: u64) -> Option<u64> {
     }
 }
 
-/// Checks a GPT-2 `config.json` (at `path`, for messages) against `cfg`. Sizes that change
-/// the model's shape must agree (the vocabulary and the positions may be smaller and larger,
-/// see the module documentation); differences in computation (activation, LayerNorm epsilon,
-/// attention scaling) are returned as notes.
-pub fn check_hf_gpt2_config(
-    json: &serde_json::Value,
-    path: &Path,
-    cfg: &GptConfig,
-) -> Result<Vec<String>, HfImportError> {
-    let mismatch = |key: &str, file: String, model: String| HfImportError::Config {
+/// The refusal of `key` of the `config.json` at `path`: its value in the `file` against what
+/// the `model` needs.
+fn mismatch(path: &Path, key: &str, file: String, model: String) -> HfImportError {
+    HfImportError::Config {
         path: path.to_path_buf(),
         key: key.into(),
         file,
         model,
-    };
-    if let Some(kind) = json.get("model_type").and_then(serde_json::Value::as_str)
-        && kind != "gpt2"
-    {
-        return Err(mismatch(
-            "model_type",
-            format!("{kind:?}"),
-            "\"gpt2\" (merak's GPT is GPT-2)".into(),
-        ));
     }
-    let h = cfg.hidden as u64;
-    // (key, GPT2Config's default, what the model needs, its setting, how they may differ)
-    let checks = [
-        ("n_embd", 768, h, "model.hidden", Ordering::Equal),
+}
+
+/// The sizes `config.json` must agree on: `(key, GPT2Config's default, what the model needs,
+/// its setting, how they may differ)`.
+fn size_checks(cfg: &GptConfig) -> [(&'static str, u64, u64, &'static str, Ordering); 5] {
+    [
+        (
+            "n_embd",
+            768,
+            cfg.hidden as u64,
+            "model.hidden",
+            Ordering::Equal,
+        ),
         (
             "n_layer",
             12,
@@ -228,8 +222,17 @@ pub fn check_hf_gpt2_config(
             "model.seq_len",
             Ordering::Greater,
         ),
-    ];
-    for (key, default, model, setting, may) in checks {
+    ]
+}
+
+/// Checks the sizes of [`size_checks`] in order, then `n_inner`, refusing the first that
+/// does not fit the model.
+fn check_sizes(
+    json: &serde_json::Value,
+    path: &Path,
+    cfg: &GptConfig,
+) -> Result<(), HfImportError> {
+    for (key, default, model, setting, may) in size_checks(cfg) {
         let file = int_of(json, key, default);
         if file.is_some_and(|f| f.cmp(&model) == Ordering::Equal || f.cmp(&model) == may) {
             continue;
@@ -242,18 +245,30 @@ pub fn check_hf_gpt2_config(
             Ordering::Greater => " (the file may have more positions, not fewer)",
             Ordering::Equal => "",
         };
-        return Err(mismatch(key, shown, format!("{setting} = {model}{bound}")));
+        return Err(mismatch(
+            path,
+            key,
+            shown,
+            format!("{setting} = {model}{bound}"),
+        ));
     }
-    let width = h.saturating_mul(4);
+    let width = (cfg.hidden as u64).saturating_mul(4);
     if let Some(inner) = json.get("n_inner").filter(|v| !v.is_null())
         && inner.as_u64() != Some(width)
     {
         return Err(mismatch(
+            path,
             "n_inner",
             inner.to_string(),
             format!("an MLP of width 4 * model.hidden = {width}"),
         ));
     }
+    Ok(())
+}
+
+/// Notes on what `config.json` computes differently from merak's GPT (activation, LayerNorm
+/// epsilon, attention scaling).
+fn computation_notes(json: &serde_json::Value, path: &Path, cfg: &GptConfig) -> Vec<String> {
     let mut notes = Vec::new();
     let act = json
         .get("activation_function")
@@ -293,7 +308,30 @@ pub fn check_hf_gpt2_config(
             path.display()
         ));
     }
-    Ok(notes)
+    notes
+}
+
+/// Checks a GPT-2 `config.json` (at `path`, for messages) against `cfg`. Sizes that change
+/// the model's shape must agree (the vocabulary and the positions may be smaller and larger,
+/// see the module documentation); differences in computation (activation, LayerNorm epsilon,
+/// attention scaling) are returned as notes.
+pub fn check_hf_gpt2_config(
+    json: &serde_json::Value,
+    path: &Path,
+    cfg: &GptConfig,
+) -> Result<Vec<String>, HfImportError> {
+    if let Some(kind) = json.get("model_type").and_then(serde_json::Value::as_str)
+        && kind != "gpt2"
+    {
+        return Err(mismatch(
+            path,
+            "model_type",
+            format!("{kind:?}"),
+            "\"gpt2\" (merak's GPT is GPT-2)".into(),
+        ));
+    }
+    check_sizes(json, path, cfg)?;
+    Ok(computation_notes(json, path, cfg))
 }
 
 /// Whether `name` (with the `transformer.` prefix) is one of GPT-2's attention mask buffers.
@@ -305,22 +343,28 @@ fn is_mask_buffer(name: &str) -> bool {
         })
 }
 
-/// Decodes a GPT-2 safetensors file (`bytes`, read from `path`) and checks every tensor
-/// against `cfg`; differences that are bridged are added to `notes`.
-pub fn decode_hf_gpt2(
-    bytes: &[u8],
-    path: &Path,
-    cfg: &GptConfig,
-    notes: &mut Vec<String>,
-) -> Result<FullParams, HfImportError> {
-    let unexpected = |tensor: &str, reason: String| HfImportError::Unexpected {
+/// The refusal of tensor `tensor` of the file at `path`, for `reason`.
+fn unexpected(path: &Path, tensor: &str, reason: String) -> HfImportError {
+    HfImportError::Unexpected {
         path: path.to_path_buf(),
         tensor: tensor.into(),
         reason,
-    };
-    refuse_experts(path, cfg)?;
-    let expected = hf_gpt2_shapes(cfg);
-    let mut found: HashMap<String, (String, TensorView<'_>)> = HashMap::new();
+    }
+}
+
+/// The tensors of a file by canonical name (with `transformer.`): `(name in the file, view)`.
+type Found<'a> = HashMap<String, (String, TensorView<'a>)>;
+
+/// Collects the tensors of the file (`bytes`, read from `path`) by canonical name, refusing
+/// an unknown tensor (not in `expected`) or one held twice; the mask buffers are ignored, and
+/// `lm_head.weight` is returned apart.
+fn collect_tensors<'a>(
+    bytes: &'a [u8],
+    path: &Path,
+    cfg: &GptConfig,
+    expected: &[(String, Vec<usize>)],
+) -> Result<(Found<'a>, Option<TensorView<'a>>), HfImportError> {
+    let mut found: Found<'a> = HashMap::new();
     let mut lm_head = None;
     for (name, view) in hf_files::tensor_views(bytes, path)? {
         if name == "lm_head.weight" {
@@ -343,15 +387,30 @@ pub fn decode_hf_gpt2(
                 ),
                 None => "not a tensor of GPT2LMHeadModel".into(),
             };
-            return Err(unexpected(&name, reason));
+            return Err(unexpected(path, &name, reason));
         }
         if let Some((first, _)) = found.insert(canonical, (name.clone(), view)) {
             return Err(unexpected(
+                path,
                 &name,
                 format!("the file also holds {first}: the same tensor twice"),
             ));
         }
     }
+    Ok((found, lm_head))
+}
+
+/// Decodes a GPT-2 safetensors file (`bytes`, read from `path`) and checks every tensor
+/// against `cfg`; differences that are bridged are added to `notes`.
+pub fn decode_hf_gpt2(
+    bytes: &[u8],
+    path: &Path,
+    cfg: &GptConfig,
+    notes: &mut Vec<String>,
+) -> Result<FullParams, HfImportError> {
+    refuse_experts(path, cfg)?;
+    let expected = hf_gpt2_shapes(cfg);
+    let (found, lm_head) = collect_tensors(bytes, path, cfg, &expected)?;
     let model = describe(cfg);
     let mut params = FullParams::new();
     for (hf, want) in &expected {
@@ -402,7 +461,8 @@ pub fn decode_hf_gpt2(
             ));
         }
         values.resize(want[0] * row, 0.0);
-        let ours = merak_gpt_name(hf).ok_or_else(|| unexpected(name, "no merak name".into()))?;
+        let ours =
+            merak_gpt_name(hf).ok_or_else(|| unexpected(path, name, "no merak name".into()))?;
         params.insert(ours, (want.clone(), values));
     }
     Ok(params)
