@@ -88,14 +88,15 @@ pub struct MoeConfig {
     /// loss.
     #[serde(default)]
     pub z_loss: f64,
-    /// The routing group of the balancing statistics and the capacities: each sequence (the
-    /// default, the same on every layout) or each micro-batch.
+    /// The routing group of the balancing statistics (the Switch loss, the z-loss) and of the
+    /// capacities: `"sequence"`, each sequence, the same on every layout; or `"micro-batch"`,
+    /// each micro-batch, which changes with the layout unless `train.micro_batch` is set.
     #[serde(default)]
     pub balance: Balance,
     /// Capacity factor: each expert takes at most `ceil(factor × tokens × top_k / E)` tokens of
-    /// a routing group ([`MoeConfig::balance`]), the later ones (by global token index)
-    /// dropped. Absent: dropless. In (0, inf) and at most `experts / top_k`, where an
-    /// expert's capacity already holds every token (typical: 1 to 2).
+    /// a routing group (`balance`), the later ones (by global token index) dropped. Absent:
+    /// dropless. In (0, inf) and at most `experts / top_k`, where an expert's capacity already
+    /// holds every token (typical: 1 to 2).
     #[serde(default)]
     pub capacity_factor: Option<f64>,
     /// DeepSeek's auxiliary-loss-free balancing: every expert has a selection bias, added to
