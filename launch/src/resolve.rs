@@ -38,6 +38,7 @@ pub fn resolve_config(
     resume: Option<&Checkpoint>,
 ) -> Result<Resolved> {
     let mut cfg = load_config(args, size, resume)?;
+    let micro_batch_from_layout = cfg.train.micro_batch == 0 || args.plan.is_some();
     let plan_file = match args.plan.as_deref() {
         Some(spec) => Some(apply_plan(args, spec, &mut cfg, world, size)?),
         None => None,
@@ -62,6 +63,9 @@ pub fn resolve_config(
     merak_burn::train::check_plan(&parallel, &pipeline, &cfg.train_settings(), parallel.dp)?;
     if world.is_none_or(|w| w.rank() == 0) {
         cfg.warn_idle_settings();
+        if let Some(w) = cfg.layout_dependent_balance(micro_batch_from_layout) {
+            tracing::warn!("{w}");
+        }
     }
     if let Some(r) = resume {
         // The checkpoint's tensors against the model this config builds, before any folder.

@@ -59,6 +59,10 @@ struct Args {
     /// Experts each token goes through (with --experts).
     #[arg(long, default_value_t = 2)]
     top_k: usize,
+    /// The weight of the routers' load-balancing loss (with --experts), as Mixtral's
+    /// `router_aux_loss_coef` counts it, computed per sequence (0: none).
+    #[arg(long, default_value_t = 0.0)]
+    aux_loss: f64,
     /// DeepSeek's auxiliary-loss-free balancing of the experts (with --experts): the rate at
     /// which each expert's selection bias moves towards balance after a step (0: off).
     #[arg(long, default_value_t = 0.0)]
@@ -83,7 +87,7 @@ fn main() -> anyhow::Result<()> {
     let moe = (args.experts > 0).then_some(SparseMoe {
         experts: args.experts,
         top_k: args.top_k,
-        aux_loss: 0.0,
+        aux_loss: args.aux_loss,
         bias_update_rate: args.bias_update_rate,
     });
     let tiny = LlamaConfig {

@@ -113,6 +113,40 @@ fn a_mixture_of_experts_equals_one_process() {
     }
 }
 
+/// With the load-balancing loss on (computed per sequence) and each rank's micro-batch its
+/// whole share (8 sequences on one process, 4 at dp 2, 1 under a pipeline: what `merak train`
+/// does by default), dp=2 ep=2, tp=2 and pp=2 equal one process.
+#[test]
+fn a_balanced_mixture_at_whole_share_micro_batches_equals_one_process() {
+    let moe = [
+        "--experts",
+        "16",
+        "--top-k",
+        "2",
+        "--seed",
+        "10",
+        "--aux-loss",
+        "0.02",
+    ];
+    let single = train(
+        1,
+        "aux-single",
+        &[&moe[..], &["--micro-batch", "8"]].concat(),
+    );
+    for (np, name, args) in [
+        (
+            2,
+            "aux-ep2",
+            vec!["--dp", "2", "--ep", "2", "--micro-batch", "4"],
+        ),
+        (2, "aux-tp2", vec!["--tp", "2", "--micro-batch", "8"]),
+        (2, "aux-pp2", vec!["--pp", "2", "--micro-batch", "1"]),
+    ] {
+        let args: Vec<&str> = moe.iter().copied().chain(args).collect();
+        assert_equal(name, &train(np, name, &args), &single);
+    }
+}
+
 #[test]
 fn every_layout_equals_one_process() {
     let want = train(1, "single", &[]);

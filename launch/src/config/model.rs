@@ -52,6 +52,27 @@ impl Config {
         Ok(())
     }
 
+    /// Why this config's mixture of experts, balanced per micro-batch
+    /// (`model.moe.balance = "micro-batch"`), trains another model under another layout: its
+    /// micro-batch was not fixed by the user (`from_layout`: `train.micro_batch = 0`, a rank's
+    /// whole share, or chosen by a plan). `None` when the balancing does not depend on the
+    /// layout. Rank 0 warns with it before training.
+    pub fn layout_dependent_balance(&self, from_layout: bool) -> Option<String> {
+        let moe = self.model.gpt.moe.as_ref()?;
+        if moe.balance != merak_burn::moe::Balance::MicroBatch || !from_layout {
+            return None;
+        }
+        Some(format!(
+            "model.moe.balance = \"micro-batch\" computes the experts' balancing losses and \
+             capacities per micro-batch, and train.micro_batch = {} here is not set but follows \
+             the layout (0 in the config: a rank's whole share; or the plan's choice), so it \
+             changes with parallel.dp and parallel.pp, and with it the model trained: set \
+             train.micro_batch, or model.moe.balance = \"sequence\" (the default), which does \
+             not depend on the layout",
+            self.micro_batch()
+        ))
+    }
+
     /// The BERT shape of `[model]` (for `model.kind = "bert"`).
     pub fn bert(&self) -> merak_bert::BertConfig {
         let g = &self.model.gpt;

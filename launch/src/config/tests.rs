@@ -797,3 +797,38 @@ fn settings_idle_in_the_layout_are_listed_with_the_reason_and_only_there() {
         );
     }
 }
+
+/// A mixture of experts balances per sequence unless `model.moe.balance` names the
+/// micro-batch; balanced per micro-batch with a micro-batch that follows the layout, it is
+/// warned about; a value neither names is refused naming the file, the key and both values.
+#[test]
+fn the_experts_balance_per_sequence_unless_told_and_a_bad_balance_is_refused() {
+    use merak_burn::moe::Balance;
+    let tiny = load(None, &sets(&["model.preset=moe-tiny"])).unwrap();
+    let moe = tiny.model.gpt.moe.as_ref().expect("experts");
+    assert_eq!(moe.balance, Balance::Sequence);
+    assert_eq!(tiny.layout_dependent_balance(true), None);
+    let per_micro = ["model.preset=moe-tiny", "model.moe.balance=\"micro-batch\""];
+    let c = load(None, &sets(&per_micro)).unwrap();
+    assert_eq!(
+        c.model.gpt.moe.as_ref().map(|m| m.balance),
+        Some(Balance::MicroBatch)
+    );
+    let w = c.layout_dependent_balance(true).expect("a warning");
+    assert!(
+        w.contains("model.moe.balance = \"micro-batch\"")
+            && w.contains("train.micro_batch = 8 here")
+            && w.contains("parallel.dp"),
+        "{w}"
+    );
+    assert_eq!(c.layout_dependent_balance(false), None);
+    let file = "model.preset = \"moe-tiny\"\n[model.moe]\nbalance = \"batch\"\n";
+    let e = load_text(Some((file, "f.toml")), &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with("config file f.toml: config key `model.moe.balance`: ")
+            && e.contains("unknown variant `batch`, expected `sequence` or `micro-batch`"),
+        "{e}"
+    );
+}

@@ -41,9 +41,10 @@ thread_local! {
     static RECORDS: RefCell<Vec<RoutingRecord>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Sets the weight of one micro-batch's auxiliary losses in the step's loss on this thread:
-/// `1 / routing groups per step` (the trainer sets `micro_batch / global_batch`, so the step
-/// trains the mean over its micro-batches, as one process does). 1 until set.
+/// Sets the weight of one micro-batch's auxiliary losses (a layer's being the mean over the
+/// micro-batch's routing groups) in the step's loss on this thread: the micro-batch's share of
+/// the step, `micro_batch / global_batch` as the trainer sets it, so that the step trains the
+/// mean over the global batch's routing groups, as one process does. 1 until set.
 pub fn set_aux_scale(scale: f32) {
     SCALE.with(|s| *s.borrow_mut() = scale);
 }

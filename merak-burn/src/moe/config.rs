@@ -27,6 +27,33 @@ pub enum RouterScore {
     Sigmoid,
 }
 
+/// The routing group over which the balancing statistics (the Switch loss's loads and mean
+/// scores, the z-loss's mean) and the capacities are computed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Balance {
+    /// Each sequence is a group (DeepSeek-V3's sequence-wise balance): no layout splits a
+    /// sequence over data-parallel ranks or micro-batches, and where tensor (sequence) or
+    /// context parallelism splits its tokens the counts are summed over those ranks, so the
+    /// statistics, the drops and the trained model do not depend on the layout.
+    #[default]
+    Sequence,
+    /// Each micro-batch is a group (Switch Transformer, GShard): its statistics change with
+    /// `train.micro_batch`, which by default (0) is a rank's whole share and so changes with
+    /// the data-parallel and pipeline degrees.
+    MicroBatch,
+}
+
+impl Balance {
+    /// The config value (`"sequence"`, `"micro-batch"`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Balance::Sequence => "sequence",
+            Balance::MicroBatch => "micro-batch",
+        }
+    }
+}
+
 /// A mixture-of-experts feed-forward block: a router picks `top_k` of `experts` feed-forward
 /// networks per token; optional shared experts see every token.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -61,10 +88,15 @@ pub struct MoeConfig {
     /// loss.
     #[serde(default)]
     pub z_loss: f64,
+    /// The routing group of the balancing statistics (the Switch loss, the z-loss) and of the
+    /// capacities: `"sequence"`, each sequence, the same on every layout; or `"micro-batch"`,
+    /// each micro-batch, which changes with the layout unless `train.micro_batch` is set.
+    #[serde(default)]
+    pub balance: Balance,
     /// Capacity factor: each expert takes at most `ceil(factor × tokens × top_k / E)` tokens of
-    /// a routing group, the later ones (by global token index) dropped. Absent: dropless. In
-    /// (0, inf) and at most `experts / top_k`, where an expert's capacity already holds every
-    /// token (typical: 1 to 2).
+    /// a routing group (`balance`), the later ones (by global token index) dropped. Absent:
+    /// dropless. In (0, inf) and at most `experts / top_k`, where an expert's capacity already
+    /// holds every token (typical: 1 to 2).
     #[serde(default)]
     pub capacity_factor: Option<f64>,
     /// DeepSeek's auxiliary-loss-free balancing: every expert has a selection bias, added to
@@ -197,7 +229,7 @@ impl MoeConfig {
 
     /// `experts` GELU experts of width `expert_hidden`, `top_k` per token, with every other key
     /// at its default (softmax, renormalized gates, dropless, Switch loss 0.01, in every
-    /// block).
+    /// block, balanced per sequence).
     pub fn new(experts: usize, top_k: usize, expert_hidden: usize) -> Self {
         Self {
             experts,
@@ -209,6 +241,7 @@ impl MoeConfig {
             renormalize: true,
             aux_loss: default_aux(),
             z_loss: 0.0,
+            balance: Balance::Sequence,
             capacity_factor: None,
             bias_update_rate: 0.0,
             max_load: default_max_load(),

@@ -6,10 +6,10 @@ use burn::tensor::IndexingUpdateOp;
 use burn::tensor::activation::{sigmoid, softmax};
 use burn::tensor::{Int, Tensor, TensorData, backend::Backend};
 
-use super::config::{MoeConfig, RouterScore};
+use super::config::{Balance, MoeConfig, RouterScore};
 use super::dispatch::{Arrivals, Dispatch, inverse};
 use super::expert::{Expert, ExpertInit};
-use super::routing::{capacity_keeps, loads, min_margin, top_k};
+use super::routing::{capacity_keeps, group_loads, loads, min_margin, top_k};
 use crate::comm::{Group, ReduceOp};
 use crate::expert_ops::{RoutingRecord, exchange, exchange_around, with_aux_loss};
 use crate::precision::{like_dtype, to_f32};
@@ -45,8 +45,8 @@ impl MoePlace {
         }
     }
 
-    /// The groups whose ranks split a routing group's tokens.
-    fn routing_groups(&self) -> impl Iterator<Item = Group> {
+    /// The process groups whose ranks split each routing group's tokens.
+    fn split_groups(&self) -> impl Iterator<Item = Group> {
         self.sp.into_iter().chain(self.cp).filter(|g| g.size() > 1)
     }
 }
@@ -168,9 +168,11 @@ impl<B: ParallelBackend> MoeLayer<B> {
         }
         let choice = top_k(&host, None, e, k);
         let local_loads = loads(&choice, e);
-        let group_loads = self.routing_sum(local_loads.iter().map(|&v| v as f32).collect());
-        let group_tokens = t * self.routing_size();
-        let kept = self.kept(&choice, b, n, group_tokens);
+        let groups = self.groups(b);
+        let per_group = group_loads(&choice, e, k, t / groups);
+        let per_group = self.routing_sum(per_group.iter().map(|&v| v as f32).collect());
+        let group_tokens = t / groups * self.routing_size();
+        let kept = self.kept(&choice, [b, n], groups, group_tokens);
         let dropped = kept.iter().filter(|&&k| !k).count();
         let device = xf.device();
         let choice_t = ints(choice.iter().map(|&c| c as i64).collect(), [t, k], &device);
@@ -184,7 +186,7 @@ impl<B: ParallelBackend> MoeLayer<B> {
             None => routed,
         };
         let y = y.reshape([b, n, h]);
-        let aux = self.aux_loss(&logits, scores, &group_loads, group_tokens);
+        let aux = self.aux_loss(&logits, scores, &per_group, group_tokens);
         let record = RoutingRecord {
             layer: self.place.layer,
             aux_loss: f64::from(host_values(aux.clone())[0]),
@@ -222,7 +224,7 @@ impl<B: ParallelBackend> MoeLayer<B> {
 
     /// Sums `values` over the ranks that split the routing group's tokens.
     fn routing_sum(&self, mut values: Vec<f32>) -> Vec<f32> {
-        for g in self.place.routing_groups() {
+        for g in self.place.split_groups() {
             let comm = g.comm().unwrap_or_else(|e| failed(e));
             comm.all_reduce(&mut values, ReduceOp::Sum)
                 .unwrap_or_else(|e| failed(e));
@@ -232,17 +234,35 @@ impl<B: ParallelBackend> MoeLayer<B> {
 
     /// Ranks that split a routing group's tokens.
     fn routing_size(&self) -> usize {
-        self.place.routing_groups().map(|g| g.size()).product()
+        self.place.split_groups().map(|g| g.size()).product()
+    }
+
+    /// The routing groups of a micro-batch of `batch` sequences ([`MoeConfig::balance`]): one
+    /// per sequence, or the whole micro-batch.
+    fn groups(&self, batch: usize) -> usize {
+        match self.cfg.balance {
+            Balance::Sequence => batch.max(1),
+            Balance::MicroBatch => 1,
+        }
     }
 
     /// Which assignments are computed: all of them (dropless), or those the capacity keeps in
-    /// global token order.
-    fn kept(&self, choice: &[usize], batch: usize, n: usize, group_tokens: usize) -> Vec<bool> {
+    /// global token order within each of the `groups` routing groups of the micro-batch
+    /// (`[batch, n]` tokens here) of `group_tokens` tokens each.
+    fn kept(
+        &self,
+        choice: &[usize],
+        [batch, n]: [usize; 2],
+        groups: usize,
+        group_tokens: usize,
+    ) -> Vec<bool> {
         let k = self.cfg.top_k;
         let Some(_) = self.cfg.capacity_factor else {
             return vec![true; choice.len()];
         };
         let limit = self.cfg.expert_limit(group_tokens);
+        // A group's global token indices share their quotient by `span`.
+        let span = self.place.seq * (batch / groups).max(1);
         // Each token with its global index, gathered over the routing group.
         let mut mine = Vec::with_capacity(batch * n * (1 + k));
         for (tok, chosen) in choice.chunks_exact(k).enumerate() {
@@ -252,7 +272,7 @@ impl<B: ParallelBackend> MoeLayer<B> {
             mine.extend_from_slice(chosen);
         }
         let mut group: Vec<f32> = mine.iter().map(|&v| v as f32).collect();
-        for g in self.place.routing_groups() {
+        for g in self.place.split_groups() {
             let comm = g.comm().unwrap_or_else(|e| failed(e));
             let mut all = vec![0.0; group.len() * g.size()];
             comm.all_gather(&group, &mut all)
@@ -260,7 +280,7 @@ impl<B: ParallelBackend> MoeLayer<B> {
             group = all;
         }
         let group: Vec<usize> = group.iter().map(|&v| v as usize).collect();
-        let keeps = capacity_keeps(&group, k, limit);
+        let keeps = capacity_keeps(&group, k, limit, span);
         mine.chunks_exact(1 + k)
             .flat_map(|t| keeps.get(&t[0]).cloned().unwrap_or_else(|| vec![false; k]))
             .collect()
@@ -370,10 +390,12 @@ impl<B: ParallelBackend> MoeLayer<B> {
         }
     }
 
-    /// This rank's part of the layer's auxiliary losses (`[1]`, f32): the Switch loss
-    /// `w E Σ_i f_i P_i` with `f_i` the group's share of assignments to expert `i` and `P_i`
-    /// its mean score, and the z-loss `w mean(logsumexp(logits)²)`, both over the routing
-    /// group; the ranks' parts add up to the group's losses.
+    /// This rank's part of the layer's auxiliary losses (`[1]`, f32), the mean over the
+    /// micro-batch's routing groups of each group's Switch loss `w E Σ_i f_i P_i` (`f_i` the
+    /// group's share of assignments to expert `i`, `P_i` its mean score) and z-loss
+    /// `w mean(logsumexp(logits)²)`. `group_loads` holds every group's loads summed over the
+    /// ranks that split it (`[groups][E]`), each group of `group_tokens` tokens; this rank's
+    /// tokens are its groups' in order. The ranks' parts add up to the groups' losses.
     fn aux_loss(
         &self,
         logits: &Tensor<B, 2>,
@@ -382,19 +404,25 @@ impl<B: ParallelBackend> MoeLayer<B> {
         group_tokens: usize,
     ) -> Tensor<B, 1> {
         let device = logits.device();
-        let (e, k) = (self.cfg.experts, self.cfg.top_k);
+        let [t, e] = scores.dims();
+        let k = self.cfg.top_k;
+        let groups = group_loads.len() / e.max(1);
+        // Every group weighs 1 / groups, each of its tokens 1 / group_tokens.
+        let per_token = (group_tokens * groups) as f32;
         let mut aux = Tensor::<B, 1>::zeros([1], &device);
         if self.cfg.aux_loss > 0.0 {
-            let tg = group_tokens as f32;
-            let f: Vec<f32> = group_loads.iter().map(|&l| l / (tg * k as f32)).collect();
-            let f = Tensor::<B, 2>::from_data(TensorData::new(f, [e, 1]), &device);
-            let p = scores.sum_dim(0).matmul(f).reshape([1]) / tg;
-            aux = aux + p * (self.cfg.aux_loss as f32 * e as f32);
+            let f: Vec<f32> = (group_loads.iter())
+                .map(|&l| l / (group_tokens * k) as f32)
+                .collect();
+            let f = Tensor::<B, 2>::from_data(TensorData::new(f, [groups, e]), &device);
+            let p = scores.reshape([groups, t / groups.max(1), e]).sum_dim(1);
+            let fp = (p.reshape([groups, e]) * f).sum().reshape([1]) / per_token;
+            aux = aux + fp * (self.cfg.aux_loss as f32 * e as f32);
         }
         if self.cfg.z_loss > 0.0 {
             let max = logits.clone().max_dim(1).detach();
             let lse = (logits.clone() - max.clone()).exp().sum_dim(1).log() + max;
-            let z = lse.powi_scalar(2).sum().reshape([1]) / group_tokens as f32;
+            let z = lse.powi_scalar(2).sum().reshape([1]) / per_token;
             aux = aux + z * self.cfg.z_loss as f32;
         }
         aux

@@ -6,12 +6,15 @@
 //! the shared experts if any. Routing is **dropless** by default; a capacity factor drops the
 //! assignments past each expert's capacity in global token order.
 //!
-//! **Routing groups.** A micro-batch is one routing group: its tokens, split over the TP ranks
-//! (sequence parallelism) and the context-parallel ranks, are counted together for the
-//! load-balancing loss, the z-loss and the capacities (the loads are all-reduced over those
-//! groups; the capacity's drop order is all-gathered), so results do not depend on the layout.
-//! Each rank adds its part of the auxiliary losses to the backward pass at the layer
-//! ([`crate::expert_ops::aux`]), weighted by the micro-batch's share of the step.
+//! **Routing groups.** The load-balancing loss, the z-loss and the capacities are computed
+//! per routing group ([`MoeConfig::balance`]): by default each sequence (its tokens, split
+//! over the TP ranks under sequence parallelism and over the context-parallel ranks, are
+//! counted together: the loads are all-reduced over those groups, the capacity's drop order is
+//! all-gathered), so results do not depend on the layout; or each micro-batch, whose size
+//! changes with the layout unless `train.micro_batch` is fixed. A layer's auxiliary loss is the
+//! mean over its micro-batch's groups; each rank adds its part of it to the backward pass at
+//! the layer ([`crate::expert_ops::aux`]), weighted by the micro-batch's share of the step, so
+//! the step trains the mean over the global batch's groups.
 //!
 //! **Expert parallelism** (`parallel.ep`) is folded into data parallelism: of the `dp × cp`
 //! ranks that hold a stage's dense parameters, each group of `ep` consecutive ranks splits the
@@ -36,7 +39,7 @@ pub use crate::expert_ops::{
     ExchangeCounts, RoutingRecord, aux_scale, exchange_rows, set_aux_scale, take_exchange_seconds,
     take_records, with_aux_loss,
 };
-pub use config::{ExpertActivation, MoeConfig, MoeConfigError, RouterScore};
+pub use config::{Balance, ExpertActivation, MoeConfig, MoeConfigError, RouterScore};
 pub use expert::{Expert, ExpertInit};
 pub use layer::{MoeLayer, MoePlace};
 

@@ -48,22 +48,45 @@ pub fn loads(choice: &[usize], experts: usize) -> Vec<usize> {
     n
 }
 
-/// Which assignments a capacity of `capacity` tokens per expert keeps, for the tokens of a
-/// whole routing group: `group` holds each token's global index and its `k` choices (`k`
-/// experts after the index, `1 + k` values per token, any order of tokens). Tokens are served
-/// in global index order, each token's choices best first; an expert that is full drops the
-/// rest. Returns, per global token index, which of its `k` choices are kept.
-pub fn capacity_keeps(group: &[usize], k: usize, capacity: usize) -> HashMap<usize, Vec<bool>> {
-    let mut tokens: Vec<&[usize]> = group.chunks_exact(1 + k).collect();
+/// How many assignments each of `experts` experts got in each routing group of
+/// `tokens_per_group` consecutive tokens of `choice` (`k` expert ids per token): `[groups][E]`,
+/// group-major.
+pub fn group_loads(
+    choice: &[usize],
+    experts: usize,
+    k: usize,
+    tokens_per_group: usize,
+) -> Vec<usize> {
+    choice
+        .chunks(k * tokens_per_group.max(1))
+        .flat_map(|group| loads(group, experts))
+        .collect()
+}
+
+/// Which assignments a capacity of `capacity` tokens per expert keeps, per routing group:
+/// `tokens` holds each token's global index and its `k` choices (`k` experts after the index,
+/// `1 + k` values per token, any order of tokens, the whole routing groups' tokens), and the
+/// tokens whose global indices divided by `span` are equal form one group (`span` at least
+/// the largest index: one group). Within a group, tokens are served in global index order,
+/// each token's choices best first; an expert that is full drops the rest. Returns, per global
+/// token index, which of its `k` choices are kept.
+pub fn capacity_keeps(
+    tokens: &[usize],
+    k: usize,
+    capacity: usize,
+    span: usize,
+) -> HashMap<usize, Vec<bool>> {
+    let mut tokens: Vec<&[usize]> = tokens.chunks_exact(1 + k).collect();
     tokens.sort_by_key(|t| t[0]);
-    let mut taken: HashMap<usize, usize> = HashMap::new();
+    let mut taken: HashMap<(usize, usize), usize> = HashMap::new();
     tokens
         .into_iter()
         .map(|t| {
+            let group = t[0] / span.max(1);
             let keep = t[1..]
                 .iter()
                 .map(|&e| {
-                    let n = taken.entry(e).or_insert(0);
+                    let n = taken.entry((group, e)).or_insert(0);
                     *n += 1;
                     *n <= capacity
                 })
@@ -95,13 +118,37 @@ mod tests {
     fn capacity_serves_tokens_in_global_order_whatever_order_they_come_in() {
         // Three tokens all choosing expert 0 first, capacity 2: token 9 (the last) loses it.
         let group = [9, 0, 1, /* */ 4, 0, 2, /* */ 7, 0, 1];
-        let keeps = capacity_keeps(&group, 2, 2);
+        let keeps = capacity_keeps(&group, 2, 2, usize::MAX);
         assert_eq!(keeps[&4], vec![true, true]);
         assert_eq!(keeps[&7], vec![true, true]);
         assert_eq!(keeps[&9], vec![false, true]);
         let mut reversed: Vec<usize> = group.chunks(3).rev().flatten().copied().collect();
-        assert_eq!(capacity_keeps(&reversed, 2, 2), keeps);
+        assert_eq!(capacity_keeps(&reversed, 2, 2, usize::MAX), keeps);
         reversed.truncate(3);
-        assert_eq!(capacity_keeps(&reversed, 2, 2)[&7], vec![true, true]);
+        assert_eq!(
+            capacity_keeps(&reversed, 2, 2, usize::MAX)[&7],
+            vec![true, true]
+        );
+    }
+
+    #[test]
+    fn capacity_counts_each_group_apart() {
+        // Groups of 5 indices (sequences of 5 tokens): tokens 4 and 7 are in groups 0 and 1,
+        // token 9 in group 1 after token 7. At capacity 1, token 4 keeps expert 0 in group 0,
+        // token 7 keeps it in group 1 and token 9 loses it there.
+        let tokens = [9, 0, 1, /* */ 4, 0, 2, /* */ 7, 0, 1];
+        let keeps = capacity_keeps(&tokens, 2, 1, 5);
+        assert_eq!(keeps[&4], vec![true, true]);
+        assert_eq!(keeps[&7], vec![true, true]);
+        assert_eq!(keeps[&9], vec![false, false]);
+        // One group of all: token 7 loses expert 0 to token 4 too.
+        assert_eq!(capacity_keeps(&tokens, 2, 1, 10)[&7], vec![false, true]);
+        // Loads per group of 2 tokens: [0, 1] and [0, 2] of 4 experts, then [3, 3].
+        let choice = [0, 1, 0, 2, 3, 3];
+        assert_eq!(
+            group_loads(&choice, 4, 2, 2),
+            vec![2, 1, 1, 0, /* */ 0, 0, 0, 2]
+        );
+        assert_eq!(group_loads(&choice, 4, 2, 3), loads(&choice, 4));
     }
 }

@@ -98,25 +98,70 @@ fn the_layer_weighs_each_tokens_top_k_experts_by_their_gates() {
     }
 }
 
-/// With a capacity of one token per expert (factor 0.2 of 10 tokens × 2 / 4), each expert
-/// keeps the first token (in sequence order) that chose it.
-#[test]
-fn a_capacity_keeps_the_first_tokens_of_each_expert() {
-    let m = layer::<Cpu>(&cfg("capacity_factor = 0.2"));
-    let got = values(m.forward(input()));
+/// Which assignments (2 per token of the 2 x 5 input) a capacity of one token per expert
+/// keeps when every `tokens` tokens form a routing group: each expert's first in the group.
+fn first_of_each_expert(m: &MoeLayer<Cpu>, tokens: usize) -> Vec<bool> {
     let scores = values(burn::tensor::activation::softmax(
         input::<Cpu>().reshape([10, 8]).matmul(m.router.val()),
         1,
     ));
     let choice = routing::top_k(&scores, None, 4, 2);
-    let mut taken = [false; 4];
-    let kept: Vec<bool> = choice
-        .iter()
-        .map(|&e| !std::mem::replace(&mut taken[e], true))
+    let mut taken = [[false; 4]; 2];
+    let kept: Vec<bool> = (choice.iter().enumerate())
+        .map(|(a, &e)| !std::mem::replace(&mut taken[a / 2 / tokens][e], true))
         .collect();
     assert!(kept.iter().any(|k| !k), "something is dropped");
+    kept
+}
+
+/// Balanced per micro-batch, with a capacity of one token per expert (factor 0.2 of 10 tokens
+/// × 2 / 4), each expert keeps the first token (in sequence order) that chose it.
+#[test]
+fn a_capacity_keeps_the_first_tokens_of_each_expert() {
+    let m = layer::<Cpu>(&cfg("capacity_factor = 0.2\nbalance = \"micro-batch\""));
+    let got = values(m.forward(input()));
+    let kept = first_of_each_expert(&m, 10);
     let want = reference(&m, input(), &|t, j| kept[t * 2 + j]);
     assert_close("capacity", &got, &want, 1e-5);
+}
+
+/// Balanced per sequence (the default), a capacity of one token per expert (factor 0.4 of 5
+/// tokens × 2 / 4) holds in each sequence: each expert keeps the first token of each sequence
+/// that chose it, whatever the other sequence chose.
+#[test]
+fn a_capacity_per_sequence_keeps_each_sequences_first_tokens() {
+    let m = layer::<Cpu>(&cfg("capacity_factor = 0.4"));
+    let got = values(m.forward(input()));
+    let kept = first_of_each_expert(&m, 5);
+    assert_ne!(kept, first_of_each_expert(&m, 10), "the groups matter here");
+    let want = reference(&m, input(), &|t, j| kept[t * 2 + j]);
+    assert_close("capacity per sequence", &got, &want, 1e-5);
+}
+
+/// The recorded auxiliary loss (Switch and z) of the layer on `x`, at weight 1.
+fn recorded_aux(m: &MoeLayer<CpuAutodiff>, x: Tensor<CpuAutodiff, 3>) -> f64 {
+    set_aux_scale(1.0);
+    take_records();
+    let _ = (m.forward(x) * 0.0).sum().backward();
+    take_records().iter().map(|r| r.aux_loss).sum()
+}
+
+/// Balanced per sequence, the auxiliary loss of a micro-batch of two sequences is the mean of
+/// each sequence's alone: how the sequences are cut into micro-batches (and so the layout)
+/// does not change it. Balanced per micro-batch it is not (the Switch loss is not linear in
+/// the loads).
+#[test]
+fn the_auxiliary_loss_per_sequence_does_not_depend_on_the_micro_batch() {
+    let apart = |extra: &str| {
+        let m = layer::<CpuAutodiff>(&cfg(extra));
+        let whole = recorded_aux(&m, input());
+        let one = |s| recorded_aux(&m, input().narrow(0, s, 1));
+        (whole, (one(0) + one(1)) / 2.0)
+    };
+    let (whole, mean) = apart("aux_loss = 1.0\nz_loss = 1.0");
+    assert!((whole - mean).abs() <= 1e-6 * mean, "{whole} vs {mean}");
+    let (whole, mean) = apart("aux_loss = 1.0\nz_loss = 1.0\nbalance = \"micro-batch\"");
+    assert!((whole - mean).abs() > 1e-4 * mean, "{whole} vs {mean}");
 }
 
 /// With no gradient from above, the router's gradient is the auxiliary losses' alone: it
