@@ -58,6 +58,66 @@ impl<B: ParallelBackend> Block<B> {
         x + self.dropout.forward(mlp, at, 1)
     }
 
+    /// Block `i` of a GPT of shape `cfg`, this rank's TP shard (`tp`) and, in a
+    /// mixture-of-experts layer, its experts of the expert-parallel group `ep`, initialized from
+    /// `rng` (GPT-2's: weights N(0, `init_std`²), the output projections scaled by
+    /// 1/√(2·layers), zero biases), its dropout seeded from `seed`.
+    fn init(
+        cfg: &GptConfig,
+        rng: &InitRng,
+        (i, seed): (usize, u64),
+        (tp, ep): (Group, Group),
+        device: &B::Device,
+    ) -> Result<Self, TpError> {
+        let h = cfg.hidden;
+        let std = cfg.init_std as f32;
+        let proj_std = std / (2.0 * cfg.layers as f32).sqrt();
+        let name = |p: &str| format!("h.{i}.{p}");
+        let attn = AttentionWeights {
+            qkv_weight: rng.normal(&name("attn.c_attn.weight"), h * 3 * h, std),
+            qkv_bias: vec![0.0; 3 * h],
+            proj_weight: rng.normal(&name("attn.c_proj.weight"), h * h, proj_std),
+            proj_bias: vec![0.0; h],
+        };
+        let (mlp, moe) = match cfg.moe.as_ref().filter(|m| m.is_moe_layer(i)) {
+            Some(moe) => {
+                let init = ExpertInit {
+                    rng,
+                    std,
+                    out_std: proj_std,
+                };
+                let place = MoePlace {
+                    ep,
+                    ..MoePlace::single(i, cfg.seq_len)
+                };
+                let layer = MoeLayer::new(moe, h, &name("moe"), init, place, device);
+                (None, Some(layer))
+            }
+            None => {
+                let mlp = MlpWeights {
+                    fc_weight: rng.normal(&name("mlp.c_fc.weight"), h * 4 * h, std),
+                    fc_bias: vec![0.0; 4 * h],
+                    proj_weight: rng.normal(&name("mlp.c_proj.weight"), 4 * h * h, proj_std),
+                    proj_bias: vec![0.0; h],
+                };
+                (
+                    Some(ParallelMlp::from_full(&mlp, h, 4 * h, tp, device)?),
+                    None,
+                )
+            }
+        };
+        let ln = || LayerNorm::new(h, cfg.layer_norm_eps, device);
+        let mask = AttentionMask::Causal;
+        Ok(Block {
+            ln_1: ln(),
+            attn: ParallelSelfAttention::from_full(&attn, h, cfg.heads, mask, tp, device)?,
+            ln_2: ln(),
+            mlp,
+            moe,
+            dropout: ReplicatedDropout::new(cfg.dropout, seed.wrapping_add(i as u64 + 1)),
+        })
+    }
+
     /// The MLP, or the mixture of experts.
     fn feed_forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         match (&self.mlp, &self.moe) {
@@ -136,7 +196,6 @@ impl<B: ParallelBackend> Gpt<B> {
         let rng = InitRng::new(seed);
         let (h, v, s) = (cfg.hidden, cfg.vocab_size, cfg.seq_len);
         let std = cfg.init_std as f32;
-        let proj_std = std / (2.0 * cfg.layers as f32).sqrt();
         let ln = || LayerNorm::new(h, cfg.layer_norm_eps, device);
         let head_unit = cfg.layers + 1;
         let table =
@@ -148,62 +207,9 @@ impl<B: ParallelBackend> Gpt<B> {
         });
         let blocks = (0..cfg.layers)
             .map(|i| {
-                if !holds(i + 1) {
-                    return Ok(None);
-                }
-                let name = |p: &str| format!("h.{i}.{p}");
-                let attn = AttentionWeights {
-                    qkv_weight: rng.normal(&name("attn.c_attn.weight"), h * 3 * h, std),
-                    qkv_bias: vec![0.0; 3 * h],
-                    proj_weight: rng.normal(&name("attn.c_proj.weight"), h * h, proj_std),
-                    proj_bias: vec![0.0; h],
-                };
-                let (mlp, moe) = match cfg.moe.as_ref().filter(|m| m.is_moe_layer(i)) {
-                    Some(moe) => {
-                        let init = ExpertInit {
-                            rng: &rng,
-                            std,
-                            out_std: proj_std,
-                        };
-                        let place = MoePlace {
-                            ep,
-                            ..MoePlace::single(i, s)
-                        };
-                        let layer = MoeLayer::new(moe, h, &name("moe"), init, place, device);
-                        (None, Some(layer))
-                    }
-                    None => {
-                        let mlp = MlpWeights {
-                            fc_weight: rng.normal(&name("mlp.c_fc.weight"), h * 4 * h, std),
-                            fc_bias: vec![0.0; 4 * h],
-                            proj_weight: rng.normal(
-                                &name("mlp.c_proj.weight"),
-                                4 * h * h,
-                                proj_std,
-                            ),
-                            proj_bias: vec![0.0; h],
-                        };
-                        (
-                            Some(ParallelMlp::from_full(&mlp, h, 4 * h, tp, device)?),
-                            None,
-                        )
-                    }
-                };
-                Ok(Some(Block {
-                    ln_1: ln(),
-                    attn: ParallelSelfAttention::from_full(
-                        &attn,
-                        h,
-                        cfg.heads,
-                        AttentionMask::Causal,
-                        tp,
-                        device,
-                    )?,
-                    ln_2: ln(),
-                    mlp,
-                    moe,
-                    dropout: ReplicatedDropout::new(cfg.dropout, seed.wrapping_add(i as u64 + 1)),
-                }))
+                (holds(i + 1))
+                    .then(|| Block::init(cfg, &rng, (i, seed), (tp, ep), device))
+                    .transpose()
             })
             .collect::<Result<Vec<_>, TpError>>()?;
         Ok(Self {
