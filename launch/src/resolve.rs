@@ -202,9 +202,31 @@ pub fn read_resume(checkpoint: Checkpoint) -> Result<Resume> {
     Ok(Resume { checkpoint, state })
 }
 
-/// The config stored in a checkpoint's manifest.
+/// The config stored in a checkpoint's manifest, with what the run trained with where a key
+/// came after it ([`with_former_defaults`]).
 fn checkpoint_config(r: &Checkpoint) -> Result<String> {
-    Ok(stored_config(r)?.to_string())
+    Ok(with_former_defaults(stored_config(r)?))
+}
+
+/// A stored config `text` with the keys added since it was written set to what that run
+/// trained with: a mixture of experts without `model.moe.balance` balanced per micro-batch
+/// (the only form before the key existed), so a resume keeps training the same model. Text
+/// that does not parse as TOML is returned as it is, for the config reader to refuse.
+fn with_former_defaults(text: &str) -> String {
+    let Ok(mut doc) = text.parse::<toml::Table>() else {
+        return text.to_string();
+    };
+    let moe = (doc.get_mut("model"))
+        .and_then(toml::Value::as_table_mut)
+        .and_then(|m| m.get_mut("moe"))
+        .and_then(toml::Value::as_table_mut);
+    match moe {
+        Some(moe) if !moe.contains_key("balance") => {
+            moe.insert("balance".into(), "micro-batch".into());
+            doc.to_string()
+        }
+        _ => text.to_string(),
+    }
 }
 
 /// The keys `merak train` writes into a manifest's `extra`, besides the trainer's own.
@@ -235,7 +257,8 @@ pub fn stored_config(ck: &Checkpoint) -> Result<&str> {
 /// resume may change too); `model.preset` is a name (the shape it gives is compared key by
 /// key). Every other key stays: it shapes the parameters (`hidden`, `layers`, `moe.experts`,
 /// a balancing bias with `moe.bias_update_rate`), the function (`dropout`, `layer_norm_eps`,
-/// the routing: `top_k`, `score`, `renormalize`, `capacity_factor`, `bias_update_rate`) or how
+/// the routing: `top_k`, `score`, `renormalize`, `balance`, `capacity_factor`,
+/// `bias_update_rate`) or how
 /// the parameters were made (`init_std`), and BERT's objective (`mask_token_id`).
 pub const RESUME_MAY_CHANGE: [&str; 5] = [
     "model.preset",
@@ -359,5 +382,31 @@ mod tests {
             "model.moe.z_loss=0.001",
         ];
         check_resumable(&cfg(&may), &saved).unwrap();
+    }
+
+    #[test]
+    fn a_checkpoint_from_before_the_balance_key_keeps_balancing_per_micro_batch() {
+        use merak_burn::moe::Balance;
+        let balance = |text: &str| {
+            let text = with_former_defaults(text);
+            let c = config::load_text(Some((&text, "the checkpoint")), &[]).unwrap();
+            c.model.gpt.moe.map(|m| m.balance)
+        };
+        // A config as `merak train` stores it, written before the key existed.
+        let stored = toml::to_string(&cfg(&["model.preset=moe-tiny"])).unwrap();
+        let mut table: toml::Table = stored.parse().unwrap();
+        let mut old_moe = table["model"]["moe"].as_table().unwrap().clone();
+        assert!(old_moe.remove("balance").is_some());
+        table["model"].as_table_mut().unwrap()["moe"] = old_moe.into();
+        let old = table.to_string();
+        assert_eq!(balance(&old), Some(Balance::MicroBatch));
+        assert_eq!(balance(&stored), Some(Balance::Sequence));
+        // A dense model gets no [model.moe]; text that is not TOML is left to the reader.
+        assert_eq!(balance("[model]\nhidden = 64\n"), None);
+        assert_eq!(with_former_defaults("[model"), "[model");
+        // Resumed with a config of today (per sequence), the change is named.
+        let saved = config::load_text(Some((&with_former_defaults(&old), "ck")), &[]).unwrap();
+        let e = check_resumable(&cfg(&["model.preset=moe-tiny"]), &saved).unwrap_err();
+        assert!(e.to_string().contains("model.moe.balance"), "{e}");
     }
 }
