@@ -342,8 +342,10 @@ where
             clock = Instant::now();
         };
         self.sync.begin_step();
-        let routing_groups = self.settings.global_batch / self.parallel.micro_batch.max(1);
-        crate::moe::set_aux_scale(1.0 / routing_groups.max(1) as f32);
+        // A micro-batch's auxiliary losses (each layer's the mean over its routing groups)
+        // weigh its share of the step, so the step trains their mean over the global batch.
+        let micro_batches = self.settings.global_batch / self.parallel.micro_batch.max(1);
+        crate::moe::set_aux_scale(1.0 / micro_batches.max(1) as f32);
         let (batches, next) = self.step_batches(data, step, next_follows)?;
         lap(&mut phases.data_s);
         let local_loss = self.run_passes(&batches, next, step)?;
