@@ -113,6 +113,7 @@ fn run_options(cfg: &Config, out: &Path, spec: &RunSpec<'_>) -> Result<RunOption
         checkpoint_every: c.every,
         checkpoint_at_end: c.at_end,
         keep_checkpoints: c.keep,
+        checkpoint_async: c.asynchronous,
         manifest_extra: serde_json::json!({ "config": config }),
         trace: spec.trace.map(Path::to_path_buf),
         existing: spec.existing,

@@ -39,6 +39,14 @@ pub struct CheckpointSection {
     pub dir: String,
     /// Keep the newest this many checkpoints (0 keeps all).
     pub keep: usize,
+    /// Write each rank's checkpoint files on a writer thread while training goes on: the
+    /// step only copies the rank's own state (its shards) to host memory. The save is
+    /// completed (sealed and put in place) once every rank's writer is done, and at the latest
+    /// before the next save, on a stop and at the end of the run; crash consistency is the
+    /// same as a synchronous save's. Costs one more host copy of the rank's state while the
+    /// writer runs.
+    #[serde(rename = "async")]
+    pub asynchronous: bool,
 }
 
 /// A whole training configuration.
@@ -133,6 +141,7 @@ impl Default for Config {
                 at_end: true,
                 dir: String::new(),
                 keep: 3,
+                asynchronous: false,
             },
         }
     }

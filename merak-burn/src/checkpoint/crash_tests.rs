@@ -54,6 +54,28 @@ fn save_step(
     )
 }
 
+/// Like [`save_step`], asynchronously: started (the writer thread writes while the test's
+/// thread goes on), then completed.
+fn save_step_async(
+    root: &Path,
+    run: &RunId,
+    step: usize,
+    keep: usize,
+) -> Result<PathBuf, CheckpointError> {
+    let grid = ProcessGrid::single();
+    let pending = start(
+        root,
+        run,
+        step,
+        keep,
+        state_of(step),
+        serde_json::Value::Null,
+        &grid,
+    )?;
+    assert_eq!(pending.step(), step);
+    Ok(pending.finish(&grid)?.dir)
+}
+
 /// The step of the checkpoint `root` opens, checked against its values.
 fn loaded_step(root: &Path) -> usize {
     let c = Checkpoint::open(root).expect("a complete checkpoint opens");
@@ -64,15 +86,18 @@ fn loaded_step(root: &Path) -> usize {
     step
 }
 
-/// Saves steps 1 and 2, then step 3 killed at `point`: returns the root.
-fn killed_third_save(point: &'static str, keep: usize) -> (tempfile::TempDir, RunId) {
+/// A save: on the calling thread, or asynchronously.
+type Saver = fn(&Path, &RunId, usize, usize) -> Result<PathBuf, CheckpointError>;
+
+/// Saves steps 1 and 2, then step 3 killed at `point` (each with `saver`): returns the root.
+fn killed_third_save(point: &'static str, keep: usize, saver: Saver) -> (tempfile::TempDir, RunId) {
     let dir = tempfile::tempdir().expect("temp folder");
     let root = dir.path().join("checkpoints");
     let run = RunId::new();
-    save_step(&root, &run, 1, keep).expect("step 1");
-    save_step(&root, &run, 2, keep).expect("step 2");
+    saver(&root, &run, 1, keep).expect("step 1");
+    saver(&root, &run, 2, keep).expect("step 2");
     inject_error(Some((point, 1)));
-    let e = save_step(&root, &run, 3, keep).expect_err("killed");
+    let e = saver(&root, &run, 3, keep).expect_err("killed");
     inject_error(None);
     assert!(
         matches!(e, CheckpointError::Injected { point: p } if p == point),
@@ -83,11 +108,24 @@ fn killed_third_save(point: &'static str, keep: usize) -> (tempfile::TempDir, Ru
 
 #[test]
 fn a_save_killed_anywhere_leaves_a_checkpoint_that_opens_and_the_next_save_repairs() {
+    killed_anywhere(save_step);
+}
+
+/// With the writer thread in flight (the crash at `save:writing` is reached on it, carried
+/// from the test's thread), what is left is the same as a synchronous save's.
+#[test]
+fn an_asynchronous_save_killed_anywhere_leaves_what_a_synchronous_one_does() {
+    killed_anywhere(save_step_async);
+}
+
+/// Every crash point of a third save with `saver`: the second or third checkpoint opens, and
+/// the next save repairs the rest.
+fn killed_anywhere(saver: Saver) {
     for point in fault::POINTS {
         if matches!(point, "save:pointed" | "save:replaced") {
             continue; // only reached when a same-step folder is replaced (below)
         }
-        let (dir, run) = killed_third_save(point, 1);
+        let (dir, run) = killed_third_save(point, 1, saver);
         let root = dir.path().join("checkpoints");
         let after_rename = matches!(point, "save:renamed" | "save:latest" | "prune:removing");
         assert_eq!(
@@ -97,7 +135,7 @@ fn a_save_killed_anywhere_leaves_a_checkpoint_that_opens_and_the_next_save_repai
         );
         let listing = list(&root).expect("listed");
         assert!(listing.unreadable.is_empty(), "{point}: {listing:?}");
-        save_step(&root, &run, 4, 1).expect("the next save");
+        saver(&root, &run, 4, 1).expect("the next save");
         assert_eq!(loaded_step(&root), 4, "{point}");
         let listing = list(&root).expect("listed");
         assert_eq!(listing.checkpoints.len(), 1, "{point}: {listing:?}");
@@ -107,11 +145,13 @@ fn a_save_killed_anywhere_leaves_a_checkpoint_that_opens_and_the_next_save_repai
 
 #[test]
 fn the_first_save_killed_before_its_rename_leaves_no_checkpoint_yet() {
-    for point in ["save:begun", "save:shards", "save:manifest"] {
+    let points = ["save:begun", "save:writing", "save:shards", "save:manifest"];
+    let savers = [save_step as Saver, save_step_async];
+    for (point, saver) in points.into_iter().flat_map(|p| savers.map(|s| (p, s))) {
         let dir = tempfile::tempdir().expect("temp folder");
         let root = dir.path().join("checkpoints");
         inject_error(Some((point, 1)));
-        assert!(save_step(&root, &RunId::new(), 1, 3).is_err());
+        assert!(saver(&root, &RunId::new(), 1, 3).is_err(), "{point}");
         inject_error(None);
         let e = Checkpoint::open(&root).expect_err("nothing to open");
         assert!(
@@ -124,13 +164,15 @@ fn the_first_save_killed_before_its_rename_leaves_no_checkpoint_yet() {
 
 #[test]
 fn replacing_a_same_step_folder_never_leaves_latest_without_a_checkpoint() {
-    for point in ["save:pointed", "save:replaced", "save:renamed"] {
+    let points = ["save:pointed", "save:replaced", "save:renamed"];
+    let savers = [save_step as Saver, save_step_async];
+    for (point, saver) in points.into_iter().flat_map(|p| savers.map(|s| (p, s))) {
         let dir = tempfile::tempdir().expect("temp folder");
         let root = dir.path().join("checkpoints");
         let run = RunId::new();
         save_step(&root, &run, 3, 0).expect("step 3");
         inject_error(Some((point, 1)));
-        assert!(save_step(&root, &run, 3, 0).is_err(), "{point}");
+        assert!(saver(&root, &run, 3, 0).is_err(), "{point}");
         inject_error(None);
         assert_eq!(loaded_step(&root), 3, "{point}");
         // While the old folder goes, `latest` alone names a complete checkpoint too (after

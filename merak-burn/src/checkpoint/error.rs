@@ -134,6 +134,28 @@ pub enum CheckpointError {
         /// The point.
         point: &'static str,
     },
+    /// Another rank failed its part of a save: every rank stops together, and that rank's
+    /// own error (in its log) names the cause.
+    #[error(
+        "{}: rank {rank} failed to {what} (its own error names the cause); the checkpoint was not saved",
+        dir.display()
+    )]
+    OtherRank {
+        /// The rank that failed first.
+        rank: usize,
+        /// The checkpoint's partial folder, or its final one.
+        dir: PathBuf,
+        /// What it failed to do.
+        what: &'static str,
+    },
+    /// The writer thread of an asynchronous save panicked.
+    #[error("{}: the checkpoint's writer thread panicked: {message}", dir.display())]
+    WriterPanicked {
+        /// The checkpoint's partial folder.
+        dir: PathBuf,
+        /// The panic's message.
+        message: String,
+    },
     /// A collective operation failed while saving.
     #[error(transparent)]
     Comm(#[from] CommError),

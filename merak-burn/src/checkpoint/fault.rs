@@ -10,6 +10,7 @@
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use super::CheckpointError;
 
@@ -17,9 +18,12 @@ use super::CheckpointError;
 pub const ABORT_AT: &str = "MERAK_ABORT_AT";
 
 /// Every point, in the order a save and its pruning reach them.
-pub const POINTS: [&str; 8] = [
+pub const POINTS: [&str; 9] = [
     // The partial folder exists, nothing written in it.
     "save:begun",
+    // A rank's shard file is written and synced, its entry (size and hash) and parameter list
+    // are not (on the writer thread when the save is asynchronous: training goes on).
+    "save:writing",
     // Every shard is written and synced, the manifest is not.
     "save:shards",
     // The manifest is written and synced, the folder is still the hidden partial one.
@@ -36,8 +40,12 @@ pub const POINTS: [&str; 8] = [
     "prune:removing",
 ];
 
+/// An armed point and how many more times it is reached before it fails; shared by the
+/// thread that armed it and the writer threads it starts ([`armed`], [`carry`]).
+type Armed = Arc<Mutex<(String, usize)>>;
+
 thread_local! {
-    static INJECTED: RefCell<Option<(String, usize)>> = const { RefCell::new(None) };
+    static INJECTED: RefCell<Option<Armed>> = const { RefCell::new(None) };
 }
 
 static HITS: AtomicUsize = AtomicUsize::new(0);
@@ -45,16 +53,33 @@ static HITS: AtomicUsize = AtomicUsize::new(0);
 /// Makes the calling thread's next saves fail with [`CheckpointError::Injected`] at the
 /// `nth` (1-based) time they reach `point` (one of [`POINTS`]); `None` disarms.
 pub fn inject_error(point: Option<(&str, usize)>) {
-    INJECTED.with(|i| *i.borrow_mut() = point.map(|(p, n)| (p.to_string(), n)));
+    let armed = point.map(|(p, n)| Arc::new(Mutex::new((p.to_string(), n))));
+    INJECTED.with(|i| *i.borrow_mut() = armed);
+}
+
+/// The point the calling thread armed, to [`carry`] into a thread it starts (an asynchronous
+/// save's writer), so that a test's injected failure is reached there too; the count is
+/// shared.
+pub(crate) fn armed() -> Option<Armed> {
+    INJECTED.with(|i| i.borrow().clone())
+}
+
+/// Arms in the calling thread what another thread had [`armed`].
+pub(crate) fn carry(armed: Option<Armed>) {
+    INJECTED.with(|i| *i.borrow_mut() = armed);
 }
 
 /// Reached `point`: aborts or fails if a test armed it.
 pub(crate) fn reached(point: &'static str) -> Result<(), CheckpointError> {
     debug_assert!(POINTS.contains(&point), "{point} is not listed in POINTS");
     let injected = INJECTED.with(|i| {
-        let mut armed = i.borrow_mut();
-        match armed.as_mut() {
-            Some((p, n)) if p == point => {
+        let armed = i.borrow();
+        let Some(armed) = armed.as_ref() else {
+            return false;
+        };
+        let mut armed = armed.lock().unwrap_or_else(|e| e.into_inner());
+        match &mut *armed {
+            (p, n) if p == point && *n > 0 => {
                 *n -= 1;
                 *n == 0
             }

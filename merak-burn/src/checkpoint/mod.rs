@@ -13,7 +13,8 @@
 //! folder, files and folders are synced, the folder is renamed into place and only then does
 //! the file `latest` in the checkpoint root switch to it (atomically); pruning then removes
 //! only older checkpoints of the same lineage. [`fault`] names every step, so tests can kill a
-//! save anywhere.
+//! save anywhere. An asynchronous save ([`start`], [`pending`]) writes each rank's files on a
+//! writer thread while training goes on, and completes the same way later.
 //!
 //! Reading ([`Checkpoint::open`]) treats the manifest as untrusted: names must stay inside the
 //! folder and every number must fit the files before anything is allocated from it; then every
@@ -27,6 +28,7 @@ mod crash_tests;
 mod error;
 pub mod fault;
 mod manifest;
+pub mod pending;
 mod read;
 #[cfg(test)]
 pub(crate) use read::{COUNTING_OPTIMIZERS, NON_NEGATIVE_STATE};
@@ -47,6 +49,7 @@ pub use error::{CheckpointError, few_names};
 pub use manifest::{
     FORMAT, FileEntry, MAX_DEGREE, MAX_STEP, Manifest, ParamEntry, TRAINER_EXTRA_KEYS, check_model,
 };
+pub use pending::{PendingSave, Saved, start};
 pub use read::{Checkpoint, FullState, LocalPieces, cut_full_params};
 pub use run_id::RunId;
 pub use shard_file::{NamedTensor, TensorRef};

@@ -12,6 +12,7 @@ use super::{
     CheckpointError, FORMAT, FileEntry, LATEST, MANIFEST, Manifest, PIECE_MARK, ParamEntry,
     RankState, RunId, TensorRef, fault, sha256_file, shard_file, step_dir_name,
 };
+use crate::comm::{Communicator, ReduceOp};
 use crate::grid::ProcessGrid;
 
 /// Writes `bytes` to `path` and flushes them to disk.
@@ -44,11 +45,70 @@ fn shard_file_name(tp: usize, dp: usize, pp: usize) -> String {
     format!("tp{tp:02}-dp{dp:03}-pp{pp:02}.safetensors")
 }
 
+/// Where and what a save writes: the checkpoint root, the lineage and step, how many to keep,
+/// the manifest's extra state, and the hidden partial folder the files go into first.
+pub(crate) struct SaveTarget {
+    root: PathBuf,
+    run: RunId,
+    pub(crate) step: usize,
+    keep: usize,
+    extra: serde_json::Value,
+    layout: crate::grid::Layout,
+    pub(crate) tmp_dir: PathBuf,
+    pub(crate) final_dir: PathBuf,
+}
+
+impl SaveTarget {
+    /// The save of the checkpoint after `step` steps of `run` under `root`, written by the
+    /// ranks of `grid`.
+    pub(crate) fn new(
+        root: &Path,
+        run: &RunId,
+        step: usize,
+        keep: usize,
+        extra: serde_json::Value,
+        grid: &ProcessGrid,
+    ) -> Self {
+        Self {
+            root: root.to_path_buf(),
+            run: run.clone(),
+            step,
+            keep,
+            extra,
+            layout: grid.layout,
+            tmp_dir: root.join(format!(".{}.partial", step_dir_name(step))),
+            final_dir: root.join(step_dir_name(step)),
+        }
+    }
+}
+
+/// What a rank's files need of the grid: its coordinates, the layout and the size of its
+/// expert-parallel group. No communicator, so a writer thread can hold it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Place {
+    coords: crate::grid::Coords,
+    layout: crate::grid::Layout,
+    ep: usize,
+}
+
+impl Place {
+    /// This rank's place in `grid`.
+    pub(crate) fn of(grid: &ProcessGrid) -> Self {
+        Self {
+            coords: grid.coords,
+            layout: grid.layout,
+            ep: grid.ep.size(),
+        }
+    }
+}
+
 /// Writes a checkpoint of `state` after `step` steps of the run `run` into
 /// `root/step-NNNNNNNN`, collectively over the whole grid, and keeps the newest `keep`
 /// checkpoints of that run (0 keeps all; other runs' checkpoints are never touched). Every
 /// rank of the grid must call it; `root` must be visible to every rank (one host or a shared
-/// file system). Returns the checkpoint folder.
+/// file system). A rank that fails tells the others, so every rank returns an error together
+/// ([`CheckpointError::OtherRank`] on the ranks that did not fail). Returns the checkpoint
+/// folder.
 #[allow(clippy::too_many_arguments)]
 pub fn save(
     root: &Path,
@@ -59,32 +119,98 @@ pub fn save(
     extra: serde_json::Value,
     grid: &ProcessGrid,
 ) -> Result<PathBuf, CheckpointError> {
+    let target = SaveTarget::new(root, run, step, keep, extra, grid);
+    begin(&target, grid)?;
+    let written = write_rank_files(&target.tmp_dir, state, Place::of(grid));
+    complete(&target, written, grid)
+}
+
+/// The first collective step of a save: rank 0 makes the empty partial folder (removing one a
+/// crashed save left), and every rank learns that it is there.
+pub(crate) fn begin(target: &SaveTarget, grid: &ProcessGrid) -> Result<(), CheckpointError> {
     let world = grid.world.comm()?;
-    let final_dir = root.join(step_dir_name(step));
-    let tmp_dir = root.join(format!(".{}.partial", step_dir_name(step)));
-    if grid.rank == 0 {
-        if tmp_dir.exists() {
-            remove_unfinished(&tmp_dir)?;
-        }
-        std::fs::create_dir_all(&tmp_dir).map_err(CheckpointError::io(&tmp_dir))?;
-        fault::reached("save:begun")?;
+    let made = match grid.rank {
+        0 => make_partial(&target.tmp_dir),
+        _ => Ok(()),
+    };
+    agree(&*world, made, &target.tmp_dir, "make the partial folder")
+}
+
+/// Rank 0: an empty partial folder at `tmp_dir`.
+fn make_partial(tmp_dir: &Path) -> Result<(), CheckpointError> {
+    if tmp_dir.exists() {
+        remove_unfinished(tmp_dir)?;
     }
-    world.barrier()?;
-    let written = write_rank_files(&tmp_dir, state, grid);
-    discard_on_error(&written, &tmp_dir, grid.rank);
-    written?;
-    world.barrier()?;
-    if grid.rank == 0 {
-        fault::reached("save:shards")?;
-        let sealed = seal(&tmp_dir, run, step, grid.layout, extra);
-        discard_on_error(&sealed, &tmp_dir, grid.rank);
-        sealed?;
-        fault::reached("save:manifest")?;
-        put_in_place(root, &tmp_dir, &final_dir)?;
-        prune(root, run, &final_dir, keep)?;
+    std::fs::create_dir_all(tmp_dir).map_err(CheckpointError::io(tmp_dir))?;
+    fault::reached("save:begun")
+}
+
+/// The collective end of a save once this rank's files are `written`: every rank learns
+/// whether all wrote theirs; rank 0 seals the folder (manifest), renames it into place,
+/// switches `latest` and prunes, and every rank learns whether that worked.
+pub(crate) fn complete(
+    target: &SaveTarget,
+    written: Result<(), CheckpointError>,
+    grid: &ProcessGrid,
+) -> Result<PathBuf, CheckpointError> {
+    let world = grid.world.comm()?;
+    let tmp_dir = &target.tmp_dir;
+    let own_crash = matches!(written, Err(CheckpointError::Injected { .. }));
+    let agreed = agree(&*world, written, tmp_dir, "write its files");
+    if agreed.is_err() && grid.rank == 0 && !own_crash {
+        // A failed write (a full disk, say) on any rank: rank 0 frees the space; the previous
+        // checkpoints are untouched. A test's injected crash leaves it, as a real crash would.
+        let _ = std::fs::remove_dir_all(tmp_dir);
     }
-    world.barrier()?;
-    Ok(final_dir)
+    agreed?;
+    let placed = match grid.rank {
+        0 => put_together(target),
+        _ => Ok(()),
+    };
+    agree(
+        &*world,
+        placed,
+        &target.final_dir,
+        "seal the checkpoint and put it in place",
+    )?;
+    Ok(target.final_dir.clone())
+}
+
+/// Rank 0, once every rank's files are in the partial folder: the manifest, the rename,
+/// `latest`, and the pruning of this lineage's older checkpoints.
+fn put_together(t: &SaveTarget) -> Result<(), CheckpointError> {
+    fault::reached("save:shards")?;
+    let sealed = seal(&t.tmp_dir, &t.run, t.step, t.layout, t.extra.clone());
+    discard_on_error(&sealed, &t.tmp_dir, 0);
+    sealed?;
+    fault::reached("save:manifest")?;
+    put_in_place(&t.root, &t.tmp_dir, &t.final_dir)?;
+    prune(&t.root, &t.run, &t.final_dir, t.keep)
+}
+
+/// Tells every rank of `world` whether each rank's `mine` failed (one all-reduce of a flag per
+/// rank, which every rank must call): this rank's own error when it failed, else
+/// [`CheckpointError::OtherRank`] naming the first rank that failed to `what` under `dir`.
+pub(crate) fn agree(
+    world: &dyn Communicator,
+    mine: Result<(), CheckpointError>,
+    dir: &Path,
+    what: &'static str,
+) -> Result<(), CheckpointError> {
+    let mut failed = vec![0.0f32; world.size()];
+    if mine.is_err() {
+        failed[world.rank()] = 1.0;
+    }
+    world.all_reduce(&mut failed, ReduceOp::Max)?;
+    mine?;
+    match failed.iter().position(|&f| f > 0.0) {
+        Some(rank) => Err(CheckpointError::OtherRank {
+            rank,
+            dir: dir.to_path_buf(),
+            what,
+        }),
+        None => Ok(()),
+    }
 }
 
 /// Writes the manifest of the files every rank wrote into `tmp_dir`, and syncs the folder.
@@ -138,17 +264,17 @@ fn put_in_place(root: &Path, tmp_dir: &Path, final_dir: &Path) -> Result<(), Che
 
 /// Writes this rank's shard (parameters on the first DP replica, moments wherever held) and
 /// its parameter list into `tmp_dir`.
-fn write_rank_files(
+pub(crate) fn write_rank_files(
     tmp_dir: &Path,
     state: &RankState,
-    grid: &ProcessGrid,
+    place: Place,
 ) -> Result<(), CheckpointError> {
-    let c = grid.coords;
+    let c = place.coords;
     // Names first, then borrowed views of the values: no copy of the state is made.
     let mut named: Vec<(String, Vec<usize>, &[f32])> = Vec::new();
     // Under expert parallelism the other ranks of the first expert-parallel group write the
     // experts they hold.
-    let experts_only = c.dp != 0 && c.dp < grid.ep.size();
+    let experts_only = c.dp != 0 && c.dp < place.ep;
     let keep = |name: &str| c.dp == 0 || (experts_only && crate::moe::is_expert_param(name));
     if c.dp == 0 || experts_only {
         // Under ZeRO-3 the parameters' values travel as slices.
@@ -181,11 +307,11 @@ fn write_rank_files(
         }
         times.insert(name.clone(), m.time);
     }
-    write_shard(tmp_dir, &named, &times, grid)?;
+    write_shard(tmp_dir, &named, &times, place)?;
     // Every rank of the first DP replica names its parameters (pipeline stages hold different
     // ones); rank 0 lists their union in the manifest.
     if c.dp == 0 || experts_only {
-        write_param_list(tmp_dir, state, grid, experts_only, keep)?;
+        write_param_list(tmp_dir, state, place, experts_only, keep)?;
     }
     Ok(())
 }
@@ -197,9 +323,9 @@ fn write_shard(
     tmp_dir: &Path,
     named: &[(String, Vec<usize>, &[f32])],
     times: &BTreeMap<String, usize>,
-    grid: &ProcessGrid,
+    place: Place,
 ) -> Result<(), CheckpointError> {
-    let c = grid.coords;
+    let c = place.coords;
     let tensors: Vec<TensorRef<'_>> = (named.iter())
         .map(|(name, shape, values)| TensorRef {
             name,
@@ -217,6 +343,7 @@ fn write_shard(
     )]);
     let path = tmp_dir.join(&file);
     shard_file::write_refs(&path, &tensors, meta)?;
+    fault::reached("save:writing")?;
     let (bytes, sha256) = sha256_file(&path)?;
     let entry = FileEntry {
         file: file.clone(),
@@ -235,12 +362,12 @@ fn write_shard(
 fn write_param_list(
     tmp_dir: &Path,
     state: &RankState,
-    grid: &ProcessGrid,
+    place: Place,
     experts_only: bool,
     keep: impl Fn(&str) -> bool,
 ) -> Result<(), CheckpointError> {
-    let c = grid.coords;
-    let tp = grid.layout.tp;
+    let c = place.coords;
+    let tp = place.layout.tp;
     let entries: Vec<ParamEntry> = (state.params.iter())
         .filter(|p| keep(&p.name))
         .map(|p| ParamEntry {

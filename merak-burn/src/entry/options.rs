@@ -55,6 +55,9 @@ pub struct RunOptions {
     pub checkpoint_at_end: bool,
     /// Keep the newest this many checkpoints of the run (0 keeps all).
     pub keep_checkpoints: usize,
+    /// Write checkpoints on a writer thread while training goes on
+    /// ([`CheckpointPolicy::asynchronous`](crate::train::CheckpointPolicy::asynchronous)).
+    pub checkpoint_async: bool,
     /// Stored in every checkpoint's manifest (for example the model's name and config).
     pub manifest_extra: serde_json::Value,
     /// Continue from this checkpoint (a `step-*` folder or a checkpoint root) under any layout.
@@ -99,6 +102,7 @@ impl Default for RunOptions {
             checkpoint_every: 0,
             checkpoint_at_end: true,
             keep_checkpoints: 2,
+            checkpoint_async: false,
             manifest_extra: serde_json::Value::Object(Default::default()),
             resume: None,
             init: None,

@@ -170,6 +170,7 @@ fn run_output(options: &RunOptions, out: &Path, stop: Option<StopRequest>) -> Ru
             at_end: options.checkpoint_at_end,
             keep: options.keep_checkpoints,
             extra: options.manifest_extra.clone(),
+            asynchronous: options.checkpoint_async,
         }),
         trace: options.trace.clone(),
         progress: options.progress,

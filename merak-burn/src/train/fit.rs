@@ -113,6 +113,8 @@ where
                 break;
             }
         }
+        // An asynchronous save still being written is completed before the run ends.
+        self.complete_save(&progress)?;
         progress.finish();
         self.write_reports(out, startup_alloc)?;
         Ok(Summary {
@@ -204,8 +206,9 @@ where
     }
 
     /// Saves a checkpoint when `out.checkpoints` asks for one after the steps done; whether it
-    /// did.
-    fn save_if_due(&self, out: &RunOutput, progress: &Progress) -> Result<bool, TrainError> {
+    /// did. First completes an asynchronous save whose writers are all done.
+    fn save_if_due(&mut self, out: &RunOutput, progress: &Progress) -> Result<bool, TrainError> {
+        self.complete_save_if_written(progress)?;
         match &out.checkpoints {
             Some(policy) if policy.due(self.done, self.settings.steps) => {
                 self.save_now(out, progress)?;
@@ -224,17 +227,12 @@ where
         }
     }
 
-    /// Saves a checkpoint now, when the run has a checkpoint policy.
-    fn save_now(&self, out: &RunOutput, progress: &Progress) -> Result<(), TrainError> {
-        let Some(policy) = out.checkpoints.as_ref() else {
-            return Ok(());
-        };
-        let t = Instant::now();
-        let dir = self.save_checkpoint(policy)?;
-        if self.grid.rank == 0 {
-            let secs = t.elapsed().as_secs_f64();
-            progress.log(&format!("checkpoint: {} ({secs:.2}s)", dir.display()));
+    /// Saves a checkpoint now (or starts an asynchronous one), when the run has a checkpoint
+    /// policy.
+    fn save_now(&mut self, out: &RunOutput, progress: &Progress) -> Result<(), TrainError> {
+        match out.checkpoints.as_ref() {
+            Some(policy) => self.checkpoint_now(policy, progress),
+            None => Ok(()),
         }
-        Ok(())
     }
 }

@@ -154,6 +154,12 @@ pub struct CheckpointPolicy {
     pub keep: usize,
     /// Stored in every manifest under its keys (for example the config that made the run).
     pub extra: serde_json::Value,
+    /// Write each rank's files on a writer thread while training goes on: the step only
+    /// copies this rank's state to host memory; the save is completed (sealed, renamed,
+    /// `latest` switched) once every rank's writer is done, at the latest before the next
+    /// save, on a stop and at the end of the run.
+    #[serde(default)]
+    pub asynchronous: bool,
 }
 
 impl CheckpointPolicy {

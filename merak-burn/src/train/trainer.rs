@@ -99,6 +99,8 @@ where
     pub(crate) done: usize,
     /// The checkpoint this run resumed and the lineage it writes.
     pub(crate) lineage: super::claim::Lineage,
+    /// An asynchronous save whose writer may still be running.
+    pub(crate) saving: Option<super::save::InFlight>,
 }
 
 impl<'g, B, M> Trainer<'g, B, M>
@@ -180,6 +182,7 @@ where
             routing: None,
             done: 0,
             lineage: Default::default(),
+            saving: None,
         })
     }
 

@@ -58,6 +58,7 @@ fn a_checkpoint_folder_that_is_a_file_fails_before_the_first_step() {
             at_end: true,
             keep: 0,
             extra: serde_json::Value::Null,
+            asynchronous: false,
         }),
         trace: None,
         progress: false,
