@@ -662,3 +662,106 @@ fn bert_checkpoints_resume_under_another_layout() {
     assert_eq!(resumed.len(), 3, "steps 3..=5");
     assert_steps_match("bert tp2 -> tp1", &resumed, &read_metrics(&full), 1e-5);
 }
+
+/// Every tensor of the checkpoint after `step` steps in `out` (parameters, moments), bitwise.
+fn saved_tensors(out: &Path, step: usize) -> Vec<(String, Vec<u32>)> {
+    let dir = out.join(format!("checkpoints/step-{step:08}"));
+    let full = Checkpoint::open(&dir)
+        .expect("opens")
+        .read_full()
+        .expect("reads");
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    let mut all: Vec<(String, Vec<u32>)> = (full.params.iter())
+        .map(|(n, v)| (format!("param/{n}"), bits(v)))
+        .collect();
+    for (n, m) in &full.moments {
+        all.push((format!("m1/{n}@{}", m.time), bits(&m.m1)));
+        all.push((format!("m2/{n}@{}", m.time), bits(&m.m2)));
+    }
+    all.sort();
+    all
+}
+
+#[test]
+fn asynchronous_saves_equal_synchronous_ones_bit_for_bit() {
+    // 5 steps, saves after steps 2, 4 and 5: the one after step 2 is completed by a later
+    // step's poll or by the next save, the last one at the end of the run.
+    for zero in ["0", "3"] {
+        let mut runs = Vec::new();
+        for asynchronous in ["false", "true"] {
+            let out = out_dir(&format!("async-zero{zero}-{asynchronous}"));
+            let extra = [
+                "--dp",
+                "2",
+                "--set",
+                &format!("parallel.zero={zero}"),
+                "--set",
+                "checkpoint.every=2",
+                "--set",
+                "checkpoint.keep=0",
+                "--set",
+                &format!("checkpoint.async={asynchronous}"),
+            ];
+            let run = run_train(2, &out, 5, &extra);
+            run.assert_success();
+            let how = match asynchronous {
+                "true" => "on the writer thread",
+                _ => "written on the training thread",
+            };
+            let logged = run.stderr.matches(how).count();
+            assert_eq!(logged, 3, "zero {zero}: three saves {how}:\n{}", run.stderr);
+            runs.push(out);
+        }
+        let (sync, asynchronous) = (&runs[0], &runs[1]);
+        let name = format!("zero {zero}: async against sync");
+        assert_steps_match(&name, &read_metrics(asynchronous), &read_metrics(sync), 0.0);
+        for step in [2, 4, 5] {
+            let (a, s) = (saved_tensors(asynchronous, step), saved_tensors(sync, step));
+            assert_eq!(a.len(), s.len(), "{name}: tensors of step {step}");
+            for ((na, va), (ns, vs)) in a.iter().zip(&s) {
+                assert_eq!(na, ns, "{name}: step {step}");
+                assert!(va == vs, "{name}: step {step}: {na} differs");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_job_killed_while_an_asynchronous_save_is_written_resumes_exactly() {
+    let settings = [
+        "--dp",
+        "2",
+        "--set",
+        "checkpoint.every=2",
+        "--set",
+        "checkpoint.async=true",
+    ];
+    // The second save's writer on rank 0 aborts the job with its shard written and its entry
+    // not: step 2's checkpoint is the newest complete one.
+    let out = out_dir("async-killed");
+    let mut cmd = merak(2);
+    train_args(&mut cmd, &out, &["--set", "train.steps=6"]);
+    cmd.args(settings)
+        .env(merak_burn::checkpoint::fault::ABORT_AT, "save:writing@2")
+        .current_dir(out.parent().unwrap_or(&out));
+    let killed = run_with_deadline(cmd, Duration::from_secs(300));
+    assert_ne!(killed.code, Some(0), "{killed:?}");
+    assert!(
+        killed.stderr.contains("save:writing@2"),
+        "{}",
+        killed.stderr
+    );
+    let last = Checkpoint::open(&out.join("checkpoints")).expect("a complete checkpoint");
+    assert_eq!(last.manifest.step, 2);
+    let mut cmd = resume_cmd(2, &out.join("checkpoints"), &out);
+    cmd.args(["--set", "train.steps=6"]);
+    run_with_deadline(cmd, Duration::from_secs(300)).assert_success();
+    let resumed = read_metrics(&out);
+    assert_eq!(resumed.len(), 6, "steps 1..=6 in metrics.jsonl");
+    let reference = out_dir("async-killed-reference");
+    run_train(2, &reference, 6, &settings).assert_success();
+    assert_steps_match("after the abort", &resumed, &read_metrics(&reference), 0.0);
+    let listing = merak_burn::checkpoint::root::list(&out.join("checkpoints")).expect("listed");
+    assert!(listing.unfinished.is_empty(), "{listing:?}");
+    assert_eq!(saved_tensors(&out, 6), saved_tensors(&reference, 6));
+}
