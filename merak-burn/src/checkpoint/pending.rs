@@ -131,3 +131,7 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         "(no message)".into()
     }
 }
+
+#[cfg(test)]
+#[path = "pending_tests.rs"]
+mod tests;
