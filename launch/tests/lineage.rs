@@ -144,8 +144,8 @@ fn resuming_an_older_checkpoint_is_refused_unless_branching_which_deletes_nothin
 }
 
 /// The uninterrupted reference of the crash tests: 6 steps, a checkpoint every 2.
-fn reference() -> (PathBuf, Vec<serde_json::Value>) {
-    let out = out_dir("lineage-crash-reference");
+fn reference(name: &str) -> (PathBuf, Vec<serde_json::Value>) {
+    let out = out_dir(&format!("lineage-crash-{name}reference"));
     run(train_cmd(&out, 6, &CRASH_RUN)).assert_success();
     let m = read_metrics(&out);
     (out, m)
@@ -153,9 +153,10 @@ fn reference() -> (PathBuf, Vec<serde_json::Value>) {
 
 const CRASH_RUN: [&str; 4] = ["--set", "checkpoint.every=2", "--set", "checkpoint.keep=1"];
 
-/// Trains the crash run with `MERAK_ABORT_AT=spec`; asserts that it was killed there.
-fn killed_at(out: &Path, spec: &str) {
-    let mut cmd = train_cmd(out, 6, &CRASH_RUN);
+/// Trains the crash run (with `extra`) with `MERAK_ABORT_AT=spec`; asserts that it was killed
+/// there.
+fn killed_at(out: &Path, spec: &str, extra: &[&str]) {
+    let mut cmd = train_cmd(out, 6, &[&CRASH_RUN[..], extra].concat());
     // An abort may dump core where the process runs: in the test's own scratch folder.
     cmd.env(ABORT_AT, spec)
         .current_dir(out.parent().unwrap_or(out));
@@ -175,7 +176,20 @@ fn killed_at(out: &Path, spec: &str) {
 
 #[test]
 fn a_job_killed_at_every_point_of_save_and_prune_resumes_like_the_uninterrupted_run() {
-    let (reference, want) = reference();
+    killed_everywhere_resumes("", &[]);
+}
+
+/// The same with asynchronous saves: the writer thread is in flight at `save:writing`, and
+/// the other points are reached when the save is completed after a later step.
+#[test]
+fn a_job_killed_at_every_point_of_an_asynchronous_save_resumes_like_the_uninterrupted_run() {
+    killed_everywhere_resumes("async-", &["--set", "checkpoint.async=true"]);
+}
+
+/// Kills the crash run (with `extra`) at every point of its second save or first prune,
+/// resumes it, and compares it with the uninterrupted run (synchronous saves).
+fn killed_everywhere_resumes(name: &str, extra: &[&str]) {
+    let (reference, want) = reference(name);
     let final_state = |out: &Path| {
         Checkpoint::open(&out.join("checkpoints"))
             .and_then(|c| c.read_full())
@@ -193,8 +207,8 @@ fn a_job_killed_at_every_point_of_save_and_prune_resumes_like_the_uninterrupted_
         } else {
             format!("{point}@2")
         };
-        let out = out_dir(&format!("lineage-crash-{}", point.replace(':', "-")));
-        killed_at(&out, &spec);
+        let out = out_dir(&format!("lineage-crash-{name}{}", point.replace(':', "-")));
+        killed_at(&out, &spec, extra);
         let mut cmd = resume_cmd(0, &out.join("checkpoints"), &out);
         cmd.args(["--set", "train.steps=6"]);
         let resumed = run(cmd);
@@ -212,7 +226,7 @@ fn a_job_killed_at_every_point_of_save_and_prune_resumes_like_the_uninterrupted_
 fn a_first_save_killed_before_its_rename_leaves_a_clean_no_checkpoint_yet() {
     for point in ["save:begun", "save:shards", "save:manifest"] {
         let out = out_dir(&format!("lineage-first-{}", point.replace(':', "-")));
-        killed_at(&out, &format!("{point}@1"));
+        killed_at(&out, &format!("{point}@1"), &[]);
         let mut cmd = resume_cmd(0, &out.join("checkpoints"), &out);
         cmd.args(["--set", "train.steps=6"]);
         let refused = run(cmd);
