@@ -245,6 +245,8 @@ fn structs(source: &str) -> BTreeMap<String, Struct> {
             let name = ident(name).to_string();
             let mut fields = Vec::new();
             let (mut fdoc, mut flatten, mut defaulted) = (Vec::new(), false, false);
+            // `#[serde(rename = "async")]`: the key's name in a config (a keyword in Rust).
+            let mut renamed: Option<String> = None;
             let mut depth = 1;
             i += 1;
             while i < lines.len() && depth > 0 {
@@ -256,11 +258,15 @@ fn structs(source: &str) -> BTreeMap<String, Struct> {
                     } else if ft.starts_with("#[") {
                         flatten |= ft.contains("flatten");
                         defaulted |= ft.contains("default");
+                        let rename = ft.split_once("rename = \"").map(|(_, r)| r);
+                        renamed = rename
+                            .and_then(|r| r.split_once('"'))
+                            .map(|(n, _)| n.into());
                     } else if let Some((lhs, ty)) = ft.split_once(':') {
                         let fname = ident(lhs.trim_start_matches("pub ").trim());
                         if !fname.is_empty() {
                             fields.push(Field {
-                                name: fname.to_string(),
+                                name: renamed.take().unwrap_or_else(|| fname.to_string()),
                                 ty: ty.trim().trim_end_matches(',').trim().to_string(),
                                 doc: std::mem::take(&mut fdoc),
                                 flatten: std::mem::take(&mut flatten),
