@@ -126,6 +126,10 @@ fn run_options(cfg: &Config, out: &Path, spec: &RunSpec<'_>) -> Result<RunOption
             contents: None,
         }))
         .collect(),
+        stragglers: merak_burn::train::StragglerRule {
+            fraction: cfg.train.straggler_fraction,
+            steps: cfg.train.straggler_steps,
+        },
         ..RunOptions::default()
     })
 }

@@ -73,4 +73,12 @@ pub struct TrainArgs {
     /// the ranks end too.
     #[arg(long, value_name = "N")]
     pub np: Option<usize>,
+    /// Restart a failed run (a rank died, or the watchdog ended a stalled job) from its
+    /// newest complete checkpoint, at most K times in a row. With --np the launcher restarts
+    /// the ranks itself and exits 75 when out of restarts with a checkpoint to continue from;
+    /// under mpirun or srun, give it to every start of a requeue loop: a restart that should
+    /// not happen (the same step failed twice in a row, more than K failures, no checkpoint
+    /// yet) is refused with exit status 2.
+    #[arg(long, value_name = "K")]
+    pub max_restarts: Option<usize>,
 }

@@ -12,6 +12,7 @@ use merak_burn::grid::ProcessGrid;
 use merak_burn::parallel_plan::ParallelPlan;
 use merak_burn::pipeline::PipelinePlan;
 use merak_burn::tensor_parallel::TpOverlap;
+use merak_burn::train::attempts::ATTEMPTS_FILE;
 use merak_burn::train::run_folder::{missing_folders, output_folder, remove_if_empty};
 use merak_burn::train::{ExistingRun, Origin, RunFolders, RunLocks, StopRequest, stop_on_signals};
 
@@ -175,6 +176,9 @@ fn check_and_open(
         (_, true) => ExistingRun::Branch,
         _ => ExistingRun::Refuse,
     };
+    if let Some(max) = args.max_restarts {
+        merak_burn::train::attempts::may_restart(&out, max, resume.is_some())?;
+    }
     // Read-only here (every rank, before anything is built); `Trainer::fit` claims for real.
     let own = train::own_file_names();
     let origin = resume.as_ref().map(|r| Origin::of(&r.checkpoint));
@@ -356,6 +360,9 @@ fn print_summary(summary: &Summary, out: &Path, trace: Option<&Path>) -> Result<
     for chart in &charts {
         tracing::info!("{}: {}", chart.what, chart.path.display());
     }
+    if let Some(goodput) = &summary.goodput {
+        tracing::info!("{goodput}; {}", out.join(ATTEMPTS_FILE).display());
+    }
     if summary.stopped {
         tracing::warn!(
             "stopped on a signal after step {}, checkpointed: continue with --resume (exit status {STOPPED})",
@@ -439,6 +446,7 @@ mod tests {
             wall_s: 0.1,
             skipped: 0,
             stopped: false,
+            goodput: None,
         };
         assert!(plot::write_charts(dir.path(), None).is_err());
         print_summary(&summary, dir.path(), None).expect("a finished run");

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use common::{
     MERAK, assert_same_losses, assert_same_params, config, out_dir, read_metrics, series,
-    train_args,
+    series_of, train_args,
 };
 use merak_burn::checkpoint::Checkpoint;
 use merak_tests::{Run, mpirun, rel_err, run_with_deadline};
@@ -320,6 +320,11 @@ impl Slurm {
     /// `sbatch` of `scripts/slurm/merak.sbatch` on both nodes, two ranks each, TCP only, with
     /// `args` for `merak train`, writing into `out`. Returns the job id.
     fn submit(&self, out: &Path, args: &[&str]) -> String {
+        self.submit_with(out, args, &[])
+    }
+
+    /// [`submit`](Self::submit) with the environment variables `env` besides.
+    fn submit_with(&self, out: &Path, args: &[&str], env: &[(&str, &str)]) -> String {
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/slurm/merak.sbatch");
         let mut cmd = self.cmd("sbatch");
         cmd.arg("--parsable")
@@ -341,6 +346,7 @@ impl Slurm {
             .env("OMPI_MCA_pml", "ob1")
             .env("OMPI_MCA_btl", "tcp,self")
             .env("OMPI_MCA_btl_tcp_if_include", "lo")
+            .envs(env.iter().copied())
             .stdin(Stdio::null());
         let submitted = cmd.output().expect("sbatch runs");
         let id = String::from_utf8_lossy(&submitted.stdout)
@@ -508,5 +514,63 @@ fn slurm_batch_template_on_two_emulated_nodes_stops_resumes_and_equals_mpirun() 
         "Slurm: bit-identical: {}; the whole test took {:.1?}",
         bitwise_same(&out, &reference),
         test_start.elapsed()
+    );
+}
+
+/// A rank killed (`MERAK_INJECT=kill@1:8`, SIGKILL when step 8 begins) ends the `srun` job
+/// step; the template starts a new step from the checkpoint of step 6 inside the allocation,
+/// and the job ends by itself with exit 0, equal to one uninterrupted mpirun job.
+#[test]
+fn slurm_template_restarts_a_job_step_whose_rank_died() {
+    if let Some(why) = slurm_missing() {
+        assert!(
+            std::env::var_os("MERAK_REQUIRE_SLURM").is_none(),
+            "MERAK_REQUIRE_SLURM is set but Slurm cannot run here: {why}"
+        );
+        eprintln!("skipped: {why}");
+        return;
+    }
+    let _one = ONE_JOB_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let slurm = Slurm::start(&out_dir("multinode-slurm-restart"));
+    let config = config().display().to_string();
+    let args = [
+        "--config",
+        &config,
+        "--set",
+        "data.kind=synthetic",
+        "--set",
+        "train.steps=10",
+        "--set",
+        "checkpoint.every=3",
+        "--dp",
+        "2",
+        "--pp",
+        "2",
+    ];
+    let out = out_dir("multinode-slurm-restart-run");
+    let id = slurm.submit_with(&out, &args, &[("MERAK_INJECT", "kill@1:8")]);
+    let exit = slurm.wait(&id, Duration::from_secs(300));
+    let output = slurm.job_output(&id);
+    assert_eq!(exit, "0:0", "{output}\n{}", slurm.logs());
+    assert!(
+        output.contains("the job step ended with status")
+            && output.contains("merak: continuing the run in"),
+        "{output}"
+    );
+    let reference = out_dir("multinode-slurm-restart-reference");
+    let mut cmd = mpirun(4);
+    cmd.arg(MERAK)
+        .arg("train")
+        .args(args)
+        .arg("--out")
+        .arg(&reference);
+    run_with_deadline(cmd, Duration::from_secs(300)).assert_success();
+    let (got, want) = (series_of(&out, "loss"), series_of(&reference, "loss"));
+    assert_eq!(got.len(), 10, "one record a step");
+    assert_eq!(got, want, "losses bit for bit");
+    assert_same_params(
+        "srun, a rank killed and the step restarted",
+        &out,
+        &reference,
     );
 }

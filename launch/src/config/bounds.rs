@@ -11,7 +11,7 @@ use merak_gpt::GptConfig;
 use super::{Config, ConfigError, MAX_COMM_TIMEOUT_S, bad};
 
 /// The real-valued keys only `merak train` reads, by their dotted keys, with their bounds.
-pub const REAL_KEYS: [RealKey<Config>; 4] = [
+pub const REAL_KEYS: [RealKey<Config>; 5] = [
     RealKey {
         key: "train.sample_temperature",
         get: |c| Some(c.train.sample_temperature),
@@ -21,6 +21,11 @@ pub const REAL_KEYS: [RealKey<Config>; 4] = [
         key: "train.comm_timeout_s",
         get: |c| Some(c.train.comm_timeout_s),
         bounds: Bounds::closed(0.0, MAX_COMM_TIMEOUT_S),
+    },
+    RealKey {
+        key: "train.straggler_fraction",
+        get: |c| Some(c.train.straggler_fraction),
+        bounds: Bounds::above(0.0, 1000.0),
     },
     RealKey {
         key: "parallel.bucket_mb",

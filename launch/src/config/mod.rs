@@ -127,6 +127,8 @@ impl Default for Config {
                 comm: merak_burn::comm::TransportRequest::Auto,
                 cuda_device: None,
                 comm_timeout_s: 300.0,
+                straggler_fraction: merak_burn::train::StragglerRule::default().fraction,
+                straggler_steps: merak_burn::train::StragglerRule::default().steps,
             },
             optimizer: merak_burn::train::OptimizerSettings::default(),
             data: DataSection {

@@ -69,6 +69,26 @@ pub struct TrainSection {
     /// message's time at 100 MB/s) names the call and its peers and aborts the job; 0: wait
     /// forever. In [0, 31536000] (a year).
     pub comm_timeout_s: f64,
+    /// Rank 0 names a rank in the log (with its host) when its time computing in a step (its
+    /// step time less its time blocked in communication) exceeds the median of the other
+    /// ranks' by more than this fraction (and by 10 ms at least: a busy machine's scheduler
+    /// noise) for `train.straggler_steps` steps in a row. In (0, 1000]: 0.5 is "half as slow
+    /// again"; at 1000 no rank is ever named.
+    #[serde(default = "default_straggler_fraction")]
+    pub straggler_fraction: f64,
+    /// Steps in a row a rank must be slow to be named (0: stragglers are never named).
+    #[serde(default = "default_straggler_steps")]
+    pub straggler_steps: usize,
+}
+
+/// `train.straggler_fraction`'s default (also for configs written before the key).
+fn default_straggler_fraction() -> f64 {
+    merak_burn::train::StragglerRule::default().fraction
+}
+
+/// `train.straggler_steps`'s default (also for configs written before the key).
+fn default_straggler_steps() -> usize {
+    merak_burn::train::StragglerRule::default().steps
 }
 
 impl Config {

@@ -3,12 +3,13 @@
 //! the whole job.
 
 mod capacity;
+mod restart;
 mod signals;
 
 use std::ffi::OsString;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode};
+use std::process::{Command, ExitCode, Stdio};
 use std::time::Duration;
 
 use merak_burn::checkpoint::Checkpoint;
@@ -19,6 +20,7 @@ use merak_burn::train::{RunLocks, not_a_file};
 use crate::describe::describe;
 use crate::train_args::TrainArgs;
 pub use capacity::Machine;
+use restart::Ended;
 
 /// `--np np`: refused under mpirun or srun (they set the ranks), for 0 ranks and for more
 /// than this machine can start ([`Machine::check`]); otherwise the run's folders are locked
@@ -47,11 +49,43 @@ pub fn launch(np: usize, args: &TrainArgs) -> ExitCode {
         }
     };
     let token = locks.token().unwrap_or_default().to_string();
-    let code = relaunch(np, &job, &token);
+    let code = supervise(np, &job, &token, args);
     drop(locks);
     // A job refused by its ranks leaves no folder it made (nor one this launcher made).
     remove_if_empty(&made);
     code
+}
+
+/// Starts the ranks ([`relaunch`]) and, under `--max-restarts`, again after each failure that
+/// [`restart::next`] restarts; the last start's exit status.
+fn supervise(np: usize, job: &Job, token: &str, train: &TrainArgs) -> ExitCode {
+    let mut args = without_launcher_flags(std::env::args_os().skip(1));
+    if job.chose_out {
+        args.extend([OsString::from("--out"), job.out.clone().into_os_string()]);
+    }
+    let original = args.clone();
+    // Registered before mpirun starts, so no signal is missed, and kept across restarts.
+    let signals = match signals::Forwarder::register() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: --np {np}: installing the signal handlers: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    loop {
+        let ended = match relaunch(np, job, (token, &signals), &args) {
+            Ok(ended) => ended,
+            Err(code) => return code,
+        };
+        let Some(max) = train.max_restarts else {
+            return ExitCode::from(ended.status);
+        };
+        let resumed = train.resume.as_deref();
+        match restart::next(&ended, &job.out, &job.root, resumed, max) {
+            restart::Next::Exit(status) => return ExitCode::from(status),
+            restart::Next::Restart(from) => args = restart::restart_args(&original, &from),
+        }
+    }
 }
 
 /// `--np np` outside mpirun and srun, at least one rank, and no more than this machine can
@@ -121,47 +155,58 @@ impl Job {
 /// ranks still running `train.comm_timeout_s` after the first, passes SIGTERM, which ends the
 /// ranks at once, and exits 130. When this launcher dies, mpirun gets SIGTERM from the kernel
 /// (never left behind).
-fn relaunch(np: usize, job: &Job, token: &str) -> ExitCode {
-    let exe = match std::env::current_exe() {
-        Ok(p) => p,
-        Err(e) => {
-            eprintln!("error: --np {np}: cannot find this program's path to start the ranks: {e}");
-            return ExitCode::from(2);
-        }
-    };
-    let mut args = without_np(std::env::args_os().skip(1));
-    if job.chose_out {
-        args.extend([OsString::from("--out"), job.out.clone().into_os_string()]);
-    }
-    let mut cmd = mpirun_command(np, &exe, &args);
-    cmd.env(LOCK_TOKEN_ENV, token);
-    // Registered before mpirun starts, so no signal is missed.
-    let signals = match signals::Forwarder::register() {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("error: --np {np}: installing the signal handlers: {e}");
-            return ExitCode::from(1);
-        }
-    };
-    let mut child = match cmd.spawn() {
-        Ok(child) => child,
-        Err(e) => {
-            eprintln!(
-                "error: --np {np}: cannot start mpirun ({e}); install Open MPI (`apt-get install openmpi-bin`) or drop --np"
-            );
-            return ExitCode::from(2);
-        }
-    };
+fn relaunch(
+    np: usize,
+    job: &Job,
+    (token, signals): (&str, &signals::Forwarder),
+    args: &[OsString],
+) -> Result<Ended, ExitCode> {
+    let exe = std::env::current_exe().map_err(|e| {
+        eprintln!("error: --np {np}: cannot find this program's path to start the ranks: {e}");
+        ExitCode::from(2)
+    })?;
+    let mut cmd = mpirun_command(np, &exe, args);
+    cmd.env(LOCK_TOKEN_ENV, token).stderr(Stdio::piped());
+    let mut child = cmd.spawn().map_err(|e| {
+        eprintln!(
+            "error: --np {np}: cannot start mpirun ({e}); install Open MPI (`apt-get install openmpi-bin`) or drop --np"
+        );
+        ExitCode::from(2)
+    })?;
+    let scan = child.stderr.take().map(pass_on_errors);
     let forwarded = signals.forward(child.id(), job.stop_grace);
     let status = child.wait();
+    let cause = scan.and_then(|s| s.join().ok()).flatten();
     match status {
-        Ok(_) if forwarded.aborted() => ExitCode::from(130),
-        Ok(status) => ExitCode::from(status.code().unwrap_or(1).clamp(0, 255) as u8),
+        Ok(_) if forwarded.aborted() => Err(ExitCode::from(130)),
+        Ok(status) => Ok(Ended {
+            status: status.code().unwrap_or(1).clamp(0, 255) as u8,
+            signalled: forwarded.signalled(),
+            cause,
+        }),
         Err(e) => {
             eprintln!("error: --np {np}: waiting for mpirun: {e}");
-            ExitCode::from(1)
+            Err(ExitCode::from(1))
         }
     }
+}
+
+/// Passes mpirun's error output on to this launcher's, line by line, on a thread of its own;
+/// the thread returns what ended the job as mpirun told it ([`restart::FailureScan`]).
+fn pass_on_errors(from: std::process::ChildStderr) -> std::thread::JoinHandle<Option<String>> {
+    std::thread::spawn(move || {
+        use std::io::{BufRead, Write};
+        let mut scan = restart::FailureScan::default();
+        let mut err = std::io::stderr();
+        for line in std::io::BufReader::new(from)
+            .split(b'\n')
+            .map_while(Result::ok)
+        {
+            let _ = err.write_all(&line).and_then(|()| err.write_all(b"\n"));
+            scan.line(&String::from_utf8_lossy(&line));
+        }
+        scan.cause()
+    })
 }
 
 /// `mpirun -np np exe args` with the flags a local run needs, in a process group of its own,
@@ -199,18 +244,18 @@ fn mpirun_command(np: usize, exe: &Path, args: &[OsString]) -> Command {
     cmd
 }
 
-/// `args` without `--np N` / `--np=N`.
-fn without_np(args: impl Iterator<Item = OsString>) -> Vec<OsString> {
+/// `args` without the launcher's own flags: `--np N` and `--max-restarts K` (either also as
+/// `--flag=value`).
+fn without_launcher_flags(args: impl Iterator<Item = OsString>) -> Vec<OsString> {
     let mut out = Vec::new();
     let mut skip_next = false;
     for a in args {
-        if skip_next {
-            skip_next = false;
+        if std::mem::take(&mut skip_next) {
             continue;
         }
         match a.to_str() {
-            Some("--np") => skip_next = true,
-            Some(s) if s.starts_with("--np=") => {}
+            Some("--np" | "--max-restarts") => skip_next = true,
+            Some(s) if s.starts_with("--np=") || s.starts_with("--max-restarts=") => {}
             _ => out.push(a),
         }
     }
@@ -222,7 +267,7 @@ mod tests {
     use super::*;
 
     fn strip(args: &[&str]) -> Vec<String> {
-        without_np(args.iter().map(OsString::from))
+        without_launcher_flags(args.iter().map(OsString::from))
             .into_iter()
             .map(|a| a.into_string().unwrap_or_default())
             .collect()
@@ -235,8 +280,9 @@ mod tests {
             ["train", "--dp", "2", "--set", "train.steps=3"]
         );
         assert_eq!(
-            strip(&["train", "--np=2", "--tp", "2"]),
+            strip(&["train", "--np=2", "--tp", "2", "--max-restarts", "3"]),
             ["train", "--tp", "2"]
         );
+        assert_eq!(strip(&["train", "--max-restarts=1"]), ["train"]);
     }
 }

@@ -6,7 +6,7 @@
 //! call costs one atomic load. The limit of a call is the armed base plus the time of its
 //! message at 100 MB/s, so large transfers on a slow link are not mistaken for a hang.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -68,17 +68,31 @@ pub fn arm(base: Duration, rank: usize) {
     ARMED.store(!base.is_zero(), Ordering::Release);
 }
 
-/// Marks a blocking call until it is dropped.
-pub(crate) struct Guard(bool);
+/// Marks a blocking call until it is dropped (whether it is watched, and when it began).
+pub(crate) struct Guard(bool, Instant);
 
 impl Drop for Guard {
     fn drop(&mut self) {
+        let nanos = u64::try_from(self.1.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        BLOCKED_NS.fetch_add(nanos, Ordering::Relaxed);
         if self.0
             && let Some(Ok(mut s)) = STATE.get().map(Mutex::lock)
         {
             s.current = None;
         }
     }
+}
+
+/// Nanoseconds this process has spent blocked in communication calls (every call the
+/// watchdog watches, armed or not).
+static BLOCKED_NS: AtomicU64 = AtomicU64::new(0);
+
+/// The time this process has spent blocked in communication calls so far: every blocking MPI
+/// call and every wait for a non-blocking one (an NCCL call blocks only while it is queued).
+/// A process-wide counter, like the kernel's fault counters: the difference over a step is
+/// that step's time waiting for the other ranks and the network.
+pub fn blocked_time() -> Duration {
+    Duration::from_nanos(BLOCKED_NS.load(Ordering::Relaxed))
 }
 
 /// Watches the call `op` of `values` floats over `group` (its world ranks `members`).
@@ -88,11 +102,12 @@ pub(crate) fn watch(
     group: &Arc<str>,
     members: &Arc<[usize]>,
 ) -> Guard {
+    let since = Instant::now();
     if !ARMED.load(Ordering::Acquire) {
-        return Guard(false);
+        return Guard(false, since);
     }
     let Some(Ok(mut s)) = STATE.get().map(Mutex::lock) else {
-        return Guard(false);
+        return Guard(false, since);
     };
     let limit = call_limit(s.base, values);
     s.current = Some(Watch {
@@ -100,10 +115,10 @@ pub(crate) fn watch(
         values,
         group: group.clone(),
         members: members.clone(),
-        since: Instant::now(),
+        since,
         limit,
     });
-    Guard(true)
+    Guard(true, since)
 }
 
 /// The watchdog thread: checks the call in progress a few times per limit.

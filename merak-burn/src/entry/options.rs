@@ -92,6 +92,9 @@ pub struct RunOptions {
     /// ([`HeadUnit::predict`](crate::parallelize::HeadUnit::predict)) for this many global
     /// batches of held-out samples (0: none).
     pub predict_batches: usize,
+    /// When rank 0 names a rank slower than the others in the log
+    /// ([`StragglerRule`](crate::train::StragglerRule)).
+    pub stragglers: crate::train::StragglerRule,
 }
 
 impl Default for RunOptions {
@@ -115,6 +118,7 @@ impl Default for RunOptions {
             param_groups: None,
             eval_batches: 0,
             predict_batches: 0,
+            stragglers: Default::default(),
         }
     }
 }

@@ -177,5 +177,6 @@ fn run_output(options: &RunOptions, out: &Path, stop: Option<StopRequest>) -> Ru
         stop,
         existing: options.existing,
         files: options.files.clone(),
+        stragglers: options.stragglers,
     }
 }

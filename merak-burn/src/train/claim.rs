@@ -27,7 +27,12 @@ use crate::checkpoint::{
 /// The file in a run's output folder that names its lineage.
 pub const RUN_FILE: &str = "run.json";
 /// The files the trainer itself writes into a run's output folder.
-pub const TRAINER_FILES: [&str; 3] = [RUN_FILE, "metrics.jsonl", "memory.json"];
+pub const TRAINER_FILES: [&str; 4] = [
+    RUN_FILE,
+    "metrics.jsonl",
+    "memory.json",
+    super::attempts::ATTEMPTS_FILE,
+];
 const RUN_FORMAT: &str = "merak-run/1";
 
 /// What to do when a run's folders hold what another run (or an earlier part of this run's

@@ -2,15 +2,20 @@
 
 use std::time::Instant;
 
+use crate::comm::watchdog::blocked_time;
 use crate::pipeline::{TrainBackend, TrainModel};
+use crate::train::attempts;
+use crate::train::goodput::Goodput;
+use crate::train::injected;
 use crate::train::progress::Progress;
 use crate::train::report::{report_memory, write_trace};
+use crate::train::stragglers::{Stragglers, gather_hosts};
 use crate::train::{
     BatchSource, MetricsWriter, RunOutput, StepMetrics, StepOutcome, TrainError, Trainer, process,
 };
 
 /// What a finished run reports.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Summary {
     /// Steps of the run (the last step's number).
     pub steps: usize,
@@ -25,6 +30,36 @@ pub struct Summary {
     /// Whether the run stopped early on a [`StopRequest`](crate::train::StopRequest) (after
     /// step `steps`, checkpointed when the run has a checkpoint policy).
     pub stopped: bool,
+    /// On rank 0: what the run's wall time went to over all its attempts (`attempts.jsonl`).
+    pub goodput: Option<Goodput>,
+}
+
+/// What [`Trainer::fit`] watches besides the steps.
+struct RunWatch {
+    /// Failures injected for tests ([`injected`]).
+    faults: Vec<injected::Injected>,
+    /// Rank 0's straggler detector.
+    stragglers: Stragglers,
+    /// Checkpoint saves so far.
+    saves: usize,
+    /// Seconds the training thread spent in them.
+    save_s: f64,
+}
+
+impl RunWatch {
+    /// Runs `save` (which says whether it saved), counting it and its time.
+    fn timed_save(
+        &mut self,
+        save: impl FnOnce() -> Result<bool, TrainError>,
+    ) -> Result<bool, TrainError> {
+        let t = Instant::now();
+        let saved = save()?;
+        if saved {
+            self.saves += 1;
+            self.save_s += t.elapsed().as_secs_f64();
+        }
+        Ok(saved)
+    }
 }
 
 impl std::fmt::Display for Summary {
@@ -66,6 +101,7 @@ where
         // Building, sharding and resuming are done: their high-water mark.
         let startup_alloc = process::alloc_peak_bytes();
         let (start, steps) = (self.done, self.settings.steps);
+        let mut watch = self.run_watch(out)?;
         let metrics_path = out.dir.join("metrics.jsonl");
         let mut metrics = self.metrics_writer(&metrics_path, start)?;
         let progress = Progress::new(self.grid.rank == 0 && out.progress, start, steps);
@@ -75,7 +111,8 @@ where
         // before such a step, so that none runs ahead of a stop.
         let overlapping = self.overlaps_steps();
         while self.done < steps {
-            let ts = Instant::now();
+            let (ts, blocked) = (Instant::now(), blocked_time());
+            injected::before_step(&watch.faults, self.grid.rank, self.done + 1, start);
             let faults = process::minor_faults();
             let stop_first = overlapping && self.stop_agreed(out)?;
             // No step runs ahead of a validation pass (after step `done + 1`, 1-based); the
@@ -90,7 +127,8 @@ where
                 let dt = ts.elapsed().as_secs_f64();
                 total_time += dt;
                 final_loss = outcome.loss;
-                let m = self.metrics(&outcome, grad_norm, dt, faults, val_loss);
+                let mut m = self.metrics(&outcome, grad_norm, dt, faults, val_loss);
+                self.time_ranks(&mut m, (blocked_time() - blocked).as_secs_f64(), &mut watch)?;
                 if let Some(w) = metrics.as_mut() {
                     w.write(&m).map_err(TrainError::io(&metrics_path))?;
                     progress.step(&m, steps, total_time, self.settings.tokens_per_step());
@@ -99,7 +137,7 @@ where
             } else {
                 skipped += 1;
             }
-            let saved = self.save_if_due(out, &progress)?;
+            let saved = watch.timed_save(|| self.save_if_due(out, &progress))?;
             let stop = if overlapping {
                 stop_first
             } else {
@@ -107,7 +145,7 @@ where
             };
             if self.done < steps && stop {
                 if !saved {
-                    self.save_now(out, &progress)?;
+                    watch.timed_save(|| self.save_now(out, &progress).map(|()| true))?;
                 }
                 stopped = true;
                 break;
@@ -117,6 +155,7 @@ where
         self.complete_save(&progress)?;
         progress.finish();
         self.write_reports(out, startup_alloc)?;
+        let goodput = self.end_attempt(out, stopped, &watch)?;
         Ok(Summary {
             steps: self.done,
             final_loss,
@@ -125,7 +164,84 @@ where
             wall_s: t0.elapsed().as_secs_f64(),
             skipped,
             stopped,
+            goodput,
         })
+    }
+
+    /// What the run watches besides its steps: the injected failures ([`injected`]), the
+    /// stragglers (every rank's host, gathered once), the saves' time.
+    fn run_watch(&self, out: &RunOutput) -> Result<RunWatch, TrainError> {
+        let world = self.grid.world;
+        let hosts = match world.size() > 1 {
+            true => gather_hosts(world.comm()?.as_ref())?,
+            false => Vec::new(),
+        };
+        Ok(RunWatch {
+            faults: injected::from_env()?,
+            stragglers: Stragglers::new(out.stragglers, hosts),
+            saves: 0,
+            save_s: 0.0,
+        })
+    }
+
+    /// Puts every rank's step time and time blocked in communication (this rank's:
+    /// `blocked_s`) into `m`, gathered over the world (rank 0 names stragglers from them).
+    fn time_ranks(
+        &self,
+        m: &mut StepMetrics,
+        blocked_s: f64,
+        watch: &mut RunWatch,
+    ) -> Result<(), TrainError> {
+        let world = self.grid.world;
+        if world.size() == 1 {
+            m.rank_comm_wait_s = Some(vec![blocked_s]);
+            m.rank_step_s = Some(vec![m.step_time_s]);
+            return Ok(());
+        }
+        let mut all = vec![0.0f32; 2 * world.size()];
+        let mine = [m.step_time_s as f32, blocked_s as f32];
+        world.comm()?.all_gather(&mine, &mut all)?;
+        let step: Vec<f64> = all.iter().step_by(2).map(|&v| f64::from(v)).collect();
+        let wait: Vec<f64> = all
+            .iter()
+            .skip(1)
+            .step_by(2)
+            .map(|&v| f64::from(v))
+            .collect();
+        if self.grid.rank == 0 {
+            let computing: Vec<f64> = step.iter().zip(&wait).map(|(s, w)| s - w).collect();
+            for line in watch.stragglers.observe(&computing) {
+                tracing::warn!("{line}");
+            }
+        }
+        m.rank_step_s = Some(step);
+        m.rank_comm_wait_s = Some(wait);
+        Ok(())
+    }
+
+    /// Rank 0 records this attempt's end in `attempts.jsonl`; the run's goodput so far.
+    fn end_attempt(
+        &self,
+        out: &RunOutput,
+        stopped: bool,
+        watch: &RunWatch,
+    ) -> Result<Option<Goodput>, TrainError> {
+        if self.grid.rank != 0 {
+            return Ok(None);
+        }
+        let attempts = attempts::Attempts::read(&out.dir).map_err(TrainError::io(&out.dir))?;
+        let attempt = attempts.0.last().map_or(1, |a| a.number);
+        let now = attempts::now_s();
+        let event = attempts::AttemptEvent::Ended {
+            attempt,
+            at_s: now,
+            steps: self.done,
+            stopped,
+            save_s: watch.save_s,
+            saves: watch.saves,
+        };
+        attempts::append(&out.dir, &event).map_err(TrainError::io(&out.dir))?;
+        Ok(Goodput::of(&out.dir, now))
     }
 
     /// Writes `memory.json` (with `startup_alloc`, the allocation peak before the first step)
@@ -202,6 +318,8 @@ where
                 .filter(|_| self.model.experts().is_some())
                 .map(|r| r.dropped)
                 .filter(|&d| d > 0),
+            rank_step_s: None,
+            rank_comm_wait_s: None,
         }
     }
 

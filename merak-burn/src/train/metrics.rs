@@ -55,6 +55,15 @@ pub struct StepMetrics {
     /// Under a capacity factor: the assignments dropped.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dropped_tokens: Option<u64>,
+    /// Every rank's wall time of the step, by world rank (the ranks' clocks; rank 0's is
+    /// `step_time_s`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rank_step_s: Option<Vec<f64>>,
+    /// Every rank's time blocked in communication calls during the step (collectives,
+    /// pipeline messages, waits for non-blocking calls), by world rank: a rank's step time
+    /// less this is its time computing, which names stragglers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rank_comm_wait_s: Option<Vec<f64>>,
 }
 
 /// Appends one JSON object per line to `metrics.jsonl`, flushed after every record.

@@ -6,6 +6,7 @@
 //! folder and its lineage, and the process's page faults and peak memory.
 
 mod adamw;
+pub mod attempts;
 pub mod claim;
 #[cfg(test)]
 mod claim_tests;
@@ -13,8 +14,10 @@ mod error;
 mod evaluate;
 mod experts;
 mod fit;
+mod goodput;
 mod grad_norm;
 mod hybrid;
+pub mod injected;
 mod metrics;
 mod optim;
 mod optimizer_settings;
@@ -32,6 +35,7 @@ mod settings;
 mod source;
 mod start;
 mod stop;
+pub mod stragglers;
 mod sync;
 mod tied;
 mod trainer;
@@ -45,6 +49,7 @@ pub use error::TrainError;
 pub use evaluate::Predictions;
 pub use experts::RoutingStats;
 pub use fit::Summary;
+pub use goodput::Goodput;
 pub use grad_norm::{GradStats, NormGroups, clip_grads, global_grad_norm, sharded_param_ids};
 pub use metrics::{MetricsWriter, StepMetrics};
 pub use optim::{OPTIMIZER_REAL_KEYS, TRAIN_REAL_KEYS, check_settings};
@@ -60,6 +65,7 @@ pub use schedule::LrScheduleKind;
 pub use settings::{CheckpointPolicy, RunFile, RunOutput, TrainSettings};
 pub use source::{BatchSource, SourceError, TokenSource, Windows};
 pub use stop::{StopRequest, stop_on_signals};
+pub use stragglers::StragglerRule;
 pub use tied::sum_tied_grads;
 pub(crate) use trainer::read_samples;
 pub use trainer::{AdamW, StepOutcome, StepPhases, Trainer};

@@ -189,6 +189,8 @@ pub struct RunOutput {
     /// The caller's own files in `dir` (a config, a plot): written once the folders are
     /// claimed, and counted as this run's (another run replacing it removes them).
     pub files: Vec<RunFile>,
+    /// When rank 0 names a rank slower than the others in the log.
+    pub stragglers: super::StragglerRule,
 }
 
 /// A file of the caller's in a run's output folder.

@@ -4,7 +4,7 @@
 
 use crate::checkpoint::{RunId, plain_name, write_file_atomically};
 use crate::pipeline::{TrainBackend, TrainModel};
-use crate::train::{RunLocks, RunOutput, TrainError, Trainer, claim};
+use crate::train::{RunLocks, RunOutput, TrainError, Trainer, attempts, claim};
 
 /// The most bytes of a run id (ids are at most 64 characters).
 const ID_BYTES: usize = 64;
@@ -50,9 +50,37 @@ where
                     write_file_atomically(&out.dir.join(&f.name), bytes)?;
                 }
             }
+            self.begin_attempt(&out.dir, world.size())?;
         }
         let text = world.broadcast_text(claim.run.as_str(), ID_BYTES, 0)?;
         self.lineage.run = Some(RunId::try_from(text).unwrap_or(claim.run));
         Ok(locks)
+    }
+
+    /// Rank 0 records in `out`'s `attempts.jsonl` the failure of the run's previous attempt
+    /// when nothing says how it ended (its ranks died), then this attempt's start.
+    fn begin_attempt(&self, out: &std::path::Path, ranks: usize) -> Result<(), TrainError> {
+        let io = TrainError::io(out);
+        if let Some(attempts::AttemptEvent::Failed {
+            attempt,
+            step,
+            lost_steps,
+            ..
+        }) = attempts::record_failure(out, self.done, None).map_err(io)?
+        {
+            tracing::warn!(
+                "the run's attempt {attempt} ended without finishing, in step {step}: \
+                 recorded as failed ({lost_steps} steps lost)"
+            );
+        }
+        let io = TrainError::io(out);
+        let number = attempts::Attempts::read(out).map_err(io)?.0.len() + 1;
+        let started = attempts::AttemptEvent::Started {
+            attempt: number,
+            at_s: attempts::now_s(),
+            from_step: self.done,
+            ranks,
+        };
+        attempts::append(out, &started).map_err(TrainError::io(out))
     }
 }
