@@ -151,8 +151,11 @@ where
                 break;
             }
         }
-        // An asynchronous save still being written is completed before the run ends.
+        // An asynchronous save still being written is completed before the run ends (its
+        // time is the save's).
+        let t = Instant::now();
         self.complete_save(&progress)?;
+        watch.save_s += t.elapsed().as_secs_f64();
         progress.finish();
         self.write_reports(out, startup_alloc)?;
         let goodput = self.end_attempt(out, stopped, &watch)?;
