@@ -55,22 +55,47 @@ const CONSTANT_LR: [&str; 6] = [
 fn a_preemption_signal_stops_every_rank_after_one_step_with_a_checkpoint_that_resumes_exactly() {
     let out = out_dir("preempted");
     let k = preempt(&out, &["--dp", "2"]);
-    // Resumed for two more steps, it equals a run that was never stopped.
+    assert_resumes_exactly(&out, k, "preempted-reference");
+}
+
+/// Resumed for two more steps, the run stopped after step `k` in `out` equals a run that was
+/// never stopped (trained into the folder `reference`).
+fn assert_resumes_exactly(out: &std::path::Path, k: usize, reference: &str) {
     let steps = format!("train.steps={}", k + 2);
-    let mut cmd = resume_cmd(2, &out.join("checkpoints"), &out);
+    let mut cmd = resume_cmd(2, &out.join("checkpoints"), out);
     cmd.args(["--set", &steps]);
     merak_tests::run_with_deadline(cmd, std::time::Duration::from_secs(120)).assert_success();
-    let reference = out_dir("preempted-reference");
+    let reference = out_dir(reference);
     let mut cmd = mpirun(2);
     cmd.arg(MERAK);
     train_args(&mut cmd, &reference, &["--dp", "2", "--set", &steps]);
     cmd.args(CONSTANT_LR);
     merak_tests::run_with_deadline(cmd, std::time::Duration::from_secs(120)).assert_success();
-    let (got, want) = (read_metrics(&out), read_metrics(&reference));
+    let (got, want) = (read_metrics(out), read_metrics(&reference));
     assert_eq!(got.len(), k + 2);
     for key in ["loss", "grad_norm"] {
         assert_eq!(series(&got, key), series(&want, key), "{key}");
     }
+}
+
+/// A stop signal while asynchronous saves are in flight (a save every 2 steps): the stop's own
+/// save waits for the one in flight, the job exits 75 with the stop's step as `latest`, and
+/// resumed it equals a run that was never stopped.
+#[test]
+fn a_preemption_signal_with_asynchronous_saves_in_flight_resumes_exactly() {
+    let out = out_dir("preempted-async");
+    let saves = [
+        "--set",
+        "checkpoint.async=true",
+        "--set",
+        "checkpoint.every=2",
+    ];
+    let k = preempt(&out, &[&["--dp", "2"][..], &saves].concat());
+    assert!(
+        std::fs::read_to_string(out.join("job.err")).is_ok_and(|e| e.contains("writer thread")),
+        "the saves were asynchronous"
+    );
+    assert_resumes_exactly(&out, k, "preempted-async-reference");
 }
 
 /// How a preemption test starts its job and which signal the scheduler sends.
