@@ -887,13 +887,17 @@ const EXIT_STATUSES: [(u8, &str); 8] = [
         2,
         "`merak train`: bad input, found before training (a config key, layout, data set, \
          checkpoint, path or flag, named in the message), a run folder another running run \
-         holds (its `run.lock` and holder named), or `--np` beyond what this machine can start \
-         (cores, open files, memory named); the other commands: any error, their input being \
+         holds (its `run.lock` and holder named), `--np` beyond what this machine can start \
+         (cores, open files, memory named), or a start under `--max-restarts` that the run's \
+         record of attempts refuses (the same step failed twice in a row, more failures than \
+         allowed, no checkpoint yet); the other commands: any error, their input being \
          checked before any work",
     ),
     (
         75,
-        "`merak train` stopped on a signal after writing a checkpoint: resume it with `--resume`",
+        "`merak train` stopped on a signal after writing a checkpoint, or `merak train --np \
+         --max-restarts` ran out of restarts with a checkpoint to continue from: resume it with \
+         `--resume`",
     ),
     (101, "a rank panicked (the job is aborted)"),
     (
@@ -963,7 +967,8 @@ fn exit_status_page() {
     page.push_str(
         "The status every `merak` command exits with, and where the code returns it. Under \
          `mpirun`, an aborted job's status is the one the aborting rank passed to `MPI_Abort`; \
-         `merak train --np N` exits with mpirun's status (or 130 after a second signal).\n\n\
+         `merak train --np N` exits with mpirun's status (or 130 after a second signal; with \
+         `--max-restarts`, the last start's, or 75 out of restarts).\n\n\
          | status | meaning | returned in |\n| --- | --- | --- |\n",
     );
     for (status, meaning) in EXIT_STATUSES {
