@@ -132,6 +132,9 @@ fn prepare(args: &TrainArgs, world: Option<MpiCommunicator>, size: usize) -> Res
     let made = missing_folders(&[&out, &root]);
     let job = lock_folders(world.as_ref(), &out, &root).and_then(|locks| {
         let resume = checkpoint.map(read_resume).transpose()?;
+        if let Some(max) = args.max_restarts {
+            merak_burn::train::attempts::may_restart(&out, max, resume.is_some())?;
+        }
         let folders = (out, root.as_path());
         check_and_open(args, world, resume, resolved, folders, locks)
     });
@@ -176,9 +179,6 @@ fn check_and_open(
         (_, true) => ExistingRun::Branch,
         _ => ExistingRun::Refuse,
     };
-    if let Some(max) = args.max_restarts {
-        merak_burn::train::attempts::may_restart(&out, max, resume.is_some())?;
-    }
     // Read-only here (every rank, before anything is built); `Trainer::fit` claims for real.
     let own = train::own_file_names();
     let origin = resume.as_ref().map(|r| Origin::of(&r.checkpoint));

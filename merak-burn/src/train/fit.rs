@@ -47,17 +47,16 @@ struct RunWatch {
 }
 
 impl RunWatch {
-    /// Runs `save` (which says whether it saved), counting it and its time.
+    /// Runs `save` (which says whether it started or wrote a save), counting its time as the
+    /// saves' whatever it did (completing an asynchronous save in flight is a save's time too).
     fn timed_save(
         &mut self,
         save: impl FnOnce() -> Result<bool, TrainError>,
     ) -> Result<bool, TrainError> {
         let t = Instant::now();
         let saved = save()?;
-        if saved {
-            self.saves += 1;
-            self.save_s += t.elapsed().as_secs_f64();
-        }
+        self.saves += usize::from(saved);
+        self.save_s += t.elapsed().as_secs_f64();
         Ok(saved)
     }
 }
@@ -153,9 +152,7 @@ where
         }
         // An asynchronous save still being written is completed before the run ends (its
         // time is the save's).
-        let t = Instant::now();
-        self.complete_save(&progress)?;
-        watch.save_s += t.elapsed().as_secs_f64();
+        watch.timed_save(|| self.complete_save(&progress).map(|()| false))?;
         progress.finish();
         self.write_reports(out, startup_alloc)?;
         let goodput = self.end_attempt(out, stopped, &watch)?;
