@@ -2,6 +2,11 @@
 
 use std::path::PathBuf;
 
+/// The exit status of a run stopped by a signal after checkpointing (`EX_TEMPFAIL`: try again,
+/// that is, resume), and of `--np --max-restarts` out of restarts with a checkpoint to continue
+/// from.
+pub const STOPPED: u8 = 75;
+
 /// Arguments of `merak train`.
 #[derive(clap::Args, Debug)]
 pub struct TrainArgs {

@@ -21,7 +21,7 @@ use crate::data::Source;
 use crate::describe::describe;
 use crate::resolve::{Resolved, read_resume, resolve_config};
 use crate::train::{self, Objective, Resume, RunSpec, Summary};
-pub use crate::train_args::TrainArgs;
+pub use crate::train_args::{STOPPED, TrainArgs};
 use crate::{generate, init_from, init_logging, plot, spawn};
 
 /// What every rank has checked and built before training starts.
@@ -111,10 +111,6 @@ pub fn run_train(args: TrainArgs) -> ExitCode {
         }
     }
 }
-
-/// The exit status of a run stopped by a signal after checkpointing (`EX_TEMPFAIL`: try again,
-/// that is, resume).
-pub const STOPPED: u8 = 75;
 
 /// Reads and checks everything before anything is built: the config and plan (with the
 /// checkpoint's manifest when resuming), the output folders, locked by rank 0 before anything

@@ -21,6 +21,8 @@ use merak_burn::checkpoint::root::step_of_name;
 use merak_burn::checkpoint::{LATEST, MAX_SMALL_FILE_BYTES, read_regular};
 use merak_burn::train::attempts::{self, AttemptEvent, Attempts, NotRestarted, restart_verdict};
 
+use crate::train_args::STOPPED;
+
 /// How one start of the ranks ended.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Ended {
@@ -42,7 +44,7 @@ pub enum Next {
 }
 
 /// The statuses a restart cannot mend: done, refused, stopped on a signal, ended at once.
-const FINAL: [u8; 4] = [0, 2, crate::train_cmd::STOPPED, 130];
+const FINAL: [u8; 4] = [0, 2, STOPPED, 130];
 
 /// What follows `ended` for the run writing into `out` and checkpointing into `root`, started
 /// with `--resume resumed` (if it was) under `--max-restarts max`. A failure to be restarted is
@@ -83,11 +85,7 @@ pub fn next(ended: &Ended, out: &Path, root: &Path, resumed: Option<&Path>, max:
         eprintln!("merak: {cause} in step {failed_in}; {e}");
         // Out of restarts, but the run can continue from its folder: say so with 75.
         let resumable = matches!(e, NotRestarted::TooMany { .. });
-        return Next::Exit(if resumable {
-            crate::train_cmd::STOPPED
-        } else {
-            ended.status
-        });
+        return Next::Exit(if resumable { STOPPED } else { ended.status });
     }
     let restart = failures.recent_failures().len();
     eprintln!(

@@ -7,14 +7,8 @@ use std::time::{Duration, Instant};
 use crate::checkpoint::{self, PendingSave, RankState, RunId};
 use crate::pipeline::{TrainBackend, TrainModel};
 use crate::train::progress::Progress;
+use crate::train::trainer::AsyncSave;
 use crate::train::{CheckpointPolicy, TrainError, Trainer};
-
-/// An asynchronous save whose writer may still be running, and the time the training thread
-/// has spent on it so far (the host copy, the launch and the polls).
-pub(crate) struct InFlight {
-    pending: PendingSave,
-    stall: Duration,
-}
 
 impl<B, M> Trainer<'_, B, M>
 where
@@ -115,7 +109,7 @@ where
         let t = Instant::now();
         let pending = self.start_checkpoint(policy)?;
         let stall = t.elapsed();
-        self.saving = Some(InFlight { pending, stall });
+        self.saving = Some(AsyncSave { pending, stall });
         Ok(())
     }
 
@@ -141,7 +135,7 @@ where
     /// Completes the asynchronous save in flight, if any, waiting for the writers: before the
     /// next save, on a stop, and at the end of the run. Every rank must call it together.
     pub(crate) fn complete_save(&mut self, progress: &Progress) -> Result<(), TrainError> {
-        let Some(InFlight { pending, stall }) = self.saving.take() else {
+        let Some(AsyncSave { pending, stall }) = self.saving.take() else {
             return Ok(());
         };
         let t = Instant::now();

@@ -68,6 +68,13 @@ pub struct StepOutcome {
     pub phases: StepPhases,
 }
 
+/// An asynchronous save whose writer may still be running, and the time the training thread
+/// has spent on it so far (the host copy, the launch and the polls).
+pub(crate) struct AsyncSave {
+    pub(crate) pending: crate::checkpoint::PendingSave,
+    pub(crate) stall: std::time::Duration,
+}
+
 /// Trains one rank's part of a model (its pipeline stages and tensor-parallel shard) with the
 /// rest of the process grid. Every rank of the grid builds one with the same plan and settings
 /// and calls [`step`](Self::step) (or [`fit`](Self::fit)) the same number of times.
@@ -100,7 +107,7 @@ where
     /// The checkpoint this run resumed and the lineage it writes.
     pub(crate) lineage: super::claim::Lineage,
     /// An asynchronous save whose writer may still be running.
-    pub(crate) saving: Option<super::save::InFlight>,
+    pub(crate) saving: Option<AsyncSave>,
 }
 
 impl<'g, B, M> Trainer<'g, B, M>
