@@ -409,19 +409,41 @@ impl Drop for Slurm {
     }
 }
 
-#[test]
-fn slurm_batch_template_on_two_emulated_nodes_stops_resumes_and_equals_mpirun() {
+/// A private Slurm cluster in the folder `name`, one job at a time (the guard); `None` when
+/// Slurm cannot run here (a failure instead under `MERAK_REQUIRE_SLURM`).
+fn slurm_cluster(name: &str) -> Option<(std::sync::MutexGuard<'static, ()>, Slurm)> {
     if let Some(why) = slurm_missing() {
         assert!(
             std::env::var_os("MERAK_REQUIRE_SLURM").is_none(),
             "MERAK_REQUIRE_SLURM is set but Slurm cannot run here: {why}"
         );
         eprintln!("skipped: {why}");
-        return;
+        return None;
     }
-    let _one = ONE_JOB_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let one = ONE_JOB_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    Some((one, Slurm::start(&out_dir(name))))
+}
+
+/// One uninterrupted `merak train` job with `args` on 4 ranks of this host (over shared
+/// memory), into the new folder `name`, which it returns.
+fn one_host_job(name: &str, args: &[&str]) -> PathBuf {
+    let reference = out_dir(name);
+    let mut cmd = mpirun(4);
+    cmd.arg(MERAK)
+        .arg("train")
+        .args(args)
+        .arg("--out")
+        .arg(&reference);
+    run_with_deadline(cmd, Duration::from_secs(300)).assert_success();
+    reference
+}
+
+#[test]
+fn slurm_batch_template_on_two_emulated_nodes_stops_resumes_and_equals_mpirun() {
+    let Some((_one, slurm)) = slurm_cluster("multinode-slurm") else {
+        return;
+    };
     let test_start = Instant::now();
-    let slurm = Slurm::start(&out_dir("multinode-slurm"));
     let steps = "train.steps=40";
     let config = config().display().to_string();
     let args = [
@@ -491,14 +513,7 @@ fn slurm_batch_template_on_two_emulated_nodes_stops_resumes_and_equals_mpirun() 
     );
 
     // One uninterrupted job on one host, over shared memory, trains the same.
-    let reference = out_dir("multinode-slurm-reference");
-    let mut cmd = mpirun(4);
-    cmd.arg(MERAK)
-        .arg("train")
-        .args(args)
-        .arg("--out")
-        .arg(&reference);
-    run_with_deadline(cmd, Duration::from_secs(300)).assert_success();
+    let reference = one_host_job("multinode-slurm-reference", &args);
     let (got, want) = (read_metrics(&out), read_metrics(&reference));
     assert_eq!(got.len(), 40, "one record a step");
     for key in ["loss", "grad_norm", "lr"] {
@@ -522,16 +537,9 @@ fn slurm_batch_template_on_two_emulated_nodes_stops_resumes_and_equals_mpirun() 
 /// and the job ends by itself with exit 0, equal to one uninterrupted mpirun job.
 #[test]
 fn slurm_template_restarts_a_job_step_whose_rank_died() {
-    if let Some(why) = slurm_missing() {
-        assert!(
-            std::env::var_os("MERAK_REQUIRE_SLURM").is_none(),
-            "MERAK_REQUIRE_SLURM is set but Slurm cannot run here: {why}"
-        );
-        eprintln!("skipped: {why}");
+    let Some((_one, slurm)) = slurm_cluster("multinode-slurm-restart") else {
         return;
-    }
-    let _one = ONE_JOB_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let slurm = Slurm::start(&out_dir("multinode-slurm-restart"));
+    };
     let config = config().display().to_string();
     let args = [
         "--config",
@@ -557,14 +565,7 @@ fn slurm_template_restarts_a_job_step_whose_rank_died() {
             && output.contains("merak: continuing the run in"),
         "{output}"
     );
-    let reference = out_dir("multinode-slurm-restart-reference");
-    let mut cmd = mpirun(4);
-    cmd.arg(MERAK)
-        .arg("train")
-        .args(args)
-        .arg("--out")
-        .arg(&reference);
-    run_with_deadline(cmd, Duration::from_secs(300)).assert_success();
+    let reference = one_host_job("multinode-slurm-restart-reference", &args);
     let (got, want) = (series_of(&out, "loss"), series_of(&reference, "loss"));
     assert_eq!(got.len(), 10, "one record a step");
     assert_eq!(got, want, "losses bit for bit");

@@ -247,16 +247,30 @@ fn mpirun_command(np: usize, exe: &Path, args: &[OsString]) -> Command {
 /// `args` without the launcher's own flags: `--np N` and `--max-restarts K` (either also as
 /// `--flag=value`).
 fn without_launcher_flags(args: impl Iterator<Item = OsString>) -> Vec<OsString> {
+    without_flags(args, &["--np", "--max-restarts"], &[])
+}
+
+/// `args` without the flags `with_value` (`--flag value` or `--flag=value`) and `bare`.
+fn without_flags(
+    args: impl Iterator<Item = OsString>,
+    with_value: &[&str],
+    bare: &[&str],
+) -> Vec<OsString> {
     let mut out = Vec::new();
     let mut skip_next = false;
     for a in args {
         if std::mem::take(&mut skip_next) {
             continue;
         }
-        match a.to_str() {
-            Some("--np" | "--max-restarts") => skip_next = true,
-            Some(s) if s.starts_with("--np=") || s.starts_with("--max-restarts=") => {}
-            _ => out.push(a),
+        let Some(s) = a.to_str() else {
+            out.push(a);
+            continue;
+        };
+        let joined = |f: &&str| s.strip_prefix(*f).is_some_and(|rest| rest.starts_with('='));
+        if with_value.contains(&s) {
+            skip_next = true;
+        } else if !bare.contains(&s) && !with_value.iter().any(joined) {
+            out.push(a);
         }
     }
     out

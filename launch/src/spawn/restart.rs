@@ -17,8 +17,7 @@
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
-use merak_burn::checkpoint::root::step_of_name;
-use merak_burn::checkpoint::{LATEST, MAX_SMALL_FILE_BYTES, read_regular};
+use merak_burn::checkpoint::root::{list, step_of_name};
 use merak_burn::train::attempts::{self, AttemptEvent, Attempts, NotRestarted, restart_verdict};
 
 use crate::train_args::STOPPED;
@@ -55,7 +54,7 @@ pub fn next(ended: &Ended, out: &Path, root: &Path, resumed: Option<&Path>, max:
     }
     let cause = (ended.cause.clone())
         .unwrap_or_else(|| format!("the job ended with status {}", ended.status));
-    let (from, step) = match (latest_step(root), resumed) {
+    let (from, step) = match (newest_step(root), resumed) {
         (Some(step), _) => (root.to_path_buf(), step),
         (None, Some(resumed)) => (resumed.to_path_buf(), 0),
         (None, None) => {
@@ -80,14 +79,15 @@ pub fn next(ended: &Ended, out: &Path, root: &Path, resumed: Option<&Path>, max:
             return Next::Exit(ended.status);
         }
     };
-    let failures = Attempts::read(out).unwrap_or_default();
-    if let Err(e) = restart_verdict(&failures.recent_failures(), max) {
+    let attempts = Attempts::read(out).unwrap_or_default();
+    let failures = attempts.recent_failures();
+    if let Err(e) = restart_verdict(&failures, max) {
         eprintln!("merak: {cause} in step {failed_in}; {e}");
         // Out of restarts, but the run can continue from its folder: say so with 75.
         let resumable = matches!(e, NotRestarted::TooMany { .. });
         return Next::Exit(if resumable { STOPPED } else { ended.status });
     }
-    let restart = failures.recent_failures().len();
+    let restart = failures.len();
     eprintln!(
         "merak: {cause} in step {failed_in}; restarting from the checkpoint of step {step} in \
          {} ({lost} steps lost): restart {restart} of {max} (--max-restarts)",
@@ -96,30 +96,22 @@ pub fn next(ended: &Ended, out: &Path, root: &Path, resumed: Option<&Path>, max:
     Next::Restart(from)
 }
 
-/// The step of the checkpoint `root`'s `latest` names, if it names one.
-fn latest_step(root: &Path) -> Option<usize> {
-    let text = read_regular(&root.join(LATEST), MAX_SMALL_FILE_BYTES).ok()?;
-    let name = String::from_utf8(text).ok()?;
-    let name = name.trim();
-    step_of_name(name).filter(|_| root.join(name).is_dir())
+/// The step of the newest complete checkpoint in `root`, the one `--resume root` continues
+/// from ([`RootListing::newest`](merak_burn::checkpoint::root::RootListing::newest)).
+fn newest_step(root: &Path) -> Option<usize> {
+    let dir = list(root).ok()?.newest(root)?;
+    step_of_name(dir.file_name()?.to_str()?)
 }
 
 /// `args` for a restart: without the flags that choose what the run starts from (`--resume`,
 /// `--init-from`, `--replace`, `--branch`), with `--resume from`.
 pub fn restart_args(args: &[OsString], from: &Path) -> Vec<OsString> {
-    let mut out = Vec::new();
-    let mut skip_next = false;
-    for a in args {
-        if std::mem::take(&mut skip_next) {
-            continue;
-        }
-        match a.to_str() {
-            Some("--resume" | "--init-from") => skip_next = true,
-            Some("--replace" | "--branch") => {}
-            Some(s) if s.starts_with("--resume=") || s.starts_with("--init-from=") => {}
-            _ => out.push(a.clone()),
-        }
-    }
+    let with_value = ["--resume", "--init-from"];
+    let mut out = super::without_flags(
+        args.iter().cloned(),
+        &with_value,
+        &["--replace", "--branch"],
+    );
     out.extend([OsString::from("--resume"), from.as_os_str().to_owned()]);
     out
 }
@@ -255,6 +247,25 @@ mod tests {
         );
     }
 
+    /// A complete checkpoint of one parameter after `step` steps in `root`.
+    fn save_checkpoint(root: &Path, step: usize) {
+        use merak_burn::checkpoint::{LocalParam, RankState, RunId, save};
+        let state = RankState {
+            params: vec![LocalParam {
+                name: "w".into(),
+                id: burn::module::ParamId::new(),
+                shape: vec![2],
+                split: merak_burn::tensor_parallel::ShardKind::Replicated,
+                values: vec![1.0, 2.0],
+            }],
+            moments: Vec::new(),
+            pieces: Vec::new(),
+        };
+        let grid = merak_burn::grid::ProcessGrid::single();
+        let extra = serde_json::Value::Null;
+        save(root, &RunId::default(), step, 0, &state, extra, &grid).expect("a checkpoint");
+    }
+
     /// Done, refused, stopped and aborted jobs are not restarted; a failure without a
     /// checkpoint is not either; one with a checkpoint is, until the same step fails twice.
     #[test]
@@ -290,8 +301,7 @@ mod tests {
             Next::Exit(137),
             "no checkpoint"
         );
-        std::fs::create_dir_all(root.join("step-00000004")).expect("a checkpoint");
-        std::fs::write(root.join(LATEST), "step-00000004").expect("latest");
+        save_checkpoint(&root, 4);
         std::fs::write(out.join("metrics.jsonl"), "{\"step\":5}\n").expect("metrics");
         assert_eq!(
             next(&killed, out, &root, None, 3),

@@ -189,6 +189,16 @@ impl Attempts {
     }
 }
 
+impl Attempt {
+    /// The last step this attempt logged in `out`'s `metrics.jsonl` and when; the step it
+    /// started after, and its start, when it logged none.
+    fn last_seen(&self, out: &Path) -> (usize, f64) {
+        last_logged_step(out)
+            .filter(|(s, _)| *s >= self.from_step)
+            .unwrap_or((self.from_step, self.started_s))
+    }
+}
+
 /// Sets the end of attempt `number` (the last with that number) unless it has one.
 fn set_end(all: &mut [Attempt], number: usize, end: impl FnOnce() -> AttemptEnd) {
     if let Some(a) = all.iter_mut().rev().find(|a| a.number == number)
@@ -236,9 +246,7 @@ pub fn record_failure(
     let Some(last) = attempts.unfinished() else {
         return Ok(None);
     };
-    let (logged, at_s) = last_logged_step(out)
-        .filter(|(s, _)| *s >= last.from_step)
-        .unwrap_or((last.from_step, last.started_s));
+    let (logged, at_s) = last.last_seen(out);
     let event = AttemptEvent::Failed {
         attempt: last.number,
         at_s,
@@ -258,8 +266,7 @@ pub fn may_restart(out: &Path, max: usize, resuming: bool) -> Result<(), NotRest
     let attempts = Attempts::read(out).unwrap_or_default();
     let mut failures = attempts.recent_failures();
     if let Some(last) = attempts.unfinished() {
-        let step = last_logged_step(out).map_or(last.from_step, |(s, _)| s.max(last.from_step));
-        failures.push((step + 1, None));
+        failures.push((last.last_seen(out).0 + 1, None));
     }
     if failures.is_empty() {
         return Ok(());
