@@ -52,8 +52,15 @@ pub fn next(ended: &Ended, out: &Path, root: &Path, resumed: Option<&Path>, max:
     if ended.signalled || FINAL.contains(&ended.status) {
         return Next::Exit(ended.status);
     }
-    let cause = (ended.cause.clone())
-        .unwrap_or_else(|| format!("the job ended with status {}", ended.status));
+    // Open MPI's own account may be missing (its help messages fail under load): the status
+    // still says what merak's ranks ended with.
+    let cause = (ended.cause.clone()).unwrap_or_else(|| {
+        let status = ended.status;
+        format!(
+            "the job ended with status {status}{}",
+            meaning(&status.to_string())
+        )
+    });
     let (from, step) = match (newest_step(root), resumed) {
         (Some(step), _) => (root.to_path_buf(), step),
         (None, Some(resumed)) => (resumed.to_path_buf(), 0),
@@ -155,10 +162,7 @@ impl FailureScan {
         }
         if let (Some(rank), Some(code)) = (&self.pending_rank, after(&words, "errorcode")) {
             let code = code.trim_end_matches('.');
-            let what = match code {
-                "124" => " (the watchdog found a stalled rank)",
-                _ => "",
-            };
+            let what = meaning(code);
             self.cause = Some(format!(
                 "rank {rank} aborted the job with status {code}{what}"
             ));
@@ -180,6 +184,14 @@ impl FailureScan {
     /// The cause found, if any.
     pub fn cause(self) -> Option<String> {
         self.cause
+    }
+}
+
+/// What an abort status of merak's ranks means, as words to add after it (124: the watchdog).
+fn meaning(status: &str) -> &'static str {
+    match status {
+        "124" => " (the watchdog found a stalled rank)",
+        _ => "",
     }
 }
 
