@@ -243,6 +243,7 @@ fn main() -> Result<()> {
             zero: 0,
             reduce_scatter: Default::default(),
             shard: 0,
+            reshard_after_forward: true,
             partition: balanced_partition(&costs, pp)?,
             tp_overlap,
             cp: 1,

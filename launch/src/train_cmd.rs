@@ -190,24 +190,13 @@ fn check_and_open(
         .map(|path| init_from::open(path, &cfg, rank == 0))
         .transpose()?;
     if let (0, Some(f)) = (rank, plan_file) {
-        let l = &f.plan.layout;
-        tracing::info!(
-            "plan: dp={} tp={} pp={} v={} micro_batch={} {} stages {:?} recompute {:?} {}; predicted step {:.4} s on {}",
-            l.dp,
-            l.tp,
-            l.pp,
-            l.virtual_stages,
-            l.micro_batch,
-            l.schedule,
-            l.partition.sizes(),
-            l.recompute.iter().map(|m| m.as_str()).collect::<Vec<_>>(),
-            l.zero_label(),
-            f.plan.prediction.step_time_s,
-            f.hardware
-        );
+        log_plan(&f);
     }
     let placement = crate::transport::place(&cfg, world.as_ref())?;
-    crate::admission::check(&cfg, &parallel, &pipeline, placement.device)?;
+    let estimate = crate::admission::check(&cfg, &parallel, &pipeline, placement.device)?;
+    if let Some(e) = estimate.filter(|_| rank == 0) {
+        crate::admission::log_estimate(&e);
+    }
     let grid = match world {
         Some(w) => ProcessGrid::from_mpi_with(w, parallel.layout(), placement.transport)?
             .with_expert_parallel(parallel.ep)?,
@@ -233,6 +222,25 @@ fn check_and_open(
         init_from,
         _locks: locks,
     })
+}
+
+/// Logs the plan file's layout and predicted step.
+fn log_plan(f: &merak_burn::planner::PlanFile) {
+    let l = &f.plan.layout;
+    tracing::info!(
+        "plan: dp={} tp={} pp={} v={} micro_batch={} {} stages {:?} recompute {:?} {}; predicted step {:.4} s on {}",
+        l.dp,
+        l.tp,
+        l.pp,
+        l.virtual_stages,
+        l.micro_batch,
+        l.schedule,
+        l.partition.sizes(),
+        l.recompute.iter().map(|m| m.as_str()).collect::<Vec<_>>(),
+        l.zero_label(),
+        f.plan.prediction.step_time_s,
+        f.hardware
+    );
 }
 
 /// Checks every path the run will write (the output folder, the checkpoint folder, the trace)

@@ -67,6 +67,7 @@ fn saved_plans_train_like_one_process() {
     layout["micro_batches"] = 4.into();
     layout["schedule"] = "1f1b".into();
     layout["zero"] = 0.into();
+    layout["reduce_scatter"] = "step".into();
     layout["tp_overlap"] = 2.into();
     layout["recompute"] = serde_json::json!(["selective", "full"]);
     layout["partition"] =

@@ -539,9 +539,11 @@ fn greedy_samples_agree_across_tensor_parallel_layouts() {
 /// `memory.json` counts each rank's model state from what it keeps: the tiny GPT's 134,912 f32
 /// parameters and their gradients on every rank, AdamW's two moments of every parameter
 /// without ZeRO, and under ZeRO-1, 2 and 3 a share per rank that adds up to the whole (ZeRO-3:
-/// of the parameters too; with hybrid sharding, over each shard group), and an allocator
-/// high-water mark at least as large as the state; SGD without
-/// momentum keeps none, with it one tensor.
+/// of the parameters too, and by default of the gradients; with hybrid sharding, over each
+/// shard group), and an allocator high-water mark at least as large as the state; SGD without
+/// momentum keeps none, with it one tensor. On every layout, expert and context parallelism
+/// included, what each rank counts is what the planner's accounting of the plan says
+/// (`planned_*`; ZeRO's chunks are padded by at most one value per bucket).
 #[test]
 fn memory_json_counts_each_ranks_model_state() {
     let state = |np: usize, name: &str, extra: &[&str]| -> Vec<[f64; 3]> {
@@ -555,7 +557,18 @@ fn memory_json_counts_each_ranks_model_state() {
         (ranks.iter())
             .map(|r| {
                 let f = |k| field(r, k);
-                [f("param_mib"), f("grad_mib"), f("optimizer_mib")]
+                let counted = [f("param_mib"), f("grad_mib"), f("optimizer_mib")];
+                let planned = [
+                    f("planned_param_mib"),
+                    f("planned_grad_mib"),
+                    f("planned_optimizer_mib"),
+                ];
+                let padding = 64.0 * 4.0 / (1u64 << 20) as f64;
+                assert!(
+                    (counted.iter().zip(&planned)).all(|(c, p)| (c - p).abs() <= padding),
+                    "{name}: counted {counted:?}, planned {planned:?}"
+                );
+                counted
             })
             .collect()
     };
@@ -577,6 +590,8 @@ fn memory_json_counts_each_ranks_model_state() {
     assert!(alloc >= one[0].iter().sum::<f64>(), "{alloc} < {one:?}");
     let dp = state(2, "state-dp2", &["--dp", "2"]);
     assert!(dp.iter().all(|r| r == &one[0]), "{dp:?}");
+    let cp = state(2, "state-cp2", &["--cp", "2"]);
+    assert!(cp.iter().all(|r| r == &one[0]), "{cp:?}");
     let zero = state(2, "state-zero1", &["--dp", "2", "--set", "parallel.zero=1"]);
     assert!(
         zero.iter().all(|r| close(r[0], mib) && close(r[1], mib)),
@@ -587,17 +602,29 @@ fn memory_json_counts_each_ranks_model_state() {
         "{zero:?}"
     );
     assert!(close(zero[0][2] + zero[1][2], one[0][2]), "{zero:?}");
-    // ZeRO-2: each rank keeps the state of its slices, which add up to the whole.
+    // ZeRO-2: each rank keeps the state of its slices, which add up to the whole; its
+    // gradients add up whole through the step unless reduce-scattered every micro-batch.
     let two = state(2, "state-zero2", &["--dp", "2", "--set", "parallel.zero=2"]);
     assert!(two.iter().all(|r| r[2] < one[0][2]), "{two:?}");
+    assert!(two.iter().all(|r| close(r[1], mib)), "{two:?}");
     assert!(close(two[0][2] + two[1][2], one[0][2]), "{two:?}");
+    let each = ["--dp", "2", "--set", "parallel.zero=2"];
+    let each = [&each[..], &["--set", "parallel.reduce_scatter=micro-batch"]].concat();
+    let two = state(2, "state-zero2-each", &each);
+    assert!(two.iter().all(|r| r[1] < 0.6 * mib), "{two:?}");
     // ZeRO-3: each rank stores its slices of the parameters too (their chunks padded by at
-    // most one value per bucket).
+    // most one value per bucket), and by default reduce-scatters every micro-batch: no whole
+    // gradients either. Once per step, the whole gradients add up.
     let three = state(2, "state-zero3", &["--dp", "2", "--set", "parallel.zero=3"]);
     let near = |a: f64, b: f64| (a - b).abs() <= 1e-4 * b;
     assert!(near(three[0][0] + three[1][0], mib), "{three:?}");
+    assert!(near(three[0][1] + three[1][1], mib), "{three:?}");
     assert!(three.iter().all(|r| r[0] < 0.6 * mib), "{three:?}");
     assert!(near(three[0][2] + three[1][2], one[0][2]), "{three:?}");
+    let once = ["--dp", "2", "--set", "parallel.zero=3"];
+    let once = [&once[..], &["--set", "parallel.reduce_scatter=step"]].concat();
+    let once = state(2, "state-zero3-step", &once);
+    assert!(once.iter().all(|r| close(r[1], mib)), "{once:?}");
     // Hybrid: dp 4 as two copies sharded over two ranks each: half of everything per rank.
     let hybrid = [
         "--dp",
@@ -611,6 +638,25 @@ fn memory_json_counts_each_ranks_model_state() {
     assert!(hybrid.iter().all(|r| near(r[0], three[0][0])), "{hybrid:?}");
     assert!(near(hybrid[0][0] + hybrid[1][0], mib), "{hybrid:?}");
     assert!(near(hybrid[2][2] + hybrid[3][2], one[0][2]), "{hybrid:?}");
+    // Experts: each of ep 2 ranks holds half of them; ZeRO-1 over dp 4 shards the dense
+    // states over 4 ranks, the experts' over the 2 that hold the same ones (with hybrid
+    // sharding too).
+    let moe = [
+        "--set",
+        "model.moe.experts=4",
+        "--set",
+        "model.moe.top_k=2",
+        "--set",
+        "model.moe.expert_hidden=64",
+    ];
+    let ep = [&moe[..], &["--dp", "2", "--set", "parallel.ep=2"]].concat();
+    let ep = state(2, "state-ep2", &ep);
+    assert!(ep[0][0] < mib && close(ep[0][2], 2.0 * ep[0][0]), "{ep:?}");
+    let zero_ep = [&moe[..], &["--dp", "4", "--set", "parallel.ep=2"]].concat();
+    let zero_ep = [&zero_ep[..], &["--set", "parallel.zero=1"]].concat();
+    state(4, "state-ep2-zero1", &zero_ep);
+    let hybrid_ep = [&zero_ep[..], &["--set", "parallel.shard=2"]].concat();
+    state(4, "state-ep2-zero1-shard2", &hybrid_ep);
     let sgd = state(0, "state-sgd", &["--set", "optimizer.kind=sgd"]);
     assert_eq!(sgd[0][2], 0.0, "{sgd:?}");
     let momentum = [

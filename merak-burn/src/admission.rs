@@ -11,14 +11,16 @@
 //! keys. Call both in that order:
 //!
 //! ```
-//! use merak_burn::admission::{HOST_RUNTIME_BYTES, MemoryKind, MemoryLimit, admit_shape, estimate_shape};
+//! use merak_burn::admission::{
+//!     HOST_RUNTIME_BYTES, MemoryKind, MemoryLimit, RunFormat, admit_shape, estimate_shape,
+//! };
 //! use merak_burn::parallel_plan::ParallelPlan;
 //! use merak_burn::planner::TransformerShape;
 //!
 //! let huge = TransformerShape::gpt(100_000_000, 64, 4, 32, 512);
 //! let plan = ParallelPlan::default();
 //! let limit = MemoryLimit { kind: MemoryKind::Host, available: 64e9, ranks: 1 };
-//! let bound = estimate_shape(&huge, &plan, 4.0, HOST_RUNTIME_BYTES, true);
+//! let bound = estimate_shape(&huge, &plan, RunFormat::f32(), HOST_RUNTIME_BYTES, true);
 //! let refused = admit_shape(&huge, bound, limit, plan.micro_batch).unwrap_err();
 //! assert!(refused.to_string().contains("model.layers = 100000000"));
 //! ```
@@ -38,8 +40,8 @@ use thiserror::Error;
 use crate::parallel_plan::ParallelPlan;
 use crate::pipeline::{PipelinePlan, Recompute};
 use crate::planner::{
-    CostModel, EXPERT_LOAD_BOUND, HardwareSpec, ModelProxy, RankSplit, RecomputeMode,
-    TransformerShape, UnitProfile,
+    CostModel, EXPERT_LOAD_BOUND, HardwareSpec, ModelProxy, RankSplit, RecomputeMode, StateFormat,
+    TransformerShape, UnitProfile, model_states,
 };
 
 /// What a rank's process holds on the host besides model states and activations (code,
@@ -51,6 +53,25 @@ pub const GPU_RUNTIME_BYTES: f64 = 512.0 * MIB;
 
 const MIB: f64 = 1024.0 * 1024.0;
 const GIB: f64 = 1024.0 * MIB;
+
+/// The element sizes a run keeps its activations and model states in.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RunFormat {
+    /// Bytes of an activation element: 4 in fp32, 2 under bf16.
+    pub activation: f64,
+    /// The model states' ([`StateFormat::f32`] for `merak train`, in fp32 and bf16 alike).
+    pub states: StateFormat,
+}
+
+impl RunFormat {
+    /// fp32 activations and fp32 states with AdamW: `merak train`'s default.
+    pub fn f32() -> Self {
+        Self {
+            activation: 4.0,
+            states: StateFormat::f32(2),
+        }
+    }
+}
 
 /// A rank's estimated peak memory (bytes).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -195,8 +216,8 @@ impl fmt::Display for AdmissionError {
 }
 
 /// The estimated peak of the busiest rank of `plan` (cut into `pipeline`) training `model` on
-/// `global_batch` sequences per step, with activations of `activation_bytes` bytes per element
-/// (4 for f32, 2 for bf16) and `runtime` bytes besides; `None` where the cost model cannot
+/// `global_batch` sequences per step, keeping its activations and model states in `format`,
+/// and `runtime` bytes besides; `None` where the cost model cannot
 /// describe the plan. Context and sequence parallelism count through the plan's layout
 /// ([`ParallelPlan::planned_layout`]): a rank keeps the activations of its `s / cp` tokens
 /// (and under sequence parallelism `1 / tp` of what tensor parallelism leaves whole), and
@@ -206,7 +227,7 @@ pub fn estimate(
     plan: &ParallelPlan,
     pipeline: &PipelinePlan,
     global_batch: usize,
-    activation_bytes: f64,
+    format: RunFormat,
     runtime: f64,
 ) -> Option<MemoryEstimate> {
     let layout = plan.planned_layout(pipeline, global_batch);
@@ -214,10 +235,11 @@ pub fn estimate(
     let proxy = ModelProxy::from_shape(*model);
     let p = CostModel::new(&proxy, &hw)
         .with_expert_load(max_load(model))
+        .with_state_format(format.states)
         .predict(&layout)
         .ok()?;
     // The cost model counts activations of 16-bit training.
-    let activations = p.breakdown.get("activations_bytes").copied()? * activation_bytes / 2.0;
+    let activations = p.breakdown.get("activations_bytes").copied()? * format.activation / 2.0;
     Some(MemoryEstimate {
         states: p.breakdown.get("model_states_bytes").copied()?,
         activations,
@@ -267,7 +289,7 @@ pub fn bookkeeping_bytes(model: &TransformerShape) -> f64 {
 pub fn estimate_shape(
     model: &TransformerShape,
     plan: &ParallelPlan,
-    activation_bytes: f64,
+    format: RunFormat,
     runtime: f64,
     host: bool,
 ) -> MemoryEstimate {
@@ -305,25 +327,12 @@ pub fn estimate_shape(
             .fold(0.0, f64::max),
     };
     // Sharded over the shard group (hybrid sharding) or all of dp, with their context-parallel
-    // peers; gradients counted whole, as with accumulation (the bound for any number of
-    // micro-batches).
-    let shard = match plan.shard {
-        0 => plan.dp,
-        s => s,
-    };
-    let replicas = plan.dp.max(1) * split.cp;
-    // The experts' state is cut over the ranks holding the same experts, TP peers included.
-    let per_param = CostModel::state_bytes(
-        shard.max(1) * split.cp,
-        (replicas / ep).max(1) * split.tp.max(1),
-        plan.zero,
-        2,
-        plan.reduce_scatter,
-        plan.schedule,
-    );
-    let states = (params * per_param.dense + experts * per_param.expert) / p;
+    // peers; the experts' over the ranks holding the same experts, TP peers included.
+    let sharding = plan.state_sharding();
+    let held = model_states(params, experts, &sharding, &format.states);
+    let states = held.total() / p;
     // The cost model counts activations of 16-bit training.
-    let activations = activations * (activation_bytes / 2.0).min(1.0) / p - workspace;
+    let activations = activations * (format.activation / 2.0).min(1.0) / p - workspace;
     MemoryEstimate {
         states: (states + activations.min(0.0)).max(0.0),
         activations: activations.max(0.0),
@@ -395,7 +404,7 @@ mod tests {
     fn peak(plan: &ParallelPlan, global_batch: usize) -> MemoryEstimate {
         let model = gpt2_small();
         let pipeline = plan.pipeline(&model, global_batch).expect("pipeline");
-        estimate(&model, plan, &pipeline, global_batch, 4.0, 0.0).expect("estimate")
+        estimate(&model, plan, &pipeline, global_batch, RunFormat::f32(), 0.0).expect("estimate")
     }
 
     #[test]
@@ -430,8 +439,8 @@ mod tests {
                 ..ParallelPlan::default()
             };
             let pipeline = plan.pipeline(&model, 1).expect("pipeline");
-            let e = estimate(&model, &plan, &pipeline, 1, 4.0, 0.0).expect("estimate");
-            let bound = estimate_shape(&model, &plan, 4.0, 0.0, false);
+            let e = estimate(&model, &plan, &pipeline, 1, RunFormat::f32(), 0.0).expect("estimate");
+            let bound = estimate_shape(&model, &plan, RunFormat::f32(), 0.0, false);
             assert!(bound.total() <= e.total(), "{plan:?}: {bound:?} vs {e:?}");
             e
         };
@@ -475,10 +484,12 @@ mod tests {
                 ..ParallelPlan::default()
             };
             let pipeline = plan.pipeline(&model, 4).expect("pipeline");
-            estimate(&model, &plan, &pipeline, 4, 4.0, 0.0).expect("estimate")
+            estimate(&model, &plan, &pipeline, 4, RunFormat::f32(), 0.0).expect("estimate")
         };
         assert_eq!(zero(1, 4).states, zero(4, 1).states);
-        assert!(zero(1, 4).states < 0.5 * four.states);
+        // fp32 with AdamW: 4 + 4 bytes whole and 8 sharded over 4, against 16.
+        let share = zero(1, 4).states / four.states;
+        assert!((share - (8.0 + 8.0 / 4.0) / 16.0).abs() < 1e-12, "{share}");
     }
 
     #[test]
@@ -546,7 +557,11 @@ mod tests {
                 };
                 let global_batch = 8 * dp * micro_batch;
                 let pipeline = plan.pipeline(&model, global_batch).expect("pipeline");
-                for bytes in [2.0, 4.0] {
+                for activation in [2.0, 4.0] {
+                    let bytes = RunFormat {
+                        activation,
+                        ..RunFormat::f32()
+                    };
                     let full = estimate(&model, &plan, &pipeline, global_batch, bytes, 0.0)
                         .expect("estimate");
                     let bound = estimate_shape(&model, &plan, bytes, 0.0, false);
@@ -566,7 +581,7 @@ mod tests {
         let huge = TransformerShape::gpt(100_000_000, 64, 4, 32, 512);
         let plan = ParallelPlan::default();
         let start = std::time::Instant::now();
-        let bound = estimate_shape(&huge, &plan, 4.0, HOST_RUNTIME_BYTES, true);
+        let bound = estimate_shape(&huge, &plan, RunFormat::f32(), HOST_RUNTIME_BYTES, true);
         let limit = MemoryLimit {
             kind: MemoryKind::Host,
             available: 64.0 * GIB,
@@ -590,7 +605,7 @@ mod tests {
         assert!((bound.states / states - 1.0).abs() < 1e-3, "{bound:?}");
         assert!(bound.runtime > 1e8 * BOOKKEEPING_BYTES_PER_UNIT);
         let small = TransformerShape::gpt(2, 64, 4, 32, 512);
-        let bound = estimate_shape(&small, &plan, 4.0, HOST_RUNTIME_BYTES, true);
+        let bound = estimate_shape(&small, &plan, RunFormat::f32(), HOST_RUNTIME_BYTES, true);
         assert_eq!(admit_shape(&small, bound, limit, 1), Ok(()));
     }
 

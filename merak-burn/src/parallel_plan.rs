@@ -287,9 +287,25 @@ impl ParallelPlan {
             prefetch: 1,
             shard: l.shard,
             reduce_scatter: l.reduce_scatter,
-            reshard_after_forward: true,
+            reshard_after_forward: l.reshard_after_forward,
             gradient_buffers: GradientBuffers::Auto,
         }
+    }
+
+    /// How ZeRO cuts a rank's model states under this plan
+    /// ([`StateSharding::of`](crate::planner::StateSharding::of)), what the planner, the
+    /// admission check and `memory.json` count.
+    pub fn state_sharding(&self) -> crate::planner::StateSharding {
+        let split = crate::planner::RankSplit::new(self.tp, self.cp, self.sequence_parallel)
+            .with_ep(self.ep);
+        crate::planner::StateSharding::of(
+            self.zero,
+            self.dp,
+            self.shard,
+            split,
+            self.reduce_scatter,
+            self.schedule.weight_versions(),
+        )
     }
 
     /// The planner's description of this plan cut into `pipeline` and trained on
@@ -325,6 +341,7 @@ impl ParallelPlan {
             zero: self.zero,
             reduce_scatter: self.reduce_scatter,
             shard: self.shard,
+            reshard_after_forward: self.reshard_after_forward,
             partition,
             tp_overlap: self.tp_overlap,
             cp: self.cp,

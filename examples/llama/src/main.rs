@@ -32,6 +32,10 @@ struct Args {
     /// --micro-batch and --schedule).
     #[arg(long)]
     plan_auto: bool,
+    /// With --plan-auto: write every layout the planner considered, with its predicted step
+    /// time, to this file (JSON lines, fastest first).
+    #[arg(long, requires = "plan_auto")]
+    plan_report: Option<PathBuf>,
     /// Pipeline schedule: gpipe, 1f1b, interleaved, shifted-critical-path or 2bw.
     #[arg(long, default_value = "1f1b")]
     schedule: ScheduleKind,
@@ -105,7 +109,10 @@ fn main() -> anyhow::Result<()> {
         .with_warmup_steps(2)
         .with_seed(args.seed);
     let plan = match args.plan_auto {
-        true => PlanChoice::Auto(AutoPlan::timed_at(args.micro_batch)),
+        true => PlanChoice::Auto(AutoPlan {
+            report: args.plan_report.clone(),
+            ..AutoPlan::timed_at(args.micro_batch)
+        }),
         false => PlanChoice::Given(ParallelPlan {
             dp: args.dp,
             tp: args.tp,

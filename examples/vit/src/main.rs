@@ -28,6 +28,10 @@ struct Args {
     /// --micro-batch and --schedule).
     #[arg(long)]
     plan_auto: bool,
+    /// With --plan-auto: write every layout the planner considered, with its predicted step
+    /// time, to this file (JSON lines, fastest first).
+    #[arg(long, requires = "plan_auto")]
+    plan_report: Option<PathBuf>,
     /// ZeRO stage over the data-parallel ranks: 0, 1, 2 or 3 (parameters, gradients and
     /// optimizer state sharded; each unit gathered just before it runs).
     #[arg(long, default_value_t = 0)]
@@ -79,7 +83,10 @@ fn main() -> anyhow::Result<()> {
     cfg.validate()?;
     let settings = settings(args.steps, args.global_batch, args.lr, args.seed);
     let plan = match args.plan_auto {
-        true => PlanChoice::Auto(AutoPlan::timed_at(args.micro_batch)),
+        true => PlanChoice::Auto(AutoPlan {
+            report: args.plan_report.clone(),
+            ..AutoPlan::timed_at(args.micro_batch)
+        }),
         false => {
             cfg.check_tp(args.tp)?;
             PlanChoice::Given(ParallelPlan {

@@ -13,11 +13,17 @@ pub(super) fn default_value() -> Value {
 }
 
 /// Every key a config may set, each holding a value of its type: the defaults', those of
-/// `[model.moe]` (absent unless set, its optional capacity factor too) and `train.cuda_device`
-/// (absent unless set). Keys are checked against it, and type errors located by probing it.
+/// `[model.moe]` (absent unless set, its optional capacity factor too), `train.cuda_device`
+/// and `parallel.reduce_scatter` (absent unless set). Keys are checked against it, and type
+/// errors located by probing it.
 pub(super) fn known_keys() -> Value {
     let mut known = default_value();
     set_key(&mut known, "train.cuda_device", Value::Integer(0));
+    set_key(
+        &mut known,
+        "parallel.reduce_scatter",
+        Value::String("step".into()),
+    );
     let moe = merak_burn::moe::MoeConfig {
         capacity_factor: Some(1.0),
         ..merak_burn::moe::MoeConfig::new(1, 1, 1)

@@ -15,7 +15,7 @@ mod train;
 #[cfg(test)]
 mod tests;
 
-use merak_burn::data_parallel::{GradientBuffers, ReduceScatter};
+use merak_burn::data_parallel::GradientBuffers;
 use merak_burn::pipeline::{Recompute, ScheduleKind};
 use merak_gpt::GptConfig;
 use serde::{Deserialize, Serialize};
@@ -93,7 +93,7 @@ impl Default for Config {
                 zero: 0,
                 prefetch: 1,
                 shard: 0,
-                reduce_scatter: ReduceScatter::Step,
+                reduce_scatter: None,
                 reshard_after_forward: true,
                 bucket_mb: 1.0,
                 gradient_buffers: GradientBuffers::Auto,

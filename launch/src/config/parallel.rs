@@ -42,11 +42,12 @@ pub struct ParallelSection {
     pub zero: u8,
     /// Under ZeRO-3: units whose parameters are gathered ahead of the one running (0: none).
     pub prefetch: usize,
-    /// Under ZeRO-2 and 3 with several micro-batches a step: "step" (the micro-batches add up in
-    /// whole gradient buckets, reduce-scattered once, after the last) or "micro-batch" (each
-    /// bucket reduce-scattered as soon as a micro-batch completes it, only this rank's chunks
-    /// adding up: less memory, one reduce-scatter per micro-batch).
-    pub reduce_scatter: ReduceScatter,
+    /// Under ZeRO-2 and 3: "step" (the micro-batches add up in whole gradient buckets,
+    /// reduce-scattered once, after the last) or "micro-batch" (each bucket reduce-scattered as
+    /// soon as a micro-batch completes it, only this rank's chunks adding up: less memory, one
+    /// reduce-scatter per micro-batch). Unset: "micro-batch" under ZeRO-3 (which then holds no
+    /// whole gradients, as FSDP), "step" under ZeRO-2.
+    pub reduce_scatter: Option<ReduceScatter>,
     /// Under ZeRO-3: true (each unit's gathered parameters freed after its forward pass and
     /// gathered again, its forward recomputed, for its backward pass) or false (the rank's
     /// parameters gathered once per step and kept until the update: nothing recomputed, the
@@ -390,7 +391,7 @@ impl Config {
             prefetch: p.prefetch,
             shard: if zero == 0 { 0 } else { p.shard },
             reduce_scatter: match zero {
-                2 | 3 => p.reduce_scatter,
+                2 | 3 => (p.reduce_scatter).unwrap_or(ReduceScatter::default_for(zero)),
                 _ => ReduceScatter::Step,
             },
             reshard_after_forward: p.reshard_after_forward || zero != 3,
@@ -399,8 +400,8 @@ impl Config {
     }
 
     /// Sets the keys a plan decides (`plan_cmd::PLANNED_KEYS`: the layout, stages, schedule,
-    /// recomputation per stage, the ZeRO stage, when it reduce-scatters and its hybrid
-    /// sharding, and the micro-batch size) to run `plan`; the bucket
+    /// recomputation per stage, the ZeRO stage, when it reduce-scatters, whether it reshards
+    /// after the forward pass and its hybrid sharding, and the micro-batch size) to run `plan`; the bucket
     /// size and the recomputation policy stay the config's.
     pub fn apply_plan(&mut self, plan: &ParallelPlan) {
         let p = &mut self.parallel;
@@ -416,7 +417,8 @@ impl Config {
         p.stage_layers = plan.stage_units.clone();
         p.stage_recompute = plan.stage_recompute.clone();
         p.zero = plan.zero;
-        p.reduce_scatter = plan.reduce_scatter;
+        p.reduce_scatter = Some(plan.reduce_scatter);
+        p.reshard_after_forward = plan.reshard_after_forward;
         p.shard = plan.shard;
         p.tp_overlap = plan.tp_overlap;
         self.train.micro_batch = plan.micro_batch;

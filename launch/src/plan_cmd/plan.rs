@@ -241,7 +241,7 @@ fn parameters(shape: &merak_burn::planner::TransformerShape) -> String {
 }
 
 /// The config keys a plan sets.
-pub const PLANNED_KEYS: [&str; 16] = [
+pub const PLANNED_KEYS: [&str; 17] = [
     "train.micro_batch",
     "parallel.dp",
     "parallel.tp",
@@ -256,6 +256,7 @@ pub const PLANNED_KEYS: [&str; 16] = [
     "parallel.stage_recompute",
     "parallel.zero",
     "parallel.reduce_scatter",
+    "parallel.reshard_after_forward",
     "parallel.shard",
     "parallel.tp_overlap",
 ];

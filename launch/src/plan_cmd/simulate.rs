@@ -13,8 +13,9 @@ pub struct SimulateArgs {
     #[command(flatten)]
     target: Target,
     /// The layout, e.g. `dp=32,tp=8,pp=2,v=1,mbs=4,recompute=full,schedule=1f1b,zero=0,overlap=1`
-    /// (with `zero=2` or `3`, also `reduce_scatter=step` or `micro-batch`; with any zero above 0,
-    /// `shard=S` for hybrid sharding; `cp=C` for context parallelism, `sp=on` for sequence
+    /// (with `zero=2` or `3`, also `reduce_scatter=step` or `micro-batch`, by default
+    /// `micro-batch` under ZeRO-3; with `zero=3`, `reshard=off` to gather the parameters once
+    /// per step and keep them; with any zero above 0, `shard=S` for hybrid sharding; `cp=C` for context parallelism, `sp=on` for sequence
     /// parallelism, `ep=E` for expert parallelism of a mixture of experts).
     #[arg(long, required_unless_present = "plan", conflicts_with = "plan")]
     layout: Option<String>,
@@ -31,7 +32,7 @@ pub struct SimulateArgs {
 pub(super) const MAX_SIMULATED_UNITS: usize = merak_burn::planner::MAX_PLAN_UNITS;
 
 /// The keys of `--layout`, in the order of its help.
-pub(super) const LAYOUT_KEYS: [&str; 14] = [
+pub(super) const LAYOUT_KEYS: [&str; 15] = [
     "dp",
     "tp",
     "cp",
@@ -44,6 +45,7 @@ pub(super) const LAYOUT_KEYS: [&str; 14] = [
     "recompute",
     "zero",
     "reduce_scatter",
+    "reshard",
     "shard",
     "overlap",
 ];
@@ -58,7 +60,7 @@ pub(super) fn layout_pairs(text: &str) -> Result<Vec<(&'static str, &str)>> {
         let Some(&key) = LAYOUT_KEYS.iter().find(|&&known| known == k.trim()) else {
             bail!(
                 "--layout: unknown key `{}` (dp, tp, cp, sp, ep, pp, v, mbs, schedule, \
-                 recompute, zero, reduce_scatter, shard, overlap)",
+                 recompute, zero, reduce_scatter, reshard, shard, overlap)",
                 k.trim()
             );
         };
@@ -99,13 +101,15 @@ struct LayoutValues {
     schedule: ScheduleKind,
     zero: u8,
     tp_overlap: usize,
-    reduce_scatter: ReduceScatter,
+    /// As given; unset: [`ReduceScatter::default_for`] the stage.
+    reduce_scatter: Option<ReduceScatter>,
+    reshard: bool,
     shard: usize,
 }
 
 /// Reads the `key=value,...` pairs of `--layout` text, refusing a value out of its key's
 /// range or set; absent keys take their defaults (1, off, no recomputation, 1F1B, ZeRO 0,
-/// `reduce_scatter=step`, `shard=0`).
+/// `reduce_scatter` by the stage: `micro-batch` under ZeRO-3, else `step`; `shard=0`).
 fn layout_values(text: &str) -> Result<LayoutValues> {
     let mut l = LayoutValues {
         dp: 1,
@@ -120,16 +124,24 @@ fn layout_values(text: &str) -> Result<LayoutValues> {
         schedule: ScheduleKind::OneFOneB,
         zero: 0,
         tp_overlap: 1,
-        reduce_scatter: ReduceScatter::Step,
+        reduce_scatter: None,
+        reshard: true,
         shard: 0,
     };
     for (key, val) in layout_pairs(text)? {
         match key {
             "reduce_scatter" => {
-                l.reduce_scatter = match val {
+                l.reduce_scatter = Some(match val {
                     "step" => ReduceScatter::Step,
                     "micro-batch" => ReduceScatter::MicroBatch,
                     other => bail!("--layout: reduce_scatter={other} (step or micro-batch)"),
+                })
+            }
+            "reshard" => {
+                l.reshard = match val {
+                    "on" => true,
+                    "off" => false,
+                    other => bail!("--layout: reshard={other} (on or off)"),
                 }
             }
             "sp" => {
@@ -194,6 +206,7 @@ pub(crate) fn parse_layout(
         zero,
         tp_overlap,
         reduce_scatter,
+        reshard,
         shard,
     } = layout_values(text)?;
     check_layout_fits(model, [dp, tp, cp, pp, v], gpus)?;
@@ -221,8 +234,9 @@ pub(crate) fn parse_layout(
         schedule,
         recompute: vec![recompute; stages],
         zero,
-        reduce_scatter,
+        reduce_scatter: reduce_scatter.unwrap_or(ReduceScatter::default_for(zero)),
         shard,
+        reshard_after_forward: reshard,
         partition,
         tp_overlap,
         cp,
@@ -230,9 +244,10 @@ pub(crate) fn parse_layout(
         ep,
     };
     if let Err(mut e) = layout.check_fields(model, &layout_key) {
-        if e.key == "sp" {
-            // As `--layout` spells it.
-            e.value = if sp { "on" } else { "off" }.into();
+        if e.key == "sp" || e.key == "reshard" {
+            // As `--layout` spells them.
+            let on = if e.key == "sp" { sp } else { reshard };
+            e.value = if on { "on" } else { "off" }.into();
         }
         bail!("--layout: {e}");
     }
@@ -248,6 +263,7 @@ fn layout_key(field: &'static str) -> String {
         "micro_batches" => "m (--global-batch / (dp x mbs))",
         "tp_overlap" => "overlap",
         "sequence_parallel" => "sp",
+        "reshard_after_forward" => "reshard",
         "partition" => "the stages",
         other => other,
     }

@@ -178,6 +178,59 @@ fn a_layout_is_checked_as_a_plan_file_is() {
     parse_layout("dp=8,zero=3,recompute=full", &gpt2(), 8, 8).expect("valid");
 }
 
+/// ZeRO-3 reduce-scatters every micro-batch unless told, and `reshard=off` keeps the gathered
+/// parameters through the step: nothing recomputed, ZB schedules allowed, one all-gather of
+/// everything a step, and the whole parameters held; without ZeRO-3 it is refused.
+#[test]
+fn zero_3_layouts_reshard_or_keep_the_gathered_parameters() {
+    let model = gpt2();
+    let l = parse_layout("dp=8,zero=3,recompute=full", &model, 8, 16).expect("valid");
+    assert_eq!(l.reduce_scatter, ReduceScatter::MicroBatch);
+    assert!(l.reshard_after_forward);
+    let once = parse_layout(
+        "dp=8,zero=3,recompute=full,reduce_scatter=step",
+        &model,
+        8,
+        16,
+    )
+    .expect("valid");
+    assert_eq!(once.reduce_scatter, ReduceScatter::Step);
+    let two = parse_layout("dp=8,zero=2", &model, 8, 16).expect("valid");
+    assert_eq!(two.reduce_scatter, ReduceScatter::Step);
+    let kept = parse_layout("dp=8,zero=3,reshard=off", &model, 8, 16).expect("valid");
+    assert!(!kept.reshard_after_forward);
+    parse_layout("dp=4,pp=2,zero=3,reshard=off,schedule=zb-h1", &model, 8, 16).expect("valid");
+    let hw = HardwareSpec::preset("a100-80g")
+        .expect("preset")
+        .with_devices(8);
+    let cm = merak_burn::planner::CostModel::new(&model, &hw);
+    let (a, b) = (
+        cm.predict(&l).expect("costed"),
+        cm.predict(&kept).expect("costed"),
+    );
+    assert!(b.step_time_s < a.step_time_s, "{b:?} vs {a:?}");
+    // Kept gathered: every 16-bit parameter of the rank beside the framework's bytes (the
+    // layout without recomputation keeps no recomputation workspace).
+    let params: f64 = model.units.iter().map(|u| u.params_per_rank(1)).sum();
+    let gathered = b.breakdown["workspace_bytes"] - merak_burn::planner::FRAMEWORK_BYTES;
+    assert!(
+        (gathered - 2.0 * params).abs() < 1.0,
+        "{gathered} vs {params}"
+    );
+    for (text, part) in [
+        (
+            "dp=8,zero=2,reshard=off",
+            "reshard = off: only zero = 3 shards the parameters",
+        ),
+        ("dp=8,zero=3,reshard=no", "reshard=no (on or off)"),
+    ] {
+        let e = parse_layout(text, &model, 8, 16)
+            .expect_err(text)
+            .to_string();
+        assert!(e.contains(part), "{text}: {part:?} not in {e}");
+    }
+}
+
 mod flags {
     use super::super::flags::*;
     use merak_burn::pipeline::ScheduleKind;

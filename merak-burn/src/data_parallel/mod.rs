@@ -53,6 +53,19 @@ pub enum ReduceScatter {
     MicroBatch,
 }
 
+impl ReduceScatter {
+    /// The default of ZeRO stage `zero` (`parallel.reduce_scatter` unset): every micro-batch
+    /// under ZeRO-3, whose point is to hold no whole copy of anything between its uses (as
+    /// FSDP and DeepSpeed's stage 3 do); once per step otherwise (ZeRO-2's fewer collectives).
+    pub fn default_for(zero: u8) -> Self {
+        if zero >= 3 {
+            Self::MicroBatch
+        } else {
+            Self::Step
+        }
+    }
+}
+
 impl std::fmt::Display for ReduceScatter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {

@@ -11,8 +11,10 @@ use crate::parallelize::EmbedUnit;
 use crate::parallelize::shard_module;
 use crate::pipeline::Recompute;
 use crate::pipeline::UnitStack;
+use crate::planner::search::candidates;
 use crate::planner::{
-    HardwareSpec, MeasuredModel, MeasuredUnit, ModelProxy, SearchOptions, search,
+    CostModel, HardwareSpec, MeasuredModel, MeasuredUnit, ModelProxy, SearchError, SearchOptions,
+    search,
 };
 use crate::probe::mean_over_ranks;
 use crate::train::read_samples;
@@ -46,6 +48,10 @@ pub struct AutoPlan {
     pub hardware: String,
     /// Sequences per micro-batch the units are timed at.
     pub timed_micro_batch: usize,
+    /// Where rank 0 writes every layout the search considered with its predicted step time
+    /// and peak memory (JSON lines, fastest first), to set the planner beside measured steps;
+    /// `None`: nowhere.
+    pub report: Option<std::path::PathBuf>,
 }
 
 impl AutoPlan {
@@ -63,6 +69,7 @@ impl Default for AutoPlan {
         Self {
             hardware: "local-cpu".into(),
             timed_micro_batch: 2,
+            report: None,
         }
     }
 }
@@ -133,7 +140,15 @@ where
                 tp_overlap: vec![1],
                 ..SearchOptions::new(ranks, settings.global_batch)
             };
-            let best = search(&ModelProxy::from_costs(&proxy), &hardware, &options)?.best;
+            let proxy = ModelProxy::from_costs(&proxy);
+            let best = search(&proxy, &hardware, &options)?.best;
+            if let Some(path) = auto
+                .report
+                .as_ref()
+                .filter(|_| world.is_none_or(|w| w.rank() == 0))
+            {
+                write_report(path, &proxy, &hardware, &options)?;
+            }
             let plan = ParallelPlan::from_planned(&best.layout);
             (plan, Some((auto.timed_micro_batch, timed)))
         }
@@ -151,6 +166,38 @@ where
     };
     let costs = timed.iter().map(|u| u.forward_s + u.backward_s).collect();
     Ok(chosen(plan, costs))
+}
+
+/// Writes to `path` every layout the search of `proxy` on `hardware` under `options`
+/// considers, with its predicted step and peak memory, one JSON object a line, fastest first.
+fn write_report(
+    path: &std::path::Path,
+    proxy: &ModelProxy,
+    hardware: &HardwareSpec,
+    options: &SearchOptions,
+) -> Result<(), RunError> {
+    let cm = CostModel::new(proxy, hardware);
+    let mut lines: Vec<(f64, String)> = Vec::new();
+    for c in candidates(&cm, options, hardware.memory_bytes)? {
+        let p = cm.predict(&c.layout).map_err(SearchError::from)?;
+        let line = serde_json::json!({
+            "dp": c.layout.dp,
+            "tp": c.layout.tp,
+            "pp": c.layout.pp,
+            "micro_batch": c.layout.micro_batch,
+            "schedule": c.layout.schedule.as_str(),
+            "zero": c.layout.zero,
+            "reduce_scatter": c.layout.reduce_scatter.to_string(),
+            "stages": c.layout.partition.sizes(),
+            "step_s": p.step_time_s,
+            "memory_bytes": p.max_memory_bytes(),
+        });
+        lines.push((p.step_time_s, line.to_string()));
+    }
+    lines.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let text: String = lines.into_iter().map(|(_, l)| l + "\n").collect();
+    std::fs::write(path, text).map_err(TrainError::io(path))?;
+    Ok(())
 }
 
 /// The first unit, block 0 and the last unit of a model (at tp = 1) with a micro-batch of

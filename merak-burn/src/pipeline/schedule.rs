@@ -255,6 +255,12 @@ impl ScheduleKind {
         matches!(self, ScheduleKind::ZbH1 | ScheduleKind::ZbV)
     }
 
+    /// Versions of the weights a rank keeps: 2 under [`ScheduleKind::TwoBw`] (the previous
+    /// one for the micro-batches still in flight), 1 otherwise.
+    pub fn weight_versions(self) -> usize {
+        if self == ScheduleKind::TwoBw { 2 } else { 1 }
+    }
+
     /// Whether stages sit on the ranks in a V ([`ScheduleKind::ZbV`]) rather than round-robin.
     pub fn v_shaped(self) -> bool {
         self == ScheduleKind::ZbV

@@ -38,7 +38,10 @@
 //! does not split them); their gradients are reduced over the `dp cp / ep` ranks that hold the
 //! same experts with their `tp` peers, and ZeRO shards their states over the `dp cp / ep`.
 //!
-//! Memory. Per pipeline rank: model states (16 bytes per parameter, `4 + 12/d` with ZeRO-1),
+//! Memory. Per pipeline rank: model states by the one accounting of
+//! [`memory`](super::memory) (mixed-precision Adam: 16 bytes per parameter, `4 + 12/d` with
+//! ZeRO-1, `16/d` with ZeRO-3 reduce-scattering every micro-batch; an fp32 calibration
+//! counts fp32 states),
 //! for each of its stages the activations of one micro-batch (per the stage's
 //! [`RecomputeMode`]) times the most micro-batches that stage holds at once
 //! ([`Schedule::max_in_flight`](crate::pipeline::Schedule::max_in_flight)), a second 16-bit
@@ -53,6 +56,7 @@ use thiserror::Error;
 
 use super::calibration::{Calibration, UnitKind};
 use super::hardware::HardwareSpec;
+use super::memory::{GATHERED_AHEAD, StateFormat, StateSharding, gathered_bytes, model_states};
 use super::model::{
     BYTES_16BIT, EXPERT_IMBALANCE, ModelProxy, RankSplit, RecomputeMode, UnitProfile,
 };
@@ -210,6 +214,12 @@ pub struct Layout {
     /// divisor of `dp`; 0 or `dp`: all of them), the `dp / shard` copies summing each chunk.
     #[serde(default)]
     pub shard: usize,
+    /// Under ZeRO-3: each unit's gathered parameters freed after its forward pass and
+    /// gathered again for its recomputed backward pass (true: the default, and in plan files
+    /// of earlier versions), or the rank's parameters gathered once per step and kept whole
+    /// until the update (false: nothing recomputed).
+    #[serde(default = "super::yes")]
+    pub reshard_after_forward: bool,
     /// The model's units cut into `pp * virtual_stages` stages.
     pub partition: Partition,
     /// Sub-pipelined tensor parallelism (Merak, Oases): each micro-batch's tokens are split into
@@ -259,6 +269,18 @@ impl Layout {
         } else {
             s
         }
+    }
+
+    /// How ZeRO cuts a rank's model states under this layout ([`StateSharding::of`]).
+    pub fn state_sharding(&self) -> StateSharding {
+        StateSharding::of(
+            self.zero,
+            self.dp,
+            self.shard,
+            self.split(),
+            self.reduce_scatter,
+            self.schedule.weight_versions(),
+        )
     }
 
     /// Devices used: `dp * cp * tp * pp` (saturating).
@@ -523,7 +545,7 @@ pub(crate) struct RankMemory {
     pub workspace: f64,
 }
 
-/// Bytes of model states per parameter held ([`CostModel::state_bytes_per_param`]): of the
+/// Bytes of model states per parameter held ([`CostModel::state_bytes`]): of the
 /// dense parameters (sharded over the `dp x cp` replicas, or a shard group) and of the routed
 /// experts (sharded over the `dp x cp / ep` ranks that hold the same experts).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -532,6 +554,16 @@ pub(crate) struct StateBytes {
     pub dense: f64,
     /// Per routed expert's parameter.
     pub expert: f64,
+}
+
+impl StateBytes {
+    /// Per dense and per expert parameter under `sharding`, in `format`.
+    pub(crate) fn of(sharding: &StateSharding, format: &StateFormat) -> Self {
+        Self {
+            dense: model_states(1.0, 0.0, sharding, format).total(),
+            expert: model_states(0.0, 1.0, sharding, format).total(),
+        }
+    }
 }
 
 impl RankMemory {
@@ -638,6 +670,8 @@ pub struct CostModel<'a> {
     calibration: Option<&'a Calibration>,
     /// The busiest expert-parallel rank's load over the mean ([`EXPERT_IMBALANCE`]).
     expert_load: f64,
+    /// The element sizes of the model states ([`StateFormat::MIXED_ADAM`] unless set).
+    state_format: StateFormat,
     in_flight: RefCell<HashMap<InFlightKey, Vec<usize>>>,
     simulations: RefCell<HashMap<SimKey, f64>>,
 }
@@ -650,6 +684,7 @@ impl<'a> CostModel<'a> {
             hardware,
             calibration: None,
             expert_load: EXPERT_IMBALANCE,
+            state_format: StateFormat::MIXED_ADAM,
             in_flight: RefCell::new(HashMap::new()),
             simulations: RefCell::new(HashMap::new()),
         }
@@ -665,6 +700,10 @@ impl<'a> CostModel<'a> {
     /// Units or degrees it does not cover use FLOPs over the hardware's rate.
     pub fn with_calibration(mut self, calibration: &'a Calibration) -> Self {
         self.calibration = Some(calibration);
+        if calibration.element_bytes >= 4.0 {
+            // Profiled in fp32: the states of an fp32 run (AdamW's two moments).
+            self.state_format = StateFormat::f32(2);
+        }
         self
     }
 
@@ -674,6 +713,14 @@ impl<'a> CostModel<'a> {
     /// [`EXPERT_LOAD_BOUND`](super::EXPERT_LOAD_BOUND)).
     pub fn with_expert_load(mut self, load: f64) -> Self {
         self.expert_load = load;
+        self
+    }
+
+    /// The same cost model counting model states in `format` instead of mixed-precision
+    /// Adam's ([`StateFormat::MIXED_ADAM`]): what the admission check of an fp32 run uses
+    /// ([`StateFormat::f32`]).
+    pub fn with_state_format(mut self, format: StateFormat) -> Self {
+        self.state_format = format;
         self
     }
 
@@ -931,41 +978,9 @@ impl<'a> CostModel<'a> {
         terms.tp_recompute_s = 0.0;
     }
 
-    /// Bytes of model states per parameter held: 16 (16-bit weight and gradient, fp32 master
-    /// weight and two moments) without ZeRO; `4 + 12/d` with ZeRO-1; with ZeRO-2 the
-    /// gradient is sharded too, `2 + 14/d`, but with `m > 1` micro-batches reduce-scattered
-    /// once per step ([`ReduceScatter::Step`]) the micro-batches add up in whole gradient
-    /// buckets, so stage 2 holds stage 1's; with ZeRO-3 the weight is sharded too, `16/d`
-    /// (`2 + 14/d` when the whole gradients add up); plus a second 16-bit weight version
-    /// under PipeDream-2BW.
-    pub(crate) fn state_bytes_per_param(
-        d: usize,
-        zero: u8,
-        micro_batches: usize,
-        reduce_scatter: ReduceScatter,
-        schedule: ScheduleKind,
-    ) -> f64 {
-        let d = d as f64;
-        let whole_grads = micro_batches > 1 && reduce_scatter == ReduceScatter::Step;
-        let states = match zero {
-            0 => 16.0,
-            1 => 4.0 + 12.0 / d,
-            2 if whole_grads => 4.0 + 12.0 / d,
-            2 => 2.0 + 14.0 / d,
-            _ if whole_grads => 2.0 + 14.0 / d,
-            _ => 16.0 / d,
-        };
-        let versions = if schedule == ScheduleKind::TwoBw {
-            BYTES_16BIT
-        } else {
-            0.0
-        };
-        states + versions
-    }
-
     /// The memory of a pipeline rank holding `chunks` (its stages, in chunk order), with
     /// `state_bytes` per dense and per expert parameter from
-    /// [`state_bytes_per_param`](Self::state_bytes_per_param): model states, each chunk's
+    /// [`state_bytes`](Self::state_bytes): model states, each chunk's
     /// activations times its micro-batches in flight, and a workspace ([`FRAMEWORK_BYTES`]
     /// plus, when a chunk recomputes, the largest unit's full activations).
     pub(crate) fn rank_memory(
@@ -1073,25 +1088,26 @@ impl<'a> CostModel<'a> {
         Ok(())
     }
 
-    /// Model-state bytes per dense and per expert parameter of a layout whose dense states are
-    /// sharded over `shard` ranks and its experts' over `expert_replicas` (the ranks holding
-    /// the same experts, TP peers included). The experts'
-    /// gradients add up whole through the step even when the dense ones are reduce-scattered
-    /// every micro-batch (an expert's bucket is reduce-scattered once, at the end of the step:
-    /// an expert may get no token in a micro-batch on some ranks).
+    /// Model-state bytes per dense and per expert parameter, in this model's
+    /// [`StateFormat`], of a layout whose dense states are sharded over `shard` ranks and its
+    /// experts' over `expert_shard` (the ranks holding the same experts, TP peers included),
+    /// by the one accounting of [`memory`](super::memory).
     pub(crate) fn state_bytes(
+        &self,
         shard: usize,
-        expert_replicas: usize,
+        expert_shard: usize,
         zero: u8,
-        micro_batches: usize,
         reduce_scatter: ReduceScatter,
         schedule: ScheduleKind,
     ) -> StateBytes {
-        let per = |d, rs| Self::state_bytes_per_param(d, zero, micro_batches, rs, schedule);
-        StateBytes {
-            dense: per(shard, reduce_scatter),
-            expert: per(expert_replicas, ReduceScatter::Step),
-        }
+        let sharding = StateSharding {
+            zero,
+            shard,
+            expert_shard,
+            reduce_scatter,
+            versions: schedule.weight_versions(),
+        };
+        StateBytes::of(&sharding, &self.state_format)
     }
 
     fn derive(&self, layout: &Layout) -> Result<Derived, CostError> {
@@ -1153,7 +1169,7 @@ impl<'a> CostModel<'a> {
             costs.forward[j] = terms[j].forward();
             costs.backward[j] = terms[j].backward();
             costs.recompute[j] = terms[j].recompute();
-            if layout.zero == 3 && (s > 1 || de > 1) {
+            if layout.zero == 3 && layout.reshard_after_forward && (s > 1 || de > 1) {
                 // ZeRO-3 gathers the stage's parameters before its forward pass and again
                 // before its recomputed backward pass, a unit ahead of the compute, which
                 // hides what it can (the experts' over the ranks that hold them).
@@ -1215,11 +1231,17 @@ impl<'a> CostModel<'a> {
             self.layout_state_bytes(layout),
         );
         if layout.zero == 3 {
-            // The unit running and the one gathered ahead, whole.
             let largest = (0..v)
                 .map(|chunk| terms[stage(chunk)].largest_params)
                 .fold(0.0, f64::max);
-            memory.workspace += 2.0 * largest * self.element_bytes();
+            let held = memory.params + memory.expert_params;
+            memory.workspace += gathered_bytes(
+                layout.reshard_after_forward,
+                GATHERED_AHEAD,
+                largest,
+                held,
+                &self.state_format,
+            );
         }
         let tail = self.data_parallel_tail(layout, &memory, last_backward);
         let optimizer = match self.calibration {
@@ -1237,16 +1259,7 @@ impl<'a> CostModel<'a> {
 
     /// Bytes of model states per parameter under `layout` (dense and routed experts).
     fn layout_state_bytes(&self, layout: &Layout) -> StateBytes {
-        // ZeRO cuts the experts' state over the ranks holding the same experts, TP ranks
-        // included (a TP rank holds its experts whole).
-        Self::state_bytes(
-            Self::shard_ranks(layout),
-            layout.expert_replicas() * layout.tp,
-            layout.zero,
-            layout.micro_batches,
-            layout.reduce_scatter,
-            layout.schedule,
-        )
+        StateBytes::of(&layout.state_sharding(), &self.state_format)
     }
 
     /// A pipeline rank's data-parallel work after its last backward pass (which lasted
@@ -1299,8 +1312,9 @@ impl<'a> CostModel<'a> {
             // pass; m reduce-scatters expose m times what one does.
             exposed: (half + copies + expert_reduce - last_backward).max(0.0)
                 + (scatters - 1.0) * (half - last_backward).max(0.0),
-            // ZeRO-3 keeps its slices: no all-gather after the update.
-            allgather: if s > 1 && layout.zero < 3 {
+            // ZeRO-3 keeps its slices: no all-gather after the update, but without resharding
+            // one of the whole parameters before the step's first forward pass.
+            allgather: if s > 1 && (layout.zero < 3 || !layout.reshard_after_forward) {
                 exchange + expert_gather
             } else {
                 expert_gather
@@ -1564,6 +1578,7 @@ mod tests {
             zero: 0,
             reduce_scatter: ReduceScatter::Step,
             shard: 0,
+            reshard_after_forward: true,
             partition: balanced_partition(&costs, pp).unwrap(),
             tp_overlap: 1,
             cp: 1,
@@ -2135,13 +2150,8 @@ mod tests {
                 (l.ep, l.zero, l.sequence_parallel) = (ep, zero, true);
                 let p = cm.predict(&l).unwrap();
                 let per = |d: usize| {
-                    CostModel::state_bytes_per_param(
-                        d,
-                        zero,
-                        1,
-                        ReduceScatter::Step,
-                        ScheduleKind::OneFOneB,
-                    )
+                    cm.state_bytes(d, d, zero, ReduceScatter::Step, ScheduleKind::OneFOneB)
+                        .dense
                 };
                 // The experts' states are cut over the dp / ep ranks and their 2 TP peers.
                 let states = dense * per(8) + experts / ep as f64 * per(2 * 8 / ep);
@@ -2159,8 +2169,7 @@ mod tests {
         let mut l = layout(&model, 8, 2, 1, 4);
         (l.ep, l.zero, l.sequence_parallel) = (2, 2, true);
         l.reduce_scatter = ReduceScatter::MicroBatch;
-        let per =
-            |d: usize, rs| CostModel::state_bytes_per_param(d, 2, 4, rs, ScheduleKind::OneFOneB);
+        let per = |d: usize, rs| cm.state_bytes(d, d, 2, rs, ScheduleKind::OneFOneB).dense;
         let states =
             dense * per(8, ReduceScatter::MicroBatch) + experts / 2.0 * per(8, ReduceScatter::Step);
         let got = cm.predict(&l).unwrap().breakdown["model_states_bytes"];

@@ -137,8 +137,14 @@ impl Check<'_> {
             );
             return Err(self.bad("reduce_scatter", l.reduce_scatter, reason));
         }
+        if !l.reshard_after_forward && l.zero != 3 {
+            let reason = format!("only {} = 3 shards the parameters", n("zero"));
+            return Err(self.bad("reshard_after_forward", "false", reason));
+        }
         if l.zero == 3 {
-            if let Some(mode) = l.recompute.iter().find(|&&m| m != RecomputeMode::Full) {
+            let recomputes = l.reshard_after_forward;
+            let partial = l.recompute.iter().find(|&&m| m != RecomputeMode::Full);
+            if let Some(mode) = partial.filter(|_| recomputes) {
                 let reason = format!(
                     "{} = 3 recomputes every unit: every stage must be \"full\" (one is \"{}\")",
                     n("zero"),
@@ -146,12 +152,14 @@ impl Check<'_> {
                 );
                 return Err(self.bad("recompute", recompute_list(&l.recompute), reason));
             }
-            if l.schedule == ScheduleKind::TwoBw || l.schedule.splits_backward() {
+            let splits = l.schedule.splits_backward() && recomputes;
+            if l.schedule == ScheduleKind::TwoBw || splits {
                 let reason = format!(
-                    "{} = 3 runs a unit's whole backward pass on its gathered parameters and \
-                     keeps one weight version: use gpipe, 1f1b, interleaved or \
-                     shifted-critical-path",
-                    n("zero")
+                    "{} = 3 runs a unit's whole backward pass on its gathered parameters \
+                     (unless {} is off) and keeps one weight version: use gpipe, 1f1b, \
+                     interleaved or shifted-critical-path",
+                    n("zero"),
+                    n("reshard_after_forward")
                 );
                 return Err(self.bad("schedule", l.schedule, reason));
             }

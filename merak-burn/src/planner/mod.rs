@@ -7,6 +7,9 @@
 //!   ([`MeasuredModel`]).
 //! - [`hardware`]: the [`HardwareSpec`] (presets and TOML).
 //! - [`calibration`]: measured layer times from `merak profile` ([`Calibration`]).
+//! - [`memory`](mod@memory): the one accounting of a rank's model states under every ZeRO
+//!   stage and parallel group ([`model_states`]), shared by the cost model, the admission
+//!   check and `memory.json`.
 //! - [`cost`]: the [`CostModel`]: predicted step time and memory of a [`Layout`], the pipeline
 //!   bubble taken from a simulation of the actual schedule.
 //! - [`search`](mod@search): the fastest plan, runner-ups and the Pareto set of (step time,
@@ -35,6 +38,7 @@ pub mod hardware;
 mod json_path;
 pub mod layout_check;
 pub mod measured;
+pub mod memory;
 pub mod model;
 pub mod plan_file;
 pub mod reference;
@@ -46,6 +50,9 @@ pub use cost::{CostError, CostModel, Estimate, FRAMEWORK_BYTES, Layout, Predicti
 pub use hardware::{HARDWARE_PRESETS, HardwareError, HardwareSpec};
 pub use layout_check::{FieldNames, LayoutFieldError};
 pub use measured::{MeasuredError, MeasuredModel, MeasuredUnit};
+pub use memory::{
+    GATHERED_AHEAD, ModelStates, StateFormat, StateSharding, gathered_bytes, model_states,
+};
 pub use model::{
     EXPERT_IMBALANCE, EXPERT_LOAD_BOUND, LayerCosts, ModelKind, ModelProxy, ModelSpecError,
     MoeShape, PRESETS, RankSplit, RecomputeMode, TransformerShape, UnitProfile,
@@ -54,9 +61,16 @@ pub use plan_file::{MAX_PLAN_UNITS, PLAN_FORMAT, PlanFile, PlanFileError};
 pub use reference::{MEGATRON_SC21, PublishedRow};
 pub use search::{
     MAX_SEARCH_LAYOUTS, MAX_SEARCH_UNITS, MAX_SEARCH_WORK, Plan, SearchError, SearchOptions,
-    SearchProgress, SearchResult, layout_limit, search, search_calibrated, search_with_progress,
+    SearchProgress, SearchResult, layout_limit, layout_work, search, search_calibrated,
+    search_with_progress,
 };
 pub use stage_dp::{Skeleton, StageDp, StageDpError, StagePlan};
+
+/// The serde default of the planner's switches that are on unless said
+/// (`reshard_after_forward`).
+pub(crate) fn yes() -> bool {
+    true
+}
 
 /// The serde default of the planner's degrees that mean "off" at 1 (`tp_overlap`,
 /// `max_tp_overlap`).

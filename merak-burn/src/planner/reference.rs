@@ -103,6 +103,7 @@ impl PublishedRow {
             zero: 0,
             reduce_scatter: ReduceScatter::Step,
             shard: 0,
+            reshard_after_forward: true,
             partition: balanced_partition(&costs, self.pp)?,
             tp_overlap: 1,
             cp: 1,

@@ -30,9 +30,11 @@
 //! Merak's per-rank rule on the compute-balanced partition: per pipeline rank the cheapest mode
 //! whose memory fits.
 //!
-//! The space is bounded before any layout is built: at most [`MAX_SEARCH_UNITS`] units, and
-//! at most [`layout_limit`] layouts (counted from the degrees, micro-batch sizes, schedules
-//! and policies; the devices are never enumerated, so `gpus = 10^12` is answered at once).
+//! The space is bounded before any layout is built: at most [`MAX_SEARCH_UNITS`] units, at
+//! most [`MAX_SEARCH_LAYOUTS`] layouts and [`MAX_SEARCH_WORK`] steps of work (`units²` per
+//! layout the stage planner cuts, `units` per other, [`layout_work`]), counted from the
+//! degrees, micro-batch sizes, schedules and policies; the devices are never enumerated, so
+//! `gpus = 10^12` is answered at once.
 //! Beyond either the search is refused, naming the numbers; within them it takes seconds, and
 //! [`search_with_progress`] reports how far it has come.
 //!
@@ -65,18 +67,28 @@ pub const MAX_SEARCH_UNITS: usize = 514;
 /// The most layouts a search considers, whatever the model.
 pub const MAX_SEARCH_LAYOUTS: usize = 1 << 20;
 
-/// The search's work bound: layouts × units² (the stage planner's passes over a skeleton take
-/// up to `units²` steps each; about 10 s at this bound on one core). With
-/// [`MAX_SEARCH_LAYOUTS`] it gives the most layouts a search of a model considers
-/// ([`layout_limit`]); a space beyond it, counted before any layout is built, is refused at
-/// once ([`SearchError::TooManyLayouts`]).
+/// The search's work bound, in steps ([`layout_work`]): the stage planner's passes over a
+/// skeleton take up to `units²` steps each, a layout of a uniform recomputation policy (a
+/// balanced cut and its estimate) about `units`; about 10 s at this bound on one core. A space
+/// beyond it or beyond [`MAX_SEARCH_LAYOUTS`], counted before any layout is built, is refused
+/// at once ([`SearchError::TooManyLayouts`]).
 pub const MAX_SEARCH_WORK: usize = 1 << 30;
 
-/// The most layouts a search of a model of `units` units considers: [`MAX_SEARCH_WORK`] /
-/// units², at most [`MAX_SEARCH_LAYOUTS`].
+/// The steps the search spends on one layout of a model of `units` units: `units²` when the
+/// stage planner cuts it (`stage_planned`, the stage-aware policy), `units` otherwise.
+pub fn layout_work(units: usize, stage_planned: bool) -> usize {
+    let units = units.max(1);
+    if stage_planned {
+        units.saturating_mul(units)
+    } else {
+        units
+    }
+}
+
+/// The most layouts the stage planner cuts that a search of a model of `units` units
+/// considers: [`MAX_SEARCH_WORK`] / units², at most [`MAX_SEARCH_LAYOUTS`].
 pub fn layout_limit(units: usize) -> usize {
-    let square = units.max(1).saturating_mul(units.max(1));
-    (MAX_SEARCH_WORK / square).min(MAX_SEARCH_LAYOUTS)
+    (MAX_SEARCH_WORK / layout_work(units, true)).min(MAX_SEARCH_LAYOUTS)
 }
 
 /// How far a search has come, for a progress bar: `done` of `total` steps of `phase`.
@@ -256,12 +268,15 @@ pub enum SearchError {
         /// [`MAX_SEARCH_UNITS`].
         limit: usize,
     },
-    /// The space holds more layouts than a search considers ([`layout_limit`]).
+    /// The space holds more work than a search does ([`MAX_SEARCH_WORK`], [`layout_work`]), or
+    /// more layouts than [`MAX_SEARCH_LAYOUTS`].
     #[error(
         "{gpus} devices with global batch {global_batch}: the search would consider {layouts} \
-         layouts of a model of {units} units, the limit is {limit} (2^30 / units², at most \
-         2^20): plan fewer layers or devices, or search fewer micro-batch sizes, schedules, \
-         overlap or context-parallel degrees or recomputation policies"
+         layouts of a model of {units} units, {staged} of them cut by the stage planner: \
+         {work} steps of work (units² per layout the stage planner cuts, units per other), \
+         the limit is 2^30 steps and 2^20 layouts: plan fewer layers or devices, or search \
+         fewer micro-batch sizes, schedules, overlap or context-parallel degrees or \
+         recomputation policies"
     )]
     TooManyLayouts {
         /// Devices.
@@ -270,10 +285,12 @@ pub enum SearchError {
         global_batch: usize,
         /// The layouts of the space.
         layouts: usize,
+        /// Those the stage planner cuts (the stage-aware policy).
+        staged: usize,
         /// The model's units.
         units: usize,
-        /// [`layout_limit`] of the model.
-        limit: usize,
+        /// The steps of work of the space ([`layout_work`]).
+        work: usize,
     },
     /// A layout could not be costed.
     #[error(transparent)]
@@ -388,22 +405,18 @@ struct Slot {
 }
 
 impl Slot {
-    /// The layouts of this slot: one per policy and ZeRO stage it allows ([`Slot::allows`]),
-    /// and a second for ZeRO-2 and 3 under a uniform policy with several micro-batches
-    /// (reduce-scattered once per step, or every micro-batch).
-    fn layouts(&self, options: &SearchOptions) -> usize {
-        (options.recompute.iter())
-            .map(|&p| {
-                (options.zero.iter().filter(|&&z| self.allows(z, p)))
-                    .map(|&z| self.variants(z, p).len())
-                    .sum::<usize>()
-            })
+    /// The layouts of this slot under `policy`: one per ZeRO stage it allows
+    /// ([`Slot::allows`]) and way it runs ([`Slot::variants`]).
+    fn layouts(&self, options: &SearchOptions, policy: Recompute) -> usize {
+        (options.zero.iter().filter(|&&z| self.allows(z, policy)))
+            .map(|&z| self.variants(z, policy).len())
             .sum()
     }
 
     /// The ways ZeRO stage `zero` runs under `policy`, each when it reduce-scatters and over
-    /// how many ranks it shards. Stages 2 and 3 with several micro-batches reduce-scatter
-    /// every micro-batch as well as once per step; ZeRO-3, whose gathers run every pass, also
+    /// how many ranks it shards. Stages 2 and 3 reduce-scatter every micro-batch as well as
+    /// once per step (one micro-batch: only every micro-batch, as fast and holding less);
+    /// ZeRO-3, whose gathers run every pass, also
     /// shards within a node when its data-parallel group spans more (hybrid sharding: the
     /// largest divisor of dp whose copy fits in a node; stages 1 and 2 may be hybrid too, but
     /// are not searched, to keep the space within its bound). Only under a uniform policy: the
@@ -411,7 +424,12 @@ impl Slot {
     fn variants(&self, zero: u8, policy: Recompute) -> Vec<Zeroed> {
         let uniform = policy != Recompute::StageAware;
         let mut rs = vec![ReduceScatter::Step];
-        if zero >= 2 && self.m > 1 && uniform {
+        if zero >= 2 && uniform {
+            // With one micro-batch both move the same bytes, and once per step holds whole
+            // gradient buckets: only every micro-batch is searched.
+            if self.m == 1 {
+                rs.clear();
+            }
             rs.push(ReduceScatter::MicroBatch);
         }
         let mut shards = vec![0];
@@ -446,8 +464,8 @@ impl Slot {
 }
 
 /// The slots of the search space (see the [module docs](self)), in the order the layouts are
-/// generated, after checking the bounds: at most [`MAX_SEARCH_UNITS`] units and
-/// [`layout_limit`] layouts. The device count is never enumerated: tensor parallelism ranges
+/// generated, after checking the bounds: at most [`MAX_SEARCH_UNITS`] units,
+/// [`MAX_SEARCH_LAYOUTS`] layouts and [`MAX_SEARCH_WORK`] steps. The device count is never enumerated: tensor parallelism ranges
 /// over the divisors of the heads, context parallelism over those of half the sequence,
 /// pipeline parallelism over the units, so any `gpus` is answered at once.
 fn space(
@@ -463,9 +481,8 @@ fn space(
         });
     }
     let gpus = options.gpus;
-    let limit = layout_limit(units);
     let mut slots = Vec::new();
-    let mut layouts = 0usize;
+    let (mut layouts, mut staged, mut work) = (0usize, 0usize, 0usize);
     for tp in divisors_up_to(gcd(gpus, model.heads), hw.devices_per_node) {
         for split in splits(model, gpus / tp, tp, options) {
             let rest = gpus / (tp * split.cp);
@@ -476,8 +493,15 @@ fn space(
                         continue;
                     }
                     for slot in pipeline_slots(model, hw, options, dp, split, pp) {
-                        layouts = layouts.saturating_add(slot.layouts(options));
-                        if layouts <= limit {
+                        for &policy in &options.recompute {
+                            let n = slot.layouts(options, policy);
+                            let stage_planned = policy == Recompute::StageAware;
+                            layouts = layouts.saturating_add(n);
+                            staged = staged.saturating_add(if stage_planned { n } else { 0 });
+                            let each = layout_work(units, stage_planned);
+                            work = work.saturating_add(n.saturating_mul(each));
+                        }
+                        if work <= MAX_SEARCH_WORK && layouts <= MAX_SEARCH_LAYOUTS {
                             slots.push(slot);
                         }
                     }
@@ -485,13 +509,14 @@ fn space(
             }
         }
     }
-    if layouts > limit {
+    if work > MAX_SEARCH_WORK || layouts > MAX_SEARCH_LAYOUTS {
         return Err(SearchError::TooManyLayouts {
             gpus,
             global_batch: options.global_batch,
             layouts,
+            staged,
             units,
-            limit,
+            work,
         });
     }
     Ok(slots)
@@ -764,6 +789,7 @@ fn shaped(
         zero: zero.zero,
         reduce_scatter: zero.rs,
         shard: zero.shard,
+        reshard_after_forward: true,
         partition: partition.clone(),
         tp_overlap: slot.k,
         cp: slot.split.cp,
@@ -1094,27 +1120,21 @@ mod tests {
             })
             .collect();
         assert!(memory.windows(2).all(|w| w[1] < w[0]), "{memory:?}");
-        // Per parameter, at d = 8: 16, 4 + 12/8, 2 + 14/8 (one micro-batch; with more, the
-        // whole gradient: stage 1's), 16/8 (with more, a whole gradient: 2 + 14/8).
-        // Reduce-scattered every micro-batch, only chunks add up: as with one micro-batch.
-        let per =
-            |zero, m, rs| CostModel::state_bytes_per_param(8, zero, m, rs, ScheduleKind::OneFOneB);
+        // Per parameter, at d = 8: 16, 4 + 12/8, and under ZeRO-2 and 3 with the whole
+        // gradients adding up through the step 4 + 12/8 and 2 + 14/8; reduce-scattered every
+        // micro-batch, only chunks add up: 2 + 14/8 and 16/8.
+        let per = |zero, rs| (cm.state_bytes(8, 8, zero, rs, ScheduleKind::OneFOneB)).dense;
         let (step, each) = (ReduceScatter::Step, ReduceScatter::MicroBatch);
         assert_eq!(
-            [
-                per(0, 1, step),
-                per(1, 1, step),
-                per(2, 1, step),
-                per(3, 1, step)
-            ],
-            [16.0, 5.5, 3.75, 2.0]
+            [per(0, step), per(1, step), per(2, step), per(3, step)],
+            [16.0, 5.5, 5.5, 3.75]
         );
-        assert_eq!([per(2, 4, step), per(3, 4, step)], [5.5, 3.75]);
-        assert_eq!([per(2, 4, each), per(3, 4, each)], [3.75, 2.0]);
+        assert_eq!([per(2, each), per(3, each)], [3.75, 2.0]);
     }
 
     /// ZeRO-2 and 3 layouts with several micro-batches come in both variants; every
-    /// micro-batch's reduce-scatter holds less and exposes at least as much communication.
+    /// micro-batch's reduce-scatter holds less and exposes at least as much communication
+    /// (with one micro-batch, the same: only that variant is searched).
     #[test]
     fn reducing_every_micro_batch_is_searched_and_trades_traffic_for_memory() {
         let (model, hw) = seven_b(8);
@@ -1124,9 +1144,10 @@ mod tests {
         let each: Vec<&Layout> = (all.iter().map(|c| &c.layout))
             .filter(|l| l.reduce_scatter == ReduceScatter::MicroBatch)
             .collect();
-        assert!(!each.is_empty());
+        assert!(each.iter().any(|l| l.micro_batches == 1));
+        assert!(each.iter().any(|l| l.micro_batches > 1));
         for l in &each {
-            assert!(l.zero >= 2 && l.micro_batches > 1, "{l:?}");
+            assert!(l.zero >= 2, "{l:?}");
             let once = Layout {
                 reduce_scatter: ReduceScatter::Step,
                 ..(*l).clone()
@@ -1134,7 +1155,16 @@ mod tests {
             let (a, b) = (cm.predict(l).unwrap(), cm.predict(&once).unwrap());
             assert!(a.max_memory_bytes() < b.max_memory_bytes(), "{l:?}");
             assert!(a.step_time_s >= b.step_time_s, "{l:?}");
+            if l.micro_batches == 1 {
+                assert_eq!(a.step_time_s, b.step_time_s, "{l:?}");
+            }
         }
+        // One micro-batch: once per step is not searched under a uniform policy (it only holds
+        // more; the stage planner's cuts assume it).
+        let uniform = all.iter().filter(|c| c.policy != Recompute::StageAware);
+        assert!((uniform.map(|c| &c.layout)).all(|l| l.zero < 2
+            || l.micro_batches > 1
+            || l.reduce_scatter == ReduceScatter::MicroBatch));
     }
 
     /// Where data parallelism spans nodes, hybrid sharding is searched with a copy per node:
@@ -1530,24 +1560,34 @@ mod tests {
         assert!(start.elapsed().as_secs_f64() < 0.5, "{:?}", start.elapsed());
         let SearchError::TooManyLayouts {
             layouts,
+            staged,
             units,
-            limit,
+            work,
             ..
         } = err
         else {
             panic!("{err}");
         };
-        assert_eq!((units, limit), (258, (1 << 30) / (258 * 258)));
-        assert!(layouts > limit, "{layouts}");
+        assert_eq!(units, 258);
+        assert!(
+            work > MAX_SEARCH_WORK && staged > 0 && layouts > staged,
+            "{work}"
+        );
+        assert!(
+            work >= staged * 258 * 258 + (layouts - staged) * 258,
+            "{work}"
+        );
         let msg = err.to_string();
         for part in [
             "720720 devices".to_string(),
             format!("consider {layouts} layouts"),
-            format!("the limit is {limit}"),
+            format!("{staged} of them cut by the stage planner"),
+            format!("{work} steps of work"),
         ] {
             assert!(msg.contains(&part), "{part:?} not in {msg}");
         }
         assert_eq!(layout_limit(3), MAX_SEARCH_LAYOUTS);
+        assert_eq!(layout_limit(258), (1 << 30) / (258 * 258));
     }
 
     #[test]
@@ -1595,6 +1635,33 @@ mod tests {
         eprintln!(
             "1T: {elapsed:.2} s, considered {} feasible {} predicted {}",
             result.considered, result.feasible, result.predicted
+        );
+        assert!(elapsed < 10.0, "took {elapsed} s");
+        assert!(result.best.prediction.max_memory_bytes() <= hw.memory_bytes);
+    }
+
+    /// The same model at 16k tokens a sequence, 1,536 sequences a step: context parallelism
+    /// multiplies the layouts (about 195,000, beyond the 63,535 that `units²` work for each
+    /// allowed), but only the stage-aware ones take the stage planner's `units²`, so it plans,
+    /// within the same time.
+    #[test]
+    #[cfg_attr(debug_assertions, ignore = "the time limits are for release builds")]
+    fn one_trillion_parameters_at_16k_tokens_plan_in_time() {
+        let model =
+            ModelProxy::parse("gpt:layers=128,hidden=25600,heads=160,seq=16384,vocab=51200")
+                .unwrap();
+        let hw = HardwareSpec::preset("a100-80g").unwrap().with_devices(3072);
+        let start = Instant::now();
+        let result = search(&model, &hw, &SearchOptions::new(3072, 1536)).unwrap();
+        let elapsed = start.elapsed().as_secs_f64();
+        eprintln!(
+            "1T at 16k: {elapsed:.2} s, considered {} feasible {} predicted {}",
+            result.considered, result.feasible, result.predicted
+        );
+        assert!(
+            result.considered > layout_limit(130),
+            "{}",
+            result.considered
         );
         assert!(elapsed < 10.0, "took {elapsed} s");
         assert!(result.best.prediction.max_memory_bytes() <= hw.memory_bytes);

@@ -437,11 +437,10 @@ impl<'c, 'a> StageDp<'c, 'a> {
             .in_flight(skeleton.schedule, p, 1, skeleton.micro_batches)?;
         let replicas = skeleton.dp * skeleton.cp.max(1);
         self.cm.check_experts(t, replicas)?;
-        let state_bytes = CostModel::state_bytes(
+        let state_bytes = self.cm.state_bytes(
             replicas,
             (replicas / skeleton.ep.max(1)).max(1) * t.tp.max(1),
             skeleton.zero,
-            skeleton.micro_batches,
             ReduceScatter::Step,
             skeleton.schedule,
         );
@@ -499,6 +498,7 @@ impl<'c, 'a> StageDp<'c, 'a> {
                 zero: skeleton.zero,
                 reduce_scatter: ReduceScatter::Step,
                 shard: 0,
+                reshard_after_forward: true,
                 partition,
                 tp_overlap: skeleton.tp_overlap,
                 cp: skeleton.cp,
@@ -631,6 +631,7 @@ mod tests {
                     zero: sk.zero,
                     reduce_scatter: ReduceScatter::Step,
                     shard: 0,
+                    reshard_after_forward: true,
                     partition: explicit_partition(&sizes, units).unwrap(),
                     tp_overlap: sk.tp_overlap,
                     cp: sk.cp,

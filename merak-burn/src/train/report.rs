@@ -6,11 +6,13 @@ use std::path::Path;
 
 use crate::grid::ProcessGrid;
 use crate::pipeline::{PipelinePlan, TraceEvent, write_chrome_trace};
+use crate::planner::ModelStates;
 use crate::train::TrainError;
 
 /// Bytes of model state one rank holds, in f32 (what `merak train` trains in): counted by
-/// the library from what the rank keeps, not measured.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// the library from what the rank keeps, not measured, beside what the planner's accounting
+/// says it keeps.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct StateBytes {
     /// Its parameters (twice under PipeDream-2BW, which keeps the previous version).
     pub params: u64,
@@ -19,13 +21,18 @@ pub struct StateBytes {
     /// The optimizer state of the parameters it steps (all of them, or its ZeRO pieces), once
     /// each has stepped.
     pub optimizer: u64,
+    /// The same three by the planner's accounting of the plan
+    /// ([`model_states`](crate::planner::model_states)) from this rank's parameters.
+    pub planned: ModelStates,
 }
 
+const MIB: f64 = (1u64 << 20) as f64;
+
 /// Values per rank in `memory.json`'s gather.
-const FIELDS: usize = 7;
+const FIELDS: usize = 10;
 
 /// Gathers every rank's peak resident memory, most micro-batches in flight, model-state
-/// bytes ([`StateBytes`]) and the allocator's high-water mark at the end and when training
+/// bytes ([`StateBytes`], counted and planned) and the allocator's high-water mark at the end and when training
 /// started (`startup_alloc`: [`alloc_peak_bytes`](crate::train::process::alloc_peak_bytes)
 /// then, after building, sharding and resuming). Rank 0 writes
 /// `out/memory.json` and, under pp > 1, logs per rank its stages, the units it recomputed, its
@@ -49,6 +56,9 @@ pub fn report_memory(
         // -1: the program counts no allocations.
         crate::train::process::alloc_peak_bytes().map_or(-1.0, mib),
         startup_alloc.map_or(-1.0, mib),
+        (state.planned.params / MIB) as f32,
+        (state.planned.grads / MIB) as f32,
+        ((state.planned.master + state.planned.optimizer) / MIB) as f32,
     ];
     let mut all = vec![0.0f32; FIELDS * world.size()];
     world.all_gather(&mine, &mut all)?;
@@ -74,6 +84,9 @@ pub fn report_memory(
                 "optimizer_mib": v[4],
                 "alloc_peak_mib": (v[5] >= 0.0).then_some(v[5]),
                 "startup_alloc_peak_mib": (v[6] >= 0.0).then_some(v[6]),
+                "planned_param_mib": v[7],
+                "planned_grad_mib": v[8],
+                "planned_optimizer_mib": v[9],
             })
         })
         .collect();

@@ -265,7 +265,8 @@ where
     /// The bytes of model state this rank holds ([`StateBytes`]): its parameters (and
     /// PipeDream-2BW's previous version), its gradient buckets, and the optimizer state of the
     /// parameters it steps (all of them, or its ZeRO pieces) once each has stepped; under
-    /// ZeRO-3 its shards of the parameters.
+    /// ZeRO-3 its shards of the parameters; and the same three by the planner's accounting
+    /// of the plan ([`StateBytes::planned`]).
     pub fn state_bytes(&self) -> StateBytes {
         let shapes = self.param_shapes();
         let all: u64 = (shapes.iter())
@@ -273,10 +274,22 @@ where
             .sum();
         let stepped = self.sync.stepped_elements().unwrap_or(all);
         let params = (self.sync.stored_params()).unwrap_or(self.versions.count() * all);
+        let tensors = self.settings.optimizer.state_tensors();
+        let experts: u64 = (shapes.iter())
+            .filter(|p| crate::moe::is_expert_param(&p.name))
+            .map(|p| p.shape.iter().product::<usize>() as u64)
+            .sum();
+        let planned = crate::planner::model_states(
+            (all - experts) as f64,
+            experts as f64,
+            &self.parallel.state_sharding(),
+            &crate::planner::StateFormat::f32(tensors),
+        );
         StateBytes {
             params: 4 * params,
             grads: 4 * self.sync.reducer().gradient_elements() as u64,
-            optimizer: 4 * stepped * self.settings.optimizer.state_tensors() as u64,
+            optimizer: 4 * stepped * tensors as u64,
+            planned,
         }
     }
 
