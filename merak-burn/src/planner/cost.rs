@@ -693,7 +693,9 @@ impl<'a> CostModel<'a> {
         self.hardware
     }
 
-    /// The most micro-batches each global stage holds at once.
+    /// The micro-batches each global stage holds when its rank holds the most at once
+    /// ([`Schedule::in_flight_at_peak`](crate::pipeline::Schedule::in_flight_at_peak)): with
+    /// several stages per rank (interleaved, ZB-V) their own maxima fall at different times.
     pub(crate) fn in_flight(
         &self,
         kind: ScheduleKind,
@@ -711,7 +713,7 @@ impl<'a> CostModel<'a> {
             return Ok(found.clone());
         }
         let schedule = build_schedule(kind, p, m_small, v, &vec![false; p * v])?;
-        let counts: Vec<usize> = (0..p * v).map(|s| schedule.max_in_flight(s)).collect();
+        let counts = schedule.in_flight_at_peak();
         self.in_flight.borrow_mut().insert(key, counts.clone());
         Ok(counts)
     }
