@@ -116,6 +116,12 @@ pub struct MoeConfig {
     /// part of the model: a resumed run may change it.
     #[serde(default = "default_max_load")]
     pub max_load: usize,
+    /// The load the planner expects on the busiest expert-parallel rank, in percent of the
+    /// mean (100 to 6400; `merak plan` and `merak simulate` time and size the experts at it):
+    /// a planning input, not a bound (`max_load` is the bound). Default
+    /// [`EXPERT_IMBALANCE_PCT`](crate::planner::EXPERT_IMBALANCE_PCT).
+    #[serde(default = "default_imbalance_pct")]
+    pub imbalance_pct: usize,
     /// A mixture of experts in every `every`-th block (blocks `every - 1`, `2 every - 1`,
     /// ...; the others keep their dense MLP); 1: every block.
     #[serde(default = "one")]
@@ -132,6 +138,10 @@ fn one() -> usize {
 
 fn default_max_load() -> usize {
     crate::planner::EXPERT_LOAD_BOUND
+}
+
+fn default_imbalance_pct() -> usize {
+    crate::planner::EXPERT_IMBALANCE_PCT
 }
 
 fn yes() -> bool {
@@ -174,6 +184,12 @@ pub enum MoeConfigError {
         /// Experts per token.
         top_k: usize,
     },
+    /// An expected imbalance below the mean or beyond 64 times it.
+    #[error(
+        "model.moe.imbalance_pct = {0} must be between 100 and 6400 (the load the planner \
+         expects on the busiest expert-parallel rank, in percent of the mean)"
+    )]
+    Imbalance(usize),
     /// The expert-parallel degree does not divide the experts.
     #[error(
         "parallel.ep = {ep} does not divide model.moe.experts = {experts}: each of the ep ranks \
@@ -195,6 +211,7 @@ impl MoeConfigError {
             MoeConfigError::TopK { .. } => "top_k",
             MoeConfigError::OutOfRange(e) => return e.key.clone(),
             MoeConfigError::Capacity { .. } => "capacity_factor",
+            MoeConfigError::Imbalance(_) => "imbalance_pct",
             MoeConfigError::Experts { .. } => return "parallel.ep".into(),
         };
         format!("model.moe.{field}")
@@ -245,6 +262,7 @@ impl MoeConfig {
             capacity_factor: None,
             bias_update_rate: 0.0,
             max_load: default_max_load(),
+            imbalance_pct: default_imbalance_pct(),
             every: 1,
             shared_overlap: true,
         }
@@ -273,6 +291,9 @@ impl MoeConfig {
                 top_k: self.top_k,
                 experts: self.experts,
             });
+        }
+        if !(100..=6400).contains(&self.imbalance_pct) {
+            return Err(MoeConfigError::Imbalance(self.imbalance_pct));
         }
         if let Some(e) = out_of_bounds(self, &Self::REAL_KEYS, "model.moe.") {
             return Err(e.into());
@@ -376,6 +397,14 @@ mod tests {
             e.contains("parallel.ep = 3") && e.contains("experts = 4"),
             "{e}"
         );
+        let e = MoeConfig {
+            imbalance_pct: 99,
+            ..cfg()
+        }
+        .validate()
+        .unwrap_err();
+        assert_eq!(e.key(), "model.moe.imbalance_pct");
+        assert!(e.to_string().contains("imbalance_pct = 99"), "{e}");
         assert_eq!(
             MoeConfig {
                 experts: 0,

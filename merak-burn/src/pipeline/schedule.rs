@@ -474,6 +474,45 @@ impl Schedule {
         max
     }
 
+    /// For each global stage, the micro-batches it holds at the moment its rank holds the most
+    /// in all its stages together (the first such moment): what a rank's activation memory
+    /// peaks at when its stages keep alike amounts per micro-batch. With one stage per rank
+    /// this is [`max_in_flight`](Self::max_in_flight); with several (interleaved, ZB-V) the
+    /// sum of their own maxima would count micro-batches that are never held at once.
+    pub fn in_flight_at_peak(&self) -> Vec<usize> {
+        let stages = self.ranks * self.virtual_stages;
+        let split = self.kind.splits_backward();
+        let mut counts = vec![0usize; stages];
+        for rank in 0..self.ranks {
+            let mut held = vec![0usize; stages];
+            let (mut total, mut best) = (0usize, 0usize);
+            for action in &self.actions[rank] {
+                match *action {
+                    Action::Forward { stage, .. } if stage < stages => {
+                        held[stage] += 1;
+                        total += 1;
+                        if total > best {
+                            best = total;
+                            for s in (0..stages).filter(|&s| self.rank_of(s) == rank) {
+                                counts[s] = held[s];
+                            }
+                        }
+                    }
+                    Action::Backward { stage, .. } | Action::BackwardWeight { stage, .. }
+                        if stage < stages
+                            && held[stage] > 0
+                            && (split == matches!(action, Action::BackwardWeight { .. })) =>
+                    {
+                        held[stage] -= 1;
+                        total -= 1;
+                    }
+                    _ => {}
+                }
+            }
+        }
+        counts
+    }
+
     /// The number of actions of each rank.
     pub fn len_per_rank(&self) -> Vec<usize> {
         self.actions.iter().map(Vec::len).collect()
@@ -1014,5 +1053,29 @@ mod tests {
         assert_eq!(order.len(), 2 * 4 * 2);
         assert_eq!(s.max_in_flight(0), 4);
         assert_eq!(s.max_in_flight(2), 2);
+    }
+
+    /// With several stages per rank their own maxima fall at different times: on rank 0 of an
+    /// interleaved pipeline of 4 ranks and 8 chunks the stages hold `2(p-1) + (v-1)p + 1 = 35`
+    /// micro-batches at the peak, where the sum of their maxima is more; with one stage per
+    /// rank both are the stage's maximum.
+    #[test]
+    fn a_rank_peaks_below_the_sum_of_its_stages_maxima() {
+        use ScheduleKind::{Interleaved, OneFOneB};
+        let s = build_schedule(Interleaved, 4, 16, 8, &[false; 32]).unwrap();
+        let at_peak = s.in_flight_at_peak();
+        let rank0 = |counts: &[usize]| {
+            (0..32)
+                .filter(|st| st % 4 == 0)
+                .map(|st| counts[st])
+                .sum::<usize>()
+        };
+        let maxima: Vec<usize> = (0..32).map(|st| s.max_in_flight(st)).collect();
+        assert_eq!(rank0(&at_peak), 35);
+        assert!(rank0(&maxima) > 35, "{maxima:?}");
+        assert!(at_peak.iter().zip(&maxima).all(|(a, m)| a <= m));
+        let one = build_schedule(OneFOneB, 4, 8, 1, &[false; 4]).unwrap();
+        let expect: Vec<usize> = (0..4).map(|st| one.max_in_flight(st)).collect();
+        assert_eq!(one.in_flight_at_peak(), expect);
     }
 }

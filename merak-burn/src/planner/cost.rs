@@ -668,7 +668,8 @@ pub struct CostModel<'a> {
     model: &'a ModelProxy,
     hardware: &'a HardwareSpec,
     calibration: Option<&'a Calibration>,
-    /// The busiest expert-parallel rank's load over the mean ([`EXPERT_IMBALANCE`]).
+    /// The busiest expert-parallel rank's load over the mean (the model's
+    /// [`MoeShape::imbalance`](super::MoeShape::imbalance), [`EXPERT_IMBALANCE`] without one).
     expert_load: f64,
     /// The element sizes of the model states ([`StateFormat::MIXED_ADAM`] unless set).
     state_format: StateFormat,
@@ -683,7 +684,10 @@ impl<'a> CostModel<'a> {
             model,
             hardware,
             calibration: None,
-            expert_load: EXPERT_IMBALANCE,
+            expert_load: model
+                .shape
+                .and_then(|s| s.moe)
+                .map_or(EXPERT_IMBALANCE, |m| m.imbalance()),
             state_format: StateFormat::MIXED_ADAM,
             in_flight: RefCell::new(HashMap::new()),
             simulations: RefCell::new(HashMap::new()),
@@ -708,8 +712,8 @@ impl<'a> CostModel<'a> {
     }
 
     /// The same cost model with the busiest rank of an expert-parallel group computing and
-    /// keeping activations for `load` times its share of the routed tokens instead of
-    /// [`EXPERT_IMBALANCE`] times (the admission check counts the stated bound,
+    /// keeping activations for `load` times its share of the routed tokens instead of the
+    /// model's expected imbalance (the admission check counts the stated bound,
     /// [`EXPERT_LOAD_BOUND`](super::EXPERT_LOAD_BOUND)).
     pub fn with_expert_load(mut self, load: f64) -> Self {
         self.expert_load = load;
@@ -740,7 +744,9 @@ impl<'a> CostModel<'a> {
         self.hardware
     }
 
-    /// The most micro-batches each global stage holds at once.
+    /// The micro-batches each global stage holds when its rank holds the most at once
+    /// ([`Schedule::in_flight_at_peak`](crate::pipeline::Schedule::in_flight_at_peak)): with
+    /// several stages per rank (interleaved, ZB-V) their own maxima fall at different times.
     pub(crate) fn in_flight(
         &self,
         kind: ScheduleKind,
@@ -758,7 +764,7 @@ impl<'a> CostModel<'a> {
             return Ok(found.clone());
         }
         let schedule = build_schedule(kind, p, m_small, v, &vec![false; p * v])?;
-        let counts: Vec<usize> = (0..p * v).map(|s| schedule.max_in_flight(s)).collect();
+        let counts = schedule.in_flight_at_peak();
         self.in_flight.borrow_mut().insert(key, counts.clone());
         Ok(counts)
     }
@@ -858,6 +864,22 @@ impl<'a> CostModel<'a> {
         2.0 * self.alltoall(bytes, split.ep, split.tp)
     }
 
+    /// Seconds one rank of `split` spends per forward pass of a micro-batch streaming its routed
+    /// experts' weights (`params_expert / ep` 16-bit values) from memory (the backward pass
+    /// twice: it reads them for the input gradients and writes their gradients). A routed
+    /// expert's matrix product over `m` tokens (`2 M h f m` FLOPs for `M` matrices of `h f`)
+    /// then runs at `m / (m + m*)` of the achievable rate, with `m* = F / B` (achievable FLOP/s
+    /// over memory bandwidth, 256 tokens on an H100 preset): a small share of tokens per expert
+    /// (many experts, small micro-batches, little expert parallelism) makes the experts'
+    /// products memory-bound, where a dense layer's products see `b s` tokens.
+    fn expert_weights_s(&self, u: &UnitProfile, split: RankSplit) -> f64 {
+        if u.params_expert == 0 {
+            return 0.0;
+        }
+        let weights = u.params_expert as f64 / split.ep.max(1) as f64 * BYTES_16BIT;
+        weights / self.hardware.memory_bandwidth
+    }
+
     /// The terms of unit `unit` for a micro-batch of `b` sequences on one rank of `split`
     /// (a tensor-parallel degree, or tensor, context and sequence parallelism) with the
     /// tensor-parallel overlap degree `k` under `mode`; `tied` says whether its stage also
@@ -890,11 +912,13 @@ impl<'a> CostModel<'a> {
         let bandwidth = self.hardware.memory_bandwidth;
         let flash = self.hardware.flash_attention;
         let memory_s = u.forward_memory_bytes(b, split, flash) / bandwidth;
-        // The busiest expert-parallel rank computes `load` times its share of routed tokens.
+        // The busiest expert-parallel rank computes `load` times its share of routed tokens,
+        // and streams its experts' weights once per pass.
         let load = if split.ep > 1 { self.expert_load } else { 1.0 };
-        let imbalance_s = (load - 1.0) * u.expert_flops * b as f64 / flops;
-        let forward_s = u.forward_flops(b) / flops + memory_s + imbalance_s;
-        let backward_s = u.backward_flops(b) / flops + 2.0 * (memory_s + imbalance_s);
+        let expert_extra_s =
+            (load - 1.0) * u.expert_flops * b as f64 / flops + self.expert_weights_s(u, split);
+        let forward_s = u.forward_flops(b) / flops + memory_s + expert_extra_s;
+        let backward_s = u.backward_flops(b) / flops + 2.0 * (memory_s + expert_extra_s);
         let full = mode == RecomputeMode::Full && u.recomputable;
         let ep_s = self.alltoall_exposed(u, b, split);
         let tp_forward_s = self.tp_exposed(u.tp_forward_allreduces, bytes, t, forward_s, k);
@@ -910,7 +934,7 @@ impl<'a> CostModel<'a> {
             backward_s,
             recompute_s: u.recompute_flops(b, mode) / flops
                 + u.recompute_memory_bytes(b, split, mode, flash) / bandwidth
-                + repeated(imbalance_s),
+                + repeated(expert_extra_s),
             tp_forward_s,
             tp_backward_s: self.tp_exposed(u.tp_backward_allreduces, bytes, t, backward_s, k),
             tp_recompute_s: repeated(tp_forward_s),
@@ -2103,7 +2127,8 @@ mod tests {
         let terms = cm.unit_terms(1, b, sp, 1, RecomputeMode::None, false);
         let one = bytes / 2.0 / 4.0 * 3.0 / intra + hw.intra_node_latency;
         assert!((terms.ep_forward_s - 2.0 * one).abs() < 1e-15);
-        // The busiest rank computes EXPERT_IMBALANCE times its share of the routed experts.
+        // The busiest rank computes EXPERT_IMBALANCE times its share of the routed experts
+        // (and streams half the experts' weights).
         let even = cm.unit_terms(1, b, RankSplit::from(1), 1, RecomputeMode::None, false);
         let ep2 = cm.unit_terms(
             1,
@@ -2114,7 +2139,8 @@ mod tests {
             false,
         );
         let routed = model.units[1].expert_flops * b as f64 / hw.achievable_flops();
-        let extra = (EXPERT_IMBALANCE - 1.0) * routed;
+        let weights = model.units[1].params_expert as f64 * 2.0 / hw.memory_bandwidth;
+        let extra = (EXPERT_IMBALANCE - 1.0) * routed - weights / 2.0;
         assert!((ep2.forward_s - even.forward_s - extra).abs() < 1e-12);
         assert!((ep2.backward_s - even.backward_s - 2.0 * extra).abs() < 1e-12);
         // The step's breakdown names the all-to-alls: m micro-batches of the 4 blocks.
@@ -2127,6 +2153,110 @@ mod tests {
             .ep_forward_s;
         let expected = 4.0 * 4.0 * 2.0 * per_block;
         assert!((p.breakdown["ep_comm_s"] - expected).abs() < 1e-12);
+    }
+
+    /// The busiest rank's expected load is the model's `imbalance` (percent of the mean): its
+    /// routed products take `(imbalance - 1)` times their share longer under ep > 1 (twice
+    /// that backward), none at ep = 1.
+    #[test]
+    fn the_expert_imbalance_is_an_input_of_the_model() {
+        let spec = "gpt:layers=4,hidden=1024,heads=16,seq=2048,vocab=1000,experts=16,top_k=2,\
+                    expert_hidden=4096";
+        let even = ModelProxy::parse(&format!("{spec},imbalance=100")).unwrap();
+        let skewed = ModelProxy::parse(&format!("{spec},imbalance=150")).unwrap();
+        assert_eq!(moe_model().shape.unwrap().moe.unwrap().imbalance_pct, 120);
+        let hw = HardwareSpec::preset("h100-80g").unwrap().with_devices(16);
+        let (a, c) = (CostModel::new(&even, &hw), CostModel::new(&skewed, &hw));
+        let routed = even.units[1].expert_flops * 2.0 / hw.achievable_flops();
+        for ep in [1usize, 4] {
+            let split = RankSplit::from(1).with_ep(ep);
+            let x = a.unit_terms(1, 2, split, 1, RecomputeMode::None, false);
+            let y = c.unit_terms(1, 2, split, 1, RecomputeMode::None, false);
+            let extra = if ep > 1 { 0.5 * routed } else { 0.0 };
+            assert!((y.forward_s - x.forward_s - extra).abs() < 1e-12, "ep {ep}");
+            assert!((y.backward_s - x.backward_s - 2.0 * extra).abs() < 1e-12);
+            // The busiest rank also keeps 1.5 times the routed experts' activations.
+            let kept = even.units[1].act_expert * 2.0;
+            let more = if ep > 1 { 0.5 * kept } else { 0.0 };
+            assert!((y.activation_bytes - x.activation_bytes - more).abs() < 1e-3);
+        }
+    }
+
+    /// A routed expert's products over `m` tokens run at `m / (m + F/B)` of the achievable
+    /// rate: a rank streams its `E/ep` experts' weights once per forward pass (twice
+    /// backward), so few tokens per expert (small micro-batches, little ep) cost more per FLOP.
+    #[test]
+    fn small_expert_products_run_below_the_achievable_rate() {
+        let spec = "gpt:layers=4,hidden=1024,heads=16,seq=2048,vocab=1000,experts=16,top_k=2,\
+                    expert_hidden=4096,imbalance=100";
+        let model = ModelProxy::parse(spec).unwrap();
+        let hw = HardwareSpec::preset("h100-80g").unwrap().with_devices(16);
+        let cm = CostModel::new(&model, &hw);
+        let u = &model.units[1];
+        let terms = |b: usize, ep: usize| {
+            cm.unit_terms(
+                1,
+                b,
+                RankSplit::from(1).with_ep(ep),
+                1,
+                RecomputeMode::None,
+                false,
+            )
+        };
+        let weights = |ep: f64| u.params_expert as f64 * 2.0 / ep / hw.memory_bandwidth;
+        let (two, four) = (terms(1, 2), terms(1, 4));
+        assert!((two.forward_s - four.forward_s - (weights(2.0) - weights(4.0))).abs() < 1e-12);
+        assert!(
+            (two.backward_s - four.backward_s - 2.0 * (weights(2.0) - weights(4.0))).abs() < 1e-12
+        );
+        // Per sequence a micro-batch of 4 is cheaper than one of 1 (a dense unit: the same).
+        assert!(terms(4, 2).forward_s / 4.0 < terms(1, 2).forward_s);
+        let dense = |b: usize| {
+            cm.unit_terms(0, b, 1, 1, RecomputeMode::None, false)
+                .forward_s
+        };
+        assert!((dense(4) / 4.0 - dense(1)).abs() < 1e-12 * dense(1).max(1e-9));
+        // The knee: the tokens per expert at which its products run at half the rate (about
+        // 256 on the H100 preset); the expert share of an ep = 2 rank at b = 1, 2 k s / E = 512
+        // tokens per expert, runs at 512 / (512 + 256).
+        let knee = hw.achievable_flops() / hw.memory_bandwidth;
+        assert!((knee - 256.0).abs() < 1.0, "{knee}");
+        let products = u.expert_flops / hw.achievable_flops();
+        let m = 2.0 * 2.0 * 2048.0 / 16.0;
+        let share = products / (products + weights(2.0));
+        // (GeLU experts: their biases add h + f values to the 2 h f weights.)
+        assert!((share - m / (m + knee)).abs() < 1e-3, "{share}");
+    }
+
+    /// Selective recomputation keeps a MoE block's routed experts without their
+    /// activation-function outputs (SwiGLU: SiLU and the product, `2 × 2 f` bytes a routed
+    /// token; GeLU: `2 f`), as the runtime's checkpointing recomputes them.
+    #[test]
+    fn selective_recomputation_keeps_less_of_a_moe_block() {
+        let hw = HardwareSpec::preset("h100-80g").unwrap().with_devices(8);
+        for (spec, per_token) in [
+            ("experts=8,top_k=2,expert_hidden=512,swiglu=1", 4.0 * 512.0),
+            ("experts=8,top_k=2,expert_hidden=512", 2.0 * 512.0),
+        ] {
+            let model = ModelProxy::parse(&format!(
+                "gpt:layers=2,hidden=128,heads=4,seq=256,vocab=100,{spec},imbalance=125"
+            ))
+            .unwrap();
+            let cm = CostModel::new(&model, &hw);
+            for ep in [1usize, 2] {
+                let split = RankSplit::from(1).with_ep(ep);
+                let none = cm.unit_terms(1, 2, split, 1, RecomputeMode::None, false);
+                let sel = cm.unit_terms(1, 2, split, 1, RecomputeMode::Selective, false);
+                let load = if ep > 1 { 1.25 } else { 1.0 };
+                let saved = load * 2.0 * 2.0 * 256.0 * per_token;
+                let got = none.activation_bytes - sel.activation_bytes;
+                assert!(
+                    (got - saved).abs() < 1e-6,
+                    "{spec} ep {ep}: {got} vs {saved}"
+                );
+                assert!(sel.recompute_s > 0.0, "{spec}");
+            }
+        }
     }
 
     /// Memory per rank against ep: a rank holds `E/ep` routed experts (whole under tensor

@@ -46,8 +46,8 @@ pub enum MeasuredError {
         measured: usize,
         /// Units of the shape (layers + 2).
         units: usize,
-        /// The shape.
-        shape: TransformerShape,
+        /// The shape (boxed: a MoE shape makes it large).
+        shape: Box<TransformerShape>,
     },
     /// A time that is not a positive number, or a micro-batch of zero.
     #[error("unit {unit}: measured {what} = {value} is not a positive number")]
@@ -88,7 +88,7 @@ impl MeasuredModel {
             return Err(MeasuredError::Units {
                 measured: units.len(),
                 units: shape.layers + 2,
-                shape,
+                shape: Box::new(shape),
             });
         }
         let positive = |unit, what, value: f64| {

@@ -54,11 +54,11 @@ pub use memory::{
     GATHERED_AHEAD, ModelStates, StateFormat, StateSharding, gathered_bytes, model_states,
 };
 pub use model::{
-    EXPERT_IMBALANCE, EXPERT_LOAD_BOUND, LayerCosts, ModelKind, ModelProxy, ModelSpecError,
-    MoeShape, PRESETS, RankSplit, RecomputeMode, TransformerShape, UnitProfile,
+    EXPERT_IMBALANCE, EXPERT_IMBALANCE_PCT, EXPERT_LOAD_BOUND, LayerCosts, ModelKind, ModelProxy,
+    ModelSpecError, MoeShape, PRESETS, RankSplit, RecomputeMode, TransformerShape, UnitProfile,
 };
 pub use plan_file::{MAX_PLAN_UNITS, PLAN_FORMAT, PlanFile, PlanFileError};
-pub use reference::{MEGATRON_SC21, PublishedRow};
+pub use reference::{MEGATRON_MOE, MEGATRON_SC21, PublishedMoeRow, PublishedRow};
 pub use search::{
     MAX_SEARCH_LAYOUTS, MAX_SEARCH_UNITS, MAX_SEARCH_WORK, Plan, SearchError, SearchOptions,
     SearchProgress, SearchResult, layout_limit, layout_work, search, search_calibrated,

@@ -37,7 +37,7 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 
 pub use crate::pipeline::RecomputeMode;
-pub use moe::{EXPERT_IMBALANCE, EXPERT_LOAD_BOUND, MoeShape};
+pub use moe::{EXPERT_IMBALANCE, EXPERT_IMBALANCE_PCT, EXPERT_LOAD_BOUND, MoeShape};
 use thiserror::Error;
 
 /// Bytes of one 16-bit value (activations, messages, gradients in mixed precision).
@@ -200,6 +200,14 @@ pub struct UnitProfile {
     /// [`expert_activation_bytes`](Self::expert_activation_bytes).
     #[serde(default)]
     pub act_expert: f64,
+    /// The part of [`act_expert`](Self::act_expert) that selective recomputation does not
+    /// keep: the routed experts' activation-function outputs (SiLU and its product with the up
+    /// projection for SwiGLU, GeLU's output), recomputed from the kept first product in the
+    /// backward pass as the runtime's selective checkpointing recomputes every memory-bound
+    /// operation (Megatron-Core's `--recompute-modules moe_act`). The dispatched tokens, the
+    /// first product and the outputs stay.
+    #[serde(default)]
+    pub act_expert_selective: f64,
     /// Elements per sequence that each of a MoE layer's all-to-alls (dispatch, combine) moves
     /// (`top_k s h`; 0 for a unit without routed experts).
     #[serde(default)]
@@ -273,7 +281,8 @@ impl UnitProfile {
     /// Activation bytes of the routed experts one rank of `split` keeps for a micro-batch of `b`
     /// sequences under `mode`, with the busiest rank of an expert-parallel group receiving
     /// `load` times its share of tokens (`ep > 1`; 1 otherwise): none under full
-    /// recomputation.
+    /// recomputation, all but [`act_expert_selective`](Self::act_expert_selective) under
+    /// selective.
     pub fn expert_activation_bytes(
         &self,
         b: usize,
@@ -281,11 +290,13 @@ impl UnitProfile {
         mode: RecomputeMode,
         load: f64,
     ) -> f64 {
-        if mode == RecomputeMode::Full && self.recomputable {
-            return 0.0;
-        }
+        let kept = match mode {
+            RecomputeMode::Full if self.recomputable => return 0.0,
+            RecomputeMode::Selective => self.act_expert - self.act_expert_selective,
+            _ => self.act_expert,
+        };
         let load = if split.ep > 1 { load } else { 1.0 };
-        self.act_expert * load * b as f64 / (split.c() * split.replicated_divisor())
+        kept * load * b as f64 / (split.c() * split.replicated_divisor())
     }
 
     /// Bytes the forward pass's memory-bound operations move on one rank of `split` for a
@@ -318,10 +329,16 @@ impl UnitProfile {
         flash_attention: bool,
     ) -> f64 {
         let split = split.into();
+        // The routed experts' activation functions, recomputed under selective: read the
+        // kept first product and write the outputs (about twice the outputs' bytes).
+        let experts =
+            2.0 * self.act_expert_selective * b as f64 / (split.c() * split.replicated_divisor());
         match mode {
             RecomputeMode::None => 0.0,
-            RecomputeMode::Selective if split.blockwise(flash_attention) => 0.0,
-            RecomputeMode::Selective => self.memory_attention / split.t() * b as f64 / split.c(),
+            RecomputeMode::Selective if split.blockwise(flash_attention) => experts,
+            RecomputeMode::Selective => {
+                self.memory_attention / split.t() * b as f64 / split.c() + experts
+            }
             RecomputeMode::Full if self.recomputable => {
                 self.forward_memory_bytes(b, split, flash_attention)
             }
@@ -401,7 +418,7 @@ pub enum ModelSpecError {
     /// A key that is not a field.
     #[error(
         "unknown model field `{field}` (fields: layers, hidden, heads, seq, vocab; mixture of \
-         experts: experts, top_k, expert_hidden, shared, swiglu, moe_every)"
+         experts: experts, top_k, expert_hidden, shared, swiglu, moe_every, imbalance)"
     )]
     UnknownField {
         /// The key.
@@ -802,6 +819,7 @@ impl FromStr for TransformerShape {
             swiglu: swiglu == 1,
             every: optional(10, 1),
             max_load: super::EXPERT_LOAD_BOUND,
+            imbalance_pct: optional(11, super::EXPERT_IMBALANCE_PCT),
         };
         let shape = shape.with_moe(moe);
         shape.validate()?;
@@ -849,8 +867,9 @@ fn spec_values(fields: &str) -> Result<[Option<(usize, &str)>; SPEC_FIELDS.len()
 }
 
 /// The fields of an inline model spec: the shape's, then the mixture of experts' (`experts`,
-/// `top_k` and `expert_hidden` given together; `shared`, `swiglu` and `moe_every` optional).
-const SPEC_FIELDS: [&str; 11] = [
+/// `top_k` and `expert_hidden` given together; `shared`, `swiglu`, `moe_every` and `imbalance`,
+/// the busiest expert-parallel rank's expected load in percent of the mean, optional).
+const SPEC_FIELDS: [&str; 12] = [
     "layers",
     "hidden",
     "heads",
@@ -862,6 +881,7 @@ const SPEC_FIELDS: [&str; 11] = [
     "shared",
     "swiglu",
     "moe_every",
+    "imbalance",
 ];
 
 /// The first of [`SPEC_FIELDS`] that may be 0 (`shared`, `swiglu`).
@@ -1351,6 +1371,28 @@ mod tests {
             ))
             .contains("`moe_every` = 5 must be between 1 and `layers` = 4")
         );
+        // The expected imbalance, in percent of the mean load: at least 100; written back
+        // when it is not the default.
+        let e = err(&format!(
+            "{base},experts=4,top_k=2,expert_hidden=8,imbalance=99"
+        ));
+        assert!(
+            e.contains("`imbalance` = 99 must be between 100 and 6400"),
+            "{e}"
+        );
+        let spec = format!("{base},experts=4,top_k=2,expert_hidden=8,imbalance=135");
+        let shape: TransformerShape = spec.parse().unwrap();
+        let moe = shape.moe.unwrap();
+        assert_eq!((moe.imbalance_pct, moe.imbalance()), (135, 1.35));
+        assert_eq!(
+            shape.to_string().parse::<TransformerShape>().unwrap(),
+            shape
+        );
+        let default: TransformerShape = format!("{base},experts=4,top_k=2,expert_hidden=8")
+            .parse()
+            .unwrap();
+        assert_eq!(default.moe.unwrap().imbalance_pct, EXPERT_IMBALANCE_PCT);
+        assert!(!default.to_string().contains("imbalance"));
     }
 
     /// A MoE block's FLOPs: attention `8 s h² + 4 s² h`, router `2 s h E`, and `(k + S)`
@@ -1376,10 +1418,13 @@ mod tests {
         // Under expert parallelism the busiest rank receives `load` times its share; under
         // sequence parallelism a TP rank routes its 1/tp of the positions.
         let ep4 = RankSplit::new(4, 1, true).with_ep(4);
+        assert!(rel(at(ep4, RecomputeMode::None, 1.5), 2.0 * routed * 1.5 / 4.0) < 1e-12);
+        // Selective recomputation recomputes the SwiGLU's SiLU and product (`k s 4 f`).
+        let selective = k * s * (4.0 * h + 4.0 * f);
         assert!(
             rel(
                 at(ep4, RecomputeMode::Selective, 1.5),
-                2.0 * routed * 1.5 / 4.0
+                2.0 * selective * 1.5 / 4.0
             ) < 1e-12
         );
         assert_eq!(at(ep4, RecomputeMode::Full, 1.5), 0.0);

@@ -1,11 +1,12 @@
 //! Published throughput the cost model is checked against: Megatron-LM (Narayanan et al.,
 //! SC'21, Table 1), A100-80GB, vocabulary 51,200, sequence 2048, fp16, full recomputation; the
-//! book lists the rows in `docs/src/contributing/architecture.md`.
+//! book lists the rows in `docs/src/contributing/architecture.md`. And one mixture-of-experts
+//! row, Megatron-Core's Mixtral 8x7B ([`MEGATRON_MOE`], `docs/src/concepts/experts.md`).
 
 use serde::Serialize;
 
 use super::cost::Layout;
-use super::model::{ModelProxy, RecomputeMode, TransformerShape};
+use super::model::{ModelProxy, ModelSpecError, RecomputeMode, TransformerShape};
 use crate::data_parallel::ReduceScatter;
 use crate::pipeline::{PartitionError, ScheduleKind, balanced_partition};
 
@@ -113,6 +114,94 @@ impl PublishedRow {
     }
 }
 
+/// A published mixture-of-experts row: a model preset trained with expert parallelism on an
+/// interleaved pipeline, micro-batch 1, the distributed optimizer (ZeRO-1), no recomputation.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct PublishedMoeRow {
+    /// The model preset (`merak models`).
+    pub model: &'static str,
+    /// The hardware preset.
+    pub hardware: &'static str,
+    /// GPUs.
+    pub gpus: usize,
+    /// Tensor-parallel degree.
+    pub tp: usize,
+    /// Expert-parallel degree.
+    pub ep: usize,
+    /// Pipeline-parallel degree.
+    pub pp: usize,
+    /// Virtual pipeline stages per rank.
+    pub vp: usize,
+    /// Global batch (sequences).
+    pub global_batch: usize,
+    /// Published TFLOP/s per GPU.
+    pub tflops_per_gpu: f64,
+}
+
+/// Megatron-Core v0.9's Mixtral 8x7B row (the MoE README of NVIDIA/Megatron-LM,
+/// `megatron/core/transformer/moe/README.md`: 468 TFLOP/s in bf16; its reference mapping: 64
+/// H100-80GB, sequence 4096, TP 1, EP 8, PP 4, VP 8, micro-batch 1, global batch 256, dropless
+/// all-to-all dispatcher, grouped GEMM, auxiliary-loss balancing, distributed optimizer, no
+/// recomputation in its example script).
+pub const MEGATRON_MOE: PublishedMoeRow = PublishedMoeRow {
+    model: "mixtral-8x7b",
+    hardware: "h100-80g",
+    gpus: 64,
+    tp: 1,
+    ep: 8,
+    pp: 4,
+    vp: 8,
+    global_batch: 256,
+    tflops_per_gpu: 468.0,
+};
+
+impl PublishedMoeRow {
+    /// The model.
+    ///
+    /// # Errors
+    ///
+    /// When the preset is unknown (not for [`MEGATRON_MOE`]).
+    pub fn model(&self) -> Result<ModelProxy, ModelSpecError> {
+        ModelProxy::parse(self.model)
+    }
+
+    /// The published layout: `dp = gpus / (tp pp)` (expert parallelism folded into it),
+    /// interleaved `vp` chunks per rank balanced by [`balanced_partition`], micro-batch 1,
+    /// ZeRO-1, no recomputation.
+    ///
+    /// # Errors
+    ///
+    /// When the stages cannot be cut (not for [`MEGATRON_MOE`]).
+    pub fn layout(&self, model: &ModelProxy) -> Result<Layout, PartitionError> {
+        let dp = self.gpus / (self.tp * self.pp);
+        let stages = self.pp * self.vp;
+        let costs: Vec<f64> = model
+            .units
+            .iter()
+            .map(|u| u.forward_flops + u.backward_flops)
+            .collect();
+        Ok(Layout {
+            dp,
+            tp: self.tp,
+            pp: self.pp,
+            virtual_stages: self.vp,
+            micro_batch: 1,
+            micro_batches: self.global_batch / dp,
+            schedule: ScheduleKind::Interleaved,
+            recompute: vec![RecomputeMode::None; stages],
+            zero: 1,
+            reduce_scatter: ReduceScatter::Step,
+            shard: 0,
+            reshard_after_forward: true,
+            partition: balanced_partition(&costs, stages)?,
+            tp_overlap: 1,
+            cp: 1,
+            sequence_parallel: self.tp > 1,
+            ep: self.ep,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -167,5 +256,35 @@ mod tests {
                 row.name
             );
         }
+    }
+
+    #[test]
+    fn the_megatron_moe_row_fits_and_is_predicted_within_10_percent() {
+        let row = MEGATRON_MOE;
+        let model = row.model().unwrap();
+        let hw = HardwareSpec::preset(row.hardware)
+            .unwrap()
+            .with_devices(row.gpus);
+        let cm = CostModel::new(&model, &hw);
+        let layout = row.layout(&model).unwrap();
+        assert_eq!(layout.global_batch(), row.global_batch);
+        let pred = cm.predict(&layout).unwrap();
+        let err = (pred.tflops_per_gpu - row.tflops_per_gpu) / row.tflops_per_gpu;
+        eprintln!(
+            "{}: predicted {:.1} TFLOP/s vs {} ({:+.1}%), memory {:.1} GiB, {:?}",
+            row.model,
+            pred.tflops_per_gpu,
+            row.tflops_per_gpu,
+            100.0 * err,
+            pred.max_memory_bytes() as f64 / (1u64 << 30) as f64,
+            pred.breakdown
+        );
+        assert!(err.abs() <= 0.10, "{err}");
+        assert!(pred.max_memory_bytes() <= hw.memory_bytes);
+        // The planner's best plan is not far above the published, tuned figure.
+        let result = search(&model, &hw, &SearchOptions::new(row.gpus, row.global_batch)).unwrap();
+        let best = result.best.prediction.tflops_per_gpu;
+        eprintln!("  planner: {best:.1} TFLOP/s {:?}", result.best.layout);
+        assert!(best <= 1.10 * row.tflops_per_gpu, "{best}");
     }
 }

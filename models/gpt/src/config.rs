@@ -240,6 +240,7 @@ impl GptConfig {
                 swiglu: m.activation == ExpertActivation::Swiglu,
                 every: m.every,
                 max_load: m.max_load,
+                imbalance_pct: m.imbalance_pct,
             }),
             None => dense,
         }

@@ -22,14 +22,22 @@ use serde::{Deserialize, Serialize};
 
 use super::{BYTES_16BIT, ModelSpecError, UnitProfile};
 
-/// The planner's expected load of the busiest rank of an expert-parallel group over the mean
-/// (`ep > 1`): the rank that holds the most-routed experts sets the pace of the all-to-all that
-/// follows, so the routed experts' matrix products take this factor longer, and their
-/// activations (tokens received) this factor more memory. At `ep = 1` a rank computes exactly
-/// its own tokens' `top_k` choices, whatever their distribution (factor 1). A planning
-/// assumption (auxiliary-loss-balanced routers run within about 10-30% of the mean), not a
-/// measurement.
-pub const EXPERT_IMBALANCE: f64 = 1.2;
+/// The default expected load of the busiest rank of an expert-parallel group over the mean
+/// (`ep > 1`), in percent ([`MoeShape::imbalance_pct`], the spec's `imbalance=`): the rank
+/// that holds the most-routed experts sets the pace of the all-to-all that follows, so the
+/// routed experts' matrix products take this factor longer, and their activations (tokens
+/// received) this factor more memory. At `ep = 1` a rank computes exactly its own tokens'
+/// `top_k` choices, whatever their distribution (factor 1). The default, 120, is the value with
+/// which the planner reproduces Megatron-Core's published Mixtral 8x7B row (dropless,
+/// auxiliary-loss balancing with coefficient 0.01; see
+/// [`MEGATRON_MOE`](crate::planner::reference::MEGATRON_MOE)), not an independent measurement.
+pub const EXPERT_IMBALANCE_PCT: usize = 120;
+
+/// [`EXPERT_IMBALANCE_PCT`] as a factor.
+pub const EXPERT_IMBALANCE: f64 = EXPERT_IMBALANCE_PCT as f64 / 100.0;
+
+/// The largest [`MoeShape::imbalance_pct`] accepted, as a factor.
+const MAX_IMBALANCE: usize = 64;
 
 /// The default stated bound on the token rows an expert-parallel rank receives, over its mean
 /// share (the `tokens × top_k` rows every rank sends), that the admission check counts
@@ -62,10 +70,19 @@ pub struct MoeShape {
     /// share ([`EXPERT_LOAD_BOUND`] unless set).
     #[serde(default = "default_max_load")]
     pub max_load: usize,
+    /// The expected load of the busiest expert-parallel rank over the mean, in percent (at
+    /// least 100; [`EXPERT_IMBALANCE_PCT`] unless set): what the planner's time and memory
+    /// assume, where `max_load` is the bound the admission check counts.
+    #[serde(default = "default_imbalance_pct")]
+    pub imbalance_pct: usize,
 }
 
 fn default_max_load() -> usize {
     EXPERT_LOAD_BOUND
+}
+
+fn default_imbalance_pct() -> usize {
+    EXPERT_IMBALANCE_PCT
 }
 
 impl MoeShape {
@@ -80,7 +97,21 @@ impl MoeShape {
             swiglu: false,
             every: 1,
             max_load: EXPERT_LOAD_BOUND,
+            imbalance_pct: EXPERT_IMBALANCE_PCT,
         }
+    }
+
+    /// The same with the busiest expert-parallel rank expected at `pct` percent of the mean.
+    pub const fn with_imbalance_pct(self, pct: usize) -> Self {
+        MoeShape {
+            imbalance_pct: pct,
+            ..self
+        }
+    }
+
+    /// [`imbalance_pct`](Self::imbalance_pct) as a factor (at least 1).
+    pub fn imbalance(&self) -> f64 {
+        self.imbalance_pct.max(100) as f64 / 100.0
     }
 
     /// The same with `shared` shared experts.
@@ -167,6 +198,16 @@ impl MoeShape {
                 format!("must be at most `experts` = {}", self.experts),
             );
         }
+        if !(100..=100 * MAX_IMBALANCE).contains(&self.imbalance_pct) {
+            return rule(
+                "imbalance",
+                self.imbalance_pct,
+                format!(
+                    "must be between 100 and {} (percent of the mean load)",
+                    100 * MAX_IMBALANCE
+                ),
+            );
+        }
         if self.every == 0 || self.every > layers {
             return rule(
                 "moe_every",
@@ -193,6 +234,9 @@ impl MoeShape {
         if self.every != 1 {
             text += &format!(",moe_every={}", self.every);
         }
+        if self.imbalance_pct != EXPERT_IMBALANCE_PCT {
+            text += &format!(",imbalance={}", self.imbalance_pct);
+        }
         text
     }
 
@@ -209,7 +253,10 @@ impl MoeShape {
     ///   `4 s E`, the `k` expert outputs returned by the combine `2 k s h`, the shared experts'
     ///   MLPs `S s A` (`A` = `4 f` for GeLU: fc1 and GeLU outputs; `8 f` for SwiGLU: gate, up,
     ///   SiLU and product); the routed experts, [`act_expert`](UnitProfile::act_expert):
-    ///   `k s (4 h + A)` (dispatched input, its MLP, its output).
+    ///   `k s (4 h + A)` (dispatched input, its MLP, its output), of which selective
+    ///   recomputation recomputes the activation function's outputs,
+    ///   [`act_expert_selective`](UnitProfile::act_expert_selective): `k s 4 f` (SwiGLU: SiLU
+    ///   and product) or `k s 2 f` (GeLU).
     /// - All-to-all: `k s h` elements each way ([`a2a_elements`](UnitProfile::a2a_elements)).
     pub(super) fn block(&self, seq: usize, hidden: usize, heads: usize) -> UnitProfile {
         let (s, h, a) = (seq as f64, hidden as f64, heads as f64);
@@ -229,10 +276,20 @@ impl MoeShape {
         let forward = forward + routed;
         // Activation bytes per token of one expert's MLP, and the bytes its activation function
         // moves (GeLU reads and writes f values; SwiGLU reads two, writes one).
-        let (ffn_act, ffn_memory) = if self.swiglu {
-            (4.0 * BYTES_16BIT * f, 3.0 * BYTES_16BIT * f)
+        // Of the kept bytes, those of the activation function's outputs (SiLU and the product;
+        // GeLU's) that selective recomputation recomputes.
+        let (ffn_act, ffn_memory, ffn_recomputed) = if self.swiglu {
+            (
+                4.0 * BYTES_16BIT * f,
+                3.0 * BYTES_16BIT * f,
+                2.0 * BYTES_16BIT * f,
+            )
         } else {
-            (2.0 * BYTES_16BIT * f, 2.0 * BYTES_16BIT * f)
+            (
+                2.0 * BYTES_16BIT * f,
+                2.0 * BYTES_16BIT * f,
+                BYTES_16BIT * f,
+            )
         };
         UnitProfile {
             // QKV (3h² + 3h) and the attention's output weight.
@@ -255,6 +312,7 @@ impl MoeShape {
             act_split: 8.0 * s * h,
             act_attention: 5.0 * a * s * s,
             act_expert: k * s * (4.0 * h + ffn_act),
+            act_expert_selective: k * s * ffn_recomputed,
             act_full: BYTES_16BIT * s * h,
             tp_forward_allreduces: 1,
             tp_backward_allreduces: 1,
