@@ -14,7 +14,7 @@ use crate::pipeline::UnitStack;
 use crate::planner::search::candidates;
 use crate::planner::{
     CostModel, HardwareSpec, MeasuredModel, MeasuredUnit, ModelProxy, SearchError, SearchOptions,
-    search,
+    search, with_fixed_costs,
 };
 use crate::probe::mean_over_ranks;
 use crate::train::read_samples;
@@ -130,27 +130,17 @@ where
         PlanChoice::Given(plan) if plan.pp == 1 => return Ok(chosen(plan.clone(), uniform)),
         PlanChoice::Given(plan) => (plan.clone(), None),
         PlanChoice::Auto(auto) => {
-            let timed = sample.timed(world, dims.layers)?;
+            let b = auto.timed_micro_batch;
+            // Timed at a second size too: what does not grow with the micro-batch.
+            let small_b = if b > 1 { 1 } else { 2 };
+            let small =
+                Sample::new(model, settings, data, small_b, device)?.timed(world, dims.layers)?;
+            let timed = with_fixed_costs(sample.timed(world, dims.layers)?, b, &small, small_b);
             let hardware = HardwareSpec::load(&auto.hardware)?.with_devices(ranks);
-            let shape = dims.shape(positions);
-            let proxy =
-                MeasuredModel::new(shape, auto.timed_micro_batch, timed.clone(), &hardware)?;
-            let options = SearchOptions {
-                recompute: vec![Recompute::None],
-                tp_overlap: vec![1],
-                ..SearchOptions::new(ranks, settings.global_batch)
-            };
-            let proxy = ModelProxy::from_costs(&proxy);
-            let best = search(&proxy, &hardware, &options)?.best;
-            if let Some(path) = auto
-                .report
-                .as_ref()
-                .filter(|_| world.is_none_or(|w| w.rank() == 0))
-            {
-                write_report(path, &proxy, &hardware, &options)?;
-            }
-            let plan = ParallelPlan::from_planned(&best.layout);
-            (plan, Some((auto.timed_micro_batch, timed)))
+            let proxy = MeasuredModel::new(dims.shape(positions), b, timed.clone(), &hardware)?;
+            let rank = world.map_or(0, |w| w.rank());
+            let plan = searched(auto, &proxy, ranks, settings.global_batch, rank)?;
+            (plan, Some((b, timed)))
         }
     };
     if plan.pp == 1 {
@@ -166,6 +156,29 @@ where
     };
     let costs = timed.iter().map(|u| u.forward_s + u.backward_s).collect();
     Ok(chosen(plan, costs))
+}
+
+/// The planner's plan for `ranks` ranks training `measured` on `global_batch` sequences a
+/// step, on the hardware of `auto` (rank 0 writes `auto.report`).
+fn searched(
+    auto: &AutoPlan,
+    measured: &MeasuredModel,
+    ranks: usize,
+    global_batch: usize,
+    rank: usize,
+) -> Result<ParallelPlan, RunError> {
+    let hardware = HardwareSpec::load(&auto.hardware)?.with_devices(ranks);
+    let options = SearchOptions {
+        recompute: vec![Recompute::None],
+        tp_overlap: vec![1],
+        ..SearchOptions::new(ranks, global_batch)
+    };
+    let proxy = ModelProxy::from_costs(measured);
+    let best = search(&proxy, &hardware, &options)?.best;
+    if let Some(path) = auto.report.as_ref().filter(|_| rank == 0) {
+        write_report(path, &proxy, &hardware, &options)?;
+    }
+    Ok(ParallelPlan::from_planned(&best.layout))
 }
 
 /// Writes to `path` every layout the search of `proxy` on `hardware` under `options`
@@ -184,6 +197,7 @@ fn write_report(
             "dp": c.layout.dp,
             "tp": c.layout.tp,
             "pp": c.layout.pp,
+            "virtual_stages": c.layout.virtual_stages,
             "micro_batch": c.layout.micro_batch,
             "schedule": c.layout.schedule.as_str(),
             "zero": c.layout.zero,

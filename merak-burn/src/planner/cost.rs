@@ -961,6 +961,10 @@ impl<'a> CostModel<'a> {
                 + u.expert_activation_bytes(b, split, RecomputeMode::None, self.expert_load),
         };
         self.calibrate(&mut terms, unit, b, split, k, mode);
+        // What a measured unit pays per micro-batch whatever its size.
+        terms.forward_s += u.fixed_forward_s;
+        terms.backward_s += u.fixed_backward_s;
+        terms.recompute_s += repeated(u.fixed_forward_s);
         terms
     }
 

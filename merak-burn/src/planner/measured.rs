@@ -34,6 +34,39 @@ pub struct MeasuredUnit {
     pub row_layers: u32,
     /// Column-parallel layers (one all-reduce each in the backward pass).
     pub column_layers: u32,
+    /// Of [`forward_s`](Self::forward_s), the seconds that do not grow with the micro-batch
+    /// (found by timing it at two sizes, [`with_fixed_costs`]; 0: all of it grows).
+    #[serde(default)]
+    pub fixed_forward_s: f64,
+    /// The same of [`backward_s`](Self::backward_s).
+    #[serde(default)]
+    pub fixed_backward_s: f64,
+}
+
+/// `at` (units timed at `b` sequences) with the part of each time that does not grow with
+/// the micro-batch, from the same units timed at `small` sequences (`small_b`): a time
+/// `t(n) = fixed + n x per_sequence` through both, the slope at least 0 and the fixed part
+/// between 0 and the time at `b` (timing noise never makes either negative).
+pub fn with_fixed_costs(
+    at: Vec<MeasuredUnit>,
+    b: usize,
+    small: &[MeasuredUnit],
+    small_b: usize,
+) -> Vec<MeasuredUnit> {
+    let fixed = |t_b: f64, t_s: f64| {
+        if b == small_b {
+            return 0.0;
+        }
+        let slope = ((t_b - t_s) / (b as f64 - small_b as f64)).max(0.0);
+        (t_b - slope * b as f64).clamp(0.0, t_b)
+    };
+    (at.into_iter().zip(small))
+        .map(|(u, s)| MeasuredUnit {
+            fixed_forward_s: fixed(u.forward_s, s.forward_s),
+            fixed_backward_s: fixed(u.backward_s, s.backward_s),
+            ..u
+        })
+        .collect()
 }
 
 /// Measurements that do not describe the shape they are paired with.
@@ -126,7 +159,8 @@ impl LayerCosts for MeasuredModel {
         let like = self.shape.unit_profiles();
         (like.into_iter().zip(&self.units))
             .map(|(formula, m)| {
-                let forward_flops = self.flops(m.forward_s);
+                // What grows with the micro-batch becomes FLOPs; the rest stays seconds.
+                let forward_flops = self.flops(m.forward_s - m.fixed_forward_s);
                 // Selective recomputation repeats the same share of the forward pass.
                 let selective = if formula.forward_flops > 0.0 {
                     formula.selective_recompute_flops / formula.forward_flops * forward_flops
@@ -138,7 +172,7 @@ impl LayerCosts for MeasuredModel {
                     params_replicated: m.params_replicated,
                     params_tied: m.params_tied,
                     forward_flops,
-                    backward_flops: self.flops(m.backward_s),
+                    backward_flops: self.flops(m.backward_s - m.fixed_backward_s),
                     selective_recompute_flops: selective,
                     tp_forward_allreduces: m.row_layers,
                     tp_backward_allreduces: m.column_layers,
@@ -146,6 +180,8 @@ impl LayerCosts for MeasuredModel {
                     memory_replicated: 0.0,
                     memory_split: 0.0,
                     memory_attention: 0.0,
+                    fixed_forward_s: m.fixed_forward_s,
+                    fixed_backward_s: m.fixed_backward_s,
                     ..formula
                 }
             })
@@ -207,6 +243,41 @@ mod tests {
         let profiles = measured.unit_profiles();
         assert_eq!(profiles[1].tp_forward_allreduces, 2);
         assert_eq!(profiles[1].tp_backward_allreduces, 5);
+    }
+
+    /// Timed at 8 and 1 sequences, a unit of 2 ms + 1 ms per sequence: the cost model gives
+    /// 2 + n ms at every micro-batch n (twice that backward), not 10/8 ms per sequence.
+    #[test]
+    fn fixed_costs_stay_per_micro_batch() {
+        let hw = HardwareSpec::preset("local-cpu").expect("a preset");
+        let s = shape();
+        let at = |n: f64| MeasuredUnit {
+            forward_s: 0.002 + 0.001 * n,
+            backward_s: 2.0 * (0.002 + 0.001 * n),
+            ..unit(0.0)
+        };
+        let units = |n| vec![at(n); s.layers + 2];
+        let timed = with_fixed_costs(units(8.0), 8, &units(1.0), 1);
+        assert!((timed[0].fixed_forward_s - 0.002).abs() < 1e-12);
+        assert!((timed[0].fixed_backward_s - 0.004).abs() < 1e-12);
+        let measured = MeasuredModel::new(s, 8, timed, &hw).expect("valid");
+        let proxy = ModelProxy::from_costs(&measured);
+        let cm = CostModel::new(&proxy, &hw);
+        for n in [1usize, 2, 8, 16] {
+            let terms = cm.unit_terms(1, n, 1, 1, RecomputeMode::None, false);
+            let want = 0.002 + 0.001 * n as f64;
+            assert!((terms.forward_s - want).abs() < 1e-12, "{n}");
+            assert!((terms.backward_s - 2.0 * want).abs() < 1e-12, "{n}");
+        }
+        // Noise that would make the slope or the fixed part negative is clamped.
+        let mut noisy = units(1.0);
+        noisy[0].forward_s = 0.5;
+        let timed = with_fixed_costs(units(8.0), 8, &noisy, 1);
+        assert_eq!(timed[0].fixed_forward_s, at(8.0).forward_s);
+        assert_eq!(
+            with_fixed_costs(units(8.0), 8, &units(8.0), 8)[0].fixed_forward_s,
+            0.0
+        );
     }
 
     #[test]

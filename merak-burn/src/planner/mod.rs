@@ -49,7 +49,7 @@ pub use calibration::{CALIBRATION_FORMAT, Calibration, CalibrationError, UnitKin
 pub use cost::{CostError, CostModel, Estimate, FRAMEWORK_BYTES, Layout, Prediction};
 pub use hardware::{HARDWARE_PRESETS, HardwareError, HardwareSpec};
 pub use layout_check::{FieldNames, LayoutFieldError};
-pub use measured::{MeasuredError, MeasuredModel, MeasuredUnit};
+pub use measured::{MeasuredError, MeasuredModel, MeasuredUnit, with_fixed_costs};
 pub use memory::{
     GATHERED_AHEAD, ModelStates, StateFormat, StateSharding, gathered_bytes, model_states,
 };

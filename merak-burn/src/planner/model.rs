@@ -212,6 +212,14 @@ pub struct UnitProfile {
     /// (`top_k s h`; 0 for a unit without routed experts).
     #[serde(default)]
     pub a2a_elements: f64,
+    /// Seconds of the unit's forward pass that do not grow with the micro-batch (a measured
+    /// model's framework and per-operation overheads; 0 for the formulas), paid on every rank
+    /// per micro-batch and again by full recomputation.
+    #[serde(default)]
+    pub fixed_forward_s: f64,
+    /// The same of its backward pass.
+    #[serde(default)]
+    pub fixed_backward_s: f64,
 }
 
 impl UnitProfile {

@@ -328,6 +328,7 @@ impl MoeShape {
             kv_elements: 2.0 * s * h,
             expert_flops: routed,
             a2a_elements: k * s * h,
+            ..UnitProfile::default()
         }
     }
 }
