@@ -169,7 +169,12 @@ fn the_planner_refuses_searches_beyond_its_bounds_at_once() {
             "--global-batch",
             "720720",
         ],
-        &["720720 devices", "layouts", "the limit is 16130"],
+        &[
+            "720720 devices",
+            "cut by the stage planner",
+            "steps of work",
+            "the limit is 2^30 steps",
+        ],
     );
 }
 
