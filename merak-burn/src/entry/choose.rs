@@ -139,7 +139,13 @@ where
             let hardware = HardwareSpec::load(&auto.hardware)?.with_devices(ranks);
             let proxy = MeasuredModel::new(dims.shape(positions), b, timed.clone(), &hardware)?;
             let rank = world.map_or(0, |w| w.rank());
-            let plan = searched(auto, &proxy, ranks, settings.global_batch, rank)?;
+            let plan = searched(
+                auto,
+                &proxy,
+                &hardware,
+                (ranks, settings.global_batch),
+                rank,
+            )?;
             (plan, Some((b, timed)))
         }
     };
@@ -159,24 +165,23 @@ where
 }
 
 /// The planner's plan for `ranks` ranks training `measured` on `global_batch` sequences a
-/// step, on the hardware of `auto` (rank 0 writes `auto.report`).
+/// step on `hardware` (rank 0 writes `auto.report`).
 fn searched(
     auto: &AutoPlan,
     measured: &MeasuredModel,
-    ranks: usize,
-    global_batch: usize,
+    hardware: &HardwareSpec,
+    (ranks, global_batch): (usize, usize),
     rank: usize,
 ) -> Result<ParallelPlan, RunError> {
-    let hardware = HardwareSpec::load(&auto.hardware)?.with_devices(ranks);
     let options = SearchOptions {
         recompute: vec![Recompute::None],
         tp_overlap: vec![1],
         ..SearchOptions::new(ranks, global_batch)
     };
     let proxy = ModelProxy::from_costs(measured);
-    let best = search(&proxy, &hardware, &options)?.best;
+    let best = search(&proxy, hardware, &options)?.best;
     if let Some(path) = auto.report.as_ref().filter(|_| rank == 0) {
-        write_report(path, &proxy, &hardware, &options)?;
+        write_report(path, &proxy, hardware, &options)?;
     }
     Ok(ParallelPlan::from_planned(&best.layout))
 }

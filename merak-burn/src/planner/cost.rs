@@ -1116,26 +1116,10 @@ impl<'a> CostModel<'a> {
         Ok(())
     }
 
-    /// Model-state bytes per dense and per expert parameter, in this model's
-    /// [`StateFormat`], of a layout whose dense states are sharded over `shard` ranks and its
-    /// experts' over `expert_shard` (the ranks holding the same experts, TP peers included),
-    /// by the one accounting of [`memory`](super::memory).
-    pub(crate) fn state_bytes(
-        &self,
-        shard: usize,
-        expert_shard: usize,
-        zero: u8,
-        reduce_scatter: ReduceScatter,
-        schedule: ScheduleKind,
-    ) -> StateBytes {
-        let sharding = StateSharding {
-            zero,
-            shard,
-            expert_shard,
-            reduce_scatter,
-            versions: schedule.weight_versions(),
-        };
-        StateBytes::of(&sharding, &self.state_format)
+    /// Model-state bytes per dense and per expert parameter under `sharding`, in this model's
+    /// [`StateFormat`], by the one accounting of [`memory`](super::memory).
+    pub(crate) fn state_bytes(&self, sharding: &StateSharding) -> StateBytes {
+        StateBytes::of(sharding, &self.state_format)
     }
 
     fn derive(&self, layout: &Layout) -> Result<Derived, CostError> {
@@ -1287,7 +1271,7 @@ impl<'a> CostModel<'a> {
 
     /// Bytes of model states per parameter under `layout` (dense and routed experts).
     fn layout_state_bytes(&self, layout: &Layout) -> StateBytes {
-        StateBytes::of(&layout.state_sharding(), &self.state_format)
+        self.state_bytes(&layout.state_sharding())
     }
 
     /// A pipeline rank's data-parallel work after its last backward pass (which lasted
@@ -1587,6 +1571,7 @@ mod tests {
     use super::*;
     use crate::pipeline::balanced_partition;
     use crate::planner::UnitTiming;
+    use crate::planner::memory::sharded;
 
     fn layout(model: &ModelProxy, dp: usize, tp: usize, pp: usize, m: usize) -> Layout {
         let costs: Vec<f64> = model
@@ -2283,10 +2268,7 @@ mod tests {
                 let mut l = layout(&model, 8, 2, 1, 1);
                 (l.ep, l.zero, l.sequence_parallel) = (ep, zero, true);
                 let p = cm.predict(&l).unwrap();
-                let per = |d: usize| {
-                    cm.state_bytes(d, d, zero, ReduceScatter::Step, ScheduleKind::OneFOneB)
-                        .dense
-                };
+                let per = |d: usize| cm.state_bytes(&sharded(zero, d, ReduceScatter::Step)).dense;
                 // The experts' states are cut over the dp / ep ranks and their 2 TP peers.
                 let states = dense * per(8) + experts / ep as f64 * per(2 * 8 / ep);
                 let got = p.breakdown["model_states_bytes"];
@@ -2303,7 +2285,7 @@ mod tests {
         let mut l = layout(&model, 8, 2, 1, 4);
         (l.ep, l.zero, l.sequence_parallel) = (2, 2, true);
         l.reduce_scatter = ReduceScatter::MicroBatch;
-        let per = |d: usize, rs| cm.state_bytes(d, d, 2, rs, ScheduleKind::OneFOneB).dense;
+        let per = |d: usize, rs| cm.state_bytes(&sharded(2, d, rs)).dense;
         let states =
             dense * per(8, ReduceScatter::MicroBatch) + experts / 2.0 * per(8, ReduceScatter::Step);
         let got = cm.predict(&l).unwrap().breakdown["model_states_bytes"];

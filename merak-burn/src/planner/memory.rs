@@ -227,19 +227,21 @@ pub fn gathered_bytes(
     whole * format.weight
 }
 
+/// `zero` over `d` ranks, dense and experts alike, one weight version: a test's sharding.
+#[cfg(test)]
+pub(crate) fn sharded(zero: u8, d: usize, reduce_scatter: ReduceScatter) -> StateSharding {
+    StateSharding {
+        zero,
+        shard: d,
+        expert_shard: d,
+        reduce_scatter,
+        versions: 1,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn sharding(zero: u8, shard: usize, rs: ReduceScatter) -> StateSharding {
-        StateSharding {
-            zero,
-            shard,
-            expert_shard: shard,
-            reduce_scatter: rs,
-            versions: 1,
-        }
-    }
 
     /// Bytes per parameter of mixed-precision Adam at `d = 8`: 16, `4 + 12/d`, `2 + 14/d`
     /// (ZeRO-2 every micro-batch, and ZeRO-3 once a step), `16/d`.
@@ -247,7 +249,7 @@ mod tests {
     fn mixed_precision_bytes_per_parameter() {
         let (step, each) = (ReduceScatter::Step, ReduceScatter::MicroBatch);
         let per = |zero, rs| {
-            model_states(1.0, 0.0, &sharding(zero, 8, rs), &StateFormat::MIXED_ADAM).total()
+            model_states(1.0, 0.0, &sharded(zero, 8, rs), &StateFormat::MIXED_ADAM).total()
         };
         assert_eq!(per(0, step), 16.0);
         assert_eq!(per(1, step), 4.0 + 12.0 / 8.0);
@@ -264,7 +266,7 @@ mod tests {
         let n = 134_912.0;
         let f = StateFormat::f32(2);
         let (step, each) = (ReduceScatter::Step, ReduceScatter::MicroBatch);
-        let at = |zero, rs| model_states(n, 0.0, &sharding(zero, 2, rs), &f);
+        let at = |zero, rs| model_states(n, 0.0, &sharded(zero, 2, rs), &f);
         let bytes = |s: ModelStates| [s.params, s.grads, s.master, s.optimizer];
         assert_eq!(bytes(at(0, step)), [4.0 * n, 4.0 * n, 0.0, 8.0 * n]);
         assert_eq!(bytes(at(1, step)), [4.0 * n, 4.0 * n, 0.0, 4.0 * n]);
@@ -322,7 +324,7 @@ mod tests {
     /// PipeDream-2BW keeps a second version of the weights, except under ZeRO-3.
     #[test]
     fn two_versions_of_the_weights() {
-        let mut s = sharding(1, 2, ReduceScatter::Step);
+        let mut s = sharded(1, 2, ReduceScatter::Step);
         s.versions = 2;
         let m = model_states(10.0, 0.0, &s, &StateFormat::MIXED_ADAM);
         assert_eq!(m.params, 40.0);

@@ -205,9 +205,33 @@ impl PublishedMoeRow {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::planner::cost::CostModel;
+    use crate::planner::cost::{CostModel, Prediction};
     use crate::planner::hardware::HardwareSpec;
     use crate::planner::search::{SearchOptions, search};
+
+    /// The prediction of a published row's `layout` of `model` on `hw` (`global_batch`
+    /// sequences a step, `tflops` per GPU published), printed: within 10% of the published
+    /// figure, and within the GPU's memory.
+    fn predicted_row(
+        name: &str,
+        (model, hw): (&ModelProxy, &HardwareSpec),
+        layout: &Layout,
+        (global_batch, tflops): (usize, f64),
+    ) -> Prediction {
+        assert_eq!(layout.global_batch(), global_batch, "{name}");
+        let pred = CostModel::new(model, hw).predict(layout).unwrap();
+        let err = (pred.tflops_per_gpu - tflops) / tflops;
+        eprintln!(
+            "{name}: predicted {:.1} TFLOP/s vs {tflops} ({:+.1}%), memory {:.1} GiB, {:?}",
+            pred.tflops_per_gpu,
+            100.0 * err,
+            pred.max_memory_bytes() as f64 / (1u64 << 30) as f64,
+            pred.breakdown
+        );
+        assert!(err.abs() <= 0.10, "{name}: {err}");
+        assert!(pred.max_memory_bytes() <= hw.memory_bytes, "{name}");
+        pred
+    }
 
     #[test]
     fn megatron_rows_are_predicted_within_10_percent() {
@@ -216,22 +240,9 @@ mod tests {
             let hw = HardwareSpec::preset("a100-80g")
                 .unwrap()
                 .with_devices(row.gpus);
-            let cm = CostModel::new(&model, &hw);
             let layout = row.layout(&model).unwrap();
-            assert_eq!(layout.global_batch(), row.global_batch);
-            let pred = cm.predict(&layout).unwrap();
-            let err = (pred.tflops_per_gpu - row.tflops_per_gpu) / row.tflops_per_gpu;
-            eprintln!(
-                "{}: predicted {:.1} TFLOP/s vs {} ({:+.1}%), memory {:.1} GB, {:?}",
-                row.name,
-                pred.tflops_per_gpu,
-                row.tflops_per_gpu,
-                100.0 * err,
-                pred.max_memory_bytes() as f64 / 1e9,
-                pred.breakdown
-            );
-            assert!(err.abs() <= 0.10, "{}: {err}", row.name);
-            assert!(pred.max_memory_bytes() <= hw.memory_bytes, "{}", row.name);
+            let published = (row.global_batch, row.tflops_per_gpu);
+            let pred = predicted_row(row.name, (&model, &hw), &layout, published);
             let result =
                 search(&model, &hw, &SearchOptions::new(row.gpus, row.global_batch)).unwrap();
             eprintln!(
@@ -265,22 +276,9 @@ mod tests {
         let hw = HardwareSpec::preset(row.hardware)
             .unwrap()
             .with_devices(row.gpus);
-        let cm = CostModel::new(&model, &hw);
         let layout = row.layout(&model).unwrap();
-        assert_eq!(layout.global_batch(), row.global_batch);
-        let pred = cm.predict(&layout).unwrap();
-        let err = (pred.tflops_per_gpu - row.tflops_per_gpu) / row.tflops_per_gpu;
-        eprintln!(
-            "{}: predicted {:.1} TFLOP/s vs {} ({:+.1}%), memory {:.1} GiB, {:?}",
-            row.model,
-            pred.tflops_per_gpu,
-            row.tflops_per_gpu,
-            100.0 * err,
-            pred.max_memory_bytes() as f64 / (1u64 << 30) as f64,
-            pred.breakdown
-        );
-        assert!(err.abs() <= 0.10, "{err}");
-        assert!(pred.max_memory_bytes() <= hw.memory_bytes);
+        let published = (row.global_batch, row.tflops_per_gpu);
+        predicted_row(row.model, (&model, &hw), &layout, published);
         // The planner's best plan is not far above the published, tuned figure.
         let result = search(&model, &hw, &SearchOptions::new(row.gpus, row.global_batch)).unwrap();
         let best = result.best.prediction.tflops_per_gpu;

@@ -48,6 +48,7 @@ use std::rc::Rc;
 use thiserror::Error;
 
 use super::cost::{ChunkMemory, CostError, CostModel, Layout, StageTerms, StateBytes};
+use super::memory::StateSharding;
 use super::model::{RankSplit, RecomputeMode};
 use crate::data_parallel::ReduceScatter;
 use crate::pipeline::{PartitionError, ScheduleKind, explicit_partition};
@@ -437,13 +438,16 @@ impl<'c, 'a> StageDp<'c, 'a> {
             .in_flight(skeleton.schedule, p, 1, skeleton.micro_batches)?;
         let replicas = skeleton.dp * skeleton.cp.max(1);
         self.cm.check_experts(t, replicas)?;
-        let state_bytes = self.cm.state_bytes(
-            replicas,
-            (replicas / skeleton.ep.max(1)).max(1) * t.tp.max(1),
+        // The stage planner's cuts assume once-per-step reduce-scatters over all of dp.
+        let sharding = StateSharding::of(
             skeleton.zero,
+            skeleton.dp,
+            0,
+            t,
             ReduceScatter::Step,
-            skeleton.schedule,
+            skeleton.schedule.weight_versions(),
         );
+        let state_bytes = self.cm.state_bytes(&sharding);
         let cm = self.cm;
         let tables = Rc::clone(
             self.tables

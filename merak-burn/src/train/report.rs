@@ -46,7 +46,7 @@ pub fn report_memory(
     out: &Path,
 ) -> Result<(), TrainError> {
     let world = grid.world.comm()?;
-    let mib = |bytes: u64| bytes as f32 / (1 << 20) as f32;
+    let mib = |bytes: u64| (bytes as f64 / MIB) as f32;
     let mine = [
         mib(crate::train::process::peak_rss_bytes()),
         max_in_flight as f32,
