@@ -33,7 +33,7 @@ struct Args {
     #[arg(long)]
     plan_auto: bool,
     /// With --plan-auto: write every layout the planner considered, with its predicted step
-    /// time, to this file (JSON lines, fastest first).
+    /// time, to this new file (JSON lines, fastest first; an existing file is refused).
     #[arg(long, requires = "plan_auto")]
     plan_report: Option<PathBuf>,
     /// Pipeline schedule: gpipe, 1f1b, interleaved, shifted-critical-path or 2bw.

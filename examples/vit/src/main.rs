@@ -29,7 +29,7 @@ struct Args {
     #[arg(long)]
     plan_auto: bool,
     /// With --plan-auto: write every layout the planner considered, with its predicted step
-    /// time, to this file (JSON lines, fastest first).
+    /// time, to this new file (JSON lines, fastest first; an existing file is refused).
     #[arg(long, requires = "plan_auto")]
     plan_report: Option<PathBuf>,
     /// ZeRO stage over the data-parallel ranks: 0, 1, 2 or 3 (parameters, gradients and

@@ -49,8 +49,8 @@ pub struct AutoPlan {
     /// Sequences per micro-batch the units are timed at.
     pub timed_micro_batch: usize,
     /// Where rank 0 writes every layout the search considered with its predicted step time
-    /// and peak memory (JSON lines, fastest first), to set the planner beside measured steps;
-    /// `None`: nowhere.
+    /// and peak memory (JSON lines, fastest first), to set the planner beside measured steps:
+    /// a new file (an existing one is refused, before training); `None`: nowhere.
     pub report: Option<std::path::PathBuf>,
 }
 
@@ -215,7 +215,13 @@ fn write_report(
     }
     lines.sort_by(|a, b| a.0.total_cmp(&b.0));
     let text: String = lines.into_iter().map(|(_, l)| l + "\n").collect();
-    std::fs::write(path, text).map_err(TrainError::io(path))?;
+    // A new file only: an existing one is refused, not overwritten.
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .map_err(TrainError::io(path))?;
+    std::io::Write::write_all(&mut file, text.as_bytes()).map_err(TrainError::io(path))?;
     Ok(())
 }
 
