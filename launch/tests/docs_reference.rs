@@ -602,10 +602,11 @@ fn models_page() {
 /// The crates whose structs the config is made of: `[section]` types, the GPT shape flattened
 /// into `[model]`, the optimizer's settings; a type is looked up by name in all of them (in the
 /// crate its path names, when it is written with one).
-const CONFIG_CRATES: [(&str, &str); 3] = [
+const CONFIG_CRATES: [(&str, &str); 4] = [
     ("crate", "launch/src"),
     ("merak_gpt", "models/gpt/src"),
     ("merak_burn", "merak-burn/src"),
+    ("merak_plan", "merak-plan/src"),
 ];
 
 /// One `[section]` of the config: its name, doc lines, keys (dotted key, default or `None`
@@ -813,9 +814,10 @@ fn config_page() {
 }
 
 /// The folders whose error types the errors page lists, with a title each.
-const ERROR_CRATES: [(&str, &str); 4] = [
+const ERROR_CRATES: [(&str, &str); 5] = [
     ("launch/src", "The `merak` command (`launch`)"),
     ("merak-burn/src", "The library (`merak-burn`)"),
+    ("merak-plan/src", "The planner (`merak-plan`)"),
     ("models/gpt/src", "GPT (`merak-gpt`)"),
     ("models/bert/src", "BERT (`merak-bert`)"),
 ];

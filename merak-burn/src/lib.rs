@@ -25,6 +25,11 @@
 //! - [`parallel_plan`]: [`ParallelPlan`](parallel_plan::ParallelPlan), the one typed plan of a run (layout,
 //!   stages, schedule, recomputation, micro-batching, ZeRO-1, overlap).
 //! - [`planner`]: model proxy, hardware spec, cost model and search of 3D-parallel plans.
+//!
+//! The planner, the plan types ([`parallel_plan`], the layout of [`grid`]) and the pure half
+//! of [`pipeline`] (schedules, partitions, validation, simulation, traces) are the
+//! `merak-plan` crate's, which has no Burn in it; they are re-exported here under the same
+//! paths.
 //! - [`admission`]: the memory admission check: a run whose ranks' estimated peak does not
 //!   fit the host's or the GPU's memory is refused before anything is built.
 //! - [`checkpoint`]: atomic sharded checkpoints that load under any dp/tp layout.
@@ -53,10 +58,10 @@ pub mod grid;
 pub mod hf_files;
 pub mod kernels;
 pub mod moe;
-pub mod parallel_plan;
+pub use merak_plan::parallel_plan;
 pub mod parallelize;
 pub mod pipeline;
-pub mod planner;
+pub use merak_plan::planner;
 pub mod precision;
 pub mod probe;
 pub mod rank_env;

@@ -17,7 +17,7 @@ type ModPath = Vec<String>;
 /// The source roots of the workspace's crates (libraries, binaries, examples).
 fn crate_roots(workspace: &Path) -> Vec<PathBuf> {
     let mut roots = Vec::new();
-    for dir in ["merak-burn", "launch", "tests", "benches"] {
+    for dir in ["merak-plan", "merak-burn", "launch", "tests", "benches"] {
         roots.push(workspace.join(dir).join("src"));
     }
     for group in ["models", "examples"] {

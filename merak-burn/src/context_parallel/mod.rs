@@ -13,15 +13,14 @@
 //!   [`Communicator`](crate::comm::Communicator), what the operation runs on every backend
 //!   today (CUDA would want device kernels and NCCL; a later issue).
 
-mod exchange;
 mod host;
 mod ring;
 mod samples;
 mod ulysses;
 mod zigzag;
 
-pub use exchange::CpAttention;
 pub use host::{Ring, RingError};
+pub use merak_plan::context_parallel::CpAttention;
 pub use ring::{ContextParallelBackend, ring_attention, ulysses_attention};
 pub use samples::{ShardError, shard_samples};
 pub use ulysses::{UlyssesError, UlyssesSaved, ulysses_heads_per_rank};

@@ -23,8 +23,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Tensor, TensorData};
 use thiserror::Error;
 
-use super::partition::Partition;
-use super::schedule::{Action, Schedule, ScheduleKind};
+use super::schedule::{Action, ScheduleKind};
 use super::stage::{EvalOutput, Evaluate, PipelineModel, StageInput, StageOutput};
 use super::stage::{TrainBackend, TrainModel};
 use super::trace::TraceEvent;
@@ -35,6 +34,7 @@ use crate::data_parallel::{DataParallel, Shards};
 use crate::kernels::deferred;
 use crate::precision::autocast;
 use crate::tensor_parallel::ParallelBackend;
+use merak_plan::pipeline::PipelinePlan;
 
 mod gathered;
 mod stage_run;
@@ -109,18 +109,6 @@ pub enum PipelineError {
         /// What was asked for.
         what: Evaluate,
     },
-}
-
-/// How a model is cut and run: the schedule, the stages and the recomputation per stage.
-#[derive(Clone, Debug)]
-pub struct PipelinePlan {
-    /// The validated schedule.
-    pub schedule: Schedule,
-    /// The units of every global stage.
-    pub partition: Partition,
-    /// Per global stage: how many of its first units are recomputed (0: none; all of its
-    /// units: full recomputation).
-    pub recompute_units: Vec<usize>,
 }
 
 /// One micro-batch of a step, as every rank sees it.

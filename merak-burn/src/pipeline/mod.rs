@@ -1,5 +1,8 @@
 //! Pipeline parallelism: layers cut into contiguous stages, schedules as data (how a step runs
-//! through them: `docs/src/contributing/architecture.md`).
+//! through them: `docs/src/contributing/architecture.md`). The schedules, partitions,
+//! recomputation, validation, simulation and traces are the `merak-plan` crate's
+//! (`merak_plan::pipeline`, re-exported here); the executor and the stage traits are Burn's
+//! side.
 //!
 //! A schedule is, for every pipeline rank, an ordered list of [`Action`]s. The same lists drive
 //! the executor (which runs them with real point-to-point messages) and the simulator (which
@@ -13,37 +16,17 @@
 //! [`schedule::rank_of_stage`]). Consecutive stages on one rank hand over without messages.
 
 pub mod executor;
-mod order;
-pub mod partition;
-pub mod recompute;
-pub mod schedule;
-pub mod simulate;
 pub mod stack;
 pub mod stage;
-pub mod timing;
-pub mod trace;
-pub mod two_bw;
-pub mod validate;
-mod zero_bubble;
-#[cfg(test)]
-mod zero_bubble_tests;
+
+// The schedules, partitions, recomputation, validation, simulation and traces, under the
+// paths they had when they lived here.
+pub use merak_plan::pipeline::*;
 
 pub use executor::{
-    EvalValues, Executor, MicroBatch, PipelineError, PipelinePlan, RanAhead, StepReport, StepWork,
+    EvalValues, Executor, MicroBatch, PipelineError, RanAhead, StepReport, StepWork,
 };
-pub use partition::{
-    Partition, PartitionError, balanced_partition, explicit_partition, unit_costs_gpt,
-};
-pub use recompute::{
-    ParseRecomputeError, Recompute, RecomputeMode, activation_bytes_per_layer, in_flight_1f1b,
-    in_flight_gpipe, kept_bytes_per_layer, stage_aware_recompute,
-};
-pub use schedule::{Action, Schedule, ScheduleError, ScheduleKind, build_schedule};
-pub use simulate::{Simulation, simulate, steady_step_time};
 pub use stack::{TiedTable, UnitStack, param_ids};
 pub use stage::{
     EvalOutput, Evaluate, PipelineModel, StageInput, StageOutput, TrainBackend, TrainModel,
 };
-pub use timing::{Costs, TimedAction};
-pub use trace::{TraceEvent, chrome_trace, write_chrome_trace};
-pub use validate::{ValidationError, validate};

@@ -102,7 +102,8 @@ where
         reducer = reducer.with_experts(apart, &|id| experts.contains(&id))?;
     }
     let buffers = parallel.gradient_buffers;
-    let on_device = buffers.on_device(parallel.zero, &*grid.dp.comm()?);
+    let dp = grid.dp.comm()?;
+    let on_device = buffers.on_device(parallel.zero, dp.size(), dp.kind() == "nccl");
     tracing::debug!(
         "gradient buffers ({buffers}): {}",
         match on_device {

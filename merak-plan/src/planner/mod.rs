@@ -23,7 +23,7 @@
 //!   that the cost model reproduces.
 //!
 //! ```
-//! use merak_burn::planner::{HardwareSpec, ModelProxy, SearchOptions, search};
+//! use merak_plan::planner::{HardwareSpec, ModelProxy, SearchOptions, search};
 //!
 //! let model = ModelProxy::parse("gpt:layers=24,hidden=2304,heads=24,seq=2048,vocab=51200")?;
 //! let hardware = HardwareSpec::load("a100-80g")?.with_devices(32);

@@ -967,7 +967,7 @@ impl TransformerShape {
     /// is the same) and the head. [`LayerCosts::unit_profiles`] is the embedding, `layers`
     /// blocks and the head; sums over a dense model can be taken from these three without
     /// building the per-unit list ([`counted_units`](Self::counted_units) adds a MoE shape's
-    /// blocks, see [`crate::admission::estimate_shape`]).
+    /// blocks, see `merak_burn::admission::estimate_shape`).
     pub fn distinct_units(&self) -> [UnitProfile; 3] {
         [
             self.embedding_profile(),

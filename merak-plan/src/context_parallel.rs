@@ -7,12 +7,12 @@ use serde::{Deserialize, Serialize};
 #[serde(rename_all = "kebab-case")]
 pub enum CpAttention {
     /// Keys and values travel around the ring of the cp ranks, the blockwise results merged
-    /// by their log-sum-exp ([`ring_attention`](super::ring_attention)): any head count, `cp - 1`
-    /// exchanges of the keys and values per layer, each overlapped with a block.
+    /// by their log-sum-exp (`merak_burn::context_parallel::ring_attention`): any head count,
+    /// `cp - 1` exchanges of the keys and values per layer, each overlapped with a block.
     #[default]
     Ring,
     /// Two all-to-all exchanges trade the sequence for the heads (DeepSpeed-Ulysses,
-    /// [`ulysses_attention`](super::ulysses_attention)): each rank attends over the whole
+    /// `merak_burn::context_parallel::ulysses_attention`): each rank attends over the whole
     /// sequences for `heads / cp` of its heads; cp must divide the heads per TP rank.
     AllToAll,
 }

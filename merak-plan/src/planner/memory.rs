@@ -28,8 +28,8 @@
 //! that hold the same experts.
 //!
 //! ```
-//! use merak_burn::data_parallel::ReduceScatter;
-//! use merak_burn::planner::memory::{StateFormat, StateSharding, model_states};
+//! use merak_plan::data_parallel::ReduceScatter;
+//! use merak_plan::planner::memory::{StateFormat, StateSharding, model_states};
 //!
 //! // 1,000 f32 parameters with AdamW at ZeRO-3 over 4 ranks, reduce-scattered every micro-batch.
 //! let sharding = StateSharding {

@@ -376,7 +376,7 @@ impl ParallelPlan {
     }
 
     /// Like [`pipeline`](Self::pipeline) for a model described only by the cost of each unit
-    /// (for example [`Units::unit_costs`](crate::parallelize::Units::unit_costs), timed on the
+    /// (for example `merak_burn::parallelize::Units::unit_costs`, timed on the
     /// backend): stages are balanced by those costs. Stage-aware recomputation needs a
     /// transformer's activation sizes and is refused here.
     pub fn pipeline_with_costs(
