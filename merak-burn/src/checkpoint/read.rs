@@ -75,7 +75,9 @@ impl Checkpoint {
     /// Every tensor must be one the manifest lists (`param/`, `m1/` or `m2/` of a listed
     /// parameter) with the shape its parameter's shape and split give, every value must be
     /// finite (a checkpoint of a diverged run is refused, naming the file and the tensor), and
-    /// the optimizer state must be one a run can reach ([`StateRules`], [`check_centered`]).
+    /// the optimizer state must be one a run can reach (what the manifest's optimizer keeps in
+    /// each state tensor at the checkpoint's step; centred RMSprop's squared-gradient average
+    /// at least the square of its gradient average).
     pub fn read_full(&self) -> Result<FullState, CheckpointError> {
         let m = &self.manifest;
         let mut read = ReadPieces::new(m);

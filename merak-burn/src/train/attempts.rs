@@ -7,7 +7,7 @@
 //! failed rank and its signal) records the failure, with the step it failed in (one after the
 //! last step in `metrics.jsonl`) and the steps lost (those after the checkpoint resumed). The
 //! same record decides whether a failed run is restarted ([`restart_verdict`]) and how much of
-//! its wall time trained ([`Goodput`]).
+//! its wall time trained ([`Goodput`](super::Goodput)).
 
 use std::io::Write;
 use std::path::Path;
