@@ -470,6 +470,33 @@ fn extrapolation_matches_full_simulation() {
     }
 }
 
+/// A schedule that splits the backward is predicted at its simulated time, below 1F1B's: the
+/// lower bound that stops an extrapolation from undercutting a drained pipeline must not make
+/// its weight-gradient passes wait for the last micro-batch's whole backward.
+#[test]
+fn a_split_backward_is_predicted_below_one_f_one_b() {
+    let model = ModelProxy::parse("gpt-1.5b").unwrap();
+    let hw = HardwareSpec::preset("a100-80g").unwrap().with_devices(16);
+    let cm = CostModel::new(&model, &hw);
+    let pipeline = |kind: ScheduleKind, m: usize| {
+        let mut l = layout(&model, 1, 2, 4, m);
+        l.schedule = kind;
+        l.recompute = vec![RecomputeMode::None; 4];
+        let derived = cm.derive(&l).unwrap();
+        let exact = cm.pipeline_time(&l, &derived, m).unwrap();
+        (cm.predict(&l).unwrap().breakdown["pipeline_s"], exact)
+    };
+    for m in [8, 40] {
+        let (zb, zb_exact) = pipeline(ScheduleKind::ZbH1, m);
+        let (one, _) = pipeline(ScheduleKind::OneFOneB, m);
+        assert!(
+            (zb - zb_exact).abs() < 1e-3 * zb_exact,
+            "m {m}: ZB-H1 predicted {zb}, simulated {zb_exact}"
+        );
+        assert!(zb < 0.99 * one, "m {m}: ZB-H1 {zb} against 1F1B {one}");
+    }
+}
+
 #[test]
 fn memory_terms_follow_the_formulas() {
     let model = ModelProxy::parse("gpt-8.3b").unwrap();

@@ -236,14 +236,20 @@ impl Derived {
     /// micro-batch 0 has gone forward through stages 0..r, and cannot be done before its last
     /// backward has gone back through them (every schedule drains at the end of a step in the
     /// executor, see pipeline_time); in between it works m times its per-micro-batch time.
-    fn pipeline_lower_bound(&self, m: f64) -> f64 {
+    /// Under a schedule that splits the backward (`split`) a rank's last work need not be a
+    /// backward that the earlier stages wait for: its weight gradients (W) may run after it
+    /// has sent the last input gradient, while the earlier stages work, which is how such a
+    /// schedule fills the bubble. There the bound keeps only the forward chain before the
+    /// rank and its own work.
+    fn pipeline_lower_bound(&self, m: f64, split: bool) -> f64 {
+        let chain = if split { 0.0 } else { 1.0 };
         let mut bound = 0.0f64;
         let mut before = 0.0;
         let mut after = 0.0;
         for rank in 0..self.compute_per_mb.len() {
             bound = bound.max(before + m * self.busy_per_mb(rank) + after);
             before += self.costs.forward[rank] + self.costs.send_activation;
-            after += self.costs.backward[rank] + self.costs.send_grad;
+            after += chain * (self.costs.backward[rank] + self.costs.send_grad);
         }
         bound
     }
@@ -404,7 +410,10 @@ impl<'a> CostModel<'a> {
         for rank in 0..p {
             self.derive_rank(layout, rank, &terms, &in_flight, &mut derived);
         }
-        derived.pipeline_lb = derived.pipeline_lower_bound(layout.micro_batches as f64);
+        derived.pipeline_lb = derived.pipeline_lower_bound(
+            layout.micro_batches as f64,
+            layout.schedule.splits_backward(),
+        );
         Ok(derived)
     }
 
