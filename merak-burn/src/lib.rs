@@ -25,11 +25,6 @@
 //! - [`parallel_plan`]: [`ParallelPlan`](parallel_plan::ParallelPlan), the one typed plan of a run (layout,
 //!   stages, schedule, recomputation, micro-batching, ZeRO-1, overlap).
 //! - [`planner`]: model proxy, hardware spec, cost model and search of 3D-parallel plans.
-//!
-//! The planner, the plan types ([`parallel_plan`], the layout of [`grid`]) and the pure half
-//! of [`pipeline`] (schedules, partitions, validation, simulation, traces) are the
-//! `merak-plan` crate's, which has no Burn in it; they are re-exported here under the same
-//! paths.
 //! - [`admission`]: the memory admission check: a run whose ranks' estimated peak does not
 //!   fit the host's or the GPU's memory is refused before anything is built.
 //! - [`checkpoint`]: atomic sharded checkpoints that load under any dp/tp layout.
@@ -39,6 +34,11 @@
 //! - [`rng`]: deterministic randomness keyed by seed, name and global index.
 //! - [`entry`]: [`run`], the one call that trains a model described as units under any
 //!   layout (detecting `mpirun`, planning, building each rank's units, training, checkpoints).
+//!
+//! The planner, the plan types ([`parallel_plan`], the layout of [`grid`]) and the pure half
+//! of [`pipeline`] (schedules, partitions, validation, simulation, traces) are the
+//! `merak-plan` crate's, which has no Burn in it; they are re-exported here under the same
+//! paths.
 
 #![warn(missing_docs)]
 
