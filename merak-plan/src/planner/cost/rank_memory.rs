@@ -3,7 +3,7 @@
 //! from the one accounting of model states in [`planner::memory`](crate::planner::memory)
 //! (a sibling of `cost`, not this file).
 
-use super::{CostError, CostModel, FRAMEWORK_BYTES, Layout, time::Derived};
+use super::{CostError, CostModel, FRAMEWORK_BYTES, Layout};
 use crate::pipeline::{ScheduleKind, build_schedule};
 use crate::planner::memory::{StateFormat, StateSharding, model_states};
 use crate::planner::model::RecomputeMode;
@@ -128,20 +128,5 @@ impl<'a> CostModel<'a> {
     /// Bytes of model states per parameter under `layout` (dense and routed experts).
     pub(super) fn layout_state_bytes(&self, layout: &Layout) -> StateBytes {
         self.state_bytes(&layout.state_sharding())
-    }
-
-    pub(super) fn memory(derived: &Derived) -> Vec<u64> {
-        (0..derived.states.len())
-            .map(|r| {
-                RankMemory {
-                    params: 0.0,
-                    expert_params: 0.0,
-                    states: derived.states[r],
-                    activations: derived.activations[r],
-                    workspace: derived.workspace[r],
-                }
-                .peak_bytes()
-            })
-            .collect()
     }
 }

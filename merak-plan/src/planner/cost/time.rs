@@ -6,7 +6,9 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::{ChunkMemory, CostError, CostModel, Layout, OPTIMIZER_BYTES_PER_PARAM, SimKey};
+use super::{
+    ChunkMemory, CostError, CostModel, Layout, OPTIMIZER_BYTES_PER_PARAM, RankMemory, SimKey,
+};
 use crate::pipeline::schedule::stage_of_chunk;
 use crate::pipeline::{Costs, build_schedule, steady_step_time};
 use crate::planner::calibration::UnitKind;
@@ -204,9 +206,9 @@ pub(super) struct Derived {
     dp_exposed: Vec<f64>,
     optimizer: Vec<f64>,
     allgather: Vec<f64>,
-    pub(super) states: Vec<f64>,
-    pub(super) activations: Vec<f64>,
-    pub(super) workspace: Vec<f64>,
+    states: Vec<f64>,
+    activations: Vec<f64>,
+    workspace: Vec<f64>,
 }
 
 impl Derived {
@@ -252,6 +254,22 @@ impl Derived {
             after += chain * (self.costs.backward[rank] + self.costs.send_grad);
         }
         bound
+    }
+
+    /// Each pipeline rank's peak bytes: its model states, activations and workspace.
+    fn peak_memory(&self) -> Vec<u64> {
+        (0..self.states.len())
+            .map(|r| {
+                RankMemory {
+                    params: 0.0,
+                    expert_params: 0.0,
+                    states: self.states[r],
+                    activations: self.activations[r],
+                    workspace: self.workspace[r],
+                }
+                .peak_bytes()
+            })
+            .collect()
     }
 
     /// Pipeline rank `rank`'s seconds per micro-batch: compute and the TP, CP and EP
@@ -574,7 +592,7 @@ impl<'a> CostModel<'a> {
     pub fn estimate(&self, layout: &Layout) -> Result<Estimate, CostError> {
         let derived = self.derive(layout)?;
         Ok(Estimate {
-            peak_memory_bytes: CostModel::memory(&derived),
+            peak_memory_bytes: derived.peak_memory(),
             time_lower_bound_s: self.lower_bound(layout, &derived),
         })
     }
@@ -661,7 +679,7 @@ impl<'a> CostModel<'a> {
         let pipeline = simulated.max(derived.pipeline_lb);
         let tail = derived.tail.iter().copied().fold(0.0, f64::max);
         let step = self.shared(layout, &derived, pipeline + tail);
-        let memory = CostModel::memory(&derived);
+        let memory = derived.peak_memory();
         let gpus = layout.gpus() as f64;
         let flops = self
             .model
