@@ -132,18 +132,7 @@ impl ProcessGrid {
         layout: Layout,
         transport: Transport,
     ) -> Result<ProcessGrid, GridError> {
-        let size = world.size();
-        if layout.world_size() != size {
-            return Err(LayoutError::WorldSize {
-                dp: layout.dp,
-                cp: layout.cp,
-                tp: layout.tp,
-                pp: layout.pp,
-                product: layout.world_size(),
-                world: size,
-            }
-            .into());
-        }
+        layout.check_world(world.size())?;
         let rank = world.rank();
         let c = layout.coords(rank);
         let replicas = layout.replicas();

@@ -136,16 +136,7 @@ impl Layout {
                 return Err(LayoutError::Zero { axis });
             }
         }
-        if self.world_size() != world {
-            return Err(LayoutError::WorldSize {
-                dp: self.dp,
-                cp: self.cp,
-                tp: self.tp,
-                pp: self.pp,
-                product: self.world_size(),
-                world,
-            });
-        }
+        self.check_world(world)?;
         if !model.heads.is_multiple_of(self.tp) {
             return Err(LayoutError::Heads {
                 tp: self.tp,
@@ -167,6 +158,21 @@ impl Layout {
             });
         }
         Ok(())
+    }
+
+    /// Checks that the layout's ranks are the job's `world` processes.
+    pub fn check_world(&self, world: usize) -> Result<(), LayoutError> {
+        if self.world_size() == world {
+            return Ok(());
+        }
+        Err(LayoutError::WorldSize {
+            dp: self.dp,
+            cp: self.cp,
+            tp: self.tp,
+            pp: self.pp,
+            product: self.world_size(),
+            world,
+        })
     }
 
     /// The coordinates of a world rank.
