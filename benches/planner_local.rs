@@ -244,6 +244,7 @@ fn main() -> Result<()> {
             reduce_scatter: Default::default(),
             shard: 0,
             reshard_after_forward: true,
+            gradient_buffers: Default::default(),
             partition: balanced_partition(&costs, pp)?,
             tp_overlap,
             cp: 1,

@@ -288,7 +288,7 @@ impl ParallelPlan {
             shard: l.shard,
             reduce_scatter: l.reduce_scatter,
             reshard_after_forward: l.reshard_after_forward,
-            gradient_buffers: GradientBuffers::Auto,
+            gradient_buffers: l.gradient_buffers,
         }
     }
 
@@ -342,6 +342,7 @@ impl ParallelPlan {
             reduce_scatter: self.reduce_scatter,
             shard: self.shard,
             reshard_after_forward: self.reshard_after_forward,
+            gradient_buffers: self.gradient_buffers,
             partition,
             tp_overlap: self.tp_overlap,
             cp: self.cp,

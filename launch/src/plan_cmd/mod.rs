@@ -9,7 +9,7 @@ mod tests;
 use anyhow::{Context, Result, bail};
 use merak_burn::planner::Calibration;
 use merak_burn::planner::{
-    HardwareSpec, ModelProxy, ModelSpecError, Plan, Prediction, TransformerShape,
+    HardwareSpec, Kernels, ModelProxy, ModelSpecError, Plan, Prediction, TransformerShape,
 };
 
 pub use plan::{PLANNED_KEYS, PlanArgs, auto_plan, plan};
@@ -31,9 +31,14 @@ pub struct Target {
     /// Devices.
     #[arg(long)]
     pub gpus: usize,
-    /// A hardware preset (a100-80g, h100-80g, local-cpu) or a TOML file.
+    /// A hardware preset (a100-80g, h100-80g, h200-141g, local-cpu) or a TOML file.
     #[arg(long, default_value = "a100-80g")]
     pub hardware: String,
+    /// Whose kernels to predict: `spec` (the hardware's own efficiency: on the GPU presets the
+    /// published Megatron runs they are fitted to) or `merak-cuda` (merak's CUDA kernels as
+    /// last measured on a GPU).
+    #[arg(long, default_value = "spec")]
+    pub kernels: String,
     /// Sequences per step.
     #[arg(long)]
     pub global_batch: usize,
@@ -90,9 +95,12 @@ pub(super) fn resolve(
             t.model
         );
     }
+    let kernels =
+        Kernels::load(&t.kernels).with_context(|| format!("--kernels {:?}", t.kernels))?;
     let hw = HardwareSpec::load(&t.hardware)
         .with_context(|| format!("--hardware {:?}", t.hardware))?
         .with_devices(t.gpus);
+    let hw = kernels.apply(&hw);
     let cal = t
         .calibration
         .as_deref()

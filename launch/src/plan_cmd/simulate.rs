@@ -1,7 +1,7 @@
 //! `merak simulate`: one layout's predicted step, and the layout strings both commands read.
 
 use anyhow::{Context, Result, bail};
-use merak_burn::data_parallel::ReduceScatter;
+use merak_burn::data_parallel::{GradientBuffers, ReduceScatter};
 use merak_burn::pipeline::{ScheduleKind, balanced_partition, build_schedule};
 use merak_burn::planner::{CostModel, Layout, ModelProxy, PlanFile, RecomputeMode};
 
@@ -16,7 +16,10 @@ pub struct SimulateArgs {
     /// (with `zero=2` or `3`, also `reduce_scatter=step` or `micro-batch`, by default
     /// `micro-batch` under ZeRO-3; with `zero=3`, `reshard=off` to gather the parameters once
     /// per step and keep them; with any zero above 0, `shard=S` for hybrid sharding; `cp=C` for context parallelism, `sp=on` for sequence
-    /// parallelism, `ep=E` for expert parallelism of a mixture of experts).
+    /// parallelism, `ep=E` for expert parallelism of a mixture of experts;
+    /// `gradient_buffers=auto`, `host` or `device` where merak's reducer keeps the gradients,
+    /// which costs something on merak's runtimes only: `--kernels merak-cuda`, `local-cpu`, a
+    /// probed spec).
     #[arg(long, required_unless_present = "plan", conflicts_with = "plan")]
     layout: Option<String>,
     /// A plan written by `merak plan --output` (instead of `--layout`).
@@ -32,7 +35,7 @@ pub struct SimulateArgs {
 pub(super) const MAX_SIMULATED_UNITS: usize = merak_burn::planner::MAX_PLAN_UNITS;
 
 /// The keys of `--layout`, in the order of its help.
-pub(super) const LAYOUT_KEYS: [&str; 15] = [
+pub(super) const LAYOUT_KEYS: [&str; 16] = [
     "dp",
     "tp",
     "cp",
@@ -48,6 +51,7 @@ pub(super) const LAYOUT_KEYS: [&str; 15] = [
     "reshard",
     "shard",
     "overlap",
+    "gradient_buffers",
 ];
 
 /// Splits `--layout` text into its `key=value` pairs, refusing an unknown or repeated key.
@@ -60,7 +64,7 @@ pub(super) fn layout_pairs(text: &str) -> Result<Vec<(&'static str, &str)>> {
         let Some(&key) = LAYOUT_KEYS.iter().find(|&&known| known == k.trim()) else {
             bail!(
                 "--layout: unknown key `{}` (dp, tp, cp, sp, ep, pp, v, mbs, schedule, \
-                 recompute, zero, reduce_scatter, reshard, shard, overlap)",
+                 recompute, zero, reduce_scatter, reshard, shard, overlap, gradient_buffers)",
                 k.trim()
             );
         };
@@ -105,6 +109,7 @@ struct LayoutValues {
     reduce_scatter: Option<ReduceScatter>,
     reshard: bool,
     shard: usize,
+    gradient_buffers: GradientBuffers,
 }
 
 /// Reads the `key=value,...` pairs of `--layout` text, refusing a value out of its key's
@@ -127,6 +132,7 @@ fn layout_values(text: &str) -> Result<LayoutValues> {
         reduce_scatter: None,
         reshard: true,
         shard: 0,
+        gradient_buffers: GradientBuffers::Auto,
     };
     for (key, val) in layout_pairs(text)? {
         match key {
@@ -136,6 +142,14 @@ fn layout_values(text: &str) -> Result<LayoutValues> {
                     "micro-batch" => ReduceScatter::MicroBatch,
                     other => bail!("--layout: reduce_scatter={other} (step or micro-batch)"),
                 })
+            }
+            "gradient_buffers" => {
+                l.gradient_buffers = match val {
+                    "auto" => GradientBuffers::Auto,
+                    "host" => GradientBuffers::Host,
+                    "device" => GradientBuffers::Device,
+                    other => bail!("--layout: gradient_buffers={other} (auto, host or device)"),
+                }
             }
             "reshard" => {
                 l.reshard = match val {
@@ -208,6 +222,7 @@ pub(crate) fn parse_layout(
         reduce_scatter,
         reshard,
         shard,
+        gradient_buffers,
     } = layout_values(text)?;
     check_layout_fits(model, [dp, tp, cp, pp, v], gpus)?;
     let Some(sequences) = dp.checked_mul(mbs) else {
@@ -237,6 +252,7 @@ pub(crate) fn parse_layout(
         reduce_scatter: reduce_scatter.unwrap_or(ReduceScatter::default_for(zero)),
         shard,
         reshard_after_forward: reshard,
+        gradient_buffers,
         partition,
         tp_overlap,
         cp,

@@ -43,8 +43,8 @@ impl Default for PlanChoice {
 /// and Burn's linear layers train a user's model).
 #[derive(Clone, Debug, PartialEq)]
 pub struct AutoPlan {
-    /// The hardware to plan for: a preset name (`local-cpu`, `a100-80g`, `h100-80g`) or a
-    /// hardware TOML file.
+    /// The hardware to plan for: a preset name (`local-cpu`, `a100-80g`, `h100-80g`,
+    /// `h200-141g`) or a hardware TOML file.
     pub hardware: String,
     /// Sequences per micro-batch the units are timed at.
     pub timed_micro_batch: usize,

@@ -10,7 +10,7 @@ use super::agree::{barrier, from_rank0, mean_over_ranks, median, total_memory_by
 use super::overlap::OverlapSample;
 use crate::backend::Cpu;
 use crate::comm::{Communicator, MpiCommunicator};
-use crate::planner::HardwareSpec;
+use crate::planner::{HardwareSpec, Runtime};
 
 type Result<T> = std::result::Result<T, ProbeError>;
 
@@ -61,6 +61,10 @@ pub fn measure_with_overlap(
         tp_overlap_slowdown: overlap.as_deref().map_or(0.0, super::overlap::slowdown),
         // merak's CPU attention is blockwise: no scores in memory, no probabilities kept.
         flash_attention: true,
+        // The ranks are the host: host buffers are copies within memory.
+        host_bandwidth: 0.0,
+        runtime: Runtime::MerakMpi,
+        gradient_copy_stall_s: 0.0,
     };
     spec.validate()?;
     Ok((spec, overlap))

@@ -1,7 +1,15 @@
 //! The hardware a plan runs on: devices, memory, compute and links, as the cost model reads them.
 //!
 //! A [`HardwareSpec`] is read from a TOML file (every key below, `name` optional) or taken from
-//! a preset: `a100-80g`, `h100-80g`, `local-cpu`.
+//! a preset: `a100-80g`, `h100-80g`, `h200-141g`, `local-cpu`.
+//!
+//! A spec is mostly the hardware: peak rates, memory, bandwidths, latencies. A few keys say what
+//! an implementation achieves on it (`achievable_fraction`, `flash_attention`,
+//! `max_tp_overlap`, `tp_overlap_slowdown`, `runtime`, `gradient_copy_stall_s`): on the GPU
+//! presets they describe the published runs the presets are fitted to (Megatron-LM and
+//! Megatron-Core), on `local-cpu` and a probed spec merak's own CPU kernels.
+//! [`Kernels`](super::kernels::Kernels) replaces them with another implementation's, such as
+//! merak's CUDA kernels as last measured (`merak-cuda`).
 
 use std::path::Path;
 
@@ -106,15 +114,56 @@ pub struct HardwareSpec {
     /// torchtitan run today, and on `local-cpu` (merak's blockwise CPU kernel).
     #[serde(default)]
     pub flash_attention: bool,
+    /// Bandwidth between a device and its host's memory, bytes/s per direction (the copies of
+    /// host gradient buffers); 0 (the default): the device is the host (CPU ranks), and the
+    /// copies run at [`memory_bandwidth`](Self::memory_bandwidth).
+    #[serde(default)]
+    pub host_bandwidth: f64,
+    /// Whose runtime synchronises the data-parallel gradients ([`Runtime`]); `merak-mpi`
+    /// (the default) for a spec file, `published` on the GPU presets.
+    #[serde(default)]
+    pub runtime: Runtime,
+    /// Seconds the runtime's device waits per gradient tensor copied into host buffers (the
+    /// host synchronises with the device for each copy, so the device's queue of launched
+    /// work runs dry); 0 (the default) on CPU ranks, whose copies are plain memory copies.
+    #[serde(default)]
+    pub gradient_copy_stall_s: f64,
+}
+
+/// Whose runtime synchronises the data-parallel gradients, which decides what the cost model
+/// makes of `parallel.gradient_buffers`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Runtime {
+    /// The published implementations the GPU presets are fitted to (Megatron-LM's and
+    /// Megatron-Core's): gradients bucketed on the device, their all-reduce overlapped with
+    /// the backward pass; `gradient_buffers` does not apply.
+    Published,
+    /// merak's reducer with ranks on MPI: host buffers (the default beyond one rank) overlap
+    /// the all-reduce with the backward pass and pay the copies; device buffers all-reduce
+    /// after the backward pass.
+    #[default]
+    MerakMpi,
+    /// merak's reducer with ranks on NCCL: as `merak-mpi`, and device buffers are the default
+    /// without ZeRO.
+    MerakNccl,
+}
+
+impl Runtime {
+    /// Whether the ranks' collectives run over NCCL (what `gradient_buffers = "auto"` reads).
+    pub fn nccl(self) -> bool {
+        matches!(self, Self::MerakNccl | Self::Published)
+    }
 }
 
 /// The preset names.
-pub const HARDWARE_PRESETS: [&str; 3] = ["a100-80g", "h100-80g", "local-cpu"];
+pub const HARDWARE_PRESETS: [&str; 4] = ["a100-80g", "h100-80g", "h200-141g", "local-cpu"];
 
 impl HardwareSpec {
     /// A preset: `a100-80g` (8 A100-80GB per node, NVLink about 300 GB/s per direction,
     /// 8 x 200 Gb/s InfiniBand per node, 312 TFLOP/s fp16), `h100-80g` (989 TFLOP/s dense fp16,
-    /// NVLink 450 GB/s, 8 x 400 Gb/s InfiniBand) or `local-cpu` (1 node of 2 small devices).
+    /// NVLink 450 GB/s, 8 x 400 Gb/s InfiniBand), `h200-141g` (the H100's compute and links with
+    /// 141 GB at 4.8 TB/s) or `local-cpu` (1 node of 2 small devices).
     /// `nodes` is 1; set it (or use [`with_devices`](Self::with_devices)) for a cluster.
     pub fn preset(name: &str) -> Option<Self> {
         let spec = match name {
@@ -136,6 +185,10 @@ impl HardwareSpec {
                 max_tp_overlap: 4,
                 tp_overlap_slowdown: 0.15,
                 flash_attention: false,
+                // PCIe 4.0 x16.
+                host_bandwidth: 25e9,
+                runtime: Runtime::Published,
+                gradient_copy_stall_s: 0.0,
             },
             "h100-80g" => HardwareSpec {
                 name: name.to_string(),
@@ -155,6 +208,17 @@ impl HardwareSpec {
                 max_tp_overlap: 4,
                 tp_overlap_slowdown: 0.15,
                 flash_attention: true,
+                // PCIe 5.0 x16.
+                host_bandwidth: 50e9,
+                runtime: Runtime::Published,
+                gradient_copy_stall_s: 0.0,
+            },
+            "h200-141g" => HardwareSpec {
+                name: name.to_string(),
+                memory_bytes: 141_000_000_000,
+                // 80% of the data sheet's 4.8 TB/s, as on the other presets.
+                memory_bandwidth: 3.84e12,
+                ..Self::preset("h100-80g")?
             },
             "local-cpu" => HardwareSpec {
                 name: name.to_string(),
@@ -175,6 +239,9 @@ impl HardwareSpec {
                 tp_overlap_slowdown: 0.0,
                 // merak's CPU attention is blockwise.
                 flash_attention: true,
+                host_bandwidth: 0.0,
+                runtime: Runtime::MerakMpi,
+                gradient_copy_stall_s: 0.0,
             },
             _ => return None,
         };
@@ -225,9 +292,9 @@ impl HardwareSpec {
         HardwareSpec::from_toml(&text)
     }
 
-    /// Checks every value: counts and memory positive, rates positive and finite, latencies
-    /// non-negative, the fraction in `(0, 1]`, `max_tp_overlap` at least 1 and
-    /// `tp_overlap_slowdown` in `[0, 1]`.
+    /// Checks every value: counts and memory positive, rates positive and finite, latencies,
+    /// `host_bandwidth` and `gradient_copy_stall_s` non-negative, the fraction in `(0, 1]`,
+    /// `max_tp_overlap` at least 1 and `tp_overlap_slowdown` in `[0, 1]`.
     pub fn validate(&self) -> Result<(), HardwareError> {
         let positive: [(&'static str, f64); 9] = [
             ("devices_per_node", self.devices_per_node as f64),
@@ -259,6 +326,8 @@ impl HardwareSpec {
         for (key, value) in [
             ("intra_node_latency", self.intra_node_latency),
             ("inter_node_latency", self.inter_node_latency),
+            ("host_bandwidth", self.host_bandwidth),
+            ("gradient_copy_stall_s", self.gradient_copy_stall_s),
         ] {
             if !(value.is_finite() && value >= 0.0) {
                 return Err(HardwareError::Invalid {
@@ -288,6 +357,16 @@ impl HardwareSpec {
     /// Achievable 16-bit FLOP/s of one device: peak times the achievable fraction.
     pub fn achievable_flops(&self) -> f64 {
         self.peak_flops_fp16 * self.achievable_fraction
+    }
+
+    /// Bytes/s of a copy between a device and its host's memory ([`host_bandwidth`](Self::host_bandwidth),
+    /// or the memory's bandwidth where the device is the host).
+    pub fn host_copy_bandwidth(&self) -> f64 {
+        if self.host_bandwidth > 0.0 {
+            self.host_bandwidth
+        } else {
+            self.memory_bandwidth
+        }
     }
 
     /// Bandwidth and latency of a group of devices whose ranks span `span` consecutive ranks:

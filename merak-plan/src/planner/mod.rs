@@ -6,6 +6,8 @@
 //! - [`measured`]: a proxy for a user's own model from its units timed on the real backend
 //!   ([`MeasuredModel`]).
 //! - [`hardware`]: the [`HardwareSpec`] (presets and TOML).
+//! - [`kernels`]: whose kernels a prediction is for ([`Kernels`]: the spec's own efficiency,
+//!   or merak's CUDA kernels as last measured).
 //! - [`calibration`]: measured layer times from `merak profile` ([`Calibration`]).
 //! - [`memory`](mod@memory): the one accounting of a rank's model states under every ZeRO
 //!   stage and parallel group ([`model_states`]), shared by the cost model, the admission
@@ -36,6 +38,7 @@ pub mod calibration;
 pub mod cost;
 pub mod hardware;
 mod json_path;
+pub mod kernels;
 pub mod layout_check;
 pub mod measured;
 pub mod memory;
@@ -47,7 +50,8 @@ pub mod stage_dp;
 
 pub use calibration::{CALIBRATION_FORMAT, Calibration, CalibrationError, UnitKind, UnitTiming};
 pub use cost::{CostError, CostModel, Estimate, FRAMEWORK_BYTES, Layout, Prediction};
-pub use hardware::{HARDWARE_PRESETS, HardwareError, HardwareSpec};
+pub use hardware::{HARDWARE_PRESETS, HardwareError, HardwareSpec, Runtime};
+pub use kernels::{KERNEL_PRESETS, Kernels, UnknownKernels};
 pub use layout_check::{FieldNames, LayoutFieldError};
 pub use measured::{MeasuredError, MeasuredModel, MeasuredUnit, with_fixed_costs};
 pub use memory::{

@@ -790,6 +790,7 @@ fn shaped(
         reduce_scatter: zero.rs,
         shard: zero.shard,
         reshard_after_forward: true,
+        gradient_buffers: Default::default(),
         partition: partition.clone(),
         tp_overlap: slot.k,
         cp: slot.split.cp,

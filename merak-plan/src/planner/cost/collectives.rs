@@ -4,7 +4,13 @@
 
 use super::{CostModel, Layout, RankMemory};
 use crate::data_parallel::ReduceScatter;
+use crate::planner::hardware::Runtime;
 use crate::planner::model::{BYTES_16BIT, RankSplit, UnitProfile};
+
+/// Gradient tensors per unit the host buffers copy one by one: a transformer layer's weights
+/// and biases (two LayerNorms, the attention's two projections and the MLP's two, each a weight
+/// and a bias).
+pub(crate) const GRADIENT_TENSORS_PER_UNIT: f64 = 12.0;
 
 /// A pipeline rank's data-parallel work after its pipeline drains
 /// ([`CostModel::data_parallel_tail`]).
@@ -158,6 +164,26 @@ impl<'a> CostModel<'a> {
         }
     }
 
+    /// Seconds a rank of `layout` holding `bytes` of gradients over `units` units spends
+    /// copying them into host buffers and back when its runtime is merak's and keeps them
+    /// there (`gradient_buffers`; `None`: it keeps them on the device, or the runtime is the
+    /// published one, whose device buckets cost nothing beyond the all-reduce). Each
+    /// micro-batch's gradients go down and the sums come back up at the host link's bandwidth,
+    /// and the device waits [`gradient_copy_stall_s`](crate::planner::HardwareSpec::gradient_copy_stall_s)
+    /// per gradient copied ([`GRADIENT_TENSORS_PER_UNIT`] a unit).
+    fn host_buffer_s(&self, layout: &Layout, bytes: f64, units: usize) -> Option<f64> {
+        let hw = self.hardware;
+        let on_device =
+            (layout.gradient_buffers).on_device(layout.zero, layout.replicas(), hw.runtime.nccl());
+        if hw.runtime == Runtime::Published || on_device {
+            return None;
+        }
+        let m = layout.micro_batches.max(1) as f64;
+        let transfers = (m + 1.0) * bytes / hw.host_copy_bandwidth();
+        let stalls = m * units as f64 * GRADIENT_TENSORS_PER_UNIT * hw.gradient_copy_stall_s;
+        Some(transfers + stalls)
+    }
+
     /// Seconds of one pipeline message (an activation or its gradient) between two stages.
     pub(super) fn pp_message_time(&self, layout: &Layout) -> f64 {
         let (pp_bw, pp_lat) = self.hardware.link(2 * layout.replicas() * layout.tp);
@@ -176,20 +202,37 @@ impl<'a> CostModel<'a> {
         &self,
         layout: &Layout,
         memory: &RankMemory,
-        last_backward: f64,
+        (last_backward, units): (f64, usize),
     ) -> DataParallelTail {
         let (t, d) = (layout.tp, layout.replicas());
         let s = Self::shard_ranks(layout);
-        let expert_shard = layout.expert_replicas() * t;
+        let expert_shard = layout.state_sharding().expert_shard;
         let rank_params = memory.params;
         let grad_bytes = rank_params * self.element_bytes();
         let experts = memory.expert_params;
         let (expert_reduce, expert_gather) =
             self.expert_exchange(experts * self.element_bytes(), layout, expert_shard);
+        let copies = self.host_buffer_s(
+            layout,
+            (rank_params + experts) * self.element_bytes(),
+            units,
+        );
         if layout.zero == 0 {
             let full = self.allreduce(grad_bytes, d, d * t) + expert_reduce;
+            let runtime = self.hardware.runtime;
+            let exposed = match copies {
+                // The published runtime's device buckets overlap the backward pass.
+                None if runtime == Runtime::Published => (full - last_backward).max(0.0),
+                // merak's device buffers: every bucket all-reduced after the backward pass,
+                // through host memory without NCCL.
+                None if d > 1 && !runtime.nccl() => {
+                    full + 2.0 * grad_bytes / self.hardware.host_copy_bandwidth()
+                }
+                None => full,
+                Some(copies) => (full - last_backward).max(0.0) + copies,
+            };
             return DataParallelTail {
-                exposed: (full - last_backward).max(0.0),
+                exposed,
                 allgather: 0.0,
                 local_params: rank_params + experts,
             };
@@ -204,8 +247,14 @@ impl<'a> CostModel<'a> {
         // Reduce-scatter (half a ring all-reduce) overlaps the backward pass; the all-gather
         // of the updated 16-bit parameters does not.
         let half = self.allreduce(grad_bytes, s, s * t) / 2.0;
-        // Under hybrid sharding each chunk is all-reduced over the copies.
-        let copies = self.allreduce(grad_bytes / s as f64, d / s, d * t);
+        // Under hybrid sharding each chunk is all-reduced over the copies (the experts' chunks
+        // too, where their holders are cut within each copy).
+        let replicate = self.allreduce(grad_bytes / s as f64, d / s, d * t)
+            + self.expert_allreduce(
+                experts * self.element_bytes() / expert_shard as f64,
+                (layout.expert_replicas() * t / expert_shard).max(1),
+                d * t,
+            );
         let exchange = match self.calibration {
             // Measured at dp = the calibration's ranks; scaled by the ring's (d-1)/d.
             Some(c) if c.ranks > 1 => {
@@ -217,8 +266,9 @@ impl<'a> CostModel<'a> {
         DataParallelTail {
             // The copies' all-reduce starts as each chunk is reduced, during the backward
             // pass; m reduce-scatters expose m times what one does.
-            exposed: (half + copies + expert_reduce - last_backward).max(0.0)
-                + (scatters - 1.0) * (half - last_backward).max(0.0),
+            exposed: (half + replicate + expert_reduce - last_backward).max(0.0)
+                + (scatters - 1.0) * (half - last_backward).max(0.0)
+                + copies.unwrap_or(0.0),
             // ZeRO-3 keeps its slices: no all-gather after the update, but without resharding
             // one of the whole parameters before the step's first forward pass.
             allgather: if s > 1 && (layout.zero < 3 || !layout.reshard_after_forward) {

@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::{CostError, CostModel};
-use crate::data_parallel::ReduceScatter;
+use crate::data_parallel::{GradientBuffers, ReduceScatter};
 use crate::pipeline::{Partition, ScheduleKind};
 use crate::planner::memory::StateSharding;
 use crate::planner::model::{RankSplit, RecomputeMode};
@@ -54,6 +54,11 @@ pub struct Layout {
     /// until the update (false: nothing recomputed).
     #[serde(default = "crate::planner::yes")]
     pub reshard_after_forward: bool,
+    /// Where merak's reducer keeps a step's gradients (`parallel.gradient_buffers`; `auto`,
+    /// the default, and in plan files of earlier versions): what it costs depends on the
+    /// hardware's [`Runtime`](crate::planner::Runtime).
+    #[serde(default)]
+    pub gradient_buffers: GradientBuffers,
     /// The model's units cut into `pp * virtual_stages` stages.
     pub partition: Partition,
     /// Sub-pipelined tensor parallelism (Merak, Oases): each micro-batch's tokens are split into

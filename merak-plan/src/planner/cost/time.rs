@@ -442,8 +442,9 @@ impl<'a> CostModel<'a> {
         // `dp * cp` ranks that hold the same parameters (ranks ordered tp, cp, dp, pp).
         let (t, d) = (layout.tp, layout.replicas());
         let s = Self::shard_ranks(layout);
-        // The ranks that hold the same routed experts.
-        let de = layout.expert_replicas();
+        // The ranks that share the routed experts' shards, tensor-parallel peers apart (all
+        // that hold the same experts, or under hybrid sharding those of one copy).
+        let de = (layout.state_sharding().expert_shard / t.max(1)).max(1);
         let stages = layout.stages();
         let mut costs = Costs::uniform(stages, 0.0, 0.0);
         let ranges = layout.partition.ranges();
@@ -491,10 +492,12 @@ impl<'a> CostModel<'a> {
     ) {
         let (p, v) = (layout.pp, layout.virtual_stages);
         let stage = |chunk| stage_of_chunk(layout.schedule, p, rank, chunk);
-        let mut last_backward = 0.0;
+        let (mut last_backward, mut units) = (0.0, 0);
+        let ranges = layout.partition.ranges();
         for chunk in 0..v {
             let j = stage(chunk);
             last_backward += derived.costs.backward[j] + derived.costs.recompute[j];
+            units += ranges.get(j).map_or(0, |r| r.len());
             derived.compute_per_mb[rank] += terms[j].compute();
             derived.tp_per_mb[rank] += terms[j].tp_comm();
             derived.cp_per_mb[rank] += terms[j].cp_comm();
@@ -527,7 +530,7 @@ impl<'a> CostModel<'a> {
                 &self.state_format,
             );
         }
-        let tail = self.data_parallel_tail(layout, &memory, last_backward);
+        let tail = self.data_parallel_tail(layout, &memory, (last_backward, units));
         let optimizer = match self.calibration {
             Some(c) => tail.local_params * c.optimizer_s_per_param + c.step_overhead_s,
             None => tail.local_params * OPTIMIZER_BYTES_PER_PARAM / self.hardware.memory_bandwidth,
