@@ -32,6 +32,7 @@
 //! - [`probe`]: the machine measured for the planner (matrix products, memory, MPI, the
 //!   tensor-parallel overlap), under `mpirun`.
 //! - [`rng`]: deterministic randomness keyed by seed, name and global index.
+//! - [`prelude`]: what a program training its own model imports (`use merak_burn::prelude::*`).
 //! - [`entry`]: [`run`], the one call that trains a model described as units under any
 //!   layout (detecting `mpirun`, planning, building each rank's units, training, checkpoints).
 //!
@@ -63,6 +64,7 @@ pub mod parallelize;
 pub mod pipeline;
 pub use merak_plan::planner;
 pub mod precision;
+pub mod prelude;
 pub mod probe;
 pub mod rank_env;
 pub mod rng;

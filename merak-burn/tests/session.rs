@@ -16,7 +16,7 @@ use merak_burn::entry::{
     ModelDims, PlanChoice, RunError, RunOptions, UnitModel, build_units, unit_seed,
 };
 use merak_burn::parallel_plan::ParallelPlan;
-use merak_burn::parallelize::{EmbedUnit, HeadUnit, LayerUnit, Linear, TpPlan, TpStyle};
+use merak_burn::parallelize::{EmbedUnit, HeadUnit, LayerUnit, Linear, LossSum, TpPlan, TpStyle};
 use merak_burn::pipeline::PipelineModel;
 use merak_burn::tensor_parallel::ParallelBackend;
 use merak_burn::train::{BatchSource, SourceError, TokenSource, TrainSettings, Windows};
@@ -32,6 +32,9 @@ struct Block<B: Backend> {
     /// Whether the block scales its output by the side input `scale`.
     #[module(skip)]
     scaled: bool,
+    /// Whether the block, as a head, returns its loss's mean as one term.
+    #[module(skip)]
+    mean_loss: bool,
 }
 
 impl<B: Backend> EmbedUnit<B> for Tokens<B> {
@@ -57,10 +60,18 @@ impl<B: ParallelBackend> HeadUnit<B> for Block<B> {
     fn loss(
         &self,
         x: Tensor<B, 3>,
-        _batch: &Batch<'_, B>,
+        batch: &Batch<'_, B>,
         _table: Option<Tensor<B, 2>>,
-    ) -> Tensor<B, 1> {
-        self.proj.forward(x).powi_scalar(2).sum()
+    ) -> LossSum<B> {
+        let (sum, terms) = (
+            self.proj.forward(x).powi_scalar(2).sum(),
+            batch.loss_terms(),
+        );
+        match self.mean_loss {
+            // A head that takes its mean for a sum of one term.
+            true => LossSum::new(sum / terms as f32, 1),
+            false => LossSum::new(sum, terms),
+        }
     }
 }
 
@@ -72,6 +83,8 @@ struct Model {
     tied: bool,
     /// Whether the blocks read the side input `scale`.
     scaled: bool,
+    /// Whether the head returns the mean of its loss as one term.
+    mean_loss: bool,
 }
 
 impl<B: ParallelBackend> UnitModel<B> for Model {
@@ -95,12 +108,14 @@ impl<B: ParallelBackend> UnitModel<B> for Model {
         Block {
             proj: LinearConfig::new(4, self.block_out).init(device).into(),
             scaled: self.scaled,
+            mean_loss: false,
         }
     }
     fn head(&self, device: &B::Device) -> Block<B> {
         Block {
             proj: LinearConfig::new(4, 4).init(device).into(),
             scaled: false,
+            mean_loss: self.mean_loss,
         }
     }
     fn tp_plan(&self) -> TpPlan {
@@ -165,6 +180,7 @@ fn units_that_do_not_fit_together_are_refused_before_anything_is_written() {
                 table_width: 4,
                 tied: false,
                 scaled: false,
+                mean_loss: false,
             },
             "block 0 returns [1, 4, 3]",
         ),
@@ -174,6 +190,7 @@ fn units_that_do_not_fit_together_are_refused_before_anything_is_written() {
                 table_width: 5,
                 tied: false,
                 scaled: false,
+                mean_loss: false,
             },
             "the first unit returns [1, 4, 5]",
         ),
@@ -198,6 +215,7 @@ fn units_that_do_not_fit_together_are_refused_before_anything_is_written() {
         table_width: 4,
         tied: true,
         scaled: false,
+        mean_loss: false,
     };
     let two = ParallelPlan {
         dp: 2,
@@ -209,6 +227,7 @@ fn units_that_do_not_fit_together_are_refused_before_anything_is_written() {
     // Blocks asking for a side input the data does not have: refused naming the field.
     let scaled = Model {
         scaled: true,
+        mean_loss: false,
         ..self::fits(false)
     };
     let err = run(&scaled, &out, ParallelPlan::default()).expect_err("refused");
@@ -216,6 +235,19 @@ fn units_that_do_not_fit_together_are_refused_before_anything_is_written() {
     assert!(matches!(err, RunError::UnitPanic { .. }), "{text}");
     assert!(
         text.contains("block 0") && text.contains("no field `scale`"),
+        "{text}"
+    );
+    assert!(!out.exists());
+    // A head that takes a mean for a sum: refused, naming both counts.
+    let mean = Model {
+        mean_loss: true,
+        ..self::fits(false)
+    };
+    let err = run(&mean, &out, ParallelPlan::default()).expect_err("refused");
+    let text = err.to_string();
+    assert!(matches!(err, RunError::LossTerms { .. }), "{text}");
+    assert!(
+        text.contains("counts 1 loss terms") && text.contains("has 4"),
         "{text}"
     );
     assert!(!out.exists());
@@ -237,6 +269,7 @@ fn fits(tied: bool) -> Model {
         table_width: 4,
         tied,
         scaled: false,
+        mean_loss: false,
     }
 }
 
@@ -251,6 +284,7 @@ fn param_groups_of_the_options_reach_the_optimizer(dir: &std::path::Path) {
         table_width: 4,
         tied: false,
         scaled: false,
+        mean_loss: false,
     };
     let out = dir.join("frozen");
     let options = RunOptions::default()
@@ -414,6 +448,7 @@ fn side_inputs_reach_every_block(dir: &std::path::Path) {
     };
     let scaled = Model {
         scaled: true,
+        mean_loss: false,
         ..fits(false)
     };
     let plain = loss(&fits(false), &Data, "plain");

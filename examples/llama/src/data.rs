@@ -1,7 +1,7 @@
 //! A learnable synthetic data set, the same for every layout.
 
 use merak_burn::data::splitmix64;
-use merak_burn::train::{SourceError, TokenSource, TrainSettings, Windows};
+use merak_burn::prelude::*;
 
 /// Sequences that count up from a random start by a random stride (1 to 3), modulo the
 /// vocabulary: learnable, and the same for every layout (keyed by the global sample index).

@@ -4,11 +4,7 @@
 use std::path::PathBuf;
 
 use clap::Parser;
-use merak_burn::backend::CpuAutodiff;
-use merak_burn::entry::{AutoPlan, PlanChoice, RunOptions};
-use merak_burn::parallel_plan::ParallelPlan;
-use merak_burn::pipeline::ScheduleKind;
-use merak_burn::train::TrainSettings;
+use merak_burn::prelude::*;
 use merak_example_llama::{Counting, LlamaConfig, SparseMoe, manifest_extra, pretrained_or};
 
 /// Train the Llama-style example under a dp x tp x pp layout.

@@ -12,12 +12,9 @@ use burn::nn::{
 use burn::tensor::activation::{silu, softmax};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Int, Tensor, TensorData};
-use merak_burn::batch::{Batch, TARGETS, TOKENS};
-use merak_burn::entry::UnitPlace;
 use merak_burn::moe::{ExpertInit, MoeLayer, MoePlace};
-use merak_burn::parallelize::{EmbedUnit, HeadUnit, LayerUnit, Linear};
+use merak_burn::prelude::*;
 use merak_burn::rng::InitRng;
-use merak_burn::tensor_parallel::ParallelBackend;
 
 use crate::config::LlamaConfig;
 
@@ -401,9 +398,12 @@ impl<B: ParallelBackend> HeadUnit<B> for Head<B> {
         x: Tensor<B, 3>,
         batch: &Batch<'_, B>,
         table: Option<Tensor<B, 2>>,
-    ) -> Tensor<B, 1> {
+    ) -> LossSum<B> {
         let [b, s, _] = x.dims();
-        Self::cross_entropy(self.logits(x, table), batch.int(TARGETS)) * (b * s) as f32
+        LossSum::from_mean(
+            Self::cross_entropy(self.logits(x, table), batch.int(TARGETS)),
+            b * s,
+        )
     }
 
     /// `[summed next-token loss, correct next tokens, tokens]` of the micro-batch.

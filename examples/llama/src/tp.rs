@@ -1,6 +1,6 @@
 //! Which linear layers tensor parallelism splits, for any degree.
 
-use merak_burn::parallelize::{TpPlan, TpStyle};
+use merak_burn::prelude::*;
 use thiserror::Error;
 
 use crate::LlamaConfig;

@@ -5,10 +5,7 @@
 use std::path::PathBuf;
 
 use clap::Parser;
-use merak_burn::backend::CpuAutodiff;
-use merak_burn::entry::{AutoPlan, PlanChoice, RunOptions};
-use merak_burn::parallel_plan::ParallelPlan;
-use merak_burn::pipeline::ScheduleKind;
+use merak_burn::prelude::*;
 use merak_example_vit::{Digits, DigitsSource, VitConfig, default_digits_path, report, settings};
 
 /// Train the vision transformer on the digits under a dp x tp x pp layout.

@@ -6,9 +6,7 @@ use burn::nn::{LayerNorm, LayerNormConfig, LinearConfig};
 use burn::tensor::activation::{gelu, log_softmax, softmax};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
-use merak_burn::batch::Batch;
-use merak_burn::parallelize::{EmbedUnit, HeadUnit, LayerUnit, Linear};
-use merak_burn::tensor_parallel::ParallelBackend;
+use merak_burn::prelude::*;
 
 use crate::config::{GRID, IMAGE, PATCH, PATCHES, PIXEL_MEAN, PIXEL_STD, POSITIONS, VitConfig};
 use crate::source::{IMAGE_FIELD, KEEP_FIELD, LABEL_FIELD};
@@ -243,8 +241,10 @@ impl<B: ParallelBackend> LayerUnit<B> for Block<B> {
 
 impl<B: ParallelBackend> HeadUnit<B> for Head<B> {
     /// The summed cross-entropy of the micro-batch against [`LABEL_FIELD`].
-    fn loss(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>, _: Option<Tensor<B, 2>>) -> Tensor<B, 1> {
-        Self::loss_sum(self.logits(x), batch.int::<1>(LABEL_FIELD))
+    fn loss(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>, _: Option<Tensor<B, 2>>) -> LossSum<B> {
+        let labels = batch.int::<1>(LABEL_FIELD);
+        let images = labels.dims()[0];
+        LossSum::new(Self::loss_sum(self.logits(x), labels), images)
     }
 
     /// `[summed loss, correct predictions, images]` of the micro-batch.
@@ -299,7 +299,9 @@ mod tests {
         assert_eq!(x.dims(), [3, POSITIONS, 16]);
         let head = Head::<Cpu>::new(&c, &device);
         let scalar = |t: Tensor<Cpu, 1>| t.into_data().to_vec::<f32>().expect("floats")[0];
-        let sum = scalar(head.loss(x.clone(), &batch, None));
+        let loss = head.loss(x.clone(), &batch, None);
+        assert_eq!(loss.terms(), 3);
+        let sum = scalar(loss.into_sum());
         let mean = scalar(
             CrossEntropyLossConfig::new()
                 .init(&device)

@@ -3,8 +3,7 @@
 
 use std::fmt::Write;
 
-use merak_burn::entry::RunReport;
-use merak_burn::train::TrainSettings;
+use merak_burn::prelude::*;
 
 use crate::DigitsSource;
 use crate::config::POSITIONS;

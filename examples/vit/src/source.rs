@@ -2,9 +2,8 @@
 //! order shuffled per epoch and shifted by a pixel at random, both keyed by the global sample
 //! index; held-out images as they are, in order.
 
-use merak_burn::batch::Samples;
 use merak_burn::data::splitmix64;
-use merak_burn::train::{BatchSource, SourceError, TrainSettings};
+use merak_burn::prelude::*;
 
 use crate::config::{IMAGE, MAX_PIXEL, POSITIONS};
 use crate::data::{Digits, PIXELS};

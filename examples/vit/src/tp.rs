@@ -1,6 +1,6 @@
 //! Which linear layers tensor parallelism splits.
 
-use merak_burn::parallelize::{TpPlan, TpStyle};
+use merak_burn::prelude::*;
 
 /// Megatron's pairs, column then row: the query, key and value projections split by output
 /// features (each rank its own heads) and the output projection by input features; the MLP's

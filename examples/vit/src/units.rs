@@ -1,8 +1,6 @@
 //! The vision transformer described to `merak_burn::run` unit by unit.
 
-use merak_burn::entry::{ModelDims, UnitModel};
-use merak_burn::parallelize::TpPlan;
-use merak_burn::tensor_parallel::ParallelBackend;
+use merak_burn::prelude::*;
 
 use crate::{Block, Embed, Head, VitConfig, tp_plan};
 

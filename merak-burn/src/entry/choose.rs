@@ -299,10 +299,16 @@ impl<B: AutodiffBackend, M: UnitModel<B>> Sample<B, M> {
                 "a tied head's table is [vocab, ModelDims::hidden]",
             )?;
         }
-        let loss = caught("the last unit", || self.units.head_loss(x, &batch))?;
+        let loss = caught("the last unit", || self.units.head_loss_sum(x, &batch))?;
+        if loss.terms() != batch.loss_terms() {
+            return Err(RunError::LossTerms {
+                counted: loss.terms(),
+                expected: batch.loss_terms(),
+            });
+        }
         fits(
             "the last unit",
-            loss.dims().to_vec(),
+            loss.into_sum().dims().to_vec(),
             &vec![1],
             "a loss is one number",
         )?;

@@ -71,6 +71,19 @@ pub enum RunError {
         /// What wants it.
         expected: &'static str,
     },
+    /// The head's [`LossSum`](crate::parallelize::LossSum) counts another number of loss terms
+    /// than the sample micro-batch has (found before training).
+    #[error(
+        "the last unit's LossSum counts {counted} loss terms, but the micro-batch has {expected} \
+         (Batch::loss_terms): return the sum of the terms with their count (LossSum::new), or \
+         a mean with LossSum::from_mean"
+    )]
+    LossTerms {
+        /// The terms the head counted.
+        counted: usize,
+        /// The terms of the micro-batch.
+        expected: usize,
+    },
     /// The checkpoint to resume or the pretrained weights cannot be used.
     #[error("{source_name}: {error}")]
     Checkpoint {

@@ -11,7 +11,8 @@
 //!   needs (Megatron's *f* before a column-parallel layer, *g* after a row-parallel one). Every
 //!   other module stays Burn's own.
 //! - **Which sub-modules are the pipeline units**: an embedding ([`EmbedUnit`]), the blocks
-//!   ([`LayerUnit`], a `Vec` of them) and a head with the loss ([`HeadUnit`]). [`Units`] holds
+//!   ([`LayerUnit`], a `Vec` of them) and a head with the loss ([`HeadUnit`], which returns a
+//!   [`LossSum`]). [`Units`] holds
 //!   a pipeline rank's share of them and implements
 //!   [`PipelineModel`](crate::pipeline::PipelineModel), so the
 //!   [`Trainer`](crate::train::Trainer) runs it under any dp x tp x pp layout.
@@ -28,10 +29,12 @@
 //! the gradient norm.
 
 mod linear;
+mod loss;
 mod styles;
 mod units;
 
 pub use linear::Linear;
+pub use loss::LossSum;
 pub use styles::{TpPlan, TpPlanError, TpStyle, shard_module};
 pub(crate) use units::initialized;
 pub use units::{EmbedUnit, HeadUnit, LayerUnit, NoTokenTable, Units};

@@ -8,6 +8,7 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
 use crate::batch::Batch;
+use crate::parallelize::LossSum;
 
 use crate::pipeline::{Evaluate, TiedTable, UnitStack, param_ids};
 use crate::planner::MeasuredUnit;
@@ -44,9 +45,11 @@ pub trait LayerUnit<B: Backend>: Module<B> + ModuleDisplay {
 
 /// The last pipeline unit: hidden states and the micro-batch's targets to the loss.
 pub trait HeadUnit<B: Backend>: Module<B> + ModuleDisplay {
-    /// The **sum** of the micro-batch's loss terms, `[1]` (not their mean): the trainer divides
-    /// it by the global batch's loss terms ([`Samples::loss_terms`](crate::batch::Samples)),
-    /// so every layout computes the mean one process computes. `x` is `[batch, positions,
+    /// The **sum** of the micro-batch's loss terms with their count ([`LossSum`]; a mean goes
+    /// in through [`LossSum::from_mean`]): the trainer divides the sum by the global batch's
+    /// loss terms ([`Samples::loss_terms`](crate::batch::Samples)), so every layout computes
+    /// the mean one process computes, and `run` refuses, before training, a head whose count
+    /// differs from the micro-batch's ([`Batch::loss_terms`]). `x` is `[batch, positions,
     /// hidden]`, the targets are fields of `batch` (for a token model its
     /// [`TARGETS`](crate::batch::TARGETS), negative ids not counted). `table` is the first
     /// unit's token table (`[vocab, hidden]`) when the model declares its head tied to it
@@ -58,7 +61,7 @@ pub trait HeadUnit<B: Backend>: Module<B> + ModuleDisplay {
         x: Tensor<B, 3>,
         batch: &Batch<'_, B>,
         table: Option<Tensor<B, 2>>,
-    ) -> Tensor<B, 1>;
+    ) -> LossSum<B>;
 
     /// Sums of evaluation metrics of `x` against the targets over the micro-batch, `[k]` (for
     /// example `[summed loss, correct predictions, counted targets]`): the evaluation pass
@@ -73,7 +76,9 @@ pub trait HeadUnit<B: Backend>: Module<B> + ModuleDisplay {
         table: Option<Tensor<B, 2>>,
     ) -> Option<Tensor<B, 1>> {
         let loss = self.loss(x, batch, table);
-        let terms = Tensor::<B, 1>::from_floats([batch.loss_terms() as f32], &loss.device());
+        let terms = loss.terms() as f32;
+        let loss = loss.into_sum();
+        let terms = Tensor::<B, 1>::from_floats([terms], &loss.device());
         Some(Tensor::cat(vec![loss.cast(terms.dtype()), terms], 0))
     }
 
@@ -302,6 +307,13 @@ where
             .unwrap_or_else(|| panic!("a tied head needs EmbedUnit::table"));
         Some(table.val())
     }
+
+    /// The head's loss of `x` against the micro-batch's targets, with its count of terms
+    /// (on the rank holding the head).
+    pub fn head_loss_sum(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> LossSum<B> {
+        let head = held(&self.head, self.layers.len() + 1);
+        head.loss(x, batch, self.table())
+    }
 }
 
 /// `module` with every parameter initialized, in visit order.
@@ -379,8 +391,7 @@ where
     }
 
     fn head_loss(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> Tensor<B, 1> {
-        let head = held(&self.head, self.layers.len() + 1);
-        head.loss(x, batch, self.table())
+        self.head_loss_sum(x, batch).into_sum()
     }
 
     fn head_eval(
@@ -464,8 +475,9 @@ mod tests {
             x: Tensor<B, 3>,
             _batch: &Batch<'_, B>,
             _table: Option<Tensor<B, 2>>,
-        ) -> Tensor<B, 1> {
-            x.sum()
+        ) -> LossSum<B> {
+            let terms = x.dims()[0] * x.dims()[1];
+            LossSum::new(x.sum(), terms)
         }
     }
 
