@@ -792,6 +792,21 @@ fn bad_expert_settings_fail_before_training() {
             "parallel.ep = 4 does not divide model.moe.experts = 2",
         ),
         (
+            4,
+            "moe-ep4-shard2",
+            vec![
+                "--dp",
+                "4",
+                "--ep",
+                "4",
+                "--set",
+                "parallel.zero=1",
+                "--set",
+                "parallel.shard=2",
+            ],
+            "`parallel.shard`: 2 is not a multiple of parallel.ep = 4",
+        ),
+        (
             0,
             "moe-topk",
             vec!["--set", "model.moe.top_k=5"],

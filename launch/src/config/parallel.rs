@@ -184,6 +184,19 @@ impl Config {
         if let Err(e) = moe.check_ep(ep) {
             return bad("parallel.ep", e.to_string());
         }
+        // Hybrid sharding keeps every expert in each copy: its shard groups hold whole
+        // expert-parallel groups.
+        let shard = p.shard;
+        let hybrid = p.zero != 0 && shard != 0 && shard != replicas;
+        if hybrid && !shard.is_multiple_of(ep) {
+            return bad(
+                "parallel.shard",
+                format!(
+                    "{shard} is not a multiple of parallel.ep = {ep}: hybrid sharding keeps one \
+                     copy of every expert in each shard group"
+                ),
+            );
+        }
         if p.tp > 1 && !p.sequence_parallel {
             return bad(
                 "parallel.sequence_parallel",

@@ -67,6 +67,11 @@ pub struct Sharding {
     /// Under hybrid sharding: the ranks holding the same chunk in the other copies, over which
     /// each reduce-scattered chunk is all-reduced (`None`: no hybrid sharding).
     pub replicate: Option<Group>,
+    /// Under hybrid sharding: the ranks of the expert group in this rank's shard group, over
+    /// which the buckets of routed experts held apart are cut (their chunks then all-reduced
+    /// over `replicate` like the dense ones; `None`: they are cut over the whole expert group,
+    /// every copy included).
+    pub experts: Option<Group>,
 }
 
 impl Sharding {
@@ -75,6 +80,7 @@ impl Sharding {
         Self {
             shard: dp,
             replicate: None,
+            experts: None,
         }
     }
 }

@@ -97,6 +97,10 @@ struct State {
     /// they are not the data-parallel group (`None`: no expert bucket, or the experts are held
     /// like the dense parameters).
     experts: Option<Rc<dyn Communicator>>,
+    /// Under hybrid sharding: the ranks of the expert group in this rank's shard group, which
+    /// the expert buckets held apart are cut over (their chunks then all-reduced over the
+    /// copies like the dense ones); `None`: they are cut over the whole expert group.
+    expert_shard: Option<Rc<dyn Communicator>>,
     /// On the device: each parameter's gradient summed over the step's micro-batches so far
     /// (a boxed `FloatTensor` of the inner backend), by visit order.
     held: Vec<Option<Box<dyn Any>>>,
@@ -228,12 +232,11 @@ impl State {
         }
         let copies = self.replicate.clone();
         for b in 0..self.buckets.len() {
-            let (size, apart) = (self.cut_over(b).size(), self.apart(b));
+            let (size, whole) = (self.cut_over(b).size(), self.over_every_copy(b));
             let bucket = &mut self.buckets[b];
             let mut chunk = std::mem::take(&mut bucket.acc);
             chunk.resize(BucketChunks::new(bucket.start, bucket.end, size).chunk, 0.0);
-            // An expert bucket held apart was reduce-scattered over every copy already.
-            match copies.as_ref().filter(|_| !apart) {
+            match copies.as_ref().filter(|_| !whole) {
                 Some(c) => bucket.pending = Some(c.all_reduce_start(chunk, ReduceOp::Sum)?),
                 None => bucket.data = chunk,
             }
@@ -386,9 +389,7 @@ impl State {
             return;
         };
         while self.next_replicate < self.next_launch {
-            // An expert bucket held apart is reduce-scattered over every rank holding its
-            // experts, the other copies included: its chunk is complete.
-            if self.apart(self.next_replicate) {
+            if self.over_every_copy(self.next_replicate) {
                 self.next_replicate += 1;
                 continue;
             }
@@ -416,11 +417,18 @@ impl State {
         self.buckets[b].expert && self.experts.is_some()
     }
 
-    /// The ranks bucket `b` is cut into chunks over: the expert group for an expert bucket
-    /// held apart, otherwise the shard group.
+    /// Whether bucket `b`'s chunks are cut over every copy already (an expert bucket held
+    /// apart without an expert-shard group): no all-reduce over the copies follows.
+    fn over_every_copy(&self, b: usize) -> bool {
+        self.apart(b) && self.expert_shard.is_none()
+    }
+
+    /// The ranks bucket `b` is cut into chunks over: for an expert bucket held apart, the
+    /// expert-shard group (under hybrid sharding) or the expert group; otherwise the shard
+    /// group.
     fn cut_over(&self, b: usize) -> &Rc<dyn Communicator> {
-        match &self.experts {
-            Some(e) if self.buckets[b].expert => e,
+        match (&self.expert_shard, &self.experts) {
+            (Some(e), Some(_)) | (None, Some(e)) if self.buckets[b].expert => e,
             _ => &self.shard,
         }
     }
@@ -697,6 +705,7 @@ impl DataParallel {
                 error: None,
                 launched_early: 0,
                 experts: None,
+                expert_shard: None,
                 held,
             })),
             dp,
@@ -723,6 +732,7 @@ impl DataParallel {
                 (true, Some(r)) => Some(r.comm()?).filter(|c| c.size() > 1),
                 _ => None,
             };
+            s.expert_shard = sharding.experts.map(|g| g.comm()).transpose()?;
         }
         self.shard = sharding.shard;
         Ok(self)
@@ -766,7 +776,8 @@ impl DataParallel {
             rank: c.rank(),
         };
         let dense = holders(&s.shard);
-        let experts = s.experts.as_ref().map_or(dense, holders);
+        let experts =
+            (s.experts.as_ref()).map_or(dense, |e| holders(s.expert_shard.as_ref().unwrap_or(e)));
         RankChunks::with_experts(&self.param_ranges(), &buckets, dense, (experts, &apart))
     }
 

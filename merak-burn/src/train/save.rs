@@ -60,8 +60,7 @@ where
         let step = self.done;
         // What this rank writes: without ZeRO the first data-parallel copy's whole state,
         // under ZeRO every rank of the first copy its chunks.
-        let mut rank_state =
-            (self.sync).rank_state(&self.model, &self.optim, &self.norm.experts)?;
+        let mut rank_state = (self.sync).rank_state(&self.model, &self.optim)?;
         // A tied copy is stored once, under its original's name.
         let copies: Vec<String> = (self.model.tied_names().into_iter())
             .map(|(c, _)| c)

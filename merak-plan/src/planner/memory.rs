@@ -96,7 +96,8 @@ pub struct StateSharding {
     /// `shard x cp`.
     pub shard: usize,
     /// Ranks sharing the routed experts' shards (the ranks holding the same experts, tensor
-    /// parallel peers included: they hold their experts whole).
+    /// parallel peers included: they hold their experts whole; under hybrid sharding those of
+    /// one shard group).
     pub expert_shard: usize,
     /// When ZeRO-2 and 3 reduce-scatter the gradients.
     pub reduce_scatter: ReduceScatter,
@@ -109,8 +110,8 @@ impl StateSharding {
     /// shards (hybrid sharding; 0, `dp` or a value that does not divide it: all of them), with
     /// `split`'s context parallelism (sharding like data parallelism) and expert parallelism
     /// (the experts' holders are the `dp x cp / ep` ranks with the same experts and their
-    /// tensor-parallel peers), reduce-scattering per `reduce_scatter`, keeping `versions`
-    /// weight versions.
+    /// tensor-parallel peers, under hybrid sharding those of one copy: `shard x cp / ep`),
+    /// reduce-scattering per `reduce_scatter`, keeping `versions` weight versions.
     pub fn of(
         zero: u8,
         dp: usize,
@@ -128,7 +129,7 @@ impl StateSharding {
         Self {
             zero,
             shard: copy * cp,
-            expert_shard: (dp * cp / split.ep.max(1)).max(1) * split.tp.max(1),
+            expert_shard: (copy * cp / split.ep.max(1)).max(1) * split.tp.max(1),
             reduce_scatter,
             versions,
         }
@@ -294,7 +295,7 @@ mod tests {
     }
 
     /// The groups of a layout: hybrid shard groups with their context-parallel peers, the
-    /// experts' holders with their tensor-parallel peers, whatever the hybrid group.
+    /// experts' holders with their tensor-parallel peers, within the hybrid group.
     #[test]
     fn the_groups_of_a_layout() {
         let split = RankSplit::new(2, 2, true).with_ep(2);
@@ -302,10 +303,35 @@ mod tests {
         let s = StateSharding::of(1, 4, 0, split, rs, 1);
         assert_eq!((s.shard, s.expert_shard), (8, 8));
         let s = StateSharding::of(1, 4, 2, split, rs, 1);
-        assert_eq!((s.shard, s.expert_shard), (4, 8));
+        assert_eq!((s.shard, s.expert_shard), (4, 4));
         // Not a divisor, or no ZeRO: all of dp.
         assert_eq!(StateSharding::of(1, 4, 3, split, rs, 1).shard, 8);
         assert_eq!(StateSharding::of(0, 4, 2, split, rs, 1).shard, 8);
+    }
+
+    /// Hybrid sharding with expert parallelism shards the experts' states within the copy:
+    /// dp 4, ep 2, shard 2 holds each expert on one rank of each copy (twice what sharding
+    /// over both copies' two holders gave), and with tp 2 on that rank's two TP ranks.
+    #[test]
+    fn hybrid_sharding_shards_the_experts_within_the_copy() {
+        let rs = ReduceScatter::Step;
+        let split = RankSplit::new(1, 1, false).with_ep(2);
+        let s = StateSharding::of(1, 4, 2, split, rs, 1);
+        assert_eq!((s.shard, s.expert_shard), (2, 1));
+        let whole = StateSharding::of(1, 4, 0, split, rs, 1);
+        assert_eq!((whole.shard, whole.expert_shard), (4, 2));
+        let f = StateFormat::f32(2);
+        let e = model_states(0.0, 100.0, &s, &f);
+        assert_eq!([e.params, e.grads, e.optimizer], [400.0, 400.0, 800.0]);
+        let e = model_states(0.0, 100.0, &whole, &f);
+        assert_eq!(e.optimizer, 400.0);
+        let d = model_states(100.0, 0.0, &s, &f);
+        assert_eq!(d.optimizer, 400.0);
+        let tp = RankSplit::new(2, 1, true).with_ep(2);
+        let s = StateSharding::of(3, 8, 4, tp, rs, 1);
+        assert_eq!((s.shard, s.expert_shard), (4, 4));
+        let e = model_states(0.0, 100.0, &s, &f);
+        assert_eq!([e.params, e.optimizer], [100.0, 200.0]);
     }
 
     /// ZeRO-3 holds the unit running and the one gathered ahead whole, or without resharding

@@ -409,6 +409,7 @@ fn scatter(dp: Group) {
                 Sharding {
                     shard,
                     replicate: Some(copies),
+                    experts: None,
                 },
             )
             .unwrap();

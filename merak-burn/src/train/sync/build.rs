@@ -6,14 +6,13 @@ use std::collections::HashSet;
 use burn::module::ParamId;
 
 use crate::checkpoint::state::ParamShape;
-use crate::comm::Group;
 use crate::data_parallel::{Collective, DataParallel, ReduceScatter, Sharding};
 use crate::grid::ProcessGrid;
 use crate::parallel_plan::ParallelPlan;
 use crate::pipeline::{PipelinePlan, TrainBackend, TrainModel};
 use crate::train::TrainError;
 use crate::train::experts::experts_apart;
-use crate::train::hybrid::shard_groups;
+use crate::train::hybrid::{ShardGroups, shard_groups};
 use crate::train::zero3::{self, UnitParams};
 
 use super::chunks::Chunks;
@@ -39,7 +38,8 @@ where
     let units = (parallel.zero == 3)
         .then(|| zero3::unit_params(model, pipeline, grid.coords.pp, shapes))
         .transpose()?;
-    let (reducer, shard) = reducer(grid, parallel, model, (shapes, units.as_ref()), experts)?;
+    let (reducer, groups) = reducer(grid, parallel, model, (shapes, units.as_ref()), experts)?;
+    let shard = groups.shard;
     if parallel.zero == 0 {
         return Ok(Box::new(Replicated::new(
             reducer,
@@ -49,7 +49,7 @@ where
         )));
     }
     let Some(units) = units else {
-        let chunks = Chunks::new(reducer, grid, shard, tied, device.clone(), shapes.to_vec());
+        let chunks = Chunks::new(reducer, grid, groups, tied, device.clone(), shapes.to_vec());
         return Ok(Box::new(ShardedState::new(chunks)));
     };
     let reshard = parallel.reshard_after_forward;
@@ -68,23 +68,23 @@ where
         parallel.prefetch,
     )?;
     if !experts.is_empty() && experts_apart(grid) {
-        shards = shards.with_experts(grid.experts.comm()?);
+        shards = shards.with_experts(groups.experts.comm()?);
     }
-    let chunks = Chunks::new(reducer, grid, shard, tied, device.clone(), shapes.to_vec());
+    let chunks = Chunks::new(reducer, grid, groups, tied, device.clone(), shapes.to_vec());
     Ok(Box::new(ShardedParams::new(chunks, shards, reshard)))
 }
 
 /// The data-parallel reducer of `model` under `parallel` (ZeRO-3: `units`, the parameters each
-/// unit reads) and the group it cuts its chunks over: buckets of `parallel.bucket_mb`, the
-/// routed experts' (`experts`) and a tied copy's under ZeRO in buckets of their own, no bucket
-/// spanning two units under ZeRO-3.
+/// unit reads) and the groups it cuts its chunks over ([`ShardGroups`]): buckets of
+/// `parallel.bucket_mb`, the routed experts' (`experts`) and a tied copy's under ZeRO in
+/// buckets of their own, no bucket spanning two units under ZeRO-3.
 fn reducer<B, M>(
     grid: &ProcessGrid,
     parallel: &ParallelPlan,
     model: &M,
     (shapes, units): (&[ParamShape], Option<&UnitParams>),
     experts: &HashSet<ParamId>,
-) -> Result<(DataParallel, Group), TrainError>
+) -> Result<(DataParallel, ShardGroups), TrainError>
 where
     B: TrainBackend,
     M: TrainModel<B>,
@@ -111,10 +111,16 @@ where
             false => "host",
         }
     );
-    let (shard, replicate) = shard_groups(grid, parallel)?;
+    let groups = shard_groups(grid, parallel)?;
     let collective = collective_of(parallel, on_device);
-    let reducer = reducer.with_collective(collective, Sharding { shard, replicate })?;
-    Ok((reducer, shard))
+    let sharding = Sharding {
+        shard: groups.shard,
+        replicate: groups.replicate,
+        // Under hybrid sharding the experts held apart are sharded within the copy too.
+        experts: groups.replicate.map(|_| groups.experts),
+    };
+    let reducer = reducer.with_collective(collective, sharding)?;
+    Ok((reducer, groups))
 }
 
 /// What the data-parallel reducer does at a bucket under `parallel`'s ZeRO stage, its

@@ -6,7 +6,7 @@
 //! checkpoint is written, so checkpoints stay layout-free and resume under any stage and
 //! layout.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use burn::module::{AutodiffModule, ModuleMapper, Param, ParamId};
 use burn::tensor::backend::{AutodiffBackend, Backend};
@@ -19,7 +19,7 @@ use crate::data_parallel::chunks::RankChunks;
 use crate::data_parallel::{DataParallel, DpStats, all_gather_each};
 use crate::grid::ProcessGrid;
 use crate::pipeline::{TrainBackend, TrainModel};
-use crate::train::experts::experts_apart;
+use crate::train::hybrid::ShardGroups;
 use crate::train::optim::Optimizers;
 use crate::train::param_values::for_each_param;
 use crate::train::tied::sum_tied_chunk;
@@ -35,6 +35,9 @@ pub(crate) struct Chunks<'g, B: TrainBackend> {
     pub grid: &'g ProcessGrid,
     /// The ranks that share one copy's chunks (`grid.dp` unless hybrid sharding).
     pub shard: Group,
+    /// The ranks the chunks of routed experts held apart are cut over: the expert group, or
+    /// under hybrid sharding its ranks in this rank's shard group.
+    pub experts: Group,
     /// This rank's copy of a tied embedding.
     pub tied: Option<ParamId>,
     pub device: B::Device,
@@ -52,12 +55,12 @@ pub(crate) struct Chunks<'g, B: TrainBackend> {
 }
 
 impl<'g, B: TrainBackend> Chunks<'g, B> {
-    /// The chunks `reducer` (reading chunks) hands this rank of the parameters `params`,
-    /// before any step.
+    /// The chunks `reducer` (reading chunks, cut over `groups`) hands this rank of the
+    /// parameters `params`, before any step.
     pub fn new(
         reducer: DataParallel,
         grid: &'g ProcessGrid,
-        shard: Group,
+        groups: ShardGroups,
         tied: Option<ParamId>,
         device: B::Device,
         params: Vec<ParamShape>,
@@ -67,7 +70,8 @@ impl<'g, B: TrainBackend> Chunks<'g, B> {
         Self {
             reducer,
             grid,
-            shard,
+            shard: groups.shard,
+            experts: groups.experts,
             tied,
             device,
             rank_chunks,
@@ -109,8 +113,8 @@ impl<'g, B: TrainBackend> Chunks<'g, B> {
         Ok(dp)
     }
 
-    /// This rank's squared gradient norms from its pieces, summed over the data-parallel
-    /// ranks (the routed experts' held apart over the expert group).
+    /// This rank's squared gradient norms from its pieces, summed over the ranks of one copy
+    /// (the routed experts' held apart over those holding the same experts).
     pub fn squares(&self, parts: &NormParts) -> Result<GradStats, TrainError> {
         let mut stats = GradStats::default();
         for p in &self.rank_chunks.pieces {
@@ -132,7 +136,7 @@ impl<'g, B: TrainBackend> Chunks<'g, B> {
         // gradients up to the order of the additions.
         let both = sum_f64(self.shard, &[stats.sharded_sq, stats.replicated_sq])?;
         let experts = match self.rank_chunks.apart.contains(&true) {
-            true => sum_f64(self.grid.experts, &[stats.expert_sq])?[0],
+            true => sum_f64(self.experts, &[stats.expert_sq])?[0],
             false => 0.0,
         };
         Ok(GradStats {
@@ -218,7 +222,7 @@ impl<'g, B: TrainBackend> Chunks<'g, B> {
     /// The flat values of every bucket from every rank's chunk of it (`mine`: this rank's).
     fn gather(&self, mine: Vec<Vec<f32>>) -> Result<Vec<f32>, TrainError> {
         // The dense buckets' chunks over the shard group, the experts' held apart over the
-        // expert group.
+        // ranks they are cut over.
         let (mut dense, mut experts) = (Vec::new(), Vec::new());
         for (chunk, &apart) in mine.into_iter().zip(&self.rank_chunks.apart) {
             match apart {
@@ -229,7 +233,7 @@ impl<'g, B: TrainBackend> Chunks<'g, B> {
         let mut dense = all_gather_each(&*self.shard.comm()?, dense)?.into_iter();
         let mut experts = match experts.is_empty() {
             true => Vec::new(),
-            false => all_gather_each(&*self.grid.experts.comm()?, experts)?,
+            false => all_gather_each(&*self.experts.comm()?, experts)?,
         }
         .into_iter();
         let total = self.ranges.iter().map(|&(o, l)| o + l).max().unwrap_or(0);
@@ -250,16 +254,13 @@ impl<'g, B: TrainBackend> Chunks<'g, B> {
     /// This rank's chunks of the optimizer state (and, with `own`, ZeRO-3's chunks of the
     /// parameters) for a checkpoint: each piece's moments where it has stepped (a second
     /// moment of zeros for an optimizer that keeps one tensor). Every rank of the first copy
-    /// writes its chunks; under hybrid sharding the other copies hold the same dense chunks,
-    /// but the chunks of experts held apart are cut over every rank holding those experts.
+    /// writes its chunks; under hybrid sharding the other copies hold the same chunks, the
+    /// routed experts' included (cut within each copy too).
     pub fn pieces_to_write(
         &self,
         own: Option<&[Vec<f32>]>,
-        experts: &HashSet<ParamId>,
     ) -> Result<Vec<TensorPiece>, TrainError> {
-        let first_copy = self.grid.coords.dp < self.shard.size();
-        let apart = !experts.is_empty() && experts_apart(self.grid);
-        if !(first_copy || apart) {
+        if self.grid.coords.dp >= self.shard.size() {
             return Ok(Vec::new());
         }
         let mut out = Vec::new();
@@ -283,9 +284,6 @@ impl<'g, B: TrainBackend> Chunks<'g, B> {
             };
             out.push(piece("m1", values_of(st.m1.clone())?, st.time));
             out.push(piece("m2", m2, st.time));
-        }
-        if !first_copy {
-            out.retain(|s| crate::moe::is_expert_param(&s.name));
         }
         Ok(out)
     }

@@ -155,13 +155,8 @@ pub(crate) trait GradSync<B: TrainBackend, M: TrainModel<B>> {
 
     /// What this rank writes into a checkpoint: its parameters, and the moments of its
     /// optimizer state (whole tensors) or its chunks of them (and of the parameters under
-    /// ZeRO-3). `experts`: the routed experts' parameters.
-    fn rank_state(
-        &self,
-        model: &M,
-        optim: &Optimizers<M, B>,
-        experts: &HashSet<ParamId>,
-    ) -> Result<RankState, TrainError>;
+    /// ZeRO-3).
+    fn rank_state(&self, model: &M, optim: &Optimizers<M, B>) -> Result<RankState, TrainError>;
 
     /// The parameter values this rank stores when not the model's (ZeRO-3's shards).
     fn stored_params(&self) -> Option<u64> {

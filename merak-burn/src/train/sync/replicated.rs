@@ -2,7 +2,7 @@
 //! state; the gradient buckets are all-reduced whole (from host buffers during the backward
 //! pass, or held on the device and all-reduced after it) and every rank steps every parameter.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use burn::module::ParamId;
 use burn::optim::GradientsParams;
@@ -103,12 +103,7 @@ impl<B: TrainBackend, M: TrainModel<B>> GradSync<B, M> for Replicated<'_, B> {
         Ok(model)
     }
 
-    fn rank_state(
-        &self,
-        model: &M,
-        optim: &Optimizers<M, B>,
-        _experts: &HashSet<ParamId>,
-    ) -> Result<RankState, TrainError> {
+    fn rank_state(&self, model: &M, optim: &Optimizers<M, B>) -> Result<RankState, TrainError> {
         // Every data-parallel copy holds the same state: the first one writes it, and the
         // first expert-parallel group's other ranks write their experts' state.
         let mut moments = Vec::new();

@@ -4,9 +4,7 @@
 //! resharding after the forward), or the whole model is gathered once a step and kept to the
 //! update; each rank steps its pieces and keeps the new values as its shards.
 
-use std::collections::{HashMap, HashSet};
-
-use burn::module::ParamId;
+use std::collections::HashMap;
 
 use crate::checkpoint::state::{self, ParamShape};
 use crate::checkpoint::{Moments, RankState};
@@ -104,13 +102,8 @@ impl<B: TrainBackend, M: TrainModel<B>> GradSync<B, M> for ShardedParams<'_, B> 
         Ok(model)
     }
 
-    fn rank_state(
-        &self,
-        model: &M,
-        _optim: &Optimizers<M, B>,
-        experts: &HashSet<ParamId>,
-    ) -> Result<RankState, TrainError> {
-        let pieces = (self.chunks).pieces_to_write(Some(self.shards.own()), experts)?;
+    fn rank_state(&self, model: &M, _optim: &Optimizers<M, B>) -> Result<RankState, TrainError> {
+        let pieces = (self.chunks).pieces_to_write(Some(self.shards.own()))?;
         // The model's parameters are empty; their values travel as pieces.
         let shapes: HashMap<&str, &[usize]> = (self.chunks.params.iter())
             .map(|p| (p.name.as_str(), p.shape.as_slice()))

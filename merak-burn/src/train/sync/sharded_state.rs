@@ -3,9 +3,7 @@
 //! that chunk; the buckets are all-reduced and cut (ZeRO-1) or reduce-scattered (ZeRO-2, once
 //! a step or every micro-batch), and the new values all-gathered into every rank's model.
 
-use std::collections::{HashMap, HashSet};
-
-use burn::module::ParamId;
+use std::collections::HashMap;
 
 use crate::checkpoint::state::{self, ParamShape};
 use crate::checkpoint::{Moments, RankState};
@@ -74,14 +72,9 @@ impl<B: TrainBackend, M: TrainModel<B>> GradSync<B, M> for ShardedState<'_, B> {
         Ok(model)
     }
 
-    fn rank_state(
-        &self,
-        model: &M,
-        _optim: &Optimizers<M, B>,
-        experts: &HashSet<ParamId>,
-    ) -> Result<RankState, TrainError> {
+    fn rank_state(&self, model: &M, _optim: &Optimizers<M, B>) -> Result<RankState, TrainError> {
         Ok(RankState {
-            pieces: self.chunks.pieces_to_write(None, experts)?,
+            pieces: self.chunks.pieces_to_write(None)?,
             params: state::local_params(model)?,
             moments: Vec::new(),
         })
