@@ -804,7 +804,7 @@ fn bad_expert_settings_fail_before_training() {
                 "--set",
                 "parallel.shard=2",
             ],
-            "`parallel.shard`: 2 is not a multiple of parallel.ep = 4",
+            "`parallel.shard`: 2 x parallel.cp = 1 is not a multiple of parallel.ep = 4",
         ),
         (
             0,

@@ -638,6 +638,28 @@ fn memory_json_counts_each_ranks_model_state() {
     assert!(hybrid.iter().all(|r| near(r[0], three[0][0])), "{hybrid:?}");
     assert!(near(hybrid[0][0] + hybrid[1][0], mib), "{hybrid:?}");
     assert!(near(hybrid[2][2] + hybrid[3][2], one[0][2]), "{hybrid:?}");
+    // Hybrid with context parallelism: a copy of shard 1 is one replica's 2 cp ranks, which
+    // share its chunks (the runtime cut copies of `shard` ranks of dp x cp until 2026-11-29,
+    // holding here the whole optimizer state on every rank while the accounting said half).
+    let hybrid_cp = [
+        "--dp",
+        "2",
+        "--cp",
+        "2",
+        "--set",
+        "parallel.zero=1",
+        "--set",
+        "parallel.shard=1",
+    ];
+    let hybrid_cp = state(4, "state-zero1-cp2-shard1", &hybrid_cp);
+    assert!(
+        (hybrid_cp.iter()).all(|r| r[2] < 0.6 * one[0][2]),
+        "{hybrid_cp:?}"
+    );
+    assert!(
+        near(hybrid_cp[0][2] + hybrid_cp[1][2], one[0][2]),
+        "{hybrid_cp:?}"
+    );
     // Experts: each of ep 2 ranks holds half of them; ZeRO-1 over dp 4 shards the dense
     // states over 4 ranks, the experts' over the 2 that hold the same ones. With hybrid
     // sharding (shard 2) both are sharded within the copy: the dense states over 2 ranks,

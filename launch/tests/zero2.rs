@@ -194,7 +194,8 @@ fn zero2_checkpoints_resume_under_other_layouts_and_stages() {
 }
 
 /// ZeRO-1 under hybrid sharding: gradients all-reduced over all four DP ranks, each rank
-/// stepping its chunk of its copy's slices; one process's losses and parameters.
+/// stepping its chunk of its copy's slices; one process's losses and parameters, also with
+/// context parallelism.
 #[test]
 fn hybrid_zero1_equals_one_process() {
     let single = run(0, "z1-hybrid-single", &[], &[]);
@@ -209,4 +210,19 @@ fn hybrid_zero1_equals_one_process() {
     let got = run(4, "z1-hybrid-dp4-shard2", &[], &hybrid);
     assert_same_losses("zero1 dp4 shard2", &got, &single);
     assert_same_params("zero1 dp4 shard2", &got, &single);
+    // With context parallelism a copy is `shard` replicas with their cp ranks: dp 2 x cp 2,
+    // shard 1, two copies of two ranks.
+    let with_cp = [
+        "--dp",
+        "2",
+        "--cp",
+        "2",
+        "--set",
+        "parallel.zero=1",
+        "--set",
+        "parallel.shard=1",
+    ];
+    let got = run(4, "z1-hybrid-dp2-cp2-shard1", &[], &with_cp);
+    assert_same_losses("zero1 dp2 cp2 shard1", &got, &single);
+    assert_same_params("zero1 dp2 cp2 shard1", &got, &single);
 }

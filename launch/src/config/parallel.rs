@@ -187,13 +187,14 @@ impl Config {
         // Hybrid sharding keeps every expert in each copy: its shard groups hold whole
         // expert-parallel groups.
         let shard = p.shard;
-        let hybrid = p.zero != 0 && shard != 0 && shard != replicas;
-        if hybrid && !shard.is_multiple_of(ep) {
+        let hybrid = p.zero != 0 && shard != 0 && shard != p.dp;
+        if hybrid && !(shard * p.cp).is_multiple_of(ep) {
             return bad(
                 "parallel.shard",
                 format!(
-                    "{shard} is not a multiple of parallel.ep = {ep}: hybrid sharding keeps one \
-                     copy of every expert in each shard group"
+                    "{shard} x parallel.cp = {} is not a multiple of parallel.ep = {ep}: hybrid \
+                     sharding keeps one copy of every expert in each shard group",
+                    p.cp
                 ),
             );
         }

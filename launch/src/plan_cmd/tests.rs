@@ -120,6 +120,9 @@ fn a_layout_with_expert_parallelism() {
     let l = parse_layout("dp=4,tp=2,sp=on,ep=4", &moe, 8, 8).expect("valid");
     assert_eq!((l.ep, l.expert_replicas()), (4, 1));
     assert_eq!(l.sequence_label(), "sp ep=4");
+    // Each copy of hybrid sharding holds every expert, its experts' states cut within it.
+    let l = parse_layout("dp=8,ep=2,zero=1,shard=4", &moe, 8, 8).expect("valid");
+    assert_eq!(l.state_sharding().expert_shard, 2);
     for (text, part) in [
         ("dp=8,ep=3", "ep = 3: does not divide the model's 4 experts"),
         (
@@ -131,6 +134,10 @@ fn a_layout_with_expert_parallelism() {
             "sp = off: a mixture of experts at tp = 2 needs sequence parallelism",
         ),
         ("dp=8,ep=0", "ep=0 must be at least 1"),
+        (
+            "dp=8,ep=4,zero=1,shard=2",
+            "shard = 2: hybrid sharding needs ep = 4 to divide it",
+        ),
     ] {
         let e = parse_layout(text, &moe, 8, 8).expect_err(text).to_string();
         assert!(e.contains(part), "{text}: {part:?} not in {e}");

@@ -1,16 +1,18 @@
 //! Hybrid sharding (`parallel.shard`): the data-parallel group cut into shard groups of
-//! `shard` consecutive DP ranks, each holding one replica's chunks (ZeRO-2 or 3 within it),
-//! and replicate groups of the ranks holding the same chunk in every replica (torchtitan's
-//! `dp_shard` × `dp_replicate`).
+//! `shard` consecutive data-parallel replicas with their context-parallel ranks (`shard x cp`
+//! ranks, as the planner's accounting counts a copy), each holding one copy's chunks (ZeRO-2
+//! or 3 within it), and replicate groups of the ranks holding the same chunk in every copy
+//! (torchtitan's `dp_shard` × `dp_replicate`).
 //!
 //! Routed experts held apart (expert or tensor parallelism, [`experts_apart`]) are sharded
 //! within the copy too: their chunks are cut over the *expert-shard group*, the ranks of the
-//! expert group ([`ProcessGrid::experts`]) in this rank's shard group, `(shard / ep) × tp`
+//! expert group ([`ProcessGrid::experts`]) in this rank's shard group, `(shard x cp / ep) × tp`
 //! ranks, and each chunk is all-reduced over the same replicate group as the dense chunks.
-//! That group holds the same expert chunk in every copy: its ranks share the pipeline stage,
-//! the TP index and `dp % shard`, hence (`ep` dividing `shard`) `dp % ep`, which picks the
-//! experts, and `(dp % shard) / ep`, which with the TP index is the rank's place in its
-//! expert-shard group (the expert group's key order, `(dp / ep) × tp + tp`, kept).
+//! That group holds the same expert chunk in every copy: with `c = shard x cp` its ranks share
+//! the pipeline stage, the TP index and `i % c` (`i` the rank's index in the data-parallel
+//! group), hence (`ep` dividing `c`) `i % ep`, which picks the experts, and `(i % c) / ep`,
+//! which with the TP index is the rank's place in its expert-shard group (the expert group's
+//! key order, `(i / ep) × tp + tp`, kept). A startup check confirms it on every hybrid run.
 
 use crate::comm::{Communicator, Group};
 use crate::grid::ProcessGrid;
@@ -39,7 +41,10 @@ pub(crate) fn shard_groups(
     grid: &ProcessGrid,
     parallel: &ParallelPlan,
 ) -> Result<ShardGroups, TrainError> {
-    let (dp, shard) = (grid.dp.size(), parallel.shard);
+    // The data-parallel group holds `dp x cp` ranks, the cp ranks of a replica consecutive: a
+    // copy is `shard` replicas with their context-parallel ranks.
+    let cp = grid.layout.cp.max(1);
+    let (dp, shard) = (grid.dp.size() / cp, parallel.shard);
     if shard == 0 || shard == dp {
         return Ok(ShardGroups {
             shard: grid.dp,
@@ -47,14 +52,14 @@ pub(crate) fn shard_groups(
             experts: grid.experts,
         });
     }
-    check_hybrid(dp, parallel)?;
-    let (me, comm) = (grid.coords.dp, grid.dp.comm()?);
-    let shard_comm = comm.split(me / shard, me % shard)?;
-    let replicate = comm.split(me % shard, me / shard)?;
+    check_hybrid(dp, cp, parallel)?;
+    let (me, comm, copy) = (grid.coords.dp, grid.dp.comm()?, shard * cp);
+    let shard_comm = comm.split(me / copy, me % copy)?;
+    let replicate = comm.split(me % copy, me / copy)?;
     let experts = match experts_apart(grid) {
         true => {
             let all = grid.experts.comm()?;
-            let experts = all.split(me / shard, all.rank())?;
+            let experts = all.split(me / copy, all.rank())?;
             same_expert_chunks(grid, &*replicate, &*experts)?;
             Group::register(experts)
         }
@@ -94,8 +99,8 @@ fn same_expert_chunks(
 }
 
 /// Hybrid sharding's settings: `parallel.shard` dividing the `dp` data-parallel ranks, ZeRO
-/// on, and `parallel.ep` dividing `parallel.shard` (each copy holds every expert).
-fn check_hybrid(dp: usize, parallel: &ParallelPlan) -> Result<(), InvalidSetting> {
+/// on, and `parallel.ep` dividing a copy's `shard x cp` ranks (each copy holds every expert).
+fn check_hybrid(dp: usize, cp: usize, parallel: &ParallelPlan) -> Result<(), InvalidSetting> {
     let shard = parallel.shard;
     let bad = |reason: String| InvalidSetting {
         key: "parallel.shard".into(),
@@ -112,10 +117,10 @@ fn check_hybrid(dp: usize, parallel: &ParallelPlan) -> Result<(), InvalidSetting
         )));
     }
     let ep = parallel.ep.max(1);
-    if !shard.is_multiple_of(ep) {
+    if !(shard * cp).is_multiple_of(ep) {
         return Err(bad(format!(
-            "hybrid sharding needs parallel.ep = {ep} to divide parallel.shard = {shard}: each \
-             shard group holds one copy of every expert"
+            "hybrid sharding needs parallel.ep = {ep} to divide parallel.shard x parallel.cp = \
+             {shard} x {cp}: each shard group holds one copy of every expert"
         )));
     }
     Ok(())
@@ -139,19 +144,19 @@ mod tests {
     /// the refusal names both settings with their values.
     #[test]
     fn hybrid_sharding_refuses_an_ep_that_does_not_divide_the_shard_groups() {
-        let e = check_hybrid(4, &plan(1, 2, 4)).expect_err("ep 4 does not divide shard 2");
+        let e = check_hybrid(4, 1, &plan(1, 2, 4)).expect_err("ep 4 does not divide shard 2");
         assert_eq!(e.key, "parallel.shard");
         assert_eq!(e.value, "2");
         assert!(
-            e.reason.contains("parallel.ep = 4") && e.reason.contains("parallel.shard = 2"),
+            e.reason.contains("parallel.ep = 4") && e.reason.contains("2 x 1"),
             "{e}"
         );
         for (zero, shard, ep) in [(1, 2, 2), (2, 2, 1), (3, 4, 2), (3, 2, 2)] {
-            check_hybrid(4, &plan(zero, shard, ep)).expect("ep divides shard");
+            check_hybrid(4, 1, &plan(zero, shard, ep)).expect("ep divides shard");
         }
-        let e = check_hybrid(4, &plan(0, 2, 1)).expect_err("no ZeRO");
+        let e = check_hybrid(4, 1, &plan(0, 2, 1)).expect_err("no ZeRO");
         assert!(e.reason.contains("parallel.zero"), "{e}");
-        let e = check_hybrid(4, &plan(1, 3, 1)).expect_err("3 does not divide 4");
+        let e = check_hybrid(4, 1, &plan(1, 3, 1)).expect_err("3 does not divide 4");
         assert!(e.reason.contains("divide parallel.dp = 4"), "{e}");
     }
 }

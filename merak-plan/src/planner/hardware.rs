@@ -213,13 +213,7 @@ impl HardwareSpec {
                 runtime: Runtime::Published,
                 gradient_copy_stall_s: 0.0,
             },
-            "h200-141g" => HardwareSpec {
-                name: name.to_string(),
-                memory_bytes: 141_000_000_000,
-                // 80% of the data sheet's 4.8 TB/s, as on the other presets.
-                memory_bandwidth: 3.84e12,
-                ..Self::preset("h100-80g")?
-            },
+            "h200-141g" => Self::h200(),
             "local-cpu" => HardwareSpec {
                 name: name.to_string(),
                 devices_per_node: 2,
@@ -246,6 +240,18 @@ impl HardwareSpec {
             _ => return None,
         };
         Some(spec)
+    }
+
+    /// The `h200-141g` preset: the H100's compute and links with 141 GB at 4.8 TB/s.
+    fn h200() -> Self {
+        let h100 = Self::preset("h100-80g").unwrap_or_else(|| unreachable!("a preset"));
+        HardwareSpec {
+            name: "h200-141g".into(),
+            memory_bytes: 141_000_000_000,
+            // 80% of the data sheet's 4.8 TB/s, as on the other presets.
+            memory_bandwidth: 3.84e12,
+            ..h100
+        }
     }
 
     /// The same spec with `devices` devices in all (whole nodes, rounding up).

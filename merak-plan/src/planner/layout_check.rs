@@ -128,6 +128,17 @@ impl Check<'_> {
                 let reason = format!("hybrid sharding needs {} = 1, 2 or 3 (it is 0)", n("zero"));
                 return Err(self.bad("shard", l.shard, reason));
             }
+            if !(l.shard * l.cp.max(1)).is_multiple_of(l.ep.max(1)) {
+                let reason = format!(
+                    "hybrid sharding needs {} = {} to divide it times {} = {}: each copy holds \
+                     every expert",
+                    n("ep"),
+                    l.ep,
+                    n("cp"),
+                    l.cp
+                );
+                return Err(self.bad("shard", l.shard, reason));
+            }
         }
         if l.reduce_scatter == ReduceScatter::MicroBatch && l.zero < 2 {
             let reason = format!(

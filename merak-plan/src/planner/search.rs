@@ -418,7 +418,8 @@ impl Slot {
     /// once per step (one micro-batch: only every micro-batch, as fast and holding less);
     /// ZeRO-3, whose gathers run every pass, also
     /// shards within a node when its data-parallel group spans more (hybrid sharding: the
-    /// largest divisor of dp whose copy fits in a node; stages 1 and 2 may be hybrid too, but
+    /// largest divisor of dp whose copy fits in a node and that the expert-parallel degree
+    /// divides; stages 1 and 2 may be hybrid too, but
     /// are not searched, to keep the space within its bound). Only under a uniform policy: the
     /// stage planner's cuts assume once per step and all of dp.
     fn variants(&self, zero: u8, policy: Recompute) -> Vec<Zeroed> {
@@ -436,7 +437,11 @@ impl Slot {
         let tp = self.split.tp;
         if zero == 3 && uniform && self.split.cp == 1 && self.dp * tp > self.per_node {
             let largest = (self.per_node / tp.max(1)).min(self.dp - 1);
-            let within = (2..=largest).rev().find(|&s| self.dp.is_multiple_of(s));
+            // Each copy holds every routed expert: ep divides the copy.
+            let ep = self.split.ep.max(1);
+            let within = (2..=largest)
+                .rev()
+                .find(|&s| self.dp.is_multiple_of(s) && s.is_multiple_of(ep));
             shards.extend(within);
         }
         (rs.iter())

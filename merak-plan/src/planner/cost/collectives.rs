@@ -164,6 +164,30 @@ impl<'a> CostModel<'a> {
         }
     }
 
+    /// The exposed seconds of a whole all-reduce of `grad_bytes` over `d` ranks lasting `full`
+    /// after a last backward pass of `last_backward`, given the host buffers' `copies`
+    /// ([`host_buffer_s`](Self::host_buffer_s)).
+    fn allreduce_exposed(
+        &self,
+        full: f64,
+        grad_bytes: f64,
+        (d, last_backward): (usize, f64),
+        copies: Option<f64>,
+    ) -> f64 {
+        let runtime = self.hardware.runtime;
+        match copies {
+            // The published runtime's device buckets overlap the backward pass.
+            None if runtime == Runtime::Published => (full - last_backward).max(0.0),
+            // merak's device buffers: every bucket all-reduced after the backward pass,
+            // through host memory without NCCL.
+            None if d > 1 && !runtime.nccl() => {
+                full + 2.0 * grad_bytes / self.hardware.host_copy_bandwidth()
+            }
+            None => full,
+            Some(copies) => (full - last_backward).max(0.0) + copies,
+        }
+    }
+
     /// Seconds a rank of `layout` holding `bytes` of gradients over `units` units spends
     /// copying them into host buffers and back when its runtime is merak's and keeps them
     /// there (`gradient_buffers`; `None`: it keeps them on the device, or the runtime is the
@@ -219,20 +243,8 @@ impl<'a> CostModel<'a> {
         );
         if layout.zero == 0 {
             let full = self.allreduce(grad_bytes, d, d * t) + expert_reduce;
-            let runtime = self.hardware.runtime;
-            let exposed = match copies {
-                // The published runtime's device buckets overlap the backward pass.
-                None if runtime == Runtime::Published => (full - last_backward).max(0.0),
-                // merak's device buffers: every bucket all-reduced after the backward pass,
-                // through host memory without NCCL.
-                None if d > 1 && !runtime.nccl() => {
-                    full + 2.0 * grad_bytes / self.hardware.host_copy_bandwidth()
-                }
-                None => full,
-                Some(copies) => (full - last_backward).max(0.0) + copies,
-            };
             return DataParallelTail {
-                exposed,
+                exposed: self.allreduce_exposed(full, grad_bytes, (d, last_backward), copies),
                 allgather: 0.0,
                 local_params: rank_params + experts,
             };
