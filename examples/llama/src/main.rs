@@ -32,7 +32,8 @@ struct Args {
     /// time, to this new file (JSON lines, fastest first; an existing file is refused).
     #[arg(long, requires = "plan_auto")]
     plan_report: Option<PathBuf>,
-    /// Pipeline schedule: gpipe, 1f1b, interleaved, shifted-critical-path or 2bw.
+    /// Pipeline schedule: gpipe, 1f1b, interleaved, shifted-critical-path, 2bw or zb-h1 (zb-v
+    /// needs two stages per pipeline rank, which this example does not set).
     #[arg(long, default_value = "1f1b")]
     schedule: ScheduleKind,
     /// Optimizer steps.

@@ -33,7 +33,8 @@ struct Args {
     /// optimizer state sharded; each unit gathered just before it runs).
     #[arg(long, default_value_t = 0)]
     zero: u8,
-    /// Pipeline schedule: gpipe, 1f1b, interleaved, shifted-critical-path or 2bw.
+    /// Pipeline schedule: gpipe, 1f1b, interleaved, shifted-critical-path, 2bw or zb-h1 (zb-v
+    /// needs two stages per pipeline rank, which this example does not set).
     #[arg(long, default_value = "1f1b")]
     schedule: ScheduleKind,
     /// Optimizer steps.
