@@ -199,30 +199,26 @@ fn zero2_checkpoints_resume_under_other_layouts_and_stages() {
 #[test]
 fn hybrid_zero1_equals_one_process() {
     let single = run(0, "z1-hybrid-single", &[], &[]);
-    let hybrid = [
-        "--dp",
-        "4",
-        "--set",
-        "parallel.zero=1",
-        "--set",
-        "parallel.shard=2",
-    ];
-    let got = run(4, "z1-hybrid-dp4-shard2", &[], &hybrid);
-    assert_same_losses("zero1 dp4 shard2", &got, &single);
-    assert_same_params("zero1 dp4 shard2", &got, &single);
+    let zero1 = ["--set", "parallel.zero=1"];
     // With context parallelism a copy is `shard` replicas with their cp ranks: dp 2 x cp 2,
     // shard 1, two copies of two ranks.
-    let with_cp = [
-        "--dp",
-        "2",
-        "--cp",
-        "2",
-        "--set",
-        "parallel.zero=1",
-        "--set",
-        "parallel.shard=1",
-    ];
-    let got = run(4, "z1-hybrid-dp2-cp2-shard1", &[], &with_cp);
-    assert_same_losses("zero1 dp2 cp2 shard1", &got, &single);
-    assert_same_params("zero1 dp2 cp2 shard1", &got, &single);
+    for (name, layout) in [
+        (
+            "dp4-shard2",
+            ["--dp", "4", "--set", "parallel.shard=2"].as_slice(),
+        ),
+        (
+            "dp2-cp2-shard1",
+            &["--dp", "2", "--cp", "2", "--set", "parallel.shard=1"],
+        ),
+    ] {
+        let got = run(
+            4,
+            &format!("z1-hybrid-{name}"),
+            &[],
+            &[&zero1, layout].concat(),
+        );
+        assert_same_losses(&format!("zero1 {name}"), &got, &single);
+        assert_same_params(&format!("zero1 {name}"), &got, &single);
+    }
 }
