@@ -19,6 +19,10 @@ struct Args {
     /// Pipeline-parallel degree.
     #[arg(long, default_value_t = 1)]
     pp: usize,
+    /// Sequence parallelism (with --tp): between the tensor-parallel layers each rank holds
+    /// seq / tp positions of every sequence; --seq must be a multiple of --tp.
+    #[arg(long)]
+    sequence_parallel: bool,
     /// Expert-parallel degree (with --experts): each group of this many data-parallel ranks
     /// splits the experts; divides --dp and --experts.
     #[arg(long, default_value_t = 1)]
@@ -113,6 +117,7 @@ fn main() -> anyhow::Result<()> {
         false => PlanChoice::Given(ParallelPlan {
             dp: args.dp,
             tp: args.tp,
+            sequence_parallel: args.sequence_parallel,
             pp: args.pp,
             ep: args.ep,
             micro_batch: args.micro_batch,

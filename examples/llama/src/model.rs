@@ -266,7 +266,10 @@ impl<B: ParallelBackend> Attention<B> {
     /// `[batch, seq, hidden]` to `[batch, seq, hidden]`. The number of heads comes from the
     /// width of the projections, so a tensor-parallel rank runs its share of the heads.
     fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let [b, s, _] = x.dims();
+        // The positions of the projections' outputs: under sequence parallelism `x` holds
+        // this rank's part of each sequence, and the projections gather the whole.
+        let q = self.wq.forward(x.clone());
+        let [b, s, _] = q.dims();
         let split = |t: Tensor<B, 3>| {
             let width = t.dims()[2];
             assert!(
@@ -279,7 +282,7 @@ impl<B: ParallelBackend> Attention<B> {
             t.reshape([b, s, width / self.head_dim, self.head_dim])
                 .swap_dims(1, 2)
         };
-        let q = self.rope.forward(split(self.wq.forward(x.clone())));
+        let q = self.rope.forward(split(q));
         let local = q.dims()[1];
         let k = self
             .rope

@@ -76,7 +76,8 @@ fn assert_equal(name: &str, got: &Trained, want: &Trained) {
 
 /// With the output projection tied to the token embedding, the pipeline's last stage keeps a
 /// copy of the table whose gradient the trainer sums with the embedding's: pp=2 and 2x2x2
-/// equal one process, and the checkpoint stores the table once.
+/// (also under sequence parallelism) equal one process, and the checkpoint stores the table
+/// once.
 #[test]
 fn a_tied_embedding_across_the_pipeline_equals_one_process() {
     let tie = ["--tie-embeddings"];
@@ -86,6 +87,11 @@ fn a_tied_embedding_across_the_pipeline_equals_one_process() {
     for (np, name, args) in [
         (2, "tied-pp2", vec!["--pp", "2"]),
         (8, "tied-3d", vec!["--dp", "2", "--tp", "2", "--pp", "2"]),
+        (
+            8,
+            "tied-3d-sp",
+            vec!["--dp", "2", "--tp", "2", "--pp", "2", "--sequence-parallel"],
+        ),
     ] {
         let args: Vec<&str> = tie.iter().copied().chain(args).collect();
         assert_equal(name, &train(np, name, &args), &single);
@@ -147,6 +153,9 @@ fn a_balanced_mixture_at_whole_share_micro_batches_equals_one_process() {
     }
 }
 
+/// dp=2, tp=2, pp=2, dp x tp x pp = 2 x 2 x 2, and tp=2 and tp=2 x pp=2 under sequence
+/// parallelism (the hidden states between the units split along the sequence, the norms'
+/// gradients summed over the TP ranks) equal one process.
 #[test]
 fn every_layout_equals_one_process() {
     let want = train(1, "single", &[]);
@@ -154,10 +163,13 @@ fn every_layout_equals_one_process() {
     assert_eq!(single.len(), 6);
     assert!(single[5] < single[0] - 0.3, "the loss falls: {single:?}");
     assert!(want.2.loss < single[0], "held out: {:?}", want.2);
-    let layouts: [(usize, &str, &[&str]); 4] = [
+    let sp: &[&str] = &["--tp", "2", "--pp", "2", "--sequence-parallel"];
+    let layouts: [(usize, &str, &[&str]); 6] = [
         (2, "dp2", &["--dp", "2"]),
         (2, "tp2", &["--tp", "2"]),
+        (2, "tp2-sp", &["--tp", "2", "--sequence-parallel"]),
         (2, "pp2", &["--pp", "2"]),
+        (4, "tp2pp2-sp", sp),
         (8, "dp2tp2pp2", &["--dp", "2", "--tp", "2", "--pp", "2"]),
     ];
     for (np, name, args) in layouts {

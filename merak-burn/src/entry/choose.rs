@@ -3,6 +3,8 @@
 
 use burn::tensor::backend::AutodiffBackend;
 
+use crate::tensor_parallel::ParallelBackend;
+
 use super::{RunError, UnitModel, UnitsOf, sample_units};
 use crate::batch::{Batch, Samples};
 use crate::comm::{Communicator, Group};
@@ -98,7 +100,7 @@ pub(crate) fn choose_plan<B, M>(
     device: &B::Device,
 ) -> Result<Chosen, RunError>
 where
-    B: AutodiffBackend,
+    B: AutodiffBackend + ParallelBackend,
     M: UnitModel<B>,
 {
     let dims = model.dims();
@@ -227,7 +229,7 @@ fn write_report(
 
 /// The first unit, block 0 and the last unit of a model (at tp = 1) with a micro-batch of
 /// the data's first samples.
-struct Sample<B: AutodiffBackend, M: UnitModel<B>> {
+struct Sample<B: AutodiffBackend + ParallelBackend, M: UnitModel<B>> {
     units: UnitsOf<B, M>,
     samples: Samples,
     device: B::Device,
@@ -237,7 +239,7 @@ struct Sample<B: AutodiffBackend, M: UnitModel<B>> {
     positions: usize,
 }
 
-impl<B: AutodiffBackend, M: UnitModel<B>> Sample<B, M> {
+impl<B: AutodiffBackend + ParallelBackend, M: UnitModel<B>> Sample<B, M> {
     /// Builds the sample units of `model` and reads `micro` samples of `data`, then checks
     /// them ([`check`](Self::check)).
     fn new(

@@ -101,6 +101,15 @@ pub enum RunError {
         /// What is wrong.
         reason: String,
     },
+    /// Sequence parallelism the model cannot take: a sequence length `tp` does not divide,
+    /// or blocks holding mixtures of experts.
+    #[error("parallel.sequence_parallel at parallel.tp = {tp}: {reason}")]
+    SequenceParallel {
+        /// The tensor-parallel degree.
+        tp: usize,
+        /// What is wrong.
+        reason: String,
+    },
     /// The signal handlers could not be installed.
     #[error("installing the signal handlers: {0}")]
     Signals(std::io::Error),

@@ -138,6 +138,7 @@ where
     let chosen = choose::choose_plan(model, plan, settings, data, comm, &device)?;
     let (plan, costs) = (chosen.plan, chosen.costs);
     experts::check_plan(model.experts(), &plan)?;
+    experts::check_sequence_parallel(model.experts(), &plan, chosen.positions)?;
     // The messages between stages are as wide as the first unit's output.
     let settings = &settings.clone().with_seq_len(chosen.positions);
     let resume = options.resume.as_deref().map(open_resume).transpose()?;
@@ -172,7 +173,13 @@ where
     if let (Some((_, count)), 2..) = (model.experts(), grid.ep.size()) {
         experts::check_split(&state::param_shapes(&units), count, grid.ep.size())?;
     }
-    let units = shard_module(units, &model.tp_plan(), grid.tp)?;
+    let sequence_parallel = plan.sequence_parallel && grid.tp.size() > 1;
+    let tp_plan = model.tp_plan().with_sequence_parallel(sequence_parallel);
+    let units = shard_module(units, &tp_plan, grid.tp)?;
+    let units = match sequence_parallel {
+        true => units.with_sequence_parallel(grid.tp),
+        false => units,
+    };
     let part = Part {
         grid: &grid,
         device,

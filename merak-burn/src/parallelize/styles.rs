@@ -100,6 +100,13 @@ pub enum TpPlanError {
 pub struct TpPlan {
     /// `(pattern, style)` pairs; the first that matches a layer decides.
     pub rules: Vec<(String, TpStyle)>,
+    /// Sequence parallelism: between the split layers (outside a column-parallel layer's
+    /// input and a row-parallel layer's output) each rank holds `seq / tp` positions of every
+    /// sequence, so a column-parallel layer all-gathers its input along the sequence and a
+    /// row-parallel one reduce-scatters its output; the hidden states between the units are
+    /// cut by [`Units::with_sequence_parallel`](super::Units::with_sequence_parallel).
+    #[serde(default)]
+    pub sequence_parallel: bool,
 }
 
 impl TpPlan {
@@ -107,7 +114,15 @@ impl TpPlan {
     pub fn new<'a>(rules: impl IntoIterator<Item = (&'a str, TpStyle)>) -> Self {
         Self {
             rules: rules.into_iter().map(|(p, s)| (p.to_string(), s)).collect(),
+            sequence_parallel: false,
         }
+    }
+
+    /// The same plan with sequence parallelism on or off
+    /// ([`sequence_parallel`](Self::sequence_parallel)).
+    pub fn with_sequence_parallel(mut self, on: bool) -> Self {
+        self.sequence_parallel = on;
+        self
     }
 
     /// The style of the layer at `path` and the index of the rule that gave it.
@@ -267,7 +282,8 @@ impl Cutter<'_> {
         }
         if let Some((_, style)) = self.plan.style_of(&self.path[..n - 1]) {
             let (weight, bias) = style.over(self.tp.size()).kinds();
-            replace_split(self.tp, [("linear.weight", weight), ("linear.bias", bias)]);
+            let params = [("linear.weight", weight), ("linear.bias", bias)];
+            replace_split(self.tp, params, self.plan.sequence_parallel);
         }
     }
 }

@@ -1,18 +1,21 @@
 //! A model as pipeline units: an embedding, a stack of layers and a head with the loss.
 
+use std::collections::HashSet;
 use std::marker::PhantomData;
 use std::time::Instant;
 
-use burn::module::{Module, ModuleDisplay, ModuleVisitor, Param, ParamId};
+use burn::module::{Module, ModuleDisplay, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
 use crate::batch::Batch;
+use crate::comm::Group;
 use crate::parallelize::LossSum;
 
 use crate::pipeline::{Evaluate, TiedTable, UnitStack, param_ids};
 use crate::planner::MeasuredUnit;
-use crate::tensor_parallel::ParamSplits;
+use crate::tensor_parallel::ops::{gather_from_tp, split_to_tp};
+use crate::tensor_parallel::{ParallelBackend, ParamSplits, copy_to_tp};
 
 /// The first pipeline unit: a micro-batch's input fields to hidden states.
 pub trait EmbedUnit<B: Backend>: Module<B> + ModuleDisplay {
@@ -131,6 +134,10 @@ pub struct Units<B: Backend, E: Module<B>, L: Module<B>, H: Module<B>> {
     /// ([`with_experts`](Self::with_experts)).
     #[module(skip)]
     experts: Option<(usize, usize)>,
+    /// The tensor-parallel group the hidden states between the units are split over along
+    /// the sequence ([`with_sequence_parallel`](Self::with_sequence_parallel)).
+    #[module(skip)]
+    sequence: Option<Group>,
     #[module(skip)]
     backend: PhantomData<B>,
 }
@@ -171,8 +178,26 @@ where
             table_name: "",
             hidden,
             experts: None,
+            sequence: None,
             backend: PhantomData,
         }
+    }
+
+    /// These units under sequence parallelism over the tensor-parallel group `tp` (no effect
+    /// for one rank): between the units each rank holds positions `r seq / tp .. (r + 1) seq
+    /// / tp` of every sequence. The first unit runs on whole sequences and this rank keeps its
+    /// part of its output; the last unit gets whole sequences back (all-gathered), so the
+    /// loss and the metrics are those without it. Inside each block the linear layers the
+    /// [`TpPlan`](super::TpPlan) splits gather and scatter the positions (cut them with
+    /// [`TpPlan::with_sequence_parallel`](super::TpPlan::with_sequence_parallel)), and every
+    /// parameter the block holds whole (its norms, a row-parallel bias) sees this rank's
+    /// positions only, so its gradient is summed over `tp`. A block must treat positions
+    /// independently outside its split layers (norms, residual adds, an MLP between a column-
+    /// and a row-parallel layer, attention between them): the sequence length must be a
+    /// multiple of `tp`.
+    pub fn with_sequence_parallel(mut self, tp: Group) -> Self {
+        self.sequence = (tp.size() > 1).then_some(tp);
+        self
     }
 
     /// These units, declared to hold `experts` = `(MoE layers, experts per layer)`
@@ -216,6 +241,7 @@ where
             head: self.head.filter(|_| holds(last)),
             hidden: self.hidden,
             experts: self.experts,
+            sequence: self.sequence,
             backend: PhantomData,
         }
     }
@@ -223,7 +249,7 @@ where
 
 impl<B, E, L, H> Units<B, E, L, H>
 where
-    B: AutodiffBackend,
+    B: AutodiffBackend + ParallelBackend,
     E: EmbedUnit<B>,
     L: LayerUnit<B>,
     H: HeadUnit<B>,
@@ -307,12 +333,29 @@ where
             .unwrap_or_else(|| panic!("a tied head needs EmbedUnit::table"));
         Some(table.val())
     }
+}
 
+impl<B, E, L, H> Units<B, E, L, H>
+where
+    B: ParallelBackend,
+    E: EmbedUnit<B>,
+    L: LayerUnit<B>,
+    H: HeadUnit<B>,
+{
     /// The head's loss of `x` against the micro-batch's targets, with its count of terms
     /// (on the rank holding the head).
     pub fn head_loss_sum(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> LossSum<B> {
         let head = held(&self.head, self.layers.len() + 1);
-        head.loss(x, batch, self.table())
+        head.loss(self.whole_sequences(x), batch, self.table())
+    }
+
+    /// The hidden states of whole sequences, all-gathered under sequence parallelism (the
+    /// gradient's own part kept backward).
+    fn whole_sequences(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        match self.sequence {
+            Some(tp) => gather_from_tp(x, 1, tp),
+            None => x,
+        }
     }
 }
 
@@ -355,9 +398,30 @@ fn held<T>(slot: &Option<T>, unit: usize) -> &T {
         .unwrap_or_else(|| panic!("unit {unit} is not held by this pipeline rank"))
 }
 
+/// `layer` with every parameter it holds whole read through *f* (identity forward, the
+/// gradient summed over `tp` backward), for a block that sees only this rank's positions under
+/// sequence parallelism: the original parameters get the sum of every rank's part.
+fn summed_over<B: ParallelBackend, M: Module<B>>(layer: &M, tp: Group) -> M {
+    struct Summed {
+        split: HashSet<ParamId>,
+        tp: Group,
+    }
+    impl<B: ParallelBackend> ModuleMapper<B> for Summed {
+        fn map_float<const D: usize>(&mut self, p: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            if self.split.contains(&p.id) {
+                return p;
+            }
+            let tp = self.tp;
+            p.map(|t| copy_to_tp(t, tp))
+        }
+    }
+    let split = ParamSplits::of(layer).sharded_ids();
+    layer.clone().map(&mut Summed { split, tp })
+}
+
 impl<B, E, L, H> UnitStack<B> for Units<B, E, L, H>
 where
-    B: Backend,
+    B: ParallelBackend,
     E: EmbedUnit<B>,
     L: LayerUnit<B>,
     H: HeadUnit<B>,
@@ -382,12 +446,25 @@ where
         self.hidden
     }
 
+    fn sequence_parts(&self) -> usize {
+        self.sequence.map_or(1, |tp| tp.size())
+    }
+
     fn embed(&self, batch: &Batch<'_, B>) -> Tensor<B, 3> {
-        held(&self.embed, 0).embed(batch)
+        let x = held(&self.embed, 0).embed(batch);
+        match self.sequence {
+            // This rank's positions; the whole gradient (all-gathered) backward.
+            Some(tp) => split_to_tp(x, 1, tp),
+            None => x,
+        }
     }
 
     fn layer(&self, index: usize, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> Tensor<B, 3> {
-        held(&self.layers[index], index + 1).forward(x, batch)
+        let layer = held(&self.layers[index], index + 1);
+        match self.sequence {
+            Some(tp) => summed_over(layer, tp).forward(x, batch),
+            None => layer.forward(x, batch),
+        }
     }
 
     fn head_loss(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> Tensor<B, 1> {
@@ -401,6 +478,7 @@ where
         what: Evaluate,
     ) -> Option<Tensor<B, 2>> {
         let head = held(&self.head, self.layers.len() + 1);
+        let x = self.whole_sequences(x);
         match what {
             Evaluate::Metrics => (head.metrics(x, batch, self.table())).map(|m| m.unsqueeze_dim(0)),
             Evaluate::Predictions => head.predict(x, batch, self.table()),

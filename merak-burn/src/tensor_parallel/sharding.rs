@@ -66,6 +66,9 @@ pub const SPLIT_CONTAINER: &str = "merak:Split";
 pub struct Split<B: Backend> {
     params: Declared,
     group: Option<Group>,
+    /// Whether the layer's input (column-parallel) or output (row-parallel) is split along the
+    /// sequence over `group` (sequence parallelism).
+    sequence_parallel: bool,
     /// `params` as announced to visitors and mappers, written once: models are visited and
     /// mapped several times per training step.
     announced: Arc<str>,
@@ -83,12 +86,26 @@ impl<B: Backend> Split<B> {
         Self::declared(sharded(params), Some(group))
     }
 
+    /// The same declaration, with the hidden states outside the layer split along the
+    /// sequence over its group when `on` (sequence parallelism; no effect without a group).
+    pub fn with_sequence_parallel(mut self, on: bool) -> Self {
+        self.sequence_parallel = on && self.group.is_some();
+        self
+    }
+
+    /// Whether the hidden states outside the layer are split along the sequence over its
+    /// group ([`with_sequence_parallel`](Self::with_sequence_parallel)).
+    pub fn sequence_parallel(&self) -> bool {
+        self.sequence_parallel
+    }
+
     /// The declaration of `params` over `group`, with its announcement.
     fn declared(params: Declared, group: Option<Group>) -> Self {
         let announced = serde_json::to_string(&params).unwrap_or_default().into();
         Self {
             params,
             group,
+            sequence_parallel: false,
             announced,
             backend: PhantomData,
         }
@@ -111,6 +128,7 @@ impl<B: Backend> Split<B> {
         Split {
             params: self.params.clone(),
             group: self.group,
+            sequence_parallel: self.sequence_parallel,
             announced: self.announced.clone(),
             backend: PhantomData,
         }
@@ -130,20 +148,21 @@ fn sharded<'a>(params: impl IntoIterator<Item = (&'a str, ShardKind)>) -> Declar
 
 thread_local! {
     /// A declaration a mapper hands to the [`Split`] it is mapping (see [`replace_split`]).
-    static REPLACEMENT: RefCell<Option<(Declared, Group)>> = const { RefCell::new(None) };
+    static REPLACEMENT: RefCell<Option<(Declared, Group, bool)>> = const { RefCell::new(None) };
 }
 
 /// Called by a [`ModuleMapper`] from its `enter_module` when the container is
 /// [`SPLIT_CONTAINER`]: the [`Split`] being mapped becomes the declaration of `params` split
-/// over `group` (Burn's mappers map only
-/// parameters; this is how [`shard_module`](crate::parallelize::shard_module) declares the
-/// split of the layers it cuts). The hand-over is taken before `map` returns.
+/// over `group`, its outside split along the sequence when `sequence_parallel` (Burn's mappers
+/// map only parameters; this is how [`shard_module`](crate::parallelize::shard_module)
+/// declares the split of the layers it cuts). The hand-over is taken before `map` returns.
 pub(crate) fn replace_split<'a>(
     group: Group,
     params: impl IntoIterator<Item = (&'a str, ShardKind)>,
+    sequence_parallel: bool,
 ) {
     let declared = sharded(params);
-    REPLACEMENT.with(|r| *r.borrow_mut() = Some((declared, group)));
+    REPLACEMENT.with(|r| *r.borrow_mut() = Some((declared, group, sequence_parallel)));
 }
 
 impl<B: Backend> Module<B> for Split<B> {
@@ -159,7 +178,9 @@ impl<B: Backend> Module<B> for Split<B> {
         mapper.enter_module(&self.announced, SPLIT_CONTAINER);
         mapper.exit_module(&self.announced, SPLIT_CONTAINER);
         match REPLACEMENT.with(|r| r.borrow_mut().take()) {
-            Some((params, group)) => Self::declared(params, Some(group)),
+            Some((params, group, sp)) => {
+                Self::declared(params, Some(group)).with_sequence_parallel(sp)
+            }
             None => self,
         }
     }
