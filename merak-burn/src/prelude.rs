@@ -6,6 +6,7 @@
 
 pub use crate::backend::{Cpu, CpuAutodiff};
 pub use crate::batch::{Batch, Samples, TARGETS, TOKENS};
+pub use crate::context_parallel::ContextShare;
 pub use crate::entry::{
     AutoPlan, ModelDims, PlanChoice, RunError, RunOptions, RunReport, UnitModel, UnitPlace,
 };

@@ -19,6 +19,10 @@ struct Args {
     /// Pipeline-parallel degree.
     #[arg(long, default_value_t = 1)]
     pp: usize,
+    /// Context-parallel degree: each rank holds 2 of 2 cp chunks of every sequence, the
+    /// attention runs as a ring over the cp ranks; --seq must be a multiple of 2 cp.
+    #[arg(long, default_value_t = 1)]
+    cp: usize,
     /// Sequence parallelism (with --tp): between the tensor-parallel layers each rank holds
     /// seq / tp positions of every sequence; --seq must be a multiple of --tp.
     #[arg(long)]
@@ -117,6 +121,7 @@ fn main() -> anyhow::Result<()> {
         false => PlanChoice::Given(ParallelPlan {
             dp: args.dp,
             tp: args.tp,
+            cp: args.cp,
             sequence_parallel: args.sequence_parallel,
             pp: args.pp,
             ep: args.ep,

@@ -50,6 +50,10 @@ pub struct Attention<B: Backend> {
     /// Key/value heads of the whole model.
     #[module(skip)]
     kv_heads: usize,
+    /// Under context parallelism: this rank's share of every sequence and the attention over
+    /// the whole sequences (from the block's [`UnitPlace`]).
+    #[module(skip)]
+    context: Option<ContextShare>,
 }
 
 /// The SwiGLU MLP: `w2(silu(w1 x) * w3 x)`.
@@ -219,6 +223,7 @@ impl<B: ParallelBackend> Block<B> {
                 head_dim,
                 heads: c.heads,
                 kv_heads: c.kv_heads,
+                context: place.context,
             },
             mlp_norm: norm(c, device),
             mlp: c.moe.is_none().then(|| Mlp {
@@ -282,20 +287,42 @@ impl<B: ParallelBackend> Attention<B> {
             t.reshape([b, s, width / self.head_dim, self.head_dim])
                 .swap_dims(1, 2)
         };
-        let q = self.rope.forward(split(q));
+        let q = self.rotate(split(q));
         let local = q.dims()[1];
-        let k = self
-            .rope
-            .forward(self.own_kv(split(self.wk.forward(x.clone())), local));
+        let k = self.rotate(self.own_kv(split(self.wk.forward(x.clone())), local));
         let v = self.own_kv(split(self.wv.forward(x)), local);
         let group = local / k.dims()[1];
         let (k, v) = (repeat_heads(k, group), repeat_heads(v, group));
-        let scores = q.matmul(k.swap_dims(2, 3)) / (self.head_dim as f64).sqrt();
-        let mask = generate_autoregressive_mask::<B>(b, s, &scores.device()).unsqueeze_dim(1);
-        let weights = softmax(scores.mask_fill(mask, f32::NEG_INFINITY), 3);
-        let ctx = weights.matmul(v).swap_dims(1, 2);
+        let ctx = match &self.context {
+            Some(share) => share.attention(q, k, v, true),
+            None => {
+                let scores = q.matmul(k.swap_dims(2, 3)) / (self.head_dim as f64).sqrt();
+                let mask = generate_autoregressive_mask::<B>(b, s, &scores.device());
+                let masked = scores.mask_fill(mask.unsqueeze_dim(1), f32::NEG_INFINITY);
+                softmax(masked, 3).matmul(v)
+            }
+        }
+        .swap_dims(1, 2);
         let width = ctx.dims()[2] * self.head_dim;
         self.wo.forward(ctx.reshape([b, s, width]))
+    }
+
+    /// The rotary position embedding of `t` (`[batch, heads, positions, head_dim]`) at its
+    /// positions: `0..positions`, or under context parallelism this rank's two chunks of
+    /// each sequence.
+    fn rotate(&self, t: Tensor<B, 4>) -> Tensor<B, 4> {
+        let Some(share) = &self.context else {
+            return self.rope.forward(t);
+        };
+        let mut at = 0;
+        let parts = share.zigzag.chunks().map(|held| {
+            let part = self
+                .rope
+                .apply(t.clone().narrow(2, at, held.len()), held.start);
+            at += held.len();
+            part
+        });
+        Tensor::cat(Vec::from(parts), 2)
     }
 
     /// The key/value heads (`[batch, kv, seq, head_dim]`) that this rank's `local` query

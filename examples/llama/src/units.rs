@@ -42,6 +42,11 @@ impl<B: ParallelBackend> UnitModel<B> for LlamaConfig {
         self.tie_embeddings
     }
 
+    /// The blocks attend through `UnitPlace::context` and rotate at its positions.
+    fn context_parallel(&self) -> bool {
+        true
+    }
+
     fn experts(&self) -> Option<(usize, usize)> {
         self.moe.map(|m| (self.layers, m.experts))
     }

@@ -153,9 +153,11 @@ fn a_balanced_mixture_at_whole_share_micro_batches_equals_one_process() {
     }
 }
 
-/// dp=2, tp=2, pp=2, dp x tp x pp = 2 x 2 x 2, and tp=2 and tp=2 x pp=2 under sequence
+/// dp=2, tp=2, pp=2, dp x tp x pp = 2 x 2 x 2, tp=2 and tp=2 x pp=2 under sequence
 /// parallelism (the hidden states between the units split along the sequence, the norms'
-/// gradients summed over the TP ranks) equal one process.
+/// gradients summed over the TP ranks), and cp=2, cp=2 x pp=2 and cp=2 x tp=2 with sequence
+/// parallelism (each rank holding its zigzag share of every sequence, the attention a ring)
+/// equal one process.
 #[test]
 fn every_layout_equals_one_process() {
     let want = train(1, "single", &[]);
@@ -164,12 +166,16 @@ fn every_layout_equals_one_process() {
     assert!(single[5] < single[0] - 0.3, "the loss falls: {single:?}");
     assert!(want.2.loss < single[0], "held out: {:?}", want.2);
     let sp: &[&str] = &["--tp", "2", "--pp", "2", "--sequence-parallel"];
-    let layouts: [(usize, &str, &[&str]); 6] = [
+    let cp_sp: &[&str] = &["--cp", "2", "--tp", "2", "--sequence-parallel"];
+    let layouts: [(usize, &str, &[&str]); 9] = [
         (2, "dp2", &["--dp", "2"]),
         (2, "tp2", &["--tp", "2"]),
         (2, "tp2-sp", &["--tp", "2", "--sequence-parallel"]),
         (2, "pp2", &["--pp", "2"]),
+        (2, "cp2", &["--cp", "2"]),
+        (4, "cp2pp2", &["--cp", "2", "--pp", "2"]),
         (4, "tp2pp2-sp", sp),
+        (4, "cp2tp2-sp", cp_sp),
         (8, "dp2tp2pp2", &["--dp", "2", "--tp", "2", "--pp", "2"]),
     ];
     for (np, name, args) in layouts {
@@ -343,6 +349,31 @@ fn a_layout_without_its_ranks_is_refused_before_anything_is_written() {
     assert_eq!(run.code, Some(1), "{}", run.stderr);
     assert!(run.stderr.contains("mpirun -np 4"), "{}", run.stderr);
     assert!(!out.exists(), "{} was made", out.display());
+}
+
+/// Context and sequence parallelism that the sequences cannot take are refused on every rank
+/// before anything is written, naming the key and the numbers, with a non-zero exit: 30
+/// tokens are not 2 cp = 4 zigzag chunks, and 33 are not a multiple of tp = 2.
+#[test]
+fn uneven_context_and_sequence_splits_are_refused_before_anything_is_written() {
+    let cases: [(&[&str], &str); 2] = [
+        (&["--cp", "2", "--seq", "30"], "parallel.cp = 2"),
+        (
+            &["--tp", "2", "--sequence-parallel", "--seq", "33"],
+            "parallel.sequence_parallel at parallel.tp = 2",
+        ),
+    ];
+    for (args, key) in cases {
+        let dir = merak_tests::fresh_folder("llama-uneven");
+        let out = dir.join("run");
+        let mut cmd = merak_tests::mpirun(2);
+        cmd.arg(BIN).args(args).arg("--out").arg(&out);
+        let run = run_with_deadline(cmd, Duration::from_secs(120));
+        assert_ne!(run.code, Some(0), "{args:?}: {}", run.stderr);
+        assert!(run.stderr.contains(key), "{args:?}: {}", run.stderr);
+        assert!(!out.exists(), "{} was made", out.display());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
 
 /// A checkpoint whose experts moved selection biases (`--bias-update-rate`) is not exported as

@@ -16,6 +16,7 @@
 mod host;
 mod ring;
 mod samples;
+mod share;
 mod ulysses;
 mod zigzag;
 
@@ -23,5 +24,6 @@ pub use host::{Ring, RingError};
 pub use merak_plan::context_parallel::CpAttention;
 pub use ring::{ContextParallelBackend, ring_attention, ulysses_attention};
 pub use samples::{ShardError, shard_samples};
+pub use share::ContextShare;
 pub use ulysses::{UlyssesError, UlyssesSaved, ulysses_heads_per_rank};
 pub use zigzag::{ZigZag, ZigZagError};

@@ -110,6 +110,16 @@ pub enum RunError {
         /// What is wrong.
         reason: String,
     },
+    /// Context parallelism the model cannot take: blocks that do not declare it
+    /// ([`UnitModel::context_parallel`](super::UnitModel::context_parallel)), or sequences
+    /// `2 cp` does not divide.
+    #[error("parallel.cp = {cp}: {reason}")]
+    ContextParallel {
+        /// The context-parallel degree.
+        cp: usize,
+        /// What is wrong.
+        reason: String,
+    },
     /// The signal handlers could not be installed.
     #[error("installing the signal handlers: {0}")]
     Signals(std::io::Error),

@@ -43,35 +43,6 @@ pub(crate) fn check_plan(
     Ok(())
 }
 
-/// Refuses sequence parallelism (`plan.sequence_parallel` at `plan.tp > 1`) that a unit
-/// model cannot take: sequences of `positions` that tp does not divide, or blocks holding
-/// mixtures of experts (`experts`, whose routing would see only this rank's positions).
-pub(crate) fn check_sequence_parallel(
-    experts: Option<(usize, usize)>,
-    plan: &ParallelPlan,
-    positions: usize,
-) -> Result<(), RunError> {
-    let tp = plan.tp;
-    if !plan.sequence_parallel || tp <= 1 {
-        return Ok(());
-    }
-    let refuse = |reason: String| Err(RunError::SequenceParallel { tp, reason });
-    if !positions.is_multiple_of(tp) {
-        return refuse(format!(
-            "each rank holds seq / tp positions between the blocks, but the first unit \
-             returns {positions} positions per sample, which {tp} does not divide"
-        ));
-    }
-    if experts.is_some() {
-        return refuse(
-            "a model of your own with mixtures of experts has no sequence parallelism yet; \
-             set parallel.sequence_parallel = false"
-                .into(),
-        );
-    }
-    Ok(())
-}
-
 /// Refuses built units (`shapes`: their parameters) whose mixtures of experts hold other than
 /// `experts / ep` of their routed experts (`….experts.{e}.…`) on this rank: blocks built
 /// without [`UnitPlace::moe`](super::UnitPlace::moe).
@@ -164,31 +135,5 @@ mod tests {
         assert!(refused(None, plan(2, 1)).contains("declares no mixture"));
         assert!(refused(Some((2, 6)), plan(4, 1)).contains("divide the 6 routed"));
         assert!(refused(Some((2, 8)), plan(2, 2)).contains("parallel.tp = 2"));
-    }
-
-    #[test]
-    fn sequence_parallelism_is_refused_on_uneven_sequences_or_with_experts() {
-        let plan = |tp, sequence_parallel| ParallelPlan {
-            tp,
-            sequence_parallel,
-            ..ParallelPlan::default()
-        };
-        assert!(check_sequence_parallel(None, &plan(2, true), 32).is_ok());
-        // Off, or one TP rank: nothing to check.
-        assert!(check_sequence_parallel(Some((2, 4)), &plan(2, false), 33).is_ok());
-        assert!(check_sequence_parallel(Some((2, 4)), &plan(1, true), 33).is_ok());
-        let refused = |experts, p: ParallelPlan, seq| {
-            (check_sequence_parallel(experts, &p, seq))
-                .expect_err("refused")
-                .to_string()
-        };
-        let msg = refused(None, plan(2, true), 33);
-        assert!(
-            msg.contains("parallel.sequence_parallel at parallel.tp = 2"),
-            "{msg}"
-        );
-        assert!(msg.contains("returns 33 positions"), "{msg}");
-        let msg = refused(Some((2, 4)), plan(2, true), 32);
-        assert!(msg.contains("mixtures of experts"), "{msg}");
     }
 }

@@ -31,6 +31,7 @@ mod error;
 mod experts;
 mod model;
 mod options;
+mod sequence;
 mod train_part;
 
 pub use choose::{AutoPlan, PlanChoice};
@@ -138,7 +139,8 @@ where
     let chosen = choose::choose_plan(model, plan, settings, data, comm, &device)?;
     let (plan, costs) = (chosen.plan, chosen.costs);
     experts::check_plan(model.experts(), &plan)?;
-    experts::check_sequence_parallel(model.experts(), &plan, chosen.positions)?;
+    sequence::check_sequence_parallel(model.experts(), &plan, chosen.positions)?;
+    sequence::check_context_parallel(model, &plan)?;
     // The messages between stages are as wide as the first unit's output.
     let settings = &settings.clone().with_seq_len(chosen.positions);
     let resume = options.resume.as_deref().map(open_resume).transpose()?;
@@ -168,7 +170,10 @@ where
     };
     let me = grid.coords.pp;
     let holds = |u: usize| pipeline.schedule.rank_of(pipeline.partition.stage_of(u)) == me;
-    let place = UnitPlace { experts: grid.ep };
+    let place = UnitPlace {
+        experts: grid.ep,
+        context: sequence::context_share(&plan, &grid, settings.seq_len)?,
+    };
     let units = build_units_on(model, settings.seed, &device, holds, &place)?;
     if let (Some((_, count)), 2..) = (model.experts(), grid.ep.size()) {
         experts::check_split(&state::param_shapes(&units), count, grid.ep.size())?;
@@ -180,6 +185,7 @@ where
         true => units.with_sequence_parallel(grid.tp),
         false => units,
     };
+    let units = units.with_context_parallel(grid.cp);
     let part = Part {
         grid: &grid,
         device,

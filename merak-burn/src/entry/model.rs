@@ -3,6 +3,7 @@
 use burn::tensor::backend::Backend;
 
 use crate::comm::Group;
+use crate::context_parallel::ContextShare;
 use crate::moe::MoePlace;
 use crate::parallelize::{EmbedUnit, HeadUnit, LayerUnit, NoTokenTable, TpPlan, Units};
 use crate::planner::TransformerShape;
@@ -88,6 +89,15 @@ pub trait UnitModel<B: Backend> {
     fn experts(&self) -> Option<(usize, usize)> {
         None
     }
+
+    /// Whether the blocks run under context parallelism when their [`UnitPlace::context`]
+    /// says so: they attend through [`ContextShare::attention`] and encode the positions of
+    /// [`ZigZag::chunks`](crate::context_parallel::ZigZag::chunks). Declared here, a run with
+    /// `parallel.cp > 1` hands each rank its share of every sequence; otherwise (the default)
+    /// it refuses cp > 1, since the blocks' attention would see only the rank's positions.
+    fn context_parallel(&self) -> bool {
+        false
+    }
 }
 
 /// What the library tells a block's constructor about the rank that builds it
@@ -97,13 +107,18 @@ pub struct UnitPlace {
     /// The expert-parallel group: its ranks split each mixture of experts' routed experts and
     /// exchange tokens (one rank without expert parallelism).
     pub experts: Group,
+    /// Under context parallelism (`parallel.cp > 1`, for a model that declares
+    /// [`UnitModel::context_parallel`]): this rank's share of every sequence and the
+    /// attention over the whole sequences. `None`: whole sequences.
+    pub context: Option<ContextShare>,
 }
 
 impl UnitPlace {
-    /// One rank: every routed expert on it.
+    /// One rank: every routed expert on it, whole sequences.
     pub fn single() -> Self {
         Self {
             experts: Group::local(),
+            context: None,
         }
     }
 

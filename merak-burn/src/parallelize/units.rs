@@ -10,6 +10,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 
 use crate::batch::Batch;
 use crate::comm::Group;
+use crate::context_parallel::ZigZag;
 use crate::parallelize::LossSum;
 
 use crate::pipeline::{Evaluate, TiedTable, UnitStack, param_ids};
@@ -138,6 +139,10 @@ pub struct Units<B: Backend, E: Module<B>, L: Module<B>, H: Module<B>> {
     /// the sequence ([`with_sequence_parallel`](Self::with_sequence_parallel)).
     #[module(skip)]
     sequence: Option<Group>,
+    /// The context-parallel group the sequences are cut across
+    /// ([`with_context_parallel`](Self::with_context_parallel)).
+    #[module(skip)]
+    context: Option<Group>,
     #[module(skip)]
     backend: PhantomData<B>,
 }
@@ -179,6 +184,7 @@ where
             hidden,
             experts: None,
             sequence: None,
+            context: None,
             backend: PhantomData,
         }
     }
@@ -197,6 +203,19 @@ where
     /// multiple of `tp`.
     pub fn with_sequence_parallel(mut self, tp: Group) -> Self {
         self.sequence = (tp.size() > 1).then_some(tp);
+        self
+    }
+
+    /// These units under context parallelism over `cp` (no effect for one rank): each rank's
+    /// micro-batches hold its zigzag share of every sequence
+    /// ([`shard_samples`](crate::context_parallel::shard_samples)), so every unit runs on
+    /// those positions, the blocks attending over the whole sequences through their
+    /// [`UnitPlace::context`](crate::entry::UnitPlace::context), and the head's loss and
+    /// metrics count this rank's positions (the trainer sums them over the group). Its
+    /// per-sample outputs ([`HeadUnit::predict`]) are computed from the whole sequences,
+    /// all-gathered.
+    pub fn with_context_parallel(mut self, cp: Group) -> Self {
+        self.context = (cp.size() > 1).then_some(cp);
         self
     }
 
@@ -242,6 +261,7 @@ where
             hidden: self.hidden,
             experts: self.experts,
             sequence: self.sequence,
+            context: self.context,
             backend: PhantomData,
         }
     }
@@ -349,6 +369,20 @@ where
         head.loss(self.whole_sequences(x), batch, self.table())
     }
 
+    /// The hidden states of whole sequences under context parallelism: every rank's zigzag
+    /// share all-gathered and put in sequence order (for evaluation; the gradient's own part
+    /// is kept backward).
+    fn whole_context(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let Some(cp) = self.context else {
+            return x;
+        };
+        let local = x.dims()[1];
+        let shards = gather_from_tp(x, 1, cp).chunk(cp.size(), 1);
+        debug_assert!(shards.iter().all(|s| s.dims()[1] == local));
+        ZigZag::unshard_tensor(shards)
+            .unwrap_or_else(|e| panic!("the context-parallel shards of {local} positions: {e}"))
+    }
+
     /// The hidden states of whole sequences, all-gathered under sequence parallelism (the
     /// gradient's own part kept backward).
     fn whole_sequences(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
@@ -447,7 +481,8 @@ where
     }
 
     fn sequence_parts(&self) -> usize {
-        self.sequence.map_or(1, |tp| tp.size())
+        let parts = |group: Option<Group>| group.map_or(1, |g| g.size());
+        parts(self.sequence) * parts(self.context)
     }
 
     fn embed(&self, batch: &Batch<'_, B>) -> Tensor<B, 3> {
@@ -481,7 +516,10 @@ where
         let x = self.whole_sequences(x);
         match what {
             Evaluate::Metrics => (head.metrics(x, batch, self.table())).map(|m| m.unsqueeze_dim(0)),
-            Evaluate::Predictions => head.predict(x, batch, self.table()),
+            Evaluate::Predictions => {
+                let x = self.whole_context(x);
+                head.predict(x, batch, self.table())
+            }
         }
     }
 

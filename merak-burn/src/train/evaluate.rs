@@ -72,7 +72,14 @@ where
         let width = self.agreed_width(&values)?;
         let rows = batches * self.settings.global_batch;
         let mut all = vec![0.0f32; rows * width];
-        for v in &values {
+        // Under context parallelism every rank of a cp group predicts its samples alike (from
+        // the whole sequences): the first one's count.
+        let values = if self.grid.cp.rank() == 0 {
+            &values[..]
+        } else {
+            &[]
+        };
+        for v in values {
             let (first, n) = (v.mb, v.shape[0]);
             all[first * width..(first + n) * width].copy_from_slice(&v.values);
         }

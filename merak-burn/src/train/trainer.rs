@@ -642,7 +642,8 @@ fn check_context_parallel(cp: usize, parts: usize) -> Result<(), TrainError> {
         key: "parallel.cp".into(),
         value: cp.to_string(),
         reason: "this model does not cut its sequences across context-parallel ranks (GPT and \
-                 BERT do, with_context_parallel; a model of your own cannot run with cp > 1 yet)"
+                 BERT do, with_context_parallel; a model of your own does through \
+                 merak_burn::run when it declares UnitModel::context_parallel)"
             .into(),
     }
     .into())
