@@ -8,7 +8,8 @@ pub use crate::backend::{Cpu, CpuAutodiff};
 pub use crate::batch::{Batch, Samples, TARGETS, TOKENS};
 pub use crate::context_parallel::ContextShare;
 pub use crate::entry::{
-    AutoPlan, ModelDims, PlanChoice, RunError, RunOptions, RunReport, UnitModel, UnitPlace,
+    AutoPlan, MetricSums, ModelDims, PlanChoice, RunError, RunOptions, RunReport, UnitModel,
+    UnitPlace,
 };
 pub use crate::parallel_plan::ParallelPlan;
 pub use crate::parallelize::{EmbedUnit, HeadUnit, LayerUnit, Linear, LossSum, TpPlan, TpStyle};

@@ -75,8 +75,48 @@ impl<B: ParallelBackend> HeadUnit<B> for Block<B> {
     }
 }
 
+/// The test model's head declaring three metric names for its two (default) sums.
+#[derive(Module, Debug)]
+struct Misnamed<B: Backend> {
+    head: Block<B>,
+}
+
+impl<B: ParallelBackend> HeadUnit<B> for Misnamed<B> {
+    const METRICS: &'static [&'static str] = &["loss", "loss_terms", "accuracy"];
+    fn loss(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>, t: Option<Tensor<B, 2>>) -> LossSum<B> {
+        self.head.loss(x, batch, t)
+    }
+}
+
+/// [`Model`] with the [`Misnamed`] head.
+struct MisnamedModel(Model);
+
+impl<B: ParallelBackend> UnitModel<B> for MisnamedModel {
+    type Embed = Tokens<B>;
+    type Layer = Block<B>;
+    type Head = Misnamed<B>;
+    fn dims(&self) -> ModelDims {
+        UnitModel::<B>::dims(&self.0)
+    }
+    fn embed(&self, device: &B::Device) -> Tokens<B> {
+        self.0.embed(device)
+    }
+    fn layer(&self, index: usize, device: &B::Device) -> Block<B> {
+        self.0.layer(index, device)
+    }
+    fn head(&self, device: &B::Device) -> Misnamed<B> {
+        Misnamed {
+            head: self.0.head(device),
+        }
+    }
+    fn tp_plan(&self) -> TpPlan {
+        UnitModel::<B>::tp_plan(&self.0)
+    }
+}
+
 /// A model of width 4 whose block returns `block_out` features and whose token table is
 /// `table_width` wide.
+#[derive(Clone)]
 struct Model {
     block_out: usize,
     table_width: usize,
@@ -251,6 +291,19 @@ fn units_that_do_not_fit_together_are_refused_before_anything_is_written() {
         "{text}"
     );
     assert!(!out.exists());
+    // A head naming three metrics for two sums: refused, naming both counts.
+    let plan = PlanChoice::Given(ParallelPlan::default());
+    let options = RunOptions::default().with_out(&out);
+    let misnamed = MisnamedModel(fits.clone());
+    let err = merak_burn::run::<CpuAutodiff, _>(&misnamed, &plan, &Data, &settings(), &options)
+        .expect_err("refused");
+    let text = err.to_string();
+    assert!(matches!(err, RunError::MetricNames { .. }), "{text}");
+    assert!(
+        text.contains("metrics are 2 sums, but it names 3"),
+        "{text}"
+    );
+    assert!(!out.exists());
     side_inputs_reach_every_block(dir.path());
     // The same model, fitting, trains and checkpoints.
     run(&fits, &out, ParallelPlan::default()).expect("trains");
@@ -327,9 +380,11 @@ fn a_head_without_metrics_reports_its_held_out_loss(dir: &std::path::Path) {
             .expect("trains and evaluates");
     let metrics = report.metrics.expect("evaluated");
     // 2 global batches of 2 windows of 4 tokens: 16 loss terms.
-    assert_eq!(metrics.len(), 2, "{metrics:?}");
-    assert_eq!(metrics[1], 16.0, "{metrics:?}");
-    assert!(metrics[0].is_finite() && metrics[0] > 0.0, "{metrics:?}");
+    let names: Vec<&str> = metrics.iter().map(|(n, _)| n).collect();
+    assert_eq!(names, ["loss", "loss_terms"], "{metrics:?}");
+    assert_eq!(metrics.sum("loss_terms"), Some(16.0), "{metrics:?}");
+    let loss = metrics.sum("loss").expect("a loss");
+    assert!(loss.is_finite() && loss > 0.0, "{metrics:?}");
     let out = dir.join("no-predictions");
     let mut options = RunOptions::default().with_out(&out);
     options.predict_batches = 1;

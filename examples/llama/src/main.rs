@@ -143,7 +143,8 @@ fn main() -> anyhow::Result<()> {
     };
     let r = merak_burn::run::<CpuAutodiff, _>(&cfg, &plan, &data, &settings, &options)?;
     if let (0, Some(m), Some(p)) = (r.rank, &r.metrics, &r.predictions) {
-        let (loss, accuracy, next) = (m[0] / m[2], m[1] / m[2], p.argmax());
+        let ratio = |name| m.ratio(name, "tokens").unwrap_or(f64::NAN);
+        let (loss, accuracy, next) = (ratio("loss"), ratio("correct"), p.argmax());
         println!("llama: planned {}\nllama: {}", r.plan, r.summary);
         println!("llama: held-out loss {loss:.6} accuracy {accuracy:.4}, next tokens {next:?}");
     }

@@ -436,6 +436,8 @@ impl<B: ParallelBackend> HeadUnit<B> for Head<B> {
         )
     }
 
+    const METRICS: &'static [&'static str] = &["loss", "correct", "tokens"];
+
     /// `[summed next-token loss, correct next tokens, tokens]` of the micro-batch.
     fn metrics(
         &self,

@@ -247,6 +247,8 @@ impl<B: ParallelBackend> HeadUnit<B> for Head<B> {
         LossSum::new(Self::loss_sum(self.logits(x), labels), images)
     }
 
+    const METRICS: &'static [&'static str] = &["loss", "correct", "images"];
+
     /// `[summed loss, correct predictions, images]` of the micro-batch.
     fn metrics(
         &self,

@@ -27,8 +27,8 @@ pub fn settings(steps: usize, global_batch: usize, lr: f64, seed: u64) -> TrainS
 }
 
 /// What rank 0 prints of a finished run `r` (`None` on the other ranks): the plan, the
-/// summary, the held-out loss and accuracy (from [`RunReport::metrics`], the head's
-/// `[summed loss, correct, images]`) and the first predictions against their labels.
+/// summary, the held-out loss and accuracy (from [`RunReport::metrics`], the head's sums
+/// `loss`, `correct` and `images`) and the first predictions against their labels.
 pub fn report(r: &RunReport, data: &DigitsSource) -> Option<String> {
     if r.rank != 0 {
         return None;
@@ -36,14 +36,16 @@ pub fn report(r: &RunReport, data: &DigitsSource) -> Option<String> {
     let mut s = String::new();
     let _ = writeln!(s, "vit: planned {}", r.plan);
     let _ = write!(s, "vit: {}", r.summary);
-    if let Some(m) = r.metrics.as_deref().filter(|m| m.len() == 3 && m[2] > 0.0) {
-        let (loss, accuracy) = (m[0] / m[2], m[1] / m[2]);
+    let held_out = (r.metrics.as_ref()).and_then(|m| {
+        let (correct, images) = (m.sum("correct")?, m.sum("images")?);
+        Some((m.ratio("loss", "images")?, correct, images))
+    });
+    if let Some((loss, correct, images)) = held_out {
+        let accuracy = correct / images;
         let _ = write!(
             s,
-            "\nvit: held-out loss {loss:.6} accuracy {accuracy:.4} ({} of {} images, {} \
-             held out)",
-            m[1],
-            m[2],
+            "\nvit: held-out loss {loss:.6} accuracy {accuracy:.4} ({correct} of {images} \
+             images, {} held out)",
             data.held_out()
         );
     }

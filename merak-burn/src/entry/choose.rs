@@ -1,24 +1,22 @@
 //! The run's parallel plan: the one given, or the planner's for the launched ranks from the
 //! model's units timed on the backend that trains; and the units' costs the pipeline is cut by.
 
+use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
-
-use crate::tensor_parallel::ParallelBackend;
 
 use super::{RunError, UnitModel, UnitsOf, sample_units};
 use crate::batch::{Batch, Samples};
 use crate::comm::{Communicator, Group};
 use crate::parallel_plan::ParallelPlan;
-use crate::parallelize::EmbedUnit;
-use crate::parallelize::shard_module;
-use crate::pipeline::Recompute;
-use crate::pipeline::UnitStack;
+use crate::parallelize::{EmbedUnit, HeadUnit, shard_module};
+use crate::pipeline::{Evaluate, Recompute, UnitStack};
 use crate::planner::search::candidates;
 use crate::planner::{
     CostModel, HardwareSpec, MeasuredModel, MeasuredUnit, ModelProxy, SearchError, SearchOptions,
     search, with_fixed_costs,
 };
 use crate::probe::mean_over_ranks;
+use crate::tensor_parallel::ParallelBackend;
 use crate::train::read_samples;
 use crate::train::{BatchSource, TrainError, TrainSettings};
 
@@ -301,6 +299,7 @@ impl<B: AutodiffBackend + ParallelBackend, M: UnitModel<B>> Sample<B, M> {
                 "a tied head's table is [vocab, ModelDims::hidden]",
             )?;
         }
+        self.check_metrics(x.clone(), &batch)?;
         let loss = caught("the last unit", || self.units.head_loss_sum(x, &batch))?;
         if loss.terms() != batch.loss_terms() {
             return Err(RunError::LossTerms {
@@ -315,6 +314,22 @@ impl<B: AutodiffBackend + ParallelBackend, M: UnitModel<B>> Sample<B, M> {
             "a loss is one number",
         )?;
         Ok(positions)
+    }
+
+    /// Refuses a head whose metrics on the sample micro-batch (hidden states `x`) are not one
+    /// sum per name it declares ([`HeadUnit::METRICS`]).
+    fn check_metrics(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> Result<(), RunError> {
+        let names = <M::Head as HeadUnit<B>>::METRICS;
+        let metrics = caught("the last unit's metrics", || {
+            self.units.head_eval(x, batch, Evaluate::Metrics)
+        })?;
+        match metrics.map(|m| m.dims()[1]) {
+            Some(counted) if counted != names.len() => Err(RunError::MetricNames {
+                names: names.iter().map(|n| n.to_string()).collect(),
+                counted,
+            }),
+            _ => Ok(()),
+        }
     }
 
     /// Every unit measured (averaged over the ranks of `world`): the first unit, `layers`

@@ -84,6 +84,20 @@ pub enum RunError {
         /// The terms of the micro-batch.
         expected: usize,
     },
+    /// The head's metrics have another length than the names it declares
+    /// ([`HeadUnit::METRICS`](crate::parallelize::HeadUnit::METRICS)); found before training
+    /// for a model described by units.
+    #[error(
+        "the last unit's metrics are {counted} sums, but it names {} ({names:?}, \
+         HeadUnit::METRICS): declare one name per sum",
+        names.len()
+    )]
+    MetricNames {
+        /// The names declared.
+        names: Vec<String>,
+        /// The sums the head returned.
+        counted: usize,
+    },
     /// The checkpoint to resume or the pretrained weights cannot be used.
     #[error("{source_name}: {error}")]
     Checkpoint {

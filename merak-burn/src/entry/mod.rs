@@ -29,6 +29,7 @@
 mod choose;
 mod error;
 mod experts;
+mod metric_sums;
 mod model;
 mod options;
 mod sequence;
@@ -36,6 +37,7 @@ mod train_part;
 
 pub use choose::{AutoPlan, PlanChoice};
 pub use error::RunError;
+pub use metric_sums::MetricSums;
 pub use model::{
     ModelDims, UnitModel, UnitPlace, UnitsOf, build_units, build_units_on, sample_units, unit_seed,
 };
@@ -66,8 +68,9 @@ pub struct RunReport {
     /// The output folder.
     pub out: PathBuf,
     /// The sums of the head's metrics over the held-out batches
-    /// ([`RunOptions::eval_batches`]), the same on every rank; `None` when not asked for.
-    pub metrics: Option<Vec<f64>>,
+    /// ([`RunOptions::eval_batches`]), by name, the same on every rank; `None` when not asked
+    /// for.
+    pub metrics: Option<MetricSums>,
     /// The head's outputs for the held-out samples ([`RunOptions::predict_batches`]), on
     /// every rank; `None` when not asked for.
     pub predictions: Option<Predictions>,

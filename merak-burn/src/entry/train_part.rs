@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use burn::tensor::backend::Backend;
 
-use super::{InitWeights, RunError, RunOptions, RunReport};
+use super::{InitWeights, MetricSums, RunError, RunOptions, RunReport};
 use crate::checkpoint::{Checkpoint, FullState, cut_full_params, state};
 use crate::grid::ProcessGrid;
 use crate::parallel_plan::ParallelPlan;
@@ -63,6 +63,7 @@ where
         model = initialized_from(model, init, grid)?;
     }
     let (params, sp) = (model.num_params(), model.sequence_parts() > grid.layout.cp);
+    let metric_names = model.metric_names();
     let trace = options.trace.is_some();
     let mut trainer = Trainer::new(
         grid,
@@ -90,6 +91,8 @@ where
     let evaluates = |batches: usize| batches > 0 && !summary.stopped;
     let metrics = evaluates(options.eval_batches)
         .then(|| trainer.evaluate(data, options.eval_batches))
+        .transpose()?
+        .map(|sums| named(&metric_names, sums))
         .transpose()?;
     let predictions = evaluates(options.predict_batches)
         .then(|| trainer.predict(data, options.predict_batches))
@@ -103,6 +106,15 @@ where
         predictions,
     };
     Ok((report, trainer.into_model()?))
+}
+
+/// The metric sums `sums` by the model's `names`, or why they do not match.
+fn named(names: &[&str], sums: Vec<f64>) -> Result<MetricSums, RunError> {
+    let counted = sums.len();
+    MetricSums::new(names, sums).ok_or_else(|| RunError::MetricNames {
+        names: names.iter().map(|n| n.to_string()).collect(),
+        counted,
+    })
 }
 
 /// Logs the model's size and this rank's layout once its trainer is built.

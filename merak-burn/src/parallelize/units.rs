@@ -67,12 +67,18 @@ pub trait HeadUnit<B: Backend>: Module<B> + ModuleDisplay {
         table: Option<Tensor<B, 2>>,
     ) -> LossSum<B>;
 
-    /// Sums of evaluation metrics of `x` against the targets over the micro-batch, `[k]` (for
-    /// example `[summed loss, correct predictions, counted targets]`): the evaluation pass
-    /// sums them over micro-batches and ranks. `table` is the token table of a tied head.
-    /// The default is `[summed loss, loss terms]` from [`loss`](Self::loss) and
-    /// [`Batch::loss_terms`]: the held-out loss is their quotient. `None`: the head has no
-    /// metrics.
+    /// The names of the sums [`metrics`](Self::metrics) returns, in its order: a run reports
+    /// them by these names ([`MetricSums`](crate::entry::MetricSums)), and refuses, before
+    /// training, a head whose metrics have another length. The default names the default
+    /// metrics, `["loss", "loss_terms"]`.
+    const METRICS: &'static [&'static str] = &["loss", "loss_terms"];
+
+    /// Sums of evaluation metrics of `x` against the targets over the micro-batch, one per
+    /// name of [`METRICS`](Self::METRICS) (for example `[summed loss, correct predictions,
+    /// counted targets]`): the evaluation pass sums them over micro-batches and ranks.
+    /// `table` is the token table of a tied head. The default is `[summed loss, loss terms]`
+    /// from [`loss`](Self::loss) and [`Batch::loss_terms`]: the held-out loss is their
+    /// quotient. `None`: the head has no metrics.
     fn metrics(
         &self,
         x: Tensor<B, 3>,
@@ -478,6 +484,10 @@ where
 
     fn width(&self) -> usize {
         self.hidden
+    }
+
+    fn metric_names(&self) -> Vec<&'static str> {
+        H::METRICS.to_vec()
     }
 
     fn sequence_parts(&self) -> usize {

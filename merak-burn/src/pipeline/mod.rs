@@ -28,5 +28,6 @@ pub use executor::{
 };
 pub use stack::{TiedTable, UnitStack, param_ids};
 pub use stage::{
-    EvalOutput, Evaluate, PipelineModel, StageInput, StageOutput, TrainBackend, TrainModel,
+    DEFAULT_METRICS, EvalOutput, Evaluate, PipelineModel, StageInput, StageOutput, TrainBackend,
+    TrainModel,
 };

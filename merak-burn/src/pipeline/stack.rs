@@ -10,7 +10,9 @@ use burn::tensor::backend::Backend;
 
 use crate::batch::Batch;
 
-use crate::pipeline::{EvalOutput, Evaluate, PipelineModel, StageInput, StageOutput};
+use crate::pipeline::{
+    DEFAULT_METRICS, EvalOutput, Evaluate, PipelineModel, StageInput, StageOutput,
+};
 
 /// The two copies of an embedding table tied to the output projection, as a rank holds them.
 #[derive(Clone, Debug, PartialEq)]
@@ -77,6 +79,12 @@ pub trait UnitStack<B: Backend>: Module<B> {
         None
     }
 
+    /// The names of the metric sums [`head_eval`](Self::head_eval) returns
+    /// ([`PipelineModel::metric_names`]).
+    fn metric_names(&self) -> Vec<&'static str> {
+        DEFAULT_METRICS.to_vec()
+    }
+
     /// The tied embedding, when the head projects onto the token table.
     fn tied(&self) -> Option<TiedTable> {
         None
@@ -139,6 +147,10 @@ impl<B: Backend, T: UnitStack<B>> PipelineModel<B> for T {
 
     fn experts(&self) -> Option<(usize, usize)> {
         UnitStack::experts(self)
+    }
+
+    fn metric_names(&self) -> Vec<&'static str> {
+        UnitStack::metric_names(self)
     }
 
     fn balance_experts(&mut self, loads: &[Vec<u64>]) {

@@ -48,6 +48,10 @@ pub enum EvalOutput<B: Backend> {
     Values(Tensor<B, 2>),
 }
 
+/// The names of a head's default metric sums: the summed loss and its terms
+/// ([`HeadUnit::METRICS`](crate::parallelize::HeadUnit::METRICS)).
+pub const DEFAULT_METRICS: [&str; 2] = ["loss", "loss_terms"];
+
 /// A model cut into *units* for pipelining: unit 0 is the embedding, units `1..=L` the
 /// transformer blocks, unit `L + 1` the head with the loss. A pipeline rank builds the model
 /// with only the units of its stages (the others are absent), and the executor runs contiguous
@@ -71,6 +75,13 @@ pub trait PipelineModel<B: Backend>: Module<B> {
     /// default): a dense model.
     fn experts(&self) -> Option<(usize, usize)> {
         None
+    }
+
+    /// The names of the metric sums the last unit returns in an evaluation pass
+    /// ([`Evaluate::Metrics`]), in order; the default, [`DEFAULT_METRICS`], names a head's
+    /// default metrics.
+    fn metric_names(&self) -> Vec<&'static str> {
+        DEFAULT_METRICS.to_vec()
     }
 
     /// After a step, moves the mixture-of-experts layers' balancing biases given the step's
