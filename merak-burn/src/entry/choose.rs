@@ -9,7 +9,7 @@ use crate::batch::{Batch, Samples};
 use crate::comm::{Communicator, Group};
 use crate::parallel_plan::ParallelPlan;
 use crate::parallelize::{EmbedUnit, HeadUnit, shard_module};
-use crate::pipeline::{Evaluate, Recompute, UnitStack};
+use crate::pipeline::{Evaluate, PipelineModel, Recompute};
 use crate::planner::search::candidates;
 use crate::planner::{
     CostModel, HardwareSpec, MeasuredModel, MeasuredUnit, ModelProxy, SearchError, SearchOptions,

@@ -13,7 +13,7 @@ use crate::comm::Group;
 use crate::context_parallel::ZigZag;
 use crate::parallelize::LossSum;
 
-use crate::pipeline::{Evaluate, TiedTable, UnitStack, param_ids};
+use crate::pipeline::{Evaluate, PipelineModel, TiedTable, param_ids};
 use crate::planner::MeasuredUnit;
 use crate::tensor_parallel::ops::{gather_from_tp, split_to_tp};
 use crate::tensor_parallel::{ParallelBackend, ParamSplits, copy_to_tp};
@@ -116,7 +116,7 @@ pub struct NoTokenTable;
 /// head; a pipeline rank keeps only the units of its stages ([`retain`](Self::retain)). Its
 /// parameters are named `embed.*`, `layers.<i>.*` and `head.*` whatever the rank holds, so
 /// checkpoints move between layouts. It implements
-/// [`PipelineModel`](crate::pipeline::PipelineModel) through [`UnitStack`].
+/// [`PipelineModel`].
 #[derive(Module, Debug)]
 pub struct Units<B: Backend, E: Module<B>, L: Module<B>, H: Module<B>> {
     /// The embedding (on the first stage's rank).
@@ -459,7 +459,7 @@ fn summed_over<B: ParallelBackend, M: Module<B>>(layer: &M, tp: Group) -> M {
     layer.clone().map(&mut Summed { split, tp })
 }
 
-impl<B, E, L, H> UnitStack<B> for Units<B, E, L, H>
+impl<B, E, L, H> PipelineModel<B> for Units<B, E, L, H>
 where
     B: ParallelBackend,
     E: EmbedUnit<B>,
@@ -482,7 +482,7 @@ where
         }
     }
 
-    fn width(&self) -> usize {
+    fn hidden_size(&self) -> usize {
         self.hidden
     }
 

@@ -26,7 +26,7 @@ pub use merak_plan::pipeline::*;
 pub use executor::{
     EvalValues, Executor, MicroBatch, PipelineError, RanAhead, StepReport, StepWork,
 };
-pub use stack::{TiedTable, UnitStack, param_ids};
+pub use stack::{TiedTable, param_ids};
 pub use stage::{
     DEFAULT_METRICS, EvalOutput, Evaluate, PipelineModel, StageInput, StageOutput, TrainBackend,
     TrainModel,

@@ -6,6 +6,7 @@ use burn::module::{AutodiffModule, Module, ParamId};
 use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
+use super::stack::{TiedTable, through_layers};
 use crate::batch::Batch;
 use crate::tensor_parallel::ParallelBackend;
 
@@ -53,18 +54,47 @@ pub enum EvalOutput<B: Backend> {
 pub const DEFAULT_METRICS: [&str; 2] = ["loss", "loss_terms"];
 
 /// A model cut into *units* for pipelining: unit 0 is the embedding, units `1..=L` the
-/// transformer blocks, unit `L + 1` the head with the loss. A pipeline rank builds the model
-/// with only the units of its stages (the others are absent), and the executor runs contiguous
-/// unit ranges.
+/// blocks, unit `L + 1` the head with the loss. A pipeline rank builds the model with only the
+/// units of its stages (the others are absent), and the executor runs contiguous unit ranges
+/// ([`run_units`](Self::run_units)); it asks a rank only for the units it holds.
+///
+/// A model described unit by unit ([`Units`](crate::parallelize::Units), what
+/// [`merak_burn::run`](crate::run) builds from a [`UnitModel`](crate::entry::UnitModel))
+/// implements it, and so do GPT and BERT. An implementation supplies the units (`embed`,
+/// `layer`, `head_loss`, and `head_eval` for evaluation) and says what the trainer must know
+/// about them; running ranges of them is provided.
 pub trait PipelineModel<B: Backend>: Module<B> {
-    /// The number of units, `L + 2`.
-    fn units(&self) -> usize;
+    /// The number of blocks `L` (the units are `L + 2`).
+    fn layer_count(&self) -> usize;
 
-    /// The width of the hidden states that pass between stages (`[batch, seq, hidden]`).
+    /// The width of the hidden states that pass between units and stages
+    /// (`[batch, positions, hidden]`).
     fn hidden_size(&self) -> usize;
 
-    /// The parts each sequence of the hidden states between stages is cut into (tp under
-    /// sequence parallelism: a message holds `seq / parts` positions); 1 (the default):
+    /// Unit 0: the micro-batch's inputs to `[batch, positions, hidden]`.
+    fn embed(&self, batch: &Batch<'_, B>) -> Tensor<B, 3>;
+
+    /// Unit `index + 1`: block `index` (0-based), with the micro-batch's side inputs.
+    fn layer(&self, index: usize, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> Tensor<B, 3>;
+
+    /// Unit `L + 1`: the summed loss of `x` against the micro-batch's targets, `[1]`
+    /// ([`HeadUnit::loss`](crate::parallelize::HeadUnit::loss)).
+    fn head_loss(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> Tensor<B, 1>;
+
+    /// Unit `L + 1` in an evaluation pass: what `what` asks of `x` against the micro-batch's
+    /// targets ([`Evaluate`]); `None` (the default) when the head does not provide it.
+    fn head_eval(
+        &self,
+        x: Tensor<B, 3>,
+        batch: &Batch<'_, B>,
+        what: Evaluate,
+    ) -> Option<Tensor<B, 2>> {
+        let _ = (x, batch, what);
+        None
+    }
+
+    /// The parts each sequence of the hidden states between stages is cut into (cp, times tp
+    /// under sequence parallelism: a message holds `seq / parts` positions); 1 (the default):
     /// whole sequences.
     fn sequence_parts(&self) -> usize {
         1
@@ -77,18 +107,37 @@ pub trait PipelineModel<B: Backend>: Module<B> {
         None
     }
 
-    /// The names of the metric sums the last unit returns in an evaluation pass
-    /// ([`Evaluate::Metrics`]), in order; the default, [`DEFAULT_METRICS`], names a head's
-    /// default metrics.
-    fn metric_names(&self) -> Vec<&'static str> {
-        DEFAULT_METRICS.to_vec()
-    }
-
     /// After a step, moves the mixture-of-experts layers' balancing biases given the step's
     /// `loads` (assignments per expert, per MoE layer, over the whole grid); the default does
     /// nothing.
     fn balance_experts(&mut self, loads: &[Vec<u64>]) {
         let _ = loads;
+    }
+
+    /// The names of the metric sums [`head_eval`](Self::head_eval) returns for
+    /// [`Evaluate::Metrics`], in order; the default, [`DEFAULT_METRICS`], names a head's
+    /// default metrics.
+    fn metric_names(&self) -> Vec<&'static str> {
+        DEFAULT_METRICS.to_vec()
+    }
+
+    /// The tied embedding, when the head projects onto the token table: which copies of it
+    /// this rank holds ([`TiedTable`]). `None` (the default): untied.
+    fn tied(&self) -> Option<TiedTable> {
+        None
+    }
+
+    /// The parameters unit `unit` (held by this rank) reads, a tied head's table included:
+    /// what ZeRO-3 gathers before running the unit ([`param_ids`](super::param_ids) of its
+    /// modules). `None` (the default) when the model does not say; ZeRO-3 then refuses it.
+    fn unit_params(&self, unit: usize) -> Option<Vec<ParamId>> {
+        let _ = unit;
+        None
+    }
+
+    /// The number of units, `L + 2`.
+    fn units(&self) -> usize {
+        self.layer_count() + 2
     }
 
     /// Runs units `range` (all held by this rank) on `input` (the micro-batch's data when
@@ -99,7 +148,14 @@ pub trait PipelineModel<B: Backend>: Module<B> {
         range: Range<usize>,
         input: StageInput<B>,
         batch: &Batch<'_, B>,
-    ) -> StageOutput<B>;
+    ) -> StageOutput<B> {
+        let last = self.layer_count() + 1;
+        let x = through_layers(self, &range, input, batch);
+        if range.end <= last {
+            return StageOutput::Hidden(x);
+        }
+        StageOutput::Loss(self.head_loss(x, batch))
+    }
 
     /// Like [`run_units`](Self::run_units), but the last unit returns `what` instead of the
     /// loss; `None` when the model's head does not provide it.
@@ -110,28 +166,35 @@ pub trait PipelineModel<B: Backend>: Module<B> {
         batch: &Batch<'_, B>,
         what: Evaluate,
     ) -> Option<EvalOutput<B>> {
-        let _ = (range, input, batch, what);
-        None
+        let last = self.layer_count() + 1;
+        let x = through_layers(self, &range, input, batch);
+        if range.end <= last {
+            return Some(EvalOutput::Hidden(x));
+        }
+        self.head_eval(x, batch, what).map(EvalOutput::Values)
     }
 
     /// The output head's copy of the token embedding on a rank that holds the head but not the
     /// embedding, or the embedding itself on a rank that holds the embedding but not the head:
     /// the two copies of a tied embedding, whose gradients the trainer sums across the first
     /// and the last pipeline rank ([`sum_tied_grads`](crate::train::sum_tied_grads)). `None`
-    /// when the rank holds both or neither.
-    fn tied_embedding(&self) -> Option<ParamId>;
-
-    /// The parameters unit `unit` (held by this rank) reads, a tied head's table included:
-    /// what ZeRO-3 gathers before running the unit. `None` (the default) when the model does
-    /// not say; ZeRO-3 then refuses it.
-    fn unit_params(&self, unit: usize) -> Option<Vec<ParamId>> {
-        let _ = unit;
-        None
+    /// when the rank holds both or neither, or the head is not tied.
+    fn tied_embedding(&self) -> Option<ParamId> {
+        let t = self.tied()?;
+        match (t.embedding, t.head_copy) {
+            (Some(e), None) if !t.holds_head => Some(e),
+            (None, Some(c)) => Some(c),
+            _ => None,
+        }
     }
 
     /// Parameters that are copies of others, as `(copy, original)` names (the head's copy of a
     /// tied embedding): checkpoints store the original only and load it into both.
-    fn tied_names(&self) -> Vec<(String, String)>;
+    fn tied_names(&self) -> Vec<(String, String)> {
+        self.tied()
+            .map(|t| vec![(t.copy_name, t.original_name)])
+            .unwrap_or_default()
+    }
 }
 
 /// The backend every training entry point asks for: an autodiff backend with the parallel

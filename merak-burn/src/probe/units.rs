@@ -2,7 +2,7 @@
 //! embedding, one block and the head (forward and backward), the whole model's pass, the time
 //! a rank needs when its peers wait, and the optimizer step. `merak profile` turns these into
 //! the planner's calibration; they work on any [`PipelineModel`] (a GPT, or a Burn user's
-//! [`UnitStack`](crate::pipeline::UnitStack)).
+//! model described unit by unit).
 
 use std::time::Instant;
 

@@ -77,7 +77,7 @@ where
         let ids = model.unit_params(u).ok_or_else(|| {
             TrainError::Zero3(format!(
                 "the model does not say which parameters unit {u} reads \
-                 (implement UnitStack::unit_params or PipelineModel::unit_params)"
+                 (implement PipelineModel::unit_params)"
             ))
         })?;
         units.insert(
@@ -89,7 +89,7 @@ where
     units.values().flatten().for_each(|&i| read[i] = true);
     if let Some(i) = read.iter().position(|r| !r) {
         return Err(TrainError::Zero3(format!(
-            "parameter {} is read by no unit this rank holds (UnitStack::unit_params must list \
+            "parameter {} is read by no unit this rank holds (PipelineModel::unit_params must list \
              every parameter of a unit)",
             shapes[i].name
         )));

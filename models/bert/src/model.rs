@@ -10,7 +10,7 @@ use burn::tensor::{Int, Tensor, backend::Backend};
 use merak_burn::comm::Group;
 use merak_burn::context_parallel::{CpAttention, ZigZagError};
 use merak_burn::kernels::{bias_gelu, linear};
-use merak_burn::pipeline::{TiedTable, UnitStack, param_ids};
+use merak_burn::pipeline::{PipelineModel, TiedTable, param_ids};
 use merak_burn::tensor_parallel::{
     AttentionMask, AttentionWeights, InitRng, LayerNorm, MlpWeights, ParallelBackend, ParallelMlp,
     ParallelSelfAttention, ReplicatedDropout, SequenceSplit, TpError, TpOverlap,
@@ -396,12 +396,12 @@ impl<B: ParallelBackend> Bert<B> {
     }
 }
 
-impl<B: ParallelBackend> UnitStack<B> for Bert<B> {
+impl<B: ParallelBackend> PipelineModel<B> for Bert<B> {
     fn layer_count(&self) -> usize {
         self.layers.len()
     }
 
-    fn width(&self) -> usize {
+    fn hidden_size(&self) -> usize {
         self.hidden
     }
 

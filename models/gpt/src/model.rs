@@ -9,7 +9,7 @@ use burn::tensor::{Int, Tensor, backend::Backend};
 use merak_burn::comm::Group;
 use merak_burn::context_parallel::{CpAttention, ZigZagError};
 use merak_burn::moe::{ExpertInit, MoeLayer, MoePlace};
-use merak_burn::pipeline::{TiedTable, UnitStack, param_ids};
+use merak_burn::pipeline::{PipelineModel, TiedTable, param_ids};
 use merak_burn::tensor_parallel::{
     AttentionMask, AttentionWeights, InitRng, LayerNorm, MlpWeights, ParallelBackend, ParallelMlp,
     ParallelSelfAttention, ReplicatedDropout, SequenceSplit, TpError, TpOverlap,
@@ -405,12 +405,12 @@ impl<B: ParallelBackend> Gpt<B> {
     }
 }
 
-impl<B: ParallelBackend> UnitStack<B> for Gpt<B> {
+impl<B: ParallelBackend> PipelineModel<B> for Gpt<B> {
     fn layer_count(&self) -> usize {
         self.blocks.len()
     }
 
-    fn width(&self) -> usize {
+    fn hidden_size(&self) -> usize {
         self.hidden
     }
 
