@@ -132,12 +132,8 @@ impl<B: ParallelBackend> UnitModel<B> for Model {
     type Layer = Block<B>;
     type Head = Block<B>;
     fn dims(&self) -> ModelDims {
-        ModelDims {
-            layers: 2,
-            hidden: 4,
-            heads: 1,
-            vocab: 8,
-        }
+        // Blocks without attention.
+        ModelDims::new(2, 4).with_outputs(8)
     }
     fn embed(&self, device: &B::Device) -> Tokens<B> {
         Tokens {

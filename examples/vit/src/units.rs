@@ -10,12 +10,9 @@ impl<B: ParallelBackend> UnitModel<B> for VitConfig {
     type Head = Head<B>;
 
     fn dims(&self) -> ModelDims {
-        ModelDims {
-            layers: self.layers,
-            hidden: self.hidden,
-            heads: self.heads,
-            vocab: self.classes,
-        }
+        ModelDims::new(self.layers, self.hidden)
+            .with_attention_heads(self.heads)
+            .with_outputs(self.classes)
     }
 
     fn embed(&self, device: &B::Device) -> Embed<B> {

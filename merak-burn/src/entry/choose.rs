@@ -137,7 +137,8 @@ where
                 Sample::new(model, settings, data, small_b, device)?.timed(world, dims.layers)?;
             let timed = with_fixed_costs(sample.timed(world, dims.layers)?, b, &small, small_b);
             let hardware = HardwareSpec::load(&auto.hardware)?.with_devices(ranks);
-            let proxy = MeasuredModel::new(dims.shape(positions), b, timed.clone(), &hardware)?;
+            let proxy = MeasuredModel::new(dims.shape(positions), b, timed.clone(), &hardware)?
+                .with_tp_divisible(dims.tp_divisible());
             let rank = world.map_or(0, |w| w.rank());
             let plan = searched(
                 auto,

@@ -10,25 +10,67 @@ use crate::planner::TransformerShape;
 use crate::rng::splitmix64;
 
 /// The sizes of a model that the planner and the pipeline need to know before anything is
-/// built: how many layers there are, how wide the hidden states between units are, and the
-/// transformer the model resembles (its heads and vocabulary size the message and activation
-/// sizes of the cost model).
+/// built: how many blocks there are and how wide the hidden states between units are; and, when
+/// the model has them, its attention heads and the width of its last unit's output per
+/// position. Build it with [`ModelDims::new`] and the `with_*` setters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ModelDims {
-    /// Repeated middle units (transformer blocks).
+    /// Repeated middle units (blocks).
     pub layers: usize,
     /// Width of the hidden states between units.
     pub hidden: usize,
-    /// Attention heads of a block (for the cost model's activation sizes).
-    pub heads: usize,
-    /// Vocabulary (or output classes) of the head (for the cost model).
-    pub vocab: usize,
+    /// Attention heads of a block, when its blocks attend: the planner searches the
+    /// tensor-parallel degrees that divide them and sizes the attention scores' activations by
+    /// them. `None`: the blocks do not attend; the planner searches the degrees that divide
+    /// `hidden` and counts no scores.
+    pub attention_heads: Option<usize>,
+    /// The width of the last unit's output per position (a vocabulary's logits, the classes
+    /// of a classifier), for the planner's activation sizes. `None`: small next to `hidden`.
+    pub outputs: Option<usize>,
 }
 
 impl ModelDims {
-    /// The transformer shape of these dimensions at sequences of `seq` tokens.
+    /// `layers` blocks passing hidden states `hidden` wide, without attention heads or a wide
+    /// output.
+    pub fn new(layers: usize, hidden: usize) -> Self {
+        Self {
+            layers,
+            hidden,
+            attention_heads: None,
+            outputs: None,
+        }
+    }
+
+    /// These sizes with blocks attending with `heads` heads.
+    pub fn with_attention_heads(mut self, heads: usize) -> Self {
+        self.attention_heads = Some(heads);
+        self
+    }
+
+    /// These sizes with a last unit `outputs` wide per position (vocabulary, classes).
+    pub fn with_outputs(mut self, outputs: usize) -> Self {
+        self.outputs = Some(outputs);
+        self
+    }
+
+    /// The transformer shape the planner sizes activations and messages by, at sequences of
+    /// `seq` positions: one head and one output where the model has none (no attention
+    /// scores, no logits to speak of).
     pub fn shape(&self, seq: usize) -> TransformerShape {
-        TransformerShape::gpt(self.layers, self.hidden, self.heads, seq, self.vocab)
+        let heads = self.attention_heads.unwrap_or(1);
+        TransformerShape::gpt(
+            self.layers,
+            self.hidden,
+            heads,
+            seq,
+            self.outputs.unwrap_or(1),
+        )
+    }
+
+    /// What the tensor-parallel degree must divide: the attention heads, or without them the
+    /// hidden width.
+    pub fn tp_divisible(&self) -> usize {
+        self.attention_heads.unwrap_or(self.hidden)
     }
 }
 

@@ -106,6 +106,11 @@ pub struct MeasuredModel {
     pub units: Vec<MeasuredUnit>,
     /// FLOP/s that one measured second stands for (the planned hardware's achievable rate).
     pub flops_per_s: f64,
+    /// What the tensor-parallel degree must divide, when not the shape's heads: for a model
+    /// whose blocks do not attend, its hidden width
+    /// ([`with_tp_divisible`](Self::with_tp_divisible)).
+    #[serde(default)]
+    pub tp_divisible: Option<usize>,
 }
 
 impl MeasuredModel {
@@ -141,7 +146,16 @@ impl MeasuredModel {
             micro_batch,
             units,
             flops_per_s: hardware.achievable_flops(),
+            tp_divisible: None,
         })
+    }
+
+    /// The same proxy with the tensor-parallel degrees the search takes being the divisors of
+    /// `size` instead of the shape's heads (a model whose blocks do not attend: its hidden
+    /// width).
+    pub fn with_tp_divisible(mut self, size: usize) -> Self {
+        self.tp_divisible = Some(size);
+        self
     }
 
     /// FLOPs per sequence that `seconds` per micro-batch stand for.
@@ -189,7 +203,7 @@ impl LayerCosts for MeasuredModel {
     }
 
     fn heads(&self) -> usize {
-        self.shape.heads
+        self.tp_divisible.unwrap_or(self.shape.heads)
     }
 
     fn pp_message_elements(&self) -> f64 {
@@ -243,6 +257,38 @@ mod tests {
         let profiles = measured.unit_profiles();
         assert_eq!(profiles[1].tp_forward_allreduces, 2);
         assert_eq!(profiles[1].tp_backward_allreduces, 5);
+    }
+
+    /// A model whose blocks do not attend, planned by its hidden width: the search takes the
+    /// tensor-parallel degrees that divide it, where the shape's one head allows only tp 1.
+    #[test]
+    fn a_model_without_attention_is_split_by_its_hidden_width() {
+        let hw = HardwareSpec::preset("local-cpu")
+            .expect("a preset")
+            .with_devices(4);
+        let s = TransformerShape::gpt(2, 8, 1, 16, 1);
+        let plain = MeasuredModel::new(s, 2, vec![unit(0.001); 4], &hw).expect("valid");
+        let tps = |m: &MeasuredModel| {
+            let proxy = ModelProxy::from_costs(m);
+            let cm = CostModel::new(&proxy, &hw);
+            let options = crate::planner::SearchOptions::new(4, 8);
+            let all = crate::planner::search::candidates(&cm, &options, hw.memory_bytes);
+            let mut tps: Vec<usize> = (all.expect("candidates").iter())
+                .map(|c| c.layout.tp)
+                .collect();
+            tps.sort_unstable();
+            tps.dedup();
+            (proxy.heads, tps)
+        };
+        assert_eq!(tps(&plain), (1, vec![1]));
+        let mlp = plain.with_tp_divisible(8);
+        // Every degree of 4 ranks within a node of the preset.
+        let within: Vec<usize> = [1, 2, 4]
+            .into_iter()
+            .filter(|&tp| tp <= hw.devices_per_node)
+            .collect();
+        assert!(within.len() > 1, "{}", hw.devices_per_node);
+        assert_eq!(tps(&mlp), (8, within));
     }
 
     /// Timed at 8 and 1 sequences, a unit of 2 ms + 1 ms per sequence: the cost model gives
