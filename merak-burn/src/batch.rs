@@ -292,6 +292,7 @@ pub struct Batch<'a, B: Backend> {
     samples: &'a Samples,
     device: B::Device,
     dropout: DropoutPosition,
+    tied_table: Option<Tensor<B, 2>>,
 }
 
 impl<'a, B: Backend> Batch<'a, B> {
@@ -301,7 +302,24 @@ impl<'a, B: Backend> Batch<'a, B> {
             samples,
             device: device.clone(),
             dropout: DropoutPosition::default(),
+            tied_table: None,
         }
+    }
+
+    /// The same batch handing the last unit the first unit's token `table` (a tied head's:
+    /// [`tied_table`](Self::tied_table)).
+    pub fn with_tied_table(mut self, table: Option<Tensor<B, 2>>) -> Self {
+        self.tied_table = table;
+        self
+    }
+
+    /// The first unit's token table (`[vocab, hidden]`,
+    /// [`EmbedUnit::table`](crate::parallelize::EmbedUnit::table)) for a head tied to it
+    /// ([`UnitModel::tie_embeddings`](crate::entry::UnitModel::tie_embeddings)): in the last
+    /// unit, on its rank (the embedding's table or the copy the last pipeline stage keeps).
+    /// `None` for an untied head and in the other units.
+    pub fn tied_table(&self) -> Option<Tensor<B, 2>> {
+        self.tied_table.clone()
     }
 
     /// The batch of a training pass at `position` (the executor's; without it, step 0 and

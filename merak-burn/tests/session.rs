@@ -57,12 +57,7 @@ impl<B: ParallelBackend> LayerUnit<B> for Block<B> {
 }
 
 impl<B: ParallelBackend> HeadUnit<B> for Block<B> {
-    fn loss(
-        &self,
-        x: Tensor<B, 3>,
-        batch: &Batch<'_, B>,
-        _table: Option<Tensor<B, 2>>,
-    ) -> LossSum<B> {
+    fn loss(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> LossSum<B> {
         let (sum, terms) = (
             self.proj.forward(x).powi_scalar(2).sum(),
             batch.loss_terms(),
@@ -83,8 +78,8 @@ struct Misnamed<B: Backend> {
 
 impl<B: ParallelBackend> HeadUnit<B> for Misnamed<B> {
     const METRICS: &'static [&'static str] = &["loss", "loss_terms", "accuracy"];
-    fn loss(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>, t: Option<Tensor<B, 2>>) -> LossSum<B> {
-        self.head.loss(x, batch, t)
+    fn loss(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> LossSum<B> {
+        self.head.loss(x, batch)
     }
 }
 

@@ -423,15 +423,10 @@ impl<B: ParallelBackend> Head<B> {
 
 impl<B: ParallelBackend> HeadUnit<B> for Head<B> {
     /// The summed next-token loss (every position has a target).
-    fn loss(
-        &self,
-        x: Tensor<B, 3>,
-        batch: &Batch<'_, B>,
-        table: Option<Tensor<B, 2>>,
-    ) -> LossSum<B> {
+    fn loss(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> LossSum<B> {
         let [b, s, _] = x.dims();
         LossSum::from_mean(
-            Self::cross_entropy(self.logits(x, table), batch.int(TARGETS)),
+            Self::cross_entropy(self.logits(x, batch.tied_table()), batch.int(TARGETS)),
             b * s,
         )
     }
@@ -439,14 +434,9 @@ impl<B: ParallelBackend> HeadUnit<B> for Head<B> {
     const METRICS: &'static [&'static str] = &["loss", "correct", "tokens"];
 
     /// `[summed next-token loss, correct next tokens, tokens]` of the micro-batch.
-    fn metrics(
-        &self,
-        x: Tensor<B, 3>,
-        batch: &Batch<'_, B>,
-        table: Option<Tensor<B, 2>>,
-    ) -> Option<Tensor<B, 1>> {
+    fn metrics(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> Option<Tensor<B, 1>> {
         let targets = batch.int::<2>(TARGETS);
-        let logits = self.logits(x, table);
+        let logits = self.logits(x, batch.tied_table());
         let [b, s, _] = logits.dims();
         let tokens = (b * s) as f64;
         let loss = Self::cross_entropy(logits.clone(), targets.clone()) * tokens;
@@ -461,15 +451,10 @@ impl<B: ParallelBackend> HeadUnit<B> for Head<B> {
     }
 
     /// The logits of the next token after each sequence, `[batch, vocab]`.
-    fn predict(
-        &self,
-        x: Tensor<B, 3>,
-        _batch: &Batch<'_, B>,
-        table: Option<Tensor<B, 2>>,
-    ) -> Option<Tensor<B, 2>> {
+    fn predict(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> Option<Tensor<B, 2>> {
         let [b, s, _] = x.dims();
         let last = x.slice([0..b, s - 1..s]);
-        Some(self.logits(last, table).squeeze_dim::<2>(1))
+        Some(self.logits(last, batch.tied_table()).squeeze_dim::<2>(1))
     }
 }
 

@@ -241,7 +241,7 @@ impl<B: ParallelBackend> LayerUnit<B> for Block<B> {
 
 impl<B: ParallelBackend> HeadUnit<B> for Head<B> {
     /// The summed cross-entropy of the micro-batch against [`LABEL_FIELD`].
-    fn loss(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>, _: Option<Tensor<B, 2>>) -> LossSum<B> {
+    fn loss(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> LossSum<B> {
         let labels = batch.int::<1>(LABEL_FIELD);
         let images = labels.dims()[0];
         LossSum::new(Self::loss_sum(self.logits(x), labels), images)
@@ -250,12 +250,7 @@ impl<B: ParallelBackend> HeadUnit<B> for Head<B> {
     const METRICS: &'static [&'static str] = &["loss", "correct", "images"];
 
     /// `[summed loss, correct predictions, images]` of the micro-batch.
-    fn metrics(
-        &self,
-        x: Tensor<B, 3>,
-        batch: &Batch<'_, B>,
-        _: Option<Tensor<B, 2>>,
-    ) -> Option<Tensor<B, 1>> {
+    fn metrics(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> Option<Tensor<B, 1>> {
         let logits = self.logits(x);
         let labels = batch.int::<1>(LABEL_FIELD);
         let b = labels.dims()[0];
@@ -266,12 +261,7 @@ impl<B: ParallelBackend> HeadUnit<B> for Head<B> {
     }
 
     /// The class scores, `[batch, classes]`.
-    fn predict(
-        &self,
-        x: Tensor<B, 3>,
-        _: &Batch<'_, B>,
-        _: Option<Tensor<B, 2>>,
-    ) -> Option<Tensor<B, 2>> {
+    fn predict(&self, x: Tensor<B, 3>, _: &Batch<'_, B>) -> Option<Tensor<B, 2>> {
         Some(self.logits(x))
     }
 }
@@ -301,7 +291,7 @@ mod tests {
         assert_eq!(x.dims(), [3, POSITIONS, 16]);
         let head = Head::<Cpu>::new(&c, &device);
         let scalar = |t: Tensor<Cpu, 1>| t.into_data().to_vec::<f32>().expect("floats")[0];
-        let loss = head.loss(x.clone(), &batch, None);
+        let loss = head.loss(x.clone(), &batch);
         assert_eq!(loss.terms(), 3);
         let sum = scalar(loss.into_sum());
         let mean = scalar(
@@ -313,7 +303,7 @@ mod tests {
             (sum - 3.0 * mean).abs() <= 1e-5 * sum.abs(),
             "{sum} vs 3 x {mean}"
         );
-        let m: Vec<f32> = (head.metrics(x.clone(), &batch, None))
+        let m: Vec<f32> = (head.metrics(x.clone(), &batch))
             .expect("metrics")
             .into_data()
             .to_vec()
@@ -321,7 +311,7 @@ mod tests {
         assert_eq!(m.len(), 3);
         assert!((m[0] - sum).abs() <= 1e-5 * sum.abs());
         assert!(m[1] <= 3.0 && m[2] == 3.0, "{m:?}");
-        let p = head.predict(x, &batch, None).expect("scores");
+        let p = head.predict(x, &batch).expect("scores");
         assert_eq!(p.dims(), [3, 10]);
     }
 

@@ -25,7 +25,9 @@ pub trait EmbedUnit<B: Backend>: Module<B> + ModuleDisplay {
     fn embed(&self, batch: &Batch<'_, B>) -> Tensor<B, 3>;
 
     /// The token table `[vocab, hidden]` and its path inside the unit (e.g.
-    /// `"tokens.weight"`), for a head tied to it ([`Units::tied`]); `None` by default.
+    /// `"tokens.weight"`), for a head tied to it
+    /// ([`UnitModel::tie_embeddings`](crate::entry::UnitModel::tie_embeddings), which reads
+    /// it as [`Batch::tied_table`]); `None` by default.
     fn table(&self) -> Option<(&Param<Tensor<B, 2>>, &'static str)> {
         None
     }
@@ -55,17 +57,11 @@ pub trait HeadUnit<B: Backend>: Module<B> + ModuleDisplay {
     /// the mean one process computes, and `run` refuses, before training, a head whose count
     /// differs from the micro-batch's ([`Batch::loss_terms`]). `x` is `[batch, positions,
     /// hidden]`, the targets are fields of `batch` (for a token model its
-    /// [`TARGETS`](crate::batch::TARGETS), negative ids not counted). `table` is the first
-    /// unit's token table (`[vocab, hidden]`) when the model declares its head tied to it
-    /// ([`UnitModel::tie_embeddings`](crate::entry::UnitModel::tie_embeddings),
-    /// [`Units::tied`]), `None` otherwise: a tied head projects with it instead of a weight of
-    /// its own.
-    fn loss(
-        &self,
-        x: Tensor<B, 3>,
-        batch: &Batch<'_, B>,
-        table: Option<Tensor<B, 2>>,
-    ) -> LossSum<B>;
+    /// [`TARGETS`](crate::batch::TARGETS), negative ids not counted). A head tied to the first
+    /// unit's token table
+    /// ([`UnitModel::tie_embeddings`](crate::entry::UnitModel::tie_embeddings)) projects
+    /// with [`Batch::tied_table`] instead of a weight of its own.
+    fn loss(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> LossSum<B>;
 
     /// The names of the sums [`metrics`](Self::metrics) returns, in its order: a run reports
     /// them by these names ([`MetricSums`](crate::entry::MetricSums)), and refuses, before
@@ -75,17 +71,12 @@ pub trait HeadUnit<B: Backend>: Module<B> + ModuleDisplay {
 
     /// Sums of evaluation metrics of `x` against the targets over the micro-batch, one per
     /// name of [`METRICS`](Self::METRICS) (for example `[summed loss, correct predictions,
-    /// counted targets]`): the evaluation pass sums them over micro-batches and ranks.
-    /// `table` is the token table of a tied head. The default is `[summed loss, loss terms]`
-    /// from [`loss`](Self::loss) and [`Batch::loss_terms`]: the held-out loss is their
-    /// quotient. `None`: the head has no metrics.
-    fn metrics(
-        &self,
-        x: Tensor<B, 3>,
-        batch: &Batch<'_, B>,
-        table: Option<Tensor<B, 2>>,
-    ) -> Option<Tensor<B, 1>> {
-        let loss = self.loss(x, batch, table);
+    /// counted targets]`): the evaluation pass sums them over micro-batches and ranks. The
+    /// default is `[summed loss, loss terms]` from [`loss`](Self::loss) and
+    /// [`Batch::loss_terms`]: the held-out loss is their quotient. `None`: the head has no
+    /// metrics.
+    fn metrics(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> Option<Tensor<B, 1>> {
+        let loss = self.loss(x, batch);
         let terms = loss.terms() as f32;
         let loss = loss.into_sum();
         let terms = Tensor::<B, 1>::from_floats([terms], &loss.device());
@@ -93,15 +84,9 @@ pub trait HeadUnit<B: Backend>: Module<B> + ModuleDisplay {
     }
 
     /// One row of outputs per sample, `[batch, k]` (for example class scores, or the logits
-    /// of the last position). `table` is the token table of a tied head. `None` (the
-    /// default): the head predicts nothing.
-    fn predict(
-        &self,
-        x: Tensor<B, 3>,
-        batch: &Batch<'_, B>,
-        table: Option<Tensor<B, 2>>,
-    ) -> Option<Tensor<B, 2>> {
-        let _ = (x, batch, table);
+    /// of the last position). `None` (the default): the head predicts nothing.
+    fn predict(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> Option<Tensor<B, 2>> {
+        let _ = (x, batch);
         None
     }
 }
@@ -234,8 +219,8 @@ where
         self
     }
 
-    /// Ties the head to the embedding's token table ([`EmbedUnit::table`]): the head computes
-    /// [`HeadUnit::loss`] with it, and under pipeline parallelism the last stage keeps a
+    /// Ties the head to the embedding's token table ([`EmbedUnit::table`]): the head reads it
+    /// as [`Batch::tied_table`], and under pipeline parallelism the last stage keeps a
     /// copy whose gradient is summed with the embedding's. Call it before
     /// [`retain`](Self::retain). Fails when the embedding names no table.
     pub fn tied(mut self) -> Result<Self, NoTokenTable> {
@@ -372,7 +357,12 @@ where
     /// (on the rank holding the head).
     pub fn head_loss_sum(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> LossSum<B> {
         let head = held(&self.head, self.layers.len() + 1);
-        head.loss(self.whole_sequences(x), batch, self.table())
+        head.loss(self.whole_sequences(x), &self.for_head(batch))
+    }
+
+    /// `batch` as the head sees it: with the token table of a tied head.
+    fn for_head<'a>(&self, batch: &Batch<'a, B>) -> Batch<'a, B> {
+        batch.clone().with_tied_table(self.table())
     }
 
     /// The hidden states of whole sequences under context parallelism: every rank's zigzag
@@ -523,13 +513,10 @@ where
         what: Evaluate,
     ) -> Option<Tensor<B, 2>> {
         let head = held(&self.head, self.layers.len() + 1);
-        let x = self.whole_sequences(x);
+        let (x, batch) = (self.whole_sequences(x), self.for_head(batch));
         match what {
-            Evaluate::Metrics => (head.metrics(x, batch, self.table())).map(|m| m.unsqueeze_dim(0)),
-            Evaluate::Predictions => {
-                let x = self.whole_context(x);
-                head.predict(x, batch, self.table())
-            }
+            Evaluate::Metrics => (head.metrics(x, &batch)).map(|m| m.unsqueeze_dim(0)),
+            Evaluate::Predictions => head.predict(self.whole_context(x), &batch),
         }
     }
 
@@ -596,12 +583,7 @@ mod tests {
     }
 
     impl<B: Backend> HeadUnit<B> for Plain<B> {
-        fn loss(
-            &self,
-            x: Tensor<B, 3>,
-            _batch: &Batch<'_, B>,
-            _table: Option<Tensor<B, 2>>,
-        ) -> LossSum<B> {
+        fn loss(&self, x: Tensor<B, 3>, _batch: &Batch<'_, B>) -> LossSum<B> {
             let terms = x.dims()[0] * x.dims()[1];
             LossSum::new(x.sum(), terms)
         }
