@@ -804,7 +804,8 @@ fn bad_expert_settings_fail_before_training() {
                 "--set",
                 "parallel.shard=2",
             ],
-            "`parallel.shard`: 2 x parallel.cp = 1 is not a multiple of parallel.ep = 4",
+            "`parallel.shard`: 2 (hybrid sharding needs parallel.ep = 4 to divide it times \
+             parallel.cp = 1",
         ),
         (
             0,

@@ -80,3 +80,100 @@ impl std::fmt::Display for GradientBuffers {
         })
     }
 }
+
+/// The sizes hybrid sharding is checked against: `shard` of the `dp` data-parallel replicas
+/// share one copy of the chunks (0 or `dp`: no hybrid sharding), under ZeRO stage `zero`,
+/// with `cp` context-parallel ranks per replica and expert parallelism `ep`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HybridSharding {
+    /// Data-parallel replicas.
+    pub dp: usize,
+    /// Context-parallel ranks per replica.
+    pub cp: usize,
+    /// Expert-parallel degree.
+    pub ep: usize,
+    /// ZeRO stage.
+    pub zero: u8,
+    /// Replicas per copy.
+    pub shard: usize,
+}
+
+impl HybridSharding {
+    /// Why these sizes cannot shard hybridly, naming each setting as `name` spells it (for
+    /// example `parallel.dp`, or `dp` in a layout); `None` when they can, or when `shard` asks
+    /// for no hybrid sharding. A copy is `shard` replicas: `shard` divides `dp`, a ZeRO stage
+    /// shards within it, and it holds one copy of every expert (`ep` divides `shard x cp`).
+    pub fn problem(&self, name: &dyn Fn(&'static str) -> String) -> Option<String> {
+        let Self {
+            dp,
+            cp,
+            ep,
+            zero,
+            shard,
+        } = *self;
+        if shard == 0 || shard == dp {
+            return None;
+        }
+        if !dp.is_multiple_of(shard) {
+            return Some(format!("must divide {} = {dp}", name("dp")));
+        }
+        if zero == 0 {
+            return Some(format!(
+                "hybrid sharding needs {} = 1, 2 or 3 (it is 0)",
+                name("zero")
+            ));
+        }
+        let (cp, ep) = (cp.max(1), ep.max(1));
+        (!(shard * cp).is_multiple_of(ep)).then(|| {
+            format!(
+                "hybrid sharding needs {} = {ep} to divide it times {} = {cp}: each copy holds \
+                 every expert",
+                name("ep"),
+                name("cp")
+            )
+        })
+    }
+}
+
+#[cfg(test)]
+mod hybrid_tests {
+    use super::*;
+
+    #[test]
+    fn hybrid_sharding_needs_a_dividing_shard_a_zero_stage_and_whole_experts_per_copy() {
+        let at = |shard, zero, ep| HybridSharding {
+            dp: 4,
+            cp: 1,
+            ep,
+            zero,
+            shard,
+        };
+        let name = |f: &'static str| format!("parallel.{f}");
+        for ok in [
+            at(0, 0, 1),
+            at(4, 0, 1),
+            at(2, 1, 2),
+            at(2, 3, 1),
+            at(1, 2, 1),
+        ] {
+            assert_eq!(ok.problem(&name), None, "{ok:?}");
+        }
+        let says = |h: HybridSharding| h.problem(&name).expect("a problem");
+        assert_eq!(says(at(3, 1, 1)), "must divide parallel.dp = 4");
+        assert!(says(at(2, 0, 1)).contains("parallel.zero = 1, 2 or 3"));
+        let e = says(at(2, 1, 4));
+        assert!(
+            e.contains("parallel.ep = 4 to divide it times parallel.cp = 1"),
+            "{e}"
+        );
+        let cp2 = HybridSharding {
+            cp: 2,
+            ..at(2, 1, 4)
+        };
+        assert_eq!(
+            cp2.problem(&name),
+            None,
+            "2 x 2 ranks hold the 4 expert groups"
+        );
+    }
+}

@@ -2,7 +2,7 @@
 //! [`ParallelPlan`] and [`PipelinePlan`] they give.
 
 use merak_burn::context_parallel::{CpAttention, ulysses_heads_per_rank};
-use merak_burn::data_parallel::{GradientBuffers, ReduceScatter};
+use merak_burn::data_parallel::{GradientBuffers, HybridSharding, ReduceScatter};
 use merak_burn::parallel_plan::ParallelPlan;
 use merak_burn::pipeline::{PipelinePlan, Recompute, RecomputeMode, ScheduleKind};
 use merak_burn::tensor_parallel::TpOverlap;
@@ -107,12 +107,16 @@ impl Config {
             );
         }
         // Hybrid sharding groups ZeRO's ranks; without ZeRO it is idle (config/idle.rs).
-        let (dp, shard) = (self.parallel.dp, self.parallel.shard);
-        if shard != 0 && self.parallel.zero != 0 && !dp.is_multiple_of(shard) {
-            return bad(
-                "parallel.shard",
-                format!("{shard} must divide parallel.dp = {dp}"),
-            );
+        let p = &self.parallel;
+        let hybrid = HybridSharding {
+            dp: p.dp,
+            cp: p.cp,
+            ep: p.ep,
+            zero: p.zero,
+            shard: p.shard,
+        };
+        if let (1.., Some(reason)) = (p.zero, hybrid.problem(&|f| format!("parallel.{f}"))) {
+            return bad("parallel.shard", format!("{} ({reason})", p.shard));
         }
         if self.parallel.prefetch > 8 {
             return bad(
@@ -183,20 +187,6 @@ impl Config {
         }
         if let Err(e) = moe.check_ep(ep) {
             return bad("parallel.ep", e.to_string());
-        }
-        // Hybrid sharding keeps every expert in each copy: its shard groups hold whole
-        // expert-parallel groups.
-        let shard = p.shard;
-        let hybrid = p.zero != 0 && shard != 0 && shard != p.dp;
-        if hybrid && !(shard * p.cp).is_multiple_of(ep) {
-            return bad(
-                "parallel.shard",
-                format!(
-                    "{shard} x parallel.cp = {} is not a multiple of parallel.ep = {ep}: hybrid \
-                     sharding keeps one copy of every expert in each shard group",
-                    p.cp
-                ),
-            );
         }
         if p.tp > 1 && !p.sequence_parallel {
             return bad(

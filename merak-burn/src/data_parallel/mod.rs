@@ -35,4 +35,4 @@ pub use collective::{Collective, Sharding};
 pub use gather::{Shards, all_gather_each, emptied};
 pub use reducer::{DataParallel, DpStats};
 
-pub use merak_plan::data_parallel::{GradientBuffers, ReduceScatter};
+pub use merak_plan::data_parallel::{GradientBuffers, HybridSharding, ReduceScatter};

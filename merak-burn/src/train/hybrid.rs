@@ -15,6 +15,7 @@
 //! key order, `(i / ep) × tp + tp`, kept). A startup check confirms it on every hybrid run.
 
 use crate::comm::{Communicator, Group};
+use crate::data_parallel::HybridSharding;
 use crate::grid::ProcessGrid;
 use crate::parallel_plan::ParallelPlan;
 use crate::train::experts::experts_apart;
@@ -101,29 +102,21 @@ fn same_expert_chunks(
 /// Hybrid sharding's settings: `parallel.shard` dividing the `dp` data-parallel ranks, ZeRO
 /// on, and `parallel.ep` dividing a copy's `shard x cp` ranks (each copy holds every expert).
 fn check_hybrid(dp: usize, cp: usize, parallel: &ParallelPlan) -> Result<(), InvalidSetting> {
-    let shard = parallel.shard;
-    let bad = |reason: String| InvalidSetting {
-        key: "parallel.shard".into(),
-        value: shard.to_string(),
-        reason,
+    let hybrid = HybridSharding {
+        dp,
+        cp,
+        ep: parallel.ep,
+        zero: parallel.zero,
+        shard: parallel.shard,
     };
-    if !dp.is_multiple_of(shard) {
-        return Err(bad(format!("must divide parallel.dp = {dp}")));
+    match hybrid.problem(&|f| format!("parallel.{f}")) {
+        Some(reason) => Err(InvalidSetting {
+            key: "parallel.shard".into(),
+            value: parallel.shard.to_string(),
+            reason,
+        }),
+        None => Ok(()),
     }
-    if parallel.zero == 0 {
-        return Err(bad(format!(
-            "hybrid sharding needs parallel.zero = 1, 2 or 3 (it is {})",
-            parallel.zero
-        )));
-    }
-    let ep = parallel.ep.max(1);
-    if !(shard * cp).is_multiple_of(ep) {
-        return Err(bad(format!(
-            "hybrid sharding needs parallel.ep = {ep} to divide parallel.shard x parallel.cp = \
-             {shard} x {cp}: each shard group holds one copy of every expert"
-        )));
-    }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -148,7 +141,7 @@ mod tests {
         assert_eq!(e.key, "parallel.shard");
         assert_eq!(e.value, "2");
         assert!(
-            e.reason.contains("parallel.ep = 4") && e.reason.contains("2 x 1"),
+            e.reason.contains("parallel.ep = 4") && e.reason.contains("parallel.cp = 1"),
             "{e}"
         );
         for (zero, shard, ep) in [(1, 2, 2), (2, 2, 1), (3, 4, 2), (3, 2, 2)] {

@@ -6,7 +6,7 @@ use thiserror::Error;
 
 use super::cost::Layout;
 use super::model::{ModelProxy, RecomputeMode};
-use crate::data_parallel::ReduceScatter;
+use crate::data_parallel::{HybridSharding, ReduceScatter};
 use crate::pipeline::ScheduleKind;
 
 /// A layout field out of range, or inconsistent with another field or with the model. `key`
@@ -119,26 +119,15 @@ impl Check<'_> {
             let reason = "not a supported ZeRO stage (0, 1, 2 or 3)".into();
             return Err(self.bad("zero", l.zero, reason));
         }
-        if l.shard != 0 && l.shard != l.dp {
-            if !l.dp.is_multiple_of(l.shard) {
-                let reason = format!("must divide {} = {}", n("dp"), l.dp);
-                return Err(self.bad("shard", l.shard, reason));
-            }
-            if l.zero == 0 {
-                let reason = format!("hybrid sharding needs {} = 1, 2 or 3 (it is 0)", n("zero"));
-                return Err(self.bad("shard", l.shard, reason));
-            }
-            if !(l.shard * l.cp.max(1)).is_multiple_of(l.ep.max(1)) {
-                let reason = format!(
-                    "hybrid sharding needs {} = {} to divide it times {} = {}: each copy holds \
-                     every expert",
-                    n("ep"),
-                    l.ep,
-                    n("cp"),
-                    l.cp
-                );
-                return Err(self.bad("shard", l.shard, reason));
-            }
+        let hybrid = HybridSharding {
+            dp: l.dp,
+            cp: l.cp,
+            ep: l.ep,
+            zero: l.zero,
+            shard: l.shard,
+        };
+        if let Some(reason) = hybrid.problem(n) {
+            return Err(self.bad("shard", l.shard, reason));
         }
         if l.reduce_scatter == ReduceScatter::MicroBatch && l.zero < 2 {
             let reason = format!(
