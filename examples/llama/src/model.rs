@@ -1,6 +1,8 @@
-//! The model: nothing in it knows about parallelism but the type of its linear layers (and
-//! which key/value heads a rank's query heads use, when tensor parallelism shares them). A
-//! Mixtral's blocks hold merak-burn's mixture-of-experts layer in place of the MLP.
+//! The model: nothing in it knows about parallelism but the type of its linear layers, which
+//! key/value heads a rank's query heads use (when tensor parallelism shares them), and, under
+//! context parallelism, the share of each sequence its attention and rotary embedding run on
+//! ([`ContextShare`]). A Mixtral's blocks hold merak-burn's mixture-of-experts layer in place
+//! of the MLP.
 
 use burn::module::{Module, Param};
 use burn::nn::attention::generate_autoregressive_mask;
