@@ -291,7 +291,7 @@ fn units_that_do_not_fit_together_are_refused_before_anything_is_written() {
     let text = err.to_string();
     assert!(matches!(err, RunError::MetricNames { .. }), "{text}");
     assert!(
-        text.contains("metrics are 2 sums, but it names 3"),
+        text.contains("metrics are 2 sums, but HeadUnit::METRICS names [\"loss\", \"loss_terms\", \"accuracy\"]"),
         "{text}"
     );
     assert!(!out.exists());

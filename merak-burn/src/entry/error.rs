@@ -88,9 +88,8 @@ pub enum RunError {
     /// ([`HeadUnit::METRICS`](crate::parallelize::HeadUnit::METRICS)); found before training
     /// for a model described by units.
     #[error(
-        "the last unit's metrics are {counted} sums, but it names {} ({names:?}, \
-         HeadUnit::METRICS): declare one name per sum",
-        names.len()
+        "the last unit's metrics are {counted} sums, but HeadUnit::METRICS names {names:?}: \
+         declare one name per sum"
     )]
     MetricNames {
         /// The names declared.
