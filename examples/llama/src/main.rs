@@ -91,8 +91,23 @@ struct Args {
     init_from: Option<PathBuf>,
 }
 
-fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+/// Exits 0 when trained, 2 on bad input found before training (as `merak train` does), 1
+/// when training failed ([`RunError::exit_status`]).
+fn main() -> std::process::ExitCode {
+    match train(Args::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("Error: {e:?}");
+            let status = e
+                .downcast_ref::<RunError>()
+                .map_or(2, RunError::exit_status);
+            std::process::ExitCode::from(status)
+        }
+    }
+}
+
+/// Trains as `args` say.
+fn train(args: Args) -> anyhow::Result<()> {
     let moe = (args.experts > 0).then_some(SparseMoe {
         experts: args.experts,
         top_k: args.top_k,

@@ -338,7 +338,7 @@ fn a_run_resumed_under_another_layout_equals_the_uninterrupted_run() {
 }
 
 /// A layout of more ranks than were launched is refused before anything is built or written,
-/// naming the ranks and the command, with a non-zero exit.
+/// naming the ranks and the command, with exit status 2 (bad input, as `merak train`).
 #[test]
 fn a_layout_without_its_ranks_is_refused_before_anything_is_written() {
     let out = std::env::temp_dir().join(format!("merak-llama-refused-{}", std::process::id()));
@@ -346,14 +346,15 @@ fn a_layout_without_its_ranks_is_refused_before_anything_is_written() {
     let mut cmd = Command::new(BIN);
     cmd.args(["--dp", "2", "--tp", "2", "--out"]).arg(&out);
     let run = run_with_deadline(cmd, Duration::from_secs(60));
-    assert_eq!(run.code, Some(1), "{}", run.stderr);
+    assert_eq!(run.code, Some(2), "{}", run.stderr);
     assert!(run.stderr.contains("mpirun -np 4"), "{}", run.stderr);
     assert!(!out.exists(), "{} was made", out.display());
 }
 
 /// Context and sequence parallelism that the sequences cannot take are refused on every rank
-/// before anything is written, naming the key and the numbers, with a non-zero exit: 30
-/// tokens are not 2 cp = 4 zigzag chunks, and 33 are not a multiple of tp = 2.
+/// before anything is written, naming the key and the numbers: 30
+/// tokens are not 2 cp = 4 zigzag chunks, and 33 are not a multiple of tp = 2 (exit status
+/// 2, passed to `MPI_Abort`).
 #[test]
 fn uneven_context_and_sequence_splits_are_refused_before_anything_is_written() {
     let cases: [(&[&str], &str); 2] = [
@@ -369,7 +370,7 @@ fn uneven_context_and_sequence_splits_are_refused_before_anything_is_written() {
         let mut cmd = merak_tests::mpirun(2);
         cmd.arg(BIN).args(args).arg("--out").arg(&out);
         let run = run_with_deadline(cmd, Duration::from_secs(120));
-        assert_ne!(run.code, Some(0), "{args:?}: {}", run.stderr);
+        assert_eq!(run.code, Some(2), "{args:?}: {}", run.stderr);
         assert!(run.stderr.contains(key), "{args:?}: {}", run.stderr);
         assert!(!out.exists(), "{} was made", out.display());
         let _ = std::fs::remove_dir_all(&dir);

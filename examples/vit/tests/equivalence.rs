@@ -167,7 +167,7 @@ fn a_corrupt_digits_file_is_refused_naming_it() {
             .arg("--out")
             .arg(&out);
         let run = run_with_deadline(cmd, Duration::from_secs(60));
-        assert_eq!(run.code, Some(1), "{file}: {}", run.stderr);
+        assert_eq!(run.code, Some(2), "{file}: {}", run.stderr);
         let path = path.to_str().expect("a UTF-8 path");
         assert!(run.stderr.contains(path), "{file}: {}", run.stderr);
         assert!(run.stderr.contains(says), "{file}: {}", run.stderr);

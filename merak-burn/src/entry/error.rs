@@ -140,3 +140,16 @@ pub enum RunError {
     #[error(transparent)]
     Train(#[from] TrainError),
 }
+
+impl RunError {
+    /// The exit status a program should end with, as `merak train` does: 2 for bad input
+    /// found before training (every variant but [`Train`](Self::Train), and the settings,
+    /// folders and parameter groups [`TrainError::found_before_training`] names), 1 for a
+    /// failure during training.
+    pub fn exit_status(&self) -> u8 {
+        match self {
+            Self::Train(e) if !e.found_before_training() => 1,
+            _ => 2,
+        }
+    }
+}

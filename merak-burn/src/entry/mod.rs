@@ -100,7 +100,8 @@ where
 
 /// [`run`] for a program that starts MPI itself ([`MpiWorld::init`], before its own MPI work)
 /// and keeps it after the run: `mpi` is its world, `None` for one process without MPI. An
-/// error on one of several ranks still ends the job (`MPI_Abort`).
+/// error on one of several ranks still ends the job (`MPI_Abort` with its
+/// [`exit_status`](RunError::exit_status)).
 pub fn run_with_mpi<B, M>(
     mpi: Option<&MpiWorld>,
     model: &M,
@@ -116,7 +117,9 @@ where
 {
     let result = run_on(model, plan, data, settings, options, mpi);
     match (result, mpi) {
-        (Err(e), Some(m)) if m.world().size() > 1 => m.abort(1, &e.to_string()),
+        (Err(e), Some(m)) if m.world().size() > 1 => {
+            m.abort(i32::from(e.exit_status()), &e.to_string())
+        }
         (result, _) => result,
     }
 }

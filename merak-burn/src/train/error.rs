@@ -126,6 +126,23 @@ impl TrainError {
             source,
         }
     }
+
+    /// Whether the error is found before the first step (bad settings, a folder another run
+    /// holds, a path that cannot be written, parameter groups or an optimizer state that do not
+    /// fit): the input's fault, not the run's.
+    pub fn found_before_training(&self) -> bool {
+        matches!(
+            self,
+            Self::Setting(_)
+                | Self::Claim(_)
+                | Self::Lock(_)
+                | Self::Output(_)
+                | Self::BadRunFile(_)
+                | Self::ParamGroup { .. }
+                | Self::GroupsTooLate
+                | Self::OptimizerMismatch { .. }
+        )
+    }
 }
 
 /// A training setting out of range, or set for an optimizer or schedule that does not use it.
