@@ -199,18 +199,10 @@ pub fn signal_last_rank_when(
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    let pgrep = Command::new("pgrep")
-        .args(["-f", &format!("{} train .*{}", MERAK, out.display())])
-        .output()
-        .expect("pgrep runs");
-    let pids: Vec<String> = String::from_utf8_lossy(&pgrep.stdout)
-        .split_whitespace()
-        .map(str::to_string)
-        .collect();
-    assert!(!pids.is_empty(), "no rank process found");
+    let pid = last_rank_pid(out).expect("no rank process found");
     let killed_at = std::time::Instant::now();
     let status = Command::new("kill")
-        .args([signal, &pids[pids.len() - 1]])
+        .args([signal, &pid])
         .status()
         .expect("kill runs");
     assert!(status.success());
@@ -226,6 +218,31 @@ pub fn signal_last_rank_when(
     );
     assert_ne!(run.code, Some(0), "{run:?}");
     run
+}
+
+/// The pid of the highest MPI rank of the `merak train` writing to `out`, by the rank its
+/// environment names (`OMPI_COMM_WORLD_RANK`): `mpirun`'s own command line matches too, and
+/// pids are not in rank order once they wrap around.
+fn last_rank_pid(out: &Path) -> Option<String> {
+    let pgrep = Command::new("pgrep")
+        .args(["-f", &format!("{} train .*{}", MERAK, out.display())])
+        .output()
+        .expect("pgrep runs");
+    let rank_of = |pid: &str| {
+        let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+        env.split(|b| *b == 0).find_map(|entry| {
+            let entry = std::str::from_utf8(entry).ok()?;
+            entry
+                .strip_prefix("OMPI_COMM_WORLD_RANK=")?
+                .parse::<usize>()
+                .ok()
+        })
+    };
+    String::from_utf8_lossy(&pgrep.stdout)
+        .split_whitespace()
+        .filter_map(|pid| Some((rank_of(pid)?, pid.to_string())))
+        .max_by_key(|(rank, _)| *rank)
+        .map(|(_, pid)| pid)
 }
 
 /// `merak train` (tiny GPT, synthetic data, 4 micro-batches of 2 per step) on `np` ranks.
