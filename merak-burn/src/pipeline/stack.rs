@@ -1,14 +1,9 @@
-//! What running unit ranges needs besides the units: the tied table's copies, the parameters
-//! of a module, and the layers of a range below the head.
-
-use std::ops::Range;
+//! What running unit ranges needs besides the units: the tied table's copies and the
+//! parameters of a module.
 
 use burn::module::{Module, ParamId};
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
-
-use crate::batch::Batch;
-use crate::pipeline::{PipelineModel, StageInput};
 
 /// The two copies of an embedding table tied to the output projection, as a rank holds them.
 #[derive(Clone, Debug, PartialEq)]
@@ -38,22 +33,4 @@ pub fn param_ids<B: Backend, M: Module<B>>(module: Option<&M>) -> Vec<ParamId> {
         m.visit(&mut ids);
     }
     ids.0
-}
-
-/// The hidden states after the units of `range` below the head.
-pub(super) fn through_layers<B: Backend, T: PipelineModel<B>>(
-    stack: &T,
-    range: &Range<usize>,
-    input: StageInput<B>,
-    batch: &Batch<'_, B>,
-) -> Tensor<B, 3> {
-    let last = stack.layer_count() + 1;
-    let mut x = match input {
-        StageInput::Data => stack.embed(batch),
-        StageInput::Hidden(x) => x,
-    };
-    for unit in range.start.max(1)..range.end.min(last) {
-        x = stack.layer(unit - 1, x, batch);
-    }
-    x
 }

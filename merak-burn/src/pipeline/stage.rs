@@ -6,7 +6,7 @@ use burn::module::{AutodiffModule, Module, ParamId};
 use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
-use super::stack::{TiedTable, through_layers};
+use super::stack::TiedTable;
 use crate::batch::Batch;
 use crate::tensor_parallel::ParallelBackend;
 
@@ -222,4 +222,22 @@ where
     M: PipelineModel<B> + AutodiffModule<B>,
     M::InnerModule: PipelineModel<B::InnerBackend>,
 {
+}
+
+/// The hidden states after the units of `range` below the head.
+fn through_layers<B: Backend, T: PipelineModel<B>>(
+    stack: &T,
+    range: &Range<usize>,
+    input: StageInput<B>,
+    batch: &Batch<'_, B>,
+) -> Tensor<B, 3> {
+    let last = stack.layer_count() + 1;
+    let mut x = match input {
+        StageInput::Data => stack.embed(batch),
+        StageInput::Hidden(x) => x,
+    };
+    for unit in range.start.max(1)..range.end.min(last) {
+        x = stack.layer(unit - 1, x, batch);
+    }
+    x
 }
