@@ -9,7 +9,7 @@ pub use crate::batch::{Batch, Samples, TARGETS, TOKENS};
 pub use crate::context_parallel::ContextShare;
 pub use crate::entry::{
     AutoPlan, MetricSums, ModelDims, PlanChoice, RunError, RunOptions, RunReport, UnitModel,
-    UnitPlace,
+    UnitPlace, exit_code,
 };
 pub use crate::parallel_plan::ParallelPlan;
 pub use crate::parallelize::{EmbedUnit, HeadUnit, LayerUnit, Linear, LossSum, TpPlan, TpStyle};

@@ -194,7 +194,11 @@ fn run_with(model: &Model, options: RunOptions, plan: ParallelPlan) -> Result<()
 }
 
 /// [`run`] under `plan` as given (its micro-batch included).
-fn run_plan(model: &Model, out: &std::path::Path, plan: ParallelPlan) -> Result<(), RunError> {
+fn run_plan<M>(model: &M, out: &std::path::Path, plan: ParallelPlan) -> Result<(), RunError>
+where
+    M: UnitModel<CpuAutodiff>,
+    merak_burn::entry::UnitsOf<CpuAutodiff, M>: merak_burn::pipeline::TrainModel<CpuAutodiff>,
+{
     let options = RunOptions::default().with_out(out);
     let plan = PlanChoice::Given(plan);
     merak_burn::run::<CpuAutodiff, _>(model, &plan, &Data, &settings(), &options).map(|_| ())
@@ -283,11 +287,8 @@ fn units_that_do_not_fit_together_are_refused_before_anything_is_written() {
     );
     assert!(!out.exists());
     // A head naming three metrics for two sums: refused, naming both counts.
-    let plan = PlanChoice::Given(ParallelPlan::default());
-    let options = RunOptions::default().with_out(&out);
     let misnamed = MisnamedModel(fits.clone());
-    let err = merak_burn::run::<CpuAutodiff, _>(&misnamed, &plan, &Data, &settings(), &options)
-        .expect_err("refused");
+    let err = run_plan(&misnamed, &out, ParallelPlan::default()).expect_err("refused");
     let text = err.to_string();
     assert!(matches!(err, RunError::MetricNames { .. }), "{text}");
     assert!(

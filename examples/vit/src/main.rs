@@ -76,18 +76,9 @@ struct Args {
 }
 
 /// Exits 0 when trained, 2 on bad input found before training (as `merak train` does), 1
-/// when training failed ([`RunError::exit_status`]).
+/// when training failed ([`exit_code`]).
 fn main() -> std::process::ExitCode {
-    match train(Args::parse()) {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("Error: {e:?}");
-            let status = e
-                .downcast_ref::<RunError>()
-                .map_or(2, RunError::exit_status);
-            std::process::ExitCode::from(status)
-        }
-    }
+    exit_code(train(Args::parse()))
 }
 
 /// Trains as `args` say.

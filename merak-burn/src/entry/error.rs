@@ -153,3 +153,21 @@ impl RunError {
         }
     }
 }
+
+/// How a program training through [`run`](crate::run) ends its `main`: success, or `result`'s
+/// error printed as a `main` returning it prints it (`Error: {error:?}`) and the exit status
+/// of the [`RunError`] in its chain of sources ([`RunError::exit_status`]), 2 (bad input found
+/// before training) when there is none.
+pub fn exit_code<E>(result: Result<(), E>) -> std::process::ExitCode
+where
+    E: std::fmt::Debug + AsRef<dyn std::error::Error>,
+{
+    let Err(error) = result else {
+        return std::process::ExitCode::SUCCESS;
+    };
+    eprintln!("Error: {error:?}");
+    let status = std::iter::successors(Some(error.as_ref()), |e| e.source())
+        .find_map(|e| e.downcast_ref::<RunError>())
+        .map_or(2, RunError::exit_status);
+    std::process::ExitCode::from(status)
+}

@@ -36,7 +36,7 @@ mod sequence;
 mod train_part;
 
 pub use choose::{AutoPlan, PlanChoice};
-pub use error::RunError;
+pub use error::{RunError, exit_code};
 pub use metric_sums::MetricSums;
 pub use model::{
     ModelDims, UnitModel, UnitPlace, UnitsOf, build_units, build_units_on, sample_units, unit_seed,
