@@ -5,18 +5,13 @@
 //!
 //! Every rank reads and checks the whole file against the config before anything is built
 //! ([`merak_gpt::hf_import`], [`merak_bert::hf_import`]), so a bad file stops every rank at
-//! once, naming the file; once the model is built, each rank cuts its TP shard of the units it
-//! holds from the full tensors with the checkpoint code
-//! ([`merak_burn::checkpoint::cut_full_params`]).
+//! once, naming the file; the library's run then cuts, once the model is built, each rank's TP
+//! shard of the units it holds from the full tensors
+//! ([`RunOptions::init`](merak_burn::entry::RunOptions::init)).
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
-use burn::module::Module;
-use merak_burn::checkpoint::{cut_full_params, state};
-use merak_burn::grid::ProcessGrid;
-use merak_burn::pipeline::PipelineModel;
-use merak_burn::tensor_parallel::{ParallelBackend, Shard};
 use merak_gpt::hf_import::{FullParams, read_hf_gpt2};
 
 use crate::config::Config;
@@ -61,24 +56,4 @@ pub fn open(path: &Path, cfg: &Config, log: bool) -> Result<Pretrained> {
         path: path.to_path_buf(),
         params,
     })
-}
-
-/// Replaces this rank's parameters of `model` (a GPT or a BERT: the units it holds, its TP
-/// shard, the head's copy of the token table included) by its pieces of the pretrained
-/// weights.
-pub fn apply<B, M>(model: M, pretrained: &Pretrained, grid: &ProcessGrid) -> Result<M>
-where
-    B: ParallelBackend,
-    M: Module<B> + PipelineModel<B>,
-{
-    let context = || format!("--init-from {}", pretrained.path.display());
-    let shapes = state::param_shapes(&model);
-    let shard = Shard {
-        rank: grid.coords.tp,
-        size: grid.layout.tp,
-    };
-    let copies = model.tied_names();
-    let params =
-        cut_full_params(&pretrained.params, &shapes, shard, &copies).with_context(context)?;
-    state::assign_params(model, params).with_context(context)
 }

@@ -68,8 +68,10 @@ proptest! {
     ) {
         let _ = config::load_text(Some((&text, "prop.toml")), &[]);
         // A config that loads also resolves into a pipeline plan (or names what does not fit).
-        if let Ok(cfg) = config::load_text(None, &sets) {
-            let _ = cfg.pipeline_plan();
+        if let Ok(cfg) = config::load_text(None, &sets)
+            && let Ok(shape) = cfg.shape()
+        {
+            let _ = cfg.parallel_plan().pipeline(&shape, cfg.train.global_batch);
         }
         let _ = config::load_text(None, &raw);
         // A config of the same assignments as TOML lines (sections from the keys).

@@ -7,15 +7,11 @@ use anyhow::Result;
 use merak_bert::{BertConfig, mask_tokens};
 use merak_burn::checkpoint::{Checkpoint, FullState};
 use merak_burn::data::{CausalWindows, DocumentMasked};
-use merak_burn::entry::{Part, RunOptions, train_part};
-use merak_burn::grid::ProcessGrid;
+use merak_burn::entry::{InitWeights, PlanChoice, RunModel, RunOn, RunOptions, Trained, run_on};
 use merak_burn::parallel_plan::ParallelPlan;
-use merak_burn::pipeline::PipelinePlan;
-use merak_burn::pipeline::{TrainBackend, TrainModel};
+use merak_burn::pipeline::TrainBackend;
 pub use merak_burn::train::Summary;
-use merak_burn::train::{
-    BatchSource, ExistingRun, RunFile, SourceError, StopRequest, TokenSource, Windows,
-};
+use merak_burn::train::{BatchSource, ExistingRun, RunFile, SourceError, TokenSource, Windows};
 
 use crate::config::Config;
 use crate::data::Source;
@@ -72,18 +68,18 @@ pub fn checkpoint_root(cfg: &Config, out: &Path) -> std::path::PathBuf {
 
 /// How a run is set up besides its config.
 pub struct RunSpec<'a> {
+    /// The output folder.
+    pub out: &'a Path,
     /// The parallel plan of the config.
     pub parallel: &'a ParallelPlan,
-    /// The pipeline plan built from it (one stage for pp = 1).
-    pub plan: &'a PipelinePlan,
-    /// The checkpoint to continue from.
-    pub resume: Option<&'a Resume>,
     /// Write a Chrome trace of every rank's actions here.
     pub trace: Option<&'a Path>,
-    /// Set by the signal handlers: stop after the current step and checkpoint.
-    pub stop: &'a StopRequest,
     /// What to do with folders that hold another run (`--replace`, `--branch`).
     pub existing: ExistingRun,
+    /// Pretrained weights to start from (`--init-from`).
+    pub init: Option<InitWeights>,
+    /// Stop after the current step on SIGTERM, SIGINT or SIGUSR1 and checkpoint.
+    pub signals: bool,
 }
 
 /// The config file `merak train` writes into its output folder.
@@ -101,15 +97,15 @@ pub fn own_file_names() -> Vec<String> {
         .collect()
 }
 
-/// The library's run options of `cfg` writing to `out`: its checkpoint policy (the config in
-/// every manifest), trace, folder policy and `merak train`'s own files (the config and the
-/// charts). The signal handlers and the watchdog are `merak train`'s own.
-fn run_options(cfg: &Config, out: &Path, spec: &RunSpec<'_>) -> Result<RunOptions> {
+/// The library's run options of `cfg` as `spec` says: its checkpoint policy (the config in
+/// every manifest), trace, folder policy, `merak train`'s own files (the config and the
+/// charts), the pretrained weights, the signal handlers and the watchdog.
+fn run_options(cfg: &Config, spec: RunSpec<'_>) -> Result<RunOptions> {
     let c = &cfg.checkpoint;
     let config = toml::to_string(cfg)?;
     Ok(RunOptions {
-        out: Some(out.to_path_buf()),
-        checkpoint_dir: Some(checkpoint_root(cfg, out)),
+        out: Some(spec.out.to_path_buf()),
+        checkpoint_dir: Some(checkpoint_root(cfg, spec.out)),
         checkpoint_every: c.every,
         checkpoint_at_end: c.at_end,
         keep_checkpoints: c.keep,
@@ -117,6 +113,9 @@ fn run_options(cfg: &Config, out: &Path, spec: &RunSpec<'_>) -> Result<RunOption
         manifest_extra: serde_json::json!({ "config": config }),
         trace: spec.trace.map(Path::to_path_buf),
         existing: spec.existing,
+        init: spec.init,
+        signals: spec.signals,
+        comm_timeout_s: cfg.train.comm_timeout_s,
         files: std::iter::once(RunFile {
             name: CONFIG_FILE.into(),
             contents: Some(config.into_bytes()),
@@ -163,24 +162,22 @@ impl TokenSource for ObjectiveData<'_> {
     }
 }
 
-/// Trains `model` (this rank's stages and TP shard) on this rank's part of the grid (from the
-/// state of `spec.resume` when given) through the library's
-/// [`train_part`](merak_burn::entry::train_part), the step `merak_burn::run` ends in;
-/// rank 0 writes `out/metrics.jsonl`; checkpoints follow `[checkpoint]`.
-#[allow(clippy::too_many_arguments)]
-pub fn train<B, M>(
+/// Trains `model` (a GPT or a BERT config) on the config's data seen through `objective`,
+/// on `launch`'s ranks, through the library's front door,
+/// [`run_on`](merak_burn::entry::run_on), under the config's plan; rank 0 writes
+/// `out/metrics.jsonl`; checkpoints follow `[checkpoint]`. Returns the trained part and the
+/// grid it trained on.
+pub fn train<B, K, M>(
+    launch: RunOn<'_, B>,
     cfg: &Config,
     data: &Source,
-    grid: &ProcessGrid,
-    out: &Path,
-    device: &B::Device,
-    model: M,
+    model: &M,
     objective: &Objective,
     spec: RunSpec<'_>,
-) -> Result<(Summary, M)>
+) -> Result<Trained<M::Part>>
 where
     B: TrainBackend,
-    M: TrainModel<B>,
+    M: RunModel<B, K>,
 {
     let windows = CausalWindows {
         data,
@@ -200,25 +197,10 @@ where
         true => &source,
         false => &source.source,
     };
-    let part = Part {
-        grid,
-        device: device.clone(),
-        plan: spec.parallel.clone(),
-        pipeline: spec.plan.clone(),
-        out: out.to_path_buf(),
-    };
-    let options = run_options(cfg, out, &spec)?;
-    let resume = spec.resume.map(|r| (&r.checkpoint, &r.state));
-    let stop = Some(spec.stop.clone());
+    let plan = PlanChoice::Given(spec.parallel.clone());
+    let options = run_options(cfg, spec)?;
     let settings = cfg.train_settings();
-    // A failure the forward pass raises (an expert-parallel rank receiving more rows than
-    // model.moe.max_load allows) is an error of the run; under MPI the panic hook has already
-    // ended the job as a failed rank.
-    let trained = merak_burn::comm::catch_failure(|| {
-        train_part(part, model, source, &settings, &options, resume, stop)
-    })?;
-    let (report, model) = trained?;
-    Ok((report.summary, model))
+    Ok(run_on(launch, model, &plan, source, &settings, &options)?)
 }
 
 #[cfg(test)]
@@ -227,6 +209,7 @@ mod tests {
     use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
     use burn::tensor::{Tensor, TensorData};
     use merak_burn::checkpoint::state::local_params;
+    use merak_burn::grid::ProcessGrid;
     use merak_gpt::Gpt;
 
     type B = merak_burn::backend::CpuAutodiff;
@@ -235,33 +218,22 @@ mod tests {
     fn run_loop(sets: &[&str], name: &str) -> (Vec<f64>, Gpt<B>, Config) {
         let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
         let cfg = crate::config::load(None, &sets).unwrap();
-        let grid = ProcessGrid::single();
         let data = crate::data::open(&cfg).unwrap();
-        let plan = cfg.pipeline_plan().unwrap();
-        let device = Default::default();
-        let model = Gpt::<B>::new(&cfg.model.gpt, cfg.train.seed, grid.tp, &device).unwrap();
         let out = std::env::temp_dir().join(format!("merak-unit-{name}-{}", std::process::id()));
         let parallel = cfg.parallel_plan();
-        let never = StopRequest::new();
         let spec = RunSpec {
+            out: &out,
             parallel: &parallel,
-            plan: &plan,
-            resume: None,
             trace: None,
-            stop: &never,
             existing: ExistingRun::Refuse,
+            init: None,
+            signals: false,
         };
-        let (_, trained) = train(
-            &cfg,
-            &data,
-            &grid,
-            &out,
-            &device,
-            model,
-            &Objective::Causal,
-            spec,
-        )
-        .unwrap();
+        let launch = RunOn::<B>::new(None);
+        let model = cfg.model.gpt.clone();
+        let trained = train(launch, &cfg, &data, &model, &Objective::Causal, spec)
+            .unwrap()
+            .part;
         let losses = std::fs::read_to_string(out.join("metrics.jsonl"))
             .unwrap()
             .lines()

@@ -8,13 +8,11 @@ use anyhow::{Result, bail};
 use burn::module::AutodiffModule;
 use merak_burn::checkpoint::Checkpoint;
 use merak_burn::comm::{Communicator, MpiCommunicator, MpiWorld, launched_by_mpirun};
-use merak_burn::grid::ProcessGrid;
+use merak_burn::entry::{InitWeights, RunError, RunOn};
 use merak_burn::parallel_plan::ParallelPlan;
-use merak_burn::pipeline::PipelinePlan;
-use merak_burn::tensor_parallel::TpOverlap;
 use merak_burn::train::attempts::ATTEMPTS_FILE;
 use merak_burn::train::run_folder::{missing_folders, output_folder, remove_if_empty};
-use merak_burn::train::{ExistingRun, Origin, RunFolders, RunLocks, StopRequest, stop_on_signals};
+use merak_burn::train::{ExistingRun, Origin, RunFolders, RunLocks};
 
 use crate::config::Config;
 use crate::data::Source;
@@ -34,13 +32,10 @@ struct Job {
     cfg: Config,
     /// The parallel plan.
     parallel: ParallelPlan,
-    /// The pipeline plan built from it (one stage for pp = 1).
-    pipeline: PipelinePlan,
     /// This rank's device and the grid's transport (the device is read on CUDA only).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     placement: crate::transport::Placement,
-    /// This rank's place in the grid.
-    grid: ProcessGrid,
+    /// This process's rank.
+    rank: usize,
     /// The data set, opened and checked.
     data: Source,
     /// The checkpoint to continue from, read and verified.
@@ -76,7 +71,7 @@ pub fn run_train(args: TrainArgs) -> ExitCode {
     let world = mpi.as_ref().map(|w| w.world());
     let (rank, size) = world.as_ref().map_or((0, 1), |w| (w.rank(), w.size()));
     init_logging(rank);
-    let job = match prepare(&args, world, size) {
+    let mut job = match prepare(&args, world, size) {
         Ok(job) => job,
         // Errors that every rank detects identically (config, layout, data): rank 0 reports,
         // all exit 2. A rank's own device error is reported by that rank.
@@ -89,27 +84,27 @@ pub fn run_train(args: TrainArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if size > 1 {
-        let limit = merak_burn::comm::watchdog::saturating_duration(job.cfg.train.comm_timeout_s);
-        merak_burn::comm::watchdog::arm(limit, rank);
-    }
-    let stop = StopRequest::new();
-    if let Err(e) = stop_on_signals(&stop) {
-        eprintln!("error: installing the signal handlers: {e}");
-        return ExitCode::from(1);
-    }
-    let ran = run(&job, args.trace.as_deref(), &stop);
+    let ran = run(&mut job, mpi.as_ref(), args.trace.as_deref());
     // The run folders' locks go before the process does (an abort skips destructors).
     drop(job);
     match (ran, mpi) {
         (Ok(false), _) => ExitCode::SUCCESS,
         (Ok(true), _) => ExitCode::from(STOPPED),
-        (Err(e), Some(mpi)) if size > 1 => mpi.abort(1, &describe(&e)),
+        (Err(e), Some(mpi)) if size > 1 => mpi.abort(i32::from(exit_status(&e)), &describe(&e)),
         (Err(e), _) => {
             eprintln!("error: {}", describe(&e));
-            ExitCode::from(1)
+            ExitCode::from(exit_status(&e))
         }
     }
+}
+
+/// The exit status of a run that failed with `e`: the library's
+/// ([`RunError::exit_status`]: 2 for bad input found before training), 1 for a failure of
+/// `merak train`'s own after training.
+fn exit_status(e: &anyhow::Error) -> u8 {
+    e.chain()
+        .find_map(|e| e.downcast_ref::<RunError>())
+        .map_or(1, RunError::exit_status)
 }
 
 /// Reads and checks everything before anything is built: the config and plan (with the
@@ -197,11 +192,6 @@ fn check_and_open(
     if let Some(e) = estimate.filter(|_| rank == 0) {
         crate::admission::log_estimate(&e);
     }
-    let grid = match world {
-        Some(w) => ProcessGrid::from_mpi_with(w, parallel.layout(), placement.transport)?
-            .with_expert_parallel(parallel.ep)?,
-        None => ProcessGrid::single(),
-    };
     let data = crate::data::open(&cfg)?;
     // Last: besides rank 0's locks, the only check that makes folders (rank 0 removes what
     // is left empty of the folders a refused run made).
@@ -214,9 +204,8 @@ fn check_and_open(
         existing,
         cfg,
         parallel,
-        pipeline,
         placement,
-        grid,
+        rank,
         data,
         resume,
         init_from,
@@ -257,44 +246,37 @@ fn check_outputs(args: &TrainArgs, out: &Path, checkpoints: &Path, rank: usize) 
 /// Trains on the backend the config names (selective recomputation is Burn's balanced
 /// checkpointing: the matrix products are kept, memory-bound results recomputed) and reports.
 /// Returns whether the run stopped early on a signal.
-fn run(job: &Job, trace: Option<&Path>, stop: &StopRequest) -> Result<bool> {
-    let (cfg, grid, out) = (&job.cfg, &job.grid, job.out.as_path());
-    let spec = RunSpec {
-        parallel: &job.parallel,
-        plan: &job.pipeline,
-        resume: job.resume.as_ref(),
-        trace,
-        stop,
-        existing: job.existing,
-    };
-    let selective = job.parallel.selective_on_rank(grid.coords.pp);
-    let summary = match cfg.train.device.as_str() {
+fn run(job: &mut Job, mpi: Option<&MpiWorld>, trace: Option<&Path>) -> Result<bool> {
+    let rank = job.rank;
+    let pp_rank = job.parallel.layout().coords(rank).pp;
+    let selective = job.parallel.selective_on_rank(pp_rank);
+    let summary = match job.cfg.train.device.as_str() {
         "cpu" if selective => {
             type B = merak_burn::backend::CpuAutodiffSelective;
-            train_model::<B>(job, out, &Default::default(), spec)?
+            train_model::<B>(job, mpi, Default::default(), trace)?
         }
         "cpu" => {
             type B = merak_burn::backend::CpuAutodiff;
-            train_model::<B>(job, out, &Default::default(), spec)?
+            train_model::<B>(job, mpi, Default::default(), trace)?
         }
         #[cfg(feature = "cuda")]
         "cuda" => {
             type B = burn::backend::Autodiff<burn_cuda::Cuda<f32>>;
             let device = job.placement.device.map_or(0, |d| d.ordinal);
-            train_model::<B>(job, out, &cuda_device(grid.rank, device)?, spec)?
+            train_model::<B>(job, mpi, cuda_device(rank, device)?, trace)?
         }
         #[cfg(feature = "wgpu")]
         "wgpu" => {
             type B = burn::backend::Autodiff<merak_burn::backend::Wgpu>;
-            train_model::<B>(job, out, &wgpu_device(grid.rank)?, spec)?
+            train_model::<B>(job, mpi, wgpu_device(rank)?, trace)?
         }
         other => bail!(
             "train.device = {other:?} is not available in this build (rebuild with --features \
              {other})"
         ),
     };
-    if grid.rank == 0 {
-        print_summary(&summary, out, trace)?;
+    if rank == 0 {
+        print_summary(&summary, &job.out, trace)?;
     }
     Ok(summary.stopped)
 }
@@ -382,40 +364,45 @@ fn print_summary(summary: &Summary, out: &Path, trace: Option<&Path>) -> Result<
     Ok(())
 }
 
-/// Builds the model of the job (this rank's pipeline stages and TP shard) and trains it.
-fn train_model<B>(job: &Job, out: &Path, device: &B::Device, spec: RunSpec<'_>) -> Result<Summary>
+/// Trains the model of the job (a GPT or a BERT) on `device` through the library's front
+/// door, which builds this rank's pipeline stages and TP shard; a GPT trained at pp = 1 then
+/// prints a sample.
+fn train_model<B>(
+    job: &mut Job,
+    mpi: Option<&MpiWorld>,
+    device: B::Device,
+    trace: Option<&Path>,
+) -> Result<Summary>
 where
     B: merak_burn::pipeline::TrainBackend,
 {
-    let (cfg, grid, data) = (&job.cfg, &job.grid, &job.data);
-    let seed = cfg.train.seed;
-    let plan = spec.plan;
-    let me = grid.coords.pp;
-    let holds = |unit: usize| plan.schedule.rank_of(plan.partition.stage_of(unit)) == me;
-    let overlap = TpOverlap::new(cfg.parallel.tp_overlap)?;
+    let init = job.init_from.take().map(|p| InitWeights {
+        source: format!("--init-from {}", p.path.display()),
+        params: p.params,
+    });
+    let (cfg, data) = (&job.cfg, &job.data);
+    let spec = RunSpec {
+        out: &job.out,
+        parallel: &job.parallel,
+        trace,
+        existing: job.existing,
+        init,
+        signals: true,
+    };
+    let launch = RunOn::<B> {
+        mpi,
+        device: device.clone(),
+        transport: job.placement.transport,
+        resume: job.resume.as_ref().map(|r| (&r.checkpoint, &r.state)),
+    };
     if cfg.model.kind == "bert" {
         let bert = cfg.bert();
-        let mut model = merak_bert::Bert::<B>::new_units(&bert, seed, grid.tp, device, &holds)?
-            .with_tp_overlap(overlap)
-            .with_context_parallel(grid.cp, cfg.parallel.cp_attention)?
-            .with_sequence_parallel(cfg.parallel.sequence_parallel);
-        if let Some(pretrained) = &job.init_from {
-            model = init_from::apply(model, pretrained, grid)?;
-        }
-        let objective = Objective::Masked(bert);
-        return Ok(train::train(cfg, data, grid, out, device, model, &objective, spec)?.0);
+        let objective = Objective::Masked(bert.clone());
+        let trained = train::train(launch, cfg, data, &bert, &objective, spec)?;
+        return Ok(trained.report.summary);
     }
-    let gpt = &cfg.model.gpt;
-    let mut model =
-        merak_gpt::Gpt::<B>::new_expert_parallel(gpt, seed, grid.tp, grid.ep, device, &holds)?
-            .with_tp_overlap(overlap)
-            .with_context_parallel(grid.cp, cfg.parallel.cp_attention)?
-            .with_sequence_parallel(cfg.parallel.sequence_parallel);
-    if let Some(pretrained) = &job.init_from {
-        model = init_from::apply(model, pretrained, grid)?;
-    }
-    let objective = Objective::Causal;
-    let (summary, model) = train::train(cfg, data, grid, out, device, model, &objective, spec)?;
+    let trained = train::train(launch, cfg, data, &cfg.model.gpt, &Objective::Causal, spec)?;
+    let (summary, grid) = (trained.report.summary, trained.grid);
     if cfg.train.sample_tokens == 0 || summary.stopped {
         return Ok(summary);
     }
@@ -427,9 +414,9 @@ where
         }
     } else {
         // Samples of any length: whole sequences on every TP rank.
-        let model = (model.valid().with_sequence_parallel(false))
+        let model = (trained.part.valid().with_sequence_parallel(false))
             .with_context_parallel(merak_burn::comm::Group::local(), Default::default())?;
-        generate::print_sample(cfg, data, grid, &model, device)?;
+        generate::print_sample(cfg, data, &grid, &model, &device)?;
     }
     Ok(summary)
 }

@@ -4,7 +4,7 @@
 use merak_burn::context_parallel::{CpAttention, ulysses_heads_per_rank};
 use merak_burn::data_parallel::{GradientBuffers, HybridSharding, ReduceScatter};
 use merak_burn::parallel_plan::ParallelPlan;
-use merak_burn::pipeline::{PipelinePlan, Recompute, RecomputeMode, ScheduleKind};
+use merak_burn::pipeline::{Recompute, RecomputeMode, ScheduleKind};
 use merak_burn::tensor_parallel::TpOverlap;
 use serde::{Deserialize, Serialize};
 
@@ -345,15 +345,6 @@ impl Config {
             0 => self.train.global_batch / self.parallel.dp.max(1),
             m => m,
         }
-    }
-
-    /// The pipeline plan of this config (stages, schedule, recomputation per stage), built and
-    /// validated; errors name the `parallel.*` key.
-    pub fn pipeline_plan(&self) -> anyhow::Result<PipelinePlan> {
-        let shape = self.shape()?;
-        Ok(self
-            .parallel_plan()
-            .pipeline(&shape, self.train.global_batch)?)
     }
 
     /// Stages per pipeline rank: `parallel.virtual_stages` under the interleaved schedule,

@@ -4,7 +4,6 @@
 use crate::config;
 use anyhow::{Context, Result, bail};
 use merak_burn::comm::Communicator;
-use merak_burn::grid::{Layout, ProcessGrid};
 use merak_burn::planner::{Calibration, UnitKind};
 use merak_burn::probe::{from_rank0, median};
 
@@ -29,45 +28,19 @@ pub(super) fn train_step_time(
     let rank = mpi.map_or(0, |w| w.world().rank());
     let sets = train_run_sets(args, ranks, m, zero);
     let cfg = config::load(args.config.as_deref(), &sets)?;
-    let plan = cfg.pipeline_plan()?;
-    let grid = match mpi {
-        Some(w) => ProcessGrid::from_mpi(
-            w.world(),
-            Layout {
-                dp: ranks,
-                tp: 1,
-                cp: 1,
-                pp: 1,
-            },
-        )?,
-        None => ProcessGrid::single(),
-    };
     let data = crate::data::open(&cfg)?;
-    let device = Default::default();
-    let model =
-        merak_gpt::Gpt::<B>::new_units(&cfg.model.gpt, cfg.train.seed, grid.tp, &device, &|_| {
-            true
-        })?;
     let parallel = cfg.parallel_plan();
-    let never = merak_burn::train::StopRequest::new();
     let spec = crate::train::RunSpec {
-        parallel: &parallel,
-        plan: &plan,
-        resume: None,
-        trace: None,
-        stop: &never,
-        existing: merak_burn::train::ExistingRun::Refuse,
-    };
-    crate::train::train(
-        &cfg,
-        &data,
-        &grid,
         out,
-        &device,
-        model,
-        &crate::train::Objective::Causal,
-        spec,
-    )?;
+        parallel: &parallel,
+        trace: None,
+        existing: merak_burn::train::ExistingRun::Refuse,
+        init: None,
+        signals: false,
+    };
+    let launch = merak_burn::entry::RunOn::<B>::new(mpi);
+    let objective = crate::train::Objective::Causal;
+    crate::train::train(launch, &cfg, &data, &cfg.model.gpt, &objective, spec)?;
     let mut t = [0.0];
     if rank == 0 {
         t[0] = median_step_time(out)?;

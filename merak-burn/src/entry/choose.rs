@@ -103,21 +103,11 @@ where
 {
     let dims = model.dims();
     let ranks = world.map_or(1, |w| w.size());
-    let splits = |dp: usize, micro: usize| match micro > 0
-        && settings.global_batch.is_multiple_of(dp.max(1) * micro)
-    {
-        true => Ok(()),
-        false => Err(RunError::Train(TrainError::Batch {
-            global_batch: settings.global_batch,
-            dp,
-            micro_batch: micro,
-        })),
-    };
     let first_micro = match choice {
-        PlanChoice::Given(plan) => (splits(plan.dp, plan.micro_batch), plan.micro_batch),
-        PlanChoice::Auto(auto) => (splits(1, auto.timed_micro_batch), auto.timed_micro_batch),
+        PlanChoice::Given(plan) => (plan.dp, plan.micro_batch),
+        PlanChoice::Auto(auto) => (1, auto.timed_micro_batch),
     };
-    first_micro.0?;
+    check_batch(settings, first_micro.0, first_micro.1)?;
     let sample = Sample::new(model, settings, data, first_micro.1, device)?;
     let positions = sample.positions;
     let uniform = vec![1.0; dims.layers + 2];
@@ -163,6 +153,23 @@ where
     };
     let costs = timed.iter().map(|u| u.forward_s + u.backward_s).collect();
     Ok(chosen(plan, costs))
+}
+
+/// Refuses a global batch of `settings` that `dp` ranks do not split into micro-batches of
+/// `micro` sequences.
+pub(crate) fn check_batch(
+    settings: &TrainSettings,
+    dp: usize,
+    micro: usize,
+) -> Result<(), RunError> {
+    match micro > 0 && settings.global_batch.is_multiple_of(dp.max(1) * micro) {
+        true => Ok(()),
+        false => Err(RunError::Train(TrainError::Batch {
+            global_batch: settings.global_batch,
+            dp,
+            micro_batch: micro,
+        })),
+    }
 }
 
 /// The planner's plan for `ranks` ranks training `measured` on `global_batch` sequences a

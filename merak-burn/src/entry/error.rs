@@ -3,15 +3,17 @@
 use thiserror::Error;
 
 use crate::checkpoint::CheckpointError;
-use crate::comm::CommError;
+use crate::comm::{CommError, RankFailure};
+use crate::context_parallel::ZigZagError;
 use crate::grid::GridError;
 use crate::parallel_plan::PlanError;
 use crate::parallelize::{NoTokenTable, TpPlanError};
 use crate::planner::{HardwareError, MeasuredError, SearchError};
+use crate::tensor_parallel::TpError;
 use crate::train::{SourceError, TrainError};
 
-/// An error of [`merak_burn::run`](crate::run). Everything but [`Train`](Self::Train) is found
-/// before the first step.
+/// An error of [`merak_burn::run`](crate::run). Everything but [`Train`](Self::Train) and
+/// [`Failed`](Self::Failed) is found before the first step.
 #[derive(Debug, Error)]
 pub enum RunError {
     /// MPI could not start, or a message between ranks failed.
@@ -133,6 +135,17 @@ pub enum RunError {
         /// What is wrong.
         reason: String,
     },
+    /// A model's own tensor-parallel layers cannot be built as asked (a width the degree does
+    /// not divide).
+    #[error(transparent)]
+    TensorParallel(#[from] TpError),
+    /// A model's own context-parallel split cannot be made (sequences `2 cp` does not divide).
+    #[error(transparent)]
+    ZigZag(#[from] ZigZagError),
+    /// A rank failed during training where no `Result` could carry the error (inside a
+    /// forward pass: an expert-parallel rank receiving more rows than its capacity).
+    #[error(transparent)]
+    Failed(#[from] RankFailure),
     /// The signal handlers could not be installed.
     #[error("installing the signal handlers: {0}")]
     Signals(std::io::Error),
@@ -149,6 +162,7 @@ impl RunError {
     pub fn exit_status(&self) -> u8 {
         match self {
             Self::Train(e) if !e.found_before_training() => 1,
+            Self::Failed(_) => 1,
             _ => 2,
         }
     }

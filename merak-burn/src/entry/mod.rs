@@ -19,9 +19,12 @@
 //!    evaluates held-out samples when asked ([`RunOptions::eval_batches`],
 //!    [`RunOptions::predict_batches`]).
 //!
-//! A program that starts MPI itself uses [`run_with_mpi`]; one that builds its model's part
-//! itself (its own layers, its own plan, as `merak train` does for GPT and BERT) trains it
-//! with [`train_part`], the step `run` ends in.
+//! `run` takes any [`RunModel`]: every [`UnitModel`] is one, and a model that builds its own
+//! parallel layers (GPT and BERT, with their fused tensor-parallel layers) implements it
+//! itself, planning its run and building each rank's part ([`PlanRequest`], [`PartPlace`]);
+//! `merak train` trains them through this same door. A program that starts MPI itself uses
+//! [`run_with_mpi`]; one that chooses each rank's device and transport, has read the
+//! checkpoint to resume, or needs the trained part afterwards uses [`run_on`].
 //!
 //! Under `mpirun` with several ranks an error on one rank ends the whole job (`MPI_Abort`,
 //! after printing it with the rank), since the other ranks would otherwise wait for it.
@@ -32,6 +35,7 @@ mod experts;
 mod metric_sums;
 mod model;
 mod options;
+mod run_model;
 mod sequence;
 mod train_part;
 
@@ -42,19 +46,23 @@ pub use model::{
     ModelDims, UnitModel, UnitPlace, UnitsOf, build_units, build_units_on, sample_units, unit_seed,
 };
 pub use options::{FullParams, InitWeights, ParamGroups, RunOptions};
-pub use train_part::{Part, train_part};
+pub use run_model::{ByUnits, OwnLayers, PartPlace, PlanRequest, RunModel, RunPlan};
 
 use std::path::PathBuf;
 
-use crate::checkpoint::{Checkpoint, FullState, state};
-use crate::comm::{Communicator, MpiWorld, launched_by_mpirun, watchdog};
+use burn::tensor::backend::Backend;
+
+use crate::checkpoint::{Checkpoint, FullState};
+use crate::comm::{
+    Communicator, MpiCommunicator, MpiWorld, Transport, catch_failure, launched_by_mpirun, watchdog,
+};
 use crate::grid::ProcessGrid;
 use crate::parallel_plan::ParallelPlan;
-use crate::parallelize::shard_module;
-use crate::pipeline::{TrainBackend, TrainModel};
+use crate::pipeline::TrainBackend;
 use crate::train::{
     BatchSource, Predictions, StopRequest, Summary, TrainSettings, run_folder, stop_on_signals,
 };
+use train_part::{Part, train_part};
 
 /// What a finished [`run`] reports (on every rank).
 #[derive(Clone, Debug, PartialEq)]
@@ -78,8 +86,8 @@ pub struct RunReport {
 
 /// Trains `model` on `data` as `settings` say, under the plan `plan` chooses, in one process or
 /// on every rank `mpirun` started (see the [module](self)). Returns on every rank.
-pub fn run<B, M>(
-    model: &M,
+pub fn run<B, K>(
+    model: &impl RunModel<B, K>,
     plan: &PlanChoice,
     data: &dyn BatchSource,
     settings: &TrainSettings,
@@ -87,8 +95,6 @@ pub fn run<B, M>(
 ) -> Result<RunReport, RunError>
 where
     B: TrainBackend,
-    M: UnitModel<B>,
-    UnitsOf<B, M>: TrainModel<B>,
 {
     let mpi = if launched_by_mpirun() {
         Some(MpiWorld::init()?)
@@ -102,9 +108,9 @@ where
 /// and keeps it after the run: `mpi` is its world, `None` for one process without MPI. An
 /// error on one of several ranks still ends the job (`MPI_Abort` with its
 /// [`exit_status`](RunError::exit_status)).
-pub fn run_with_mpi<B, M>(
+pub fn run_with_mpi<B, K>(
     mpi: Option<&MpiWorld>,
-    model: &M,
+    model: &impl RunModel<B, K>,
     plan: &PlanChoice,
     data: &dyn BatchSource,
     settings: &TrainSettings,
@@ -112,95 +118,139 @@ pub fn run_with_mpi<B, M>(
 ) -> Result<RunReport, RunError>
 where
     B: TrainBackend,
-    M: UnitModel<B>,
-    UnitsOf<B, M>: TrainModel<B>,
 {
-    let result = run_on(model, plan, data, settings, options, mpi);
+    let result = run_on(RunOn::new(mpi), model, plan, data, settings, options);
     match (result, mpi) {
         (Err(e), Some(m)) if m.world().size() > 1 => {
             m.abort(i32::from(e.exit_status()), &e.to_string())
         }
-        (result, _) => result,
+        (result, _) => result.map(|trained| trained.report),
     }
 }
 
-/// [`run`] with MPI started (or not, for one process).
-fn run_on<B, M>(
+/// Where [`run_on`] trains: the MPI world, this rank's device, the transport of the
+/// grid's collectives, and a checkpoint the program has already read.
+pub struct RunOn<'a, B: Backend> {
+    /// The MPI world (`None`: one process without MPI).
+    pub mpi: Option<&'a MpiWorld>,
+    /// This rank's device.
+    pub device: B::Device,
+    /// What carries the tensor- and data-parallel groups' collectives (NCCL between GPUs).
+    pub transport: Transport,
+    /// The checkpoint to continue from and its tensors at full size, read by the program
+    /// (which checked it against its own config); [`RunOptions::resume`] reads one by path.
+    pub resume: Option<(&'a Checkpoint, &'a FullState)>,
+}
+
+impl<'a, B: Backend> RunOn<'a, B> {
+    /// The ranks of `mpi` (one process for `None`) on the default device, over MPI.
+    pub fn new(mpi: Option<&'a MpiWorld>) -> Self {
+        Self {
+            mpi,
+            device: B::Device::default(),
+            transport: Transport::Mpi,
+            resume: None,
+        }
+    }
+}
+
+/// What [`run_on`] returns on every rank: the report, this rank's trained part and its
+/// place in the grid (for work after training, such as sampling).
+pub struct Trained<P> {
+    /// What [`run`] reports.
+    pub report: RunReport,
+    /// This rank's part of the model, trained.
+    pub part: P,
+    /// This rank's place in the grid.
+    pub grid: ProcessGrid,
+}
+
+/// [`run`] as a program that owns its launch calls it: on `on`'s ranks, device and
+/// transport, from its checkpoint when it gives one. Returns the trained part with the
+/// report. An error is returned on the rank that found it without ending the job: the
+/// program ends it (`MPI_Abort` with [`RunError::exit_status`]) once it has released what it
+/// holds, as `merak train` does with its folders' locks.
+pub fn run_on<B, K, M>(
+    on: RunOn<'_, B>,
     model: &M,
     plan: &PlanChoice,
     data: &dyn BatchSource,
     settings: &TrainSettings,
     options: &RunOptions,
-    mpi: Option<&MpiWorld>,
-) -> Result<RunReport, RunError>
+) -> Result<Trained<M::Part>, RunError>
 where
     B: TrainBackend,
-    M: UnitModel<B>,
-    UnitsOf<B, M>: TrainModel<B>,
+    M: RunModel<B, K>,
 {
     let stop = stop_request(options)?;
-    let world = mpi.map(MpiWorld::world);
+    let world = on.mpi.map(MpiWorld::world);
     let comm = world.as_ref().map(|w| w as &dyn Communicator);
-    let device = B::Device::default();
-    let chosen = choose::choose_plan(model, plan, settings, data, comm, &device)?;
-    let (plan, costs) = (chosen.plan, chosen.costs);
-    experts::check_plan(model.experts(), &plan)?;
-    sequence::check_sequence_parallel(model.experts(), &plan, chosen.positions)?;
-    sequence::check_context_parallel(model, &plan)?;
+    let device = on.device;
+    let request = PlanRequest {
+        choice: plan,
+        settings,
+        data,
+        world: comm,
+        device: &device,
+    };
+    let RunPlan {
+        plan,
+        pipeline,
+        positions,
+    } = model.plan_run(&request)?;
     // The messages between stages are as wide as the first unit's output.
-    let settings = &settings.clone().with_seq_len(chosen.positions);
-    let resume = options.resume.as_deref().map(open_resume).transpose()?;
-    let out =
-        run_folder::output_folder(options.out.as_deref(), resume.as_ref().map(|r| &r.0), comm)?;
-    let ranks = plan.layout().world_size();
-    let grid = match world {
-        Some(w) => ProcessGrid::from_mpi(w, plan.layout())?,
-        None if ranks == 1 => ProcessGrid::single(),
-        None => return Err(RunError::NotLaunched { ranks }),
+    let settings = &settings.clone().with_seq_len(positions);
+    let opened = match on.resume {
+        Some(_) => None,
+        None => options.resume.as_deref().map(open_resume).transpose()?,
     };
-    let grid = match plan.ep > 1 {
-        true => grid.with_expert_parallel(plan.ep)?,
-        false => grid,
-    };
-    if ranks > 1 && options.comm_timeout_s > 0.0 {
-        watchdog::arm(
-            watchdog::saturating_duration(options.comm_timeout_s),
-            grid.rank,
-        );
+    let resume = on.resume.or(opened.as_ref().map(|(c, s)| (c, s)));
+    let out = run_folder::output_folder(options.out.as_deref(), resume.map(|r| r.0), comm)?;
+    let grid = process_grid(world, &plan, on.transport)?;
+    if grid.layout.world_size() > 1 && options.comm_timeout_s > 0.0 {
+        let limit = watchdog::saturating_duration(options.comm_timeout_s);
+        watchdog::arm(limit, grid.rank);
     }
-    let pipeline = plan.pipeline_with_costs(&costs, settings.global_batch)?;
-    // Reported as cut: a balanced cut is decided here, from the units' times.
-    let plan = ParallelPlan {
-        stage_units: pipeline.partition.sizes(),
-        ..plan
+    let place = PartPlace {
+        grid: &grid,
+        plan: &plan,
+        pipeline: &pipeline,
+        seed: settings.seed,
+        positions,
+        device: &device,
     };
-    let me = grid.coords.pp;
-    let holds = |u: usize| pipeline.schedule.rank_of(pipeline.partition.stage_of(u)) == me;
-    let place = UnitPlace {
-        experts: grid.ep,
-        context: sequence::context_share(&plan, &grid, settings.seq_len)?,
-    };
-    let units = build_units_on(model, settings.seed, &device, holds, &place)?;
-    if let (Some((_, count)), 2..) = (model.experts(), grid.ep.size()) {
-        experts::check_split(&state::param_shapes(&units), count, grid.ep.size())?;
-    }
-    let sequence_parallel = plan.sequence_parallel && grid.tp.size() > 1;
-    let tp_plan = model.tp_plan().with_sequence_parallel(sequence_parallel);
-    let units = shard_module(units, &tp_plan, grid.tp)?;
-    let units = match sequence_parallel {
-        true => units.with_sequence_parallel(grid.tp),
-        false => units,
-    };
-    let units = units.with_context_parallel(grid.cp);
-    let part = Part {
+    let part = model.build_part(&place)?;
+    let at = Part {
         grid: &grid,
         device,
         plan,
         pipeline,
         out,
     };
-    let resume = resume.as_ref().map(|(c, s)| (c, s));
-    Ok(train_part(part, units, data, settings, options, resume, stop)?.0)
+    // A failure a forward pass raises (an expert-parallel rank receiving more rows than its
+    // capacity) is an error of the run; under MPI the panic hook has already ended the job.
+    let trained = catch_failure(|| train_part(at, part, data, settings, options, resume, stop))?;
+    let (report, part) = trained?;
+    Ok(Trained { report, part, grid })
+}
+
+/// This rank's grid for `plan`'s layout over `world` (one process without it), its tensor-
+/// and data-parallel groups on `transport`.
+fn process_grid(
+    world: Option<MpiCommunicator>,
+    plan: &ParallelPlan,
+    transport: Transport,
+) -> Result<ProcessGrid, RunError> {
+    let ranks = plan.layout().world_size();
+    let grid = match world {
+        Some(w) => ProcessGrid::from_mpi_with(w, plan.layout(), transport)?,
+        None if ranks == 1 => ProcessGrid::single(),
+        None => return Err(RunError::NotLaunched { ranks }),
+    };
+    Ok(match plan.ep > 1 {
+        true => grid.with_expert_parallel(plan.ep)?,
+        false => grid,
+    })
 }
 
 /// The stop request the signal handlers set, when the options ask for them.

@@ -31,6 +31,7 @@ pub mod hf;
 pub mod hf_import;
 mod mask;
 mod model;
+mod run;
 
 pub use config::{BertConfig, BertConfigError};
 pub use mask::{IGNORE_TARGET, MASK_PROB, RANDOM_TOKEN_PROB, REPLACE_WITH_MASK_PROB, mask_tokens};

@@ -8,6 +8,7 @@ mod config;
 pub mod hf;
 pub mod hf_import;
 mod model;
+mod run;
 
 pub use config::{GptConfig, GptConfigError, preset_names};
 pub use model::{Block, Gpt};
