@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Whether two `merak` binaries train alike: the losses of `merak train` (6 steps of the built-in
 # default) under one process, dp 2, tp 2 with sequence parallelism, pp 2, cp 2, a mixture of
-# experts at dp 2 x ep 2 and BERT at tp 2, compared exactly; `merak export` of the first
-# binary's checkpoint by both, compared byte for byte; and that checkpoint resumed by both.
+# experts at dp 2 x ep 2 and at tp 2 (with SP) x dp 2 with ZeRO-2, and BERT at tp 2, compared
+# exactly; `merak export` of the first binary's checkpoint by both, compared byte for byte;
+# and that checkpoint resumed by both.
 # For a refactor that must not change training (build the old commit in a worktree first).
 #
 #   scripts/same-training.sh OLD/target/release/merak target/release/merak
@@ -51,6 +52,7 @@ train tp2-sp 2 --tp 2 --set parallel.sequence_parallel=true
 train pp2 2 --pp 2
 train cp2 2 --cp 2
 train moe-dp2-ep2 2 --dp 2 --ep 2 --set model.preset=moe-tiny
+train moe-tp2-sp-dp2-zero2 4 --tp 2 --dp 2 --set model.preset=moe-tiny --set parallel.sequence_parallel=true --set parallel.zero=2
 train bert-tp2 2 --tp 2 --set model.kind=bert
 
 checkpoint=$D/old-single/checkpoints

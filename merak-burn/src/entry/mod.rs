@@ -206,7 +206,7 @@ where
     };
     let resume = on.resume.or(opened.as_ref().map(|(c, s)| (c, s)));
     let out = run_folder::output_folder(options.out.as_deref(), resume.map(|r| r.0), comm)?;
-    let grid = process_grid(world, &plan, on.transport)?;
+    let grid = process_grid(world, &plan, on.transport, model.experts_across_tp())?;
     if grid.layout.world_size() > 1 && options.comm_timeout_s > 0.0 {
         let limit = watchdog::saturating_duration(options.comm_timeout_s);
         watchdog::arm(limit, grid.rank);
@@ -235,11 +235,13 @@ where
 }
 
 /// This rank's grid for `plan`'s layout over `world` (one process without it), its tensor-
-/// and data-parallel groups on `transport`.
+/// and data-parallel groups on `transport`, its expert groups split `plan.ep` ways (and
+/// spanning the tensor-parallel ranks where the model's experts route `across_tp`).
 fn process_grid(
     world: Option<MpiCommunicator>,
     plan: &ParallelPlan,
     transport: Transport,
+    across_tp: bool,
 ) -> Result<ProcessGrid, RunError> {
     let ranks = plan.layout().world_size();
     let grid = match world {
@@ -247,7 +249,7 @@ fn process_grid(
         None if ranks == 1 => ProcessGrid::single(),
         None => return Err(RunError::NotLaunched { ranks }),
     };
-    Ok(match plan.ep > 1 {
+    Ok(match plan.ep > 1 || across_tp {
         true => grid.with_expert_parallel(plan.ep)?,
         false => grid,
     })

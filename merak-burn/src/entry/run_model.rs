@@ -133,6 +133,15 @@ pub trait RunModel<B: TrainBackend, Kind = ByUnits> {
     /// This rank's part at `place`: the units it holds, each from its own seed, split for
     /// its tensor-parallel rank, sharing sequences with its context-parallel group.
     fn build_part(&self, place: &PartPlace<'_, B>) -> Result<Self::Part, RunError>;
+
+    /// Whether the tensor-parallel ranks of a mixture of experts route different tokens (GPT
+    /// splits a micro-batch's tokens over them), so that the ranks summing an expert's
+    /// gradient span the tensor-parallel group as well as the data-parallel one
+    /// ([`ProcessGrid::with_expert_parallel`] at every `parallel.ep`). The default, false:
+    /// they route the same tokens, and only `parallel.ep > 1` changes the expert groups.
+    fn experts_across_tp(&self) -> bool {
+        false
+    }
 }
 
 impl<B, M> RunModel<B, ByUnits> for M

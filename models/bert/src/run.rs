@@ -35,4 +35,10 @@ impl<B: TrainBackend> RunModel<B, OwnLayers> for BertConfig {
             .with_context_parallel(grid.cp, at.plan.cp_attention)?
             .with_sequence_parallel(at.plan.sequence_parallel))
     }
+
+    /// A BERT has no experts; its grid is grouped as a GPT's (as `merak train` has always
+    /// built it).
+    fn experts_across_tp(&self) -> bool {
+        true
+    }
 }

@@ -39,4 +39,10 @@ impl<B: TrainBackend> RunModel<B, OwnLayers> for GptConfig {
                 .with_sequence_parallel(at.plan.sequence_parallel),
         )
     }
+
+    /// A GPT's mixture of experts splits each micro-batch's tokens over the tensor-parallel
+    /// ranks, so they sum an expert's gradient with the data-parallel ones.
+    fn experts_across_tp(&self) -> bool {
+        true
+    }
 }
