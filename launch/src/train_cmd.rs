@@ -32,7 +32,7 @@ struct Job {
     cfg: Config,
     /// The parallel plan.
     parallel: ParallelPlan,
-    /// This rank's device and the grid's transport (the device is read on CUDA only).
+    /// This rank's device and the grid's transport.
     placement: crate::transport::Placement,
     /// This process's rank.
     rank: usize,
@@ -109,8 +109,9 @@ fn exit_status(e: &anyhow::Error) -> u8 {
 
 /// Reads and checks everything before anything is built: the config and plan (with the
 /// checkpoint's manifest when resuming), the output folders, locked by rank 0 before anything
-/// in them is read or written (the checkpoint's tensors are read after), the grid, the data
-/// set. A run refused here leaves no folder it made behind.
+/// in them is read or written (the checkpoint's tensors are read after), this rank's device
+/// and the grid's transport, the data set. A run refused here leaves no folder it made
+/// behind; the library's run builds the grid and the model.
 fn prepare(args: &TrainArgs, world: Option<MpiCommunicator>, size: usize) -> Result<Job> {
     let checkpoint = args.resume.as_deref().map(Checkpoint::open).transpose()?;
     let resolved = resolve_config(args, world.as_ref(), size, checkpoint.as_ref())?;
