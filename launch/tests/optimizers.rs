@@ -2,7 +2,9 @@
 //! `merak train`: SGD with Nesterov momentum and Burn's RMSProp give the same losses and
 //! parameters under dp = 2 with ZeRO-1, tp = 2 and pp = 2 as in one process; an SGD checkpoint
 //! resumes under other layouts and refuses another optimizer; an AdamW checkpoint from before
-//! the optimizer was recorded still resumes; bad settings are refused before training.
+//! the optimizer was recorded still resumes; Muon (the blocks' matrices) with AdamW (the rest)
+//! gives the same losses and parameters under dp = 2 and pp = 2 as in one process and resumes
+//! under another layout; bad settings are refused before training.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -52,6 +54,10 @@ const RMSPROP: [&str; 14] = [
     "optimizer.schedule=linear",
 ];
 
+/// Muon at its defaults (Nesterov momentum 0.95, five Newton-Schulz steps, the update scaled
+/// to AdamW's RMS) on the blocks' matrices, AdamW on the rest, the config's learning rate.
+const MUON: [&str; 2] = ["--set", "optimizer.kind=muon"];
+
 /// `merak train` (tiny GPT, synthetic data, 5 steps) on `np` ranks with `opt` then `extra`;
 /// returns the output folder (its end-of-run checkpoint under `checkpoints`).
 fn run(np: usize, name: &str, opt: &[&str], extra: &[&str]) -> PathBuf {
@@ -97,6 +103,49 @@ fn sgd_and_rmsprop_equal_one_process_under_dp_zero1_tp_and_pp() {
             assert_same_params(&what, &got, &single);
         }
     }
+}
+
+#[test]
+fn muon_equals_one_process_under_dp_and_pp_and_resumes_under_another_layout() {
+    let every2 = ["--set", "checkpoint.every=2"];
+    let single = run(0, "opt-muon-single", &MUON, &every2);
+    let entry = saved_optimizer(&single);
+    assert_eq!(entry["kind"], "muon", "{entry}");
+    let state = ["first moment or momentum buffer", "second moment"];
+    assert_eq!(entry["state"], serde_json::json!(state), "{entry}");
+    // It is not AdamW: the same run under AdamW takes other steps after the first.
+    let adamw = series(
+        &read_metrics(&run(0, "opt-muon-adamw", &[], &every2)),
+        "loss",
+    );
+    let losses = series(&read_metrics(&single), "loss");
+    assert_eq!(losses[0], adamw[0], "the first loss is before any step");
+    assert!(
+        losses[1..].iter().zip(&adamw[1..]).all(|(a, b)| a != b),
+        "{losses:?} vs {adamw:?}"
+    );
+    for (np, layout, extra) in [
+        (2, "dp2", vec!["--dp", "2"]),
+        // The tied embedding's two copies, on two stages, each stepped by AdamW.
+        (2, "pp2", vec!["--pp", "2", "--set", "train.micro_batch=2"]),
+    ] {
+        let what = format!("muon {layout}");
+        let got = run(np, &format!("opt-muon-{layout}"), &MUON, &extra);
+        assert_same_losses(&what, &got, &single);
+        assert_same_params(&what, &got, &single);
+    }
+    // Its momentum buffers and AdamW's moments continue under pp = 2.
+    let step2 = single.join("checkpoints/step-00000002");
+    let (r, out) = resume(
+        2,
+        &step2,
+        "opt-muon-resumed-pp2",
+        &["--pp", "2", "--set", "train.micro_batch=2"],
+    );
+    r.assert_success();
+    let resumed = read_metrics(&out);
+    assert_steps("muon resumed", &resumed, &read_metrics(&single), 1e-5);
+    assert_same_params("muon resumed", &out, &single);
 }
 
 #[test]
@@ -280,6 +329,19 @@ fn bad_optimizer_settings_are_refused_before_training_naming_the_key() {
             "`optimizer.nesterov`",
         ),
         (vec!["optimizer.kind=lion"], "`optimizer.kind`"),
+        (vec!["optimizer.ns_steps=3"], "`optimizer.ns_steps`"),
+        (
+            vec!["optimizer.kind=muon", "optimizer.ns_steps=0"],
+            "`optimizer.ns_steps`: 0",
+        ),
+        (
+            vec!["optimizer.kind=muon", "parallel.zero=1"],
+            "parallel.zero = 1 splits them",
+        ),
+        (
+            vec!["optimizer.kind=muon", "model.preset=moe-tiny"],
+            "mixtures of experts",
+        ),
         (vec!["optimizer.alpha=0.5"], "`optimizer.alpha`"),
         (vec!["train.beta2=1"], "`train.beta2`"),
         (vec!["train.lr=-0.1"], "`train.lr`"),

@@ -60,7 +60,8 @@ pub struct Config {
     /// Optimization.
     pub train: TrainSection,
     /// `[optimizer]`: which optimizer, its own hyperparameters (`momentum`, `dampening`,
-    /// `nesterov`, `alpha`, `centered`, `lr_decay`) and the shape of the learning-rate
+    /// `nesterov`, `alpha`, `centered`, `lr_decay`; Muon's `muon_momentum`, `muon_nesterov`,
+    /// `ns_steps`, `ns_coefficients`, `muon_scale`) and the shape of the learning-rate
     /// schedule (`schedule`, `decay_steps`); the shared ones (`lr`, `min_lr`, `warmup_steps`,
     /// `weight_decay`, `beta1`, `beta2`, `eps`) stay in `[train]`. A kind-specific key set for
     /// a kind that does not use it is refused.

@@ -321,9 +321,9 @@ fn optimizer_keys_are_checked_and_named() {
     for (set, key, part) in [
         (vec!["optimizer.kind=lion"], "`optimizer.kind`", "lion"),
         (
-            vec!["optimizer.kind=muon"],
-            "`optimizer.kind`",
-            "whole matrices",
+            vec!["optimizer.kind=muon", "optimizer.muon_scale=\"spectral\""],
+            "optimizer.muon_scale",
+            "spectral",
         ),
         (
             vec!["optimizer.schedule=step"],

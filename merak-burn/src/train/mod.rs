@@ -55,7 +55,7 @@ pub use metrics::{MetricsWriter, StepMetrics};
 pub use optim::{OPTIMIZER_REAL_KEYS, TRAIN_REAL_KEYS, check_settings};
 pub use optim::{ParamGroup, ParamInfo};
 pub use optim::{RmsPropStep, Slots, StateSlots};
-pub use optimizer_settings::{OptimizerKind, OptimizerSettings};
+pub use optimizer_settings::{MuonScale, OptimizerKind, OptimizerSettings};
 pub use outputs::{OutputError, not_a_file, writable_dir, writable_file};
 pub use plan_check::check_plan;
 pub use report::{StateBytes, report_memory, write_trace};

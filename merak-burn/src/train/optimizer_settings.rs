@@ -6,8 +6,8 @@ use serde::{Deserialize, Serialize};
 use crate::train::LrScheduleKind;
 
 /// Which optimizer a run uses. In settings and configs it is named by
-/// [`name`](Self::name); a name Burn has but merak does not offer (`muon`, `lbfgs`, `adan`)
-/// is refused saying why.
+/// [`name`](Self::name); a name Burn has but merak does not offer (`lbfgs`, `adan`) is
+/// refused saying why.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(try_from = "String", into = "String")]
 pub enum OptimizerKind {
@@ -23,16 +23,21 @@ pub enum OptimizerKind {
     AdaGrad,
     /// RMSProp: `alpha`, `eps`, `momentum` or `centered`, L2 `weight_decay`.
     RmsProp,
+    /// Muon for the blocks' weight matrices (`muon_momentum`, `muon_nesterov`, `ns_steps`,
+    /// `ns_coefficients`, `muon_scale`, decoupled `weight_decay`), AdamW (`beta1`, `beta2`,
+    /// `eps`) for every other parameter: embeddings, the head, norms, biases.
+    Muon,
 }
 
 impl OptimizerKind {
     /// Every kind.
-    pub const ALL: [OptimizerKind; 5] = [
+    pub const ALL: [OptimizerKind; 6] = [
         OptimizerKind::AdamW,
         OptimizerKind::Adam,
         OptimizerKind::Sgd,
         OptimizerKind::AdaGrad,
         OptimizerKind::RmsProp,
+        OptimizerKind::Muon,
     ];
 
     /// The name used in settings, configs and checkpoints.
@@ -43,12 +48,17 @@ impl OptimizerKind {
             OptimizerKind::Sgd => "sgd",
             OptimizerKind::AdaGrad => "adagrad",
             OptimizerKind::RmsProp => "rmsprop",
+            OptimizerKind::Muon => "muon",
         }
     }
 
-    /// Whether the optimizer uses `beta1`, `beta2` (Adam and AdamW).
+    /// Whether the optimizer uses `beta1`, `beta2` (Adam and AdamW; Muon's AdamW for the
+    /// parameters that are not the blocks' matrices).
     pub fn uses_betas(self) -> bool {
-        matches!(self, OptimizerKind::AdamW | OptimizerKind::Adam)
+        matches!(
+            self,
+            OptimizerKind::AdamW | OptimizerKind::Adam | OptimizerKind::Muon
+        )
     }
 }
 
@@ -61,11 +71,6 @@ impl TryFrom<String> for OptimizerKind {
         }
         let known: Vec<&str> = Self::ALL.iter().map(|k| k.name()).collect();
         let why = match name.as_str() {
-            "muon" => {
-                "Muon orthogonalizes whole matrices (tensor parallelism and sharded optimizer \
-                 state split them) and needs another optimizer for the other parameters; not \
-                 offered. "
-            }
             "lbfgs" | "l-bfgs" => {
                 "L-BFGS needs the loss as a closure and whole-model state; not offered. "
             }
@@ -94,6 +99,30 @@ impl std::fmt::Display for OptimizerKind {
     }
 }
 
+/// How Muon scales a matrix's orthogonalized update, whose singular values are all near 1.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MuonScale {
+    /// `0.2 sqrt(max(rows, cols))` (Moonshot's): the update's RMS matches AdamW's, so Muon
+    /// reuses AdamW's learning rate and weight decay, and the scale does not depend on
+    /// whether a layer stores its weight `[in, out]` (Burn) or `[out, in]` (PyTorch).
+    #[default]
+    #[serde(rename = "match-rms-adamw")]
+    MatchRmsAdamW,
+    /// `sqrt(max(1, rows / cols))` of the stored weight (Keller Jordan's original).
+    #[serde(rename = "original")]
+    Original,
+}
+
+impl MuonScale {
+    /// The name in configs.
+    pub fn name(self) -> &'static str {
+        match self {
+            MuonScale::MatchRmsAdamW => "match-rms-adamw",
+            MuonScale::Original => "original",
+        }
+    }
+}
+
 /// The optimizer of a run and the shape of its learning-rate schedule. The hyperparameters
 /// that several optimizers share stay in [`TrainSettings`](crate::train::TrainSettings)
 /// (`lr`, `min_lr`, `warmup_steps`, `weight_decay`, `beta1`, `beta2`, `eps`); the ones here
@@ -103,7 +132,7 @@ impl std::fmt::Display for OptimizerKind {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct OptimizerSettings {
-    /// Which optimizer: "adamw" (default), "adam", "sgd", "adagrad" or "rmsprop".
+    /// Which optimizer: "adamw" (default), "adam", "sgd", "adagrad", "rmsprop" or "muon".
     pub kind: OptimizerKind,
     /// SGD and RMSProp: momentum factor in [0, 1) (at 1 the velocity never forgets); 0: none.
     pub momentum: f64,
@@ -119,6 +148,19 @@ pub struct OptimizerSettings {
     /// AdaGrad: the learning rate of its t-th step is `lr / (1 + (t - 1) lr_decay)`; in
     /// [0, 1]: at 1 the rate already falls as `lr / t`.
     pub lr_decay: f64,
+    /// Muon: momentum factor of the blocks' matrices, in [0, 1).
+    pub muon_momentum: f64,
+    /// Muon: Nesterov momentum (the update is `g + momentum * velocity`).
+    pub muon_nesterov: bool,
+    /// Muon: Newton-Schulz iterations orthogonalizing each update, 1 to 100.
+    pub ns_steps: usize,
+    /// Muon: the quintic Newton-Schulz coefficients `(a, b, c)` of `X <- aX + (bA + cA^2)X`,
+    /// `A = X X^T`.
+    pub ns_coefficients: [f64; 3],
+    /// Muon: how a matrix's orthogonalized update is scaled: "match-rms-adamw" (default,
+    /// `0.2 sqrt(max(rows, cols))`: AdamW's learning rate and decay carry over) or "original"
+    /// (`sqrt(max(1, rows / cols))`).
+    pub muon_scale: MuonScale,
     /// The shape of the learning rate after the warm-up: "cosine" (default), "constant",
     /// "linear" or "wsd".
     pub schedule: LrScheduleKind,
@@ -137,6 +179,8 @@ impl OptimizerSettings {
             OptimizerKind::Sgd => momentum,
             OptimizerKind::AdaGrad => 1,
             OptimizerKind::RmsProp => 1 + momentum + usize::from(self.centered),
+            // AdamW's two moments for the rest; one momentum buffer for the matrices.
+            OptimizerKind::Muon => 2,
         }
     }
 }
@@ -152,6 +196,11 @@ impl Default for OptimizerSettings {
             alpha: 0.99,
             centered: false,
             lr_decay: 0.0,
+            muon_momentum: 0.95,
+            muon_nesterov: true,
+            ns_steps: 5,
+            ns_coefficients: [3.4445, -4.775, 2.0315],
+            muon_scale: MuonScale::MatchRmsAdamW,
             schedule: LrScheduleKind::Cosine,
             decay_steps: 0,
         }
@@ -197,6 +246,9 @@ impl OptimizerSettings {
             OptimizerKind::Sgd if self.momentum > 0.0 => ["momentum buffer", "-"],
             OptimizerKind::Sgd => ["-", "-"],
             OptimizerKind::AdaGrad => ["sum of squared gradients", "-"],
+            // AdamW's moments for the rest, Muon's momentum buffer (and no second tensor) for
+            // the blocks' matrices.
+            OptimizerKind::Muon => ["first moment or momentum buffer", "second moment"],
             OptimizerKind::RmsProp => [
                 "squared-gradient average",
                 if self.momentum > 0.0 {

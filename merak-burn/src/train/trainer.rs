@@ -18,7 +18,7 @@ use crate::pipeline::{TrainBackend, TrainModel};
 use crate::tensor_parallel::Shard;
 use crate::train::check_plan;
 use crate::train::experts::{expert_ids, gather_routing};
-use crate::train::optim::Optimizers;
+use crate::train::optim::{Optimizers, muon_matrices};
 use crate::train::sync::{self, GradSync, NormParts};
 use crate::train::versions::WeightVersions;
 use crate::train::{
@@ -144,7 +144,12 @@ where
             drop(crate::moe::take_records());
             crate::moe::take_exchange_seconds();
         }
-        let optim = Optimizers::new(&shapes, &settings, grid.layout.tp, copies, &|p| p.default)?;
+        crate::train::optim::check_muon(&settings, parallel, model.experts().is_some())?;
+        let matrices = muon_matrices(&model, &shapes, &settings, |u| {
+            pipeline.schedule.rank_of(pipeline.partition.stage_of(u)) == grid.coords.pp
+        })?;
+        let tp_copies = (grid.layout.tp, copies);
+        let optim = Optimizers::new(&shapes, &settings, tp_copies, &matrices, &|p| p.default)?;
         let sync = sync::build(
             grid,
             parallel,
@@ -218,7 +223,8 @@ where
         let (tp, copies) = (self.grid.layout.tp, self.model.tied_names());
         // The rule sees full shapes, known under ZeRO-3 too without gathering the model.
         let shapes = self.param_shapes();
-        self.optim = Optimizers::new(&shapes, &self.settings, tp, copies, &rule)?;
+        let matrices = self.optim.matrices().clone();
+        self.optim = Optimizers::new(&shapes, &self.settings, (tp, copies), &matrices, &rule)?;
         Ok(self)
     }
 

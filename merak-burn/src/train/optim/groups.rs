@@ -2,15 +2,15 @@
 //! learning-rate factor), all of the run's kind, and their state by parameter name for
 //! checkpoints.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::decay::WeightDecayConfig;
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{
-    AdaGrad, AdaGradConfig, Adam, AdamConfig, GradientsParams, Optimizer, RmsPropConfig, Sgd,
-    SgdConfig, SimpleOptimizer,
+    AdaGrad, AdaGradConfig, Adam, AdamConfig, AdjustLrFn, GradientsParams, Muon, MuonConfig,
+    Optimizer, RmsPropConfig, Sgd, SgdConfig, SimpleOptimizer,
 };
 use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
@@ -19,7 +19,7 @@ use super::{OptimizerKind, ParamGroup, ParamInfo, RmsPropStep};
 use crate::checkpoint::state::{self, NamedMoments};
 use crate::checkpoint::{CheckpointError, Moments, Slots, StateSlots};
 use crate::kernels::FusedOps;
-use crate::train::{FusedAdamW, TrainError, TrainSettings};
+use crate::train::{FusedAdamW, InvalidSetting, TrainError, TrainSettings};
 
 /// One group's optimizer: Burn's optimizer adaptor around the run's kind.
 pub(crate) enum GroupOptim<M, B>
@@ -33,6 +33,7 @@ where
     Sgd(OptimizerAdaptor<Sgd<B::InnerBackend>, M, B>),
     AdaGrad(OptimizerAdaptor<AdaGrad, M, B>),
     RmsProp(OptimizerAdaptor<RmsPropStep, M, B>),
+    Muon(OptimizerAdaptor<Muon<B::InnerBackend>, M, B>),
 }
 
 /// Runs `$body` with `$o` bound to the adaptor of whichever kind `$group` is.
@@ -44,6 +45,7 @@ macro_rules! each_kind {
             GroupOptim::Sgd($o) => $body,
             GroupOptim::AdaGrad($o) => $body,
             GroupOptim::RmsProp($o) => $body,
+            GroupOptim::Muon($o) => $body,
         }
     };
 }
@@ -54,14 +56,16 @@ where
     B::InnerBackend: FusedOps,
     M: AutodiffModule<B>,
 {
-    /// The optimizer of `s.optimizer.kind` for a group with weight decay `weight_decay`.
-    pub(crate) fn new(s: &TrainSettings, weight_decay: f64) -> Self {
+    /// The optimizer of `s.optimizer.kind` for a group with weight decay `weight_decay`
+    /// (under Muon: Muon for the blocks' weight `matrices`, AdamW for the rest).
+    pub(crate) fn new(s: &TrainSettings, weight_decay: f64, matrices: bool) -> Self {
         let o = &s.optimizer;
         let (beta1, beta2, eps) = (s.beta1 as f32, s.beta2 as f32, s.eps as f32);
         // Burn adds `penalty * param` to the gradient (L2): skipped when it is 0.
         let l2 = (weight_decay > 0.0).then(|| WeightDecayConfig::new(weight_decay as f32));
         match o.kind {
-            OptimizerKind::AdamW => {
+            OptimizerKind::Muon if matrices => Self::Muon(muon(o, l2).init()),
+            OptimizerKind::AdamW | OptimizerKind::Muon => {
                 Self::AdamW(FusedAdamW::new(beta1, beta2, eps, weight_decay as f32).init::<B, M>())
             }
             OptimizerKind::Adam => Self::Adam(
@@ -161,6 +165,64 @@ where
     }
 }
 
+/// The parameters Muon steps under `settings` (none under another optimizer): the weight
+/// matrices (2-D, [`state::ParamShape`]s `shapes`) of the blocks (units `1..=layers`) this
+/// rank `holds`, as the model names each unit's parameters
+/// ([`PipelineModel::unit_params`](crate::pipeline::PipelineModel::unit_params)); embeddings,
+/// the head, norms and biases get AdamW. A model that does not name its units' parameters is
+/// refused under Muon.
+pub(crate) fn muon_matrices<B, M>(
+    model: &M,
+    shapes: &[state::ParamShape],
+    settings: &TrainSettings,
+    holds: impl Fn(usize) -> bool,
+) -> Result<HashSet<ParamId>, TrainError>
+where
+    B: burn::tensor::backend::Backend,
+    M: crate::pipeline::PipelineModel<B>,
+{
+    if settings.optimizer.kind != OptimizerKind::Muon {
+        return Ok(HashSet::new());
+    }
+    let mut blocks = HashSet::new();
+    for unit in (1..=model.layer_count()).filter(|&u| holds(u)) {
+        let ids = model.unit_params(unit).ok_or_else(|| InvalidSetting {
+            key: "optimizer.kind".into(),
+            value: "muon".into(),
+            reason: "the model does not name its blocks' parameters \
+                     (PipelineModel::unit_params), so Muon cannot tell its weight matrices \
+                     from the rest"
+                .into(),
+        })?;
+        blocks.extend(ids);
+    }
+    Ok(shapes
+        .iter()
+        .filter(|p| p.shape.len() == 2 && blocks.contains(&p.id))
+        .map(|p| p.id)
+        .collect())
+}
+
+/// Burn's Muon as `o` sets it: momentum, Nesterov, Newton-Schulz steps and coefficients, the
+/// update's scale, and decoupled weight decay `decay` (`1 - lr * decay` per step, at the
+/// schedule's learning rate).
+fn muon(o: &crate::train::OptimizerSettings, decay: Option<WeightDecayConfig>) -> MuonConfig {
+    let [a, b, c] = o.ns_coefficients.map(|x| x as f32);
+    MuonConfig::new()
+        .with_weight_decay(decay)
+        .with_momentum(MomentumConfig {
+            momentum: o.muon_momentum,
+            dampening: 0.0,
+            nesterov: o.muon_nesterov,
+        })
+        .with_ns_coefficients((a, b, c))
+        .with_ns_steps(o.ns_steps)
+        .with_adjust_lr_fn(match o.muon_scale {
+            crate::train::MuonScale::MatchRmsAdamW => AdjustLrFn::MatchRmsAdamW,
+            crate::train::MuonScale::Original => AdjustLrFn::Original,
+        })
+}
+
 /// A piece's new values and optimizer state ([`GroupOptim::step_piece`]).
 pub(crate) struct PieceStep<B: burn::tensor::backend::Backend> {
     /// The piece's values after the step.
@@ -177,10 +239,13 @@ where
     B::InnerBackend: FusedOps,
     M: AutodiffModule<B>,
 {
-    /// The distinct groups in the order first met, with their optimizers.
-    groups: Vec<(ParamGroup, GroupOptim<M, B>)>,
+    /// The distinct groups in the order first met (with whether they are Muon's matrices),
+    /// with their optimizers.
+    groups: Vec<((ParamGroup, bool), GroupOptim<M, B>)>,
     /// The index in `groups` of each parameter.
     of_param: HashMap<ParamId, usize>,
+    /// The parameters Muon steps ([`muon_matrices`]; empty under another optimizer).
+    matrices: HashSet<ParamId>,
 }
 
 impl<M, B> Optimizers<M, B>
@@ -194,15 +259,16 @@ where
     /// the group `rule` gives it. The rule sees the parameter's name and full shape, so every
     /// layout groups alike; a tied copy (`copies`: `(copy, original)` names) is grouped by its
     /// original. A group with a negative or non-finite value is refused, naming the parameter.
+    /// Under Muon the parameters in `matrices` (the blocks' weight matrices) get Muon.
     pub(crate) fn new(
         shapes: &[state::ParamShape],
         settings: &TrainSettings,
-        tp: usize,
-        copies: Vec<(String, String)>,
+        (tp, copies): (usize, Vec<(String, String)>),
+        matrices: &HashSet<ParamId>,
         rule: &dyn Fn(&ParamInfo<'_>) -> ParamGroup,
     ) -> Result<Self, TrainError> {
         let copies: HashMap<String, String> = copies.into_iter().collect();
-        let mut groups: Vec<(ParamGroup, GroupOptim<M, B>)> = Vec::new();
+        let mut groups: Vec<((ParamGroup, bool), GroupOptim<M, B>)> = Vec::new();
         let mut of_param = HashMap::new();
         for p in shapes {
             let name = copies.get(&p.name).unwrap_or(&p.name);
@@ -221,22 +287,32 @@ where
                     });
                 }
             }
-            let index = match groups.iter().position(|(q, _)| *q == g) {
+            let key = (g, matrices.contains(&p.id));
+            let index = match groups.iter().position(|(q, _)| *q == key) {
                 Some(i) => i,
                 None => {
-                    groups.push((g, GroupOptim::new(settings, g.weight_decay)));
+                    groups.push((key, GroupOptim::new(settings, g.weight_decay, key.1)));
                     groups.len() - 1
                 }
             };
             of_param.insert(p.id, index);
         }
-        Ok(Self { groups, of_param })
+        Ok(Self {
+            groups,
+            of_param,
+            matrices: matrices.clone(),
+        })
+    }
+
+    /// The parameters Muon steps.
+    pub(crate) fn matrices(&self) -> &HashSet<ParamId> {
+        &self.matrices
     }
 
     /// The optimizer of parameter `id`'s group and the group's learning-rate factor.
     pub(crate) fn group_of(&self, id: ParamId) -> Option<(&GroupOptim<M, B>, f64)> {
         let (group, optim) = self.groups.get(*self.of_param.get(&id)?)?;
-        Some((optim, group.lr_scale))
+        Some((optim, group.0.lr_scale))
     }
 
     /// Splits `grads` by group.
@@ -257,7 +333,7 @@ where
     pub(crate) fn step(&mut self, lr: f64, mut model: M, grads: Vec<GradientsParams>) -> M {
         for ((group, optim), g) in self.groups.iter_mut().zip(grads) {
             if !g.is_empty() {
-                model = optim.step(lr * group.lr_scale, model, g);
+                model = optim.step(lr * group.0.lr_scale, model, g);
             }
         }
         model

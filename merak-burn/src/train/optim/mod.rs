@@ -13,11 +13,12 @@
 //! | `sgd` | Burn's `Sgd` with its `Momentum` (`torch.optim.SGD`: momentum, dampening, Nesterov) | L2 |
 //! | `adagrad` | Burn's `AdaGrad` (`torch.optim.Adagrad`, `lr_decay`) | L2 |
 //! | `rmsprop` | Burn's `RmsProp` (`torch.optim.RMSprop`: `alpha`, momentum or centered) | L2 |
+//! | `muon` | Burn's `Muon` for the blocks' weight matrices, the fused AdamW for the rest | decoupled |
 //!
-//! Burn 0.21 also has Adan (four state tensors per parameter: more than a checkpoint holds),
-//! Muon (orthogonalizes whole matrices, so it would be wrong on tensor-parallel shards; and it
-//! applies to hidden matrices only, with another optimizer for the rest) and L-BFGS (needs the
-//! loss as a closure and whole-model state): none of them is offered.
+//! Muon is the exception: it orthogonalizes each matrix's whole update, so it runs where every
+//! rank holds its matrices whole (tensor parallelism and ZeRO are refused with it, naming the
+//! key). Burn 0.21 also has Adan (four state tensors per parameter: more than a checkpoint
+//! holds) and L-BFGS (needs the loss as a closure and whole-model state): neither is offered.
 
 mod groups;
 mod slots;
@@ -26,7 +27,7 @@ mod slots;
 mod tests;
 
 pub use crate::checkpoint::{Slots, StateSlots};
-pub(crate) use groups::Optimizers;
+pub(crate) use groups::{Optimizers, muon_matrices};
 pub use slots::RmsPropStep;
 
 use crate::bounds::{Bounds, OutOfBounds, RealKey, out_of_bounds, shown};
@@ -147,7 +148,7 @@ pub const TRAIN_REAL_KEYS: [RealKey<TrainSettings>; 7] = [
 
 /// The real-valued keys of [`OptimizerSettings`] and their bounds (the reasons are in the
 /// fields' docs).
-pub const OPTIMIZER_REAL_KEYS: [RealKey<OptimizerSettings>; 4] = [
+pub const OPTIMIZER_REAL_KEYS: [RealKey<OptimizerSettings>; 5] = [
     RealKey {
         key: "momentum",
         get: |o| Some(o.momentum),
@@ -168,6 +169,11 @@ pub const OPTIMIZER_REAL_KEYS: [RealKey<OptimizerSettings>; 4] = [
         get: |o| Some(o.lr_decay),
         bounds: Bounds::closed(0.0, 1.0),
     },
+    RealKey {
+        key: "muon_momentum",
+        get: |o| Some(o.muon_momentum),
+        bounds: Bounds::below(0.0, 1.0),
+    },
 ];
 
 /// The [`InvalidSetting`] of a key outside its bounds.
@@ -181,55 +187,46 @@ fn check_kind(o: &OptimizerSettings) -> Result<(), InvalidSetting> {
     check_combinations(o)
 }
 
-/// No hyperparameter set that the kind does not use.
-fn check_unused(o: &OptimizerSettings) -> Result<(), InvalidSetting> {
+/// A kind-specific key of [`OptimizerSettings`]: its name, its value as shown, and the kinds
+/// that use it.
+type KindKey = (
+    &'static str,
+    fn(&OptimizerSettings) -> String,
+    &'static [OptimizerKind],
+);
+
+/// Every kind-specific key ([`check_unused`]).
+const KIND_KEYS: [KindKey; 11] = {
     use OptimizerKind::*;
+    [
+        ("momentum", |o| o.momentum.to_string(), &[Sgd, RmsProp]),
+        ("dampening", |o| o.dampening.to_string(), &[Sgd]),
+        ("nesterov", |o| o.nesterov.to_string(), &[Sgd]),
+        ("alpha", |o| o.alpha.to_string(), &[RmsProp]),
+        ("centered", |o| o.centered.to_string(), &[RmsProp]),
+        ("lr_decay", |o| o.lr_decay.to_string(), &[AdaGrad]),
+        ("muon_momentum", |o| o.muon_momentum.to_string(), &[Muon]),
+        ("muon_nesterov", |o| o.muon_nesterov.to_string(), &[Muon]),
+        ("ns_steps", |o| o.ns_steps.to_string(), &[Muon]),
+        (
+            "ns_coefficients",
+            |o| format!("{:?}", o.ns_coefficients),
+            &[Muon],
+        ),
+        ("muon_scale", |o| o.muon_scale.name().to_string(), &[Muon]),
+    ]
+};
+
+/// No hyperparameter set (other than its default) that the kind does not use.
+fn check_unused(o: &OptimizerSettings) -> Result<(), InvalidSetting> {
     let d = OptimizerSettings::default();
     let kind = o.kind;
-    // (key, value shown, differs from the default, kinds that use it)
-    let used: [(&str, String, bool, &[OptimizerKind]); 6] = [
-        (
-            "optimizer.momentum",
-            o.momentum.to_string(),
-            o.momentum != d.momentum,
-            &[Sgd, RmsProp],
-        ),
-        (
-            "optimizer.dampening",
-            o.dampening.to_string(),
-            o.dampening != d.dampening,
-            &[Sgd],
-        ),
-        (
-            "optimizer.nesterov",
-            o.nesterov.to_string(),
-            o.nesterov != d.nesterov,
-            &[Sgd],
-        ),
-        (
-            "optimizer.alpha",
-            o.alpha.to_string(),
-            o.alpha != d.alpha,
-            &[RmsProp],
-        ),
-        (
-            "optimizer.centered",
-            o.centered.to_string(),
-            o.centered != d.centered,
-            &[RmsProp],
-        ),
-        (
-            "optimizer.lr_decay",
-            o.lr_decay.to_string(),
-            o.lr_decay != d.lr_decay,
-            &[AdaGrad],
-        ),
-    ];
-    for (key, value, set, kinds) in used {
-        if set && !kinds.contains(&kind) {
+    for (key, shown, kinds) in KIND_KEYS {
+        let value = shown(o);
+        if value != shown(&d) && !kinds.contains(&kind) {
             let users: Vec<&str> = kinds.iter().map(|k| k.name()).collect();
             return Err(refuse(
-                key,
+                &format!("optimizer.{key}"),
                 value,
                 format!(
                     "optimizer.kind = \"{kind}\" does not use it (only {}): leave it out",
@@ -259,6 +256,20 @@ fn check_combinations(o: &OptimizerSettings) -> Result<(), InvalidSetting> {
             ),
         ));
     }
+    if !(1..=100).contains(&o.ns_steps) {
+        return Err(refuse(
+            "optimizer.ns_steps",
+            o.ns_steps,
+            "must be in [1, 100]: each iteration takes three matrix products per matrix",
+        ));
+    }
+    if let Some(c) = o.ns_coefficients.iter().find(|c| !c.is_finite()) {
+        return Err(refuse(
+            "optimizer.ns_coefficients",
+            format!("{:?}", o.ns_coefficients),
+            format!("{c} is not a finite number"),
+        ));
+    }
     if kind == RmsProp && o.centered && o.momentum > 0.0 {
         return Err(refuse(
             "optimizer.centered",
@@ -268,6 +279,49 @@ fn check_combinations(o: &OptimizerSettings) -> Result<(), InvalidSetting> {
                  parameter, and checkpoints hold two: use one of them",
                 o.momentum
             ),
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses Muon where a rank would not hold its blocks' matrices whole: split by tensor
+/// parallelism (`parallel.tp > 1`), cut into ZeRO pieces (`parallel.zero > 0`) or stacked as
+/// experts (`parallel.ep > 1`, or `experts`: a model with mixtures of experts). The error
+/// names the key that splits them.
+pub(crate) fn check_muon(
+    s: &TrainSettings,
+    parallel: &crate::parallel_plan::ParallelPlan,
+    experts: bool,
+) -> Result<(), InvalidSetting> {
+    if s.optimizer.kind != OptimizerKind::Muon {
+        return Ok(());
+    }
+    let split = [
+        ("parallel.tp", parallel.tp > 1, parallel.tp.to_string()),
+        (
+            "parallel.zero",
+            parallel.zero > 0,
+            parallel.zero.to_string(),
+        ),
+        ("parallel.ep", parallel.ep > 1, parallel.ep.to_string()),
+    ];
+    if let Some((key, _, value)) = split.into_iter().find(|(_, on, _)| *on) {
+        return Err(refuse(
+            "optimizer.kind",
+            "muon",
+            format!(
+                "Muon orthogonalizes each matrix's whole update, and {key} = {value} splits \
+                 them across ranks; Muon runs at parallel.tp = 1, parallel.zero = 0 and \
+                 parallel.ep = 1 (data and pipeline parallelism, any schedule)"
+            ),
+        ));
+    }
+    if experts {
+        return Err(refuse(
+            "optimizer.kind",
+            "muon",
+            "a model with mixtures of experts stacks its experts' matrices; Muon does not yet \
+             orthogonalize them one expert at a time: use optimizer.kind = \"adamw\"",
         ));
     }
     Ok(())

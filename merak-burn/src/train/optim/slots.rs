@@ -7,8 +7,8 @@ use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::momentum::MomentumState;
 use burn::optim::{
     AdaGrad, AdaGradState, Adam, AdamState, AdamWState, AdaptiveMomentumState, CenteredState,
-    LearningRate, LrDecayState, RmsProp, RmsPropMomentumState, RmsPropState, Sgd, SgdState,
-    SimpleOptimizer, SquareAvgState,
+    LearningRate, LrDecayState, Muon, MuonState, RmsProp, RmsPropMomentumState, RmsPropState, Sgd,
+    SgdState, SimpleOptimizer, SquareAvgState,
 };
 use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Record, Recorder};
 use burn::tensor::Tensor;
@@ -117,6 +117,25 @@ impl<B: Backend> StateSlots<B> for Sgd<B> {
 
     fn state_from_slots<const D: usize>(&self, s: Slots<B, D>) -> SgdState<B, D> {
         SgdState::new(Some(MomentumState::new(s.m1)))
+    }
+}
+
+impl<B: Backend> StateSlots<B> for Muon<B> {
+    fn slots_of_state<const D: usize>(
+        &self,
+        state: MuonState<B, D>,
+        device: &B::Device,
+    ) -> Result<Option<Slots<B, D>>, String> {
+        let m: MomentumMirror<B, D> = mirror(state.momentum, device)?;
+        Ok(Some(Slots {
+            time: 0,
+            m1: m.velocity,
+            m2: None,
+        }))
+    }
+
+    fn state_from_slots<const D: usize>(&self, s: Slots<B, D>) -> MuonState<B, D> {
+        MuonState::new(MomentumState::new(s.m1))
     }
 }
 

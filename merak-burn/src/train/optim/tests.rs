@@ -1,7 +1,7 @@
 //! Each optimizer's update against its formula, computed here in f64; the state's round trip
 //! through the checkpoint's places; the settings checks.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use burn::module::{Module, Param};
 use burn::optim::GradientsParams;
@@ -54,7 +54,8 @@ fn values(net: &Net<AB>) -> Vec<f64> {
 
 /// Three steps of the optimizer of `settings` (weight decay `wd`) on [`START`].
 fn run(settings: &TrainSettings, wd: f64) -> Vec<f64> {
-    let mut optim = GroupOptim::<Net<AB>, AB>::new(settings, wd);
+    let muon = settings.optimizer.kind == OptimizerKind::Muon;
+    let mut optim = GroupOptim::<Net<AB>, AB>::new(settings, wd, muon);
     let mut n = net();
     for (step, lr) in LRS.iter().enumerate() {
         let g = grads(&n, step);
@@ -109,6 +110,66 @@ fn sgd_with_momentum_dampening_and_nesterov_follows_torch() {
         });
         assert_close(&format!("sgd {mu} {damp} {nesterov}"), &run(&s, wd), &want);
     }
+}
+
+/// Muon on a `[2, 3]` matrix, as its formula says in f64: the Nesterov momentum (`v = g` at
+/// the first step, then `mu v + g`; the update `g + mu v`), normalised by its Frobenius norm,
+/// `steps` quintic Newton-Schulz iterations `X <- aX + (bA + cA^2)X`, `A = X X^T` (the
+/// matrix is wide, so no transpose), scaled by `0.2 sqrt(3)` (the scale matching AdamW's
+/// RMS) and the decoupled decay `1 - lr wd`.
+fn muon_reference(mu: f64, steps: usize, wd: f64) -> Vec<f64> {
+    let (a, b, c) = (3.4445, -4.775, 2.0315);
+    let mm = |x: &[f64], y: &[f64], n: usize, k: usize, m: usize| -> Vec<f64> {
+        (0..n * m)
+            .map(|ij| (0..k).map(|l| x[ij / m * k + l] * y[l * m + ij % m]).sum())
+            .collect()
+    };
+    let transpose = |x: &[f64]| -> Vec<f64> { (0..6).map(|ij| x[(ij % 2) * 3 + ij / 2]).collect() };
+    let mut p = START.to_vec();
+    let mut v = [0.0; 6];
+    for (s, lr) in LRS.iter().enumerate() {
+        let g = GRADS[s];
+        for i in 0..6 {
+            v[i] = if s == 0 { g[i] } else { mu * v[i] + g[i] };
+        }
+        let u: Vec<f64> = (0..6).map(|i| g[i] + mu * v[i]).collect();
+        let norm = u.iter().map(|x| x * x).sum::<f64>().sqrt().max(1e-7);
+        let mut x: Vec<f64> = u.iter().map(|e| e / norm).collect();
+        for _ in 0..steps {
+            let am = mm(&x, &transpose(&x), 2, 3, 2);
+            let a2 = mm(&am, &am, 2, 2, 2);
+            let bm: Vec<f64> = (0..4).map(|i| b * am[i] + c * a2[i]).collect();
+            let bx = mm(&bm, &x, 2, 2, 3);
+            x = (0..6).map(|i| a * x[i] + bx[i]).collect();
+        }
+        let scale = 0.2 * 3f64.sqrt();
+        for i in 0..6 {
+            p[i] = p[i] * (1.0 - lr * wd) - lr * scale * x[i];
+        }
+    }
+    p
+}
+
+#[test]
+fn muon_follows_its_formula() {
+    let o = OptimizerSettings::default().with_kind(OptimizerKind::Muon);
+    let wd = 0.1;
+    assert_close(
+        "muon",
+        &run(&settings(o.clone()), wd),
+        &muon_reference(0.95, 5, wd),
+    );
+    // Its settings reach it: other momentum and iterations, no decay.
+    let o = OptimizerSettings {
+        muon_momentum: 0.5,
+        ns_steps: 2,
+        ..o
+    };
+    assert_close(
+        "muon",
+        &run(&settings(o), 0.0),
+        &muon_reference(0.5, 2, 0.0),
+    );
 }
 
 /// Adam and AdamW: bias-corrected moments; Adam adds the decay to the gradient, AdamW
@@ -214,10 +275,12 @@ fn every_kinds_state_survives_the_checkpoint_format() {
             centered: true,
             ..Default::default()
         },
+        OptimizerSettings::default().with_kind(OptimizerKind::Muon),
     ];
     for o in kinds {
         let s = settings(o.clone());
-        let mut first = GroupOptim::<Net<AB>, AB>::new(&s, 0.1);
+        let muon = o.kind == OptimizerKind::Muon;
+        let mut first = GroupOptim::<Net<AB>, AB>::new(&s, 0.1, muon);
         let mut n = net();
         for (step, lr) in LRS.iter().enumerate().take(2) {
             let g = grads(&n, step);
@@ -227,13 +290,13 @@ fn every_kinds_state_survives_the_checkpoint_format() {
         assert_eq!(moments.len(), 1, "{o:?}");
         let m = &moments["w"];
         assert_eq!((m.m1.len(), m.m2.len()), (6, 6), "{o:?}");
-        if o.state_slots()[1] == "-" {
+        if o.state_slots()[1] == "-" || muon {
             assert!(
                 m.m2.iter().all(|x| *x == 0.0),
                 "{o:?}: the unused place is zeros"
             );
         }
-        let mut second = GroupOptim::<Net<AB>, AB>::new(&s, 0.1);
+        let mut second = GroupOptim::<Net<AB>, AB>::new(&s, 0.1, muon);
         second.load(&n, &moments, &|_, _| true);
         let g = grads(&n, 2);
         let a = values(&first.step(LRS[2], n.clone(), g));
@@ -248,6 +311,23 @@ struct Three<B: Backend> {
     a: Param<Tensor<B, 2>>,
     b: Param<Tensor<B, 1>>,
     c: Param<Tensor<B, 2>>,
+}
+
+/// The optimizers of `model`'s parameters (one process, the default settings) grouped by
+/// `rule`, with the tied `copies`.
+fn grouped<M: burn::module::AutodiffModule<AB>>(
+    model: &M,
+    copies: Vec<(String, String)>,
+    rule: &dyn Fn(&ParamInfo<'_>) -> ParamGroup,
+) -> Result<Optimizers<M, AB>, crate::train::TrainError> {
+    let s = TrainSettings::default();
+    Optimizers::new(
+        &state::param_shapes(model),
+        &s,
+        (1, copies),
+        &HashSet::new(),
+        rule,
+    )
 }
 
 #[test]
@@ -266,13 +346,9 @@ fn groups_follow_the_rule_by_name_and_full_shape() {
         let g = o.split(&model, all());
         g.iter().map(GradientsParams::len).collect::<Vec<_>>()
     };
-    let s = TrainSettings::default();
     let copies = || vec![("c".to_string(), "a".to_string())];
     // Default: the matrices decay, the vector does not.
-    let default = Optimizers::new(&state::param_shapes(&model), &s, 1, copies(), &|p| {
-        p.default
-    })
-    .unwrap();
+    let default = grouped(&model, copies(), &|p| p.default).unwrap();
     assert_eq!(sizes(&default), vec![2, 1]);
     // By name (the copy `c` is seen as its original `a`) and full shape.
     let seen = std::cell::RefCell::new(Vec::new());
@@ -283,7 +359,7 @@ fn groups_follow_the_rule_by_name_and_full_shape() {
             ..p.default
         }
     };
-    let by_name = Optimizers::new(&state::param_shapes(&model), &s, 1, copies(), &|p| {
+    let by_name = grouped(&model, copies(), &|p| {
         seen.borrow_mut()
             .push((p.name.to_string(), p.shape.to_vec()));
         rule(p)
@@ -302,14 +378,14 @@ fn groups_follow_the_rule_by_name_and_full_shape() {
         weight_decay: if p.name == "b" { 0.3 } else { 0.0 },
         lr_scale: 1.0,
     };
-    let split = Optimizers::new(&state::param_shapes(&model), &s, 1, vec![], &own).unwrap();
+    let split = grouped(&model, vec![], &own).unwrap();
     assert_eq!(sizes(&split), vec![2, 1]);
     // A negative decay is refused, naming the parameter.
     let bad = |p: &ParamInfo<'_>| ParamGroup {
         weight_decay: -1.0,
         ..p.default
     };
-    match Optimizers::<Three<AB>, AB>::new(&state::param_shapes(&model), &s, 1, vec![], &bad) {
+    match grouped(&model, vec![], &bad) {
         Err(crate::train::TrainError::ParamGroup { name, reason }) => {
             assert_eq!(name, "a");
             assert!(reason.contains("weight_decay = -1"), "{reason}");
@@ -340,7 +416,14 @@ fn a_shard_is_grouped_by_its_full_shape() {
         p.default
     };
     let s = TrainSettings::default();
-    Optimizers::<Sharded<AB>, AB>::new(&state::param_shapes(&model), &s, 2, vec![], &rule).unwrap();
+    Optimizers::<Sharded<AB>, AB>::new(
+        &state::param_shapes(&model),
+        &s,
+        (2, vec![]),
+        &HashSet::new(),
+        &rule,
+    )
+    .unwrap();
     assert_eq!(seen.into_inner(), vec![("w".to_string(), vec![2, 6])]);
 }
 
@@ -449,10 +532,9 @@ fn kinds_are_named_and_the_ones_not_offered_say_why() {
         assert_eq!(serde_json::from_str::<OptimizerKind>(&json).unwrap(), k);
     }
     for (name, why) in [
-        ("muon", "whole matrices"),
         ("lbfgs", "closure"),
         ("adan", "four state tensors"),
-        ("lion", "Known: adamw, adam, sgd, adagrad, rmsprop"),
+        ("lion", "Known: adamw, adam, sgd, adagrad, rmsprop, muon"),
     ] {
         let e = serde_json::from_str::<OptimizerKind>(&format!("\"{name}\"")).unwrap_err();
         assert!(e.to_string().contains(why), "{e}");
@@ -469,14 +551,14 @@ fn the_state_checks_know_every_optimizer_s_state() {
     use crate::train::{OptimizerKind, OptimizerSettings};
     // Every state an optimizer keeps is either checked as non-negative or may have either
     // sign; a new optimizer (or state) must be placed in one of them.
-    let signed = ["first moment", "momentum buffer", "gradient average", "-"];
-    let kinds = [
-        OptimizerKind::AdamW,
-        OptimizerKind::Adam,
-        OptimizerKind::Sgd,
-        OptimizerKind::AdaGrad,
-        OptimizerKind::RmsProp,
+    let signed = [
+        "first moment",
+        "momentum buffer",
+        "gradient average",
+        "first moment or momentum buffer",
+        "-",
     ];
+    let kinds = OptimizerKind::ALL;
     for kind in kinds {
         for (momentum, centered) in [(0.0, false), (0.9, false), (0.0, true)] {
             let s = OptimizerSettings {
@@ -497,4 +579,113 @@ fn the_state_checks_know_every_optimizer_s_state() {
             .iter()
             .all(|k| kinds.iter().any(|o| o.name() == *k))
     );
+}
+
+#[derive(Module, Debug)]
+struct Pair<B: Backend> {
+    wide: Param<Tensor<B, 2>>,
+    tall: Param<Tensor<B, 2>>,
+}
+
+/// Three steps of merak's Muon agree with PyTorch's `torch.optim.Muon` on a wide and a tall
+/// matrix (`scripts/muon-fixture.py`): within 1e-5 of its step with the Newton-Schulz
+/// iterations in float32, and within bfloat16's precision of the step as PyTorch runs it.
+#[test]
+fn muon_agrees_with_pytorch() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/muon/torch.json"
+    );
+    let f: serde_json::Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    let floats = |v: &serde_json::Value| -> Vec<f64> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect()
+    };
+    let dev = Default::default();
+    let tensor = |k: &str, v: &serde_json::Value| {
+        let shape: Vec<usize> = floats(&f["shapes"][k])
+            .iter()
+            .map(|x| *x as usize)
+            .collect();
+        let v: Vec<f32> = floats(v).iter().map(|x| *x as f32).collect();
+        Tensor::<AB, 2>::from_data(TensorData::new(v, [shape[0], shape[1]]), &dev)
+    };
+    let mut pair = Pair {
+        wide: Param::from_tensor(tensor("wide", &f["start"]["wide"])),
+        tall: Param::from_tensor(tensor("tall", &f["start"]["tall"])),
+    };
+    let o = OptimizerSettings::default().with_kind(OptimizerKind::Muon);
+    let mut optim = GroupOptim::<Pair<AB>, AB>::new(&settings(o), 0.1, true);
+    for (step, lr) in floats(&f["lrs"]).into_iter().enumerate() {
+        let g = &f["grads"][step];
+        let loss = (pair.wide.val() * tensor("wide", &g["wide"])).sum()
+            + (pair.tall.val() * tensor("tall", &g["tall"])).sum();
+        let grads = GradientsParams::from_grads(loss.backward(), &pair);
+        pair = optim.step(lr, pair, grads);
+        for (k, p) in [("wide", &pair.wide), ("tall", &pair.tall)] {
+            let got: Vec<f64> = (p.val().into_data().into_vec::<f32>().unwrap())
+                .into_iter()
+                .map(f64::from)
+                .collect();
+            assert_close(
+                &format!("{k} step {step}"),
+                &got,
+                &floats(&f["fp32"][step][k]),
+            );
+            let bf16 = floats(&f["bf16"][step][k]);
+            for (i, (a, b)) in got.iter().zip(&bf16).enumerate() {
+                assert!(
+                    (a - b).abs() <= 2e-3,
+                    "{k} step {step} [{i}]: {a} vs bf16 {b}"
+                );
+            }
+        }
+    }
+}
+
+/// Muon is refused where a layout splits its matrices, naming the key, and nowhere else.
+#[test]
+fn muon_is_refused_where_a_layout_splits_its_matrices() {
+    use crate::parallel_plan::ParallelPlan;
+    let muon = settings(OptimizerSettings::default().with_kind(OptimizerKind::Muon));
+    let plan = ParallelPlan::default();
+    for (split, key) in [
+        (
+            ParallelPlan {
+                tp: 2,
+                ..plan.clone()
+            },
+            "parallel.tp = 2",
+        ),
+        (
+            ParallelPlan {
+                zero: 2,
+                ..plan.clone()
+            },
+            "parallel.zero = 2",
+        ),
+        (
+            ParallelPlan {
+                ep: 2,
+                ..plan.clone()
+            },
+            "parallel.ep = 2",
+        ),
+    ] {
+        let e = check_muon(&muon, &split, false).expect_err(key);
+        assert_eq!(e.key, "optimizer.kind");
+        assert!(e.reason.contains(key), "{e}");
+        let adamw = settings(OptimizerSettings::default());
+        assert_eq!(check_muon(&adamw, &split, true), Ok(()));
+    }
+    let whole = ParallelPlan {
+        dp: 2,
+        pp: 2,
+        ..plan
+    };
+    assert_eq!(check_muon(&muon, &whole, false), Ok(()));
+    assert!(check_muon(&muon, &whole, true).is_err(), "stacked experts");
 }
