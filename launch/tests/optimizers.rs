@@ -3,8 +3,8 @@
 //! parameters under dp = 2 with ZeRO-1, tp = 2 and pp = 2 as in one process; an SGD checkpoint
 //! resumes under other layouts and refuses another optimizer; an AdamW checkpoint from before
 //! the optimizer was recorded still resumes; Muon (the blocks' matrices) with AdamW (the rest)
-//! gives the same losses and parameters under dp = 2 and pp = 2 as in one process and resumes
-//! under another layout; bad settings are refused before training.
+//! gives the same losses and parameters under dp = 2, tp = 2, pp = 2 and all three as in one
+//! process and resumes under another layout; bad settings are refused before training.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -106,7 +106,7 @@ fn sgd_and_rmsprop_equal_one_process_under_dp_zero1_tp_and_pp() {
 }
 
 #[test]
-fn muon_equals_one_process_under_dp_and_pp_and_resumes_under_another_layout() {
+fn muon_equals_one_process_under_dp_tp_and_pp_and_resumes_under_another_layout() {
     let every2 = ["--set", "checkpoint.every=2"];
     let single = run(0, "opt-muon-single", &MUON, &every2);
     let entry = saved_optimizer(&single);
@@ -126,8 +126,27 @@ fn muon_equals_one_process_under_dp_and_pp_and_resumes_under_another_layout() {
     );
     for (np, layout, extra) in [
         (2, "dp2", vec!["--dp", "2"]),
+        // Each split matrix's update gathered over the TP ranks (a fused Q/K/V projection
+        // among them), its piece of the orthogonalized whole kept.
+        (2, "tp2", vec!["--tp", "2"]),
         // The tied embedding's two copies, on two stages, each stepped by AdamW.
         (2, "pp2", vec!["--pp", "2", "--set", "train.micro_batch=2"]),
+        (
+            8,
+            "dp2-tp2-pp2-sp",
+            vec![
+                "--dp",
+                "2",
+                "--tp",
+                "2",
+                "--pp",
+                "2",
+                "--set",
+                "parallel.sequence_parallel=true",
+                "--set",
+                "train.micro_batch=2",
+            ],
+        ),
     ] {
         let what = format!("muon {layout}");
         let got = run(np, &format!("opt-muon-{layout}"), &MUON, &extra);

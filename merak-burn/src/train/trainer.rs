@@ -145,7 +145,7 @@ where
             crate::moe::take_exchange_seconds();
         }
         crate::train::optim::check_muon(&settings, parallel, model.experts().is_some())?;
-        let matrices = muon_matrices(&model, &shapes, &settings, |u| {
+        let matrices = muon_matrices(&model, (&shapes, grid.tp), &settings, |u| {
             pipeline.schedule.rank_of(pipeline.partition.stage_of(u)) == grid.coords.pp
         })?;
         let tp_copies = (grid.layout.tp, copies);

@@ -9,15 +9,17 @@ use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::decay::WeightDecayConfig;
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{
-    AdaGrad, AdaGradConfig, Adam, AdamConfig, AdjustLrFn, GradientsParams, Muon, MuonConfig,
-    Optimizer, RmsPropConfig, Sgd, SgdConfig, SimpleOptimizer,
+    AdaGrad, AdaGradConfig, Adam, AdamConfig, GradientsParams, Optimizer, RmsPropConfig, Sgd,
+    SgdConfig, SimpleOptimizer,
 };
 use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
 
+use super::muon::{MatrixSplit, MuonMatrices, MuonStep};
 use super::{OptimizerKind, ParamGroup, ParamInfo, RmsPropStep};
 use crate::checkpoint::state::{self, NamedMoments};
 use crate::checkpoint::{CheckpointError, Moments, Slots, StateSlots};
+use crate::comm::Group;
 use crate::kernels::FusedOps;
 use crate::train::{FusedAdamW, InvalidSetting, TrainError, TrainSettings};
 
@@ -33,7 +35,7 @@ where
     Sgd(OptimizerAdaptor<Sgd<B::InnerBackend>, M, B>),
     AdaGrad(OptimizerAdaptor<AdaGrad, M, B>),
     RmsProp(OptimizerAdaptor<RmsPropStep, M, B>),
-    Muon(OptimizerAdaptor<Muon<B::InnerBackend>, M, B>),
+    Muon(OptimizerAdaptor<MuonStep<B::InnerBackend>, M, B>),
 }
 
 /// Runs `$body` with `$o` bound to the adaptor of whichever kind `$group` is.
@@ -57,14 +59,27 @@ where
     M: AutodiffModule<B>,
 {
     /// The optimizer of `s.optimizer.kind` for a group with weight decay `weight_decay`
-    /// (under Muon: Muon for the blocks' weight `matrices`, AdamW for the rest).
-    pub(crate) fn new(s: &TrainSettings, weight_decay: f64, matrices: bool) -> Self {
+    /// (under Muon: Muon for the blocks' weight matrices, split as `matrix` says over the
+    /// tensor-parallel group `tp`; AdamW for the rest, `matrix` `None`).
+    pub(crate) fn new(
+        s: &TrainSettings,
+        weight_decay: f64,
+        matrix: Option<MatrixSplit>,
+        tp: Group,
+    ) -> Self {
         let o = &s.optimizer;
         let (beta1, beta2, eps) = (s.beta1 as f32, s.beta2 as f32, s.eps as f32);
         // Burn adds `penalty * param` to the gradient (L2): skipped when it is 0.
         let l2 = (weight_decay > 0.0).then(|| WeightDecayConfig::new(weight_decay as f32));
         match o.kind {
-            OptimizerKind::Muon if matrices => Self::Muon(muon(o, l2).init()),
+            OptimizerKind::Muon if matrix.is_some() => {
+                Self::Muon(OptimizerAdaptor::from(MuonStep::new(
+                    o,
+                    weight_decay,
+                    matrix.unwrap_or(MatrixSplit { dim: None }),
+                    tp,
+                )))
+            }
             OptimizerKind::AdamW | OptimizerKind::Muon => {
                 Self::AdamW(FusedAdamW::new(beta1, beta2, eps, weight_decay as f32).init::<B, M>())
             }
@@ -166,23 +181,23 @@ where
 }
 
 /// The parameters Muon steps under `settings` (none under another optimizer): the weight
-/// matrices (2-D, [`state::ParamShape`]s `shapes`) of the blocks (units `1..=layers`) this
+/// matrices (2-D, [`state::ParamShape`]s `shapes`, split over `tp`) of the blocks (units `1..=layers`) this
 /// rank `holds`, as the model names each unit's parameters
 /// ([`PipelineModel::unit_params`](crate::pipeline::PipelineModel::unit_params)); embeddings,
 /// the head, norms and biases get AdamW. A model that does not name its units' parameters is
 /// refused under Muon.
 pub(crate) fn muon_matrices<B, M>(
     model: &M,
-    shapes: &[state::ParamShape],
+    (shapes, tp): (&[state::ParamShape], Group),
     settings: &TrainSettings,
     holds: impl Fn(usize) -> bool,
-) -> Result<HashSet<ParamId>, TrainError>
+) -> Result<MuonMatrices, TrainError>
 where
     B: burn::tensor::backend::Backend,
     M: crate::pipeline::PipelineModel<B>,
 {
     if settings.optimizer.kind != OptimizerKind::Muon {
-        return Ok(HashSet::new());
+        return Ok(MuonMatrices::default());
     }
     let mut blocks = HashSet::new();
     for unit in (1..=model.layer_count()).filter(|&u| holds(u)) {
@@ -196,31 +211,11 @@ where
         })?;
         blocks.extend(ids);
     }
-    Ok(shapes
-        .iter()
+    let ids = (shapes.iter())
         .filter(|p| p.shape.len() == 2 && blocks.contains(&p.id))
         .map(|p| p.id)
-        .collect())
-}
-
-/// Burn's Muon as `o` sets it: momentum, Nesterov, Newton-Schulz steps and coefficients, the
-/// update's scale, and decoupled weight decay `decay` (`1 - lr * decay` per step, at the
-/// schedule's learning rate).
-fn muon(o: &crate::train::OptimizerSettings, decay: Option<WeightDecayConfig>) -> MuonConfig {
-    let [a, b, c] = o.ns_coefficients.map(|x| x as f32);
-    MuonConfig::new()
-        .with_weight_decay(decay)
-        .with_momentum(MomentumConfig {
-            momentum: o.muon_momentum,
-            dampening: 0.0,
-            nesterov: o.muon_nesterov,
-        })
-        .with_ns_coefficients((a, b, c))
-        .with_ns_steps(o.ns_steps)
-        .with_adjust_lr_fn(match o.muon_scale {
-            crate::train::MuonScale::MatchRmsAdamW => AdjustLrFn::MatchRmsAdamW,
-            crate::train::MuonScale::Original => AdjustLrFn::Original,
-        })
+        .collect();
+    Ok(MuonMatrices { ids, tp })
 }
 
 /// A piece's new values and optimizer state ([`GroupOptim::step_piece`]).
@@ -231,6 +226,10 @@ pub(crate) struct PieceStep<B: burn::tensor::backend::Backend> {
     pub state: Option<Slots<B, 1>>,
 }
 
+/// What sets a group apart: its weight decay and learning-rate factor, and how Muon steps its
+/// parameters (`None`: not Muon).
+type GroupKey = (ParamGroup, Option<MatrixSplit>);
+
 /// The optimizers of a trainer: one per distinct parameter group, and the group of every
 /// parameter of this rank.
 pub(crate) struct Optimizers<M, B>
@@ -239,13 +238,13 @@ where
     B::InnerBackend: FusedOps,
     M: AutodiffModule<B>,
 {
-    /// The distinct groups in the order first met (with whether they are Muon's matrices),
+    /// The distinct groups in the order first met (with how Muon steps them, when it does),
     /// with their optimizers.
-    groups: Vec<((ParamGroup, bool), GroupOptim<M, B>)>,
+    groups: Vec<(GroupKey, GroupOptim<M, B>)>,
     /// The index in `groups` of each parameter.
     of_param: HashMap<ParamId, usize>,
-    /// The parameters Muon steps ([`muon_matrices`]; empty under another optimizer).
-    matrices: HashSet<ParamId>,
+    /// The parameters Muon steps ([`muon_matrices`]; none under another optimizer).
+    matrices: MuonMatrices,
 }
 
 impl<M, B> Optimizers<M, B>
@@ -264,11 +263,11 @@ where
         shapes: &[state::ParamShape],
         settings: &TrainSettings,
         (tp, copies): (usize, Vec<(String, String)>),
-        matrices: &HashSet<ParamId>,
+        matrices: &MuonMatrices,
         rule: &dyn Fn(&ParamInfo<'_>) -> ParamGroup,
     ) -> Result<Self, TrainError> {
         let copies: HashMap<String, String> = copies.into_iter().collect();
-        let mut groups: Vec<((ParamGroup, bool), GroupOptim<M, B>)> = Vec::new();
+        let mut groups: Vec<(GroupKey, GroupOptim<M, B>)> = Vec::new();
         let mut of_param = HashMap::new();
         for p in shapes {
             let name = copies.get(&p.name).unwrap_or(&p.name);
@@ -287,11 +286,12 @@ where
                     });
                 }
             }
-            let key = (g, matrices.contains(&p.id));
+            let key = (g, matrices.role(p.id, &p.split));
             let index = match groups.iter().position(|(q, _)| *q == key) {
                 Some(i) => i,
                 None => {
-                    groups.push((key, GroupOptim::new(settings, g.weight_decay, key.1)));
+                    let optim = GroupOptim::new(settings, g.weight_decay, key.1, matrices.tp);
+                    groups.push((key, optim));
                     groups.len() - 1
                 }
             };
@@ -305,7 +305,7 @@ where
     }
 
     /// The parameters Muon steps.
-    pub(crate) fn matrices(&self) -> &HashSet<ParamId> {
+    pub(crate) fn matrices(&self) -> &MuonMatrices {
         &self.matrices
     }
 

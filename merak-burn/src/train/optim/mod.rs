@@ -13,14 +13,15 @@
 //! | `sgd` | Burn's `Sgd` with its `Momentum` (`torch.optim.SGD`: momentum, dampening, Nesterov) | L2 |
 //! | `adagrad` | Burn's `AdaGrad` (`torch.optim.Adagrad`, `lr_decay`) | L2 |
 //! | `rmsprop` | Burn's `RmsProp` (`torch.optim.RMSprop`: `alpha`, momentum or centered) | L2 |
-//! | `muon` | Burn's `Muon` for the blocks' weight matrices, the fused AdamW for the rest | decoupled |
+//! | `muon` | [`MuonStep`] (Burn's momentum) for the blocks' weight matrices, the fused AdamW for the rest | decoupled |
 //!
-//! Muon is the exception: it orthogonalizes each matrix's whole update, so it runs where every
-//! rank holds its matrices whole (tensor parallelism and ZeRO are refused with it, naming the
-//! key). Burn 0.21 also has Adan (four state tensors per parameter: more than a checkpoint
+//! Muon is the exception: it orthogonalizes each matrix's whole update, so a tensor-parallel
+//! rank gathers the update of a split matrix ([`MuonStep`]), and ZeRO's slices and stacked
+//! experts, which it does not gather yet, are refused with it, naming the key. Burn 0.21 also has Adan (four state tensors per parameter: more than a checkpoint
 //! holds) and L-BFGS (needs the loss as a closure and whole-model state): neither is offered.
 
 mod groups;
+mod muon;
 mod slots;
 
 #[cfg(test)]
@@ -28,6 +29,9 @@ mod tests;
 
 pub use crate::checkpoint::{Slots, StateSlots};
 pub(crate) use groups::{Optimizers, muon_matrices};
+#[cfg(test)]
+use muon::MuonMatrices;
+pub use muon::MuonStep;
 pub use slots::RmsPropStep;
 
 use crate::bounds::{Bounds, OutOfBounds, RealKey, out_of_bounds, shown};
@@ -284,10 +288,9 @@ fn check_combinations(o: &OptimizerSettings) -> Result<(), InvalidSetting> {
     Ok(())
 }
 
-/// Refuses Muon where a rank would not hold its blocks' matrices whole: split by tensor
-/// parallelism (`parallel.tp > 1`), cut into ZeRO pieces (`parallel.zero > 0`) or stacked as
-/// experts (`parallel.ep > 1`, or `experts`: a model with mixtures of experts). The error
-/// names the key that splits them.
+/// Refuses Muon where its matrices are cut in ways it does not gather yet: into ZeRO pieces
+/// (`parallel.zero > 0`) or stacked as experts (`parallel.ep > 1`, or `experts`: a model with
+/// mixtures of experts). The error names the key. (Tensor parallelism's splits are gathered.)
 pub(crate) fn check_muon(
     s: &TrainSettings,
     parallel: &crate::parallel_plan::ParallelPlan,
@@ -297,7 +300,6 @@ pub(crate) fn check_muon(
         return Ok(());
     }
     let split = [
-        ("parallel.tp", parallel.tp > 1, parallel.tp.to_string()),
         (
             "parallel.zero",
             parallel.zero > 0,
@@ -311,8 +313,8 @@ pub(crate) fn check_muon(
             "muon",
             format!(
                 "Muon orthogonalizes each matrix's whole update, and {key} = {value} splits \
-                 them across ranks; Muon runs at parallel.tp = 1, parallel.zero = 0 and \
-                 parallel.ep = 1 (data and pipeline parallelism, any schedule)"
+                 them in ways it does not gather yet; Muon runs at parallel.zero = 0 and \
+                 parallel.ep = 1 (data, tensor and pipeline parallelism, any schedule)"
             ),
         ));
     }

@@ -7,7 +7,7 @@ use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::momentum::MomentumState;
 use burn::optim::{
     AdaGrad, AdaGradState, Adam, AdamState, AdamWState, AdaptiveMomentumState, CenteredState,
-    LearningRate, LrDecayState, Muon, MuonState, RmsProp, RmsPropMomentumState, RmsPropState, Sgd,
+    LearningRate, LrDecayState, MuonState, RmsProp, RmsPropMomentumState, RmsPropState, Sgd,
     SgdState, SimpleOptimizer, SquareAvgState,
 };
 use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Record, Recorder};
@@ -120,7 +120,7 @@ impl<B: Backend> StateSlots<B> for Sgd<B> {
     }
 }
 
-impl<B: Backend> StateSlots<B> for Muon<B> {
+impl<B: Backend> StateSlots<B> for super::MuonStep<B> {
     fn slots_of_state<const D: usize>(
         &self,
         state: MuonState<B, D>,

@@ -1,7 +1,7 @@
 //! Each optimizer's update against its formula, computed here in f64; the state's round trip
 //! through the checkpoint's places; the settings checks.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use burn::module::{Module, Param};
 use burn::optim::GradientsParams;
@@ -52,10 +52,21 @@ fn values(net: &Net<AB>) -> Vec<f64> {
     v.into_iter().map(f64::from).collect()
 }
 
+/// How a whole matrix is stepped under `settings`: by Muon under Muon (`Some`), else by the
+/// run's optimizer.
+fn matrix(settings: &TrainSettings) -> Option<super::muon::MatrixSplit> {
+    (settings.optimizer.kind == OptimizerKind::Muon)
+        .then_some(super::muon::MatrixSplit { dim: None })
+}
+
+/// One rank's group.
+fn local() -> crate::comm::Group {
+    crate::comm::Group::local()
+}
+
 /// Three steps of the optimizer of `settings` (weight decay `wd`) on [`START`].
 fn run(settings: &TrainSettings, wd: f64) -> Vec<f64> {
-    let muon = settings.optimizer.kind == OptimizerKind::Muon;
-    let mut optim = GroupOptim::<Net<AB>, AB>::new(settings, wd, muon);
+    let mut optim = GroupOptim::<Net<AB>, AB>::new(settings, wd, matrix(settings), local());
     let mut n = net();
     for (step, lr) in LRS.iter().enumerate() {
         let g = grads(&n, step);
@@ -280,7 +291,7 @@ fn every_kinds_state_survives_the_checkpoint_format() {
     for o in kinds {
         let s = settings(o.clone());
         let muon = o.kind == OptimizerKind::Muon;
-        let mut first = GroupOptim::<Net<AB>, AB>::new(&s, 0.1, muon);
+        let mut first = GroupOptim::<Net<AB>, AB>::new(&s, 0.1, matrix(&s), local());
         let mut n = net();
         for (step, lr) in LRS.iter().enumerate().take(2) {
             let g = grads(&n, step);
@@ -296,7 +307,7 @@ fn every_kinds_state_survives_the_checkpoint_format() {
                 "{o:?}: the unused place is zeros"
             );
         }
-        let mut second = GroupOptim::<Net<AB>, AB>::new(&s, 0.1, muon);
+        let mut second = GroupOptim::<Net<AB>, AB>::new(&s, 0.1, matrix(&s), local());
         second.load(&n, &moments, &|_, _| true);
         let g = grads(&n, 2);
         let a = values(&first.step(LRS[2], n.clone(), g));
@@ -325,7 +336,7 @@ fn grouped<M: burn::module::AutodiffModule<AB>>(
         &state::param_shapes(model),
         &s,
         (1, copies),
-        &HashSet::new(),
+        &MuonMatrices::default(),
         rule,
     )
 }
@@ -420,7 +431,7 @@ fn a_shard_is_grouped_by_its_full_shape() {
         &state::param_shapes(&model),
         &s,
         (2, vec![]),
-        &HashSet::new(),
+        &MuonMatrices::default(),
         &rule,
     )
     .unwrap();
@@ -618,7 +629,8 @@ fn muon_agrees_with_pytorch() {
         tall: Param::from_tensor(tensor("tall", &f["start"]["tall"])),
     };
     let o = OptimizerSettings::default().with_kind(OptimizerKind::Muon);
-    let mut optim = GroupOptim::<Pair<AB>, AB>::new(&settings(o), 0.1, true);
+    let s = settings(o);
+    let mut optim = GroupOptim::<Pair<AB>, AB>::new(&s, 0.1, matrix(&s), local());
     for (step, lr) in floats(&f["lrs"]).into_iter().enumerate() {
         let g = &f["grads"][step];
         let loss = (pair.wide.val() * tensor("wide", &g["wide"])).sum()
@@ -646,20 +658,14 @@ fn muon_agrees_with_pytorch() {
     }
 }
 
-/// Muon is refused where a layout splits its matrices, naming the key, and nowhere else.
+/// Muon is refused where a layout cuts its matrices in ways it does not gather, naming the
+/// key, and nowhere else.
 #[test]
-fn muon_is_refused_where_a_layout_splits_its_matrices() {
+fn muon_is_refused_where_a_layout_cuts_its_matrices() {
     use crate::parallel_plan::ParallelPlan;
     let muon = settings(OptimizerSettings::default().with_kind(OptimizerKind::Muon));
     let plan = ParallelPlan::default();
     for (split, key) in [
-        (
-            ParallelPlan {
-                tp: 2,
-                ..plan.clone()
-            },
-            "parallel.tp = 2",
-        ),
         (
             ParallelPlan {
                 zero: 2,
@@ -683,6 +689,7 @@ fn muon_is_refused_where_a_layout_splits_its_matrices() {
     }
     let whole = ParallelPlan {
         dp: 2,
+        tp: 2,
         pp: 2,
         ..plan
     };
