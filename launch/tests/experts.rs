@@ -7,8 +7,8 @@
 //! balanced per sequence); balancing per micro-batch is kept as an option. Every case first
 //! checks that the routing decisions are those of one process (each step's per-expert token
 //! counts equal, with a margin between every token's k-th and k+1-th router score), then the
-//! losses and parameters at the usual tolerance. A checkpoint saved at ep = 4 resumes at ep = 1; bad
-//! settings fail before training.
+//! losses and parameters at the usual tolerance. Muon steps every expert as one process does.
+//! A checkpoint saved at ep = 4 resumes at ep = 1; bad settings fail before training.
 
 mod common;
 use common::*;
@@ -290,6 +290,28 @@ fn expert_parallel_moe_gpt_equals_one_process() {
     ];
     for (np, name, extra) in cases {
         assert_moe_equals(&single, np, name, &extra);
+    }
+}
+
+/// Muon (`optimizer.kind = "muon"`) steps every expert's matrices (and the router's) as one
+/// process does: each rank holds its experts whole under expert parallelism, and the tensor
+/// parallel ranks' split matrices are gathered.
+#[test]
+fn muon_with_experts_equals_one_process() {
+    // Seed 18 keeps a router margin under Muon (3.8e-5; seed 7 leaves 7e-7 at step 3).
+    let muon = ["--set", "optimizer.kind=muon", "--set", "train.seed=18"];
+    let single = out_dir("moe-muon-single");
+    run_pp(0, &single, &[&MOE[..], &muon].concat()).assert_success();
+    let sp = ["--set", "parallel.sequence_parallel=true"];
+    for (np, name, extra) in [
+        (2, "moe-muon-ep2", vec!["--dp", "2", "--ep", "2"]),
+        (
+            4,
+            "moe-muon-ep2-tp2-sp",
+            [&["--dp", "2", "--ep", "2", "--tp", "2"][..], &sp].concat(),
+        ),
+    ] {
+        assert_moe_equals(&single, np, name, &[&extra[..], &muon].concat());
     }
 }
 

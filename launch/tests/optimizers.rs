@@ -355,11 +355,7 @@ fn bad_optimizer_settings_are_refused_before_training_naming_the_key() {
         ),
         (
             vec!["optimizer.kind=muon", "parallel.zero=1"],
-            "parallel.zero = 1 splits them",
-        ),
-        (
-            vec!["optimizer.kind=muon", "model.preset=moe-tiny"],
-            "mixtures of experts",
+            "parallel.zero = 1 cuts the matrices",
         ),
         (vec!["optimizer.alpha=0.5"], "`optimizer.alpha`"),
         (vec!["train.beta2=1"], "`train.beta2`"),

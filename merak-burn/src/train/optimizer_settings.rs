@@ -23,9 +23,10 @@ pub enum OptimizerKind {
     AdaGrad,
     /// RMSProp: `alpha`, `eps`, `momentum` or `centered`, L2 `weight_decay`.
     RmsProp,
-    /// Muon for the blocks' weight matrices (`muon_momentum`, `muon_nesterov`, `ns_steps`,
-    /// `ns_coefficients`, `muon_scale`, decoupled `weight_decay`), AdamW (`beta1`, `beta2`,
-    /// `eps`) for every other parameter: embeddings, the head, norms, biases.
+    /// Muon for the blocks' weight matrices, each expert's and the router's among them
+    /// (`muon_momentum`, `muon_nesterov`, `ns_steps`, `ns_coefficients`, `muon_scale`,
+    /// decoupled `weight_decay`), AdamW (`beta1`, `beta2`, `eps`) for every other parameter:
+    /// embeddings, the head, norms, biases.
     Muon,
 }
 

@@ -144,7 +144,6 @@ where
             drop(crate::moe::take_records());
             crate::moe::take_exchange_seconds();
         }
-        crate::train::optim::check_muon(&settings, parallel, model.experts().is_some())?;
         let matrices = muon_matrices(&model, (&shapes, grid.tp), &settings, |u| {
             pipeline.schedule.rank_of(pipeline.partition.stage_of(u)) == grid.coords.pp
         })?;

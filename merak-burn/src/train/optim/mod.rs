@@ -16,8 +16,8 @@
 //! | `muon` | [`MuonStep`] (Burn's momentum) for the blocks' weight matrices, the fused AdamW for the rest | decoupled |
 //!
 //! Muon is the exception: it orthogonalizes each matrix's whole update, so a tensor-parallel
-//! rank gathers the update of a split matrix ([`MuonStep`]), and ZeRO's slices and stacked
-//! experts, which it does not gather yet, are refused with it, naming the key. Burn 0.21 also has Adan (four state tensors per parameter: more than a checkpoint
+//! rank gathers the update of a split matrix ([`MuonStep`]), and ZeRO's slices, which it does
+//! not gather yet, are refused with it, naming the key. Burn 0.21 also has Adan (four state tensors per parameter: more than a checkpoint
 //! holds) and L-BFGS (needs the loss as a closure and whole-model state): neither is offered.
 
 mod groups;
@@ -288,45 +288,27 @@ fn check_combinations(o: &OptimizerSettings) -> Result<(), InvalidSetting> {
     Ok(())
 }
 
-/// Refuses Muon where its matrices are cut in ways it does not gather yet: into ZeRO pieces
-/// (`parallel.zero > 0`) or stacked as experts (`parallel.ep > 1`, or `experts`: a model with
-/// mixtures of experts). The error names the key. (Tensor parallelism's splits are gathered.)
+/// Refuses Muon where its matrices are cut in ways it does not gather yet: into the flat
+/// slices and shards of ZeRO (`parallel.zero > 0`, hybrid sharding among them). The error
+/// names the key. Tensor parallelism's splits are gathered; each expert's matrices are whole
+/// on the rank that holds the expert.
 pub(crate) fn check_muon(
     s: &TrainSettings,
     parallel: &crate::parallel_plan::ParallelPlan,
-    experts: bool,
 ) -> Result<(), InvalidSetting> {
-    if s.optimizer.kind != OptimizerKind::Muon {
+    if s.optimizer.kind != OptimizerKind::Muon || parallel.zero == 0 {
         return Ok(());
     }
-    let split = [
-        (
-            "parallel.zero",
-            parallel.zero > 0,
-            parallel.zero.to_string(),
+    Err(refuse(
+        "optimizer.kind",
+        "muon",
+        format!(
+            "Muon orthogonalizes each matrix's whole update, and parallel.zero = {} cuts the \
+             matrices into slices it does not gather yet; Muon runs at parallel.zero = 0 (data, \
+             tensor, pipeline, context and expert parallelism, any schedule)",
+            parallel.zero
         ),
-        ("parallel.ep", parallel.ep > 1, parallel.ep.to_string()),
-    ];
-    if let Some((key, _, value)) = split.into_iter().find(|(_, on, _)| *on) {
-        return Err(refuse(
-            "optimizer.kind",
-            "muon",
-            format!(
-                "Muon orthogonalizes each matrix's whole update, and {key} = {value} splits \
-                 them in ways it does not gather yet; Muon runs at parallel.zero = 0 and \
-                 parallel.ep = 1 (data, tensor and pipeline parallelism, any schedule)"
-            ),
-        ));
-    }
-    if experts {
-        return Err(refuse(
-            "optimizer.kind",
-            "muon",
-            "a model with mixtures of experts stacks its experts' matrices; Muon does not yet \
-             orthogonalize them one expert at a time: use optimizer.kind = \"adamw\"",
-        ));
-    }
-    Ok(())
+    ))
 }
 
 /// The schedule fits the run.
