@@ -2,7 +2,7 @@
 //! (pipeline executor, data-parallel reduction, tied gradients, loss reduction, clipping, the
 //! optimizer's parameter groups, ZeRO), validation, evaluation, checkpoints, metrics and
 //! progress; and its parts: the optimizers (the fused AdamW, Burn's Adam, SGD, AdaGrad and
-//! RMSProp), global gradient norm and clipping, learning-rate schedules, metrics, the run
+//! RMSProp, and Muon with AdamW), global gradient norm and clipping, learning-rate schedules, metrics, the run
 //! folder and its lineage, and the process's page faults and peak memory.
 
 mod adamw;

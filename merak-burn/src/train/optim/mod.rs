@@ -31,7 +31,7 @@ pub use crate::checkpoint::{Slots, StateSlots};
 pub(crate) use groups::{Optimizers, muon_matrices};
 #[cfg(test)]
 use muon::MuonMatrices;
-pub use muon::MuonStep;
+pub(crate) use muon::MuonStep;
 pub use slots::RmsPropStep;
 
 use crate::bounds::{Bounds, OutOfBounds, RealKey, out_of_bounds, shown};

@@ -67,7 +67,7 @@ pub(crate) struct MatrixSplit {
 
 /// Muon's step for matrices split as `split` says over `tp` (see the [module](self)).
 #[derive(Clone)]
-pub struct MuonStep<B: Backend> {
+pub(crate) struct MuonStep<B: Backend> {
     momentum: Momentum<B>,
     coefficients: [f32; 3],
     iterations: usize,
