@@ -3,35 +3,14 @@
 //! bit for bit), and the planner's choice (`PlanChoice::Auto`) plans it from its shape.
 
 use merak_burn::backend::CpuAutodiff;
-use merak_burn::data::SyntheticData;
+use merak_burn::data::{CausalWindows, Dataset, SyntheticData};
 use merak_burn::entry::{AutoPlan, PlanChoice, RunError, RunOptions};
 use merak_burn::grid::ProcessGrid;
 use merak_burn::parallel_plan::ParallelPlan;
-use merak_burn::train::{RunOutput, SourceError, TokenSource, TrainSettings, Trainer, Windows};
+use merak_burn::train::{RunOutput, TrainSettings, Trainer};
 use merak_gpt::{Gpt, GptConfig};
 
 type B = CpuAutodiff;
-
-/// The synthetic sequences of `merak train`'s default data.
-struct Data {
-    synthetic: SyntheticData,
-    seq: usize,
-}
-
-impl TokenSource for Data {
-    fn train_windows(
-        &self,
-        step: usize,
-        first: usize,
-        count: usize,
-    ) -> Result<Windows, SourceError> {
-        let (inputs, targets) = self.synthetic.batch(step, first, count, self.seq);
-        Ok(Windows { inputs, targets })
-    }
-    fn val_windows(&self, first: usize, count: usize) -> Result<Windows, SourceError> {
-        self.train_windows(usize::MAX, first, count)
-    }
-}
 
 fn config() -> GptConfig {
     GptConfig {
@@ -65,11 +44,14 @@ fn losses(out: &std::path::Path) -> Vec<f64> {
 fn a_gpt_trains_through_run_as_a_trainer_built_by_hand_trains_it() -> Result<(), RunError> {
     let dir = tempfile::tempdir().expect("a scratch folder");
     let cfg = config();
-    let data = Data {
-        synthetic: SyntheticData::new(7, cfg.vocab_size),
+    let settings = settings(&cfg);
+    // The synthetic sequences of `merak train`'s default data.
+    let dataset = Dataset::Synthetic(SyntheticData::new(7, cfg.vocab_size));
+    let data = CausalWindows {
+        data: &dataset,
+        global_batch: settings.global_batch,
         seq: cfg.seq_len,
     };
-    let settings = settings(&cfg);
     let plan = ParallelPlan {
         micro_batch: 2,
         ..ParallelPlan::default()
