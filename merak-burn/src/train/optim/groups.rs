@@ -71,15 +71,15 @@ where
         let (beta1, beta2, eps) = (s.beta1 as f32, s.beta2 as f32, s.eps as f32);
         // Burn adds `penalty * param` to the gradient (L2): skipped when it is 0.
         let l2 = (weight_decay > 0.0).then(|| WeightDecayConfig::new(weight_decay as f32));
+        if let (OptimizerKind::Muon, Some(split)) = (o.kind, matrix) {
+            return Self::Muon(OptimizerAdaptor::from(MuonStep::new(
+                o,
+                weight_decay,
+                split,
+                tp,
+            )));
+        }
         match o.kind {
-            OptimizerKind::Muon if matrix.is_some() => {
-                Self::Muon(OptimizerAdaptor::from(MuonStep::new(
-                    o,
-                    weight_decay,
-                    matrix.unwrap_or(MatrixSplit { dim: None }),
-                    tp,
-                )))
-            }
             OptimizerKind::AdamW | OptimizerKind::Muon => {
                 Self::AdamW(FusedAdamW::new(beta1, beta2, eps, weight_decay as f32).init::<B, M>())
             }
