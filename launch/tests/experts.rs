@@ -294,8 +294,9 @@ fn expert_parallel_moe_gpt_equals_one_process() {
 }
 
 /// Muon (`optimizer.kind = "muon"`) steps every expert's matrices (and the router's) as one
-/// process does: each rank holds its experts whole under expert parallelism, and the tensor
-/// parallel ranks' split matrices are gathered.
+/// process does: each rank holds its experts whole under expert parallelism, the tensor
+/// parallel ranks' split matrices are gathered, and under ZeRO-1, 2, 3 and hybrid sharding
+/// each matrix's pieces are joined at its owner.
 #[test]
 fn muon_with_experts_equals_one_process() {
     // Seed 18 keeps a router margin under Muon (3.8e-5; seed 7 leaves 7e-7 at step 3).
@@ -309,6 +310,37 @@ fn muon_with_experts_equals_one_process() {
             4,
             "moe-muon-ep2-tp2-sp",
             [&["--dp", "2", "--ep", "2", "--tp", "2"][..], &sp].concat(),
+        ),
+        // Under ZeRO the experts' pieces go to owners among the ranks holding the same
+        // experts, the dense matrices' among the shard group.
+        (
+            4,
+            "moe-muon-ep2-dp4-zero3",
+            vec!["--dp", "4", "--ep", "2", "--set", "parallel.zero=3"],
+        ),
+        (
+            4,
+            "moe-muon-ep2-dp4-hybrid-zero2",
+            vec![
+                "--dp",
+                "4",
+                "--ep",
+                "2",
+                "--set",
+                "parallel.zero=2",
+                "--set",
+                "parallel.shard=2",
+            ],
+        ),
+        (
+            4,
+            "moe-muon-ep2-tp2-sp-zero1",
+            [
+                &["--dp", "2", "--ep", "2", "--tp", "2"][..],
+                &sp,
+                &["--set", "parallel.zero=1"],
+            ]
+            .concat(),
         ),
     ] {
         assert_moe_equals(&single, np, name, &[&extra[..], &muon].concat());

@@ -9,7 +9,7 @@ use crate::pipeline::PipelinePlan;
 
 /// Refuses out-of-range optimizer and schedule settings ([`check_settings`]), a global batch
 /// that `dp` ranks and the micro-batch do not split, a ZeRO stage that does not exist,
-/// ZeRO-3 with a schedule it does not run, and Muon under ZeRO; each error
+/// and ZeRO-3 with a schedule it does not run; each error
 /// names the key and the numbers.
 pub fn check_plan(
     parallel: &ParallelPlan,
@@ -18,7 +18,6 @@ pub fn check_plan(
     dp: usize,
 ) -> Result<(), TrainError> {
     check_settings(settings)?;
-    super::optim::check_muon(settings, parallel)?;
     let micro = parallel.micro_batch;
     if micro == 0 || !settings.global_batch.is_multiple_of(dp * micro) {
         return Err(TrainError::Batch {

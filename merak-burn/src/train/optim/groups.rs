@@ -125,6 +125,14 @@ where
         }
     }
 
+    /// Muon's step, when this group's matrices are Muon's.
+    pub(crate) fn muon(&self) -> Option<&MuonStep<B::InnerBackend>> {
+        match self {
+            Self::Muon(o) => Some(o.optim()),
+            _ => None,
+        }
+    }
+
     /// Steps the parameters of `model` that have a gradient in `grads` at `lr`.
     pub(crate) fn step(&mut self, lr: f64, model: M, grads: GradientsParams) -> M {
         each_kind!(self, o => o.step(lr, model, grads))

@@ -16,8 +16,9 @@
 //! | `muon` | [`MuonStep`] (Burn's momentum) for the blocks' weight matrices, the fused AdamW for the rest | decoupled |
 //!
 //! Muon is the exception: it orthogonalizes each matrix's whole update, so a tensor-parallel
-//! rank gathers the update of a split matrix ([`MuonStep`]), and ZeRO's slices, which it does
-//! not gather yet, are refused with it, naming the key. Burn 0.21 also has Adan (four state tensors per parameter: more than a checkpoint
+//! rank gathers the update of a split matrix ([`MuonStep`]), and under ZeRO the pieces of each
+//! matrix are sent to one owner per matrix and the results returned (`train::sync`'s
+//! `muon_chunks`). Burn 0.21 also has Adan (four state tensors per parameter: more than a checkpoint
 //! holds) and L-BFGS (needs the loss as a closure and whole-model state): neither is offered.
 
 mod groups;
@@ -286,29 +287,6 @@ fn check_combinations(o: &OptimizerSettings) -> Result<(), InvalidSetting> {
         ));
     }
     Ok(())
-}
-
-/// Refuses Muon where its matrices are cut in ways it does not gather yet: into the flat
-/// slices and shards of ZeRO (`parallel.zero > 0`, hybrid sharding among them). The error
-/// names the key. Tensor parallelism's splits are gathered; each expert's matrices are whole
-/// on the rank that holds the expert.
-pub(crate) fn check_muon(
-    s: &TrainSettings,
-    parallel: &crate::parallel_plan::ParallelPlan,
-) -> Result<(), InvalidSetting> {
-    if s.optimizer.kind != OptimizerKind::Muon || parallel.zero == 0 {
-        return Ok(());
-    }
-    Err(refuse(
-        "optimizer.kind",
-        "muon",
-        format!(
-            "Muon orthogonalizes each matrix's whole update, and parallel.zero = {} cuts the \
-             matrices into slices it does not gather yet; Muon runs at parallel.zero = 0 (data, \
-             tensor, pipeline, context and expert parallelism, any schedule)",
-            parallel.zero
-        ),
-    ))
 }
 
 /// The schedule fits the run.

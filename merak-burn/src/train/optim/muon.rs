@@ -133,6 +133,57 @@ impl<B: Backend> MuonStep<B> {
             .unwrap_or_else(|e| fail(format!("Muon's gather of a split matrix: {e}")));
         (gathered, Some((dim, group.rank() * len)))
     }
+
+    /// Burn's momentum on `grad` (a whole matrix or any piece of one: it is element-wise).
+    pub(crate) fn momentum<const D: usize>(
+        &self,
+        grad: Tensor<B, D>,
+        state: Option<MuonState<B, D>>,
+    ) -> (Tensor<B, D>, MuonState<B, D>) {
+        let (update, momentum) = self.momentum.transform(grad, state.map(|s| s.momentum));
+        (update, MuonState::new(momentum))
+    }
+
+    /// Whether the matrices of this step are split over the tensor-parallel group (then every
+    /// rank of the group calls [`orthogonal_piece`](Self::orthogonal_piece) for the same
+    /// matrices in the same order).
+    pub(crate) fn split_over_tp(&self) -> bool {
+        self.split.is_some()
+    }
+
+    /// This rank's piece of the orthogonalized whole update, `local` being this rank's
+    /// tensor-parallel shard of the update (the whole matrix when it is not split).
+    pub(crate) fn orthogonal_piece(&self, local: Tensor<B, 2>) -> Tensor<B, 2> {
+        let shape = local.dims();
+        let (whole, at) = self.whole(local);
+        let x = self.orthogonalized(whole);
+        match at {
+            Some((dim, start)) => x.narrow(dim, start, shape[dim]),
+            None => x,
+        }
+    }
+
+    /// The values after the step at `lr` of a matrix whose tensor-parallel shard has the
+    /// shape `local` (`[rows, cols]`): `values` (the shard or any piece of it) decayed, less
+    /// the update's same piece `x` of the orthogonalized whole, scaled for the whole shape.
+    pub(crate) fn updated<const D: usize>(
+        &self,
+        values: Tensor<B, D>,
+        x: Tensor<B, D>,
+        lr: LearningRate,
+        local: [usize; 2],
+    ) -> Tensor<B, D> {
+        let mut full = local;
+        if let Some((dim, group)) = &self.split {
+            full[*dim] *= group.size();
+        }
+        let lr_scaled = lr * self.scale_of(full[0], full[1]);
+        let values = match self.decay > 0.0 {
+            true => values.mul_scalar(1.0 - lr * self.decay),
+            false => values,
+        };
+        values - x.mul_scalar(lr_scaled)
+    }
 }
 
 impl<B: Backend> SimpleOptimizer<B> for MuonStep<B> {
@@ -147,22 +198,11 @@ impl<B: Backend> SimpleOptimizer<B> for MuonStep<B> {
         state: Option<Self::State<D>>,
     ) -> (Tensor<B, D>, Option<Self::State<D>>) {
         let shape = tensor.dims();
-        let (update, momentum) = self.momentum.transform(grad, state.map(|s| s.momentum));
-        let rows = shape[0];
-        let piece: Tensor<B, 2> = update.reshape([rows, shape[1..].iter().product()]);
-        let (whole, at) = self.whole(piece);
-        let [full_rows, full_cols] = whole.dims();
-        let mut x = self.orthogonalized(whole);
-        if let Some((dim, start)) = at {
-            x = x.narrow(dim, start, shape[dim]);
-        }
-        let lr_scaled = lr * self.scale_of(full_rows, full_cols);
-        let tensor = match self.decay > 0.0 {
-            true => tensor.mul_scalar(1.0 - lr * self.decay),
-            false => tensor,
-        };
-        let delta: Tensor<B, D> = x.mul_scalar(lr_scaled).reshape(shape);
-        (tensor - delta, Some(MuonState::new(momentum)))
+        let (update, state) = self.momentum(grad, state);
+        let local = [shape[0], shape[1..].iter().product()];
+        let x = self.orthogonal_piece(update.reshape(local));
+        let values = self.updated(tensor, x.reshape(shape), lr, local);
+        (values, Some(state))
     }
 
     fn to_device<const D: usize>(mut state: Self::State<D>, device: &B::Device) -> Self::State<D> {

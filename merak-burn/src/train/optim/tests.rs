@@ -657,31 +657,3 @@ fn muon_agrees_with_pytorch() {
         }
     }
 }
-
-/// Muon is refused under ZeRO, naming the key, and under no other layout.
-#[test]
-fn muon_is_refused_where_a_layout_cuts_its_matrices() {
-    use crate::parallel_plan::ParallelPlan;
-    let muon = settings(OptimizerSettings::default().with_kind(OptimizerKind::Muon));
-    let plan = ParallelPlan::default();
-    for zero in [1, 2, 3] {
-        let sliced = ParallelPlan {
-            zero,
-            ..plan.clone()
-        };
-        let e = check_muon(&muon, &sliced).expect_err("zero");
-        assert_eq!(e.key, "optimizer.kind");
-        assert!(e.reason.contains(&format!("parallel.zero = {zero}")), "{e}");
-        let adamw = settings(OptimizerSettings::default());
-        assert_eq!(check_muon(&adamw, &sliced), Ok(()));
-    }
-    let whole = ParallelPlan {
-        dp: 4,
-        tp: 2,
-        pp: 2,
-        cp: 2,
-        ep: 2,
-        ..plan
-    };
-    assert_eq!(check_muon(&muon, &whole), Ok(()));
-}

@@ -15,7 +15,7 @@ use burn::tensor::{Tensor, TensorData};
 use crate::checkpoint::state::ParamShape;
 use crate::checkpoint::{Moments, Slots, TensorPiece};
 use crate::comm::Group;
-use crate::data_parallel::chunks::RankChunks;
+use crate::data_parallel::chunks::{Piece, RankChunks};
 use crate::data_parallel::{DataParallel, DpStats, all_gather_each};
 use crate::grid::ProcessGrid;
 use crate::pipeline::{TrainBackend, TrainModel};
@@ -175,14 +175,15 @@ impl<'g, B: TrainBackend> Chunks<'g, B> {
             .map(|c| vec![0.0; c.chunk])
             .collect();
         for (k, p) in self.rank_chunks.pieces.iter().enumerate() {
-            let current = match chunked {
-                true => &values[p.bucket][p.chunk_offset..p.chunk_offset + p.len],
-                false => &values[p.param][p.param_start..p.param_start + p.len],
-            };
+            let current = current_of((values, chunked), p);
             let dst = &mut mine[p.bucket][p.chunk_offset..p.chunk_offset + p.len];
             let param = &self.params[p.param];
-            let group = seen[p.param].then(|| optim.group_of(param.id)).flatten();
-            let Some((optim, lr_scale)) = group else {
+            let group = optim.group_of(param.id);
+            if group.is_some_and(|(g, _)| g.muon().is_some()) {
+                // Muon's matrices are stepped whole, below.
+                continue;
+            }
+            let Some((optim, lr_scale)) = group.filter(|_| seen[p.param]) else {
                 // No gradient this step: the parameter keeps its values (as Burn's optimizer
                 // leaves a parameter without a gradient alone).
                 dst.copy_from_slice(current);
@@ -200,6 +201,7 @@ impl<'g, B: TrainBackend> Chunks<'g, B> {
             self.states[k] = step.state;
             dst.copy_from_slice(&values_of(step.values)?);
         }
+        super::muon_chunks::step_muon(self, &grads, (values, chunked), lr, optim, &mut mine)?;
         Ok(mine)
     }
 
@@ -312,13 +314,22 @@ fn sum_f64(group: Group, values: &[f64]) -> Result<Vec<f64>, TrainError> {
     Ok(out)
 }
 
+/// The current values of piece `p`: from this rank's chunks (`values`, `chunked`: ZeRO-3) or
+/// from every parameter's.
+pub(super) fn current_of<'a>((values, chunked): (&'a [Vec<f32>], bool), p: &Piece) -> &'a [f32] {
+    match chunked {
+        true => &values[p.bucket][p.chunk_offset..p.chunk_offset + p.len],
+        false => &values[p.param][p.param_start..p.param_start + p.len],
+    }
+}
+
 /// A flat tensor of `values`.
-fn flat<B: Backend>(values: &[f32], device: &B::Device) -> Tensor<B, 1> {
+pub(super) fn flat<B: Backend>(values: &[f32], device: &B::Device) -> Tensor<B, 1> {
     Tensor::from_data(TensorData::new(values.to_vec(), [values.len()]), device)
 }
 
 /// The values of a flat tensor.
-fn values_of<B: Backend>(t: Tensor<B, 1>) -> Result<Vec<f32>, TrainError> {
+pub(super) fn values_of<B: Backend>(t: Tensor<B, 1>) -> Result<Vec<f32>, TrainError> {
     (t.into_data().convert::<f32>().into_vec::<f32>())
         .map_err(|e| TrainError::ZeroValues(format!("{e:?}")))
 }

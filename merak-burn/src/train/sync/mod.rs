@@ -23,6 +23,7 @@
 
 mod build;
 mod chunks;
+mod muon_chunks;
 mod replicated;
 mod sharded_params;
 mod sharded_state;
