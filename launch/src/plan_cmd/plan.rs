@@ -50,6 +50,32 @@ pub struct PlanArgs {
     /// twice the tensor-parallel layouts), `off`.
     #[arg(long, value_enum, value_name = "MODE")]
     sequence_parallel: Option<SequenceParallel>,
+    /// The optimizer the run steps with: `adamw` (element-wise, the default) or `muon` (the
+    /// blocks' matrices orthogonalized with the default 5 Newton-Schulz steps, priced with
+    /// their communication)
+    #[arg(long, value_enum, default_value = "adamw")]
+    optimizer: PlannedOptimizer,
+}
+
+/// The optimizers `merak plan --optimizer` prices.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum PlannedOptimizer {
+    /// AdamW (or another element-wise optimizer).
+    Adamw,
+    /// Muon at its default Newton-Schulz steps.
+    Muon,
+}
+
+impl PlannedOptimizer {
+    /// The cost model's view of it.
+    fn cost(self) -> merak_burn::planner::OptimizerCost {
+        match self {
+            Self::Adamw => merak_burn::planner::OptimizerCost::ElementWise,
+            Self::Muon => merak_burn::planner::OptimizerCost::Muon {
+                ns_steps: merak_burn::train::OptimizerSettings::default().ns_steps,
+            },
+        }
+    }
 }
 
 /// The search, with a progress bar on stderr when it is a terminal (shown after a second, so
@@ -120,6 +146,7 @@ fn search_and_print(a: &PlanArgs) -> Result<()> {
     }
     options.cp.clone_from(&a.cp);
     options.ep.clone_from(&a.ep);
+    options.optimizer = a.optimizer.cost();
     options.memory_budget_bytes = a
         .target
         .memory_gib
@@ -286,7 +313,10 @@ pub fn auto_plan(
         .map(|path| Calibration::read(path, &shape))
         .transpose()?;
     let model = ModelProxy::from_shape(shape);
-    let options = SearchOptions::new(gpus, cfg.train.global_batch);
+    let options = SearchOptions {
+        optimizer: cfg.optimizer.cost(),
+        ..SearchOptions::new(gpus, cfg.train.global_batch)
+    };
     let result = search_calibrated(&model, &hw, cal.as_ref(), &options)
         .with_context(|| format!("planning {shape} on {gpus} ranks of this machine"))?;
     Ok(PlanFile::new(shape, &hw.name, gpus, result.best))

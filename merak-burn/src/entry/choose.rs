@@ -12,8 +12,8 @@ use crate::parallelize::{EmbedUnit, HeadUnit, shard_module};
 use crate::pipeline::{Evaluate, PipelineModel, Recompute};
 use crate::planner::search::candidates;
 use crate::planner::{
-    CostModel, HardwareSpec, MeasuredModel, MeasuredUnit, ModelProxy, SearchError, SearchOptions,
-    search, with_fixed_costs,
+    CostModel, HardwareSpec, MeasuredModel, MeasuredUnit, ModelProxy, OptimizerCost, SearchError,
+    SearchOptions, search, with_fixed_costs,
 };
 use crate::probe::mean_over_ranks;
 use crate::tensor_parallel::ParallelBackend;
@@ -133,7 +133,7 @@ where
             let plan = searched(
                 auto,
                 &proxy,
-                &hardware,
+                (&hardware, settings.optimizer.cost()),
                 (ranks, settings.global_batch),
                 rank,
             )?;
@@ -173,17 +173,18 @@ pub(crate) fn check_batch(
 }
 
 /// The planner's plan for `ranks` ranks training `measured` on `global_batch` sequences a
-/// step on `hardware` (rank 0 writes `auto.report`).
+/// step on `hardware` with `optimizer` (rank 0 writes `auto.report`).
 fn searched(
     auto: &AutoPlan,
     measured: &MeasuredModel,
-    hardware: &HardwareSpec,
+    (hardware, optimizer): (&HardwareSpec, OptimizerCost),
     (ranks, global_batch): (usize, usize),
     rank: usize,
 ) -> Result<ParallelPlan, RunError> {
     let options = SearchOptions {
         recompute: vec![Recompute::None],
         tp_overlap: vec![1],
+        optimizer,
         ..SearchOptions::new(ranks, global_batch)
     };
     let proxy = ModelProxy::from_costs(measured);
@@ -202,7 +203,7 @@ fn write_report(
     hardware: &HardwareSpec,
     options: &SearchOptions,
 ) -> Result<(), RunError> {
-    let cm = CostModel::new(proxy, hardware);
+    let cm = CostModel::new(proxy, hardware).with_optimizer(options.optimizer);
     let mut lines: Vec<(f64, String)> = Vec::new();
     for c in candidates(&cm, options, hardware.memory_bytes)? {
         let p = cm.predict(&c.layout).map_err(SearchError::from)?;

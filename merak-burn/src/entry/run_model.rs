@@ -46,7 +46,10 @@ impl<B: Backend> PlanRequest<'_, B> {
             PlanChoice::Auto(auto) => {
                 let ranks = self.ranks();
                 let hardware = HardwareSpec::load(&auto.hardware)?.with_devices(ranks);
-                let options = SearchOptions::new(ranks, global_batch);
+                let options = SearchOptions {
+                    optimizer: self.settings.optimizer.cost(),
+                    ..SearchOptions::new(ranks, global_batch)
+                };
                 let best = search(&ModelProxy::from_shape(*shape), &hardware, &options)?;
                 ParallelPlan::from_planned(&best.best.layout)
             }

@@ -184,6 +184,17 @@ impl OptimizerSettings {
             OptimizerKind::Muon => 2,
         }
     }
+
+    /// The optimizer as the planner's cost model prices it: Muon's orthogonalizations and
+    /// their communication, or an element-wise update.
+    pub fn cost(&self) -> crate::planner::OptimizerCost {
+        match self.kind {
+            OptimizerKind::Muon => crate::planner::OptimizerCost::Muon {
+                ns_steps: self.ns_steps,
+            },
+            _ => crate::planner::OptimizerCost::ElementWise,
+        }
+    }
 }
 
 impl Default for OptimizerSettings {

@@ -49,7 +49,9 @@ pub mod search;
 pub mod stage_dp;
 
 pub use calibration::{CALIBRATION_FORMAT, Calibration, CalibrationError, UnitKind, UnitTiming};
-pub use cost::{CostError, CostModel, Estimate, FRAMEWORK_BYTES, Layout, Prediction};
+pub use cost::{
+    CostError, CostModel, Estimate, FRAMEWORK_BYTES, Layout, MuonTerms, OptimizerCost, Prediction,
+};
 pub use hardware::{HARDWARE_PRESETS, HardwareError, HardwareSpec, Runtime};
 pub use kernels::{KERNEL_PRESETS, Kernels, UnknownKernels};
 pub use layout_check::{FieldNames, LayoutFieldError};

@@ -51,7 +51,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use super::calibration::Calibration;
-use super::cost::{CostError, CostModel, Layout, Prediction};
+use super::cost::{CostError, CostModel, Layout, OptimizerCost, Prediction};
 use super::hardware::HardwareSpec;
 use super::model::{ModelProxy, RankSplit, RecomputeMode};
 use super::stage_dp::{Skeleton, StageDp, StageDpError};
@@ -153,6 +153,9 @@ pub struct SearchOptions {
     pub ep: Vec<usize>,
     /// How many runner-up plans to return besides the fastest.
     pub runner_ups: usize,
+    /// The optimizer the run steps with, as the cost model prices it (element-wise AdamW by
+    /// default; Muon adds its orthogonalizations and their communication).
+    pub optimizer: OptimizerCost,
 }
 
 impl SearchOptions {
@@ -182,6 +185,7 @@ impl SearchOptions {
             sequence_parallel: vec![true],
             ep: Vec::new(),
             runner_ups: 4,
+            optimizer: OptimizerCost::ElementWise,
         }
     }
 }
@@ -904,7 +908,8 @@ pub fn search_with_progress(
     let cm = match calibration {
         Some(c) => CostModel::new(model, hardware).with_calibration(c),
         None => CostModel::new(model, hardware),
-    };
+    }
+    .with_optimizer(options.optimizer);
     let budget = options.memory_budget_bytes.unwrap_or(hardware.memory_bytes);
     let mut dp_planner = StageDp::new(&cm, budget);
     let mut unplanned = Vec::new();

@@ -68,12 +68,14 @@ use crate::pipeline::{ScheduleError, ScheduleKind, ValidationError};
 
 mod collectives;
 mod layout;
+mod muon;
 mod rank_memory;
 #[cfg(test)]
 mod tests;
 mod time;
 
 pub use layout::Layout;
+pub use muon::{MuonTerms, OptimizerCost};
 pub(crate) use rank_memory::{ChunkMemory, RankMemory, StateBytes};
 pub(crate) use time::StageTerms;
 pub use time::{Estimate, Prediction};
@@ -206,6 +208,8 @@ pub struct CostModel<'a> {
     expert_load: f64,
     /// The element sizes of the model states ([`StateFormat::MIXED_ADAM`] unless set).
     state_format: StateFormat,
+    /// The optimizer's work beyond its element-wise update ([`OptimizerCost`]).
+    optimizer: OptimizerCost,
     in_flight: RefCell<HashMap<InFlightKey, Vec<usize>>>,
     simulations: RefCell<HashMap<SimKey, f64>>,
 }
@@ -222,6 +226,7 @@ impl<'a> CostModel<'a> {
                 .and_then(|s| s.moe)
                 .map_or(EXPERT_IMBALANCE, |m| m.imbalance()),
             state_format: StateFormat::MIXED_ADAM,
+            optimizer: OptimizerCost::ElementWise,
             in_flight: RefCell::new(HashMap::new()),
             simulations: RefCell::new(HashMap::new()),
         }

@@ -888,3 +888,47 @@ fn gradient_buffers_cost_what_merak_reducer_does() {
     l.zero = 1;
     assert_eq!(exposed(&hw, &l, device), exposed(&hw, &l, host));
 }
+
+/// Muon's terms: nothing under an element-wise optimizer; at ZeRO 0 with tp = 2 every rank
+/// gathers half of every block matrix's fp32 update (GPT-2 small: about 170 MB) and computes
+/// every orthogonalization; under ZeRO over 4 ranks a quarter of both, plus the pieces taken to
+/// their owners and back; the step's optimizer time grows by the terms' seconds.
+#[test]
+fn muon_adds_its_orthogonalizations_and_their_traffic_to_the_step() {
+    let model = ModelProxy::parse("gpt2").unwrap();
+    let hw = HardwareSpec::preset("h100-80g").unwrap().with_devices(8);
+    let units: Vec<usize> = (0..model.units.len()).collect();
+    let plain = CostModel::new(&model, &hw);
+    let muon = CostModel::new(&model, &hw).with_optimizer(OptimizerCost::Muon { ns_steps: 5 });
+    let tp2 = layout(&model, 1, 2, 1, 4);
+    assert_eq!(plain.muon_terms(&tp2, &units), MuonTerms::default());
+    let whole = muon.muon_terms(&tp2, &units);
+    let blocks: f64 = (model.units.iter())
+        .filter(|u| u.recomputable)
+        .map(|u| u.params_split as f64)
+        .sum();
+    assert!((whole.tp_gather_bytes - 0.5 * 4.0 * blocks).abs() < 1.0);
+    assert!(
+        (whole.tp_gather_bytes / 1.7e8 - 1.0).abs() < 0.02,
+        "{whole:?}"
+    );
+    let h = 768.0;
+    assert!((whole.flops - 5.0 * 14.0 / 3.0 * h * blocks).abs() / whole.flops < 1e-12);
+    assert_eq!(whole.exchange_bytes, 0.0);
+    let zero = Layout {
+        dp: 4,
+        zero: 1,
+        ..tp2.clone()
+    };
+    let shared = muon.muon_terms(&zero, &units);
+    assert!((shared.flops - whole.flops / 4.0).abs() / whole.flops < 1e-12);
+    assert!((shared.tp_gather_bytes - whole.tp_gather_bytes / 4.0).abs() < 1.0);
+    let exchange = 2.0 * 3.0 / 16.0 * 4.0 * blocks / 2.0;
+    assert!((shared.exchange_bytes - exchange).abs() < 1.0, "{shared:?}");
+    for l in [&tp2, &zero] {
+        let (a, b) = (plain.predict(l).unwrap(), muon.predict(l).unwrap());
+        let added = muon.muon_terms(l, &units).seconds;
+        assert!(added > 0.0);
+        assert!((b.step_time_s - a.step_time_s - added).abs() < 1e-9 + 1e-6 * added);
+    }
+}

@@ -494,10 +494,12 @@ impl<'a> CostModel<'a> {
         let stage = |chunk| stage_of_chunk(layout.schedule, p, rank, chunk);
         let (mut last_backward, mut units) = (0.0, 0);
         let ranges = layout.partition.ranges();
+        let mut held = Vec::new();
         for chunk in 0..v {
             let j = stage(chunk);
             last_backward += derived.costs.backward[j] + derived.costs.recompute[j];
             units += ranges.get(j).map_or(0, |r| r.len());
+            held.extend(ranges.get(j).cloned().into_iter().flatten());
             derived.compute_per_mb[rank] += terms[j].compute();
             derived.tp_per_mb[rank] += terms[j].tp_comm();
             derived.cp_per_mb[rank] += terms[j].cp_comm();
@@ -534,7 +536,7 @@ impl<'a> CostModel<'a> {
         let optimizer = match self.calibration {
             Some(c) => tail.local_params * c.optimizer_s_per_param + c.step_overhead_s,
             None => tail.local_params * OPTIMIZER_BYTES_PER_PARAM / self.hardware.memory_bandwidth,
-        };
+        } + self.muon_terms(layout, &held).seconds;
         derived.dp_exposed[rank] = tail.exposed;
         derived.allgather[rank] = tail.allgather;
         derived.optimizer[rank] = optimizer;
