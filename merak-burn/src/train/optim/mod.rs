@@ -17,8 +17,8 @@
 //!
 //! Muon is the exception: it orthogonalizes each matrix's whole update, so a tensor-parallel
 //! rank gathers the update of a split matrix ([`MuonStep`]), and under ZeRO the pieces of each
-//! matrix are sent to one owner per matrix and the results returned (`train::sync`'s
-//! `muon_chunks`). Burn 0.21 also has Adan (four state tensors per parameter: more than a checkpoint
+//! matrix are sent to one owner per matrix and the results returned (`train::sync::chunks`'s
+//! `muon`). Burn 0.21 also has Adan (four state tensors per parameter: more than a checkpoint
 //! holds) and L-BFGS (needs the loss as a closure and whole-model state): neither is offered.
 
 mod groups;

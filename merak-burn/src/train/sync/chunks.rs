@@ -27,6 +27,8 @@ use crate::train::{GradStats, TrainError};
 
 use super::NormParts;
 
+mod muon;
+
 /// A rank's ZeRO state: its chunks of the gradient buckets, the pieces of the parameters in
 /// them and the optimizer state of each piece.
 pub(crate) struct Chunks<'g, B: TrainBackend> {
@@ -201,7 +203,7 @@ impl<'g, B: TrainBackend> Chunks<'g, B> {
             self.states[k] = step.state;
             dst.copy_from_slice(&values_of(step.values)?);
         }
-        super::muon_chunks::step_muon(self, &grads, (values, chunked), lr, optim, &mut mine)?;
+        muon::step_muon(self, &grads, (values, chunked), lr, optim, &mut mine)?;
         Ok(mine)
     }
 
@@ -316,7 +318,7 @@ fn sum_f64(group: Group, values: &[f64]) -> Result<Vec<f64>, TrainError> {
 
 /// The current values of piece `p`: from this rank's chunks (`values`, `chunked`: ZeRO-3) or
 /// from every parameter's.
-pub(super) fn current_of<'a>((values, chunked): (&'a [Vec<f32>], bool), p: &Piece) -> &'a [f32] {
+fn current_of<'a>((values, chunked): (&'a [Vec<f32>], bool), p: &Piece) -> &'a [f32] {
     match chunked {
         true => &values[p.bucket][p.chunk_offset..p.chunk_offset + p.len],
         false => &values[p.param][p.param_start..p.param_start + p.len],
@@ -324,12 +326,12 @@ pub(super) fn current_of<'a>((values, chunked): (&'a [Vec<f32>], bool), p: &Piec
 }
 
 /// A flat tensor of `values`.
-pub(super) fn flat<B: Backend>(values: &[f32], device: &B::Device) -> Tensor<B, 1> {
+fn flat<B: Backend>(values: &[f32], device: &B::Device) -> Tensor<B, 1> {
     Tensor::from_data(TensorData::new(values.to_vec(), [values.len()]), device)
 }
 
 /// The values of a flat tensor.
-pub(super) fn values_of<B: Backend>(t: Tensor<B, 1>) -> Result<Vec<f32>, TrainError> {
+fn values_of<B: Backend>(t: Tensor<B, 1>) -> Result<Vec<f32>, TrainError> {
     (t.into_data().convert::<f32>().into_vec::<f32>())
         .map_err(|e| TrainError::ZeroValues(format!("{e:?}")))
 }

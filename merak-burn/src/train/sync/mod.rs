@@ -23,7 +23,6 @@
 
 mod build;
 mod chunks;
-mod muon_chunks;
 mod replicated;
 mod sharded_params;
 mod sharded_state;

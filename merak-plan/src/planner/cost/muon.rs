@@ -109,13 +109,13 @@ impl<'a> CostModel<'a> {
         let rate = self.hardware.peak_flops_fp32 * self.hardware.achievable_fraction;
         let (tp_bw, tp_lat) = self.hardware.link(t);
         let (dp_bw, dp_lat) = self.hardware.link(s * t);
-        let seconds = flops / rate.max(1.0)
-            + (t > 1)
-                .then_some(tp_gather_bytes / tp_bw + tp_lat)
-                .unwrap_or(0.0)
-            + (s > 1)
-                .then_some(exchange_bytes / dp_bw + 2.0 * dp_lat)
-                .unwrap_or(0.0);
+        let mut seconds = flops / rate.max(1.0);
+        if t > 1 {
+            seconds += tp_gather_bytes / tp_bw + tp_lat;
+        }
+        if s > 1 {
+            seconds += exchange_bytes / dp_bw + 2.0 * dp_lat;
+        }
         MuonTerms {
             flops,
             tp_gather_bytes,

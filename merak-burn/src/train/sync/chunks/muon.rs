@@ -36,7 +36,7 @@ use crate::pipeline::{TrainBackend, TrainModel};
 use crate::train::TrainError;
 use crate::train::optim::{MuonStep, Optimizers};
 
-use super::chunks::{Chunks, current_of, flat, values_of};
+use super::{Chunks, current_of, flat, values_of};
 
 /// The backend Muon's step runs on.
 type Inner<B> = <B as AutodiffBackend>::InnerBackend;
@@ -62,8 +62,12 @@ struct Held<B: TrainBackend> {
     seen: bool,
 }
 
+/// Whether a matrix steps, and its orthogonalized update (or a piece of it; empty when it does
+/// not step and was not computed).
+type Orthogonal = (bool, Vec<f32>);
+
 /// The step's values: this rank's chunks (ZeRO-3) or every parameter's (ZeRO-1 and 2).
-pub(super) type Values<'a> = (&'a [Vec<f32>], bool);
+type Values<'a> = (&'a [Vec<f32>], bool);
 
 /// Steps this rank's pieces of the Muon matrices at `lr` (see the [module](self)): their new
 /// values into `mine` (this rank's chunks), their state into `chunks.states`. Every rank of
@@ -241,9 +245,9 @@ impl<'m, 'o, B: TrainBackend> Exchange<'m, 'o, B> {
     /// [`owned_by`]: Self::owned_by
     fn to_holders(
         &self,
-        results: &[(bool, Vec<f32>)],
+        results: &[Orthogonal],
         held: &HashMap<usize, Held<B>>,
-    ) -> Result<Vec<(usize, (bool, Vec<f32>))>, TrainError> {
+    ) -> Result<Vec<(usize, Orthogonal)>, TrainError> {
         let (n, me) = (self.group.size(), self.group.rank());
         let (mut send, mut send_counts) = (Vec::new(), vec![0; n]);
         for (q, count) in send_counts.iter_mut().enumerate() {
@@ -365,7 +369,7 @@ fn orthogonalize<B: TrainBackend>(
     chunks: &Chunks<'_, B>,
     ex: &Exchange<'_, '_, B>,
     joined: Vec<Joined>,
-) -> Result<Vec<(bool, Vec<f32>)>, TrainError> {
+) -> Result<Vec<Orthogonal>, TrainError> {
     let owned = ex.owned_by(ex.group.rank());
     (owned.zip(joined))
         .map(|(i, j)| {
@@ -396,7 +400,7 @@ fn cost<B: TrainBackend>(m: &Matrix<'_, B>, chunks: &Chunks<'_, B>) -> f64 {
 
 /// The owner of each matrix of `costs` among `n` ranks: the costliest first, each to the rank
 /// with the least cost so far (the lowest rank among equals).
-pub(super) fn owners(costs: &[f64], n: usize) -> Vec<usize> {
+fn owners(costs: &[f64], n: usize) -> Vec<usize> {
     let mut order: Vec<usize> = (0..costs.len()).collect();
     order.sort_by(|&a, &b| costs[b].total_cmp(&costs[a]).then(a.cmp(&b)));
     let mut load = vec![0.0f64; n.max(1)];
