@@ -505,6 +505,15 @@ pub struct TransformerShape {
     /// versions and of dense models.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moe: Option<MoeShape>,
+    /// Multi-token-prediction depths after the last block (GPT's `model.mtp_depth`; 0: none),
+    /// on the head's unit. Absent in plan files of earlier versions and of models without.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub mtp_depth: usize,
+}
+
+/// Whether `v` is 0 (a field left out of plan files).
+fn is_zero(v: &usize) -> bool {
+    *v == 0
 }
 
 /// The GPT-2 BPE vocabulary plus BERT's `[MASK]` token (always the last id).
@@ -578,6 +587,7 @@ impl TransformerShape {
             seq,
             vocab,
             moe: None,
+            mtp_depth: 0,
         }
     }
 
@@ -597,6 +607,7 @@ impl TransformerShape {
             seq,
             vocab,
             moe: None,
+            mtp_depth: 0,
         }
     }
 
@@ -604,6 +615,14 @@ impl TransformerShape {
     pub const fn with_moe(self, moe: MoeShape) -> Self {
         TransformerShape {
             moe: Some(moe),
+            ..self
+        }
+    }
+
+    /// The same shape with `depth` multi-token-prediction depths.
+    pub const fn with_mtp(self, depth: usize) -> Self {
+        TransformerShape {
+            mtp_depth: depth,
             ..self
         }
     }
@@ -714,7 +733,14 @@ impl TransformerShape {
                     .checked_add(moe_blocks)?
             }
         };
-        blocks.checked_add(table)?.checked_add(extra)
+        // Each multi-token-prediction depth: a block, the `[2h, h]` projection, three
+        // LayerNorms.
+        let depth = h2.checked_mul(14)?.checked_add(h.checked_mul(19)?)?;
+        let mtp = (self.mtp_depth as u64).checked_mul(depth)?;
+        blocks
+            .checked_add(table)?
+            .checked_add(extra)?
+            .checked_add(mtp)
     }
 
     /// The Megatron-LM FLOPs of one iteration of `global_batch` sequences (Narayanan et al.):
@@ -804,6 +830,7 @@ impl FromStr for TransformerShape {
             seq: get(3)?,
             vocab: get(4)?,
             moe: None,
+            mtp_depth: 0,
         };
         let moe_given = values[5..].iter().any(Option::is_some);
         if !moe_given {
@@ -1044,6 +1071,46 @@ impl TransformerShape {
 
     /// The head: the final LayerNorm (BERT: its transform) and the output layer over the tied table.
     fn head_profile(&self) -> UnitProfile {
+        self.with_mtp_depths(self.head_only_profile())
+    }
+
+    /// The head unit with the multi-token-prediction depths: each a block (kept whole: the
+    /// head is not recomputed), its `[2h, h]` projection and three LayerNorms, an embedding
+    /// lookup and a pass through the shared output head.
+    fn with_mtp_depths(&self, head: UnitProfile) -> UnitProfile {
+        if self.mtp_depth == 0 {
+            return head;
+        }
+        let Dims {
+            s, h, v, hu, hu2, ..
+        } = self.dims();
+        let block = self.block_profile();
+        let (n, nu) = (self.mtp_depth as f64, self.mtp_depth as u64);
+        let extra_flops = 4.0 * s * h * h + 2.0 * s * h * v;
+        let depth_params = block.params_replicated + 2 * hu2 + 6 * hu;
+        let depths = nu as u32;
+        UnitProfile {
+            params_split: head.params_split + nu.saturating_mul(block.params_split),
+            params_replicated: head.params_replicated + nu.saturating_mul(depth_params),
+            forward_flops: head.forward_flops + n * (block.forward_flops + extra_flops),
+            backward_flops: head.backward_flops + n * (block.backward_flops + 2.0 * extra_flops),
+            act_replicated: head.act_replicated + n * (block.act_replicated + 8.0 * s * h),
+            act_split: head.act_split + n * (block.act_split + 4.0 * s * v),
+            act_attention: head.act_attention + n * block.act_attention,
+            tp_forward_allreduces: head.tp_forward_allreduces
+                + depths * (block.tp_forward_allreduces + 1),
+            tp_backward_allreduces: head.tp_backward_allreduces
+                + depths * (block.tp_backward_allreduces + 1),
+            memory_replicated: head.memory_replicated + n * block.memory_replicated,
+            memory_split: head.memory_split + n * (block.memory_split + 12.0 * s * v),
+            memory_attention: head.memory_attention + n * block.memory_attention,
+            attention_flops: head.attention_flops + n * block.attention_flops,
+            ..head
+        }
+    }
+
+    /// The head unit without multi-token prediction.
+    fn head_only_profile(&self) -> UnitProfile {
         let Dims {
             s,
             h,

@@ -534,7 +534,8 @@ fn space(
 /// The context-parallel degrees and sequence-parallel settings to search with `tp`, `rest`
 /// devices left (`gpus / tp`): see [`SearchOptions::cp`] and
 /// [`SearchOptions::sequence_parallel`]; only `cp = 1` without sequence parallelism for a
-/// model without a transformer shape.
+/// model without a transformer shape, and `cp = 1` for one with multi-token prediction
+/// (which does not run under context parallelism yet).
 fn splits(model: &ModelProxy, rest: usize, tp: usize, options: &SearchOptions) -> Vec<RankSplit> {
     let Some(seq) = model.seq() else {
         return vec![RankSplit::from(tp)];
@@ -543,6 +544,7 @@ fn splits(model: &ModelProxy, rest: usize, tp: usize, options: &SearchOptions) -
         divisors_up_to(gcd(rest, (seq / 2).max(1)), usize::MAX)
             .into_iter()
             .filter(|&cp| cp == 1 || seq / cp >= options.min_cp_tokens)
+            .filter(|&cp| cp == 1 || model.shape.is_none_or(|s| s.mtp_depth == 0))
             .collect()
     } else {
         distinct(&options.cp, |cp| {
@@ -1076,6 +1078,7 @@ fn rank(
 mod tests {
     use super::*;
     use crate::planner::memory::sharded;
+    use crate::planner::model::TransformerShape;
     use std::time::Instant;
 
     /// A 7B GPT on `devices` A100s of 80 GB (8 a node).
@@ -1737,5 +1740,43 @@ mod tests {
         };
         assert_eq!(search(&model, &hw, &named).unwrap(), plain);
         assert!(plain.pareto.iter().all(|p| p.layout.ep == 1));
+    }
+
+    /// Multi-token prediction: the depths' parameters in the shape's count and on the head unit,
+    /// their compute and activations there, and no context parallelism in the search.
+    #[test]
+    fn mtp_depths_weigh_on_the_head_unit_and_keep_the_search_off_context_parallelism() {
+        let base = TransformerShape::gpt(2, 64, 4, 4096, 512);
+        let mtp = base.with_mtp(2);
+        let h = 64u64;
+        assert_eq!(mtp.params() - base.params(), 2 * (14 * h * h + 19 * h));
+        let (a, b) = (ModelProxy::from_shape(base), ModelProxy::from_shape(mtp));
+        let (head_a, head_b) = (a.units.last().unwrap(), b.units.last().unwrap());
+        let block = &a.units[1];
+        assert_eq!(
+            head_b.params_split,
+            head_a.params_split + 2 * block.params_split
+        );
+        assert!(head_b.forward_flops > head_a.forward_flops + 2.0 * block.forward_flops);
+        assert!(head_b.act_split > head_a.act_split);
+        assert_eq!(a.units[1], b.units[1]);
+        let hw = HardwareSpec::preset("h100-80g").unwrap().with_devices(8);
+        let options = SearchOptions {
+            min_cp_tokens: 512,
+            ..SearchOptions::new(8, 16)
+        };
+        let (with, without) = (
+            search(&b, &hw, &options).unwrap(),
+            search(&a, &hw, &options).unwrap(),
+        );
+        let cps = |r: &SearchResult| {
+            let plans = std::iter::once(&r.best)
+                .chain(&r.runner_ups)
+                .chain(&r.pareto);
+            plans.map(|p| p.layout.cp).collect::<Vec<_>>()
+        };
+        assert!(cps(&with).iter().all(|&cp| cp == 1), "{:?}", cps(&with));
+        // The same search without the depths considers the context-parallel layouts too.
+        assert!(with.considered < without.considered);
     }
 }
