@@ -62,11 +62,14 @@ pub fn check_checkpoint(cfg: &Config, ck: &Checkpoint) -> Result<()> {
 
 /// Checks pretrained weights (`params`: full shape and values by merak name, read from
 /// another format) against the model of `cfg`, as [`check_checkpoint`] does a checkpoint.
+/// GPT's multi-token-prediction depths (`mtp.*`), which GPT-2 files cannot hold, are not
+/// asked of them: they keep their initial values.
 pub fn check_pretrained(
     cfg: &Config,
     params: &HashMap<String, (Vec<usize>, Vec<f32>)>,
 ) -> Result<()> {
-    let model = model_params(cfg)?;
+    let mut model = model_params(cfg)?;
+    model.retain(|p| !p.name.starts_with("mtp.") || params.contains_key(&p.name));
     let split = |name: &str| model.iter().find(|p| p.name == name).map(|p| p.split);
     let mut entries: Vec<ParamEntry> = (params.iter())
         .map(|(name, (shape, _))| ParamEntry {

@@ -239,6 +239,39 @@ pub fn local_params<B: AutodiffBackend, M: AutodiffModule<B>>(
     Ok(params)
 }
 
+/// The values of the parameters of `model` (any backend) whose names `keep` selects.
+struct Selected<'a> {
+    keep: &'a dyn Fn(&str) -> bool,
+    values: HashMap<String, Vec<f32>>,
+    error: Option<CheckpointError>,
+}
+
+impl<B: Backend> NamedVisitor<B> for Selected<'_> {
+    fn visit_named<const D: usize>(&mut self, name: String, param: &Param<Tensor<B, D>>) {
+        if (self.keep)(&name) {
+            let values = read_or_note(param.val(), &mut self.error);
+            self.values.insert(name, values);
+        }
+    }
+}
+
+/// The values of the parameters of `model` (any backend) whose names `keep` selects, by name.
+pub fn selected_params<B: Backend, M: Module<B>>(
+    model: &M,
+    keep: &dyn Fn(&str) -> bool,
+) -> Result<HashMap<String, Vec<f32>>, CheckpointError> {
+    let s = Selected {
+        keep,
+        values: HashMap::new(),
+        error: None,
+    };
+    let s = visit_with_names(model, s);
+    match s.error {
+        Some(e) => Err(e),
+        None => Ok(s.values),
+    }
+}
+
 /// The state of the optimizer `optim` held in `records`, by parameter name, in the places of
 /// the AdamW moments ([`StateSlots`]).
 pub fn optimizer_moments<B: AutodiffBackend, M: AutodiffModule<B>, O: StateSlots<B::InnerBackend>>(

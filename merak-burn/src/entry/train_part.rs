@@ -151,7 +151,8 @@ fn log_resumed(checkpoint: &Checkpoint) {
 }
 
 /// `units` with their parameters (this rank's shard of the units it holds) replaced by their
-/// pieces of `init`.
+/// pieces of `init`, but for those the weights cannot hold
+/// ([`PipelineModel::beyond_pretrained`]), which keep their values.
 fn initialized_from<B, M>(units: M, init: &InitWeights, grid: &ProcessGrid) -> Result<M, RunError>
 where
     B: Backend,
@@ -166,8 +167,12 @@ where
         rank: grid.coords.tp,
         size: grid.layout.tp,
     };
-    let params =
-        cut_full_params(&init.params, &shapes, shard, &units.tied_names()).map_err(error)?;
+    // The parameters the weights cannot hold keep their initial values.
+    let fresh = |name: &str| units.beyond_pretrained(name) && !init.params.contains_key(name);
+    let from_file: Vec<_> = shapes.into_iter().filter(|p| !fresh(&p.name)).collect();
+    let mut params =
+        cut_full_params(&init.params, &from_file, shard, &units.tied_names()).map_err(error)?;
+    params.extend(state::selected_params(&units, &fresh).map_err(error)?);
     state::assign_params(units, params).map_err(error)
 }
 

@@ -188,6 +188,15 @@ pub trait PipelineModel<B: Backend>: Module<B> {
         }
     }
 
+    /// Whether the parameter `name` is one that pretrained weights of the model's published
+    /// form do not hold, and keeps its initial values when a run starts from them (`--init-from`,
+    /// [`RunOptions::init`](crate::entry::RunOptions::init)): GPT's multi-token-prediction
+    /// depths. The default: none (every parameter must come from the weights).
+    fn beyond_pretrained(&self, name: &str) -> bool {
+        let _ = name;
+        false
+    }
+
     /// Parameters that are copies of others, as `(copy, original)` names (the head's copy of a
     /// tied embedding): checkpoints store the original only and load it into both.
     fn tied_names(&self) -> Vec<(String, String)> {
