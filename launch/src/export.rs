@@ -235,10 +235,15 @@ fn bert_tensors(ck: &Checkpoint, cfg: &Config, params: &FullParams) -> Result<Ve
         .collect())
 }
 
-/// A GPT checkpoint's parameters as `GPT2LMHeadModel` tensors.
+/// A GPT checkpoint's parameters as `GPT2LMHeadModel` tensors. The multi-token-prediction
+/// depths (`mtp.*`, `model.mtp_depth`) are left out: GPT-2 has no place for them, and the main
+/// model predicts without them.
 fn gpt2_tensors(cfg: &Config, params: FullParams) -> Result<Vec<NamedTensor>> {
     let mut by_hf: HashMap<String, NamedTensor> = HashMap::new();
     for (name, (shape, values)) in params {
+        if name.starts_with("mtp.") {
+            continue;
+        }
         let hf = hf_gpt2_name(&name)
             .with_context(|| format!("parameter {name} has no GPT-2 counterpart"))?;
         by_hf.insert(

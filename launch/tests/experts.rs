@@ -347,6 +347,28 @@ fn muon_with_experts_equals_one_process() {
     }
 }
 
+/// Multi-token prediction (`model.mtp_depth`) in a mixture of experts: the depths' dense
+/// blocks after the MoE blocks, under expert parallelism and with tensor and sequence
+/// parallelism beside it, as one process.
+#[test]
+fn mtp_with_experts_equals_one_process() {
+    // Seed 4 keeps every router margin above 1e-5 here (seeds 1, 2, 3, 5, 7, 11, 18 do not).
+    let mtp = ["--set", "model.mtp_depth=2", "--set", "train.seed=4"];
+    let single = out_dir("moe-mtp-single");
+    run_pp(0, &single, &[&MOE[..], &mtp].concat()).assert_success();
+    let sp = ["--set", "parallel.sequence_parallel=true"];
+    for (np, name, extra) in [
+        (2, "moe-mtp-ep2", vec!["--dp", "2", "--ep", "2"]),
+        (
+            4,
+            "moe-mtp-ep2-tp2-sp",
+            [&["--dp", "2", "--ep", "2", "--tp", "2"][..], &sp].concat(),
+        ),
+    ] {
+        assert_moe_equals(&single, np, name, &[&extra[..], &mtp].concat());
+    }
+}
+
 /// MoE layers in every stage of every schedule that trains as one process: the auxiliary
 /// losses enter the backward pass where their layer's stage runs it (a 4-layer model, each of
 /// the 2 pipeline ranks holding two stages under the interleaved and ZB-V schedules).

@@ -152,6 +152,37 @@ fn init_from_an_export_starts_where_the_checkpoint_is_under_any_layout() {
         let e = rel_err(values, &tensors[&hf].1);
         assert!(e <= 1e-5, "{name}: rel {e:e} from the file's {hf}");
     }
+    mtp_depths_keep_their_initial_values(&file, &tensors);
+}
+
+/// A model with a multi-token-prediction depth (`model.mtp_depth = 1`) starts from the GPT-2
+/// file (at tp = 2 x pp = 2, the depth on the last stage): its main model takes the file's
+/// weights, its depth (which the file cannot hold) the values it starts with without the file.
+fn mtp_depths_keep_their_initial_values(
+    file: &Path,
+    tensors: &HashMap<String, (Vec<usize>, Vec<f32>)>,
+) {
+    let mtp = ["--set", "model.mtp_depth=1"];
+    let saved = |name: &str, extra: &[&str]| {
+        let out = out_dir(name);
+        train_run(4, &out, &[&WEIGHTS_HELD[..], &mtp, extra].concat()).assert_success();
+        let c = Checkpoint::open(&out.join("checkpoints")).expect("a checkpoint");
+        c.read_full().expect("it reads").params
+    };
+    let layout = ["--tp", "2", "--pp", "2"];
+    let path = file.to_str().expect("a UTF-8 path");
+    let loaded = saved("init-mtp", &[&layout[..], &["--init-from", path]].concat());
+    let fresh = saved("init-mtp-none", &layout);
+    for (name, values) in &loaded {
+        let want = match merak_gpt::hf::hf_gpt2_name(name) {
+            Some(hf) => &tensors[&hf].1,
+            None => &fresh[name],
+        };
+        // Held weights move by about the learning rate (1e-12): near zero, compare absolutely.
+        let worst = (values.iter().zip(want)).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(worst <= 1e-6, "{name}: differs by {worst:e}");
+    }
+    assert!(loaded.contains_key("mtp.0.proj"), "the depth is saved");
 }
 
 /// The folder `out_dir(name)` names, without emptying it.

@@ -34,6 +34,13 @@ impl Config {
                         .into(),
                 );
             }
+            "bert" if self.model.gpt.mtp_depth > 0 => {
+                return bad(
+                    "model.mtp_depth",
+                    "multi-token prediction is built for GPT models only (model.kind = \"gpt\")"
+                        .into(),
+                );
+            }
             "bert" => {
                 if let Err(e) = self.bert().validate() {
                     return bad("model", e.to_string());

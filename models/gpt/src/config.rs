@@ -37,7 +37,24 @@ pub struct GptConfig {
     /// A mixture of experts in place of every block's MLP (`[model.moe]`; absent: dense).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moe: Option<MoeConfig>,
+    /// Multi-token prediction: extra depths after the last block, depth `k` predicting the
+    /// token `k + 1` places ahead (DeepSeek-V3's MTP, [`crate::mtp`]); 0 (the default) for
+    /// none, at most 8 and fewer than `seq_len`.
+    #[serde(default)]
+    pub mtp_depth: usize,
+    /// The weight of the multi-token-prediction losses in the training loss (their mean over
+    /// the depths times it), in [0, 10]; 0.1 by default (Megatron-Core's; DeepSeek-V3 trained
+    /// with 0.3, then 0.1).
+    #[serde(default = "default_mtp_weight")]
+    pub mtp_loss_weight: f64,
 }
+
+fn default_mtp_weight() -> f64 {
+    0.1
+}
+
+/// The most multi-token-prediction depths (`model.mtp_depth`).
+pub const MAX_MTP_DEPTH: usize = 8;
 
 fn default_eps() -> f64 {
     1e-5
@@ -103,6 +120,19 @@ pub enum GptConfigError {
         /// The known names.
         known: String,
     },
+    /// More multi-token-prediction depths than allowed.
+    #[error(
+        "model.mtp_depth = {depth}: at most {most} (8, and fewer than model.seq_len = {seq}: \
+         depth k predicts the token k + 1 places ahead)"
+    )]
+    MtpDepth {
+        /// The depths asked for.
+        depth: usize,
+        /// The most allowed.
+        most: usize,
+        /// The sequence length.
+        seq: usize,
+    },
 }
 
 impl GptConfigError {
@@ -116,6 +146,7 @@ impl GptConfigError {
             GptConfigError::OutOfRange(e) => return e.key.clone(),
             GptConfigError::MoeEvery { .. } => "moe.every",
             GptConfigError::UnknownPreset { .. } => "preset",
+            GptConfigError::MtpDepth { .. } => "mtp_depth",
         };
         format!("model.{field}")
     }
@@ -128,7 +159,7 @@ pub fn preset_names() -> String {
 
 impl GptConfig {
     /// The real-valued keys and their bounds (the reasons are in the fields' docs).
-    pub const REAL_KEYS: [RealKey<GptConfig>; 3] = [
+    pub const REAL_KEYS: [RealKey<GptConfig>; 4] = [
         RealKey {
             key: "dropout",
             get: |c| Some(c.dropout),
@@ -143,6 +174,11 @@ impl GptConfig {
             key: "init_std",
             get: |c| Some(c.init_std),
             bounds: Bounds::above(0.0, 1.0),
+        },
+        RealKey {
+            key: "mtp_loss_weight",
+            get: |c| Some(c.mtp_loss_weight),
+            bounds: Bounds::closed(0.0, 10.0),
         },
     ];
 
@@ -177,6 +213,8 @@ impl GptConfig {
                 max_load: m.max_load,
                 ..MoeConfig::new(m.experts, m.top_k, m.expert_hidden)
             }),
+            mtp_depth: 0,
+            mtp_loss_weight: default_mtp_weight(),
         }
     }
 
@@ -201,6 +239,14 @@ impl GptConfig {
         }
         if let Some(e) = out_of_bounds(self, &Self::REAL_KEYS, "model.") {
             return Err(e.into());
+        }
+        let most = MAX_MTP_DEPTH.min(self.seq_len - 1);
+        if self.mtp_depth > most {
+            return Err(GptConfigError::MtpDepth {
+                depth: self.mtp_depth,
+                most,
+                seq: self.seq_len,
+            });
         }
         if let Some(moe) = &self.moe {
             moe.validate()?;
@@ -231,7 +277,7 @@ impl GptConfig {
             self.seq_len,
             self.vocab_size,
         );
-        match &self.moe {
+        let shape = match &self.moe {
             Some(m) => dense.with_moe(MoeShape {
                 experts: m.experts,
                 top_k: m.top_k,
@@ -243,11 +289,14 @@ impl GptConfig {
                 imbalance_pct: m.imbalance_pct,
             }),
             None => dense,
-        }
+        };
+        shape.with_mtp(self.mtp_depth)
     }
 
     /// The exact number of parameters (without vocabulary padding), from the shape
-    /// ([`TransformerShape::params`]: `12 l h² + 13 l h + (V + s) h + 2 h`).
+    /// ([`TransformerShape::params`]: `12 l h² + 13 l h + (V + s) h + 2 h`, plus each
+    /// multi-token-prediction depth's `14 h² + 19 h`: a block, the `[2h, h]` projection and
+    /// three LayerNorms).
     pub fn num_params(&self) -> u64 {
         self.shape().params()
     }

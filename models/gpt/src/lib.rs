@@ -8,7 +8,9 @@ mod config;
 pub mod hf;
 pub mod hf_import;
 mod model;
+#[cfg(test)]
+mod mtp_tests;
 mod run;
 
 pub use config::{GptConfig, GptConfigError, preset_names};
-pub use model::{Block, Gpt};
+pub use model::{Block, Gpt, mtp};

@@ -18,6 +18,10 @@ use merak_burn::tensor_parallel::{
 
 use crate::GptConfig;
 
+pub mod mtp;
+
+use mtp::{MtpDepth, shifted};
+
 /// One pre-LayerNorm transformer block.
 #[derive(Module, Debug)]
 pub struct Block<B: Backend> {
@@ -69,42 +73,79 @@ impl<B: ParallelBackend> Block<B> {
         (tp, ep): (Group, Group),
         device: &B::Device,
     ) -> Result<Self, TpError> {
-        let h = cfg.hidden;
+        let prefix = format!("h.{i}");
+        let dropout_seed = seed.wrapping_add(i as u64 + 1);
+        let Some(moe) = cfg.moe.as_ref().filter(|m| m.is_moe_layer(i)) else {
+            return Self::dense(cfg, rng, (&prefix, dropout_seed), tp, device);
+        };
         let std = cfg.init_std as f32;
-        let proj_std = std / (2.0 * cfg.layers as f32).sqrt();
-        let name = |p: &str| format!("h.{i}.{p}");
-        let attn = AttentionWeights {
-            qkv_weight: rng.normal(&name("attn.c_attn.weight"), h * 3 * h, std),
-            qkv_bias: vec![0.0; 3 * h],
-            proj_weight: rng.normal(&name("attn.c_proj.weight"), h * h, proj_std),
+        let init = ExpertInit {
+            rng,
+            std,
+            out_std: std / (2.0 * cfg.layers as f32).sqrt(),
+        };
+        let place = MoePlace {
+            ep,
+            ..MoePlace::single(i, cfg.seq_len)
+        };
+        let name = format!("{prefix}.moe");
+        let layer = MoeLayer::new(moe, cfg.hidden, &name, init, place, device);
+        Self::with_feed_forward(
+            cfg,
+            rng,
+            (&prefix, dropout_seed),
+            (None, Some(layer)),
+            tp,
+            device,
+        )
+    }
+
+    /// A block of `cfg`'s shape with a dense MLP, its parameters drawn from the streams named
+    /// `{prefix}.*`, its dropout seeded from `dropout_seed` (a main block's, or a
+    /// multi-token-prediction depth's).
+    pub(crate) fn dense(
+        cfg: &GptConfig,
+        rng: &InitRng,
+        (prefix, dropout_seed): (&str, u64),
+        tp: Group,
+        device: &B::Device,
+    ) -> Result<Self, TpError> {
+        let h = cfg.hidden;
+        let w = Draw::new(cfg, rng, prefix);
+        let mlp = MlpWeights {
+            fc_weight: w.weight("mlp.c_fc.weight", h * 4 * h),
+            fc_bias: vec![0.0; 4 * h],
+            proj_weight: w.output("mlp.c_proj.weight", 4 * h * h),
             proj_bias: vec![0.0; h],
         };
-        let (mlp, moe) = match cfg.moe.as_ref().filter(|m| m.is_moe_layer(i)) {
-            Some(moe) => {
-                let init = ExpertInit {
-                    rng,
-                    std,
-                    out_std: proj_std,
-                };
-                let place = MoePlace {
-                    ep,
-                    ..MoePlace::single(i, cfg.seq_len)
-                };
-                let layer = MoeLayer::new(moe, h, &name("moe"), init, place, device);
-                (None, Some(layer))
-            }
-            None => {
-                let mlp = MlpWeights {
-                    fc_weight: rng.normal(&name("mlp.c_fc.weight"), h * 4 * h, std),
-                    fc_bias: vec![0.0; 4 * h],
-                    proj_weight: rng.normal(&name("mlp.c_proj.weight"), 4 * h * h, proj_std),
-                    proj_bias: vec![0.0; h],
-                };
-                (
-                    Some(ParallelMlp::from_full(&mlp, h, 4 * h, tp, device)?),
-                    None,
-                )
-            }
+        let mlp = ParallelMlp::from_full(&mlp, h, 4 * h, tp, device)?;
+        Self::with_feed_forward(
+            cfg,
+            rng,
+            (prefix, dropout_seed),
+            (Some(mlp), None),
+            tp,
+            device,
+        )
+    }
+
+    /// The block with the attention drawn from the streams `{prefix}.attn.*` and the feed
+    /// forward given (an MLP or a mixture of experts).
+    fn with_feed_forward(
+        cfg: &GptConfig,
+        rng: &InitRng,
+        (prefix, dropout_seed): (&str, u64),
+        (mlp, moe): (Option<ParallelMlp<B>>, Option<MoeLayer<B>>),
+        tp: Group,
+        device: &B::Device,
+    ) -> Result<Self, TpError> {
+        let h = cfg.hidden;
+        let w = Draw::new(cfg, rng, prefix);
+        let attn = AttentionWeights {
+            qkv_weight: w.weight("attn.c_attn.weight", h * 3 * h),
+            qkv_bias: vec![0.0; 3 * h],
+            proj_weight: w.output("attn.c_proj.weight", h * h),
+            proj_bias: vec![0.0; h],
         };
         let ln = || LayerNorm::new(h, cfg.layer_norm_eps, device);
         let mask = AttentionMask::Causal;
@@ -114,8 +155,26 @@ impl<B: ParallelBackend> Block<B> {
             ln_2: ln(),
             mlp,
             moe,
-            dropout: ReplicatedDropout::new(cfg.dropout, seed.wrapping_add(i as u64 + 1)),
+            dropout: ReplicatedDropout::new(cfg.dropout, dropout_seed),
         })
+    }
+
+    /// Sequence parallelism on (`on`) or off, the LayerNorms' gradients summed over `group`.
+    pub(crate) fn set_sequence_parallel(&mut self, group: Option<Group>, on: bool) {
+        self.ln_1.set_sequence_parallel(group);
+        self.ln_2.set_sequence_parallel(group);
+        self.attn.set_sequence_parallel(on);
+        if let Some(mlp) = &mut self.mlp {
+            mlp.set_sequence_parallel(on);
+        }
+    }
+
+    /// The tensor-parallel products sub-pipelined over `overlap` token chunks.
+    pub(crate) fn set_overlap(&mut self, overlap: TpOverlap) {
+        self.attn.set_overlap(overlap);
+        if let Some(mlp) = &mut self.mlp {
+            mlp.set_overlap(overlap);
+        }
     }
 
     /// The MLP, or the mixture of experts.
@@ -125,6 +184,39 @@ impl<B: ParallelBackend> Block<B> {
             (None, Some(moe)) => moe.forward(x),
             (None, None) => unreachable!("a block has an MLP or a mixture of experts"),
         }
+    }
+}
+
+/// The initial weights of one block: the streams `{prefix}.*` of an [`InitRng`], GPT-2's
+/// N(0, `init_std`²), and for the residual branches' output projections N(0, (`init_std` /
+/// √(2·layers))²).
+struct Draw<'a> {
+    rng: &'a InitRng,
+    prefix: &'a str,
+    std: f32,
+    out_std: f32,
+}
+
+impl<'a> Draw<'a> {
+    /// The draws of `cfg`'s blocks from `rng` under `prefix`.
+    fn new(cfg: &GptConfig, rng: &'a InitRng, prefix: &'a str) -> Self {
+        let std = cfg.init_std as f32;
+        Self {
+            rng,
+            prefix,
+            std,
+            out_std: std / (2.0 * cfg.layers as f32).sqrt(),
+        }
+    }
+
+    /// `len` values of the weight `{prefix}.{name}`.
+    fn weight(&self, name: &str, len: usize) -> Vec<f32> {
+        (self.rng).normal(&format!("{}.{name}", self.prefix), len, self.std)
+    }
+
+    /// `len` values of the output projection `{prefix}.{name}`.
+    fn output(&self, name: &str, len: usize) -> Vec<f32> {
+        (self.rng).normal(&format!("{}.{name}", self.prefix), len, self.out_std)
     }
 }
 
@@ -147,6 +239,8 @@ pub struct Gpt<B: Backend> {
     pub ln_f: Option<LayerNorm<B>>,
     /// The output head's copy of the token embedding, on a pipeline rank without `wte`.
     pub head: Option<VocabParallelEmbedding<B>>,
+    /// The multi-token-prediction depths (`model.mtp_depth`; on the head's rank, else empty).
+    pub mtp: Vec<MtpDepth<B>>,
     /// Dropout on the summed embeddings.
     pub dropout: ReplicatedDropout,
     /// Width of the hidden states (what passes between pipeline stages).
@@ -158,6 +252,9 @@ pub struct Gpt<B: Backend> {
     /// Under a mixture of experts: the layers and the routed experts of each.
     #[module(skip)]
     experts: Option<(usize, usize)>,
+    /// The weight of the multi-token-prediction losses (`model.mtp_loss_weight`).
+    #[module(skip)]
+    mtp_weight: f64,
 }
 
 impl<B: ParallelBackend> Gpt<B> {
@@ -212,12 +309,18 @@ impl<B: ParallelBackend> Gpt<B> {
                     .transpose()
             })
             .collect::<Result<Vec<_>, TpError>>()?;
+        let depths = if holds(head_unit) { cfg.mtp_depth } else { 0 };
+        let mtp = (0..depths)
+            .map(|k| MtpDepth::new(cfg, &rng, (k, seed), tp, device))
+            .collect::<Result<Vec<_>, TpError>>()?;
         Ok(Self {
             wte,
             wpe,
             blocks,
             ln_f: holds(head_unit).then(ln),
             head,
+            mtp,
+            mtp_weight: cfg.mtp_loss_weight,
             dropout: ReplicatedDropout::new(cfg.dropout, seed),
             hidden: cfg.hidden,
             split: SequenceSplit::new(tp, cfg.seq_len),
@@ -229,10 +332,10 @@ impl<B: ParallelBackend> Gpt<B> {
     /// token chunks (`parallel.tp_overlap`, see [`merak_burn::tensor_parallel::overlap`]).
     pub fn with_tp_overlap(mut self, overlap: TpOverlap) -> Self {
         for block in self.blocks.iter_mut().flatten() {
-            block.attn.set_overlap(overlap);
-            if let Some(mlp) = &mut block.mlp {
-                mlp.set_overlap(overlap);
-            }
+            block.set_overlap(overlap);
+        }
+        for depth in &mut self.mtp {
+            depth.set_overlap(overlap);
         }
         self
     }
@@ -250,12 +353,10 @@ impl<B: ParallelBackend> Gpt<B> {
             table.set_sequence_parallel(on);
         }
         for block in self.blocks.iter_mut().flatten() {
-            block.ln_1.set_sequence_parallel(group);
-            block.ln_2.set_sequence_parallel(group);
-            block.attn.set_sequence_parallel(on);
-            if let Some(mlp) = &mut block.mlp {
-                mlp.set_sequence_parallel(on);
-            }
+            block.set_sequence_parallel(group, on);
+        }
+        for depth in &mut self.mtp {
+            depth.set_sequence_parallel(group, on);
         }
         if let Some(ln) = &mut self.ln_f {
             ln.set_sequence_parallel(group);
@@ -290,6 +391,9 @@ impl<B: ParallelBackend> Gpt<B> {
     fn apply_rows(&mut self) {
         let rows = self.split.held().rows();
         let (sp, _) = self.split.region();
+        for depth in &mut self.mtp {
+            depth.block.dropout.set_sequence_rows(rows.clone());
+        }
         for block in self.blocks.iter_mut().flatten() {
             block.dropout.set_sequence_rows(rows.clone());
             if let Some(moe) = &mut block.moe {
@@ -358,14 +462,49 @@ impl<B: ParallelBackend> Gpt<B> {
 
     /// Mean cross-entropy of this rank's logit slice against `targets`.
     fn head_loss(&self, hidden: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        self.cross_entropy(self.final_norm(hidden), targets)
+    }
+
+    /// Mean cross-entropy of the head's logits of the normalized `hidden` against `targets`.
+    fn cross_entropy(&self, normed: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
         let table = self.head_table();
         vocab_parallel_cross_entropy(
-            table.logits(self.final_norm(hidden)),
+            table.logits(normed),
             targets,
             table.vocab_start(),
             table.vocab_size(),
             table.group(),
         )
+    }
+
+    /// The training loss of the head unit: the main loss of the last block's `hidden` against
+    /// `targets`, plus, when training with multi-token prediction ([`crate::mtp`]), the
+    /// depths' losses weighted by `model.mtp_loss_weight / depths`; each depth's loss too.
+    pub(crate) fn training_loss(
+        &self,
+        hidden: Tensor<B, 3>,
+        targets: Tensor<B, 2, Int>,
+        (segments, at): (Option<Tensor<B, 2, Int>>, &DropoutPosition),
+    ) -> (Tensor<B, 1>, Vec<Tensor<B, 1>>) {
+        let main = self.head_loss(hidden.clone(), targets.clone());
+        if self.mtp.is_empty() || !B::ad_enabled(&hidden.device()) {
+            return (main, Vec::new());
+        }
+        let table = self.head_table();
+        let (mut h, mut inputs, mut depths) = (hidden, targets, Vec::new());
+        for depth in &self.mtp {
+            let embedded = table.forward(inputs.clone().clamp_min(0));
+            h = depth.forward((h, embedded), segments.clone(), at);
+            inputs = shifted(inputs);
+            depths.push(self.cross_entropy(depth.final_norm(h.clone()), inputs.clone()));
+        }
+        let weight = self.mtp_weight / depths.len() as f64;
+        let extra = depths.iter().cloned().reduce(|a, b| a + b);
+        let total = match extra {
+            Some(extra) => main + extra.mul_scalar(weight),
+            None => main,
+        };
+        (total, depths)
     }
 
     /// Final hidden states, `[batch, seq] -> [batch, seq, hidden]` (a model with every unit;
@@ -442,9 +581,12 @@ impl<B: ParallelBackend> PipelineModel<B> for Gpt<B> {
         self.run_blocks(x, index..index + 1, segments, batch.dropout())
     }
 
-    /// The summed loss: the mean over the counted targets times their count.
+    /// The summed loss: the mean over the counted targets times their count (with
+    /// multi-token prediction, the depths' weighted means added before).
     fn head_loss(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> Tensor<B, 1> {
-        Gpt::head_loss(self, x, batch.int(TARGETS)) * batch.loss_terms() as f32
+        let segments = batch.has(SEGMENTS).then(|| batch.int(SEGMENTS));
+        let (loss, _) = self.training_loss(x, batch.int(TARGETS), (segments, batch.dropout()));
+        loss * batch.loss_terms() as f32
     }
 
     /// The token table is read by the embedding and (tied) by the head.
@@ -461,8 +603,14 @@ impl<B: ParallelBackend> PipelineModel<B> for Gpt<B> {
         } else {
             ids.extend(param_ids(self.ln_f.as_ref()));
             ids.extend(param_ids(self.head.as_ref()));
+            ids.extend(self.mtp.iter().flat_map(|d| param_ids(Some(d))));
         }
         Some(ids)
+    }
+
+    /// The multi-token-prediction depths: GPT-2 weights have none.
+    fn beyond_pretrained(&self, name: &str) -> bool {
+        name.starts_with("mtp.")
     }
 
     fn tied(&self) -> Option<TiedTable> {
