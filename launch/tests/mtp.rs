@@ -1,8 +1,9 @@
 //! Multi-token prediction (`model.mtp_depth`) under `merak train`: two depths on the tiny GPT
 //! give the same losses and parameters under dp = 2, tp = 2 (with and without sequence
-//! parallelism), pp = 2 (the depths on the last stage, reading its copy of the tied table)
-//! and all three as in one process; the depths change the training; the export leaves them
-//! out; bad settings are refused before training, naming the key.
+//! parallelism), pp = 2 (the depths on the last stage, reading its copy of the tied table,
+//! with and without full recomputation), ZeRO-3, all three with ZeRO-1, and with Muon under
+//! ZeRO-2 and tensor parallelism, as in one process; the depths change the training; the
+//! export leaves them out; bad settings are refused before training, naming the key.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -51,6 +52,18 @@ fn mtp_equals_one_process_under_dp_tp_sp_and_pp() {
         (2, "tp2", vec!["--tp", "2"]),
         (2, "tp2-sp", [&["--tp", "2"][..], &sp].concat()),
         (2, "pp2", [&["--pp", "2"][..], &mb2].concat()),
+        // ZeRO-3 gathers the depths with the head unit; under it, and under full
+        // recomputation, the loss comes from a forward pass without autodiff.
+        (
+            2,
+            "dp2-zero3",
+            vec!["--dp", "2", "--set", "parallel.zero=3"],
+        ),
+        (
+            2,
+            "pp2-recompute",
+            [&["--pp", "2", "--set", "parallel.recompute=full"][..], &mb2].concat(),
+        ),
         (
             8,
             "dp2-tp2-pp2-sp-zero1",
@@ -89,6 +102,18 @@ fn tensor_names(path: &std::path::Path) -> Vec<String> {
     let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + len]).expect("JSON");
     let names = header.as_object().expect("an object").keys();
     names.filter(|n| *n != "__metadata__").cloned().collect()
+}
+
+/// Muon on the blocks' matrices (AdamW on the depths') with the depths, under ZeRO-2 and
+/// tensor parallelism, as in one process.
+#[test]
+fn mtp_with_muon_equals_one_process_under_zero() {
+    let muon = [&MTP[..], &["--set", "optimizer.kind=muon"]].concat();
+    let single = run(0, "mtp-muon-single", &muon, &[]);
+    let extra = ["--dp", "2", "--tp", "2", "--set", "parallel.zero=2"];
+    let got = run(4, "mtp-muon-dp2-tp2-zero2", &muon, &extra);
+    assert_same_losses("mtp muon dp2 tp2 zero2", &got, &single);
+    assert_same_params("mtp muon dp2 tp2 zero2", &got, &single);
 }
 
 #[test]

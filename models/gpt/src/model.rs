@@ -487,7 +487,10 @@ impl<B: ParallelBackend> Gpt<B> {
         (segments, at): (Option<Tensor<B, 2, Int>>, &DropoutPosition),
     ) -> (Tensor<B, 1>, Vec<Tensor<B, 1>>) {
         let main = self.head_loss(hidden.clone(), targets.clone());
-        if self.mtp.is_empty() || !B::ad_enabled(&hidden.device()) {
+        // Training: recording gradients, or a forward pass run without them to be recomputed
+        // with them (full recomputation, ZeRO-3), which must give the same loss.
+        let training = B::ad_enabled(&hidden.device()) || at.forced;
+        if self.mtp.is_empty() || !training {
             return (main, Vec::new());
         }
         let table = self.head_table();
