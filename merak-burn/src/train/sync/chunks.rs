@@ -203,7 +203,8 @@ impl<'g, B: TrainBackend> Chunks<'g, B> {
             self.states[k] = step.state;
             dst.copy_from_slice(&values_of(step.values)?);
         }
-        muon::step_muon(self, &grads, (values, chunked), lr, optim, &mut mine)?;
+        let muon = (&grads[..], &seen[..]);
+        muon::step_muon(self, muon, (values, chunked), (lr, optim), &mut mine)?;
         Ok(mine)
     }
 

@@ -69,19 +69,18 @@ type Orthogonal = (bool, Vec<f32>);
 /// The step's values: this rank's chunks (ZeRO-3) or every parameter's (ZeRO-1 and 2).
 type Values<'a> = (&'a [Vec<f32>], bool);
 
-/// Steps this rank's pieces of the Muon matrices at `lr` (see the [module](self)): their new
-/// values into `mine` (this rank's chunks), their state into `chunks.states`. Every rank of
+/// Steps this rank's pieces of the Muon matrices at `lr` (see the [module](self)), from the
+/// step's `grads` (this rank's chunks) and whether this rank `seen` each parameter's gradient:
+/// their new values into `mine` (this rank's chunks), their state into `chunks.states`. Every rank of
 /// the shard group (and of the experts' group, and the owners over the tensor-parallel group)
 /// calls it in the same step.
 pub(super) fn step_muon<B: TrainBackend, M: TrainModel<B>>(
     chunks: &mut Chunks<'_, B>,
-    grads: &[Vec<f32>],
+    (grads, seen): (&[Vec<f32>], &[bool]),
     values: Values<'_>,
-    lr: f64,
-    optim: &Optimizers<M, B>,
+    (lr, optim): (f64, &Optimizers<M, B>),
     mine: &mut [Vec<f32>],
 ) -> Result<(), TrainError> {
-    let seen = chunks.reducer.seen();
     for apart in [false, true] {
         let matrices = matrices_of(chunks, optim, apart);
         if matrices.is_empty() {
@@ -92,7 +91,7 @@ pub(super) fn step_muon<B: TrainBackend, M: TrainModel<B>>(
             false => chunks.shard,
         };
         let ex = Exchange::new(chunks, &matrices, group);
-        let mut held = momentum(chunks, &ex, grads, &seen)?;
+        let mut held = momentum(chunks, &ex, grads, seen)?;
         let joined = ex.to_owners(&held)?;
         let results = orthogonalize(chunks, &ex, joined)?;
         let back = ex.to_holders(&results, &held)?;
