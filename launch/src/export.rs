@@ -241,7 +241,7 @@ fn bert_tensors(ck: &Checkpoint, cfg: &Config, params: &FullParams) -> Result<Ve
 fn gpt2_tensors(cfg: &Config, params: FullParams) -> Result<Vec<NamedTensor>> {
     let mut by_hf: HashMap<String, NamedTensor> = HashMap::new();
     for (name, (shape, values)) in params {
-        if name.starts_with("mtp.") {
+        if merak_gpt::mtp::is_depth_param(&name) {
             continue;
         }
         let hf = hf_gpt2_name(&name)

@@ -69,7 +69,8 @@ pub fn check_pretrained(
     params: &HashMap<String, (Vec<usize>, Vec<f32>)>,
 ) -> Result<()> {
     let mut model = model_params(cfg)?;
-    model.retain(|p| !p.name.starts_with("mtp.") || params.contains_key(&p.name));
+    let depth = merak_gpt::mtp::is_depth_param;
+    model.retain(|p| !depth(&p.name) || params.contains_key(&p.name));
     let split = |name: &str| model.iter().find(|p| p.name == name).map(|p| p.split);
     let mut entries: Vec<ParamEntry> = (params.iter())
         .map(|(name, (shape, _))| ParamEntry {

@@ -613,7 +613,7 @@ impl<B: ParallelBackend> PipelineModel<B> for Gpt<B> {
 
     /// The multi-token-prediction depths: GPT-2 weights have none.
     fn beyond_pretrained(&self, name: &str) -> bool {
-        name.starts_with("mtp.")
+        mtp::is_depth_param(name)
     }
 
     fn tied(&self) -> Option<TiedTable> {

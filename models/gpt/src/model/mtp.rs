@@ -118,6 +118,12 @@ impl<B: ParallelBackend> MtpDepth<B> {
     }
 }
 
+/// Whether the parameter `name` belongs to a multi-token-prediction depth (`mtp.{k}.*`): what
+/// GPT-2 files do not hold, the export leaves out and `--init-from` leaves initialized.
+pub fn is_depth_param(name: &str) -> bool {
+    name.starts_with("mtp.")
+}
+
 /// `targets` (`[batch, seq]`) shifted left by one position: position `i` gets `i + 1`'s, the
 /// last position -1 (not counted by the loss).
 pub(crate) fn shifted<B: Backend>(targets: Tensor<B, 2, Int>) -> Tensor<B, 2, Int> {
