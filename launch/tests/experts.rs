@@ -301,10 +301,8 @@ fn expert_parallel_moe_gpt_equals_one_process() {
 fn muon_with_experts_equals_one_process() {
     // Seed 18 keeps a router margin under Muon (3.8e-5; seed 7 leaves 7e-7 at step 3).
     let muon = ["--set", "optimizer.kind=muon", "--set", "train.seed=18"];
-    let single = out_dir("moe-muon-single");
-    run_pp(0, &single, &[&MOE[..], &muon].concat()).assert_success();
     let sp = ["--set", "parallel.sequence_parallel=true"];
-    for (np, name, extra) in [
+    let layouts = [
         (2, "moe-muon-ep2", vec!["--dp", "2", "--ep", "2"]),
         (
             4,
@@ -342,9 +340,8 @@ fn muon_with_experts_equals_one_process() {
             ]
             .concat(),
         ),
-    ] {
-        assert_moe_equals(&single, np, name, &[&extra[..], &muon].concat());
-    }
+    ];
+    assert_layouts_equal("moe-muon-single", &muon, &layouts);
 }
 
 /// Multi-token prediction (`model.mtp_depth`) in a mixture of experts: the depths' dense
@@ -354,18 +351,26 @@ fn muon_with_experts_equals_one_process() {
 fn mtp_with_experts_equals_one_process() {
     // Seed 4 keeps every router margin above 1e-5 here (seeds 1, 2, 3, 5, 7, 11, 18 do not).
     let mtp = ["--set", "model.mtp_depth=2", "--set", "train.seed=4"];
-    let single = out_dir("moe-mtp-single");
-    run_pp(0, &single, &[&MOE[..], &mtp].concat()).assert_success();
     let sp = ["--set", "parallel.sequence_parallel=true"];
-    for (np, name, extra) in [
+    let layouts = [
         (2, "moe-mtp-ep2", vec!["--dp", "2", "--ep", "2"]),
         (
             4,
             "moe-mtp-ep2-tp2-sp",
             [&["--dp", "2", "--ep", "2", "--tp", "2"][..], &sp].concat(),
         ),
-    ] {
-        assert_moe_equals(&single, np, name, &[&extra[..], &mtp].concat());
+    ];
+    assert_layouts_equal("moe-mtp-single", &mtp, &layouts);
+}
+
+/// Trains the mixture of experts with `settings` in one process (into `single`), then under
+/// each of `layouts` (`(ranks, folder, flags)`), and compares each with it: routing, losses,
+/// parameters.
+fn assert_layouts_equal(single: &str, settings: &[&str], layouts: &[(usize, &str, Vec<&str>)]) {
+    let single = out_dir(single);
+    run_pp(0, &single, &[&MOE[..], settings].concat()).assert_success();
+    for (np, name, extra) in layouts {
+        assert_moe_equals(&single, *np, name, &[&extra[..], settings].concat());
     }
 }
 

@@ -466,23 +466,7 @@ fn bad_optimizer_settings_are_refused_before_training_naming_the_key() {
             "`optimizer.centered`",
         ),
     ] {
-        let out = out_dir("opt-refused");
-        let mut cmd = merak(0);
-        let mut extra = Vec::new();
-        for s in &sets {
-            extra.extend(["--set", *s]);
-        }
-        train_args(&mut cmd, &out, &extra);
-        let r = run_with_deadline(cmd, Duration::from_secs(60));
-        assert_eq!(r.code, Some(2), "{sets:?}: {r:?}");
-        assert!(
-            r.stderr.contains(needle),
-            "{sets:?}: `{needle}` not in {}",
-            r.stderr
-        );
-        assert!(
-            !out.join("metrics.jsonl").exists(),
-            "{sets:?}: training started"
-        );
+        let extra: Vec<&str> = sets.iter().flat_map(|s| ["--set", *s]).collect();
+        assert_train_refused("opt-refused", &extra, needle);
     }
 }

@@ -307,3 +307,14 @@ pub fn assert_refused(run: &Run, text: &str) {
         run.stderr
     );
 }
+
+/// Asserts that `merak train` (tiny GPT, one process) with `extra` is refused before training
+/// (exit status 2, `text` in its error) and writes no metrics into the folder `name`.
+pub fn assert_train_refused(name: &str, extra: &[&str], text: &str) {
+    let out = out_dir(name);
+    let mut cmd = merak(0);
+    train_args(&mut cmd, &out, extra);
+    let r = merak_tests::run_with_deadline(cmd, std::time::Duration::from_secs(60));
+    assert_refused(&r, text);
+    assert!(!out.join("metrics.jsonl").exists(), "{extra:?}: trained");
+}
