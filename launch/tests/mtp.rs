@@ -1,9 +1,11 @@
 //! Multi-token prediction (`model.mtp_depth`) under `merak train`: two depths on the tiny GPT
-//! give the same losses and parameters under dp = 2, tp = 2 (with and without sequence
-//! parallelism), pp = 2 (the depths on the last stage, reading its copy of the tied table,
-//! with and without full recomputation), ZeRO-3, all three with ZeRO-1, and with Muon under
-//! ZeRO-2 and tensor parallelism, as in one process; the depths change the training; the
-//! export leaves them out; bad settings are refused before training, naming the key.
+//! give the same losses (each depth's logged loss too) and parameters under dp = 2, tp = 2
+//! (with and without sequence parallelism), pp = 2 (the depths on the last stage, reading its
+//! copy of the tied table, with and without full recomputation), ZeRO-3, all three with
+//! ZeRO-1, context parallelism (with tp and sequence parallelism, pp, documents), and with
+//! Muon under ZeRO-2 and tensor parallelism, as in one process; the logged depths' losses are
+//! what the loss adds; the export leaves the depths out; bad settings are refused before
+//! training, naming the key.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -45,6 +47,19 @@ fn mtp_equals_one_process_under_dp_tp_sp_and_pp() {
         losses.iter().zip(&plain).all(|(a, b)| a > b),
         "{losses:?} vs {plain:?}"
     );
+    // Each depth's logged loss is what it adds: at step 1 (the same main weights) the loss
+    // less 0.3 / 2 of the depths' is the plain model's.
+    let depths = depth_losses(&single);
+    assert!(
+        depths.iter().all(|d| d.is_finite() && *d > 1.0),
+        "{depths:?}"
+    );
+    let main = losses[0] - 0.15 * (depths[0] + depths[1]);
+    assert!(
+        max_relative(&[main], &plain[..1]) <= 1e-5,
+        "{main} vs {}",
+        plain[0]
+    );
     let sp = ["--set", "parallel.sequence_parallel=true"];
     let mb2 = ["--set", "train.micro_batch=2"];
     for (np, layout, extra) in [
@@ -76,10 +91,8 @@ fn mtp_equals_one_process_under_dp_tp_sp_and_pp() {
             .concat(),
         ),
     ] {
-        let what = format!("mtp {layout}");
         let got = run(np, &format!("mtp-{layout}"), &MTP, &extra);
-        assert_same_losses(&what, &got, &single);
-        assert_same_params(&what, &got, &single);
+        assert_same_training(&format!("mtp {layout}"), &got, &single);
     }
     // GPT-2 has no place for the depths: the export leaves them out.
     let file = single.join("export/model.safetensors");
@@ -93,6 +106,69 @@ fn mtp_equals_one_process_under_dp_tp_sp_and_pp() {
     let names = tensor_names(&file);
     assert!(names.iter().all(|n| !n.contains("mtp")), "{names:?}");
     assert!(names.iter().any(|n| n.contains("h.1.mlp")), "{names:?}");
+}
+
+/// The same losses, depths' losses and parameters in `got` as in `single`.
+fn assert_same_training(what: &str, got: &std::path::Path, single: &std::path::Path) {
+    assert_same_losses(what, got, single);
+    let (a, b) = (depth_losses(got), depth_losses(single));
+    assert!(
+        max_relative(&a, &b) <= 1e-5,
+        "{what}: the depths' losses {a:?} vs {b:?}"
+    );
+    assert_same_params(what, got, single);
+}
+
+/// Each step's logged depth losses (`loss_parts.mtp_1`, `loss_parts.mtp_2`) of the run in
+/// `dir`, in order.
+fn depth_losses(dir: &std::path::Path) -> Vec<f32> {
+    let records = read_metrics(dir);
+    let part = |r: &serde_json::Value, k: &str| {
+        (r["loss_parts"][k].as_f64()).unwrap_or_else(|| panic!("loss_parts.{k} missing in {r}"))
+    };
+    (records.iter())
+        .flat_map(|r| [part(r, "mtp_1") as f32, part(r, "mtp_2") as f32])
+        .collect()
+}
+
+/// Context parallelism: each depth's targets come from the whole sequence (they cross the
+/// chunks) and its mean from the whole micro-batch's counts, so cp 2 alone, with tp 2 and
+/// sequence parallelism, with pp 2, and with a document mask trains as one process does.
+#[test]
+fn mtp_equals_one_process_under_context_parallelism() {
+    let single = run(0, "mtp-cp-single", &MTP, &[]);
+    let sp = ["--set", "parallel.sequence_parallel=true"];
+    let mb2 = ["--set", "train.micro_batch=2"];
+    for (np, layout, extra) in [
+        (2, "cp2", vec!["--cp", "2"]),
+        (
+            4,
+            "cp2-tp2-sp",
+            [&["--cp", "2", "--tp", "2"][..], &sp].concat(),
+        ),
+        (
+            4,
+            "cp2-pp2",
+            [&["--cp", "2", "--pp", "2"][..], &mb2].concat(),
+        ),
+    ] {
+        let got = run(np, &format!("mtp-{layout}"), &MTP, &extra);
+        assert_same_training(&format!("mtp {layout}"), &got, &single);
+    }
+    let docs = [
+        "--set",
+        "model.vocab_size=64",
+        "--set",
+        "data.document_mask=true",
+    ];
+    let single = run(0, "mtp-cp-docs-single", &MTP, &docs);
+    let got = run(
+        2,
+        "mtp-cp2-docs",
+        &MTP,
+        &[&docs[..], &["--cp", "2"]].concat(),
+    );
+    assert_same_training("mtp cp2 docs", &got, &single);
 }
 
 /// The tensor names of the safetensors file at `path`.
@@ -126,10 +202,6 @@ fn bad_mtp_settings_are_refused_before_training_naming_the_key() {
                 "model.mtp_loss_weight=-1",
             ],
             "`model.mtp_loss_weight`",
-        ),
-        (
-            vec!["--set", "model.mtp_depth=1", "--set", "parallel.cp=2"],
-            "`parallel.cp`",
         ),
         (
             vec!["--set", "model.mtp_depth=1", "--set", "model.kind=\"bert\""],

@@ -83,31 +83,65 @@ impl<B: ParallelBackend> HeadUnit<B> for Misnamed<B> {
     }
 }
 
-/// [`Model`] with the [`Misnamed`] head.
-struct MisnamedModel(Model);
+/// The test model's head logging its loss's mean as a part (`LOSS_PARTS`), adding it `parts`
+/// times.
+#[derive(Module, Debug)]
+struct Parted<B: Backend> {
+    head: Block<B>,
+    #[module(skip)]
+    parts: usize,
+}
 
-impl<B: ParallelBackend> UnitModel<B> for MisnamedModel {
-    type Embed = Tokens<B>;
-    type Layer = Block<B>;
-    type Head = Misnamed<B>;
-    fn dims(&self) -> ModelDims {
-        UnitModel::<B>::dims(&self.0)
-    }
-    fn embed(&self, device: &B::Device) -> Tokens<B> {
-        self.0.embed(device)
-    }
-    fn layer(&self, index: usize, device: &B::Device) -> Block<B> {
-        self.0.layer(index, device)
-    }
-    fn head(&self, device: &B::Device) -> Misnamed<B> {
-        Misnamed {
-            head: self.0.head(device),
-        }
-    }
-    fn tp_plan(&self) -> TpPlan {
-        UnitModel::<B>::tp_plan(&self.0)
+impl<B: ParallelBackend> HeadUnit<B> for Parted<B> {
+    const LOSS_PARTS: &'static [&'static str] = &["mean"];
+    fn loss(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> LossSum<B> {
+        let loss = self.head.loss(x, batch);
+        let mean = loss.clone().into_sum() / loss.terms() as f32;
+        (0..self.parts).fold(loss, |l, _| l.with_part_mean(mean.clone()))
     }
 }
+
+/// A [`Model`] with another head, `$head` built from the model's head block by `$wrap`.
+macro_rules! with_head {
+    ($doc:literal, $name:ident, $head:ident, $wrap:expr) => {
+        #[doc = $doc]
+        struct $name(Model, usize);
+
+        impl<B: ParallelBackend> UnitModel<B> for $name {
+            type Embed = Tokens<B>;
+            type Layer = Block<B>;
+            type Head = $head<B>;
+            fn dims(&self) -> ModelDims {
+                UnitModel::<B>::dims(&self.0)
+            }
+            fn embed(&self, device: &B::Device) -> Tokens<B> {
+                self.0.embed(device)
+            }
+            fn layer(&self, index: usize, device: &B::Device) -> Block<B> {
+                self.0.layer(index, device)
+            }
+            fn head(&self, device: &B::Device) -> $head<B> {
+                $wrap(self.0.head(device), self.1)
+            }
+            fn tp_plan(&self) -> TpPlan {
+                UnitModel::<B>::tp_plan(&self.0)
+            }
+        }
+    };
+}
+
+with_head!(
+    "[`Model`] with the [`Misnamed`] head.",
+    MisnamedModel,
+    Misnamed,
+    |head, _| Misnamed { head }
+);
+with_head!(
+    "[`Model`] with the [`Parted`] head adding its part `.1` times.",
+    PartedModel,
+    Parted,
+    |head, parts| Parted { head, parts }
+);
 
 /// A model of width 4 whose block returns `block_out` features and whose token table is
 /// `table_width` wide.
@@ -287,7 +321,7 @@ fn units_that_do_not_fit_together_are_refused_before_anything_is_written() {
     );
     assert!(!out.exists());
     // A head naming three metrics for two sums: refused, naming both counts.
-    let misnamed = MisnamedModel(fits.clone());
+    let misnamed = MisnamedModel(fits.clone(), 0);
     let err = run_plan(&misnamed, &out, ParallelPlan::default()).expect_err("refused");
     let text = err.to_string();
     assert!(matches!(err, RunError::MetricNames { .. }), "{text}");
@@ -296,6 +330,17 @@ fn units_that_do_not_fit_together_are_refused_before_anything_is_written() {
         "{text}"
     );
     assert!(!out.exists());
+    // A head adding two logged parts for the one it names: refused, naming both.
+    let parted = PartedModel(fits.clone(), 2);
+    let err = run_plan(&parted, &out, ParallelPlan::default()).expect_err("refused");
+    let text = err.to_string();
+    assert!(matches!(err, RunError::LossParts { .. }), "{text}");
+    assert!(
+        text.contains("adds 2 logged parts, but HeadUnit::LOSS_PARTS names [\"mean\"]"),
+        "{text}"
+    );
+    assert!(!out.exists());
+    a_heads_loss_parts_are_logged(dir.path());
     side_inputs_reach_every_block(dir.path());
     // The same model, fitting, trains and checkpoints.
     run(&fits, &out, ParallelPlan::default()).expect("trains");
@@ -305,6 +350,23 @@ fn units_that_do_not_fit_together_are_refused_before_anything_is_written() {
     a_rank_that_builds_some_units_gets_the_weights_one_process_gets();
     a_tied_head_alone_on_its_rank_holds_a_copy_of_the_first_units_table();
     a_user_model_is_profiled_unit_by_unit();
+}
+
+/// A head logging its loss's mean as the part `mean`: each step's metrics record it under
+/// `loss_parts`, equal to the loss.
+fn a_heads_loss_parts_are_logged(dir: &std::path::Path) {
+    let out = dir.join("parted");
+    run_plan(&PartedModel(fits(false), 1), &out, ParallelPlan::default()).expect("trains");
+    let text = std::fs::read_to_string(out.join("metrics.jsonl")).expect("metrics");
+    let records: Vec<serde_json::Value> = (text.lines())
+        .map(|l| serde_json::from_str(l).expect("JSON"))
+        .collect();
+    assert_eq!(records.len(), 2);
+    for r in &records {
+        let (loss, part) = (r["loss"].as_f64(), r["loss_parts"]["mean"].as_f64());
+        let (loss, part) = (loss.expect("a loss"), part.expect("the part"));
+        assert!((part - loss).abs() <= 1e-6 * loss.abs(), "{r}");
+    }
 }
 
 /// The model of width 4 whose units fit, tied or not.

@@ -220,17 +220,6 @@ impl Config {
                 );
             }
         }
-        let mtp = self.model.gpt.mtp_depth;
-        if cp > 1 && mtp > 0 {
-            return bad(
-                "parallel.cp",
-                format!(
-                    "{cp} with model.mtp_depth = {mtp}: multi-token prediction shifts the targets \
-                     across the context-parallel chunks, which it does not do yet; train it at \
-                     parallel.cp = 1 (data, tensor, sequence, pipeline and expert parallelism)"
-                ),
-            );
-        }
         if cp > 1 && !seq.is_multiple_of(2 * cp) {
             return bad(
                 "parallel.cp",

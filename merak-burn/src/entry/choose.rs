@@ -316,6 +316,13 @@ impl<B: AutodiffBackend + ParallelBackend, M: UnitModel<B>> Sample<B, M> {
                 expected: batch.loss_terms(),
             });
         }
+        let names = <M::Head as HeadUnit<B>>::LOSS_PARTS;
+        if loss.parts() != names.len() {
+            return Err(RunError::LossParts {
+                counted: loss.parts(),
+                names: names.to_vec(),
+            });
+        }
         fits(
             "the last unit",
             loss.into_sum().dims().to_vec(),

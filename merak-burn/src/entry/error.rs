@@ -86,6 +86,19 @@ pub enum RunError {
         /// The terms of the micro-batch.
         expected: usize,
     },
+    /// The head's loss adds another number of logged parts than the names it declares
+    /// ([`HeadUnit::LOSS_PARTS`](crate::parallelize::HeadUnit::LOSS_PARTS)); found before
+    /// training for a model described by units.
+    #[error(
+        "the last unit's LossSum adds {counted} logged parts, but HeadUnit::LOSS_PARTS names \
+         {names:?}: declare one name per LossSum::with_part_mean"
+    )]
+    LossParts {
+        /// The parts the head added.
+        counted: usize,
+        /// The names it declares.
+        names: Vec<&'static str>,
+    },
     /// The head's metrics have another length than the names it declares
     /// ([`HeadUnit::METRICS`](crate::parallelize::HeadUnit::METRICS)); found before training
     /// for a model described by units.

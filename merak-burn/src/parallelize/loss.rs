@@ -29,12 +29,18 @@ use burn::tensor::backend::Backend;
 pub struct LossSum<B: Backend> {
     sum: Tensor<B, 1>,
     terms: usize,
+    /// The logged parts' sums, without a graph.
+    parts: Vec<Tensor<B, 1>>,
 }
 
 impl<B: Backend> LossSum<B> {
     /// `sum`, the sum of `terms` loss terms.
     pub fn new(sum: Tensor<B, 1>, terms: usize) -> Self {
-        Self { sum, terms }
+        Self {
+            sum,
+            terms,
+            parts: Vec::new(),
+        }
     }
 
     /// `mean`, the mean of `terms` loss terms, as their sum.
@@ -42,6 +48,31 @@ impl<B: Backend> LossSum<B> {
         Self {
             sum: mean * terms as f32,
             terms,
+            parts: Vec::new(),
+        }
+    }
+
+    /// With one more logged part of the loss: `mean` (`[1]`), a mean over the micro-batch
+    /// (for example an auxiliary loss that the loss adds), which a training step logs beside
+    /// the loss under the next name of
+    /// [`HeadUnit::LOSS_PARTS`](super::HeadUnit::LOSS_PARTS), averaged over the micro-batches
+    /// as the loss is. It is logged only: the gradient comes from the loss alone.
+    pub fn with_part_mean(mut self, mean: Tensor<B, 1>) -> Self {
+        self.parts.push(mean.detach() * self.terms as f32);
+        self
+    }
+
+    /// The number of logged parts ([`with_part_mean`](Self::with_part_mean)).
+    pub fn parts(&self) -> usize {
+        self.parts.len()
+    }
+
+    /// The sum followed by the logged parts' sums, `[1 + parts]`: what the pipeline's last
+    /// unit returns ([`StageOutput::Loss`](crate::pipeline::StageOutput::Loss)).
+    pub fn into_sum_and_parts(self) -> Tensor<B, 1> {
+        match self.parts.is_empty() {
+            true => self.sum,
+            false => Tensor::cat(std::iter::once(self.sum).chain(self.parts).collect(), 0),
         }
     }
 

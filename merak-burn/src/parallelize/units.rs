@@ -69,6 +69,13 @@ pub trait HeadUnit<B: Backend>: Module<B> + ModuleDisplay {
     /// metrics, `["loss", "loss_terms"]`.
     const METRICS: &'static [&'static str] = &["loss", "loss_terms"];
 
+    /// The names of the loss's logged parts ([`LossSum::with_part_mean`]), in the order
+    /// [`loss`](Self::loss) adds them: a training step logs each beside the loss (for
+    /// example each multi-token-prediction depth's loss of a head with extra depths), and
+    /// `run` refuses, before training, a head that adds another number of parts. Empty (the
+    /// default): the loss alone.
+    const LOSS_PARTS: &'static [&'static str] = &[];
+
     /// Sums of evaluation metrics of `x` against the targets over the micro-batch, one per
     /// name of [`METRICS`](Self::METRICS) (for example `[summed loss, correct predictions,
     /// counted targets]`): the evaluation pass sums them over micro-batches and ranks. The
@@ -503,7 +510,11 @@ where
     }
 
     fn head_loss(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> Tensor<B, 1> {
-        self.head_loss_sum(x, batch).into_sum()
+        self.head_loss_sum(x, batch).into_sum_and_parts()
+    }
+
+    fn loss_parts(&self) -> Vec<String> {
+        H::LOSS_PARTS.iter().map(|p| p.to_string()).collect()
     }
 
     fn head_eval(

@@ -147,10 +147,13 @@ pub struct EvalValues {
 }
 
 /// What a step reports on one rank.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct StepReport {
     /// The weighted loss of the micro-batches whose last stage is on this rank (0 elsewhere).
     pub loss: f64,
+    /// The loss's logged parts ([`PipelineModel::loss_parts`](crate::pipeline::PipelineModel::loss_parts)),
+    /// weighted and summed as the loss is (empty elsewhere, and for a model without parts).
+    pub loss_parts: Vec<f64>,
     /// Seconds computing (forward, backward, recomputation).
     pub compute_s: f64,
     /// Seconds waiting in receives.

@@ -7,7 +7,7 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
 use super::stack::TiedTable;
-use crate::batch::Batch;
+use crate::batch::{Batch, BatchError, Samples};
 use crate::tensor_parallel::ParallelBackend;
 
 /// The input of a stage: the micro-batch's fields for the stage holding the first unit, hidden
@@ -25,8 +25,18 @@ pub enum StageInput<B: Backend> {
 pub enum StageOutput<B: Backend> {
     /// `[batch, seq, hidden]`.
     Hidden(Tensor<B, 3>),
-    /// The summed loss of the micro-batch, `[1]` ([`HeadUnit::loss`](crate::parallelize::HeadUnit::loss)).
+    /// The summed loss of the micro-batch ([`HeadUnit::loss`](crate::parallelize::HeadUnit::loss)),
+    /// then its logged parts without a graph ([`PipelineModel::loss_parts`]): `[1 + parts]`.
     Loss(Tensor<B, 1>),
+}
+
+/// The loss to differentiate in a stage's loss output `[1 + parts]` ([`StageOutput::Loss`]):
+/// its first element (the parts, logged only, carry no graph).
+pub(crate) fn differentiated<B: Backend>(loss: Tensor<B, 1>) -> Tensor<B, 1> {
+    match loss.dims()[0] {
+        1 => loss,
+        _ => loss.narrow(0, 0, 1),
+    }
 }
 
 /// What the last unit returns in an evaluation pass ([`PipelineModel::eval_units`]).
@@ -77,8 +87,9 @@ pub trait PipelineModel<B: Backend>: Module<B> {
     /// Unit `index + 1`: block `index` (0-based), with the micro-batch's side inputs.
     fn layer(&self, index: usize, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> Tensor<B, 3>;
 
-    /// Unit `L + 1`: the summed loss of `x` against the micro-batch's targets, `[1]`
-    /// ([`HeadUnit::loss`](crate::parallelize::HeadUnit::loss)).
+    /// Unit `L + 1`: the summed loss of `x` against the micro-batch's targets
+    /// ([`HeadUnit::loss`](crate::parallelize::HeadUnit::loss)), followed by the sums of its
+    /// logged parts ([`loss_parts`](Self::loss_parts)) without a graph: `[1 + parts]`.
     fn head_loss(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> Tensor<B, 1>;
 
     /// Unit `L + 1` in an evaluation pass: what `what` asks of `x` against the micro-batch's
@@ -112,6 +123,23 @@ pub trait PipelineModel<B: Backend>: Module<B> {
     /// nothing.
     fn balance_experts(&mut self, loads: &[Vec<u64>]) {
         let _ = loads;
+    }
+
+    /// The micro-batch's `samples` (whole sequences, as the data source gave them) with the
+    /// fields the model derives from them: the trainer calls it before it cuts the sequences
+    /// over the context-parallel group, so a field may look across the cut (GPT's
+    /// multi-token-prediction targets, the main targets several positions ahead). The
+    /// default adds nothing.
+    fn prepare_samples(&self, samples: Samples) -> Result<Samples, BatchError> {
+        Ok(samples)
+    }
+
+    /// The names of the loss's parts that a training step logs beside the loss (each a sum
+    /// over the micro-batch like the loss, so divided as it is: for example the
+    /// multi-token-prediction depths' losses); [`head_loss`](Self::head_loss) returns them
+    /// after the loss. Empty (the default): the loss alone.
+    fn loss_parts(&self) -> Vec<String> {
+        Vec::new()
     }
 
     /// The names of the metric sums [`head_eval`](Self::head_eval) returns for

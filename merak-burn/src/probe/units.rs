@@ -50,7 +50,7 @@ fn hidden_of<B: AutodiffBackend>(out: StageOutput<B>, unit: &'static str) -> Res
 
 fn loss_of<B: AutodiffBackend>(out: StageOutput<B>, unit: &'static str) -> Result<Tensor<B, 1>> {
     match out {
-        StageOutput::Loss(l) => Ok(l),
+        StageOutput::Loss(l) => Ok(crate::pipeline::stage::differentiated(l)),
         StageOutput::Hidden(_) => Err(ProbeError::UnitOutput {
             unit,
             expected: "a loss",

@@ -286,6 +286,12 @@ where
         w.map(Some).map_err(TrainError::io(path))
     }
 
+    /// The step's logged loss parts by name; `None` for a model without them.
+    fn loss_parts(&self, o: &StepOutcome) -> Option<std::collections::BTreeMap<String, f64>> {
+        let names = self.model.loss_parts();
+        (!names.is_empty()).then(|| names.into_iter().zip(o.loss_parts.clone()).collect())
+    }
+
     /// The metrics record of a step that took `dt` seconds.
     fn metrics(
         &self,
@@ -307,6 +313,7 @@ where
             dp_buckets: o.dp.buckets,
             minor_faults: process::minor_faults().saturating_sub(faults_before),
             val_loss,
+            loss_parts: self.loss_parts(o),
             aux_loss: o.aux_loss,
             expert_tokens: self.routing.as_ref().map(|r| r.expert_tokens.clone()),
             expert_max_load: self.routing.as_ref().map(|r| r.max_load()),

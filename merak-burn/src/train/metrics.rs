@@ -34,6 +34,10 @@ pub struct StepMetrics {
     /// Validation loss, on the steps where it is measured.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f64>,
+    /// The loss's logged parts by name (already in `loss`), for example each
+    /// multi-token-prediction depth's loss, `mtp_1`, `mtp_2`, ….
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_parts: Option<std::collections::BTreeMap<String, f64>>,
     /// Under a mixture of experts: the routers' auxiliary losses (not in `loss`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub aux_loss: Option<f64>,

@@ -48,12 +48,16 @@ pub struct StepPhases {
 }
 
 /// What one step did.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct StepOutcome {
     /// The 1-based number of the step.
     pub step: usize,
     /// Mean loss of the global batch (the same on every rank).
     pub loss: f64,
+    /// The means of the loss's logged parts, one per name of
+    /// [`PipelineModel::loss_parts`](crate::pipeline::PipelineModel::loss_parts) (for example
+    /// each multi-token-prediction depth's loss); empty for a model without parts.
+    pub loss_parts: Vec<f64>,
     /// The learning rate of the step.
     pub lr: f64,
     /// Global gradient norm before clipping; `None` when the step was skipped for a
@@ -376,10 +380,10 @@ where
         crate::moe::set_aux_scale(1.0 / micro_batches.max(1) as f32);
         let (batches, next) = self.step_batches(data, step, next_follows)?;
         lap(&mut phases.data_s);
-        let local_loss = self.run_passes(&batches, next, step)?;
+        let local = self.run_passes(&batches, next, step)?;
         lap(&mut phases.forward_backward_s);
         let dp = self.sync.finish(&self.model)?;
-        let loss = self.sum_loss(local_loss)?;
+        let (loss, loss_parts) = self.sum_loss(local)?;
         let records = crate::moe::take_records();
         self.routing = (self.model.experts())
             .map(|shape| gather_routing(records, shape, self.grid.world))
@@ -390,6 +394,7 @@ where
         let mut outcome = StepOutcome {
             step: step + 1,
             loss,
+            loss_parts,
             lr,
             grad_norm: None,
             aux_loss: self.routing.as_ref().map(|r| r.aux_loss),
@@ -433,13 +438,13 @@ where
 
     /// The step's forward and backward passes through the executor, the gradients hooked into
     /// the reducer (and with `next`, the next step's first forwards); this rank's share of the
-    /// loss.
+    /// loss and of its logged parts.
     fn run_passes(
         &mut self,
         batches: &[MicroBatch],
         next: Option<Vec<MicroBatch>>,
         step: usize,
-    ) -> Result<f64, TrainError> {
+    ) -> Result<(f64, Vec<f64>), TrainError> {
         let [micro, seq] = [self.parallel.micro_batch, self.settings.seq_len];
         let seq = seq / self.model.sequence_parts();
         let shape = [micro, seq, self.model.hidden_size()];
@@ -462,7 +467,7 @@ where
         // The gathered parameters go before the update builds the new values.
         drop(kept);
         self.versions.set_batches_ahead(next);
-        Ok(report.loss)
+        Ok((report.loss, report.loss_parts))
     }
 
     /// A step whose loss is not finite: an error, or with `train.skip_nonfinite` the
@@ -503,6 +508,10 @@ where
         for m in 0..p.micro_batches(global) {
             let start = first + m * micro;
             let samples = read_samples(micro, step + 1, || data.train_samples(step, start, micro))?;
+            let samples = (self.model.prepare_samples(samples)).map_err(|e| TrainError::Data {
+                step: step + 1,
+                source: Box::new(e),
+            })?;
             let samples = self.context_share(samples, step + 1)?;
             if let Some(b) = batches.first() {
                 (b.samples.check_same_layout(&samples, start)).map_err(|e| TrainError::Data {
@@ -546,19 +555,24 @@ where
         crate::context_parallel::shard_samples(samples, &zigzag).map_err(|e| data(Box::new(e)))
     }
 
-    /// The global batch's loss from this rank's share: summed over the pipeline (only the last
-    /// stage has it) and the data-parallel replicas.
-    fn sum_loss(&self, local: f64) -> Result<f64, TrainError> {
-        let mut l = [local as f32];
+    /// The global batch's loss and its logged parts from this rank's share: summed over the
+    /// pipeline (only the last stage has them) and the data-parallel replicas.
+    fn sum_loss(&self, (loss, mut parts): (f64, Vec<f64>)) -> Result<(f64, Vec<f64>), TrainError> {
+        // Ranks without the head have no parts.
+        parts.resize(self.model.loss_parts().len(), 0.0);
+        if self.grid.layout.pp == 1 && self.grid.dp.size() == 1 {
+            return Ok((loss, parts));
+        }
+        let mut l: Vec<f32> = std::iter::once(loss)
+            .chain(parts)
+            .map(|v| v as f32)
+            .collect();
         if self.grid.layout.pp > 1 {
             self.grid.pp.comm()?.all_reduce(&mut l, ReduceOp::Sum)?;
         }
         all_reduce_if(self.grid.dp, &mut l)?;
-        Ok(if self.grid.layout.pp > 1 || self.grid.dp.size() > 1 {
-            f64::from(l[0])
-        } else {
-            local
-        })
+        let sums: Vec<f64> = l.into_iter().map(f64::from).collect();
+        Ok((sums[0], sums[1..].to_vec()))
     }
 
     /// Mean loss over `val_batches` global batches of held-out sequences, without gradients;

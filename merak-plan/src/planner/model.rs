@@ -1075,8 +1075,9 @@ impl TransformerShape {
     }
 
     /// The head unit with the multi-token-prediction depths: each a block (kept whole: the
-    /// head is not recomputed), its `[2h, h]` projection and three LayerNorms, an embedding
-    /// lookup and a pass through the shared output head.
+    /// head is not recomputed; its context-parallel ring as a block's), its `[2h, h]`
+    /// projection and three LayerNorms, an embedding lookup and a pass through the shared
+    /// output head.
     fn with_mtp_depths(&self, head: UnitProfile) -> UnitProfile {
         if self.mtp_depth == 0 {
             return head;
@@ -1105,6 +1106,9 @@ impl TransformerShape {
             memory_split: head.memory_split + n * (block.memory_split + 12.0 * s * v),
             memory_attention: head.memory_attention + n * block.memory_attention,
             attention_flops: head.attention_flops + n * block.attention_flops,
+            // Under context parallelism each depth's attention passes its keys and values
+            // around the ring as a block's does (priced as one ring of their sum).
+            kv_elements: head.kv_elements + n * block.kv_elements,
             ..head
         }
     }

@@ -534,8 +534,7 @@ fn space(
 /// The context-parallel degrees and sequence-parallel settings to search with `tp`, `rest`
 /// devices left (`gpus / tp`): see [`SearchOptions::cp`] and
 /// [`SearchOptions::sequence_parallel`]; only `cp = 1` without sequence parallelism for a
-/// model without a transformer shape, and `cp = 1` for one with multi-token prediction
-/// (which does not run under context parallelism yet).
+/// model without a transformer shape.
 fn splits(model: &ModelProxy, rest: usize, tp: usize, options: &SearchOptions) -> Vec<RankSplit> {
     let Some(seq) = model.seq() else {
         return vec![RankSplit::from(tp)];
@@ -544,7 +543,6 @@ fn splits(model: &ModelProxy, rest: usize, tp: usize, options: &SearchOptions) -
         divisors_up_to(gcd(rest, (seq / 2).max(1)), usize::MAX)
             .into_iter()
             .filter(|&cp| cp == 1 || seq / cp >= options.min_cp_tokens)
-            .filter(|&cp| cp == 1 || model.shape.is_none_or(|s| s.mtp_depth == 0))
             .collect()
     } else {
         distinct(&options.cp, |cp| {
@@ -1743,9 +1741,10 @@ mod tests {
     }
 
     /// Multi-token prediction: the depths' parameters in the shape's count and on the head unit,
-    /// their compute and activations there, and no context parallelism in the search.
+    /// their compute, activations and context-parallel ring there, and the search over the
+    /// same layouts as without them.
     #[test]
-    fn mtp_depths_weigh_on_the_head_unit_and_keep_the_search_off_context_parallelism() {
+    fn mtp_depths_weigh_on_the_head_unit() {
         let base = TransformerShape::gpt(2, 64, 4, 4096, 512);
         let mtp = base.with_mtp(2);
         let h = 64u64;
@@ -1759,6 +1758,10 @@ mod tests {
         );
         assert!(head_b.forward_flops > head_a.forward_flops + 2.0 * block.forward_flops);
         assert!(head_b.act_split > head_a.act_split);
+        assert_eq!(
+            head_b.kv_elements,
+            head_a.kv_elements + 2.0 * block.kv_elements
+        );
         assert_eq!(a.units[1], b.units[1]);
         let hw = HardwareSpec::preset("h100-80g").unwrap().with_devices(8);
         let options = SearchOptions {
@@ -1769,14 +1772,14 @@ mod tests {
             search(&b, &hw, &options).unwrap(),
             search(&a, &hw, &options).unwrap(),
         );
-        let cps = |r: &SearchResult| {
-            let plans = std::iter::once(&r.best)
-                .chain(&r.runner_ups)
-                .chain(&r.pareto);
-            plans.map(|p| p.layout.cp).collect::<Vec<_>>()
+        assert_eq!(with.considered, without.considered);
+        // The head's ring is priced under context parallelism.
+        let model = CostModel::new(&b, &hw);
+        let split = RankSplit {
+            cp: 2,
+            ..RankSplit::from(1)
         };
-        assert!(cps(&with).iter().all(|&cp| cp == 1), "{:?}", cps(&with));
-        // The same search without the depths considers the context-parallel layouts too.
-        assert!(with.considered < without.considered);
+        let head = model.unit_terms(b.units.len() - 1, 1, split, 1, RecomputeMode::None, false);
+        assert!(head.cp_forward_s > 0.0 && head.cp_backward_s > 0.0);
     }
 }

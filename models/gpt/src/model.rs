@@ -1,6 +1,8 @@
 //! The GPT module.
 
-use merak_burn::batch::{Batch, DropoutPosition, POSITIONS, SEGMENTS, TARGETS, TOKENS};
+use merak_burn::batch::{
+    Batch, BatchError, DropoutPosition, POSITIONS, SEGMENTS, Samples, TARGETS, TOKENS,
+};
 use std::ops::Range;
 
 use burn::module::Module;
@@ -20,7 +22,8 @@ use crate::GptConfig;
 
 pub mod mtp;
 
-use mtp::{MtpDepth, shifted};
+use mtp::MtpDepth;
+use mtp::targets::{COUNTS, DepthBatch, with_depth_fields};
 
 /// One pre-LayerNorm transformer block.
 #[derive(Module, Debug)]
@@ -252,9 +255,10 @@ pub struct Gpt<B: Backend> {
     /// Under a mixture of experts: the layers and the routed experts of each.
     #[module(skip)]
     experts: Option<(usize, usize)>,
-    /// The weight of the multi-token-prediction losses (`model.mtp_loss_weight`).
+    /// The multi-token-prediction depths of the whole model (`model.mtp_depth`, also on ranks
+    /// without the head) and the weight of their losses (`model.mtp_loss_weight`).
     #[module(skip)]
-    mtp_weight: f64,
+    mtp_settings: (usize, f64),
 }
 
 impl<B: ParallelBackend> Gpt<B> {
@@ -320,7 +324,7 @@ impl<B: ParallelBackend> Gpt<B> {
             ln_f: holds(head_unit).then(ln),
             head,
             mtp,
-            mtp_weight: cfg.mtp_loss_weight,
+            mtp_settings: (cfg.mtp_depth, cfg.mtp_loss_weight),
             dropout: ReplicatedDropout::new(cfg.dropout, seed),
             hidden: cfg.hidden,
             split: SequenceSplit::new(tp, cfg.seq_len),
@@ -378,7 +382,8 @@ impl<B: ParallelBackend> Gpt<B> {
         exchange: CpAttention,
     ) -> Result<Self, ZigZagError> {
         self.split = self.split.with_context_parallel(cp)?;
-        for block in self.blocks.iter_mut().flatten() {
+        let depth_blocks = self.mtp.iter_mut().map(|d| &mut d.block);
+        for block in self.blocks.iter_mut().flatten().chain(depth_blocks) {
             block
                 .attn
                 .set_context_parallel(self.split.context_parallel(), exchange);
@@ -477,37 +482,40 @@ impl<B: ParallelBackend> Gpt<B> {
         )
     }
 
-    /// The training loss of the head unit: the main loss of the last block's `hidden` against
-    /// `targets`, plus, when training with multi-token prediction ([`crate::mtp`]), the
-    /// depths' losses weighted by `model.mtp_loss_weight / depths`; each depth's loss too.
+    /// The summed training loss of the head unit: the main loss of the last block's `hidden`
+    /// against `targets` times `terms` (their count), plus, when training with multi-token
+    /// prediction ([`crate::mtp`]) on the depths' inputs `depth`, each depth's mean loss times
+    /// its factor ([`DepthBatch::factors`]) weighted by `model.mtp_loss_weight / depths`; each
+    /// depth's mean too.
     pub(crate) fn training_loss(
         &self,
-        hidden: Tensor<B, 3>,
-        targets: Tensor<B, 2, Int>,
+        (hidden, targets, terms): (Tensor<B, 3>, Tensor<B, 2, Int>, usize),
+        depth: Option<&DepthBatch<B>>,
         (segments, at): (Option<Tensor<B, 2, Int>>, &DropoutPosition),
     ) -> (Tensor<B, 1>, Vec<Tensor<B, 1>>) {
-        let main = self.head_loss(hidden.clone(), targets.clone());
+        let main = self.head_loss(hidden.clone(), targets) * terms as f32;
         // Training: recording gradients, or a forward pass run without them to be recomputed
         // with them (full recomputation, ZeRO-3), which must give the same loss.
         let training = B::ad_enabled(&hidden.device()) || at.forced;
-        if self.mtp.is_empty() || !training {
+        let Some(depth) = depth.filter(|_| training && !self.mtp.is_empty()) else {
             return (main, Vec::new());
-        }
+        };
         let table = self.head_table();
-        let (mut h, mut inputs, mut depths) = (hidden, targets, Vec::new());
-        for depth in &self.mtp {
-            let embedded = table.forward(inputs.clone().clamp_min(0));
-            h = depth.forward((h, embedded), segments.clone(), at);
-            inputs = shifted(inputs);
-            depths.push(self.cross_entropy(depth.final_norm(h.clone()), inputs.clone()));
+        let (mut h, mut means) = (hidden, Vec::new());
+        for (k, d) in self.mtp.iter().enumerate() {
+            let embedded = table.forward(depth.inputs[k].clone().clamp_min(0));
+            h = d.forward((h, embedded), segments.clone(), at);
+            means.push(self.cross_entropy(d.final_norm(h.clone()), depth.targets[k].clone()));
         }
-        let weight = self.mtp_weight / depths.len() as f64;
-        let extra = depths.iter().cloned().reduce(|a, b| a + b);
+        let weight = self.mtp_settings.1 / means.len() as f64;
+        let extra = (means.iter().zip(&depth.factors))
+            .map(|(m, f)| m.clone().mul_scalar(*f))
+            .reduce(|a, b| a + b);
         let total = match extra {
             Some(extra) => main + extra.mul_scalar(weight),
             None => main,
         };
-        (total, depths)
+        (total, means)
     }
 
     /// Final hidden states, `[batch, seq] -> [batch, seq, hidden]` (a model with every unit;
@@ -585,11 +593,44 @@ impl<B: ParallelBackend> PipelineModel<B> for Gpt<B> {
     }
 
     /// The summed loss: the mean over the counted targets times their count (with
-    /// multi-token prediction, the depths' weighted means added before).
+    /// multi-token prediction, the depths' weighted shares added), then each depth's share
+    /// of the summed loss, logged ([`loss_parts`](PipelineModel::loss_parts)). Samples
+    /// without the depths' fields (not from the trainer) get them here.
     fn head_loss(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> Tensor<B, 1> {
         let segments = batch.has(SEGMENTS).then(|| batch.int(SEGMENTS));
-        let (loss, _) = self.training_loss(x, batch.int(TARGETS), (segments, batch.dropout()));
-        loss * batch.loss_terms() as f32
+        let main = (x, batch.int(TARGETS), batch.loss_terms());
+        let at = (segments, batch.dropout());
+        if self.mtp.is_empty() {
+            return self.training_loss(main, None, at).0;
+        }
+        let prepared;
+        let with_fields = match batch.has(COUNTS) {
+            true => batch.clone(),
+            false => {
+                prepared = with_depth_fields(batch.samples().clone(), self.mtp.len())
+                    .unwrap_or_else(|e| panic!("the depths' targets: {e}"));
+                Batch::new(&prepared, batch.device())
+            }
+        };
+        let depths = DepthBatch::of(&with_fields, self.mtp.len())
+            .unwrap_or_else(|e| panic!("the depths' targets: {e}"));
+        let (loss, means) = self.training_loss(main, Some(&depths), at);
+        let parts =
+            (means.into_iter().zip(&depths.factors)).map(|(m, f)| m.detach().mul_scalar(*f));
+        Tensor::cat(std::iter::once(loss).chain(parts).collect(), 0)
+    }
+
+    /// With multi-token prediction, the depths' targets and counts
+    /// ([`mtp::targets::with_depth_fields`]), from the whole sequences.
+    fn prepare_samples(&self, samples: Samples) -> Result<Samples, BatchError> {
+        with_depth_fields(samples, self.mtp_settings.0)
+    }
+
+    /// With multi-token prediction, each depth's loss: `mtp_1`, `mtp_2`, ….
+    fn loss_parts(&self) -> Vec<String> {
+        (1..=self.mtp_settings.0)
+            .map(|k| format!("mtp_{k}"))
+            .collect()
     }
 
     /// The token table is read by the embedding and (tied) by the head.

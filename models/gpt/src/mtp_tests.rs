@@ -7,10 +7,11 @@ use std::collections::HashMap;
 use burn::module::Module;
 use burn::tensor::{Int, Tensor, TensorData};
 use merak_burn::backend::CpuAutodiff as B;
-use merak_burn::batch::DropoutPosition;
+use merak_burn::batch::{Batch, DropoutPosition, Samples, TARGETS};
 use merak_burn::checkpoint::state::{assign_params, local_params};
 use merak_burn::comm::Group;
 
+use crate::mtp::targets::{DepthBatch, with_depth_fields};
 use crate::{Gpt, GptConfig};
 
 /// A JSON array of numbers as f32.
@@ -72,9 +73,17 @@ fn one_mtp_depth_agrees_with_pytorch() {
     let targets: Vec<i64> = (f["targets"].as_array().expect("targets").iter())
         .map(|t| t.as_i64().expect("an id"))
         .collect();
+    let samples = Samples::new(b).with_int(TARGETS, &[s], targets.clone());
+    let samples = with_depth_fields(samples.expect("samples"), 1).expect("the depth's fields");
+    let batch = Batch::<B>::new(&samples, &device);
+    let depth = DepthBatch::of(&batch, 1).expect("the depth's inputs");
+    let terms = targets.iter().filter(|&&t| t >= 0).count();
     let targets = Tensor::<B, 2, Int>::from_data(TensorData::new(targets, [b, s]), &device);
     let at = DropoutPosition::default();
-    let (total, depths) = gpt.training_loss(hidden.clone(), targets, (None, &at));
+    let main = (hidden.clone(), targets, terms);
+    let (sum, depths) = gpt.training_loss(main, Some(&depth), (None, &at));
+    // The fixture's total is the mean over the main targets.
+    let total = sum / terms as f32;
     let scalar = |t: Tensor<B, 1>| t.into_data().to_vec::<f32>().expect("f32")[0];
     let depth = scalar(depths[0].clone());
     let want = |k: &str| f[k].as_f64().expect("a loss") as f32;

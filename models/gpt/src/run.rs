@@ -11,21 +11,9 @@ impl<B: TrainBackend> RunModel<B, OwnLayers> for GptConfig {
     type Part = Gpt<B>;
 
     /// The plan given, or the planner's for the GPT's shape; the pipeline cut by the shape's
-    /// costs. A mixture of experts is checked against `parallel.ep`; multi-token prediction
-    /// is refused under context parallelism.
+    /// costs. A mixture of experts is checked against `parallel.ep`.
     fn plan_run(&self, request: &PlanRequest<'_, B>) -> Result<RunPlan, RunError> {
         let planned = request.plan_of_shape(&self.shape())?;
-        let cp = planned.plan.cp;
-        if self.mtp_depth > 0 && cp > 1 {
-            return Err(RunError::ContextParallel {
-                cp,
-                reason: format!(
-                    "model.mtp_depth = {}: multi-token prediction does not shift its targets \
-                     across the context-parallel chunks yet",
-                    self.mtp_depth
-                ),
-            });
-        }
         let ep = planned.plan.ep;
         if let Some(moe) = self.moe.as_ref().filter(|_| ep > 1) {
             moe.check_ep(ep).map_err(|e| RunError::ExpertParallel {

@@ -19,7 +19,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use super::{MicroBatch, PipelineError};
 use crate::batch::{Batch, DropoutPosition};
 use crate::data_parallel::{DataParallel, Shards};
-use crate::pipeline::stage::{PipelineModel, StageInput, StageOutput};
+use crate::pipeline::stage::{PipelineModel, StageInput, StageOutput, differentiated};
 use crate::tensor_parallel::ParallelBackend;
 
 /// The order in which a step gathers units: each forward pass's units in order, each backward
@@ -141,7 +141,7 @@ where
         let samples = Batch::new(&batch.samples, device).at(batch.dropout_position(step));
         let out = unit.run_units(u..u + 1, input, &samples);
         let grads = match (out, g.take()) {
-            (StageOutput::Loss(l), _) => (l * batch.weight).backward(),
+            (StageOutput::Loss(l), _) => (differentiated(l) * batch.weight).backward(),
             (StageOutput::Hidden(y), Some(g)) => (y * g).sum().backward(),
             (StageOutput::Hidden(_), None) => {
                 return Err(PipelineError::Tensor(format!(

@@ -14,7 +14,9 @@ use crate::batch::{Batch, DropoutPosition};
 use crate::data_parallel::{DataParallel, Shards};
 use crate::pipeline::executor::{MicroBatch, gathered};
 use crate::pipeline::schedule::Action;
-use crate::pipeline::stage::{PipelineModel, StageInput, StageOutput, TrainBackend, TrainModel};
+use crate::pipeline::stage::{
+    PipelineModel, StageInput, StageOutput, TrainBackend, TrainModel, differentiated,
+};
 
 /// What the forward pass of one (micro-batch, stage) keeps for its backward pass.
 pub(crate) struct Held<B: AutodiffBackend> {
@@ -231,7 +233,7 @@ impl<B: TrainBackend, M: TrainModel<B>> StageRun<'_, B, M> {
         leaf: Option<&Tensor<B, 3>>,
     ) -> Result<Option<Tensor<B, 3>>, PipelineError> {
         let grads = match (out, upstream) {
-            (StageOutput::Loss(l), _) => l.backward(),
+            (StageOutput::Loss(l), _) => differentiated(l).backward(),
             (StageOutput::Hidden(y), Some(g)) => (y * g).sum().backward(),
             (StageOutput::Hidden(_), None) => {
                 return Err(PipelineError::Missing {

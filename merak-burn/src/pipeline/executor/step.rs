@@ -39,11 +39,12 @@ struct StepState<B: TrainBackend> {
     pending: Vec<Box<dyn Pending>>,
     /// Sends of the next step's forwards that ran ahead (2BW), completed in the next call.
     pending_next: Vec<Box<dyn Pending>>,
-    /// The loss of the next step's micro-batches that ran ahead in the previous call (read).
-    carried_loss: f64,
+    /// The loss of the next step's micro-batches that ran ahead in the previous call (read),
+    /// then its logged parts ([`PipelineModel::loss_parts`]).
+    carried_loss: Vec<f64>,
     /// The losses of the forward passes that produced one, in their order, left on the device
     /// until the step ends (one read for all): whether the micro-batch is the next step's,
-    /// the loss, and its factor.
+    /// the loss (followed by its logged parts), and its factor.
     losses: Vec<(bool, Tensor<B::InnerBackend, 1>, f64)>,
     report: StepReport,
 }
@@ -157,7 +158,8 @@ impl<'a, B: TrainBackend, M: TrainModel<B>> StepRun<'a, B, M> {
         ran_ahead.held = next_step_part(state.held, self.work.batches.len());
         ran_ahead.pending = state.pending_next;
         let [loss, next_loss] = sum_losses(state.carried_loss, state.losses)?;
-        state.report.loss = loss;
+        state.report.loss = loss.first().copied().unwrap_or(0.0);
+        state.report.loss_parts = loss.get(1..).unwrap_or_default().to_vec();
         ran_ahead.loss = next_loss;
         let undone = deferred::pending();
         deferred::enable(false);
@@ -406,22 +408,30 @@ impl<'a, B: TrainBackend, M: TrainModel<B>> StepRun<'a, B, M> {
 }
 
 /// The loss of this step's micro-batches (after `carried`, what ran ahead in the previous call)
-/// and of the next step's, from one read of all `losses`: each value times its factor, added in
-/// `f64` in the order the forward passes ran.
+/// and of the next step's, each followed by its logged parts, from one read of all `losses`:
+/// each value times its factor, added in `f64` in the order the forward passes ran.
 fn sum_losses<C: Backend>(
-    carried: f64,
+    carried: Vec<f64>,
     losses: Vec<(bool, Tensor<C, 1>, f64)>,
-) -> Result<[f64; 2], PipelineError> {
-    let mut sums = [carried, 0.0];
+) -> Result<[Vec<f64>; 2], PipelineError> {
+    let mut sums = [carried, Vec::new()];
     if losses.is_empty() {
         return Ok(sums);
     }
-    let (keys, values): (Vec<(bool, f64)>, Vec<Tensor<C, 1>>) = (losses.into_iter())
-        .map(|(next, value, factor)| ((next, factor), value.reshape([1])))
-        .unzip();
-    let read_back = read(Tensor::cat(values, 0))?;
-    for ((next, factor), v) in keys.into_iter().zip(read_back) {
-        sums[usize::from(next)] += f64::from(v) * factor;
+    let keys: Vec<(bool, f64, usize)> = (losses.iter())
+        .map(|(next, value, factor)| (*next, *factor, value.dims()[0]))
+        .collect();
+    let read_back = read(Tensor::cat(losses.into_iter().map(|l| l.1).collect(), 0))?;
+    let mut at = 0;
+    for (next, factor, len) in keys {
+        let sum = &mut sums[usize::from(next)];
+        if sum.len() < len {
+            sum.resize(len, 0.0);
+        }
+        for (s, v) in sum.iter_mut().zip(&read_back[at..at + len]) {
+            *s += f64::from(*v) * factor;
+        }
+        at += len;
     }
     Ok(sums)
 }

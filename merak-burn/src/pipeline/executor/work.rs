@@ -100,8 +100,9 @@ pub struct RanAhead<B: AutodiffBackend> {
     /// value waits between calls).
     pub(super) held: HashMap<Key, Held<B>>,
     pub(super) pending: Vec<Box<dyn Pending>>,
-    /// Loss of that step's micro-batches already run (on the last stage).
-    pub(super) loss: f64,
+    /// Loss of that step's micro-batches already run (on the last stage), then its logged
+    /// parts.
+    pub(super) loss: Vec<f64>,
 }
 
 impl<B: AutodiffBackend> Default for RanAhead<B> {
@@ -110,7 +111,7 @@ impl<B: AutodiffBackend> Default for RanAhead<B> {
             step: None,
             held: HashMap::new(),
             pending: Vec::new(),
-            loss: 0.0,
+            loss: Vec::new(),
         }
     }
 }

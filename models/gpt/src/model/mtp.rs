@@ -8,11 +8,13 @@
 //! depth, on the head's pipeline stage through its copy of the table as the head does.
 //!
 //! Depth `k`'s inputs and targets are the main targets shifted left by `k - 1` and `k`
-//! positions ([`shifted`]); the last `k` positions of a sequence have no target and are left
-//! out of its loss (their inputs, from past the end, are looked up as token 0: causal attention
-//! keeps them from every counted position). The training loss is the main loss plus
-//! `model.mtp_loss_weight / D` times the sum of the depths' (each a mean over its counted
-//! targets); evaluation and generation use the main head only.
+//! positions, added to the samples while the sequences are whole ([`targets`], which is what
+//! lets them cross the chunks of context parallelism); the last `k` positions of a sequence
+//! have no target and are left out of its loss (their inputs, from past the end, are looked
+//! up as token 0: causal attention keeps them from every counted position). The training loss
+//! is the main loss plus `model.mtp_loss_weight / D` times the sum of the depths' (each a mean
+//! over its counted targets in the micro-batch); evaluation and generation use the main head
+//! only.
 
 use burn::module::{Module, Param};
 use burn::tensor::{Int, Tensor, backend::Backend};
@@ -25,6 +27,8 @@ use merak_burn::tensor_parallel::{
 
 use super::Block;
 use crate::GptConfig;
+
+pub mod targets;
 
 /// One depth of multi-token prediction (see the [module](self)).
 #[derive(Module, Debug)]
@@ -122,16 +126,4 @@ impl<B: ParallelBackend> MtpDepth<B> {
 /// GPT-2 files do not hold, the export leaves out and `--init-from` leaves initialized.
 pub fn is_depth_param(name: &str) -> bool {
     name.starts_with("mtp.")
-}
-
-/// `targets` (`[batch, seq]`) shifted left by one position: position `i` gets `i + 1`'s, the
-/// last position -1 (not counted by the loss).
-pub(crate) fn shifted<B: Backend>(targets: Tensor<B, 2, Int>) -> Tensor<B, 2, Int> {
-    let [batch, seq] = targets.dims();
-    let device = targets.device();
-    let none = Tensor::<B, 2, Int>::full([batch, 1], -1, &device);
-    match seq {
-        0 | 1 => none.narrow(1, 0, seq),
-        _ => Tensor::cat(vec![targets.narrow(1, 1, seq - 1), none], 1),
-    }
 }
