@@ -107,7 +107,7 @@ fn sgd_and_rmsprop_equal_one_process_under_dp_zero1_tp_and_pp() {
 }
 
 #[test]
-fn muon_equals_one_process_under_dp_tp_and_pp_and_resumes_under_another_layout() {
+fn muon_equals_one_process_under_dp_tp_cp_and_pp_and_resumes_under_another_layout() {
     let every2 = ["--set", "checkpoint.every=2"];
     let single = run(0, "opt-muon-single", &MUON, &every2);
     let entry = saved_optimizer(&single);
@@ -132,6 +132,8 @@ fn muon_equals_one_process_under_dp_tp_and_pp_and_resumes_under_another_layout()
         (2, "tp2", vec!["--tp", "2"]),
         // The tied embedding's two copies, on two stages, each stepped by AdamW.
         (2, "pp2", vec!["--pp", "2", "--set", "train.micro_batch=2"]),
+        // Each rank's gradients from its chunks of the sequences, summed before the step.
+        (2, "cp2", vec!["--cp", "2"]),
         (
             8,
             "dp2-tp2-pp2-sp",
