@@ -178,12 +178,27 @@ fn tensor_names(path: &std::path::Path) -> Vec<String> {
     tensors.into_iter().map(|t| t.name).collect()
 }
 
-/// Muon on the blocks' matrices (AdamW on the depths') with the depths, under ZeRO-2 and
-/// tensor parallelism, as in one process.
+/// Muon on the blocks' and the depths' matrices (AdamW on the depths' LayerNorms), under
+/// ZeRO-2 and tensor parallelism, as in one process.
 #[test]
 fn mtp_with_muon_equals_one_process_under_zero() {
     let muon = [&MTP[..], &["--set", "optimizer.kind=muon"]].concat();
     let single = run(0, "mtp-muon-single", &muon, &[]);
+    // The depths' matrices are Muon's (one state tensor: the second is zeros), their
+    // LayerNorms AdamW's.
+    let moments = Checkpoint::open(&single.join("checkpoints"))
+        .and_then(|c| c.read_full())
+        .expect("a checkpoint")
+        .moments;
+    let one_tensor = |k: &str| moments[k].m2.iter().all(|v| *v == 0.0);
+    assert!(one_tensor("mtp.1.proj"), "mtp.1.proj is AdamW's");
+    let norms: Vec<&String> = (moments.keys())
+        .filter(|k| k.starts_with("mtp.1.") && k.contains("norm"))
+        .collect();
+    assert!(
+        !norms.is_empty() && norms.iter().all(|k| !one_tensor(k)),
+        "{norms:?}"
+    );
     let extra = ["--dp", "2", "--tp", "2", "--set", "parallel.zero=2"];
     let got = run(4, "mtp-muon-dp2-tp2-zero2", &muon, &extra);
     assert_same_losses("mtp muon dp2 tp2 zero2", &got, &single);

@@ -134,6 +134,14 @@ pub trait PipelineModel<B: Backend>: Module<B> {
         Ok(samples)
     }
 
+    /// Parameters of the head unit that belong to transformer blocks (GPT's
+    /// multi-token-prediction depths): Muon steps their matrices as it steps the blocks'
+    /// (`optimizer.kind = "muon"`), where the rest of the head goes to AdamW. Empty (the
+    /// default): none.
+    fn head_block_params(&self) -> Vec<ParamId> {
+        Vec::new()
+    }
+
     /// The names of the loss's parts that a training step logs beside the loss (each a sum
     /// over the micro-batch like the loss, so divided as it is: for example the
     /// multi-token-prediction depths' losses); [`head_loss`](Self::head_loss) returns them

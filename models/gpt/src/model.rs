@@ -626,6 +626,12 @@ impl<B: ParallelBackend> PipelineModel<B> for Gpt<B> {
         with_depth_fields(samples, self.mtp_settings.0)
     }
 
+    /// The multi-token-prediction depths' parameters (their block and projection matrices
+    /// are Muon's; their LayerNorms, not matrices, stay AdamW's).
+    fn head_block_params(&self) -> Vec<burn::module::ParamId> {
+        self.mtp.iter().flat_map(|d| param_ids(Some(d))).collect()
+    }
+
     /// With multi-token prediction, each depth's loss: `mtp_1`, `mtp_2`, ….
     fn loss_parts(&self) -> Vec<String> {
         (1..=self.mtp_settings.0)

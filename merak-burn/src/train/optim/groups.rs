@@ -219,6 +219,9 @@ where
         })?;
         blocks.extend(ids);
     }
+    if holds(model.layer_count() + 1) {
+        blocks.extend(model.head_block_params());
+    }
     let ids = (shapes.iter())
         .filter(|p| p.shape.len() == 2 && blocks.contains(&p.id))
         .map(|p| p.id)

@@ -27,6 +27,7 @@
 use serde::Serialize;
 
 use super::{CostModel, Layout};
+use crate::planner::memory::model_states;
 
 /// The optimizer a run steps with, as the cost model prices it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
@@ -85,20 +86,12 @@ impl<'a> CostModel<'a> {
                 layout.state_sharding().expert_shard.max(1),
             ),
         };
-        let (mut dense, mut dense_flops, mut expert_flops) = (0.0, 0.0, 0.0);
-        for u in units.iter().filter_map(|&u| self.model.units.get(u)) {
-            if !u.recomputable {
-                continue;
-            }
-            let n = u.params_split as f64;
-            let h = self
-                .model
-                .shape
-                .map_or((n / 12.0).sqrt(), |s| s.hidden as f64);
-            dense += n;
-            dense_flops += DENSE_FLOPS_PER_ELEMENT_PER_H * h * n;
-            expert_flops += self.expert_flops_per_element(h) * u.params_expert as f64 / ep as f64;
-        }
+        let Matrices {
+            dense,
+            dense_flops,
+            expert_flops,
+            ..
+        } = self.muon_matrices(units, ep);
         let steps = ns_steps as f64;
         let flops = steps * (dense_flops / s as f64 + expert_flops / se as f64);
         let tp_gather_bytes = match t {
@@ -124,6 +117,61 @@ impl<'a> CostModel<'a> {
         }
     }
 
+    /// The matrices Muon steps among `units`, with their Newton-Schulz FLOPs per iteration
+    /// (routed experts over `ep` ranks).
+    fn muon_matrices(&self, units: &[usize], ep: usize) -> Matrices {
+        let mut m = Matrices::default();
+        let last = self.model.units.len().saturating_sub(1);
+        for (i, u) in units
+            .iter()
+            .filter_map(|&u| Some((u, self.model.units.get(u)?)))
+        {
+            // The blocks' matrices, and the multi-token-prediction depths' blocks on the head
+            // (their `[2h, h]` projections, whole on every rank, are left out: 1/7 of a
+            // depth's matrices).
+            let n = match (u.recomputable, self.model.shape) {
+                (true, _) => u.params_split as f64,
+                (false, Some(s)) if i == last && s.mtp_depth > 0 => {
+                    let block = self.model.units.get(1).map_or(0, |b| b.params_split);
+                    (s.mtp_depth as u64).saturating_mul(block) as f64
+                }
+                _ => continue,
+            };
+            let h = self
+                .model
+                .shape
+                .map_or((n / 12.0).sqrt(), |s| s.hidden as f64);
+            m.dense += n;
+            m.dense_flops += DENSE_FLOPS_PER_ELEMENT_PER_H * h * n;
+            let experts = if u.recomputable {
+                u.params_expert as f64
+            } else {
+                0.0
+            };
+            m.expert += experts;
+            m.expert_flops += self.expert_flops_per_element(h) * experts / ep as f64;
+        }
+        m
+    }
+
+    /// Bytes of optimizer state a rank holding `units` under `layout` keeps fewer under Muon
+    /// than the element-wise optimizer's states count: one state tensor (AdamW's second
+    /// moment) per element of its matrices, as the state is sharded. Zero under another
+    /// optimizer.
+    pub(crate) fn muon_state_saving(&self, layout: &Layout, units: &[usize]) -> f64 {
+        if !matches!(self.optimizer, OptimizerCost::Muon { .. }) {
+            return 0.0;
+        }
+        let (t, ep) = (layout.tp.max(1) as f64, layout.ep.max(1));
+        let m = self.muon_matrices(units, ep);
+        let sharding = layout.state_sharding();
+        let per_tensor = |dense: f64, expert: f64| {
+            let states = model_states(dense, expert, &sharding, &self.state_format);
+            states.optimizer / 2.0
+        };
+        per_tensor(m.dense / t, m.expert / (ep as f64 * t))
+    }
+
     /// FLOPs per element and iteration of a routed expert's matrices (`h × f` and `f × h`).
     fn expert_flops_per_element(&self, h: f64) -> f64 {
         let f = (self.model.shape)
@@ -132,4 +180,17 @@ impl<'a> CostModel<'a> {
         let (r, c) = (h.min(f), h.max(f));
         4.0 * r + 2.0 * r * r / c.max(1.0)
     }
+}
+
+/// The matrices Muon steps on a rank ([`CostModel::muon_matrices`]).
+#[derive(Clone, Copy, Debug, Default)]
+struct Matrices {
+    /// Elements of the dense matrices (whole, before tensor parallelism splits them).
+    dense: f64,
+    /// Elements of the routed experts' matrices (all experts).
+    expert: f64,
+    /// Newton-Schulz FLOPs per iteration of the dense matrices.
+    dense_flops: f64,
+    /// Newton-Schulz FLOPs per iteration of this rank's experts.
+    expert_flops: f64,
 }

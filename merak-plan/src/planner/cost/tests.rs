@@ -931,4 +931,28 @@ fn muon_adds_its_orthogonalizations_and_their_traffic_to_the_step() {
         assert!(added > 0.0);
         assert!((b.step_time_s - a.step_time_s - added).abs() < 1e-9 + 1e-6 * added);
     }
+    // Two multi-token-prediction depths on the head add two blocks' matrices.
+    let shape = model.shape.expect("a transformer shape").with_mtp(2);
+    let mtp = ModelProxy::from_shape(shape);
+    let muon_mtp = CostModel::new(&mtp, &hw).with_optimizer(OptimizerCost::Muon { ns_steps: 5 });
+    let with = muon_mtp.muon_terms(&tp2, &units);
+    let block = model.units[1].params_split as f64;
+    let extra = 2.0 * block / blocks;
+    assert!(
+        (with.flops / whole.flops - 1.0 - extra).abs() < 1e-9,
+        "{with:?}"
+    );
+    // Muon keeps one fp32 state tensor per matrix element where AdamW keeps two: at tp 2
+    // without ZeRO a rank holds half of each block matrix, 4 bytes fewer per element held
+    // (the mixed-precision format's 8 optimizer bytes per parameter, halved); under ZeRO-1
+    // over 4 ranks a quarter of that.
+    let states =
+        |cm: &CostModel, l: &Layout| cm.predict(l).unwrap().breakdown["model_states_bytes"];
+    let saved = states(&plain, &tp2) - states(&muon, &tp2);
+    assert!((saved / (0.5 * blocks * 4.0) - 1.0).abs() < 1e-6, "{saved}");
+    let saved_zero = states(&plain, &zero) - states(&muon, &zero);
+    assert!(
+        (saved_zero / (saved / 4.0) - 1.0).abs() < 1e-6,
+        "{saved_zero}"
+    );
 }

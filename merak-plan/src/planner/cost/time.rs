@@ -519,6 +519,8 @@ impl<'a> CostModel<'a> {
             }),
             self.layout_state_bytes(layout),
         );
+        // Muon keeps one state tensor for its matrices where AdamW keeps two.
+        memory.states -= self.muon_state_saving(layout, &held);
         if layout.zero == 3 {
             let largest = (0..v)
                 .map(|chunk| terms[stage(chunk)].largest_params)
