@@ -10,7 +10,7 @@ use burn::nn::{Embedding, EmbeddingConfig, LinearConfig};
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 use merak_burn::backend::{CpuAutodiff, CpuAutodiff as Cpu, CpuDevice};
-use merak_burn::batch::{Batch, Samples, TOKENS};
+use merak_burn::batch::{Batch, BatchError, Samples, TARGETS, TOKENS};
 use merak_burn::checkpoint::state;
 use merak_burn::entry::{
     ModelDims, PlanChoice, RunError, RunOptions, UnitModel, build_units, unit_seed,
@@ -101,6 +101,35 @@ impl<B: ParallelBackend> HeadUnit<B> for Parted<B> {
     }
 }
 
+/// The test model's head reading the field `ahead` (the targets one position on, `-1` at
+/// each sequence's end) that it adds to the whole samples (`prepare_samples`), and logging the
+/// share of its positions that have one (3 of 4: 0.75) as the part `ahead`.
+#[derive(Module, Debug)]
+struct Ahead<B: Backend> {
+    head: Block<B>,
+}
+
+impl<B: ParallelBackend> HeadUnit<B> for Ahead<B> {
+    const LOSS_PARTS: &'static [&'static str] = &["ahead"];
+    fn loss(&self, x: Tensor<B, 3>, batch: &Batch<'_, B>) -> LossSum<B> {
+        let loss = self.head.loss(x, batch);
+        let ahead = batch.int::<2>("ahead").greater_equal_elem(0).float().sum();
+        let share = ahead / loss.terms() as f32;
+        loss.with_part_mean(share)
+    }
+    fn prepare_samples(&self, samples: Samples) -> Result<Samples, BatchError> {
+        let targets = samples.ints(TARGETS)?.to_vec();
+        let seq = targets.len() / samples.count.max(1);
+        let ahead: Vec<i64> = (0..targets.len())
+            .map(|i| match (i + 1) % seq {
+                0 => -1,
+                _ => targets[i + 1],
+            })
+            .collect();
+        samples.with_int("ahead", &[seq], ahead)
+    }
+}
+
 /// A [`Model`] with another head, `$head` built from the model's head block by `$wrap`.
 macro_rules! with_head {
     ($doc:literal, $name:ident, $head:ident, $wrap:expr) => {
@@ -135,6 +164,12 @@ with_head!(
     MisnamedModel,
     Misnamed,
     |head, _| Misnamed { head }
+);
+with_head!(
+    "[`Model`] with the [`Ahead`] head.",
+    AheadModel,
+    Ahead,
+    |head, _| Ahead { head }
 );
 with_head!(
     "[`Model`] with the [`Parted`] head adding its part `.1` times.",
@@ -341,6 +376,7 @@ fn units_that_do_not_fit_together_are_refused_before_anything_is_written() {
     );
     assert!(!out.exists());
     a_heads_loss_parts_are_logged(dir.path());
+    a_head_prepares_its_fields_from_whole_samples(dir.path());
     side_inputs_reach_every_block(dir.path());
     // The same model, fitting, trains and checkpoints.
     run(&fits, &out, ParallelPlan::default()).expect("trains");
@@ -366,6 +402,18 @@ fn a_heads_loss_parts_are_logged(dir: &std::path::Path) {
         let (loss, part) = (r["loss"].as_f64(), r["loss_parts"]["mean"].as_f64());
         let (loss, part) = (loss.expect("a loss"), part.expect("the part"));
         assert!((part - loss).abs() <= 1e-6 * loss.abs(), "{r}");
+    }
+}
+
+/// A head's own fields (`HeadUnit::prepare_samples`) reach it, in the sample check before
+/// training and in every step: the part it computes from them is logged at its value.
+fn a_head_prepares_its_fields_from_whole_samples(dir: &std::path::Path) {
+    let out = dir.join("ahead");
+    run_plan(&AheadModel(fits(false), 0), &out, ParallelPlan::default()).expect("trains");
+    let text = std::fs::read_to_string(out.join("metrics.jsonl")).expect("metrics");
+    for line in text.lines() {
+        let r: serde_json::Value = serde_json::from_str(line).expect("JSON");
+        assert_eq!(r["loss_parts"]["ahead"].as_f64(), Some(0.75), "{r}");
     }
 }
 

@@ -258,8 +258,13 @@ impl<B: AutodiffBackend + ParallelBackend, M: UnitModel<B>> Sample<B, M> {
     ) -> Result<Self, RunError> {
         let samples = read_samples(micro, 1, || data.train_samples(0, 0, micro))?;
         let units = sample_units(model, settings.seed, device)?;
+        let units = shard_module(units, &model.tp_plan(), Group::local())?;
+        let samples = (units.prepare_samples(samples)).map_err(|e| TrainError::Data {
+            step: 1,
+            source: Box::new(e),
+        })?;
         let mut sample = Sample {
-            units: shard_module(units, &model.tp_plan(), Group::local())?,
+            units,
             samples,
             device: device.clone(),
             hidden: model.dims().hidden,

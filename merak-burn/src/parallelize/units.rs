@@ -8,7 +8,7 @@ use burn::module::{Module, ModuleDisplay, ModuleMapper, ModuleVisitor, Param, Pa
 use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
-use crate::batch::Batch;
+use crate::batch::{Batch, BatchError, Samples};
 use crate::comm::Group;
 use crate::context_parallel::ZigZag;
 use crate::parallelize::LossSum;
@@ -75,6 +75,15 @@ pub trait HeadUnit<B: Backend>: Module<B> + ModuleDisplay {
     /// `run` refuses, before training, a head that adds another number of parts. Empty (the
     /// default): the loss alone.
     const LOSS_PARTS: &'static [&'static str] = &[];
+
+    /// The micro-batch's `samples` (whole sequences) with fields this head derives from them
+    /// before context parallelism cuts the sequences over its ranks, for example the targets
+    /// several positions ahead that extra prediction depths read; called on the rank that
+    /// holds the head, before the cut (and on the sample micro-batch `run` checks first).
+    /// The default adds nothing.
+    fn prepare_samples(&self, samples: Samples) -> Result<Samples, BatchError> {
+        Ok(samples)
+    }
 
     /// Sums of evaluation metrics of `x` against the targets over the micro-batch, one per
     /// name of [`METRICS`](Self::METRICS) (for example `[summed loss, correct predictions,
@@ -515,6 +524,14 @@ where
 
     fn loss_parts(&self) -> Vec<String> {
         H::LOSS_PARTS.iter().map(|p| p.to_string()).collect()
+    }
+
+    /// The head's fields ([`HeadUnit::prepare_samples`]) on the rank that holds it.
+    fn prepare_samples(&self, samples: Samples) -> Result<Samples, BatchError> {
+        match &self.head {
+            Some(head) => head.prepare_samples(samples),
+            None => Ok(samples),
+        }
     }
 
     fn head_eval(
