@@ -426,7 +426,8 @@ pub enum ModelSpecError {
     /// A key that is not a field.
     #[error(
         "unknown model field `{field}` (fields: layers, hidden, heads, seq, vocab; mixture of \
-         experts: experts, top_k, expert_hidden, shared, swiglu, moe_every, imbalance)"
+         experts: experts, top_k, expert_hidden, shared, swiglu, moe_every, imbalance; \
+         multi-token prediction: mtp)"
     )]
     UnknownField {
         /// The key.
@@ -473,6 +474,19 @@ pub enum ModelSpecError {
         value: usize,
         /// What it must be.
         rule: String,
+    },
+    /// More multi-token-prediction depths than a GPT takes (`mtp`).
+    #[error(
+        "model field `mtp` = {depth} must be at most {most} (8, and fewer than seq = {seq}: depth \
+         k predicts the token k + 1 places ahead)"
+    )]
+    Mtp {
+        /// The depths given.
+        depth: usize,
+        /// The most allowed.
+        most: usize,
+        /// The sequence length.
+        seq: usize,
     },
     /// A shape whose parameter count does not fit in 64 bits.
     #[error(
@@ -676,6 +690,14 @@ impl TransformerShape {
         if let Some(moe) = &self.moe {
             moe.validate(self.layers)?;
         }
+        let most = MAX_MTP_DEPTH.min(self.seq.saturating_sub(1));
+        if self.mtp_depth > most {
+            return Err(ModelSpecError::Mtp {
+                depth: self.mtp_depth,
+                most,
+                seq: self.seq,
+            });
+        }
         if self.checked_params().is_none() {
             return Err(ModelSpecError::TooLarge {
                 shape: self.to_string(),
@@ -773,9 +795,12 @@ impl fmt::Display for TransformerShape {
             "{kind}:layers={},hidden={},heads={},seq={},vocab={}",
             self.layers, self.hidden, self.heads, self.seq, self.vocab
         )?;
-        match &self.moe {
-            Some(moe) => f.write_str(&moe.spec_fields()),
-            None => Ok(()),
+        if let Some(moe) = &self.moe {
+            f.write_str(&moe.spec_fields())?;
+        }
+        match self.mtp_depth {
+            0 => Ok(()),
+            depth => write!(f, ",mtp={depth}"),
         }
     }
 }
@@ -832,12 +857,13 @@ impl FromStr for TransformerShape {
             moe: None,
             mtp_depth: 0,
         };
-        let moe_given = values[5..].iter().any(Option::is_some);
+        let optional = |i: usize, default: usize| values[i].map_or(default, |(v, _)| v);
+        let shape = shape.with_mtp(optional(MTP_FIELD, 0));
+        let moe_given = values[5..MTP_FIELD].iter().any(Option::is_some);
         if !moe_given {
             shape.validate()?;
             return Ok(shape);
         }
-        let optional = |i: usize, default: usize| values[i].map_or(default, |(v, _)| v);
         let swiglu = optional(9, 0);
         if swiglu > 1 {
             return Err(ModelSpecError::Moe {
@@ -903,8 +929,9 @@ fn spec_values(fields: &str) -> Result<[Option<(usize, &str)>; SPEC_FIELDS.len()
 
 /// The fields of an inline model spec: the shape's, then the mixture of experts' (`experts`,
 /// `top_k` and `expert_hidden` given together; `shared`, `swiglu`, `moe_every` and `imbalance`,
-/// the busiest expert-parallel rank's expected load in percent of the mean, optional).
-const SPEC_FIELDS: [&str; 12] = [
+/// the busiest expert-parallel rank's expected load in percent of the mean, optional), then
+/// the multi-token-prediction depths (`mtp`, optional, 0 by default).
+const SPEC_FIELDS: [&str; 13] = [
     "layers",
     "hidden",
     "heads",
@@ -917,7 +944,14 @@ const SPEC_FIELDS: [&str; 12] = [
     "swiglu",
     "moe_every",
     "imbalance",
+    "mtp",
 ];
+
+/// The place of `mtp` in [`SPEC_FIELDS`].
+const MTP_FIELD: usize = 12;
+
+/// The most multi-token-prediction depths a GPT takes (`model.mtp_depth`).
+pub const MAX_MTP_DEPTH: usize = 8;
 
 /// The first of [`SPEC_FIELDS`] that may be 0 (`shared`, `swiglu`).
 const FIRST_ZERO_FIELD: usize = 8;
@@ -1396,6 +1430,40 @@ mod tests {
         // A dense model uses all of its parameters.
         let gpt2 = TransformerShape::preset("gpt2").unwrap();
         assert_eq!(gpt2.active_params(), gpt2.params());
+    }
+
+    /// Inline specs with multi-token prediction (`mtp`): the depths reach the shape, also
+    /// beside a mixture of experts, the spec printed back parses to the same shape, and too
+    /// many depths are refused naming the field and the bound.
+    #[test]
+    fn mtp_specs_parse_print_back_and_are_bounded() {
+        let base = "gpt:layers=4,hidden=128,heads=4,seq=128,vocab=50257";
+        let shape: TransformerShape = format!("{base},mtp=2").parse().unwrap();
+        assert_eq!(
+            shape,
+            TransformerShape::gpt(4, 128, 4, 128, 50257).with_mtp(2)
+        );
+        assert_eq!(shape.to_string(), format!("{base},mtp=2"));
+        assert_eq!(
+            shape.to_string().parse::<TransformerShape>().unwrap(),
+            shape
+        );
+        let plain: TransformerShape = format!("{base},mtp=0").parse().unwrap();
+        assert_eq!(plain.to_string(), base);
+        let moe = "gpt:layers=4,hidden=64,heads=4,seq=32,vocab=100,experts=4,top_k=1,\
+                   expert_hidden=32,mtp=1";
+        let moe: TransformerShape = moe.parse().unwrap();
+        assert_eq!((moe.mtp_depth, moe.moe.map(|m| m.experts)), (1, Some(4)));
+        let err = format!("{base},mtp=9")
+            .parse::<TransformerShape>()
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("`mtp` = 9 must be at most 8"),
+            "{err}"
+        );
+        let short = "gpt:layers=4,hidden=128,heads=4,seq=4,vocab=100,mtp=4";
+        let err = short.parse::<TransformerShape>().unwrap_err();
+        assert!(err.to_string().contains("at most 3"), "{err}");
     }
 
     /// Inline MoE specs: every `moe_every` layers a MoE block, shared experts and SwiGLU

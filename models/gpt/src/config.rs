@@ -2,6 +2,7 @@
 
 use merak_burn::bounds::{Bounds, OutOfBounds, RealKey, out_of_bounds};
 use merak_burn::moe::{ExpertActivation, MoeConfig, MoeConfigError};
+use merak_burn::planner::model::MAX_MTP_DEPTH;
 use merak_burn::planner::{ModelKind, MoeShape, TransformerShape};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -52,9 +53,6 @@ pub struct GptConfig {
 fn default_mtp_weight() -> f64 {
     0.1
 }
-
-/// The most multi-token-prediction depths (`model.mtp_depth`).
-pub const MAX_MTP_DEPTH: usize = 8;
 
 fn default_eps() -> f64 {
     1e-5
