@@ -154,7 +154,7 @@ fn a_layout_is_checked_as_a_plan_file_is() {
     for (text, part) in [
         (
             "dp=4,pp=2,v=2",
-            "v = 2: 2 stages per rank need schedule = \"interleaved\" or \"zb-v\" (it is \"1f1b\")",
+            "v = 2: 2 stages per rank need schedule = \"interleaved\", \"zb-v\" or \"dualpipev\" (it is \"1f1b\")",
         ),
         (
             "dp=4,pp=2,schedule=zb-v",

@@ -14,6 +14,9 @@
 //! stages per rank form a V (rank `r` holds `r` and `2p - 1 - r`;
 //! [`schedule::rank_of_stage`]). Consecutive stages on one rank hand over without messages.
 
+mod dual_pipe_v;
+#[cfg(test)]
+mod dual_pipe_v_tests;
 mod order;
 pub mod partition;
 mod pipeline_plan;

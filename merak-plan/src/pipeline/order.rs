@@ -10,4 +10,7 @@ pub(crate) enum Op {
     B(usize, usize),
     /// Weight gradients of (`mb`, `stage`) in a split backward.
     W(usize, usize),
+    /// DualPipeV's overlapped pair: the forward of (`mb`, `stage`) and the backward (B) of
+    /// another (`mb`, `stage`) on the same rank.
+    Pair((usize, usize), (usize, usize)),
 }

@@ -18,6 +18,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
+use super::dual_pipe_v::dual_pipe_v_order;
 use super::order::Op;
 use super::zero_bubble::zb_h1_order;
 
@@ -99,13 +100,58 @@ pub enum Action {
         /// Global stage whose output gradient is received.
         stage: usize,
     },
+    /// DualPipeV's overlapped pair ([`ScheduleKind::DualPipeV`]): the forward pass of
+    /// (`forward_mb`, `forward_stage`) and the backward pass (B) of (`backward_mb`,
+    /// `backward_stage`), two stages of one rank, run as one action so that the messages of
+    /// each travel while the other computes. It counts as its [`Action::Forward`] followed by
+    /// its [`Action::Backward`] (see [`Action::parts`]). The receives of both inputs come
+    /// before it in the list and the sends of both outputs after it; a rank posts those
+    /// receives without waiting, waits for the backward's gradient only once the forward is
+    /// done, and starts the forward's send before the backward runs (which only moves
+    /// messages earlier than the list says, so the list's proof of deadlock freedom holds).
+    ForwardBackward {
+        /// Micro-batch of the forward pass.
+        forward_mb: usize,
+        /// Global stage of the forward pass.
+        forward_stage: usize,
+        /// Micro-batch of the backward pass.
+        backward_mb: usize,
+        /// Global stage of the backward pass.
+        backward_stage: usize,
+    },
     /// Apply the optimizer to this rank's parameters (the end of a step).
     OptimizerStep,
 }
 impl Action {
-    /// The micro-batch this action works on (`None` for [`Action::OptimizerStep`]).
+    /// The passes this action runs, in order: a [`Action::ForwardBackward`] pair's forward and
+    /// backward, any other action itself.
+    pub fn parts(self) -> impl Iterator<Item = Action> {
+        let (first, second) = match self {
+            Action::ForwardBackward {
+                forward_mb,
+                forward_stage,
+                backward_mb,
+                backward_stage,
+            } => (
+                Action::Forward {
+                    mb: forward_mb,
+                    stage: forward_stage,
+                },
+                Some(Action::Backward {
+                    mb: backward_mb,
+                    stage: backward_stage,
+                }),
+            ),
+            action => (action, None),
+        };
+        std::iter::once(first).chain(second)
+    }
+
+    /// The micro-batch this action works on (a pair's forward's; `None` for
+    /// [`Action::OptimizerStep`]).
     pub fn micro_batch(&self) -> Option<usize> {
         match *self {
+            Action::ForwardBackward { forward_mb, .. } => Some(forward_mb),
             Action::Forward { mb, .. }
             | Action::Recompute { mb, .. }
             | Action::Backward { mb, .. }
@@ -118,9 +164,11 @@ impl Action {
         }
     }
 
-    /// The global stage this action belongs to (`None` for [`Action::OptimizerStep`]).
+    /// The global stage this action belongs to (a pair's forward's; `None` for
+    /// [`Action::OptimizerStep`]).
     pub fn stage(&self) -> Option<usize> {
         match *self {
+            Action::ForwardBackward { forward_stage, .. } => Some(forward_stage),
             Action::Forward { stage, .. }
             | Action::Recompute { stage, .. }
             | Action::Backward { stage, .. }
@@ -150,9 +198,21 @@ impl Action {
         !self.is_message()
     }
 
-    /// The same action for another micro-batch (the optimizer step is returned unchanged).
+    /// The same action for another micro-batch (the optimizer step is returned unchanged; a
+    /// pair's backward moves by as much as its forward).
     pub fn with_micro_batch(self, new_mb: usize) -> Action {
         match self {
+            Action::ForwardBackward {
+                forward_mb,
+                forward_stage,
+                backward_mb,
+                backward_stage,
+            } => Action::ForwardBackward {
+                forward_mb: new_mb,
+                forward_stage,
+                backward_mb: (backward_mb + new_mb).saturating_sub(forward_mb),
+                backward_stage,
+            },
             Action::Forward { stage, .. } => Action::Forward { mb: new_mb, stage },
             Action::Recompute { stage, .. } => Action::Recompute { mb: new_mb, stage },
             Action::Backward { stage, .. } => Action::Backward { mb: new_mb, stage },
@@ -178,6 +238,18 @@ impl fmt::Display for Action {
             Action::RecvActivation { mb, stage } => ("RecvActivation", mb, stage),
             Action::SendGrad { mb, stage } => ("SendGrad", mb, stage),
             Action::RecvGrad { mb, stage } => ("RecvGrad", mb, stage),
+            Action::ForwardBackward {
+                forward_mb,
+                forward_stage,
+                backward_mb,
+                backward_stage,
+            } => {
+                return write!(
+                    f,
+                    "ForwardBackward(forward mb={forward_mb}, stage={forward_stage}; \
+                     backward mb={backward_mb}, stage={backward_stage})"
+                );
+            }
             Action::OptimizerStep => return f.write_str("OptimizerStep"),
         };
         write!(f, "{name}(mb={mb}, stage={stage})")
@@ -185,7 +257,8 @@ impl fmt::Display for Action {
 }
 
 /// Which pipeline schedule to run. The names (serde, [`FromStr`], [`Display`](fmt::Display))
-/// are `gpipe`, `1f1b`, `interleaved`, `shifted-critical-path`, `2bw`, `zb-h1` and `zb-v`.
+/// are `gpipe`, `1f1b`, `interleaved`, `shifted-critical-path`, `2bw`, `zb-h1`, `zb-v` and
+/// `dualpipev`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum ScheduleKind {
     /// GPipe: every forward of the step, then every backward (a flush at the end of the step).
@@ -222,11 +295,19 @@ pub enum ScheduleKind {
     /// Needs `virtual_stages = 2`; the bubble is about zero when F = B = W.
     #[serde(rename = "zb-v")]
     ZbV,
+    /// DualPipeV (DeepSeek's DualPipe cut to one V): ZB-V's placement (rank `r` holds stages
+    /// `r` and `2p-1-r`) and split backward, in an order whose steady state runs the forward of
+    /// one stage and the backward of the other as one overlapped
+    /// [`Action::ForwardBackward`] pair, so that each pass's messages travel while the other
+    /// computes (`dual_pipe_v::dual_pipe_v_order`). Needs `virtual_stages = 2` and at least
+    /// `2p` micro-batches.
+    #[serde(rename = "dualpipev")]
+    DualPipeV,
 }
 
 impl ScheduleKind {
     /// Every schedule kind.
-    pub const ALL: [ScheduleKind; 7] = [
+    pub const ALL: [ScheduleKind; 8] = [
         ScheduleKind::GPipe,
         ScheduleKind::OneFOneB,
         ScheduleKind::Interleaved,
@@ -234,6 +315,7 @@ impl ScheduleKind {
         ScheduleKind::TwoBw,
         ScheduleKind::ZbH1,
         ScheduleKind::ZbV,
+        ScheduleKind::DualPipeV,
     ];
 
     /// The name used in configuration files and on the command line.
@@ -246,13 +328,33 @@ impl ScheduleKind {
             ScheduleKind::TwoBw => "2bw",
             ScheduleKind::ZbH1 => "zb-h1",
             ScheduleKind::ZbV => "zb-v",
+            ScheduleKind::DualPipeV => "dualpipev",
         }
     }
 
     /// Whether the backward is split into B ([`Action::Backward`]) and W
     /// ([`Action::BackwardWeight`]).
     pub fn splits_backward(self) -> bool {
-        matches!(self, ScheduleKind::ZbH1 | ScheduleKind::ZbV)
+        matches!(
+            self,
+            ScheduleKind::ZbH1 | ScheduleKind::ZbV | ScheduleKind::DualPipeV
+        )
+    }
+
+    /// Whether the lists hold [`Action::ForwardBackward`] pairs ([`ScheduleKind::DualPipeV`]).
+    pub fn pairs_passes(self) -> bool {
+        self == ScheduleKind::DualPipeV
+    }
+
+    /// The fewest micro-batches a step of this kind runs over `ranks` pipeline ranks: `2p`
+    /// for [`ScheduleKind::DualPipeV`], whose steady state needs both ends of the V busy; 1
+    /// otherwise.
+    pub fn min_micro_batches(self, ranks: usize) -> usize {
+        if self == ScheduleKind::DualPipeV {
+            2 * ranks
+        } else {
+            1
+        }
     }
 
     /// Versions of the weights a rank keeps: 2 under [`ScheduleKind::TwoBw`] (the previous
@@ -261,15 +363,16 @@ impl ScheduleKind {
         if self == ScheduleKind::TwoBw { 2 } else { 1 }
     }
 
-    /// Whether stages sit on the ranks in a V ([`ScheduleKind::ZbV`]) rather than round-robin.
+    /// Whether stages sit on the ranks in a V ([`ScheduleKind::ZbV`],
+    /// [`ScheduleKind::DualPipeV`]) rather than round-robin.
     pub fn v_shaped(self) -> bool {
-        self == ScheduleKind::ZbV
+        matches!(self, ScheduleKind::ZbV | ScheduleKind::DualPipeV)
     }
 
     /// Whether this kind runs several virtual stages per rank ([`ScheduleKind::Interleaved`],
-    /// and [`ScheduleKind::ZbV`] with exactly two).
+    /// and the V-shaped kinds with exactly two).
     pub fn uses_virtual_stages(self) -> bool {
-        matches!(self, ScheduleKind::Interleaved | ScheduleKind::ZbV)
+        self == ScheduleKind::Interleaved || self.v_shaped()
     }
 
     /// Whether the pipeline drains (flushes) at the end of every step. All kinds but
@@ -346,13 +449,30 @@ pub enum ScheduleError {
         /// The virtual stages asked for.
         virtual_stages: usize,
     },
-    /// ZB-V was asked for other than two stages per rank.
+    /// A V-shaped kind (ZB-V, DualPipeV) was asked for other than two stages per rank.
     #[error(
-        "the zb-v schedule runs two stages per rank in a V: virtual_stages = 2, got {virtual_stages}"
+        "the {kind} schedule runs two stages per rank in a V: virtual_stages = 2, got {virtual_stages}"
     )]
     VShapeNeedsTwo {
+        /// The schedule kind.
+        kind: ScheduleKind,
         /// The virtual stages asked for.
         virtual_stages: usize,
+    },
+    /// Fewer micro-batches than the kind needs ([`ScheduleKind::min_micro_batches`]).
+    #[error(
+        "the {kind} schedule needs at least {needed} micro-batches for {ranks} pipeline ranks \
+         (2 per rank), got {micro_batches}"
+    )]
+    TooFewMicroBatches {
+        /// The schedule kind.
+        kind: ScheduleKind,
+        /// Micro-batches per step.
+        micro_batches: usize,
+        /// Pipeline ranks.
+        ranks: usize,
+        /// The fewest it runs.
+        needed: usize,
     },
     /// The ZB-V run found no order (not seen for any shape).
     #[error("no zb-v order found for {ranks} ranks and {micro_batches} micro-batches")]
@@ -391,7 +511,7 @@ pub enum ScheduleError {
     /// An unknown schedule name was parsed.
     #[error(
         "unknown schedule `{name}`, expected one of: gpipe, 1f1b, interleaved, \
-         shifted-critical-path, 2bw, zb-h1, zb-v"
+         shifted-critical-path, 2bw, zb-h1, zb-v, dualpipev"
     )]
     UnknownKind {
         /// The name that was given.
@@ -456,8 +576,8 @@ impl Schedule {
         let split = self.kind.splits_backward();
         let mut held = 0usize;
         let mut max = 0usize;
-        for action in list {
-            match *action {
+        for action in list.iter().flat_map(|a| a.parts()) {
+            match action {
                 Action::Forward { stage: s, .. } if s == stage => {
                     held += 1;
                     max = max.max(held);
@@ -486,8 +606,8 @@ impl Schedule {
         for rank in 0..self.ranks {
             let mut held = vec![0usize; stages];
             let (mut total, mut best) = (0usize, 0usize);
-            for action in &self.actions[rank] {
-                match *action {
+            for action in self.actions[rank].iter().flat_map(|a| a.parts()) {
+                match action {
                     Action::Forward { stage, .. } if stage < stages => {
                         held[stage] += 1;
                         total += 1;
@@ -587,7 +707,7 @@ pub fn build_schedule(
     } else {
         &[]
     };
-    let v_orders = if kind.v_shaped() {
+    let v_orders = if kind == ScheduleKind::ZbV {
         super::zero_bubble::zb_v_orders(ranks, micro_batches).ok_or(ScheduleError::NoOrder {
             ranks,
             micro_batches,
@@ -608,6 +728,7 @@ pub fn build_schedule(
                 }
                 ScheduleKind::ZbH1 => zb_h1_order(ranks, micro_batches, rank),
                 ScheduleKind::ZbV => v_orders[rank].clone(),
+                ScheduleKind::DualPipeV => dual_pipe_v_order(ranks, micro_batches, rank),
             };
             let mut list = Vec::with_capacity(order.len() * 3 + 1);
             for op in order {
@@ -644,9 +765,21 @@ fn check_shape(
     if micro_batches == 0 {
         return Err(ScheduleError::ZeroMicroBatches);
     }
+    let needed = kind.min_micro_batches(ranks);
+    if micro_batches < needed {
+        return Err(ScheduleError::TooFewMicroBatches {
+            kind,
+            micro_batches,
+            ranks,
+            needed,
+        });
+    }
     if kind.v_shaped() {
         if virtual_stages != 2 {
-            return Err(ScheduleError::VShapeNeedsTwo { virtual_stages });
+            return Err(ScheduleError::VShapeNeedsTwo {
+                kind,
+                virtual_stages,
+            });
         }
     } else if kind.uses_virtual_stages() {
         if virtual_stages < 2 {
@@ -778,6 +911,49 @@ pub(crate) fn expand_op(
             }
         }
         Op::W(mb, stage) => out.push(Action::BackwardWeight { mb, stage }),
+        Op::Pair(forward, backward) => expand_pair(forward, backward, from_prev, to_next, out),
+    }
+}
+
+/// A [`Action::ForwardBackward`] pair wrapped in its messages: both receives before it, both
+/// sends after it.
+fn expand_pair(
+    (forward_mb, forward_stage): (usize, usize),
+    (backward_mb, backward_stage): (usize, usize),
+    from_prev: impl Fn(usize) -> bool,
+    to_next: impl Fn(usize) -> bool,
+    out: &mut Vec<Action>,
+) {
+    let (f, b) = ((forward_mb, forward_stage), (backward_mb, backward_stage));
+    if from_prev(f.1) {
+        out.push(Action::RecvActivation {
+            mb: f.0,
+            stage: f.1,
+        });
+    }
+    if to_next(b.1) {
+        out.push(Action::RecvGrad {
+            mb: b.0,
+            stage: b.1,
+        });
+    }
+    out.push(Action::ForwardBackward {
+        forward_mb,
+        forward_stage,
+        backward_mb,
+        backward_stage,
+    });
+    if to_next(f.1) {
+        out.push(Action::SendActivation {
+            mb: f.0,
+            stage: f.1,
+        });
+    }
+    if from_prev(b.1) {
+        out.push(Action::SendGrad {
+            mb: b.0,
+            stage: b.1,
+        });
     }
 }
 
@@ -820,7 +996,8 @@ mod tests {
                 "shifted-critical-path",
                 "2bw",
                 "zb-h1",
-                "zb-v"
+                "zb-v",
+                "dualpipev"
             ]
         );
         let err = "pipedream".parse::<ScheduleKind>().unwrap_err();

@@ -17,8 +17,8 @@ use serde::{Deserialize, Serialize};
 use super::schedule::{Action, Schedule, ScheduleKind};
 use super::timing::{Costs, TimedAction};
 use super::trace::{
-    CATEGORY_BACKWARD, CATEGORY_FORWARD, CATEGORY_IDLE, CATEGORY_OPTIMIZER, CATEGORY_RECOMPUTE,
-    CATEGORY_RECV, CATEGORY_SEND, CATEGORY_WEIGHT, TraceEvent,
+    CATEGORY_BACKWARD, CATEGORY_FORWARD, CATEGORY_IDLE, CATEGORY_OPTIMIZER, CATEGORY_PAIR,
+    CATEGORY_RECOMPUTE, CATEGORY_RECV, CATEGORY_SEND, CATEGORY_WEIGHT, TraceEvent,
 };
 use super::validate::{ValidationError, execute, validate};
 
@@ -125,6 +125,7 @@ fn category(action: Action) -> &'static str {
         Action::BackwardWeight { .. } => CATEGORY_WEIGHT,
         Action::SendActivation { .. } | Action::SendGrad { .. } => CATEGORY_SEND,
         Action::RecvActivation { .. } | Action::RecvGrad { .. } => CATEGORY_RECV,
+        Action::ForwardBackward { .. } => CATEGORY_PAIR,
         Action::OptimizerStep => CATEGORY_OPTIMIZER,
     }
 }

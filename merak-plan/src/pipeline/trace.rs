@@ -15,6 +15,8 @@ use serde_json::{Value, json};
 pub const CATEGORY_FORWARD: &str = "forward";
 /// Category of backward passes.
 pub const CATEGORY_BACKWARD: &str = "backward";
+/// Category of DualPipeV's overlapped pairs (a forward and a backward as one action).
+pub const CATEGORY_PAIR: &str = "forward+backward";
 /// Category of weight-gradient passes (W) of a split backward.
 pub const CATEGORY_WEIGHT: &str = "weight";
 /// Category of recomputed forward passes.
@@ -35,7 +37,7 @@ pub struct TraceEvent {
     pub rank: usize,
     /// What ran, e.g. `Forward(mb=0, stage=1) [step 0]` or `idle`.
     pub name: String,
-    /// One of `forward`, `backward`, `recompute`, `send`, `recv`, `optimizer`, `idle` (the
+    /// One of `forward`, `backward`, `forward+backward`, `weight`, `recompute`, `send`, `recv`, `optimizer`, `idle` (the
     /// `CATEGORY_*` constants).
     pub category: String,
     /// Start, in seconds from the start of the timeline.

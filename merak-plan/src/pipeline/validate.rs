@@ -145,6 +145,18 @@ pub enum ValidationError {
         /// The schedule's kind.
         kind: ScheduleKind,
     },
+    /// A [`Action::ForwardBackward`] pair in a schedule whose kind runs its passes apart.
+    #[error(
+        "rank {rank}: {action} is an overlapped pair, which only the dualpipev schedule runs, not {kind}"
+    )]
+    Unpaired {
+        /// The rank.
+        rank: usize,
+        /// The action.
+        action: Action,
+        /// The schedule's kind.
+        kind: ScheduleKind,
+    },
     /// The simulator was asked for zero steps.
     #[error("simulate needs at least one step")]
     ZeroSteps,
@@ -264,7 +276,14 @@ fn check_complete(s: &Schedule) -> Result<(), ValidationError> {
     let mut seen: HashMap<Action, usize> = HashMap::new();
     for (rank, list) in s.actions.iter().enumerate() {
         for (position, &action) in list.iter().enumerate() {
-            check_action(s, rank, position, action, list.len(), &mut seen)?;
+            if matches!(action, Action::ForwardBackward { .. }) && !s.kind.pairs_passes() {
+                let kind = s.kind;
+                return Err(ValidationError::Unpaired { rank, action, kind });
+            }
+            // A pair is checked as its forward and its backward at its position.
+            for part in action.parts() {
+                check_action(s, rank, position, part, list.len(), &mut seen)?;
+            }
         }
         // `seen` holds one OptimizerStep per rank at most: reset it for the next rank.
         if seen.remove(&Action::OptimizerStep).is_none() {
@@ -448,6 +467,11 @@ struct Machine {
     activation_sent: HashMap<Key, f64>,
     /// Gradients sent, by sending stage, with the send time.
     grad_sent: HashMap<Key, f64>,
+    /// Messages received by a receive posted ahead of a pair, by (activation?, receiving
+    /// stage), with the time they are there; the pair waits for them.
+    arrival: HashMap<(bool, Key), f64>,
+    /// When the forward pass of a pair ended, by its stage: its send leaves then.
+    forward_end: HashMap<Key, f64>,
     /// The ranks that reached each step's `OptimizerStep` (a barrier: the global gradient norm
     /// is a collective over all ranks), with the latest arrival time.
     arrived: HashMap<usize, (HashSet<usize>, f64)>,
@@ -465,8 +489,11 @@ enum Outcome {
 
 /// Runs the ranks' lists of (step, action) in the abstract machine; `costs` gives the times
 /// (all zero when `None`). Each rank runs its actions in order, each starting when the rank is
-/// free; a receive completes at `max(rank free, send time + transfer)`. Returns the timed
-/// actions of every rank.
+/// free; a receive completes at `max(rank free, send time + transfer)`. A receive posted ahead
+/// of a [`Action::ForwardBackward`] pair (only receives between it and the pair) takes no time
+/// where it stands: the pair's forward starts once its input is there and its backward once
+/// the forward is done and its gradient is there, and the forward's send leaves when the
+/// forward ends. Returns the timed actions of every rank.
 pub(crate) fn execute(
     kind: ScheduleKind,
     ranks: usize,
@@ -491,7 +518,9 @@ pub(crate) fn execute(
         let mut progressed = false;
         for (rank, list) in lists.iter().enumerate() {
             while let Some(&(step, action)) = list.get(next[rank]) {
-                let outcome = machine.try_run(&setting, rank, step, action, free[rank]);
+                let posted = posted_before_pair(list, next[rank]);
+                let at = (rank, step, free[rank]);
+                let outcome = machine.try_run(&setting, at, action, posted);
                 match outcome {
                     Outcome::Ran(start, end) => {
                         timed[rank].push(TimedAction {
@@ -529,6 +558,16 @@ pub(crate) fn execute(
     }
 }
 
+/// Whether the action at `i` of `list` is a receive posted ahead of a pair: only receives
+/// stand between it and the next [`Action::ForwardBackward`].
+fn posted_before_pair(list: &[(usize, Action)], i: usize) -> bool {
+    let receive = |a: &Action| matches!(a, Action::RecvActivation { .. } | Action::RecvGrad { .. });
+    list.get(i).is_some_and(|(_, a)| receive(a))
+        && (list[i..].iter())
+            .find(|(_, a)| !receive(a))
+            .is_some_and(|(_, a)| matches!(a, Action::ForwardBackward { .. }))
+}
+
 /// What every action of one run of the machine shares: the schedule's shape and the costs.
 struct Setting<'a> {
     kind: ScheduleKind,
@@ -564,14 +603,14 @@ fn earlier(action: Action, rank: usize) -> Outcome {
 }
 
 impl Machine {
-    /// Tries `action` of `step` on `rank`, which is free from `free`.
+    /// Tries `action` of `step` on `rank`, which is free from `free` (`at`); a `posted`
+    /// receive only notes when its message is there.
     fn try_run(
         &mut self,
         set: &Setting<'_>,
-        rank: usize,
-        step: usize,
+        (rank, step, free): (usize, usize, f64),
         action: Action,
-        free: f64,
+        posted: bool,
     ) -> Outcome {
         let compute = |duration: f64| Outcome::Ran(free, free + duration);
         match action {
@@ -601,7 +640,9 @@ impl Machine {
                 if !self.forward.contains(&(step, mb, stage)) {
                     return earlier(Action::Forward { mb, stage }, rank);
                 }
-                self.activation_sent.insert((step, mb, stage), free);
+                let key = (step, mb, stage);
+                let at = self.forward_end.remove(&key).unwrap_or(free);
+                self.activation_sent.insert(key, at);
                 Outcome::Ran(free, free)
             }
             Action::SendGrad { mb, stage } => {
@@ -612,11 +653,62 @@ impl Machine {
                 Outcome::Ran(free, free)
             }
             Action::RecvActivation { mb, stage } => {
-                self.recv_activation(set, step, mb, stage, free)
+                let outcome = self.recv_activation(set, step, mb, stage, free);
+                self.post(outcome, posted.then_some((true, (step, mb, stage))), free)
             }
-            Action::RecvGrad { mb, stage } => self.recv_grad(set, step, mb, stage, free),
+            Action::RecvGrad { mb, stage } => {
+                let outcome = self.recv_grad(set, step, mb, stage, free);
+                self.post(outcome, posted.then_some((false, (step, mb, stage))), free)
+            }
+            Action::ForwardBackward { .. } => self.pair(set, (rank, step, free), action),
             Action::OptimizerStep => self.optimizer_step(set, rank, step, free),
         }
+    }
+
+    /// A receive's `outcome`, or for one posted ahead of a pair (`key`) none of its time: the
+    /// message's arrival is noted for the pair.
+    fn post(&mut self, outcome: Outcome, key: Option<(bool, Key)>, free: f64) -> Outcome {
+        match (outcome, key) {
+            (Outcome::Ran(_, there), Some(key)) => {
+                self.arrival.insert(key, there);
+                Outcome::Ran(free, free)
+            }
+            (outcome, _) => outcome,
+        }
+    }
+
+    /// An overlapped pair: its forward once its input is there, then its backward once its
+    /// gradient is there too.
+    fn pair(
+        &mut self,
+        set: &Setting<'_>,
+        (rank, step, free): (usize, usize, f64),
+        action: Action,
+    ) -> Outcome {
+        let Action::ForwardBackward {
+            forward_mb,
+            forward_stage,
+            backward_mb,
+            backward_stage,
+        } = action
+        else {
+            return Outcome::NotReady(format!("{action} is not a pair"));
+        };
+        let f = (step, forward_mb, forward_stage);
+        let b = (step, backward_mb, backward_stage);
+        if let Err(outcome) = self.forward(set, rank, step, forward_mb, forward_stage) {
+            return outcome;
+        }
+        let backward = match self.backward(set, rank, step, backward_mb, backward_stage) {
+            Ok(duration) => duration,
+            Err(outcome) => return outcome,
+        };
+        let there = |m: &mut Self, key| m.arrival.remove(&key).unwrap_or(0.0);
+        let start = free.max(there(self, (true, f)));
+        let forward_end = start + set.cost(|c| &c.forward, forward_stage);
+        self.forward_end.insert(f, forward_end);
+        let backward_start = forward_end.max(there(self, (false, b)));
+        Outcome::Ran(start, backward_start + backward)
     }
 
     /// A forward pass, once its input is there: the data (stage 0), the previous stage's
@@ -779,7 +871,7 @@ mod tests {
         let mut checked = 0;
         for kind in ScheduleKind::ALL {
             for p in 1..=4 {
-                for m in 1..=8usize {
+                for m in kind.min_micro_batches(p)..=8usize {
                     let virtuals: Vec<usize> = if kind == ScheduleKind::Interleaved {
                         if !m.is_multiple_of(p) {
                             continue;

@@ -184,7 +184,7 @@ impl Check<'_> {
             ))
         } else if !schedule.uses_virtual_stages() && v != 1 {
             Some(format!(
-                "{v} stages per rank need {} = \"interleaved\" or \"zb-v\" (it is \"{schedule}\")",
+                "{v} stages per rank need {} = \"interleaved\", \"zb-v\" or \"dualpipev\" (it is \"{schedule}\")",
                 n("schedule")
             ))
         } else {
@@ -196,6 +196,16 @@ impl Check<'_> {
         if schedule == ScheduleKind::Interleaved && !l.micro_batches.is_multiple_of(l.pp) {
             let reason = format!(
                 "{} = \"interleaved\" needs a multiple of {} = {}",
+                n("schedule"),
+                n("pp"),
+                l.pp
+            );
+            return Err(self.bad("micro_batches", l.micro_batches, reason));
+        }
+        let needed = schedule.min_micro_batches(l.pp);
+        if l.micro_batches < needed {
+            let reason = format!(
+                "{} = \"{schedule}\" needs at least 2 per pipeline rank: {needed} for {} = {}",
                 n("schedule"),
                 n("pp"),
                 l.pp

@@ -394,7 +394,7 @@ mod tests {
             ),
             (
                 "plan.layout.virtual_stages = 2: 2 stages per rank need plan.layout.schedule = \
-                 \"interleaved\" or \"zb-v\" (it is \"1f1b\")",
+                 \"interleaved\", \"zb-v\" or \"dualpipev\" (it is \"1f1b\")",
                 Box::new(|l| l["virtual_stages"] = 2.into()),
             ),
             (

@@ -634,7 +634,8 @@ fn pipeline_slots(
 }
 
 /// The virtual stages of `schedule` with `pp` ranks, `m` micro-batches and `units` units:
-/// 2 for ZB-V, those of `virtual` for the interleaved schedule, 1 otherwise.
+/// 2 for ZB-V and DualPipeV (which also needs `2 pp` micro-batches), those of `virtual` for
+/// the interleaved schedule, 1 otherwise.
 fn stage_counts(
     schedule: ScheduleKind,
     pp: usize,
@@ -644,7 +645,8 @@ fn stage_counts(
 ) -> Vec<usize> {
     let fits = |v: usize| pp >= 2 && pp.checked_mul(v).is_some_and(|s| s <= units);
     if schedule.v_shaped() {
-        [2].into_iter().filter(|&v| fits(v)).collect()
+        let enough = m >= schedule.min_micro_batches(pp);
+        [2].into_iter().filter(|&v| fits(v) && enough).collect()
     } else if schedule.uses_virtual_stages() {
         virtual_stages
             .iter()
