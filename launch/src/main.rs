@@ -73,7 +73,7 @@ enum Command {
 
 #[derive(clap::Args, Debug)]
 struct ScheduleArgs {
-    /// gpipe, 1f1b, interleaved, shifted-critical-path, 2bw, zb-h1 or zb-v.
+    /// gpipe, 1f1b, interleaved, shifted-critical-path, 2bw, zb-h1, zb-v or dualpipev.
     #[arg(long, default_value = "1f1b")]
     schedule: String,
     /// Pipeline ranks.
@@ -146,7 +146,9 @@ fn run_schedule(a: &ScheduleArgs) -> Result<()> {
     let zb_h1 = (a.pp as f64 - 1.0) / a.micro_batches as f64 * (f + a.backward_ratio - 2.0 * w)
         / (f + a.backward_ratio);
     let formula = match kind {
-        ScheduleKind::ZbV => format!("none for zb-v; zb-h1 would have {zb_h1:.4}"),
+        ScheduleKind::ZbV | ScheduleKind::DualPipeV => {
+            format!("none for {kind}; zb-h1 would have {zb_h1:.4}")
+        }
         ScheduleKind::ZbH1 => format!("(p-1)(F+B-W)/(m(F+B+W)) = {zb_h1:.4}"),
         ScheduleKind::TwoBw => format!(
             "(p-1)/m = {one_f_one_b:.4} in a step that drains, (p-1)B/(m(F+B)) = {:.4} in a steady step",

@@ -1,7 +1,7 @@
 //! End-to-end tests of the mixture of experts (`[model.moe]`) and expert parallelism
 //! (`parallel.ep`) under real `mpirun`: the dropless MoE GPT (shared expert, Switch and z
 //! auxiliary losses, dropout) at ep 2 and 4, ep with more data parallelism, with tensor and
-//! sequence parallelism, with pipeline parallelism and with context parallelism, and the
+//! sequence parallelism, with pipeline parallelism (1F1B and DualPipeV) and with context parallelism, and the
 //! capacity-factor mode, each train the same model as one process, at a fixed micro-batch and
 //! at the default one (a rank's whole share, which changes with the layout: the experts are
 //! balanced per sequence); balancing per micro-batch is kept as an option. Every case first
@@ -113,7 +113,7 @@ fn experts_at_the_default_micro_batch_equal_one_process() {
     run_default(0, &single, &MOE).assert_success();
     let sp = ["--tp", "2", "--set", "parallel.sequence_parallel=true"];
     let zero = |z: &'static str| ["--set", z];
-    let cases: [(usize, &str, Vec<&str>); 11] = [
+    let cases: [(usize, &str, Vec<&str>); 12] = [
         (2, "moe-default-dp2", vec!["--dp", "2"]),
         (2, "moe-default-ep2", vec!["--dp", "2", "--ep", "2"]),
         (4, "moe-default-ep4", vec!["--dp", "4", "--ep", "4"]),
@@ -126,6 +126,21 @@ fn experts_at_the_default_micro_batch_equal_one_process() {
             4,
             "moe-default-ep2-pp2",
             vec!["--dp", "2", "--ep", "2", "--pp", "2"],
+        ),
+        // DualPipeV's pairs with the all-to-all inside both passes (4 micro-batches a rank).
+        (
+            4,
+            "moe-default-ep2-pp2-dualpipev",
+            vec![
+                "--dp",
+                "2",
+                "--ep",
+                "2",
+                "--pp",
+                "2",
+                "--set",
+                "parallel.schedule=dualpipev",
+            ],
         ),
         (2, "moe-default-pp2", vec!["--pp", "2"]),
         (2, "moe-default-ep2-cp2", vec!["--cp", "2", "--ep", "2"]),

@@ -99,8 +99,8 @@ pub const IDLE: [Idle; 23] = [
                     "parallel.schedule = \"{s}\" runs two stages per rank"
                 )),
                 s if !s.uses_virtual_stages() => Some(format!(
-                    "parallel.schedule = \"{s}\" runs one stage per rank (only \"interleaved\" \
-                     and \"zb-v\" run several)"
+                    "parallel.schedule = \"{s}\" runs one stage per rank (only \"interleaved\", \
+                     \"zb-v\" and \"dualpipev\" run several)"
                 )),
                 _ => None,
             }

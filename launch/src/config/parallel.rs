@@ -68,7 +68,7 @@ pub struct ParallelSection {
     /// talk NCCL and zero = 0; host otherwise).
     pub gradient_buffers: GradientBuffers,
     /// Pipeline schedule: "gpipe", "1f1b", "interleaved", "shifted-critical-path", "2bw",
-    /// "zb-h1" or "zb-v".
+    /// "zb-h1", "zb-v" or "dualpipev" (at least 2 micro-batches per pipeline rank).
     pub schedule: ScheduleKind,
     /// Model stages per pipeline rank (interleaved schedule only; 1 otherwise).
     pub virtual_stages: usize,
@@ -348,10 +348,11 @@ impl Config {
     }
 
     /// Stages per pipeline rank: `parallel.virtual_stages` under the interleaved schedule,
-    /// always 2 under ZB-V, 1 under the others (where the key is idle: config/idle.rs).
+    /// always 2 under ZB-V and DualPipeV, 1 under the others (where the key is idle:
+    /// config/idle.rs).
     pub fn virtual_stages(&self) -> usize {
         match self.parallel.schedule {
-            ScheduleKind::ZbV => 2,
+            s if s.v_shaped() => 2,
             s if s.uses_virtual_stages() => self.parallel.virtual_stages,
             _ => 1,
         }

@@ -30,7 +30,7 @@ pub struct PlanArgs {
     #[arg(long, value_delimiter = ',')]
     tp_overlap: Option<Vec<usize>>,
     /// Pipeline schedules to search (comma-separated). Default: every schedule that trains like
-    /// one process (gpipe,1f1b,interleaved,shifted-critical-path,zb-h1,zb-v); add `2bw` to
+    /// one process (gpipe,1f1b,interleaved,shifted-critical-path,zb-h1,zb-v,dualpipev); add `2bw` to
     /// search PipeDream-2BW, whose delayed update changes the training
     #[arg(long, value_delimiter = ',')]
     schedules: Option<Vec<ScheduleKind>>,

@@ -193,6 +193,14 @@ pub trait Communicator {
     /// Receives exactly `buf.len()` values from rank `src` with a message `tag`.
     fn recv(&self, buf: &mut [f32], src: usize, tag: u16) -> Result<(), CommError>;
 
+    /// Posts the receive of exactly `len` values from rank `src` with a message `tag` without
+    /// waiting for them; [`Pending::wait`] returns them. The default receives synchronously.
+    fn recv_start(&self, len: usize, src: usize, tag: u16) -> Result<Box<dyn Pending>, CommError> {
+        let mut buf = vec![0.0; len];
+        self.recv(&mut buf, src, tag)?;
+        Ok(Box::new(Done(buf)))
+    }
+
     /// Waits until every rank of the group has called `barrier`.
     fn barrier(&self) -> Result<(), CommError>;
 

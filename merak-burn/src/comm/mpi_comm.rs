@@ -451,6 +451,38 @@ impl Communicator for MpiCommunicator {
         Ok(Box::new(pending))
     }
 
+    fn recv_start(&self, len: usize, src: usize, tag: u16) -> Result<Box<dyn Pending>, CommError> {
+        check_rank("recv", src, self.size())?;
+        let count = check_count("recv", len)?;
+        let request = Request::new("recv (non-blocking)", len, self);
+        let mut pending = PendingMpiRecv {
+            buf: vec![0.0; len],
+            src,
+            request,
+        };
+        // SAFETY: the buffer is owned by `pending`, lives on the heap and is neither read nor
+        // freed before the request completes (`wait` and `Drop` complete it first).
+        let code = unsafe {
+            mpi::ffi::MPI_Irecv(
+                pending.buf.as_mut_ptr().cast(),
+                count,
+                mpi::ffi::RSMPI_FLOAT,
+                src as c_int,
+                c_int::from(tag),
+                self.comm.as_raw(),
+                &mut pending.request.raw,
+            )
+        };
+        if code != 0 {
+            pending.request.complete = true;
+            return Err(CommError::Mpi {
+                op: "MPI_Irecv",
+                code,
+            });
+        }
+        Ok(Box::new(pending))
+    }
+
     fn all_reduce_start(&self, buf: Vec<f32>, op: ReduceOp) -> Result<Box<dyn Pending>, CommError> {
         let count = check_count("all_reduce_start", buf.len())?;
         let mut pending = self.pending("all_reduce (non-blocking)", buf, count as usize, op);
@@ -698,6 +730,82 @@ impl Pending for PendingMpiSend {
 }
 
 impl Drop for PendingMpiSend {
+    fn drop(&mut self) {
+        // The buffer must outlive the request: complete it before it is freed.
+        let _ = self.request.wait();
+    }
+}
+
+/// A non-blocking MPI receive (`MPI_Irecv`) that owns its buffer.
+pub struct PendingMpiRecv {
+    buf: Vec<f32>,
+    src: usize,
+    request: Request,
+}
+
+impl Pending for PendingMpiRecv {
+    fn test(&mut self) -> Result<bool, CommError> {
+        if self.request.complete {
+            return Ok(true);
+        }
+        let mut flag: c_int = 0;
+        // SAFETY: a zeroed status is a valid value for MPI to write into.
+        let mut status: mpi::ffi::MPI_Status = unsafe { std::mem::zeroed() };
+        // SAFETY: `raw` came from `MPI_Irecv` and has not completed yet.
+        let code = unsafe { mpi::ffi::MPI_Test(&mut self.request.raw, &mut flag, &mut status) };
+        if code != 0 {
+            return Err(CommError::Mpi {
+                op: "MPI_Test",
+                code,
+            });
+        }
+        if flag != 0 {
+            self.request.complete = true;
+            self.check_size(&status)?;
+        }
+        Ok(flag != 0)
+    }
+
+    fn wait(mut self: Box<Self>) -> Result<Vec<f32>, CommError> {
+        if !self.request.complete {
+            let (op, values, name, members) = &self.request.watch;
+            let _watch = watchdog::watch(op, *values, name, members);
+            // SAFETY: a zeroed status is a valid value for MPI to write into.
+            let mut status: mpi::ffi::MPI_Status = unsafe { std::mem::zeroed() };
+            // SAFETY: `raw` came from `MPI_Irecv` and has not completed yet.
+            let code = unsafe { mpi::ffi::MPI_Wait(&mut self.request.raw, &mut status) };
+            self.request.complete = true;
+            if code != 0 {
+                return Err(CommError::Mpi {
+                    op: "MPI_Wait",
+                    code,
+                });
+            }
+            self.check_size(&status)?;
+        }
+        Ok(std::mem::take(&mut self.buf))
+    }
+}
+
+impl PendingMpiRecv {
+    /// Fails when the message that arrived is shorter than the buffer (a longer one is MPI's
+    /// truncation error).
+    fn check_size(&self, status: &mpi::ffi::MPI_Status) -> Result<(), CommError> {
+        let mut got: c_int = 0;
+        // SAFETY: `status` was filled by the completed receive.
+        unsafe { mpi::ffi::MPI_Get_count(status, mpi::ffi::RSMPI_FLOAT, &mut got) };
+        if got as usize != self.buf.len() {
+            return Err(CommError::MessageSize {
+                src: self.src,
+                expected: self.buf.len(),
+                got: got as usize,
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Drop for PendingMpiRecv {
     fn drop(&mut self) {
         // The buffer must outlive the request: complete it before it is freed.
         let _ = self.request.wait();

@@ -200,6 +200,9 @@ impl Communicator for ProgressThreadComm {
     fn recv(&self, buf: &mut [f32], src: usize, tag: u16) -> Result<(), CommError> {
         self.main.recv(buf, src, tag)
     }
+    fn recv_start(&self, len: usize, src: usize, tag: u16) -> Result<Box<dyn Pending>, CommError> {
+        self.main.recv_start(len, src, tag)
+    }
     fn barrier(&self) -> Result<(), CommError> {
         self.main.barrier()
     }

@@ -167,6 +167,26 @@ fn tag(mb: usize, stage: usize, stages: usize, kind: usize) -> u16 {
     ((2 * (mb * stages + stage) + kind) % 32_768) as u16
 }
 
+/// A receive posted ahead of the pass that needs it (DualPipeV's pairs): this tensor-parallel
+/// rank's part, gathered over the group when it waits if the message travels in parts.
+pub(super) struct Posted {
+    part: Box<dyn Pending>,
+    gathered_len: Option<usize>,
+}
+
+impl Posted {
+    /// Waits for the message and returns all of it.
+    pub(super) fn wait(self, tp: &Group) -> Result<Vec<f32>, PipelineError> {
+        let part = self.part.wait()?;
+        let Some(len) = self.gathered_len else {
+            return Ok(part);
+        };
+        let mut full = vec![0.0; len];
+        tp.comm()?.all_gather(&part, &mut full)?;
+        Ok(full)
+    }
+}
+
 /// Runs the action lists of one pipeline rank (see the module docs).
 pub struct Executor {
     plan: PipelinePlan,
@@ -293,6 +313,18 @@ impl Executor {
         }
     }
 
+    /// Posts the receive of `len` values sent by [`Executor::send`] from pipeline rank `src`
+    /// without waiting for them ([`Posted::wait`] returns them).
+    fn recv_start(&self, len: usize, src: usize, tag: u16) -> Result<Posted, PipelineError> {
+        let t = self.tp.size();
+        let gather = self.replicated && t > 1 && len.is_multiple_of(t);
+        let part_len = if gather { len / t } else { len };
+        Ok(Posted {
+            part: self.pp.comm()?.recv_start(part_len, src, tag)?,
+            gathered_len: gather.then_some(len),
+        })
+    }
+
     /// Runs units `range` of `model` on `input`, every unit seeing the micro-batch's `samples`
     /// as tensors on `device`.
     fn run_units<B: Backend, M: PipelineModel<B>>(
@@ -327,11 +359,14 @@ impl Executor {
         let overlap = self.plan.schedule.kind == ScheduleKind::TwoBw && work.next.is_some();
         let actions = self.step_actions(carried_in, overlap);
         if let Some(shards) = work.shards {
-            let passes = actions.iter().filter_map(|a| match *a {
-                Action::Forward { stage, .. } => Some((self.units(stage), false)),
-                Action::Backward { stage, .. } => Some((self.units(stage), true)),
-                _ => None,
-            });
+            let passes = actions
+                .iter()
+                .flat_map(|a| a.parts())
+                .filter_map(|a| match a {
+                    Action::Forward { stage, .. } => Some((self.units(stage), false)),
+                    Action::Backward { stage, .. } => Some((self.units(stage), true)),
+                    _ => None,
+                });
             shards.begin(gathered::gather_order(passes))?;
         }
         deferred::enable(self.plan.schedule.kind.splits_backward());

@@ -1,7 +1,7 @@
 //! One training step as an interpreter: the state a step's actions read and write (held
 //! forward passes, mailboxes, pending sends, losses) and one method per schedule action.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 use burn::tensor::Tensor;
@@ -9,7 +9,7 @@ use burn::tensor::backend::Backend;
 
 use super::stage_run::{Held, Produced, StageRun};
 use super::work::{Key, RanAhead, StepWork, next_step_part};
-use super::{Executor, PipelineError, StepReport, hidden, now_s, read};
+use super::{Executor, PipelineError, Posted, StepReport, hidden, now_s, read};
 use crate::comm::Pending;
 use crate::data_parallel::DataParallel;
 use crate::kernels::deferred;
@@ -35,6 +35,11 @@ struct StepState<B: TrainBackend> {
     held: HashMap<Key, Held<B>>,
     /// Message values between the action that makes them and the one that uses them.
     mail: HashMap<(Mailbox, Key), Vec<f32>>,
+    /// Receives posted ahead of a pair, waited for when its pass starts.
+    posted: HashMap<(Mailbox, Key), Posted>,
+    /// Forward outputs of pairs whose send started before the pair's backward ran; their
+    /// `SendActivation` finds them gone.
+    sent_early: HashSet<Key>,
     /// Sends of this step, completed when it ends.
     pending: Vec<Box<dyn Pending>>,
     /// Sends of the next step's forwards that ran ahead (2BW), completed in the next call.
@@ -54,6 +59,16 @@ struct StepState<B: TrainBackend> {
 struct Clock {
     start: f64,
     t0: Instant,
+}
+
+impl Clock {
+    /// Now.
+    fn now() -> Self {
+        Clock {
+            start: now_s(),
+            t0: Instant::now(),
+        }
+    }
 }
 
 /// What an action's time counts as in the [`StepReport`].
@@ -77,6 +92,8 @@ pub(super) struct StepRun<'a, B: TrainBackend, M> {
     final_weight: HashMap<usize, usize>,
     /// Whether the schedule splits the backward pass (B now, W later).
     split: bool,
+    /// The receives to post without waiting: those ahead of a pair.
+    to_post: HashSet<(Mailbox, Key)>,
     state: StepState<B>,
 }
 
@@ -96,6 +113,8 @@ impl<'a, B: TrainBackend, M: TrainModel<B>> StepRun<'a, B, M> {
         let state = StepState {
             held: std::mem::take(&mut ran_ahead.held),
             mail: HashMap::new(),
+            posted: HashMap::new(),
+            sent_early: HashSet::new(),
             pending: std::mem::take(&mut ran_ahead.pending),
             pending_next: Vec::new(),
             carried_loss: std::mem::take(&mut ran_ahead.loss),
@@ -111,16 +130,14 @@ impl<'a, B: TrainBackend, M: TrainModel<B>> StepRun<'a, B, M> {
             final_backward,
             final_weight: final_micro_batches(actions, true),
             split,
+            to_post: posted_ahead_of_pairs(actions),
             state,
         }
     }
 
     /// Runs `action`; `false` at the step's `OptimizerStep` (the end of its actions).
     pub(super) fn act(&mut self, action: Action) -> Result<bool, PipelineError> {
-        let clock = Clock {
-            start: now_s(),
-            t0: Instant::now(),
-        };
+        let clock = Clock::now();
         match action {
             Action::Forward { mb, stage } => self.forward(action, mb, stage, clock)?,
             // ZeRO-3 recomputes every unit in its backward pass.
@@ -138,6 +155,7 @@ impl<'a, B: TrainBackend, M: TrainModel<B>> StepRun<'a, B, M> {
             }
             Action::RecvGrad { mb, stage } => self.recv(Mailbox::GradIn, mb, stage, clock)?,
             Action::BackwardWeight { mb, stage } => self.backward_weight(mb, stage, clock),
+            Action::ForwardBackward { .. } => self.pair(action)?,
             Action::OptimizerStep => return Ok(false),
         }
         Ok(true)
@@ -286,15 +304,67 @@ impl<'a, B: TrainBackend, M: TrainModel<B>> StepRun<'a, B, M> {
         Ok(())
     }
 
+    /// DualPipeV's overlapped pair: waits for the forward's input (its receive was posted
+    /// ahead), runs the forward, starts its output's send, then waits for the backward's
+    /// gradient, which travelled while the forward ran, and runs the backward.
+    fn pair(&mut self, action: Action) -> Result<(), PipelineError> {
+        let mut parts = action.parts();
+        let (Some(forward), Some(backward)) = (parts.next(), parts.next()) else {
+            return Err(missing(self.exec.rank, action, "a forward and a backward"));
+        };
+        let (
+            Action::Forward { mb, stage },
+            Action::Backward {
+                mb: b_mb,
+                stage: b_stage,
+            },
+        ) = (forward, backward)
+        else {
+            return Err(missing(self.exec.rank, action, "a forward and a backward"));
+        };
+        self.await_posted(Mailbox::ActivationIn, (mb, stage))?;
+        self.forward(forward, mb, stage, Clock::now())?;
+        if self
+            .state
+            .mail
+            .contains_key(&(Mailbox::ActivationOut, (mb, stage)))
+        {
+            self.send(Mailbox::ActivationOut, (forward, mb, stage), Clock::now())?;
+            self.state.sent_early.insert((mb, stage));
+        }
+        self.await_posted(Mailbox::GradIn, (b_mb, b_stage))?;
+        self.backward(backward, b_mb, b_stage, Clock::now())
+    }
+
+    /// Waits for the posted receive of `key` into `mailbox`, if there is one.
+    fn await_posted(&mut self, mailbox: Mailbox, key: Key) -> Result<(), PipelineError> {
+        let Some(posted) = self.state.posted.remove(&(mailbox, key)) else {
+            return Ok(());
+        };
+        let clock = Clock::now();
+        let v = posted.wait(&self.exec.tp)?;
+        self.post(mailbox, key, v);
+        let what = match mailbox {
+            Mailbox::ActivationIn => "wait act",
+            _ => "wait grad",
+        };
+        let name = self.work.message_name(what, key.0, key.1);
+        self.done(clock, Spent::Wait, "recv", name);
+        Ok(())
+    }
+
     /// Sends the message value of (`mb`, `stage`) from `mailbox` (an activation to the next
     /// stage or a gradient to the previous one); a send of the next step's forwards (2BW)
-    /// completes with that step.
+    /// completes with that step. A pair's forward output already on its way is not sent again.
     fn send(
         &mut self,
         mailbox: Mailbox,
         (action, mb, stage): (Action, usize, usize),
         clock: Clock,
     ) -> Result<(), PipelineError> {
+        if mailbox == Mailbox::ActivationOut && self.state.sent_early.remove(&(mb, stage)) {
+            return Ok(());
+        }
         let (to, kind, what, label) = match mailbox {
             Mailbox::ActivationOut => (stage + 1, 0, "its forward output", "send act"),
             _ => (stage - 1, 1, "its input gradient", "send grad"),
@@ -332,9 +402,16 @@ impl<'a, B: TrainBackend, M: TrainModel<B>> StepRun<'a, B, M> {
         };
         let [micro, seq, hidden] = self.shape;
         let tag = self.work.tag(mb, stage, schedule.stages(), kind);
-        let v = self.exec.recv(micro * seq * hidden, src, tag)?;
-        self.post(mailbox, (mb, stage), v);
+        let len = micro * seq * hidden;
         let name = self.work.message_name(what, mb, stage);
+        if self.to_post.contains(&(mailbox, (mb, stage))) {
+            let posted = self.exec.recv_start(len, src, tag)?;
+            self.state.posted.insert((mailbox, (mb, stage)), posted);
+            self.done(clock, Spent::Neither, "recv", format!("post {name}"));
+            return Ok(());
+        }
+        let v = self.exec.recv(len, src, tag)?;
+        self.post(mailbox, (mb, stage), v);
         self.done(clock, Spent::Wait, "recv", name);
         Ok(())
     }
@@ -440,12 +517,28 @@ fn missing(rank: usize, action: Action, what: &'static str) -> PipelineError {
     PipelineError::Missing { rank, action, what }
 }
 
+/// The receives in `actions` that stand ahead of a [`Action::ForwardBackward`] pair (only
+/// receives between them and it), by mailbox and (micro-batch, stage).
+fn posted_ahead_of_pairs(actions: &[Action]) -> HashSet<(Mailbox, Key)> {
+    let mut out = HashSet::new();
+    let mut run = Vec::new();
+    for a in actions {
+        match *a {
+            Action::RecvActivation { mb, stage } => run.push((Mailbox::ActivationIn, (mb, stage))),
+            Action::RecvGrad { mb, stage } => run.push((Mailbox::GradIn, (mb, stage))),
+            Action::ForwardBackward { .. } => out.extend(run.drain(..)),
+            _ => run.clear(),
+        }
+    }
+    out
+}
+
 /// The micro-batch of each stage's last backward pass in `actions` (its last W pass with
 /// `weight`): after it the stage's gradients are final.
 pub(super) fn final_micro_batches(actions: &[Action], weight: bool) -> HashMap<usize, usize> {
     let mut last = HashMap::new();
-    for a in actions {
-        match (*a, weight) {
+    for a in actions.iter().flat_map(|a| a.parts()) {
+        match (a, weight) {
             (Action::Backward { mb, stage }, false)
             | (Action::BackwardWeight { mb, stage }, true) => {
                 last.insert(stage, mb);
