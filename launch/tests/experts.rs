@@ -1,7 +1,8 @@
 //! End-to-end tests of the mixture of experts (`[model.moe]`) and expert parallelism
 //! (`parallel.ep`) under real `mpirun`: the dropless MoE GPT (shared expert, Switch and z
 //! auxiliary losses, dropout) at ep 2 and 4, ep with more data parallelism, with tensor and
-//! sequence parallelism, with pipeline parallelism (1F1B and DualPipeV) and with context parallelism, and the
+//! sequence parallelism, with pipeline parallelism (1F1B, and DualPipeV, whose pairs compute weight gradients
+//! while their exchanges wait) and with context parallelism, and the
 //! capacity-factor mode, each train the same model as one process, at a fixed micro-batch and
 //! at the default one (a rank's whole share, which changes with the layout: the experts are
 //! balanced per sequence); balancing per micro-batch is kept as an option. Every case first
@@ -113,7 +114,7 @@ fn experts_at_the_default_micro_batch_equal_one_process() {
     run_default(0, &single, &MOE).assert_success();
     let sp = ["--tp", "2", "--set", "parallel.sequence_parallel=true"];
     let zero = |z: &'static str| ["--set", z];
-    let cases: [(usize, &str, Vec<&str>); 12] = [
+    let cases: [(usize, &str, Vec<&str>); 11] = [
         (2, "moe-default-dp2", vec!["--dp", "2"]),
         (2, "moe-default-ep2", vec!["--dp", "2", "--ep", "2"]),
         (4, "moe-default-ep4", vec!["--dp", "4", "--ep", "4"]),
@@ -126,21 +127,6 @@ fn experts_at_the_default_micro_batch_equal_one_process() {
             4,
             "moe-default-ep2-pp2",
             vec!["--dp", "2", "--ep", "2", "--pp", "2"],
-        ),
-        // DualPipeV's pairs with the all-to-all inside both passes (4 micro-batches a rank).
-        (
-            4,
-            "moe-default-ep2-pp2-dualpipev",
-            vec![
-                "--dp",
-                "2",
-                "--ep",
-                "2",
-                "--pp",
-                "2",
-                "--set",
-                "parallel.schedule=dualpipev",
-            ],
         ),
         (2, "moe-default-pp2", vec!["--pp", "2"]),
         (2, "moe-default-ep2-cp2", vec!["--cp", "2", "--ep", "2"]),
@@ -173,6 +159,34 @@ fn experts_at_the_default_micro_batch_equal_one_process() {
     for (np, name, extra) in cases {
         assert_moe_run_equals(run_default, &single, np, name, &[&MOE[..], &extra].concat());
     }
+    // DualPipeV's pairs, with the all-to-alls inside both passes (4 micro-batches a rank):
+    // a pair's forward computes the weight gradients of the W after it while its exchanges
+    // wait, in the trace as a W span inside the forward.
+    let name = "moe-default-ep2-pp2-dualpipev";
+    let trace = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(name)
+        .join("trace.json");
+    let dual = [
+        &["--dp", "2", "--ep", "2", "--pp", "2"][..],
+        &["--set", "parallel.schedule=dualpipev"],
+        &["--trace", trace.to_str().unwrap_or_default()],
+    ]
+    .concat();
+    assert_moe_run_equals(run_default, &single, 4, name, &[&MOE[..], &dual].concat());
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&trace).expect("trace written")).expect("json");
+    let fills = (json["traceEvents"].as_array().expect("traceEvents").iter())
+        .filter(|e| {
+            e["cat"] == "weight"
+                && e["name"]
+                    .as_str()
+                    .is_some_and(|n| n.contains("'s exchanges"))
+        })
+        .count();
+    assert!(
+        fills > 0,
+        "no weight gradients computed during a pair's exchanges"
+    );
     // Seed 15 keeps a router margin (2.2e-5) under this routing (seed 12 leaves 1.6e-6).
     let capacity = [
         &MOE[..],

@@ -81,6 +81,12 @@ pub fn exchange_rows<B: Backend>(
     flight.test().unwrap_or_else(|e| failed(e));
     count_seconds(t0.elapsed().as_secs_f64());
     during();
+    // A DualPipeV pair's forward computes deferred weight gradients while the rows travel.
+    while crate::kernels::deferred::fill_one() {
+        if flight.test().unwrap_or_else(|e| failed(e)) {
+            break;
+        }
+    }
     let t0 = std::time::Instant::now();
     let rows = flight.finish().unwrap_or_else(|e| failed(e));
     count_seconds(t0.elapsed().as_secs_f64());

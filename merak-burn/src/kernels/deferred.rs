@@ -15,11 +15,17 @@
 //!   backward gives the unsplit backward's values and per-parameter order of accumulation, bit
 //!   for bit.
 //!
+//! - While a [`fill_with`] guard for a key lives (DualPipeV's pair runs its forward pass under
+//!   one for the W that follows the pair), the expert-parallel exchanges of that forward pass
+//!   compute the key's jobs one at a time while their rows travel ([`fill_one`]: at least one
+//!   per exchange, more until the rows are there); [`run`] computes the rest. The jobs keep
+//!   their order, so the values and the order of accumulation are those of [`run`] alone.
+//!
 //! Only weights used by one operation are deferred (a hook feeding a linear product directly);
 //! a tied output head reaches its table through a transpose and keeps its gradient in B.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use burn_autodiff::NodeId;
 
@@ -36,7 +42,11 @@ struct State {
     hooks: HashMap<NodeId, usize>,
     /// The backward pass whose weight gradients are being deferred.
     open: Option<Key>,
-    jobs: HashMap<Key, Vec<Job>>,
+    jobs: HashMap<Key, VecDeque<Job>>,
+    /// The key whose jobs fill the waits of the running forward pass's exchanges.
+    fill: Option<Key>,
+    /// Jobs computed while exchanges waited, since the last [`take_filled`].
+    filled: usize,
 }
 
 thread_local! {
@@ -87,7 +97,7 @@ pub(crate) fn push(job: Job) {
     STATE.with(|s| {
         let mut s = s.borrow_mut();
         if let Some(key) = s.open {
-            s.jobs.entry(key).or_default().push(job);
+            s.jobs.entry(key).or_default().push_back(job);
         }
     });
 }
@@ -120,6 +130,43 @@ pub fn run(key: Key) -> usize {
     n
 }
 
+/// Lets the exchanges of the forward pass that runs until the returned guard drops compute
+/// the deferred weight gradients of `key` while they wait ([`fill_one`]).
+pub fn fill_with(key: Key) -> FillGuard {
+    STATE.with(|s| s.borrow_mut().fill = Some(key));
+    FillGuard(())
+}
+
+/// The filling allowed by [`fill_with`]; ends when dropped.
+pub struct FillGuard(());
+
+impl Drop for FillGuard {
+    fn drop(&mut self) {
+        STATE.with(|s| s.borrow_mut().fill = None);
+    }
+}
+
+/// Computes the oldest deferred job of the key [`fill_with`] names, outside a backward pass;
+/// returns whether there was one.
+pub(crate) fn fill_one() -> bool {
+    let job = STATE.with(|s| {
+        let mut s = s.borrow_mut();
+        let key = s.fill.filter(|_| s.open.is_none())?;
+        let job = s.jobs.get_mut(&key)?.pop_front()?;
+        if s.jobs.get(&key).is_some_and(VecDeque::is_empty) {
+            s.jobs.remove(&key);
+        }
+        s.filled += 1;
+        Some(job)
+    });
+    job.map(|job| job()).is_some()
+}
+
+/// How many jobs exchanges computed while they waited since the last call.
+pub fn take_filled() -> usize {
+    STATE.with(|s| std::mem::take(&mut s.borrow_mut().filled))
+}
+
 /// Backward passes (keys) whose deferred weight gradients have not run yet.
 pub fn pending_backwards() -> usize {
     STATE.with(|s| s.borrow().jobs.len())
@@ -127,7 +174,7 @@ pub fn pending_backwards() -> usize {
 
 /// Deferred jobs not yet run, over all keys.
 pub fn pending() -> usize {
-    STATE.with(|s| s.borrow().jobs.values().map(Vec::len).sum())
+    STATE.with(|s| s.borrow().jobs.values().map(VecDeque::len).sum())
 }
 
 #[cfg(test)]
@@ -147,5 +194,34 @@ mod tests {
         note_hook(NodeId { value: 1 }, 3);
         let _open = super::open((2, 0));
         assert_eq!(defer_for(NodeId { value: 1 }), None, "off");
+    }
+
+    #[test]
+    fn a_fill_computes_its_keys_jobs_in_order_and_run_the_rest() {
+        use std::cell::RefCell;
+        use std::rc::Rc;
+        enable(true);
+        let ran = Rc::new(RefCell::new(Vec::new()));
+        for (key, job) in [((1, 0), 0), ((1, 0), 1), ((2, 1), 2), ((1, 0), 3)] {
+            let _open = open(key);
+            let ran = ran.clone();
+            push(Box::new(move || ran.borrow_mut().push(job)));
+        }
+        assert!(!fill_one(), "no fill allowed");
+        {
+            let _fill = fill_with((1, 0));
+            {
+                let _open = open((3, 0));
+                assert!(!fill_one(), "not inside a backward pass");
+            }
+            assert!(fill_one() && fill_one());
+        }
+        assert!(!fill_one(), "the guard dropped");
+        assert_eq!(take_filled(), 2);
+        assert_eq!(run((1, 0)), 1);
+        assert_eq!(run((2, 1)), 1);
+        assert_eq!(*ran.borrow(), [0, 1, 3, 2]);
+        assert_eq!(pending(), 0);
+        enable(false);
     }
 }

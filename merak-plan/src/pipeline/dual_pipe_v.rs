@@ -27,7 +27,9 @@ use super::order::Op;
 ///
 /// Every backward's W follows it at once unless it is postponed, and postponed W passes run
 /// oldest first where the rank would wait (phases 3, 7 and 8), as in DualPipeV's reference
-/// order.
+/// order. A pair's W comes after the next pair when one follows, so that it is still pending
+/// while that pair's forward runs: the executor computes its weight-gradient products while
+/// the forward's expert all-to-alls travel.
 pub(crate) fn dual_pipe_v_order(ranks: usize, micro_batches: usize, rank: usize) -> Vec<Op> {
     let (p, r) = (ranks, rank);
     let mut o = RankOrder::new(p, r, micro_batches);
@@ -72,6 +74,7 @@ pub(crate) fn dual_pipe_v_order(ranks: usize, micro_batches: usize, rank: usize)
     while o.waiting.front().is_some() {
         o.weight();
     }
+    o.flush();
     o.order
 }
 
@@ -83,6 +86,8 @@ struct RankOrder {
     next_forward: [usize; 2],
     next_backward: [usize; 2],
     waiting: VecDeque<(usize, usize)>,
+    /// The W of the last pair, placed after the next action (a pair) or before any other.
+    pair_weight: Option<(usize, usize)>,
 }
 
 impl RankOrder {
@@ -93,6 +98,7 @@ impl RankOrder {
             next_forward: [0; 2],
             next_backward: [0; 2],
             waiting: VecDeque::new(),
+            pair_weight: None,
         }
     }
 
@@ -106,24 +112,35 @@ impl RankOrder {
         (self.next_backward[chunk] - 1, self.stage[chunk])
     }
 
+    /// Places the last pair's W, if it waits.
+    fn flush(&mut self) {
+        if let Some((mb, stage)) = self.pair_weight.take() {
+            self.order.push(Op::W(mb, stage));
+        }
+    }
+
     fn forward(&mut self, chunk: usize) {
+        self.flush();
         let (mb, stage) = self.take_forward(chunk);
         self.order.push(Op::F(mb, stage));
     }
 
     /// B of `chunk`'s next micro-batch, and its W at once unless `postpone`.
     fn backward(&mut self, chunk: usize, postpone: bool) {
+        self.flush();
         let (mb, stage) = self.take_backward(chunk);
         self.order.push(Op::B(mb, stage));
         self.weight_of(mb, stage, postpone);
     }
 
-    /// The pair (forward of `forward_chunk`, backward of `backward_chunk`), then its W.
+    /// The pair (forward of `forward_chunk`, backward of `backward_chunk`), then the W of
+    /// the pair before it; its own W waits for the next action.
     fn pair(&mut self, forward_chunk: usize, backward_chunk: usize) {
         let forward = self.take_forward(forward_chunk);
         let backward = self.take_backward(backward_chunk);
         self.order.push(Op::Pair(forward, backward));
-        self.weight_of(backward.0, backward.1, false);
+        self.flush();
+        self.pair_weight = Some(backward);
     }
 
     fn weight_of(&mut self, mb: usize, stage: usize, postpone: bool) {
@@ -136,6 +153,7 @@ impl RankOrder {
 
     /// The oldest postponed W.
     fn weight(&mut self) {
+        self.flush();
         if let Some((mb, stage)) = self.waiting.pop_front() {
             self.order.push(Op::W(mb, stage));
         }

@@ -37,7 +37,7 @@ fn pairs(list: &[Action]) -> usize {
 }
 
 #[test]
-fn dualpipev_is_valid_for_every_shape_it_takes_within_2p_plus_1_stage_micro_batches() {
+fn dualpipev_is_valid_for_every_shape_it_takes_within_2p_plus_2_stage_micro_batches() {
     for p in 1..=8 {
         for m in 2 * p..=4 * p + 3 {
             for recompute in [false, true] {
@@ -46,9 +46,14 @@ fn dualpipev_is_valid_for_every_shape_it_takes_within_2p_plus_1_stage_micro_batc
             }
             let s = dual(p, m, false);
             for (r, list) in s.actions.iter().enumerate() {
-                // Half a micro-batch more than 1F1B's p micro-batches of a rank's share of
-                // the model (ZB-V's bound is 2p).
-                assert_eq!(held_at_most(list), 2 * p + 1, "p={p} m={m} r={r}");
+                // One stage micro-batch (half a micro-batch of the rank's share of the model)
+                // more than 1F1B's p micro-batches of that share (ZB-V's bound, 2p stage
+                // micro-batches), and one more for the W a pair keeps until after the next.
+                let held = held_at_most(list);
+                assert!(
+                    held == 2 * p + 2 || (held, m) == (2 * p + 1, 2 * p),
+                    "p={p} m={m} r={r}: {held}"
+                );
                 // Two pairs per steady-state round, one per round of phase 5, less the last
                 // rank's first.
                 let expect = 2 * (m + r + 1 - 2 * p) + (p - r - 1) - usize::from(r + 1 == p);
@@ -166,4 +171,32 @@ fn a_pair_waits_for_each_input_only_when_its_pass_starts() {
         }
     }
     assert!(seen > 0);
+}
+
+/// The forwards of pairs compute the W after them while their all-to-alls wait: with a
+/// quarter of each forward waiting, DualPipeV's step shrinks; ZB-V, without pairs, does not
+/// change.
+#[test]
+fn a_pairs_forward_fills_its_all_to_all_waits_with_the_next_weight_gradients() {
+    for p in [2, 4] {
+        let m = 3 * p;
+        let s = dual(p, m, false);
+        let zb_v = build_schedule(ScheduleKind::ZbV, p, m, 2, &vec![false; 2 * p]).unwrap();
+        let mut waiting = costs(p, 0.0);
+        waiting.forward_comm = vec![0.125; 2 * p];
+        let time = |s: &Schedule, c: &Costs| simulate(s, c, 1).unwrap().makespan();
+        let (filled, plain) = (time(&s, &waiting), time(&s, &costs(p, 0.0)));
+        assert!(filled < plain - 0.5, "p={p}: {filled} against {plain}");
+        assert_eq!(time(&zb_v, &waiting), time(&zb_v, &costs(p, 0.0)));
+        // A W right after a pair is shorter by the waits, never below nothing.
+        let sim = simulate(&s, &waiting, 1).unwrap();
+        let short = (sim.events.iter().flatten())
+            .filter(|e| matches!(e.action, Action::BackwardWeight { .. }))
+            .filter(|e| (e.duration() - 0.375).abs() < 1e-9)
+            .count();
+        assert!(short > 0, "p={p}");
+        waiting.forward_comm = vec![10.0; 2 * p];
+        let sim = simulate(&s, &waiting, 1).unwrap();
+        assert!(sim.events.iter().flatten().all(|e| e.duration() >= 0.0));
+    }
 }

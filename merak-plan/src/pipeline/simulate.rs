@@ -146,8 +146,9 @@ pub fn simulate(s: &Schedule, costs: &Costs, steps: usize) -> Result<Simulation,
         ("forward", &costs.forward),
         ("backward", &costs.backward),
         ("recompute", &costs.recompute),
+        ("forward_comm", &costs.forward_comm),
     ] {
-        if v.len() != stages {
+        if v.len() != stages && !(field == "forward_comm" && v.is_empty()) {
             return Err(ValidationError::CostLength {
                 field,
                 len: v.len(),

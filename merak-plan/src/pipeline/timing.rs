@@ -27,17 +27,24 @@ pub struct Costs {
     /// and [`Action::BackwardWeight`] (W) `backward * weight_share`. A transformer's backward
     /// does two matrix products per forward product, one for each, so 0.5.
     pub weight_share: f64,
+    /// Per global stage, the seconds of a forward pass that wait for its expert all-to-alls
+    /// (included in `forward`; empty for none). The forward of a DualPipeV pair computes the
+    /// weight gradients of the W that follows the pair while it waits, so that W costs up to
+    /// this much less.
+    #[serde(default)]
+    pub forward_comm: Vec<f64>,
 }
 
 impl Costs {
     /// The same `forward` and `backward` time on each of `stages` stages; recomputation costs
-    /// one forward; messages and the optimizer are free.
+    /// one forward; messages, all-to-alls and the optimizer are free.
     pub fn uniform(stages: usize, forward: f64, backward: f64) -> Costs {
         Costs {
             forward: vec![forward; stages],
             backward: vec![backward; stages],
             recompute: vec![forward; stages],
             weight_share: 0.5,
+            forward_comm: vec![0.0; stages],
             send_activation: 0.0,
             send_grad: 0.0,
             optimizer: 0.0,

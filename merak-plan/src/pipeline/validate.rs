@@ -472,6 +472,8 @@ struct Machine {
     arrival: HashMap<(bool, Key), f64>,
     /// When the forward pass of a pair ended, by its stage: its send leaves then.
     forward_end: HashMap<Key, f64>,
+    /// The part of a W that a pair's forward computed while its all-to-alls waited.
+    filled: HashMap<Key, f64>,
     /// The ranks that reached each step's `OptimizerStep` (a barrier: the global gradient norm
     /// is a collective over all ranks), with the latest arrival time.
     arrived: HashMap<usize, (HashSet<usize>, f64)>,
@@ -493,7 +495,9 @@ enum Outcome {
 /// of a [`Action::ForwardBackward`] pair (only receives between it and the pair) takes no time
 /// where it stands: the pair's forward starts once its input is there and its backward once
 /// the forward is done and its gradient is there, and the forward's send leaves when the
-/// forward ends. Returns the timed actions of every rank.
+/// forward ends; a W right after a pair (of another backward) costs the pair's forward's
+/// all-to-all waits less, down to nothing, as the forward computed that much of it while it
+/// waited. Returns the timed actions of every rank.
 pub(crate) fn execute(
     kind: ScheduleKind,
     ranks: usize,
@@ -518,9 +522,12 @@ pub(crate) fn execute(
         let mut progressed = false;
         for (rank, list) in lists.iter().enumerate() {
             while let Some(&(step, action)) = list.get(next[rank]) {
-                let posted = posted_before_pair(list, next[rank]);
+                let ahead = Ahead {
+                    posted: posted_before_pair(list, next[rank]),
+                    fill: weight_after_pair(list, next[rank]),
+                };
                 let at = (rank, step, free[rank]);
-                let outcome = machine.try_run(&setting, at, action, posted);
+                let outcome = machine.try_run(&setting, at, action, ahead);
                 match outcome {
                     Outcome::Ran(start, end) => {
                         timed[rank].push(TimedAction {
@@ -568,6 +575,39 @@ fn posted_before_pair(list: &[(usize, Action)], i: usize) -> bool {
             .is_some_and(|(_, a)| matches!(a, Action::ForwardBackward { .. }))
 }
 
+/// The W (micro-batch, stage) that follows the pair at `i` of `list` (only messages between
+/// them), when it is another backward pass's: the pair's forward fills its all-to-all waits
+/// with that W's work.
+fn weight_after_pair(list: &[(usize, Action)], i: usize) -> Option<(usize, usize)> {
+    let Some(&(
+        _,
+        Action::ForwardBackward {
+            backward_mb,
+            backward_stage,
+            ..
+        },
+    )) = list.get(i)
+    else {
+        return None;
+    };
+    match list[i + 1..].iter().find(|(_, a)| a.is_compute()) {
+        Some(&(_, Action::BackwardWeight { mb, stage }))
+            if (mb, stage) != (backward_mb, backward_stage) =>
+        {
+            Some((mb, stage))
+        }
+        _ => None,
+    }
+}
+
+/// What a rank's next action looks like from where it stands: a receive `posted` ahead of a
+/// pair, or a pair whose forward `fill`s its waits with the following W.
+#[derive(Clone, Copy)]
+struct Ahead {
+    posted: bool,
+    fill: Option<(usize, usize)>,
+}
+
 /// What every action of one run of the machine shares: the schedule's shape and the costs.
 struct Setting<'a> {
     kind: ScheduleKind,
@@ -603,15 +643,16 @@ fn earlier(action: Action, rank: usize) -> Outcome {
 }
 
 impl Machine {
-    /// Tries `action` of `step` on `rank`, which is free from `free` (`at`); a `posted`
-    /// receive only notes when its message is there.
+    /// Tries `action` of `step` on `rank`, which is free from `free` (`at`); a receive posted
+    /// ahead of a pair only notes when its message is there (`ahead`).
     fn try_run(
         &mut self,
         set: &Setting<'_>,
         (rank, step, free): (usize, usize, f64),
         action: Action,
-        posted: bool,
+        ahead: Ahead,
     ) -> Outcome {
+        let posted = ahead.posted;
         let compute = |duration: f64| Outcome::Ran(free, free + duration);
         match action {
             Action::Forward { mb, stage } => match self.forward(set, rank, step, mb, stage) {
@@ -634,7 +675,8 @@ impl Machine {
                     return earlier(Action::Backward { mb, stage }, rank);
                 }
                 self.weight.insert((step, mb, stage));
-                compute(set.cost(|c| &c.backward, stage) * set.weight_share())
+                let filled = self.filled.remove(&(step, mb, stage)).unwrap_or(0.0);
+                compute(set.cost(|c| &c.backward, stage) * set.weight_share() - filled)
             }
             Action::SendActivation { mb, stage } => {
                 if !self.forward.contains(&(step, mb, stage)) {
@@ -660,7 +702,16 @@ impl Machine {
                 let outcome = self.recv_grad(set, step, mb, stage, free);
                 self.post(outcome, posted.then_some((false, (step, mb, stage))), free)
             }
-            Action::ForwardBackward { .. } => self.pair(set, (rank, step, free), action),
+            Action::ForwardBackward { .. } => {
+                let outcome = self.pair(set, (rank, step, free), action);
+                if let (Outcome::Ran(..), Some((mb, stage))) = (&outcome, ahead.fill) {
+                    let forward_stage = action.stage().unwrap_or(0);
+                    let waits = set.cost(|c| &c.forward_comm, forward_stage);
+                    let work = set.cost(|c| &c.backward, stage) * set.weight_share();
+                    self.filled.insert((step, mb, stage), waits.min(work));
+                }
+                outcome
+            }
             Action::OptimizerStep => self.optimizer_step(set, rank, step, free),
         }
     }

@@ -94,6 +94,9 @@ pub(super) struct StepRun<'a, B: TrainBackend, M> {
     split: bool,
     /// The receives to post without waiting: those ahead of a pair.
     to_post: HashSet<(Mailbox, Key)>,
+    /// By a pair's forward: the W that follows the pair, whose weight-gradient products the
+    /// forward's expert exchanges compute while they wait.
+    fills: HashMap<Key, Key>,
     state: StepState<B>,
 }
 
@@ -131,6 +134,7 @@ impl<'a, B: TrainBackend, M: TrainModel<B>> StepRun<'a, B, M> {
             final_weight: final_micro_batches(actions, true),
             split,
             to_post: posted_ahead_of_pairs(actions),
+            fills: weights_after_pairs(actions),
             state,
         }
     }
@@ -323,7 +327,22 @@ impl<'a, B: TrainBackend, M: TrainModel<B>> StepRun<'a, B, M> {
             return Err(missing(self.exec.rank, action, "a forward and a backward"));
         };
         self.await_posted(Mailbox::ActivationIn, (mb, stage))?;
-        self.forward(forward, mb, stage, Clock::now())?;
+        let clock = Clock::now();
+        let fill = self.fills.get(&(mb, stage)).copied();
+        let guard = fill.map(|(w_mb, w_stage)| {
+            // No gradient reaches the reducer in a forward pass but those of the filling W.
+            let last = self.final_weight.get(&w_stage) == Some(&w_mb);
+            self.reducer.set_last_micro_batch(last);
+            deferred::fill_with((w_mb, w_stage))
+        });
+        self.forward(forward, mb, stage, clock)?;
+        drop(guard);
+        let filled = deferred::take_filled();
+        if let Some((w_mb, w_stage)) = fill.filter(|_| filled > 0) {
+            let step = self.work.step;
+            let name = format!("W{w_mb} s{w_stage} t{step}: {filled} in F{mb}'s exchanges");
+            self.exec.record("weight", name, clock.start);
+        }
         if self
             .state
             .mail
@@ -528,6 +547,31 @@ fn posted_ahead_of_pairs(actions: &[Action]) -> HashSet<(Mailbox, Key)> {
             Action::RecvGrad { mb, stage } => run.push((Mailbox::GradIn, (mb, stage))),
             Action::ForwardBackward { .. } => out.extend(run.drain(..)),
             _ => run.clear(),
+        }
+    }
+    out
+}
+
+/// For each [`Action::ForwardBackward`] pair in `actions` followed by a W (only messages
+/// between them) of another backward pass: the pair's forward (micro-batch, stage) and that
+/// W's.
+fn weights_after_pairs(actions: &[Action]) -> HashMap<Key, Key> {
+    let mut out = HashMap::new();
+    for (i, a) in actions.iter().enumerate() {
+        let Action::ForwardBackward {
+            forward_mb,
+            forward_stage,
+            backward_mb,
+            backward_stage,
+        } = *a
+        else {
+            continue;
+        };
+        let next = actions[i + 1..].iter().find(|a| a.is_compute());
+        if let Some(&Action::BackwardWeight { mb, stage }) = next
+            && (mb, stage) != (backward_mb, backward_stage)
+        {
+            out.insert((forward_mb, forward_stage), (mb, stage));
         }
     }
     out

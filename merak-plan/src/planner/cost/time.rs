@@ -463,6 +463,8 @@ impl<'a> CostModel<'a> {
                 ));
             }
             costs.forward[j] = terms[j].forward();
+            // What a DualPipeV pair's forward fills with weight gradients.
+            costs.forward_comm[j] = terms[j].ep_forward_s;
             costs.backward[j] = terms[j].backward();
             costs.recompute[j] = terms[j].recompute();
             if layout.zero == 3 && layout.reshard_after_forward && (s > 1 || de > 1) {
@@ -642,7 +644,12 @@ impl<'a> CostModel<'a> {
             costs.send_activation.to_bits(),
         ];
         key.extend(derived.schedule_recompute.iter().map(|&r| r as u64));
-        for v in [&costs.forward, &costs.backward, &costs.recompute] {
+        for v in [
+            &costs.forward,
+            &costs.backward,
+            &costs.recompute,
+            &costs.forward_comm,
+        ] {
             key.extend(v.iter().map(|x| x.to_bits()));
         }
         if let Some(&t) = self.simulations.borrow().get(&key) {
