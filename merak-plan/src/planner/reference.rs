@@ -288,3 +288,45 @@ mod tests {
         assert!(best <= 1.10 * row.tflops_per_gpu, "{best}");
     }
 }
+
+#[cfg(test)]
+mod dual_pipe_v_row {
+    use super::*;
+    use crate::planner::cost::CostModel;
+    use crate::planner::hardware::HardwareSpec;
+    use crate::planner::search::{SearchOptions, search};
+
+    /// On the Megatron MoE row's model, GPUs and batch, the search's best DualPipeV layout
+    /// beats its best ZB-V layout, and the whole search picks DualPipeV; the same layout
+    /// under ZB-V is slower (its messages and all-to-alls wait in the open).
+    #[test]
+    fn dualpipev_beats_zb_v_on_the_megatron_moe_row() {
+        let row = MEGATRON_MOE;
+        let model = row.model().unwrap();
+        let hw = HardwareSpec::preset(row.hardware)
+            .unwrap()
+            .with_devices(row.gpus);
+        let best = |schedules: Vec<ScheduleKind>| {
+            let mut options = SearchOptions::new(row.gpus, row.global_batch);
+            if !schedules.is_empty() {
+                options.schedules = schedules;
+            }
+            search(&model, &hw, &options).unwrap().best
+        };
+        let dual = best(vec![ScheduleKind::DualPipeV]);
+        let zb_v = best(vec![ScheduleKind::ZbV]);
+        let all = best(Vec::new());
+        let (d, z) = (dual.prediction.step_time_s, zb_v.prediction.step_time_s);
+        eprintln!(
+            "dualpipev {d:.3} s {:?}\nzb-v {z:.3} s {:?}\nall: {}",
+            dual.layout, zb_v.layout, all.layout.schedule
+        );
+        assert!(d < z, "dualpipev {d} against zb-v {z}");
+        assert_eq!(all.layout.schedule, ScheduleKind::DualPipeV);
+        let mut same = dual.layout.clone();
+        same.schedule = ScheduleKind::ZbV;
+        let as_zb_v = CostModel::new(&model, &hw).predict(&same).unwrap();
+        eprintln!("that layout under zb-v: {:.3} s", as_zb_v.step_time_s);
+        assert!(as_zb_v.step_time_s > d, "{} against {d}", as_zb_v.step_time_s);
+    }
+}
