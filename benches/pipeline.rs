@@ -12,13 +12,17 @@
 //!    stage-aware recomputation (`memory.json`);
 //! 4. the step time of PipeDream-2BW, whose next step's warm-up runs during this step's
 //!    cool-down, against 1F1B, next to the simulator's prediction from the measured forward
-//!    and backward times.
+//!    and backward times;
+//! 5. the step time of DualPipeV against ZB-V, dense and with experts, with what its pairs
+//!    overlapped ([`dual_pipe_v`]).
 //!
 //! Run from the repository root after `cargo build --release --workspace`:
 //! `target/release/bench-pipeline` (it starts the ranks itself, through `merak train --np`,
 //! which also allows running as root).
 
 mod common;
+#[path = "pipeline/dual_pipe_v.rs"]
+mod dual_pipe_v;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -45,15 +49,16 @@ struct Args {
     /// Micro-batch counts for the bubble measurement.
     #[arg(long, value_delimiter = ',', default_value = "2,4,8")]
     micro_batches: Vec<usize>,
-    /// Which sections to run (1: bubble, 2: shifted critical path, 3: memory, 4: 2BW).
-    #[arg(long, value_delimiter = ',', default_value = "1,2,3,4")]
+    /// Which sections to run (1: bubble, 2: shifted critical path, 3: memory, 4: 2BW, 5:
+    /// DualPipeV).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3,4,5")]
     sections: Vec<usize>,
     /// Open MPI transports of the runs (`OMPI_MCA_btl`), e.g. `self,tcp` to send the pipeline's
     /// messages over loopback TCP instead of shared memory (default: Open MPI's choice).
     #[arg(long)]
     btl: Option<String>,
-    /// Section 4 runs 1F1B and 2BW this many times in turn and reports the median step times
-    /// (the runs are short and this machine is shared).
+    /// Sections 4 and 5 run their two schedules this many times in turn and report the median
+    /// step times (the runs are short and this machine is shared).
     #[arg(long, default_value_t = 3)]
     rounds: usize,
     /// Where runs write their output.
@@ -76,12 +81,26 @@ fn merak() -> Result<PathBuf> {
 
 /// Runs `merak train` on `pp` ranks (pp = dp... = 1 otherwise) with `sets`; returns its folder.
 fn train(a: &Args, name: &str, pp: usize, m: usize, sets: &[&str], trace: bool) -> Result<PathBuf> {
+    train_with(a, name, [pp, 1], m, sets, trace)
+}
+
+/// Runs `merak train` on `pp x dp` ranks with `m` micro-batches per data-parallel rank and
+/// `sets`; returns its folder.
+fn train_with(
+    a: &Args,
+    name: &str,
+    [pp, dp]: [usize; 2],
+    m: usize,
+    sets: &[&str],
+    trace: bool,
+) -> Result<PathBuf> {
     let out = a.out.join(name);
     let _ = std::fs::remove_dir_all(&out);
     // `merak train --np` starts the ranks under mpirun with the flags a local run needs.
     let mut cmd = Command::new(merak()?);
+    let (np, pp, dp) = ((pp * dp).to_string(), pp.to_string(), dp.to_string());
     cmd.arg("train")
-        .args(["--np", &pp.to_string(), "--pp", &pp.to_string()]);
+        .args(["--np", &np, "--pp", &pp, "--dp", &dp]);
     let shape = [
         format!("model.hidden={}", a.hidden),
         "model.heads=8".into(),
@@ -89,7 +108,10 @@ fn train(a: &Args, name: &str, pp: usize, m: usize, sets: &[&str], trace: bool) 
         "model.seq_len=128".into(),
         "model.vocab_size=512".into(),
         format!("train.micro_batch={}", a.micro_batch),
-        format!("train.global_batch={}", a.micro_batch * m),
+        format!(
+            "train.global_batch={}",
+            a.micro_batch * m * dp.parse::<usize>()?
+        ),
         format!("train.steps={}", a.steps),
         "checkpoint.at_end=false".into(),
     ];
@@ -208,6 +230,9 @@ fn main() -> Result<()> {
     }
     if a.sections.contains(&4) {
         two_bw(&a)?;
+    }
+    if a.sections.contains(&5) {
+        dual_pipe_v::compare(&a)?;
     }
     Ok(())
 }

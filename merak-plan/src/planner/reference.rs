@@ -327,6 +327,10 @@ mod dual_pipe_v_row {
         same.schedule = ScheduleKind::ZbV;
         let as_zb_v = CostModel::new(&model, &hw).predict(&same).unwrap();
         eprintln!("that layout under zb-v: {:.3} s", as_zb_v.step_time_s);
-        assert!(as_zb_v.step_time_s > d, "{} against {d}", as_zb_v.step_time_s);
+        assert!(
+            as_zb_v.step_time_s > d,
+            "{} against {d}",
+            as_zb_v.step_time_s
+        );
     }
 }
