@@ -61,7 +61,7 @@ pub(crate) fn dual_pipe_v_order(ranks: usize, micro_batches: usize, rank: usize)
     }
     let mut postpone = false;
     for i in 0..=r {
-        let half = i == (r + 1) / 2;
+        let half = i == r.div_ceil(2);
         postpone |= half && r % 2 == 1;
         o.backward(1, postpone);
         postpone |= half && r % 2 == 0;
