@@ -1,8 +1,8 @@
 //! Zero-bubble pipelines under real `mpirun`: ZB-H1 and ZB-V with the split backward (B, then
 //! the weight gradients in W) train the same model as one process under pp = 2 and 4, with
 //! recomputation, in 3D (dp x tp x pp) with dropout and ZeRO-1, and for BERT (whose tied
-//! decoder keeps its gradient in B; under ZB-V its two ends share rank 0); and ZB-H1 at
-//! pp = 2 equals 1F1B bit for bit.
+//! decoder keeps its gradient in B; under ZB-V and DualPipeV its two ends share rank 0); and
+//! ZB-H1 at pp = 2 equals 1F1B bit for bit.
 
 use std::path::Path;
 
@@ -141,4 +141,10 @@ fn bert_under_zero_bubble_schedules_equals_one_process() {
     let out = run(2, "bert-zbv-pp2", &[&["--pp", "2"][..], &ZB_V].concat());
     assert_same_losses("bert zb-v pp2", &out, &single);
     assert_same_params("bert zb-v pp2", &out, &single);
+    // DualPipeV: 4 micro-batches of 2, pairs in the steady state, the tied decoder's two ends
+    // on rank 0.
+    let dual = ["--pp", "2", "--set", "parallel.schedule=dualpipev"];
+    let out = run(2, "bert-dualpipev-pp2", &dual);
+    assert_same_losses("bert dualpipev pp2", &out, &single);
+    assert_same_params("bert dualpipev pp2", &out, &single);
 }

@@ -453,6 +453,15 @@ mod tests {
                 "plan.layout.ep = 2: needs a mixture of experts; this model is dense",
                 Box::new(|l| l["ep"] = 2.into()),
             ),
+            (
+                "plan.layout.micro_batches = 1: plan.layout.schedule = \"dualpipev\" needs at \
+                 least 2 per pipeline rank: 2 for plan.layout.pp = 1",
+                Box::new(|l| {
+                    l["schedule"] = "dualpipev".into();
+                    l["virtual_stages"] = 2.into();
+                    l["micro_batches"] = 1.into();
+                }),
+            ),
         ];
         for (want, edit) in cases {
             let e = refused(|plan| edit(&mut plan["plan"]["layout"]));
