@@ -4,7 +4,7 @@
 //! looser bound (the kernels sum in another order); under `mpirun` (MPI on host buffers), data,
 //! tensor (with sub-pipelined overlap) and pipeline parallelism on wgpu equal one wgpu process
 //! at the usual 1e-5; so does one wgpu process with packed documents. A machine without an
-//! adapter gets a clear error before training.
+//! adapter gets a clear error before training. One rank reads the device twice a step.
 
 mod common;
 use common::*;
@@ -39,7 +39,22 @@ fn wgpu_against_cpu(name: &str, extra: &[&str]) -> (merak_tests::Run, std::path:
     run_pp(0, &cpu, extra).assert_success();
     let diff = max_relative(&series_of(&wgpu, "loss"), &series_of(&cpu, "loss"));
     assert!(diff < 1e-4, "{name}: wgpu against the CPU: {diff:e}");
+    // One rank reads the device twice a step (its losses, all micro-batches at once, and the
+    // gradient norm's sums, all parameters at once); the CPU backend reads only the losses.
+    assert_host_reads(name, &wgpu, 2);
+    assert_host_reads(&format!("{name} on the CPU"), &cpu, 1);
     (run, wgpu)
+}
+
+/// Asserts that every step of the run in `out` read tensors into host memory `want` times.
+fn assert_host_reads(name: &str, out: &std::path::Path, want: u64) {
+    let reads: Vec<Option<u64>> = (read_metrics(out).iter())
+        .map(|m| m["host_reads"].as_u64())
+        .collect();
+    assert!(
+        !reads.is_empty() && reads.iter().all(|&r| r == Some(want)),
+        "{name}: host reads per step {reads:?}, want {want}"
+    );
 }
 
 /// One wgpu process against the CPU backend (measured on llvmpipe: 3.8e-8 after 5 steps), then

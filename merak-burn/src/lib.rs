@@ -57,6 +57,7 @@ pub mod entry;
 pub mod expert_ops;
 pub mod grid;
 pub mod hf_files;
+pub mod host_read;
 pub mod kernels;
 pub mod moe;
 pub use merak_plan::parallel_plan;

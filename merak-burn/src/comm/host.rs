@@ -11,12 +11,7 @@ use crate::precision::like_dtype;
 pub(crate) fn tensor_to_vec<B: Backend, const D: usize>(
     t: Tensor<B, D>,
 ) -> Result<Vec<f32>, CommError> {
-    let data = t
-        .try_into_data()
-        .map_err(|e| CommError::TensorRead(format!("{e:?}")))?;
-    data.convert::<f32>()
-        .into_vec::<f32>()
-        .map_err(|e| CommError::TensorRead(format!("{e:?}")))
+    crate::host_read::floats(t).map_err(|e| CommError::TensorRead(e.0))
 }
 
 /// Writes a host `f32` vector into a tensor of `shape` on `device`, of element type `dtype`

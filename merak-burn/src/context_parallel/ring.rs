@@ -197,14 +197,7 @@ fn shard_shape(dims: &TensorShape, spec: AttentionSpec) -> Shape {
 
 /// The segment ids of an integer tensor, as `i64`.
 fn segment_ids<B: Backend>(segments: IntTensor<B>) -> Vec<i64> {
-    Tensor::<B, 2, Int>::from_primitive(segments)
-        .try_into_data()
-        .map_err(|e| format!("{e:?}"))
-        .and_then(|d| {
-            d.convert::<i64>()
-                .into_vec::<i64>()
-                .map_err(|e| format!("{e:?}"))
-        })
+    crate::host_read::ints(Tensor::<B, 2, Int>::from_primitive(segments))
         .unwrap_or_else(|e| panic!("ring attention: cannot read the segment ids: {e}"))
 }
 

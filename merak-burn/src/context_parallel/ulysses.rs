@@ -169,11 +169,8 @@ fn heads_to_seq<B: Backend>(
 fn whole_segments<B: Backend>(segments: IntTensor<B>, l: &Layout, group: Group) -> IntTensor<B> {
     let shard = Tensor::<B, 2, Int>::from_primitive(segments);
     let device = shard.device();
-    let ids = shard
-        .into_data()
-        .convert::<i64>()
-        .into_vec::<i64>()
-        .unwrap_or_else(|e| fatal(format!("cannot read the segment ids: {e:?}")));
+    let ids = crate::host_read::ints(shard)
+        .unwrap_or_else(|e| fatal(format!("cannot read the segment ids: {e}")));
     let comm = group.comm().unwrap_or_else(|e| fatal(e));
     let shards = gather_segments(&*comm, &ids).unwrap_or_else(|e| fatal(e));
     let whole = ZigZag::unshard(l.seq, &shards, 1).unwrap_or_else(|e| fatal(e));

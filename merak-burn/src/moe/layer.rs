@@ -456,10 +456,8 @@ pub fn within_bound(
 
 /// A tensor's values on the host, as f32.
 fn host_values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
-    t.into_data()
-        .convert::<f32>()
-        .into_vec::<f32>()
-        .unwrap_or_else(|e| fatal(format!("cannot read the router's scores: {e:?}")))
+    crate::host_read::floats(t)
+        .unwrap_or_else(|e| fatal(format!("cannot read the router's scores: {e}")))
 }
 
 /// An integer tensor of `values`.

@@ -209,10 +209,7 @@ fn now_s() -> f64 {
 }
 
 fn read<B: Backend, const D: usize>(t: Tensor<B, D>) -> Result<Vec<f32>, PipelineError> {
-    t.into_data()
-        .convert::<f32>()
-        .into_vec::<f32>()
-        .map_err(|e| PipelineError::Tensor(format!("{e:?}")))
+    crate::host_read::floats(t).map_err(|e| PipelineError::Tensor(e.0))
 }
 
 /// A message's values as a stage input `[micro, seq, hidden]` on `device`, in the step's

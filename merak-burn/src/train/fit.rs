@@ -112,12 +112,13 @@ where
         while self.done < steps {
             let (ts, blocked) = (Instant::now(), blocked_time());
             injected::before_step(&watch.faults, self.grid.rank, self.done + 1, start);
-            let faults = process::minor_faults();
+            let (faults, reads) = (process::minor_faults(), crate::host_read::count());
             let stop_first = overlapping && self.stop_agreed(out)?;
             // No step runs ahead of a validation pass (after step `done + 1`, 1-based); the
             // trainer itself overlaps only where a step is left.
             let next_follows = !stop_first && !self.settings.validates_after(self.done + 1);
             let outcome = self.step_overlapping(data, next_follows)?;
+            let reads = crate::host_read::count().saturating_sub(reads);
             if let Some(grad_norm) = outcome.grad_norm {
                 let val_loss = (self.settings.validates_after(outcome.step))
                     .then(|| self.validation_loss_unless_stopped(data, out.stop.as_ref()))
@@ -126,7 +127,7 @@ where
                 let dt = ts.elapsed().as_secs_f64();
                 total_time += dt;
                 final_loss = outcome.loss;
-                let mut m = self.metrics(&outcome, grad_norm, dt, faults, val_loss);
+                let mut m = self.metrics(&outcome, grad_norm, dt, (faults, reads), val_loss);
                 self.time_ranks(&mut m, (blocked_time() - blocked).as_secs_f64(), &mut watch)?;
                 if let Some(w) = metrics.as_mut() {
                     w.write(&m).map_err(TrainError::io(&metrics_path))?;
@@ -292,13 +293,14 @@ where
         (!names.is_empty()).then(|| names.into_iter().zip(o.loss_parts.clone()).collect())
     }
 
-    /// The metrics record of a step that took `dt` seconds.
+    /// The metrics record of a step that took `dt` seconds, from the minor faults before it
+    /// and the host reads it made.
     fn metrics(
         &self,
         o: &StepOutcome,
         grad_norm: f64,
         dt: f64,
-        faults_before: u64,
+        (faults_before, host_reads): (u64, u64),
         val_loss: Option<f64>,
     ) -> StepMetrics {
         StepMetrics {
@@ -312,6 +314,7 @@ where
             dp_overlapped_buckets: o.dp.overlapped_buckets,
             dp_buckets: o.dp.buckets,
             minor_faults: process::minor_faults().saturating_sub(faults_before),
+            host_reads,
             val_loss,
             loss_parts: self.loss_parts(o),
             aux_loss: o.aux_loss,

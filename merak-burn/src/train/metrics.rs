@@ -31,6 +31,10 @@ pub struct StepMetrics {
     /// Minor page faults of this rank during the step (memory mapped and zeroed by the kernel:
     /// near 0 once buffers are reused).
     pub minor_faults: u64,
+    /// Reads of tensors into host memory during the step on rank 0 (each waits for the
+    /// device on a GPU; [`crate::host_read`]): 2 at one rank on a GPU backend (the losses and
+    /// the gradient norm), 1 on the CPU backend.
+    pub host_reads: u64,
     /// Validation loss, on the steps where it is measured.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f64>,

@@ -20,9 +20,8 @@ pub(crate) fn for_each_param<B: AutodiffBackend, M: AutodiffModule<B>>(
     }
     impl<B: AutodiffBackend> ModuleVisitor<B> for Read<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let data = param.val().inner().into_data().convert::<f32>();
-            let values = data.into_vec::<f32>().unwrap_or_else(|e| {
-                (self.error).get_or_insert(TrainError::ZeroValues(format!("{e:?}")));
+            let values = crate::host_read::floats(param.val().inner()).unwrap_or_else(|e| {
+                (self.error).get_or_insert(TrainError::ZeroValues(e.0));
                 Vec::new()
             });
             (self.take)(self.next, values);

@@ -27,11 +27,7 @@ pub fn sum_tied_grads<B: AutodiffBackend>(
         .remove::<B::InnerBackend, 2>(id)
         .ok_or(TrainError::TiedGradient)?;
     let shape = g.dims();
-    let mut sum: Vec<f32> = g
-        .into_data()
-        .convert::<f32>()
-        .into_vec()
-        .map_err(|_| TrainError::TiedGradient)?;
+    let mut sum = crate::host_read::floats(g).map_err(|_| TrainError::TiedGradient)?;
     sum_tied_chunk(&mut sum, grid)?;
     grads.register(
         id,

@@ -333,8 +333,7 @@ fn flat<B: Backend>(values: &[f32], device: &B::Device) -> Tensor<B, 1> {
 
 /// The values of a flat tensor.
 fn values_of<B: Backend>(t: Tensor<B, 1>) -> Result<Vec<f32>, TrainError> {
-    (t.into_data().convert::<f32>().into_vec::<f32>())
-        .map_err(|e| TrainError::ZeroValues(format!("{e:?}")))
+    crate::host_read::floats(t).map_err(|e| TrainError::ZeroValues(e.0))
 }
 
 /// Every parameter's values (visit order), read to the host.

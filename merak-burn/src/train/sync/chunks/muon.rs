@@ -380,8 +380,7 @@ fn orthogonalize<B: TrainBackend>(
             let x = m
                 .muon
                 .orthogonal_piece(Tensor::from_data(shard, &chunks.device));
-            let x = x.into_data().convert::<f32>().into_vec::<f32>();
-            let x = x.map_err(|e| TrainError::ZeroValues(format!("{e:?}")))?;
+            let x = crate::host_read::floats(x).map_err(|e| TrainError::ZeroValues(e.0))?;
             Ok((j.seen, x))
         })
         .collect()
