@@ -386,7 +386,8 @@ pub fn linear_backward_with<B: Backend>(
 
 /// Composed sum of squares, in the tensor's own element type.
 pub fn sum_of_squares<B: Backend>(x: FloatTensor<B>) -> f64 {
-    let v = crate::host_read::floats(lift::<B, 1>(x).powi_scalar(2).sum()).unwrap_or_default();
+    let v = crate::host_read::floats(lift::<B, 1>(x).powi_scalar(2).sum())
+        .unwrap_or_else(|e| crate::comm::fail(format!("a sum of squares: {e}")));
     v.first().copied().map_or(0.0, f64::from)
 }
 
@@ -428,7 +429,8 @@ pub fn adamw_step<B: Backend>(
 pub fn to_host<B: Backend>(x: FloatTensor<B>) -> Vec<f32> {
     let t = lift::<B, 1>(x);
     let n = t.shape().num_elements();
-    crate::host_read::floats(t.reshape([n])).unwrap_or_default()
+    crate::host_read::floats(t.reshape([n]))
+        .unwrap_or_else(|e| crate::comm::fail(format!("a tensor's values: {e}")))
 }
 
 /// `[1, n]` local row indices of `ids` in a shard from `start` of `rows` rows (0 for ids held
