@@ -807,7 +807,13 @@ impl PendingMpiRecv {
 
 impl Drop for PendingMpiRecv {
     fn drop(&mut self) {
-        // The buffer must outlive the request: complete it before it is freed.
+        // A receive nobody waits for (a step that failed) is cancelled, so that dropping it
+        // does not wait for a message that may never come; the buffer must outlive the
+        // request, so the cancelled request is completed before it is freed.
+        if !self.request.complete {
+            // SAFETY: `raw` came from `MPI_Irecv` and has not completed yet.
+            unsafe { mpi::ffi::MPI_Cancel(&mut self.request.raw) };
+        }
         let _ = self.request.wait();
     }
 }

@@ -171,6 +171,13 @@ fn comm(c: &dyn Communicator) {
             c.send(&data(r, len), next, 7).unwrap();
         }
         expect("send/recv", &got, &all[prev]);
+        // Receives posted ahead: one waited for after its message was sent, and one whose
+        // message never comes, dropped (cancelled, not waited for).
+        let posted = c.recv_start(len, prev, 8).unwrap();
+        let never = c.recv_start(len, prev, 9).unwrap();
+        c.send(&data(r, len), next, 8).unwrap();
+        expect("recv_start", &posted.wait().unwrap(), &all[prev]);
+        drop(never);
     }
     c.barrier().unwrap();
 
