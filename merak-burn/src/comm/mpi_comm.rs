@@ -441,13 +441,7 @@ impl Communicator for MpiCommunicator {
                 &mut pending.request.raw,
             )
         };
-        if code != 0 {
-            pending.request.complete = true;
-            return Err(CommError::Mpi {
-                op: "MPI_Isend",
-                code,
-            });
-        }
+        pending.request.started("MPI_Isend", code)?;
         Ok(Box::new(pending))
     }
 
@@ -473,13 +467,7 @@ impl Communicator for MpiCommunicator {
                 &mut pending.request.raw,
             )
         };
-        if code != 0 {
-            pending.request.complete = true;
-            return Err(CommError::Mpi {
-                op: "MPI_Irecv",
-                code,
-            });
-        }
+        pending.request.started("MPI_Irecv", code)?;
         Ok(Box::new(pending))
     }
 
@@ -635,10 +623,7 @@ impl MpiCommunicator {
         op: &'static str,
         code: c_int,
     ) -> Result<Box<dyn Pending>, CommError> {
-        if code != 0 {
-            pending.request.complete = true;
-            return Err(CommError::Mpi { op, code });
-        }
+        pending.request.started(op, code)?;
         Ok(Box::new(pending))
     }
 }
@@ -673,15 +658,33 @@ impl Request {
         }
     }
 
+    /// The request's start by `op` returned `code`: an error (the request marked complete,
+    /// as it never started) unless 0.
+    fn started(&mut self, op: &'static str, code: c_int) -> Result<(), CommError> {
+        if code != 0 {
+            self.complete = true;
+            return Err(CommError::Mpi { op, code });
+        }
+        Ok(())
+    }
+
     /// Blocks until the request completes (once).
     fn wait(&mut self) -> Result<(), CommError> {
+        self.wait_into(None)
+    }
+
+    /// [`Request::wait`], MPI writing the completion's status into `status` when given (left
+    /// as it is when the request had completed before).
+    fn wait_into(&mut self, status: Option<&mut mpi::ffi::MPI_Status>) -> Result<(), CommError> {
         if self.complete {
             return Ok(());
         }
         let (op, values, name, members) = &self.watch;
         let _watch = watchdog::watch(op, *values, name, members);
-        // SAFETY: `raw` came from a non-blocking MPI call and has not completed yet.
-        let code = unsafe { mpi::ffi::MPI_Wait(&mut self.raw, mpi::ffi::RSMPI_STATUS_IGNORE) };
+        let status = status.map_or(unsafe { mpi::ffi::RSMPI_STATUS_IGNORE }, |s| s as *mut _);
+        // SAFETY: `raw` came from a non-blocking MPI call and has not completed yet; `status`
+        // is MPI's "ignore" or a status to write into.
+        let code = unsafe { mpi::ffi::MPI_Wait(&mut self.raw, status) };
         self.complete = true;
         if code != 0 {
             return Err(CommError::Mpi {
@@ -694,13 +697,20 @@ impl Request {
 
     /// Lets MPI progress the request; `true` once it is complete.
     fn test(&mut self) -> Result<bool, CommError> {
+        self.test_into(None)
+    }
+
+    /// [`Request::test`], MPI writing the completion's status into `status` when this call
+    /// completes the request.
+    fn test_into(&mut self, status: Option<&mut mpi::ffi::MPI_Status>) -> Result<bool, CommError> {
         if self.complete {
             return Ok(true);
         }
         let mut flag: c_int = 0;
-        // SAFETY: `raw` came from a non-blocking MPI call and has not completed yet.
-        let code =
-            unsafe { mpi::ffi::MPI_Test(&mut self.raw, &mut flag, mpi::ffi::RSMPI_STATUS_IGNORE) };
+        let status = status.map_or(unsafe { mpi::ffi::RSMPI_STATUS_IGNORE }, |s| s as *mut _);
+        // SAFETY: `raw` came from a non-blocking MPI call and has not completed yet; `status`
+        // is MPI's "ignore" or a status to write into.
+        let code = unsafe { mpi::ffi::MPI_Test(&mut self.raw, &mut flag, status) };
         if code != 0 {
             return Err(CommError::Mpi {
                 op: "MPI_Test",
@@ -748,39 +758,20 @@ impl Pending for PendingMpiRecv {
         if self.request.complete {
             return Ok(true);
         }
-        let mut flag: c_int = 0;
         // SAFETY: a zeroed status is a valid value for MPI to write into.
         let mut status: mpi::ffi::MPI_Status = unsafe { std::mem::zeroed() };
-        // SAFETY: `raw` came from `MPI_Irecv` and has not completed yet.
-        let code = unsafe { mpi::ffi::MPI_Test(&mut self.request.raw, &mut flag, &mut status) };
-        if code != 0 {
-            return Err(CommError::Mpi {
-                op: "MPI_Test",
-                code,
-            });
-        }
-        if flag != 0 {
-            self.request.complete = true;
+        let done = self.request.test_into(Some(&mut status))?;
+        if done {
             self.check_size(&status)?;
         }
-        Ok(flag != 0)
+        Ok(done)
     }
 
     fn wait(mut self: Box<Self>) -> Result<Vec<f32>, CommError> {
         if !self.request.complete {
-            let (op, values, name, members) = &self.request.watch;
-            let _watch = watchdog::watch(op, *values, name, members);
             // SAFETY: a zeroed status is a valid value for MPI to write into.
             let mut status: mpi::ffi::MPI_Status = unsafe { std::mem::zeroed() };
-            // SAFETY: `raw` came from `MPI_Irecv` and has not completed yet.
-            let code = unsafe { mpi::ffi::MPI_Wait(&mut self.request.raw, &mut status) };
-            self.request.complete = true;
-            if code != 0 {
-                return Err(CommError::Mpi {
-                    op: "MPI_Wait",
-                    code,
-                });
-            }
+            self.request.wait_into(Some(&mut status))?;
             self.check_size(&status)?;
         }
         Ok(std::mem::take(&mut self.buf))
