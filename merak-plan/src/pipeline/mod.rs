@@ -18,6 +18,7 @@ mod dual_pipe_v;
 #[cfg(test)]
 mod dual_pipe_v_tests;
 mod order;
+pub mod pairs;
 pub mod partition;
 mod pipeline_plan;
 pub mod recompute;

@@ -19,6 +19,7 @@
 use hashbrown::{HashMap, HashSet};
 use std::fmt::Write as _;
 
+use super::pairs::{posted_ahead_of_pair, weight_after_pair};
 use super::schedule::{Action, Schedule, ScheduleKind, rank_of_stage};
 use super::timing::{Costs, TimedAction};
 
@@ -522,9 +523,10 @@ pub(crate) fn execute(
         let mut progressed = false;
         for (rank, list) in lists.iter().enumerate() {
             while let Some(&(step, action)) = list.get(next[rank]) {
+                let at = |j: usize| list.get(j).map(|&(_, a)| a);
                 let ahead = Ahead {
-                    posted: posted_before_pair(list, next[rank]),
-                    fill: weight_after_pair(list, next[rank]),
+                    posted: posted_ahead_of_pair(at, next[rank]),
+                    fill: weight_after_pair(at, next[rank]),
                 };
                 let at = (rank, step, free[rank]);
                 let outcome = machine.try_run(&setting, at, action, ahead);
@@ -562,41 +564,6 @@ pub(crate) fn execute(
         if !progressed {
             return Err(ValidationError::Deadlock { blocked });
         }
-    }
-}
-
-/// Whether the action at `i` of `list` is a receive posted ahead of a pair: only receives
-/// stand between it and the next [`Action::ForwardBackward`].
-fn posted_before_pair(list: &[(usize, Action)], i: usize) -> bool {
-    let receive = |a: &Action| matches!(a, Action::RecvActivation { .. } | Action::RecvGrad { .. });
-    list.get(i).is_some_and(|(_, a)| receive(a))
-        && (list[i..].iter())
-            .find(|(_, a)| !receive(a))
-            .is_some_and(|(_, a)| matches!(a, Action::ForwardBackward { .. }))
-}
-
-/// The W (micro-batch, stage) that follows the pair at `i` of `list` (only messages between
-/// them), when it is another backward pass's: the pair's forward fills its all-to-all waits
-/// with that W's work.
-fn weight_after_pair(list: &[(usize, Action)], i: usize) -> Option<(usize, usize)> {
-    let Some(&(
-        _,
-        Action::ForwardBackward {
-            backward_mb,
-            backward_stage,
-            ..
-        },
-    )) = list.get(i)
-    else {
-        return None;
-    };
-    match list[i + 1..].iter().find(|(_, a)| a.is_compute()) {
-        Some(&(_, Action::BackwardWeight { mb, stage }))
-            if (mb, stage) != (backward_mb, backward_stage) =>
-        {
-            Some((mb, stage))
-        }
-        _ => None,
     }
 }
 

@@ -13,6 +13,7 @@ use super::{Executor, PipelineError, Posted, StepReport, hidden, now_s, read};
 use crate::comm::Pending;
 use crate::data_parallel::DataParallel;
 use crate::kernels::deferred;
+use crate::pipeline::pairs;
 use crate::pipeline::schedule::Action;
 use crate::pipeline::stage::{StageInput, TrainBackend, TrainModel};
 
@@ -312,19 +313,19 @@ impl<'a, B: TrainBackend, M: TrainModel<B>> StepRun<'a, B, M> {
     /// ahead), runs the forward, starts its output's send, then waits for the backward's
     /// gradient, which travelled while the forward ran, and runs the backward.
     fn pair(&mut self, action: Action) -> Result<(), PipelineError> {
-        let mut parts = action.parts();
-        let (Some(forward), Some(backward)) = (parts.next(), parts.next()) else {
-            return Err(missing(self.exec.rank, action, "a forward and a backward"));
-        };
-        let (
-            Action::Forward { mb, stage },
-            Action::Backward {
-                mb: b_mb,
-                stage: b_stage,
-            },
-        ) = (forward, backward)
+        let Action::ForwardBackward {
+            forward_mb: mb,
+            forward_stage: stage,
+            backward_mb: b_mb,
+            backward_stage: b_stage,
+        } = action
         else {
             return Err(missing(self.exec.rank, action, "a forward and a backward"));
+        };
+        let forward = Action::Forward { mb, stage };
+        let backward = Action::Backward {
+            mb: b_mb,
+            stage: b_stage,
         };
         self.await_posted(Mailbox::ActivationIn, (mb, stage))?;
         let clock = Clock::now();
@@ -536,45 +537,37 @@ fn missing(rank: usize, action: Action, what: &'static str) -> PipelineError {
     PipelineError::Missing { rank, action, what }
 }
 
-/// The receives in `actions` that stand ahead of a [`Action::ForwardBackward`] pair (only
-/// receives between them and it), by mailbox and (micro-batch, stage).
+/// The receives in `actions` posted ahead of a pair ([`pairs::posted_ahead_of_pair`]), by
+/// mailbox and (micro-batch, stage).
 fn posted_ahead_of_pairs(actions: &[Action]) -> HashSet<(Mailbox, Key)> {
-    let mut out = HashSet::new();
-    let mut run = Vec::new();
-    for a in actions {
-        match *a {
-            Action::RecvActivation { mb, stage } => run.push((Mailbox::ActivationIn, (mb, stage))),
-            Action::RecvGrad { mb, stage } => run.push((Mailbox::GradIn, (mb, stage))),
-            Action::ForwardBackward { .. } => out.extend(run.drain(..)),
-            _ => run.clear(),
-        }
-    }
-    out
+    let at = |j: usize| actions.get(j).copied();
+    (actions.iter().enumerate())
+        .filter(|&(i, _)| pairs::posted_ahead_of_pair(at, i))
+        .filter_map(|(_, a)| match *a {
+            Action::RecvActivation { mb, stage } => Some((Mailbox::ActivationIn, (mb, stage))),
+            Action::RecvGrad { mb, stage } => Some((Mailbox::GradIn, (mb, stage))),
+            _ => None,
+        })
+        .collect()
 }
 
-/// For each [`Action::ForwardBackward`] pair in `actions` followed by a W (only messages
-/// between them) of another backward pass: the pair's forward (micro-batch, stage) and that
-/// W's.
+/// By each pair's forward (micro-batch, stage): the W after the pair whose weight gradients
+/// the forward computes while its all-to-alls wait ([`pairs::weight_after_pair`]).
 fn weights_after_pairs(actions: &[Action]) -> HashMap<Key, Key> {
-    let mut out = HashMap::new();
-    for (i, a) in actions.iter().enumerate() {
-        let Action::ForwardBackward {
-            forward_mb,
-            forward_stage,
-            backward_mb,
-            backward_stage,
-        } = *a
-        else {
-            continue;
-        };
-        let next = actions[i + 1..].iter().find(|a| a.is_compute());
-        if let Some(&Action::BackwardWeight { mb, stage }) = next
-            && (mb, stage) != (backward_mb, backward_stage)
-        {
-            out.insert((forward_mb, forward_stage), (mb, stage));
-        }
-    }
-    out
+    let at = |j: usize| actions.get(j).copied();
+    (actions.iter().enumerate())
+        .filter_map(|(i, a)| match *a {
+            Action::ForwardBackward {
+                forward_mb,
+                forward_stage,
+                ..
+            } => Some((
+                (forward_mb, forward_stage),
+                pairs::weight_after_pair(at, i)?,
+            )),
+            _ => None,
+        })
+        .collect()
 }
 
 /// The micro-batch of each stage's last backward pass in `actions` (its last W pass with
