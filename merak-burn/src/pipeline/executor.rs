@@ -177,14 +177,23 @@ pub(super) struct Posted {
 impl Posted {
     /// Waits for the message and returns all of it.
     pub(super) fn wait(self, tp: &Group) -> Result<Vec<f32>, PipelineError> {
-        let part = self.part.wait()?;
-        let Some(len) = self.gathered_len else {
-            return Ok(part);
-        };
-        let mut full = vec![0.0; len];
-        tp.comm()?.all_gather(&part, &mut full)?;
-        Ok(full)
+        gathered(tp, self.part.wait()?, self.gathered_len)
     }
+}
+
+/// A received message: `part` itself, or when it travelled in tensor-parallel parts
+/// (`gathered_len`), every TP rank's part gathered over `tp` into its `gathered_len` values.
+fn gathered(
+    tp: &Group,
+    part: Vec<f32>,
+    gathered_len: Option<usize>,
+) -> Result<Vec<f32>, PipelineError> {
+    let Some(len) = gathered_len else {
+        return Ok(part);
+    };
+    let mut full = vec![0.0; len];
+    tp.comm()?.all_gather(&part, &mut full)?;
+    Ok(full)
 }
 
 /// Runs the action lists of one pipeline rank (see the module docs).
@@ -284,41 +293,36 @@ impl Executor {
         dest: usize,
         tag: u16,
     ) -> Result<Box<dyn Pending>, PipelineError> {
-        let t = self.tp.size();
-        let part = if self.replicated && t > 1 && values.len().is_multiple_of(t) {
-            let n = values.len() / t;
-            values[self.tp.rank() * n..(self.tp.rank() + 1) * n].to_vec()
-        } else {
-            values
+        let part = match self.part_len(values.len()) {
+            Some(n) => values[self.tp.rank() * n..(self.tp.rank() + 1) * n].to_vec(),
+            None => values,
         };
         Ok(self.pp.comm()?.send_start(part, dest, tag)?)
     }
 
+    /// The length of this TP rank's part when a message of `len` values travels in
+    /// tensor-parallel parts (a replicated value, split when the TP degree divides it); `None`
+    /// when it travels whole.
+    fn part_len(&self, len: usize) -> Option<usize> {
+        let t = self.tp.size();
+        (self.replicated && t > 1 && len.is_multiple_of(t)).then(|| len / t)
+    }
+
     /// Receives `len` values sent by [`Executor::send`] from pipeline rank `src`.
     fn recv(&self, len: usize, src: usize, tag: u16) -> Result<Vec<f32>, PipelineError> {
-        let t = self.tp.size();
-        if self.replicated && t > 1 && len.is_multiple_of(t) {
-            let mut part = vec![0.0; len / t];
-            self.pp.comm()?.recv(&mut part, src, tag)?;
-            let mut full = vec![0.0; len];
-            self.tp.comm()?.all_gather(&part, &mut full)?;
-            Ok(full)
-        } else {
-            let mut full = vec![0.0; len];
-            self.pp.comm()?.recv(&mut full, src, tag)?;
-            Ok(full)
-        }
+        let part_len = self.part_len(len);
+        let mut part = vec![0.0; part_len.unwrap_or(len)];
+        self.pp.comm()?.recv(&mut part, src, tag)?;
+        gathered(&self.tp, part, part_len.map(|_| len))
     }
 
     /// Posts the receive of `len` values sent by [`Executor::send`] from pipeline rank `src`
     /// without waiting for them ([`Posted::wait`] returns them).
     fn recv_start(&self, len: usize, src: usize, tag: u16) -> Result<Posted, PipelineError> {
-        let t = self.tp.size();
-        let gather = self.replicated && t > 1 && len.is_multiple_of(t);
-        let part_len = if gather { len / t } else { len };
+        let part_len = self.part_len(len);
         Ok(Posted {
-            part: self.pp.comm()?.recv_start(part_len, src, tag)?,
-            gathered_len: gather.then_some(len),
+            part: (self.pp.comm()?).recv_start(part_len.unwrap_or(len), src, tag)?,
+            gathered_len: part_len.map(|_| len),
         })
     }
 
