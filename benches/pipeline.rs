@@ -148,12 +148,7 @@ fn measured_bubble(out: &Path) -> Result<f64> {
         ) else {
             continue;
         };
-        let Some(step) = name
-            .rsplit(' ')
-            .next()
-            .and_then(|t| t.strip_prefix('t'))
-            .and_then(|t| t.parse::<usize>().ok())
-        else {
+        let Some(step) = step_of(name) else {
             continue;
         };
         let entry = steps
@@ -178,6 +173,11 @@ fn measured_bubble(out: &Path) -> Result<f64> {
         bail!("no measured steps in {}", out.display());
     }
     Ok(values.iter().sum::<f64>() / values.len() as f64)
+}
+
+/// The step of a trace event from its name's last word (`… t3`).
+fn step_of(name: &str) -> Option<usize> {
+    name.rsplit(' ').next()?.strip_prefix('t')?.parse().ok()
 }
 
 /// Median step time over steps 2.. (rank 0's metrics).

@@ -12,7 +12,7 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use merak_burn::pipeline::{ScheduleKind, simulate};
 
-use super::{Args, common, measured_costs, schedule_of, step_time, train_with};
+use super::{Args, common, measured_costs, schedule_of, step_of, step_time, train_with};
 
 /// Micro-batches per data-parallel rank.
 const M: usize = 8;
@@ -91,11 +91,7 @@ fn trace_waits(out: &Path) -> Result<(f64, usize)> {
                 .and_then(|n| n.split(' ').next()?.parse::<usize>().ok())
                 .unwrap_or(0);
         }
-        let step = name
-            .rsplit(' ')
-            .next()
-            .and_then(|t| t.strip_prefix('t')?.parse::<usize>().ok());
-        let Some(step) = step.filter(|&s| s > 0) else {
+        let Some(step) = step_of(name).filter(|&s| s > 0) else {
             continue;
         };
         ranks_steps.insert((tid, step));

@@ -924,17 +924,16 @@ fn expand_pair(
     to_next: impl Fn(usize) -> bool,
     out: &mut Vec<Action>,
 ) {
-    let (f, b) = ((forward_mb, forward_stage), (backward_mb, backward_stage));
-    if from_prev(f.1) {
+    if from_prev(forward_stage) {
         out.push(Action::RecvActivation {
-            mb: f.0,
-            stage: f.1,
+            mb: forward_mb,
+            stage: forward_stage,
         });
     }
-    if to_next(b.1) {
+    if to_next(backward_stage) {
         out.push(Action::RecvGrad {
-            mb: b.0,
-            stage: b.1,
+            mb: backward_mb,
+            stage: backward_stage,
         });
     }
     out.push(Action::ForwardBackward {
@@ -943,16 +942,16 @@ fn expand_pair(
         backward_mb,
         backward_stage,
     });
-    if to_next(f.1) {
+    if to_next(forward_stage) {
         out.push(Action::SendActivation {
-            mb: f.0,
-            stage: f.1,
+            mb: forward_mb,
+            stage: forward_stage,
         });
     }
-    if from_prev(b.1) {
+    if from_prev(backward_stage) {
         out.push(Action::SendGrad {
-            mb: b.0,
-            stage: b.1,
+            mb: backward_mb,
+            stage: backward_stage,
         });
     }
 }
