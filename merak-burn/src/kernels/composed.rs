@@ -391,6 +391,22 @@ pub fn sum_of_squares<B: Backend>(x: FloatTensor<B>) -> f64 {
     v.first().copied().map_or(0.0, f64::from)
 }
 
+/// Composed sums of squares of each tensor, each in the tensor's own element type, left on
+/// the device as one `f32` value per tensor.
+pub fn squares_of<B: Backend>(xs: Vec<FloatTensor<B>>) -> super::Squares<B> {
+    let sums: Vec<Tensor<B, 1>> = (xs.into_iter())
+        .map(|x| crate::precision::to_f32(lift::<B, 1>(x).powi_scalar(2).sum()))
+        .collect();
+    let counts = vec![1; sums.len()];
+    match sums.is_empty() {
+        true => super::Squares::Host(Vec::new()),
+        false => super::Squares::Device {
+            partials: Tensor::cat(sums, 0),
+            counts,
+        },
+    }
+}
+
 /// Composed AdamW update (see [`FusedOps::adamw_step`](super::FusedOps::adamw_step)), the
 /// operations of Burn's `AdamW`.
 pub fn adamw_step<B: Backend>(

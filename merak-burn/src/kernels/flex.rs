@@ -7,7 +7,7 @@ use burn_flex::{Flex, FlexTensor};
 use super::cpu::gemm::View;
 use super::cpu::xent::{self, Columns};
 use super::cpu::{adamw, blockwise, embedding, gelu, linear, math, norm};
-use super::{AdamWStep, AttentionSpec, FusedOps, NormStats, VocabShard, composed, fatal};
+use super::{AdamWStep, AttentionSpec, FusedOps, NormStats, Squares, VocabShard, composed, fatal};
 use crate::comm::{Group, ReduceOp};
 
 /// The tensor's values as a contiguous `f32` tensor (a view when it already is one).
@@ -155,6 +155,10 @@ impl FusedOps for Flex {
             #[inline(always)]
             || math::sum_of_squares(values),
         )
+    }
+
+    fn squares_of(xs: Vec<FlexTensor>) -> Squares<Self> {
+        Squares::Host(xs.into_iter().map(Self::sum_of_squares).collect())
     }
 
     fn cross_entropy_forward(

@@ -73,6 +73,49 @@ pub type AdamWTensors<B> = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
 /// The saved state of a fused LayerNorm's forward pass: each row's mean and `1 / std`.
 pub type NormStats<B> = (FloatTensor<B>, FloatTensor<B>);
 
+/// The sums of squares of several tensors ([`FusedOps::squares_of`]), perhaps still on the
+/// device.
+#[derive(Clone, Debug)]
+pub enum Squares<B: Backend> {
+    /// Host values, one per tensor (the CPU backend reads its own memory).
+    Host(Vec<f64>),
+    /// Partial sums on the device (`f32`): `counts[i]` of them, in order, are the `i`-th
+    /// tensor's, added in `f64` once read.
+    Device {
+        /// Every tensor's partial sums, one after another.
+        partials: Tensor<B, 1>,
+        /// How many partial sums each tensor has.
+        counts: Vec<usize>,
+    },
+}
+
+impl<B: Backend> Squares<B> {
+    /// The values to read from the device, if any.
+    pub fn values(&self) -> Option<Tensor<B, 1>> {
+        match self {
+            Squares::Host(_) => None,
+            Squares::Device { partials, .. } => Some(partials.clone()),
+        }
+    }
+
+    /// Each tensor's sum of squares, given `read`, the host values of
+    /// [`values`](Self::values) (ignored for host values).
+    pub fn settle(&self, read: &[f32]) -> Vec<f64> {
+        let counts = match self {
+            Squares::Host(sums) => return sums.clone(),
+            Squares::Device { counts, .. } => counts,
+        };
+        let mut rest = read;
+        (counts.iter())
+            .map(|&n| {
+                let (these, tail) = rest.split_at(n.min(rest.len()));
+                rest = tail;
+                these.iter().map(|&s| f64::from(s)).sum()
+            })
+            .collect()
+    }
+}
+
 /// A backend with fused kernels. Every method has a default (a composition of Burn operators),
 /// so `impl FusedOps for MyBackend {}` is enough for a new backend.
 pub trait FusedOps: Backend {
@@ -132,10 +175,24 @@ pub trait FusedOps: Backend {
         composed::sum_of_squares::<Self>(x)
     }
 
-    /// [`FusedOps::sum_of_squares`] of each tensor, in order, with the same result for each; a
-    /// GPU backend reads the device once for all of them (the gradient norm's one read).
+    /// [`FusedOps::sum_of_squares`] of each tensor, in order, with the same result for each, as
+    /// far as the backend computes them without reading the device: a GPU backend leaves its
+    /// partial sums there, so that the step reads them with its losses
+    /// ([`Squares::values`]). The default sums each tensor in its own element type on the
+    /// device.
+    fn squares_of(xs: Vec<FloatTensor<Self>>) -> Squares<Self> {
+        composed::squares_of::<Self>(xs)
+    }
+
+    /// [`FusedOps::squares_of`] read into host memory (at most one read for all the tensors).
     fn sums_of_squares(xs: Vec<FloatTensor<Self>>) -> Vec<f64> {
-        xs.into_iter().map(Self::sum_of_squares).collect()
+        let squares = Self::squares_of(xs);
+        let read = match squares.values() {
+            Some(values) => crate::host_read::floats(values)
+                .unwrap_or_else(|e| crate::comm::fail(format!("the sums of squares: {e}"))),
+            None => Vec::new(),
+        };
+        squares.settle(&read)
     }
 
     /// Forward kernel of the linear layer `x w (+ bias)`: `x` is `[rows, d_in]`, `w`

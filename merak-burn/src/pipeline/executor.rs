@@ -37,10 +37,12 @@ use crate::tensor_parallel::ParallelBackend;
 use merak_plan::pipeline::PipelinePlan;
 
 mod gathered;
+mod losses;
 mod stage_run;
 mod step;
 mod work;
 
+pub use losses::StepLosses;
 use step::StepRun;
 pub use work::{RanAhead, StepWork};
 
@@ -147,19 +149,29 @@ pub struct EvalValues {
 }
 
 /// What a step reports on one rank.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct StepReport {
-    /// The weighted loss of the micro-batches whose last stage is on this rank (0 elsewhere).
-    pub loss: f64,
-    /// The loss's logged parts ([`PipelineModel::loss_parts`](crate::pipeline::PipelineModel::loss_parts)),
-    /// weighted and summed as the loss is (empty elsewhere, and for a model without parts).
-    pub loss_parts: Vec<f64>,
+#[derive(Clone, Debug)]
+pub struct StepReport<C: Backend> {
+    /// The losses of the micro-batches whose last stage is on this rank (none elsewhere),
+    /// still on the device: read with the gradient norm's sums in the step's one read.
+    pub losses: StepLosses<C>,
     /// Seconds computing (forward, backward, recomputation).
     pub compute_s: f64,
     /// Seconds waiting in receives.
     pub wait_s: f64,
     /// The most micro-batches whose activations this rank held at once.
     pub max_in_flight: usize,
+}
+
+impl<C: Backend> StepReport<C> {
+    /// A report of no time and no losses but `losses`.
+    fn new(losses: StepLosses<C>) -> Self {
+        Self {
+            losses,
+            compute_s: 0.0,
+            wait_s: 0.0,
+            max_in_flight: 0,
+        }
+    }
 }
 
 /// Tag of the message carrying (`mb`, `stage`)'s input (kind 0) or output gradient (kind 1).
@@ -351,7 +363,7 @@ impl Executor {
         shape: [usize; 3],
         device: &B::Device,
         ran_ahead: &mut RanAhead<B>,
-    ) -> Result<StepReport, PipelineError>
+    ) -> Result<StepReport<B::InnerBackend>, PipelineError>
     where
         B: TrainBackend,
         M: TrainModel<B>,

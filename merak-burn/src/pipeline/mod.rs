@@ -24,7 +24,7 @@ pub mod stage;
 pub use merak_plan::pipeline::*;
 
 pub use executor::{
-    EvalValues, Executor, MicroBatch, PipelineError, RanAhead, StepReport, StepWork,
+    EvalValues, Executor, MicroBatch, PipelineError, RanAhead, StepLosses, StepReport, StepWork,
 };
 pub use stack::{TiedTable, param_ids};
 pub use stage::{

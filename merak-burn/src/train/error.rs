@@ -57,6 +57,14 @@ pub enum TrainError {
         /// Sequences per micro-batch.
         micro_batch: usize,
     },
+    /// The step's losses and gradient squares could not be read from the device.
+    #[error("step {step}: reading its losses and gradient norm: {source}")]
+    StepRead {
+        /// The 1-based step.
+        step: usize,
+        /// Why the read failed.
+        source: crate::host_read::ReadError,
+    },
     /// The tied embedding has no gradient on a rank that holds one of its copies.
     #[error("the tied embedding has no gradient")]
     TiedGradient,

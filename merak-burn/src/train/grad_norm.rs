@@ -12,7 +12,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, backend::AutodiffBackend};
 
 use crate::comm::{CommError, Group};
-use crate::kernels::FusedOps;
+use crate::kernels::{FusedOps, Squares};
 use crate::tensor_parallel::ParamSplits;
 
 /// The ids of the parameters of `module` that the tensor-parallel layers split across the TP
@@ -36,7 +36,7 @@ pub struct GradStats {
 }
 
 /// Which part of [`GradStats`] a gradient's squares add to.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 enum Part {
     Sharded,
     Replicated,
@@ -44,7 +44,7 @@ enum Part {
 }
 
 /// Gathers each counted gradient with its part; the squares are summed afterwards in one call
-/// ([`FusedOps::sums_of_squares`]: on a GPU, one read of the device for all of them).
+/// ([`FusedOps::squares_of`]: on a GPU, left there for the step's one read with its losses).
 struct NormVisitor<'a, B: AutodiffBackend> {
     grads: &'a GradientsParams,
     sharded: &'a HashSet<ParamId>,
@@ -80,11 +80,44 @@ impl<B: AutodiffBackend> NormVisitor<'_, B>
 where
     B::InnerBackend: FusedOps,
 {
-    /// The squares of the gathered gradients, added to their parts in the order visited.
-    fn stats(self) -> GradStats {
+    /// The squares of the gathered gradients, as far as they are computed without a read.
+    fn squares(self) -> LocalSquares<B::InnerBackend> {
+        LocalSquares {
+            squares: B::InnerBackend::squares_of(self.tensors),
+            parts: self.parts,
+        }
+    }
+}
+
+/// This rank's squared gradient norms by part ([`GradStats`]), perhaps still on the device:
+/// the trainer reads them with the step's losses, in one read.
+#[derive(Clone, Debug)]
+pub(crate) struct LocalSquares<C: burn::tensor::backend::Backend> {
+    squares: Squares<C>,
+    /// The part each sum adds to, in order.
+    parts: Vec<Part>,
+}
+
+impl<C: burn::tensor::backend::Backend> LocalSquares<C> {
+    /// Squares already known on the host.
+    pub(crate) fn known(stats: GradStats) -> Self {
+        let sums = vec![stats.sharded_sq, stats.replicated_sq, stats.expert_sq];
+        Self {
+            squares: Squares::Host(sums),
+            parts: vec![Part::Sharded, Part::Replicated, Part::Expert],
+        }
+    }
+
+    /// The values to read from the device, if any ([`Squares::values`]).
+    pub(crate) fn values(&self) -> Option<Tensor<C, 1>> {
+        self.squares.values()
+    }
+
+    /// The squares by part, given `read`, the host values of [`values`](Self::values): added
+    /// to their parts in the order the gradients were visited.
+    pub(crate) fn settle(&self, read: &[f32]) -> GradStats {
         let mut stats = GradStats::default();
-        let sums = B::InnerBackend::sums_of_squares(self.tensors);
-        for (part, sq) in self.parts.into_iter().zip(sums) {
+        for (part, sq) in self.parts.iter().zip(self.squares.settle(read)) {
             match part {
                 Part::Expert => stats.expert_sq += sq,
                 Part::Sharded => stats.sharded_sq += sq,
@@ -92,6 +125,12 @@ where
             }
         }
         stats
+    }
+
+    /// The squares by part, read from the device when they are there (one read).
+    pub(crate) fn read(&self) -> Result<GradStats, crate::host_read::ReadError> {
+        let [read] = crate::host_read::together([self.values()])?;
+        Ok(self.settle(&read))
     }
 }
 
@@ -121,20 +160,19 @@ pub fn global_grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
 where
     B::InnerBackend: FusedOps,
 {
-    norm_of(
-        local_squares::<B, _>(module, grads, (sharded, experts), skip),
-        groups,
-    )
+    let squares = local_squares::<B, _>(module, grads, (sharded, experts), skip);
+    let stats = squares.read().map_err(|e| CommError::TensorRead(e.0))?;
+    norm_of(stats, groups)
 }
 
 /// This rank's squared gradient norms by part (see [`global_grad_norm`]), before any sum over
-/// the ranks.
+/// the ranks, perhaps still on the device.
 pub(crate) fn local_squares<B: AutodiffBackend, M: AutodiffModule<B>>(
     module: &M,
     grads: &GradientsParams,
     (sharded, experts): (&HashSet<ParamId>, &HashSet<ParamId>),
     skip: &HashSet<ParamId>,
-) -> GradStats
+) -> LocalSquares<B::InnerBackend>
 where
     B::InnerBackend: FusedOps,
 {
@@ -147,7 +185,7 @@ where
         tensors: Vec::new(),
     };
     module.visit(&mut v);
-    v.stats()
+    v.squares()
 }
 
 /// The global norm of one rank's squared gradient norms `stats`: the sharded part summed over

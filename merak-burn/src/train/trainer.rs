@@ -13,13 +13,13 @@ use crate::comm::{Group, ReduceOp};
 use crate::data_parallel::{DpStats, emptied};
 use crate::grid::ProcessGrid;
 use crate::parallel_plan::ParallelPlan;
-use crate::pipeline::{Executor, MicroBatch, PipelinePlan, ScheduleKind, StepWork};
+use crate::pipeline::{Executor, MicroBatch, PipelinePlan, ScheduleKind, StepLosses, StepWork};
 use crate::pipeline::{TrainBackend, TrainModel};
 use crate::tensor_parallel::Shard;
 use crate::train::check_plan;
 use crate::train::experts::{expert_ids, gather_routing};
 use crate::train::optim::{Optimizers, muon_matrices};
-use crate::train::sync::{self, GradSync, NormParts};
+use crate::train::sync::{self, GradNorm, GradSync, NormParts};
 use crate::train::versions::WeightVersions;
 use crate::train::{
     BatchSource, FusedAdamW, NormGroups, ParamGroup, ParamInfo, RoutingStats, StateBytes,
@@ -380,10 +380,19 @@ where
         crate::moe::set_aux_scale(1.0 / micro_batches.max(1) as f32);
         let (batches, next) = self.step_batches(data, step, next_follows)?;
         lap(&mut phases.data_s);
-        let local = self.run_passes(&batches, next, step)?;
+        let losses = self.run_passes(&batches, next, step)?;
         lap(&mut phases.forward_backward_s);
         let dp = self.sync.finish(&self.model)?;
-        let (loss, loss_parts) = self.sum_loss(local)?;
+        // The step's one read of the device: its losses with the gradient norm's squares.
+        let squares = self.sync.squares(&self.model, &self.norm)?;
+        let [loss_values, square_values] =
+            crate::host_read::together([losses.values(), squares.values()]).map_err(|source| {
+                TrainError::StepRead {
+                    step: step + 1,
+                    source,
+                }
+            })?;
+        let (loss, loss_parts) = self.sum_loss(losses.settle(&loss_values))?;
         let records = crate::moe::take_records();
         self.routing = (self.model.experts())
             .map(|shape| gather_routing(records, shape, self.grid.world))
@@ -405,7 +414,7 @@ where
             return self.skipped(outcome);
         }
         // One norm and one clipping for every kind of data parallelism.
-        let norm = self.sync.grad_norm(&self.model, &self.norm)?;
+        let norm = GradNorm::of(squares.settle(&square_values), self.norm.groups)?;
         self.sync.clip(&self.model, norm, self.settings.grad_clip);
         lap(&mut outcome.phases.clip_s);
         self.update(lr)?;
@@ -437,14 +446,14 @@ where
     }
 
     /// The step's forward and backward passes through the executor, the gradients hooked into
-    /// the reducer (and with `next`, the next step's first forwards); this rank's share of the
-    /// loss and of its logged parts.
+    /// the reducer (and with `next`, the next step's first forwards); this rank's losses, still
+    /// on the device.
     fn run_passes(
         &mut self,
         batches: &[MicroBatch],
         next: Option<Vec<MicroBatch>>,
         step: usize,
-    ) -> Result<(f64, Vec<f64>), TrainError> {
+    ) -> Result<StepLosses<B::InnerBackend>, TrainError> {
         let [micro, seq] = [self.parallel.micro_batch, self.settings.seq_len];
         let seq = seq / self.model.sequence_parts();
         let shape = [micro, seq, self.model.hidden_size()];
@@ -467,7 +476,7 @@ where
         // The gathered parameters go before the update builds the new values.
         drop(kept);
         self.versions.set_batches_ahead(next);
-        Ok((report.loss, report.loss_parts))
+        Ok(report.losses)
     }
 
     /// A step whose loss is not finite: an error, or with `train.skip_nonfinite` the

@@ -37,7 +37,7 @@ use burn_cubecl::cubecl::{calculate_cube_count_elemwise, client::ComputeClient};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
-use super::{AdamWStep, AdamWTensors, AttentionSpec, FusedOps, NormStats, VocabShard};
+use super::{AdamWStep, AdamWTensors, AttentionSpec, FusedOps, NormStats, Squares, VocabShard};
 use super::{composed, lift, prim};
 use crate::comm::{Group, ReduceOp};
 
@@ -221,26 +221,20 @@ where
         chunks.iter().map(|&s| f64::from(s)).sum()
     }
 
-    /// Each tensor's chunk sums on the device, gathered into one tensor and read at once, then
-    /// each tensor's chunks added in `f64` in order as [`FusedOps::sum_of_squares`] adds them.
-    fn sums_of_squares(xs: Vec<FloatTensor<Self>>) -> Vec<f64> {
+    /// Each tensor's chunk sums on the device, gathered into one tensor (read once, with the
+    /// step's losses), each tensor's chunks added in `f64` in order as
+    /// [`FusedOps::sum_of_squares`] adds them.
+    fn squares_of(xs: Vec<FloatTensor<Self>>) -> Squares<Self> {
         if composed_kernel("squares") || xs.is_empty() {
-            return xs.into_iter().map(Self::sum_of_squares).collect();
+            return composed::squares_of::<Self>(xs);
         }
         let chunks: Vec<CubeTensor<R>> = xs.into_iter().map(squares::chunk_sums).collect();
         let counts: Vec<usize> = chunks.iter().map(|c| c.meta.shape()[0]).collect();
-        let all = composed::to_host::<Self>(
-            <Self as burn::tensor::ops::FloatTensorOps<Self>>::float_cat(chunks, 0),
-        );
-        let mut rest = all.as_slice();
-        counts
-            .into_iter()
-            .map(|n| {
-                let (these, tail) = rest.split_at(n);
-                rest = tail;
-                these.iter().map(|&s| f64::from(s)).sum()
-            })
-            .collect()
+        let all = <Self as burn::tensor::ops::FloatTensorOps<Self>>::float_cat(chunks, 0);
+        Squares::Device {
+            partials: lift::<Self, 1>(all),
+            counts,
+        }
     }
 
     fn cross_entropy_forward(

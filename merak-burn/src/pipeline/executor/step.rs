@@ -5,11 +5,10 @@ use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 use burn::tensor::Tensor;
-use burn::tensor::backend::Backend;
 
 use super::stage_run::{Held, Produced, StageRun};
 use super::work::{Key, RanAhead, StepWork, next_step_part};
-use super::{Executor, PipelineError, Posted, StepReport, hidden, now_s, read};
+use super::{Executor, PipelineError, Posted, StepLosses, StepReport, hidden, now_s, read};
 use crate::comm::Pending;
 use crate::data_parallel::DataParallel;
 use crate::kernels::deferred;
@@ -45,14 +44,11 @@ struct StepState<B: TrainBackend> {
     pending: Vec<Box<dyn Pending>>,
     /// Sends of the next step's forwards that ran ahead (2BW), completed in the next call.
     pending_next: Vec<Box<dyn Pending>>,
-    /// The loss of the next step's micro-batches that ran ahead in the previous call (read),
-    /// then its logged parts ([`PipelineModel::loss_parts`]).
-    carried_loss: Vec<f64>,
-    /// The losses of the forward passes that produced one, in their order, left on the device
-    /// until the step ends (one read for all): whether the micro-batch is the next step's,
-    /// the loss (followed by its logged parts), and its factor.
-    losses: Vec<(bool, Tensor<B::InnerBackend, 1>, f64)>,
-    report: StepReport,
+    /// The losses of the next step's forwards that run ahead in this call (2BW), carried to
+    /// the next call on the device.
+    next_losses: StepLosses<B::InnerBackend>,
+    /// The step's times and its losses (those that ran ahead in the previous call first).
+    report: StepReport<B::InnerBackend>,
 }
 
 /// When an action started: wall-clock seconds (for the trace) and an instant.
@@ -121,9 +117,8 @@ impl<'a, B: TrainBackend, M: TrainModel<B>> StepRun<'a, B, M> {
             sent_early: HashSet::new(),
             pending: std::mem::take(&mut ran_ahead.pending),
             pending_next: Vec::new(),
-            carried_loss: std::mem::take(&mut ran_ahead.loss),
-            losses: Vec::new(),
-            report: StepReport::default(),
+            next_losses: StepLosses::default(),
+            report: StepReport::new(std::mem::take(&mut ran_ahead.loss)),
         };
         Self {
             exec,
@@ -172,18 +167,15 @@ impl<'a, B: TrainBackend, M: TrainModel<B>> StepRun<'a, B, M> {
         self,
         ran_ahead: &mut RanAhead<B>,
         overlap: bool,
-    ) -> Result<StepReport, PipelineError> {
-        let mut state = self.state;
+    ) -> Result<StepReport<B::InnerBackend>, PipelineError> {
+        let state = self.state;
         for p in state.pending {
             p.wait()?;
         }
         ran_ahead.step = overlap.then_some(self.work.step + 1);
         ran_ahead.held = next_step_part(state.held, self.work.batches.len());
         ran_ahead.pending = state.pending_next;
-        let [loss, next_loss] = sum_losses(state.carried_loss, state.losses)?;
-        state.report.loss = loss.first().copied().unwrap_or(0.0);
-        state.report.loss_parts = loss.get(1..).unwrap_or_default().to_vec();
-        ran_ahead.loss = next_loss;
+        ran_ahead.loss = state.next_losses;
         let undone = deferred::pending();
         deferred::enable(false);
         if undone > 0 {
@@ -217,10 +209,10 @@ impl<'a, B: TrainBackend, M: TrainModel<B>> StepRun<'a, B, M> {
         let (its_step, its_mb) = (run.step, run.mb_in_step);
         let (produced, held) = run.forward(input)?;
         match produced {
-            Produced::Loss { value, factor } => {
-                let next = self.work.is_next(mb);
-                self.state.losses.push((next, value, factor));
-            }
+            Produced::Loss { value, factor } => match self.work.is_next(mb) {
+                true => self.state.next_losses.push(value, factor),
+                false => self.state.report.losses.push(value, factor),
+            },
             Produced::Hidden(v) => {
                 let last = self.exec.plan.schedule.stages() - 1;
                 if stage < last && self.exec.plan.schedule.rank_of(stage + 1) == self.exec.rank {
@@ -502,35 +494,6 @@ impl<'a, B: TrainBackend, M: TrainModel<B>> StepRun<'a, B, M> {
         }
         self.exec.record(category, name, clock.start);
     }
-}
-
-/// The loss of this step's micro-batches (after `carried`, what ran ahead in the previous call)
-/// and of the next step's, each followed by its logged parts, from one read of all `losses`:
-/// each value times its factor, added in `f64` in the order the forward passes ran.
-fn sum_losses<C: Backend>(
-    carried: Vec<f64>,
-    losses: Vec<(bool, Tensor<C, 1>, f64)>,
-) -> Result<[Vec<f64>; 2], PipelineError> {
-    let mut sums = [carried, Vec::new()];
-    if losses.is_empty() {
-        return Ok(sums);
-    }
-    let keys: Vec<(bool, f64, usize)> = (losses.iter())
-        .map(|(next, value, factor)| (*next, *factor, value.dims()[0]))
-        .collect();
-    let read_back = read(Tensor::cat(losses.into_iter().map(|l| l.1).collect(), 0))?;
-    let mut at = 0;
-    for (next, factor, len) in keys {
-        let sum = &mut sums[usize::from(next)];
-        if sum.len() < len {
-            sum.resize(len, 0.0);
-        }
-        for (s, v) in sum.iter_mut().zip(&read_back[at..at + len]) {
-            *s += f64::from(*v) * factor;
-        }
-        at += len;
-    }
-    Ok(sums)
 }
 
 fn missing(rank: usize, action: Action, what: &'static str) -> PipelineError {

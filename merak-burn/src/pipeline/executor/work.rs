@@ -6,8 +6,8 @@ use std::collections::HashMap;
 
 use burn::tensor::backend::AutodiffBackend;
 
-use super::MicroBatch;
 use super::stage_run::Held;
+use super::{MicroBatch, StepLosses};
 use crate::comm::Pending;
 use crate::data_parallel::Shards;
 
@@ -100,9 +100,8 @@ pub struct RanAhead<B: AutodiffBackend> {
     /// value waits between calls).
     pub(super) held: HashMap<Key, Held<B>>,
     pub(super) pending: Vec<Box<dyn Pending>>,
-    /// Loss of that step's micro-batches already run (on the last stage), then its logged
-    /// parts.
-    pub(super) loss: Vec<f64>,
+    /// The losses of that step's micro-batches already run (on the last stage), on the device.
+    pub(super) loss: StepLosses<B::InnerBackend>,
 }
 
 impl<B: AutodiffBackend> Default for RanAhead<B> {
@@ -111,7 +110,7 @@ impl<B: AutodiffBackend> Default for RanAhead<B> {
             step: None,
             held: HashMap::new(),
             pending: Vec::new(),
-            loss: Vec::new(),
+            loss: StepLosses::default(),
         }
     }
 }

@@ -35,6 +35,7 @@ use crate::checkpoint::state::ParamShape;
 use crate::checkpoint::{Moments, RankState};
 use crate::data_parallel::{DataParallel, DpStats, Shards};
 use crate::pipeline::{TrainBackend, TrainModel};
+use crate::train::grad_norm::LocalSquares;
 use crate::train::optim::Optimizers;
 use crate::train::{GradStats, NormGroups, TrainError};
 
@@ -43,15 +44,20 @@ pub(crate) use replicated::Replicated;
 pub(crate) use sharded_params::ShardedParams;
 pub(crate) use sharded_state::ShardedState;
 
-/// The global gradient norm of a step, before clipping. Today the value is on the host (the
-/// norm's collectives read it there); [`to_f64`](Self::to_f64) is where a device-side norm
-/// would be read.
+/// The global gradient norm of a step, before clipping, on the host: this rank's squares are
+/// read with the step's losses (one read), and the norm's collectives add them there.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct GradNorm {
     value: f64,
 }
 
 impl GradNorm {
+    /// The global norm of one rank's squares `stats` ([`norm_of`](crate::train::grad_norm::norm_of)).
+    pub fn of(stats: GradStats, groups: NormGroups) -> Result<Self, TrainError> {
+        let value = crate::train::grad_norm::norm_of(stats, groups)?;
+        Ok(Self { value })
+    }
+
     /// The norm's value.
     pub fn to_f64(self) -> f64 {
         self.value
@@ -107,15 +113,13 @@ pub(crate) trait GradSync<B: TrainBackend, M: TrainModel<B>> {
     fn finish(&mut self, model: &M) -> Result<DpStats, TrainError>;
 
     /// This rank's squared gradient norms by part ([`GradStats`]), summed over the ranks that
-    /// hold other chunks of the same gradients.
-    fn squares(&self, model: &M, parts: &NormParts) -> Result<GradStats, TrainError>;
-
-    /// The global norm of the step's gradients (see [`global_grad_norm`](crate::train::global_grad_norm)).
-    fn grad_norm(&self, model: &M, parts: &NormParts) -> Result<GradNorm, TrainError> {
-        let stats = self.squares(model, parts)?;
-        let value = crate::train::grad_norm::norm_of(stats, parts.groups)?;
-        Ok(GradNorm { value })
-    }
+    /// hold other chunks of the same gradients; left on the device where they are computed
+    /// there, for the step's one read (with its losses).
+    fn squares(
+        &self,
+        model: &M,
+        parts: &NormParts,
+    ) -> Result<LocalSquares<B::InnerBackend>, TrainError>;
 
     /// Scales the step's gradients by `scale`.
     fn scale(&mut self, model: &M, scale: f32);

@@ -12,9 +12,9 @@ use crate::checkpoint::{Moments, RankState};
 use crate::data_parallel::{DataParallel, DpStats};
 use crate::grid::ProcessGrid;
 use crate::pipeline::{TrainBackend, TrainModel};
-use crate::train::grad_norm::{local_squares, scale_grads};
+use crate::train::grad_norm::{LocalSquares, local_squares, scale_grads};
 use crate::train::optim::Optimizers;
-use crate::train::{GradStats, TrainError, sum_tied_grads};
+use crate::train::{TrainError, sum_tied_grads};
 
 use super::{GradSync, NormParts};
 
@@ -66,7 +66,11 @@ impl<B: TrainBackend, M: TrainModel<B>> GradSync<B, M> for Replicated<'_, B> {
         Ok(dp)
     }
 
-    fn squares(&self, model: &M, parts: &NormParts) -> Result<GradStats, TrainError> {
+    fn squares(
+        &self,
+        model: &M,
+        parts: &NormParts,
+    ) -> Result<LocalSquares<B::InnerBackend>, TrainError> {
         let (sharded, experts) = (&parts.sharded, &parts.experts);
         Ok(local_squares::<B, _>(
             model,

@@ -10,9 +10,10 @@ use crate::checkpoint::state::{self, ParamShape};
 use crate::checkpoint::{Moments, RankState};
 use crate::data_parallel::{DataParallel, DpStats, Shards};
 use crate::pipeline::{TrainBackend, TrainModel};
+use crate::train::TrainError;
+use crate::train::grad_norm::LocalSquares;
 use crate::train::optim::Optimizers;
 use crate::train::zero3::chunks_by_name;
-use crate::train::{GradStats, TrainError};
 
 use super::chunks::Chunks;
 use super::{GradSync, NormParts};
@@ -63,8 +64,12 @@ impl<B: TrainBackend, M: TrainModel<B>> GradSync<B, M> for ShardedParams<'_, B> 
         self.chunks.finish()
     }
 
-    fn squares(&self, _model: &M, parts: &NormParts) -> Result<GradStats, TrainError> {
-        self.chunks.squares(parts)
+    fn squares(
+        &self,
+        _model: &M,
+        parts: &NormParts,
+    ) -> Result<LocalSquares<B::InnerBackend>, TrainError> {
+        self.chunks.squares(parts).map(LocalSquares::known)
     }
 
     fn scale(&mut self, _model: &M, scale: f32) {
