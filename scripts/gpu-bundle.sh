@@ -157,12 +157,18 @@ for py in python3 python; do
         break
     fi
 done
-# NCCL's packages ship libnccl.so.2, but cudarc loads libnccl.so: link it in links/.
+# NCCL's packages ship libnccl.so.2 and cuBLAS's libcublasLt.so.<major>, but cudarc looks for
+# libnccl.so and libcublasLt.so first: link them in links/.
 mkdir -p "$here/links"
 for d in ${extra//:/ }; do
     if [ -e "$d/libnccl.so.2" ] && [ ! -e "$d/libnccl.so" ]; then
         ln -sfn "$d/libnccl.so.2" "$here/links/libnccl.so"
     fi
+    for lt in "$d"/libcublasLt.so.[0-9]*; do
+        if [ -e "$lt" ] && [ ! -e "$d/libcublasLt.so" ] && [ ! -e "$here/links/libcublasLt.so" ]; then
+            ln -sfn "$lt" "$here/links/libcublasLt.so"
+        fi
+    done
 done
 # The driver's libcuda, where a container mounts it outside the loader's cache.
 for d in /usr/local/nvidia/lib64 /usr/local/nvidia/lib; do [ -d "$d" ] && extra="$extra:$d"; done

@@ -104,6 +104,19 @@ def main() -> None:
     print("\n| model | merak bf16 against | tokens/s ratio |")
     print("| --- | --- | --- |")
     print("\n".join(ratios))
+    changes = sorted(d for d in a.out.glob("changes-*") if (d / "metrics.jsonl").exists())
+    if changes:
+        print("\n| changes run | tokens/s | host reads per step | first loss -> last |")
+        print("| --- | --- | --- | --- |")
+    for d in changes:
+        rows = records(d / "metrics.jsonl")
+        tps = median_tokens(rows)
+        reads = sorted({r["host_reads"] for r in rows if "host_reads" in r})
+        losses = [r["loss"] for r in rows if "loss" in r]
+        loss = f"{losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "-"
+        tps_text = f"{tps:,.0f}" if tps else "failed"
+        reads_text = ", ".join(str(r) for r in reads) or "-"
+        print(f"| {d.name} | {tps_text} | {reads_text} | {loss} |")
     check = a.out / "nccl-check.log"
     lines = check.read_text().strip().splitlines() if check.exists() else ["not run"]
     print(f"\nNCCL self-check (one rank): {lines[-1] if lines else 'no output'}")

@@ -36,8 +36,8 @@
 #           KERNELS_ONLY (default: every kernel) lists the kernels tried one at a time;
 #           KERNELS_TORCH=0 leaves out PyTorch.
 #   changes not in the default list: GPT-2 small and medium, bf16, micro-batch 16: the linear
-#           layers' products on the kernel table's choice (the default) and on CubeCL's default
-#           kernel (MERAK_COMPOSED_KERNELS=matmul).
+#           layers' products on the kernel table's choice (the default), on CubeCL's default
+#           kernel (MERAK_COMPOSED_KERNELS=matmul) and on cuBLASLt (MERAK_CUBLASLT=1).
 #   torch-small  not in the default list: PyTorch eager bf16 on GPT-2 small, micro-batch 16.
 #   tune    not in the default list: CubeCL's autotuner once (build with FEATURES=cuda-autotune,
 #           its binary as gpu-bundle/bin/merak-autotune.gz), its cache under RESULTS/autotune,
@@ -278,7 +278,8 @@ kernels() {
 
 # The changes since the last GPU run, each beside what it replaces: GPT-2 small and medium,
 # bf16, micro-batch 16, with the linear layers' products on the kernel table's choice (the
-# default) and on CubeCL's default kernel (MERAK_COMPOSED_KERNELS=matmul).
+# default), on CubeCL's default kernel (MERAK_COMPOSED_KERNELS=matmul) and on cuBLASLt
+# (MERAK_CUBLASLT=1).
 changes() {
     local model
     for model in gpt2 gpt2-medium; do
@@ -289,6 +290,8 @@ changes() {
         timed "changes-$model-bf16" merak train "${gpt[@]}" --out "$out/changes-$model-bf16"
         MERAK_COMPOSED_KERNELS=matmul timed "changes-$model-bf16-default-matmul" merak train \
             "${gpt[@]}" --out "$out/changes-$model-bf16-default-matmul"
+        MERAK_CUBLASLT=1 timed "changes-$model-bf16-cublaslt" merak train "${gpt[@]}" \
+            --out "$out/changes-$model-bf16-cublaslt"
     done
     save
 }

@@ -16,7 +16,9 @@
 //! falls back to the default, so the table can only choose among kernels that run; the
 //! fallback is logged once. `MERAK_COMPOSED_KERNELS=matmul` turns the table off (every product
 //! takes CubeCL's default), to measure it. A build with `cuda-autotune` leaves the choice to the
-//! autotuner, which times the TMA kernels among the others.
+//! autotuner, which times the TMA kernels among the others. On CUDA, `MERAK_CUBLASLT=1` hands
+//! the two-dimensional products to cuBLASLt first ([`cublaslt`](super::cublaslt)); the table
+//! takes those it does not.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -79,6 +81,11 @@ pub fn product<R: CubeRuntime>(
     rhs: CubeTensor<R>,
     force: Option<MatmulKernel>,
 ) -> CubeTensor<R> {
+    if force.is_none()
+        && let Some(out) = super::cublaslt::product(&lhs, &rhs)
+    {
+        return out;
+    }
     let dtype = lhs.dtype;
     let out = init_matmul_output(&lhs, &rhs, dtype);
     let table = || match cfg!(feature = "cuda-autotune") {

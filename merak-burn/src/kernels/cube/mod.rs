@@ -22,6 +22,7 @@
 pub mod attention;
 pub mod attention_backward;
 pub mod columns;
+pub mod cublaslt;
 pub mod gather;
 pub mod matmul;
 pub mod pointwise;

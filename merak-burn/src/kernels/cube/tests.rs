@@ -345,6 +345,51 @@ fn the_product_table_chooses_by_class() {
     }
 }
 
+/// cuBLASLt (CUDA only) computes the row-major product in f32 and bf16 on contiguous,
+/// transposed, pitched and offset operands (row slices of wider tensors) and a tiny one.
+#[cfg(not(feature = "wgpu"))]
+#[test]
+fn cublaslt_products_equal_the_cpu() {
+    use burn::tensor::FloatDType;
+    let rng = InitRng::new(10);
+    // (lhs, rhs, rhs transposed, rows and columns of padding around the lhs)
+    let cases: [([usize; 2], [usize; 2], bool, usize); 5] = [
+        ([128, 64], [64, 256], false, 0),
+        ([7, 33], [33, 5], false, 0),
+        ([65, 70], [129, 70], true, 0),
+        ([40, 24], [24, 72], false, 3),
+        ([1, 1], [1, 1], false, 0),
+    ];
+    for (a, b, transposed, pad) in cases {
+        let tag = format!(
+            "{a:?} x {b:?}{} pad {pad}",
+            if transposed { "^T" } else { "" }
+        );
+        let wide = [a[0] + 2 * pad, a[1] + pad];
+        let (x, xc) = pair(&rng, &format!("a{tag}"), &wide);
+        let rows = [pad..pad + a[0], 0..a[1]];
+        let (x, xc) = (
+            prim(lift::<Gpu, 2>(x).slice(rows.clone())),
+            prim(lift::<Cpu, 2>(xc).slice(rows)),
+        );
+        let (y, yc) = pair(&rng, &format!("b{tag}"), &b);
+        let (y, yc) = match transposed {
+            true => (Gpu::float_transpose(y), Cpu::float_transpose(yc)),
+            false => (y, yc),
+        };
+        for (dtype, tolerance) in [(FloatDType::F32, 1e-5), (FloatDType::BF16, 2e-2)] {
+            let cast = |t: FloatTensor<Gpu>, to| Gpu::float_cast(t, to);
+            let (xg, yg) = (cast(x.clone(), dtype), cast(y.clone(), dtype));
+            let got = super::cublaslt::try_product(&xg, &yg)
+                .unwrap_or_else(|e| panic!("{tag} {dtype:?}: {e}"))
+                .expect("a CUDA tensor");
+            let want = Cpu::float_matmul(xc.clone(), yc.clone());
+            let got = cast(got, FloatDType::F32);
+            within(&format!("{tag} {dtype:?}"), got, want, 0.0, tolerance);
+        }
+    }
+}
+
 /// Products through the table, and through a forced TMA choice (which falls back to CubeCL's
 /// default where the device has no TMA, as llvmpipe), equal the CPU's on aligned, unaligned,
 /// transposed, tiny and batched operands; the linear layer's forward and backward through the
