@@ -152,6 +152,7 @@ def run(a, out):
         out.flush()
     out.write(json.dumps({
         "summary": True, "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20,
+        "peak_gpu_reserved_mib": torch.cuda.max_memory_reserved() / 2**20,
         "device": "cuda", "precision": "bf16", "wall_s": time.perf_counter() - t_all,
         "torch": torch.__version__,
         "megatron_core": getattr(megatron.core, "__version__", "?")}) + "\n")

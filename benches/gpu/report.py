@@ -59,6 +59,20 @@ def peak_sampled(path: Path) -> float | None:
     return max(values) if values else None
 
 
+def reserved_mib(runs: list) -> list[tuple[str, float]]:
+    # The allocators' reserved bytes, measured alike: merak's `device_reserved_bytes` (CubeCL's
+    # pools, largest over the steps), PyTorch's and Megatron's `max_memory_reserved`.
+    out = []
+    for name, rows, _ in runs:
+        merak = [r["device_reserved_bytes"] for r in rows if r.get("device_reserved_bytes")]
+        summary = next((r for r in rows if r.get("summary")), {})
+        if merak:
+            out.append((name, max(merak) / 2**20))
+        elif summary.get("peak_gpu_reserved_mib"):
+            out.append((name, summary["peak_gpu_reserved_mib"]))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path)
@@ -71,6 +85,7 @@ def main() -> None:
     print("| model | run | micro-batch | tokens/s | MFU | peak GPU MiB | first loss -> last |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     ratios = []
+    reserved = []
     for model, (layers, hidden, _) in SHAPES.items():
         fpt = flops_per_token(layers, hidden)
         mbs_file = a.out / f"merak-{model}.mbs"
@@ -86,6 +101,7 @@ def main() -> None:
         summary = next((r for r in rows if r.get("summary")), {})
         runs.append(("megatron-core bf16", rows, summary.get("peak_gpu_mib")))
         speed = {name: median_tokens(rows) for name, rows, _ in runs}
+        reserved += [f"| {model} | {name} | {mib:,.0f} |" for name, mib in reserved_mib(runs)]
         for other in ["torch eager bf16", "torch compile bf16", "megatron-core bf16"]:
             if speed["merak bf16"] and speed[other]:
                 ratios.append(f"| {model} | {other} | {speed['merak bf16'] / speed[other]:.3f} |")
@@ -104,6 +120,10 @@ def main() -> None:
     print("\n| model | merak bf16 against | tokens/s ratio |")
     print("| --- | --- | --- |")
     print("\n".join(ratios))
+    if reserved:
+        print("\n| model | run | peak allocator reserved MiB |")
+        print("| --- | --- | --- |")
+        print("\n".join(reserved))
     changes = sorted(d for d in a.out.glob("changes-*") if (d / "metrics.jsonl").exists())
     if changes:
         print("\n| changes run | tokens/s | host reads per step | first loss -> last |")

@@ -445,10 +445,12 @@ def main():
         torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
     if out:
         gpu = torch.cuda.max_memory_allocated() / 2**20 if a.device == "cuda" else 0.0
+        reserved = torch.cuda.max_memory_reserved() / 2**20 if a.device == "cuda" else 0.0
         params = sum(p.numel() * p.element_size() for p in model.parameters())
         out.write(json.dumps({"summary": True, "peak_rss_mib": peak.item(),
                               "param_mib": params / 2**20,
-                              "peak_gpu_mib": gpu, "device": a.device,
+                              "peak_gpu_mib": gpu, "peak_gpu_reserved_mib": reserved,
+                              "device": a.device,
                               "precision": a.precision, "compile": a.compile,
                               "wall_s": time.perf_counter() - t_all,
                               "torch": torch.__version__}) + "\n")

@@ -43,6 +43,18 @@ fn wgpu_against_cpu(name: &str, extra: &[&str]) -> (merak_tests::Run, std::path:
     // gradient norm's sums (all parameters); the CPU backend's sums are host values already.
     assert_host_reads(name, &wgpu, 1);
     assert_host_reads(&format!("{name} on the CPU"), &cpu, 1);
+    // The allocator's reserved bytes: CubeCL's on wgpu, every step; none on the CPU.
+    let reserved = |out: &std::path::Path| -> Vec<Option<u64>> {
+        (read_metrics(out).iter())
+            .map(|m| m["device_reserved_bytes"].as_u64())
+            .collect()
+    };
+    let on_gpu = reserved(&wgpu);
+    assert!(
+        on_gpu.iter().all(|r| r.is_some_and(|b| b > 0)),
+        "{name}: reserved bytes {on_gpu:?}"
+    );
+    assert!(reserved(&cpu).iter().all(Option::is_none), "{name}: CPU");
     (run, wgpu)
 }
 

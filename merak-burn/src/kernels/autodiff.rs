@@ -259,6 +259,10 @@ impl<B: FusedOps> Backward<B, 1> for Attention {
 }
 
 impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
+    fn memory_reserved(device: &Self::Device) -> Option<u64> {
+        B::memory_reserved(device)
+    }
+
     fn fused_cross_entropy(
         logits: FloatTensor<Self>,
         targets: IntTensor<Self>,

@@ -184,6 +184,13 @@ pub trait FusedOps: Backend {
         composed::squares_of::<Self>(xs)
     }
 
+    /// The bytes the backend's allocator holds on `device`, in use or not, where it keeps such
+    /// a count (CubeCL's memory pools: `bytes_reserved`, which grows to the run's peak and stays
+    /// there between cleanups, like PyTorch's `torch.cuda.memory_reserved`); `None` on the CPU.
+    fn memory_reserved(_device: &Self::Device) -> Option<u64> {
+        None
+    }
+
     /// [`FusedOps::squares_of`] read into host memory (at most one read for all the tensors).
     fn sums_of_squares(xs: Vec<FloatTensor<Self>>) -> Vec<f64> {
         let squares = Self::squares_of(xs);

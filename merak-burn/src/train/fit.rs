@@ -3,6 +3,7 @@
 use std::time::Instant;
 
 use crate::comm::watchdog::blocked_time;
+use crate::kernels::FusedOps;
 use crate::pipeline::{TrainBackend, TrainModel};
 use crate::train::attempts;
 use crate::train::goodput::Goodput;
@@ -315,6 +316,7 @@ where
             dp_buckets: o.dp.buckets,
             minor_faults: process::minor_faults().saturating_sub(faults_before),
             host_reads,
+            device_reserved_bytes: <B::InnerBackend as FusedOps>::memory_reserved(&self.device),
             val_loss,
             loss_parts: self.loss_parts(o),
             aux_loss: o.aux_loss,

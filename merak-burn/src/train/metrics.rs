@@ -32,9 +32,15 @@ pub struct StepMetrics {
     /// near 0 once buffers are reused).
     pub minor_faults: u64,
     /// Reads of tensors into host memory during the step on rank 0 (each waits for the
-    /// device on a GPU; [`crate::host_read`]): 2 at one rank on a GPU backend (the losses and
-    /// the gradient norm), 1 on the CPU backend.
+    /// device on a GPU; [`crate::host_read`]): 1 at one rank (the losses with the gradient
+    /// norm's sums).
     pub host_reads: u64,
+    /// On a GPU backend: the bytes rank 0's allocator holds on its device at the step's end
+    /// ([`FusedOps::memory_reserved`](crate::kernels::FusedOps::memory_reserved)); the largest
+    /// over the steps is the run's peak, comparable to PyTorch's
+    /// `torch.cuda.max_memory_reserved`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_reserved_bytes: Option<u64>,
     /// Validation loss, on the steps where it is measured.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f64>,

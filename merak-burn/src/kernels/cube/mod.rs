@@ -214,6 +214,11 @@ where
         (p, m, v)
     }
 
+    fn memory_reserved(device: &Self::Device) -> Option<u64> {
+        let usage = R::client(device).memory_usage().ok()?;
+        Some(usage.bytes_reserved)
+    }
+
     fn sum_of_squares(x: FloatTensor<Self>) -> f64 {
         if composed_kernel("squares") {
             return composed::sum_of_squares::<Self>(x);
