@@ -292,6 +292,9 @@ where
         if composed_kernel("matmul") {
             return composed::linear_forward::<Self>(x, w, bias);
         }
+        if let Some(y) = cublaslt::linear(&x, &w, bias.as_ref()) {
+            return y;
+        }
         composed::linear_forward_with::<Self>(x, w, bias, |a, b| matmul::product(a, b, None))
     }
 

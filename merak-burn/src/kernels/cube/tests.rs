@@ -346,7 +346,8 @@ fn the_product_table_chooses_by_class() {
 }
 
 /// cuBLASLt (CUDA only) computes the row-major product in f32 and bf16 on contiguous,
-/// transposed, pitched and offset operands (row slices of wider tensors) and a tiny one.
+/// transposed, pitched and offset operands (row slices of wider tensors) and a tiny one, with
+/// and without the bias epilogue.
 #[cfg(not(feature = "wgpu"))]
 #[test]
 fn cublaslt_products_equal_the_cpu() {
@@ -386,6 +387,14 @@ fn cublaslt_products_equal_the_cpu() {
             let want = Cpu::float_matmul(xc.clone(), yc.clone());
             let got = cast(got, FloatDType::F32);
             within(&format!("{tag} {dtype:?}"), got, want, 0.0, tolerance);
+            // The linear layer's forward: the bias added by the epilogue.
+            let (bias, bias_c) = pair(&rng, &format!("bias{tag}"), &[b[1]]);
+            let got = super::cublaslt::try_linear(&xg, &yg, Some(&cast(bias, dtype)))
+                .unwrap_or_else(|e| panic!("{tag} {dtype:?} with a bias: {e}"))
+                .expect("a CUDA tensor");
+            let want = Cpu::linear_forward(xc.clone(), yc.clone(), Some(bias_c));
+            let got = cast(got, FloatDType::F32);
+            within(&format!("{tag} {dtype:?} bias"), got, want, 0.0, tolerance);
         }
     }
 }

@@ -23,6 +23,9 @@
 //! `libcublasLt` leaves the product to CubeCL ([`matmul`](super::matmul)'s table); the reason is
 //! logged once.
 //!
+//! The linear layer's forward adds its bias in the same call (cuBLASLt's bias epilogue); its
+//! backward's bias gradient stays a column sum of CubeCL's.
+//!
 //! The algorithm is cuBLASLt's heuristic's first choice for the product's sizes, layouts and type,
 //! asked once per shape and kept; the workspace is 32 MiB from CubeCL's memory pool.
 
@@ -37,7 +40,7 @@ mod run;
 
 pub use layout::{Call, Operand, plan, transpose_of};
 #[cfg(feature = "cuda")]
-pub use run::{LtError, try_product};
+pub use run::{LtError, try_linear, try_product};
 
 /// The environment variable that turns cuBLASLt's products on (`1`); unset, empty or `0`: off.
 pub const CUBLASLT_VAR: &str = "MERAK_CUBLASLT";
@@ -62,14 +65,23 @@ pub fn enabled() -> bool {
 /// product to CubeCL (another runtime, a build without `cuda`, the switch off, or a product
 /// cuBLASLt does not take, logged once).
 pub fn product<R: CubeRuntime>(lhs: &CubeTensor<R>, rhs: &CubeTensor<R>) -> Option<CubeTensor<R>> {
+    linear(lhs, rhs, None)
+}
+
+/// [`product`] with `bias` (`[n]`) added to every row by cuBLASLt's bias epilogue.
+pub fn linear<R: CubeRuntime>(
+    lhs: &CubeTensor<R>,
+    rhs: &CubeTensor<R>,
+    bias: Option<&CubeTensor<R>>,
+) -> Option<CubeTensor<R>> {
     if !enabled() {
         return None;
     }
     #[cfg(feature = "cuda")]
-    return run::product(lhs, rhs);
+    return run::linear(lhs, rhs, bias);
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (lhs, rhs);
+        let _ = (lhs, rhs, bias);
         None
     }
 }

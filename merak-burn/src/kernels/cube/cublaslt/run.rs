@@ -32,6 +32,9 @@ pub enum LtError {
         /// The right operand's shape.
         rhs: Vec<usize>,
     },
+    /// A bias that is not a contiguous vector of the result's width in the operands' type.
+    #[error("a bias cuBLASLt's epilogue does not read")]
+    Bias,
     /// An element type other than bf16, f16 and f32.
     #[error("element type {0:?}")]
     DType(DType),
@@ -46,14 +49,15 @@ pub enum LtError {
     Lt(lt::CublasError),
 }
 
-/// The result of `lhs rhs` through cuBLASLt (`None` leaves it to CubeCL: another runtime, or
-/// an [`LtError`], logged once).
-pub(super) fn product<R: CubeRuntime>(
+/// The result of `lhs rhs (+ bias)` through cuBLASLt (`None` leaves it to CubeCL: another
+/// runtime, or an [`LtError`], logged once).
+pub(super) fn linear<R: CubeRuntime>(
     lhs: &CubeTensor<R>,
     rhs: &CubeTensor<R>,
+    bias: Option<&CubeTensor<R>>,
 ) -> Option<CubeTensor<R>> {
     static LOGGED: AtomicBool = AtomicBool::new(false);
-    try_product(lhs, rhs).unwrap_or_else(|e| {
+    try_linear(lhs, rhs, bias).unwrap_or_else(|e| {
         if !LOGGED.swap(true, Ordering::Relaxed) {
             tracing::warn!("cuBLASLt did not take a product ({e}); CubeCL's kernel runs it");
         }
@@ -67,10 +71,24 @@ pub fn try_product<R: CubeRuntime>(
     lhs: &CubeTensor<R>,
     rhs: &CubeTensor<R>,
 ) -> Result<Option<CubeTensor<R>>, LtError> {
+    try_linear(lhs, rhs, None)
+}
+
+/// [`try_product`] with `bias` (`[n]`, contiguous, the operands' type) added to every row of
+/// the result by cuBLASLt's bias epilogue.
+pub fn try_linear<R: CubeRuntime>(
+    lhs: &CubeTensor<R>,
+    rhs: &CubeTensor<R>,
+    bias: Option<&CubeTensor<R>>,
+) -> Result<Option<CubeTensor<R>>, LtError> {
     let (Some(l), Some(r)) = (cuda(lhs), cuda(rhs)) else {
         return Ok(None);
     };
-    let out: Box<dyn Any> = Box::new(run(l, r)?);
+    let bias = match bias {
+        Some(b) => Some(cuda(b).ok_or(LtError::Bias)?),
+        None => None,
+    };
+    let out: Box<dyn Any> = Box::new(run(l, r, bias)?);
     Ok(out.downcast::<CubeTensor<R>>().ok().map(|out| *out))
 }
 
@@ -99,6 +117,7 @@ fn matrix(t: &CubeTensor<CudaRuntime>) -> Option<([usize; 2], [usize; 2])> {
 fn run(
     lhs: &CubeTensor<CudaRuntime>,
     rhs: &CubeTensor<CudaRuntime>,
+    bias: Option<&CubeTensor<CudaRuntime>>,
 ) -> Result<CubeTensor<CudaRuntime>, LtError> {
     let layout = || LtError::Layout {
         lhs: lhs.meta.shape().to_vec(),
@@ -113,6 +132,13 @@ fn run(
         return Err(LtError::DType(rhs.dtype));
     }
     let ty = data_type(lhs.dtype)?;
+    if let Some(b) = bias {
+        let (shape, strides) = (b.meta.shape(), b.meta.strides());
+        let vector = shape.num_dims() == 1 && shape[0] as u64 == call.n && strides[0] == 1;
+        if !vector || b.dtype != lhs.dtype {
+            return Err(LtError::Bias);
+        }
+    }
     let out = burn_cubecl::ops::numeric::empty_device_contiguous_dtype(
         lhs.client.clone(),
         lhs.device.clone(),
@@ -126,6 +152,7 @@ fn run(
     };
     let (a, b) = (resource(&rhs.handle)?, resource(&lhs.handle)?);
     let (d, w) = (resource(&out.handle)?, resource(&workspace)?);
+    let bias = bias.map(|b| resource(&b.handle)).transpose()?;
     let stream = d.resource().stream;
     if stream.is_null() {
         return Err(LtError::Cube(
@@ -137,6 +164,7 @@ fn run(
         b: b.resource().ptr,
         d: d.resource().ptr,
         workspace: w.resource().ptr,
+        bias: bias.as_ref().map(|b| b.resource().ptr),
         stream: stream.cast(),
     };
     let mut state = handle()?
@@ -152,13 +180,16 @@ struct Pointers {
     b: u64,
     d: u64,
     workspace: u64,
+    /// The bias vector, added by the epilogue.
+    bias: Option<u64>,
     stream: sys::cudaStream_t,
 }
 
 /// The process's cuBLASLt handle and the algorithm chosen for each product so far.
 struct State {
     handle: sys::cublasLtHandle_t,
-    algos: HashMap<(Call, i32), sys::cublasLtMatmulAlgo_t>,
+    /// By call, type and whether the bias epilogue runs.
+    algos: HashMap<(Call, i32, bool), sys::cublasLtMatmulAlgo_t>,
 }
 
 // SAFETY: a cuBLASLt handle may be used from any thread, one call at a time: the mutex in
@@ -189,8 +220,9 @@ struct Descriptors {
 }
 
 impl Descriptors {
-    /// The product `D = op(a) op(b)` of `call` in type `ty`, accumulated in `f32`.
-    fn new(call: Call, ty: sys::cudaDataType) -> Result<Self, LtError> {
+    /// The product `D = op(a) op(b)` of `call` in type `ty`, accumulated in `f32`, with the
+    /// vector at `bias` added to every column of `D` (every row of the row-major result).
+    fn new(call: Call, ty: sys::cudaDataType, bias: Option<u64>) -> Result<Self, LtError> {
         let desc = lt::create_matmul_desc(
             sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
             sys::cudaDataType::CUDA_R_32F,
@@ -217,6 +249,9 @@ impl Descriptors {
                     .map_err(LtError::Lt)?;
             }
         }
+        if let Some(pointer) = bias {
+            this.set_bias(pointer)?;
+        }
         let d = Operand {
             transposed: false,
             rows: call.n,
@@ -227,6 +262,34 @@ impl Descriptors {
             *slot = lt::create_matrix_layout(ty, o.rows, o.cols, o.ld).map_err(LtError::Lt)?;
         }
         Ok(this)
+    }
+}
+
+impl Descriptors {
+    /// Turns on the bias epilogue with the bias vector at `pointer`.
+    fn set_bias(&mut self, pointer: u64) -> Result<(), LtError> {
+        use sys::cublasLtMatmulDescAttributes_t as Attr;
+        let epilogue = sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
+        // SAFETY: `desc` is live; the epilogue is its 32-bit enumeration, the bias pointer a
+        // device address.
+        unsafe {
+            let set = |attr, value: *const c_void, size| {
+                lt::set_matmul_desc_attribute(self.desc, attr, value, size)
+            };
+            set(
+                Attr::CUBLASLT_MATMUL_DESC_EPILOGUE,
+                (&raw const epilogue).cast(),
+                std::mem::size_of_val(&epilogue),
+            )
+            .and_then(|()| {
+                set(
+                    Attr::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                    (&raw const pointer).cast(),
+                    std::mem::size_of::<u64>(),
+                )
+            })
+            .map_err(LtError::Lt)
+        }
     }
 }
 
@@ -245,8 +308,8 @@ impl Drop for Descriptors {
 impl State {
     /// Queues `call` on `p.stream`.
     fn matmul(&mut self, call: Call, ty: sys::cudaDataType, p: Pointers) -> Result<(), LtError> {
-        let d = Descriptors::new(call, ty)?;
-        let algo = self.algo(call, ty, &d)?;
+        let d = Descriptors::new(call, ty, p.bias)?;
+        let algo = self.algo((call, ty as i32, p.bias.is_some()), &d)?;
         let (alpha, beta) = (1.0f32, 0.0f32);
         let [a_layout, b_layout, d_layout] = d.layouts;
         // SAFETY: the pointers are CubeCL's live buffers of the sizes the layouts describe
@@ -275,14 +338,12 @@ impl State {
         }
     }
 
-    /// The heuristic's first algorithm for `call` in `ty`, asked once.
+    /// The heuristic's first algorithm for a call, type and epilogue (`key`), asked once.
     fn algo(
         &mut self,
-        call: Call,
-        ty: sys::cudaDataType,
+        key: (Call, i32, bool),
         d: &Descriptors,
     ) -> Result<sys::cublasLtMatmulAlgo_t, LtError> {
-        let key = (call, ty as i32);
         if let Some(algo) = self.algos.get(&key) {
             return Ok(*algo);
         }
