@@ -44,6 +44,13 @@
 #           then the tuned step with the cache warm.
 #   report  benches/gpu/report.py: tokens/s, MFU, peak GPU memory, the 2-rank loss differences.
 #
+# DRY_RUN=1 runs the phases here, on the CPU, before any GPU minute is spent: every `merak train`
+# on the tiny GPT for 3 steps with its keys and flags otherwise as on the GPU (so a wrong key or
+# flag fails here), each Python script compiled rather than run (no PyTorch here), nvidia-smi
+# answered by a stub; the merak of gpu-bundle/ (its CUDA build runs on the CPU too), or of
+# DRY_RUN_BIN or target/release where there is none. The timings, logs and report come out as
+# on the GPU, with CPU figures; `merak probe --nccl` fails (no GPU).
+#
 # Environment: RESULTS (the results folder, default runs/gpu), STEPS (default 8; the first two are warm-up),
 # RUN_LIMIT_S (each run's time limit, default 150), ARCHIVE (if set, a .tar.gz of RESULTS rewritten
 # after every run, so a killed command still brings back what finished), PEAK_TFLOPS (default:
@@ -61,7 +68,7 @@ mkdir -p "$out"
 # Written only where the repository has no cubecl.toml of its own, and removed at the end.
 own_config=""
 cache_config='[compilation]\ncache = "target"\n'
-if [ ! -e cubecl.toml ]; then
+if [ ! -e cubecl.toml ] && [ "${DRY_RUN:-0}" != 1 ]; then
     printf "$cache_config" >cubecl.toml
     own_config=1
     trap 'rm -f cubecl.toml' EXIT
@@ -74,13 +81,38 @@ save() {
     fi
 }
 
+# In a dry run (DRY_RUN=1): what `timed` runs instead of CMD, in `cmd`: a `merak train` with the
+# tiny overrides after its own flags, a Python script compiled, anything else as it is.
+dry_train=(--set train.device=cpu --set model.preset=tiny --set model.seq_len=32
+    --set train.micro_batch=1 --set train.global_batch=2 --set train.steps=3
+    --set train.warmup_steps=1)
+dry_command() {
+    local args=("$@") i
+    cmd=("$@")
+    for i in "${!args[@]}"; do
+        if [ "${args[$i]}" = merak ] && [ "${args[$((i + 1))]:-}" = train ]; then
+            cmd=("$@" "${dry_train[@]}")
+            return
+        fi
+        case ${args[$i]} in
+            *.py) cmd=("$python" -m py_compile "${args[$i]}") && return ;;
+        esac
+    done
+}
+if [ "${DRY_RUN:-0}" = 1 ]; then
+    echo "dry run: the phases on this machine's CPU, tiny GPT, Python scripts compiled only"
+    nvidia-smi() { echo "dry run: no GPU"; }
+fi
+
 # `timed NAME CMD...`: runs CMD under the time limit, its output in RESULTS/NAME.log, and prints
 # one line with its exit status and seconds.
 timed() {
-    local name=$1 start status
+    local name=$1 start status cmd=()
     shift
+    cmd=("$@")
+    [ "${DRY_RUN:-0}" = 1 ] && dry_command "$@"
     start=$(date +%s%N)
-    timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
+    timeout --kill-after=10 "$limit" "${cmd[@]}" >"$out/$name.log" 2>&1
     status=$?
     printf '%-28s exit %3d  %6d ms\n' "$name" "$status" $((($(date +%s%N) - start) / 1000000)) |
         tee -a "$out/timings.txt"

@@ -1,6 +1,6 @@
 //! CPU-side guards for the GPU benchmark (`benches/gpu`), which CI cannot run: its scripts
-//! parse, its report reproduces the recorded results of the first GPU run from their raw
-//! records, and CUDA builds keep CubeCL's autotuner off by default (with it on, the first GPU
+//! parse, its phases run dry on the CPU, its report reproduces the recorded results of the
+//! first GPU run from their raw records, and CUDA builds keep CubeCL's autotuner off by default (with it on, the first GPU
 //! run's 3-step tiny GPT did not finish in 150 s).
 
 use std::path::{Path, PathBuf};
@@ -133,4 +133,45 @@ fn cuda_builds_leave_autotune_off_unless_asked() {
             .iter()
             .any(|f| f.as_str() == Some("burn-cuda/autotune"))
     );
+}
+
+/// The dry run (`DRY_RUN=1`) runs the phases a GPU session starts with on this machine: every
+/// `merak train` of `small` and `changes` on the CPU (so a wrong key or flag fails here, not on
+/// the GPU), each Python script compiled, and the report with its table of changes runs, each
+/// reading the device once a step.
+#[test]
+fn the_dry_run_runs_the_phases_on_the_cpu() {
+    let results = tempfile::tempdir().expect("a scratch folder");
+    let merak = Path::new(env!("CARGO_BIN_EXE_merak"));
+    let out = Command::new("bash")
+        .arg(root().join("benches/gpu/run.sh"))
+        .args(["small", "changes", "report"])
+        .env("DRY_RUN", "1")
+        .env("DRY_RUN_BIN", merak.parent().expect("a folder"))
+        .env("RESULTS", results.path())
+        .env("RAYON_NUM_THREADS", "1")
+        .output()
+        .expect("bash runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let timings = std::fs::read_to_string(results.path().join("timings.txt")).expect("timings");
+    let runs: Vec<&str> = timings.lines().collect();
+    // merak bf16 and fp32, three PyTorch scripts and Megatron's; three runs per model of changes.
+    assert_eq!(runs.len(), 12, "{timings}");
+    assert!(runs.iter().all(|l| l.contains("exit   0")), "{timings}");
+    for run in [
+        "changes-gpt2-bf16-cublaslt",
+        "changes-gpt2-medium-bf16-default-matmul",
+    ] {
+        assert!(
+            stdout
+                .lines()
+                .any(|l| l.starts_with(&format!("| {run} |")) && l.contains("| 1 |")),
+            "{run} missing or not one read a step in\n{stdout}"
+        );
+    }
 }
