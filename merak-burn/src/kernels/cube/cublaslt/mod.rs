@@ -26,8 +26,10 @@
 //! The linear layer's forward adds its bias in the same call (cuBLASLt's bias epilogue); its
 //! backward's bias gradient stays a column sum of CubeCL's.
 //!
-//! The algorithm is cuBLASLt's heuristic's first choice for the product's sizes, layouts and type,
-//! asked once per shape and kept; the workspace is 32 MiB from CubeCL's memory pool.
+//! The algorithm is cuBLASLt's heuristic's first choice for the product's sizes, layouts, type,
+//! epilogue and the operands' alignment (an offset view may be aligned to less than the 256
+//! bytes the heuristic otherwise assumes), asked once and kept; the workspace is 32 MiB from
+//! CubeCL's memory pool.
 
 use std::sync::OnceLock;
 

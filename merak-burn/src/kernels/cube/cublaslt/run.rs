@@ -185,11 +185,28 @@ struct Pointers {
     stream: sys::cudaStream_t,
 }
 
+impl Pointers {
+    /// The alignment in bytes of `a`, `b` and `d` (a power of two, at most 256, the alignment
+    /// cuBLASLt's heuristic assumes unless told less).
+    fn alignments(&self) -> [u32; 3] {
+        [self.a, self.b, self.d].map(|p| 1u32 << p.trailing_zeros().min(8))
+    }
+}
+
+/// What the chosen algorithm depends on: the call, the element type, whether the bias epilogue
+/// runs, and the operands' alignment ([`Pointers::alignments`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct AlgoKey {
+    call: Call,
+    ty: i32,
+    bias: bool,
+    align: [u32; 3],
+}
+
 /// The process's cuBLASLt handle and the algorithm chosen for each product so far.
 struct State {
     handle: sys::cublasLtHandle_t,
-    /// By call, type and whether the bias epilogue runs.
-    algos: HashMap<(Call, i32, bool), sys::cublasLtMatmulAlgo_t>,
+    algos: HashMap<AlgoKey, sys::cublasLtMatmulAlgo_t>,
 }
 
 // SAFETY: a cuBLASLt handle may be used from any thread, one call at a time: the mutex in
@@ -309,7 +326,13 @@ impl State {
     /// Queues `call` on `p.stream`.
     fn matmul(&mut self, call: Call, ty: sys::cudaDataType, p: Pointers) -> Result<(), LtError> {
         let d = Descriptors::new(call, ty, p.bias)?;
-        let algo = self.algo((call, ty as i32, p.bias.is_some()), &d)?;
+        let key = AlgoKey {
+            call,
+            ty: ty as i32,
+            bias: p.bias.is_some(),
+            align: p.alignments(),
+        };
+        let algo = self.algo(key, &d)?;
         let (alpha, beta) = (1.0f32, 0.0f32);
         let [a_layout, b_layout, d_layout] = d.layouts;
         // SAFETY: the pointers are CubeCL's live buffers of the sizes the layouts describe
@@ -338,27 +361,44 @@ impl State {
         }
     }
 
-    /// The heuristic's first algorithm for a call, type and epilogue (`key`), asked once.
+    /// The heuristic's first algorithm for `key`, asked once, told the operands' alignment and
+    /// the workspace's size.
     fn algo(
         &mut self,
-        key: (Call, i32, bool),
+        key: AlgoKey,
         d: &Descriptors,
     ) -> Result<sys::cublasLtMatmulAlgo_t, LtError> {
+        use sys::cublasLtMatmulPreferenceAttributes_t as Pref;
         if let Some(algo) = self.algos.get(&key) {
             return Ok(*algo);
         }
         let pref = lt::create_matmul_pref().map_err(LtError::Lt)?;
         let bytes = WORKSPACE_BYTES;
         let [a, b, out] = d.layouts;
-        // SAFETY: every descriptor is live; the attribute is a `size_t`.
+        let [align_a, align_b, align_d] = key.align;
+        // SAFETY: every descriptor is live; the workspace attribute is a `size_t`, the
+        // alignments `uint32_t`.
         let found = unsafe {
-            let set = lt::set_matmul_pref_attribute(
-                pref,
-                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+            let set = |attr, value: *const c_void, size| {
+                lt::set_matmul_pref_attribute(pref, attr, value, size)
+            };
+            let u32_size = std::mem::size_of::<u32>();
+            let found = set(
+                Pref::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                 (&raw const bytes).cast(),
                 std::mem::size_of::<usize>(),
-            );
-            let found = set.and_then(|()| {
+            )
+            .and_then(|()| {
+                let aligned = [
+                    (Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a),
+                    (Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b),
+                    (Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d),
+                    (Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d),
+                ];
+                (aligned.into_iter())
+                    .try_for_each(|(attr, value)| set(attr, (value as *const u32).cast(), u32_size))
+            })
+            .and_then(|()| {
                 lt::get_matmul_algo_heuristic(self.handle, d.desc, a, b, out, out, pref)
             });
             let _ = lt::destroy_matmul_pref(pref);
