@@ -95,7 +95,8 @@ dry_command() {
             return
         fi
         case ${args[$i]} in
-            *.py) cmd=("$python" -m py_compile "${args[$i]}") && return ;;
+            # Compiled in memory: py_compile would write __pycache__ into the repository.
+            *.py) cmd=("$python" -c 'import sys; compile(open(sys.argv[1]).read(), sys.argv[1], "exec")' "${args[$i]}") && return ;;
         esac
     done
 }

@@ -143,6 +143,9 @@ fn cuda_builds_leave_autotune_off_unless_asked() {
 fn the_dry_run_runs_the_phases_on_the_cpu() {
     let results = tempfile::tempdir().expect("a scratch folder");
     let merak = Path::new(env!("CARGO_BIN_EXE_merak"));
+    // The dry run writes only under RESULTS: no bytecode beside the scripts it compiles.
+    let caches = ["benches/gpu/__pycache__", "benches/pytorch/__pycache__"].map(|d| root().join(d));
+    let absent: Vec<&PathBuf> = caches.iter().filter(|d| !d.exists()).collect();
     let out = Command::new("bash")
         .arg(root().join("benches/gpu/run.sh"))
         .args(["small", "changes", "report"])
@@ -158,6 +161,9 @@ fn the_dry_run_runs_the_phases_on_the_cpu() {
         "{stdout}{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    for d in absent {
+        assert!(!d.exists(), "the dry run wrote {}", d.display());
+    }
     let timings = std::fs::read_to_string(results.path().join("timings.txt")).expect("timings");
     let runs: Vec<&str> = timings.lines().collect();
     // merak bf16 and fp32, three PyTorch scripts and Megatron's; three runs per model of changes.
