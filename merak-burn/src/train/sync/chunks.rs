@@ -19,6 +19,7 @@ use crate::data_parallel::chunks::{Piece, RankChunks};
 use crate::data_parallel::{DataParallel, DpStats, all_gather_each};
 use crate::grid::ProcessGrid;
 use crate::pipeline::{TrainBackend, TrainModel};
+use crate::train::grad_norm::LocalSquares;
 use crate::train::hybrid::ShardGroups;
 use crate::train::optim::Optimizers;
 use crate::train::param_values::for_each_param;
@@ -116,8 +117,9 @@ impl<'g, B: TrainBackend> Chunks<'g, B> {
     }
 
     /// This rank's squared gradient norms from its pieces, summed over the ranks of one copy
-    /// (the routed experts' held apart over those holding the same experts).
-    pub fn squares(&self, parts: &NormParts) -> Result<GradStats, TrainError> {
+    /// (the routed experts' held apart over those holding the same experts): host values,
+    /// nothing left to read from the device.
+    pub fn squares(&self, parts: &NormParts) -> Result<LocalSquares<B::InnerBackend>, TrainError> {
         let mut stats = GradStats::default();
         for p in &self.rank_chunks.pieces {
             let id = self.params[p.param].id;
@@ -141,11 +143,11 @@ impl<'g, B: TrainBackend> Chunks<'g, B> {
             true => sum_f64(self.experts, &[stats.expert_sq])?[0],
             false => 0.0,
         };
-        Ok(GradStats {
+        Ok(LocalSquares::known(GradStats {
             sharded_sq: both[0],
             replicated_sq: both[1],
             expert_sq: experts,
-        })
+        }))
     }
 
     /// Starts a step: clears the reducer's buffers and drops the last step's chunks (kept
