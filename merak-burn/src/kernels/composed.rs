@@ -384,9 +384,14 @@ pub fn linear_backward_with<B: Backend>(
     [dx, dw, db]
 }
 
+/// The sum of the squares of `x`'s elements in its own element type, on the device (`[1]`).
+fn square_sum<B: Backend>(x: FloatTensor<B>) -> Tensor<B, 1> {
+    lift::<B, 1>(x).powi_scalar(2).sum()
+}
+
 /// Composed sum of squares, in the tensor's own element type.
 pub fn sum_of_squares<B: Backend>(x: FloatTensor<B>) -> f64 {
-    let v = crate::host_read::floats(lift::<B, 1>(x).powi_scalar(2).sum())
+    let v = crate::host_read::floats(square_sum::<B>(x))
         .unwrap_or_else(|e| crate::comm::fail(format!("a sum of squares: {e}")));
     v.first().copied().map_or(0.0, f64::from)
 }
@@ -395,7 +400,7 @@ pub fn sum_of_squares<B: Backend>(x: FloatTensor<B>) -> f64 {
 /// the device as one `f32` value per tensor.
 pub fn squares_of<B: Backend>(xs: Vec<FloatTensor<B>>) -> super::Squares<B> {
     let sums: Vec<Tensor<B, 1>> = (xs.into_iter())
-        .map(|x| crate::precision::to_f32(lift::<B, 1>(x).powi_scalar(2).sum()))
+        .map(|x| crate::precision::to_f32(square_sum::<B>(x)))
         .collect();
     let counts = vec![1; sums.len()];
     match sums.is_empty() {
