@@ -4,7 +4,8 @@
 //! looser bound (the kernels sum in another order); under `mpirun` (MPI on host buffers), data,
 //! tensor (with sub-pipelined overlap) and pipeline parallelism on wgpu equal one wgpu process
 //! at the usual 1e-5; so does one wgpu process with packed documents. A machine without an
-//! adapter gets a clear error before training. One rank reads the device twice a step.
+//! adapter gets a clear error before training. One rank reads the device once a step, and logs
+//! its allocator's reserved bytes.
 
 mod common;
 use common::*;
