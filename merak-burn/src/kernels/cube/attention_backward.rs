@@ -23,16 +23,24 @@ use burn_cubecl::tensor::CubeTensor;
 
 use burn::tensor::DType;
 
-use super::attention::{QUERIES, TILE_ELEMS, load_keys};
+use super::attention::load_keys;
 use super::{Launch, contiguous, empty_typed};
 use crate::kernels::AttentionSpec;
+
+/// Rows (queries or keys) per cube: one thread each.
+const QUERIES: u32 = 64;
+
+/// Half a tile's shared memory, in 4-byte words: a tile of `TILE_ELEMS / (head_dim + 2)` rows
+/// holds two rows of `head_dim` words each and three words more (a segment id, a log-sum-exp,
+/// Δ), under 2 × 2,048 words, 16 KiB, the least workgroup memory WebGPU guarantees.
+const TILE_ELEMS: usize = 2048;
 
 /// `delta[(b, head), i] = Σ_e dctx · ctx` over query `i`'s head row.
 #[cube(launch)]
 fn delta_kernel<F: Float>(
     ctx: &Tensor<F>,
     dctx: &Tensor<F>,
-    delta: &mut Tensor<F>,
+    delta: &mut Tensor<f32>,
     seq: u32,
     heads: u32,
     #[comptime] head_dim: usize,
@@ -48,7 +56,7 @@ fn delta_kernel<F: Float>(
         for e in 0..head_dim {
             sum += f32::cast_from(dctx[row + e]) * f32::cast_from(ctx[row + e]);
         }
-        delta[at] = F::cast_from(sum);
+        delta[at] = sum;
     }
 }
 
@@ -59,8 +67,8 @@ fn delta_kernel<F: Float>(
 fn grads_kernel<F: Float, I: Int>(
     qkv: &Tensor<F>,
     dctx: &Tensor<F>,
-    lse: &Tensor<F>,
-    delta: &Tensor<F>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
     segments: &Tensor<I>,
     dqkv: &mut Tensor<F>,
     seq: u32,
@@ -114,8 +122,8 @@ fn grads_kernel<F: Float, I: Int>(
     let mut own_lse = 0.0f32;
     let mut own_delta = 0.0f32;
     if !per_key {
-        own_lse = f32::cast_from(lse[pair * s + own]);
-        own_delta = f32::cast_from(delta[pair * s + own]);
+        own_lse = lse[pair * s + own];
+        own_delta = delta[pair * s + own];
     }
     // Causal: a key is seen by its own query and later ones, a query sees keys up to itself.
     let mut start = 0usize;
@@ -139,8 +147,8 @@ fn grads_kernel<F: Float, I: Int>(
             let mut r = UNIT_POS_X as usize;
             while r < tile {
                 let i = min(start + r, s - 1);
-                tile_lse[r] = f32::cast_from(lse[pair * s + i]);
-                tile_delta[r] = f32::cast_from(delta[pair * s + i]);
+                tile_lse[r] = lse[pair * s + i];
+                tile_delta[r] = delta[pair * s + i];
                 if segmented {
                     tile_segments[r] = i32::cast_from(segments[rows + i]);
                 }
@@ -160,7 +168,9 @@ fn grads_kernel<F: Float, I: Int>(
                 h,
                 head_dim,
                 tile,
+                comptime!(QUERIES as usize),
                 segmented,
+                false,
             );
         }
         sync_cube();
@@ -225,8 +235,9 @@ fn grads_kernel<F: Float, I: Int>(
 }
 
 /// The gradient `[batch, seq, 3 * heads * head_dim]` of the Q/K/V buffer `qkv` of the
-/// attention whose context `ctx` and log-sum-exp `lse` (`[batch, heads, seq]`) the forward
-/// kernel ([`super::attention::forward`]) gave, from the context's gradient `dctx`.
+/// attention whose context `ctx` and log-sum-exp `lse` (`[batch, heads, seq]`, `f32`) the
+/// forward kernel ([`super::attention::forward`]) gave, from the context's gradient `dctx`: in
+/// `qkv`'s type, computed in `f32`.
 pub fn backward<R: CubeRuntime>(
     qkv: CubeTensor<R>,
     ctx: CubeTensor<R>,
@@ -249,7 +260,7 @@ pub fn backward<R: CubeRuntime>(
     if b * s * d == 0 {
         return dqkv;
     }
-    let delta = empty_typed(&qkv, [b, h, s], qkv.dtype);
+    let delta = empty_typed(&qkv, [b, h, s], DType::F32);
     let launch = Launch::elements(&qkv.client, b * h * s);
     delta_kernel::launch::<R>(
         &qkv.client,

@@ -9,18 +9,19 @@
 //! | embedding ([`gather`]) | one thread per output element; backward a thread per column |
 //! | AdamW ([`pointwise`]) | one thread per element, the new parameter and moments |
 //! | sum of squares ([`squares`]) | a cube per chunk in `f32`, the chunks added on the host in `f64` |
-//! | attention forward ([`attention`]) | a cube per 64 queries of one (sequence, head), keys, values and segment ids in shared-memory tiles, an online softmax per query; its log-sum-exp for the backward pass |
+//! | attention forward ([`attention`]) | a cube per block of queries of one (sequence, head), the queries and then tiles of keys, values and segment ids in shared memory, the tile's scores and context by a tile product ([`attention_tiles`]: `f32` dot products, or tensor cores for bf16 and f16), an online softmax per query; its log-sum-exp in `f32` for the backward pass |
 //! | attention backward ([`attention_backward`]) | the probabilities rebuilt from the log-sum-exp: a cube per 64 queries for their gradients (keys and values in tiles), a cube per 64 keys for theirs and the values' (queries, their gradients and statistics in tiles) |
 //!
 //! Reductions never use float atomics (core WGSL has none): a row is reduced by a tree in
 //! shared memory, a column by chunks of rows then over the chunks (the embedding's gradient
 //! still by one thread per column), so results are the same on every run. Kernels read
-//! and write the tensors' own float type and compute in `f32`. The attention kernel runs in
-//! f32; bf16 takes Burn's attention operation (flash attention where CubeCL's autotuner picks
-//! it; no log-sum-exp).
+//! and write the tensors' own float type and compute in `f32`. A bf16 or f16 attention takes
+//! Burn's attention operation (no log-sum-exp) unless `MERAK_ATTENTION_PRODUCT` names a tile
+//! product ([`attention::ATTENTION_PRODUCT_VAR`]).
 
 pub mod attention;
 pub mod attention_backward;
+pub mod attention_tiles;
 pub mod columns;
 pub mod cublaslt;
 pub mod gather;
@@ -354,24 +355,33 @@ where
         pointwise::bias_gelu_backward(x, bias, dy)
     }
 
-    /// The blockwise kernel with each query's log-sum-exp ([`attention`]) in f32; else Burn's
-    /// attention operation (flash attention where the autotuner finds it faster), which gives
-    /// no log-sum-exp, so the backward pass recomputes the softmax. A bf16 log-sum-exp would
-    /// lose the probabilities' precision in the backward pass.
+    /// The tiled kernel with each query's log-sum-exp in `f32` ([`attention`]): its scalar form
+    /// for `f32`; for bf16 and f16 the form `MERAK_ATTENTION_PRODUCT` names (tensor cores on
+    /// CUDA, or the scalar form), unset Burn's attention operation. Burn's operation gives no
+    /// log-sum-exp (the backward pass then recomputes the softmax); it also runs where no tile
+    /// fits the device's shared memory or `MERAK_COMPOSED_KERNELS` says `attention`.
     fn attention_forward(
         qkv: FloatTensor<Self>,
         spec: AttentionSpec,
         segments: Option<IntTensor<Self>>,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
-        if composed_kernel("attention") || qkv.dtype != DType::F32 {
+        let product = match qkv.dtype {
+            DType::BF16 | DType::F16 => attention::half_product(),
+            _ => Some(attention_tiles::TileProduct::Scalar),
+        };
+        let tiles = product
+            .filter(|_| !composed_kernel("attention"))
+            .and_then(|product| attention::tiles_for(&qkv, spec, product));
+        let Some(tiles) = tiles else {
             return composed::attention_forward_unsaved::<Self>(qkv, spec, segments);
-        }
-        let (ctx, lse) = attention::forward(qkv, spec, segments);
+        };
+        let (ctx, lse) = attention::forward(qkv, spec, segments, tiles);
         (ctx, Some(lse))
     }
 
-    /// The blockwise backward kernels ([`attention_backward`]) from the forward kernel's
-    /// log-sum-exp; else (bf16, or no log-sum-exp) Burn's composed operators.
+    /// The blockwise backward kernels ([`attention_backward`]) from the forward kernel's `f32`
+    /// log-sum-exp, in the input's type; else (no log-sum-exp, or another's) Burn's composed
+    /// operators.
     fn attention_backward(
         qkv: FloatTensor<Self>,
         ctx: FloatTensor<Self>,
@@ -381,7 +391,7 @@ where
         segments: Option<IntTensor<Self>>,
     ) -> FloatTensor<Self> {
         match lse {
-            Some(lse) if !composed_kernel("attention") && qkv.dtype == DType::F32 => {
+            Some(lse) if !composed_kernel("attention") && lse.dtype == DType::F32 => {
                 attention_backward::backward(qkv, ctx, lse, dctx, spec, segments)
             }
             lse => composed::attention_backward::<Self>(qkv, ctx, lse, dctx, spec, segments),
@@ -391,3 +401,6 @@ where
 
 #[cfg(all(test, any(feature = "wgpu", feature = "cuda")))]
 mod tests;
+
+#[cfg(all(test, any(feature = "wgpu", feature = "cuda")))]
+mod attention_tests;
