@@ -37,7 +37,9 @@
 #           KERNELS_TORCH=0 leaves out PyTorch.
 #   changes not in the default list: GPT-2 small and medium, bf16, micro-batch 16: the linear
 #           layers' products on the kernel table's choice (the default), on CubeCL's default
-#           kernel (MERAK_COMPOSED_KERNELS=matmul) and on cuBLASLt (MERAK_CUBLASLT=1).
+#           kernel (MERAK_COMPOSED_KERNELS=matmul) and on cuBLASLt (MERAK_CUBLASLT=1); the
+#           attention on the tiled kernel's tensor cores (MERAK_ATTENTION_PRODUCT=cmma) and its
+#           scalar form (=scalar) instead of Burn's attention (the default); both levers on.
 #   torch-small  not in the default list: PyTorch eager bf16 on GPT-2 small, micro-batch 16.
 #   tune    not in the default list: CubeCL's autotuner once (build with FEATURES=cuda-autotune,
 #           its binary as gpu-bundle/bin/merak-autotune.gz), its cache under RESULTS/autotune,
@@ -312,7 +314,8 @@ kernels() {
 # The changes since the last GPU run, each beside what it replaces: GPT-2 small and medium,
 # bf16, micro-batch 16, with the linear layers' products on the kernel table's choice (the
 # default), on CubeCL's default kernel (MERAK_COMPOSED_KERNELS=matmul) and on cuBLASLt
-# (MERAK_CUBLASLT=1).
+# (MERAK_CUBLASLT=1); the attention on the tiled kernel with tensor cores and with its scalar
+# product (MERAK_ATTENTION_PRODUCT) instead of Burn's; cuBLASLt and tensor cores together.
 changes() {
     local model
     for model in gpt2 gpt2-medium; do
@@ -325,6 +328,13 @@ changes() {
             "${gpt[@]}" --out "$out/changes-$model-bf16-default-matmul"
         MERAK_CUBLASLT=1 timed "changes-$model-bf16-cublaslt" merak train "${gpt[@]}" \
             --out "$out/changes-$model-bf16-cublaslt"
+        local product
+        for product in cmma scalar; do
+            MERAK_ATTENTION_PRODUCT=$product timed "changes-$model-bf16-attention-$product" \
+                merak train "${gpt[@]}" --out "$out/changes-$model-bf16-attention-$product"
+        done
+        MERAK_CUBLASLT=1 MERAK_ATTENTION_PRODUCT=cmma timed "changes-$model-bf16-both" \
+            merak train "${gpt[@]}" --out "$out/changes-$model-bf16-both"
     done
     save
 }

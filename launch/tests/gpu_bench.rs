@@ -166,11 +166,13 @@ fn the_dry_run_runs_the_phases_on_the_cpu() {
     }
     let timings = std::fs::read_to_string(results.path().join("timings.txt")).expect("timings");
     let runs: Vec<&str> = timings.lines().collect();
-    // merak bf16 and fp32, three PyTorch scripts and Megatron's; three runs per model of changes.
-    assert_eq!(runs.len(), 12, "{timings}");
+    // merak bf16 and fp32, three PyTorch scripts and Megatron's; six runs per model of changes.
+    assert_eq!(runs.len(), 18, "{timings}");
     assert!(runs.iter().all(|l| l.contains("exit   0")), "{timings}");
     for run in [
         "changes-gpt2-bf16-cublaslt",
+        "changes-gpt2-bf16-attention-cmma",
+        "changes-gpt2-medium-bf16-both",
         "changes-gpt2-medium-bf16-default-matmul",
     ] {
         assert!(
