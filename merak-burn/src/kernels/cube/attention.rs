@@ -176,15 +176,19 @@ fn load_queries<F: Float, I: Int>(
 ) {
     let d = tiles.head_dim;
     let qn = comptime!(tiles.queries());
-    let width = 3 * h * d;
+    let span = Span::new(rows, first, s, 3 * h * d);
+    load_rows(
+        qkv,
+        &mut block.queries,
+        span,
+        head * d,
+        d,
+        qn,
+        tiles.units,
+        tiles.round,
+    );
     let mut at = UNIT_POS_X as usize;
     while at < comptime!(qn * tiles.head_dim) {
-        let i = min(first + at / d, s - 1);
-        let mut q = f32::cast_from(qkv[(rows + i) * width + head * d + at % d]);
-        if tiles.round {
-            q = round_bf16(q);
-        }
-        block.queries[at] = F::cast_from(q);
         block.out[at] = 0.0;
         at += tiles.units;
     }
@@ -217,20 +221,24 @@ fn fold_softmax<F: Float>(
     #[comptime] segmented: bool,
 ) {
     let qn = comptime!(tiles.queries());
-    let bk = tiles.keys;
+    let (bk, d) = (tiles.keys, tiles.head_dim);
     let r = UNIT_POS_X as usize;
     if r < qn {
         let i = first + r;
         let old = block.stats[r];
         let mut top = old;
-        for c in 0..bk {
+        // Each row starts at its own column (`(k + r) % bk`): the threads of a plane read
+        // different banks of shared memory, not one bank 32 times (rows are `bk` apart).
+        for k in 0..bk {
+            let c = (k + r) % bk;
             if visible(block, r, c, i, start + c, s, causal, segmented) {
                 top = max(top, block.scores[r * bk + c] * scale);
             }
         }
         let alpha = f32::exp(old - top);
         let mut sum = 0.0f32;
-        for c in 0..bk {
+        for k in 0..bk {
+            let c = (k + r) % bk;
             let mut p = 0.0f32;
             if visible(block, r, c, i, start + c, s, causal, segmented) {
                 p = f32::exp(block.scores[r * bk + c] * scale - top);
@@ -244,8 +252,9 @@ fn fold_softmax<F: Float>(
         }
         block.stats[r] = top;
         block.stats[qn + r] = block.stats[qn + r] * alpha + sum;
-        for e in 0..tiles.head_dim {
-            block.out[r * tiles.head_dim + e] *= alpha;
+        for k in 0..d {
+            let e = (k + r) % d;
+            block.out[r * d + e] *= alpha;
         }
     }
 }
@@ -280,11 +289,11 @@ fn visible<F: Float>(
 /// reading it.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub(super) fn load_keys<F: Float, I: Int, S: Float>(
+fn load_keys<F: Float, I: Int>(
     qkv: &Tensor<F>,
     segments: &Tensor<I>,
-    keys: &mut SharedMemory<S>,
-    values: &mut SharedMemory<S>,
+    keys: &mut SharedMemory<F>,
+    values: &mut SharedMemory<F>,
     key_segments: &mut SharedMemory<i32>,
     rows: usize,
     start: usize,
@@ -297,27 +306,93 @@ pub(super) fn load_keys<F: Float, I: Int, S: Float>(
     #[comptime] segmented: bool,
     #[comptime] round: bool,
 ) {
-    let width = 3 * h * head_dim;
-    let mut at = UNIT_POS_X as usize;
-    while at < comptime!(tile * head_dim) {
-        let j = min(start + at / head_dim, s - 1);
-        let column = head * head_dim + at % head_dim;
-        let mut k = f32::cast_from(qkv[(rows + j) * width + h * head_dim + column]);
-        let mut v = f32::cast_from(qkv[(rows + j) * width + 2 * h * head_dim + column]);
-        if round {
-            k = round_bf16(k);
-            v = round_bf16(v);
+    let (width, column) = (3 * h * head_dim, head * head_dim);
+    let span = Span::new(rows, start, s, width);
+    let key = column + h * head_dim;
+    load_rows(qkv, keys, span, key, head_dim, tile, units, round);
+    load_rows(
+        qkv,
+        values,
+        span,
+        key + h * head_dim,
+        head_dim,
+        tile,
+        units,
+        round,
+    );
+    if segmented {
+        load_segments(segments, key_segments, rows, start, s, tile, units);
+    }
+}
+
+/// Where a cube reads rows: the first row of its sequence (`rows`), the first it wants
+/// (`start`, within the sequence), the sequence's length and the row stride of the tensor.
+#[derive(CubeType, Clone, Copy)]
+pub(super) struct Span {
+    rows: usize,
+    start: usize,
+    s: usize,
+    width: usize,
+}
+
+#[cube]
+impl Span {
+    /// The span of sequence rows from `rows`, `start` the first wanted, `s` long, each row
+    /// `width` wide.
+    pub(super) fn new(rows: usize, start: usize, s: usize, width: usize) -> Span {
+        Span {
+            rows,
+            start,
+            s,
+            width,
         }
-        keys[at] = S::cast_from(k);
-        values[at] = S::cast_from(v);
+    }
+}
+
+/// Loads `count` rows of `head_dim` elements from `src` (rows `start..start + count` of the
+/// span's sequence, past its end the last row again; columns from `column`) into `dst`
+/// (`count × head_dim`, row-major), rounded to bf16 with `round`: each of the cube's `units`
+/// threads a strided share.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn load_rows<F: Float, S: Float>(
+    src: &Tensor<F>,
+    dst: &mut SharedMemory<S>,
+    span: Span,
+    column: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] count: usize,
+    #[comptime] units: usize,
+    #[comptime] round: bool,
+) {
+    let mut at = UNIT_POS_X as usize;
+    while at < comptime!(count * head_dim) {
+        let row = min(span.start + at / head_dim, span.s - 1);
+        let mut x = f32::cast_from(src[(span.rows + row) * span.width + column + at % head_dim]);
+        if round {
+            x = round_bf16(x);
+        }
+        dst[at] = S::cast_from(x);
         at += units;
     }
-    if segmented {
-        let mut r = UNIT_POS_X as usize;
-        while r < tile {
-            key_segments[r] = i32::cast_from(segments[rows + min(start + r, s - 1)]);
-            r += units;
-        }
+}
+
+/// Loads the segment ids of rows `start..start + count` of sequence `rows / s` (past its end,
+/// the last row's) into `dst`: each of the cube's `units` threads a strided share.
+#[cube]
+pub(super) fn load_segments<I: Int>(
+    segments: &Tensor<I>,
+    dst: &mut SharedMemory<i32>,
+    rows: usize,
+    start: usize,
+    s: usize,
+    #[comptime] count: usize,
+    #[comptime] units: usize,
+) {
+    let mut r = UNIT_POS_X as usize;
+    while r < count {
+        dst[r] = i32::cast_from(segments[rows + min(start + r, s - 1)]);
+        r += units;
     }
 }
 
@@ -331,6 +406,16 @@ pub fn tiles_for<R: CubeRuntime>(
     qkv: &CubeTensor<R>,
     spec: AttentionSpec,
     wanted: TileProduct,
+) -> Option<Tiles> {
+    choose_tiles(qkv, spec, wanted, Tiles::shared_bytes)
+}
+
+/// [`tiles_for`] for a kernel that declares `bytes(tiles, elem)` bytes of shared memory.
+pub(super) fn choose_tiles<R: CubeRuntime>(
+    qkv: &CubeTensor<R>,
+    spec: AttentionSpec,
+    wanted: TileProduct,
+    bytes: fn(&Tiles, usize) -> usize,
 ) -> Option<Tiles> {
     let dims = qkv.meta.shape();
     let d = dims[2] / (3 * spec.heads.max(1));
@@ -363,17 +448,23 @@ pub fn tiles_for<R: CubeRuntime>(
             head_dim: d,
             round: false,
         };
-        if fits(&tiles, elem, limit) {
+        if fits(&tiles, elem, limit, bytes) {
             return Some(tiles);
         }
     }
-    scalar_tiles(d, elem, limit, false)
+    scalar_tiles(d, elem, limit, false, bytes)
 }
 
 /// The scalar form's tiling for a head of `d` with `elem`-byte operands under `limit` bytes of
-/// shared memory: the most keys per tile (a multiple of 16, at most 64) that fit; `round`
-/// emulates bf16 operands.
-pub(crate) fn scalar_tiles(d: usize, elem: usize, limit: usize, round: bool) -> Option<Tiles> {
+/// shared memory, for a kernel that declares `bytes(tiles, elem)`: the most keys per tile (a
+/// multiple of 16, at most 64) that fit; `round` emulates bf16 operands.
+pub(crate) fn scalar_tiles(
+    d: usize,
+    elem: usize,
+    limit: usize,
+    round: bool,
+    bytes: fn(&Tiles, usize) -> usize,
+) -> Option<Tiles> {
     (1..=SCALAR_KEYS / ROWS)
         .rev()
         .map(|n| Tiles {
@@ -384,13 +475,13 @@ pub(crate) fn scalar_tiles(d: usize, elem: usize, limit: usize, round: bool) -> 
             head_dim: d,
             round,
         })
-        .find(|tiles| d > 0 && fits(tiles, elem, limit))
+        .find(|tiles| d > 0 && fits(tiles, elem, limit, bytes))
 }
 
-/// Whether `tiles` fit `limit` bytes of shared memory, with room for the alignment of its
-/// nine arrays.
-fn fits(tiles: &Tiles, elem: usize, limit: usize) -> bool {
-    tiles.shared_bytes(elem) + 9 * 128 <= limit
+/// Whether `tiles` fit `limit` bytes of shared memory, with room for the alignment of a
+/// kernel's arrays (13 at most).
+fn fits(tiles: &Tiles, elem: usize, limit: usize, bytes: fn(&Tiles, usize) -> usize) -> bool {
+    bytes(tiles, elem) + 13 * 128 <= limit
 }
 
 /// How a bf16 or f16 attention runs, as [`ATTENTION_PRODUCT_VAR`] says (read once; an unknown

@@ -1,20 +1,22 @@
-//! Blockwise self-attention backward from each query's log-sum-exp, on a fused Q/K/V buffer:
-//! no `[seq, seq]` probabilities, no float atomics.
+//! Blockwise self-attention backward from each query's `f32` log-sum-exp, on a fused Q/K/V
+//! buffer, tiled like the forward kernel: no `[seq, seq]` probabilities, no float atomics.
 //!
 //! With `p = exp(q·k · scale − lse)` rebuilt from the forward pass's log-sum-exp and
 //! `Δ_i = Σ_e dctx_ie · ctx_ie` (one small kernel, `delta_kernel`), each visible (query `i`,
 //! key `j`) pair gives `ds = p (dctx_i·v_j − Δ_i)`, and
-//! - `dq_i = scale · Σ_j ds k_j`: one thread per query, walking the keys and values in
-//!   shared-memory tiles, as the forward kernel does;
-//! - `dk_j = scale · Σ_i ds q_i` and `dv_j = Σ_i p dctx_i`: one thread per key, walking the
-//!   queries, their context gradients, log-sum-exps and `Δ` in tiles.
+//! - `dq_i = scale · Σ_j ds k_j`: a cube per block of queries, walking tiles of keys and values;
+//! - `dk_j = scale · Σ_i ds q_i` and `dv_j = Σ_i p dctx_i`: a cube per block of keys, walking
+//!   tiles of queries, their context gradients, log-sum-exps and `Δ`.
 //!
 //! One kernel (`grads_kernel`) does both, launched twice: its `per_key` flag, known when it is
-//! compiled, picks the side.
+//! compiled, picks the side. Each side is the forward's two tile products again
+//! ([`tile_scores`], [`tile_accumulate`]): the scores and `dctx·v` of the block against the tile
+//! (transposed on the key side: its rows are keys), `p` and `ds` element by element, then `ds`
+//! (and `p`) times the tile's rows. So the backward runs on tensor cores where the forward does.
 //!
-//! Each thread owns the rows it writes, so the sums run in a fixed order: deterministic. A
+//! Each cube owns the rows it writes, so the sums run in a fixed order: deterministic. A
 //! causal key cube starts at its first key's query; a causal query cube stops at its last
-//! query's key. Keys of another segment (packed documents) are skipped, as in the forward pass.
+//! query's key. Pairs across segments (packed documents) are masked, as in the forward pass.
 
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::cubecl;
@@ -23,17 +25,10 @@ use burn_cubecl::tensor::CubeTensor;
 
 use burn::tensor::DType;
 
-use super::attention::load_keys;
+use super::attention::{Span, choose_tiles, load_rows, load_segments};
+use super::attention_tiles::{TileProduct, Tiles, round_bf16, tile_accumulate, tile_scores};
 use super::{Launch, contiguous, empty_typed};
 use crate::kernels::AttentionSpec;
-
-/// Rows (queries or keys) per cube: one thread each.
-const QUERIES: u32 = 64;
-
-/// Half a tile's shared memory, in 4-byte words: a tile of `TILE_ELEMS / (head_dim + 2)` rows
-/// holds two rows of `head_dim` words each and three words more (a segment id, a log-sum-exp,
-/// Δ), under 2 × 2,048 words, 16 KiB, the least workgroup memory WebGPU guarantees.
-const TILE_ELEMS: usize = 2048;
 
 /// `delta[(b, head), i] = Σ_e dctx · ctx` over query `i`'s head row.
 #[cube(launch)]
@@ -60,9 +55,76 @@ fn delta_kernel<F: Float>(
     }
 }
 
-/// The gradients of one cube of [`QUERIES`] rows of one (sequence, head): with `per_key`, of
-/// keys (`dk`, `dv`, walking tiles of queries), else of queries (`dq`, walking tiles of keys
-/// and values), written into their columns of `dqkv`.
+/// A cube's shared memory: its own rows (queries and their context gradients, or keys and
+/// values), the tile's rows (keys and values, or queries and their context gradients), the
+/// scores and `dctx·v` of the two, `ds` (and on the key side `p`) for the second products, the
+/// gradients of the own rows, each query's log-sum-exp and `Δ` (the own rows' or the tile's)
+/// and both sides' segment ids.
+#[derive(CubeType)]
+struct Grads<F: Float> {
+    own_a: SharedMemory<F>,
+    own_b: SharedMemory<F>,
+    tile_a: SharedMemory<F>,
+    tile_b: SharedMemory<F>,
+    scores: SharedMemory<f32>,
+    dprobs: SharedMemory<f32>,
+    probs: SharedMemory<F>,
+    dscores: SharedMemory<F>,
+    grad_a: SharedMemory<f32>,
+    grad_b: SharedMemory<f32>,
+    stats: SharedMemory<f32>,
+    own_segments: SharedMemory<i32>,
+    tile_segments: SharedMemory<i32>,
+}
+
+#[cube]
+impl<F: Float> Grads<F> {
+    /// The shared memory of a cube with `tiles`; the query side has no `p` and one gradient.
+    fn new(#[comptime] tiles: Tiles, #[comptime] per_key: bool) -> Grads<F> {
+        let qn = comptime!(tiles.queries());
+        let (d, bk) = (tiles.head_dim, tiles.keys);
+        let pairs = comptime!(if per_key { qn * bk } else { 1 });
+        let second = comptime!(if per_key { qn * d } else { 1 });
+        Grads::<F> {
+            own_a: SharedMemory::<F>::new_aligned(comptime!(qn * d), 128usize),
+            own_b: SharedMemory::<F>::new_aligned(comptime!(qn * d), 128usize),
+            tile_a: SharedMemory::<F>::new_aligned(comptime!(bk * d), 128usize),
+            tile_b: SharedMemory::<F>::new_aligned(comptime!(bk * d), 128usize),
+            scores: SharedMemory::<f32>::new_aligned(comptime!(qn * bk), 128usize),
+            dprobs: SharedMemory::<f32>::new_aligned(comptime!(qn * bk), 128usize),
+            probs: SharedMemory::<F>::new_aligned(pairs, 128usize),
+            dscores: SharedMemory::<F>::new_aligned(comptime!(qn * bk), 128usize),
+            grad_a: SharedMemory::<f32>::new_aligned(comptime!(qn * d), 128usize),
+            grad_b: SharedMemory::<f32>::new_aligned(second, 128usize),
+            stats: SharedMemory::<f32>::new(comptime!(2 * Ord::max(qn, bk))),
+            own_segments: SharedMemory::<i32>::new(qn),
+            tile_segments: SharedMemory::<i32>::new(bk),
+        }
+    }
+}
+
+/// The tiling of the backward kernels for `qkv` with the `wanted` product, as
+/// [`super::attention::tiles_for`] chooses the forward's, or `None` where no tile fits.
+pub fn tiles_for<R: CubeRuntime>(
+    qkv: &CubeTensor<R>,
+    spec: AttentionSpec,
+    wanted: TileProduct,
+) -> Option<Tiles> {
+    choose_tiles(qkv, spec, wanted, shared_bytes)
+}
+
+/// The bytes of shared memory [`Grads`] declares for `tiles` with `elem`-byte operands (the key
+/// side's, the larger).
+pub fn shared_bytes(tiles: &Tiles, elem: usize) -> usize {
+    let (q, k, d) = (tiles.queries(), tiles.keys, tiles.head_dim);
+    (2 * q * d + 2 * k * d + 2 * q * k) * elem
+        + (2 * q * k + 2 * q * d + 2 * q.max(k)) * 4
+        + (q + k) * 4
+}
+
+/// The gradients of one cube of [`Tiles::queries`] rows of one (sequence, head): with
+/// `per_key`, of keys (`dk`, `dv`, walking tiles of queries), else of queries (`dq`, walking
+/// tiles of keys and values), written into their columns of `dqkv`.
 #[cube(launch)]
 fn grads_kernel<F: Float, I: Int>(
     qkv: &Tensor<F>,
@@ -74,57 +136,24 @@ fn grads_kernel<F: Float, I: Int>(
     seq: u32,
     heads: u32,
     scale: f32,
-    #[comptime] head_dim: usize,
-    #[comptime] tile: usize,
+    #[comptime] tiles: Tiles,
     #[comptime] causal: bool,
     #[comptime] segmented: bool,
     #[comptime] per_key: bool,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
     let (s, h) = (seq as usize, heads as usize);
-    let (width, hd) = (3 * h * head_dim, h * head_dim);
+    let (d, qn) = (tiles.head_dim, comptime!(tiles.queries()));
     let pair = CUBE_POS_Y as usize;
-    let (b, head) = (pair / h, pair % h);
-    let first = CUBE_POS_X as usize * comptime!(QUERIES as usize);
-    let wanted = first + UNIT_POS_X as usize;
-    // Threads past the last row redo it: every thread reaches every barrier.
-    let own = min(wanted, s - 1);
-    let rows = b * s;
-    // The own row's two vectors (q · scale and dctx, or k and v) and two sums (dq, or dk and
-    // dv).
-    let mut x = Array::<f32>::new(head_dim);
-    let mut y = Array::<f32>::new(head_dim);
-    let mut sx = Array::<f32>::new(head_dim);
-    let mut sy = Array::<f32>::new(head_dim);
-    for e in 0..head_dim {
-        let column = head * head_dim + e;
-        if per_key {
-            x[e] = f32::cast_from(qkv[(rows + own) * width + hd + column]);
-            y[e] = f32::cast_from(qkv[(rows + own) * width + 2 * hd + column]);
-        } else {
-            x[e] = f32::cast_from(qkv[(rows + own) * width + column]) * scale;
-            y[e] = f32::cast_from(dctx[(rows + own) * hd + column]);
-        }
-        sx[e] = 0.0;
-        sy[e] = 0.0;
-    }
-    // The tile: keys and values, or queries (· scale) and their context gradients; then per
-    // row its segment id and, for queries, the log-sum-exp and Δ.
-    let mut ta = SharedMemory::<f32>::new(comptime!(tile * head_dim));
-    let mut tb = SharedMemory::<f32>::new(comptime!(tile * head_dim));
-    let mut tile_segments = SharedMemory::<i32>::new(tile);
-    let mut tile_lse = SharedMemory::<f32>::new(tile);
-    let mut tile_delta = SharedMemory::<f32>::new(tile);
-    let mut mine = 0i32;
-    if segmented {
-        mine = i32::cast_from(segments[rows + own]);
-    }
-    let mut own_lse = 0.0f32;
-    let mut own_delta = 0.0f32;
-    if !per_key {
-        own_lse = lse[pair * s + own];
-        own_delta = delta[pair * s + own];
-    }
+    let head = pair % h;
+    let first = CUBE_POS_X as usize * qn;
+    let rows = (pair / h) * s;
+    let at = Rows::new(rows, s, h, head, pair);
+    let mut g = Grads::<F>::new(tiles, per_key);
+    load_own(
+        qkv, dctx, lse, delta, segments, &mut g, at, first, tiles, segmented, per_key,
+    );
+    sync_cube();
     // Causal: a key is seen by its own query and later ones, a query sees keys up to itself.
     let mut start = 0usize;
     let mut end = s;
@@ -132,112 +161,271 @@ fn grads_kernel<F: Float, I: Int>(
         start = first;
     }
     if causal && !per_key {
-        end = min(first + comptime!(QUERIES as usize), s);
+        end = min(first + qn, s);
     }
     while start < end {
+        load_tile(
+            qkv, dctx, lse, delta, segments, &mut g, at, start, tiles, segmented, per_key,
+        );
+        sync_cube();
+        tile_scores(&g.own_a, &g.tile_a, &mut g.scores, tiles);
+        tile_scores(&g.own_b, &g.tile_b, &mut g.dprobs, tiles);
+        sync_cube();
+        pair_grads(
+            &mut g, first, start, s, scale, tiles, causal, segmented, per_key,
+        );
+        sync_cube();
         if per_key {
-            let mut at = UNIT_POS_X as usize;
-            while at < comptime!(tile * head_dim) {
-                let i = min(start + at / head_dim, s - 1);
-                let column = head * head_dim + at % head_dim;
-                ta[at] = f32::cast_from(qkv[(rows + i) * width + column]) * scale;
-                tb[at] = f32::cast_from(dctx[(rows + i) * hd + column]);
-                at += comptime!(QUERIES as usize);
-            }
-            let mut r = UNIT_POS_X as usize;
-            while r < tile {
-                let i = min(start + r, s - 1);
-                tile_lse[r] = lse[pair * s + i];
-                tile_delta[r] = delta[pair * s + i];
-                if segmented {
-                    tile_segments[r] = i32::cast_from(segments[rows + i]);
-                }
-                r += comptime!(QUERIES as usize);
-            }
-        } else {
-            load_keys(
-                qkv,
-                segments,
-                &mut ta,
-                &mut tb,
-                &mut tile_segments,
-                rows,
-                start,
-                s,
-                head,
-                h,
-                head_dim,
-                tile,
-                comptime!(QUERIES as usize),
-                segmented,
-                false,
-            );
+            tile_accumulate(&g.probs, &g.tile_b, &mut g.grad_b, tiles);
         }
+        tile_accumulate(&g.dscores, &g.tile_a, &mut g.grad_a, tiles);
         sync_cube();
-        let mut from = start;
-        let mut limit = min(start + tile, s);
-        if causal && per_key && own > start {
-            from = own;
-        }
-        if causal && !per_key {
-            limit = min(limit, own + 1);
-        }
-        let mut t = from;
-        while t < limit {
-            let mut visible = true;
-            if segmented {
-                visible = tile_segments[t - start] == mine;
-            }
-            if visible {
-                let row = (t - start) * head_dim;
-                // score = q · k (scaled), dp = dctx · v, whichever side the thread holds.
-                let mut score = 0.0f32;
-                let mut dp = 0.0f32;
-                for e in 0..head_dim {
-                    score += x[e] * ta[row + e];
-                    if per_key {
-                        dp += tb[row + e] * y[e];
-                    } else {
-                        dp += y[e] * tb[row + e];
-                    }
-                }
-                if per_key {
-                    let p = f32::exp(score - tile_lse[t - start]);
-                    let ds = p * (dp - tile_delta[t - start]);
-                    // The tile holds q · scale: ds q scale, as dk wants.
-                    for e in 0..head_dim {
-                        sx[e] += ds * ta[row + e];
-                        sy[e] += p * tb[row + e];
-                    }
-                } else {
-                    let ds = f32::exp(score - own_lse) * (dp - own_delta);
-                    for e in 0..head_dim {
-                        sx[e] += ds * ta[row + e];
-                    }
-                }
-            }
-            t += 1;
-        }
-        sync_cube();
-        start += tile;
+        start += tiles.keys;
     }
-    if wanted < s {
-        for e in 0..head_dim {
-            let at = (rows + own) * width + head * head_dim + e;
+    let width = 3 * h * d;
+    let mut e = UNIT_POS_X as usize;
+    while e < comptime!(qn * tiles.head_dim) {
+        let own = first + e / d;
+        if own < s {
+            let column = (rows + own) * width + head * d + e % d;
             if per_key {
-                dqkv[at + hd] = F::cast_from(sx[e]);
-                dqkv[at + 2 * hd] = F::cast_from(sy[e]);
+                dqkv[column + h * d] = F::cast_from(g.grad_a[e] * scale);
+                dqkv[column + 2 * h * d] = F::cast_from(g.grad_b[e]);
             } else {
-                dqkv[at] = F::cast_from(sx[e] * scale);
+                dqkv[column] = F::cast_from(g.grad_a[e] * scale);
             }
         }
+        e += tiles.units;
+    }
+}
+
+/// Where a cube's rows lie: its sequence's first row in the tensors, the sequence's length,
+/// the number of heads, the cube's head and its (sequence, head) pair.
+#[derive(CubeType, Clone, Copy)]
+struct Rows {
+    rows: usize,
+    s: usize,
+    h: usize,
+    head: usize,
+    pair: usize,
+}
+
+#[cube]
+impl Rows {
+    /// The rows of sequence `rows / s`, head `head` of `h`, pair `pair`.
+    fn new(rows: usize, s: usize, h: usize, head: usize, pair: usize) -> Rows {
+        Rows {
+            rows,
+            s,
+            h,
+            head,
+            pair,
+        }
+    }
+}
+
+/// Loads the cube's own rows (from `first`: keys and values where `per_key`, else queries,
+/// their context gradients and statistics), their segment ids where `segmented`, and zeroes
+/// their gradients.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_own<F: Float, I: Int>(
+    qkv: &Tensor<F>,
+    dctx: &Tensor<F>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    segments: &Tensor<I>,
+    g: &mut Grads<F>,
+    at: Rows,
+    first: usize,
+    #[comptime] tiles: Tiles,
+    #[comptime] segmented: bool,
+    #[comptime] per_key: bool,
+) {
+    let qn = comptime!(tiles.queries());
+    if per_key {
+        load_key_rows(qkv, &mut g.own_a, &mut g.own_b, at, first, qn, tiles);
+    } else {
+        let (a, b, stats) = (&mut g.own_a, &mut g.own_b, &mut g.stats);
+        load_query_rows(qkv, dctx, lse, delta, a, b, stats, at, first, qn, tiles);
+    }
+    if segmented {
+        load_segments(
+            segments,
+            &mut g.own_segments,
+            at.rows,
+            first,
+            at.s,
+            qn,
+            tiles.units,
+        );
+    }
+    let mut e = UNIT_POS_X as usize;
+    while e < comptime!(tiles.queries() * tiles.head_dim) {
+        g.grad_a[e] = 0.0;
+        if per_key {
+            g.grad_b[e] = 0.0;
+        }
+        e += tiles.units;
+    }
+}
+
+/// Loads the tile of rows from `start`: queries, their context gradients and statistics where
+/// `per_key`, else keys and values; their segment ids where `segmented`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_tile<F: Float, I: Int>(
+    qkv: &Tensor<F>,
+    dctx: &Tensor<F>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    segments: &Tensor<I>,
+    g: &mut Grads<F>,
+    at: Rows,
+    start: usize,
+    #[comptime] tiles: Tiles,
+    #[comptime] segmented: bool,
+    #[comptime] per_key: bool,
+) {
+    let bk = tiles.keys;
+    if per_key {
+        let (a, b, stats) = (&mut g.tile_a, &mut g.tile_b, &mut g.stats);
+        load_query_rows(qkv, dctx, lse, delta, a, b, stats, at, start, bk, tiles);
+    } else {
+        load_key_rows(qkv, &mut g.tile_a, &mut g.tile_b, at, start, bk, tiles);
+    }
+    if segmented {
+        load_segments(
+            segments,
+            &mut g.tile_segments,
+            at.rows,
+            start,
+            at.s,
+            bk,
+            tiles.units,
+        );
+    }
+}
+
+/// Loads `count` queries from `start` into `q`, their context gradients into `dout`, and
+/// their log-sum-exps and `Δ` into `stats` (`[lse; count]` then `[Δ; count]`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_query_rows<F: Float>(
+    qkv: &Tensor<F>,
+    dctx: &Tensor<F>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    q: &mut SharedMemory<F>,
+    dout: &mut SharedMemory<F>,
+    stats: &mut SharedMemory<f32>,
+    at: Rows,
+    start: usize,
+    #[comptime] count: usize,
+    #[comptime] tiles: Tiles,
+) {
+    let d = tiles.head_dim;
+    let hd = at.h * d;
+    let (column, units, round) = (at.head * d, tiles.units, tiles.round);
+    load_rows(
+        qkv,
+        q,
+        Span::new(at.rows, start, at.s, 3 * hd),
+        column,
+        d,
+        count,
+        units,
+        round,
+    );
+    let in_dctx = Span::new(at.rows, start, at.s, hd);
+    load_rows(dctx, dout, in_dctx, column, d, count, units, round);
+    let mut r = UNIT_POS_X as usize;
+    while r < count {
+        let i = at.pair * at.s + min(start + r, at.s - 1);
+        stats[r] = lse[i];
+        stats[count + r] = delta[i];
+        r += units;
+    }
+}
+
+/// Loads `count` keys from `start` into `k` and their values into `v`.
+#[cube]
+fn load_key_rows<F: Float>(
+    qkv: &Tensor<F>,
+    k: &mut SharedMemory<F>,
+    v: &mut SharedMemory<F>,
+    at: Rows,
+    start: usize,
+    #[comptime] count: usize,
+    #[comptime] tiles: Tiles,
+) {
+    let d = tiles.head_dim;
+    let hd = at.h * d;
+    let span = Span::new(at.rows, start, at.s, 3 * hd);
+    let (column, units, round) = (at.head * d + hd, tiles.units, tiles.round);
+    load_rows(qkv, k, span, column, d, count, units, round);
+    load_rows(qkv, v, span, column + hd, d, count, units, round);
+}
+
+/// `p` and `ds = p (dctx·v − Δ)` of every (own row, tile row) pair, each thread a strided
+/// share: 0 where the query does not see the key (past the sequence, after the query where
+/// `causal`, another segment where `segmented`); rounded to bf16 where the tiles say so.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn pair_grads<F: Float>(
+    g: &mut Grads<F>,
+    first: usize,
+    start: usize,
+    s: usize,
+    scale: f32,
+    #[comptime] tiles: Tiles,
+    #[comptime] causal: bool,
+    #[comptime] segmented: bool,
+    #[comptime] per_key: bool,
+) {
+    let bk = tiles.keys;
+    let mut at = UNIT_POS_X as usize;
+    while at < comptime!(tiles.queries() * tiles.keys) {
+        let (r, c) = (at / bk, at % bk);
+        // The query and key of the pair, and where the query's statistics are (`Δ` a side's
+        // length after its log-sum-exp).
+        let mut i = first + r;
+        let mut j = start + c;
+        let mut stat = r;
+        if per_key {
+            i = start + c;
+            j = first + r;
+            stat = c;
+        }
+        let stats = comptime!(if per_key { tiles.keys } else { tiles.queries() });
+        let mut seen = i < s && j < s;
+        if causal {
+            seen = seen && j <= i;
+        }
+        if segmented {
+            seen = seen && g.own_segments[r] == g.tile_segments[c];
+        }
+        let mut p = 0.0f32;
+        if seen {
+            p = f32::exp(g.scores[at] * scale - g.stats[stat]);
+        }
+        let mut ds = p * (g.dprobs[at] - g.stats[stats + stat]);
+        if tiles.round {
+            p = round_bf16(p);
+            ds = round_bf16(ds);
+        }
+        if per_key {
+            g.probs[at] = F::cast_from(p);
+        }
+        g.dscores[at] = F::cast_from(ds);
+        at += tiles.units;
     }
 }
 
 /// The gradient `[batch, seq, 3 * heads * head_dim]` of the Q/K/V buffer `qkv` of the
 /// attention whose context `ctx` and log-sum-exp `lse` (`[batch, heads, seq]`, `f32`) the
 /// forward kernel ([`super::attention::forward`]) gave, from the context's gradient `dctx`: in
-/// `qkv`'s type, computed in `f32`.
+/// `qkv`'s type, computed in `f32` with `tiles` (see [`shared_bytes`]).
 pub fn backward<R: CubeRuntime>(
     qkv: CubeTensor<R>,
     ctx: CubeTensor<R>,
@@ -245,6 +433,7 @@ pub fn backward<R: CubeRuntime>(
     dctx: CubeTensor<R>,
     spec: AttentionSpec,
     segments: Option<CubeTensor<R>>,
+    tiles: Tiles,
 ) -> CubeTensor<R> {
     let (qkv, ctx, lse, dctx) = (
         contiguous(qkv),
@@ -255,7 +444,7 @@ pub fn backward<R: CubeRuntime>(
     let dims = qkv.meta.shape().clone();
     let (b, s, width) = (dims[0], dims[1], dims[2]);
     let h = spec.heads.max(1);
-    let d = width / (3 * h);
+    let d = tiles.head_dim;
     let dqkv = empty_typed(&qkv, [b, s, width], qkv.dtype);
     if b * s * d == 0 {
         return dqkv;
@@ -279,14 +468,14 @@ pub fn backward<R: CubeRuntime>(
     let segments = segments
         .map(contiguous)
         .unwrap_or_else(|| empty_typed(&qkv, [1], DType::I32));
-    let count = CubeCount::Static(s.div_ceil(QUERIES as usize) as u32, (b * h) as u32, 1);
+    let count = CubeCount::Static(s.div_ceil(tiles.queries()) as u32, (b * h) as u32, 1);
     let scale = (1.0 / (d as f64).sqrt()) as f32;
     let dtypes = [qkv.dtype.into(), segments.dtype.into()];
     for per_key in [false, true] {
         grads_kernel::launch::<R>(
             &qkv.client,
             count.clone(),
-            CubeDim::new_1d(QUERIES),
+            CubeDim::new_1d(tiles.units as u32),
             qkv.clone().into_tensor_arg(),
             dctx.clone().into_tensor_arg(),
             lse.clone().into_tensor_arg(),
@@ -296,10 +485,7 @@ pub fn backward<R: CubeRuntime>(
             s as u32,
             h as u32,
             scale,
-            d,
-            // Two rows of d words and three more (a segment id, a log-sum-exp, Δ) per tile
-            // row: under 2 × TILE_ELEMS words.
-            (TILE_ELEMS / (d + 2)).max(1),
+            tiles,
             spec.causal,
             segmented,
             per_key,

@@ -14,6 +14,7 @@ use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{Shape, Tensor, TensorData};
 
 use super::attention::{forward, scalar_tiles};
+use super::attention_tiles::Tiles;
 use super::tests::{Gpu, PRODUCTS_TOLERANCE, device, host_cpu, host_gpu, ints, pair, same, within};
 use crate::backend::Cpu;
 use crate::kernels::{AttentionSpec, FusedOps, prim};
@@ -85,10 +86,11 @@ fn round_bf16(x: f32) -> f32 {
     f32::from_bits((bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff_0000)
 }
 
-/// The tiled forward's arithmetic on the host, in `f32` and in the kernel's order, with bf16
-/// operands: queries, keys, values and each tile's probabilities rounded to bf16, the scores,
-/// sums and context in `f32`, tiles of `keys` keys. The context `[b, s, h * d]` and the
-/// log-sum-exp `[b, h, s]`.
+/// The tiled forward's arithmetic on the host, in `f32`, with bf16 operands: queries, keys,
+/// values and each tile's probabilities rounded to bf16, the scores, sums and context in
+/// `f32`, tiles of `keys` keys, the online softmax's steps as the kernel takes them (each sum
+/// in sequence order; the kernel's run in another order, which only rounding can tell). The
+/// context `[b, s, h * d]` and the log-sum-exp `[b, h, s]`.
 fn tiled_reference(
     qkv: &[f32],
     (b, s, h, d): (usize, usize, usize, usize),
@@ -191,7 +193,7 @@ fn the_scalar_tiles_with_bf16_operands_equal_the_tiled_reference() {
             let spec = AttentionSpec { heads: h, causal };
             let (values, qkv) = qkv_values(&rng, &tag, [b, s, 3 * h * d]);
             let limit = qkv.client.properties().hardware.max_shared_memory_size;
-            let tiles = scalar_tiles(d, 4, limit, true).expect("a scalar tiling that fits");
+            let tiles = scalar_tiles(d, 4, limit, true, Tiles::shared_bytes).expect("a tiling");
             let (seg, _) = segments(b, s, packed);
             let ids = segment_ids(b, s);
             let (ctx, lse) = forward(qkv, spec, seg, tiles);
@@ -215,6 +217,50 @@ fn the_scalar_tiles_with_bf16_operands_equal_the_tiled_reference() {
             assert!(
                 (1e-5..=1e-2).contains(&rel),
                 "{tag}: context {rel:e} from the f32 attention (bf16 rounding is about 4e-3)"
+            );
+        }
+    }
+}
+
+/// The scalar backward with its operands (queries, keys, values, context gradients, `p` and
+/// `ds`) rounded to bf16, from the forward's rounded context: within bf16's distance of the
+/// CPU's `f32` gradients, and not equal to them (the emulation is on).
+#[test]
+fn the_scalar_backward_with_bf16_operands_is_bf16_from_the_cpu() {
+    use super::attention_backward::{backward, shared_bytes};
+    let rng = InitRng::new(23);
+    for (b, s, h, d) in SHAPES {
+        for (causal, packed) in MASKS {
+            let tag = format!("backward [{b}, {s}, {h}, {d}] causal {causal} packed {packed}");
+            let spec = AttentionSpec { heads: h, causal };
+            let (values, qkv) = qkv_values(&rng, &tag, [b, s, 3 * h * d]);
+            let limit = qkv.client.properties().hardware.max_shared_memory_size;
+            let forward_tiles = scalar_tiles(d, 4, limit, true, Tiles::shared_bytes);
+            let backward_tiles = scalar_tiles(d, 4, limit, true, shared_bytes);
+            let (seg, segc) = segments(b, s, packed);
+            let (ctx, lse) = forward(
+                qkv.clone(),
+                spec,
+                seg.clone(),
+                forward_tiles.expect("a tiling"),
+            );
+            let (dctx, dctxc) = pair(&rng, &format!("dctx{tag}"), &[b, s, h * d]);
+            let got = backward(
+                qkv,
+                ctx,
+                lse,
+                dctx,
+                spec,
+                seg,
+                backward_tiles.expect("a tiling"),
+            );
+            let qkvc = on_cpu(&values, (b, s, h, d));
+            let (ctxc, lsec) = Cpu::attention_forward(qkvc.clone(), spec, segc.clone());
+            let want = Cpu::attention_backward(qkvc, ctxc, lsec, dctxc, spec, segc);
+            let rel = relative(&host_gpu(got), &host_cpu(want));
+            assert!(
+                (1e-5..=2e-2).contains(&rel),
+                "{tag}: {rel:e} from the f32 gradients (bf16 rounding is about 4e-3)"
             );
         }
     }
@@ -288,7 +334,9 @@ fn half_attention_equals_the_reference(
     let qkvc = on_cpu(&values, (b, s, h, d));
     let (ctxc, lsec) = Cpu::attention_forward(qkvc.clone(), spec, segc.clone());
     let dctx = Gpu::float_cast(dctx, FloatDType::BF16);
-    let grad = Gpu::attention_backward(qkv, ctx, Some(lse), dctx, spec, seg);
+    let back = super::attention_backward::tiles_for(&qkv, spec, product).expect("a tiling");
+    assert_eq!(back.product, product, "{tag}: the backward's product");
+    let grad = super::attention_backward::backward(qkv, ctx, lse, dctx, spec, seg, back);
     within(
         &format!("{tag} backward"),
         Gpu::float_cast(grad, FloatDType::F32),

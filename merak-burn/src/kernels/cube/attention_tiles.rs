@@ -1,6 +1,7 @@
-//! The two matrix products of the attention's forward tile, in shared memory, by either tile
-//! product ([`TileProduct`]): the scores `S = Q Kᵀ` of a block of queries against a tile of
-//! keys, and the context's `O += P V`.
+//! The two matrix products of the attention's tiles, in shared memory, by either tile product
+//! ([`TileProduct`]): `S = A Bᵀ` of a cube's block of rows against a tile of rows (the forward's
+//! scores `Q Kᵀ`; the backward's `Q Kᵀ`, `dO Vᵀ` and their transposes), and `O += P V` (the
+//! forward's context; the backward's `dQ += dS K`, `dK += dSᵀ Q`, `dV += Pᵀ dO`).
 //!
 //! - [`TileProduct::Scalar`]: every thread of the cube a strided share of the result's
 //!   elements, each a dot product in `f32`. It runs everywhere (llvmpipe, any GPU), in any
@@ -37,11 +38,11 @@ pub enum TileProduct {
 pub struct Tiles {
     /// The products' form.
     pub product: TileProduct,
-    /// Blocks of [`ROWS`] queries per cube.
+    /// Blocks of [`ROWS`] queries per cube (keys on the backward's key side).
     pub blocks: usize,
     /// Threads per cube.
     pub units: usize,
-    /// Keys per tile (a multiple of [`ROWS`]).
+    /// Keys per tile, a multiple of [`ROWS`] (queries on the backward's key side).
     pub keys: usize,
     /// The head's size (a multiple of [`ROWS`] for cmma).
     pub head_dim: usize,
@@ -90,7 +91,10 @@ pub(super) fn tile_scores<F: Float>(
             while at < comptime!(tiles.queries() * tiles.keys) {
                 let (r, c) = (at / bk, at % bk);
                 let mut sum = 0.0f32;
-                for e in 0..d {
+                // Each key starts at its own element (`(k + c) % d`): neighbouring threads
+                // read different banks of shared memory, not one (keys are `d` apart).
+                for k in 0..d {
+                    let e = (k + c) % d;
                     sum += f32::cast_from(queries[r * d + e]) * f32::cast_from(keys[c * d + e]);
                 }
                 scores[at] = sum;

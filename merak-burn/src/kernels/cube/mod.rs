@@ -10,7 +10,7 @@
 //! | AdamW ([`pointwise`]) | one thread per element, the new parameter and moments |
 //! | sum of squares ([`squares`]) | a cube per chunk in `f32`, the chunks added on the host in `f64` |
 //! | attention forward ([`attention`]) | a cube per block of queries of one (sequence, head), the queries and then tiles of keys, values and segment ids in shared memory, the tile's scores and context by a tile product ([`attention_tiles`]: `f32` dot products, or tensor cores for bf16 and f16), an online softmax per query; its log-sum-exp in `f32` for the backward pass |
-//! | attention backward ([`attention_backward`]) | the probabilities rebuilt from the log-sum-exp: a cube per 64 queries for their gradients (keys and values in tiles), a cube per 64 keys for theirs and the values' (queries, their gradients and statistics in tiles) |
+//! | attention backward ([`attention_backward`]) | the probabilities rebuilt from the log-sum-exp with the forward's tile products: a cube per block of queries for their gradients (keys and values in tiles), a cube per block of keys for theirs and the values' (queries, their gradients and statistics in tiles) |
 //!
 //! Reductions never use float atomics (core WGSL has none): a row is reduced by a tree in
 //! shared memory, a column by chunks of rows then over the chunks (the embedding's gradient
@@ -379,9 +379,10 @@ where
         (ctx, Some(lse))
     }
 
-    /// The blockwise backward kernels ([`attention_backward`]) from the forward kernel's `f32`
-    /// log-sum-exp, in the input's type; else (no log-sum-exp, or another's) Burn's composed
-    /// operators.
+    /// The tiled backward kernels ([`attention_backward`], the forward's tile product) from the
+    /// forward kernel's `f32` log-sum-exp, in the input's type; else (no log-sum-exp, or
+    /// `MERAK_COMPOSED_KERNELS=attention`, or no tile fits) Burn's composed operators, which
+    /// take the log-sum-exp only in the input's type and otherwise recompute the softmax.
     fn attention_backward(
         qkv: FloatTensor<Self>,
         ctx: FloatTensor<Self>,
@@ -390,11 +391,23 @@ where
         spec: AttentionSpec,
         segments: Option<IntTensor<Self>>,
     ) -> FloatTensor<Self> {
-        match lse {
-            Some(lse) if !composed_kernel("attention") && lse.dtype == DType::F32 => {
-                attention_backward::backward(qkv, ctx, lse, dctx, spec, segments)
+        let product = match qkv.dtype {
+            DType::BF16 | DType::F16 => attention::half_product(),
+            _ => None,
+        };
+        let product = product.unwrap_or(attention_tiles::TileProduct::Scalar);
+        let tiles = lse
+            .as_ref()
+            .filter(|lse| lse.dtype == DType::F32 && !composed_kernel("attention"))
+            .and_then(|_| attention_backward::tiles_for(&qkv, spec, product));
+        match (lse, tiles) {
+            (Some(lse), Some(tiles)) => {
+                attention_backward::backward(qkv, ctx, lse, dctx, spec, segments, tiles)
             }
-            lse => composed::attention_backward::<Self>(qkv, ctx, lse, dctx, spec, segments),
+            (lse, _) => {
+                let lse = lse.filter(|lse| lse.dtype == qkv.dtype);
+                composed::attention_backward::<Self>(qkv, ctx, lse, dctx, spec, segments)
+            }
         }
     }
 }
