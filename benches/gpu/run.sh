@@ -56,7 +56,8 @@
 # Environment: RESULTS (the results folder, default runs/gpu), STEPS (default 8; the first two are warm-up),
 # RUN_LIMIT_S (each run's time limit, default 150), ARCHIVE (if set, a .tar.gz of RESULTS rewritten
 # after every run, so a killed command still brings back what finished), PEAK_TFLOPS (default:
-# from the device's name, see report.py).
+# from the device's name, see report.py), CHANGES_MODELS (the models of `changes`, default
+# "gpt2 gpt2-medium"; "gpt2" alone halves the phase for a short device session).
 set -uo pipefail
 # shellcheck source=benches/gpu/bundle.sh
 source "$(dirname "$0")/bundle.sh"
@@ -318,7 +319,7 @@ kernels() {
 # product (MERAK_ATTENTION_PRODUCT) instead of Burn's; cuBLASLt and tensor cores together.
 changes() {
     local model
-    for model in gpt2 gpt2-medium; do
+    for model in ${CHANGES_MODELS:-gpt2 gpt2-medium}; do
         local gpt=(--set model.preset=$model --set model.seq_len=1024 --set data.kind=synthetic
             --set train.device=cuda --set train.precision=bf16 --set train.micro_batch=16
             --set train.global_batch=16 --set train.steps="$steps" --set train.warmup_steps=2
