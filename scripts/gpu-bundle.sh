@@ -12,6 +12,7 @@
 #                       OPAL_PREFIX / PMIX_INSTALL_PREFIX relocation expects
 #   python/             Megatron-Core (pure Python, from PyPI) for the benchmark's comparison
 #   env.sh              sets PATH, LD_LIBRARY_PATH and the prefixes: `source OUT/env.sh`
+#   SOURCES             the fingerprint of the sources built (scripts/source-fingerprint.sh)
 #
 # Usage: scripts/gpu-bundle.sh [OUT]      (default: gpu-bundle, ignored by git)
 #        FEATURES=cuda-autotune scripts/gpu-bundle.sh   (CubeCL autotune on: slow first steps)
@@ -43,6 +44,9 @@ if [ -z "$ompi_pkglibdir" ] || [ -z "$ompi_prefix" ]; then
     exit 2
 fi
 
+# The sources the binaries are built from, taken before the build (benches/gpu/bundle.sh
+# compares them with the tree it runs in).
+sources=$(scripts/source-fingerprint.sh)
 cargo build --release -p merak-launch --features "${FEATURES:-cuda}"
 
 rm -rf "$out"
@@ -181,6 +185,8 @@ export PMIX_MCA_pcompress_base_silence_warning=1
 # mpirun as root (the GPU machine runs commands as root).
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 EOF
+
+echo "$sources" >"$out/SOURCES"
 
 size_kib=$(du -sk "$out" | cut -f1)
 echo "gpu-bundle: $out, $((size_kib / 1024)) MiB ($(find "$out" -type f | wc -l) files)"

@@ -16,5 +16,11 @@ if [ ! -f gpu-bundle/env.sh ]; then
     echo "$0: gpu-bundle/ is missing: run scripts/gpu-bundle.sh first" >&2
     exit 2
 fi
+# A bundle built from other sources than this tree's measures other code: said before the runs.
+tree_sources=$(scripts/source-fingerprint.sh 2>/dev/null || echo unknown)
+if [ "$(cat gpu-bundle/SOURCES 2>/dev/null || echo none)" != "$tree_sources" ]; then
+    echo "$0: WARNING: gpu-bundle/ was not built from this tree's sources (gpu-bundle/SOURCES" \
+        "against scripts/source-fingerprint.sh): rebuild it with scripts/gpu-bundle.sh" >&2
+fi
 # shellcheck disable=SC1091
 source gpu-bundle/env.sh
