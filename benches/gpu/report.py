@@ -137,6 +137,7 @@ def main() -> None:
         tps_text = f"{tps:,.0f}" if tps else "failed"
         reads_text = ", ".join(str(r) for r in reads) or "-"
         print(f"| {d.name} | {tps_text} | {reads_text} | {loss} |")
+    kernel_losses(a.out)
     check = a.out / "nccl-check.log"
     lines = check.read_text().strip().splitlines() if check.exists() else ["not run"]
     print(f"\nNCCL self-check (one rank): {lines[-1] if lines else 'no output'}")
@@ -153,6 +154,26 @@ def main() -> None:
             continue
         diff = max(abs(x - y) / abs(y) for x, y in zip(other, one))
         print(f"| {name} | {diff:.2e} |")
+
+
+def kernel_losses(out: Path) -> None:
+    """The kernels phase's tiny GPT on CUDA (each kernel alone, fp32, bf16, the attention's
+    tile products) against the same 5 steps on the CPU: the largest relative loss difference,
+    printed where the phase ran."""
+    cpu = [r["loss"] for r in records(out / "kernels-tiny-cpu" / "metrics.jsonl") if "loss" in r]
+    runs = sorted(d for d in out.glob("kernels-*") if d.is_dir() and d.name != "kernels-tiny-cpu")
+    runs = [d for d in runs if not d.name.startswith("kernels-gpt2")]
+    if not cpu or not runs:
+        return
+    print("\n| kernels run, tiny GPT | steps | max relative loss difference to the CPU |")
+    print("| --- | --- | --- |")
+    for d in runs:
+        losses = [r["loss"] for r in records(d / "metrics.jsonl") if "loss" in r]
+        if len(losses) != len(cpu):
+            print(f"| {d.name} | {len(losses)} | failed |")
+            continue
+        diff = max(abs(x - y) / abs(y) for x, y in zip(losses, cpu))
+        print(f"| {d.name} | {len(losses)} | {diff:.2e} |")
 
 
 if __name__ == "__main__":

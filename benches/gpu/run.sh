@@ -29,7 +29,8 @@
 #           bf16's last two of 6 steps under torch.profiler (RESULTS/torch-profile.txt).
 #   kernels not in the default list: merak's CubeCL kernels on CUDA: the tiny GPT with one fused
 #           kernel at a time (MERAK_COMPOSED_KERNELS names the others), then all of them, on the
-#           CPU and on CUDA fp32 and bf16 (5 steps; losses compared afterwards), and GPT-2 small
+#           CPU and on CUDA fp32 and bf16, bf16 with the tiled attention (MERAK_ATTENTION_PRODUCT
+#           cmma and scalar) (5 steps; the report compares each with the CPU), and GPT-2 small
 #           bf16 at micro-batch 16 fused, composed and in PyTorch eager bf16 (8 steps, 2 warm-up).
 #           First, where the bundle has them (KERNEL_TESTS=1 scripts/gpu-bundle.sh), the kernels'
 #           unit tests on CUDA against the CPU's (RESULTS/kernel-tests.log).
@@ -297,6 +298,13 @@ kernels() {
         --out "$out/kernels-tiny-cuda"
     timed kernels-tiny-cuda-bf16 merak train "${tiny[@]}" --set train.device=cuda \
         --set train.precision=bf16 --out "$out/kernels-tiny-cuda-bf16"
+    # The tiled attention in bf16, on tensor cores and in its scalar form (off by default).
+    local product
+    for product in cmma scalar; do
+        MERAK_ATTENTION_PRODUCT=$product timed "kernels-tiny-cuda-bf16-$product" merak train \
+            "${tiny[@]}" --set train.device=cuda --set train.precision=bf16 \
+            --out "$out/kernels-tiny-cuda-bf16-$product"
+    done
     # GPT-2 small, bf16, micro-batch 16: the fused kernels against Burn's composed operators
     # (MERAK_COMPOSED_KERNELS=all) and PyTorch eager, side by side.
     local gpt=(--set model.preset=gpt2 --set model.seq_len=1024 --set data.kind=synthetic

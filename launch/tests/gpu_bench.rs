@@ -136,9 +136,10 @@ fn cuda_builds_leave_autotune_off_unless_asked() {
 }
 
 /// The dry run (`DRY_RUN=1`) runs the phases a GPU session starts with on this machine: every
-/// `merak train` of `small` and `changes` on the CPU (so a wrong key or flag fails here, not on
-/// the GPU), each Python script compiled, and the report with its table of changes runs, each
-/// reading the device once a step.
+/// `merak train` of `small`, `kernels` and `changes` on the CPU (so a wrong key or flag fails
+/// here, not on the GPU), each Python script compiled, and the report with its table of changes
+/// runs, each reading the device once a step, and its table of the kernels' tiny runs against
+/// the CPU's.
 #[test]
 fn the_dry_run_runs_the_phases_on_the_cpu() {
     let results = tempfile::tempdir().expect("a scratch folder");
@@ -148,7 +149,7 @@ fn the_dry_run_runs_the_phases_on_the_cpu() {
     let absent: Vec<&PathBuf> = caches.iter().filter(|d| !d.exists()).collect();
     let out = Command::new("bash")
         .arg(root().join("benches/gpu/run.sh"))
-        .args(["small", "changes", "report"])
+        .args(["small", "kernels", "changes", "report"])
         .env("DRY_RUN", "1")
         .env("DRY_RUN_BIN", merak.parent().expect("a folder"))
         .env("RESULTS", results.path())
@@ -166,8 +167,10 @@ fn the_dry_run_runs_the_phases_on_the_cpu() {
     }
     let timings = std::fs::read_to_string(results.path().join("timings.txt")).expect("timings");
     let runs: Vec<&str> = timings.lines().collect();
-    // merak bf16 and fp32, three PyTorch scripts and Megatron's; six runs per model of changes.
-    assert_eq!(runs.len(), 18, "{timings}");
+    // small: merak bf16 and fp32, three PyTorch scripts and Megatron's; kernels: seven kernels
+    // alone, the tiny GPT on the CPU, in fp32, bf16 and bf16 with each tile product, GPT-2 fused
+    // and composed, PyTorch's; changes: six runs per model.
+    assert_eq!(runs.len(), 6 + 15 + 12, "{timings}");
     assert!(runs.iter().all(|l| l.contains("exit   0")), "{timings}");
     for run in [
         "changes-gpt2-bf16-cublaslt",
@@ -180,6 +183,14 @@ fn the_dry_run_runs_the_phases_on_the_cpu() {
                 .lines()
                 .any(|l| l.starts_with(&format!("| {run} |")) && l.contains("| 1 |")),
             "{run} missing or not one read a step in\n{stdout}"
+        );
+    }
+    for run in ["kernels-tiny-cuda-bf16-cmma", "kernels-only-attention"] {
+        assert!(
+            stdout
+                .lines()
+                .any(|l| l.starts_with(&format!("| {run} | 3 | ")) && !l.contains("failed")),
+            "{run} missing from the kernels' table in\n{stdout}"
         );
     }
 }
