@@ -280,7 +280,7 @@ profile() {
 }
 
 kernels() {
-    local names=(attention gelu norm xent embedding adamw squares) k others
+    local names=(attention gelu norm xent embedding adamw squares bias) k others
     local tiny=(--config configs/gpt-tiny.toml --set train.steps=5 --set checkpoint.at_end=false)
     # One fused kernel at a time (the others composed), so a kernel the driver rejects is named;
     # the later runs keep the default (every kernel fused).

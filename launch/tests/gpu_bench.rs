@@ -167,10 +167,10 @@ fn the_dry_run_runs_the_phases_on_the_cpu() {
     }
     let timings = std::fs::read_to_string(results.path().join("timings.txt")).expect("timings");
     let runs: Vec<&str> = timings.lines().collect();
-    // small: merak bf16 and fp32, three PyTorch scripts and Megatron's; kernels: seven kernels
+    // small: merak bf16 and fp32, three PyTorch scripts and Megatron's; kernels: eight kernels
     // alone, the tiny GPT on the CPU, in fp32, bf16 and bf16 with each tile product, GPT-2 fused
     // and composed, PyTorch's; changes: six runs per model.
-    assert_eq!(runs.len(), 6 + 15 + 12, "{timings}");
+    assert_eq!(runs.len(), 6 + 16 + 12, "{timings}");
     assert!(runs.iter().all(|l| l.contains("exit   0")), "{timings}");
     for run in [
         "changes-gpt2-bf16-cublaslt",
@@ -185,7 +185,7 @@ fn the_dry_run_runs_the_phases_on_the_cpu() {
             "{run} missing or not one read a step in\n{stdout}"
         );
     }
-    for run in ["kernels-tiny-cuda-bf16-cmma", "kernels-only-attention"] {
+    for run in ["kernels-tiny-cuda-bf16-cmma", "kernels-only-bias"] {
         assert!(
             stdout
                 .lines()

@@ -4,6 +4,7 @@
 //! | operation | kernels |
 //! | --- | --- |
 //! | bias-GELU ([`pointwise`]) | one thread per element; the bias gradient by column sums ([`columns`]) |
+//! | linear layer's bias gradient | column sums ([`columns`]); the products by [`matmul`]'s table |
 //! | LayerNorm ([`rows`]) | a cube per row (mean, variance, output); backward a cube per row for `dx`; `dgamma` and `dbeta` by two-pass column sums ([`columns`]: a cube per block of columns and chunk of 64 rows, then a thread per column over the chunks) |
 //! | cross-entropy ([`xent`]) | a cube per row for the maximum, then for the sum of exponentials and the target logit (the tensor-parallel all-reduces between them), one cube for the mean; the gradient one thread per logit |
 //! | embedding ([`gather`]) | one thread per output element; backward a thread per column |
@@ -134,13 +135,15 @@ fn empty_typed<R: CubeRuntime, const D: usize>(
 
 /// The environment variable that names the kernels to replace by Burn's composed operators
 /// (comma-separated: `attention`, `gelu`, `norm`, `xent`, `embedding`, `adamw`, `squares`,
-/// `matmul` (CubeCL's default product kernel instead of [`matmul`]'s table), or `all`; unset or
+/// `matmul` (CubeCL's default product kernel instead of [`matmul`]'s table, and Burn's
+/// reduction for a linear layer's bias gradient), `bias` (Burn's reduction for a linear layer's
+/// bias gradient instead of [`columns`]' column sums), or `all`; unset or
 /// empty: none): for measuring the fused kernels against the composition, and for telling which
 /// kernel a driver fails on.
 pub const COMPOSED_KERNELS_VAR: &str = "MERAK_COMPOSED_KERNELS";
 
 /// The names [`COMPOSED_KERNELS_VAR`] knows.
-const KERNEL_NAMES: [&str; 9] = [
+const KERNEL_NAMES: [&str; 10] = [
     "attention",
     "gelu",
     "norm",
@@ -149,6 +152,7 @@ const KERNEL_NAMES: [&str; 9] = [
     "adamw",
     "squares",
     "matmul",
+    "bias",
     "all",
 ];
 
@@ -310,7 +314,18 @@ where
             return composed::linear_backward::<Self>(x, w, dy, want);
         }
         let product = |a, b| matmul::product(a, b, None);
-        composed::linear_backward_with::<Self>(x, w, dy, want, product)
+        if composed_kernel("bias") {
+            return composed::linear_backward_with::<Self>(x, w, dy, want, product);
+        }
+        // The bias's gradient by the two-pass column sums in f32 ([`columns`]), not Burn's
+        // reduction over the rows.
+        let db = want[2].then(|| {
+            let dy = contiguous(dy.clone());
+            columns::column_sums(&dy, dy.meta.shape()[1])
+        });
+        let [dx, dw, _] =
+            composed::linear_backward_with::<Self>(x, w, dy, [want[0], want[1], false], product);
+        [dx, dw, db]
     }
 
     fn layer_norm_forward(
