@@ -1,11 +1,12 @@
 //! The attention kernels on wgpu (llvmpipe in CI) or CUDA (the kernel-test bundle,
 //! `KERNEL_TESTS=1 scripts/gpu-bundle.sh`) against the CPU backend's kernel, and the tiled
 //! forward with bf16 operands against a host reference of the same tiling:
-//! - in `f32`, the tiled forward (its scalar form) and the blockwise backward equal the CPU's
-//!   kernel at [`TOLERANCE`](super::tests);
+//! - in `f32`, the tiled forward and backward (their scalar form) equal the CPU's kernel at
+//!   [`TOLERANCE`](super::tests);
 //! - the scalar form with its operands rounded to bf16 (llvmpipe has no bf16: the rounding is
 //!   emulated) equals the host reference that rounds the same operands the same way, and
-//!   differs from the `f32` attention by bf16's rounding;
+//!   differs from the `f32` attention by bf16's rounding; its backward differs from the CPU's
+//!   `f32` gradients by bf16's rounding;
 //! - on CUDA, the bf16 attention runs on tensor cores and equals the same reference up to its
 //!   bf16 output, and its backward the CPU's `f32` kernel up to bf16's rounding.
 
