@@ -46,7 +46,7 @@ fi
 
 # The sources the binaries are built from, taken before the build (benches/gpu/bundle.sh
 # compares them with the tree it runs in).
-sources=$(scripts/source-fingerprint.sh)
+sources=$("$(dirname "${BASH_SOURCE[0]}")/source-fingerprint.sh")
 cargo build --release -p merak-launch --features "${FEATURES:-cuda}"
 
 rm -rf "$out"
