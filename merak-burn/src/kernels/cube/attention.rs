@@ -231,7 +231,17 @@ fn fold_softmax<F: Float>(
         // different banks of shared memory, not one bank 32 times (rows are `bk` apart).
         for k in 0..bk {
             let c = (k + r) % bk;
-            if visible(block, r, c, i, start + c, s, causal, segmented) {
+            if visible(
+                &block.query_segments,
+                &block.key_segments,
+                r,
+                c,
+                i,
+                start + c,
+                s,
+                causal,
+                segmented,
+            ) {
                 top = max(top, block.scores[r * bk + c] * scale);
             }
         }
@@ -240,7 +250,17 @@ fn fold_softmax<F: Float>(
         for k in 0..bk {
             let c = (k + r) % bk;
             let mut p = 0.0f32;
-            if visible(block, r, c, i, start + c, s, causal, segmented) {
+            if visible(
+                &block.query_segments,
+                &block.key_segments,
+                r,
+                c,
+                i,
+                start + c,
+                s,
+                causal,
+                segmented,
+            ) {
                 p = f32::exp(block.scores[r * bk + c] * scale - top);
             }
             sum += p;
@@ -259,11 +279,14 @@ fn fold_softmax<F: Float>(
     }
 }
 
-/// Whether query `i` (the cube's row `r`) sees key `j` (the tile's `c`).
+/// Whether query `i` sees key `j`: both in the sequence of `s`, the key not after the query
+/// where `causal`, and where `segmented` the same segment id for the query (`queries[r]`) and
+/// the key (`keys[c]`). The forward and backward kernels' one mask.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn visible<F: Float>(
-    block: &Block<F>,
+pub(super) fn visible(
+    queries: &SharedMemory<i32>,
+    keys: &SharedMemory<i32>,
     r: usize,
     c: usize,
     i: usize,
@@ -272,12 +295,12 @@ fn visible<F: Float>(
     #[comptime] causal: bool,
     #[comptime] segmented: bool,
 ) -> bool {
-    let mut seen = j < s;
+    let mut seen = i < s && j < s;
     if causal {
         seen = seen && j <= i;
     }
     if segmented {
-        seen = seen && block.key_segments[c] == block.query_segments[r];
+        seen = seen && keys[c] == queries[r];
     }
     seen
 }

@@ -25,7 +25,7 @@ use burn_cubecl::tensor::CubeTensor;
 
 use burn::tensor::DType;
 
-use super::attention::{Span, choose_tiles, load_rows, load_segments};
+use super::attention::{Span, choose_tiles, load_rows, load_segments, visible};
 use super::attention_tiles::{TileProduct, Tiles, round_bf16, tile_accumulate, tile_scores};
 use super::{Launch, contiguous, empty_typed};
 use crate::kernels::AttentionSpec;
@@ -398,13 +398,18 @@ fn pair_grads<F: Float>(
             stat = c;
         }
         let stats = comptime!(if per_key { tiles.keys } else { tiles.queries() });
-        let mut seen = i < s && j < s;
-        if causal {
-            seen = seen && j <= i;
-        }
-        if segmented {
-            seen = seen && g.own_segments[r] == g.tile_segments[c];
-        }
+        // The segment ids are the own rows' and the tile's, whichever side the queries are.
+        let seen = visible(
+            &g.own_segments,
+            &g.tile_segments,
+            r,
+            c,
+            i,
+            j,
+            s,
+            causal,
+            segmented,
+        );
         let mut p = 0.0f32;
         if seen {
             p = f32::exp(g.scores[at] * scale - g.stats[stat]);
