@@ -329,23 +329,36 @@ fn load_keys<F: Float, I: Int>(
     #[comptime] segmented: bool,
     #[comptime] round: bool,
 ) {
-    let (width, column) = (3 * h * head_dim, head * head_dim);
-    let span = Span::new(rows, start, s, width);
-    let key = column + h * head_dim;
-    load_rows(qkv, keys, span, key, head_dim, tile, units, round);
-    load_rows(
-        qkv,
-        values,
-        span,
-        key + h * head_dim,
-        head_dim,
-        tile,
-        units,
-        round,
+    let span = Span::new(rows, start, s, 3 * h * head_dim);
+    load_key_values(
+        qkv, keys, values, span, head, h, head_dim, tile, units, round,
     );
     if segmented {
         load_segments(segments, key_segments, rows, start, s, tile, units);
     }
+}
+
+/// Loads `count` keys of head `head` (of `h`) from the span's rows of `qkv` into `keys` and
+/// their values into `values` (rounded to bf16 with `round`): the forward's key tiles and the
+/// backward's key rows.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn load_key_values<F: Float>(
+    qkv: &Tensor<F>,
+    keys: &mut SharedMemory<F>,
+    values: &mut SharedMemory<F>,
+    span: Span,
+    head: usize,
+    h: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] count: usize,
+    #[comptime] units: usize,
+    #[comptime] round: bool,
+) {
+    let hd = h * head_dim;
+    let key = hd + head * head_dim;
+    load_rows(qkv, keys, span, key, head_dim, count, units, round);
+    load_rows(qkv, values, span, key + hd, head_dim, count, units, round);
 }
 
 /// Where a cube reads rows: the first row of its sequence (`rows`), the first it wants

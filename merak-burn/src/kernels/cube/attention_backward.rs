@@ -25,7 +25,7 @@ use burn_cubecl::tensor::CubeTensor;
 
 use burn::tensor::DType;
 
-use super::attention::{Span, choose_tiles, load_rows, load_segments, visible};
+use super::attention::{Span, choose_tiles, load_key_values, load_rows, load_segments, visible};
 use super::attention_tiles::{TileProduct, Tiles, round_bf16, tile_accumulate, tile_scores};
 use super::{Launch, contiguous, empty_typed};
 use crate::kernels::AttentionSpec;
@@ -360,11 +360,9 @@ fn load_key_rows<F: Float>(
     #[comptime] tiles: Tiles,
 ) {
     let d = tiles.head_dim;
-    let hd = at.h * d;
-    let span = Span::new(at.rows, start, at.s, 3 * hd);
-    let (column, units, round) = (at.head * d + hd, tiles.units, tiles.round);
-    load_rows(qkv, k, span, column, d, count, units, round);
-    load_rows(qkv, v, span, column + hd, d, count, units, round);
+    let span = Span::new(at.rows, start, at.s, 3 * at.h * d);
+    let (units, round) = (tiles.units, tiles.round);
+    load_key_values(qkv, k, v, span, at.head, at.h, d, count, units, round);
 }
 
 /// `p` and `ds = p (dctx·v − Δ)` of every (own row, tile row) pair, each thread a strided
