@@ -114,26 +114,18 @@ pub(super) fn tile_scores<F: Float>(
                     0.0,
                 );
                 for kb in 0..comptime!(tiles.head_dim / ROWS) {
-                    let a = Matrix::<F>::from_slice(
-                        MatrixIdent::A,
-                        ROWS,
-                        ROWS,
-                        ROWS,
-                        MatrixLayout::RowMajor,
-                        &queries.slice(top * d + kb * ROWS, queries.len()),
-                        d as u32,
-                    );
                     // Key `n`'s element `k` at `n * d + k`: Kᵀ column-major.
-                    let b = Matrix::<F>::from_slice(
-                        MatrixIdent::B,
-                        ROWS,
-                        ROWS,
-                        ROWS,
+                    let (q_at, k_at) = (top * d + kb * ROWS, cb * ROWS * d + kb * ROWS);
+                    mma_step(
+                        queries,
+                        q_at,
+                        d,
+                        keys,
+                        k_at,
+                        d,
+                        &acc,
                         MatrixLayout::ColMajor,
-                        &keys.slice(cb * ROWS * d + kb * ROWS, keys.len()),
-                        d as u32,
                     );
-                    cmma::execute::<F, F, f32, f32>(&a, &b, &acc, &acc);
                 }
                 let len = scores.len();
                 cmma::store(
@@ -191,25 +183,17 @@ pub(super) fn tile_accumulate<F: Float>(
                     MatrixLayout::RowMajor,
                 );
                 for cb in 0..comptime!(tiles.keys / ROWS) {
-                    let a = Matrix::<F>::from_slice(
-                        MatrixIdent::A,
-                        ROWS,
-                        ROWS,
-                        ROWS,
+                    let (p_at, v_at) = (top * bk + cb * ROWS, cb * ROWS * d + eb * ROWS);
+                    mma_step(
+                        probs,
+                        p_at,
+                        bk,
+                        values,
+                        v_at,
+                        d,
+                        &acc,
                         MatrixLayout::RowMajor,
-                        &probs.slice(top * bk + cb * ROWS, probs.len()),
-                        bk as u32,
                     );
-                    let b = Matrix::<F>::from_slice(
-                        MatrixIdent::B,
-                        ROWS,
-                        ROWS,
-                        ROWS,
-                        MatrixLayout::RowMajor,
-                        &values.slice(cb * ROWS * d + eb * ROWS, values.len()),
-                        d as u32,
-                    );
-                    cmma::execute::<F, F, f32, f32>(&a, &b, &acc, &acc);
                 }
                 cmma::store(
                     &mut out.slice_mut(top * d + eb * ROWS, len),
@@ -220,4 +204,40 @@ pub(super) fn tile_accumulate<F: Float>(
             }
         }
     }
+}
+
+/// `acc += A B` for one 16 × 16 × 16 tile: `A` the row-major block of `a` from `a_at`, its
+/// rows `a_stride` apart, and `B` the block of `b` from `b_at` in `b_layout`, `b_stride` apart.
+/// The two tile products' one use of the tensor cores' operands.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn mma_step<F: Float>(
+    a: &SharedMemory<F>,
+    a_at: usize,
+    a_stride: usize,
+    b: &SharedMemory<F>,
+    b_at: usize,
+    b_stride: usize,
+    acc: &Matrix<f32>,
+    b_layout: MatrixLayout,
+) {
+    let lhs = Matrix::<F>::from_slice(
+        MatrixIdent::A,
+        ROWS,
+        ROWS,
+        ROWS,
+        MatrixLayout::RowMajor,
+        &a.slice(a_at, a.len()),
+        a_stride as u32,
+    );
+    let rhs = Matrix::<F>::from_slice(
+        MatrixIdent::B,
+        ROWS,
+        ROWS,
+        ROWS,
+        b_layout,
+        &b.slice(b_at, b.len()),
+        b_stride as u32,
+    );
+    cmma::execute::<F, F, f32, f32>(&lhs, &rhs, acc, acc);
 }
