@@ -155,16 +155,11 @@ fn tiled_reference(
     (ctx, lse)
 }
 
-/// The relative difference (norm of the difference over the norm of `want`).
+/// The relative difference of `got` from `want` ([`super::tests::relative`]), their lengths
+/// checked.
 fn relative(got: &[f32], want: &[f32]) -> f64 {
     assert_eq!(got.len(), want.len(), "lengths");
-    let diff: f64 = got
-        .iter()
-        .zip(want)
-        .map(|(a, b)| f64::from(a - b).powi(2))
-        .sum();
-    let norm: f64 = want.iter().map(|b| f64::from(*b).powi(2)).sum();
-    diff.sqrt() / norm.sqrt().max(1e-15)
+    super::tests::relative(got, want, 0.0)
 }
 
 /// The host values and the device tensor of a random Q/K/V buffer `[b, s, 3 h d]`.

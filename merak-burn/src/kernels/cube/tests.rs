@@ -88,6 +88,18 @@ pub(super) const PRODUCTS_TOLERANCE: f64 = TOLERANCE;
 #[cfg(not(feature = "wgpu"))]
 pub(super) const PRODUCTS_TOLERANCE: f64 = 2e-3;
 
+/// The norm of `got - want` over the larger of `want`'s norm and `scale` (the lengths must
+/// agree; the callers check them).
+pub(super) fn relative(got: &[f32], want: &[f32], scale: f64) -> f64 {
+    let diff: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| f64::from(a - b).powi(2))
+        .sum();
+    let norm: f64 = want.iter().map(|b| f64::from(*b).powi(2)).sum();
+    diff.sqrt() / norm.sqrt().max(scale).max(1e-15)
+}
+
 /// Asserts that the GPU's result is within [`TOLERANCE`] of the CPU's.
 pub(super) fn same(what: &str, gpu: FloatTensor<Gpu>, cpu: FloatTensor<Cpu>) {
     within(what, gpu, cpu, 0.0, TOLERANCE);
@@ -105,13 +117,7 @@ pub(super) fn within(
 ) {
     let (g, c) = (host_gpu(gpu), host_cpu(cpu));
     assert_eq!(g.len(), c.len(), "{what}: lengths");
-    let diff: f64 = g
-        .iter()
-        .zip(&c)
-        .map(|(a, b)| f64::from(a - b).powi(2))
-        .sum();
-    let norm: f64 = c.iter().map(|b| f64::from(*b).powi(2)).sum();
-    let rel = diff.sqrt() / norm.sqrt().max(scale).max(1e-15);
+    let rel = relative(&g, &c, scale);
     assert!(
         rel <= tolerance,
         "{what}: relative difference {rel:e} from the CPU"
