@@ -361,27 +361,32 @@ pub fn linear_backward<B: Backend>(
     dy: FloatTensor<B>,
     want: [bool; 3],
 ) -> [Option<FloatTensor<B>>; 3] {
-    linear_backward_with::<B>(x, w, dy, want, B::float_matmul)
+    linear_backward_with::<B>(x, w, dy, want, B::float_matmul, column_sums::<B>)
 }
 
-/// The linear backward with the matrix product `product` (see [`linear_forward_with`]).
+/// The linear backward with the matrix product `product` (see [`linear_forward_with`]) and
+/// the bias's gradient by `column_sums` (`[rows, d]` to `[d]`).
 pub fn linear_backward_with<B: Backend>(
     x: Option<FloatTensor<B>>,
     w: FloatTensor<B>,
     dy: FloatTensor<B>,
     want: [bool; 3],
     product: impl Fn(FloatTensor<B>, FloatTensor<B>) -> FloatTensor<B>,
+    column_sums: impl FnOnce(FloatTensor<B>) -> FloatTensor<B>,
 ) -> [Option<FloatTensor<B>>; 3] {
     let dx = want[0].then(|| product(dy.clone(), B::float_transpose(w)));
     let dw = x
         .filter(|_| want[1])
         .map(|x| product(B::float_transpose(x), dy.clone()));
-    let db = want[2].then(|| {
-        let dy = lift::<B, 2>(dy);
-        let d = dy.dims()[1];
-        prim(dy.sum_dim(0).reshape([d]))
-    });
+    let db = want[2].then(|| column_sums(dy));
     [dx, dw, db]
+}
+
+/// The sums of the columns of `x` (`[rows, d]` to `[d]`) by Burn's reduction.
+pub fn column_sums<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
+    let x = lift::<B, 2>(x);
+    let d = x.dims()[1];
+    prim(x.sum_dim(0).reshape([d]))
 }
 
 /// The sum of the squares of `x`'s elements in its own element type, on the device (`[1]`).

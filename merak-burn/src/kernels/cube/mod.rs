@@ -314,18 +314,16 @@ where
             return composed::linear_backward::<Self>(x, w, dy, want);
         }
         let product = |a, b| matmul::product(a, b, None);
-        if composed_kernel("bias") {
-            return composed::linear_backward_with::<Self>(x, w, dy, want, product);
-        }
-        // The bias's gradient by the two-pass column sums in f32 ([`columns`]), not Burn's
-        // reduction over the rows.
-        let db = want[2].then(|| {
-            let dy = contiguous(dy.clone());
+        // The bias's gradient by the two-pass column sums in f32 ([`columns`]), unless
+        // `MERAK_COMPOSED_KERNELS=bias` asks for Burn's reduction over the rows.
+        let column_sums = |dy: FloatTensor<Self>| {
+            if composed_kernel("bias") {
+                return composed::column_sums::<Self>(dy);
+            }
+            let dy = contiguous(dy);
             columns::column_sums(&dy, dy.meta.shape()[1])
-        });
-        let [dx, dw, _] =
-            composed::linear_backward_with::<Self>(x, w, dy, [want[0], want[1], false], product);
-        [dx, dw, db]
+        };
+        composed::linear_backward_with::<Self>(x, w, dy, want, product, column_sums)
     }
 
     fn layer_norm_forward(
